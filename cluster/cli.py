@@ -1,0 +1,109 @@
+"""`pdserve` command line: the one place that reads flags.
+
+Subcommands import what they need lazily so `pdserve --help` stays fast and
+the offline commands never import Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded tiny model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
+    return dict(
+        dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, block_size=a.block_size,
+        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
+        attention_backend=a.attention_backend, enable_prefix_caching=not a.no_prefix_caching, progress=True,
+    )
+
+
+def _cmd_generate(a: argparse.Namespace) -> int:
+    from pdserve import LLM, SamplingParams
+
+    llm = LLM(model=a.model, **_engine_kwargs(a))
+    params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+                            seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos)
+    prompts = list(a.prompts)
+    if a.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                                     add_generation_prompt=True) for p in prompts]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    for prompt, out in zip(a.prompts, outs):
+        c = out.outputs[0]
+        print(f"--- prompt: {prompt!r}\n{c.text}\n--- {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
+    total = sum(len(o.outputs[0].token_ids) for o in outs)
+    print(f"[pdserve] {total} tokens in {elapsed:.2f}s ({total / elapsed:.1f} tok/s)", file=sys.stderr)
+    return 0
+
+
+def _cmd_make_tiny_model(a: argparse.Namespace) -> int:
+    from pdserve.workers.tiny.builder import TinyModelSpec, make_tiny_model
+
+    spec = TinyModelSpec(
+        arch=a.arch, num_layers=a.layers, hidden_size=a.hidden_size, num_heads=a.heads,
+        num_kv_heads=a.kv_heads if a.kv_heads is not None else a.heads, intermediate_size=a.intermediate_size,
+        vocab_size=a.vocab_size, seed=a.seed, rope_scaling=a.rope_scaling,
+        max_position_embeddings=a.max_position_embeddings,
+    )
+    make_tiny_model(a.out_dir, spec, progress=True)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="offline generation with the engine (no server)")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[])
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    _add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF-format model with its own BPE tokenizer")
+    tiny.add_argument("out_dir")
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    tiny.add_argument("--layers", type=int, default=4)
+    tiny.add_argument("--hidden-size", type=int, default=256)
+    tiny.add_argument("--heads", type=int, default=8)
+    tiny.add_argument("--kv-heads", type=int, default=2, help="KV heads (GQA); equal to --heads for MHA")
+    tiny.add_argument("--intermediate-size", type=int, default=None)
+    tiny.add_argument("--vocab-size", type=int, default=4096)
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--rope-scaling", default=None, choices=["llama3"])
+    tiny.add_argument("--max-position-embeddings", type=int, default=2048)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        return 2

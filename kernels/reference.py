@@ -1,0 +1,88 @@
+"""PyTorch reference attention over the paged KV cache.
+
+This is the backend on CPU and the oracle the Triton kernels are tested
+against. Layout (shared with the kernels and the KV transport):
+k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.metadata import AttentionMetadata
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatter new keys/values [T, KVH, D] into their cache slots."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k: torch.Tensor,  # [T, KVH, D] new keys (RoPE applied)
+    v: torch.Tensor,  # [T, KVH, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H * D]
+    """Write the new K/V into the cache, then attend causally over each sequence."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
+    nd = meta.num_decode_seqs
+    if nd:
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+    for i in range(nd, meta.num_seqs):
+        start, end = int(meta.query_start_loc_np[i]), int(meta.query_start_loc_np[i + 1])
+        out[start:end] = _prefill_one(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, scale)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """One query per sequence: gather each sequence's blocks and run masked SDPA."""
+    nd, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    plan = meta.scratch.get("torch_decode")
+    if plan is None:
+        # Shared by every layer of this step: gather indices and the length mask.
+        max_blocks = -(-int(meta.seq_lens_np[:nd].max()) // meta.block_size)
+        tables = meta.block_tables[:nd, :max_blocks].long()
+        keys = torch.arange(max_blocks * meta.block_size, device=q.device)
+        mask = (keys[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        plan = meta.scratch["torch_decode"] = (tables, mask)
+    tables, mask = plan
+    length = tables.shape[1] * meta.block_size
+    # [nd, blocks, bs, KVH, D] -> [nd, KVH, L, D]
+    kk = k_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+    vv = v_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+    # GQA: the query heads of one KV head form that head's "query length" axis.
+    qq = q.view(nd, kv_heads, num_heads // kv_heads, head_dim)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
+    return o.reshape(nd, num_heads * head_dim)
+
+
+def _prefill_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    meta: AttentionMetadata, i: int, scale: float,
+) -> torch.Tensor:
+    n, num_heads, head_dim = q.shape
+    seq_len = int(meta.seq_lens_np[i])
+    context = seq_len - n
+    qq = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+    if context == 0:
+        # Nothing cached before this chunk: attend to the fresh K/V directly.
+        kk, vv = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        blocks = -(-seq_len // meta.block_size)
+        table = meta.block_tables[i, :blocks].long()
+        kk = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        vv = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        key_pos = torch.arange(seq_len, device=q.device)
+        query_pos = torch.arange(context, seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)

@@ -1,0 +1,3 @@
+from pdserve.cluster.cli import main
+
+raise SystemExit(main())

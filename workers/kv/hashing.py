@@ -1,0 +1,29 @@
+"""Content hashes of full KV blocks, chained so a block's hash names its whole prefix.
+
+sha256 rather than Python's `hash`: the same prefix must hash the same in every
+worker process (the router compares hashes across workers), and a crafted
+prompt must not be able to collide with another user's cached prefix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+ROOT_HASH = 0
+
+
+def hash_block(parent: int, tokens: Sequence[int]) -> int:
+    """64-bit hash of a full block given its parent block's hash (ROOT_HASH for the first)."""
+    h = hashlib.sha256(parent.to_bytes(8, "little"))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest()[:8], "little")
+
+
+def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
+    """Append the hashes of every full block of `token_ids` not yet in `hashes`."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)

@@ -1,0 +1,91 @@
+"""Offline generation: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import sys
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """Batch generation over one engine. `model=None` uses the embedded tiny model
+    (made once into the cache directory). Other keyword arguments are EngineConfig fields."""
+
+    def __init__(self, model: str | None = None, **engine_args: object) -> None:
+        if model is None:
+            from pdserve.workers.tiny.builder import default_model_dir
+
+            model = str(default_model_dir(progress=bool(engine_args.get("progress", True))))
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))  # type: ignore[arg-type]
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):  # noqa: ANN201 - transformers' tokenizer type
+        return self.engine.tokenizer
+
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        All inputs are validated before any is queued: a bad one raises
+        ValueError and nothing runs.
+        """
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        params = _broadcast_params(sampling_params, len(prompts))
+        for p, sp in zip(prompts, params):
+            self.engine.validate(p, sp)
+        order: dict[str, int] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            for j in range(sp.n):
+                rid = f"{next(self._ids)}"
+                order[rid] = i
+                self.engine.add_request(rid, p, _child_params(sp, j))
+        return self._run(order, len(prompts), use_tqdm)
+
+    def _run(self, order: dict[str, int], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+        results: list[RequestOutput | None] = [None] * num_prompts
+        bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, file=sys.stderr)
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if not out.finished:
+                    continue
+                bar.update(1)
+                i = order[out.request_id]
+                if results[i] is None:
+                    results[i] = out
+                else:  # another of the n samples of the same prompt
+                    out.outputs[0].index = len(results[i].outputs)  # type: ignore[union-attr]
+                    results[i].outputs.extend(out.outputs)  # type: ignore[union-attr]
+        bar.close()
+        return [r for r in results if r is not None]
+
+
+def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if sp is None:
+        sp = SamplingParams()
+    if isinstance(sp, SamplingParams):
+        return [sp] * n
+    sp = list(sp)
+    if len(sp) != n:
+        raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
+    return sp
+
+
+def _child_params(sp: SamplingParams, j: int) -> SamplingParams:
+    """The j-th of n samples: final-only output, its own seed if the parent has one."""
+    seed = None if sp.seed is None else sp.seed + j
+    return dataclasses.replace(sp, n=1, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)

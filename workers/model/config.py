@@ -1,0 +1,184 @@
+"""Model architecture read straight from an HF `config.json`.
+
+We parse the JSON ourselves instead of going through transformers' config
+classes: transformers 5 renamed the RoPE keys (`rope_scaling`/`rope_theta` became
+`rope_parameters`), and real checkpoints on disk carry either spelling. One
+frozen dataclass is what the rest of the engine sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters. `rope_type` is "default" or "llama3"."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope_type: unsupported RoPE scaling {self.rope_type!r} (supported: default, linear, llama3)")
+        if self.theta <= 0:
+            raise ValueError(f"rope_theta: must be > 0, got {self.theta}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The decoder shape every part of the engine reads (model, KV cache, runner)."""
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model: no config.json in {model_dir}")
+        hf = json.loads(path.read_text())
+        gen_path = Path(model_dir) / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+        return cls.from_hf_dict(hf, gen)
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(hf.get("model_type", ""))
+        if arch is None:
+            raise ValueError(
+                f"model: unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+            )
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = hf.get("head_dim") or hidden // num_heads
+        # Qwen2 always has q/k/v biases; Llama/Mistral only when the config says so.
+        attention_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
+        if hf.get("mlp_bias"):
+            raise ValueError("model: mlp_bias=True is not supported")
+        sliding = hf.get("sliding_window")
+        if arch == "qwen2" and not hf.get("use_sliding_window", False):
+            sliding = None
+        eos = _eos_ids(gen or {}, hf)
+        return cls(
+            arch=arch,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            rope=_rope_config(hf),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=(gen or {}).get("bos_token_id", hf.get("bos_token_id")),
+            eos_token_ids=eos,
+            torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+        )
+
+
+def _eos_ids(gen: dict[str, Any], hf: dict[str, Any]) -> tuple[int, ...]:
+    eos = gen.get("eos_token_id", hf.get("eos_token_id"))
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
+
+
+def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older checkpoints write
+    # `rope_theta` plus an optional `rope_scaling` dict. Accept both.
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = dict(hf.get("rope_scaling") or {})
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    if rope_type == "linear":
+        return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
+    if rope_type != "llama3":
+        raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    return RopeConfig(
+        theta=theta,
+        rope_type="llama3",
+        factor=float(params["factor"]),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> "torch.Tensor":  # noqa: F821
+    """Inverse frequencies exactly as transformers computes them (float32)."""
+    import torch
+
+    inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor
+    if rope.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1 scaling: long wavelengths divided by `factor`, short ones kept,
+    # a smooth blend in between (same formula as transformers' _compute_llama3_parameters).
+    low_wavelen = rope.original_max_position_embeddings / rope.low_freq_factor
+    high_wavelen = rope.original_max_position_embeddings / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (rope.original_max_position_embeddings / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)

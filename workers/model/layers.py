@@ -1,0 +1,78 @@
+"""Building blocks of the Llama-family decoder: norm, rotary embedding, MLP."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pdserve.workers.model.config import RopeConfig, rope_inv_freq
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add (returns the new residual too).
+
+    Computed in float32 and cast back before the weight multiply, the way
+    transformers does, so half-precision outputs match it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = x + residual
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps), x
+        return F.rms_norm(x.float(), self.shape, None, self.eps).to(x.dtype) * self.weight, x
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style (half-split) RoPE from a precomputed cos/sin table.
+
+    `out = x * cos + roll(x, D/2) * sin_signed` with sin_signed = [-sin, sin] is
+    bit-identical to transformers' `x * cos + rotate_half(x) * sin` and costs
+    three ops instead of six.
+    """
+
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope = rope
+        self.max_positions = max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+
+    def build(self, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(self.rope, self.head_dim).to(device)
+        pos = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
+        freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2], float32 like transformers
+        cos, sin = freqs.cos(), freqs.sin()
+        self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
+        self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin rows for the batch's positions, shaped [T, 1, D] to broadcast over heads."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cos, sin = cos_sin  # x: [T, heads, D]
+        return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU MLP with gate and up projections fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -1,0 +1,122 @@
+"""Load HF safetensors checkpoints (one file, or shards with an index) into the
+fused-layout model without ever holding two copies of the weights."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.llama import LlamaForCausalLM
+
+# checkpoint projection -> (fused parameter, which shard of it)
+_FUSED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
+# Buffers some older checkpoints carry that we recompute.
+_IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype: must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / f for f in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no .safetensors weights in {model_dir}")
+    return files
+
+
+def load_model(
+    model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+    backend: AttentionBackend, max_positions: int, progress: bool = False,
+) -> LlamaForCausalLM:
+    """Build the model on the meta device, materialise it empty on `device`, fill it."""
+    model_dir = Path(model_dir)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, backend, max_positions)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty breaks the tie: restore it
+        model.lm_head.weight = model.model.embed_tokens.weight
+    params = dict(model.named_parameters(remove_duplicate=False))
+    # parameter name -> shards still to load (fused parameters have several)
+    missing = {n: _num_shards(n) for n in dict(model.named_parameters())}
+    files = checkpoint_files(model_dir)
+    bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
+               disable=not progress, file=sys.stderr)
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if _IGNORED.search(name):
+                    continue
+                if name == "lm_head.weight" and cfg.tie_word_embeddings:
+                    continue
+                target = _load_one(params, cfg, name, st.get_tensor(name))
+                missing[target] = missing.get(target, 1) - 1
+        bar.update(f.stat().st_size)
+    bar.close()
+    missing = {n: left for n, left in missing.items() if left > 0}
+    if missing:
+        raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
+    model.model.rotary.build(device, dtype)
+    return model.eval()
+
+
+def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str, tensor: torch.Tensor) -> str:
+    """Copy one checkpoint tensor into its (slice of a) parameter; return the parameter name."""
+    match = _PROJ.search(name)
+    if match is None:
+        if name not in params:
+            raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+        param = params[name]
+        if param.shape != tensor.shape:
+            raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        return name
+    fused, shard = _FUSED[match.group(1)]
+    target = name.replace(match.group(0), f".{fused}.")
+    if fused == "qkv_proj":
+        sizes = [cfg.q_size, cfg.kv_size, cfg.kv_size]
+    else:
+        sizes = [cfg.intermediate_size, cfg.intermediate_size]
+    start = sum(sizes[:shard])
+    param = params.get(target)
+    if param is None:
+        raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
+    dest = param.narrow(0, start, sizes[shard])
+    if dest.shape != tensor.shape:
+        raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+    with torch.no_grad():
+        dest.copy_(tensor)
+    return target
+
+
+def _num_shards(param_name: str) -> int:
+    if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
+        return 3
+    return 2 if param_name.endswith("gate_up_proj.weight") else 1

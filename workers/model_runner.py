@@ -1,0 +1,114 @@
+"""Turns a scheduled step into tensors, runs the model, samples.
+
+The batch is packed decode-first: sequences with one new token, then
+multi-token (prefill) chunks, which is the order AttentionMetadata promises.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.buffers import InputBuffers
+from pdserve.workers.kv.cache_manager import KVCacheManager
+from pdserve.workers.model.llama import LlamaForCausalLM
+from pdserve.workers.request import Request
+from pdserve.workers.sampler import SamplerOutput, SamplingBatch, sample
+from pdserve.workers.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepResult:
+    sampled: list[Request]  # requests that got a token this step, in row order
+    output: SamplerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
+        max_num_tokens: int, max_num_seqs: int, max_model_len: int, device: torch.device,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.device = device
+        self.vocab_size = model.config.vocab_size
+        max_blocks = -(-max_model_len // self.block_size)
+        self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        # Stable partition: decode rows first, as the attention metadata requires.
+        ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+        meta, num_tokens, logit_rows, sampled = self._prepare(ordered)
+        hidden = self.model(self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens), meta, self.kv_caches)
+        result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
+        if sampled:
+            logits = self.model.compute_logits(hidden[self.buf.logits_indices.to_device(logit_rows)])
+            result.output = sample(logits, self._sampling_batch(sampled))
+        return result
+
+    def _prepare(self, ordered: list[ScheduledRequest]) -> tuple[AttentionMetadata, int, int, list[Request]]:
+        b = self.buf
+        ids, pos, slots, tables = b.input_ids.np, b.positions.np, b.slot_mapping.np, b.block_tables.np
+        seq_lens, qsl, logit_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
+        bs = self.block_size
+        t = 0
+        num_decode = 0
+        sampled: list[Request] = []
+        qsl[0] = 0
+        for i, s in enumerate(ordered):
+            req, n = s.request, s.num_tokens
+            start = req.num_computed_tokens
+            blocks = self.kv.blocks_of(req.request_id)
+            tables[i, : len(blocks)] = blocks
+            if n == 1:
+                num_decode += 1
+                ids[t] = req.all_token_ids[start]
+                pos[t] = start
+                slots[t] = blocks[start // bs] * bs + start % bs
+            else:
+                p = np.arange(start, start + n)
+                ids[t : t + n] = req.all_token_ids[start : start + n]
+                pos[t : t + n] = p
+                slots[t : t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            t += n
+            seq_lens[i] = start + n
+            qsl[i + 1] = t
+            if s.samples:
+                logit_idx[len(sampled)] = t - 1
+                sampled.append(req)
+        num_seqs = len(ordered)
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping.to_device(t),
+            block_tables=b.block_tables.to_device(num_seqs),
+            seq_lens=b.seq_lens.to_device(num_seqs),
+            query_start_loc=b.query_start_loc.to_device(num_seqs + 1),
+            num_decode_seqs=num_decode,
+            seq_lens_np=seq_lens[:num_seqs],
+            query_start_loc_np=qsl[: num_seqs + 1],
+            block_size=bs,
+        )
+        return meta, t, len(sampled), sampled
+
+    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+        params = [r.params for r in reqs]
+        temps = [p.temperature for p in params]
+        batch = SamplingBatch(temperature=torch.tensor(temps, dtype=torch.float32, device=self.device), all_greedy=not any(temps))
+        if not batch.all_greedy:
+            if any(p.top_k for p in params):
+                batch.top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=self.device)
+            if any(p.top_p < 1.0 for p in params):
+                batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+            if any(p.min_p > 0.0 for p in params):
+                batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+            batch.generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
+        banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
+                  if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
+        batch.banned = banned or None
+        batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        return batch

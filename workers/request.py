@@ -1,0 +1,86 @@
+"""A request inside the engine: its tokens, progress, and lifecycle state."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from pdserve.workers.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # blocks freed; back in the waiting queue to recompute
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASON.get(self)
+
+
+_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    """Tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache."""
+
+    def __init__(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+        prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), max_tokens: int,
+        device: torch.device = torch.device("cpu"),
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.max_tokens = max_tokens  # params.max_tokens, or what max_model_len leaves
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # set when first scheduled
+        self.block_hashes: list[int] = []  # of every full block of all_token_ids (lazily extended)
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
+            frozenset() if params.ignore_eos else frozenset(eos_token_ids)
+        )
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(params.seed)
+        self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.all_token_ids.append(token_id)
+        if self.first_token_time is None:
+            self.first_token_time = time.monotonic()
