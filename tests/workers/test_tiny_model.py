@@ -22,33 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from pdserve.workers.tiny import builder, corpus, tokenizer
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec, make_tiny_model
 
-
-@pytest.fixture(scope="session", autouse=True)
-def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Point PDSERVE_CACHE_DIR at a session temp dir, so the tokenizer trains once per run."""
-    path = tmp_path_factory.mktemp("pdserve-cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PDSERVE_CACHE_DIR", str(path))
-        yield path
-
-
-def tiny_spec(arch: Arch | str = Arch.LLAMA, **kw: object) -> TinyModelSpec:
-    fields: dict[str, object] = dict(arch=arch, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
-    fields.update(kw)
-    return TinyModelSpec(**fields)  # type: ignore[arg-type]
-
-
-@pytest.fixture(scope="session")
-def make_model(tmp_path_factory: pytest.TempPathFactory, session_cache: Path) -> Callable[[TinyModelSpec], Path]:
-    """Build each distinct spec once per session and hand out its directory."""
-    made: dict[TinyModelSpec, Path] = {}
-
-    def get(spec: TinyModelSpec) -> Path:
-        if spec not in made:
-            made[spec] = make_tiny_model(tmp_path_factory.mktemp("model") / "m", spec, progress=False)
-        return made[spec]
-
-    return get
+from factories import tiny_spec
 
 
 ARCH_CASES = {

@@ -1,0 +1,37 @@
+"""Shared factories: a per-session cache dir, tiny models by spec, engines."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from pdserve.workers.tiny.builder import TinyModelSpec, make_tiny_model
+
+# Keep CPU op timing and float reductions stable across the suite.
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Point PDSERVE_CACHE_DIR at a session temp dir: the tokenizer trains once per run,
+    and nothing is written to the real ~/.cache."""
+    path = tmp_path_factory.mktemp("pdserve-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PDSERVE_CACHE_DIR", str(path))
+        yield path
+
+
+@pytest.fixture(scope="session")
+def make_model(tmp_path_factory: pytest.TempPathFactory, session_cache: Path) -> Callable[[TinyModelSpec], Path]:
+    """Build each distinct spec once per session and hand out its directory."""
+    made: dict[TinyModelSpec, Path] = {}
+
+    def get(spec: TinyModelSpec) -> Path:
+        if spec not in made:
+            made[spec] = make_tiny_model(tmp_path_factory.mktemp("model") / "m", spec, progress=False)
+        return made[spec]
+
+    return get

@@ -1,0 +1,199 @@
+"""Engine behaviour users rely on: prefix cache, preemption, seeds, bad input, abort, stops."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(SPEC)
+
+
+def make_llm(model_dir: Path, **kw: object) -> LLM:
+    args: dict[str, object] = dict(dtype="float32", max_model_len=512, num_kv_blocks=256, progress=False)
+    args.update(kw)
+    return LLM(str(model_dir), **args)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def tokens(outs: list) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_prefix_cache_computes_only_uncached_tokens(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    shared = random_prompts([200], seed=3)[0]
+    first, second = shared + random_prompts([13], seed=4)[0], shared + random_prompts([29], seed=5)[0]
+    llm.generate([first], GREEDY)
+    stats = llm.engine.stats
+    before = stats.prompt_tokens_computed
+    out = llm.generate([second], GREEDY)[0]
+    cached = (200 // 16) * 16  # full blocks of the shared prefix
+    assert out.num_cached_tokens == cached
+    assert stats.prompt_tokens_computed - before == len(second) - cached
+    # Same tokens as a cold engine computing everything.
+    cold = make_llm(model_dir, enable_prefix_caching=False)
+    assert tokens([out]) == tokens(cold.generate([second], GREEDY))
+
+
+def test_preemption_completes_every_request_with_unchanged_output(model_dir: Path) -> None:
+    prompts = random_prompts([40, 70, 33, 90, 55, 61, 47, 80])
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    reference = tokens(make_llm(model_dir).generate(prompts, params))
+    # 8 requests need ~8 * 9 blocks at the end; 40 blocks cannot hold them at once.
+    small = make_llm(model_dir, num_kv_blocks=40, max_model_len=160)
+    outs = small.generate(prompts, params)
+    assert small.engine.stats.preemptions > 0
+    assert tokens(outs) == reference
+    assert all(len(t) == 48 for t in tokens(outs))
+    assert small.engine.kv.pool.num_free == 40
+
+
+def test_seeded_request_same_tokens_alone_and_batched(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    prompt = random_prompts([37], seed=9)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=32, ignore_eos=True)
+    alone = tokens(llm.generate([prompt], seeded))[0]
+    others = random_prompts([12, 80, 5], seed=10)
+    noise = SamplingParams(temperature=0.8, max_tokens=40, ignore_eos=True)
+    batched = llm.generate([others[0], prompt, others[1], others[2]], [noise, seeded, noise, GREEDY])
+    assert tokens(batched)[1] == alone
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=32, ignore_eos=True)
+    assert tokens(llm.generate([prompt], other_seed))[0] != alone
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "name"),
+    [
+        ("", {}, "prompt"),
+        ([], {}, "prompt"),
+        ([7] * 600, {}, "prompt"),
+        ([7] * 10, {"max_tokens": 0}, "max_tokens"),
+        ([7] * 10, {"temperature": -0.5}, "temperature"),
+        ([7] * 10, {"top_p": 0.0}, "top_p"),
+        ([7] * 10, {"top_p": 1.5}, "top_p"),
+        ([7] * 500, {"max_tokens": 100}, "max_tokens"),
+        ([99999], {}, "prompt"),
+    ],
+)
+def test_bad_input_raises_valueerror_naming_the_parameter_and_harms_nothing(
+    model_dir: Path, prompt: object, params: dict[str, object], name: str
+) -> None:
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    good = random_prompts([20, 30], seed=11)
+    expected = tokens(make_llm(model_dir).generate(good, GREEDY))
+    engine.add_request("good-0", good[0], GREEDY)
+    with pytest.raises(ValueError, match=name):
+        engine.add_request("bad", prompt, SamplingParams(**{"max_tokens": 8, **params}))  # type: ignore[arg-type]
+    engine.add_request("good-1", good[1], GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert [done["good-0"], done["good-1"]] == expected
+    assert engine.kv.pool.num_free == engine.num_kv_blocks
+
+
+def test_generate_validates_every_prompt_before_running_any(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[5, 6, 7], ""], GREEDY)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_abort_frees_blocks_at_once(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    engine = llm.engine
+    for i, p in enumerate(random_prompts([100, 60, 45])):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    engine.abort(["r0", "r1", "r2", "unknown"])
+    assert engine.kv.pool.num_used == 0
+    outs = engine.step()
+    assert sorted(o.request_id for o in outs) == ["r0", "r1", "r2"]
+    assert all(o.finished and o.outputs[0].finish_reason == "abort" for o in outs)
+    assert not engine.has_unfinished_requests()
+
+
+def test_stop_string_cuts_text_and_reports_reason(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    prompt = random_prompts([16], seed=21)[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    stop = full.text[10:13]
+    assert len(stop) == 3
+    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    idx = full.text.find(stop)
+    assert cut.text == full.text[:idx]
+    assert cut.finish_reason == "stop" and cut.stop_reason == stop
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                 include_stop_str_in_output=True))[0].outputs[0]
+    assert kept.text == full.text[: idx + len(stop)]
+
+
+def test_stop_token_ids_and_min_tokens(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    prompt = random_prompts([16], seed=22)[0]
+    full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0].outputs[0]
+    stop_id = full.token_ids[5]
+    first = full.token_ids.index(stop_id)
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                stop_token_ids=[stop_id]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # min_tokens forbids the stop token until that many tokens exist.
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                stop_token_ids=[stop_id], min_tokens=first + 2))[0].outputs[0]
+    assert stop_id not in out.token_ids[: first + 2]
+    assert len(out.token_ids) >= first + 2
+
+
+def test_max_tokens_and_eos(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    out = llm.generate(random_prompts([9]), SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 7 and out.finish_reason == "length"
+
+
+def test_logprobs_are_raw_model_logprobs(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    prompt = random_prompts([12], seed=30)[0]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))[0].outputs[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and len(entry) == 3  # greedy: the sampled token is the top-1
+        assert max(entry, key=entry.__getitem__) == token
+    assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_n_samples_per_prompt(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    outs = llm.generate(random_prompts([10, 14]), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    assert sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+
+
+def test_chunked_prefill_matches_one_shot_prefill(model_dir: Path) -> None:
+    prompts = random_prompts([300, 150, 20])
+    ref = tokens(make_llm(model_dir).generate(prompts, GREEDY))
+    chunked = make_llm(model_dir, max_num_batched_tokens=64)
+    assert tokens(chunked.generate(prompts, GREEDY)) == ref
