@@ -31,8 +31,10 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H * D]
     """Write the new K/V into the cache, then attend causally over each sequence."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     nd = meta.num_decode_seqs
+    if nd == meta.num_seqs:  # pure decode step: no output buffer to assemble
+        return _decode(q, k_cache, v_cache, meta, scale)
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
     for i in range(nd, meta.num_seqs):
@@ -49,15 +51,17 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     if plan is None:
         # Shared by every layer of this step: gather indices and the length mask.
         max_blocks = -(-int(meta.seq_lens_np[:nd].max()) // meta.block_size)
-        tables = meta.block_tables[:nd, :max_blocks].long()
+        blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
         keys = torch.arange(max_blocks * meta.block_size, device=q.device)
         mask = (keys[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
-        plan = meta.scratch["torch_decode"] = (tables, mask)
-    tables, mask = plan
-    length = tables.shape[1] * meta.block_size
-    # [nd, blocks, bs, KVH, D] -> [nd, KVH, L, D]
-    kk = k_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
-    vv = v_cache[tables].view(nd, length, kv_heads, head_dim).transpose(1, 2)
+        plan = meta.scratch["torch_decode"] = (blocks, mask)
+    blocks, mask = plan
+    length = mask.shape[-1]
+    # index_select over whole blocks (rows of a 2-D view) is the cheapest gather
+    # on CPU. [nd * blocks, bs * KVH * D] -> [nd, KVH, L, D]
+    num_blocks = k_cache.shape[0]
+    kk = k_cache.view(num_blocks, -1).index_select(0, blocks).view(nd, length, kv_heads, head_dim).transpose(1, 2)
+    vv = v_cache.view(num_blocks, -1).index_select(0, blocks).view(nd, length, kv_heads, head_dim).transpose(1, 2)
     # GQA: the query heads of one KV head form that head's "query length" axis.
     qq = q.view(nd, kv_heads, num_heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)

@@ -25,21 +25,24 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
 
-    def add(self, token_id: int) -> str | None:
+    def add(self, token_id: int, match_stop: bool = True) -> str | None:
         """Append a token's text; return the stop string it completed, if any
-        (the text is then cut at the stop string)."""
+        (the text is then cut at the stop string). `match_stop=False` (before
+        min_tokens is reached) appends without matching."""
         chunk = self.stream.step(self.tokenizer, token_id)
         if not chunk:
             return None
         old_len = len(self.text)
         self.text += chunk
-        if not self.stop:
+        if not self.stop or not match_stop:
             return None
         # A stop string may straddle the old text and the new chunk.
         search_from = max(0, old_len - self.max_stop_len + 1)
-        for s in self.stop:
-            idx = self.text.find(s, search_from)
-            if idx >= 0:
-                self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
-                return s
-        return None
+        hits = [(idx + len(s), idx, s) for s in self.stop if (idx := self.text.find(s, search_from)) >= 0]
+        if not hits:
+            return None
+        # One chunk may complete several: the one that ends first stops generation
+        # (as if decoded a character at a time), so no stop string stays in the text.
+        end, idx, s = min(hits)
+        self.text = self.text[:end] if self.include_stop else self.text[:idx]
+        return s

@@ -146,8 +146,9 @@ class LLMEngine:
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok.get(req.request_id)
-        stop_str = detok.add(token) if detok is not None else None
-        if req.num_output_tokens >= req.params.min_tokens:
+        may_stop = req.num_output_tokens >= req.params.min_tokens
+        stop_str = detok.add(token, may_stop) if detok is not None else None
+        if may_stop:
             if token in req.stop_token_ids:
                 req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
                 return RequestStatus.FINISHED_STOPPED

@@ -148,6 +148,10 @@ def test_stop_string_cuts_text_and_reports_reason(model_dir: Path) -> None:
     kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
                                                  include_stop_str_in_output=True))[0].outputs[0]
     assert kept.text == full.text[: idx + len(stop)]
+    # Before min_tokens a stop string neither stops nor cuts the text.
+    late = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop],
+                                                 min_tokens=40))[0].outputs[0]
+    assert late.text == full.text and late.finish_reason == "length"
 
 
 def test_stop_token_ids_and_min_tokens(model_dir: Path) -> None:

@@ -68,9 +68,9 @@ class BlockPool:
         """Drop one reference per block. Pass a sequence's blocks tail first: the
         tail is the least shared, so it should be evicted first."""
         for block in blocks:
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] < 0:
+            if self.ref_counts[block] <= 0:
                 raise RuntimeError(f"KV block {block} freed more often than allocated")
+            self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
                 if self.block_hash[block] is None:
                     self._empty.append(block)

@@ -1,0 +1,298 @@
+"""The scheduler with a real KVCacheManager and a fake model: every scheduled
+chunk is "computed" and every sampling chunk yields one token. No tensors."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+from pdserve.workers.kv.cache_manager import KVCacheManager
+from pdserve.workers.request import Request, RequestStatus
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+BS = 4  # block size
+
+
+def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs, budget), KVCacheManager(num_blocks, BS))
+
+
+def make_request(request_id: str, prompt_len: int, max_tokens: int = 4, first_token: int = 0) -> Request:
+    tokens = list(range(first_token, first_token + prompt_len))
+    return Request(request_id, tokens, SamplingParams(max_tokens=max_tokens), max_tokens=max_tokens)
+
+
+def step(sched: Scheduler) -> SchedulerOutput:
+    """One engine step with a fake model; checks the invariants every step must keep."""
+    out = sched.schedule()
+    check_step(sched, out)
+    sampling = [s.request for s in out.scheduled if s.samples]  # read before advance moves the counters
+    for s in out.scheduled:
+        sched.advance(s)
+    for req in sampling:
+        req.append_token(1000 + req.num_output_tokens)
+        if req.num_output_tokens >= req.max_tokens:
+            sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    check_blocks(sched)
+    return out
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    cfg = sched.config
+    assert out.num_tokens <= cfg.max_num_batched_tokens
+    assert len(sched.running) <= cfg.max_num_seqs
+    ids = [s.request.request_id for s in out.scheduled]
+    assert len(ids) == len(set(ids)), "a request scheduled twice in one step"
+    for s in out.scheduled:
+        req = s.request
+        assert s.num_tokens > 0
+        assert req.status is RequestStatus.RUNNING and req in sched.running
+        assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
+        assert len(sched.kv.blocks_of(req.request_id)) * BS >= req.num_computed_tokens + s.num_tokens, "no slots"
+    for req in out.preempted:
+        assert req.status is RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+        assert sched.kv.blocks_of(req.request_id) == [] and req in sched.waiting
+
+
+def check_blocks(sched: Scheduler) -> None:
+    """Each block's ref count is the number of requests holding it; waiting ones hold none."""
+    holders = Counter(b for req in sched.running for b in sched.kv.blocks_of(req.request_id))
+    pool = sched.kv.pool
+    assert all(pool.ref_counts[b] == holders.get(b, 0) for b in range(pool.num_blocks))
+    assert all(sched.kv.blocks_of(r.request_id) == [] for r in sched.waiting)
+
+
+def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
+    outs = []
+    while sched.has_unfinished():
+        outs.append(step(sched))
+        assert len(outs) < max_steps, "scheduler made no progress"
+    return outs
+
+
+def all_blocks_free(sched: Scheduler) -> bool:
+    pool = sched.kv.pool
+    return pool.num_free == pool.num_blocks and not any(pool.ref_counts)
+
+
+def scheduled_tokens(out: SchedulerOutput) -> dict[str, int]:
+    return {s.request.request_id: s.num_tokens for s in out.scheduled}
+
+
+# -- budget and chunked prefill ------------------------------------------------------
+
+
+def test_long_prompt_is_chunked_beside_running_decodes() -> None:
+    sched = make_scheduler(budget=16)
+    decoders = [make_request(f"d{i}", 5, max_tokens=20, first_token=100 * (i + 1)) for i in range(2)]
+    for r in decoders:
+        sched.add(r)
+    assert scheduled_tokens(step(sched)) == {"d0": 5, "d1": 5}
+
+    long = make_request("long", 40, max_tokens=2)
+    sched.add(long)
+    chunks = []
+    while long.num_output_tokens == 0:
+        out = step(sched)
+        got = scheduled_tokens(out)
+        assert got["d0"] == got["d1"] == 1, "decodes run in the same step as the prefill chunk"
+        chunks.append(got["long"])
+    assert chunks == [14, 14, 12]
+    assert long.num_computed_tokens == 40 and long.num_output_tokens == 1
+
+
+def test_only_the_last_prefill_chunk_samples() -> None:
+    sched = make_scheduler(budget=8)
+    req = make_request("a", 20, max_tokens=3)
+    sched.add(req)
+    samples = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        [s] = out.scheduled
+        samples.append((s.num_tokens, s.samples))
+        sched.advance(s)
+        if samples[-1][1]:
+            req.append_token(7)
+            if req.num_output_tokens == 3:
+                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+    assert samples == [(8, False), (8, False), (4, True), (1, True), (1, True)]
+    assert all_blocks_free(sched)
+
+
+def test_token_budget_holds_under_load() -> None:
+    sched = make_scheduler(num_blocks=128, max_num_seqs=6, budget=24)
+    for i in range(12):
+        sched.add(make_request(str(i), 3 + 7 * i % 29, max_tokens=1 + i % 5, first_token=100 * i))
+    outs = run_to_completion(sched)  # step() asserts the budget every step
+    assert max(o.num_tokens for o in outs) == 24
+    assert all_blocks_free(sched)
+
+
+# -- admission -----------------------------------------------------------------------
+
+
+def test_max_num_seqs_caps_running_requests() -> None:
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    reqs = [make_request(str(i), 4, max_tokens=3, first_token=100 * i) for i in range(5)]
+    for r in reqs:
+        sched.add(r)
+    max_running = 0
+    for _ in range(100):
+        if not sched.has_unfinished():
+            break
+        out = step(sched)
+        assert len(out.scheduled) <= 2
+        max_running = max(max_running, len(sched.running))
+    assert max_running == 2
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 3 for r in reqs)
+
+
+def test_admission_is_first_come_first_served() -> None:
+    sched = make_scheduler(max_num_seqs=2, budget=100)
+    reqs = [make_request(str(i), 2 + (7 * i) % 5, max_tokens=1 + i % 3, first_token=100 * i) for i in range(8)]
+    for r in reqs:
+        sched.add(r)
+    admitted: list[str] = []
+    while sched.has_unfinished():
+        for s in step(sched).scheduled:
+            if s.request.request_id not in admitted:
+                admitted.append(s.request.request_id)
+    assert admitted == [r.request_id for r in reqs]
+
+
+def test_a_blocked_head_of_queue_is_not_overtaken() -> None:
+    sched = make_scheduler(num_blocks=6, budget=100)
+    hog = make_request("hog", 16, max_tokens=2)  # 4 blocks, then a 5th for its first decode
+    sched.add(hog)
+    step(sched)
+    big = make_request("big", 12, first_token=100)  # 3 blocks: does not fit yet
+    small = make_request("small", 3, first_token=200)  # 1 block: would fit
+    sched.add(big)
+    sched.add(small)
+    assert scheduled_tokens(step(sched)) == {"hog": 1}
+    assert list(sched.waiting) == [big, small]
+    run_to_completion(sched)
+    assert big.num_output_tokens == small.num_output_tokens == 4
+
+
+# -- preemption ----------------------------------------------------------------------
+
+
+def test_preempts_the_newest_running_request_and_resumes_it() -> None:
+    # 6 blocks of 4: three 7-token prompts take 2 blocks each; the third decode
+    # steps want a 3rd block per request, and only the newest gives way.
+    sched = make_scheduler(num_blocks=6, budget=64)
+    reqs = [make_request(f"r{i}", 7, max_tokens=6, first_token=100 * i) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    outs = run_to_completion(sched)
+
+    preempted = [r.request_id for o in outs for r in o.preempted]
+    assert preempted and set(preempted) == {"r2"}
+    first = next(i for i, o in enumerate(outs) if o.preempted)
+    assert outs[first].preempted == [reqs[2]]
+    assert "r2" not in scheduled_tokens(outs[first])
+    assert reqs[2].num_preemptions == len(preempted) and sched.num_preemptions == len(preempted)
+    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
+    assert reqs[2].output_token_ids == [1000 + i for i in range(6)], "outputs survive the recompute"
+    assert all_blocks_free(sched)
+
+
+def test_preempted_request_goes_to_the_front_of_the_queue() -> None:
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, budget=64)
+    a = make_request("a", 8, max_tokens=8)
+    b = make_request("b", 8, max_tokens=8, first_token=100)
+    late = make_request("late", 2, max_tokens=1, first_token=200)
+    sched.add(a)
+    sched.add(b)
+    step(sched)  # both prefilled: 4 blocks
+    sched.add(late)
+    out = step(sched)  # decodes need 2 more blocks, 1 free: b gives way
+    assert out.preempted == [b] and scheduled_tokens(out) == {"a": 1}
+    assert list(sched.waiting) == [b, late]
+    assert b.num_computed_tokens == 0 and sched.kv.blocks_of("b") == []
+    run_to_completion(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 8 and late.num_output_tokens == 1
+    assert all_blocks_free(sched)
+
+
+def test_random_workload_loses_no_request() -> None:
+    rng = random.Random(0)
+    sched = make_scheduler(num_blocks=24, max_num_seqs=5, budget=20)
+    reqs: list[Request] = []
+    aborted: set[str] = set()
+    for t in range(400):
+        if t < 60 and rng.random() < 0.5:
+            # Some prompts share a prefix, so cached blocks get shared and evicted too.
+            base = 0 if rng.random() < 0.4 else 1000 * (len(reqs) + 1)
+            req = make_request(f"q{len(reqs)}", rng.randint(1, 30), rng.randint(1, 12), first_token=base)
+            reqs.append(req)
+            sched.add(req)
+        if reqs and rng.random() < 0.03:
+            victim = rng.choice(reqs)
+            if not victim.status.finished:
+                sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+                aborted.add(victim.request_id)
+        if sched.has_unfinished():
+            step(sched)
+    assert not sched.has_unfinished() and not sched.requests
+    assert sched.num_preemptions > 0, "the workload should exercise preemption"
+    for r in reqs:
+        if r.request_id in aborted:
+            assert r.status is RequestStatus.FINISHED_ABORTED
+        else:
+            assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+    assert all_blocks_free(sched)  # cached-evictable blocks count as free
+
+
+# -- abort ---------------------------------------------------------------------------
+
+
+def test_abort_frees_blocks_at_once_in_any_state() -> None:
+    sched = make_scheduler(num_blocks=8, max_num_seqs=1, budget=64)
+    running = make_request("running", 10, max_tokens=10)
+    waiting = make_request("waiting", 6, first_token=100)
+    sched.add(running)
+    sched.add(waiting)
+    step(sched)
+    assert running.status is RequestStatus.RUNNING and waiting.status is RequestStatus.WAITING
+    assert sched.kv.pool.num_free == 8 - 3
+
+    sched.finish(waiting, RequestStatus.FINISHED_ABORTED)
+    assert waiting not in sched.waiting and "waiting" not in sched.requests
+    sched.finish(running, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.blocks_of("running") == [] and all_blocks_free(sched)
+    assert not sched.has_unfinished() and not sched.schedule().scheduled
+    assert running.status is RequestStatus.FINISHED_ABORTED
+
+    sched.finish(running, RequestStatus.FINISHED_LENGTH)  # finishing twice changes nothing
+    assert running.status is RequestStatus.FINISHED_ABORTED
+
+
+def test_abort_of_a_preempted_request() -> None:
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, budget=64)
+    a = make_request("a", 8, max_tokens=8)
+    b = make_request("b", 8, max_tokens=8, first_token=100)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert step(sched).preempted == [b]
+    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    assert b not in sched.waiting
+    run_to_completion(sched)
+    assert a.num_output_tokens == 8 and b.num_output_tokens == 1
+    assert all_blocks_free(sched)
+
+
+def test_prefix_cache_serves_a_repeated_prompt() -> None:
+    sched = make_scheduler(budget=64)
+    first = make_request("first", 13, max_tokens=1)
+    sched.add(first)
+    run_to_completion(sched)
+    again = make_request("again", 13, max_tokens=1)
+    sched.add(again)
+    out = step(sched)
+    assert scheduled_tokens(out) == {"again": 1} and again.num_cached_tokens == 12
+    assert sched.num_cached_prompt_tokens == 12
+    assert all_blocks_free(sched)
