@@ -109,6 +109,11 @@ class Row:
         return statistics.median(self.pdserve) / statistics.median(self.transformers)
 
     @property
+    def paired_ratios(self) -> list[float]:
+        """pdserve / transformers within each repeat: their spread shows how noisy the run was."""
+        return [p / t if t else float("nan") for p, t in zip(self.pdserve, self.transformers)]
+
+    @property
     def met(self) -> bool | None:
         """None without a bar, or when a median is <= 0 (noise swamped a difference of times)."""
         if self.bar is None or min(statistics.median(self.pdserve), statistics.median(self.transformers)) <= 0:
@@ -120,7 +125,7 @@ class Row:
             "metric": self.metric, "transformers": self.transformers, "pdserve": self.pdserve,
             "transformers_median": statistics.median(self.transformers),
             "pdserve_median": statistics.median(self.pdserve), "ratio": self.ratio,
-            "bar": str(self.bar) if self.bar else None, "met": self.met,
+            "bar": str(self.bar) if self.bar else None, "met": self.met, "paired_ratios": self.paired_ratios,
         }
 
 
@@ -213,7 +218,8 @@ def alternate(label: str, repeats: int, sides: Sequence[Side], measure: Callable
         for side in sides:
             samples[side.name].append(measure(side, rep))
         shown = ", ".join(f"{s.name} {samples[s.name][-1]:.4g} {unit}" for s in sides)
-        print(f"[{label}] repeat {rep + 1}/{repeats}: {shown}", file=sys.stderr, flush=True)
+        print(f"[{label}] repeat {rep + 1}/{repeats}: {shown} (load {os.getloadavg()[0]:.2f})",
+              file=sys.stderr, flush=True)
     return samples
 
 
@@ -236,8 +242,9 @@ def bench_decode(sides: Sequence[Side], sizes: Sizes, vocab: int) -> Table:
     for batch in sizes.decode_batches:
         def measure(side: Side, rep: int, batch: int = batch) -> float:
             lengths = [sizes.decode_context] * batch
-            short, _ = timed(lambda: side.generate(random_prompts(f"dec-{batch}-{rep}-a", lengths, vocab), [1] * batch))
-            long, _ = timed(lambda: side.generate(random_prompts(f"dec-{batch}-{rep}-b", lengths, vocab), [1 + k] * batch))
+            first, rest = (random_prompts(f"dec-{batch}-{rep}-{part}", lengths, vocab) for part in "ab")
+            short, _ = timed(lambda: side.generate(first, [1] * batch))
+            long, _ = timed(lambda: side.generate(rest, [1 + k] * batch))
             return (long - short) / k * 1e3
 
         s = alternate(f"decode b={batch}", sizes.repeats, sides, measure, "ms/step")
@@ -334,7 +341,9 @@ def format_table(table: Table) -> str:
     fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
     rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     body = [fmt(lines[0]), rule] + [fmt(line) for line in lines[1:]]
-    return "\n".join([f"## {table.title}", *(f"- {n}" for n in table.notes), "", *body, ""])
+    spread = [f"per-repeat ratios, {r.metric}: " + ", ".join(f"{x:.3g}" for x in r.paired_ratios)
+              for r in table.rows if r.bar]
+    return "\n".join([f"## {table.title}", *(f"- {n}" for n in table.notes), "", *body, "", *spread, ""])
 
 
 def _met_cell(row: Row) -> str:
@@ -384,9 +393,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         tables.append(BENCHES[name](sides, sizes, vocab))
         print(format_table(tables[-1]), flush=True)
     elapsed = time.perf_counter() - started
-    print(f"total time: {elapsed:.0f} s", flush=True)
+    load = [round(x, 2) for x in os.getloadavg()]
+    print(f"total time: {elapsed:.0f} s; load avg at end {load}", flush=True)
+    if load[1] > max(os.cpu_count() or 1, args.threads) + 1:  # this run alone accounts for ~threads
+        print("warning: the 5-minute load average is well above this run's own threads: other work shared "
+              "these cores, so the numbers above are noisy (see the per-repeat ratios)", flush=True)
     if args.out:
-        result = {"machine": info, "sizes": dataclasses.asdict(sizes), "detokenize": args.detokenize,
+        result = {"machine": info, "loadavg_at_end": load, "sizes": dataclasses.asdict(sizes),
+                  "detokenize": args.detokenize,
                   "elapsed_s": elapsed,
                   "tables": [{"title": t.title, "notes": t.notes, "rows": [r.to_json() for r in t.rows]}
                              for t in tables]}
