@@ -53,7 +53,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         max_blocks = -(-int(meta.seq_lens_np[:nd].max()) // meta.block_size)
         blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
         keys = torch.arange(max_blocks * meta.block_size, device=q.device)
-        mask = (keys[None, :] < meta.seq_lens[:nd, None]).view(nd, 1, 1, -1)
+        # Additive float mask, built once: a boolean one is converted in every call.
+        valid = keys[None, :] < meta.seq_lens[:nd, None]
+        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf")).view(nd, 1, 1, -1)
         plan = meta.scratch["torch_decode"] = (blocks, mask)
     blocks, mask = plan
     length = mask.shape[-1]

@@ -7,6 +7,7 @@ that q/k/v and gate/up are fused (fewer, larger matmuls): see loader.py.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.attention import AttentionBackend, paged_attention
@@ -29,14 +30,16 @@ class Attention(nn.Module):
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
+        # Functional calls, not module calls, on the per-step path: nn.Module's
+        # __call__ costs microseconds each, which adds up on a CPU decode step.
         t = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, q + 2 kv]
+        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
         # RoPE on q and k together: they are adjacent in the fused output.
         qk = rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
-        return self.o_proj(out)
+        return F.linear(out, self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -51,10 +54,10 @@ class DecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
         cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, rotary, cos_sin, meta, kv_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        h, residual = self.input_layernorm.forward(x, residual)
+        h = self.self_attn.forward(h, rotary, cos_sin, meta, kv_cache)
+        h, residual = self.post_attention_layernorm.forward(h, residual)
+        return self.mlp.forward(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -73,8 +76,8 @@ class LlamaModel(nn.Module):
         cos_sin = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, self.rotary, cos_sin, meta, kv_cache)
-        return self.norm(x, residual)[0]
+            x, residual = layer.forward(x, residual, self.rotary, cos_sin, meta, kv_cache)
+        return self.norm.forward(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -96,4 +99,4 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta, kv_caches)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return F.linear(hidden, self.lm_head.weight).float()

@@ -83,7 +83,24 @@ def load_model(
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     model.model.rotary.build(device, dtype)
+    if device.type == "cpu":
+        _column_major_linears(model)
     return model.eval()
+
+
+def _column_major_linears(model: LlamaForCausalLM) -> None:
+    """Store each [out, in] weight as the transpose of a contiguous [in, out] matrix.
+
+    On CPU, `x @ W.T` with W laid out this way runs the GEMM without a
+    transposed operand; for the small-batch decode shapes it is 1.3-3x faster
+    (bench: all linears of the tiny model at batch 1, 1.32 -> 0.45 ms). A tied
+    lm_head gets its own copy, so the embedding keeps row-major rows to gather.
+    """
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight.data = module.weight.data.t().contiguous().t()
 
 
 def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str, tensor: torch.Tensor) -> str:
