@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels run in its interpreter; the switch must be set
+# before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from pdserve.workers.tiny.builder import TinyModelSpec, make_tiny_model
 
