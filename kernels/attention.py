@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import importlib.util
 
 import torch
 
@@ -16,10 +17,15 @@ class AttentionBackend(str, enum.Enum):
     AUTO = "auto"
 
     def resolve(self, device: torch.device) -> "AttentionBackend":
-        """The concrete backend for `device` (auto: the reference until the Triton kernels land)."""
-        if self is AttentionBackend.TRITON:
-            raise ValueError("attention_backend: 'triton' is not available in this build; use 'torch' or 'auto'")
-        return AttentionBackend.TORCH
+        """The concrete backend for `device`. auto: Triton on CUDA, the PyTorch reference on CPU
+        (where Triton only runs in its interpreter: correct, and very slow)."""
+        if self is AttentionBackend.AUTO:
+            if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+                return AttentionBackend.TRITON
+            return AttentionBackend.TORCH
+        if self is AttentionBackend.TRITON and importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend: 'triton' needs the triton package")
+        return self
 
 
 def paged_attention(
@@ -37,4 +43,8 @@ def paged_attention(
     Queries are [T, H, D] with RoPE applied. Causal within each sequence; the
     sequence's earlier tokens are read from the cache through its block table.
     """
+    if backend is AttentionBackend.TRITON:
+        from pdserve.kernels import triton_attention  # imports triton: only when asked for
+
+        return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

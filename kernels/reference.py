@@ -92,3 +92,29 @@ def _prefill_one(
         mask = key_pos[None, :] <= query_pos[:, None]
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(n, num_heads * head_dim)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-PyTorch twin of `triton_norm.fused_add_rms_norm`: (normed, new_residual).
+
+    new_residual = x + residual (x when None); normalised in float32, cast to
+    x.dtype before the weight multiply (transformers' order), product rounded
+    once to x.dtype.
+    """
+    h = x if residual is None else x + residual
+    h32 = h.float()
+    normed = (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (normed.float() * weight.float()).to(x.dtype), h
+
+
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch twin of `triton_rope.apply_rope`: neox half-split rotation of
+    x [T, NH, D] by half tables cos/sin [P, D/2] at positions [T], in float32."""
+    half = x.shape[-1] // 2
+    x32 = x.float()
+    x1, x2 = x32[..., :half], x32[..., half:]
+    c = cos[positions].float().unsqueeze(1)  # [T, 1, D/2]
+    s = sin[positions].float().unsqueeze(1)
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)

@@ -16,13 +16,18 @@ class RMSNorm(nn.Module):
     transformers does, so half-precision outputs match it.
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, use_triton: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
         self.shape = (hidden_size,)
+        self.use_triton = use_triton
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.use_triton:
+            from pdserve.kernels.triton_norm import fused_add_rms_norm
+
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         if x.dtype == torch.float32:
@@ -38,11 +43,12 @@ class RotaryEmbedding(nn.Module):
     three ops instead of six.
     """
 
-    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int) -> None:
+    def __init__(self, head_dim: int, rope: RopeConfig, max_positions: int, use_triton: bool = False) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rope = rope
         self.max_positions = max_positions
+        self.use_triton = use_triton
         self.register_buffer("cos", torch.empty(0), persistent=False)
         self.register_buffer("sin", torch.empty(0), persistent=False)
 
@@ -51,14 +57,24 @@ class RotaryEmbedding(nn.Module):
         pos = torch.arange(self.max_positions, device=device, dtype=torch.int64).float()
         freqs = pos[:, None] * inv_freq[None, :]  # [P, D/2], float32 like transformers
         cos, sin = freqs.cos(), freqs.sin()
+        if self.use_triton:  # the kernel reads half tables and gathers rows itself
+            self.cos, self.sin = cos.to(dtype), sin.to(dtype)
+            return
         self.cos = torch.cat((cos, cos), dim=-1).to(dtype)
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin rows for the batch's positions, shaped [T, 1, D] to broadcast over heads."""
+        """Per-step input of `apply`: cos/sin rows shaped [T, 1, D] to broadcast
+        over heads, or (Triton) the positions themselves."""
+        if self.use_triton:
+            return positions, positions
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     def apply(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.use_triton:
+            from pdserve.kernels.triton_rope import apply_rope
+
+            return apply_rope(x, cos_sin[0], self.cos, self.sin)
         cos, sin = cos_sin  # x: [T, heads, D]
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
 

@@ -45,9 +45,10 @@ class Attention(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        triton = backend is AttentionBackend.TRITON
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.self_attn = Attention(cfg, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
@@ -65,8 +66,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList([DecoderLayer(cfg, backend) for _ in range(cfg.num_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions)
+        triton = backend is AttentionBackend.TRITON
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, triton)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
