@@ -24,7 +24,7 @@ from pdserve.workers.model.loader import load_model, resolve_dtype
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import Request, RequestStatus
-from pdserve.workers.sampler import SamplerOutput
+from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
 
@@ -64,24 +64,71 @@ class LLMEngine:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, chars) already sent as deltas
         self._aborted_outputs: list[RequestOutput] = []
+        self._held: dict[str, Request] = {}  # finished hold_kv requests whose blocks wait for release()
         self._log(f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; max_model_len {self.max_model_len}")
 
     # -- public API ---------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
-        """Queue a request. Raises ValueError (changing nothing) on bad input."""
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    hold_kv: bool = False) -> None:
+        """Queue a request. Raises ValueError (changing nothing) on bad input.
+
+        `hold_kv` (prefill worker): when the request finishes, its blocks stay
+        allocated until `release(request_id)`, so their KV can be sent.
+        """
+        self.scheduler.add(self._new_request(request_id, prompt, params, hold_kv))
+
+    def add_remote_prefill_request(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+    ) -> tuple[list[int], int] | None:
+        """Decode worker: reserve blocks for a prompt whose KV a prefill worker
+        will write. Returns (block ids covering the prompt, tokens this worker
+        already caches — those blocks need no transfer), or None when the pool
+        cannot hold it now (nothing changed). Then `finish_remote_prefill` or `abort`."""
+        req = self._new_request(request_id, prompt, params, hold_kv=False)
+        plan = self.scheduler.reserve_remote(req)
+        if plan is None:
+            self._detok.pop(request_id, None)
+            self.stats.prompt_tokens -= req.num_prompt_tokens
+        return plan
+
+    def finish_remote_prefill(self, request_id: str, first_token: int) -> RequestOutput | None:
+        """Decode worker: the prompt's KV is in the reserved blocks and the prefill
+        worker sampled `first_token`. The request decodes from the next step.
+        Returns the output carrying the first token (final if it already stops)."""
+        req = self.scheduler.awaiting_kv.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        self.scheduler.complete_remote(req)
+        if req.generator is not None and req.params.temperature:
+            # The prefill worker drew this token from the same seeded stream:
+            # consume that draw so later tokens match a colocated run.
+            advance_generator(req.generator, self.model_config.vocab_size, self.device)
+        outs = self._process_samples([req], SamplerOutput(torch.tensor([first_token])))
+        return outs[0] if outs else None
+
+    def release(self, request_id: str) -> None:
+        """Prefill worker: free the blocks of a finished `hold_kv` request."""
+        req = self._held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+
+    def held_blocks(self, request_id: str) -> list[int]:
+        return self.kv.blocks_of(request_id) if request_id in self._held else []
+
+    def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None, hold_kv: bool) -> Request:
         params = params or SamplingParams()
-        if request_id in self.scheduler.requests:
+        if request_id in self.scheduler.requests or request_id in self._held:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text, token_ids, max_tokens = self._prepare(prompt, params)
         req = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self._eos_ids(),
-                      max_tokens=max_tokens, device=self.device)
+                      max_tokens=max_tokens, device=self.device, hold_kv=hold_kv)
         if params.detokenize or params.stop:
             self._detok[request_id] = IncrementalDetokenizer(
                 self.tokenizer.backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                 params.skip_special_tokens)
         self.stats.prompt_tokens += len(token_ids)
-        self.scheduler.add(req)
+        return req
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
         """Raise ValueError if add_request would reject this prompt and params."""
@@ -94,6 +141,7 @@ class LLMEngine:
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Stop requests now; their blocks are freed before this returns. Unknown ids are ignored."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
+            self.release(rid)  # a finished prefill whose KV was still to be sent
             req = self.scheduler.requests.get(rid)
             if req is not None:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
@@ -138,7 +186,9 @@ class LLMEngine:
                 req.cumulative_logprob += sampled_lp[row]
             status = self._check_stop(req, token)
             if status is not None:
-                self.scheduler.finish(req, status)
+                self.scheduler.finish(req, status, keep_blocks=req.hold_kv)
+                if req.hold_kv:
+                    self._held[req.request_id] = req
                 outputs.append(self._finish_output(req))
             elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(req))

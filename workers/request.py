@@ -12,6 +12,7 @@ from pdserve.workers.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, prompt KV arriving from a prefill worker
     RUNNING = "running"
     PREEMPTED = "preempted"  # blocks freed; back in the waiting queue to recompute
     FINISHED_STOPPED = "finished_stopped"
@@ -41,7 +42,7 @@ class Request:
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), max_tokens: int,
-        device: torch.device = torch.device("cpu"),
+        device: torch.device = torch.device("cpu"), hold_kv: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
@@ -67,6 +68,9 @@ class Request:
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.num_preemptions = 0
+        # Prefill side of a handoff: keep the blocks after finishing, until the
+        # KV transfer is done and the engine is told to release them.
+        self.hold_kv = hold_kv
 
     @property
     def num_tokens(self) -> int:

@@ -91,3 +91,9 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     for row, gen in generators.items():
         noise[row].exponential_(generator=gen)
     return probs.div_(noise).argmax(dim=-1)
+
+
+def advance_generator(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
+    """Consume exactly the draws `exponential_race` makes for one seeded row, as if
+    this generator had sampled a token here (it did, on another worker)."""
+    torch.empty(vocab_size, device=device).exponential_(generator=generator)

@@ -52,6 +52,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.awaiting_kv: dict[str, Request] = {}  # blocks reserved, KV in flight from a prefill worker
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # served from the prefix cache at first admission
@@ -61,7 +62,30 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.awaiting_kv)
+
+    def reserve_remote(self, req: Request) -> tuple[list[int], int] | None:
+        """Decode side of a handoff: reserve blocks for the whole prompt before its KV
+        arrives, reusing this worker's prefix cache. Returns (block ids, tokens
+        already cached here), or None (nothing changed) if the pool is short."""
+        cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+        if not self.kv.allocate_slots(req, req.num_tokens - num_cached, cached_blocks):
+            return None
+        req.num_cached_tokens = num_cached
+        self.num_cached_prompt_tokens += num_cached
+        req.status = RequestStatus.WAITING_FOR_KV
+        self.requests[req.request_id] = req
+        self.awaiting_kv[req.request_id] = req
+        return list(self.kv.blocks_of(req.request_id)), num_cached
+
+    def complete_remote(self, req: Request) -> None:
+        """The prompt's KV has landed in the reserved blocks: the request joins the
+        queue ahead of new work (it already holds its blocks) to decode."""
+        del self.awaiting_kv[req.request_id]
+        req.num_computed_tokens = req.num_prompt_tokens
+        self.kv.cache_computed_blocks(req)
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -93,7 +117,10 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
+                cached_blocks, num_cached = [], req.num_computed_tokens
+            else:
+                cached_blocks, num_cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached_blocks):
                 break
@@ -121,14 +148,18 @@ class Scheduler:
         req.num_computed_tokens += scheduled.num_tokens
         self.kv.cache_computed_blocks(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request in any state: its blocks go back to the pool at once."""
+    def finish(self, req: Request, status: RequestStatus, keep_blocks: bool = False) -> None:
+        """End a request in any state: its blocks go back to the pool at once,
+        unless `keep_blocks` (a prefill worker still has to send them)."""
         if req.status.finished:
             return
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status is RequestStatus.WAITING_FOR_KV:
+            del self.awaiting_kv[req.request_id]
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        self.kv.free(req)
+        if not keep_blocks:
+            self.kv.free(req)
         self.requests.pop(req.request_id, None)

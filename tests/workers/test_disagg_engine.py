@@ -1,0 +1,114 @@
+"""Prefill on one engine, KV handed over block by block, decode on another:
+the output must equal one engine doing both (the colocated baseline)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def engine(model_dir: Path, blocks: int = 128) -> LLMEngine:
+    return LLM(str(model_dir), max_model_len=512, num_kv_blocks=blocks, progress=False).engine
+
+
+def run(eng: LLMEngine) -> dict[str, list[int]]:
+    done = {}
+    for _ in range(1000):
+        if not eng.has_unfinished_requests():
+            break
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return done
+
+
+def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+    """What the workers do, minus the transport: P prefills and samples token 1,
+    D reserves blocks, the KV of the blocks D lacks is copied, D decodes."""
+    plan = decode.add_remote_prefill_request(rid, prompt, params)
+    assert plan is not None
+    dst_blocks, cached_here = plan
+    p_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    prefill.add_request(rid, prompt, p_params, hold_kv=True)
+    first = run(prefill)[rid][0]
+    src_blocks = prefill.held_blocks(rid)
+    skip = cached_here // prefill.config.block_size
+    for (pk, pv), (dk, dv) in zip(prefill.kv_caches, decode.kv_caches):
+        idx_src = torch.tensor(src_blocks[skip:])
+        idx_dst = torch.tensor(dst_blocks[skip: len(src_blocks)])
+        dk[idx_dst] = pk[idx_src]
+        dv[idx_dst] = pv[idx_src]
+    prefill.release(rid)
+    assert prefill.kv.pool.num_used == 0
+    decode.finish_remote_prefill(rid, first)
+    return run_with_first(decode, rid, first)
+
+
+def run_with_first(decode: LLMEngine, rid: str, first: int) -> list[int]:
+    tokens = run(decode).get(rid)
+    assert tokens is not None and tokens[0] == first
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_handoff_equals_colocated(model_dir: Path, params: SamplingParams) -> None:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(5, 4000, (83,), generator=g).tolist()
+    colocated = engine(model_dir)
+    colocated.add_request("x", prompt, params)
+    expected = run(colocated)["x"]
+    prefill, decode = engine(model_dir), engine(model_dir)
+    assert handoff(prefill, decode, "x", prompt, params) == expected
+    assert decode.kv.pool.num_used == 0
+
+
+def test_decode_worker_prefix_cache_skips_the_shared_blocks(model_dir: Path) -> None:
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(5, 4000, (64,), generator=g).tolist()
+    prefill, decode = engine(model_dir), engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    handoff(prefill, decode, "a", shared + [11, 12, 13], params)
+    plan = decode.add_remote_prefill_request("b", shared + [21, 22, 23, 24], params)
+    assert plan is not None and plan[1] == 64  # four full blocks already here: only the rest is sent
+    decode.abort("b")
+    assert decode.kv.pool.num_used == 0
+
+
+def test_reserve_fails_cleanly_when_the_pool_is_short(model_dir: Path) -> None:
+    decode = engine(model_dir, blocks=34)  # max_model_len 512 needs 32
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert decode.add_remote_prefill_request("a", list(range(5, 400)), params) is not None
+    assert decode.add_remote_prefill_request("b", list(range(5, 200)), params) is None
+    assert "b" not in decode.scheduler.requests
+    decode.abort("a")
+    assert decode.kv.pool.num_used == 0 and not decode.has_unfinished_requests()
+
+
+def test_abort_frees_held_prefill_blocks(model_dir: Path) -> None:
+    prefill = engine(model_dir)
+    prefill.add_request("p", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    run(prefill)
+    assert prefill.held_blocks("p") and prefill.kv.pool.num_used > 0
+    prefill.abort("p")
+    assert prefill.kv.pool.num_used == 0 and prefill.held_blocks("p") == []
