@@ -1,0 +1,191 @@
+"""The OpenAI-compatible HTTP API (FastAPI), over any generation backend.
+
+`build_app(backend, tokenizer, config)` returns the ASGI app; Ray Serve wraps
+it as the cluster's ingress (cluster/serve_app.py), tests run it under uvicorn
+over an in-process engine. The backend yields DELTA RequestOutputs.
+
+Every request ends with a terminal event: a final chunk + `[DONE]` (stream),
+a response body, or an error object. A client that disconnects aborts its
+request in the backend, which frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from fastapi import Request
+from prometheus_client import CollectorRegistry, Counter
+
+from pdserve.cluster.protocol import ChatCompletionRequest
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+
+
+class GenerationBackend(Protocol):
+    """What the gateway needs from the cluster (or one in-process engine)."""
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+        """DELTA outputs until finished; ValueError for bad input; aborts on cancellation."""
+        ...
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    model_name: str
+    max_model_len: int
+    api_key: str | None = None
+    max_in_flight: int = 256  # admission bound: beyond it, 429 with Retry-After
+    request_timeout_s: float = 600.0
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
+        if self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
+
+
+def bad_request(e: ValueError) -> APIError:
+    """Our ValueErrors start with the parameter name ("top_p: must be ..."): report it as `param`."""
+    msg = str(e)
+    param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
+    return APIError(400, msg, "BadRequestError", param)
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+
+class Gateway:
+    def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
+        self.backend, self.tokenizer, self.config = backend, tokenizer, config
+        self.registry = CollectorRegistry()
+        self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
+                                      ["endpoint", "status"], registry=self.registry)
+        self._admitted = 0
+
+    # -- request preparation ---------------------------------------------------
+
+    def check_auth(self, request: Request) -> None:
+        if self.config.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not secrets.compare_digest(token.encode(), self.config.api_key.encode()):
+            raise APIError(401, "invalid or missing API key", "AuthenticationError")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.config.model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
+            return list(self.tokenizer.encode(prompt))
+        if not prompt:
+            raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
+        return list(prompt)
+
+    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def params(self, prompt_ids: list[int], max_tokens: int | None, make: Any) -> SamplingParams:
+        n = len(prompt_ids)
+        limit = self.config.max_model_len
+        if n >= limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}.",
+                           "BadRequestError", "prompt")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
+                           "BadRequestError", "max_tokens")
+        try:
+            params = make(max_tokens if max_tokens is not None else limit - n)
+        except ValueError as e:
+            raise bad_request(e) from None
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs")
+        return params
+
+    def admit(self) -> None:
+        if self._admitted >= self.config.max_in_flight:
+            raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers={"Retry-After": "1"})
+        if not self.backend.healthy:
+            raise APIError(503, "no healthy workers to serve the request", "ServiceUnavailableError")
+
+    # -- generation ------------------------------------------------------------
+
+    async def run(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) for each of the n samples, interleaved as they come."""
+        self._admitted += 1
+        try:
+            subs = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+                    for i in range(params.n)]
+            if len(subs) == 1:
+                async for out in self.backend.generate(rid, prompt_ids, subs[0], self.config.request_timeout_s):
+                    yield 0, out
+                return
+            async for item in _merge([self.backend.generate(f"{rid}-{i}", prompt_ids, sp, self.config.request_timeout_s)
+                                      for i, sp in enumerate(subs)]):
+                yield item
+        finally:
+            self._admitted -= 1
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+
+async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            await queue.put(e)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        done = 0
+        while done < len(tasks):
+            item = await queue.get()
+            if item is None:
+                done += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,187 @@
+"""FastAPI routes of the OpenAI-compatible API, over a `Gateway`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from pdserve.cluster.gateway import APIError, Gateway, _Choice
+from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+
+Kind = str  # "completion" | "chat"
+
+
+def build_app(gw: Gateway) -> FastAPI:
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.message, e.err_type, e.status, e.param), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        # OpenAI clients expect 400 with the error object, not FastAPI's 422.
+        first = e.errors()[0] if e.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        param = loc[0] if loc else None
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(msg, "BadRequestError", 400, param), status_code=400)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not gw.backend.healthy:
+            return JSONResponse(error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503), 503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict[str, Any]:
+        gw.check_auth(request)
+        return {"object": "list", "data": [{"id": gw.config.model_name, "object": "model", "created": now(),
+                                            "owned_by": "pdserve", "max_model_len": gw.config.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        gw.check_auth(request)
+        gw.check_model(body.model)
+        prompt_ids = gw.tokenize(body.prompt)
+        params = gw.params(prompt_ids, body.max_tokens, lambda mt: body.sampling_params(mt, body.logprobs))
+        return await _respond(gw, request, "completion", body.stream, body.include_usage, prompt_ids, params)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        gw.check_auth(request)
+        gw.check_model(body.model)
+        try:
+            num_logprobs = body.num_logprobs()
+        except ValueError as e:
+            raise APIError(400, str(e), "BadRequestError", "top_logprobs") from None
+        prompt_ids = gw.chat_prompt(body)
+        params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
+        return await _respond(gw, request, "chat", body.stream, body.include_usage, prompt_ids, params)
+
+    return app
+
+
+async def _respond(gw: Gateway, request: Request, kind: Kind, stream: bool, include_usage: bool,
+                   prompt_ids: list[int], params: SamplingParams) -> Response:
+    gw.admit()
+    rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
+    if stream:
+        # Starlette cancels this generator when the client disconnects; the
+        # backend's generate() then aborts the request and frees its blocks.
+        return StreamingResponse(_sse(gw, kind, rid, prompt_ids, params, include_usage), media_type="text/event-stream")
+    body = await _until_disconnect(request, _collect(gw, kind, rid, prompt_ids, params))
+    return JSONResponse(body)
+
+
+async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+    """Run `work`, cancelling it (which aborts the request) if the client goes away."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", "ClientClosedRequest")
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _collect(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+    choices = [_Choice(i) for i in range(params.n)]
+    try:
+        async for i, out in gw.run(rid, prompt_ids, params):
+            _accumulate(choices[i], out)
+    except ValueError as e:
+        from pdserve.cluster.gateway import bad_request
+
+        raise bad_request(e) from None
+    except TimeoutError as e:
+        raise APIError(504, str(e), "Timeout") from None
+    completion_tokens = sum(len(c.token_ids) for c in choices)
+    return {
+        "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
+        "model": gw.config.model_name,
+        "choices": [_final_choice(gw, kind, c, params) for c in choices],
+        "usage": usage(len(prompt_ids), completion_tokens, choices[0].cached_tokens),
+    }
+
+
+def _accumulate(choice: _Choice, out: RequestOutput) -> None:
+    c = out.outputs[0]
+    choice.text += c.text
+    choice.token_ids += c.token_ids
+    choice.logprobs += c.logprobs or []
+    choice.finish_reason = c.finish_reason or choice.finish_reason
+    choice.cached_tokens = out.num_cached_tokens
+
+
+def _final_choice(gw: Gateway, kind: Kind, c: _Choice, params: SamplingParams) -> dict[str, Any]:
+    logprobs = _logprobs(gw, kind, c.token_ids, c.logprobs) if params.logprobs is not None else None
+    if kind == "chat":
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+
+def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+    if kind == "chat":
+        content = []
+        for tok, entry in zip(token_ids, entries):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])
+            content.append({"token": gw.token_str(tok), "logprob": entry.get(tok, 0.0), "bytes": None,
+                            "top_logprobs": [{"token": gw.token_str(t), "logprob": lp, "bytes": None} for t, lp in top]})
+        return {"content": content}
+    return {
+        "tokens": [gw.token_str(t) for t in token_ids],
+        "token_logprobs": [e.get(t) for t, e in zip(token_ids, entries)],
+        "top_logprobs": [{gw.token_str(t): lp for t, lp in e.items()} for e in entries],
+        "text_offset": [],
+    }
+
+
+async def _sse(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams,
+               include_usage: bool) -> AsyncIterator[str]:
+    created, obj = now(), ("chat.completion.chunk" if kind == "chat" else "text_completion")
+    choices = [_Choice(i) for i in range(params.n)]
+
+    def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> str:
+        body = {"id": rid, "object": obj, "created": created, "model": gw.config.model_name,
+                "choices": payload_choices, **extra}
+        return f"data: {json.dumps(body)}\n\n"
+
+    try:
+        if kind == "chat":
+            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for i in range(params.n)])
+        async for i, out in gw.run(rid, prompt_ids, params):
+            c = out.outputs[0]
+            _accumulate(choices[i], out)
+            lp = _logprobs(gw, kind, c.token_ids, c.logprobs or []) if params.logprobs is not None else None
+            if kind == "chat":
+                yield chunk([{"index": i, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason}])
+            else:
+                yield chunk([{"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}])
+        if include_usage:
+            yield chunk([], usage=usage(len(prompt_ids), sum(len(c.token_ids) for c in choices), choices[0].cached_tokens))
+    except ValueError as e:
+        yield f"data: {json.dumps(error_body(str(e), 'BadRequestError', 400))}\n\n"
+    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+        yield f"data: {json.dumps(error_body(str(e) or type(e).__name__, type(e).__name__, 500))}\n\n"
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,157 @@
+"""The OpenAI API over real HTTP (uvicorn on loopback) with the official client,
+over one in-process engine. The cluster backends plug into the same gateway."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.openai_app import build_app
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir: Path) -> Iterator[tuple[str, AsyncEngine]]:
+    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, progress=False)
+    engine = AsyncEngine(llm.engine)
+    gw = Gateway(engine, llm.tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret",
+                                                      max_in_flight=64))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert srv.started
+    yield f"http://127.0.0.1:{port}", engine
+    srv.should_exit = True
+    thread.join(10)
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, progress=False)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="sekret", max_retries=0, timeout=30)
+
+
+def test_completion_greedy_equals_offline_engine(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    url, _ = server
+    prompt = "def fibonacci(n):"
+    resp = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
+    assert resp.choices[0].text == expected.outputs[0].text
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.prompt_tokens == len(expected.prompt_token_ids) and resp.usage.completion_tokens == 20
+
+
+def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    url, _ = server
+    stream = client(url).completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    expected = offline.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
+    assert text == expected.outputs[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+
+
+def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
+    url, _ = server
+    c = client(url)
+    msgs = [{"role": "user", "content": "hello there"}]
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+    streamed = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0, stream=True,
+                                         extra_body={"ignore_eos": True})
+    text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+    assert full.choices[0].message.role == "assistant"
+    assert text == full.choices[0].message.content and full.usage.completion_tokens == 12
+
+
+def test_n_and_seed(server: tuple[str, AsyncEngine]) -> None:
+    url, _ = server
+    c = client(url)
+    a = c.completions.create(model=MODEL, prompt="x = ", max_tokens=8, temperature=1.0, n=3, seed=5)
+    b = c.completions.create(model=MODEL, prompt="x = ", max_tokens=8, temperature=1.0, n=3, seed=5)
+    assert sorted(ch.index for ch in a.choices) == [0, 1, 2]
+    assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "hi", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+        ({"model": MODEL, "prompt": ""}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": [5] * 300}, 400, "prompt"),
+        ({"model": MODEL}, 400, "prompt"),
+        ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server: tuple[str, AsyncEngine], body: dict, status: int, param: str) -> None:
+    url, engine = server
+    r = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": "Bearer sekret"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param and err["code"] == status
+    assert engine.healthy
+
+
+def test_api_key_required(server: tuple[str, AsyncEngine]) -> None:
+    url, _ = server
+    assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
+    r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
+    assert r.status_code == 401 and r.json()["error"]["code"] == 401
+    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None:
+    url, _ = server
+    spec = httpx.get(f"{url}/openapi.json", timeout=10).json()
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(spec["paths"])
+    assert {"CompletionRequest", "ChatCompletionRequest"} <= set(spec["components"]["schemas"])
+
+
+def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -> None:
+    url, engine = server
+    generated_before = engine.engine.stats.generation_tokens
+    for _ in range(5):
+        with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
+                          json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data:"))
+        # leaving the block closes the connection mid-stream
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (engine.num_in_flight or engine.engine.kv.pool.num_used):
+        time.sleep(0.05)
+    assert engine.num_in_flight == 0 and engine.engine.kv.pool.num_used == 0
+    # Aborted, not run to completion: far fewer than 5 x 240 tokens were made.
+    assert engine.engine.stats.generation_tokens - generated_before < 600

@@ -1,0 +1,164 @@
+"""An LLMEngine driven by its own thread, with an asyncio-facing API.
+
+The engine is single-threaded by design; this class owns the thread that
+steps it and is the only code that touches it. Callers (the HTTP gateway, a
+worker actor) submit requests and read their token deltas from an async
+iterator. Every wait has a deadline; every exit path (finish, abort, caller
+cancellation, deadline, engine failure) ends the request in the engine, which
+frees its blocks, and ends the caller's iterator with a terminal output or an
+exception.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread failed; every in-flight request fails with this."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request passed its deadline; it was aborted and its blocks freed."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    deadline: float
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._idle_wait_s = idle_wait_s
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def healthy(self) -> bool:
+        return self.error is None and self._thread.is_alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(
+        self, request_id: str, prompt: str | list[int], params: SamplingParams, timeout_s: float = 600.0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield DELTA outputs until the request finishes. Bad input raises
+        ValueError before anything is queued; a passed deadline raises
+        RequestTimeoutError; an engine failure raises EngineDeadError."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
+        self.engine.validate(prompt, params)
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout_s)
+        self._streams[request_id] = stream
+        self._commands.put(lambda: self._add(request_id, prompt, params))
+        try:
+            while True:
+                remaining = stream.deadline - time.monotonic()
+                try:
+                    item = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.0))
+                except asyncio.TimeoutError:
+                    raise RequestTimeoutError(f"request {request_id} exceeded its {timeout_s:.0f}s deadline") from None
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            # Any exit before the terminal output (cancellation, timeout, error)
+            # aborts the request so the engine frees its blocks.
+            if self._streams.pop(request_id, None) is not None:
+                self._commands.put(lambda: self.engine.abort(request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self.engine.abort(request_id))
+
+    def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future[object]":
+        """Run `fn(engine)` on the engine thread (e.g. to read counters safely)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[object] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn(self.engine)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_set_exception, fut, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, fut, result)
+
+        self._commands.put(run)
+        return fut
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)
+
+    # -- engine thread ---------------------------------------------------------
+
+    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        if request_id not in self._streams:
+            return  # the caller went away before the request reached the engine
+        try:
+            self.engine.add_request(request_id, prompt, params)
+        except ValueError as e:
+            self._deliver(request_id, e)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=self._idle_wait_s * 50) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        cmd()
+        while True:
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                return
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _set_result(fut: "asyncio.Future[object]", value: object) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: "asyncio.Future[object]", exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)
