@@ -67,6 +67,25 @@ def _cmd_make_tiny_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(a: argparse.Namespace) -> int:
+    from pdserve.cluster.serve_app import ServeConfig, run
+
+    model = a.model
+    if model is None:
+        from pdserve.workers.tiny.builder import default_model_dir
+
+        model = str(default_model_dir(progress=True))
+    engine_args: dict[str, object] = {"dtype": a.dtype, "device": a.device, "max_num_seqs": a.max_num_seqs,
+                                      "max_num_batched_tokens": a.max_num_batched_tokens,
+                                      "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
+                                      "enable_prefix_caching": not a.no_prefix_caching}
+    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, host=a.host, port=a.port,
+                      api_key=a.api_key, max_model_len=a.max_model_len, block_size=a.block_size,
+                      engine_args=engine_args)
+    run(cfg)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -83,6 +102,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="start workers on Ray and the OpenAI-compatible HTTP API")
+    srv.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    srv.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: total workers = prefill + decode)")
+    srv.add_argument("--decode", type=int, default=1, help="decode workers")
+    srv.add_argument("--transport", default="zmq", choices=["zmq", "nccl"])
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None)
+    _add_engine_args(srv)
+    srv.set_defaults(func=_cmd_serve)
 
     tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF-format model with its own BPE tokenizer")
     tiny.add_argument("out_dir")

@@ -1,0 +1,117 @@
+"""The Ray Serve application: worker actors plus the gateway ingress deployment."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import serve
+
+NAMESPACE = "pdserve"
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `pdserve serve` and deploy/serve.yaml configure (validated here)."""
+
+    model: str
+    mode: str = "colocated"  # colocated | disaggregated
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_in_flight: int = 256
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("colocated", "disaggregated"):
+            raise ValueError(f"mode: must be colocated or disaggregated, got {self.mode!r}")
+        if self.mode == "disaggregated":
+            raise ValueError("mode: disaggregated is not available yet in this build; use colocated")
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("prefill/decode: each pool needs at least one worker")
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+
+    @property
+    def num_workers(self) -> int:
+        # Colocated: the same total number of workers as the disaggregated pools.
+        return self.num_prefill + self.num_decode
+
+    def worker_names(self) -> list[str]:
+        return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
+
+    def engine_config(self) -> dict[str, Any]:
+        return {"model": self.model, "max_model_len": self.max_model_len, "block_size": self.block_size,
+                **self.engine_args}
+
+
+def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
+    """Create the named worker actors (one GPU each on CUDA, a CPU share otherwise)."""
+    from pdserve.cluster.actors import EngineWorkerActor
+
+    gpus = ray.cluster_resources().get("GPU", 0)
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    per_cpu = max(0.01, min(1.0, (cpus - 1) / cfg.num_workers)) if cpus > 1 else 0.01
+    threads = max(1, cpus // (cfg.num_workers + 1)) if not gpus else 1
+    opts: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": per_cpu}
+    workers = [EngineWorkerActor.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts)
+               .remote(cfg.engine_config(), threads) for name in cfg.worker_names()]
+    ray.get([w.ready.remote() for w in workers], timeout=timeout_s)
+    return workers
+
+
+def build_gateway_app(cfg: ServeConfig) -> Any:
+    """Runs on the gateway replica: tokenizer, backend over the named workers, routes."""
+    from transformers import AutoTokenizer
+
+    from pdserve.cluster.backend import ColocatedBackend, get_workers
+    from pdserve.cluster.gateway import Gateway, GatewayConfig
+    from pdserve.cluster.openai_app import build_app
+
+    workers = get_workers(cfg.worker_names(), NAMESPACE)
+    limits = ray.get(workers[0].ready.remote(), timeout=60)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
+                           max_model_len=limits["max_model_len"], api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
+    return build_app(Gateway(ColocatedBackend(workers), tokenizer, gw_cfg))
+
+
+def gateway_app(cfg: ServeConfig) -> serve.Application:
+    ingress = serve.ingress(lambda: build_gateway_app(cfg))()
+    deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=1,
+                                  ray_actor_options={"num_cpus": 0.01},
+                                  max_ongoing_requests=cfg.max_in_flight * 2)
+    return deployment.bind()
+
+
+def run(cfg: ServeConfig, block: bool = True) -> None:
+    """Start local Ray (or join RAY_ADDRESS), the workers, and the HTTP gateway."""
+    if not ray.is_initialized():
+        ray.init(namespace=NAMESPACE, ignore_reinit_error=True, include_dashboard=False)
+    start_workers(cfg)
+    serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+    print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 ({cfg.mode}, {cfg.num_workers} workers)",
+          flush=True)
+    if block:
+        try:
+            while True:
+                time.sleep(3600)
+        except KeyboardInterrupt:
+            shutdown(cfg)
+
+
+def shutdown(cfg: ServeConfig) -> None:
+    serve.shutdown()
+    for name in cfg.worker_names():
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:
+            pass
