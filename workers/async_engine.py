@@ -40,8 +40,12 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002) -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002,
+                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
         self.engine = engine
+        # Runs on the engine thread after every step (a prefill worker sends
+        # the KV of blocks that step completed).
+        self._on_step = on_step
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._idle_wait_s = idle_wait_s
@@ -64,14 +68,23 @@ class AsyncEngine:
         """Yield DELTA outputs until the request finishes. Bad input raises
         ValueError before anything is queued; a passed deadline raises
         RequestTimeoutError; an engine failure raises EngineDeadError."""
-        if not self.healthy:
-            raise EngineDeadError(f"engine is not running: {self.error!r}")
         self.engine.validate(prompt, params)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        async for out in self.stream(request_id, lambda e: e.add_request(request_id, prompt, params), timeout_s):
+            yield out
+
+    async def stream(
+        self, request_id: str, start: Callable[[LLMEngine], RequestOutput | None], timeout_s: float = 600.0,
+    ) -> AsyncIterator[RequestOutput]:
+        """Run `start(engine)` on the engine thread (it puts the request into the
+        engine, and may return a first output), then yield the request's outputs
+        until it finishes. Same exits and guarantees as `generate`."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout_s)
         self._streams[request_id] = stream
-        self._commands.put(lambda: self._add(request_id, prompt, params))
+        self._commands.put(lambda: self._start(request_id, start))
         try:
             while True:
                 remaining = stream.deadline - time.monotonic()
@@ -116,13 +129,16 @@ class AsyncEngine:
 
     # -- engine thread ---------------------------------------------------------
 
-    def _add(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def _start(self, request_id: str, start: Callable[[LLMEngine], RequestOutput | None]) -> None:
         if request_id not in self._streams:
             return  # the caller went away before the request reached the engine
         try:
-            self.engine.add_request(request_id, prompt, params)
+            first = start(self.engine)
         except ValueError as e:
             self._deliver(request_id, e)
+            return
+        if first is not None:
+            self._deliver(request_id, first)
 
     def _run(self) -> None:
         try:
@@ -131,6 +147,8 @@ class AsyncEngine:
                 if self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                if self._on_step is not None:
+                    self._on_step(self.engine)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
             for rid in list(self._streams):

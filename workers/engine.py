@@ -113,6 +113,13 @@ class LLMEngine:
         if req is not None:
             self.kv.free(req)
 
+    def progress(self, request_id: str) -> tuple[int, bool] | None:
+        """(prompt tokens whose KV is computed, finished) of a live or held request."""
+        req = self.scheduler.requests.get(request_id) or self._held.get(request_id)
+        if req is None:
+            return None
+        return min(req.num_computed_tokens, req.num_prompt_tokens), req.status.finished
+
     def held_blocks(self, request_id: str) -> list[int]:
         return self.kv.blocks_of(request_id) if request_id in self._held else []
 
