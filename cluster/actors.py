@@ -20,12 +20,7 @@ class EngineWorkerActor:
     requests stream through it at once while its engine thread batches them."""
 
     def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
-        import torch
-
-        # Workers share the node's cores: more threads than cores makes OpenMP
-        # threads spin against each other (measured: 50x slower decode steps).
-        torch.set_num_threads(torch_threads)
-        self.engine = AsyncEngine(LLMEngine(EngineConfig(**config)))
+        self.engine = AsyncEngine(_engine(config, torch_threads, record_events=False))
 
     async def ready(self) -> dict[str, Any]:
         e = self.engine.engine
@@ -40,10 +35,94 @@ class EngineWorkerActor:
 
     async def load(self) -> dict[str, Any]:
         """Counters the router and the leak tests read (from the engine thread)."""
+        return await self.engine.call(_load)  # type: ignore[return-value]
 
-        def read(e: LLMEngine) -> dict[str, Any]:
-            return {"healthy": True, "running": len(e.scheduler.running), "waiting": len(e.scheduler.waiting),
-                    "used_blocks": e.kv.pool.num_used, "free_blocks": e.kv.pool.num_free,
-                    "cached_blocks": len(e.kv.pool.cached), "prompt_tokens_computed": e.stats.prompt_tokens_computed}
 
-        return await self.engine.call(read)  # type: ignore[return-value]
+def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = True) -> LLMEngine:
+    import torch
+
+    # Workers share the node's cores: more threads than cores makes OpenMP
+    # threads spin against each other (measured: 50x slower decode steps).
+    torch.set_num_threads(torch_threads)
+    return LLMEngine(EngineConfig(**{**config, "record_kv_events": record_events}))
+
+
+def _load(e: LLMEngine) -> dict[str, Any]:
+    """Engine thread: what the router needs, plus the KV events since the last call."""
+    sched = e.scheduler
+    queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
+                 for r in list(sched.waiting) + sched.running)
+    events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.kv.pool.take_events()]
+    return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
+            "free_blocks": e.kv.pool.num_free, "total_blocks": e.kv.pool.num_blocks, "used_blocks": e.kv.pool.num_used,
+            "prompt_tokens_computed": e.stats.prompt_tokens_computed, "events": events}
+
+
+@ray.remote
+class PrefillWorkerActor:
+    """A prefill worker: computes prompts and streams their KV to decode workers over ZeroMQ."""
+
+    def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
+        from pdserve.workers.prefill_worker import PrefillWorker
+        from pdserve.workers.transfer.zmq_backend import ZmqKVSender
+
+        engine = _engine(config, torch_threads)
+        self._senders: dict[str, ZmqKVSender] = {}
+
+        def sender_for(address: str) -> ZmqKVSender:
+            if address not in self._senders:
+                self._senders[address] = ZmqKVSender(engine.kv_caches, address)
+            return self._senders[address]
+
+        self.worker = PrefillWorker(engine, sender_for)
+
+    async def ready(self) -> dict[str, Any]:
+        e = self.worker.engine
+        return {"num_kv_blocks": e.num_kv_blocks, "max_model_len": e.max_model_len}
+
+    async def prefill(self, request_id: str, prompt: list[int], params: dict[str, Any], dst_blocks: list[int],
+                      cached_on_decode: int, receiver: str, timeout_s: float) -> RequestOutput:
+        return await self.worker.prefill(request_id, prompt, SamplingParams(**params), dst_blocks, cached_on_decode,
+                                         receiver, timeout_s)
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.async_engine.call(lambda e: e.abort(request_id))
+
+    async def load(self) -> dict[str, Any]:
+        return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
+
+
+@ray.remote
+class DecodeWorkerActor:
+    """A decode worker: reserves blocks, receives KV over ZeroMQ, decodes in a continuous batch.
+    It can also serve a request end to end (local prefill) when the router says so."""
+
+    def __init__(self, config: dict[str, Any], torch_threads: int, bind_host: str) -> None:
+        from pdserve.workers.decode_worker import DecodeWorker
+        from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
+
+        engine = _engine(config, torch_threads)
+        self.receiver = ZmqKVReceiver(engine.kv_caches, bind=f"tcp://{bind_host}:*")
+        self.worker = DecodeWorker(engine, self.receiver)
+
+    async def ready(self) -> dict[str, Any]:
+        e = self.worker.engine
+        return {"num_kv_blocks": e.num_kv_blocks, "max_model_len": e.max_model_len, "address": self.receiver.address}
+
+    async def reserve(self, request_id: str, prompt: list[int], params: dict[str, Any]) -> tuple[list[int], int] | None:
+        return await self.worker.reserve(request_id, prompt, SamplingParams(**params))
+
+    async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
+                     timeout_s: float) -> AsyncIterator[RequestOutput]:
+        async for out in self.worker.decode(request_id, prompt, first, cached_here, timeout_s):
+            yield out
+
+    async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float) -> AsyncIterator[RequestOutput]:
+        async for out in self.worker.async_engine.generate(request_id, prompt, SamplingParams(**params), timeout_s):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        await self.worker.abort(request_id)
+
+    async def load(self) -> dict[str, Any]:
+        return await self.worker.async_engine.call(_load)  # type: ignore[return-value]

@@ -27,13 +27,12 @@ class ServeConfig:
     max_model_len: int | None = None
     block_size: int = 16
     max_in_flight: int = 256
+    kv_bind_host: str = "127.0.0.1"  # where decode workers listen for KV (a private interface on a real cluster)
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: must be colocated or disaggregated, got {self.mode!r}")
-        if self.mode == "disaggregated":
-            raise ValueError("mode: disaggregated is not available yet in this build; use colocated")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("prefill/decode: each pool needs at least one worker")
         if not 0 < self.port < 65536:
@@ -45,7 +44,15 @@ class ServeConfig:
         return self.num_prefill + self.num_decode
 
     def worker_names(self) -> list[str]:
+        if self.mode == "disaggregated":
+            return self.prefill_names() + self.decode_names()
         return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
+
+    def prefill_names(self) -> list[str]:
+        return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]
+
+    def decode_names(self) -> list[str]:
+        return [f"pdserve-decode-{i}" for i in range(self.num_decode)]
 
     def engine_config(self) -> dict[str, Any]:
         return {"model": self.model, "max_model_len": self.max_model_len, "block_size": self.block_size,
@@ -54,15 +61,23 @@ class ServeConfig:
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     """Create the named worker actors (one GPU each on CUDA, a CPU share otherwise)."""
-    from pdserve.cluster.actors import EngineWorkerActor
+    from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
     gpus = ray.cluster_resources().get("GPU", 0)
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
     per_cpu = max(0.01, min(1.0, (cpus - 1) / cfg.num_workers)) if cpus > 1 else 0.01
-    threads = max(1, cpus // (cfg.num_workers + 1)) if not gpus else 1
+    threads = max(1, cpus // cfg.num_workers) if not gpus else 1
     opts: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": per_cpu}
-    workers = [EngineWorkerActor.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts)
-               .remote(cfg.engine_config(), threads) for name in cfg.worker_names()]
+
+    def make(actor_cls: Any, name: str, *args: Any) -> Any:
+        return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
+            cfg.engine_config(), threads, *args)
+
+    if cfg.mode == "disaggregated":
+        workers = [make(PrefillWorkerActor, n) for n in cfg.prefill_names()]
+        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host) for n in cfg.decode_names()]
+    else:
+        workers = [make(EngineWorkerActor, n) for n in cfg.worker_names()]
     ray.get([w.ready.remote() for w in workers], timeout=timeout_s)
     return workers
 
@@ -76,11 +91,23 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from pdserve.cluster.openai_app import build_app
 
     workers = get_workers(cfg.worker_names(), NAMESPACE)
-    limits = ray.get(workers[0].ready.remote(), timeout=60)
+    limits = ray.get(workers[-1].ready.remote(), timeout=60)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
                            max_model_len=limits["max_model_len"], api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
-    return build_app(Gateway(ColocatedBackend(workers), tokenizer, gw_cfg))
+    backend = _disaggregated_backend(cfg) if cfg.mode == "disaggregated" else ColocatedBackend(workers)
+    return build_app(Gateway(backend, tokenizer, gw_cfg))
+
+
+def _disaggregated_backend(cfg: ServeConfig) -> Any:
+    from pdserve.cluster.disagg_backend import DisaggregatedBackend
+    from pdserve.cluster.router import Router
+    from pdserve.cluster.router.policy import RouterConfig
+
+    prefill = {f"p{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.prefill_names())}
+    decode = {f"d{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.decode_names())}
+    addresses = {wid: ray.get(a.ready.remote(), timeout=60)["address"] for wid, a in decode.items()}
+    return DisaggregatedBackend(prefill, decode, addresses, Router(RouterConfig(), cfg.block_size))
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

@@ -26,6 +26,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    record_kv_events: bool = False  # keep block stored/evicted events for a router to drain
     attention_backend: str = "auto"
     seed: int = 0
     progress: bool = False

@@ -56,7 +56,8 @@ class LLMEngine:
                                 self.max_model_len, progress=config.progress)
         self.num_kv_blocks = self._num_kv_blocks()
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size, self.dtype, self.device)
-        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                 record_events=config.record_kv_events)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
@@ -106,6 +107,13 @@ class LLMEngine:
             advance_generator(req.generator, self.model_config.vocab_size, self.device)
         outs = self._process_samples([req], SamplerOutput(torch.tensor([first_token])))
         return outs[0] if outs else None
+
+    def prefill_locally(self, request_id: str) -> None:
+        """Decode worker: the KV transfer failed; recompute the prompt here instead."""
+        req = self.scheduler.awaiting_kv.get(request_id)
+        if req is None:
+            raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        self.scheduler.prefill_locally(req)
 
     def release(self, request_id: str) -> None:
         """Prefill worker: free the blocks of a finished `hold_kv` request."""

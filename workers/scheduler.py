@@ -95,6 +95,15 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def prefill_locally(self, req: Request) -> None:
+        """A remote prefill failed: free the reserved blocks (their content is not
+        trusted) and queue the request to prefill here, ahead of new work."""
+        del self.awaiting_kv[req.request_id]
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:

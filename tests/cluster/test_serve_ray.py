@@ -21,25 +21,27 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir: Path) -> Iterator[str]:
+@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+def cluster(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     from pdserve.cluster import serve_app
 
     port = 18000 + os.getpid() % 1000
-    cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256,
+    cfg = serve_app.ServeConfig(model=str(model_dir), mode=request.param, port=port, max_model_len=256,
                                 engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
     ray.init(namespace=serve_app.NAMESPACE, num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", request.param
     finally:
         serve_app.shutdown(cfg)
         ray.shutdown()
 
 
-def test_colocated_cluster_serves_completions_like_the_offline_engine(cluster: str, model_dir: Path) -> None:
-    c = openai.OpenAI(base_url=f"{cluster}/v1", api_key="none", max_retries=0, timeout=60)
-    prompts = ["def add(a, b):", "import sys\n", "class Foo:"]
+def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, str], model_dir: Path) -> None:
+    url, mode = cluster
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    # Long enough that the router sends them to the prefill worker (not local prefill).
+    prompts = ["def add(a, b):\n    return a + b\n" * 3, "import sys\nimport os\n" * 5, "class Foo:\n    pass\n" * 4]
     offline = LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, progress=False)
     expected = offline.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     for prompt, exp in zip(prompts, expected):
@@ -49,3 +51,14 @@ def test_colocated_cluster_serves_completions_like_the_offline_engine(cluster: s
     stream = c.chat.completions.create(model=os.path.basename(str(model_dir)), messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert len("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)) > 0
+    if mode == "disaggregated":
+        from pdserve.cluster.serve_app import NAMESPACE
+
+        p = ray.get(ray.get_actor("pdserve-prefill-0", namespace=NAMESPACE).load.remote())
+        d = ray.get(ray.get_actor("pdserve-decode-0", namespace=NAMESPACE).load.remote())
+        # Prompts were prefilled on the prefill worker and their KV shipped; the
+        # decode worker computed no prompt token itself (the chat prompt aside,
+        # which is short enough to be prefilled locally).
+        assert p["prompt_tokens_computed"] > 60
+        assert d["prompt_tokens_computed"] < 20
+        assert p["used_blocks"] == 0 and d["used_blocks"] == 0

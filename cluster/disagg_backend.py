@@ -1,0 +1,110 @@
+"""The gateway's coordinator for disaggregated serving.
+
+One request: route (cache- and load-aware) -> the decode worker reserves blocks
+-> the prefill worker prefills and streams KV into them -> the decode worker
+streams tokens. Any exit before the end (client gone, deadline, worker error)
+aborts the request on both workers, which frees its blocks on both sides.
+Worker loads and KV events reach the router from a poller every `poll_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from pdserve.cluster.backend import params_to_wire
+from pdserve.cluster.router import Router
+from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
+from pdserve.workers.kv.events import KVEvent, KVEventKind
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+
+
+class DisaggregatedBackend:
+    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], decode_addresses: dict[str, str],
+                 router: Router, poll_s: float = 0.05) -> None:
+        self.prefill, self.decode, self.addresses, self.router = prefill, decode, decode_addresses, router
+        self.poll_s = poll_s
+        self._in_flight = 0
+        self._dead: set[str] = set()
+        self._poller: asyncio.Task[None] | None = None
+        self.loads: dict[str, dict[str, Any]] = {}
+
+    @property
+    def healthy(self) -> bool:
+        return any(w not in self._dead for w in self.decode) and (
+            any(w not in self._dead for w in self.prefill) or not self.prefill)
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+        if self._poller is None:
+            self._poller = asyncio.create_task(self._poll_loads())
+            await self._refresh()
+        decision = self.router.route(request_id, prompt)
+        d_id, p_id = decision.decode_worker, decision.prefill_worker
+        d = self.decode[d_id]
+        wire = params_to_wire(params)
+        self._in_flight += 1
+        finished = False
+        try:
+            if decision.local_prefill or p_id is None:
+                stream = d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s)
+            else:
+                stream = await self._handoff(request_id, prompt, wire, timeout_s, p_id, d_id)
+            async for ref in stream:
+                out: RequestOutput = await ref
+                yield out
+                finished = out.finished
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                for worker in [d] + ([self.prefill[p_id]] if p_id else []):
+                    with contextlib.suppress(RayActorError):
+                        worker.abort.remote(request_id)
+
+    async def _handoff(self, request_id: str, prompt: list[int], wire: dict[str, Any], timeout_s: float,
+                       p_id: str, d_id: str) -> Any:
+        d = self.decode[d_id]
+        plan = await d.reserve.remote(request_id, prompt, wire)
+        if plan is None:  # no room on the decode worker now: it queues and prefills the request itself
+            return d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s)
+        blocks, cached_here = plan
+        first: RequestOutput | None
+        try:
+            first = await self.prefill[p_id].prefill.remote(request_id, prompt, wire, blocks, cached_here,
+                                                            self.addresses[d_id], timeout_s)
+        except RayActorError:
+            self._dead.add(p_id)
+            first = None
+        except RayTaskError:
+            first = None  # transfer failed or timed out: the decode worker applies its policy
+        return d.decode.options(num_returns="streaming").remote(request_id, prompt, first, cached_here, timeout_s)
+
+    async def _refresh(self) -> None:
+        workers = {**{k: (v, WorkerRole.PREFILL) for k, v in self.prefill.items()},
+                   **{k: (v, WorkerRole.DECODE) for k, v in self.decode.items()}}
+        for wid, (actor, role) in workers.items():
+            try:
+                load = await asyncio.wait_for(actor.load.remote(), timeout=5.0)
+            except (RayActorError, asyncio.TimeoutError):
+                self._dead.add(wid)
+                self.router.update_load(WorkerLoad(wid, role, healthy=False))
+                continue
+            self.loads[wid] = load
+            self.router.on_kv_events(wid, [KVEvent(KVEventKind(k), h, p) for k, h, p in load["events"]])
+            self.router.update_load(WorkerLoad(wid, role, healthy=wid not in self._dead,
+                                               queued_prefill_tokens=load["queued_prefill_tokens"],
+                                               running_requests=load["running"], free_blocks=load["free_blocks"],
+                                               total_blocks=load["total_blocks"]))
+
+    async def _poll_loads(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_s)
+            await self._refresh()

@@ -1,0 +1,96 @@
+"""Decode role: reserve blocks for a prompt before its KV arrives, wait for the
+transfer (with a deadline), join the continuous batch, stream token deltas.
+
+Lifecycle of one request here: RESERVED (blocks held, WAITING_FOR_KV) ->
+DECODING -> finished. A transfer that fails or misses its deadline never
+reaches decoding with bad KV: by default the request is re-prefilled here from
+its prompt (`recompute`), or fails with a clear error (`fail`); the reserved
+blocks are freed either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import time
+from collections.abc import AsyncIterator
+
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.messages import TransferState
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.transfer.base import FailReason, KVReceiver, TransferError
+
+
+class KVFailurePolicy(str, enum.Enum):
+    RECOMPUTE = "recompute"
+    FAIL = "fail"
+
+
+class DecodeWorker:
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver,
+                 on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE) -> None:
+        self.engine = engine
+        self.receiver = receiver
+        self.on_failure = on_failure
+        self.async_engine = AsyncEngine(engine)
+        self.num_transfer_failures = 0
+
+    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int] | None:
+        """Allocate blocks for the prompt (reusing this worker's prefix cache) and
+        register them with the receiver. Returns (block ids, tokens cached here)
+        or None when the pool is full now. ValueError for bad input."""
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+
+        def reserve(engine: LLMEngine) -> tuple[list[int], int] | None:
+            plan = engine.add_remote_prefill_request(request_id, prompt, params)
+            if plan is not None:
+                blocks, cached = plan
+                skip = cached // engine.config.block_size
+                if skip < len(blocks):
+                    self.receiver.register(request_id, blocks[skip:], engine.model_config.num_layers)
+            return plan
+
+        return await self.async_engine.call(reserve)  # type: ignore[return-value]
+
+    async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
+                     timeout_s: float = 600.0) -> AsyncIterator[RequestOutput]:
+        """Wait for the KV, then stream DELTA outputs from the first token on.
+        `first=None`: the prefill worker failed; apply the failure policy at once."""
+        deadline = time.monotonic() + timeout_s
+        if first is None:
+            self.receiver.abort(request_id)
+            self.num_transfer_failures += 1
+            ok = False
+        elif cached_here < -(-len(prompt) // self.engine.config.block_size) * self.engine.config.block_size:
+            ok = await self._wait_transfer(request_id, deadline)
+        else:
+            ok = True  # every block was already cached here: nothing was sent
+        if ok:
+            first_token = first.outputs[0].token_ids[0]  # type: ignore[union-attr]
+            start = lambda e: e.finish_remote_prefill(request_id, first_token)  # noqa: E731
+        elif self.on_failure is KVFailurePolicy.RECOMPUTE:
+            start = lambda e: e.prefill_locally(request_id)  # noqa: E731
+        else:
+            await self.abort(request_id)
+            raise TransferError(request_id, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
+        async for out in self.async_engine.stream(request_id, start, max(deadline - time.monotonic(), 0.0)):
+            yield out
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel wherever the request is: stop the transfer, free the blocks."""
+        self.receiver.abort(request_id)
+        await self.async_engine.call(lambda e: e.abort(request_id))
+
+    async def _wait_transfer(self, request_id: str, deadline: float) -> bool:
+        loop = asyncio.get_running_loop()
+        try:
+            status = await loop.run_in_executor(None, self.receiver.wait, request_id, deadline)
+        finally:
+            self.receiver.release(request_id)
+        if status.state is TransferState.DONE:
+            return True
+        self.num_transfer_failures += 1
+        return False

@@ -1,0 +1,369 @@
+"""Every message that crosses a process boundary: typed, frozen, versioned, msgpack on the wire.
+
+Wire format of one message: the msgpack array `[type, version, {field: value}]`.
+`type` is a `MessageType` value, `version` the message class's version (the
+default of its `version` field), and the map holds every other field by name,
+enums as their values and tuples as arrays. `decode` checks all of it (known
+type, the version this code speaks, exactly the declared fields, each of the
+declared type) and raises `ValueError` naming what is wrong. Nothing here
+unpickles or evaluates: a peer can only make us build one of the dataclasses
+below, with checked fields.
+
+Construction checks the same types, so a message that encodes is one that
+decodes. Sequence fields are tuples (lists are accepted and converted), so every
+message is immutable and hashable.
+
+To add a message: a `MessageType` member, a frozen dataclass deriving `Message`
+with `@_register`, fields typed with int / bool / str / float / enums /
+`X | None` / `tuple[X, ...]`, and `version: int = 1` last. Bump the version
+when the fields change: a peer on the old version gets a clear error, not a
+silent misread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import msgpack
+
+from pdserve.workers.kv.events import KVEvent, KVEventKind
+
+# Control messages are small; a bigger one is garbage or an attack, and
+# rejecting it early keeps msgpack from allocating for it.
+MAX_MESSAGE_BYTES = 1 << 20
+_UINT64_MAX = (1 << 64) - 1
+
+
+class MessageType(enum.IntEnum):
+    KV_TRANSFER_HELLO = 1
+    KV_CREDIT_GRANT = 2
+    KV_TRANSFER_HEADER = 3
+    KV_TRANSFER_ACK = 4
+    KV_TRANSFER_ABORT = 5
+    KV_EVENT_BATCH = 6
+
+
+class TransferState(str, enum.Enum):
+    """Where one request's KV transfer stands, as its receiver sees it."""
+
+    PENDING = "pending"  # registered; not every expected layer/block has arrived and been verified
+    DONE = "done"  # every expected layer of every registered block is written and verified
+    FAILED = "failed"  # terminal; the blocks hold nothing usable (see FailReason)
+
+
+class FailReason(str, enum.Enum):
+    CHECKSUM = "checksum"  # a frame's bytes did not match its header's checksum
+    TIMEOUT = "timeout"  # a deadline passed (receiver wait, sender credit or finish)
+    ABORTED = "aborted"  # one side called abort(); the detail says which and why
+    PROTOCOL = "protocol"  # a malformed or inconsistent message (shape, dtype, blocks, sequence)
+    UNKNOWN_REQUEST = "unknown_request"  # the receiver has no registration for this request
+    CLOSED = "closed"  # the transport was closed while the transfer was pending
+
+
+class ChecksumKind(str, enum.Enum):
+    """How a data message's frames are checksummed; the receiver picks one the sender offered."""
+
+    CRC32 = "crc32"  # zlib: always there; ~4 GB/s on one core
+    XXH3_64 = "xxh3_64"  # the `xxhash` package, where installed: ~10x faster
+
+
+M = TypeVar("M", bound="Message")
+_REGISTRY: dict[MessageType, type[Message]] = {}
+
+
+class Message:
+    """Base of every message. Subclasses are frozen, keyword-only dataclasses."""
+
+    TYPE: ClassVar[MessageType]
+
+    def __post_init__(self) -> None:
+        for f in _fields(type(self)):
+            value = getattr(self, f.name)
+            checked = _check(f"{type(self).__name__}.{f.name}", _hints(type(self))[f.name], value)
+            if checked is not value:
+                object.__setattr__(self, f.name, checked)
+        supported = _version_of(type(self))
+        if self.version != supported:  # type: ignore[attr-defined]
+            raise ValueError(
+                f"{type(self).__name__}: version {self.version} is not supported (this code speaks {supported})"  # type: ignore[attr-defined]
+            )
+
+
+def _register(msg_type: MessageType) -> typing.Callable[[type[M]], type[M]]:
+    def wrap(cls: type[M]) -> type[M]:
+        if msg_type in _REGISTRY:
+            raise RuntimeError(f"message type {msg_type!r} registered twice")
+        cls.TYPE = msg_type
+        _REGISTRY[msg_type] = cls
+        return cls
+
+    return wrap
+
+
+# -- the messages ------------------------------------------------------------------
+
+
+@_register(MessageType.KV_TRANSFER_HELLO)
+@dataclass(frozen=True, kw_only=True)
+class KVTransferHello(Message):
+    """Sender → receiver, once per connection: asks for the initial credit window."""
+
+    sender_id: str  # for logs only; the transport identifies peers itself
+    # ChecksumKind values the sender can compute, best first; strings, so that a kind
+    # this receiver does not know yet is skipped rather than failing the hello.
+    checksums: tuple[str, ...]
+    version: int = 1
+
+
+@_register(MessageType.KV_CREDIT_GRANT)
+@dataclass(frozen=True, kw_only=True)
+class KVCreditGrant(Message):
+    """Receiver → sender, the answer to a hello: `credits` data messages may be in flight,
+    checksummed with `checksum`."""
+
+    credits: int
+    checksum: ChecksumKind
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.credits > 0, f"KVCreditGrant.credits: must be > 0, got {self.credits}")
+
+
+@_register(MessageType.KV_TRANSFER_HEADER)
+@dataclass(frozen=True, kw_only=True)
+class KVTransferHeader(Message):
+    """Sender → receiver: the first frame of a data message; K and V frames follow.
+
+    A data message carries K then V of `num_blocks` blocks of one layer,
+    contiguous, in the order of `dst_block_ids` (blocks in the receiver's cache).
+    The end marker (`is_last`, sent by `finish`) carries no blocks and no frames;
+    its `seq` is the number of data messages of the transfer before it.
+    """
+
+    request_id: str
+    transfer_id: int  # the sender's attempt; the receiver binds a registration to the first it sees
+    seq: int  # 0, 1, 2, ... per transfer: lets the receiver see a lost or replayed message
+    layer: int
+    dst_block_ids: tuple[int, ...]
+    num_blocks: int
+    dtype: str  # torch dtype name, e.g. "float16"; checked against the receiver's cache
+    block_shape: tuple[int, ...]  # one block of K (or V): (block_size, num_kv_heads, head_dim)
+    checksum_kind: ChecksumKind
+    checksum: int  # of the K frame's bytes, continued over the V frame's
+    is_last: bool = False
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        name = "KVTransferHeader"
+        _require(self.num_blocks == len(self.dst_block_ids),
+                 f"{name}.num_blocks: {self.num_blocks} != len(dst_block_ids) {len(self.dst_block_ids)}")
+        _require(self.seq >= 0 and self.layer >= 0 and self.transfer_id >= 0,
+                 f"{name}: seq, layer and transfer_id must be >= 0")
+        _require(all(b >= 0 for b in self.dst_block_ids), f"{name}.dst_block_ids: must be >= 0")
+        bits = 32 if self.checksum_kind is ChecksumKind.CRC32 else 64
+        _require(0 <= self.checksum < 1 << bits, f"{name}.checksum: not a {bits}-bit value: {self.checksum}")
+        _require(len(self.block_shape) == 3 and all(d > 0 for d in self.block_shape),
+                 f"{name}.block_shape: expected 3 positive dims, got {self.block_shape}")
+        _require(not (self.is_last and self.num_blocks), f"{name}: the end marker (is_last) carries no blocks")
+
+
+@_register(MessageType.KV_TRANSFER_ACK)
+@dataclass(frozen=True, kw_only=True)
+class KVTransferAck(Message):
+    """Receiver → sender, one per data message or end marker consumed.
+
+    Returns `credits` (normally 1) and reports the transfer's state, so a
+    failure on the receiving leg reaches the sending one at its next call.
+    """
+
+    request_id: str
+    transfer_id: int
+    seq: int
+    state: TransferState
+    reason: FailReason | None = None
+    detail: str = ""
+    credits: int = 1
+    version: int = 1
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(self.credits >= 0, f"KVTransferAck.credits: must be >= 0, got {self.credits}")
+        _require((self.state is TransferState.FAILED) == (self.reason is not None),
+                 "KVTransferAck: a reason goes with, and only with, state FAILED")
+
+
+@_register(MessageType.KV_TRANSFER_ABORT)
+@dataclass(frozen=True, kw_only=True)
+class KVTransferAbort(Message):
+    """Either direction: stop this transfer; the other side frees what it holds for it."""
+
+    request_id: str
+    transfer_id: int  # 0 when the sender of the abort never learned it
+    reason: str  # free text for logs and the client's error
+    version: int = 1
+
+
+@_register(MessageType.KV_EVENT_BATCH)
+@dataclass(frozen=True, kw_only=True)
+class KVEventBatch(Message):
+    """Worker → router: what entered and left a worker's prefix cache, in order.
+
+    Mirrors `pdserve.workers.kv.events.KVEvent`; on the wire each event is
+    `[kind, block_hash, parent_hash or nil]`. `batch_seq` counts batches per
+    worker so a router can see a lost batch and ask for a resync.
+    """
+
+    worker_id: str
+    batch_seq: int
+    events: tuple[KVEvent, ...]
+    version: int = 1
+
+
+# -- encode / decode ---------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """msgpack bytes of `msg` (see the module docstring for the layout)."""
+    if type(msg) not in _REGISTRY.values():
+        raise ValueError(f"encode: {type(msg).__name__} is not a registered message")
+    body = {f.name: _to_wire(getattr(msg, f.name)) for f in _fields(type(msg)) if f.name != "version"}
+    try:
+        return msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)  # type: ignore[attr-defined]
+    except (OverflowError, TypeError, ValueError) as e:
+        raise ValueError(f"encode {type(msg).__name__}: {e}") from e
+
+
+def decode(data: bytes | bytearray | memoryview) -> Message:
+    """The message in `data`; `ValueError` for anything that is not exactly a known message."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ValueError(f"decode: {len(data)} bytes is over the {MAX_MESSAGE_BYTES}-byte message limit")
+    try:
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise ValueError(f"decode: not a msgpack message ({type(e).__name__}: {e})") from e
+    if not (isinstance(obj, list) and len(obj) == 3):
+        raise ValueError("decode: expected [type, version, fields]")
+    raw_type, version, body = obj
+    if type(raw_type) is not int or raw_type not in _REGISTRY:
+        raise ValueError(f"decode: unknown message type {raw_type!r}")
+    cls = _REGISTRY[MessageType(raw_type)]
+    supported = _version_of(cls)
+    if type(version) is not int or version != supported:
+        raise ValueError(f"decode {cls.__name__}: version {version!r} is not supported (this code speaks {supported})")
+    if not isinstance(body, dict):
+        raise ValueError(f"decode {cls.__name__}: fields must be a map")
+    expected = {f.name for f in _fields(cls)} - {"version"}
+    if missing := expected - body.keys():
+        raise ValueError(f"decode {cls.__name__}: missing fields {sorted(missing)}")
+    if extra := body.keys() - expected:
+        raise ValueError(f"decode {cls.__name__}: unknown fields {sorted(extra)}")
+    hints = _hints(cls)
+    values = {name: _from_wire(f"{cls.__name__}.{name}", hints[name], body[name]) for name in expected}
+    return cls(**values, version=version)
+
+
+def decode_as(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
+    """`decode`, and a `ValueError` unless the message is a `cls`."""
+    msg = decode(data)
+    if not isinstance(msg, cls):
+        raise ValueError(f"decode: expected {cls.__name__}, got {type(msg).__name__}")
+    return msg
+
+
+# -- field types -------------------------------------------------------------------
+
+
+@functools.cache
+def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
+    return dataclasses.fields(cls)
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _version_of(cls: type) -> int:
+    (version,) = (f.default for f in _fields(cls) if f.name == "version")
+    return int(version)  # type: ignore[arg-type]
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check(where: str, hint: Any, value: Any) -> Any:
+    """`value` if it is a `hint` (lists become tuples, enum values become members); else ValueError."""
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _check(where, inner, value)
+    if origin is tuple:
+        inner, _ = typing.get_args(hint)  # tuple[X, ...]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{where}: expected a sequence, got {type(value).__name__}")
+        items = tuple(_check(f"{where}[{i}]", inner, v) for i, v in enumerate(value))
+        return value if isinstance(value, tuple) and all(a is b for a, b in zip(items, value)) else items
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        if isinstance(value, hint):
+            return value
+        try:
+            return hint(value)
+        except ValueError:
+            raise ValueError(f"{where}: {value!r} is not one of {[m.value for m in hint]}") from None
+    if hint is KVEvent:
+        return _check_event(where, value)
+    if hint is float and type(value) is int:
+        return float(value)
+    # `type(...) is`, not isinstance: a bool must not pass as an int, nor an IntEnum.
+    if hint in (int, bool, str, float) and type(value) is hint:
+        if hint is int and not -(1 << 63) <= value <= _UINT64_MAX:
+            raise ValueError(f"{where}: {value} does not fit in 64 bits")
+        return value
+    raise ValueError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
+
+
+def _check_event(where: str, value: Any) -> KVEvent:
+    if not isinstance(value, KVEvent):
+        raise ValueError(f"{where}: expected KVEvent, got {type(value).__name__}")
+    kind = _check(f"{where}.kind", KVEventKind, value.kind)
+    for name in ("block_hash", "parent_hash"):
+        h = getattr(value, name)
+        if not (h is None and name == "parent_hash") and not (type(h) is int and 0 <= h <= _UINT64_MAX):
+            raise ValueError(f"{where}.{name}: expected a 64-bit unsigned hash, got {h!r}")
+    return value if kind is value.kind else KVEvent(kind, value.block_hash, value.parent_hash)
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, KVEvent):
+        return [value.kind.value, value.block_hash, value.parent_hash]
+    return value
+
+
+def _from_wire(where: str, hint: Any, value: Any) -> Any:
+    """Wire shapes back to field shapes, where they differ (events); types are checked after."""
+    if typing.get_origin(hint) is tuple and isinstance(value, list):
+        inner, _ = typing.get_args(hint)
+        return [_from_wire(f"{where}[{i}]", inner, v) for i, v in enumerate(value)]
+    if hint is KVEvent:
+        if not (isinstance(value, list) and len(value) == 3):
+            raise ValueError(f"{where}: expected [kind, block_hash, parent_hash]")
+        return KVEvent(_check(f"{where}.kind", KVEventKind, value[0]), value[1], value[2])
+    return value
