@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 PROMPT ?= def fibonacci(n):
 
-.PHONY: setup run test bench clean
+.PHONY: setup run generate test bench clean
 
 $(BIN)/pdserve: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,6 +19,9 @@ $(BIN)/pdserve: pyproject.toml
 setup: $(BIN)/pdserve
 
 run: setup
+	$(BIN)/pdserve serve
+
+generate: setup
 	$(BIN)/pdserve generate "$(PROMPT)" --max-tokens 48
 
 test: setup

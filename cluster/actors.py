@@ -55,7 +55,8 @@ def _load(e: LLMEngine) -> dict[str, Any]:
     events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.kv.pool.take_events()]
     return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
             "free_blocks": e.kv.pool.num_free, "total_blocks": e.kv.pool.num_blocks, "used_blocks": e.kv.pool.num_used,
-            "prompt_tokens_computed": e.stats.prompt_tokens_computed, "events": events}
+            "prompt_tokens_computed": e.stats.prompt_tokens_computed,
+            "generation_tokens": e.stats.generation_tokens, "events": events}
 
 
 @ray.remote

@@ -79,7 +79,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                       "max_num_batched_tokens": a.max_num_batched_tokens,
                                       "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
                                       "enable_prefix_caching": not a.no_prefix_caching}
-    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, host=a.host, port=a.port,
+    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport,
+                      host=a.host, port=a.port,
                       api_key=a.api_key, max_model_len=a.max_model_len, block_size=a.block_size,
                       engine_args=engine_args)
     run(cfg)
@@ -104,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="start workers on Ray and the OpenAI-compatible HTTP API")
-    srv.add_argument("--mode", default="colocated", choices=["colocated", "disaggregated"])
+    srv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
     srv.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: total workers = prefill + decode)")
     srv.add_argument("--decode", type=int, default=1, help="decode workers")
     srv.add_argument("--transport", default="zmq", choices=["zmq", "nccl"])

@@ -18,7 +18,7 @@ class ServeConfig:
     """What `pdserve serve` and deploy/serve.yaml configure (validated here)."""
 
     model: str
-    mode: str = "colocated"  # colocated | disaggregated
+    mode: str = "disaggregated"  # disaggregated | colocated (the baseline)
     num_prefill: int = 1
     num_decode: int = 1
     host: str = "127.0.0.1"
@@ -27,12 +27,17 @@ class ServeConfig:
     max_model_len: int | None = None
     block_size: int = 16
     max_in_flight: int = 256
+    transport: str = "zmq"  # zmq | nccl
     kv_bind_host: str = "127.0.0.1"  # where decode workers listen for KV (a private interface on a real cluster)
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.mode not in ("colocated", "disaggregated"):
             raise ValueError(f"mode: must be colocated or disaggregated, got {self.mode!r}")
+        if self.transport not in ("zmq", "nccl"):
+            raise ValueError(f"transport: must be zmq or nccl, got {self.transport!r}")
+        if self.transport == "nccl":
+            raise ValueError("transport: nccl is not wired into the cluster yet; use zmq")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("prefill/decode: each pool needs at least one worker")
         if not 0 < self.port < 65536:

@@ -62,3 +62,53 @@ def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, 
         assert p["prompt_tokens_computed"] > 60
         assert d["prompt_tokens_computed"] < 20
         assert p["used_blocks"] == 0 and d["used_blocks"] == 0
+
+
+def _worker_loads() -> list[dict]:
+    from pdserve.cluster.serve_app import NAMESPACE
+
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == NAMESPACE and a["name"].startswith(("pdserve-worker", "pdserve-prefill", "pdserve-decode"))]
+    return ray.get([ray.get_actor(n, namespace=NAMESPACE).load.remote() for n in names])
+
+
+def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], model_dir: Path) -> None:
+    import asyncio
+    import time
+
+    import httpx
+
+    url, _ = cluster
+    model = os.path.basename(str(model_dir))
+
+    async def burst() -> list[str]:
+        c = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        rs = await asyncio.gather(*(c.completions.create(model=model, prompt=f"x{i} = " + "y " * (i % 40), max_tokens=6,
+                                                         temperature=0, extra_body={"ignore_eos": True})
+                                    for i in range(200)))
+        return [r.choices[0].finish_reason for r in rs]
+
+    assert asyncio.run(burst()) == ["length"] * 200
+
+    async def disconnects() -> None:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one(i: int) -> None:
+                body = {"model": model, "prompt": f"z{i} " * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
+                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data:"):
+                            return  # hang up after the first chunk
+
+            await asyncio.gather(*(one(i) for i in range(50)))
+
+    generated_before = sum(ld["generation_tokens"] for ld in _worker_loads())
+    asyncio.run(disconnects())
+    deadline = time.monotonic() + 30
+    loads = _worker_loads()
+    while time.monotonic() < deadline and any(ld["used_blocks"] or ld["running"] or ld["waiting"] for ld in loads):
+        time.sleep(0.2)
+        loads = _worker_loads()
+    # Only prefix-cache entries may remain (they count as free): nothing is held.
+    assert all(ld["used_blocks"] == 0 and ld["running"] == 0 and ld["waiting"] == 0 for ld in loads), loads
+    # The hung-up streams were aborted, not run to their 200 tokens.
+    assert sum(ld["generation_tokens"] for ld in loads) - generated_before < 50 * 200 // 2
