@@ -155,3 +155,45 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
     assert engine.num_in_flight == 0 and engine.engine.kv.pool.num_used == 0
     # Aborted, not run to completion: far fewer than 5 x 240 tokens were made.
     assert engine.engine.stats.generation_tokens - generated_before < 600
+
+
+class _SlowBackend:
+    """Streams one token per 50 ms, forever unless aborted: holds admission slots."""
+
+    healthy = True
+    num_in_flight = 0
+
+    async def generate(self, request_id, prompt, params, timeout_s):  # noqa: ANN001, ANN201
+        import asyncio
+
+        from pdserve.workers.outputs import CompletionOutput, RequestOutput
+
+        for i in range(params.max_tokens):
+            await asyncio.sleep(0.05)
+            done = i == params.max_tokens - 1
+            yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x", [7], finish_reason="length" if done else None)],
+                                finished=done)
+
+
+def test_admission_bound_gives_429_with_retry_after(model_dir: Path) -> None:
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    gw = Gateway(_SlowBackend(), AutoTokenizer.from_pretrained(model_dir),
+                 GatewayConfig(model_name=MODEL, max_model_len=256, max_in_flight=2))
+    app = build_app(gw)
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 6}
+            slow = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
+            await asyncio.sleep(0.15)  # both admitted and generating
+            extra = await c.post("/v1/completions", json=body)
+            return [extra, *await asyncio.gather(*slow)]
+
+    extra, *ok = asyncio.run(main())
+    assert extra.status_code == 429 and extra.headers["retry-after"] == "1"
+    assert extra.json()["error"]["code"] == 429
+    assert [r.status_code for r in ok] == [200, 200]
