@@ -47,20 +47,25 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 
 async def http_one(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], max_tokens: int) -> Timing:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
     t = Timing()
     start = last = time.perf_counter()
+    chunks = 0
     async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
         async for line in r.aiter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
+            payload = json.loads(line[5:])
+            if not payload.get("choices"):  # the usage chunk: a chunk may carry several tokens
+                t.tokens = payload["usage"]["completion_tokens"]
+                continue
             now = time.perf_counter()
-            if t.tokens == 0:
+            if chunks == 0:
                 t.ttft = now - start
             else:
                 t.itl.append(now - last)
             last = now
-            t.tokens += 1  # one token per chunk: the engine streams every step
+            chunks += 1
     t.e2e = last - start
     return t
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -94,6 +94,14 @@ class AsyncEngine:
                     raise RequestTimeoutError(f"request {request_id} exceeded its {timeout_s:.0f}s deadline") from None
                 if isinstance(item, BaseException):
                     raise item
+                # A consumer that fell behind gets everything pending as one
+                # delta: fewer messages through Ray and HTTP under load.
+                while not item.finished and not stream.queue.empty():
+                    nxt = stream.queue.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        stream.queue.put_nowait(nxt)  # raised on the next turn, after this delta
+                        break
+                    item = merge_deltas(item, nxt)
                 yield item
                 if item.finished:
                     return

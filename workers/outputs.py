@@ -30,3 +30,12 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One DELTA output equivalent to `a` followed by `b` (same request, one sample)."""
+    ca, cb = a.outputs[0], b.outputs[0]
+    logprobs = None if ca.logprobs is None and cb.logprobs is None else (ca.logprobs or []) + (cb.logprobs or [])
+    merged = CompletionOutput(ca.index, ca.text + cb.text, ca.token_ids + cb.token_ids, cb.cumulative_logprob,
+                              logprobs, cb.finish_reason, cb.stop_reason)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics)

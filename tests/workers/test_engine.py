@@ -201,3 +201,15 @@ def test_chunked_prefill_matches_one_shot_prefill(model_dir: Path) -> None:
     ref = tokens(make_llm(model_dir).generate(prompts, GREEDY))
     chunked = make_llm(model_dir, max_num_batched_tokens=64)
     assert tokens(chunked.generate(prompts, GREEDY)) == ref
+
+
+def test_merged_deltas_equal_the_sequence() -> None:
+    from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
+
+    a = RequestOutput("r", None, [1], [CompletionOutput(0, "ab", [5, 6], logprobs=[{5: -1.0}, {6: -2.0}])], False)
+    b = RequestOutput("r", None, [1], [CompletionOutput(0, "c", [7], logprobs=[{7: -0.5}], finish_reason="stop",
+                                                        stop_reason=7)], True, num_cached_tokens=3)
+    m = merge_deltas(a, b)
+    c = m.outputs[0]
+    assert (c.text, c.token_ids, c.finish_reason, c.stop_reason, m.finished) == ("abc", [5, 6, 7], "stop", 7, True)
+    assert c.logprobs == [{5: -1.0}, {6: -2.0}, {7: -0.5}] and m.num_cached_tokens == 3
