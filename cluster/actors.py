@@ -103,6 +103,8 @@ class DecodeWorkerActor:
         from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
 
         engine = _engine(config, torch_threads)
+        if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
+            bind_host = ray.util.get_node_ip_address()
         self.receiver = ZmqKVReceiver(engine.kv_caches, bind=f"tcp://{bind_host}:*")
         self.worker = DecodeWorker(engine, self.receiver)
 

@@ -28,7 +28,9 @@ class ServeConfig:
     block_size: int = 16
     max_in_flight: int = 256
     transport: str = "zmq"  # zmq | nccl
-    kv_bind_host: str = "127.0.0.1"  # where decode workers listen for KV (a private interface on a real cluster)
+    # Where decode workers listen for KV: loopback on one machine; "auto" = each
+    # worker's node address (multi-node; keep it on a private network).
+    kv_bind_host: str = "127.0.0.1"
     engine_args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -1,0 +1,315 @@
+"""deploy/: the `ray up` config passes Ray's own autoscaler validator, the Serve config
+passes Ray Serve's own schema, and its import path builds a valid ServeConfig.
+
+No cloud, no Ray cluster, no network: the autoscaler checks are the schema-only steps
+`ray up` runs before it talks to AWS (prepare_config, validate_config), and every
+test runs with outbound connections refused.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import inspect
+import re
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ray = pytest.importorskip("ray")
+
+from ray._common.utils import import_attr  # noqa: E402  (what Serve itself uses for import_path)
+from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary  # noqa: E402
+from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema  # noqa: E402
+
+from pdserve.cluster.serve_app import ServeConfig  # noqa: E402
+from pdserve.workers.config import EngineConfig  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
+SERVE_YAML = ROOT / "deploy" / "serve.yaml"
+
+
+@pytest.fixture(autouse=True)
+def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any outbound connection (AWS, a registry, a Ray cluster) fails the test."""
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError(f"network access attempted: {args!r}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def deploy_pkg(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`deploy.pdserve_app`, imported the way Serve does: the repository root on sys.path."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    return importlib.import_module("deploy.pdserve_app")
+
+
+@pytest.fixture
+def api_key_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A HOME with the key file that cluster.yaml copies to ~/.pdserve on every node."""
+    (tmp_path / ".pdserve").mkdir()
+    (tmp_path / ".pdserve" / "api_key").write_text("sk-test-0123456789\n")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    return "sk-test-0123456789"
+
+
+def load(path: Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        doc = yaml.safe_load(f)
+    assert isinstance(doc, dict), f"{path} is not a YAML mapping"
+    return doc
+
+
+def prepared_cluster() -> dict[str, Any]:
+    """What `ray up` validates: the file merged with the AWS defaults (no AWS call)."""
+    return prepare_config(load(CLUSTER_YAML))
+
+
+def pdserve_app_config() -> dict[str, Any]:
+    (app,) = [a for a in load(SERVE_YAML)["applications"] if a["name"] == "pdserve"]
+    return app
+
+
+# -- deploy/cluster.yaml ------------------------------------------------------------------
+
+
+def test_cluster_yaml_passes_the_ray_autoscaler_validator() -> None:
+    config = prepared_cluster()
+    validate_config(config)  # raises jsonschema.ValidationError / ValueError on a bad config
+    assert config["provider"]["type"] == "aws"
+    assert "boto3" not in sys.modules, "validation must not load the AWS provider"
+
+
+def _drop_provider(c: dict[str, Any]) -> None:
+    del c["provider"]
+
+
+def _gpu_count_as_text(c: dict[str, Any]) -> None:
+    c["available_node_types"]["worker.gpu"]["resources"]["GPU"] = "four"
+
+
+def _setup_command_parsed_as_mapping(c: dict[str, Any]) -> None:
+    # What an unquoted `echo "pdserve: ..."` turns into in YAML.
+    c["setup_commands"].append({'echo "pdserve': 'no weights"'})
+
+
+def _unknown_head_type(c: dict[str, Any]) -> None:
+    c["head_node_type"] = "head.gpu"
+
+
+def _unknown_top_level_key(c: dict[str, Any]) -> None:
+    c["max_worker"] = 3
+
+
+def _min_workers_over_max(c: dict[str, Any]) -> None:
+    c["available_node_types"]["worker.gpu"]["min_workers"] = 5
+
+
+@pytest.mark.parametrize("breaks", [_drop_provider, _gpu_count_as_text, _setup_command_parsed_as_mapping,
+                                    _unknown_head_type, _unknown_top_level_key, _min_workers_over_max])
+def test_a_broken_cluster_yaml_fails_the_validator(breaks: Any) -> None:
+    config = prepared_cluster()
+    breaks(config)
+    with pytest.raises((jsonschema.ValidationError, ValueError)):
+        validate_config(config)
+
+
+def test_cluster_yaml_without_provider_cannot_even_be_prepared() -> None:
+    raw = load(CLUSTER_YAML)
+    del raw["provider"]
+    with pytest.raises(KeyError):
+        prepare_config(raw)
+
+
+def test_cluster_has_a_cpu_head_and_enough_gpus_for_the_serve_config() -> None:
+    config = prepared_cluster()
+    types = config["available_node_types"]
+    head = types[config["head_node_type"]]
+    assert head["resources"].get("GPU", 0) == 0, "the head runs the gateway, not a model"
+    gpu_types = {name: t for name, t in types.items() if t["resources"].get("GPU", 0) > 0}
+    assert gpu_types, "no GPU worker node type"
+    args = pdserve_app_config()["args"]
+    needed = args["prefill"] + args["decode"]  # one GPU per pdserve worker
+    # Present before `serve run` (min_workers), since pdserve picks GPU workers only when the cluster has GPUs.
+    ready = sum(t["resources"]["GPU"] * t["min_workers"] for t in gpu_types.values())
+    assert ready >= needed, f"min_workers give {ready} GPUs, the Serve config needs {needed}"
+
+
+def test_cluster_yaml_keeps_ray_private_and_secrets_out() -> None:
+    text = CLUSTER_YAML.read_text()
+    config = prepared_cluster()
+    start = config["head_start_ray_commands"] + config["worker_start_ray_commands"]
+    head_start = " ".join(config["head_start_ray_commands"])
+    # The dashboard / Jobs API must not listen on the network (ShadowRay): Ray's AWS default is 0.0.0.0.
+    assert "--dashboard-host=127.0.0.1" in head_start
+    assert "0.0.0.0" not in " ".join(start)
+    # Serve imports deploy.pdserve_app from the checkout on every node, and every node runs
+    # Ray with token auth (a node that joins by address does not turn it on by itself).
+    for cmds in (config["head_start_ray_commands"], config["worker_start_ray_commands"]):
+        assert any('PYTHONPATH="$HOME/pdserve"' in c and "RAY_AUTH_MODE=token" in c and "ray start" in c
+                   for c in cmds)
+    assert "/home/ubuntu/.ray/auth_token" in config["file_mounts"]
+    # Only the API port is opened beyond what Ray opens itself (SSH and intra-cluster).
+    rules = config["provider"]["security_group"]["IpPermissions"]
+    opened = {(r["FromPort"], r["ToPort"]) for r in rules}
+    assert opened == {(load(SERVE_YAML)["http_options"]["port"],) * 2}
+    for rule in rules:
+        for rng in rule.get("IpRanges", []):
+            assert rng["CidrIp"] != "0.0.0.0/0"
+    assert "ssh_private_key" not in config["auth"]
+    for pattern in (r"AKIA[0-9A-Z]{16}", r"aws_secret_access_key", r"hf_[A-Za-z0-9]{20,}", r"sk-[A-Za-z0-9]{16,}",
+                    r"BEGIN [A-Z ]*PRIVATE KEY"):
+        assert not re.search(pattern, text, re.IGNORECASE), pattern
+
+
+def test_cluster_installs_torch_before_pdserve() -> None:
+    config = prepared_cluster()
+    for key in ("head_setup_commands", "worker_setup_commands"):
+        cmds = config[key]
+        torch_at = next(i for i, c in enumerate(cmds) if re.search(r"pip install .*torch==", c))
+        pdserve_at = next(i for i, c in enumerate(cmds) if "pip install" in c and "-e ~/pdserve" in c)
+        clone_at = next(i for i, c in enumerate(cmds) if "git clone" in c)
+        assert clone_at < torch_at < pdserve_at, key
+    worker_torch = next(c for c in config["worker_setup_commands"] if "torch==" in c)
+    assert "whl/cpu" not in worker_torch, "GPU workers need the CUDA build of torch"
+
+
+# -- deploy/serve.yaml ----------------------------------------------------------------------
+
+
+def test_serve_yaml_passes_the_serve_deploy_schema() -> None:
+    doc = load(SERVE_YAML)
+    schema = ServeDeploySchema.model_validate(doc)  # the schema `serve run` / `serve deploy` apply to it
+    assert schema.http_options.host == "0.0.0.0" and schema.http_options.port == 8000
+    assert schema.proxy_location.value == "HeadOnly"
+    (app,) = schema.applications
+    assert (app.name, app.route_prefix, app.import_path) == ("pdserve", "/", "deploy.pdserve_app:app")
+    # A config with `applications:` is a deploy config, not a single-application one.
+    with pytest.raises(Exception, match="import_path"):
+        ServeApplicationSchema.model_validate(doc)
+
+
+def test_serve_yaml_import_path_resolves_to_an_application_builder(deploy_pkg: Any) -> None:
+    builder = import_attr(pdserve_app_config()["import_path"])
+    assert callable(builder)
+    assert builder is deploy_pkg.app
+    assert len(inspect.signature(builder).parameters) == 1  # Serve's builder convention: one args dict
+
+
+def test_serve_yaml_args_build_a_valid_serve_config(deploy_pkg: Any, api_key_home: str) -> None:
+    args = pdserve_app_config()["args"]
+    cfg = deploy_pkg.config_from_args(args)
+    assert isinstance(cfg, ServeConfig)
+    assert cfg.model == "/models/Meta-Llama-3-8B-Instruct"
+    assert (cfg.mode, cfg.num_prefill, cfg.num_decode) == ("disaggregated", 2, 2)
+    assert cfg.max_model_len == 8192 and cfg.block_size == 16
+    assert cfg.api_key == api_key_home
+    assert cfg.worker_names() == ["pdserve-prefill-0", "pdserve-prefill-1", "pdserve-decode-0", "pdserve-decode-1"]
+    engine = EngineConfig(**cfg.engine_config())
+    assert engine.dtype == "bfloat16" and engine.gpu_memory_utilization == 0.9
+    parsed = deploy_pkg.parse_args(args)
+    assert parsed.wait_for_gpus_s == 900 and parsed.worker_timeout_s == 900
+
+
+def test_serve_yaml_holds_no_api_key() -> None:
+    args = pdserve_app_config()["args"]
+    assert "api_key" not in args and "api_key_file" in args
+
+
+def test_builder_returns_the_gateway_application_under_serves_own_call(
+        deploy_pkg: Any, api_key_home: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    started: list[Any] = []
+    monkeypatch.setattr(deploy_pkg, "_ensure_ray", lambda *a: None)
+    monkeypatch.setattr(deploy_pkg, "_replace_workers", started.append)
+    app_cfg = pdserve_app_config()
+    application = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg["import_path"]), app_cfg["args"])
+    assert isinstance(application, ray.serve.Application)
+    (parsed,) = started
+    assert parsed.config == deploy_pkg.config_from_args(app_cfg["args"])
+
+
+def test_bad_mode_raises_value_error_naming_mode(deploy_pkg: Any) -> None:
+    with pytest.raises(ValueError, match=r"^mode\b"):
+        deploy_pkg.config_from_args({"model": "/models/m", "mode": "sideways"})
+
+
+def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def must_not_run(*a: Any) -> None:
+        raise AssertionError("Ray touched before the args were validated")
+
+    monkeypatch.setattr(deploy_pkg, "_ensure_ray", must_not_run)
+    monkeypatch.setattr(deploy_pkg, "_replace_workers", must_not_run)
+    with pytest.raises(ValueError, match=r"^mode\b"):
+        deploy_pkg.app({"model": "/models/m", "mode": "sideways"})
+
+
+@pytest.mark.parametrize("args, field", [
+    ({}, "model"),
+    ({"model": ""}, "model"),
+    ({"model": "/m", "prefill": 0}, "prefill"),
+    ({"model": "/m", "decode": "2"}, "decode"),
+    ({"model": "/m", "prefill": True}, "prefill"),
+    ({"model": "/m", "max_model_len": -1}, "max_model_len"),
+    ({"model": "/m", "block_size": 24}, "block_size"),
+    ({"model": "/m", "dtype": "fp8"}, "dtype"),
+    ({"model": "/m", "engine_args": {"dtype": "fp8"}}, "dtype"),
+    ({"model": "/m", "engine_args": {"record_kv_events": True}}, "engine_args"),
+    ({"model": "/m", "dtype": "float16", "engine_args": {"dtype": "bfloat16"}}, "dtype"),
+    ({"model": "/m", "transport": "carrier-pigeon"}, "transport"),
+    ({"model": "/m", "modle": "/m"}, "modle"),
+    ({"model": "/m", "host": "0.0.0.0"}, "host"),
+    ({"model": "/m", "port": 8000}, "port"),
+    ({"model": "/m", "api_key": "k", "api_key_env": "PDSERVE_API_KEY"}, "api_key_env"),
+    ({"model": "/m", "api_key_env": "PDSERVE_TEST_UNSET_VARIABLE"}, "api_key_env"),
+    ({"model": "/m", "api_key_file": "/nonexistent/pdserve/api_key"}, "api_key_file"),
+    ({"model": "/m", "wait_for_gpus_s": -5}, "wait_for_gpus_s"),
+    ({"model": "/m", "worker_timeout_s": 0}, "worker_timeout_s"),
+])
+def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[str, Any], field: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PDSERVE_TEST_UNSET_VARIABLE", raising=False)
+    with pytest.raises(ValueError, match=rf"^{field}\b"):
+        deploy_pkg.config_from_args(args)
+
+
+def test_api_key_from_the_environment(deploy_pkg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "  secret-from-env\n")
+    cfg = deploy_pkg.config_from_args({"model": "/m", "api_key_env": "PDSERVE_TEST_KEY"})
+    assert cfg.api_key == "secret-from-env"
+
+
+def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:
+    cfg = deploy_pkg.config_from_args({"model": "/m"})
+    assert cfg == ServeConfig(model="/m")
+    assert deploy_pkg.parse_args({"model": "/m"}).wait_for_gpus_s == 0  # CPU-only runs stay possible
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_stop_matches_exactly_the_worker_names_start_makes(deploy_pkg: Any, mode: str) -> None:
+    cfg = ServeConfig(model="/m", mode=mode, num_prefill=3, num_decode=2)
+    assert all(deploy_pkg._WORKER_NAME.fullmatch(n) for n in cfg.worker_names())
+    for other in ("pdserve-gateway", "pdserve-router", "SERVE_CONTROLLER_ACTOR", "pdserve-decode-x"):
+        assert not deploy_pkg._WORKER_NAME.fullmatch(other)
+
+
+def test_broken_serve_yaml_fails_the_schema() -> None:
+    doc = load(SERVE_YAML)
+    bad = copy.deepcopy(doc)
+    bad["applications"][0]["import_path"] = "pdserve_app"  # no module:attr
+    with pytest.raises(Exception, match="import_path"):
+        ServeDeploySchema.model_validate(bad)
+    bad = copy.deepcopy(doc)
+    bad["http_options"]["port"] = "eight thousand"
+    with pytest.raises(Exception, match="port"):
+        ServeDeploySchema.model_validate(bad)
