@@ -1,4 +1,9 @@
-"""Thin Ray actors around the plain worker classes. Nothing here decides anything."""
+"""The worker services the cluster runs as Ray actors, and the actors themselves.
+
+Each service is a plain class over a Ray-free worker (tests drive them in one
+process); `ray.remote` at the bottom makes the actors. Nothing here decides
+anything: routing is the router's, scheduling the engine's.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +19,7 @@ from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
 
-@ray.remote
-class EngineWorkerActor:
+class EngineService:
     """One engine (a colocated worker: prefill and decode). Async actor: many
     requests stream through it at once while its engine thread batches them."""
 
@@ -50,8 +54,12 @@ def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = Tr
 def _load(e: LLMEngine) -> dict[str, Any]:
     """Engine thread: what the router needs, plus the KV events since the last call."""
     sched = e.scheduler
-    queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens)
-                 for r in list(sched.waiting) + sched.running)
+    # Prompt tokens still to compute; a waiting request will start from its cached
+    # prefix, so only the rest is queued work (counting it all would make a worker
+    # that holds a hot prefix look busy and push its requests elsewhere, cold).
+    queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens) for r in sched.running)
+    queued += sum(r.num_prompt_tokens - max(r.num_computed_tokens, e.kv.find_cached_prefix(r)[1])
+                  for r in sched.waiting if r.num_computed_tokens < r.num_prompt_tokens)
     events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.kv.pool.take_events()]
     return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
             "free_blocks": e.kv.pool.num_free, "total_blocks": e.kv.pool.num_blocks, "used_blocks": e.kv.pool.num_used,
@@ -59,8 +67,7 @@ def _load(e: LLMEngine) -> dict[str, Any]:
             "generation_tokens": e.stats.generation_tokens, "events": events}
 
 
-@ray.remote
-class PrefillWorkerActor:
+class PrefillService:
     """A prefill worker: computes prompts and streams their KV to decode workers over ZeroMQ."""
 
     def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
@@ -93,8 +100,7 @@ class PrefillWorkerActor:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
 
 
-@ray.remote
-class DecodeWorkerActor:
+class DecodeService:
     """A decode worker: reserves blocks, receives KV over ZeroMQ, decodes in a continuous batch.
     It can also serve a request end to end (local prefill) when the router says so."""
 
@@ -129,3 +135,9 @@ class DecodeWorkerActor:
 
     async def load(self) -> dict[str, Any]:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
+
+
+# The Ray actors: the plain services above, one process (and one GPU) each.
+EngineWorkerActor = ray.remote(EngineService)
+PrefillWorkerActor = ray.remote(PrefillService)
+DecodeWorkerActor = ray.remote(DecodeService)

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from pdserve.cluster.backend import params_to_wire
 from pdserve.cluster.router import Router
@@ -32,6 +32,7 @@ class DisaggregatedBackend:
         self._in_flight = 0
         self._dead: set[str] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
         self.loads: dict[str, dict[str, Any]] = {}
 
     @property
@@ -45,8 +46,10 @@ class DisaggregatedBackend:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
         if self._poller is None:
+            self._ready = asyncio.Event()
             self._poller = asyncio.create_task(self._poll_loads())
-            await self._refresh()
+        # The router knows no worker until the first poll has answered.
+        await asyncio.wait_for(self._ready.wait(), timeout=30.0)
         decision = self.router.route(request_id, prompt)
         d_id, p_id = decision.decode_worker, decision.prefill_worker
         d = self.decode[d_id]
@@ -83,9 +86,16 @@ class DisaggregatedBackend:
         except RayActorError:
             self._dead.add(p_id)
             first = None
-        except RayTaskError:
-            first = None  # transfer failed or timed out: the decode worker applies its policy
+        except Exception:  # noqa: BLE001 - RayTaskError around TransferError / timeout
+            first = None  # the prefill or its transfer failed: the decode worker applies its policy
         return d.decode.options(num_returns="streaming").remote(request_id, prompt, first, cached_here, timeout_s)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
 
     async def _refresh(self) -> None:
         workers = {**{k: (v, WorkerRole.PREFILL) for k, v in self.prefill.items()},
@@ -106,5 +116,6 @@ class DisaggregatedBackend:
 
     async def _poll_loads(self) -> None:
         while True:
-            await asyncio.sleep(self.poll_s)
             await self._refresh()
+            self._ready.set()
+            await asyncio.sleep(self.poll_s)
