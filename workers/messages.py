@@ -64,6 +64,7 @@ class FailReason(str, enum.Enum):
     PROTOCOL = "protocol"  # a malformed or inconsistent message (shape, dtype, blocks, sequence)
     UNKNOWN_REQUEST = "unknown_request"  # the receiver has no registration for this request
     CLOSED = "closed"  # the transport was closed while the transfer was pending
+    INTERNAL = "internal"  # the receiver could not write into its cache (a device error)
 
 
 class ChecksumKind(str, enum.Enum):
@@ -83,16 +84,15 @@ class Message:
     TYPE: ClassVar[MessageType]
 
     def __post_init__(self) -> None:
-        for f in _fields(type(self)):
-            value = getattr(self, f.name)
-            checked = _check(f"{type(self).__name__}.{f.name}", _hints(type(self))[f.name], value)
+        for name, hint, where in _field_specs(type(self)):
+            value = getattr(self, name)
+            checked = _check(where, hint, value)
             if checked is not value:
-                object.__setattr__(self, f.name, checked)
-        supported = _version_of(type(self))
-        if self.version != supported:  # type: ignore[attr-defined]
+                object.__setattr__(self, name, checked)
+        supported, version = _version_of(type(self)), getattr(self, "version")
+        if version != supported:
             raise ValueError(
-                f"{type(self).__name__}: version {self.version} is not supported (this code speaks {supported})"  # type: ignore[attr-defined]
-            )
+                f"{type(self).__name__}: version {version} is not supported (this code speaks {supported})")
 
 
 def _register(msg_type: MessageType) -> typing.Callable[[type[M]], type[M]]:
@@ -292,6 +292,13 @@ def _hints(cls: type) -> dict[str, Any]:
 
 
 @functools.cache
+def _field_specs(cls: type) -> tuple[tuple[str, Any, str], ...]:
+    """(name, type hint, name for errors) of each field: computed once per class, used per message."""
+    hints = _hints(cls)
+    return tuple((f.name, hints[f.name], f"{cls.__name__}.{f.name}") for f in _fields(cls))
+
+
+@functools.cache
 def _version_of(cls: type) -> int:
     (version,) = (f.default for f in _fields(cls) if f.name == "version")
     return int(version)  # type: ignore[arg-type]
@@ -302,8 +309,24 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+_INT64_MIN = -(1 << 63)
+_INT_TUPLE = tuple[int, ...]
+_EVENT_TUPLE = tuple[KVEvent, ...]
+
+
 def _check(where: str, hint: Any, value: Any) -> Any:
     """`value` if it is a `hint` (lists become tuples, enum values become members); else ValueError."""
+    # Fast paths first: every header and ack goes through here.
+    # `type(...) is`, not isinstance: a bool must not pass as an int, nor an IntEnum.
+    if hint is int:
+        if type(value) is int and _INT64_MIN <= value <= _UINT64_MAX:
+            return value
+    elif hint is str or hint is bool:
+        if type(value) is hint:
+            return value
+    elif hint == _INT_TUPLE and type(value) in (tuple, list) and all(type(x) is int for x in value):
+        if not value or (_INT64_MIN <= min(value) and max(value) <= _UINT64_MAX):
+            return value if type(value) is tuple else tuple(value)
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         args = typing.get_args(hint)
@@ -329,9 +352,9 @@ def _check(where: str, hint: Any, value: Any) -> Any:
     if hint is float and type(value) is int:
         return float(value)
     # `type(...) is`, not isinstance: a bool must not pass as an int, nor an IntEnum.
-    if hint in (int, bool, str, float) and type(value) is hint:
-        if hint is int and not -(1 << 63) <= value <= _UINT64_MAX:
-            raise ValueError(f"{where}: {value} does not fit in 64 bits")
+    if hint is int and type(value) is int:
+        raise ValueError(f"{where}: {value} does not fit in 64 bits")
+    if hint in (bool, str, float) and type(value) is hint:
         return value
     raise ValueError(f"{where}: expected {getattr(hint, '__name__', hint)}, got {type(value).__name__}")
 
@@ -350,8 +373,8 @@ def _check_event(where: str, value: Any) -> KVEvent:
 def _to_wire(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
-    if isinstance(value, tuple):
-        return [_to_wire(v) for v in value]
+    if isinstance(value, tuple):  # msgpack writes tuples as arrays; convert only what msgpack cannot write
+        return [_to_wire(v) for v in value] if value and isinstance(value[0], (enum.Enum, KVEvent)) else value
     if isinstance(value, KVEvent):
         return [value.kind.value, value.block_hash, value.parent_hash]
     return value
@@ -359,9 +382,8 @@ def _to_wire(value: Any) -> Any:
 
 def _from_wire(where: str, hint: Any, value: Any) -> Any:
     """Wire shapes back to field shapes, where they differ (events); types are checked after."""
-    if typing.get_origin(hint) is tuple and isinstance(value, list):
-        inner, _ = typing.get_args(hint)
-        return [_from_wire(f"{where}[{i}]", inner, v) for i, v in enumerate(value)]
+    if hint == _EVENT_TUPLE and isinstance(value, list):
+        return [_from_wire(f"{where}[{i}]", KVEvent, v) for i, v in enumerate(value)]
     if hint is KVEvent:
         if not (isinstance(value, list) and len(value) == 3):
             raise ValueError(f"{where}: expected [kind, block_hash, parent_hash]")

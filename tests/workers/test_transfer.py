@@ -20,8 +20,8 @@ import torch
 
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 from pdserve.workers.messages import (
-    FailReason, KVCreditGrant, KVEventBatch, KVTransferAbort, KVTransferAck, KVTransferHeader, KVTransferHello,
-    ChecksumKind, Message, MessageType, TransferState, decode, encode,
+    ChecksumKind, FailReason, KVCreditGrant, KVEventBatch, KVTransferAbort, KVTransferAck, KVTransferHeader,
+    KVTransferHello, Message, MessageType, TransferState, decode, encode,
 )
 from pdserve.workers.transfer import KVReceiver, KVSender, TransferError, frames
 from pdserve.workers.transfer.faults import Faults
@@ -66,7 +66,7 @@ class Link:
     sender: KVSender
     receiver: KVReceiver
     src: torch.Tensor  # [L, 2, NB, bs, H, D] of the sender
-    dst: torch.Tensor  # same of the receiver (more blocks, fewer layers allowed)
+    dst: torch.Tensor  # the same of the receiver, which has more blocks
     faults: Faults
 
     def expect_moved(self, layers: range, src_ids: list[int], dst_ids: list[int], before: torch.Tensor) -> None:
@@ -82,19 +82,21 @@ LinkFactory = Callable[..., Link]
 def link_factory(backend: str, made: list[Link]) -> LinkFactory:
     def make(*, layers: int = 3, src_blocks: int = 8, dst_blocks: int = 20, credits: int = 8,
              dtype: torch.dtype = torch.float16, src_block: tuple[int, int, int] = BLOCK,
-             checksum: ChecksumKind = frames.CHECKSUMS[0]) -> Link:
+             checksum: ChecksumKind = frames.CHECKSUMS[0], max_message_bytes: int = 2 << 20) -> Link:
         """A sender (8 blocks) and a receiver (20 blocks, all SENTINEL) over `backend`."""
         src_kv, src = make_cache(layers, src_blocks, seed=1, dtype=dtype, block=src_block)
         dst_kv, dst = make_cache(layers, dst_blocks, dtype=dtype)
         faults = Faults()
         if backend == "inprocess":
             receiver: KVReceiver = InProcessReceiver(dst_kv)
-            sender: KVSender = InProcessSender(src_kv, receiver, faults=faults, checksum=checksum)  # type: ignore[arg-type]
+            sender: KVSender = InProcessSender(src_kv, receiver, faults=faults,  # type: ignore[arg-type]
+                                               checksum=checksum)
         else:
             if zmq_backend is None:
                 pytest.skip("pyzmq is not installed")
             receiver = zmq_backend.ZmqKVReceiver(dst_kv, "tcp://127.0.0.1:*", credits=credits, faults=faults)
-            sender = zmq_backend.ZmqKVSender(src_kv, receiver.address, faults=faults, checksums=[checksum])
+            sender = zmq_backend.ZmqKVSender(src_kv, receiver.address, faults=faults, checksums=[checksum],
+                                             max_message_bytes=max_message_bytes)
         made.append(Link(sender, receiver, src, dst, faults))
         return made[-1]
 
@@ -409,6 +411,15 @@ def test_abort_by_the_sender_fails_the_receiver(link: LinkFactory) -> None:
     lk.sender.abort("req", "again")  # idempotent
 
 
+def test_closing_the_sender_aborts_its_unfinished_transfers(link: LinkFactory) -> None:
+    lk = link(layers=2)
+    lk.receiver.register("req", [3], expected_layers=2)
+    lk.sender.send("req", 0, [0], [3], soon(2))
+    lk.sender.close()
+    status = lk.receiver.wait("req", soon(2))
+    assert status.reason is FailReason.ABORTED and "sender closed" in status.detail
+
+
 def test_abort_by_the_receiver_stops_the_sender_and_nothing_more_is_written(link: LinkFactory) -> None:
     lk = link(layers=4)
     lk.receiver.register("req", [3, 4], expected_layers=4)
@@ -523,6 +534,19 @@ def test_a_receiver_that_does_not_drain_blocks_the_sender_at_its_credit_window(z
     assert lk.receiver.poll("req").state is TransferState.DONE
     lk.expect_moved(range(4), src_ids, dst_ids, before)
     assert eventually(lambda: lk.sender.credits == 2)  # every credit came back
+
+
+def test_a_layer_bigger_than_one_message_goes_in_several(zmq_link: LinkFactory) -> None:
+    block_bytes = 2 * BLOCK[0] * BLOCK[1] * BLOCK[2] * 2  # K and V of one fp16 block
+    lk = zmq_link(layers=2, credits=2, max_message_bytes=2 * block_bytes)  # 2 blocks a message, 2 in flight
+    src_ids, dst_ids = [7, 0, 1, 2, 5], [19, 3, 4, 5, 12]
+    before = lk.dst.clone()
+    lk.receiver.register("req", dst_ids, expected_layers=2)
+    for layer in range(2):
+        lk.sender.send("req", layer, src_ids, dst_ids, soon(2))  # 3 messages: waits for credits mid-layer
+    lk.sender.finish("req", soon(2))
+    assert lk.receiver.poll("req").state is TransferState.DONE
+    lk.expect_moved(range(2), src_ids, dst_ids, before)
 
 
 def test_finish_times_out_at_its_deadline_and_aborts_the_receiver(zmq_link: LinkFactory) -> None:

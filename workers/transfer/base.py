@@ -81,10 +81,11 @@ class KVSender(abc.ABC):
         Blocks only while the receiver has granted no credit (flow control), at most
         until `deadline`; it does not wait for the data to arrive. The blocks are
         copied before it returns, so the caller may overwrite or free them after.
-        Raises `TransferError`: TIMEOUT when no credit came in time (nothing was sent;
-        the call may be retried), or the receiver's reason once it reported the
-        transfer FAILED (then the transfer is over: free the blocks). `ValueError`
-        for bad arguments.
+        Raises `TransferError`: TIMEOUT when no credit came in time (a backend that
+        splits a layer into several messages may have sent part of it; retrying the
+        call is safe: blocks are rewritten with the same bytes), or the receiver's
+        reason once it reported the transfer FAILED (then the transfer is over and
+        forgotten: free the blocks). `ValueError` for bad arguments.
         """
 
     @abc.abstractmethod
@@ -107,7 +108,10 @@ class KVSender(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None:
-        """Release sockets and threads; later calls raise. Bounded: never blocks past ~1 s."""
+        """Abort unfinished transfers (the receivers are told), release sockets and timers.
+
+        Later calls raise `TransferError(CLOSED)`. Bounded: never blocks past ~1 s.
+        """
 
 
 class KVReceiver(abc.ABC):

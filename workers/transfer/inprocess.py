@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, TransferState, decode, decode_as, encode,
+    ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, decode, decode_as, encode,
 )
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import KVReceiver, KVSender, TransferError, TransferStatus
@@ -117,6 +117,8 @@ class InProcessSender(KVSender):
 
     def close(self) -> None:
         with self._cond:
+            for request_id in self._book.request_ids():  # unfinished: the receiver must not wait for them
+                self._abort_locked(request_id, "sender closed")
             self._closed = True
             timers, self._timers = self._timers, []
         for t in timers:
@@ -173,4 +175,4 @@ def _deliver(notice: Notice | None) -> None:
         sender.on_message(encode(notice.message))
 
 
-__all__ = ["InProcessReceiver", "InProcessSender", "TransferState"]
+__all__ = ["InProcessReceiver", "InProcessSender"]

@@ -10,6 +10,7 @@ Backends only move bytes; they call these and deliver what they return
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -17,10 +18,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, TransferState
+from pdserve.workers.messages import (
+    ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, TransferState,
+)
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import DONE, PENDING, TransferError, TransferStatus
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,8 @@ class ReceiverLedger:
                 raise TransferError(request_id, FailReason.CLOSED, "receiver is closed")
             if request_id in self._regs:
                 raise ValueError(f"request {request_id!r} is already registered")
-            self._regs[request_id] = _Registration(ids, expected_layers, covered=[set() for _ in range(expected_layers)])
+            covered: list[set[int]] = [set() for _ in range(expected_layers)]
+            self._regs[request_id] = _Registration(ids, expected_layers, covered=covered)
 
     def status(self, request_id: str) -> TransferStatus:
         with self._cond:
@@ -155,10 +161,15 @@ class ReceiverLedger:
                 self._fail(reg, FailReason.CHECKSUM, f"layer {header.layer} seq {header.seq}: "
                            f"{header.checksum_kind.value} {crc:#x} != header's {header.checksum:#x}")
             elif data:
-                frames.scatter(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k_frame, v_frame)
-                reg.seqs.add(header.seq)
-                reg.covered[header.layer].update(header.dst_block_ids)
-                self._settle(reg)
+                try:
+                    frames.scatter(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k_frame, v_frame)
+                except Exception as e:  # e.g. a device error mid-copy: the blocks hold a mix; the transfer is over
+                    log.exception("KV receiver: writing %r layer %d failed", header.request_id, header.layer)
+                    self._fail(reg, FailReason.INTERNAL, f"writing into the cache failed: {e!r}")
+                else:
+                    reg.seqs.add(header.seq)
+                    reg.covered[header.layer].update(header.dst_block_ids)
+                    self._settle(reg)
             else:
                 reg.end_seq = header.seq
                 self._settle(reg)
@@ -300,7 +311,11 @@ class SenderBook:
     def on_abort(self, msg: KVTransferAbort) -> None:
         out = self._out.get(msg.request_id)
         if out is not None and out.transfer_id == msg.transfer_id and not out.status.terminal:
-            out.status = TransferStatus(TransferState.FAILED, FailReason.ABORTED, f"aborted by the receiver: {msg.reason}")
+            detail = f"aborted by the receiver: {msg.reason}"
+            out.status = TransferStatus(TransferState.FAILED, FailReason.ABORTED, detail)
+
+    def request_ids(self) -> list[str]:
+        return list(self._out)
 
     def forget(self, request_id: str) -> None:
         self._out.pop(request_id, None)

@@ -15,23 +15,25 @@ back channel:
 ROUTER_MANDATORY makes a reply to a vanished peer an error we log, not a
 silent drop.
 
-Messages: `[header, K frame, V frame]` where the header is a msgpack
-`KVTransferHeader` and the frames are the gathered blocks' raw bytes, sent with
-copy=False (libzmq holds a reference to the gathered tensor until it is on the
-socket). The receiver takes frames with copy=False, views them with
-numpy/torch, verifies the checksum (`frames.checksum`: xxh3_64 when both ends
-have `xxhash`, else crc32, agreed at hello) and only then copies them into its
-blocks: one copy, into the cache. `finish` sends `[header]`
-with `is_last` (the end marker).
+Messages: a layer's blocks go out in messages of at most `max_message_bytes`
+(2 MiB by default), each `[header, K frame, V frame]`: a msgpack
+`KVTransferHeader`, then the gathered blocks' raw bytes sent with copy=False
+from a staging buffer that is reused once the message is acked (fresh
+multi-MB buffers cost more in page faults than the copy itself). The receiver
+takes frames with copy=False, verifies the checksum (`frames.checksum`:
+xxh3_64 when both ends have `xxhash`, else crc32; agreed at hello) and only
+then copies them into its blocks: one copy, into the cache. `finish` sends
+`[header]` with `is_last` (the end marker).
 
 Flow control is credit-based, per sender connection. A new sender says hello
 (with the checksums it can compute); the receiver grants `credits` messages
-(and names the checksum). Each data message or end marker costs
-one; the receiver returns it in the message's ack once the message is written
-or rejected. A sender out of credit blocks in `send` until its deadline, then
-raises TIMEOUT without sending, so a slow decode worker makes prefill workers
-wait (visibly), never buffer without bound: each side holds at most `credits`
-messages of a peer. Control messages (hello, acks, aborts) need no credit.
+(and names the checksum). Each data message or end marker costs one; the
+receiver returns it in the message's ack once the message is written or
+rejected. A sender out of credit blocks in `send` until its deadline, then
+raises TIMEOUT, so a slow decode worker makes prefill workers wait (visibly),
+never buffer without bound: each side holds at most `credits` messages of a
+peer, `credits x max_message_bytes` bytes (16 MiB by default). Control
+messages (hello, acks, aborts) need no credit.
 
 Threads: the receiver runs one I/O thread that owns its sockets. API calls
 (register / poll / wait / abort) work on the shared ledger under its lock and
@@ -49,8 +51,8 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
+
 import numpy as np
-import torch
 import zmq
 
 from pdserve.workers.messages import (
@@ -66,6 +68,7 @@ from pdserve.workers.transfer.ledger import Notice, ReceiverLedger, SenderBook
 log = logging.getLogger(__name__)
 
 DEFAULT_CREDITS = 8
+DEFAULT_MAX_MESSAGE_BYTES = 2 << 20
 _IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a fault switch
 _BATCH = 64  # messages handled per loop turn before the outbox gets a look
 _JOIN_S = 2.0
@@ -252,8 +255,10 @@ class ZmqKVSender(KVSender):
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context | None = None,
                  faults: Faults | None = None, sender_id: str = "",
-                 checksums: Sequence[ChecksumKind] = frames.CHECKSUMS) -> None:
+                 checksums: Sequence[ChecksumKind] = frames.CHECKSUMS,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self._book = SenderBook(kv_caches)
+        self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))
         self._faults = faults
         self.address = address
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
@@ -261,7 +266,7 @@ class ZmqKVSender(KVSender):
         self._sock.connect(address)
         self._credits = 0
         self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
-        self._staging = _StagingPool()
+        self._staging = frames.StagingPool(pin_memory=self._book.geometry.device.type == "cuda")
         self._lock = threading.Lock()
         # Queued until the connection is up; the grant that answers it is what the first send waits for.
         hello = KVTransferHello(sender_id=sender_id or uuid.uuid4().hex, checksums=tuple(c.value for c in checksums))
@@ -287,17 +292,9 @@ class ZmqKVSender(KVSender):
         with self._lock:
             self._check_open(request_id)
             self._book.check_send(request_id, layer, src, dst)
-            self._await_credit(request_id, deadline)
-            # Gather only once a credit is in hand: the credit window also bounds the staging memory.
-            staging = self._staging.take(frames.frame_bytes(self._book.geometry, len(src)))
-            k_frame, v_frame = frames.gather(self._book.kv_caches, layer, src, out=staging)
-            crc = frames.checksum(self._checksum, k_frame, v_frame)
-            header = self._book.data_header(request_id, layer, dst, self._checksum, crc)
-            if self._put(header, [k_frame, v_frame]):
-                self._staging.hold(_key(header), staging)
-            else:
-                self._staging.give(staging)
-            self._book.commit(header)
+            step = self._blocks_per_message
+            for i in range(0, len(src), step):
+                self._send_one(request_id, layer, src[i : i + step], dst[i : i + step], deadline)
 
     def finish(self, request_id: str, deadline: float) -> None:
         with self._lock:
@@ -327,10 +324,27 @@ class ZmqKVSender(KVSender):
 
     def close(self) -> None:
         with self._lock:
-            if not self._sock.closed:
-                self._sock.close(linger=_LINGER_MS)
+            if self._sock.closed:
+                return
+            for request_id in self._book.request_ids():  # unfinished: the receiver must not wait for them
+                self._send_abort(request_id, "sender closed")
+                self._book.forget(request_id)
+            self._sock.close(linger=_LINGER_MS)
 
     # -- helpers (lock held) --------------------------------------------------------------
+
+    def _send_one(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
+        self._await_credit(request_id, deadline)
+        # Gather only once a credit is in hand: the credit window also bounds the staging memory.
+        staging = self._staging.take(frames.frame_bytes(self._book.geometry, len(src)))
+        k_frame, v_frame = frames.gather(self._book.kv_caches, layer, src, out=staging)
+        crc = frames.checksum(self._checksum, k_frame, v_frame)
+        header = self._book.data_header(request_id, layer, dst, self._checksum, crc)
+        if self._put(header, [k_frame, v_frame]):
+            self._staging.hold(_key(header), staging)
+        else:
+            self._staging.give(staging)
+        self._book.commit(header)
 
     def _await_credit(self, request_id: str, deadline: float) -> None:
         self._drain()
@@ -398,37 +412,6 @@ class ZmqKVSender(KVSender):
     def _check_open(self, request_id: str) -> None:
         if self._sock.closed:
             raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
-
-
-class _StagingPool:
-    """Host buffers for gathered frames, reused: a fresh 16 MB buffer per message costs ~4k page faults,
-    which on a loopback link cost more than the copy itself.
-
-    A buffer is held from its send until the receiver acks that message: the receiver then has every
-    byte, so libzmq no longer reads it. At most `credits` buffers are held; a message whose ack never
-    comes (a lost receiver) keeps its buffer until the sender is closed.
-    """
-
-    def __init__(self) -> None:
-        self._free: list[torch.Tensor] = []
-        self._held: dict[tuple[str, int, int], torch.Tensor] = {}
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        buf = self._free.pop() if self._free else None
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8)  # grows to the largest message; then reused
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-
-    def hold(self, key: tuple[str, int, int], buf: torch.Tensor) -> None:
-        self._held[key] = buf
-
-    def release(self, key: tuple[str, int, int]) -> None:
-        buf = self._held.pop(key, None)
-        if buf is not None:
-            self._free.append(buf)
 
 
 def _key(header: KVTransferHeader) -> tuple[str, int, int]:
