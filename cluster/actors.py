@@ -51,6 +51,20 @@ def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = Tr
     return LLMEngine(EngineConfig(**{**config, "record_kv_events": record_events}))
 
 
+def _transport_classes(transport: str) -> tuple[Any, Any]:
+    """(sender, receiver) classes: ZeroMQ for any two hosts; NCCL between GPUs
+    (gloo, the same code path, when the caches are on the CPU)."""
+    if transport == "zmq":
+        from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender
+
+        return ZmqKVSender, ZmqKVReceiver
+    if transport == "nccl":
+        from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender
+
+        return NcclKVSender, NcclKVReceiver
+    raise ValueError(f"transport: must be zmq or nccl, got {transport!r}")
+
+
 def _load(e: LLMEngine) -> dict[str, Any]:
     """Engine thread: what the router needs, plus the KV events since the last call."""
     sched = e.scheduler
@@ -70,16 +84,17 @@ def _load(e: LLMEngine) -> dict[str, Any]:
 class PrefillService:
     """A prefill worker: computes prompts and streams their KV to decode workers over ZeroMQ."""
 
-    def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
+    def __init__(self, config: dict[str, Any], torch_threads: int, transport: str = "zmq") -> None:
         from pdserve.workers.prefill_worker import PrefillWorker
-        from pdserve.workers.transfer.zmq_backend import ZmqKVSender
+        from pdserve.workers.transfer.base import KVSender
 
         engine = _engine(config, torch_threads)
-        self._senders: dict[str, ZmqKVSender] = {}
+        sender_cls = _transport_classes(transport)[0]
+        self._senders: dict[str, KVSender] = {}
 
-        def sender_for(address: str) -> ZmqKVSender:
+        def sender_for(address: str) -> KVSender:
             if address not in self._senders:
-                self._senders[address] = ZmqKVSender(engine.kv_caches, address)
+                self._senders[address] = sender_cls(engine.kv_caches, address)
             return self._senders[address]
 
         self.worker = PrefillWorker(engine, sender_for)
@@ -104,14 +119,13 @@ class DecodeService:
     """A decode worker: reserves blocks, receives KV over ZeroMQ, decodes in a continuous batch.
     It can also serve a request end to end (local prefill) when the router says so."""
 
-    def __init__(self, config: dict[str, Any], torch_threads: int, bind_host: str) -> None:
+    def __init__(self, config: dict[str, Any], torch_threads: int, bind_host: str, transport: str = "zmq") -> None:
         from pdserve.workers.decode_worker import DecodeWorker
-        from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
 
         engine = _engine(config, torch_threads)
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
-        self.receiver = ZmqKVReceiver(engine.kv_caches, bind=f"tcp://{bind_host}:*")
+        self.receiver = _transport_classes(transport)[1](engine.kv_caches, bind=f"tcp://{bind_host}:*")
         self.worker = DecodeWorker(engine, self.receiver)
 
     async def ready(self) -> dict[str, Any]:

@@ -38,8 +38,6 @@ class ServeConfig:
             raise ValueError(f"mode: must be colocated or disaggregated, got {self.mode!r}")
         if self.transport not in ("zmq", "nccl"):
             raise ValueError(f"transport: must be zmq or nccl, got {self.transport!r}")
-        if self.transport == "nccl":
-            raise ValueError("transport: nccl is not wired into the cluster yet; use zmq")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("prefill/decode: each pool needs at least one worker")
         if not 0 < self.port < 65536:
@@ -81,8 +79,8 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
             cfg.engine_config(), threads, *args)
 
     if cfg.mode == "disaggregated":
-        workers = [make(PrefillWorkerActor, n) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host) for n in cfg.decode_names()]
+        workers = [make(PrefillWorkerActor, n, cfg.transport) for n in cfg.prefill_names()]
+        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport) for n in cfg.decode_names()]
     else:
         workers = [make(EngineWorkerActor, n) for n in cfg.worker_names()]
     ray.get([w.ready.remote() for w in workers], timeout=timeout_s)

@@ -27,10 +27,11 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
-def cluster(model_dir: Path, policy: RoutingPolicy, prefill_blocks: int, num_prefill: int = 2):  # noqa: ANN201
+def cluster(model_dir: Path, policy: RoutingPolicy, prefill_blocks: int, num_prefill: int = 2,  # noqa: ANN201
+            transport: str = "zmq"):
     base = {"model": str(model_dir), "max_model_len": 1024, "block_size": BS, "max_num_batched_tokens": 1024}
-    prefill = {f"p{i}": PrefillService({**base, "num_kv_blocks": prefill_blocks}, 1) for i in range(num_prefill)}
-    decode = DecodeService({**base, "num_kv_blocks": 1024}, 1, "127.0.0.1")
+    prefill = {f"p{i}": PrefillService({**base, "num_kv_blocks": prefill_blocks}, 1, transport) for i in range(num_prefill)}
+    decode = DecodeService({**base, "num_kv_blocks": 1024}, 1, "127.0.0.1", transport)
     router = Router(RouterConfig(policy=policy), BS)
     backend = DisaggregatedBackend({k: LocalActor(v) for k, v in prefill.items()}, {"d0": LocalActor(decode)},
                                    {"d0": decode.receiver.address}, router, poll_s=0.01)
@@ -54,11 +55,12 @@ async def run_all(backend: DisaggregatedBackend, prompts: list[list[int]], param
         await backend.close()
 
 
-def test_disaggregated_backend_greedy_equals_offline(model_dir: Path) -> None:
+@pytest.mark.parametrize("transport", ["zmq", "nccl"])  # nccl runs its gloo path on CPU
+def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport: str) -> None:
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (40, 90, 33, 150)]
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    backend, prefill, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256)
+    backend, prefill, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, transport=transport)
     got = asyncio.run(run_all(backend, prompts, params))
     offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False)
     assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]

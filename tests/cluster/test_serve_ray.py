@@ -21,17 +21,19 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
-@pytest.fixture(scope="module", params=["colocated", "disaggregated"])
+@pytest.fixture(scope="module", params=["colocated", "disaggregated", "disaggregated-nccl"])
 def cluster(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
+    """`disaggregated-nccl`: the NCCL transport, which runs its gloo path on CPU."""
     from pdserve.cluster import serve_app
 
     port = 18000 + os.getpid() % 1000
-    cfg = serve_app.ServeConfig(model=str(model_dir), mode=request.param, port=port, max_model_len=256,
-                                engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
+    mode, _, transport = request.param.partition("-")
+    cfg = serve_app.ServeConfig(model=str(model_dir), mode=mode, transport=transport or "zmq", port=port,
+                                max_model_len=256, engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
     ray.init(namespace=serve_app.NAMESPACE, num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
-        yield f"http://127.0.0.1:{port}", request.param
+        yield f"http://127.0.0.1:{port}", mode
     finally:
         serve_app.shutdown(cfg)
         ray.shutdown()

@@ -1,0 +1,1183 @@
+"""KV transport whose bytes move with torch.distributed point-to-point send/recv: NCCL between GPUs, gloo on CPU.
+
+Two planes per (prefill sender, decode receiver) pair:
+
+* Control, over ZeroMQ exactly as in `zmq_backend`: the receiver binds one ROUTER, each sender connects
+  one DEALER. Hello and credit grant, one msgpack `KVTransferHeader` per data message (with the
+  checksum of its bytes), acks (which return credits and carry the receiver's verdict), aborts both
+  ways, and `finish`'s end marker.
+* Data: the K and V bytes of one message, as one flat uint8 tensor (K blocks then V blocks, the layout
+  of `frames.gather`), `send` by the sender, `recv` by the receiver, on a process group of two ranks
+  private to the pair: the receiver is rank 0, the sender rank 1.
+
+Groups. No `init_process_group`: a decode worker serves many prefill workers (and a prefill worker may
+feed many decode workers), so no transport may own the global default group, and a pair must come and
+go without the others. Each end builds its rank of the pair's group directly with the c10d backend
+classes that `init_process_group` and `new_group` wrap: `ProcessGroupGloo(store, rank, 2, options)` when
+the caches are on the CPU, `ProcessGroupNCCL(store, rank, 2, options)` when they are on CUDA (`backend=`
+forces one; gloo with CUDA caches stages through host memory), on `PrefixStore("pdserve-kv/<key>",
+store)` where `key` is the sender's random id (its DEALER's routing id, sent in its hello). Nothing is
+registered globally (`dist.is_initialized()` stays False). The store (the few keys a rendezvous
+exchanges) is the receiver's, served over its ROUTER: a c10d `Store` subclass on each end, `_LocalStore`
+for the receiver's rank and `_StoreClient` for the sender's. Not a `TCPStore`: that would need a second
+port in the address, and its connection setup formats peer addresses with a reverse DNS lookup, which on
+this repo's CI box stalled for 5 s about once in fifty connections. Building a rank is a rendezvous that blocks until both ranks are there (at most `group_timeout_s`), so
+each end does it on a thread of its own: the receiver on the pair's thread when the hello arrives, the
+sender on a thread its constructor starts. Both then pass a one-byte probe, sender to receiver: that
+makes NCCL create its lazily built p2p communicator while both sides wait for it, so that a later
+`send` only enqueues work (and it proves the channel on gloo).
+
+Matching headers and tensors. The sender posts a message's tensor `send` first, then its header. ZeroMQ
+keeps headers in order per connection; the receiver's pair thread posts one `recv` per data header, in
+header order, sized from the header's own claims (2 x num_blocks x block_shape x dtype size) into a
+reused staging buffer. The tag is a per-pair message counter that both ends advance per tensor (gloo
+matches on it; NCCL ignores tags and matches p2p operations in posting order). So every data header a
+receiver gets is received in full, whatever the ledger then thinks of it (unknown request, wrong
+geometry, aborted transfer, beyond the credit window): the two streams stay aligned and the bytes are
+discarded. Only a header whose size cannot be known (an unknown dtype, a size over `max_message_bytes`)
+or a failed recv breaks the pair (see below). End markers carry no tensor.
+
+Verification. After its recv, a message goes to the shared `ReceiverLedger`, as in the ZeroMQ receiver:
+it checks the header against the registration and the cache geometry, verifies the checksum (crc32, or
+xxh3_64 where both ends have xxhash) and only then writes into the destination blocks. On CUDA that
+costs a device-to-host copy of every message on both ends (and the write is then host-to-device). With
+`verify_checksums=False` on both ends the sender computes no checksum and the receiver writes staging
+to cache on the device, under the same ledger decisions minus the checksum (`_Ledger.apply_unverified`).
+Default: verify, for both backends.
+
+Flow control: credits as in `zmq_backend` (hello -> grant; one credit per data message or end marker,
+returned by its ack). A sender holds a message's staging buffer (and its send's Work) until the ack, so
+credits bound staging memory; a receiver has one staging buffer per pair.
+
+Threads. Receiver: one I/O thread owns the ROUTER (hellos, headers, aborts, outgoing acks and aborts),
+and one thread per pair forms the group, then receives that pair's tensors in order, applies them to
+the ledger and queues each ack for the I/O thread. Sender: only the short-lived group-forming thread;
+otherwise it reads acks when called, and its calls are serialized by a lock.
+
+Deadlines and limitations.
+* gloo cannot cancel or poll a posted recv: `Work.is_completed()` stays False until `wait()`, and neither
+  `abort()` nor `shutdown()` ends a `wait()`; a `wait(timeout)` that expires closes the pair's
+  connection. So the pair thread waits in `wait()`, bounded by the group timeout, after which the pair is
+  broken. Because a tensor is posted before its header, that wait is normally sub-millisecond; it is
+  long only when a sender is alive but stuck mid-message (a dead sender ends it at once: connection
+  closed). NCCL: the pair thread polls `Work.is_completed()` and stays responsive; a recv still pending
+  at the group timeout, or at close, aborts the pair's communicator (`ProcessGroupNCCL.abort()`), the only
+  way to cancel a stuck NCCL recv. ProcessGroupNCCL's watchdog also acts on operations past the group
+  timeout as TORCH_NCCL_ASYNC_ERROR_HANDLING says (by default: tear down the process); keep
+  `group_timeout_s` well above the workers' transfer deadlines. The NCCL path is untested here: this repo's
+  CI has no GPU, and one GPU cannot host both ranks of an NCCL communicator.
+* A broken pair (group not formed in time, a failed send or recv, an unsizable header) stays broken:
+  every later message from that sender fails its transfer with CLOSED; the sender must be re-created.
+* Abort and release never wait for a recv: received bytes land in staging, and the ledger writes into the
+  cache only under its lock while the transfer is PENDING. close() joins every thread within ~2 s; a thread
+  stuck in a gloo wait or in group formation is left behind (daemon) and logged, as the ZeroMQ receiver
+  does with its I/O thread.
+* Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender leaves
+  an idle pair thread and group behind. At most `max_senders` pairs are accepted.
+* The ROUTER, and so the store, is unauthenticated: trusted networks only (the store keeps at most
+  `_STORE_MAX_KEYS` small entries). A receiver bound to a wildcard address advertises it as is, as the
+  ZeroMQ backend does. Each gloo rank listens on the address its peer reaches it by (`gloo_hostname`
+  overrides).
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime
+import logging
+import math
+import re
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import zmq
+
+from pdserve.workers.messages import (
+    ChecksumKind, FailReason, KVCreditGrant, KVTransferAbort, KVTransferAck, KVTransferHeader, KVTransferHello,
+    Message, TransferState, decode, encode,
+)
+from pdserve.workers.transfer import frames
+from pdserve.workers.transfer.base import KVReceiver, KVSender, TransferError, TransferStatus
+from pdserve.workers.transfer.faults import FaultAction, Faults
+from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
+from pdserve.workers.transfer.ledger import Notice, ReceiverLedger, SenderBook
+from pdserve.workers.transfer.zmq_backend import DEFAULT_CREDITS, _drain_wakeups
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GROUP_TIMEOUT_S = 30.0
+DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a sender splits a layer's blocks into messages of at most this
+DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # a receiver refuses (breaks the pair on) a header claiming more
+DEFAULT_MAX_SENDERS = 64
+_IDLE_POLL_MS = 50  # the I/O thread's longest sleep
+_PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a fault switch
+_NCCL_POLL_S = 0.0002
+_STORE_MAGIC = b"pdserve-kv-store/1"  # first frame of a store request or reply (never a msgpack message)
+_STORE_POLL_S = 0.005  # a remote get/wait asks again this often (backing off to 10x) until the key is there
+_STORE_MAX_KEYS = 4096
+_STORE_MAX_BYTES = 1 << 16  # per key and per value
+_JOIN_S = 2.0
+_SENDER_JOIN_S = 1.0
+_LINGER_MS = 200
+_TAG_MAX = (1 << 31) - 1  # gloo tags are int32; 0 is the probe's
+_KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
+_WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::"}
+_EMPTY = np.zeros(0, dtype=np.uint8)
+
+
+# -- addresses and backends ----------------------------------------------------------------
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """A receiver's address, `tcp://host:port` (its ROUTER's endpoint) -> (host, port)."""
+    host, sep, port = address[len("tcp://"):].rpartition(":")
+    if not (address.startswith("tcp://") and sep and host and port.isdigit()):
+        raise ValueError(f"address: expected 'tcp://host:port', got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _pick_backend(geometry: CacheGeometry, backend: str | None) -> str:
+    if backend is None:
+        backend = "nccl" if geometry.device.type == "cuda" else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
+    if backend == "nccl" and geometry.device.type != "cuda":
+        raise ValueError(f"backend 'nccl' needs CUDA caches, these are on {geometry.device}")
+    available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
+    if not (dist.is_available() and available):
+        raise RuntimeError(f"this torch build has no {backend} backend")
+    return backend
+
+
+def _staging_device(geometry: CacheGeometry, backend: str) -> torch.device:
+    """NCCL moves device memory; gloo moves host memory (CUDA caches are staged through the host)."""
+    return geometry.device if backend == "nccl" else torch.device("cpu")
+
+
+def _local_ip_towards(host: str, port: int) -> str | None:
+    """This host's address on the route to `host`: what the peer can reach us at (no packet is sent)."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(sockaddr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+# -- the rendezvous store ----------------------------------------------------------------------
+
+
+class _Table:
+    """The receiver's store: keys to bytes, with waits. Thread-safe; bounded (it is served to the network)."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+
+    def set(self, key: str, value: bytes) -> None:
+        with self._cond:
+            self._check(key, value)
+            self._data[key] = value
+            self._cond.notify_all()
+
+    def get(self, key: str) -> bytes | None:
+        with self._cond:
+            return self._data.get(key)
+
+    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout_s)
+
+    def add(self, key: str, amount: int) -> int:
+        with self._cond:
+            value = int(self._data.get(key, b"0")) + amount
+            self.set(key, str(value).encode())
+            return value
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        with self._cond:
+            current = self._data.get(key)
+            if (current is None and not expected) or current == expected:
+                self.set(key, desired)
+                return desired
+            return current if current is not None else expected
+
+    def delete(self, key: str) -> bool:
+        with self._cond:
+            return self._data.pop(key, None) is not None
+
+    def drop_prefix(self, prefix: str) -> None:
+        with self._cond:
+            for key in [k for k in self._data if k.startswith(prefix)]:
+                del self._data[key]
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._data)
+
+    def serve(self, op: bytes, key: bytes, value: bytes, extra: bytes) -> list[bytes]:
+        """One remote request -> [status, value] (never blocks: a remote get of a missing key is asked again)."""
+        try:
+            name = key.decode()
+            if op == b"set":
+                self.set(name, value)
+                return [b"ok", b""]
+            if op == b"get":
+                found = self.get(name)
+                return [b"ok", found] if found is not None else [b"missing", b""]
+            if op == b"add":
+                return [b"ok", str(self.add(name, int(value))).encode()]
+            if op == b"compare_set":
+                return [b"ok", self.compare_set(name, value, extra)]
+            if op == b"delete":
+                return [b"ok", b"1" if self.delete(name) else b"0"]
+            if op == b"num_keys":
+                return [b"ok", str(len(self)).encode()]
+            raise ValueError(f"unknown store operation {op[:32]!r}")
+        except (ValueError, UnicodeDecodeError) as e:
+            return [b"error", str(e).encode()[:200]]
+
+    def _check(self, key: str, value: bytes) -> None:
+        if len(key) > _STORE_MAX_BYTES or len(value) > _STORE_MAX_BYTES:
+            raise ValueError("store key or value too large")
+        if key not in self._data and len(self._data) >= _STORE_MAX_KEYS:
+            raise ValueError(f"store full ({_STORE_MAX_KEYS} keys)")
+
+
+def _seconds(timeout: datetime.timedelta | None, default_s: float) -> float:
+    return default_s if timeout is None else timeout.total_seconds()
+
+
+class _LocalStore(dist.Store):
+    """c10d's view of the receiver's `_Table`, for the receiver's own rank (rank 0)."""
+
+    def __init__(self, table: _Table, timeout_s: float) -> None:
+        super().__init__()
+        self._table, self._timeout_s = table, timeout_s
+
+    def set(self, key: str, value: bytes) -> None:
+        self._table.set(key, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        value = self._table.get(key)
+        if value is None:
+            raise RuntimeError(f"store: {key!r} was deleted")
+        return value
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        if not self._table.wait(keys, _seconds(timeout, self._timeout_s)):
+            raise RuntimeError(f"store: timed out waiting for {keys}")
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._table.get(k) is not None for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._table.add(key, amount)
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._table.compare_set(key, bytes(expected), bytes(desired))
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 (the name c10d calls)
+        return self._table.delete(key)
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return len(self._table)
+
+    def clone(self) -> _LocalStore:
+        return _LocalStore(self._table, self._timeout_s)
+
+
+class _StoreClient(dist.Store):
+    """c10d's view of a receiver's `_Table` from the sender's rank (rank 1): requests over a DEALER of its own."""
+
+    def __init__(self, endpoint: str, context: zmq.Context, timeout_s: float) -> None:
+        super().__init__()
+        self._endpoint, self._context, self._timeout_s = endpoint, context, timeout_s
+        self._lock = threading.Lock()
+        self._sock: zmq.Socket | None = context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.connect(endpoint)
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(b"set", key, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._poll(key, time.monotonic() + self._timeout_s)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        deadline = time.monotonic() + _seconds(timeout, self._timeout_s)
+        for key in keys:
+            self._poll(key, deadline)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._call(b"get", k, allow_missing=True) is not None for k in keys)
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._call(b"add", key, str(amount).encode()) or b"0")
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self._call(b"compare_set", key, bytes(expected), bytes(desired)) or b""
+
+    def deleteKey(self, key: str) -> bool:  # noqa: N802 (the name c10d calls)
+        return self._call(b"delete", key) == b"1"
+
+    def getNumKeys(self) -> int:  # noqa: N802
+        return int(self._call(b"num_keys", "") or b"0")
+
+    def clone(self) -> _StoreClient:
+        return _StoreClient(self._endpoint, self._context, self._timeout_s)
+
+    def retire(self) -> None:
+        """Close the socket (the group is formed: it needs the store no more); later calls raise."""
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close(linger=0)
+                self._sock = None
+
+    def _poll(self, key: str, deadline: float) -> bytes:
+        pause = _STORE_POLL_S
+        while (value := self._call(b"get", key, allow_missing=True)) is None:
+            if time.monotonic() + pause > deadline:
+                raise RuntimeError(f"store at {self._endpoint}: timed out waiting for {key!r}")
+            time.sleep(pause)
+            pause = min(pause * 2, 10 * _STORE_POLL_S)
+        return value
+
+    def _call(self, op: bytes, key: str, value: bytes = b"", extra: bytes = b"", *,
+              allow_missing: bool = False) -> bytes | None:
+        with self._lock:
+            if self._sock is None:
+                raise RuntimeError("store client is closed")
+            self._sock.send_multipart([_STORE_MAGIC, op, key.encode(), value, extra])
+            if not self._sock.poll(int(self._timeout_s * 1000), zmq.POLLIN):
+                # The socket may now hold a late reply: replace it, so that replies never pair up wrongly.
+                self._sock.close(linger=0)
+                self._sock = self._context.socket(zmq.DEALER)
+                self._sock.setsockopt(zmq.LINGER, 0)
+                self._sock.connect(self._endpoint)
+                raise RuntimeError(f"store at {self._endpoint}: no answer to {op.decode()} {key!r}")
+            reply = self._sock.recv_multipart()
+        if len(reply) != 3 or reply[0] != _STORE_MAGIC:
+            raise RuntimeError(f"store at {self._endpoint}: malformed reply")
+        status, result = reply[1], reply[2]
+        if status == b"missing" and allow_missing:
+            return None
+        if status != b"ok":
+            raise RuntimeError(f"store at {self._endpoint}: {op.decode()} {key!r}: {result.decode(errors='replace')}")
+        return result
+
+
+# -- the data channel ------------------------------------------------------------------------
+
+
+class _DataChannel:
+    """This process's rank of one pair's two-rank process group (receiver rank 0, sender rank 1).
+
+    The constructor is the rendezvous: it blocks until the other rank joins and the probe passed, at
+    most `timeout_s`, and raises if that fails.
+    """
+
+    def __init__(self, backend: str, store: dist.Store, key: str, rank: int, timeout_s: float,
+                 device: torch.device, gloo_hostname: str | None) -> None:
+        self.backend, self.rank, self.device, self.timeout_s = backend, rank, device, timeout_s
+        self._store = store  # a Python Store must outlive the group: c10d calls back into this object
+        prefixed = dist.PrefixStore(f"pdserve-kv/{key}", store)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._pg: Any
+        if backend == "gloo":
+            opts = dist.ProcessGroupGloo._Options()
+            gloo = dist.ProcessGroupGloo
+            opts._devices = [gloo.create_device(hostname=gloo_hostname) if gloo_hostname
+                             else gloo.create_default_device()]
+            opts._timeout = timeout
+            self._pg = gloo(prefixed, rank, 2, opts)
+        else:
+            nccl_opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+            nccl_opts.is_high_priority_stream = False
+            nccl_opts._timeout = timeout
+            nccl_opts.group_name = f"pdserve-kv-{key}"
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)  # type: ignore[attr-defined]
+        self._closed = False
+        probe = torch.zeros(1, dtype=torch.uint8, device=device)
+        work = self.send(probe, 0) if rank == 1 else self.recv(probe, 0)
+        self.wait(work, time.monotonic() + timeout_s)
+
+    def send(self, tensor: torch.Tensor, tag: int) -> Any:
+        return self._group().send([tensor], 1 - self.rank, tag)
+
+    def recv(self, tensor: torch.Tensor, tag: int) -> Any:
+        return self._group().recv([tensor], 1 - self.rank, tag)
+
+    def _group(self) -> Any:
+        if self._pg is None:
+            raise RuntimeError("the data channel is closed")
+        return self._pg
+
+    def wait(self, work: Any, deadline: float, stop: threading.Event | None = None) -> None:
+        """Until `work` completed; raises if it failed or (NCCL) at `deadline` or `stop`, aborting the group."""
+        if self.backend == "gloo":
+            work.wait()  # cannot be interrupted; bounded by the group's timeout (see the module docstring)
+            return
+        while not work.is_completed():
+            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
+                self.close()
+                raise TimeoutError("NCCL operation not complete in time; the pair's communicator was aborted")
+            time.sleep(_NCCL_POLL_S)
+        work.wait()  # raises a failure; orders the current stream after the operation
+
+    def close(self) -> None:
+        """Shut this rank down. Its connection closes once the group and every Work of it are unreferenced
+        (the caller drops its Works): only then does the peer's pending operation fail instead of waiting
+        out the timeout, since gloo keeps serving posted sends after `shutdown()` and forgets those whose
+        Work is dropped."""
+        if self._closed:
+            return
+        self._closed = True
+        pg, self._pg = self._pg, None
+        try:
+            if self.backend == "nccl":
+                pg.abort()  # the only way to end a pending NCCL operation
+            else:
+                pg.shutdown()
+        except Exception as e:  # already broken: nothing left to release
+            log.debug("KV data channel (rank %d): close: %s", self.rank, _first_line(e))
+
+
+class _Staging:
+    """Reused flat uint8 buffers on one device (a fresh 16 MB buffer per message costs page faults).
+
+    A sender holds a message's buffer, with the Work of its send, until the receiver acks the message:
+    the receiver then has every byte, so the send is over and the buffer may be overwritten.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._free: list[torch.Tensor] = []
+        self._held: dict[tuple[str, int, int], tuple[torch.Tensor, Any]] = {}
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        buf = self._free.pop() if self._free else None
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # grows to the largest message
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        self._free.append(buf)
+
+    def hold(self, key: tuple[str, int, int], buf: torch.Tensor, work: Any) -> None:
+        self._held[key] = (buf, work)
+
+    def release(self, key: tuple[str, int, int]) -> None:
+        held = self._held.pop(key, None)
+        if held is None:
+            return
+        buf, work = held
+        try:
+            work.wait()  # complete: the receiver acked the bytes (NCCL: orders reuse after the send)
+        except Exception as e:  # the channel broke after the bytes arrived; the buffer is not reused
+            log.debug("KV sender: send of %r ended with %s", key, _first_line(e))
+            return
+        self._free.append(buf)
+
+    def forget(self, key: tuple[str, int, int]) -> None:
+        """Drop a held buffer without waiting for its send (the channel is shut: it will not complete)."""
+        self._held.pop(key, None)
+
+    def clear(self) -> None:
+        self._free.clear()
+        self._held.clear()
+
+
+def _gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: list[int],
+            staging: torch.Tensor) -> torch.Tensor:
+    """K then V of `block_ids` of `layer`, copied into `staging`; returns the filled prefix."""
+    n = len(block_ids)
+    nbytes = frames.frame_bytes(geometry, n)
+    if staging.device.type == "cpu":
+        frames.gather(kv_caches, layer, block_ids, out=staging)  # the same bytes the other backends send
+    else:  # NCCL: stays on the device
+        per = nbytes // 2
+        idx = torch.tensor(block_ids, dtype=torch.long, device=geometry.device)
+        for i, cache in enumerate(kv_caches[layer]):
+            dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
+            dst.copy_(cache.index_select(0, idx))
+    return staging[:nbytes]
+
+
+def _host_halves(payload: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The K and V frames of a message as host byte arrays (a device-to-host copy if on a GPU)."""
+    host = payload if payload.device.type == "cpu" else payload.cpu()
+    half = host.numel() // 2
+    return host[:half].numpy(), host[half:].numpy()
+
+
+def _wire_bytes(header: KVTransferHeader) -> int | None:
+    """Bytes of the tensor that follows `header`, by its own claims; None if they give no size."""
+    dtype = frames.DTYPES.get(header.dtype)
+    if dtype is None or header.num_blocks <= 0:
+        return None
+    return 2 * header.num_blocks * math.prod(header.block_shape) * dtype.itemsize
+
+
+def _key(header: KVTransferHeader) -> tuple[str, int, int]:
+    return header.request_id, header.transfer_id, header.seq
+
+
+def _refusal(header: KVTransferHeader, reason: FailReason, detail: str, credits: int = 1) -> KVTransferAck:
+    return KVTransferAck(request_id=header.request_id, transfer_id=header.transfer_id, seq=header.seq,
+                         state=TransferState.FAILED, reason=reason, detail=detail, credits=credits)
+
+
+# -- the ledger, two entry points more -----------------------------------------------------------
+
+
+def _sized(nbytes: int) -> np.ndarray:
+    """A zero-copy stand-in that reports `nbytes` to the ledger's size checks (memoryview(x).nbytes)."""
+    return np.broadcast_to(np.zeros(1, dtype=np.uint8), (nbytes,))
+
+
+class _Ledger(ReceiverLedger):
+    """`ReceiverLedger` plus what this backend needs and the shared one lacks (see the report that came
+    with this file: both belong in ledger.py): failing a transfer for a transport fault, and applying
+    frames that are not checksummed and may live on the GPU."""
+
+    def __init__(self, kv_caches: KVCaches) -> None:
+        super().__init__(kv_caches)
+        # Re-entrant, whatever the base class picks: apply_unverified calls apply under it.
+        self._cond = threading.Condition(threading.RLock())
+
+    def fail_transfer(self, header: KVTransferHeader, reason: FailReason, detail: str) -> KVTransferAck:
+        """The bytes of `header`'s message never arrived: fail its transfer (if it owns the registration)."""
+        with self._cond:
+            reg = self._regs.get(header.request_id)
+            if reg is not None and not reg.status.terminal and reg.transfer_id in (None, header.transfer_id):
+                self._fail(reg, reason, detail)
+        return _refusal(header, reason, detail)
+
+    def apply_unverified(self, header: KVTransferHeader, k: torch.Tensor, v: torch.Tensor,
+                         peer: Any) -> KVTransferAck:
+        """`apply` without the checksum, for flat uint8 frames on any device (verify_checksums=False)."""
+        with self._cond:
+            reg = self._regs.get(header.request_id)
+            if (header.is_last or reg is None or reg.status.terminal
+                    or reg.transfer_id not in (None, header.transfer_id)):
+                # Decided without the bytes (refused, discarded, or an end marker): the shared path.
+                return self.apply(header, _EMPTY, _EMPTY, peer)
+            if reg.transfer_id is None:
+                reg.transfer_id, reg.peer = header.transfer_id, peer
+            problem = self._problem(reg, header, _sized(k.numel()), _sized(v.numel()))
+            if problem is not None:
+                self._fail(reg, FailReason.PROTOCOL, problem)
+            else:
+                _write(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k, v)
+                reg.seqs.add(header.seq)
+                reg.covered[header.layer].update(header.dst_block_ids)
+                self._settle(reg)
+            status = reg.status
+            return KVTransferAck(request_id=header.request_id, transfer_id=header.transfer_id, seq=header.seq,
+                                 state=status.state, reason=status.reason, detail=status.detail)
+
+
+def _write(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_ids: Sequence[int],
+           k: torch.Tensor, v: torch.Tensor) -> None:
+    """Frames (flat uint8 tensors, size-checked) into `dst_block_ids` of `layer`, device to device."""
+    ids = list(dst_block_ids)
+    for cache, frame in zip(kv_caches[layer], (k, v)):
+        src = frame.view(cache.dtype).view(len(ids), *geometry.block_shape).to(cache.device)
+        cache.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=cache.device), src)
+    if geometry.device.type == "cuda":
+        torch.cuda.current_stream(geometry.device).synchronize()  # written before the status says DONE
+
+
+# -- receiver ------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Pair:
+    """The receiver's side of one sender: its headers in order, its data channel, the thread for both."""
+
+    key: str
+    peer: bytes  # ZeroMQ routing id (= key)
+    gloo_hostname: str | None
+    cond: threading.Condition
+    queue: collections.deque[tuple[KVTransferHeader, bool]]  # (header, beyond the credit window)
+    in_flight: int = 0
+    tag: int = 0
+    channel: _DataChannel | None = None
+    broken: str | None = None
+    thread: threading.Thread | None = None
+
+
+class NcclKVReceiver(KVReceiver):
+    """Binds a ROUTER at `bind` and hosts the pairs' store; see `address`. Writes into `kv_caches`."""
+
+    def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, backend: str | None = None,
+                 credits: int = DEFAULT_CREDITS, verify_checksums: bool = True,
+                 group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+                 max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
+                 context: zmq.Context | None = None, faults: Faults | None = None) -> None:
+        if credits < 1:
+            raise ValueError(f"credits: must be >= 1, got {credits}")
+        self._ledger = _Ledger(kv_caches)
+        self._backend = _pick_backend(self._ledger.geometry, backend)
+        self._staging_device = _staging_device(self._ledger.geometry, self._backend)
+        self._credits = credits
+        self._verify = verify_checksums
+        self._group_timeout_s = group_timeout_s
+        self._max_message_bytes = max_message_bytes
+        self._max_senders = max_senders
+        self._faults = faults
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._sock.bind(bind)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        host = parse_address(self.address)[0]
+        self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
+        self._table = _Table()  # the pairs' rendezvous store, served on the ROUTER
+        wake = f"inproc://pdserve-kv-nccl-wake-{uuid.uuid4().hex}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(wake)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(wake)
+        self._wake_lock = threading.Lock()  # the one socket API threads touch
+        self._outbox: collections.deque[Notice] = collections.deque()  # acks and aborts for the I/O thread
+        self._pairs: dict[bytes, _Pair] = {}
+        self._pairs_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"kv-receiver {self.address}", daemon=True)
+        self._thread.start()
+
+    # -- KVReceiver ----------------------------------------------------------------------
+
+    def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
+        self._ledger.register(request_id, dst_block_ids, expected_layers)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._ledger.status(request_id)
+
+    def wait(self, request_id: str, deadline: float) -> TransferStatus:
+        status, notice = self._ledger.wait(request_id, deadline)
+        self._post(notice)
+        return status
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
+        self._post(self._ledger.abort(request_id, reason))
+
+    def release(self, request_id: str) -> None:
+        self._post(self._ledger.abort(request_id, "released by the decode worker"))
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for notice in self._ledger.close():
+            self._post(notice)
+        self._stop.set()
+        self._wake()
+        end = time.monotonic() + _JOIN_S
+        self._thread.join(_JOIN_S)
+        with self._pairs_lock:
+            pairs = list(self._pairs.values())
+        for pair in pairs:
+            with pair.cond:
+                pair.cond.notify_all()
+        for pair in pairs:
+            if pair.thread is not None:
+                pair.thread.join(max(0.0, end - time.monotonic()))
+        stuck = [p.key for p in pairs if p.thread is not None and p.thread.is_alive()]
+        if stuck:  # in a gloo recv or in group formation: ends at the group timeout, then exits
+            log.error("KV receiver %s: pair threads %s did not stop within %.1f s", self.address, stuck, _JOIN_S)
+        if self._thread.is_alive():
+            log.error("KV receiver %s: I/O thread did not stop within %.1f s", self.address, _JOIN_S)
+            return  # its sockets are still in use; leave them to it
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+
+    @property
+    def thread_alive(self) -> bool:
+        """Whether the I/O thread or any pair thread still runs."""
+        with self._pairs_lock:
+            pairs = list(self._pairs.values())
+        return self._thread.is_alive() or any(p.thread is not None and p.thread.is_alive() for p in pairs)
+
+    @property
+    def senders(self) -> int:
+        """Pairs formed or forming (one per sender that said hello)."""
+        with self._pairs_lock:
+            return len(self._pairs)
+
+    # -- I/O thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                events = dict(poller.poll(_IDLE_POLL_MS))
+                if self._wake_rx in events:
+                    _drain_wakeups(self._wake_rx)
+                self._flush_outbox()
+                if self._sock in events:
+                    self._handle_socket()
+            self._flush_outbox()  # the close() aborts
+        except Exception:
+            log.exception("KV receiver %s: I/O thread failed; failing pending transfers", self.address)
+            self._ledger.close()
+            self._stop.set()
+        finally:
+            self._sock.close()
+            self._wake_rx.close(linger=0)
+
+    def _handle_socket(self) -> None:
+        for _ in range(64):  # then the outbox gets a look
+            try:
+                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(parts)
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        peer = parts[0].bytes
+        if len(parts) == 6 and parts[1].bytes == _STORE_MAGIC:  # a sender's rank at its rendezvous
+            reply = self._table.serve(*(f.bytes for f in parts[2:]))
+            try:
+                self._sock.send_multipart([peer, _STORE_MAGIC, *reply], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as e:
+                log.info("KV receiver %s: could not answer a store request of %r: %s", self.address, peer, e)
+            return
+        try:
+            if len(parts) != 2:
+                raise ValueError(f"{len(parts) - 1} frames, expected 1 (tensors travel on the data channel)")
+            msg = decode(parts[1].buffer)
+        except ValueError as e:
+            log.warning("KV receiver %s: dropped a bad message from %r: %s", self.address, peer, e)
+            return
+        if isinstance(msg, KVTransferHeader):
+            self._on_header(peer, msg)
+        elif isinstance(msg, KVTransferHello):
+            self._on_hello(peer, msg, parts[1])
+        elif isinstance(msg, KVTransferAbort):
+            self._ledger.on_abort(msg, peer)
+        else:
+            log.warning("KV receiver %s: unexpected %s from %r", self.address, type(msg).__name__, peer)
+
+    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> None:
+        key = hello.sender_id
+        with self._pairs_lock:
+            refused = ("its sender id is not its routing id" if not (_KEY.fullmatch(key) and peer == key.encode())
+                       else "a second hello" if peer in self._pairs
+                       else f"already {len(self._pairs)} senders" if len(self._pairs) >= self._max_senders
+                       else None)
+            if refused is None:
+                pair = _Pair(key, peer, self._gloo_hostname or self._hostname_towards(frame),
+                             threading.Condition(), collections.deque())
+                pair.thread = threading.Thread(target=self._pair_main, args=(pair,), daemon=True,
+                                               name=f"kv-receiver-pair {key}")
+                self._pairs[peer] = pair
+        if refused is not None:
+            log.warning("KV receiver %s: refused a hello from %r: %s", self.address, peer, refused)
+            return
+        assert pair.thread is not None
+        pair.thread.start()  # forms the group while the sender forms its side
+        self._reply(peer, KVCreditGrant(credits=self._credits, checksum=frames.pick_checksum(hello.checksums)))
+
+    @staticmethod
+    def _hostname_towards(frame: zmq.Frame) -> str | None:
+        try:
+            peer_host = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            return None
+        return _local_ip_towards(peer_host, 9) if peer_host else None
+
+    def _on_header(self, peer: bytes, header: KVTransferHeader) -> None:
+        with self._pairs_lock:
+            pair = self._pairs.get(peer)
+        if pair is None:  # no hello, so no credit and no data channel: only a broken peer gets here
+            self._reply(peer, _refusal(header, FailReason.PROTOCOL, "no hello from this sender", credits=0))
+            return
+        with pair.cond:
+            pair.in_flight += 1
+            pair.queue.append((header, pair.in_flight > self._credits))
+            pair.cond.notify()
+
+    def _reply(self, peer: bytes, msg: Message) -> None:
+        try:
+            self._sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; EAGAIN: it stopped reading
+            log.info("KV receiver %s: could not reply to %r: %s", self.address, peer, e)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            notice = self._outbox.popleft()
+            self._reply(notice.peer, notice.message)
+
+    # -- pair threads ------------------------------------------------------------------------
+
+    def _pair_main(self, pair: _Pair) -> None:
+        try:
+            pair.channel = _DataChannel(self._backend, _LocalStore(self._table, self._group_timeout_s), pair.key, 0,
+                                        self._group_timeout_s, self._staging_device, pair.gloo_hostname)
+        except Exception as e:
+            pair.broken = f"not formed: {_first_line(e)}"
+            log.warning("KV receiver %s: data channel of sender %s %s", self.address, pair.key, pair.broken)
+        finally:  # formed (the sender has read our keys: it connected) or failed: the keys are done with
+            self._table.drop_prefix(f"pdserve-kv/{pair.key}/")
+        staging = _Staging(self._staging_device)  # one buffer, grown to the largest message
+        try:
+            while (item := self._next(pair)) is not None:
+                ack = self._receive(pair, staging, *item)
+                with pair.cond:
+                    pair.in_flight -= 1
+                self._post(Notice(pair.peer, ack))  # type: ignore[arg-type]  # any message to the peer
+        except Exception as e:
+            pair.broken = f"receive loop failed: {_first_line(e)}"
+            log.exception("KV receiver %s: pair thread of sender %s failed", self.address, pair.key)
+        finally:
+            if pair.channel is not None:
+                pair.channel.close()
+
+    def _next(self, pair: _Pair) -> tuple[KVTransferHeader, bool] | None:
+        with pair.cond:
+            while not self._stop.is_set():
+                if pair.queue and not (self._faults is not None and self._faults.receiver_stalled):
+                    return pair.queue.popleft()
+                pair.cond.wait(_PAIR_POLL_S)
+        return None
+
+    def _receive(self, pair: _Pair, staging: _Staging, header: KVTransferHeader, beyond_credit: bool) -> KVTransferAck:
+        """Take the tensor of `header` off the data channel, then let the ledger decide. Returns the ack."""
+        if header.is_last:
+            if beyond_credit:
+                return _refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
+            return self._ledger.apply(header, _EMPTY, _EMPTY, peer=pair.peer)
+        payload = None
+        if pair.broken is None:
+            size = _wire_bytes(header)
+            if size is None or size > self._max_message_bytes:
+                pair.broken = (f"header {header.request_id!r} seq {header.seq} announces a tensor that cannot be "
+                               f"received ({size} bytes, limit {self._max_message_bytes})")
+            else:
+                buf = staging.take(size)
+                staging.give(buf)  # used only by this thread, one message at a time
+                payload = buf[:size]
+                pair.tag = pair.tag % _TAG_MAX + 1
+                try:
+                    assert pair.channel is not None
+                    work = pair.channel.recv(payload, pair.tag)
+                    pair.channel.wait(work, time.monotonic() + self._group_timeout_s, self._stop)
+                except Exception as e:
+                    pair.broken = f"recv failed: {_first_line(e)}"
+            if pair.broken is not None:
+                log.warning("KV receiver %s: data channel of sender %s broke: %s", self.address, pair.key, pair.broken)
+                if pair.channel is not None:
+                    pair.channel.close()
+        if pair.broken is not None or payload is None:
+            return self._ledger.fail_transfer(header, FailReason.CLOSED,
+                                              f"data channel from sender {pair.key} is broken: {pair.broken}")
+        if beyond_credit:  # received (the streams stay aligned), then discarded, as the ZeroMQ receiver does
+            return _refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
+        if not self._verify:
+            half = payload.numel() // 2
+            return self._ledger.apply_unverified(header, payload[:half], payload[half:], peer=pair.peer)
+        k_frame, v_frame = _host_halves(payload)
+        return self._ledger.apply(header, k_frame, v_frame, peer=pair.peer)
+
+    # -- API and pair threads -> I/O thread ------------------------------------------------------
+
+    def _post(self, notice: Notice | None) -> None:
+        if notice is not None:
+            self._outbox.append(notice)
+            self._wake()
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx.closed:
+                return
+            try:
+                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # wake-ups are already queued; one is enough
+
+
+# -- sender --------------------------------------------------------------------------------------
+
+
+def _new_key(sender_id: str) -> str:
+    label = re.sub(r"[^A-Za-z0-9_.-]", "_", sender_id)[:40]
+    return f"{label}-{uuid.uuid4().hex}" if label else uuid.uuid4().hex
+
+
+class NcclKVSender(KVSender):
+    """Connects to one receiver's `address`, forms the pair's group, and sends blocks of `kv_caches` to it."""
+
+    def __init__(self, kv_caches: KVCaches, address: str, *, backend: str | None = None,
+                 checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = True,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+                 gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context | None = None,
+                 faults: Faults | None = None) -> None:
+        host, port = parse_address(address)
+        self._book = SenderBook(kv_caches)
+        geometry = self._book.geometry
+        self._backend = _pick_backend(geometry, backend)
+        self._staging = _Staging(_staging_device(geometry, self._backend))
+        self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(geometry, 1))
+        self._verify = verify_checksums
+        self._faults = faults
+        self.address = address
+        self.key = _new_key(sender_id)
+        self._context = context or zmq.Context.instance()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.ROUTING_ID, self.key.encode())  # stable across reconnects: names the pair
+        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._sock.connect(address)
+        self._credits = 0
+        self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
+        self._tag = 0
+        self._lock = threading.Lock()
+        self._channel_lock = threading.Lock()
+        self._channel: _DataChannel | None = None
+        self._channel_error: str | None = None
+        self._channel_ready = threading.Event()
+        self._closed = False
+        hello = KVTransferHello(sender_id=self.key, checksums=tuple(c.value for c in checksums))
+        self._sock.send(encode(hello), flags=zmq.NOBLOCK)  # queued until connected
+        self._former = threading.Thread(
+            target=self._form, name=f"kv-sender-form {self.key}", daemon=True,
+            args=(group_timeout_s, gloo_hostname or _local_ip_towards(host, port)))
+        self._former.start()
+
+    @property
+    def checksum(self) -> ChecksumKind:
+        """The checksum the receiver chose (crc32 until its grant arrived)."""
+        with self._lock:
+            self._drain()
+            return self._checksum
+
+    @property
+    def credits(self) -> int:
+        """Messages this sender may still put in flight (after reading what has arrived)."""
+        with self._lock:
+            self._drain()
+            return self._credits
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Whether the data channel was formed (or failed) within `timeout` seconds."""
+        return self._channel_ready.wait(timeout) and self._channel is not None
+
+    # -- KVSender ------------------------------------------------------------------------
+
+    def send(self, request_id: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             deadline: float) -> None:
+        src, dst = list(src_block_ids), list(dst_block_ids)
+        with self._lock:
+            self._check_open(request_id)
+            self._book.check_send(request_id, layer, src, dst)
+            step = self._blocks_per_message
+            for i in range(0, len(src), step):
+                self._send_one(request_id, layer, src[i : i + step], dst[i : i + step], deadline)
+
+    def finish(self, request_id: str, deadline: float) -> None:
+        with self._lock:
+            self._check_open(request_id)
+            self._drain()
+            self._book.raise_if_failed(request_id)
+            header = self._book.end_header(request_id)
+            try:
+                self._await_credit(request_id, deadline)
+                self._put(header, None)
+                self._book.commit(header)
+                while not self._book.settled(request_id):
+                    self._read_until(deadline, request_id, "no DONE from the receiver by the deadline")
+                self._book.raise_if_failed(request_id)
+            except TransferError as e:
+                if e.reason is FailReason.TIMEOUT:
+                    self._send_abort(request_id, f"sender gave up: {e.detail}")
+                raise
+            finally:
+                self._book.forget(request_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            if self._book.status(request_id) is not None and not self._closed:
+                self._send_abort(request_id, reason)
+            self._book.forget(request_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._sock.close(linger=_LINGER_MS)
+            with self._channel_lock:
+                channel, self._channel = self._channel, None
+            if channel is not None:
+                channel.close()
+            self._staging.clear()  # with the group, the last references: the connection closes now
+        self._former.join(_SENDER_JOIN_S)  # formation in progress closes its channel itself when it ends
+
+    # -- group formation (its own thread) ------------------------------------------------------
+
+    def _form(self, timeout_s: float, gloo_hostname: str | None) -> None:
+        store = _StoreClient(self.address, self._context, timeout_s)
+        try:
+            channel = _DataChannel(self._backend, store, self.key, 1, timeout_s, self._staging.device, gloo_hostname)
+        except Exception as e:
+            self._channel_error = f"not formed: {_first_line(e)}"
+            log.warning("KV sender -> %s: data channel %s", self.address, self._channel_error)
+        else:
+            with self._channel_lock:
+                if self._closed:
+                    channel.close()
+                else:
+                    self._channel = channel
+        finally:
+            store.retire()
+            self._channel_ready.set()
+
+    # -- helpers (lock held) ----------------------------------------------------------------
+
+    def _send_one(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
+        self._await_credit(request_id, deadline)
+        self._await_channel(request_id, deadline)
+        # Gather only once a credit is in hand: the credit window also bounds the staging memory.
+        staging = self._staging.take(frames.frame_bytes(self._book.geometry, len(src)))
+        payload = _gather(self._book.kv_caches, self._book.geometry, layer, src, staging)
+        kind, crc = ChecksumKind.CRC32, 0
+        if self._verify:
+            kind = self._checksum
+            crc = frames.checksum(kind, *_host_halves(payload))
+        header = self._book.data_header(request_id, layer, dst, kind, crc)
+        work = self._put(header, payload)
+        if work is not None:
+            self._staging.hold(_key(header), staging, work)
+        else:
+            self._staging.give(staging)
+        self._book.commit(header)
+
+    def _put(self, header: KVTransferHeader, payload: torch.Tensor | None) -> Any:
+        """Put one message on its way, tensor first (faults applied); the Work of its tensor's send, if any."""
+        rule = self._faults.take(header) if self._faults is not None else None
+        if rule is not None and rule.action is FaultAction.DROP:
+            return None  # lost on the way: no credit spent, no ack will come
+        if rule is not None and rule.action is FaultAction.CORRUPT and payload is not None:
+            mid = payload.numel() // 4  # in the K frame, after the checksum was taken; staging, not the cache
+            payload[mid : mid + 1].bitwise_xor_(0xFF)
+        if rule is not None and rule.action is FaultAction.DELAY:
+            time.sleep(rule.delay_s)
+        work = None
+        if payload is not None:
+            channel = self._channel
+            assert channel is not None
+            self._tag = self._tag % _TAG_MAX + 1
+            try:
+                work = channel.send(payload, self._tag)
+            except Exception as e:
+                self._break(f"send failed: {_first_line(e)}")
+                raise TransferError(header.request_id, FailReason.CLOSED,
+                                    f"data channel to {self.address} is broken: {self._channel_error}") from None
+        try:
+            self._sock.send(encode(header), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # cannot happen while credits hold
+            if payload is not None:  # a tensor without its header: the two streams no longer line up
+                self._break(f"a header could not follow its tensor: {e}")
+            raise TransferError(header.request_id, FailReason.PROTOCOL, f"header not sent despite credits: {e}") from None
+        self._credits -= 1
+        return work
+
+    def _await_credit(self, request_id: str, deadline: float) -> None:
+        self._drain()
+        self._book.raise_if_failed(request_id)
+        while self._credits <= 0:
+            self._read_until(deadline, request_id,
+                             f"no credit from {self.address} by the deadline: the receiver is not draining")
+            self._book.raise_if_failed(request_id)
+
+    def _await_channel(self, request_id: str, deadline: float) -> None:
+        if not self._channel_ready.wait(max(0.0, deadline - time.monotonic())):
+            raise TransferError(request_id, FailReason.TIMEOUT,
+                                f"data channel to {self.address} not formed by the deadline")
+        if self._channel is None:
+            raise TransferError(request_id, FailReason.CLOSED,
+                                f"data channel to {self.address} is broken: {self._channel_error}")
+
+    def _break(self, reason: str) -> None:
+        log.warning("KV sender -> %s: data channel broke: %s", self.address, reason)
+        with self._channel_lock:
+            channel, self._channel = self._channel, None
+            self._channel_error = reason
+        if channel is not None:
+            channel.close()
+        self._staging.clear()  # their sends will not complete: never wait on them
+
+    def _read_until(self, deadline: float, request_id: str, timeout_detail: str) -> None:
+        """Wait for one batch of incoming messages, or raise TIMEOUT at `deadline`."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
+        if self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
+            self._drain()
+
+    def _drain(self) -> None:
+        """Apply every ack, credit grant and abort that has arrived; never blocks."""
+        while True:
+            try:
+                data = self._sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except ValueError as e:
+                log.warning("KV sender -> %s: dropped a bad message: %s", self.address, e)
+                continue
+            if isinstance(msg, KVTransferAck):
+                self._credits += msg.credits
+                key = (msg.request_id, msg.transfer_id, msg.seq)
+                if msg.reason is FailReason.CLOSED:
+                    # The receiver closed, or its side of our channel broke: the bytes may never have been
+                    # taken, so the send may never complete. Shut our side, then drop the buffer unwaited.
+                    if self._channel is not None:
+                        self._break(f"the receiver reported: {msg.detail}")
+                    self._staging.forget(key)
+                else:
+                    self._staging.release(key)
+                self._book.on_ack(msg)
+            elif isinstance(msg, KVCreditGrant):
+                self._credits += msg.credits
+                self._checksum = msg.checksum
+            elif isinstance(msg, KVTransferAbort):
+                self._book.on_abort(msg)
+            else:
+                log.warning("KV sender -> %s: unexpected %s", self.address, type(msg).__name__)
+
+    def _send_abort(self, request_id: str, reason: str) -> None:
+        msg = KVTransferAbort(request_id=request_id, transfer_id=self._book.transfer_id(request_id), reason=reason)
+        try:
+            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.info("KV sender -> %s: abort of %r not sent: %s", self.address, request_id, e)
+
+    def _check_open(self, request_id: str) -> None:
+        if self._closed:
+            raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
+
+
+__all__ = ["DEFAULT_GROUP_TIMEOUT_S", "NcclKVReceiver", "NcclKVSender", "parse_address"]
