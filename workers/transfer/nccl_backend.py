@@ -16,16 +16,21 @@ go without the others. Each end builds its rank of the pair's group directly wit
 classes that `init_process_group` and `new_group` wrap: `ProcessGroupGloo(store, rank, 2, options)` when
 the caches are on the CPU, `ProcessGroupNCCL(store, rank, 2, options)` when they are on CUDA (`backend=`
 forces one; gloo with CUDA caches stages through host memory), on `PrefixStore("pdserve-kv/<key>",
-store)` where `key` is the sender's random id (its DEALER's routing id, sent in its hello). Nothing is
-registered globally (`dist.is_initialized()` stays False). The store (the few keys a rendezvous
-exchanges) is the receiver's, served over its ROUTER: a c10d `Store` subclass on each end, `_LocalStore`
-for the receiver's rank and `_StoreClient` for the sender's. Not a `TCPStore`: that would need a second
-port in the address, and its connection setup formats peer addresses with a reverse DNS lookup, which on
-this repo's CI box stalled for 5 s about once in fifty connections. Building a rank is a rendezvous that blocks until both ranks are there (at most `group_timeout_s`), so
+store)`, `key` being the sender's random id (its DEALER's routing id, sent in its hello). Nothing is
+registered globally: `dist.is_initialized()` stays False.
+
+The store (the two or three keys a rendezvous exchanges) is the receiver's, served on its ROUTER; each
+end sees it through a `torch.distributed.Store` subclass (c10d calls Python stores through its
+`PythonStore` trampoline): `_LocalStore` for the receiver's rank, `_StoreClient` (its own DEALER) for
+the sender's. So the receiver's address is just its ROUTER endpoint. Not a `TCPStore`: that needs a
+second port and, worse, its connection setup formats peer addresses with a reverse DNS lookup, which on
+this repo's CI box stalled for 5 s about once in fifty connections (an unreachable resolver).
+
+Building a rank is a rendezvous that blocks until both ranks are there (at most `group_timeout_s`), so
 each end does it on a thread of its own: the receiver on the pair's thread when the hello arrives, the
 sender on a thread its constructor starts. Both then pass a one-byte probe, sender to receiver: that
 makes NCCL create its lazily built p2p communicator while both sides wait for it, so that a later
-`send` only enqueues work (and it proves the channel on gloo).
+`send` only enqueues work (and it proves the channel on gloo). The pair's store keys are then dropped.
 
 Matching headers and tensors. The sender posts a message's tensor `send` first, then its header. ZeroMQ
 keeps headers in order per connection; the receiver's pair thread posts one `recv` per data header, in
@@ -624,7 +629,7 @@ class _Pair:
 
 
 class NcclKVReceiver(KVReceiver):
-    """Binds a ROUTER at `bind` and hosts the pairs' store; see `address`. Writes into `kv_caches`."""
+    """Binds a ROUTER at `bind` (port `*`: any free one; see `address`) and writes into `kv_caches`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, backend: str | None = None,
                  credits: int = DEFAULT_CREDITS, verify_checksums: bool = True,
@@ -980,7 +985,7 @@ class NcclKVSender(KVSender):
             return self._credits
 
     def wait_ready(self, timeout: float) -> bool:
-        """Whether the data channel was formed (or failed) within `timeout` seconds."""
+        """True once the data channel is formed; False if forming it failed or takes longer than `timeout` s."""
         return self._channel_ready.wait(timeout) and self._channel is not None
 
     # -- KVSender ------------------------------------------------------------------------
@@ -1099,7 +1104,8 @@ class NcclKVSender(KVSender):
         except zmq.ZMQError as e:  # cannot happen while credits hold
             if payload is not None:  # a tensor without its header: the two streams no longer line up
                 self._break(f"a header could not follow its tensor: {e}")
-            raise TransferError(header.request_id, FailReason.PROTOCOL, f"header not sent despite credits: {e}") from None
+            raise TransferError(header.request_id, FailReason.PROTOCOL,
+                                f"header not sent despite credits: {e}") from None
         self._credits -= 1
         return work
 
