@@ -114,8 +114,12 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort(request_id))
 
-    def call(self, fn: Callable[[LLMEngine], object]) -> "asyncio.Future[object]":
-        """Run `fn(engine)` on the engine thread (e.g. to read counters safely)."""
+    async def call(self, fn: Callable[[LLMEngine], object], timeout_s: float = 30.0) -> object:
+        """Run `fn(engine)` on the engine thread (e.g. to read counters safely) and
+        return its result. EngineDeadError if the engine is not running;
+        TimeoutError if the engine thread does not get to it in `timeout_s`."""
+        if not self.healthy:
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[object] = loop.create_future()
 
@@ -128,7 +132,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, fut, result)
 
         self._commands.put(run)
-        return fut
+        return await asyncio.wait_for(fut, timeout=timeout_s)
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         self._stop.set()

@@ -197,3 +197,25 @@ def test_admission_bound_gives_429_with_retry_after(model_dir: Path) -> None:
     assert extra.status_code == 429 and extra.headers["retry-after"] == "1"
     assert extra.json()["error"]["code"] == 429
     assert [r.status_code for r in ok] == [200, 200]
+
+
+def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -> None:
+    import asyncio
+
+    from pdserve.workers.async_engine import EngineDeadError
+
+    engine = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine)
+
+    async def main() -> None:
+        assert await engine.call(lambda e: e.num_kv_blocks) == 64
+        with pytest.raises(asyncio.TimeoutError):  # the engine thread is busy past the second call's deadline
+            await asyncio.gather(engine.call(lambda e: time.sleep(0.3)), engine.call(lambda e: None, timeout_s=0.1))
+
+    asyncio.run(main())
+    engine.shutdown()
+
+    async def after() -> None:
+        with pytest.raises(EngineDeadError):
+            await engine.call(lambda e: None)
+
+    asyncio.run(after())
