@@ -136,8 +136,8 @@ class DecodeService:
         return await self.worker.reserve(request_id, prompt, SamplingParams(**params))
 
     async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
-                     timeout_s: float) -> AsyncIterator[RequestOutput]:
-        async for out in self.worker.decode(request_id, prompt, first, cached_here, timeout_s):
+                     timeout_s: float, first_sent: bool = False) -> AsyncIterator[RequestOutput]:
+        async for out in self.worker.decode(request_id, prompt, first, cached_here, timeout_s, first_sent):
             yield out
 
     async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float) -> AsyncIterator[RequestOutput]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -22,6 +23,16 @@ from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+
+
+def _first_token_is_not_last(first: RequestOutput, params: SamplingParams) -> bool:
+    """Whether the prefill worker's first token can go to the client as it is,
+    before the decode worker continues: it did not stop the request (the prefill
+    ran with max_tokens=1, so "length" means no EOS or stop token), and no stop
+    string could cut its text."""
+    c = first.outputs[0]
+    return (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
+            and (params.max_tokens is None or params.max_tokens > 1))
 
 
 class DisaggregatedBackend:
@@ -60,7 +71,9 @@ class DisaggregatedBackend:
             if decision.local_prefill or p_id is None:
                 stream = d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s)
             else:
-                stream = await self._handoff(request_id, prompt, wire, timeout_s, p_id, d_id)
+                stream, first = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id, d_id)
+                if first is not None:
+                    yield first
             async for ref in stream:
                 out: RequestOutput = await ref
                 yield out
@@ -72,12 +85,14 @@ class DisaggregatedBackend:
                     with contextlib.suppress(RayActorError):
                         worker.abort.remote(request_id)
 
-    async def _handoff(self, request_id: str, prompt: list[int], wire: dict[str, Any], timeout_s: float,
-                       p_id: str, d_id: str) -> Any:
+    async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, wire: dict[str, Any],
+                       timeout_s: float, p_id: str, d_id: str) -> tuple[Any, RequestOutput | None]:
+        """Reserve on D, prefill on P; returns D's output stream, and the first
+        token's output when it goes to the client now, before D's stream starts."""
         d = self.decode[d_id]
         plan = await d.reserve.remote(request_id, prompt, wire)
         if plan is None:  # no room on the decode worker now: it queues and prefills the request itself
-            return d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s)
+            return d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s), None
         blocks, cached_here = plan
         first: RequestOutput | None
         try:
@@ -88,7 +103,16 @@ class DisaggregatedBackend:
             first = None
         except Exception:  # noqa: BLE001 - RayTaskError around TransferError / timeout
             first = None  # the prefill or its transfer failed: the decode worker applies its policy
-        return d.decode.options(num_returns="streaming").remote(request_id, prompt, first, cached_here, timeout_s)
+        early = first is not None and _first_token_is_not_last(first, params)
+        stream = d.decode.options(num_returns="streaming").remote(request_id, prompt, first, cached_here, timeout_s,
+                                                                  early)
+        if not early:
+            return stream, None
+        assert first is not None
+        c = first.outputs[0]
+        return stream, RequestOutput(request_id, first.prompt, first.prompt_token_ids,
+                                     [dataclasses.replace(c, finish_reason=None, stop_reason=None)], False,
+                                     first.num_cached_tokens, first.metrics)
 
     async def close(self) -> None:
         if self._poller is not None:

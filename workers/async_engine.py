@@ -154,11 +154,19 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            idle = True
             while not self._stop.is_set():
-                self._drain_commands(block=not self.engine.has_unfinished_requests())
+                # Block for commands when there is nothing to step, or when the
+                # last step could schedule nothing (requests waiting only for
+                # their KV, or for blocks): spinning here would hold the GIL
+                # that the transfer thread and the event loop need.
+                self._drain_commands(block=idle)
+                idle = True
                 if self.engine.has_unfinished_requests():
+                    steps = self.engine.stats.steps
                     for out in self.engine.step():
                         self._deliver(out.request_id, out)
+                    idle = self.engine.stats.steps == steps
                 if self._on_step is not None:
                     self._on_step(self.engine)
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it

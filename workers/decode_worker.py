@@ -56,9 +56,11 @@ class DecodeWorker:
         return await self.async_engine.call(reserve)  # type: ignore[return-value]
 
     async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
-                     timeout_s: float = 600.0) -> AsyncIterator[RequestOutput]:
+                     timeout_s: float = 600.0, first_sent: bool = False) -> AsyncIterator[RequestOutput]:
         """Wait for the KV, then stream DELTA outputs from the first token on.
-        `first=None`: the prefill worker failed; apply the failure policy at once."""
+        `first=None`: the prefill worker failed; apply the failure policy at once.
+        `first_sent`: the caller already gave the client the first token (from the
+        prefill worker's output): stream from the second token on."""
         deadline = time.monotonic() + timeout_s
         if first is None:
             self.receiver.abort(request_id)
@@ -70,10 +72,14 @@ class DecodeWorker:
             ok = True  # every block was already cached here: nothing was sent
         if ok:
             first_token = first.outputs[0].token_ids[0]  # type: ignore[union-attr]
-            start = lambda e: e.finish_remote_prefill(request_id, first_token)  # noqa: E731
-        elif self.on_failure is KVFailurePolicy.RECOMPUTE:
+            first_logprobs = (first.outputs[0].logprobs or [None])[0]  # type: ignore[union-attr]
+
+            def start(e: LLMEngine) -> RequestOutput | None:
+                out = e.finish_remote_prefill(request_id, first_token, first_logprobs)
+                return _without_first_token(out) if first_sent and out is not None else out
+        elif self.on_failure is KVFailurePolicy.RECOMPUTE and not first_sent:
             start = lambda e: e.prefill_locally(request_id)  # noqa: E731
-        else:
+        else:  # (a recomputed first token could differ from the one the client already has)
             await self.abort(request_id)
             raise TransferError(request_id, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
         async for out in self.async_engine.stream(request_id, start, max(deadline - time.monotonic(), 0.0)):
@@ -94,3 +100,14 @@ class DecodeWorker:
             return True
         self.num_transfer_failures += 1
         return False
+
+
+def _without_first_token(out: RequestOutput) -> RequestOutput | None:
+    """The engine's output for the first token, minus that token (the client has
+    it already): nothing while the request runs on, an empty terminal delta if
+    the request ends there."""
+    if not out.finished:
+        return None
+    c = out.outputs[0]
+    return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[],
+                                                                 logprobs=[] if c.logprobs is not None else None)])

@@ -93,14 +93,21 @@ class LLMEngine:
             self.stats.prompt_tokens -= req.num_prompt_tokens
         return plan
 
-    def finish_remote_prefill(self, request_id: str, first_token: int) -> RequestOutput | None:
+    def finish_remote_prefill(self, request_id: str, first_token: int,
+                              first_logprobs: dict[int, float] | None = None) -> RequestOutput | None:
         """Decode worker: the prompt's KV is in the reserved blocks and the prefill
-        worker sampled `first_token`. The request decodes from the next step.
-        Returns the output carrying the first token (final if it already stops)."""
+        worker sampled `first_token` (with `first_logprobs`, its logprobs entry,
+        when the request asks for logprobs). The request decodes from the next
+        step. Returns the output carrying the first token (final if it already stops)."""
         req = self.scheduler.awaiting_kv.get(request_id)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
         self.scheduler.complete_remote(req)
+        if req.logprobs is not None:
+            # Keep one entry per output token, or every later entry is misplaced.
+            entry = dict(first_logprobs or {})
+            req.logprobs.append(entry)
+            req.cumulative_logprob += entry.get(first_token, 0.0)
         if req.generator is not None and req.params.temperature:
             # The prefill worker drew this token from the same seeded stream:
             # consume that draw so later tokens match a colocated run.

@@ -17,6 +17,7 @@ from pdserve.cluster.actors import DecodeService, PrefillService
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
+from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 BS = 16
@@ -67,6 +68,45 @@ def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport:
     assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) >= sum(map(len, prompts)) - 4 * BS
     assert decode.worker.engine.kv.pool.num_used == 0
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),  # first token goes out early
+    SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),  # the first token is the last
+    SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, stop=["e"]),  # a stop string may cut it
+    SamplingParams(temperature=0.8, seed=3, max_tokens=6, ignore_eos=True, logprobs=2),
+], ids=["early", "max_tokens_1", "stop_string", "sampled_logprobs"])
+def test_first_token_from_the_prefill_worker_streams_like_offline(model_dir: Path, params: SamplingParams) -> None:
+    """The gateway sends the prefill worker's first token before the decode worker
+    continues (lower TTFT); the stream's deltas still add up to the offline output."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (37, 70)]
+    backend, _, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1)
+
+    async def one(i: int, p: list[int]) -> tuple[list[RequestOutput], str, list[int]]:
+        outs = [out async for out in backend.generate(f"f{i}", p, params, 60)]
+        return outs, "".join(o.outputs[0].text for o in outs), [t for o in outs for t in o.outputs[0].token_ids]
+
+    async def run() -> list[tuple[list[RequestOutput], str, list[int]]]:
+        try:
+            return [await one(i, p) for i, p in enumerate(prompts)]
+        finally:
+            await backend.close()
+
+    got = asyncio.run(run())
+    offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False).generate(prompts, params)
+    for (outs, text, tokens), ref in zip(got, offline):
+        assert tokens == ref.outputs[0].token_ids and text == ref.outputs[0].text
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == ref.outputs[0].finish_reason
+        if params.logprobs:  # the first token's entry comes from the prefill worker, the rest from decode
+            got_lp = [lp for o in outs for lp in o.outputs[0].logprobs or []]
+            assert len(got_lp) == len(tokens)
+            for a, b in zip(got_lp, ref.outputs[0].logprobs or []):
+                assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
+    early = params.max_tokens > 1 and not params.stop
+    assert all((len(outs[0].outputs[0].token_ids) == 1 and not outs[0].finished) == early
+               or not early for outs, _, _ in got)
+    assert decode.worker.engine.kv.pool.num_used == 0
 
 
 def test_cache_aware_routing_computes_2x_fewer_prefill_tokens_than_round_robin(model_dir: Path) -> None:
