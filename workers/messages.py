@@ -47,6 +47,7 @@ class MessageType(enum.IntEnum):
     KV_TRANSFER_ACK = 4
     KV_TRANSFER_ABORT = 5
     KV_EVENT_BATCH = 6
+    TOKEN_DELTA_BATCH = 7
 
 
 class TransferState(str, enum.Enum):
@@ -227,6 +228,59 @@ class KVEventBatch(Message):
     version: int = 1
 
 
+class Record:
+    """A typed value nested inside a message (a frozen dataclass, checked like a
+    message's fields); on the wire, the array of its field values in order."""
+
+    def __post_init__(self) -> None:
+        for name, hint, where in _field_specs(type(self)):
+            value = getattr(self, name)
+            checked = _check(where, hint, value)
+            if checked is not value:
+                object.__setattr__(self, name, checked)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs(Record):
+    """One generated token's logprobs: the top-N candidates and the sampled token."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"TokenLogprobs: {len(self.token_ids)} token ids but {len(self.logprobs)} logprobs")
+
+
+@dataclass(frozen=True)
+class TokenDelta(Record):
+    """What one request generated since its last delta (a DELTA RequestOutput)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None
+    stop_token: int | None
+    stop_string: str | None
+    num_cached_tokens: int
+    cumulative_logprob: float | None
+    logprobs: tuple[TokenLogprobs, ...] | None
+
+
+@_register(MessageType.TOKEN_DELTA_BATCH)
+@dataclass(frozen=True, kw_only=True)
+class TokenDeltaBatch(Message):
+    """Worker → gateway: the token deltas of one engine step for the requests
+    this gateway sent, in one message (not one RPC per token). `seq` counts
+    batches per (worker, gateway) so a gap is visible."""
+
+    worker_id: str
+    seq: int
+    deltas: tuple[TokenDelta, ...]
+    version: int = 1
+
+
 # -- encode / decode ---------------------------------------------------------------
 
 
@@ -349,6 +403,10 @@ def _check(where: str, hint: Any, value: Any) -> Any:
             raise ValueError(f"{where}: {value!r} is not one of {[m.value for m in hint]}") from None
     if hint is KVEvent:
         return _check_event(where, value)
+    if isinstance(hint, type) and issubclass(hint, Record):
+        if type(value) is not hint:
+            raise ValueError(f"{where}: expected {hint.__name__}, got {type(value).__name__}")
+        return value  # checked when it was built
     if hint is float and type(value) is int:
         return float(value)
     # `type(...) is`, not isinstance: a bool must not pass as an int, nor an IntEnum.
@@ -374,16 +432,34 @@ def _to_wire(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, tuple):  # msgpack writes tuples as arrays; convert only what msgpack cannot write
-        return [_to_wire(v) for v in value] if value and isinstance(value[0], (enum.Enum, KVEvent)) else value
+        return [_to_wire(v) for v in value] if value and isinstance(value[0], (enum.Enum, KVEvent, Record)) else value
     if isinstance(value, KVEvent):
         return [value.kind.value, value.block_hash, value.parent_hash]
+    if isinstance(value, Record):
+        return [_to_wire(getattr(value, f.name)) for f in _fields(type(value))]
     return value
 
 
 def _from_wire(where: str, hint: Any, value: Any) -> Any:
-    """Wire shapes back to field shapes, where they differ (events); types are checked after."""
+    """Wire shapes back to field shapes, where they differ (events, records); types are checked after."""
     if hint == _EVENT_TUPLE and isinstance(value, list):
         return [_from_wire(f"{where}[{i}]", KVEvent, v) for i, v in enumerate(value)]
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        (inner,) = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _from_wire(where, inner, value)
+    if origin is tuple and isinstance(value, list):
+        inner = typing.get_args(hint)[0]
+        if isinstance(inner, type) and issubclass(inner, Record) or typing.get_origin(inner) is not None:
+            return [_from_wire(f"{where}[{i}]", inner, v) for i, v in enumerate(value)]
+        return value
+    if isinstance(hint, type) and issubclass(hint, Record):
+        fields = _field_specs(hint)
+        if not (isinstance(value, list) and len(value) == len(fields)):
+            raise ValueError(f"{where}: expected the {len(fields)} fields of {hint.__name__} as an array")
+        return hint(*(_from_wire(f"{where}.{name}", h, v) for (name, h, _), v in zip(fields, value)))
     if hint is KVEvent:
         if not (isinstance(value, list) and len(value) == 3):
             raise ValueError(f"{where}: expected [kind, block_hash, parent_hash]")

@@ -21,7 +21,7 @@ import torch
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 from pdserve.workers.messages import (
     ChecksumKind, FailReason, KVCreditGrant, KVEventBatch, KVTransferAbort, KVTransferAck, KVTransferHeader,
-    KVTransferHello, Message, MessageType, TransferState, decode, encode,
+    KVTransferHello, Message, MessageType, TokenDelta, TokenDeltaBatch, TokenLogprobs, TransferState, decode, encode,
 )
 from pdserve.workers.transfer import KVReceiver, KVSender, TransferError, frames
 from pdserve.workers.transfer.faults import Faults
@@ -155,6 +155,9 @@ EXAMPLES: list[Message] = [
     KVTransferAbort(request_id="r1", transfer_id=7, reason="client went away"),
     KVEventBatch(worker_id="prefill-0", batch_seq=4, events=(
         KVEvent(KVEventKind.STORED, (1 << 64) - 1, 0), KVEvent(KVEventKind.REMOVED, 12345))),
+    TokenDeltaBatch(worker_id="decode-0", seq=9, deltas=(
+        TokenDelta("r1", (5, 6), "ab", None, None, None, 16, None, None),
+        TokenDelta("r2", (7,), "c", "stop", 7, None, 0, -0.25, (TokenLogprobs((7, 3), (-0.25, -1.5)),)))),
 ]
 
 
