@@ -11,7 +11,8 @@ alternating A B C A B C ... over `--repeats` repeats after one warm-up each, med
             This is the loopback link itself, the bar to compare with.
   raw ZMQ   the same bytes as [tag, K, V] zero-copy frames DEALER -> ROUTER, received
             and dropped; a reply at the end. ZeroMQ's own cost, for diagnosis.
-  pdserve   `ZmqKVSender.send` per layer (gather, checksum, header, zero-copy
+  pdserve   `ZmqKVSender.send` per layer (the source blocks are consecutive, so
+            their frames are views of the cache; checksum, header, zero-copy
             frames, credits) into `ZmqKVReceiver` (checksum check, copy into the
             receiver's cache at scattered destination blocks), then `finish`, which
             returns once the receiver acked every layer as verified: end to end.
@@ -24,8 +25,10 @@ CPU seconds of both processes per GB moved are reported too: on a loopback
 link the "wire" is the kernel copying on the same cores, so every extra pass
 over the bytes (gather, checksums, scatter) shows up in throughput, and this
 machine may be shared, which moves wall times more than CPU times.
-A component table gives the single-thread cost of each checksum, gather and
-scatter on one layer's K+V: the per-byte work the transport adds to the link.
+A component table gives the single-thread cost of each checksum (crc32 as the
+transport computes it, through libdeflate when the system has it, and through
+zlib for comparison), gather and scatter on one layer's K+V: the per-byte work
+the transport adds to the link.
 
     python bench/kv_transfer.py [--tokens 256,1024,4096] [--layers 32] [--repeats 5] [--credits 8]
         [--max-message-kib 2048] [--quick]
@@ -271,7 +274,9 @@ def components(s: Setup, n: int) -> list[tuple[str, float]]:
     dst = dst_blocks(n, s.recv_blocks)
     scattered = dst_blocks(n, s.num_blocks)
     steps = [(f"checksum {kind.value}", lambda kind=kind: frames.checksum(kind, kb, vb)) for kind in frames.CHECKSUMS]
+    steps += [("crc32 through zlib", lambda: zlib.crc32(vb, zlib.crc32(kb)))]
     steps += [
+        ("frames of contiguous blocks (views of the cache)", lambda: frames.cache_frames(s.kv, 0, src)),
         ("gather, contiguous blocks, fresh buffer", lambda: frames.gather(s.kv, 0, src)),
         ("gather, contiguous blocks, reused buffer", lambda: frames.gather(s.kv, 0, src, out=staging)),
         ("gather, scattered blocks, reused buffer", lambda: frames.gather(s.kv, 0, scattered, out=staging)),
@@ -294,7 +299,7 @@ def machine() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{model}, {cores} cores; Linux {platform.release()}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), "
-            f"zlib {zlib.ZLIB_RUNTIME_VERSION}, xxhash {'installed' if frames.xxhash is not None else 'not installed'}")
+            f"zlib {zlib.ZLIB_RUNTIME_VERSION}, crc32 by {frames.CRC32_BY}, xxhash {'installed' if frames.xxhash is not None else 'not installed'}")
 
 
 def progress(msg: str) -> None:

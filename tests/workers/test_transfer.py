@@ -10,6 +10,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,6 +360,25 @@ def test_the_receiver_picks_a_checksum_both_ends_compute() -> None:
     assert frames.pick_checksum(["blake9", "crc32"]) is ChecksumKind.CRC32  # unknown kinds are skipped
     assert frames.pick_checksum([]) is ChecksumKind.CRC32
     assert frames.pick_checksum([k.value for k in frames.CHECKSUMS]) is frames.CHECKSUMS[0]
+
+
+def test_crc32_gives_zlib_values_at_every_size_and_continues_like_it() -> None:
+    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)).numpy()
+    for n in (0, 1, 4095, 4096, 65_537, 100_003):
+        assert frames.crc32(data[:n]) == zlib.crc32(data[:n])
+        assert frames.crc32(data[n:], frames.crc32(data[:n])) == zlib.crc32(data)
+    assert frames.crc32(memoryview(data.tobytes())) == frames.crc32(data.tobytes()) == zlib.crc32(data)
+
+
+def test_blocks_in_a_row_are_framed_without_a_copy_and_others_are_gathered() -> None:
+    kv, _ = make_cache(2, 8, seed=3)
+    views = frames.cache_frames(kv, 1, [2, 3, 4])
+    assert views is not None
+    gathered = frames.gather(kv, 1, [2, 3, 4])
+    assert all((a == b).all() for a, b in zip(views, gathered))
+    assert all(view.ctypes.data == t[2].data_ptr() for view, t in zip(views, kv[1]))  # the cache's own memory
+    assert frames.cache_frames(kv, 1, [2, 4]) is None
+    assert frames.cache_frames(kv, 1, [3, 2]) is None
 
 
 def test_a_zmq_sender_uses_the_checksum_the_receiver_named(zmq_link: LinkFactory) -> None:

@@ -79,8 +79,11 @@ class KVSender(abc.ABC):
         Called by the prefill worker once per layer (or per layer of a chunk) as soon as
         that layer's K/V is written. The first call for a request starts its transfer.
         Blocks only while the receiver has granted no credit (flow control), at most
-        until `deadline`; it does not wait for the data to arrive. The blocks are
-        copied before it returns, so the caller may overwrite or free them after.
+        until `deadline`; it does not wait for the data to arrive. The blocks may be read
+        after it returns (a backend may send them straight from the cache): the caller keeps
+        them unchanged until `finish` returns or it calls `abort`, as the prefill worker does
+        by holding them. Bytes that change before they leave fail the transfer (CHECKSUM);
+        they are never written into the receiver's cache as if they were good.
         Raises `TransferError`: TIMEOUT when no credit came in time (a backend that
         splits a layer into several messages may have sent part of it; retrying the
         call is safe: blocks are rewritten with the same bytes), or the receiver's

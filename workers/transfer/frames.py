@@ -9,19 +9,27 @@ repacking); the receiver views the received bytes as the same shape and
 copies them into its blocks. Both backends share this file, so the in-process
 one tests the same bytes the ZeroMQ one puts on the wire.
 
+When the source blocks are consecutive ids of a CPU cache (the common case:
+blocks allocated in a row), `cache_frames` returns the K and V frames as
+views of the cache itself, so a sender can put them on the wire without the
+gather's copy.
+
 Checksum, over the K frame continued over the V frame: xxh3_64 when the
-`xxhash` package is installed on both ends, else zlib.crc32 (the receiver
-picks from what the sender offers). Either catches a frame corrupted in
-memory or by a buggy peer (TCP already checks the link itself). Cost on this
-repo's CPU box (AMD EPYC, one core, bench/kv_transfer.py): crc32 ~4 GB/s,
-about the speed of a loopback TCP copy, so it is a large share of a CPU-bound
-transfer; xxh3_64 ~45 GB/s. Both release the GIL on big buffers.
+`xxhash` package is installed on both ends, else CRC-32 (the receiver picks
+from what the sender offers). Either catches a frame corrupted in memory or
+by a buggy peer (TCP already checks the link itself). CRC-32 is computed by
+the system's libdeflate when it is there (`libdeflate.so.0`, PCLMUL-based;
+the same values as zlib.crc32), else by zlib. Cost on this repo's CPU box
+(AMD EPYC, one core, bench/kv_transfer.py): zlib ~4 GB/s, about the speed of
+a loopback TCP copy, so a large share of a CPU-bound transfer; libdeflate
+~14 GB/s. All of them release the GIL on big buffers.
 """
 
 from __future__ import annotations
 
+import ctypes
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,6 +122,23 @@ def gather(kv_caches: KVCaches, layer: int, block_ids: Sequence[int],
     return out[:per].numpy(), out[per : 2 * per].numpy()
 
 
+def cache_frames(kv_caches: KVCaches, layer: int, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
+    """K and V of `block_ids` of `layer` as flat uint8 views of the cache itself, or None when that
+    would need a copy (a device cache, or ids that are not consecutive: then `gather`).
+
+    The views alias the cache: whoever sends them must not let the blocks change until they are sent.
+    """
+    k, v = kv_caches[layer]
+    if k.device.type != "cpu" or not _is_run(block_ids):
+        return None
+    first, end = block_ids[0], block_ids[0] + len(block_ids)
+    return _byte_view(k[first:end]), _byte_view(v[first:end])
+
+
+def _byte_view(t: torch.Tensor) -> np.ndarray:
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
 def frame_bytes(geometry: CacheGeometry, num_blocks: int) -> int:
     """Staging bytes `gather` needs for `num_blocks` blocks (K and V)."""
     return 2 * num_blocks * geometry.block_bytes
@@ -168,12 +193,36 @@ def pick_checksum(offered: Sequence[str]) -> ChecksumKind:
 def checksum(kind: ChecksumKind, k_frame: object, v_frame: object) -> int:
     """Checksum of the K frame's bytes continued over the V frame's (buffer-protocol objects)."""
     if kind is ChecksumKind.CRC32:
-        return zlib.crc32(v_frame, zlib.crc32(k_frame))  # type: ignore[arg-type]
+        return crc32(v_frame, crc32(k_frame))
     if kind is ChecksumKind.XXH3_64 and xxhash is not None:
         h = xxhash.xxh3_64(k_frame)
         h.update(v_frame)
         return int(h.intdigest())
     raise ValueError(f"checksum {kind.value} is not available in this process")
+
+
+def _load_libdeflate_crc32() -> Callable[[int, int, int], int] | None:
+    try:
+        fn = ctypes.CDLL("libdeflate.so.0").libdeflate_crc32
+    except (OSError, AttributeError):  # not installed (Debian: libdeflate0), or too old
+        return None
+    fn.restype = ctypes.c_uint32
+    fn.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
+    return fn  # type: ignore[no-any-return]
+
+
+_libdeflate_crc32 = _load_libdeflate_crc32()
+CRC32_BY = "zlib" if _libdeflate_crc32 is None else "libdeflate"  # for reports
+_CRC_CALL_MIN_BYTES = 4096  # below this the ctypes call costs more than zlib's slower loop
+
+
+def crc32(data: object, value: int = 0) -> int:
+    """`zlib.crc32(data, value)` (same values, same continuation), ~3.5x faster through libdeflate."""
+    buf = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]  # no copy; any C-contiguous buffer
+    if _libdeflate_crc32 is None or buf.nbytes < _CRC_CALL_MIN_BYTES:
+        return zlib.crc32(buf, value)
+    # `buf` holds the memory for the duration of the call; ctypes releases the GIL around it.
+    return int(_libdeflate_crc32(value, buf.ctypes.data, buf.nbytes))
 
 
 def header_problem(header: KVTransferHeader, geometry: CacheGeometry, k_len: int, v_len: int) -> str | None:
@@ -194,12 +243,15 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
             k_frame: object, v_frame: object) -> None:
     """Write verified K/V frame bytes into `dst_block_ids` of `layer` (sizes checked by `header_problem`)."""
     k, v = kv_caches[layer]
+    ids = list(dst_block_ids)
     for cache, frame in ((k, k_frame), (v, v_frame)):
         if cache.device.type == "cpu":
-            # numpy's fancy assignment copies ~5x faster than torch's index_copy_ on CPU (fp16, 2025).
             rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
-            src = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
-            rows[list(dst_block_ids)] = src.reshape(len(dst_block_ids), -1)
+            src = np.frombuffer(frame, dtype=np.uint8).reshape(len(ids), -1)  # type: ignore[call-overload]
+            if _is_run(ids):  # one memcpy
+                rows[ids[0] : ids[0] + len(ids)] = src
+            else:  # numpy's fancy assignment copies ~5x faster than torch's index_copy_ on CPU (fp16, 2025)
+                rows[ids] = src
         else:
             src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)  # type: ignore[call-overload]
             _place(cache, dst_block_ids, src.view(len(dst_block_ids), *geometry.block_shape).to(cache.device))
@@ -226,5 +278,5 @@ def _place(cache: torch.Tensor, block_ids: Sequence[int], src: torch.Tensor) -> 
 
 
 def _is_run(block_ids: Sequence[int]) -> bool:
-    return block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
+    return len(block_ids) > 0 and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
         b == block_ids[0] + i for i, b in enumerate(block_ids))
