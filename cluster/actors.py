@@ -7,6 +7,7 @@ anything: routing is the router's, scheduling the engine's.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,7 @@ class EngineService:
     requests stream through it at once while its engine thread batches them."""
 
     def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
-        self.engine = AsyncEngine(_engine(config, torch_threads, record_events=False))
+        self.engine = AsyncEngine(_engine(config, torch_threads, record_events=False), worker_id=f"worker-{os.getpid()}")
 
     async def ready(self) -> dict[str, Any]:
         e = self.engine.engine
@@ -33,6 +34,13 @@ class EngineService:
     async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float) -> AsyncIterator[RequestOutput]:
         async for out in self.engine.generate(request_id, prompt, SamplingParams(**params), timeout_s):
             yield out
+
+    async def generate_to(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float,
+                          reply_to: str) -> None:
+        """`generate`, with the deltas sent to the gateway's token stream at
+        `reply_to`; returns when the request is over, raises its error."""
+        async for _ in self.engine.generate(request_id, prompt, SamplingParams(**params), timeout_s, reply_to):
+            pass
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -143,6 +151,19 @@ class DecodeService:
     async def generate(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float) -> AsyncIterator[RequestOutput]:
         async for out in self.worker.async_engine.generate(request_id, prompt, SamplingParams(**params), timeout_s):
             yield out
+
+    async def generate_to(self, request_id: str, prompt: list[int], params: dict[str, Any], timeout_s: float,
+                          reply_to: str) -> None:
+        """The whole request here (the router chose local prefill); deltas to `reply_to`."""
+        async for _ in self.worker.async_engine.generate(request_id, prompt, SamplingParams(**params), timeout_s,
+                                                         reply_to):
+            pass
+
+    async def decode_to(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
+                        timeout_s: float, first_sent: bool, reply_to: str) -> None:
+        """`decode`, with the deltas sent to the gateway's token stream at `reply_to`."""
+        async for _ in self.worker.decode(request_id, prompt, first, cached_here, timeout_s, first_sent, reply_to):
+            pass
 
     async def abort(self, request_id: str) -> None:
         await self.worker.abort(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -11,6 +12,7 @@ from ray.exceptions import RayActorError
 
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.token_stream import TokenStreamCollector
 
 
 def params_to_wire(params: SamplingParams) -> dict[str, Any]:
@@ -20,14 +22,38 @@ def params_to_wire(params: SamplingParams) -> dict[str, Any]:
     return fields
 
 
+class TokenStreams:
+    """The gateway's token-stream collector (workers/token_stream.py), made on
+    first use in the event loop that serves requests."""
+
+    def __init__(self, bind_host: str) -> None:
+        # Where workers reach this gateway: loopback on one machine, the node's
+        # address ("auto") when workers run on other nodes.
+        self.bind_host = bind_host
+        self._collector: TokenStreamCollector | None = None
+
+    @property
+    def collector(self) -> TokenStreamCollector:
+        if self._collector is None:
+            host = ray.util.get_node_ip_address() if self.bind_host == "auto" else self.bind_host
+            self._collector = TokenStreamCollector(host)
+        return self._collector
+
+    async def close(self) -> None:
+        if self._collector is not None:
+            await self._collector.close()
+            self._collector = None
+
+
 class ColocatedBackend:
     """Each worker runs prefill and decode. Requests go to the worker with the
     fewest in flight from this gateway (the baseline the disaggregated mode beats)."""
 
-    def __init__(self, workers: list[Any]) -> None:
+    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1") -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         self.workers = workers
+        self.streams = TokenStreams(stream_host)
         self._in_flight = [0] * len(workers)
         self._dead: set[int] = set()
 
@@ -47,19 +73,25 @@ class ColocatedBackend:
         worker = self.workers[i]
         self._in_flight[i] += 1
         finished = False
+        collector = self.streams.collector
+        collector.open(request_id, prompt)
         try:
-            stream = worker.generate.options(num_returns="streaming").remote(request_id, prompt, params_to_wire(params), timeout_s)
-            async for ref in stream:
-                out: RequestOutput = await ref
+            start = worker.generate_to.remote(request_id, prompt, params_to_wire(params), timeout_s, collector.address)
+            async for out in collector.consume(request_id, start, time.monotonic() + timeout_s):
                 yield out
                 finished = out.finished
         except RayActorError:
             self._dead.add(i)
             raise
         finally:
+            collector.discard(request_id)
             self._in_flight[i] -= 1
             if not finished and i not in self._dead:
                 worker.abort.remote(request_id)  # fire and forget: the worker frees the blocks
+
+
+    async def close(self) -> None:
+        await self.streams.close()
 
 
 def get_workers(names: list[str], namespace: str) -> list[Any]:

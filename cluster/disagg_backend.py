@@ -12,12 +12,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.exceptions import RayActorError
 
-from pdserve.cluster.backend import params_to_wire
+from pdserve.cluster.backend import TokenStreams, params_to_wire
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
 from pdserve.workers.kv.events import KVEvent, KVEventKind
@@ -37,8 +38,9 @@ def _first_token_is_not_last(first: RequestOutput, params: SamplingParams) -> bo
 
 class DisaggregatedBackend:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], decode_addresses: dict[str, str],
-                 router: Router, poll_s: float = 0.05) -> None:
+                 router: Router, poll_s: float = 0.05, stream_host: str = "127.0.0.1") -> None:
         self.prefill, self.decode, self.addresses, self.router = prefill, decode, decode_addresses, router
+        self.streams = TokenStreams(stream_host)
         self.poll_s = poll_s
         self._in_flight = 0
         self._dead: set[str] = set()
@@ -67,18 +69,22 @@ class DisaggregatedBackend:
         wire = params_to_wire(params)
         self._in_flight += 1
         finished = False
+        deadline = time.monotonic() + timeout_s
+        collector = self.streams.collector
+        collector.open(request_id, prompt)
         try:
             if decision.local_prefill or p_id is None:
-                stream = d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s)
+                start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
             else:
-                stream, first = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id, d_id)
+                start, first = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id, d_id,
+                                                   collector.address)
                 if first is not None:
                     yield first
-            async for ref in stream:
-                out: RequestOutput = await ref
+            async for out in collector.consume(request_id, start, deadline):
                 yield out
                 finished = out.finished
         finally:
+            collector.discard(request_id)
             self._in_flight -= 1
             if not finished:
                 for worker in [d] + ([self.prefill[p_id]] if p_id else []):
@@ -86,13 +92,14 @@ class DisaggregatedBackend:
                         worker.abort.remote(request_id)
 
     async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, wire: dict[str, Any],
-                       timeout_s: float, p_id: str, d_id: str) -> tuple[Any, RequestOutput | None]:
-        """Reserve on D, prefill on P; returns D's output stream, and the first
-        token's output when it goes to the client now, before D's stream starts."""
+                       timeout_s: float, p_id: str, d_id: str, reply_to: str) -> tuple[Any, RequestOutput | None]:
+        """Reserve on D, prefill on P; returns D's call that streams the rest to
+        `reply_to`, and the first token's output when it goes to the client now,
+        before D's stream starts."""
         d = self.decode[d_id]
         plan = await d.reserve.remote(request_id, prompt, wire)
         if plan is None:  # no room on the decode worker now: it queues and prefills the request itself
-            return d.generate.options(num_returns="streaming").remote(request_id, prompt, wire, timeout_s), None
+            return d.generate_to.remote(request_id, prompt, wire, timeout_s, reply_to), None
         blocks, cached_here = plan
         first: RequestOutput | None
         try:
@@ -104,8 +111,7 @@ class DisaggregatedBackend:
         except Exception:  # noqa: BLE001 - RayTaskError around TransferError / timeout
             first = None  # the prefill or its transfer failed: the decode worker applies its policy
         early = first is not None and _first_token_is_not_last(first, params)
-        stream = d.decode.options(num_returns="streaming").remote(request_id, prompt, first, cached_here, timeout_s,
-                                                                  early)
+        stream = d.decode_to.remote(request_id, prompt, first, cached_here, timeout_s, early, reply_to)
         if not early:
             return stream, None
         assert first is not None
@@ -115,6 +121,7 @@ class DisaggregatedBackend:
                                      first.num_cached_tokens, first.metrics)
 
     async def close(self) -> None:
+        await self.streams.close()
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.token_stream import StreamLostError, TokenStreamPublisher
 
 
 class EngineDeadError(RuntimeError):
@@ -37,12 +38,16 @@ class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
     deadline: float
+    reply_to: str | None = None  # a gateway's token stream: deltas go there, batched per step
 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002,
-                 on_step: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_step: Callable[[LLMEngine], None] | None = None, worker_id: str = "engine") -> None:
         self.engine = engine
+        self.worker_id = worker_id
+        self._publisher: TokenStreamPublisher | None = None  # engine thread only
+        self._finished_remote: list[RequestOutput] = []  # engine thread only
         # Runs on the engine thread after every step (a prefill worker sends
         # the KV of blocks that step completed).
         self._on_step = on_step
@@ -64,25 +69,34 @@ class AsyncEngine:
 
     async def generate(
         self, request_id: str, prompt: str | list[int], params: SamplingParams, timeout_s: float = 600.0,
+        reply_to: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield DELTA outputs until the request finishes. Bad input raises
         ValueError before anything is queued; a passed deadline raises
-        RequestTimeoutError; an engine failure raises EngineDeadError."""
+        RequestTimeoutError; an engine failure raises EngineDeadError.
+        `reply_to`: see `stream`."""
         self.engine.validate(prompt, params)
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        async for out in self.stream(request_id, lambda e: e.add_request(request_id, prompt, params), timeout_s):
+        async for out in self.stream(request_id, lambda e: e.add_request(request_id, prompt, params), timeout_s,
+                                     reply_to):
             yield out
 
     async def stream(
         self, request_id: str, start: Callable[[LLMEngine], RequestOutput | None], timeout_s: float = 600.0,
+        reply_to: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Run `start(engine)` on the engine thread (it puts the request into the
         engine, and may return a first output), then yield the request's outputs
-        until it finishes. Same exits and guarantees as `generate`."""
+        until it finishes. Same exits and guarantees as `generate`.
+
+        `reply_to`: the address of a gateway's token stream
+        (workers/token_stream.py). The deltas go there, one message per engine
+        step for all of that gateway's requests; this yields only the final
+        output, once its delta has been sent."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout_s)
+        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout_s, reply_to)
         self._streams[request_id] = stream
         self._commands.put(lambda: self._start(request_id, start))
         try:
@@ -169,10 +183,14 @@ class AsyncEngine:
                     idle = self.engine.stats.steps == steps
                 if self._on_step is not None:
                     self._on_step(self.engine)
+                self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+        finally:
+            if self._publisher is not None:
+                self._publisher.close()
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -188,8 +206,32 @@ class AsyncEngine:
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if stream is None:
+            return
+        if stream.reply_to is not None and isinstance(item, RequestOutput):
+            if self._publisher is None:
+                self._publisher = TokenStreamPublisher(self.worker_id)
+            self._publisher.add(stream.reply_to, item)
+            if item.finished:  # the caller hears of it once the delta is sent
+                self._finished_remote.append(item)
+            return
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _flush_remote(self) -> None:
+        """Send this iteration's token deltas, then tell the callers whose requests ended."""
+        if self._publisher is None:
+            return
+        for rid in self._publisher.flush():
+            self.engine.abort(rid)
+            stream = self._streams.get(rid)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
+                                                 StreamLostError(f"{rid}: its gateway stopped reading tokens"))
+        finished, self._finished_remote = self._finished_remote, []
+        for out in finished:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
 
 def _set_result(fut: "asyncio.Future[object]", value: object) -> None:

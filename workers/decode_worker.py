@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -35,7 +36,7 @@ class DecodeWorker:
         self.engine = engine
         self.receiver = receiver
         self.on_failure = on_failure
-        self.async_engine = AsyncEngine(engine)
+        self.async_engine = AsyncEngine(engine, worker_id=f"decode-{os.getpid()}")
         self.num_transfer_failures = 0
 
     async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int] | None:
@@ -56,11 +57,13 @@ class DecodeWorker:
         return await self.async_engine.call(reserve)  # type: ignore[return-value]
 
     async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
-                     timeout_s: float = 600.0, first_sent: bool = False) -> AsyncIterator[RequestOutput]:
+                     timeout_s: float = 600.0, first_sent: bool = False,
+                     reply_to: str | None = None) -> AsyncIterator[RequestOutput]:
         """Wait for the KV, then stream DELTA outputs from the first token on.
         `first=None`: the prefill worker failed; apply the failure policy at once.
         `first_sent`: the caller already gave the client the first token (from the
-        prefill worker's output): stream from the second token on."""
+        prefill worker's output): stream from the second token on.
+        `reply_to`: the deltas go to that gateway token stream (see `AsyncEngine.stream`)."""
         deadline = time.monotonic() + timeout_s
         if first is None:
             self.receiver.abort(request_id)
@@ -82,7 +85,7 @@ class DecodeWorker:
         else:  # (a recomputed first token could differ from the one the client already has)
             await self.abort(request_id)
             raise TransferError(request_id, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
-        async for out in self.async_engine.stream(request_id, start, max(deadline - time.monotonic(), 0.0)):
+        async for out in self.async_engine.stream(request_id, start, max(deadline - time.monotonic(), 0.0), reply_to):
             yield out
 
     async def abort(self, request_id: str) -> None:

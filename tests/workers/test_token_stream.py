@@ -1,0 +1,168 @@
+"""Token deltas from a worker's engine thread to the gateway over ZeroMQ, batched per step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import zmq
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.tiny.builder import TinyModelSpec
+from pdserve.workers.token_stream import (
+    StreamLostError, TokenStreamCollector, TokenStreamPublisher, from_delta, to_delta,
+)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def output(rid: str, tokens: list[int], text: str, finish: str | None = None, logprobs: bool = False) -> RequestOutput:
+    lps = [{t: -0.5, t + 1: -1.25} for t in tokens] if logprobs else None
+    c = CompletionOutput(0, text, tokens, -0.5 * len(tokens) if logprobs else None, lps, finish,
+                         7 if finish == "stop" else None)
+    return RequestOutput(rid, None, [1, 2, 3], [c], finish is not None, num_cached_tokens=16)
+
+
+@pytest.mark.parametrize("out", [output("a", [5, 6], "xy"), output("b", [9], "z", "stop", logprobs=True),
+                                 output("c", [], "", "abort")])
+def test_a_delta_survives_the_wire(out: RequestOutput) -> None:
+    assert from_delta(to_delta(out), [1, 2, 3]) == out
+
+
+async def _consume(collector: TokenStreamCollector, rid: str, start: object, deadline_s: float = 10.0) -> list[RequestOutput]:
+    return [o async for o in collector.consume(rid, start, time.monotonic() + deadline_s)]  # type: ignore[arg-type]
+
+
+def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests() -> None:
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        pub = TokenStreamPublisher("w0")
+        for rid in ("a", "b"):
+            collector.open(rid, [1, 2, 3])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        consumers = [asyncio.ensure_future(_consume(collector, rid, done)) for rid in ("a", "b")]
+        pub.add(collector.address, output("a", [5], "x"))
+        pub.add(collector.address, output("b", [8], "p"))
+        assert pub.flush() == []
+        pub.add(collector.address, output("a", [6], "y", "length"))
+        pub.add(collector.address, output("b", [9], "q", "stop"))
+        pub.add(collector.address, output("gone", [1], "late"))  # nobody listens: dropped
+        pub.flush()
+        done.set_result(None)
+        a, b = await asyncio.gather(*consumers)
+        tokens = lambda outs: [t for o in outs for t in o.outputs[0].token_ids]  # noqa: E731
+        assert tokens(a) == [5, 6] and tokens(b) == [8, 9]
+        assert a[-1].finished and b[-1].outputs[0].finish_reason == "stop" and b[-1].outputs[0].stop_reason == 7
+        pub.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_the_workers_error_reaches_the_consumer() -> None:
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("a", [1])
+
+        async def rpc() -> None:
+            raise ValueError("prompt: too long")
+
+        with pytest.raises(ValueError, match="too long"):
+            await _consume(collector, "a", rpc())
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_a_final_delta_that_never_comes_is_an_error_not_a_hang() -> None:
+    async def run() -> None:
+        collector = TokenStreamCollector(final_grace_s=0.2)
+        collector.open("a", [1])
+
+        async def rpc() -> None:  # the worker says "done", but its last message was lost
+            return None
+
+        t = time.monotonic()
+        with pytest.raises(StreamLostError):
+            await _consume(collector, "a", rpc())
+        assert time.monotonic() - t < 2.0
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_the_deadline_holds_when_the_worker_says_nothing() -> None:
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("a", [1])
+        never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with pytest.raises(TimeoutError):
+            await _consume(collector, "a", never, deadline_s=0.2)
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_garbage_on_the_socket_is_dropped_and_the_stream_goes_on() -> None:
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("a", [1])
+        sock = zmq.Context.instance().socket(zmq.PUSH)
+        sock.connect(collector.address)
+        sock.send(b"\x93\x07\x01\x80")  # a TokenDeltaBatch header with no fields
+        sock.send(b"not msgpack at all")
+        ok = TokenDeltaBatch(worker_id="w", seq=0, deltas=(TokenDelta("a", (4,), "t", "length", None, None, 0, None, None),))
+        sock.send(encode(ok))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        outs = await _consume(collector, "a", done)
+        assert [o.outputs[0].token_ids for o in outs] == [[4]] and collector.num_rejected == 2
+        sock.close(linger=0)
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Path) -> None:
+    """The same requests, deltas through ZeroMQ, equal the offline outputs; the
+    worker-side call returns only once the final delta is out."""
+    llm = LLM(str(model_dir), max_model_len=512, progress=False)
+    prompts = [[5 + i, 9, 33, 7 * i + 1, 2] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
+    expected = llm.generate(prompts, params)
+    engine = AsyncEngine(LLM(str(model_dir), max_model_len=512, progress=False).engine, worker_id="w")
+
+    async def run() -> list[list[RequestOutput]]:
+        collector = TokenStreamCollector()
+
+        async def worker_call(rid: str, prompt: list[int]) -> None:
+            async for _ in engine.generate(rid, prompt, params, 30, reply_to=collector.address):
+                pass
+
+        async def one(i: int, prompt: list[int]) -> list[RequestOutput]:
+            collector.open(f"r{i}", prompt)
+            return await _consume(collector, f"r{i}", worker_call(f"r{i}", prompt))
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+        finally:
+            await collector.close()
+
+    got = asyncio.run(run())
+    engine.shutdown()
+    for outs, ref in zip(got, expected):
+        assert [t for o in outs for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
+        assert "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text
+        assert len([lp for o in outs for lp in o.outputs[0].logprobs or []]) == len(ref.outputs[0].token_ids)
+        assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+    assert engine.engine.kv.pool.num_used == 0
