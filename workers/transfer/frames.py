@@ -241,11 +241,20 @@ def header_problem(header: KVTransferHeader, geometry: CacheGeometry, k_len: int
 
 def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_ids: Sequence[int],
             k_frame: object, v_frame: object) -> None:
-    """Write verified K/V frame bytes into `dst_block_ids` of `layer` (sizes checked by `header_problem`)."""
+    """Write verified K/V frame bytes into `dst_block_ids` of `layer` (sizes checked by `header_problem`).
+
+    Frames are buffers in host memory, or flat uint8 tensors on any device (a transport's staging).
+    """
     k, v = kv_caches[layer]
     ids = list(dst_block_ids)
+    on_device = False
     for cache, frame in ((k, k_frame), (v, v_frame)):
-        if cache.device.type == "cpu":
+        if isinstance(frame, torch.Tensor) and frame.device.type == "cpu":
+            frame = frame.numpy()
+        if isinstance(frame, torch.Tensor):
+            on_device = True
+            _place(cache, ids, frame.view(geometry.dtype).view(len(ids), *geometry.block_shape).to(cache.device))
+        elif cache.device.type == "cpu":
             rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
             src = np.frombuffer(frame, dtype=np.uint8).reshape(len(ids), -1)  # type: ignore[call-overload]
             if _is_run(ids):  # one memcpy
@@ -254,7 +263,11 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
                 rows[ids] = src
         else:
             src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)  # type: ignore[call-overload]
-            _place(cache, dst_block_ids, src.view(len(dst_block_ids), *geometry.block_shape).to(cache.device))
+            _place(cache, ids, src.view(len(ids), *geometry.block_shape).to(cache.device))
+    if on_device and k.device.type == "cuda":
+        # The frames may be staging that the transport's next receive overwrites on its own stream: the copy
+        # must be over first (and over before the ledger reports DONE).
+        torch.cuda.current_stream(k.device).synchronize()
 
 
 def _select_into(cache: torch.Tensor, block_ids: Sequence[int], dst: torch.Tensor) -> None:

@@ -20,41 +20,29 @@ from pdserve.workers.messages import (
     ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, decode, decode_as, encode,
 )
 from pdserve.workers.transfer import frames
-from pdserve.workers.transfer.base import KVReceiver, KVSender, TransferError, TransferStatus
+from pdserve.workers.transfer.base import KVSender, TransferError
 from pdserve.workers.transfer.faults import FaultAction, Faults, corrupted
 from pdserve.workers.transfer.frames import KVCaches
-from pdserve.workers.transfer.ledger import Notice, ReceiverLedger, SenderBook
+from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, SenderBook
 
 _EMPTY = np.zeros(0, dtype=np.uint8)
 _TIMER_JOIN_S = 1.0
 
 
-class InProcessReceiver(KVReceiver):
+class InProcessReceiver(LedgerReceiver):
     """Writes into `kv_caches` what an `InProcessSender` bound to it delivers."""
 
     def __init__(self, kv_caches: KVCaches) -> None:
-        self._ledger = ReceiverLedger(kv_caches)
-
-    def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
-        self._ledger.register(request_id, dst_block_ids, expected_layers)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self._ledger.status(request_id)
-
-    def wait(self, request_id: str, deadline: float) -> TransferStatus:
-        status, notice = self._ledger.wait(request_id, deadline)
-        _deliver(notice)
-        return status
-
-    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
-        _deliver(self._ledger.abort(request_id, reason))
-
-    def release(self, request_id: str) -> None:
-        _deliver(self._ledger.abort(request_id, "released by the decode worker"))
+        super().__init__(ReceiverLedger(kv_caches))
 
     def close(self) -> None:
         for notice in self._ledger.close():
-            _deliver(notice)
+            self._post(notice)
+
+    def _post(self, notice: Notice | None) -> None:
+        if notice is not None:
+            sender: InProcessSender = notice.peer
+            sender.on_message(encode(notice.message))
 
     # -- called by the sender ----------------------------------------------------------
 
@@ -167,12 +155,6 @@ class InProcessSender(KVSender):
     def _check_open(self, request_id: str) -> None:
         if self._closed:
             raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
-
-
-def _deliver(notice: Notice | None) -> None:
-    if notice is not None:
-        sender: InProcessSender = notice.peer
-        sender.on_message(encode(notice.message))
 
 
 __all__ = ["InProcessReceiver", "InProcessSender"]

@@ -2,14 +2,16 @@
 
 `ReceiverLedger` is the receiver's whole decision procedure: which messages
 are written into the cache, when a transfer is DONE or FAILED, and that
-nothing is written once it is terminal. `SenderBook` is the sender's view:
-transfer ids, sequence numbers, and what the receiver last reported.
+nothing is written once it is terminal. `LedgerReceiver` answers the
+KVReceiver calls from it, for every backend. `SenderBook` is the sender's
+view: transfer ids, sequence numbers, and what the receiver last reported.
 Backends only move bytes; they call these and deliver what they return
 (acks, and aborts for the other side).
 """
 
 from __future__ import annotations
 
+import abc
 import logging
 import os
 import threading
@@ -18,11 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from pdserve.workers.messages import (
     ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, TransferState,
 )
 from pdserve.workers.transfer import frames
-from pdserve.workers.transfer.base import DONE, PENDING, TransferError, TransferStatus
+from pdserve.workers.transfer.base import DONE, PENDING, KVReceiver, TransferError, TransferStatus
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 
 log = logging.getLogger(__name__)
@@ -131,12 +135,17 @@ class ReceiverLedger:
                 return
             self._fail(reg, FailReason.ABORTED, f"aborted by the sender: {msg.reason}")
 
-    def apply(self, header: KVTransferHeader, k_frame: Any, v_frame: Any, peer: Any) -> KVTransferAck:
-        """Verify one message and, if it is good and its transfer pending, write it. Always returns an ack."""
+    def apply(self, header: KVTransferHeader, k_frame: Any, v_frame: Any, peer: Any, *,
+              verify: bool = True) -> KVTransferAck:
+        """Verify one message and, if it is good and its transfer pending, write it. Always returns an ack.
+
+        The frames are buffers in host memory, or flat uint8 tensors on any device (`frames.scatter`).
+        `verify=False` skips the checksum (both ends were configured without one); every other check stays.
+        """
         data = not header.is_last
         # Outside the lock: the checksum is the slow part and depends only on the bytes.
         crc, unverifiable = None, None
-        if data:
+        if data and verify:
             try:
                 crc = frames.checksum(header.checksum_kind, k_frame, v_frame)
             except ValueError as e:  # a kind we did not offer to compute
@@ -157,7 +166,7 @@ class ReceiverLedger:
             problem = unverifiable or self._problem(reg, header, k_frame, v_frame)
             if problem is not None:
                 self._fail(reg, FailReason.PROTOCOL, problem)
-            elif data and crc != header.checksum:
+            elif data and verify and crc != header.checksum:
                 self._fail(reg, FailReason.CHECKSUM, f"layer {header.layer} seq {header.seq}: "
                            f"{header.checksum_kind.value} {crc:#x} != header's {header.checksum:#x}")
             elif data:
@@ -174,6 +183,15 @@ class ReceiverLedger:
                 reg.end_seq = header.seq
                 self._settle(reg)
             return _ack(header, reg.status)
+
+    def fail_transfer(self, header: KVTransferHeader, reason: FailReason, detail: str) -> KVTransferAck:
+        """The bytes of `header`'s message never arrived (a broken data channel): fail its transfer, if the
+        registration is pending and not bound to another attempt; the refusal to send back."""
+        with self._cond:
+            reg = self._regs.get(header.request_id)
+            if reg is not None and not reg.status.terminal and reg.transfer_id in (None, header.transfer_id):
+                self._fail(reg, reason, detail)
+        return refusal(header, reason, detail)
 
     # -- helpers (lock held) ---------------------------------------------------------
 
@@ -227,8 +245,50 @@ def _ack(header: KVTransferHeader, status: TransferStatus) -> KVTransferAck:
                          state=status.state, reason=status.reason, detail=status.detail)
 
 
+def refusal(header: KVTransferHeader, reason: FailReason, detail: str, credits: int = 1) -> KVTransferAck:
+    """An ack that refuses `header`'s message without the ledger (`credits=0`: it had no credit to return)."""
+    return KVTransferAck(request_id=header.request_id, transfer_id=header.transfer_id, seq=header.seq,
+                         state=TransferState.FAILED, reason=reason, detail=detail, credits=credits)
+
+
 def _nbytes(frame: Any) -> int:
+    if isinstance(frame, torch.Tensor):
+        return frame.numel() * frame.element_size()
     return memoryview(frame).nbytes
+
+
+class LedgerReceiver(KVReceiver):
+    """The KVReceiver calls every backend answers the same way, from its `ReceiverLedger`.
+
+    A backend adds how aborts reach its senders (`_post`) and `close`.
+    """
+
+    def __init__(self, ledger: ReceiverLedger) -> None:
+        self._ledger = ledger
+
+    def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
+        self._ledger.register(request_id, dst_block_ids, expected_layers)
+
+    def poll(self, request_id: str) -> TransferStatus:
+        return self._ledger.status(request_id)
+
+    def wait(self, request_id: str, deadline: float) -> TransferStatus:
+        status, notice = self._ledger.wait(request_id, deadline)
+        self._post(notice)
+        return status
+
+    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
+        self._post(self._ledger.abort(request_id, reason))
+
+    def release(self, request_id: str) -> None:
+        self._post(self._ledger.abort(request_id, "released by the decode worker"))
+
+    @abc.abstractmethod
+    def _post(self, notice: Notice | None) -> None:
+        """Deliver `notice` (an abort) to its sender; None: nothing to deliver.
+
+        Called from API threads, with no ledger lock held; must not block on the peer.
+        """
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 Two planes per (prefill sender, decode receiver) pair:
 
-* Control, over ZeroMQ exactly as in `zmq_backend`: the receiver binds one ROUTER, each sender connects
-  one DEALER. Hello and credit grant, one msgpack `KVTransferHeader` per data message (with the
+* Control, the ZeroMQ control plane both network backends share (`control`): the receiver binds one
+  ROUTER, each sender connects one DEALER. Hello and credit grant, one msgpack `KVTransferHeader` per data message (with the
   checksum of its bytes), acks (which return credits and carry the receiver's verdict), aborts both
   ways, and `finish`'s end marker.
 * Data: the K and V bytes of one message, as one flat uint8 tensor (K blocks then V blocks, the layout
@@ -47,15 +47,15 @@ it checks the header against the registration and the cache geometry, verifies t
 xxh3_64 where both ends have xxhash) and only then writes into the destination blocks. On CUDA that
 costs a device-to-host copy of every message on both ends (and the write is then host-to-device). With
 `verify_checksums=False` on both ends the sender computes no checksum and the receiver writes staging
-to cache on the device, under the same ledger decisions minus the checksum (`_Ledger.apply_unverified`).
+to cache on the device, under the same ledger decisions minus the checksum (`apply(..., verify=False)`).
 Default: verify, for both backends.
 
-Flow control: credits as in `zmq_backend` (hello -> grant; one credit per data message or end marker,
+Flow control: the control plane's credits (hello -> grant; one credit per data message or end marker,
 returned by its ack). A sender holds a message's staging buffer (and its send's Work) until the ack, so
 credits bound staging memory; a receiver has one staging buffer per pair.
 
-Threads. Receiver: one I/O thread owns the ROUTER (hellos, headers, aborts, outgoing acks and aborts),
-and one thread per pair forms the group, then receives that pair's tensors in order, applies them to
+Threads. Receiver: the control plane's I/O thread owns the ROUTER (hellos, headers, aborts, outgoing acks
+and aborts, and the store's requests), and one thread per pair forms the group, then receives that pair's tensors in order, applies them to
 the ledger and queues each ack for the I/O thread. Sender: only the short-lived group-forming thread;
 otherwise it reads acks when called, and its calls are serialized by a lock.
 
@@ -105,16 +105,13 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVCreditGrant, KVTransferAbort, KVTransferAck, KVTransferHeader, KVTransferHello,
-    Message, TransferState, decode, encode,
-)
+from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
 from pdserve.workers.transfer import frames
-from pdserve.workers.transfer.base import KVReceiver, KVSender, TransferError, TransferStatus
+from pdserve.workers.transfer.base import TransferError
+from pdserve.workers.transfer.control import DEFAULT_CREDITS, JOIN_S, NetworkSender, ReceiverControl, message_key
 from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
-from pdserve.workers.transfer.ledger import Notice, ReceiverLedger, SenderBook
-from pdserve.workers.transfer.zmq_backend import DEFAULT_CREDITS, _drain_wakeups
+from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +119,13 @@ DEFAULT_GROUP_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a sender splits a layer's blocks into messages of at most this
 DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # a receiver refuses (breaks the pair on) a header claiming more
 DEFAULT_MAX_SENDERS = 64
-_IDLE_POLL_MS = 50  # the I/O thread's longest sleep
 _PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a fault switch
 _NCCL_POLL_S = 0.0002
 _STORE_MAGIC = b"pdserve-kv-store/1"  # first frame of a store request or reply (never a msgpack message)
 _STORE_POLL_S = 0.005  # a remote get/wait asks again this often (backing off to 10x) until the key is there
 _STORE_MAX_KEYS = 4096
 _STORE_MAX_BYTES = 1 << 16  # per key and per value
-_JOIN_S = 2.0
 _SENDER_JOIN_S = 1.0
-_LINGER_MS = 200
 _TAG_MAX = (1 << 31) - 1  # gloo tags are int32; 0 is the probe's
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::"}
@@ -539,76 +533,6 @@ def _wire_bytes(header: KVTransferHeader) -> int | None:
     return 2 * header.num_blocks * math.prod(header.block_shape) * dtype.itemsize
 
 
-def _key(header: KVTransferHeader) -> tuple[str, int, int]:
-    return header.request_id, header.transfer_id, header.seq
-
-
-def _refusal(header: KVTransferHeader, reason: FailReason, detail: str, credits: int = 1) -> KVTransferAck:
-    return KVTransferAck(request_id=header.request_id, transfer_id=header.transfer_id, seq=header.seq,
-                         state=TransferState.FAILED, reason=reason, detail=detail, credits=credits)
-
-
-# -- the ledger, two entry points more -----------------------------------------------------------
-
-
-def _sized(nbytes: int) -> np.ndarray:
-    """A zero-copy stand-in that reports `nbytes` to the ledger's size checks (memoryview(x).nbytes)."""
-    return np.broadcast_to(np.zeros(1, dtype=np.uint8), (nbytes,))
-
-
-class _Ledger(ReceiverLedger):
-    """`ReceiverLedger` plus what this backend needs and the shared one lacks (see the report that came
-    with this file: both belong in ledger.py): failing a transfer for a transport fault, and applying
-    frames that are not checksummed and may live on the GPU."""
-
-    def __init__(self, kv_caches: KVCaches) -> None:
-        super().__init__(kv_caches)
-        # Re-entrant, whatever the base class picks: apply_unverified calls apply under it.
-        self._cond = threading.Condition(threading.RLock())
-
-    def fail_transfer(self, header: KVTransferHeader, reason: FailReason, detail: str) -> KVTransferAck:
-        """The bytes of `header`'s message never arrived: fail its transfer (if it owns the registration)."""
-        with self._cond:
-            reg = self._regs.get(header.request_id)
-            if reg is not None and not reg.status.terminal and reg.transfer_id in (None, header.transfer_id):
-                self._fail(reg, reason, detail)
-        return _refusal(header, reason, detail)
-
-    def apply_unverified(self, header: KVTransferHeader, k: torch.Tensor, v: torch.Tensor,
-                         peer: Any) -> KVTransferAck:
-        """`apply` without the checksum, for flat uint8 frames on any device (verify_checksums=False)."""
-        with self._cond:
-            reg = self._regs.get(header.request_id)
-            if (header.is_last or reg is None or reg.status.terminal
-                    or reg.transfer_id not in (None, header.transfer_id)):
-                # Decided without the bytes (refused, discarded, or an end marker): the shared path.
-                return self.apply(header, _EMPTY, _EMPTY, peer)
-            if reg.transfer_id is None:
-                reg.transfer_id, reg.peer = header.transfer_id, peer
-            problem = self._problem(reg, header, _sized(k.numel()), _sized(v.numel()))
-            if problem is not None:
-                self._fail(reg, FailReason.PROTOCOL, problem)
-            else:
-                _write(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k, v)
-                reg.seqs.add(header.seq)
-                reg.covered[header.layer].update(header.dst_block_ids)
-                self._settle(reg)
-            status = reg.status
-            return KVTransferAck(request_id=header.request_id, transfer_id=header.transfer_id, seq=header.seq,
-                                 state=status.state, reason=status.reason, detail=status.detail)
-
-
-def _write(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_ids: Sequence[int],
-           k: torch.Tensor, v: torch.Tensor) -> None:
-    """Frames (flat uint8 tensors, size-checked) into `dst_block_ids` of `layer`, device to device."""
-    ids = list(dst_block_ids)
-    for cache, frame in zip(kv_caches[layer], (k, v)):
-        src = frame.view(cache.dtype).view(len(ids), *geometry.block_shape).to(cache.device)
-        cache.index_copy_(0, torch.tensor(ids, dtype=torch.long, device=cache.device), src)
-    if geometry.device.type == "cuda":
-        torch.cuda.current_stream(geometry.device).synchronize()  # written before the status says DONE
-
-
 # -- receiver ------------------------------------------------------------------------------------
 
 
@@ -628,7 +552,7 @@ class _Pair:
     thread: threading.Thread | None = None
 
 
-class NcclKVReceiver(KVReceiver):
+class NcclKVReceiver(LedgerReceiver):
     """Binds a ROUTER at `bind` (port `*`: any free one; see `address`) and writes into `kv_caches`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, backend: str | None = None,
@@ -636,58 +560,26 @@ class NcclKVReceiver(KVReceiver):
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
                  context: zmq.Context | None = None, faults: Faults | None = None) -> None:
-        if credits < 1:
-            raise ValueError(f"credits: must be >= 1, got {credits}")
-        self._ledger = _Ledger(kv_caches)
+        super().__init__(ReceiverLedger(kv_caches))
         self._backend = _pick_backend(self._ledger.geometry, backend)
         self._staging_device = _staging_device(self._ledger.geometry, self._backend)
-        self._credits = credits
         self._verify = verify_checksums
         self._group_timeout_s = group_timeout_s
         self._max_message_bytes = max_message_bytes
         self._max_senders = max_senders
         self._faults = faults
-        ctx = context or zmq.Context.instance()
-        self._sock = ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._sock.bind(bind)
-        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        host = parse_address(self.address)[0]
-        self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
         self._table = _Table()  # the pairs' rendezvous store, served on the ROUTER
-        wake = f"inproc://pdserve-kv-nccl-wake-{uuid.uuid4().hex}"
-        self._wake_rx = ctx.socket(zmq.PAIR)
-        self._wake_rx.bind(wake)
-        self._wake_tx = ctx.socket(zmq.PAIR)
-        self._wake_tx.connect(wake)
-        self._wake_lock = threading.Lock()  # the one socket API threads touch
-        self._outbox: collections.deque[Notice] = collections.deque()  # acks and aborts for the I/O thread
         self._pairs: dict[bytes, _Pair] = {}
         self._pairs_lock = threading.Lock()
-        self._stop = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=f"kv-receiver {self.address}", daemon=True)
-        self._thread.start()
-
-    # -- KVReceiver ----------------------------------------------------------------------
-
-    def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
-        self._ledger.register(request_id, dst_block_ids, expected_layers)
-
-    def poll(self, request_id: str) -> TransferStatus:
-        return self._ledger.status(request_id)
-
-    def wait(self, request_id: str, deadline: float) -> TransferStatus:
-        status, notice = self._ledger.wait(request_id, deadline)
-        self._post(notice)
-        return status
-
-    def abort(self, request_id: str, reason: str = "aborted by the decode worker") -> None:
-        self._post(self._ledger.abort(request_id, reason))
-
-    def release(self, request_id: str) -> None:
-        self._post(self._ledger.abort(request_id, "released by the decode worker"))
+        # Tensors travel on the data channel: a control message is its header frame alone.
+        self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context, max_frames=1,
+                                        on_header=self._on_header, on_hello=self._on_hello,
+                                        on_request=self._on_store_request)
+        self.address = self._control.address
+        host = parse_address(self.address)[0]
+        self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
+        self._control.start()
 
     def close(self) -> None:
         if self._closed:
@@ -695,10 +587,8 @@ class NcclKVReceiver(KVReceiver):
         self._closed = True
         for notice in self._ledger.close():
             self._post(notice)
-        self._stop.set()
-        self._wake()
-        end = time.monotonic() + _JOIN_S
-        self._thread.join(_JOIN_S)
+        end = time.monotonic() + JOIN_S
+        self._control.close()  # sets `stopped`, which the pair threads watch too
         with self._pairs_lock:
             pairs = list(self._pairs.values())
         for pair in pairs:
@@ -709,19 +599,14 @@ class NcclKVReceiver(KVReceiver):
                 pair.thread.join(max(0.0, end - time.monotonic()))
         stuck = [p.key for p in pairs if p.thread is not None and p.thread.is_alive()]
         if stuck:  # in a gloo recv or in group formation: ends at the group timeout, then exits
-            log.error("KV receiver %s: pair threads %s did not stop within %.1f s", self.address, stuck, _JOIN_S)
-        if self._thread.is_alive():
-            log.error("KV receiver %s: I/O thread did not stop within %.1f s", self.address, _JOIN_S)
-            return  # its sockets are still in use; leave them to it
-        with self._wake_lock:
-            self._wake_tx.close(linger=0)
+            log.error("KV receiver %s: pair threads %s did not stop within %.1f s", self.address, stuck, JOIN_S)
 
     @property
     def thread_alive(self) -> bool:
         """Whether the I/O thread or any pair thread still runs."""
         with self._pairs_lock:
             pairs = list(self._pairs.values())
-        return self._thread.is_alive() or any(p.thread is not None and p.thread.is_alive() for p in pairs)
+        return self._control.alive or any(p.thread is not None and p.thread.is_alive() for p in pairs)
 
     @property
     def senders(self) -> int:
@@ -729,63 +614,20 @@ class NcclKVReceiver(KVReceiver):
         with self._pairs_lock:
             return len(self._pairs)
 
+    def _post(self, notice: Notice | None) -> None:
+        if notice is not None:
+            self._control.post(notice.peer, notice.message)
+
     # -- I/O thread ------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
-        poller.register(self._sock, zmq.POLLIN)
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(_IDLE_POLL_MS))
-                if self._wake_rx in events:
-                    _drain_wakeups(self._wake_rx)
-                self._flush_outbox()
-                if self._sock in events:
-                    self._handle_socket()
-            self._flush_outbox()  # the close() aborts
-        except Exception:
-            log.exception("KV receiver %s: I/O thread failed; failing pending transfers", self.address)
-            self._ledger.close()
-            self._stop.set()
-        finally:
-            self._sock.close()
-            self._wake_rx.close(linger=0)
+    def _on_store_request(self, peer: bytes, parts: list[zmq.Frame]) -> bool:
+        if not (len(parts) == 6 and parts[1].bytes == _STORE_MAGIC):
+            return False
+        # A sender's rank at its rendezvous.
+        self._control.reply_frames(peer, [_STORE_MAGIC, *self._table.serve(*(f.bytes for f in parts[2:]))])
+        return True
 
-    def _handle_socket(self) -> None:
-        for _ in range(64):  # then the outbox gets a look
-            try:
-                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._handle(parts)
-
-    def _handle(self, parts: list[zmq.Frame]) -> None:
-        peer = parts[0].bytes
-        if len(parts) == 6 and parts[1].bytes == _STORE_MAGIC:  # a sender's rank at its rendezvous
-            reply = self._table.serve(*(f.bytes for f in parts[2:]))
-            try:
-                self._sock.send_multipart([peer, _STORE_MAGIC, *reply], flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:
-                log.info("KV receiver %s: could not answer a store request of %r: %s", self.address, peer, e)
-            return
-        try:
-            if len(parts) != 2:
-                raise ValueError(f"{len(parts) - 1} frames, expected 1 (tensors travel on the data channel)")
-            msg = decode(parts[1].buffer)
-        except ValueError as e:
-            log.warning("KV receiver %s: dropped a bad message from %r: %s", self.address, peer, e)
-            return
-        if isinstance(msg, KVTransferHeader):
-            self._on_header(peer, msg)
-        elif isinstance(msg, KVTransferHello):
-            self._on_hello(peer, msg, parts[1])
-        elif isinstance(msg, KVTransferAbort):
-            self._ledger.on_abort(msg, peer)
-        else:
-            log.warning("KV receiver %s: unexpected %s from %r", self.address, type(msg).__name__, peer)
-
-    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> None:
+    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
         key = hello.sender_id
         with self._pairs_lock:
             refused = ("its sender id is not its routing id" if not (_KEY.fullmatch(key) and peer == key.encode())
@@ -800,10 +642,10 @@ class NcclKVReceiver(KVReceiver):
                 self._pairs[peer] = pair
         if refused is not None:
             log.warning("KV receiver %s: refused a hello from %r: %s", self.address, peer, refused)
-            return
+            return False
         assert pair.thread is not None
         pair.thread.start()  # forms the group while the sender forms its side
-        self._reply(peer, KVCreditGrant(credits=self._credits, checksum=frames.pick_checksum(hello.checksums)))
+        return True
 
     @staticmethod
     def _hostname_towards(frame: zmq.Frame) -> str | None:
@@ -813,27 +655,16 @@ class NcclKVReceiver(KVReceiver):
             return None
         return _local_ip_towards(peer_host, 9) if peer_host else None
 
-    def _on_header(self, peer: bytes, header: KVTransferHeader) -> None:
+    def _on_header(self, peer: bytes, header: KVTransferHeader, tensor_frames: list[zmq.Frame]) -> None:
         with self._pairs_lock:
             pair = self._pairs.get(peer)
         if pair is None:  # no hello, so no credit and no data channel: only a broken peer gets here
-            self._reply(peer, _refusal(header, FailReason.PROTOCOL, "no hello from this sender", credits=0))
+            self._control.reply(peer, refusal(header, FailReason.PROTOCOL, "no hello from this sender", credits=0))
             return
         with pair.cond:
             pair.in_flight += 1
-            pair.queue.append((header, pair.in_flight > self._credits))
+            pair.queue.append((header, pair.in_flight > self._control.credits))
             pair.cond.notify()
-
-    def _reply(self, peer: bytes, msg: Message) -> None:
-        try:
-            self._sock.send_multipart([peer, encode(msg)], flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; EAGAIN: it stopped reading
-            log.info("KV receiver %s: could not reply to %r: %s", self.address, peer, e)
-
-    def _flush_outbox(self) -> None:
-        while self._outbox:
-            notice = self._outbox.popleft()
-            self._reply(notice.peer, notice.message)
 
     # -- pair threads ------------------------------------------------------------------------
 
@@ -852,7 +683,7 @@ class NcclKVReceiver(KVReceiver):
                 ack = self._receive(pair, staging, *item)
                 with pair.cond:
                     pair.in_flight -= 1
-                self._post(Notice(pair.peer, ack))  # type: ignore[arg-type]  # any message to the peer
+                self._control.post(pair.peer, ack)
         except Exception as e:
             pair.broken = f"receive loop failed: {_first_line(e)}"
             log.exception("KV receiver %s: pair thread of sender %s failed", self.address, pair.key)
@@ -862,7 +693,7 @@ class NcclKVReceiver(KVReceiver):
 
     def _next(self, pair: _Pair) -> tuple[KVTransferHeader, bool] | None:
         with pair.cond:
-            while not self._stop.is_set():
+            while not self._control.stopped.is_set():
                 if pair.queue and not (self._faults is not None and self._faults.receiver_stalled):
                     return pair.queue.popleft()
                 pair.cond.wait(_PAIR_POLL_S)
@@ -872,7 +703,7 @@ class NcclKVReceiver(KVReceiver):
         """Take the tensor of `header` off the data channel, then let the ledger decide. Returns the ack."""
         if header.is_last:
             if beyond_credit:
-                return _refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
+                return refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
             return self._ledger.apply(header, _EMPTY, _EMPTY, peer=pair.peer)
         payload = None
         if pair.broken is None:
@@ -888,7 +719,7 @@ class NcclKVReceiver(KVReceiver):
                 try:
                     assert pair.channel is not None
                     work = pair.channel.recv(payload, pair.tag)
-                    pair.channel.wait(work, time.monotonic() + self._group_timeout_s, self._stop)
+                    pair.channel.wait(work, time.monotonic() + self._group_timeout_s, self._control.stopped)
                 except Exception as e:
                     pair.broken = f"recv failed: {_first_line(e)}"
             if pair.broken is not None:
@@ -899,28 +730,11 @@ class NcclKVReceiver(KVReceiver):
             return self._ledger.fail_transfer(header, FailReason.CLOSED,
                                               f"data channel from sender {pair.key} is broken: {pair.broken}")
         if beyond_credit:  # received (the streams stay aligned), then discarded, as the ZeroMQ receiver does
-            return _refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
-        if not self._verify:
+            return refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
+        if not self._verify:  # the frames stay where they landed (on the GPU for NCCL)
             half = payload.numel() // 2
-            return self._ledger.apply_unverified(header, payload[:half], payload[half:], peer=pair.peer)
-        k_frame, v_frame = _host_halves(payload)
-        return self._ledger.apply(header, k_frame, v_frame, peer=pair.peer)
-
-    # -- API and pair threads -> I/O thread ------------------------------------------------------
-
-    def _post(self, notice: Notice | None) -> None:
-        if notice is not None:
-            self._outbox.append(notice)
-            self._wake()
-
-    def _wake(self) -> None:
-        with self._wake_lock:
-            if self._wake_tx.closed:
-                return
-            try:
-                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
-            except zmq.Again:
-                pass  # wake-ups are already queued; one is enough
+            return self._ledger.apply(header, payload[:half], payload[half:], peer=pair.peer, verify=False)
+        return self._ledger.apply(header, *_host_halves(payload), peer=pair.peer)
 
 
 # -- sender --------------------------------------------------------------------------------------
@@ -931,7 +745,7 @@ def _new_key(sender_id: str) -> str:
     return f"{label}-{uuid.uuid4().hex}" if label else uuid.uuid4().hex
 
 
-class NcclKVSender(KVSender):
+class NcclKVSender(NetworkSender):
     """Connects to one receiver's `address`, forms the pair's group, and sends blocks of `kv_caches` to it."""
 
     def __init__(self, kv_caches: KVCaches, address: str, *, backend: str | None = None,
@@ -940,103 +754,35 @@ class NcclKVSender(KVSender):
                  gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context | None = None,
                  faults: Faults | None = None) -> None:
         host, port = parse_address(address)
-        self._book = SenderBook(kv_caches)
-        geometry = self._book.geometry
-        self._backend = _pick_backend(geometry, backend)
-        self._staging = _Staging(_staging_device(geometry, self._backend))
-        self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(geometry, 1))
-        self._verify = verify_checksums
-        self._faults = faults
-        self.address = address
+        self._backend = _pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
         self.key = _new_key(sender_id)
         self._context = context or zmq.Context.instance()
-        self._sock = self._context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.ROUTING_ID, self.key.encode())  # stable across reconnects: names the pair
-        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._sock.connect(address)
-        self._credits = 0
-        self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
+        super().__init__(kv_caches, address, context=self._context, faults=faults, sender_id=self.key,
+                         checksums=checksums, max_message_bytes=max_message_bytes,
+                         routing_id=self.key.encode())  # stable across reconnects: names the pair
+        self._staging = _Staging(_staging_device(self._book.geometry, self._backend))
+        self._verify = verify_checksums
         self._tag = 0
-        self._lock = threading.Lock()
         self._channel_lock = threading.Lock()
         self._channel: _DataChannel | None = None
         self._channel_error: str | None = None
         self._channel_ready = threading.Event()
-        self._closed = False
-        hello = KVTransferHello(sender_id=self.key, checksums=tuple(c.value for c in checksums))
-        self._sock.send(encode(hello), flags=zmq.NOBLOCK)  # queued until connected
         self._former = threading.Thread(
             target=self._form, name=f"kv-sender-form {self.key}", daemon=True,
             args=(group_timeout_s, gloo_hostname or _local_ip_towards(host, port)))
         self._former.start()
 
-    @property
-    def checksum(self) -> ChecksumKind:
-        """The checksum the receiver chose (crc32 until its grant arrived)."""
-        with self._lock:
-            self._drain()
-            return self._checksum
-
-    @property
-    def credits(self) -> int:
-        """Messages this sender may still put in flight (after reading what has arrived)."""
-        with self._lock:
-            self._drain()
-            return self._credits
-
     def wait_ready(self, timeout: float) -> bool:
         """True once the data channel is formed; False if forming it failed or takes longer than `timeout` s."""
         return self._channel_ready.wait(timeout) and self._channel is not None
 
-    # -- KVSender ------------------------------------------------------------------------
-
-    def send(self, request_id: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
-             deadline: float) -> None:
-        src, dst = list(src_block_ids), list(dst_block_ids)
-        with self._lock:
-            self._check_open(request_id)
-            self._book.check_send(request_id, layer, src, dst)
-            step = self._blocks_per_message
-            for i in range(0, len(src), step):
-                self._send_one(request_id, layer, src[i : i + step], dst[i : i + step], deadline)
-
-    def finish(self, request_id: str, deadline: float) -> None:
-        with self._lock:
-            self._check_open(request_id)
-            self._drain()
-            self._book.raise_if_failed(request_id)
-            header = self._book.end_header(request_id)
-            try:
-                self._await_credit(request_id, deadline)
-                self._put(header, None)
-                self._book.commit(header)
-                while not self._book.settled(request_id):
-                    self._read_until(deadline, request_id, "no DONE from the receiver by the deadline")
-                self._book.raise_if_failed(request_id)
-            except TransferError as e:
-                if e.reason is FailReason.TIMEOUT:
-                    self._send_abort(request_id, f"sender gave up: {e.detail}")
-                raise
-            finally:
-                self._book.forget(request_id)
-
-    def abort(self, request_id: str, reason: str) -> None:
-        with self._lock:
-            if self._book.status(request_id) is not None and not self._closed:
-                self._send_abort(request_id, reason)
-            self._book.forget(request_id)
-
     def close(self) -> None:
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._sock.close(linger=_LINGER_MS)
-            with self._channel_lock:
-                channel, self._channel = self._channel, None
-            if channel is not None:
-                channel.close()
-            self._staging.clear()  # with the group, the last references: the connection closes now
+        super().close()
+        with self._channel_lock:
+            channel, self._channel = self._channel, None
+        if channel is not None:
+            channel.close()
+        self._staging.clear()  # with the group, the last references: the connection closes now
         self._former.join(_SENDER_JOIN_S)  # formation in progress closes its channel itself when it ends
 
     # -- group formation (its own thread) ------------------------------------------------------
@@ -1058,9 +804,9 @@ class NcclKVSender(KVSender):
             store.retire()
             self._channel_ready.set()
 
-    # -- helpers (lock held) ----------------------------------------------------------------
+    # -- NetworkSender hooks (lock held) -------------------------------------------------------
 
-    def _send_one(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
+    def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
         self._await_credit(request_id, deadline)
         self._await_channel(request_id, deadline)
         # Gather only once a credit is in hand: the credit window also bounds the staging memory.
@@ -1073,49 +819,47 @@ class NcclKVSender(KVSender):
         header = self._book.data_header(request_id, layer, dst, kind, crc)
         work = self._put(header, payload)
         if work is not None:
-            self._staging.hold(_key(header), staging, work)
+            self._staging.hold(message_key(header), staging, work)
         else:
             self._staging.give(staging)
         self._book.commit(header)
 
-    def _put(self, header: KVTransferHeader, payload: torch.Tensor | None) -> Any:
-        """Put one message on its way, tensor first (faults applied); the Work of its tensor's send, if any."""
-        rule = self._faults.take(header) if self._faults is not None else None
-        if rule is not None and rule.action is FaultAction.DROP:
+    def _on_ack(self, ack: KVTransferAck) -> None:
+        key = (ack.request_id, ack.transfer_id, ack.seq)
+        if ack.reason is FailReason.CLOSED:
+            # The receiver closed, or its side of our channel broke: the bytes may never have been
+            # taken, so the send may never complete. Shut our side, then drop the buffer unwaited.
+            if self._channel is not None:
+                self._break(f"the receiver reported: {ack.detail}")
+            self._staging.forget(key)
+        else:
+            self._staging.release(key)
+
+    # -- helpers (lock held) ----------------------------------------------------------------
+
+    def _put(self, header: KVTransferHeader, payload: torch.Tensor) -> Any:
+        """Put one data message on its way, tensor first (faults applied); the Work of its send, None if dropped."""
+        fault = self._take_fault(header)
+        if fault is FaultAction.DROP:
             return None  # lost on the way: no credit spent, no ack will come
-        if rule is not None and rule.action is FaultAction.CORRUPT and payload is not None:
+        if fault is FaultAction.CORRUPT:
             mid = payload.numel() // 4  # in the K frame, after the checksum was taken; staging, not the cache
             payload[mid : mid + 1].bitwise_xor_(0xFF)
-        if rule is not None and rule.action is FaultAction.DELAY:
-            time.sleep(rule.delay_s)
-        work = None
-        if payload is not None:
-            channel = self._channel
-            assert channel is not None
-            self._tag = self._tag % _TAG_MAX + 1
-            try:
-                work = channel.send(payload, self._tag)
-            except Exception as e:
-                self._break(f"send failed: {_first_line(e)}")
-                raise TransferError(header.request_id, FailReason.CLOSED,
-                                    f"data channel to {self.address} is broken: {self._channel_error}") from None
+        channel = self._channel
+        assert channel is not None
+        self._tag = self._tag % _TAG_MAX + 1
         try:
-            self._sock.send(encode(header), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:  # cannot happen while credits hold
-            if payload is not None:  # a tensor without its header: the two streams no longer line up
-                self._break(f"a header could not follow its tensor: {e}")
-            raise TransferError(header.request_id, FailReason.PROTOCOL,
-                                f"header not sent despite credits: {e}") from None
-        self._credits -= 1
+            work = channel.send(payload, self._tag)
+        except Exception as e:
+            self._break(f"send failed: {_first_line(e)}")
+            raise TransferError(header.request_id, FailReason.CLOSED,
+                                f"data channel to {self.address} is broken: {self._channel_error}") from None
+        try:
+            self._put_header(header)
+        except TransferError as e:  # a tensor without its header: the two streams no longer line up
+            self._break(f"a header could not follow its tensor: {e.detail}")
+            raise
         return work
-
-    def _await_credit(self, request_id: str, deadline: float) -> None:
-        self._drain()
-        self._book.raise_if_failed(request_id)
-        while self._credits <= 0:
-            self._read_until(deadline, request_id,
-                             f"no credit from {self.address} by the deadline: the receiver is not draining")
-            self._book.raise_if_failed(request_id)
 
     def _await_channel(self, request_id: str, deadline: float) -> None:
         if not self._channel_ready.wait(max(0.0, deadline - time.monotonic())):
@@ -1133,57 +877,6 @@ class NcclKVSender(KVSender):
         if channel is not None:
             channel.close()
         self._staging.clear()  # their sends will not complete: never wait on them
-
-    def _read_until(self, deadline: float, request_id: str, timeout_detail: str) -> None:
-        """Wait for one batch of incoming messages, or raise TIMEOUT at `deadline`."""
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
-        if self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
-            self._drain()
-
-    def _drain(self) -> None:
-        """Apply every ack, credit grant and abort that has arrived; never blocks."""
-        while True:
-            try:
-                data = self._sock.recv(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                msg = decode(data)
-            except ValueError as e:
-                log.warning("KV sender -> %s: dropped a bad message: %s", self.address, e)
-                continue
-            if isinstance(msg, KVTransferAck):
-                self._credits += msg.credits
-                key = (msg.request_id, msg.transfer_id, msg.seq)
-                if msg.reason is FailReason.CLOSED:
-                    # The receiver closed, or its side of our channel broke: the bytes may never have been
-                    # taken, so the send may never complete. Shut our side, then drop the buffer unwaited.
-                    if self._channel is not None:
-                        self._break(f"the receiver reported: {msg.detail}")
-                    self._staging.forget(key)
-                else:
-                    self._staging.release(key)
-                self._book.on_ack(msg)
-            elif isinstance(msg, KVCreditGrant):
-                self._credits += msg.credits
-                self._checksum = msg.checksum
-            elif isinstance(msg, KVTransferAbort):
-                self._book.on_abort(msg)
-            else:
-                log.warning("KV sender -> %s: unexpected %s", self.address, type(msg).__name__)
-
-    def _send_abort(self, request_id: str, reason: str) -> None:
-        msg = KVTransferAbort(request_id=request_id, transfer_id=self._book.transfer_id(request_id), reason=reason)
-        try:
-            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as e:
-            log.info("KV sender -> %s: abort of %r not sent: %s", self.address, request_id, e)
-
-    def _check_open(self, request_id: str) -> None:
-        if self._closed:
-            raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
 
 
 __all__ = ["DEFAULT_GROUP_TIMEOUT_S", "NcclKVReceiver", "NcclKVSender", "parse_address"]

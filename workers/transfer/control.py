@@ -1,0 +1,397 @@
+"""The ZeroMQ control plane that both network backends share (`zmq_backend`, `nccl_backend`).
+
+Sockets: the receiver (decode worker) binds one ROUTER; each sender (prefill
+worker) connects one DEALER to it. Why ROUTER/DEALER and not PUSH/PULL plus a
+back channel:
+  * one TCP connection per (prefill, decode) pair carries headers one way and
+    acks / credits / aborts the other, so there is no second port, no second
+    handshake, and no matching of two sockets to one peer;
+  * ZeroMQ keeps order per connection: a transfer's end marker arrives after
+    all its data, and a credit comes back on the pipe that used it;
+  * ROUTER tags each message with its peer, so credits are counted and aborts
+    addressed per sender while many prefill workers share one port; PUSH would
+    round-robin over peers, which is wrong for addressed data, and its back
+    pressure is a silent block at the high-water mark.
+ROUTER_MANDATORY makes a reply to a vanished peer an error we log, not a
+silent drop.
+
+Flow control is credit-based, per sender connection. A new sender says hello
+(with the checksums it can compute); the receiver grants `credits` messages
+(and names the checksum). Each data message or end marker costs one; the
+receiver returns it in the message's ack once the message is written or
+rejected. A sender out of credit blocks in `send` until its deadline, then
+raises TIMEOUT, so a slow decode worker makes prefill workers wait (visibly),
+never buffer without bound. Control messages (hello, acks, aborts) need no
+credit.
+
+Threads: the receiver runs one I/O thread (`ReceiverControl`) that owns its
+sockets. API calls work on the shared ledger under its lock and hand messages
+for peers (aborts) to the I/O thread through a queue and an inproc wake-up
+socket. The sender (`NetworkSender`) has no thread: it reads acks and credits
+whenever it is called, and its calls are serialized by a lock.
+
+What a backend adds: how a data message's bytes travel (as ZeroMQ frames
+after the header, or on a separate data channel), and what its receiver does
+with a header and a hello.
+"""
+
+from __future__ import annotations
+
+import abc
+import collections
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from pdserve.workers.messages import (
+    ChecksumKind, FailReason, KVCreditGrant, KVTransferAbort, KVTransferAck, KVTransferHeader, KVTransferHello,
+    Message, decode, encode,
+)
+from pdserve.workers.transfer import frames
+from pdserve.workers.transfer.base import KVSender, TransferError
+from pdserve.workers.transfer.faults import FaultAction, Faults
+from pdserve.workers.transfer.frames import KVCaches
+from pdserve.workers.transfer.ledger import ReceiverLedger, SenderBook
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CREDITS = 8
+LINGER_MS = 200  # on close, how long queued aborts may take to leave
+JOIN_S = 2.0  # how long close() waits for the I/O thread
+_IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a fault switch
+_BATCH = 64  # messages handled per loop turn before the outbox gets a look
+
+# A receiver backend's answers to what arrives (all called on the I/O thread):
+OnHeader = Callable[[bytes, KVTransferHeader, list[zmq.Frame]], None]  # (peer, header, the frames after it)
+OnHello = Callable[[bytes, KVTransferHello, zmq.Frame], bool]  # (peer, hello, its frame) -> grant credits?
+OnRequest = Callable[[bytes, list[zmq.Frame]], bool]  # (peer, all frames) -> taken (it is no control message)?
+
+
+class ReceiverControl:
+    """A receiver's ROUTER at `bind` (port `*`: any free one; see `address`) and the I/O thread that owns it.
+
+    The thread decodes each message and passes it on: a header to `on_header`, a hello to `on_hello`
+    (which answers whether to grant the sender `credits`), an abort to the ledger. `on_request` sees every
+    message first and may take it (the NCCL backend serves its rendezvous store this way); `on_turn` runs
+    once per loop turn. `max_frames` bounds a message's frames (header included). Other threads never
+    touch the ROUTER: they `post` messages, which the I/O thread sends. `start` once the owner is ready.
+    """
+
+    def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int, context: zmq.Context | None,
+                 on_header: OnHeader, on_hello: OnHello, on_request: OnRequest | None = None,
+                 on_turn: Callable[[], None] | None = None, max_frames: int | None = None) -> None:
+        if credits < 1:
+            raise ValueError(f"credits: must be >= 1, got {credits}")
+        self.credits = credits
+        self._ledger = ledger
+        self._on_header, self._on_hello, self._on_request, self._on_turn = on_header, on_hello, on_request, on_turn
+        self._max_frames = max_frames
+        ctx = context or zmq.Context.instance()
+        self._sock = ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._sock.bind(bind)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        wake = f"inproc://pdserve-kv-wake-{uuid.uuid4().hex}"
+        self._wake_rx = ctx.socket(zmq.PAIR)
+        self._wake_rx.bind(wake)
+        self._wake_tx = ctx.socket(zmq.PAIR)
+        self._wake_tx.connect(wake)
+        self._wake_lock = threading.Lock()  # the one socket other threads touch
+        self._outbox: collections.deque[tuple[bytes, Message]] = collections.deque()
+        self.stopped = threading.Event()  # set by close(), or when the I/O thread fails
+        self._thread = threading.Thread(target=self._run, name=f"kv-receiver {self.address}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def post(self, peer: bytes, message: Message) -> None:
+        """Queue `message` for `peer`; the I/O thread sends it. Any thread; never blocks."""
+        self._outbox.append((peer, message))
+        self._wake()
+
+    def reply(self, peer: bytes, message: Message) -> None:
+        """Send `message` to `peer` now. I/O thread only; a vanished or stalled peer is logged, not waited for."""
+        self.reply_frames(peer, [encode(message)])
+
+    def reply_frames(self, peer: bytes, parts: Sequence[bytes]) -> None:
+        try:
+            self._sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; EAGAIN: it stopped reading
+            log.info("KV receiver %s: could not reply to %r: %s", self.address, peer, e)
+
+    def close(self) -> None:
+        """Stop the I/O thread (it sends what was posted first) within `JOIN_S`, and free the sockets.
+
+        A thread that does not stop in time is logged and left with its sockets (daemon).
+        """
+        self.stopped.set()
+        self._wake()
+        self._thread.join(JOIN_S)
+        if self._thread.is_alive():
+            log.error("KV receiver %s: I/O thread did not stop within %.1f s", self.address, JOIN_S)
+            return
+        with self._wake_lock:
+            self._wake_tx.close(linger=0)
+
+    # -- I/O thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self.stopped.is_set():
+                events = dict(poller.poll(_IDLE_POLL_MS))
+                if self._wake_rx in events:
+                    _drain_wakeups(self._wake_rx)
+                self._flush_outbox()
+                if self._on_turn is not None:
+                    self._on_turn()
+                if self._sock in events:
+                    self._handle_socket()
+            self._flush_outbox()  # the close() aborts
+        except Exception:
+            log.exception("KV receiver %s: I/O thread failed; failing pending transfers", self.address)
+            self._ledger.close()
+            self.stopped.set()
+        finally:
+            self._sock.close()
+            self._wake_rx.close(linger=0)
+
+    def _handle_socket(self) -> None:
+        for _ in range(_BATCH):
+            try:
+                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._handle(parts)
+
+    def _handle(self, parts: list[zmq.Frame]) -> None:
+        peer = parts[0].bytes
+        if self._on_request is not None and self._on_request(peer, parts):
+            return
+        try:
+            if len(parts) < 2:
+                raise ValueError("no header frame")
+            if self._max_frames is not None and len(parts) - 1 > self._max_frames:
+                raise ValueError(f"{len(parts) - 1} frames, at most {self._max_frames} expected")
+            msg = decode(parts[1].buffer)
+        except ValueError as e:
+            # Not even a header: nothing to ack, and no credit is returned to a peer this broken.
+            log.warning("KV receiver %s: dropped a bad message from %r: %s", self.address, peer, e)
+            return
+        if isinstance(msg, KVTransferHeader):
+            self._on_header(peer, msg, parts[2:])
+        elif isinstance(msg, KVTransferHello):
+            if self._on_hello(peer, msg, parts[1]):
+                self.reply(peer, KVCreditGrant(credits=self.credits, checksum=frames.pick_checksum(msg.checksums)))
+        elif isinstance(msg, KVTransferAbort):
+            self._ledger.on_abort(msg, peer)
+        else:
+            log.warning("KV receiver %s: unexpected %s from %r", self.address, type(msg).__name__, peer)
+
+    def _flush_outbox(self) -> None:
+        while self._outbox:
+            self.reply(*self._outbox.popleft())
+
+    def _wake(self) -> None:
+        with self._wake_lock:
+            if self._wake_tx.closed:
+                return
+            try:
+                self._wake_tx.send(b"", flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # wake-ups are already queued; one is enough
+
+
+class NetworkSender(KVSender):
+    """`send`, `finish`, `abort` and `close` over a DEALER to one receiver's `address`.
+
+    For the backends that differ only in how a data message's bytes travel: a subclass implements
+    `_send_message` (one message of at most `_blocks_per_message` blocks) and may hook `_on_ack`.
+    `routing_id` names the DEALER (stable across reconnects); None: ZeroMQ picks one.
+    """
+
+    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context | None, faults: Faults | None,
+                 sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
+                 routing_id: bytes | None = None) -> None:
+        self._book = SenderBook(kv_caches)
+        self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))
+        self._faults = faults
+        self.address = address
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        if routing_id is not None:
+            self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        self._sock.connect(address)
+        self._credits = 0
+        self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
+        self._lock = threading.Lock()
+        self._closed = False
+        # Queued until the connection is up; the grant that answers it is what the first send waits for.
+        hello = KVTransferHello(sender_id=sender_id, checksums=tuple(c.value for c in checksums))
+        self._sock.send(encode(hello), flags=zmq.NOBLOCK)
+
+    @property
+    def checksum(self) -> ChecksumKind:
+        """The checksum the receiver chose (crc32 until its grant arrived)."""
+        with self._lock:
+            self._drain()
+            return self._checksum
+
+    @property
+    def credits(self) -> int:
+        """Messages this sender may still put in flight (after reading what has arrived)."""
+        with self._lock:
+            self._drain()
+            return self._credits
+
+    # -- KVSender ------------------------------------------------------------------------
+
+    def send(self, request_id: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             deadline: float) -> None:
+        src, dst = list(src_block_ids), list(dst_block_ids)
+        with self._lock:
+            self._check_open(request_id)
+            self._book.check_send(request_id, layer, src, dst)
+            step = self._blocks_per_message
+            for i in range(0, len(src), step):
+                self._send_message(request_id, layer, src[i : i + step], dst[i : i + step], deadline)
+
+    def finish(self, request_id: str, deadline: float) -> None:
+        with self._lock:
+            self._check_open(request_id)
+            self._drain()
+            self._book.raise_if_failed(request_id)
+            header = self._book.end_header(request_id)
+            try:
+                self._await_credit(request_id, deadline)
+                if self._take_fault(header) is not FaultAction.DROP:
+                    self._put_header(header)
+                self._book.commit(header)
+                while not self._book.settled(request_id):
+                    self._read_until(deadline, request_id, "no DONE from the receiver by the deadline")
+                self._book.raise_if_failed(request_id)
+            except TransferError as e:
+                if e.reason is FailReason.TIMEOUT:
+                    self._send_abort(request_id, f"sender gave up: {e.detail}")
+                raise
+            finally:
+                self._book.forget(request_id)
+
+    def abort(self, request_id: str, reason: str) -> None:
+        with self._lock:
+            if self._book.status(request_id) is not None and not self._closed:
+                self._send_abort(request_id, reason)
+            self._book.forget(request_id)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            for request_id in self._book.request_ids():  # unfinished: the receiver must not wait for them
+                self._send_abort(request_id, "sender closed")
+                self._book.forget(request_id)
+            self._sock.close(linger=LINGER_MS)
+
+    # -- for the backend (lock held) ---------------------------------------------------------
+
+    @abc.abstractmethod
+    def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
+        """Put one data message on its way: wait for a credit (`_await_credit`), move the bytes, send the
+        header (`_put_header`, unless `_take_fault` says DROP), `self._book.commit` it."""
+
+    def _on_ack(self, ack: KVTransferAck) -> None:
+        """An ack arrived (before the book sees it): the message's bytes are no longer needed."""
+
+    def _take_fault(self, header: KVTransferHeader) -> FaultAction | None:
+        """The fault a test injects into this message: DROP or CORRUPT for the caller; a DELAY is slept here."""
+        rule = self._faults.take(header) if self._faults is not None else None
+        if rule is None:
+            return None
+        if rule.action is FaultAction.DELAY:
+            time.sleep(rule.delay_s)
+        return rule.action
+
+    def _put_header(self, header: KVTransferHeader, tensor_frames: Sequence[object] = ()) -> None:
+        """Send `header` (and zero-copy frames after it); spends a credit."""
+        try:
+            self._sock.send_multipart([encode(header), *tensor_frames], flags=zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as e:  # cannot happen while credits hold; never block without a deadline if it does
+            raise TransferError(header.request_id, FailReason.PROTOCOL, f"not sent despite credits: {e}") from None
+        self._credits -= 1
+
+    def _await_credit(self, request_id: str, deadline: float) -> None:
+        self._drain()
+        self._book.raise_if_failed(request_id)
+        while self._credits <= 0:
+            self._read_until(deadline, request_id,
+                             f"no credit from {self.address} by the deadline: the receiver is not draining")
+            self._book.raise_if_failed(request_id)
+
+    def _read_until(self, deadline: float, request_id: str, timeout_detail: str) -> None:
+        """Wait for one batch of incoming messages, or raise TIMEOUT at `deadline`."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
+        if self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
+            self._drain()
+
+    def _drain(self) -> None:
+        """Apply every ack, credit grant and abort that has arrived; never blocks."""
+        while not self._closed:
+            try:
+                data = self._sock.recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(data)
+            except ValueError as e:
+                log.warning("KV sender -> %s: dropped a bad message: %s", self.address, e)
+                continue
+            if isinstance(msg, KVTransferAck):
+                self._credits += msg.credits
+                self._on_ack(msg)
+                self._book.on_ack(msg)
+            elif isinstance(msg, KVCreditGrant):
+                self._credits += msg.credits
+                self._checksum = msg.checksum
+            elif isinstance(msg, KVTransferAbort):
+                self._book.on_abort(msg)
+            else:
+                log.warning("KV sender -> %s: unexpected %s", self.address, type(msg).__name__)
+
+    def _send_abort(self, request_id: str, reason: str) -> None:
+        msg = KVTransferAbort(request_id=request_id, transfer_id=self._book.transfer_id(request_id), reason=reason)
+        try:
+            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            log.info("KV sender -> %s: abort of %r not sent: %s", self.address, request_id, e)
+
+    def _check_open(self, request_id: str) -> None:
+        if self._closed:
+            raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
+
+
+def message_key(header: KVTransferHeader) -> tuple[str, int, int]:
+    """What an ack names its message by."""
+    return header.request_id, header.transfer_id, header.seq
+
+
+def _drain_wakeups(sock: zmq.Socket) -> None:
+    while True:
+        try:
+            sock.recv(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return
