@@ -8,7 +8,7 @@ Two planes per (prefill sender, decode receiver) pair:
   ways, and `finish`'s end marker.
 * Data: the K and V bytes of one message, as one flat uint8 tensor (K blocks then V blocks, the layout
   of `frames.gather`), `send` by the sender, `recv` by the receiver, on a process group of two ranks
-  private to the pair: the receiver is rank 0, the sender rank 1.
+  private to the pair: the receiver is rank 0, the sender rank 1 (`nccl_channel`).
 
 Groups. No `init_process_group`: a decode worker serves many prefill workers (and a prefill worker may
 feed many decode workers), so no transport may own the global default group, and a pair must come and
@@ -21,8 +21,8 @@ registered globally: `dist.is_initialized()` stays False.
 
 The store (the two or three keys a rendezvous exchanges) is the receiver's, served on its ROUTER; each
 end sees it through a `torch.distributed.Store` subclass (c10d calls Python stores through its
-`PythonStore` trampoline): `_LocalStore` for the receiver's rank, `_StoreClient` (its own DEALER) for
-the sender's. So the receiver's address is just its ROUTER endpoint. Not a `TCPStore`: that needs a
+`PythonStore` trampoline): `LocalStore` for the receiver's rank, `StoreClient` (its own DEALER) for
+the sender's (both in `nccl_store`). So the receiver's address is just its ROUTER endpoint. Not a `TCPStore`: that needs a
 second port and, worse, its connection setup formats peer addresses with a reverse DNS lookup, which on
 this repo's CI box stalled for 5 s about once in fifty connections (an unreachable resolver).
 
@@ -80,7 +80,7 @@ Deadlines and limitations.
 * Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender leaves
   an idle pair thread and group behind. At most `max_senders` pairs are accepted.
 * The ROUTER, and so the store, is unauthenticated: trusted networks only (the store keeps at most
-  `_STORE_MAX_KEYS` small entries). A receiver bound to a wildcard address advertises it as is, as the
+  4096 small entries). A receiver bound to a wildcard address advertises it as is, as the
   ZeroMQ backend does. Each gloo rank listens on the address its peer reaches it by (`gloo_hostname`
   overrides).
 """
@@ -88,9 +88,7 @@ Deadlines and limitations.
 from __future__ import annotations
 
 import collections
-import datetime
 import logging
-import math
 import re
 import socket
 import threading
@@ -102,7 +100,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import zmq
 
 from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
@@ -112,6 +109,10 @@ from pdserve.workers.transfer.control import DEFAULT_CREDITS, JOIN_S, NetworkSen
 from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
+from pdserve.workers.transfer.nccl_channel import (
+    TAG_MAX, DataChannel, Staging, first_line, gather, host_halves, pick_backend, staging_device, wire_bytes,
+)
+from pdserve.workers.transfer.nccl_store import STORE_MAGIC, LocalStore, StoreClient, StoreTable
 
 log = logging.getLogger(__name__)
 
@@ -120,13 +121,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a sender splits a layer's blocks into me
 DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # a receiver refuses (breaks the pair on) a header claiming more
 DEFAULT_MAX_SENDERS = 64
 _PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a fault switch
-_NCCL_POLL_S = 0.0002
-_STORE_MAGIC = b"pdserve-kv-store/1"  # first frame of a store request or reply (never a msgpack message)
-_STORE_POLL_S = 0.005  # a remote get/wait asks again this often (backing off to 10x) until the key is there
-_STORE_MAX_KEYS = 4096
-_STORE_MAX_BYTES = 1 << 16  # per key and per value
 _SENDER_JOIN_S = 1.0
-_TAG_MAX = (1 << 31) - 1  # gloo tags are int32; 0 is the probe's
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::"}
 _EMPTY = np.zeros(0, dtype=np.uint8)
@@ -143,24 +138,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _pick_backend(geometry: CacheGeometry, backend: str | None) -> str:
-    if backend is None:
-        backend = "nccl" if geometry.device.type == "cuda" else "gloo"
-    if backend not in ("nccl", "gloo"):
-        raise ValueError(f"backend: expected 'nccl' or 'gloo', got {backend!r}")
-    if backend == "nccl" and geometry.device.type != "cuda":
-        raise ValueError(f"backend 'nccl' needs CUDA caches, these are on {geometry.device}")
-    available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
-    if not (dist.is_available() and available):
-        raise RuntimeError(f"this torch build has no {backend} backend")
-    return backend
-
-
-def _staging_device(geometry: CacheGeometry, backend: str) -> torch.device:
-    """NCCL moves device memory; gloo moves host memory (CUDA caches are staged through the host)."""
-    return geometry.device if backend == "nccl" else torch.device("cpu")
-
-
 def _local_ip_towards(host: str, port: int) -> str | None:
     """This host's address on the route to `host`: what the peer can reach us at (no packet is sent)."""
     try:
@@ -170,367 +147,6 @@ def _local_ip_towards(host: str, port: int) -> str | None:
             return str(s.getsockname()[0])
     except OSError:
         return None
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-# -- the rendezvous store ----------------------------------------------------------------------
-
-
-class _Table:
-    """The receiver's store: keys to bytes, with waits. Thread-safe; bounded (it is served to the network)."""
-
-    def __init__(self) -> None:
-        self._data: dict[str, bytes] = {}
-        self._cond = threading.Condition()
-
-    def set(self, key: str, value: bytes) -> None:
-        with self._cond:
-            self._check(key, value)
-            self._data[key] = value
-            self._cond.notify_all()
-
-    def get(self, key: str) -> bytes | None:
-        with self._cond:
-            return self._data.get(key)
-
-    def wait(self, keys: Sequence[str], timeout_s: float) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: all(k in self._data for k in keys), timeout_s)
-
-    def add(self, key: str, amount: int) -> int:
-        with self._cond:
-            value = int(self._data.get(key, b"0")) + amount
-            self.set(key, str(value).encode())
-            return value
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        with self._cond:
-            current = self._data.get(key)
-            if (current is None and not expected) or current == expected:
-                self.set(key, desired)
-                return desired
-            return current if current is not None else expected
-
-    def delete(self, key: str) -> bool:
-        with self._cond:
-            return self._data.pop(key, None) is not None
-
-    def drop_prefix(self, prefix: str) -> None:
-        with self._cond:
-            for key in [k for k in self._data if k.startswith(prefix)]:
-                del self._data[key]
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._data)
-
-    def serve(self, op: bytes, key: bytes, value: bytes, extra: bytes) -> list[bytes]:
-        """One remote request -> [status, value] (never blocks: a remote get of a missing key is asked again)."""
-        try:
-            name = key.decode()
-            if op == b"set":
-                self.set(name, value)
-                return [b"ok", b""]
-            if op == b"get":
-                found = self.get(name)
-                return [b"ok", found] if found is not None else [b"missing", b""]
-            if op == b"add":
-                return [b"ok", str(self.add(name, int(value))).encode()]
-            if op == b"compare_set":
-                return [b"ok", self.compare_set(name, value, extra)]
-            if op == b"delete":
-                return [b"ok", b"1" if self.delete(name) else b"0"]
-            if op == b"num_keys":
-                return [b"ok", str(len(self)).encode()]
-            raise ValueError(f"unknown store operation {op[:32]!r}")
-        except (ValueError, UnicodeDecodeError) as e:
-            return [b"error", str(e).encode()[:200]]
-
-    def _check(self, key: str, value: bytes) -> None:
-        if len(key) > _STORE_MAX_BYTES or len(value) > _STORE_MAX_BYTES:
-            raise ValueError("store key or value too large")
-        if key not in self._data and len(self._data) >= _STORE_MAX_KEYS:
-            raise ValueError(f"store full ({_STORE_MAX_KEYS} keys)")
-
-
-def _seconds(timeout: datetime.timedelta | None, default_s: float) -> float:
-    return default_s if timeout is None else timeout.total_seconds()
-
-
-class _LocalStore(dist.Store):
-    """c10d's view of the receiver's `_Table`, for the receiver's own rank (rank 0)."""
-
-    def __init__(self, table: _Table, timeout_s: float) -> None:
-        super().__init__()
-        self._table, self._timeout_s = table, timeout_s
-
-    def set(self, key: str, value: bytes) -> None:
-        self._table.set(key, bytes(value))
-
-    def get(self, key: str) -> bytes:
-        self.wait([key])
-        value = self._table.get(key)
-        if value is None:
-            raise RuntimeError(f"store: {key!r} was deleted")
-        return value
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        if not self._table.wait(keys, _seconds(timeout, self._timeout_s)):
-            raise RuntimeError(f"store: timed out waiting for {keys}")
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self._table.get(k) is not None for k in keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return self._table.add(key, amount)
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self._table.compare_set(key, bytes(expected), bytes(desired))
-
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 (the name c10d calls)
-        return self._table.delete(key)
-
-    def getNumKeys(self) -> int:  # noqa: N802
-        return len(self._table)
-
-    def clone(self) -> _LocalStore:
-        return _LocalStore(self._table, self._timeout_s)
-
-
-class _StoreClient(dist.Store):
-    """c10d's view of a receiver's `_Table` from the sender's rank (rank 1): requests over a DEALER of its own."""
-
-    def __init__(self, endpoint: str, context: zmq.Context, timeout_s: float) -> None:
-        super().__init__()
-        self._endpoint, self._context, self._timeout_s = endpoint, context, timeout_s
-        self._lock = threading.Lock()
-        self._sock: zmq.Socket | None = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
-
-    def set(self, key: str, value: bytes) -> None:
-        self._call(b"set", key, bytes(value))
-
-    def get(self, key: str) -> bytes:
-        return self._poll(key, time.monotonic() + self._timeout_s)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        deadline = time.monotonic() + _seconds(timeout, self._timeout_s)
-        for key in keys:
-            self._poll(key, deadline)
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self._call(b"get", k, allow_missing=True) is not None for k in keys)
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self._call(b"add", key, str(amount).encode()) or b"0")
-
-    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self._call(b"compare_set", key, bytes(expected), bytes(desired)) or b""
-
-    def deleteKey(self, key: str) -> bool:  # noqa: N802 (the name c10d calls)
-        return self._call(b"delete", key) == b"1"
-
-    def getNumKeys(self) -> int:  # noqa: N802
-        return int(self._call(b"num_keys", "") or b"0")
-
-    def clone(self) -> _StoreClient:
-        return _StoreClient(self._endpoint, self._context, self._timeout_s)
-
-    def retire(self) -> None:
-        """Close the socket (the group is formed: it needs the store no more); later calls raise."""
-        with self._lock:
-            if self._sock is not None:
-                self._sock.close(linger=0)
-                self._sock = None
-
-    def _poll(self, key: str, deadline: float) -> bytes:
-        pause = _STORE_POLL_S
-        while (value := self._call(b"get", key, allow_missing=True)) is None:
-            if time.monotonic() + pause > deadline:
-                raise RuntimeError(f"store at {self._endpoint}: timed out waiting for {key!r}")
-            time.sleep(pause)
-            pause = min(pause * 2, 10 * _STORE_POLL_S)
-        return value
-
-    def _call(self, op: bytes, key: str, value: bytes = b"", extra: bytes = b"", *,
-              allow_missing: bool = False) -> bytes | None:
-        with self._lock:
-            if self._sock is None:
-                raise RuntimeError("store client is closed")
-            self._sock.send_multipart([_STORE_MAGIC, op, key.encode(), value, extra])
-            if not self._sock.poll(int(self._timeout_s * 1000), zmq.POLLIN):
-                # The socket may now hold a late reply: replace it, so that replies never pair up wrongly.
-                self._sock.close(linger=0)
-                self._sock = self._context.socket(zmq.DEALER)
-                self._sock.setsockopt(zmq.LINGER, 0)
-                self._sock.connect(self._endpoint)
-                raise RuntimeError(f"store at {self._endpoint}: no answer to {op.decode()} {key!r}")
-            reply = self._sock.recv_multipart()
-        if len(reply) != 3 or reply[0] != _STORE_MAGIC:
-            raise RuntimeError(f"store at {self._endpoint}: malformed reply")
-        status, result = reply[1], reply[2]
-        if status == b"missing" and allow_missing:
-            return None
-        if status != b"ok":
-            raise RuntimeError(f"store at {self._endpoint}: {op.decode()} {key!r}: {result.decode(errors='replace')}")
-        return result
-
-
-# -- the data channel ------------------------------------------------------------------------
-
-
-class _DataChannel:
-    """This process's rank of one pair's two-rank process group (receiver rank 0, sender rank 1).
-
-    The constructor is the rendezvous: it blocks until the other rank joins and the probe passed, at
-    most `timeout_s`, and raises if that fails.
-    """
-
-    def __init__(self, backend: str, store: dist.Store, key: str, rank: int, timeout_s: float,
-                 device: torch.device, gloo_hostname: str | None) -> None:
-        self.backend, self.rank, self.device, self.timeout_s = backend, rank, device, timeout_s
-        self._store = store  # a Python Store must outlive the group: c10d calls back into this object
-        prefixed = dist.PrefixStore(f"pdserve-kv/{key}", store)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._pg: Any
-        if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
-            gloo = dist.ProcessGroupGloo
-            opts._devices = [gloo.create_device(hostname=gloo_hostname) if gloo_hostname
-                             else gloo.create_default_device()]
-            opts._timeout = timeout
-            self._pg = gloo(prefixed, rank, 2, opts)
-        else:
-            nccl_opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
-            nccl_opts.is_high_priority_stream = False
-            nccl_opts._timeout = timeout
-            nccl_opts.group_name = f"pdserve-kv-{key}"
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)  # type: ignore[attr-defined]
-        self._closed = False
-        probe = torch.zeros(1, dtype=torch.uint8, device=device)
-        work = self.send(probe, 0) if rank == 1 else self.recv(probe, 0)
-        self.wait(work, time.monotonic() + timeout_s)
-
-    def send(self, tensor: torch.Tensor, tag: int) -> Any:
-        return self._group().send([tensor], 1 - self.rank, tag)
-
-    def recv(self, tensor: torch.Tensor, tag: int) -> Any:
-        return self._group().recv([tensor], 1 - self.rank, tag)
-
-    def _group(self) -> Any:
-        if self._pg is None:
-            raise RuntimeError("the data channel is closed")
-        return self._pg
-
-    def wait(self, work: Any, deadline: float, stop: threading.Event | None = None) -> None:
-        """Until `work` completed; raises if it failed or (NCCL) at `deadline` or `stop`, aborting the group."""
-        if self.backend == "gloo":
-            work.wait()  # cannot be interrupted; bounded by the group's timeout (see the module docstring)
-            return
-        while not work.is_completed():
-            if time.monotonic() >= deadline or (stop is not None and stop.is_set()):
-                self.close()
-                raise TimeoutError("NCCL operation not complete in time; the pair's communicator was aborted")
-            time.sleep(_NCCL_POLL_S)
-        work.wait()  # raises a failure; orders the current stream after the operation
-
-    def close(self) -> None:
-        """Shut this rank down. Its connection closes once the group and every Work of it are unreferenced
-        (the caller drops its Works): only then does the peer's pending operation fail instead of waiting
-        out the timeout, since gloo keeps serving posted sends after `shutdown()` and forgets those whose
-        Work is dropped."""
-        if self._closed:
-            return
-        self._closed = True
-        pg, self._pg = self._pg, None
-        try:
-            if self.backend == "nccl":
-                pg.abort()  # the only way to end a pending NCCL operation
-            else:
-                pg.shutdown()
-        except Exception as e:  # already broken: nothing left to release
-            log.debug("KV data channel (rank %d): close: %s", self.rank, _first_line(e))
-
-
-class _Staging:
-    """Reused flat uint8 buffers on one device (a fresh 16 MB buffer per message costs page faults).
-
-    A sender holds a message's buffer, with the Work of its send, until the receiver acks the message:
-    the receiver then has every byte, so the send is over and the buffer may be overwritten.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self._free: list[torch.Tensor] = []
-        self._held: dict[tuple[str, int, int], tuple[torch.Tensor, Any]] = {}
-
-    def take(self, nbytes: int) -> torch.Tensor:
-        buf = self._free.pop() if self._free else None
-        if buf is None or buf.numel() < nbytes:
-            buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # grows to the largest message
-        return buf
-
-    def give(self, buf: torch.Tensor) -> None:
-        self._free.append(buf)
-
-    def hold(self, key: tuple[str, int, int], buf: torch.Tensor, work: Any) -> None:
-        self._held[key] = (buf, work)
-
-    def release(self, key: tuple[str, int, int]) -> None:
-        held = self._held.pop(key, None)
-        if held is None:
-            return
-        buf, work = held
-        try:
-            work.wait()  # complete: the receiver acked the bytes (NCCL: orders reuse after the send)
-        except Exception as e:  # the channel broke after the bytes arrived; the buffer is not reused
-            log.debug("KV sender: send of %r ended with %s", key, _first_line(e))
-            return
-        self._free.append(buf)
-
-    def forget(self, key: tuple[str, int, int]) -> None:
-        """Drop a held buffer without waiting for its send (the channel is shut: it will not complete)."""
-        self._held.pop(key, None)
-
-    def clear(self) -> None:
-        self._free.clear()
-        self._held.clear()
-
-
-def _gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: list[int],
-            staging: torch.Tensor) -> torch.Tensor:
-    """K then V of `block_ids` of `layer`, copied into `staging`; returns the filled prefix."""
-    n = len(block_ids)
-    nbytes = frames.frame_bytes(geometry, n)
-    if staging.device.type == "cpu":
-        frames.gather(kv_caches, layer, block_ids, out=staging)  # the same bytes the other backends send
-    else:  # NCCL: stays on the device
-        per = nbytes // 2
-        idx = torch.tensor(block_ids, dtype=torch.long, device=geometry.device)
-        for i, cache in enumerate(kv_caches[layer]):
-            dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
-            dst.copy_(cache.index_select(0, idx))
-    return staging[:nbytes]
-
-
-def _host_halves(payload: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The K and V frames of a message as host byte arrays (a device-to-host copy if on a GPU)."""
-    host = payload if payload.device.type == "cpu" else payload.cpu()
-    half = host.numel() // 2
-    return host[:half].numpy(), host[half:].numpy()
-
-
-def _wire_bytes(header: KVTransferHeader) -> int | None:
-    """Bytes of the tensor that follows `header`, by its own claims; None if they give no size."""
-    dtype = frames.DTYPES.get(header.dtype)
-    if dtype is None or header.num_blocks <= 0:
-        return None
-    return 2 * header.num_blocks * math.prod(header.block_shape) * dtype.itemsize
 
 
 # -- receiver ------------------------------------------------------------------------------------
@@ -547,7 +163,7 @@ class _Pair:
     queue: collections.deque[tuple[KVTransferHeader, bool]]  # (header, beyond the credit window)
     in_flight: int = 0
     tag: int = 0
-    channel: _DataChannel | None = None
+    channel: DataChannel | None = None
     broken: str | None = None
     thread: threading.Thread | None = None
 
@@ -561,14 +177,14 @@ class NcclKVReceiver(LedgerReceiver):
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
                  context: zmq.Context | None = None, faults: Faults | None = None) -> None:
         super().__init__(ReceiverLedger(kv_caches))
-        self._backend = _pick_backend(self._ledger.geometry, backend)
-        self._staging_device = _staging_device(self._ledger.geometry, self._backend)
+        self._backend = pick_backend(self._ledger.geometry, backend)
+        self.staging_device = staging_device(self._ledger.geometry, self._backend)
         self._verify = verify_checksums
         self._group_timeout_s = group_timeout_s
         self._max_message_bytes = max_message_bytes
         self._max_senders = max_senders
         self._faults = faults
-        self._table = _Table()  # the pairs' rendezvous store, served on the ROUTER
+        self._table = StoreTable()  # the pairs' rendezvous store, served on the ROUTER
         self._pairs: dict[bytes, _Pair] = {}
         self._pairs_lock = threading.Lock()
         self._closed = False
@@ -621,10 +237,10 @@ class NcclKVReceiver(LedgerReceiver):
     # -- I/O thread ------------------------------------------------------------------------
 
     def _on_store_request(self, peer: bytes, parts: list[zmq.Frame]) -> bool:
-        if not (len(parts) == 6 and parts[1].bytes == _STORE_MAGIC):
+        if not (len(parts) == 6 and parts[1].bytes == STORE_MAGIC):
             return False
         # A sender's rank at its rendezvous.
-        self._control.reply_frames(peer, [_STORE_MAGIC, *self._table.serve(*(f.bytes for f in parts[2:]))])
+        self._control.reply_frames(peer, [STORE_MAGIC, *self._table.serve(*(f.bytes for f in parts[2:]))])
         return True
 
     def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
@@ -670,14 +286,14 @@ class NcclKVReceiver(LedgerReceiver):
 
     def _pair_main(self, pair: _Pair) -> None:
         try:
-            pair.channel = _DataChannel(self._backend, _LocalStore(self._table, self._group_timeout_s), pair.key, 0,
-                                        self._group_timeout_s, self._staging_device, pair.gloo_hostname)
+            pair.channel = DataChannel(self._backend, LocalStore(self._table, self._group_timeout_s), pair.key, 0,
+                                        self._group_timeout_s, self.staging_device, pair.gloo_hostname)
         except Exception as e:
-            pair.broken = f"not formed: {_first_line(e)}"
+            pair.broken = f"not formed: {first_line(e)}"
             log.warning("KV receiver %s: data channel of sender %s %s", self.address, pair.key, pair.broken)
         finally:  # formed (the sender has read our keys: it connected) or failed: the keys are done with
             self._table.drop_prefix(f"pdserve-kv/{pair.key}/")
-        staging = _Staging(self._staging_device)  # one buffer, grown to the largest message
+        staging = Staging(self.staging_device)  # one buffer, grown to the largest message
         try:
             while (item := self._next(pair)) is not None:
                 ack = self._receive(pair, staging, *item)
@@ -685,7 +301,7 @@ class NcclKVReceiver(LedgerReceiver):
                     pair.in_flight -= 1
                 self._control.post(pair.peer, ack)
         except Exception as e:
-            pair.broken = f"receive loop failed: {_first_line(e)}"
+            pair.broken = f"receive loop failed: {first_line(e)}"
             log.exception("KV receiver %s: pair thread of sender %s failed", self.address, pair.key)
         finally:
             if pair.channel is not None:
@@ -699,7 +315,7 @@ class NcclKVReceiver(LedgerReceiver):
                 pair.cond.wait(_PAIR_POLL_S)
         return None
 
-    def _receive(self, pair: _Pair, staging: _Staging, header: KVTransferHeader, beyond_credit: bool) -> KVTransferAck:
+    def _receive(self, pair: _Pair, staging: Staging, header: KVTransferHeader, beyond_credit: bool) -> KVTransferAck:
         """Take the tensor of `header` off the data channel, then let the ledger decide. Returns the ack."""
         if header.is_last:
             if beyond_credit:
@@ -707,7 +323,7 @@ class NcclKVReceiver(LedgerReceiver):
             return self._ledger.apply(header, _EMPTY, _EMPTY, peer=pair.peer)
         payload = None
         if pair.broken is None:
-            size = _wire_bytes(header)
+            size = wire_bytes(header)
             if size is None or size > self._max_message_bytes:
                 pair.broken = (f"header {header.request_id!r} seq {header.seq} announces a tensor that cannot be "
                                f"received ({size} bytes, limit {self._max_message_bytes})")
@@ -715,13 +331,13 @@ class NcclKVReceiver(LedgerReceiver):
                 buf = staging.take(size)
                 staging.give(buf)  # used only by this thread, one message at a time
                 payload = buf[:size]
-                pair.tag = pair.tag % _TAG_MAX + 1
+                pair.tag = pair.tag % TAG_MAX + 1
                 try:
                     assert pair.channel is not None
                     work = pair.channel.recv(payload, pair.tag)
                     pair.channel.wait(work, time.monotonic() + self._group_timeout_s, self._control.stopped)
                 except Exception as e:
-                    pair.broken = f"recv failed: {_first_line(e)}"
+                    pair.broken = f"recv failed: {first_line(e)}"
             if pair.broken is not None:
                 log.warning("KV receiver %s: data channel of sender %s broke: %s", self.address, pair.key, pair.broken)
                 if pair.channel is not None:
@@ -734,7 +350,7 @@ class NcclKVReceiver(LedgerReceiver):
         if not self._verify:  # the frames stay where they landed (on the GPU for NCCL)
             half = payload.numel() // 2
             return self._ledger.apply(header, payload[:half], payload[half:], peer=pair.peer, verify=False)
-        return self._ledger.apply(header, *_host_halves(payload), peer=pair.peer)
+        return self._ledger.apply(header, *host_halves(payload), peer=pair.peer)
 
 
 # -- sender --------------------------------------------------------------------------------------
@@ -754,17 +370,17 @@ class NcclKVSender(NetworkSender):
                  gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context | None = None,
                  faults: Faults | None = None) -> None:
         host, port = parse_address(address)
-        self._backend = _pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
+        self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
         self.key = _new_key(sender_id)
         self._context = context or zmq.Context.instance()
         super().__init__(kv_caches, address, context=self._context, faults=faults, sender_id=self.key,
                          checksums=checksums, max_message_bytes=max_message_bytes,
                          routing_id=self.key.encode())  # stable across reconnects: names the pair
-        self._staging = _Staging(_staging_device(self._book.geometry, self._backend))
+        self._staging = Staging(staging_device(self._book.geometry, self._backend))
         self._verify = verify_checksums
         self._tag = 0
         self._channel_lock = threading.Lock()
-        self._channel: _DataChannel | None = None
+        self._channel: DataChannel | None = None
         self._channel_error: str | None = None
         self._channel_ready = threading.Event()
         self._former = threading.Thread(
@@ -788,11 +404,11 @@ class NcclKVSender(NetworkSender):
     # -- group formation (its own thread) ------------------------------------------------------
 
     def _form(self, timeout_s: float, gloo_hostname: str | None) -> None:
-        store = _StoreClient(self.address, self._context, timeout_s)
+        store = StoreClient(self.address, self._context, timeout_s)
         try:
-            channel = _DataChannel(self._backend, store, self.key, 1, timeout_s, self._staging.device, gloo_hostname)
+            channel = DataChannel(self._backend, store, self.key, 1, timeout_s, self._staging.device, gloo_hostname)
         except Exception as e:
-            self._channel_error = f"not formed: {_first_line(e)}"
+            self._channel_error = f"not formed: {first_line(e)}"
             log.warning("KV sender -> %s: data channel %s", self.address, self._channel_error)
         else:
             with self._channel_lock:
@@ -811,11 +427,11 @@ class NcclKVSender(NetworkSender):
         self._await_channel(request_id, deadline)
         # Gather only once a credit is in hand: the credit window also bounds the staging memory.
         staging = self._staging.take(frames.frame_bytes(self._book.geometry, len(src)))
-        payload = _gather(self._book.kv_caches, self._book.geometry, layer, src, staging)
+        payload = gather(self._book.kv_caches, self._book.geometry, layer, src, staging)
         kind, crc = ChecksumKind.CRC32, 0
         if self._verify:
             kind = self._checksum
-            crc = frames.checksum(kind, *_host_halves(payload))
+            crc = frames.checksum(kind, *host_halves(payload))
         header = self._book.data_header(request_id, layer, dst, kind, crc)
         work = self._put(header, payload)
         if work is not None:
@@ -847,11 +463,11 @@ class NcclKVSender(NetworkSender):
             payload[mid : mid + 1].bitwise_xor_(0xFF)
         channel = self._channel
         assert channel is not None
-        self._tag = self._tag % _TAG_MAX + 1
+        self._tag = self._tag % TAG_MAX + 1
         try:
             work = channel.send(payload, self._tag)
         except Exception as e:
-            self._break(f"send failed: {_first_line(e)}")
+            self._break(f"send failed: {first_line(e)}")
             raise TransferError(header.request_id, FailReason.CLOSED,
                                 f"data channel to {self.address} is broken: {self._channel_error}") from None
         try:
