@@ -142,7 +142,7 @@ def main() -> int:
     engine.shutdown()
 
     cfg = serve_app.ServeConfig(model=model_dir, port=a.port)
-    ray.init(namespace=serve_app.NAMESPACE, include_dashboard=False, log_to_driver=False)
+    serve_app.init_ray(cfg, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
         url, model = f"http://127.0.0.1:{a.port}", os.path.basename(model_dir)

@@ -79,7 +79,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                       "max_num_batched_tokens": a.max_num_batched_tokens,
                                       "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
                                       "enable_prefix_caching": not a.no_prefix_caching}
-    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport,
+    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport, ingress=a.ingress,
                       host=a.host, port=a.port,
                       api_key=a.api_key, max_model_len=a.max_model_len, block_size=a.block_size,
                       engine_args=engine_args)
@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: total workers = prefill + decode)")
     srv.add_argument("--decode", type=int, default=1, help="decode workers")
     srv.add_argument("--transport", default="zmq", choices=["zmq", "nccl"])
+    srv.add_argument("--ingress", default="haproxy", choices=["haproxy", "proxy"],
+                     help="Ray Serve's HAProxy ingress (fast) or its Python proxy actor (local Ray only: "
+                          "a running cluster keeps the ingress it was started with)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None)

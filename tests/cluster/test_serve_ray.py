@@ -21,16 +21,20 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
-@pytest.fixture(scope="module", params=["colocated", "disaggregated", "disaggregated-nccl"])
+@pytest.fixture(scope="module", params=["colocated-zmq-proxy", "disaggregated-zmq-haproxy", "disaggregated-nccl-haproxy"])
 def cluster(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
-    """`disaggregated-nccl`: the NCCL transport, which runs its gloo path on CPU."""
+    """`nccl`: the NCCL transport, which runs its gloo path on CPU. `proxy`/`haproxy`:
+    Ray Serve's Python proxy actor, or its HAProxy ingress (the default)."""
     from pdserve.cluster import serve_app
 
     port = 18000 + os.getpid() % 1000
-    mode, _, transport = request.param.partition("-")
-    cfg = serve_app.ServeConfig(model=str(model_dir), mode=mode, transport=transport or "zmq", port=port,
+    mode, transport, ingress = request.param.split("-")
+    cfg = serve_app.ServeConfig(model=str(model_dir), mode=mode, transport=transport, ingress=ingress, port=port,
                                 max_model_len=256, engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
-    ray.init(namespace=serve_app.NAMESPACE, num_cpus=2, include_dashboard=False, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as env:  # Ray's processes read it at start; later tests do not see it
+        for key, value in serve_app.HAPROXY_ENV.items():
+            env.setenv(key, value if ingress == "haproxy" else "0")
+        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
         yield f"http://127.0.0.1:{port}", mode
