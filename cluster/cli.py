@@ -80,6 +80,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                       "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
                                       "enable_prefix_caching": not a.no_prefix_caching}
     cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport, ingress=a.ingress,
+                      router_policy=a.router_policy,
                       host=a.host, port=a.port,
                       api_key=a.api_key, max_model_len=a.max_model_len, block_size=a.block_size,
                       engine_args=engine_args)
@@ -112,6 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ingress", default="haproxy", choices=["haproxy", "proxy"],
                      help="Ray Serve's HAProxy ingress (fast) or its Python proxy actor (local Ray only: "
                           "a running cluster keeps the ingress it was started with)")
+    srv.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin"],
+                     help="how the gateway picks prefill workers (round_robin: for comparison)")
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None)

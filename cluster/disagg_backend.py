@@ -45,6 +45,7 @@ class DisaggregatedBackend:
         self._in_flight = 0
         self._dead: set[str] = set()
         self._poller: asyncio.Task[None] | None = None
+        self._closing = False
         self._ready = asyncio.Event()
         self.loads: dict[str, dict[str, Any]] = {}
 
@@ -59,6 +60,7 @@ class DisaggregatedBackend:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
         if self._poller is None:
+            self._closing = False
             self._ready = asyncio.Event()
             self._poller = asyncio.create_task(self._poll_loads())
         # The router knows no worker until the first poll has answered.
@@ -122,6 +124,7 @@ class DisaggregatedBackend:
 
     async def close(self) -> None:
         await self.streams.close()
+        self._closing = True  # Python 3.11's wait_for can swallow a cancel: the loop checks this too
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -146,7 +149,7 @@ class DisaggregatedBackend:
                                                total_blocks=load["total_blocks"]))
 
     async def _poll_loads(self) -> None:
-        while True:
+        while not self._closing:
             await self._refresh()
             self._ready.set()
             await asyncio.sleep(self.poll_s)

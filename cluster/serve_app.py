@@ -19,6 +19,9 @@ NAMESPACE = "pdserve"
 # Ray reads these when its processes start, so they must be in the environment
 # of `ray start` (or of the process whose ray.init starts local Ray).
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# Local Ray only: the gateway replica's drain on shutdown waits (30 s by
+# default) for load balancers on other nodes to stop sending; here there are none.
+LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class ServeConfig:
     max_in_flight: int = 256
     transport: str = "zmq"  # zmq | nccl
     ingress: str = "haproxy"  # haproxy | proxy (Serve's Python proxy actor)
+    router_policy: str = "cache_aware"  # cache_aware | round_robin (for comparison)
     # Where decode workers listen for KV, and the gateway for token streams:
     # loopback on one machine; "auto" = each one's node address (multi-node;
     # keep it on a private network).
@@ -50,6 +54,8 @@ class ServeConfig:
             raise ValueError(f"transport: must be zmq or nccl, got {self.transport!r}")
         if self.ingress not in ("haproxy", "proxy"):
             raise ValueError(f"ingress: must be haproxy or proxy, got {self.ingress!r}")
+        if self.router_policy not in ("cache_aware", "round_robin"):
+            raise ValueError(f"router_policy: must be cache_aware or round_robin, got {self.router_policy!r}")
         if self.num_prefill < 1 or self.num_decode < 1:
             raise ValueError("prefill/decode: each pool needs at least one worker")
         if not 0 < self.port < 65536:
@@ -120,12 +126,13 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
 def _disaggregated_backend(cfg: ServeConfig) -> Any:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
     from pdserve.cluster.router import Router
-    from pdserve.cluster.router.policy import RouterConfig
+    from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
 
     prefill = {f"p{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.decode_names())}
     addresses = {wid: ray.get(a.ready.remote(), timeout=60)["address"] for wid, a in decode.items()}
-    return DisaggregatedBackend(prefill, decode, addresses, Router(RouterConfig(), cfg.block_size),
+    router = Router(RouterConfig(policy=RoutingPolicy(cfg.router_policy)), cfg.block_size)
+    return DisaggregatedBackend(prefill, decode, addresses, router,
                                 stream_host=cfg.kv_bind_host)
 
 
@@ -147,6 +154,9 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
         for key in HAPROXY_ENV:
             os.environ.setdefault(key, "0")
     if not ray.is_initialized():
+        if not os.environ.get("RAY_ADDRESS") and "address" not in kwargs:
+            for key, value in LOCAL_ENV.items():
+                os.environ.setdefault(key, value)
         ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 

@@ -1,0 +1,74 @@
+"""Cache-aware routing on the served cluster: local Ray, 2 prefill workers + 1
+decode worker, requests over HTTP. The same shared-prefix workload under each
+policy; the prefill tokens the workers computed are read from the workers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from factories import tiny_spec
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+openai = pytest.importorskip("openai")
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def shared_prefix_prompts(groups: int = 8, per_group: int = 16, prefix: int = 512, suffix: int = 32) -> list[list[int]]:
+    rng = random.Random(0)
+    prefixes = [[rng.randrange(5, 4000) for _ in range(prefix)] for _ in range(groups)]
+    prompts = [pre + [rng.randrange(5, 4000) for _ in range(suffix)] for pre in prefixes for _ in range(per_group)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def serve_and_count(model_dir: Path, policy: str, prompts: list[list[int]]) -> int:
+    """Prompt tokens computed by all workers while serving `prompts` (concurrency 4)."""
+    from pdserve.cluster import serve_app
+
+    port = 19000 + os.getpid() % 1000
+    cfg = serve_app.ServeConfig(model=str(model_dir), num_prefill=2, num_decode=1, router_policy=policy, port=port,
+                                max_model_len=1024, engine_args={"num_kv_blocks": 192, "max_num_batched_tokens": 1024})
+    serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
+    try:
+        serve_app.run(cfg, block=False)
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        sem = asyncio.Semaphore(4)
+
+        async def one(p: list[int]) -> str:
+            async with sem:
+                r = await client.completions.create(model=model_dir.name, prompt=p, max_tokens=2, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+                return r.choices[0].finish_reason
+
+        async def run() -> list[str]:
+            try:
+                return list(await asyncio.gather(*(one(p) for p in prompts)))
+            finally:
+                await client.close()
+
+        assert asyncio.run(run()) == ["length"] * len(prompts)
+        loads = ray.get([ray.get_actor(n, namespace=serve_app.NAMESPACE).load.remote() for n in cfg.worker_names()])
+        assert all(ld["used_blocks"] == 0 for ld in loads), loads
+        return sum(ld["prompt_tokens_computed"] for ld in loads)
+    finally:
+        serve_app.shutdown(cfg)
+        ray.shutdown()
+
+
+def test_cache_aware_router_computes_2x_fewer_prefill_tokens_than_round_robin_over_http(model_dir: Path) -> None:
+    """8 groups x 16 requests sharing a 512-token prefix; each prefill worker's
+    pool (192 blocks of 16) holds about half of the prefixes."""
+    prompts = shared_prefix_prompts()
+    computed = {policy: serve_and_count(model_dir, policy, prompts) for policy in ("cache_aware", "round_robin")}
+    assert computed["round_robin"] >= 2 * computed["cache_aware"], computed
