@@ -49,9 +49,10 @@ _CONFIG_ARGS = {
     "block_size": "block_size",
     "max_in_flight": "max_in_flight",
     "kv_bind_host": "kv_bind_host",
+    "router_policy": "router_policy",
 }
 _INT_ARGS = {"prefill", "decode", "block_size", "max_in_flight"}
-_STR_ARGS = {"model", "mode", "transport", "kv_bind_host"}
+_STR_ARGS = {"model", "mode", "transport", "kv_bind_host", "router_policy"}
 # Engine settings the YAML may give at the top level or under `engine_args:`. The
 # rest of EngineConfig is set by ServeConfig (model, max_model_len, block_size) or by
 # the worker actors (record_kv_events, progress).
