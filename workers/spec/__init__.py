@@ -1,0 +1,1 @@
+"""Speculative decoding building blocks: n-gram drafting and verification."""
