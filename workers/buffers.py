@@ -33,4 +33,5 @@ class InputBuffers:
         self.block_tables = StagedBuffer((max_seqs, max_blocks_per_seq), torch.int32, device)
         self.seq_lens = StagedBuffer((max_seqs,), torch.int32, device)
         self.query_start_loc = StagedBuffer((max_seqs + 1,), torch.int32, device)
-        self.logits_indices = StagedBuffer((max_seqs,), torch.int64, device)
+        # One row per sampled sequence, or k+1 for a sequence verifying k drafts.
+        self.logits_indices = StagedBuffer((max_tokens,), torch.int64, device)

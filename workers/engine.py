@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer
@@ -27,6 +27,8 @@ from pdserve.workers.request import Request, RequestStatus
 from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
+from pdserve.workers.model_runner import SpecResult
+from pdserve.workers.spec.ngram import NgramProposer
 
 
 @dataclass
@@ -39,6 +41,17 @@ class EngineStats:
     prompt_tokens_cached: int = 0  # prompt tokens served from the prefix cache at first schedule
     generation_tokens: int = 0
     preemptions: int = 0
+    # Speculative decoding: verification passes, drafted tokens in them, drafts
+    # the target accepted, and accepted counts by draft position (index 0: first draft).
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification pass (accepted drafts + the target's own)."""
+        return (self.spec_accepted_tokens + self.spec_drafts) / self.spec_drafts if self.spec_drafts else 0.0
 
 
 class LLMEngine:
@@ -62,6 +75,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
         self.stats = EngineStats()
+        self.proposer = (NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
+                         if config.speculative == "ngram" else None)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, chars) already sent as deltas
         self._aborted_outputs: list[RequestOutput] = []
@@ -184,9 +199,12 @@ class LLMEngine:
             req = s.request
             start = req.num_computed_tokens
             self.stats.prompt_tokens_computed += max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
-            self.scheduler.advance(s)
+            if not s.num_spec:  # verifying requests advance by what the target accepted
+                self.scheduler.advance(s)
         self.stats.steps += 1
         outputs.extend(self._process_samples(result.sampled, result.output))
+        outputs.extend(self._process_spec(result.spec))
+        self._propose()
         return outputs
 
     # -- internals ----------------------------------------------------------
@@ -215,6 +233,57 @@ class LLMEngine:
             elif req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
                 outputs.append(self._make_output(req))
         return outputs
+
+    def _process_spec(self, results: list[SpecResult]) -> list[RequestOutput]:
+        """Append what verification emitted (stopping at a stop condition), and
+        count as computed only the KV of the accepted drafts: the rest is rolled
+        back (its slots are rewritten next step, its blocks never cached)."""
+        outputs = []
+        for r in results:
+            s, req = r.scheduled, r.scheduled.request
+            req.spec_token_ids = []
+            accepted = len(r.tokens) - 1
+            st = self.stats
+            st.spec_drafts += 1
+            st.spec_draft_tokens += s.num_spec
+            st.spec_accepted_tokens += accepted
+            if len(st.spec_accepted_per_position) < s.num_spec:
+                st.spec_accepted_per_position.extend([0] * (s.num_spec - len(st.spec_accepted_per_position)))
+            for i in range(accepted):
+                st.spec_accepted_per_position[i] += 1
+            status = None
+            for token in r.tokens:
+                req.append_token(token)
+                self.stats.generation_tokens += 1
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            if status is None:
+                self.scheduler.advance(s, accepted)
+                if req.params.output_kind is not RequestOutputKind.FINAL_ONLY:
+                    outputs.append(self._make_output(req))
+            else:
+                self.scheduler.finish(req, status, keep_blocks=req.hold_kv)
+                if req.hold_kv:
+                    self._held[req.request_id] = req
+                outputs.append(self._finish_output(req))
+        return outputs
+
+    def _propose(self) -> None:
+        """Draft tokens for every decoding request that speculates, for the next step."""
+        if self.proposer is None:
+            return
+        k_max = self.config.num_speculative_tokens
+        for req in self.scheduler.running:
+            p = req.params
+            # Greedy only for now (exact rejection sampling is not wired in yet);
+            # no drafts while logprobs are asked for or min_tokens bans stop tokens.
+            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative or p.temperature
+                    or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
+                continue
+            k = min(k_max, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k).tolist()
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok.get(req.request_id)

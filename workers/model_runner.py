@@ -6,7 +6,7 @@ multi-token (prefill) chunks, which is the order AttentionMetadata promises.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -21,9 +21,18 @@ from pdserve.workers.scheduler import ScheduledRequest
 
 
 @dataclass
+class SpecResult:
+    """A request that verified drafts this step."""
+
+    scheduled: ScheduledRequest
+    tokens: list[int]  # emitted: the accepted drafts, then the target's own next token
+
+
+@dataclass
 class StepResult:
     sampled: list[Request]  # requests that got a token this step, in row order
     output: SamplerOutput
+    spec: list[SpecResult] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -47,10 +56,31 @@ class ModelRunner:
         meta, num_tokens, logit_rows, sampled = self._prepare(ordered)
         hidden = self.model(self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens), meta, self.kv_caches)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
-        if sampled:
+        if logit_rows:
             logits = self.model.compute_logits(hidden[self.buf.logits_indices.to_device(logit_rows)])
-            result.output = sample(logits, self._sampling_batch(sampled))
+            # Rows: one per plain sampled request, then k+1 per verifying one.
+            if sampled:
+                result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
+            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):])
         return result
+
+    def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> list[SpecResult]:
+        """Greedy verification: keep drafts while they equal the target's argmax;
+        then the target's token at the first mismatch (or after the last draft).
+        (Only greedy requests draft; see LLMEngine._propose.)"""
+        if not verifying:
+            return []
+        targets = logits.argmax(dim=-1).tolist()
+        results, row = [], 0
+        for s in verifying:
+            k = s.num_spec
+            drafts, want = s.request.spec_token_ids[:k], targets[row : row + k + 1]
+            accepted = 0
+            while accepted < k and drafts[accepted] == want[accepted]:
+                accepted += 1
+            results.append(SpecResult(s, drafts[:accepted] + [want[accepted]]))
+            row += k + 1
+        return results
 
     def _prepare(self, ordered: list[ScheduledRequest]) -> tuple[AttentionMetadata, int, int, list[Request]]:
         b = self.buf
@@ -66,7 +96,12 @@ class ModelRunner:
             start = req.num_computed_tokens
             blocks = self.kv.blocks_of(req.request_id)
             tables[i, : len(blocks)] = blocks
-            if n == 1:
+            if s.num_spec:  # verify: the last known token and the drafts, causal among themselves
+                p = np.arange(start, start + n)
+                ids[t : t + n] = req.all_token_ids[start:] + req.spec_token_ids[: s.num_spec]
+                pos[t : t + n] = p
+                slots[t : t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
+            elif n == 1:
                 num_decode += 1
                 ids[t] = req.all_token_ids[start]
                 pos[t] = start
@@ -79,9 +114,17 @@ class ModelRunner:
             t += n
             seq_lens[i] = start + n
             qsl[i + 1] = t
-            if s.samples:
+            if s.samples and not s.num_spec:
                 logit_idx[len(sampled)] = t - 1
                 sampled.append(req)
+        # Verifying requests' rows go after the plain ones: every position scores a draft.
+        rows = len(sampled)
+        end = 0
+        for s in ordered:
+            end += s.num_tokens
+            if s.num_spec:
+                logit_idx[rows : rows + s.num_tokens] = np.arange(end - s.num_tokens, end)
+                rows += s.num_tokens
         num_seqs = len(ordered)
         meta = AttentionMetadata(
             slot_mapping=b.slot_mapping.to_device(t),
@@ -93,7 +136,7 @@ class ModelRunner:
             query_start_loc_np=qsl[: num_seqs + 1],
             block_size=bs,
         )
-        return meta, t, len(sampled), sampled
+        return meta, t, rows, sampled
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         params = [r.params for r in reqs]

@@ -71,6 +71,9 @@ class Request:
         # Prefill side of a handoff: keep the blocks after finishing, until the
         # KV transfer is done and the engine is told to release them.
         self.hold_kv = hold_kv
+        # Drafted tokens to verify in the next step (speculative decoding); not
+        # part of all_token_ids until the target accepts them.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

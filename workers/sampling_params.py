@@ -37,6 +37,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    # False: no speculative decoding for this request, even when the engine drafts for others.
+    speculative: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:

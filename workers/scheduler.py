@@ -29,11 +29,13 @@ class SchedulerConfig:
 class ScheduledRequest:
     request: Request
     num_tokens: int  # new tokens computed this step, starting at request.num_computed_tokens
+    # Of those, drafted tokens to verify (the last `num_spec`; request.spec_token_ids[:num_spec]).
+    num_spec: int = 0
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the end of the known tokens, so its last logits give a token."""
-        return self.request.num_computed_tokens + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed_tokens + self.num_tokens - self.num_spec == self.request.num_tokens
 
 
 @dataclass
@@ -108,7 +110,12 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            remaining = req.num_tokens - req.num_computed_tokens
+            # A decoding request with drafts verifies them in the same pass.
+            num_spec = min(len(req.spec_token_ids), budget - 1) if remaining == 1 else 0
+            n = min(remaining + num_spec, budget)
+            if num_spec and not self.kv.allocate_slots(req, n):
+                num_spec, n = 0, min(remaining, budget)  # no room for drafts: never preempt for them
             while not self.kv.allocate_slots(req, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -116,7 +123,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, n))
+                out.scheduled.append(ScheduledRequest(req, n, num_spec))
                 budget -= n
                 i += 1
                 continue
@@ -145,16 +152,20 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def advance(self, scheduled: ScheduledRequest) -> None:
-        """Record that a scheduled chunk was computed; cache its full blocks."""
+    def advance(self, scheduled: ScheduledRequest, num_accepted: int = 0) -> None:
+        """Record that a scheduled chunk was computed; cache its full blocks.
+        Of its drafted tokens only the `num_accepted` the target kept count: the
+        KV written for the others is rolled back by not counting it (the next
+        step overwrites those slots)."""
         req = scheduled.request
-        req.num_computed_tokens += scheduled.num_tokens
+        req.num_computed_tokens += scheduled.num_tokens - scheduled.num_spec + num_accepted
         self.kv.cache_computed_blocks(req)
 
     def finish(self, req: Request, status: RequestStatus, keep_blocks: bool = False) -> None:

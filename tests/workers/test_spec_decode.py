@@ -1,0 +1,93 @@
+"""Speculative decoding in the engine (n-gram drafts, greedy verification):
+the same tokens as without it, and the same KV after drafts are rolled back."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def prompts(n: int = 6) -> list[list[int]]:
+    """Repetitive prompts (n-gram drafts find matches) and random ones (they find few)."""
+    rng = random.Random(1)
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append([rng.randrange(5, 4000) for _ in range(40 + 7 * i)])
+        else:
+            motif = [rng.randrange(5, 4000) for _ in range(5 + i)]
+            out.append((motif * 12)[: 50 + 9 * i])
+    return out
+
+
+def test_config_rejects_bad_speculation_settings(model_dir: Path) -> None:
+    for bad in ({"speculative": "medusa"}, {"num_speculative_tokens": 0}, {"spec_ngram_min": 3, "spec_ngram_max": 2}):
+        with pytest.raises(ValueError):
+            EngineConfig(model=str(model_dir), **bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_output_with_ngram_speculation_equals_without(model_dir: Path, k: int) -> None:
+    """Also batched with requests that turned it off, and with max_tokens that cut a draft short."""
+    ps = prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=24 + 3 * i, ignore_eos=True, speculative=i % 3 != 1)
+              for i in range(len(ps))]
+    plain = LLM(str(model_dir), max_model_len=512, progress=False)
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=k)
+    want = [o.outputs[0].token_ids for o in plain.generate(ps, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(ps, params)]
+    assert got == want
+    st = spec.engine.stats
+    assert st.spec_drafts > 0 and st.spec_accepted_tokens > 0  # it did speculate, and some drafts held
+    assert st.spec_accepted_tokens <= st.spec_draft_tokens and sum(st.spec_accepted_per_position) == st.spec_accepted_tokens
+    assert spec.engine.kv.pool.num_used == 0
+
+
+def _kv_of(engine: LLMEngine, request_id: str, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    blocks = engine.kv.blocks_of(request_id)
+    bs = engine.config.block_size
+    out = []
+    for k_cache, v_cache in engine.kv_caches:
+        k = k_cache[blocks].flatten(0, 1)[:num_tokens]
+        v = v_cache[blocks].flatten(0, 1)[:num_tokens]
+        out.append((k.clone(), v.clone()))
+    assert len(blocks) * bs >= num_tokens
+    return out
+
+
+def test_kv_after_many_rejected_drafts_equals_kv_without_speculation(model_dir: Path) -> None:
+    """A random model rejects most n-gram drafts: their KV is written, then rolled
+    back. The cache of the final sequence must hold exactly the plain run's KV."""
+    prompt = prompts()[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    runs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative": "ngram", "num_speculative_tokens": 4})):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=512, enable_prefix_caching=False, **extra))
+        engine.add_request("r", prompt, params, hold_kv=True)  # keep the blocks after it finishes
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                tokens = out.outputs[0].token_ids
+        computed = len(prompt) + len(tokens) - 1  # the last token's KV is never computed
+        runs[name] = (tokens, _kv_of(engine, "r", computed), engine.stats)
+    (t_plain, kv_plain, _), (t_spec, kv_spec, st) = runs["plain"], runs["spec"]
+    assert t_spec == t_plain
+    assert st.spec_draft_tokens - st.spec_accepted_tokens >= 10, "the test needs rejected drafts"
+    for (k0, v0), (k1, v1) in zip(kv_plain, kv_spec):
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
