@@ -13,7 +13,8 @@ import torch
 
 from factories import LocalActor, tiny_spec
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.actors import DecodeService, PrefillService
+from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
+from pdserve.cluster.backend import ColocatedBackend
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
@@ -29,8 +30,9 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
 
 
 def cluster(model_dir: Path, policy: RoutingPolicy, prefill_blocks: int, num_prefill: int = 2,  # noqa: ANN201
-            transport: str = "zmq"):
-    base = {"model": str(model_dir), "max_model_len": 1024, "block_size": BS, "max_num_batched_tokens": 1024}
+            transport: str = "zmq", **engine_args: object):
+    base = {"model": str(model_dir), "max_model_len": 1024, "block_size": BS, "max_num_batched_tokens": 1024,
+            **engine_args}
     prefill = {f"p{i}": PrefillService({**base, "num_kv_blocks": prefill_blocks}, 1, transport) for i in range(num_prefill)}
     decode = DecodeService({**base, "num_kv_blocks": 1024}, 1, "127.0.0.1", transport)
     router = Router(RouterConfig(policy=policy), BS)
@@ -68,6 +70,39 @@ def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport:
     assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) >= sum(map(len, prompts)) - 4 * BS
     assert decode.worker.engine.kv.pool.num_used == 0
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mode: str) -> None:
+    """n-gram speculation on the served paths (disaggregated: the decode worker
+    drafts and verifies; colocated: one worker does all), mixed with requests
+    that turn it off: tokens equal offline without speculation."""
+    g = torch.Generator().manual_seed(3)
+    motif = torch.randint(5, 4000, (7,), generator=g).tolist()
+    prompts = [(motif * 10)[:60], torch.randint(5, 4000, (45,), generator=g).tolist(), (motif[::-1] * 9)[:50]]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    per_request = [params, params, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False)]
+    if mode == "disaggregated":
+        backend, _, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1, speculative="ngram")
+        engine = decode.worker.engine
+    else:
+        worker = EngineService({"model": str(model_dir), "max_model_len": 1024, "speculative": "ngram"}, 1)
+        backend, engine = ColocatedBackend([LocalActor(worker)]), worker.engine.engine
+
+    async def run() -> list[list[int]]:
+        async def one(i: int) -> list[int]:
+            return [t async for out in backend.generate(f"s{i}", prompts[i], per_request[i], 60)
+                    for t in out.outputs[0].token_ids]
+        try:
+            return list(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+        finally:
+            await backend.close()  # type: ignore[union-attr]
+
+    got = asyncio.run(run())
+    offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False)
+    assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, per_request)]
+    assert engine.stats.spec_drafts > 0 and engine.stats.spec_accepted_tokens > 0
+    assert engine.kv.pool.num_used == 0
 
 
 @pytest.mark.parametrize("params", [
