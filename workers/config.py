@@ -35,6 +35,13 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
     spec_ngram_max: int = 4  # longest suffix tried (vLLM: prompt_lookup_max)
+    # Adaptive draft length: the i-th draft of a request is made only while its
+    # chance of acceptance, (rolling acceptance rate)^i, is at least
+    # `spec_token_cost` (what verifying one drafted token costs relative to a
+    # decode step); no drafts at all while more than `spec_max_batch_size`
+    # requests decode (a big batch is compute-bound: verification is no longer free).
+    spec_token_cost: float = 0.25
+    spec_max_batch_size: int = 32
     seed: int = 0
     progress: bool = False
 
@@ -60,6 +67,10 @@ class EngineConfig:
         for name in ("num_speculative_tokens", "spec_ngram_min", "spec_ngram_max"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
+        if not 0.0 < self.spec_token_cost < 1.0:
+            raise ValueError(f"spec_token_cost: must be in (0, 1), got {self.spec_token_cost}")
+        if not isinstance(self.spec_max_batch_size, int) or self.spec_max_batch_size < 0:
+            raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")
         if self.spec_ngram_max < self.spec_ngram_min:
             raise ValueError(f"spec_ngram_max: must be >= spec_ngram_min ({self.spec_ngram_min}), got {self.spec_ngram_max}")
         if self.attention_backend not in ("auto", "torch", "triton"):

@@ -7,6 +7,7 @@ same loop; `pdserve.LLM` wraps it for offline use.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ class EngineStats:
     def spec_mean_acceptance_length(self) -> float:
         """Tokens emitted per verification pass (accepted drafts + the target's own)."""
         return (self.spec_accepted_tokens + self.spec_drafts) / self.spec_drafts if self.spec_drafts else 0.0
+
+
+_SPEC_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
+_SPEC_PROBE_STEPS = 16
 
 
 class LLMEngine:
@@ -251,6 +256,7 @@ class LLMEngine:
                 st.spec_accepted_per_position.extend([0] * (s.num_spec - len(st.spec_accepted_per_position)))
             for i in range(accepted):
                 st.spec_accepted_per_position[i] += 1
+            req.spec_acceptance = (1 - _SPEC_EMA) * req.spec_acceptance + _SPEC_EMA * accepted / s.num_spec
             status = None
             for token in r.tokens:
                 req.append_token(token)
@@ -271,9 +277,8 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Draft tokens for every decoding request that speculates, for the next step."""
-        if self.proposer is None:
+        if self.proposer is None or len(self.scheduler.running) > self.config.spec_max_batch_size:
             return
-        k_max = self.config.num_speculative_tokens
         for req in self.scheduler.running:
             p = req.params
             # Greedy only for now (exact rejection sampling is not wired in yet);
@@ -281,9 +286,25 @@ class LLMEngine:
             if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative or p.temperature
                     or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
                 continue
-            k = min(k_max, req.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_tokens - 1)
+            k = min(self._draft_length(req), req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 req.spec_token_ids = self.proposer.propose(req.all_token_ids, k).tolist()
+            if req.spec_token_ids:
+                req.spec_idle_steps = 0
+
+    def _draft_length(self, req: Request) -> int:
+        """How many drafts pay for this request: the i-th draft is kept only if it
+        is accepted with probability >= spec_token_cost, i.e. acceptance^i >=
+        cost. A request whose rate fell below the cost stops drafting, and probes
+        with one draft every _SPEC_PROBE_STEPS steps so it can recover."""
+        a, cost, k_max = req.spec_acceptance, self.config.spec_token_cost, self.config.num_speculative_tokens
+        if a >= 1.0 - 1e-9:
+            return k_max
+        if a < cost:
+            req.spec_idle_steps += 1
+            return 1 if req.spec_idle_steps >= _SPEC_PROBE_STEPS else 0
+        return max(1, min(k_max, int(math.log(cost) / math.log(a)))) if a > 0 else 0
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok.get(req.request_id)

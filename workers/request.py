@@ -74,6 +74,11 @@ class Request:
         # Drafted tokens to verify in the next step (speculative decoding); not
         # part of all_token_ids until the target accepts them.
         self.spec_token_ids: list[int] = []
+        # Rolling (exponentially weighted) rate at which this request's drafts are
+        # accepted; starts optimistic so drafting gets a chance. Steps since the
+        # request last drafted, for an occasional probe when the rate is low.
+        self.spec_acceptance = 1.0
+        self.spec_idle_steps = 0
 
     @property
     def num_tokens(self) -> int:

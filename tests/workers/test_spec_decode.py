@@ -7,6 +7,7 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -91,3 +92,48 @@ def test_kv_after_many_rejected_drafts_equals_kv_without_speculation(model_dir: 
     for (k0, v0), (k1, v1) in zip(kv_plain, kv_spec):
         torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+
+
+def test_draft_length_follows_each_requests_acceptance(model_dir: Path) -> None:
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=512, speculative="ngram",
+                                    num_speculative_tokens=6, spec_token_cost=0.25))
+    engine.add_request("r", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4))
+    req = engine.scheduler.waiting[0]
+    # The i-th draft is made while acceptance**i >= cost.
+    for acceptance, k in ((1.0, 6), (0.9, 6), (0.6, 2), (0.5, 2), (0.3, 1)):
+        req.spec_acceptance = acceptance
+        assert engine._draft_length(req) == k, acceptance
+    req.spec_acceptance = 0.1  # below the cost: no drafts, but a probe now and then
+    lengths = [engine._draft_length(req) for _ in range(20)]
+    assert lengths[:15] == [0] * 15 and lengths[15] == 1
+
+
+class _WrongDrafts:
+    """A proposer whose drafts the target never accepts (a token it never picks)."""
+
+    def __init__(self, token: int) -> None:
+        self.token, self.calls = token, 0
+
+    def propose(self, token_ids: list[int], k: int) -> np.ndarray:
+        self.calls += 1
+        return np.full(k, self.token, dtype=np.int64)
+
+
+def test_drafting_backs_off_when_drafts_are_rejected_and_stops_for_big_batches(model_dir: Path) -> None:
+    """Drafts that are always wrong: the rolling rate drops, the request drafts
+    only an occasional probe, the output stays exact; above spec_max_batch_size
+    nobody drafts."""
+    prompt = prompts()[1]
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+    plain = LLM(str(model_dir), max_model_len=512, progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    never = next(t for t in range(5, 4000) if t not in plain)
+    llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4)
+    llm.engine.proposer = _WrongDrafts(never)  # type: ignore[assignment]
+    assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+    st = llm.engine.stats
+    assert st.spec_accepted_tokens == 0
+    # Optimistic start: 4 drafts, then fewer, then nothing but one-token probes every 16 steps.
+    assert st.spec_draft_tokens <= 4 + 3 + 2 + 1 + 120 // 16, st.spec_draft_tokens
+    off = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", spec_max_batch_size=1)
+    off.generate([prompt, prompts()[0]], params)
+    assert off.engine.stats.spec_drafts == 0
