@@ -40,6 +40,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from tokenizers import Tokenizer
 from transformers.utils import logging as hf_logging
 
 from . import tokenizer as tiny_tokenizer
@@ -53,7 +54,10 @@ __all__ = [
     "build_config",
     "cache_dir",
     "default_model_dir",
+    "init_model",
     "make_tiny_model",
+    "publish_dir",
+    "save_model_dir",
 ]
 
 # Bump when the files written for a given spec change (layout, init, specials):
@@ -251,26 +255,42 @@ def _init_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedMode
     return model.eval()
 
 
-def _build_into(tmp: Path, spec: TinyModelSpec, progress: bool) -> int:
-    """Write every file of the model into `tmp`; return the parameter count."""
-    tok = tiny_tokenizer.train_tokenizer(spec.vocab_size, progress=progress)
-    ids = tiny_tokenizer.special_token_ids(tok)
-    fast = tiny_tokenizer.wrap_tokenizer(tok, model_max_length=spec.max_position_embeddings)
+def init_model(spec: TinyModelSpec, tok: Tokenizer) -> PreTrainedModel:
+    """A randomly initialised model for `spec`, sized and wired for the trained tokenizer `tok`."""
     # len() counts added/special tokens too; the embedding must cover them all.
-    config = build_config(spec, len(fast), ids)
-    _log(progress, "initialising weights…")
-    model = _init_model(spec, config)
+    vocab_size = len(tiny_tokenizer.wrap_tokenizer(tok))
+    return _init_model(spec, build_config(spec, vocab_size, tiny_tokenizer.special_token_ids(tok)))
+
+
+def save_model_dir(model: PreTrainedModel, tok: Tokenizer, out: Path, progress: bool) -> None:
+    """Write `model` (weights, config, generation config) and `tok` as an HF-format directory `out`."""
+    ids = tiny_tokenizer.special_token_ids(tok)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["im_end"]], pad_token_id=ids["pad"]
     )
     with _hf_progress_bars(progress):
-        model.save_pretrained(str(tmp), safe_serialization=True)
-    tiny_tokenizer.save_tokenizer(tok, tmp, model_max_length=spec.max_position_embeddings)
+        model.save_pretrained(str(out), safe_serialization=True)
+    tiny_tokenizer.save_tokenizer(tok, out, model_max_length=model.config.max_position_embeddings)
+
+
+def _build_into(tmp: Path, spec: TinyModelSpec, progress: bool) -> int:
+    """Write every file of the model into `tmp`; return the parameter count."""
+    tok = tiny_tokenizer.train_tokenizer(spec.vocab_size, progress=progress)
+    _log(progress, "initialising weights…")
+    model = init_model(spec, tok)
+    save_model_dir(model, tok, tmp, progress)
     return int(model.num_parameters())
 
 
-def _publish(tmp: Path, out: Path, replace: bool) -> bool:
-    """Move the finished `tmp` dir to `out`. Returns False if `out` already existed and was kept."""
+def publish_dir(tmp: Path, out: Path, replace: bool) -> bool:
+    """Move the finished private dir `tmp` (from mkdtemp next to `out`) to `out`, atomically.
+
+    Returns False if `out` already existed and was kept (`replace=False`; `tmp`
+    is then removed). Readers of `out` never see a partial directory.
+    """
+    # mkdtemp makes 0700 dirs; a model dir should be as readable as any
+    # other directory the user creates.
+    os.chmod(tmp, 0o777 & ~_umask())
     try:
         # rename(2) onto a missing or empty dir is atomic; onto a non-empty dir
         # it fails, which is how a lost race (or an existing model) shows up.
@@ -307,10 +327,7 @@ def make_tiny_model(
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
     try:
         n_params = _build_into(tmp, spec, progress)
-        # mkdtemp makes 0700 dirs; a model dir should be as readable as any
-        # other directory the user creates.
-        os.chmod(tmp, 0o777 & ~_umask())
-        published = _publish(tmp, out, replace)
+        published = publish_dir(tmp, out, replace)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
