@@ -37,10 +37,63 @@ def paged_attention(
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+    qsl = meta.query_start_loc_np
+    # Short chunks (verifying k+1 drafted tokens, small prefill tails) go in one
+    # padded batch: one SDPA call per layer instead of one per sequence.
+    short = [i for i in range(nd, meta.num_seqs) if qsl[i + 1] - qsl[i] <= _SHORT_CHUNK]
+    if len(short) > 1:
+        _short_chunks(q, k_cache, v_cache, meta, short, scale, out)
+    else:
+        short = []
     for i in range(nd, meta.num_seqs):
-        start, end = int(meta.query_start_loc_np[i]), int(meta.query_start_loc_np[i + 1])
+        if short and i in short:
+            continue
+        start, end = int(qsl[i]), int(qsl[i + 1])
         out[start:end] = _prefill_one(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, scale)
     return out
+
+
+_SHORT_CHUNK = 32  # new tokens; longer chunks run one by one (padding would waste more than it saves)
+
+
+def _short_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                  seqs: list[int], scale: float, out: torch.Tensor) -> None:
+    """Several sequences with a few new tokens each (already in the cache):
+    pad them to the longest, gather each one's blocks, one masked SDPA. Query j
+    of sequence s sees keys [0, context_s + j]."""
+    qsl, seq_lens = meta.query_start_loc_np, meta.seq_lens_np
+    idx = torch.tensor(seqs, dtype=torch.long)
+    starts = torch.from_numpy(qsl[seqs].astype("int64"))
+    n = torch.from_numpy((qsl[[i + 1 for i in seqs]] - qsl[seqs]).astype("int64"))
+    lens = torch.from_numpy(seq_lens[seqs].astype("int64"))
+    num, m = len(seqs), int(n.max())
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    max_blocks = -(-int(lens.max()) // meta.block_size)
+    length = max_blocks * meta.block_size
+    blocks = meta.block_tables[idx.to(meta.block_tables.device), :max_blocks].reshape(-1).long()
+    nb = k_cache.shape[0]
+    kk = k_cache.view(nb, -1).index_select(0, blocks).view(num, length, kv_heads, head_dim)
+    vv = v_cache.view(nb, -1).index_select(0, blocks).view(num, length, kv_heads, head_dim)
+    # Slots past a sequence's end (its padding blocks) may hold anything, NaN
+    # included, and NaN * 0 is NaN: zero them rather than trust the mask alone.
+    beyond = (torch.arange(length)[None, :] >= lens[:, None]).to(q.device)[:, :, None, None]
+    kk = kk.masked_fill(beyond, 0.0).transpose(1, 2)
+    vv = vv.masked_fill(beyond, 0.0).transpose(1, 2)
+    j = torch.arange(m)
+    valid = j[None, :] < n[:, None]  # [num, m]
+    rows = (starts[:, None] + j[None, :]).masked_fill(~valid, 0).to(q.device)  # padding reads row 0, ignored
+    qp = q[rows.reshape(-1)].view(num, m, kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
+    qq = qp.reshape(num, kv_heads, m * group, head_dim)
+    limit = (lens - n)[:, None] + j[None, :] + 1  # keys visible to query j: [0, context + j]
+    keys = torch.arange(length)
+    visible = (keys[None, None, :] < limit[:, :, None]).to(q.device)  # [num, m, L]
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device).masked_fill_(~visible, float("-inf"))
+    mask = mask.repeat_interleave(group, dim=1).view(num, 1, m * group, length)
+    o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)  # [num, KVH, m*G, D]
+    o = o.view(num, kv_heads, m, group, head_dim).permute(0, 2, 1, 3, 4).reshape(num, m, num_heads * head_dim)
+    out[rows[valid]] = o[valid.to(q.device)]
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

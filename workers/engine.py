@@ -281,9 +281,9 @@ class LLMEngine:
             return
         for req in self.scheduler.running:
             p = req.params
-            # Greedy only for now (exact rejection sampling is not wired in yet);
-            # no drafts while logprobs are asked for or min_tokens bans stop tokens.
-            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative or p.temperature
+            # No drafts while logprobs are asked for (verification does not return
+            # them yet) or min_tokens bans stop tokens (the ban would apply to every draft position).
+            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative
                     or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
                 continue
             k = min(self._draft_length(req), req.max_tokens - req.num_output_tokens - 1,

@@ -18,6 +18,7 @@ from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.request import Request
 from pdserve.workers.sampler import SamplerOutput, SamplingBatch, sample
 from pdserve.workers.scheduler import ScheduledRequest
+from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
 
 @dataclass
@@ -65,22 +66,17 @@ class ModelRunner:
         return result
 
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> list[SpecResult]:
-        """Greedy verification: keep drafts while they equal the target's argmax;
-        then the target's token at the first mismatch (or after the last draft).
-        (Only greedy requests draft; see LLMEngine._propose.)"""
+        """Exact verification (workers/spec/rejection.py): greedy rows keep drafts
+        while they equal the target's argmax; sampled rows accept with
+        probability min(1, p/q) (n-gram drafts: q one-hot) and resample from
+        norm(max(0, p - q)) at the first rejection."""
         if not verifying:
             return []
-        targets = logits.argmax(dim=-1).tolist()
-        results, row = [], 0
-        for s in verifying:
-            k = s.num_spec
-            drafts, want = s.request.spec_token_ids[:k], targets[row : row + k + 1]
-            accepted = 0
-            while accepted < k and drafts[accepted] == want[accepted]:
-                accepted += 1
-            results.append(SpecResult(s, drafts[:accepted] + [want[accepted]]))
-            row += k + 1
-        return results
+        num_drafts = [s.num_spec for s in verifying]
+        drafts, _ = pad_drafts([s.request.spec_token_ids[: s.num_spec] for s in verifying], logits.device)
+        batch = self._sampling_batch([s.request for s in verifying])
+        out = verify(unflatten_logits(logits, num_drafts), drafts, num_drafts, batch)
+        return [SpecResult(s, tokens) for s, tokens in zip(verifying, out.token_ids)]
 
     def _prepare(self, ordered: list[ScheduledRequest]) -> tuple[AttentionMetadata, int, int, list[Request]]:
         b = self.buf

@@ -137,3 +137,81 @@ def test_drafting_backs_off_when_drafts_are_rejected_and_stops_for_big_batches(m
     off = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", spec_max_batch_size=1)
     off.generate([prompt, prompts()[0]], params)
     assert off.engine.stats.spec_drafts == 0
+
+
+class _FixedDrafts:
+    """Drafts the same tokens every time: some the target likes, some it does not,
+    so verification both accepts and resamples."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+
+    def propose(self, token_ids: list[int], k: int) -> np.ndarray:
+        return self.tokens[:k].copy()
+
+
+def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: int, depth: int) -> dict[tuple[int, ...], float]:
+    """P(first `depth` tokens) under temperature + top-k sampling, in float64 with transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float64).eval()
+
+    def law(prefix: list[int]) -> dict[int, float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + prefix])).logits[0, -1] / temperature
+        top = logits.topk(top_k)
+        probs = top.values.softmax(-1)
+        return dict(zip(top.indices.tolist(), probs.tolist()))
+
+    joint: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(depth):
+        joint = {seq + (t,): p * q for seq, p in joint.items() for t, q in law(list(seq)).items()}
+    return joint
+
+
+def _sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n: int,
+                  drafts: list[int] | None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
+    extra = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256} if drafts else {}
+    llm = LLM(str(model_dir), max_model_len=256, max_num_seqs=256, progress=False, **extra)
+    if drafts:
+        llm.engine.proposer = _FixedDrafts(drafts)  # type: ignore[assignment]
+    counts: dict[tuple[int, ...], int] = {}
+    for out in llm.generate([prompt] * n, params):
+        key = tuple(out.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return {k: c / n for k, c in counts.items()}, llm.engine
+
+
+def _tv(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
+    return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
+
+
+def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joint law of the first 3 sampled tokens (temperature 0.8, top-k 4: 64
+    outcomes) with drafts verified by rejection sampling equals the target's,
+    computed exactly in float64. 20,000 samples; bound on the total variation:
+    E[TV] <= 0.5 * sqrt(64 / n) = 0.028, plus sqrt(ln(1e6) / 2n) = 0.019 for a
+    1e-6 chance of a false alarm. A verifier that accepts every draft (the
+    negative control) must break the same bound."""
+    prompt = prompts()[1][:24]
+    params = SamplingParams(temperature=0.8, top_k=4, max_tokens=3, ignore_eos=True, detokenize=False)
+    exact = _exact_joint(model_dir, prompt, 0.8, 4, depth=3)
+    likely = max(exact, key=exact.get)  # the most likely 3 tokens: the first two serve as drafts
+    drafts = [likely[1], likely[0]]  # after t1, draft t2 := the likely one, t3 := an unlikely one
+    n = 20_000
+    bound = lambda m: 0.5 * (64 / m) ** 0.5 + (np.log(1e6) / (2 * m)) ** 0.5  # noqa: E731
+    got, engine = _sample_joint(model_dir, prompt, params, n, drafts)
+    assert engine.stats.spec_drafts > n // 2 and 0 < engine.stats.spec_accepted_tokens < engine.stats.spec_draft_tokens
+    assert _tv(got, exact) < bound(n), _tv(got, exact)
+
+    import pdserve.workers.model_runner as runner
+    from pdserve.workers.spec.rejection import Verified
+
+    def accept_all(logits, draft_tokens, num_drafts, batch, draft_probs=None):  # noqa: ANN001, ANN202
+        tokens = [draft_tokens[b, :k].tolist() + [int(logits[b, k].argmax())] for b, k in enumerate(num_drafts)]
+        return Verified(tokens, list(num_drafts))
+
+    monkeypatch.setattr(runner, "verify", accept_all)
+    m = 5_000
+    biased, _ = _sample_joint(model_dir, prompt, params, m, drafts)
+    assert _tv(biased, exact) > bound(m), _tv(biased, exact)
