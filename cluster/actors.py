@@ -86,7 +86,10 @@ def _load(e: LLMEngine) -> dict[str, Any]:
     return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
             "free_blocks": e.kv.pool.num_free, "total_blocks": e.kv.pool.num_blocks, "used_blocks": e.kv.pool.num_used,
             "prompt_tokens_computed": e.stats.prompt_tokens_computed,
-            "generation_tokens": e.stats.generation_tokens, "events": events}
+            "generation_tokens": e.stats.generation_tokens, "events": events,
+            "spec_drafts": e.stats.spec_drafts, "spec_draft_tokens": e.stats.spec_draft_tokens,
+            "spec_accepted_tokens": e.stats.spec_accepted_tokens,
+            "spec_accepted_per_position": list(e.stats.spec_accepted_per_position)}
 
 
 class PrefillService:
