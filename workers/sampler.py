@@ -69,8 +69,14 @@ def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k and nucleus top-p; one sort for both."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
     vocab = logits.shape[-1]
+    if top_p is None and top_k is not None:
+        # Top-k alone needs only each row's k-th largest value: topk, not a sort
+        # of the vocabulary (ties with the k-th value are kept, as below).
+        k = top_k.clamp(1, vocab)
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        return logits.masked_fill_(logits < kth, float("-inf"))
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab - top_k.clamp(1, vocab))[:, None])
         sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))

@@ -318,3 +318,17 @@ def test_logprobs_off_or_sampled_only() -> None:
     out = sample(raw.clone(), SamplingBatch(temperature=torch.full((4,), 0.5), all_greedy=False, max_logprobs=0))
     torch.testing.assert_close(out.sampled_logprob, raw.log_softmax(-1).gather(1, out.token_ids[:, None])[:, 0])
     assert out.top_ids is None and out.top_logprobs is None
+
+
+def test_top_k_alone_masks_like_the_sorted_path_ties_included() -> None:
+    """Top-k without top-p takes a topk shortcut; it must keep exactly what the
+    one-sort path keeps (top_p=1.0 forces that path and masks nothing more)."""
+    from pdserve.workers.sampler import apply_top_k_top_p
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        logits = torch.randn(7, 300, generator=g).round(decimals=1)  # many ties
+        k = torch.randint(1, 301, (7,), generator=g)
+        fast = apply_top_k_top_p(logits.clone(), k, None)
+        assert torch.equal(fast, apply_top_k_top_p(logits.clone(), k, torch.ones(7)))
+        assert ((fast > float("-inf")).sum(-1) >= k).all()
