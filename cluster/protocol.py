@@ -36,6 +36,8 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    speculative: bool = Field(True, description="false: no speculative decoding for this request "
+                                                "(when the server speculates)")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises ValueError naming the bad parameter."""
@@ -45,6 +47,7 @@ class _SamplingFields(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            speculative=self.speculative,
         )
 
     @property

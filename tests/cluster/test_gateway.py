@@ -113,6 +113,7 @@ def test_n_and_seed(server: tuple[str, AsyncEngine]) -> None:
         ({"model": MODEL, "prompt": [5] * 300}, 400, "prompt"),
         ({"model": MODEL}, 400, "prompt"),
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+        ({"model": MODEL, "prompt": "hi", "speculative": "maybe"}, 400, "speculative"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: tuple[str, AsyncEngine], body: dict, status: int, param: str) -> None:
@@ -219,3 +220,11 @@ def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -
             await engine.call(lambda e: None)
 
     asyncio.run(after())
+
+
+def test_a_request_can_turn_speculation_off() -> None:
+    from pdserve.cluster.protocol import CompletionRequest
+
+    on = CompletionRequest(prompt="hi").sampling_params(4, None)
+    off = CompletionRequest(prompt="hi", speculative=False).sampling_params(4, None)
+    assert on.speculative and not off.speculative
