@@ -99,7 +99,8 @@ class PrefillService:
         from pdserve.workers.prefill_worker import PrefillWorker
         from pdserve.workers.transfer.base import KVSender
 
-        engine = _engine(config, torch_threads)
+        # A prefill worker never decodes, so it never drafts: no draft model to load.
+        engine = _engine({**config, "speculative": None, "draft_model": None}, torch_threads)
         sender_cls = _transport_classes(transport)[0]
         self._senders: dict[str, KVSender] = {}
 

@@ -23,8 +23,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--speculative", default=None, choices=["ngram"],
-                   help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence)")
+    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+                   help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
+                        "draft = a small model's drafts (--draft-model)")
+    p.add_argument("--draft-model", default=None, help="HF-format directory of the draft model (same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts verified per step")
 
 
@@ -33,7 +35,7 @@ def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, block_size=a.block_size,
         max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
         attention_backend=a.attention_backend, enable_prefix_caching=not a.no_prefix_caching, progress=True,
-        speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens,
+        speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
     )
 
 
@@ -83,7 +85,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
                                       "max_num_batched_tokens": a.max_num_batched_tokens,
                                       "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
                                       "enable_prefix_caching": not a.no_prefix_caching,
-                                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens}
+                                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
+                                      "draft_model": a.draft_model}
     cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport, ingress=a.ingress,
                       router_policy=a.router_policy,
                       host=a.host, port=a.port,

@@ -28,10 +28,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     record_kv_events: bool = False  # keep block stored/evicted events for a router to drain
     attention_backend: str = "auto"
-    # Speculative decoding: None (off) or "ngram" (prompt lookup: drafts copied
-    # from earlier in the sequence), up to `num_speculative_tokens` per step,
-    # verified exactly by the target in one pass.
+    # Speculative decoding: None (off), "ngram" (prompt lookup: drafts copied
+    # from earlier in the sequence) or "draft" (a small model's greedy drafts),
+    # up to `num_speculative_tokens` per step, verified exactly by the target in one pass.
     speculative: str | None = None
+    draft_model: str | None = None  # HF-format directory of the draft (speculative="draft"); same tokenizer
     num_speculative_tokens: int = 4
     spec_ngram_min: int = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
     spec_ngram_max: int = 4  # longest suffix tried (vLLM: prompt_lookup_max)
@@ -62,8 +63,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype: must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.speculative not in (None, "ngram"):
-            raise ValueError(f"speculative: must be None or ngram, got {self.speculative!r}")
+        if self.speculative not in (None, "ngram", "draft"):
+            raise ValueError(f"speculative: must be None, ngram or draft, got {self.speculative!r}")
+        if (self.speculative == "draft") != (self.draft_model is not None):
+            raise ValueError("draft_model: give it exactly when speculative is draft")
         for name in ("num_speculative_tokens", "spec_ngram_min", "spec_ngram_max"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")

@@ -29,6 +29,7 @@ from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
 from pdserve.workers.model_runner import SpecResult
+from pdserve.workers.spec.draft import DraftModelProposer
 from pdserve.workers.spec.ngram import NgramProposer
 
 
@@ -80,8 +81,15 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
         self.stats = EngineStats()
-        self.proposer = (NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
-                         if config.speculative == "ngram" else None)
+        self.proposer: NgramProposer | DraftModelProposer | None = None
+        if config.speculative == "ngram":
+            self.proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
+        elif config.speculative == "draft":
+            self._log(f"loading draft model {config.draft_model}")
+            self.proposer = DraftModelProposer(
+                str(config.draft_model), self.model_config, self.dtype, self.device, backend, self.num_kv_blocks,
+                config.block_size, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
+                progress=config.progress)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, chars) already sent as deltas
         self._aborted_outputs: list[RequestOutput] = []
@@ -277,8 +285,13 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Draft tokens for every decoding request that speculates, for the next step."""
-        if self.proposer is None or len(self.scheduler.running) > self.config.spec_max_batch_size:
+        if self.proposer is None:
             return
+        if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
+            self.proposer.retain({r.request_id for r in self.scheduler.running})
+        if len(self.scheduler.running) > self.config.spec_max_batch_size:
+            return
+        candidates: list[tuple[Request, int]] = []
         for req in self.scheduler.running:
             p = req.params
             # No drafts while logprobs are asked for (verification does not return
@@ -289,8 +302,14 @@ class LLMEngine:
             k = min(self._draft_length(req), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
-                req.spec_token_ids = self.proposer.propose(req.all_token_ids, k).tolist()
-            if req.spec_token_ids:
+                candidates.append((req, k))
+        if isinstance(self.proposer, DraftModelProposer):
+            drafts = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
+        else:
+            drafts = [self.proposer.propose(r.all_token_ids, k).tolist() for r, k in candidates]
+        for (req, _), d in zip(candidates, drafts):
+            req.spec_token_ids = d
+            if d:
                 req.spec_idle_steps = 0
 
     def _draft_length(self, req: Request) -> int:

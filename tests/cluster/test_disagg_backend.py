@@ -72,8 +72,10 @@ def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport:
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
-def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "proposer"), [("disaggregated", "ngram"), ("colocated", "ngram"),
+                                                ("disaggregated", "draft")])
+def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mode: str, proposer: str,
+                                                            make_model: Callable[[TinyModelSpec], Path]) -> None:
     """n-gram speculation on the served paths (disaggregated: the decode worker
     drafts and verifies; colocated: one worker does all), mixed with requests
     that turn it off: tokens equal offline without speculation."""
@@ -82,11 +84,15 @@ def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mod
     prompts = [(motif * 10)[:60], torch.randint(5, 4000, (45,), generator=g).tolist(), (motif[::-1] * 9)[:50]]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     per_request = [params, params, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False)]
+    spec: dict[str, object] = {"speculative": proposer}
+    if proposer == "draft":  # the decode worker prefills the draft itself
+        spec["draft_model"] = str(make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
+                                                       init_std=0.05, seed=7)))
     if mode == "disaggregated":
-        backend, _, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1, speculative="ngram")
+        backend, _, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1, **spec)
         engine = decode.worker.engine
     else:
-        worker = EngineService({"model": str(model_dir), "max_model_len": 1024, "speculative": "ngram"}, 1)
+        worker = EngineService({"model": str(model_dir), "max_model_len": 1024, **spec}, 1)
         backend, engine = ColocatedBackend([LocalActor(worker)]), worker.engine.engine
 
     async def run() -> list[list[int]]:
@@ -101,7 +107,7 @@ def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mod
     got = asyncio.run(run())
     offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False)
     assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, per_request)]
-    assert engine.stats.spec_drafts > 0 and engine.stats.spec_accepted_tokens > 0
+    assert engine.stats.spec_drafts > 0 and (engine.stats.spec_accepted_tokens > 0 or proposer == "draft")
     assert engine.kv.pool.num_used == 0
 
 

@@ -215,3 +215,39 @@ def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir: Pat
     m = 5_000
     biased, _ = _sample_joint(model_dir, prompt, params, m, drafts)
     assert _tv(biased, exact) > bound(m), _tv(biased, exact)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    """A 1-layer model with the same tokenizer and vocabulary (other random weights)."""
+    return make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, init_std=0.05, seed=7))
+
+
+@pytest.mark.parametrize("draft", ["other", "self"])
+def test_greedy_output_with_a_draft_model_equals_without(model_dir: Path, draft_dir: Path, draft: str) -> None:
+    """A different draft (mostly rejected) and the target itself as draft (mostly
+    accepted): tokens as without speculation, mixed with requests that turn it
+    off; the draft's KV is freed when requests end."""
+    ps = prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True, speculative=i % 3 != 1)
+              for i in range(len(ps))]
+    want = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_model_len=512, progress=False).generate(ps, params)]
+    path = draft_dir if draft == "other" else model_dir
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(path),
+               num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in spec.generate(ps, params)] == want
+    st = spec.engine.stats
+    assert st.spec_drafts > 0
+    if draft == "self":
+        assert st.spec_accepted_tokens >= 0.9 * st.spec_draft_tokens
+    proposer = spec.engine.proposer
+    assert proposer.num_tracked == 0 and proposer.kv.pool.num_used == 0  # type: ignore[union-attr]
+    assert spec.engine.kv.pool.num_used == 0
+
+
+def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path, make_model: Callable[[TinyModelSpec], Path]) -> None:
+    other = make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=512))
+    with pytest.raises(ValueError, match="vocabulary"):
+        LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(other))
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineConfig(model=str(model_dir), speculative="draft")

@@ -1,0 +1,142 @@
+"""Draft-model proposer: a small model with the target's tokenizer drafts k
+tokens greedily, each step, for every speculating request.
+
+The draft keeps its own paged KV (its own pool and block tables) and, per
+request, a shadow sequence: the target's tokens plus the drafts of this step.
+Each step it first catches up (computes KV for the tokens the target appended
+since: the whole prompt the first time, then the accepted drafts and the
+target's own token), which gives the first draft; then k - 1 one-token passes.
+After verification only the KV of accepted tokens stays valid, so the shadow's
+computed length is rewound to the accepted prefix (the rejected slots are
+rewritten next time).
+
+In disaggregated serving the decode worker prefills the draft itself during the
+first catch-up (docs/speculative.md says why). Drafts are the draft's argmax, a
+deterministic function of the context, so verification treats them as one-hot
+proposals and stays exact for sampled requests too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers.kv.cache import allocate_kv_caches
+from pdserve.workers.kv.cache_manager import KVCacheManager
+from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.loader import load_model
+from pdserve.workers.model_runner import ModelRunner
+from pdserve.workers.request import Request
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.scheduler import ScheduledRequest
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+
+
+@dataclass
+class _Shadow:
+    request: Request  # the draft's view: target tokens (+ this step's drafts), computed length in the draft's KV
+    base: int = 0  # how many tokens the target had when this step's drafts were appended
+
+
+class DraftModelProposer:
+    def __init__(self, model_dir: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 backend: AttentionBackend, num_blocks: int, block_size: int, max_model_len: int,
+                 max_num_tokens: int, max_num_seqs: int, progress: bool = False) -> None:
+        self.config = ModelConfig.from_pretrained(model_dir)
+        if self.config.vocab_size != target.vocab_size:
+            raise ValueError(f"draft_model: its vocabulary ({self.config.vocab_size}) differs from the target's "
+                             f"({target.vocab_size}); the draft must share the target's tokenizer")
+        self.model = load_model(model_dir, self.config, dtype, device, backend, max_model_len, progress=progress)
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
+        self.runner = ModelRunner(self.model, self.kv_caches, self.kv, max_num_tokens, max_num_seqs, max_model_len,
+                                  device)
+        self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self._shadows: dict[str, _Shadow] = {}
+
+    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
+        """Up to ks[i] greedy drafts for requests[i] (decoding: every token but the
+        last is in the target's cache). [] for a request the draft pool cannot hold."""
+        shadows: list[tuple[_Shadow, int]] = []
+        for req, k in zip(requests, ks):
+            sh = self._shadows.get(req.request_id)
+            if sh is None:
+                sh = self._shadows[req.request_id] = _Shadow(
+                    Request(req.request_id, list(req.all_token_ids), _GREEDY, max_tokens=1 << 30))
+            r = sh.request
+            # The target's tokens are the truth. Its first `base` tokens were ours
+            # too; after them, keep computed KV only while our drafts match what it kept.
+            common = sh.base + _common_prefix(r.all_token_ids[sh.base:], req.all_token_ids[sh.base:],
+                                              r.num_computed_tokens - sh.base)
+            r.all_token_ids = list(req.all_token_ids)
+            r.num_computed_tokens = min(common, r.num_computed_tokens)
+            sh.base = r.num_tokens
+            # KV for every token after the first k drafts' positions.
+            if not self.kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens + k):
+                self.release(req.request_id)
+                continue
+            shadows.append((sh, k))
+        drafts: dict[str, list[int]] = {sh.request.request_id: [] for sh, _ in shadows}
+        self._catch_up([sh for sh, _ in shadows], drafts)
+        for step in range(1, max((k for _, k in shadows), default=0)):
+            live = [sh for sh, k in shadows if k > step]
+            if live:
+                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts)
+        return [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Free the draft KV of every request not in `request_ids` (finished, aborted, preempted)."""
+        for rid in [r for r in self._shadows if r not in request_ids]:
+            self.release(rid)
+
+    def release(self, request_id: str) -> None:
+        sh = self._shadows.pop(request_id, None)
+        if sh is not None:
+            self.kv.free(sh.request)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._shadows)
+
+    def _catch_up(self, shadows: list[_Shadow], drafts: dict[str, list[int]]) -> None:
+        """Compute every shadow's missing KV, in passes of at most max_num_tokens;
+        the pass that reaches a shadow's last token gives its first draft."""
+        pending = list(shadows)
+        while pending:
+            batch, budget, rest = [], self.max_num_tokens, []
+            for sh in pending:
+                r = sh.request
+                n = min(r.num_tokens - r.num_computed_tokens, budget)
+                if n > 0 and len(batch) < self.max_num_seqs:
+                    batch.append(ScheduledRequest(r, n))
+                    budget -= n
+                    if r.num_computed_tokens + n < r.num_tokens:
+                        rest.append(sh)
+                else:
+                    rest.append(sh)
+            self._run(batch, drafts)
+            pending = rest
+
+    def _run(self, batch: list[ScheduledRequest], drafts: dict[str, list[int]]) -> None:
+        sampled = set()
+        if batch:
+            result = self.runner.execute(batch)
+            tokens = result.output.token_ids.tolist()
+            for req, token in zip(result.sampled, tokens):
+                drafts[req.request_id].append(token)
+                sampled.add(req.request_id)
+        for s in batch:
+            s.request.num_computed_tokens += s.num_tokens
+            if s.request.request_id in sampled:
+                s.request.all_token_ids.append(drafts[s.request.request_id][-1])
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    n = max(0, min(limit, len(a), len(b)))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
