@@ -251,3 +251,36 @@ def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path, make_model:
         LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(other))
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(model=str(model_dir), speculative="draft")
+
+
+def test_draft_kv_after_rejections_equals_a_fresh_draft_prefill(model_dir: Path, draft_dir: Path) -> None:
+    """The draft's own cache is rewound too: mid-generation, after many rejected
+    drafts, its KV for the tokens it counts as computed equals the draft model's
+    KV for those tokens computed from scratch."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=512, speculative="draft",
+                                    draft_model=str(draft_dir), num_speculative_tokens=3,
+                                    spec_token_cost=0.001))  # keep drafting although it fails
+    engine.add_request("r", prompts()[0], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    for _ in range(25):
+        engine.step()
+    st = engine.stats
+    assert st.spec_draft_tokens - st.spec_accepted_tokens >= 10, "the test needs rejected drafts"
+    proposer = engine.proposer
+    shadow = proposer._shadows["r"].request  # type: ignore[union-attr]
+    n = shadow.num_computed_tokens
+    fresh = LLMEngine(EngineConfig(model=str(draft_dir), max_model_len=512, enable_prefix_caching=False))
+    fresh.add_request("f", shadow.all_token_ids[:n], SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
+    while fresh.has_unfinished_requests():
+        fresh.step()
+    got = _kv_of(_Caches(proposer.kv, proposer.kv_caches, engine.config.block_size), "r", n)  # type: ignore[union-attr]
+    for (k0, v0), (k1, v1) in zip(_kv_of(fresh, "f", n), got):
+        torch.testing.assert_close(k1, k0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+
+
+class _Caches:
+    """What `_kv_of` reads from an engine: its block tables and its caches."""
+
+    def __init__(self, kv: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
+        self.kv, self.kv_caches = kv, kv_caches
+        self.config = type("C", (), {"block_size": block_size})()
