@@ -1,0 +1,148 @@
+"""Speculative decoding (n-gram drafts) vs none: decode tokens/s, side by side.
+
+Workloads, each at batch 1, 4 and 16, greedy, `--new` tokens per request:
+  - repetitive: code-like prompts that repeat themselves (similar lines, a
+    class with similar methods), where prompt lookup finds what comes next;
+  - code: plain chunks of Python source from the local corpus;
+  - free text: English prose (the Python license text on this machine).
+
+Decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill and
+the first token cancel out. Plain and speculative engines alternate A B A B
+over `--repeats` repeats after a warm-up; medians; ratio = spec / plain. Mean
+acceptance length = tokens emitted per verification pass (accepted drafts + 1).
+
+    python bench/spec_decode.py [--model DIR] [--repeats 3] [--new 96] [--k 4] [--out results.json]
+
+Default model: the trained tiny target (workers/tiny/train.py) when it is
+available, else the random-weight tiny model (whose text is not text-like).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from pdserve import LLM, SamplingParams
+
+
+def default_pair() -> tuple[str, str | None]:
+    """(target, draft) directories: the trained tiny pair, built once and cached."""
+    try:
+        from pdserve.workers.tiny.train import pair_dir
+    except ImportError:
+        from pdserve.workers.tiny.builder import default_model_dir
+
+        print("[bench] no trained pair available: the random-weight tiny model, n-gram only", file=sys.stderr)
+        return str(default_model_dir(progress=True)), None
+    root = Path(pair_dir(progress=True))
+    return str(root / "target"), str(root / "draft")
+
+
+def workloads(tokenizer: object, n: int, prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
+    rng = random.Random(seed)
+    encode = tokenizer.encode  # type: ignore[attr-defined]
+
+    def clip(text: str) -> list[int]:
+        return list(encode(text))[-prompt_tokens:]
+
+    repetitive = []
+    for i in range(n):
+        name = rng.choice(["value", "item", "node", "entry"])
+        lines = [f"    {name}_{j} = self.get_{name}({j}, default=None)\n" for j in range(40)]
+        methods = "".join(f"    def get_{name}_{j}(self):\n        return self._{name}s[{j}]\n\n" for j in range(12))
+        repetitive.append(clip(f"class Table{i}:\n" + (methods if i % 2 else "".join(lines))))
+    lib = Path(sysconfig.get_paths()["stdlib"])
+    sources = sorted(p for p in lib.glob("*.py") if p.stat().st_size > 20_000)
+    code = []
+    for _ in range(n):
+        text = rng.choice(sources).read_text(errors="replace")
+        start = rng.randrange(0, len(text) - 4000)
+        code.append(clip(text[start:start + 4000]))
+    prose_file = next((p for p in (lib / "LICENSE.txt", lib.parent / "LICENSE.txt") if p.exists()), None)
+    prose = prose_file.read_text(errors="replace") if prose_file else ("The quick brown fox jumps over the lazy dog. " * 200)
+    paragraphs = [p for p in prose.split("\n\n") if len(p) > 400] or [prose]
+    free = [clip(" ".join(rng.choice(paragraphs).split())) for _ in range(n)]
+    return {"repetitive": repetitive, "code": code, "free text": free}
+
+
+def timed(llm: LLM, prompts: list[list[int]], new: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+    start = time.perf_counter()
+    llm.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def decode_rate(llm: LLM, prompts: list[list[int]], new: int) -> float:
+    return len(prompts) * (new - 1) / max(timed(llm, prompts, new) - timed(llm, prompts, 1), 1e-9)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None, help="target (default: the trained tiny pair's)")
+    ap.add_argument("--draft-model", default=None, help="draft (default: the trained tiny pair's)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--new", type=int, default=96)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompt-tokens", type=int, default=192)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model, draft = (a.model, a.draft_model) if a.model else default_pair()
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"# speculative decoding vs none\ncommand: python {' '.join(sys.argv)}\nmodel: {model}\ndraft: {draft}\n"
+          f"machine: {cpu}, {os.cpu_count()} cores, {a.threads} torch threads; torch {torch.__version__}\n", flush=True)
+    common = dict(max_model_len=1024, progress=False)
+    plain = LLM(model, **common)
+    engines = {"n-gram": LLM(model, **common, speculative="ngram", num_speculative_tokens=a.k)}
+    if draft:
+        engines["draft"] = LLM(model, **common, speculative="draft", draft_model=draft, num_speculative_tokens=a.k)
+    batches = [int(b) for b in a.batches.split(",")]
+    loads = workloads(plain.tokenizer, max(batches), a.prompt_tokens, seed=0)
+    rows = []
+    for name, prompts in loads.items():
+        for b in batches:
+            batch = prompts[:b]
+            for llm in (plain, *engines.values()):
+                decode_rate(llm, batch[:1], 8)  # warm-up
+            rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
+            before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
+            for r in range(a.repeats):
+                print(f"[bench] {name}, batch {b}, repeat {r + 1}/{a.repeats}", file=sys.stderr, flush=True)
+                rates["plain"].append(decode_rate(plain, batch, a.new))
+                for k, e in engines.items():
+                    rates[k].append(decode_rate(e, batch, a.new))
+            row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
+            for k, e in engines.items():
+                drafts = e.engine.stats.spec_drafts - before[k][0]
+                accepted = e.engine.stats.spec_accepted_tokens - before[k][1]
+                row[f"{k}_tok_s"] = statistics.median(rates[k])
+                row[f"{k}_ratio"] = row[f"{k}_tok_s"] / row["plain_tok_s"]  # type: ignore[operator]
+                row[f"{k}_acceptance_length"] = (accepted + drafts) / drafts if drafts else 0.0
+            rows.append(row)
+    head = "| workload | batch | none, tok/s |" + "".join(f" {k}, tok/s | {k} ratio | {k} mean acceptance length |"
+                                                      for k in engines)
+    print(head + "\n" + "|---|---:|---:|" + "---:|---:|---:|" * len(engines))
+    for r in rows:
+        print(f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.0f} |" + "".join(
+            f" {r[f'{k}_tok_s']:.0f} | {r[f'{k}_ratio']:.2f}x | {r[f'{k}_acceptance_length']:.2f} |" for k in engines))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
