@@ -1,0 +1,534 @@
+"""Train a tiny target/draft pair on the stdlib corpus, for speculative decoding.
+
+Random weights (builder.py) exercise the machinery, but a random draft agrees
+with a random target about 1 time in `vocab_size`, so speculative decoding has
+nothing to measure. This module trains both on CPU in a few minutes:
+
+- the target (the default tiny spec: 4 layers, hidden 256) on next-token loss
+  over packed windows of the tokenized corpus, files joined by EOS;
+- then the draft (1 layer, same width, same tokenizer), started from the
+  target's embeddings, first layer, final norm and lm_head (every tensor whose
+  name and shape match), and distilled: KL(target ‖ draft) on the next-token
+  distributions. (`distill_weight` can mix in the plain next-token loss; a
+  quarter of it lowered the draft's held-out loss but also its agreement with
+  the target, see docs/speculative.md.)
+
+Budgets are step counts, not wall time, so a `PairSpec` gives the same weights
+wherever the software is the same (1 and 2 threads gave the same held-out
+numbers to 4 digits). `pair_spec(minutes=...)` converts a time budget to steps
+with the throughput measured on the reference machine (2-core AMD EPYC).
+
+Every `heldout_every`-th corpus file is held out. `quality.json`, next to
+`target/` and `draft/`, records each model's held-out loss, the draft/target
+greedy next-token agreement, and the greedy acceptance length at k=4.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from transformers import PreTrainedModel
+
+from . import tokenizer as tiny_tokenizer
+from .builder import TinyModelSpec, init_model, publish_dir, save_model_dir
+from .corpus import DEFAULT_CORPUS_BYTES, cache_dir, corpus_files, corpus_fingerprint, stdlib_root
+
+__all__ = [
+    "DEFAULT_PAIR",
+    "PairSpec",
+    "TrainConfig",
+    "default_pair_dir",
+    "make_tiny_pair",
+    "pair_dir",
+    "pair_spec",
+]
+
+# Bump when training or the files written for a given PairSpec change: it is
+# part of the cached pair's directory name.
+TRAIN_FORMAT_VERSION = 1
+
+# Steps per minute of each phase at the default sizes (batch 2 x 256 tokens) on
+# the reference machine, idle; `pair_spec` turns minutes into steps with
+# these, two thirds of the time for the target.
+_TARGET_STEPS_PER_MIN = 470
+_DRAFT_STEPS_PER_MIN = 600
+DEFAULT_MINUTES = 4.5
+
+# Acceptance-length measurement: this many held-out prompts, each followed by
+# the target's greedy continuation, verified k draft tokens at a time.
+_ACCEPT_PROMPTS = 64
+_ACCEPT_NEW_TOKENS = 64
+_ACCEPT_K = 4
+
+
+def _require(name: str, ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}: {why}")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One model's training run: AdamW, linear warmup, cosine decay to `min_lr_ratio * lr`.
+
+    `distill_weight` is the share of KL(teacher ‖ model) in the loss (the rest
+    is the next-token loss); it needs a teacher, so only the draft uses it.
+    """
+
+    steps: int
+    # At a fixed token budget on the reference machine, batch 2 at lr 1.5e-3
+    # reached a lower held-out loss than batch 4 or 8 at any lr tried.
+    batch_size: int = 2
+    lr: float = 1.5e-3
+    warmup_frac: float = 0.05
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    distill_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        _require("steps", self.steps > 0, "must be > 0")
+        _require("batch_size", self.batch_size > 0, "must be > 0")
+        _require("lr", self.lr > 0, "must be > 0")
+        _require("warmup_frac", 0 <= self.warmup_frac < 1, "must be in [0, 1)")
+        _require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, "must be in [0, 1]")
+        _require("distill_weight", 0 <= self.distill_weight <= 1, "must be in [0, 1]")
+
+    def lr_factor(self, step: int) -> float:
+        """Multiplier on `lr` for optimizer step `step` (0-based)."""
+        warmup = max(1, round(self.warmup_frac * self.steps))
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(1, self.steps - warmup)
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class PairSpec:
+    """Everything that determines a trained pair (and so its cache key)."""
+
+    target: TinyModelSpec = TinyModelSpec()
+    draft: TinyModelSpec = TinyModelSpec(num_layers=1)
+    target_train: TrainConfig = TrainConfig(steps=1410)
+    draft_train: TrainConfig = TrainConfig(steps=900, distill_weight=1.0)
+    seq_len: int = 256
+    # Twice the tokenizer's corpus, so that neither model sees a window twice
+    # in the default budget. The codec tables (encodings/cp*.py, ...) are
+    # generated hex tables, a quarter of the first 4 MB: easy loss, no code.
+    corpus_bytes: int = 2 * DEFAULT_CORPUS_BYTES
+    skip_dirs: tuple[str, ...] = ("encodings",)
+    heldout_every: int = 20
+    eval_windows: int = 64
+    seed: int = 0  # batch order; the model specs carry their own init seeds
+
+    def __post_init__(self) -> None:
+        _require("draft", self.draft.vocab_size == self.target.vocab_size, "vocab_size must equal the target's")
+        for name in ("seq_len", "corpus_bytes", "eval_windows"):
+            _require(name, getattr(self, name) > 0, "must be > 0")
+        limit = min(self.target.max_position_embeddings, self.draft.max_position_embeddings)
+        _require("seq_len", self.seq_len <= limit, f"must be <= max_position_embeddings ({limit})")
+        _require("heldout_every", self.heldout_every >= 2, "must be >= 2")
+        _require("target_train", self.target_train.distill_weight == 0, "distill_weight: the target has no teacher")
+
+    def key(self) -> str:
+        """Short stable hash of the spec, both corpora and the format versions."""
+        fields = asdict(self)
+        fields["target"], fields["draft"] = self.target.key(), self.draft.key()
+        blob = json.dumps(
+            {
+                "pair": fields,
+                "tokenizer_corpus": corpus_fingerprint(DEFAULT_CORPUS_BYTES),
+                "train_corpus": corpus_fingerprint(self.corpus_bytes),
+                "format": TRAIN_FORMAT_VERSION,
+            },
+            sort_keys=True,
+        )
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def pair_spec(minutes: float = DEFAULT_MINUTES, seed: int = 0) -> PairSpec:
+    """The default-sized pair with step counts that take about `minutes` on the reference machine."""
+    _require("minutes", minutes > 0, "must be > 0")
+    base = PairSpec()
+    return replace(
+        base,
+        target=replace(base.target, seed=seed),
+        draft=replace(base.draft, seed=seed),
+        target_train=replace(base.target_train, steps=max(1, round(minutes * 2 / 3 * _TARGET_STEPS_PER_MIN))),
+        draft_train=replace(base.draft_train, steps=max(1, round(minutes / 3 * _DRAFT_STEPS_PER_MIN))),
+        seed=seed,
+    )
+
+
+DEFAULT_PAIR = pair_spec()
+
+
+# --- data ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenWindows:
+    """Packed token windows: row i is inputs `[:-1]` and labels `[1:]`."""
+
+    train: torch.Tensor  # [N, seq_len + 1] int64
+    heldout: torch.Tensor  # [M, seq_len + 1] int64
+
+
+def corpus_windows(
+    tok: Tokenizer, corpus_bytes: int, seq_len: int, heldout_every: int, skip_dirs: tuple[str, ...] = ()
+) -> TokenWindows:
+    """Tokenize the corpus, file by file joined by EOS, and cut it into windows of `seq_len + 1`.
+
+    Files under a directory named in `skip_dirs` are left out.
+    """
+    eos = tiny_tokenizer.special_token_ids(tok)["eos"]
+    root = stdlib_root()
+    files = [f for f in corpus_files(corpus_bytes) if not set(f.relative_to(root).parts[:-1]) & set(skip_dirs)]
+    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
+    streams: tuple[list[int], list[int]] = ([], [])
+    for i, enc in enumerate(tok.encode_batch(texts)):
+        streams[i % heldout_every == heldout_every - 1].extend([*enc.ids, eos])
+    train, heldout = (_windows(s, seq_len) for s in streams)
+    if len(heldout) == 0:
+        raise ValueError(f"corpus_bytes: {corpus_bytes} bytes leave no held-out window of {seq_len + 1} tokens")
+    return TokenWindows(train, heldout)
+
+
+def _windows(ids: list[int], seq_len: int) -> torch.Tensor:
+    n = max(0, (len(ids) - 1) // seq_len)
+    if n == 0:
+        return torch.empty(0, seq_len + 1, dtype=torch.long)
+    # Stride seq_len: window i's last label is window i+1's first input.
+    return torch.tensor(ids[: n * seq_len + 1], dtype=torch.long).unfold(0, seq_len + 1, seq_len)
+
+
+def _batch_order(num_windows: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
+    """Window indices for each step: epochs of seeded permutations, cut into batches."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.empty(0, dtype=torch.long)
+    for _ in range(steps):
+        while len(order) < batch_size:
+            order = torch.cat([order, torch.randperm(num_windows, generator=gen)])
+        yield order[:batch_size]
+        order = order[batch_size:]
+
+
+# --- training --------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    seconds: float
+    tokens_per_s: float
+    # Mean next-token loss over the first and last 10 steps (the CE part only
+    # for a distilled model, so the numbers compare with the target's).
+    loss_start: float
+    loss_end: float
+
+
+def train(
+    model: PreTrainedModel, windows: torch.Tensor, cfg: TrainConfig, seed: int, label: str,
+    progress: bool, teacher: PreTrainedModel | None = None,
+) -> TrainResult:
+    """Train `model` in place on `windows` for `cfg.steps` steps; print progress to stderr if asked."""
+    if cfg.distill_weight > 0 and teacher is None:
+        raise ValueError("distill_weight: > 0 needs a teacher model")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]  # norms: decaying them only hurts
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=(0.9, 0.95),
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, cfg.lr_factor)
+    meter = _Meter(label, cfg.steps, cfg.batch_size * (windows.shape[1] - 1), progress)
+    ce_losses: list[float] = []
+    model.train()
+    for idx in _batch_order(len(windows), cfg.batch_size, cfg.steps, seed):
+        loss, ce = _loss(model, windows[idx], teacher, cfg.distill_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        sched.step()
+        ce_losses.append(ce)
+        meter.step(ce, sched.get_last_lr()[0])
+    model.eval()
+    seconds = meter.elapsed()
+    return TrainResult(
+        steps=cfg.steps, seconds=round(seconds, 1), tokens_per_s=round(meter.tokens / seconds),
+        loss_start=round(_mean(ce_losses[:10]), 4), loss_end=round(_mean(ce_losses[-10:]), 4),
+    )
+
+
+def _loss(
+    model: PreTrainedModel, batch: torch.Tensor, teacher: PreTrainedModel | None, distill_weight: float
+) -> tuple[torch.Tensor, float]:
+    """(loss to minimise, its next-token CE part as a float) for one batch [B, T + 1]."""
+    inputs, labels = batch[:, :-1], batch[:, 1:]
+    logits = model(input_ids=inputs).logits.flatten(0, 1)  # [B*T, V]
+    ce = F.cross_entropy(logits, labels.flatten())
+    if distill_weight == 0 or teacher is None:
+        return ce, ce.item()
+    with torch.no_grad():
+        teacher_logp = teacher(input_ids=inputs).logits.flatten(0, 1).log_softmax(-1)
+    # batchmean over the B*T rows: the mean per-position KL(teacher ‖ model).
+    kl = F.kl_div(logits.log_softmax(-1), teacher_logp, log_target=True, reduction="batchmean")
+    return (1 - distill_weight) * ce + distill_weight * kl, ce.item()
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+class _Meter:
+    """Progress lines on stderr: at the first and last step and every `every_s` seconds."""
+
+    def __init__(self, label: str, steps: int, tokens_per_step: int, enabled: bool, every_s: float = 10.0) -> None:
+        self.label, self.steps, self.tokens_per_step = label, steps, tokens_per_step
+        self.enabled, self.every_s = enabled, every_s
+        self.start = self.last = time.perf_counter()
+        self.done, self.tokens, self.window = 0, 0, []  # window: losses since the last line
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def step(self, loss: float, lr: float) -> None:
+        self.done += 1
+        self.tokens += self.tokens_per_step
+        self.window.append(loss)
+        now = time.perf_counter()
+        if self.enabled and (self.done in (1, self.steps) or now - self.last >= self.every_s):
+            print(self.line(_mean(self.window), lr, now - self.start), file=sys.stderr, flush=True)
+            self.window, self.last = [], now
+
+    def line(self, loss: float, lr: float, elapsed: float) -> str:
+        rate = self.tokens / elapsed if elapsed > 0 else 0.0
+        eta = elapsed / self.done * (self.steps - self.done)
+        return (f"{self.label}: step {self.done}/{self.steps}  loss {loss:.3f}  lr {lr:.2e}  "
+                f"{rate:,.0f} tok/s  {_clock(elapsed)} elapsed  ETA {_clock(eta)}")
+
+
+def _clock(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    return f"{m}:{s:02d}"
+
+
+# --- quality ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def heldout_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy (nats) over `windows` [N, T + 1]."""
+    total = 0.0
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size]
+        logits = model(input_ids=batch[:, :-1]).logits
+        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+    return total / (len(windows) * (windows.shape[1] - 1))
+
+
+@torch.no_grad()
+def greedy_agreement(draft: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor, batch_size: int = 8) -> float:
+    """Fraction of positions of `windows` where the two models' argmax next tokens are equal."""
+    same = 0
+    for i in range(0, len(windows), batch_size):
+        inputs = windows[i : i + batch_size, :-1]
+        same += int((draft(input_ids=inputs).logits.argmax(-1) == target(input_ids=inputs).logits.argmax(-1)).sum())
+    return same / windows[:, :-1].numel()
+
+
+@torch.no_grad()
+def acceptance(draft: PreTrainedModel, target: PreTrainedModel, prompts: torch.Tensor, new_tokens: int, k: int) -> float:
+    """Mean draft tokens accepted per verify step in greedy speculative decoding with `k` proposals.
+
+    Exact without running the loop: the draft's j-th proposal only counts if
+    proposals 1..j-1 equalled the target's tokens, so its context is always
+    the target's own greedy sequence. Teacher-forcing the draft on that
+    sequence gives every proposal that matters in one forward pass.
+    """
+    out = target(input_ids=prompts, use_cache=True)
+    generated = [out.logits[:, -1].argmax(-1)]
+    for _ in range(new_tokens - 1):
+        out = target(input_ids=generated[-1][:, None], cache=out.cache, use_cache=True)
+        generated.append(out.logits[:, -1].argmax(-1))
+    gen = torch.stack(generated, dim=1)  # [N, G]
+    seq = torch.cat([prompts, gen], dim=1)
+    match = draft(input_ids=seq[:, :-1]).logits[:, prompts.shape[1] - 1 :].argmax(-1) == gen  # [N, G]
+    accepted: list[int] = []
+    for row in match.tolist():
+        i = 0
+        while i < len(row):
+            a = 0
+            while a < k and i + a < len(row) and row[i + a]:
+                a += 1
+            accepted.append(a)
+            i += a + 1  # the accepted tokens, then the target's own token
+    return _mean(accepted)
+
+
+def _quality(draft: PreTrainedModel, target: PreTrainedModel, heldout: torch.Tensor) -> dict[str, float]:
+    prompt_len = min(64, heldout.shape[1])
+    accepted = acceptance(draft, target, heldout[:_ACCEPT_PROMPTS, :prompt_len], _ACCEPT_NEW_TOKENS, _ACCEPT_K)
+    return {
+        "greedy_next_token_agreement": round(greedy_agreement(draft, target, heldout), 4),
+        f"accepted_per_step_k{_ACCEPT_K}": round(accepted, 3),
+        # What one target forward yields: the accepted tokens plus its own.
+        f"tokens_per_target_step_k{_ACCEPT_K}": round(accepted + 1, 3),
+    }
+
+
+# --- building --------------------------------------------------------------
+
+
+def _copy_matching(dst: PreTrainedModel, src: PreTrainedModel) -> list[str]:
+    """Copy every tensor of `src` whose name and shape `dst` also has; return their names."""
+    src_state = src.state_dict()
+    copied = []
+    with torch.no_grad():
+        for name, param in dst.state_dict().items():
+            if name in src_state and src_state[name].shape == param.shape:
+                param.copy_(src_state[name])
+                copied.append(name)
+    return copied
+
+
+@contextmanager
+def _threads(n: int) -> Iterator[None]:
+    was = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(was)
+
+
+def _log(progress: bool, msg: str) -> None:
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def _model_report(model: PreTrainedModel, result: TrainResult, heldout: torch.Tensor) -> dict[str, Any]:
+    loss = heldout_loss(model, heldout)
+    return {"params": int(model.num_parameters()), **asdict(result),
+            "heldout_loss": round(loss, 4), "heldout_ppl": round(math.exp(loss), 2)}
+
+
+def _train_into(tmp: Path, spec: PairSpec, progress: bool, threads: int) -> dict[str, Any]:
+    """Train the pair, write target/, draft/ and quality.json into `tmp`; return the report."""
+    start = time.perf_counter()
+    tok = tiny_tokenizer.train_tokenizer(spec.target.vocab_size, progress=progress)
+    data = corpus_windows(tok, spec.corpus_bytes, spec.seq_len, spec.heldout_every, spec.skip_dirs)
+    # Spread over the whole held-out stream: its first windows are a file or two.
+    heldout = data.heldout[torch.linspace(0, len(data.heldout) - 1, spec.eval_windows).long().unique()]
+    _log(progress, f"corpus: {data.train.numel():,} train tokens in {len(data.train):,} windows of {spec.seq_len}, "
+                   f"{len(data.heldout):,} held-out windows; {threads} threads")
+    with _threads(threads):
+        target = init_model(spec.target, tok)
+        target_result = train(target, data.train, spec.target_train, spec.seed, "target", progress)
+        draft = init_model(spec.draft, tok)
+        copied = _copy_matching(draft, target)
+        _log(progress, f"draft: {len(copied)} tensors copied from the target")
+        draft_result = train(draft, data.train, spec.draft_train, spec.seed + 1, "draft", progress, teacher=target)
+        _log(progress, "measuring quality on held-out text…")
+        report = {
+            "key": spec.key(),
+            "machine": {"cpu": _cpu_name(), "threads": threads, "torch": torch.__version__},
+            "target": _model_report(target, target_result, heldout),
+            "draft": {**_model_report(draft, draft_result, heldout), "tensors_from_target": len(copied)},
+            "pair": _quality(draft, target, heldout),
+            "spec": asdict(spec),
+        }
+    report["seconds_total"] = round(time.perf_counter() - start, 1)
+    save_model_dir(target, tok, tmp / "target", progress=False)
+    save_model_dir(draft, tok, tmp / "draft", progress=False)
+    (tmp / "quality.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
+def make_tiny_pair(
+    out_dir: str | Path, spec: PairSpec = DEFAULT_PAIR, progress: bool = True, replace: bool = True,
+    threads: int | None = None,
+) -> Path:
+    """Train the pair for `spec` and write `out_dir/{target,draft}` (HF-format) and `out_dir/quality.json`.
+
+    Built next to `out_dir` and renamed into place, like `make_tiny_model`:
+    readers never see a partial pair. An existing `out_dir` is replaced, or
+    kept as is when `replace=False`. `threads` (default: every core this
+    process may use) is torch's thread count while training; the weights are
+    bit-identical for the same spec, software and thread count. Returns `out_dir`.
+    """
+    threads = len(os.sched_getaffinity(0)) if threads is None else threads
+    _require("threads", threads > 0, "must be > 0")
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        report = _train_into(tmp, spec, progress, threads)
+        published = publish_dir(tmp, out, replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if progress:
+        _log(True, f"{'wrote' if published else 'kept existing'} {out}")
+        _log(True, json.dumps({k: report[k] for k in ("target", "draft", "pair", "seconds_total")}, indent=2))
+    return out
+
+
+def pair_dir(spec: PairSpec = DEFAULT_PAIR, progress: bool = True, threads: int | None = None) -> Path:
+    """Path of the trained pair for `spec` in the cache, trained on first use.
+
+    `cache_dir()/models/tiny-pair-<spec.key()>`. Training takes minutes, so
+    concurrent first users take a lock and the later ones wait for the first
+    to publish, rather than each training its own copy.
+    """
+    out = cache_dir() / "models" / f"tiny-pair-{spec.key()}"
+    # publish_dir's rename is the last step, so a directory that exists is complete.
+    if out.is_dir():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        if not _try_lock(lock):
+            _log(progress, f"waiting for another process to finish training {out}…")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        if out.is_dir():
+            return out
+        return make_tiny_pair(out, spec, progress=progress, replace=False, threads=threads)
+
+
+def _try_lock(lock: Any) -> bool:
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+
+
+def default_pair_dir(progress: bool = True) -> Path:
+    """The cached pair for `DEFAULT_PAIR` (about `DEFAULT_MINUTES` to train on first use)."""
+    return pair_dir(DEFAULT_PAIR, progress)
