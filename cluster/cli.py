@@ -73,6 +73,18 @@ def _cmd_make_tiny_model(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
+    from pdserve.workers.tiny.train import make_tiny_pair, pair_dir, pair_spec
+
+    spec = pair_spec(seed=a.seed) if a.minutes is None else pair_spec(minutes=a.minutes, seed=a.seed)
+    if a.out_dir:
+        out = make_tiny_pair(a.out_dir, spec, progress=True, threads=a.threads)
+    else:
+        out = pair_dir(spec, progress=True, threads=a.threads)
+    print(out)
+    return 0
+
+
 def _cmd_serve(a: argparse.Namespace) -> int:
     from pdserve.cluster.serve_app import ServeConfig, run
 
@@ -142,6 +154,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--rope-scaling", default=None, choices=["llama3"])
     tiny.add_argument("--max-position-embeddings", type=int, default=2048)
     tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    pair = sub.add_parser("make-tiny-pair", help="train a tiny target and a 1-layer draft (speculative decoding) on CPU",
+                          description="Train the default tiny model and a 1-layer draft distilled from it on the "
+                                      "stdlib corpus; write OUT_DIR/target, OUT_DIR/draft and OUT_DIR/quality.json.")
+    pair.add_argument("out_dir", nargs="?", default=None,
+                      help="where to write the pair (default: the cache, trained once per spec; prints the path)")
+    pair.add_argument("--minutes", type=float, default=None,
+                      help="training budget (default 4.5), as step counts that take about this long on a 2-core "
+                           "AMD EPYC: the steps, not the clock, decide the weights")
+    pair.add_argument("--seed", type=int, default=0)
+    pair.add_argument("--threads", type=int, default=None,
+                      help="torch threads while training (default: every core; on a machine other jobs keep busy, "
+                           "fewer threads than cores can be several times faster)")
+    pair.set_defaults(func=_cmd_make_tiny_pair)
     return parser
 
 
