@@ -22,12 +22,12 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import (
@@ -48,6 +48,7 @@ from .corpus import cache_dir
 
 __all__ = [
     "Arch",
+    "build_dir",
     "DEFAULT_SPEC",
     "FORMAT_VERSION",
     "TinyModelSpec",
@@ -56,7 +57,6 @@ __all__ = [
     "default_model_dir",
     "init_model",
     "make_tiny_model",
-    "publish_dir",
     "save_model_dir",
 ]
 
@@ -187,6 +187,8 @@ def _require(field: str, ok: bool, why: str) -> None:
 
 DEFAULT_SPEC = TinyModelSpec()
 
+T = TypeVar("T")
+
 
 def _log(progress: bool, msg: str) -> None:
     if progress:
@@ -282,15 +284,31 @@ def _build_into(tmp: Path, spec: TinyModelSpec, progress: bool) -> int:
     return int(model.num_parameters())
 
 
-def publish_dir(tmp: Path, out: Path, replace: bool) -> bool:
-    """Move the finished private dir `tmp` (from mkdtemp next to `out`) to `out`, atomically.
+def build_dir(out_dir: str | Path, build: Callable[[Path], T], replace: bool) -> tuple[Path, T, bool]:
+    """Run `build(tmp)` in a private directory next to `out_dir`, then rename it to `out_dir`.
 
-    Returns False if `out` already existed and was kept (`replace=False`; `tmp`
-    is then removed). Readers of `out` never see a partial directory.
+    Readers of `out_dir` never see a partial directory. An existing `out_dir`
+    is replaced, or kept as is when `replace=False`. On any error the private
+    directory is removed. Returns (absolute `out_dir`, what `build` returned,
+    whether this call's directory was published).
     """
-    # mkdtemp makes 0700 dirs; a model dir should be as readable as any
-    # other directory the user creates.
-    os.chmod(tmp, 0o777 & ~_umask())
+    out = Path(out_dir).absolute()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    try:
+        result = build(tmp)
+        # mkdtemp makes 0700 dirs; a model dir should be as readable as any
+        # other directory the user creates.
+        os.chmod(tmp, 0o777 & ~_umask())
+        published = _publish(tmp, out, replace)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out, result, published
+
+
+def _publish(tmp: Path, out: Path, replace: bool) -> bool:
+    """Move the finished `tmp` dir to `out`. Returns False if `out` already existed and was kept."""
     try:
         # rename(2) onto a missing or empty dir is atomic; onto a non-empty dir
         # it fails, which is how a lost race (or an existing model) shows up.
@@ -322,15 +340,7 @@ def make_tiny_model(
     readers never see a partial model. An existing `out_dir` is replaced, or
     kept as is when `replace=False`. Returns `out_dir`.
     """
-    out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        n_params = _build_into(tmp, spec, progress)
-        published = publish_dir(tmp, out, replace)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out, n_params, published = build_dir(out_dir, lambda tmp: _build_into(tmp, spec, progress), replace)
     _log(progress, f"wrote {out} ({n_params} params)" if published else f"kept existing {out}")
     return out
 

@@ -30,9 +30,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,7 +44,7 @@ from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
 from . import tokenizer as tiny_tokenizer
-from .builder import TinyModelSpec, init_model, publish_dir, save_model_dir
+from .builder import TinyModelSpec, build_dir, init_model, save_model_dir
 from .corpus import DEFAULT_CORPUS_BYTES, cache_dir, corpus_files, corpus_fingerprint, stdlib_root
 
 __all__ = [
@@ -485,15 +483,7 @@ def make_tiny_pair(
     """
     threads = len(os.sched_getaffinity(0)) if threads is None else threads
     _require("threads", threads > 0, "must be > 0")
-    out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
-    try:
-        report = _train_into(tmp, spec, progress, threads)
-        published = publish_dir(tmp, out, replace)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    out, report, published = build_dir(out_dir, lambda tmp: _train_into(tmp, spec, progress, threads), replace)
     if progress:
         _log(True, f"{'wrote' if published else 'kept existing'} {out}")
         _log(True, json.dumps({k: report[k] for k in ("target", "draft", "pair", "seconds_total")}, indent=2))
@@ -508,7 +498,7 @@ def pair_dir(spec: PairSpec = DEFAULT_PAIR, progress: bool = True, threads: int 
     to publish, rather than each training its own copy.
     """
     out = cache_dir() / "models" / f"tiny-pair-{spec.key()}"
-    # publish_dir's rename is the last step, so a directory that exists is complete.
+    # build_dir's rename is the last step, so a directory that exists is complete.
     if out.is_dir():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
