@@ -9,6 +9,7 @@ what the engine must load and generate.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -104,6 +105,15 @@ def test_pair_dir_trains_once(pair: Path, monkeypatch: pytest.MonkeyPatch) -> No
     assert pair_dir(SPEC, progress=False, threads=THREADS) == pair
     assert pair.name == f"tiny-pair-{SPEC.key()}"
     assert not list(pair.parent.glob(f".{pair.name}.tmp-*"))
+
+
+def test_pair_dir_removes_what_a_killed_build_left(pair: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    models = tmp_path / "models"
+    (models / f".tiny-pair-{SPEC.key()}.tmp-killed" / "target").mkdir(parents=True)
+    monkeypatch.setattr(train, "make_tiny_pair", lambda out, *_, **__: shutil.copytree(pair, out))
+    assert pair_dir(SPEC, progress=False) == models / pair.name
+    assert sorted(p.name for p in models.iterdir()) == [f".{pair.name}.lock", pair.name]
 
 
 def test_cache_key_follows_the_spec() -> None:

@@ -30,6 +30,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -508,6 +509,10 @@ def pair_dir(spec: PairSpec = DEFAULT_PAIR, progress: bool = True, threads: int 
             fcntl.flock(lock, fcntl.LOCK_EX)
         if out.is_dir():
             return out
+        # Only the lock holder builds this pair, so any private build dir left
+        # next to it is from a process that was killed mid-training.
+        for stale in out.parent.glob(f".{out.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         return make_tiny_pair(out, spec, progress=progress, replace=False, threads=threads)
 
 
