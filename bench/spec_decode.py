@@ -38,13 +38,13 @@ from pdserve import LLM, SamplingParams
 def default_pair() -> tuple[str, str | None]:
     """(target, draft) directories: the trained tiny pair, built once and cached."""
     try:
-        from pdserve.workers.tiny.train import pair_dir
+        from pdserve.workers.tiny.train import default_pair_dir
     except ImportError:
         from pdserve.workers.tiny.builder import default_model_dir
 
         print("[bench] no trained pair available: the random-weight tiny model, n-gram only", file=sys.stderr)
         return str(default_model_dir(progress=True)), None
-    root = Path(pair_dir(progress=True))
+    root = Path(default_pair_dir(progress=True))
     return str(root / "target"), str(root / "draft")
 
 

@@ -41,8 +41,10 @@ class EngineConfig:
     # `spec_token_cost` (what verifying one drafted token costs relative to a
     # decode step); no drafts at all while more than `spec_max_batch_size`
     # requests decode (a big batch is compute-bound: verification is no longer free).
+    # Measured on the 2-core CPU (bench/spec_decode.py, docs/speculative.md):
+    # n-gram paid 1.3-1.5x at batch 1 and lost (0.73-0.85x) from batch 4 up.
     spec_token_cost: float = 0.25
-    spec_max_batch_size: int = 32
+    spec_max_batch_size: int = 2
     seed: int = 0
     progress: bool = False
 

@@ -84,7 +84,7 @@ def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mod
     prompts = [(motif * 10)[:60], torch.randint(5, 4000, (45,), generator=g).tolist(), (motif[::-1] * 9)[:50]]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     per_request = [params, params, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, speculative=False)]
-    spec: dict[str, object] = {"speculative": proposer}
+    spec: dict[str, object] = {"speculative": proposer, "spec_max_batch_size": 64}
     if proposer == "draft":  # the decode worker prefills the draft itself
         spec["draft_model"] = str(make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1,
                                                        init_std=0.05, seed=7)))

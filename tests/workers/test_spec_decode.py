@@ -49,7 +49,8 @@ def test_greedy_output_with_ngram_speculation_equals_without(model_dir: Path, k:
     params = [SamplingParams(temperature=0.0, max_tokens=24 + 3 * i, ignore_eos=True, speculative=i % 3 != 1)
               for i in range(len(ps))]
     plain = LLM(str(model_dir), max_model_len=512, progress=False)
-    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=k)
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=k,
+               spec_max_batch_size=64)
     want = [o.outputs[0].token_ids for o in plain.generate(ps, params)]
     got = [o.outputs[0].token_ids for o in spec.generate(ps, params)]
     assert got == want
@@ -234,7 +235,7 @@ def test_greedy_output_with_a_draft_model_equals_without(model_dir: Path, draft_
     want = [o.outputs[0].token_ids for o in LLM(str(model_dir), max_model_len=512, progress=False).generate(ps, params)]
     path = draft_dir if draft == "other" else model_dir
     spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(path),
-               num_speculative_tokens=3)
+               num_speculative_tokens=3, spec_max_batch_size=64)
     assert [o.outputs[0].token_ids for o in spec.generate(ps, params)] == want
     st = spec.engine.stats
     assert st.spec_drafts > 0
