@@ -85,11 +85,7 @@ class Message:
     TYPE: ClassVar[MessageType]
 
     def __post_init__(self) -> None:
-        for name, hint, where in _field_specs(type(self)):
-            value = getattr(self, name)
-            checked = _check(where, hint, value)
-            if checked is not value:
-                object.__setattr__(self, name, checked)
+        _check_fields(self)
         supported, version = _version_of(type(self)), getattr(self, "version")
         if version != supported:
             raise ValueError(
@@ -233,11 +229,7 @@ class Record:
     message's fields); on the wire, the array of its field values in order."""
 
     def __post_init__(self) -> None:
-        for name, hint, where in _field_specs(type(self)):
-            value = getattr(self, name)
-            checked = _check(where, hint, value)
-            if checked is not value:
-                object.__setattr__(self, name, checked)
+        _check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -356,6 +348,15 @@ def _field_specs(cls: type) -> tuple[tuple[str, Any, str], ...]:
 def _version_of(cls: type) -> int:
     (version,) = (f.default for f in _fields(cls) if f.name == "version")
     return int(version)  # type: ignore[arg-type]
+
+
+def _check_fields(obj: Any) -> None:
+    """Check every field of a message or record against its type hint (lists become tuples, ...)."""
+    for name, hint, where in _field_specs(type(obj)):
+        value = getattr(obj, name)
+        checked = _check(where, hint, value)
+        if checked is not value:
+            object.__setattr__(obj, name, checked)
 
 
 def _require(ok: bool, message: str) -> None:
