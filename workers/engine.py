@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import sys
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +57,16 @@ class EngineStats:
         return (self.spec_accepted_tokens + self.spec_drafts) / self.spec_drafts if self.spec_drafts else 0.0
 
 
+@dataclass(frozen=True)
+class StepStats:
+    """One engine step that ran the model, for step observers (worker metrics)."""
+
+    duration_s: float
+    prefill_tokens: int  # prompt tokens computed in this step
+    decode_seqs: int  # sequences that decoded (or verified drafts) in this step
+    scheduled_tokens: int
+
+
 _SPEC_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
 _SPEC_PROBE_STEPS = 16
 
@@ -81,6 +92,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
         self.stats = EngineStats()
+        # Called on the engine thread after every step that ran the model; keep them cheap.
+        self.step_observers: list[Callable[[StepStats], None]] = []
         self.proposer: NgramProposer | DraftModelProposer | None = None
         if config.speculative == "ngram":
             self.proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
@@ -207,17 +220,27 @@ class LLMEngine:
         self.stats.prompt_tokens_cached = self.scheduler.num_cached_prompt_tokens
         if not sched.scheduled:
             return outputs
+        t0 = time.perf_counter()
         result = self.runner.execute(sched.scheduled)
+        prefill_tokens = decode_seqs = 0
         for s in sched.scheduled:
             req = s.request
             start = req.num_computed_tokens
-            self.stats.prompt_tokens_computed += max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
+            computed = max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
+            prefill_tokens += computed
+            decode_seqs += computed == 0
             if not s.num_spec:  # verifying requests advance by what the target accepted
                 self.scheduler.advance(s)
+        self.stats.prompt_tokens_computed += prefill_tokens
         self.stats.steps += 1
         outputs.extend(self._process_samples(result.sampled, result.output))
         outputs.extend(self._process_spec(result.spec))
         self._propose()
+        if self.step_observers:
+            step = StepStats(time.perf_counter() - t0, prefill_tokens, decode_seqs,
+                             sum(s.num_tokens for s in sched.scheduled))
+            for observe in self.step_observers:
+                observe(step)
         return outputs
 
     # -- internals ----------------------------------------------------------
@@ -355,8 +378,12 @@ class LLMEngine:
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
             logprobs=logprobs, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
         )
+        metrics = {}
+        if req.first_scheduled_time is not None:  # time from arrival here to first schedule
+            metrics["queue_time_s"] = req.first_scheduled_time - req.arrival_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             finished=req.status.finished, num_cached_tokens=max(req.num_cached_tokens, 0))
+                             finished=req.status.finished, num_cached_tokens=max(req.num_cached_tokens, 0),
+                             metrics=metrics)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         out = self._make_output(req)

@@ -67,6 +67,7 @@ class Request:
         self.cumulative_logprob = 0.0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
+        self.first_scheduled_time: float | None = None  # end of queueing (metrics)
         self.num_preemptions = 0
         # Prefill side of a handoff: keep the blocks after finishing, until the
         # KV transfer is done and the engine is told to release them.

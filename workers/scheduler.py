@@ -12,6 +12,7 @@ Nothing here touches tensors.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -146,6 +147,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
