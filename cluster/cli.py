@@ -108,6 +108,12 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(a: argparse.Namespace) -> int:
+    from pdserve.bench.cli import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -168,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="torch threads while training (default: every core; on a machine other jobs keep busy, "
                            "fewer threads than cores can be several times faster)")
     pair.set_defaults(func=_cmd_make_tiny_pair)
+
+    from pdserve.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: TTFT/TPOT/ITL, goodput, plots",
+                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

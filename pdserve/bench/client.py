@@ -1,0 +1,181 @@
+"""One streamed request -> one `RequestRecord`: its timestamps, token counts, or why it failed.
+
+Timing (shared/design/PERFORMANCE.md): the clock starts just before the POST
+(connection set-up included, client-side queueing for --max-concurrency not);
+each SSE line is stamped when it is read. A *token chunk* is an event whose
+`choices` carry generated output: non-empty text (`text` / `delta.content`), or
+an empty-text event that is neither the chat role preamble nor a bare
+finish_reason (a token that decodes to no text yet, e.g. half a UTF-8
+character). The usage-only event, comments and `[DONE]` are not token chunks.
+
+Output tokens come from the final `usage.completion_tokens`
+(`stream_options.include_usage`); without usage, the count of token chunks
+(which undercounts when a chunk carries several tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import httpx
+
+
+class Endpoint(str, Enum):
+    COMPLETIONS = "completions"
+    CHAT = "chat"
+
+    @property
+    def path(self) -> str:
+        return "/completions" if self is Endpoint.COMPLETIONS else "/chat/completions"
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured about one request; times in seconds."""
+
+    index: int
+    input_len: int  # prompt tokens we built
+    output_len: int  # tokens we asked for
+    scheduled: float  # arrival time, from the start of the run
+    sent: float | None = None  # when the POST went out (>= scheduled when --max-concurrency queues it)
+    success: bool = False
+    error: str | None = None
+    ttft: float | None = None  # sent -> first token chunk
+    e2e: float | None = None  # sent -> last token chunk
+    itl: list[float] = field(default_factory=list)  # gaps between consecutive token chunks
+    chunks: int = 0  # token chunks received
+    output_tokens: int = 0  # usage.completion_tokens, else `chunks`
+    prompt_tokens: int | None = None  # usage.prompt_tokens, as the server counted them
+    usage_reported: bool = False
+
+    @property
+    def tpot(self) -> float | None:
+        """(E2E - TTFT) / (output tokens - 1); undefined for a single output token."""
+        if not self.success or self.output_tokens < 2 or self.e2e is None or self.ttft is None:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def request_body(endpoint: Endpoint, model: str, prompt: list[int] | str, max_tokens: int, ignore_eos: bool,
+                 temperature: float = 0.0) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                            "temperature": temperature}
+    if endpoint is Endpoint.CHAT:
+        if not isinstance(prompt, str):
+            raise ValueError("chat endpoint: needs text prompts (give --tokenizer)")
+        body["messages"] = [{"role": "user", "content": prompt}]
+        # both spellings: newer servers read max_completion_tokens, older ones max_tokens
+        body["max_completion_tokens"] = max_tokens
+        body["max_tokens"] = max_tokens
+    else:
+        body["prompt"] = prompt
+        body["max_tokens"] = max_tokens
+    if ignore_eos:  # left out entirely when off: strict servers reject unknown fields
+        body["ignore_eos"] = True
+    return body
+
+
+def _is_token_chunk(payload: dict[str, Any]) -> bool:
+    choices = payload.get("choices") or []
+    if not choices:
+        return False
+    c = choices[0]
+    delta = c.get("delta")
+    text = (delta or {}).get("content") if delta is not None else c.get("text")
+    if text:
+        return True
+    if delta is not None and "role" in delta:
+        return False  # chat's role preamble
+    return c.get("finish_reason") is None  # an empty token, not a bare end-of-stream marker
+
+
+def _error_message(body: bytes) -> str:
+    text = body.decode("utf-8", errors="replace")
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return text.strip()[:200] or "(empty body)"
+    err = d.get("error", d) if isinstance(d, dict) else d
+    if isinstance(err, dict):
+        return str(err.get("message") or err)[:200]
+    return str(err)[:200]
+
+
+async def send(client: httpx.AsyncClient, url: str, body: dict[str, Any], timeout_s: float, rec: RequestRecord,
+               t0: float) -> RequestRecord:
+    """POST `body` to `url`, stream the reply into `rec`. Never raises but for cancellation
+    (recorded as 'interrupted', then re-raised): every failure becomes `rec.error`."""
+    times: list[float] = []
+    done = False
+    st = time.perf_counter()
+    rec.sent = st - t0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    rec.error = f"HTTP {r.status_code}: {_error_message(await r.aread())}"
+                    return rec
+                async for line in r.aiter_lines():
+                    now = time.perf_counter()
+                    if not line.startswith("data:"):
+                        continue  # blank separators and ': keep-alive' comments
+                    data = line[5:].strip()
+                    if data == "[DONE]":
+                        done = True
+                        break
+                    payload = json.loads(data)
+                    if "error" in payload:
+                        rec.error = f"stream error: {_error_message(data.encode())}"
+                        return rec
+                    if usage := payload.get("usage"):
+                        rec.usage_reported = True
+                        rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                        rec.prompt_tokens = usage.get("prompt_tokens")
+                    if _is_token_chunk(payload):
+                        times.append(now)
+    except TimeoutError:
+        rec.error = f"timeout: no complete response within {timeout_s:g}s ({len(times)} token chunks received)"
+        return rec
+    except asyncio.CancelledError:
+        rec.error = "interrupted"
+        raise
+    except httpx.HTTPError as e:
+        rec.error = f"{type(e).__name__}: {e}"[:200] or type(e).__name__
+        return rec
+    except (ValueError, TypeError, AttributeError) as e:  # malformed event JSON
+        rec.error = f"bad stream event: {e}"[:200]
+        return rec
+    return _finish(rec, st, times, done)
+
+
+def _finish(rec: RequestRecord, st: float, times: list[float], done: bool) -> RequestRecord:
+    rec.chunks = len(times)
+    if not done:
+        rec.error = f"stream ended before [DONE] ({len(times)} token chunks received)"
+        return rec
+    if not times:
+        rec.error = "no token chunk received"
+        return rec
+    if not rec.usage_reported:
+        rec.output_tokens = len(times)
+    rec.ttft = times[0] - st
+    rec.e2e = times[-1] - st
+    rec.itl = [b - a for a, b in zip(times, times[1:])]
+    rec.success = True
+    return rec
+
+
+async def first_model(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> str:
+    """The id of the first model `GET {base_url}/models` lists."""
+    r = await client.get(f"{base_url}/models", timeout=timeout_s)
+    if r.status_code != 200:
+        raise ValueError(f"GET {base_url}/models: HTTP {r.status_code}: {_error_message(r.content)}")
+    data = r.json().get("data") or []
+    if not data:
+        raise ValueError(f"GET {base_url}/models: no models listed; pass --model")
+    return str(data[0]["id"])
