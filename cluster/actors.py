@@ -16,6 +16,7 @@ import ray
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.metrics import Pool, WorkerMetrics
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
@@ -24,8 +25,10 @@ class EngineService:
     """One engine (a colocated worker: prefill and decode). Async actor: many
     requests stream through it at once while its engine thread batches them."""
 
-    def __init__(self, config: dict[str, Any], torch_threads: int) -> None:
-        self.engine = AsyncEngine(_engine(config, torch_threads, record_events=False), worker_id=f"worker-{os.getpid()}")
+    def __init__(self, config: dict[str, Any], torch_threads: int, worker_name: str | None = None) -> None:
+        engine = _engine(config, torch_threads, record_events=False)
+        self.metrics = _worker_metrics(Pool.COLOCATED, worker_name, engine)
+        self.engine = AsyncEngine(engine, worker_id=f"worker-{os.getpid()}")
 
     async def ready(self) -> dict[str, Any]:
         e = self.engine.engine
@@ -49,6 +52,10 @@ class EngineService:
         """Counters the router and the leak tests read (from the engine thread)."""
         return await self.engine.call(_load)  # type: ignore[return-value]
 
+    async def metrics(self) -> bytes:
+        """This worker's Prometheus exposition (the gateway merges every worker's)."""
+        return await _render_metrics(self.engine, self.metrics)
+
 
 def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = True) -> LLMEngine:
     import torch
@@ -57,6 +64,27 @@ def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = Tr
     # threads spin against each other (measured: 50x slower decode steps).
     torch.set_num_threads(torch_threads)
     return LLMEngine(EngineConfig(**{**config, "record_kv_events": record_events}))
+
+
+def _worker_metrics(pool: Pool, worker_name: str | None, engine: LLMEngine) -> WorkerMetrics:
+    """The worker's registry, observing `engine`'s steps (before its thread starts).
+    The name is the actor's (serve_app passes it): the `worker` label."""
+    metrics = WorkerMetrics(pool, worker_name or f"{pool.value}-{os.getpid()}", engine.config.num_speculative_tokens)
+    metrics.attach(engine)
+    return metrics
+
+
+# A scrape waits this long for the engine thread to sample its counters; past
+# it (a long step), the last sample goes out with the current step histograms.
+_SAMPLE_TIMEOUT_S = 1.0
+
+
+async def _render_metrics(engine: AsyncEngine, metrics: WorkerMetrics) -> bytes:
+    try:
+        await engine.call(metrics.sample, timeout_s=_SAMPLE_TIMEOUT_S)
+    except TimeoutError:
+        pass
+    return metrics.render()
 
 
 def _transport_classes(transport: str) -> tuple[Any, Any]:
@@ -95,7 +123,8 @@ def _load(e: LLMEngine) -> dict[str, Any]:
 class PrefillService:
     """A prefill worker: computes prompts and streams their KV to decode workers over ZeroMQ."""
 
-    def __init__(self, config: dict[str, Any], torch_threads: int, transport: str = "zmq") -> None:
+    def __init__(self, config: dict[str, Any], torch_threads: int, transport: str = "zmq",
+                 worker_name: str | None = None) -> None:
         from pdserve.workers.prefill_worker import PrefillWorker
         from pdserve.workers.transfer.base import KVSender
 
@@ -109,7 +138,8 @@ class PrefillService:
                 self._senders[address] = sender_cls(engine.kv_caches, address)
             return self._senders[address]
 
-        self.worker = PrefillWorker(engine, sender_for)
+        self.metrics = _worker_metrics(Pool.PREFILL, worker_name, engine)
+        self.worker = PrefillWorker(engine, sender_for, transfer_recorder=self.metrics)
 
     async def ready(self) -> dict[str, Any]:
         e = self.worker.engine
@@ -126,19 +156,24 @@ class PrefillService:
     async def load(self) -> dict[str, Any]:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
 
+    async def metrics(self) -> bytes:
+        return await _render_metrics(self.worker.async_engine, self.metrics)
+
 
 class DecodeService:
     """A decode worker: reserves blocks, receives KV over ZeroMQ, decodes in a continuous batch.
     It can also serve a request end to end (local prefill) when the router says so."""
 
-    def __init__(self, config: dict[str, Any], torch_threads: int, bind_host: str, transport: str = "zmq") -> None:
+    def __init__(self, config: dict[str, Any], torch_threads: int, bind_host: str, transport: str = "zmq",
+                 worker_name: str | None = None) -> None:
         from pdserve.workers.decode_worker import DecodeWorker
 
         engine = _engine(config, torch_threads)
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
         self.receiver = _transport_classes(transport)[1](engine.kv_caches, bind=f"tcp://{bind_host}:*")
-        self.worker = DecodeWorker(engine, self.receiver)
+        self.metrics = _worker_metrics(Pool.DECODE, worker_name, engine)
+        self.worker = DecodeWorker(engine, self.receiver, transfer_recorder=self.metrics)
 
     async def ready(self) -> dict[str, Any]:
         e = self.worker.engine
@@ -174,6 +209,9 @@ class DecodeService:
 
     async def load(self) -> dict[str, Any]:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
+
+    async def metrics(self) -> bytes:
+        return await _render_metrics(self.worker.async_engine, self.metrics)
 
 
 # The Ray actors: the plain services above, one process (and one GPU) each.

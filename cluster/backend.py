@@ -49,10 +49,13 @@ class ColocatedBackend:
     """Each worker runs prefill and decode. Requests go to the worker with the
     fewest in flight from this gateway (the baseline the disaggregated mode beats)."""
 
-    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1") -> None:
+    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1", names: list[str] | None = None) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
+        if names is not None and len(names) != len(workers):
+            raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
+        self.names = names or [f"worker-{i}" for i in range(len(workers))]
         self.streams = TokenStreams(stream_host)
         self._in_flight = [0] * len(workers)
         self._dead: set[int] = set()
@@ -64,6 +67,10 @@ class ColocatedBackend:
     @property
     def num_in_flight(self) -> int:
         return sum(self._in_flight)
+
+    def worker_handles(self) -> dict[str, tuple[str, Any]]:
+        """Actor name -> (pool, handle) of every worker, for the gateway's metrics scrape."""
+        return {name: ("colocated", w) for name, w in zip(self.names, self.workers)}
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
         live = [i for i in range(len(self.workers)) if i not in self._dead]

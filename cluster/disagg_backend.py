@@ -38,8 +38,12 @@ def _first_token_is_not_last(first: RequestOutput, params: SamplingParams) -> bo
 
 class DisaggregatedBackend:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], decode_addresses: dict[str, str],
-                 router: Router, poll_s: float = 0.05, stream_host: str = "127.0.0.1") -> None:
+                 router: Router, poll_s: float = 0.05, stream_host: str = "127.0.0.1",
+                 names: dict[str, str] | None = None) -> None:
+        """`prefill`/`decode`: router worker id -> actor handle; `names`: router
+        worker id -> actor name (the `worker` label of its metrics; default the id)."""
         self.prefill, self.decode, self.addresses, self.router = prefill, decode, decode_addresses, router
+        self.names = names or {}
         self.streams = TokenStreams(stream_host)
         self.poll_s = poll_s
         self._in_flight = 0
@@ -58,6 +62,11 @@ class DisaggregatedBackend:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    def worker_handles(self) -> dict[str, tuple[str, Any]]:
+        """Actor name -> (pool, handle) of every worker, for the gateway's metrics scrape."""
+        pools = [("prefill", self.prefill), ("decode", self.decode)]
+        return {self.names.get(wid, wid): (pool, h) for pool, handles in pools for wid, h in handles.items()}
+
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
         if self._poller is None:
             self._closing = False
@@ -74,15 +83,20 @@ class DisaggregatedBackend:
         deadline = time.monotonic() + timeout_s
         collector = self.streams.collector
         collector.open(request_id, prompt)
+        # The prefill worker's queue time, when it prefilled: the request's
+        # first queue (the decode worker's own "queue time" spans the prefill).
+        first_metrics: dict[str, float] | None = None
         try:
             if decision.local_prefill or p_id is None:
                 start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
             else:
-                start, first = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id, d_id,
-                                                   collector.address)
+                start, first, first_metrics = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id,
+                                                                  d_id, collector.address)
                 if first is not None:
                     yield first
             async for out in collector.consume(request_id, start, deadline):
+                if first_metrics is not None:
+                    out.metrics = first_metrics
                 yield out
                 finished = out.finished
         finally:
@@ -94,14 +108,15 @@ class DisaggregatedBackend:
                         worker.abort.remote(request_id)
 
     async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, wire: dict[str, Any],
-                       timeout_s: float, p_id: str, d_id: str, reply_to: str) -> tuple[Any, RequestOutput | None]:
+                       timeout_s: float, p_id: str, d_id: str,
+                       reply_to: str) -> tuple[Any, RequestOutput | None, dict[str, float] | None]:
         """Reserve on D, prefill on P; returns D's call that streams the rest to
-        `reply_to`, and the first token's output when it goes to the client now,
-        before D's stream starts."""
+        `reply_to`, the first token's output when it goes to the client now,
+        before D's stream starts, and P's output metrics (None if P did not prefill)."""
         d = self.decode[d_id]
         plan = await d.reserve.remote(request_id, prompt, wire)
         if plan is None:  # no room on the decode worker now: it queues and prefills the request itself
-            return d.generate_to.remote(request_id, prompt, wire, timeout_s, reply_to), None
+            return d.generate_to.remote(request_id, prompt, wire, timeout_s, reply_to), None, None
         blocks, cached_here = plan
         first: RequestOutput | None
         try:
@@ -114,13 +129,14 @@ class DisaggregatedBackend:
             first = None  # the prefill or its transfer failed: the decode worker applies its policy
         early = first is not None and _first_token_is_not_last(first, params)
         stream = d.decode_to.remote(request_id, prompt, first, cached_here, timeout_s, early, reply_to)
+        first_metrics = first.metrics if first is not None else None
         if not early:
-            return stream, None
+            return stream, None, first_metrics
         assert first is not None
         c = first.outputs[0]
         return stream, RequestOutput(request_id, first.prompt, first.prompt_token_ids,
                                      [dataclasses.replace(c, finish_reason=None, stop_reason=None)], False,
-                                     first.num_cached_tokens, first.metrics)
+                                     first.num_cached_tokens, first.metrics), first_metrics
 
     async def close(self) -> None:
         await self.streams.close()

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import Request
-from prometheus_client import CollectorRegistry, Counter
 
+from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.protocol import ChatCompletionRequest
+from pdserve.cluster.router import NoHealthyWorkerError
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
@@ -63,6 +64,19 @@ class APIError(Exception):
         self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
 
 
+def status_of(e: BaseException) -> int:
+    """The HTTP status an error of the generation path maps to (also the code of an in-band stream error)."""
+    if isinstance(e, APIError):
+        return e.status
+    if isinstance(e, ValueError):
+        return 400
+    if isinstance(e, TimeoutError):
+        return 504
+    if isinstance(e, NoHealthyWorkerError):
+        return 503
+    return 500
+
+
 def bad_request(e: ValueError) -> APIError:
     """Our ValueErrors start with the parameter name ("top_p: must be ..."): report it as `param`."""
     msg = str(e)
@@ -83,9 +97,10 @@ class _Choice:
 class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        self.registry = CollectorRegistry()
-        self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
-                                      ["endpoint", "status"], registry=self.registry)
+        router = getattr(backend, "router", None)  # the disaggregated backend's
+        self.metrics = GatewayMetrics(lambda: getattr(router, "stats", None))
+        self.registry = self.metrics.registry
+        self.requests_total = self.metrics.requests_total
         self._admitted = 0
 
     # -- request preparation ---------------------------------------------------
@@ -157,6 +172,11 @@ class Gateway:
                 yield item
         finally:
             self._admitted -= 1
+
+    def worker_handles(self) -> WorkerHandles:
+        """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""
+        handles = getattr(self.backend, "worker_handles", None)
+        return handles() if handles is not None else {}
 
     def token_str(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

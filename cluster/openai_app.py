@@ -10,25 +10,32 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdserve.cluster.gateway import APIError, Gateway, _Choice
+from pdserve.cluster.gateway import APIError, Gateway, _Choice, bad_request, status_of
+from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
 Kind = str  # "completion" | "chat"
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 
 
 def build_app(gw: Gateway) -> FastAPI:
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0")
+    app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS)
 
+    # Every failed request passes one of these two handlers (the stream reports
+    # its errors in-band: _sse counts those): the one place errors are counted.
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
+        gw.metrics.error(e.status)
         return JSONResponse(error_body(e.message, e.err_type, e.status, e.param), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        gw.metrics.error(400)
         # OpenAI clients expect 400 with the error object, not FastAPI's 422.
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -44,7 +51,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(gw.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(await gw.metrics.exposition(gw.worker_handles()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
@@ -54,14 +61,16 @@ def build_app(gw: Gateway) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
         gw.check_auth(request)
         gw.check_model(body.model)
         prompt_ids = gw.tokenize(body.prompt)
         params = gw.params(prompt_ids, body.max_tokens, lambda mt: body.sampling_params(mt, body.logprobs))
-        return await _respond(gw, request, "completion", body.stream, body.include_usage, prompt_ids, params)
+        return await _respond(gw, request, "completion", body.stream, body.include_usage, prompt_ids, params, rm)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
         gw.check_auth(request)
         gw.check_model(body.model)
         try:
@@ -70,20 +79,21 @@ def build_app(gw: Gateway) -> FastAPI:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs") from None
         prompt_ids = gw.chat_prompt(body)
         params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
-        return await _respond(gw, request, "chat", body.stream, body.include_usage, prompt_ids, params)
+        return await _respond(gw, request, "chat", body.stream, body.include_usage, prompt_ids, params, rm)
 
     return app
 
 
 async def _respond(gw: Gateway, request: Request, kind: Kind, stream: bool, include_usage: bool,
-                   prompt_ids: list[int], params: SamplingParams) -> Response:
+                   prompt_ids: list[int], params: SamplingParams, rm: RequestMetrics) -> Response:
     gw.admit()
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     if stream:
         # Starlette cancels this generator when the client disconnects; the
         # backend's generate() then aborts the request and frees its blocks.
-        return StreamingResponse(_sse(gw, kind, rid, prompt_ids, params, include_usage), media_type="text/event-stream")
-    body = await _until_disconnect(request, _collect(gw, kind, rid, prompt_ids, params))
+        return StreamingResponse(_sse(gw, kind, rid, prompt_ids, params, include_usage, rm),
+                                 media_type="text/event-stream")
+    body = await _until_disconnect(request, _collect(gw, kind, rid, prompt_ids, params, rm))
     return JSONResponse(body)
 
 
@@ -103,17 +113,25 @@ async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -
             task.cancel()
 
 
-async def _collect(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams) -> dict[str, Any]:
+async def _collect(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams,
+                   rm: RequestMetrics) -> dict[str, Any]:
     choices = [_Choice(i) for i in range(params.n)]
+    rm.admitted(len(prompt_ids))
     try:
         async for i, out in gw.run(rid, prompt_ids, params):
+            rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
             _accumulate(choices[i], out)
+        rm.succeeded(c.finish_reason for c in choices)
     except ValueError as e:
-        from pdserve.cluster.gateway import bad_request
-
         raise bad_request(e) from None
     except TimeoutError as e:
         raise APIError(504, str(e), "Timeout") from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
+        raise APIError(status_of(e), str(e) or type(e).__name__, type(e).__name__) from e
+    finally:
+        rm.close()  # a failure is counted by the APIError handler
     completion_tokens = sum(len(c.token_ids) for c in choices)
     return {
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
@@ -157,7 +175,7 @@ def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[
 
 
 async def _sse(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, rm: RequestMetrics) -> AsyncIterator[str]:
     created, obj = now(), ("chat.completion.chunk" if kind == "chat" else "text_completion")
     choices = [_Choice(i) for i in range(params.n)]
 
@@ -166,6 +184,7 @@ async def _sse(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params:
                 "choices": payload_choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
+    rm.admitted(len(prompt_ids))
     try:
         if kind == "chat":
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
@@ -174,14 +193,24 @@ async def _sse(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params:
             c = out.outputs[0]
             _accumulate(choices[i], out)
             lp = _logprobs(gw, kind, c.token_ids, c.logprobs or []) if params.logprobs is not None else None
+            rm.output(out)
             if kind == "chat":
                 yield chunk([{"index": i, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason}])
             else:
                 yield chunk([{"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}])
+        rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
             yield chunk([], usage=usage(len(prompt_ids), sum(len(c.token_ids) for c in choices), choices[0].cached_tokens))
+    except (asyncio.CancelledError, GeneratorExit):
+        rm.failed(499)  # the client went away mid-stream (after success it is already closed)
+        raise
     except ValueError as e:
+        rm.failed(400)
         yield f"data: {json.dumps(error_body(str(e), 'BadRequestError', 400))}\n\n"
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        yield f"data: {json.dumps(error_body(str(e) or type(e).__name__, type(e).__name__, 500))}\n\n"
+        code = status_of(e)
+        rm.failed(code)
+        yield f"data: {json.dumps(error_body(str(e) or type(e).__name__, type(e).__name__, code))}\n\n"
+    finally:
+        rm.close()
     yield "data: [DONE]\n\n"

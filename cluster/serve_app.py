@@ -93,8 +93,9 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     opts: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": per_cpu}
 
     def make(actor_cls: Any, name: str, *args: Any) -> Any:
+        # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
-            cfg.engine_config(), threads, *args)
+            cfg.engine_config(), threads, *args, worker_name=name)
 
     if cfg.mode == "disaggregated":
         workers = [make(PrefillWorkerActor, n, cfg.transport) for n in cfg.prefill_names()]
@@ -119,7 +120,7 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
                            max_model_len=limits["max_model_len"], api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
     backend = (_disaggregated_backend(cfg) if cfg.mode == "disaggregated"
-               else ColocatedBackend(workers, stream_host=cfg.kv_bind_host))
+               else ColocatedBackend(workers, stream_host=cfg.kv_bind_host, names=cfg.worker_names()))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
 
 
@@ -128,12 +129,13 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     from pdserve.cluster.router import Router
     from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
 
+    names = {f"p{i}": n for i, n in enumerate(cfg.prefill_names())}
+    names.update({f"d{i}": n for i, n in enumerate(cfg.decode_names())})
     prefill = {f"p{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.decode_names())}
     addresses = {wid: ray.get(a.ready.remote(), timeout=60)["address"] for wid, a in decode.items()}
     router = Router(RouterConfig(policy=RoutingPolicy(cfg.router_policy)), cfg.block_size)
-    return DisaggregatedBackend(prefill, decode, addresses, router,
-                                stream_host=cfg.kv_bind_host)
+    return DisaggregatedBackend(prefill, decode, addresses, router, stream_host=cfg.kv_bind_host, names=names)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

@@ -23,6 +23,7 @@ from pdserve.workers.messages import TransferState
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.transfer.base import FailReason, KVReceiver, TransferError
+from pdserve.workers.transfer.recording import TransferRecorder
 
 
 class KVFailurePolicy(str, enum.Enum):
@@ -32,10 +33,14 @@ class KVFailurePolicy(str, enum.Enum):
 
 class DecodeWorker:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver,
-                 on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE) -> None:
+                 on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
+                 transfer_recorder: TransferRecorder | None = None) -> None:
+        """`transfer_recorder` hears of the transfers that fail here after the
+        prefill worker saw them succeed (a failure it saw, it counted)."""
         self.engine = engine
         self.receiver = receiver
         self.on_failure = on_failure
+        self.transfer_recorder = transfer_recorder
         self.async_engine = AsyncEngine(engine, worker_id=f"decode-{os.getpid()}")
         self.num_transfer_failures = 0
 
@@ -102,6 +107,8 @@ class DecodeWorker:
         if status.state is TransferState.DONE:
             return True
         self.num_transfer_failures += 1
+        if self.transfer_recorder is not None:
+            self.transfer_recorder.on_failure((status.reason or FailReason.TIMEOUT).value)
         return False
 
 

@@ -258,6 +258,9 @@ class TokenDelta(Record):
     num_cached_tokens: int
     cumulative_logprob: float | None
     logprobs: tuple[TokenLogprobs, ...] | None
+    # Seconds the request waited in its worker's scheduler queue before its
+    # first step (RequestOutput.metrics["queue_time_s"]); None until scheduled.
+    queue_time_s: float | None = None
 
 
 @_register(MessageType.TOKEN_DELTA_BATCH)
@@ -270,7 +273,7 @@ class TokenDeltaBatch(Message):
     worker_id: str
     seq: int
     deltas: tuple[TokenDelta, ...]
-    version: int = 1
+    version: int = 2  # 2: TokenDelta.queue_time_s
 
 
 # -- encode / decode ---------------------------------------------------------------

@@ -19,7 +19,8 @@ from pdserve.workers.async_engine import AsyncEngine, RequestTimeoutError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
-from pdserve.workers.transfer.base import KVSender, TransferError
+from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
+from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 
 
 @dataclass
@@ -37,9 +38,15 @@ class _Job:
 
 
 class PrefillWorker:
-    def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender]) -> None:
-        """`sender_for(address)` returns the (cached) sender to a decode worker's receiver."""
-        self.sender_for = sender_for
+    def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
+                 transfer_recorder: TransferRecorder | None = None) -> None:
+        """`sender_for(address)` returns the (cached) sender to a decode worker's receiver.
+        `transfer_recorder` hears of every handoff: its bytes and duration, and
+        its failures (the transport's, through `RecordingSender`, and this
+        worker's own deadline)."""
+        self.transfer_recorder = transfer_recorder
+        self._recording: dict[str, KVSender] = {}
+        self._sender_for = sender_for
         self._jobs: dict[str, _Job] = {}  # touched on the engine thread only, after registration
         self.async_engine = AsyncEngine(engine, on_step=self._after_step)
         self.engine = engine
@@ -73,11 +80,24 @@ class PrefillWorker:
             if job.done.done() and not job.done.cancelled():
                 e = job.done.exception() or e  # the transfer's own error says more
             await self._cancel(request_id, f"prefill ended early: {type(e).__name__}")
+            # The prompt was done and its KV still in flight at the deadline, and
+            # the transport raised nothing (it would have counted it): a transfer timeout.
+            if (isinstance(e, asyncio.TimeoutError) and first is not None and job.failed is None
+                    and self.transfer_recorder is not None):
+                self.transfer_recorder.on_failure(FailReason.TIMEOUT.value)
             if isinstance(e, asyncio.TimeoutError):
                 raise RequestTimeoutError(f"prefill of {request_id} passed its deadline") from None
             raise
         assert first is not None
         return first
+
+    def sender_for(self, address: str) -> KVSender:
+        sender = self._sender_for(address)
+        if self.transfer_recorder is None:
+            return sender
+        if address not in self._recording:
+            self._recording[address] = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
+        return self._recording[address]
 
     async def _cancel(self, request_id: str, reason: str) -> None:
         def cancel(engine: LLMEngine) -> None:
@@ -101,6 +121,7 @@ class PrefillWorker:
             try:
                 self._send_ready(engine, job, computed, finished)
             except TransferError as e:
+                job.failed = e  # read by prefill() once _cancel has run after this
                 self._jobs.pop(rid)
                 engine.abort(rid)
                 job.loop.call_soon_threadsafe(_fail, job.done, e)

@@ -46,14 +46,16 @@ def to_delta(out: RequestOutput) -> TokenDelta:
     logprobs = None if c.logprobs is None else tuple(
         TokenLogprobs(tuple(entry), tuple(entry.values())) for entry in c.logprobs)
     return TokenDelta(out.request_id, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
-                      out.num_cached_tokens, c.cumulative_logprob, logprobs)
+                      out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"))
 
 
 def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
     logprobs = None if d.logprobs is None else [dict(zip(e.token_ids, e.logprobs)) for e in d.logprobs]
     stop = d.stop_token if d.stop_token is not None else d.stop_string
     c = CompletionOutput(0, d.text, list(d.token_ids), d.cumulative_logprob, logprobs, d.finish_reason, stop)
-    return RequestOutput(d.request_id, None, prompt_token_ids, [c], d.finish_reason is not None, d.num_cached_tokens)
+    metrics = {} if d.queue_time_s is None else {"queue_time_s": d.queue_time_s}
+    return RequestOutput(d.request_id, None, prompt_token_ids, [c], d.finish_reason is not None, d.num_cached_tokens,
+                         metrics)
 
 
 class TokenStreamPublisher:

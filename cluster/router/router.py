@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.cluster.router.index import PrefixIndex
 from pdserve.cluster.router.policy import (
-    RouteReason, RouterConfig, RouterSnapshot, RoutingDecision, WorkerLoad, route,
+    DecodeReason, RouteReason, RouterConfig, RouterSnapshot, RoutingDecision, WorkerLoad, route,
 )
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.kv.hashing import extend_block_hashes
@@ -29,7 +29,8 @@ class LoggedDecision:
 class RouterStats:
     """Counters since the router started (exported as metrics by `cluster/`)."""
 
-    decisions: Counter[RouteReason] = dataclasses.field(default_factory=Counter)
+    decisions: Counter[RouteReason] = dataclasses.field(default_factory=Counter)  # where the prompt is prefilled
+    decode_decisions: Counter[DecodeReason] = dataclasses.field(default_factory=Counter)  # where it decodes
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens the chosen prefilling worker had cached (estimate)
     transferred_blocks: int = 0
@@ -99,6 +100,7 @@ class Router:
 
     def _record(self, request_id: str, decision: RoutingDecision) -> None:
         self.stats.decisions[decision.reason] += 1
+        self.stats.decode_decisions[decision.decode_reason] += 1
         self.stats.prompt_tokens += decision.prompt_tokens
         self.stats.cached_prompt_tokens += decision.cached_prompt_tokens
         self.stats.transferred_blocks += decision.transferred_blocks

@@ -1,0 +1,262 @@
+"""The gateway's Prometheus metrics, and the one exposition `GET /metrics` serves.
+
+Latencies are measured where the user feels them: `RequestMetrics` starts when
+the HTTP handler starts and ticks when a chunk carrying tokens goes to the client
+(openai_app.py calls it). Router counters are read from the router's own
+`RouterStats` at scrape time. Each scrape also fetches every worker's exposition
+(`metrics()` on its actor) concurrently under one deadline, merges the samples of
+each family across workers, and renders them with the gateway's own families as
+one exposition (one HELP/TYPE per family). `pdserve:worker_up` says which
+fetches made it.
+
+Names, labels and buckets are the metric contract that deploy/'s rules and
+dashboard are written against: do not rename.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
+from pdserve.workers.metrics import WithoutCreated
+from pdserve.workers.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 2.5, 5, 7.5, 10, 20,
+                40, 80)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
+FINISH_REASONS = ("stop", "length", "abort")
+ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
+WORKER_SCRAPE_DEADLINE_S = 2.0
+
+# Actor name -> (pool, actor handle with an async `metrics()` returning the exposition).
+WorkerHandles = Mapping[str, tuple[str, Any]]
+
+
+class GatewayMetrics:
+    """The gateway's registry. `router_stats` returns the disaggregated router's
+    counters (None without a router: the families export zeros)."""
+
+    def __init__(self, router_stats: Callable[[], RouterStats | None] = lambda: None) -> None:
+        self.registry = r = CollectorRegistry()
+        self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
+                                      ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("pdserve:time_to_first_token_seconds",
+                              "Request arrival at the gateway to its first token sent", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pdserve:time_per_output_token_seconds",
+                              "Per request with >= 2 output tokens: (E2E - TTFT) / (output tokens - 1)",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve:inter_token_latency_seconds",
+                             "Gaps between tokens sent (a chunk of m tokens after gap g: m observations of g/m)",
+                             buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request arrival to its last token sent",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("pdserve:request_queue_time_seconds",
+                                    "Time the request waited in its first worker's scheduler queue",
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens sent to clients", registry=r)
+        self.success = Counter("pdserve:request_success", "Finished requests (per choice) by finish reason",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter("pdserve:request_errors", "Failed requests by HTTP status (or in-band stream error)",
+                              ["code"], registry=r)
+        self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not finished", registry=r)
+        self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
+        self.worker_up = Gauge("pdserve:worker_up", "1 if the last metrics fetch from the worker succeeded in time",
+                               ["pool", "worker"], registry=r)
+        for reason in FINISH_REASONS:
+            self.success.labels(reason)
+        for code in ERROR_CODES:
+            self.errors.labels(code)
+        r.register(_RouterCollector(router_stats))
+
+    def request(self) -> RequestMetrics:
+        """A request arrived (call where the HTTP handler starts)."""
+        return RequestMetrics(self)
+
+    def error(self, status: int) -> None:
+        self.errors.labels(str(status)).inc()
+
+    async def exposition(self, workers: WorkerHandles, deadline_s: float = WORKER_SCRAPE_DEADLINE_S) -> bytes:
+        """The gateway's metrics and every worker's, as one text exposition.
+        Returns within `deadline_s` (plus parsing) whatever the workers do."""
+        names = list(workers)
+        texts = await asyncio.gather(*(_fetch(workers[n][1], deadline_s) for n in names))
+        worker_families: list[Iterable[Metric]] = []
+        for name, text in zip(names, texts):
+            parsed = _parse(name, text) if text is not None else None
+            self.worker_up.labels(workers[name][0], name).set(0 if parsed is None else 1)
+            if parsed is not None:
+                worker_families.append(parsed)
+        merged: dict[str, Metric] = {}
+        for families in [WithoutCreated(self.registry).collect(), *worker_families]:
+            _merge_into(merged, families)
+        return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]
+
+
+class RequestMetrics:
+    """One request's timeline at the gateway. Not thread-safe: the request's
+    handler (one asyncio task) drives it. `close` runs on every exit."""
+
+    def __init__(self, m: GatewayMetrics) -> None:
+        self._m = m
+        self.arrival = time.perf_counter()
+        self._first: float | None = None
+        self._last = 0.0
+        self._tokens = 0
+        self._admitted = self._queue_seen = self._closed = False
+
+    def admitted(self, prompt_tokens: int) -> None:
+        self._admitted = True
+        self._m.in_flight.inc()
+        self._m.queued.inc()
+        self._m.prompt_tokens.inc(prompt_tokens)
+
+    def output(self, out: RequestOutput) -> None:
+        """`out`'s tokens are going to the client now (non-streaming: are ready to)."""
+        m = self._m
+        queue_s = out.metrics.get("queue_time_s")
+        if queue_s is not None and not self._queue_seen:  # once per request: its first worker's queue
+            self._queue_seen = True
+            m.queue_time.observe(queue_s)
+        n = len(out.outputs[0].token_ids)
+        if not n:
+            return
+        now = time.perf_counter()
+        m.generation_tokens.inc(n)
+        if self._first is None:
+            self._first = now
+            m.ttft.observe(now - self.arrival)
+            if self._admitted:
+                m.queued.dec()
+        else:
+            gap = (now - self._last) / n
+            for _ in range(n):
+                m.itl.observe(gap)
+        self._last = now
+        self._tokens += n
+
+    def succeeded(self, finish_reasons: Iterable[str | None]) -> None:
+        m = self._m
+        for reason in finish_reasons:
+            m.success.labels(reason or "abort").inc()
+        if self._first is not None:
+            m.e2e.observe(self._last - self.arrival)
+            if self._tokens >= 2:
+                m.tpot.observe((self._last - self._first) / (self._tokens - 1))
+        self.close()
+
+    def failed(self, status: int) -> None:
+        """An error the exception handlers do not see (one reported in-band, in the stream)."""
+        if not self._closed:
+            self._m.error(status)
+        self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._admitted:
+            self._m.in_flight.dec()
+            if self._first is None:
+                self._m.queued.dec()
+
+
+class RequestCounter:
+    """ASGI middleware counting responses into `pdserve:gateway_requests_total`
+    by endpoint and status. Plain ASGI: it only looks at the response start, so
+    streamed bodies pass through untouched (Starlette's BaseHTTPMiddleware would
+    relay every chunk through a queue)."""
+
+    def __init__(self, app: Any, counter: Counter, endpoints: frozenset[str]) -> None:
+        self.app, self.counter, self.endpoints = app, counter, endpoints
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500  # if the app fails before it starts a response
+
+        async def send_status(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope.get("path", "")
+            self.counter.labels(path if path in self.endpoints else "other", str(status)).inc()
+
+
+async def _fetch(handle: Any, deadline_s: float) -> str | None:
+    try:
+        data = await asyncio.wait_for(handle.metrics.remote(), timeout=deadline_s)
+    except Exception as e:  # noqa: BLE001 - a dead, slow or broken worker is reported by worker_up
+        log.debug("metrics fetch failed: %r", e)
+        return None
+    return data.decode() if isinstance(data, bytes) else str(data)
+
+
+def _parse(worker: str, text: str) -> list[Metric] | None:
+    try:
+        return list(text_string_to_metric_families(text))
+    except Exception as e:  # noqa: BLE001 - one bad worker must not break the scrape
+        log.warning("metrics of %s do not parse: %r", worker, e)
+        return None
+
+
+def _merge_into(merged: dict[str, Metric], families: Iterable[Metric]) -> None:
+    """Add `families`' samples to `merged`, one family per name."""
+    for fam in families:
+        have = merged.get(fam.name)
+        if have is None:
+            copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            copy.samples = list(fam.samples)
+            merged[fam.name] = copy
+        elif have.type != fam.type:
+            log.warning("metric %s is a %s here and a %s elsewhere; dropped", fam.name, fam.type, have.type)
+        else:
+            have.samples.extend(fam.samples)
+
+
+class _Families:
+    """Already-collected families, as something `generate_latest` renders."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+class _RouterCollector:
+    """`pdserve:router_*` from the router's own counters, every reason from the start."""
+
+    def __init__(self, stats: Callable[[], RouterStats | None]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        decisions = CounterMetricFamily("pdserve:router_decisions",
+                                        "Routing decisions by role and reason (disaggregated)", labels=["role", "reason"])
+        for reason in RouteReason:
+            decisions.add_metric(["prefill", reason.value], stats.decisions[reason] if stats else 0)
+        for d_reason in DecodeReason:
+            decisions.add_metric(["decode", d_reason.value], stats.decode_decisions[d_reason] if stats else 0)
+        yield decisions
+        cached = CounterMetricFamily("pdserve:router_cached_prompt_tokens",
+                                     "Prompt tokens the chosen prefill worker already held (router's index)")
+        cached.add_metric([], stats.cached_prompt_tokens if stats else 0)
+        yield cached

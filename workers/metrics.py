@@ -1,0 +1,195 @@
+"""One worker's Prometheus metrics (its own registry), labelled by pool and worker name.
+
+Three feeds, each on the thread that owns its data:
+  * engine steps: `observe_step` is one of the engine's step observers (engine thread);
+  * KV transfers: `on_handoff` / `on_failure` (a `TransferRecorder`), from the
+    transport's caller (the engine thread) or the decode worker;
+  * engine counters and gauges: `sample(engine)` copies them into an immutable
+    `EngineSample`; the owner runs it on the engine thread (`AsyncEngine.call`)
+    just before rendering, so nothing here reads the scheduler's lists while
+    the scheduler changes them.
+`render()` may run on any thread: it reads the last sample and the
+prometheus_client metrics (which lock their own values).
+
+Names and semantics are the metric contract the dashboards and alert rules
+are written against (deploy/); every label set exists from the first scrape.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pdserve.workers.messages import FailReason
+
+if TYPE_CHECKING:
+    from pdserve.workers.engine import LLMEngine, StepStats
+
+PREFILL_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+LABELS = ("pool", "worker")
+
+
+class Pool(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class EngineSample:
+    """Engine counters and gauges at one instant (taken on the engine thread)."""
+
+    kv_usage: float = 0.0  # used blocks / total blocks
+    running: int = 0
+    waiting: int = 0  # queued, plus (decode) reserved requests whose KV has not arrived
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of those, tokens found there
+    preemptions: int = 0
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineSample:
+        """Engine thread only."""
+        pool, sched, st = engine.kv.pool, engine.scheduler, engine.stats
+        return cls(
+            kv_usage=pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
+            running=len(sched.running), waiting=len(sched.waiting) + len(sched.awaiting_kv),
+            # The scheduler's counter is current (a decode reservation adds to it
+            # at once); the stats copy of it trails by one step.
+            prefix_queries=st.prompt_tokens, prefix_hits=max(st.prompt_tokens_cached, sched.num_cached_prompt_tokens),
+            preemptions=st.preemptions, spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
+            spec_accepted_tokens=st.spec_accepted_tokens,
+            spec_accepted_per_position=tuple(st.spec_accepted_per_position))
+
+
+class WorkerMetrics:
+    """The registry of one worker. `num_speculative_tokens` fixes the draft
+    positions exported from the start (k; more appear if the engine drafts more)."""
+
+    def __init__(self, pool: Pool, worker: str, num_speculative_tokens: int = 0) -> None:
+        self.pool, self.worker = Pool(pool), worker
+        self.registry = CollectorRegistry()
+        self._sample = EngineSample()
+        self._positions = num_speculative_tokens
+        labels = (self.pool.value, worker)
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, LABELS, buckets=buckets, registry=self.registry).labels(*labels)
+
+        self._prefill_tokens = hist("pdserve:iteration_prefill_tokens",
+                                    "Prompt tokens computed per engine step (steps that computed any)",
+                                    PREFILL_TOKEN_BUCKETS)
+        self._decode_batch = hist("pdserve:iteration_decode_batch_size",
+                                  "Sequences decoding (or verifying drafts) per engine step (steps with any)",
+                                  DECODE_BATCH_BUCKETS)
+        self._step_seconds = hist("pdserve:engine_step_duration_seconds",
+                                  "Wall time of engine steps that ran the model", STEP_SECONDS_BUCKETS)
+        self._transfer_seconds = hist("pdserve:kv_transfer_duration_seconds",
+                                      "Per request handoff on the sending side: first KV send to the receiver's "
+                                      "verified DONE", TRANSFER_SECONDS_BUCKETS)
+        self._transfer_bytes = Counter("pdserve:kv_transfer_bytes", "K/V bytes sent to decode workers (sending side)",
+                                       LABELS, registry=self.registry).labels(*labels)
+        failures = Counter("pdserve:kv_transfer_failures", "KV transfers failed, by kind, on the side that saw it",
+                           (*LABELS, "kind"), registry=self.registry)
+        self._failures = {r.value: failures.labels(*labels, r.value) for r in FailReason}
+        self._failures_family = failures
+        self.registry.register(_EngineCollector(self))
+
+    # -- feeds -----------------------------------------------------------------
+
+    def attach(self, engine: LLMEngine) -> None:
+        """Observe the engine's steps. Call before its thread starts stepping."""
+        engine.step_observers.append(self.observe_step)
+
+    def observe_step(self, step: StepStats) -> None:
+        self._step_seconds.observe(step.duration_s)
+        if step.prefill_tokens:
+            self._prefill_tokens.observe(step.prefill_tokens)
+        if step.decode_seqs:
+            self._decode_batch.observe(step.decode_seqs)
+
+    def on_handoff(self, nbytes: int, duration_s: float) -> None:
+        self._transfer_bytes.inc(nbytes)
+        self._transfer_seconds.observe(duration_s)
+
+    def on_failure(self, kind: str) -> None:
+        child = self._failures.get(kind)
+        if child is None:  # a kind this version did not pre-create: still counted
+            child = self._failures[kind] = self._failures_family.labels(self.pool.value, self.worker, kind)
+        child.inc()
+
+    def sample(self, engine: LLMEngine) -> None:
+        """Engine thread: refresh the counters and gauges `render` exports."""
+        self._sample = EngineSample.of(engine)
+
+    # -- output ----------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The text exposition of this worker's metrics."""
+        return generate_latest(WithoutCreated(self.registry))  # type: ignore[arg-type]
+
+
+class _EngineCollector:
+    """Exports the last `EngineSample` (counters are the engine's own monotonic totals)."""
+
+    def __init__(self, owner: WorkerMetrics) -> None:
+        self._owner = owner
+
+    def collect(self) -> Iterator[Metric]:
+        o, s = self._owner, self._owner._sample
+        labels = [o.pool.value, o.worker]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=LABELS)
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=LABELS)
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("pdserve:kv_cache_usage_perc", "KV cache usage (0..1): used blocks / total blocks", s.kv_usage)
+        yield gauge("pdserve:num_requests_running", "Requests in the running batch", s.running)
+        yield gauge("pdserve:num_requests_waiting", "Requests queued (decode: including those awaiting their KV)",
+                    s.waiting)
+        yield counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_queries)
+        yield counter("pdserve:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_hits)
+        yield counter("pdserve:num_preemptions", "Requests preempted (blocks freed, recomputed later)", s.preemptions)
+        yield counter("pdserve:spec_decode_num_drafts", "Speculative verification passes", s.spec_drafts)
+        yield counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed for verification",
+                      s.spec_draft_tokens)
+        yield counter("pdserve:spec_decode_num_accepted_tokens", "Draft tokens the target accepted",
+                      s.spec_accepted_tokens)
+        per_pos = CounterMetricFamily("pdserve:spec_decode_num_accepted_tokens_per_pos",
+                                      "Accepted draft tokens by draft position (0: first draft)",
+                                      labels=(*LABELS, "position"))
+        accepted = s.spec_accepted_per_position
+        for i in range(max(o._positions, len(accepted))):
+            per_pos.add_metric([*labels, str(i)], accepted[i] if i < len(accepted) else 0)
+        yield per_pos
+
+
+class WithoutCreated:
+    """A view of a registry without prometheus_client's `*_created` samples:
+    they are not in the contract, and would double the series of every counter."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        for m in self._registry.collect():
+            clean = Metric(m.name, m.documentation, m.type, m.unit)
+            clean.samples = [s for s in m.samples if not s.name.endswith("_created")]
+            yield clean
