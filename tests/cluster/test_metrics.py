@@ -1,0 +1,316 @@
+"""The gateway's `GET /metrics`: latencies of a backend with known delays land in
+the right buckets, errors are counted by code, workers' expositions merge into
+one valid exposition within the scrape deadline, and on local Ray every family
+of the metric contract is there for every worker."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from factories import LocalActor, tiny_spec
+from pdserve import LLM
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.openai_app import build_app
+from pdserve.cluster.router import Router, RouterConfig, WorkerLoad, WorkerRole
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.metrics import Pool, WorkerMetrics
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+MODEL = "tiny"
+
+GATEWAY_FAMILIES = [
+    "pdserve:time_to_first_token_seconds", "pdserve:time_per_output_token_seconds",
+    "pdserve:inter_token_latency_seconds", "pdserve:e2e_request_latency_seconds", "pdserve:request_queue_time_seconds",
+    "pdserve:prompt_tokens", "pdserve:generation_tokens", "pdserve:request_success", "pdserve:request_errors",
+    "pdserve:num_requests_in_flight", "pdserve:num_requests_queued", "pdserve:gateway_requests", "pdserve:worker_up",
+    "pdserve:router_decisions", "pdserve:router_cached_prompt_tokens",
+]
+WORKER_FAMILIES = [
+    "pdserve:kv_cache_usage_perc", "pdserve:num_requests_running", "pdserve:num_requests_waiting",
+    "pdserve:prefix_cache_queries", "pdserve:prefix_cache_hits", "pdserve:num_preemptions",
+    "pdserve:iteration_prefill_tokens", "pdserve:iteration_decode_batch_size", "pdserve:engine_step_duration_seconds",
+    "pdserve:spec_decode_num_drafts", "pdserve:spec_decode_num_draft_tokens", "pdserve:spec_decode_num_accepted_tokens",
+    "pdserve:spec_decode_num_accepted_tokens_per_pos", "pdserve:kv_transfer_bytes",
+    "pdserve:kv_transfer_duration_seconds", "pdserve:kv_transfer_failures",
+]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def parse(text: str) -> dict[str, Any]:
+    """Family name -> family; fails on a family that appears twice."""
+    families = list(text_string_to_metric_families(text))
+    names = Counter(f.name for f in families)
+    assert all(n == 1 for n in names.values()), [k for k, n in names.items() if n > 1]
+    types = Counter(line.split()[2] for line in text.splitlines() if line.startswith("# TYPE"))
+    assert all(n == 1 for n in types.values()), types
+    return {f.name: f for f in families}
+
+
+def sample(fams: dict[str, Any], name: str, **labels: str) -> float:
+    family = name.removesuffix("_total").removesuffix("_bucket").removesuffix("_count").removesuffix("_sum")
+    (s,) = [s for s in fams[family].samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+    return s.value
+
+
+def bucket_counts(fams: dict[str, Any], family: str) -> dict[str, float]:
+    return {s.labels["le"]: s.value for s in fams[family].samples if s.name == f"{family}_bucket"}
+
+
+def only_in(fams: dict[str, Any], family: str, lo: str, hi: str) -> bool:
+    """Every observation of `family` is in the bucket (lo, hi]."""
+    b = bucket_counts(fams, family)
+    return b[lo] == 0 and b[hi] == b["+Inf"] > 0
+
+
+class TimedBackend:
+    """Tokens at known times: the first after 0.35 s, then 1 token after 0.25 s,
+    2 tokens after 0.5 s, 1 token after 0.25 s. Queue time 0.12 s on the first
+    output (later outputs say otherwise: only the first counts)."""
+
+    healthy = True
+    num_in_flight = 0
+    plan = [(0.35, 1), (0.25, 1), (0.5, 2), (0.25, 1)]
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        for i, (delay, n) in enumerate(self.plan):
+            await asyncio.sleep(delay)
+            last = i == len(self.plan) - 1
+            yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x" * n, [7] * n,
+                                                                            finish_reason="length" if last else None)],
+                                finished=last, metrics={"queue_time_s": 0.12 if i == 0 else 0.9})
+
+
+def test_latencies_of_known_delays_land_in_their_buckets(tokenizer: Any) -> None:
+    gw = Gateway(TimedBackend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+
+    async def main() -> tuple[dict, dict, dict]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 5, "stream": True}
+            req = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.15)
+            before_first = parse((await c.get("/metrics")).text)
+            await asyncio.sleep(0.5)
+            after_first = parse((await c.get("/metrics")).text)
+            r = await req
+            assert r.status_code == 200 and "[DONE]" in r.text
+            return before_first, after_first, parse((await c.get("/metrics")).text)
+
+    before_first, after_first, f = asyncio.run(main())
+    assert sample(before_first, "pdserve:num_requests_in_flight") == 1
+    assert sample(before_first, "pdserve:num_requests_queued") == 1
+    assert sample(after_first, "pdserve:num_requests_queued") == 0
+    assert sample(after_first, "pdserve:num_requests_in_flight") == 1
+    assert sample(f, "pdserve:num_requests_in_flight") == sample(f, "pdserve:num_requests_queued") == 0
+
+    assert sample(f, "pdserve:time_to_first_token_seconds_count") == 1
+    assert only_in(f, "pdserve:time_to_first_token_seconds", "0.3", "0.4")
+    assert sample(f, "pdserve:inter_token_latency_seconds_count") == 4  # 1 + 2 (the 2-token chunk) + 1
+    assert only_in(f, "pdserve:inter_token_latency_seconds", "0.2", "0.3")
+    assert sample(f, "pdserve:time_per_output_token_seconds_count") == 1  # (1.0 s) / (5 - 1)
+    assert only_in(f, "pdserve:time_per_output_token_seconds", "0.2", "0.3")
+    assert only_in(f, "pdserve:e2e_request_latency_seconds", "1.0", "2.5")
+    assert sample(f, "pdserve:request_queue_time_seconds_count") == 1
+    assert only_in(f, "pdserve:request_queue_time_seconds", "0.1", "0.15")
+    assert sample(f, "pdserve:prompt_tokens_total") == 3 and sample(f, "pdserve:generation_tokens_total") == 5
+    assert sample(f, "pdserve:request_success_total", finished_reason="length") == 1
+    assert sample(f, "pdserve:request_success_total", finished_reason="stop") == 0
+    assert sample(f, "pdserve:gateway_requests_total", endpoint="/v1/completions", status="200") == 1
+    assert sample(f, "pdserve:gateway_requests_total", endpoint="/metrics", status="200") == 2
+
+
+class FailingBackend:
+    """Sends one token, then fails the way `error` says."""
+
+    healthy = True
+    num_in_flight = 0
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x", [7])], finished=False)
+        raise self.error
+
+
+def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: Any) -> None:
+    cfg = GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret")
+    gw = Gateway(FailingBackend(TimeoutError("deadline")), tokenizer, cfg)
+    app = build_app(gw)
+    auth = {"Authorization": "Bearer sekret"}
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            ok = {"model": MODEL, "prompt": "hi", "max_tokens": 4}
+            assert (await c.post("/v1/completions", json=ok)).status_code == 401
+            assert (await c.post("/v1/completions", json=ok, headers={"Authorization": "Bearer no"})).status_code == 401
+            assert (await c.post("/v1/completions", json={**ok, "max_tokens": 0}, headers=auth)).status_code == 400
+            assert (await c.post("/v1/completions", json={**ok, "top_p": 7}, headers=auth)).status_code == 400
+            assert (await c.post("/v1/completions", json={**ok, "model": "gpt-4"}, headers=auth)).status_code == 404
+            assert (await c.post("/v1/completions", json=ok, headers=auth)).status_code == 504  # not streamed
+            r = await c.post("/v1/completions", json={**ok, "stream": True}, headers=auth)
+            assert r.status_code == 200 and '"code": 504' in r.text  # reported in-band
+            gw.backend = FailingBackend(RuntimeError("worker died"))
+            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}],
+                                                           "stream": True}, headers=auth)
+            assert '"code": 500' in r.text
+            return parse((await c.get("/metrics")).text)
+
+    f = asyncio.run(main())
+    errors = {s.labels["code"]: s.value for s in f["pdserve:request_errors"].samples}
+    assert errors == {"400": 2, "401": 2, "404": 1, "429": 0, "499": 0, "500": 1, "503": 0, "504": 2}
+    assert sum(s.value for s in f["pdserve:request_success"].samples) == 0
+    # The requests that failed after their first token still had one.
+    assert sample(f, "pdserve:time_to_first_token_seconds_count") == 3
+    assert sample(f, "pdserve:num_requests_in_flight") == sample(f, "pdserve:num_requests_queued") == 0
+
+
+class FakeWorker:
+    def __init__(self, metrics: WorkerMetrics | None) -> None:
+        self.m = metrics
+
+    async def metrics(self) -> bytes:
+        if self.m is None:
+            await asyncio.sleep(30)  # hangs past any deadline
+        return self.m.render()
+
+
+class WorkersBackend(TimedBackend):
+    plan = [(0.0, 1), (0.0, 1)]
+
+    def __init__(self, workers: dict[str, tuple[str, Any]], router: Router) -> None:
+        self.workers, self.router = workers, router
+
+    def worker_handles(self) -> dict[str, tuple[str, Any]]:
+        return self.workers
+
+
+def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: Any) -> None:
+    p0, d0 = WorkerMetrics(Pool.PREFILL, "pdserve-prefill-0"), WorkerMetrics(Pool.DECODE, "pdserve-decode-0")
+    p0.on_failure("checksum")
+    d0.on_handoff(1000, 0.02)  # (a receiver never does; here it tells the workers' samples apart)
+    router = Router(RouterConfig(), block_size=16)
+    router.update_load(WorkerLoad("p0", WorkerRole.PREFILL, total_blocks=64, free_blocks=64))
+    router.update_load(WorkerLoad("d0", WorkerRole.DECODE, total_blocks=64, free_blocks=64))
+    decision = router.route("r", list(range(5, 200)))
+    workers = {"pdserve-prefill-0": ("prefill", LocalActor(FakeWorker(p0))),
+               "pdserve-decode-0": ("decode", LocalActor(FakeWorker(d0))),
+               "pdserve-decode-1": ("decode", LocalActor(FakeWorker(None)))}
+    gw = Gateway(WorkersBackend(workers, router), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+
+    async def main() -> tuple[str, float]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            t0 = time.monotonic()
+            r = await c.get("/metrics")
+            return r.text, time.monotonic() - t0
+
+    text, took = asyncio.run(main())
+    assert took < 2.0 + 1.0  # the 2 s fetch deadline, plus parsing, on a loaded machine
+    f = parse(text)
+    up = {s.labels["worker"]: s.value for s in f["pdserve:worker_up"].samples}
+    assert up == {"pdserve-prefill-0": 1, "pdserve-decode-0": 1, "pdserve-decode-1": 0}
+    # One family, samples of both workers.
+    assert sample(f, "pdserve:kv_transfer_failures_total", worker="pdserve-prefill-0", kind="checksum") == 1
+    assert sample(f, "pdserve:kv_transfer_failures_total", worker="pdserve-decode-0", kind="checksum") == 0
+    assert sample(f, "pdserve:kv_transfer_bytes_total", worker="pdserve-decode-0") == 1000
+    assert {s.labels["worker"] for s in f["pdserve:kv_cache_usage_perc"].samples} == {"pdserve-prefill-0",
+                                                                                     "pdserve-decode-0"}
+    assert sample(f, "pdserve:router_decisions_total", role="prefill", reason=decision.reason.value) == 1
+    assert sample(f, "pdserve:router_decisions_total", role="decode", reason=decision.decode_reason.value) == 1
+    assert sum(s.value for s in f["pdserve:router_decisions"].samples) == 2
+    assert sample(f, "pdserve:router_cached_prompt_tokens_total") == decision.cached_prompt_tokens
+    assert not any(name.endswith("_created") for name in f)
+
+
+def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> None:
+    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False)
+    engine = AsyncEngine(llm.engine)
+    gw = Gateway(engine, tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            for stream in (True, False):
+                body = {"model": MODEL, "prompt": [5, 6, 7, 8], "max_tokens": 6, "stream": stream, "ignore_eos": True}
+                assert (await c.post("/v1/completions", json=body)).status_code == 200
+            return parse((await c.get("/metrics")).text)
+
+    try:
+        f = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sample(f, "pdserve:generation_tokens_total") == llm.engine.stats.generation_tokens == 12
+    assert sample(f, "pdserve:prompt_tokens_total") == llm.engine.stats.prompt_tokens == 8
+    assert sample(f, "pdserve:request_success_total", finished_reason="length") == 2
+    assert sample(f, "pdserve:request_queue_time_seconds_count") == 2  # the engine's queue time, once per request
+    assert sample(f, "pdserve:time_per_output_token_seconds_count") == 2
+
+
+# -- end to end on local Ray ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served(model_dir: Path) -> Iterator[tuple[str, Any]]:
+    ray = pytest.importorskip("ray")
+    from pdserve.cluster import serve_app
+
+    port = 20000 + os.getpid() % 1000
+    cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256,
+                                engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
+    serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
+    try:
+        serve_app.run(cfg, block=False)
+        yield f"http://127.0.0.1:{port}", cfg
+    finally:
+        serve_app.shutdown(cfg)
+        ray.shutdown()
+
+
+def test_one_scrape_has_every_contract_family_for_every_worker(served: tuple[str, Any]) -> None:
+    url, cfg = served
+    body = {"model": os.path.basename(cfg.model), "max_tokens": 8, "stream": True, "ignore_eos": True}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for i in range(3):  # long enough for the prefill worker (not a local prefill on the decode worker)
+            r = c.post("/v1/completions", json={**body, "prompt": list(range(10 + i, 90 + i))})
+            assert r.status_code == 200 and "[DONE]" in r.text
+        f = parse(c.get("/metrics").text)
+
+    workers = {("prefill", n) for n in cfg.prefill_names()} | {("decode", n) for n in cfg.decode_names()}
+    for name in GATEWAY_FAMILIES + WORKER_FAMILIES:
+        assert name in f and f[name].samples, name
+    for name in WORKER_FAMILIES:
+        assert {(s.labels["pool"], s.labels["worker"]) for s in f[name].samples} == workers, name
+    assert {(s.labels["pool"], s.labels["worker"]): s.value for s in f["pdserve:worker_up"].samples} == \
+        dict.fromkeys(workers, 1)
+    assert sample(f, "pdserve:time_to_first_token_seconds_count") == 3
+    assert sample(f, "pdserve:generation_tokens_total") == 24
+    assert sample(f, "pdserve:request_queue_time_seconds_count") == 3
+    assert sample(f, "pdserve:kv_transfer_bytes_total", worker="pdserve-prefill-0") > 0
+    assert sample(f, "pdserve:kv_transfer_duration_seconds_count", worker="pdserve-prefill-0") == 3
+    assert sum(s.value for s in f["pdserve:router_decisions"].samples if s.labels["role"] == "prefill") == 3

@@ -1,0 +1,172 @@
+"""A worker's metrics against engine truth: a tiny engine runs requests in this
+process (no Ray), and what the worker's exposition says must equal what the
+engine and the KV transport did."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from factories import tiny_spec
+from pdserve import LLM, SamplingParams
+from pdserve.workers.decode_worker import DecodeWorker
+from pdserve.workers.metrics import Pool, WorkerMetrics
+from pdserve.workers.prefill_worker import PrefillWorker
+from pdserve.workers.tiny.builder import TinyModelSpec
+from pdserve.workers.transfer.base import TransferError
+from pdserve.workers.transfer.faults import Faults
+from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def scrape(m: WorkerMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Sample name + labels (without pool/worker, which must be this worker's) -> value."""
+    out = {}
+    for fam in text_string_to_metric_families(m.render().decode()):
+        for s in fam.samples:
+            labels = dict(s.labels)
+            assert (labels.pop("pool"), labels.pop("worker")) == (m.pool.value, m.worker), s
+            out[(s.name, tuple(sorted(labels.items())))] = s.value
+    return out
+
+
+def value(samples: dict, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def make_llm(model_dir: Path, **kw: object) -> LLM:
+    return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, block_size=BS, progress=False, **kw)
+
+
+def engine(model_dir: Path, **kw: object):  # noqa: ANN201
+    return make_llm(model_dir, **kw).engine
+
+
+def test_counters_and_step_histograms_equal_engine_truth(model_dir: Path) -> None:
+    llm = make_llm(model_dir, max_num_batched_tokens=32)
+    e = llm.engine
+    m = WorkerMetrics(Pool.COLOCATED, "w0", e.config.num_speculative_tokens)
+    m.attach(e)
+    prompt = torch.randint(5, 4000, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    (first,) = llm.generate([prompt], params, use_tqdm=False)
+    (again,) = llm.generate([prompt], params, use_tqdm=False)  # its full blocks come from the prefix cache
+    m.sample(e)
+    s = scrape(m)
+
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
+    assert value(s, "pdserve:prefix_cache_hits_total") == 64 == e.stats.prompt_tokens_cached
+    assert value(s, "pdserve:prefix_cache_queries_total") == 2 * 70
+    # One observation per model step; prompt tokens per step add up to the computed ones.
+    assert value(s, "pdserve:engine_step_duration_seconds_count") == e.stats.steps > 0
+    assert value(s, "pdserve:iteration_prefill_tokens_sum") == e.stats.prompt_tokens_computed == 70 + 6
+    # 70 tokens in chunks of 32: 32 + 32 + 6; then 6 for the cached rerun.
+    assert value(s, "pdserve:iteration_prefill_tokens_count") == 4
+    assert value(s, "pdserve:iteration_prefill_tokens_bucket", le="32.0") == 4
+    assert value(s, "pdserve:iteration_prefill_tokens_bucket", le="4.0") == 0
+    # Each request decodes 4 tokens after the one its prefill sampled, alone in its batch.
+    assert value(s, "pdserve:iteration_decode_batch_size_count") == 8
+    assert value(s, "pdserve:iteration_decode_batch_size_bucket", le="1.0") == 8
+    assert value(s, "pdserve:kv_cache_usage_perc") == 0.0
+    assert value(s, "pdserve:num_requests_running") == value(s, "pdserve:num_requests_waiting") == 0
+    assert value(s, "pdserve:num_preemptions_total") == e.stats.preemptions == 0
+    # Series that nothing has touched exist from the first scrape.
+    assert value(s, "pdserve:kv_transfer_failures_total", kind="timeout") == 0
+    assert value(s, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 0
+
+
+def test_gauges_while_requests_run(model_dir: Path) -> None:
+    e = engine(model_dir, max_num_seqs=1)
+    m = WorkerMetrics(Pool.COLOCATED, "w0")
+    for i in range(3):
+        e.add_request(f"r{i}", [5 + i] * 40, SamplingParams(max_tokens=8, ignore_eos=True))
+    e.step()
+    m.sample(e)
+    s = scrape(m)
+    assert value(s, "pdserve:num_requests_running") == 1 and value(s, "pdserve:num_requests_waiting") == 2
+    assert value(s, "pdserve:kv_cache_usage_perc") == pytest.approx(e.kv.pool.num_used / 64) and e.kv.pool.num_used > 0
+
+
+def test_speculative_counters_equal_engine_truth(model_dir: Path) -> None:
+    llm = make_llm(model_dir, speculative="ngram", num_speculative_tokens=3)
+    e = llm.engine
+    m = WorkerMetrics(Pool.DECODE, "d0", 3)
+    m.attach(e)
+    llm.generate([[7, 8, 9, 10] * 10], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    m.sample(e)
+    s = scrape(m)
+    st = e.stats
+    assert st.spec_drafts > 0
+    assert value(s, "pdserve:spec_decode_num_drafts_total") == st.spec_drafts
+    assert value(s, "pdserve:spec_decode_num_draft_tokens_total") == st.spec_draft_tokens
+    assert value(s, "pdserve:spec_decode_num_accepted_tokens_total") == st.spec_accepted_tokens
+    per_pos = [value(s, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
+    assert per_pos == (st.spec_accepted_per_position + [0, 0, 0])[:3]
+    assert sum(per_pos) == st.spec_accepted_tokens
+    assert value(s, "pdserve:engine_step_duration_seconds_count") == st.steps
+
+
+def pair(model_dir: Path, faults: Faults | None = None) -> tuple[PrefillWorker, DecodeWorker, WorkerMetrics, WorkerMetrics]:
+    p_engine, d_engine = engine(model_dir), engine(model_dir)
+    pm, dm = WorkerMetrics(Pool.PREFILL, "p0"), WorkerMetrics(Pool.DECODE, "d0")
+    receiver = InProcessReceiver(d_engine.kv_caches)
+    sender = InProcessSender(p_engine.kv_caches, receiver, faults)
+    return (PrefillWorker(p_engine, lambda addr: sender, transfer_recorder=pm),
+            DecodeWorker(d_engine, receiver, transfer_recorder=dm), pm, dm)
+
+
+async def handoff(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[int, bool]:
+    """One request through prefill -> transfer -> decode; (tokens cached on decode, transfer ok)."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    plan = await d.reserve(rid, prompt, params)
+    assert plan is not None
+    blocks, cached = plan
+    try:
+        first = await p.prefill(rid, prompt, params, blocks, cached, "inproc", timeout_s=5)
+    except TransferError:
+        first = None
+    async for _ in d.decode(rid, prompt, first, cached, timeout_s=10):
+        pass
+    return cached, first is not None
+
+
+def test_kv_transfer_bytes_equal_the_blocks_sent(model_dir: Path) -> None:
+    p, d, pm, dm = pair(model_dir)
+    prompt = list(range(5, 5 + 50))  # 4 blocks, the last one partial
+
+    cached, ok = asyncio.run(handoff(p, d, "t", prompt))
+    assert ok and cached == 0
+    k, _ = p.engine.kv_caches[0]
+    per_block_layer = 2 * k[0].numel() * k.element_size()  # K and V of one block of one layer
+    s = scrape(pm)
+    assert value(s, "pdserve:kv_transfer_bytes_total") == 4 * p.engine.model_config.num_layers * per_block_layer
+    assert value(s, "pdserve:kv_transfer_duration_seconds_count") == 1
+    assert 0 < value(s, "pdserve:kv_transfer_duration_seconds_sum") < 5
+    assert all(v == 0 for (name, _), v in s.items() if name == "pdserve:kv_transfer_failures_total")
+    assert value(scrape(dm), "pdserve:kv_transfer_bytes_total") == 0  # the receiving side sends nothing
+
+
+def test_a_corrupted_transfer_is_counted_once_by_kind(model_dir: Path) -> None:
+    faults = Faults()
+    faults.corrupt(layer=1)
+    p, d, pm, dm = pair(model_dir, faults)
+
+    _, ok = asyncio.run(handoff(p, d, "c", list(range(100, 140))))
+    assert not ok and d.num_transfer_failures == 1
+    s = scrape(pm)
+    assert value(s, "pdserve:kv_transfer_failures_total", kind="checksum") == 1
+    assert sum(v for (name, _), v in s.items() if name == "pdserve:kv_transfer_failures_total") == 1
+    assert value(s, "pdserve:kv_transfer_duration_seconds_count") == 0  # no completed handoff
+    # The decode worker recomputed the prompt and saw no transfer fail itself: counted once, on the sender.
+    assert sum(v for (name, _), v in scrape(dm).items() if name == "pdserve:kv_transfer_failures_total") == 0
