@@ -74,8 +74,8 @@ class BenchConfig:
             v = getattr(self, f.name)
             if isinstance(v, Enum):
                 v = v.value
-            elif isinstance(v, SLO):  # ms, as given on the command line
-                out["slo_ms"] = {k: s * 1000 for k, s in v.as_dict().items()}
+            elif f.name == "slo":  # ms, as given on the command line
+                out["slo_ms"] = None if v is None else {k: s * 1000 for k, s in v.as_dict().items()}
                 continue
             elif isinstance(v, TokenRange):
                 v = [v.lo, v.hi]

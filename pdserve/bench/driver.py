@@ -70,7 +70,7 @@ def schedule(cfg: BenchConfig, reqs: list[BenchRequest], rate: float | None) -> 
 @dataclass
 class Session:
     cfg: BenchConfig
-    out: TextIO = sys.stdout
+    out: TextIO = field(default_factory=lambda: sys.stdout)  # looked up late: tests swap sys.stdout
     runs: list[Run] = field(default_factory=list)
     model: str | None = None
     _reqs: list[BenchRequest] = field(default_factory=list)
