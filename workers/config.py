@@ -37,13 +37,15 @@ class EngineConfig:
     spec_ngram_min: int = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
     spec_ngram_max: int = 4  # longest suffix tried (vLLM: prompt_lookup_max)
     # Adaptive draft length: the i-th draft of a request is made only while its
-    # chance of acceptance, (rolling acceptance rate)^i, is at least
-    # `spec_token_cost` (what verifying one drafted token costs relative to a
-    # decode step); no drafts at all while more than `spec_max_batch_size`
-    # requests decode (a big batch is compute-bound: verification is no longer free).
-    # Measured on the 2-core CPU (bench/spec_decode.py, docs/speculative.md):
-    # n-gram paid 1.3-1.5x at batch 1 and lost (0.73-0.85x) from batch 4 up.
-    spec_token_cost: float = 0.25
+    # chance of acceptance, (rolling acceptance rate)^i, is at least the token
+    # cost: the price of a draft (extra verification time + proposing it)
+    # relative to what a plain decode step spends per sequence. None: measured
+    # while serving (workers/spec/cost.py); a number in (0, 1) pins it.
+    # No drafts at all while more than `spec_max_batch_size` requests decode (a
+    # big batch is compute-bound: verification is no longer free). Measured on
+    # the 2-core CPU (bench/spec_decode.py, docs/speculative.md): n-gram paid
+    # 1.3-1.5x at batch 1 and lost (0.73-0.85x) from batch 4 up.
+    spec_token_cost: float | None = None
     spec_max_batch_size: int = 2
     seed: int = 0
     progress: bool = False
@@ -72,7 +74,7 @@ class EngineConfig:
         for name in ("num_speculative_tokens", "spec_ngram_min", "spec_ngram_max"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be a positive integer, got {getattr(self, name)!r}")
-        if not 0.0 < self.spec_token_cost < 1.0:
+        if self.spec_token_cost is not None and not 0.0 < self.spec_token_cost < 1.0:
             raise ValueError(f"spec_token_cost: must be in (0, 1), got {self.spec_token_cost}")
         if not isinstance(self.spec_max_batch_size, int) or self.spec_max_batch_size < 0:
             raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -30,8 +31,9 @@ from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
 from pdserve.workers.model_runner import SpecResult
+from pdserve.workers.spec.cost import Price, SpecCostModel
 from pdserve.workers.spec.draft import DraftModelProposer
-from pdserve.workers.spec.ngram import NgramProposer
+from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer
 
 
 @dataclass
@@ -69,6 +71,8 @@ class StepStats:
 
 _SPEC_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
 _SPEC_PROBE_STEPS = 16
+_SPEC_PROBE_BUDGET = 1 / 64  # share of decode time probes may spend (a probe costs its price)
+_SPEC_PRIOR_COST = 0.25  # per-token price until measured (roughly the n-gram price on the 2-core CPU)
 
 
 class LLMEngine:
@@ -95,6 +99,8 @@ class LLMEngine:
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
         self.proposer: NgramProposer | DraftModelProposer | None = None
+        fixed_cost = config.spec_token_cost is not None
+        self.spec_cost = SpecCostModel(config.spec_token_cost if fixed_cost else _SPEC_PRIOR_COST, fixed=fixed_cost)
         if config.speculative == "ngram":
             self.proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
         elif config.speculative == "draft":
@@ -235,10 +241,12 @@ class LLMEngine:
         self.stats.steps += 1
         outputs.extend(self._process_samples(result.sampled, result.output))
         outputs.extend(self._process_spec(result.spec))
+        scheduled_tokens = sum(s.num_tokens for s in sched.scheduled)
+        if self.proposer is not None and prefill_tokens == 0:
+            self.spec_cost.observe_step(len(sched.scheduled), scheduled_tokens, time.perf_counter() - t0)
         self._propose()
         if self.step_observers:
-            step = StepStats(time.perf_counter() - t0, prefill_tokens, decode_seqs,
-                             sum(s.num_tokens for s in sched.scheduled))
+            step = StepStats(time.perf_counter() - t0, prefill_tokens, decode_seqs, scheduled_tokens)
             for observe in self.step_observers:
                 observe(step)
         return outputs
@@ -312,8 +320,10 @@ class LLMEngine:
             return
         if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
             self.proposer.retain({r.request_id for r in self.scheduler.running})
-        if len(self.scheduler.running) > self.config.spec_max_batch_size:
+        batch = len(self.scheduler.running)
+        if batch > self.config.spec_max_batch_size or self.spec_cost.wants_plain_step(batch):
             return
+        price = self.spec_cost.price(batch)
         candidates: list[tuple[Request, int]] = []
         for req in self.scheduler.running:
             p = req.params
@@ -322,31 +332,43 @@ class LLMEngine:
             if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative
                     or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
                 continue
-            k = min(self._draft_length(req), req.max_tokens - req.num_output_tokens - 1,
+            k = min(self._draft_length(req, price), req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 candidates.append((req, k))
+        if not candidates:
+            return
+        start = time.perf_counter()
         if isinstance(self.proposer, DraftModelProposer):
             drafts = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
         else:
-            drafts = [self.proposer.propose(r.all_token_ids, k).tolist() for r, k in candidates]
+            drafts = [self.proposer.propose(_token_array(r), k).tolist() for r, k in candidates]
+        self.spec_cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
         for (req, _), d in zip(candidates, drafts):
             req.spec_token_ids = d
             if d:
                 req.spec_idle_steps = 0
 
-    def _draft_length(self, req: Request) -> int:
-        """How many drafts pay for this request: the i-th draft is kept only if it
-        is accepted with probability >= spec_token_cost, i.e. acceptance^i >=
-        cost. A request whose rate fell below the cost stops drafting, and probes
-        with one draft every _SPEC_PROBE_STEPS steps so it can recover."""
-        a, cost, k_max = req.spec_acceptance, self.config.spec_token_cost, self.config.num_speculative_tokens
-        if a >= 1.0 - 1e-9:
-            return k_max
-        if a < cost:
-            req.spec_idle_steps += 1
-            return 1 if req.spec_idle_steps >= _SPEC_PROBE_STEPS else 0
-        return max(1, min(k_max, int(math.log(cost) / math.log(a)))) if a > 0 else 0
+    def _draft_length(self, req: Request, price: Price) -> int:
+        """How many drafts pay for this request: the k that maximises the
+        expected tokens they add, a + a^2 + ... + a^k (a: its rolling acceptance
+        rate), minus their price (workers/spec/cost.py). A request for which no
+        k pays stops drafting and probes with one draft now and then, so it can
+        recover; probes are rarer the dearer a draft is, so they cost at most
+        about _SPEC_PROBE_BUDGET of the decode time."""
+        a, k_max = req.spec_acceptance, self.config.num_speculative_tokens
+        best_k, best_gain, gain, chance = 0, 0.0, -price.fixed, 1.0
+        for k in range(1, k_max + 1):
+            chance *= a
+            gain += chance - price.per_token
+            if gain >= best_gain - 1e-12 and gain > 0:  # ties: the longer draft
+                best_k, best_gain = k, gain
+        if best_k:
+            return best_k
+        req.spec_idle_steps += 1
+        probe_cost = price.fixed + price.per_token
+        probe_every = max(_SPEC_PROBE_STEPS, math.ceil(probe_cost / _SPEC_PROBE_BUDGET - 1e-6))
+        return 1 if req.spec_idle_steps >= probe_every else 0
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok.get(req.request_id)
@@ -436,6 +458,12 @@ class LLMEngine:
     def _log(self, msg: str) -> None:
         if self.config.progress:
             print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def _token_array(req: Request) -> np.ndarray:
+    if req.token_buffer is None:
+        req.token_buffer = TokenBuffer()
+    return req.token_buffer.sync(req.all_token_ids)
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from pdserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.workers.spec.ngram import TokenBuffer
 
 
 class RequestStatus(enum.Enum):
@@ -80,6 +84,7 @@ class Request:
         # request last drafted, for an occasional probe when the rate is low.
         self.spec_acceptance = 1.0
         self.spec_idle_steps = 0
+        self.token_buffer: TokenBuffer | None = None  # numpy mirror of all_token_ids for n-gram lookup
 
     @property
     def num_tokens(self) -> int:

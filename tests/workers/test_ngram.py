@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.workers.spec.ngram import NgramProposer, ngram_draft
+from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer, ngram_draft
 
 
 def draft(seq: list[int], min_n: int = 1, max_n: int = 4, k: int = 3) -> list[int]:
@@ -57,12 +57,14 @@ def test_max_n_caps_the_match_length_but_not_the_choice() -> None:
     assert draft(seq, max_n=2) == [2, 2, 7]
 
 
-def test_draft_is_cut_by_the_end_of_the_sequence() -> None:
+def test_a_match_near_the_end_continues_the_period() -> None:
     seq = [4, 5, 6, 4, 5]
-    assert draft(seq, min_n=2, k=5) == [6, 4, 5]  # the match at 0-1 has only 3 tokens after it
-    # A run of one token: the most recent occurrence overlaps the suffix and leaves 1 token.
-    assert draft([3, 3, 3, 3, 3], k=4) == [3]
-    assert draft([1, 2, 1, 2, 1, 2], min_n=2, max_n=4, k=4) == [1, 2]
+    # "4 5" recurs 3 tokens back: period 3, so after 6 4 5 come 6 4 again.
+    assert draft(seq, min_n=2, k=5) == [6, 4, 5, 6, 4]
+    # A run of one token: the occurrence overlaps the suffix; the run continues.
+    assert draft([3, 3, 3, 3, 3], k=4) == [3, 3, 3, 3]
+    assert draft([1, 2, 1, 2, 1, 2], min_n=2, max_n=4, k=5) == [1, 2, 1, 2, 1]
+    assert draft([9, 1, 2, 1, 2], min_n=2, k=3) == [1, 2, 1]
 
 
 def test_k_limits_the_draft() -> None:
@@ -102,5 +104,17 @@ def brute_force(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
         suffix = seq[len(seq) - n :]
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start : start + n] == suffix:
-                return seq[start + n : start + n + k]
+                period = seq[start + n :]  # what followed, repeated if shorter than k
+                return [period[i % len(period)] for i in range(k)]
     return []
+
+
+def test_token_buffer_mirrors_a_growing_list() -> None:
+    buf, seq = TokenBuffer(), list(range(5))
+    assert buf.sync(seq).tolist() == seq
+    seq += list(range(5, 700))  # grows past the initial capacity
+    assert buf.sync(seq).tolist() == seq
+    seq.append(3)
+    assert buf.sync(seq).tolist() == seq and buf.sync(seq).dtype == np.int64
+    with pytest.raises(ValueError, match="shrank"):
+        buf.sync(seq[:10])

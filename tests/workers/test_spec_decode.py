@@ -4,6 +4,7 @@ the same tokens as without it, and the same KV after drafts are rolled back."""
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.spec.cost import Price, SpecCostModel
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 
@@ -103,10 +105,18 @@ def test_draft_length_follows_each_requests_acceptance(model_dir: Path) -> None:
     # The i-th draft is made while acceptance**i >= cost.
     for acceptance, k in ((1.0, 6), (0.9, 6), (0.6, 2), (0.5, 2), (0.3, 1)):
         req.spec_acceptance = acceptance
-        assert engine._draft_length(req) == k, acceptance
+        assert engine._draft_length(req, Price(0.0, 0.25)) == k, acceptance
     req.spec_acceptance = 0.1  # below the cost: no drafts, but a probe now and then
-    lengths = [engine._draft_length(req) for _ in range(20)]
+    lengths = [engine._draft_length(req, Price(0.0, 0.25)) for _ in range(20)]
     assert lengths[:15] == [0] * 15 and lengths[15] == 1
+    # A fixed price per verification asks for longer drafts, or none.
+    for acceptance, k in ((0.9, 6), (0.6, 2), (0.3, 0)):
+        req.spec_acceptance, req.spec_idle_steps = acceptance, 0
+        assert engine._draft_length(req, Price(0.3, 0.25)) == k, acceptance
+    # Dear drafts probe more rarely (a probe costs its price).
+    req.spec_acceptance, req.spec_idle_steps = 1.0, 0
+    lengths = [engine._draft_length(req, Price(0.5, 1.0)) for _ in range(96)]
+    assert lengths[:95] == [0] * 95 and lengths[95] == 1  # a probe after (0.5 + 1.0) * 64 = 96 steps
 
 
 class _WrongDrafts:
@@ -172,7 +182,9 @@ def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: 
 
 def _sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n: int,
                   drafts: list[int] | None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
-    extra = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256} if drafts else {}
+    # The cost is pinned: this test is about the law, drafts must be made at any batch size.
+    extra = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256,
+             "spec_token_cost": 0.001} if drafts else {}
     llm = LLM(str(model_dir), max_model_len=256, max_num_seqs=256, progress=False, **extra)
     if drafts:
         llm.engine.proposer = _FixedDrafts(drafts)  # type: ignore[assignment]
@@ -285,3 +297,65 @@ class _Caches:
     def __init__(self, kv: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         self.kv, self.kv_caches = kv, kv_caches
         self.config = type("C", (), {"block_size": block_size})()
+
+
+class _Oracle:
+    """Drafts exactly what the target will say (read off a plain run), taking
+    `delay_s` per call: drafts that are always accepted, at a chosen price."""
+
+    def __init__(self, prompt: list[int], plain: list[int], delay_s: float) -> None:
+        self.full, self.delay_s = prompt + plain, delay_s
+
+    def propose(self, token_ids: np.ndarray, k: int) -> np.ndarray:
+        time.sleep(self.delay_s)
+        return np.asarray(self.full[len(token_ids):len(token_ids) + k], dtype=np.int64)
+
+
+def test_drafting_stops_when_the_measured_price_of_a_draft_exceeds_its_worth(model_dir: Path) -> None:
+    """Drafts that are always right but dearer than a decode step (50 ms a call
+    against a few ms a step) stop after the cost is measured; the same drafts
+    at no cost are made all along."""
+    prompt = prompts()[1]
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    plain = LLM(str(model_dir), max_model_len=512, progress=False).generate([prompt], params)[0].outputs[0].token_ids
+    drafted = {}
+    for delay in (0.0, 0.05):
+        llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4)
+        llm.engine.proposer = _Oracle(prompt, plain, delay)  # type: ignore[assignment]
+        assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
+        st = llm.engine.stats
+        assert st.spec_accepted_tokens == st.spec_draft_tokens  # the oracle is never wrong
+        drafted[delay] = st.spec_draft_tokens
+    assert drafted[0.0] >= 60, drafted  # free and right: nearly every token is drafted
+    # Dear: drafts until both times are measured (a few steps), then probes at most.
+    assert drafted[0.05] <= 4 * 3 + 2, drafted
+
+
+def test_price_of_drafting_is_measured_against_the_worth_of_a_token() -> None:
+    cost = SpecCostModel(prior=0.25, stale_steps=5)
+    assert cost.price(2) == Price(0.0, 0.25) and cost.wants_plain_step(2)  # nothing measured: the prior
+    cost.observe_step(2, 2, 0.010)  # plain: 10 ms for 2 sequences, a token is worth 5 ms
+    cost.observe_step(2, 6, 0.500)  # a first call on a new shape: an outlier the medians ignore
+    for _ in range(3):
+        cost.observe_step(2, 6, 0.014)  # 4 drafts verified: +4 ms
+    cost.observe_propose(0.002, 4)  # proposing: 0.5 ms a draft
+    assert not cost.wants_plain_step(2)
+    # One draft length seen: all of it is charged per token.
+    assert cost.price(2).fixed == 0.0 and cost.price(2).per_token == pytest.approx((0.001 + 0.0005) / 0.005)
+    assert cost.price(1) == Price(0.0, 0.25)  # another batch size is measured apart
+    cost.observe_step(2, 6, 0.014)
+    assert cost.wants_plain_step(2)  # 5 verify steps without a plain one: refresh the reference
+    pinned = SpecCostModel(prior=0.1, fixed=True)
+    for tokens, seconds in ((1, 0.01), (5, 1.0), (5, 1.0), (5, 1.0)):
+        pinned.observe_step(1, tokens, seconds)
+    assert pinned.price(1) == Price(0.0, 0.1) and not pinned.wants_plain_step(1)
+
+
+def test_price_separates_the_fixed_part_of_a_verification_from_the_per_token_part() -> None:
+    cost = SpecCostModel(prior=0.25)
+    cost.observe_step(1, 1, 0.002)  # a plain step: 2 ms, the worth of a token
+    for _ in range(8):  # extra time = 0.8 ms + 0.3 ms per draft, drafts of 1..4 tokens
+        for k in (1, 4, 2, 3):
+            cost.observe_step(1, 1 + k, 0.002 + 0.0008 + 0.0003 * k)
+    price = cost.price(1)
+    assert price.fixed == pytest.approx(0.4, abs=1e-6) and price.per_token == pytest.approx(0.15, abs=1e-6)

@@ -45,9 +45,13 @@ def ngram_draft(token_ids: np.ndarray | Sequence[int], min_n: int, max_n: int, k
     token_ids: the whole sequence, prompt + output so far. An int64 numpy array
         is used as is; a list is converted first, which for 2k tokens costs
         ~40 us, more than the search (~3-20 us), so keep a numpy copy.
-    Returns int64 [m], 0 <= m <= k: empty when no suffix of length >= min_n
-    occurs earlier; shorter than k when the match sits near the end (the
-    occurrence may overlap the suffix itself, as in a run of one token).
+    Returns int64 [k], or empty when no suffix of length >= min_n occurs
+    earlier. When the occurrence sits d < k tokens before the end (it may
+    overlap the suffix itself, as in a run of one token), the d tokens after it
+    are repeated: a sequence whose last n tokens recur d tokens back is, as far
+    as the evidence goes, periodic with period d. (Stopping at the end of the
+    sequence instead drafts one token per step in a loop of one token, which is
+    exactly where drafting should pay most.)
     Raises ValueError if min_n < 1, max_n < min_n or k < 1.
     """
     _check(min_n, max_n, k)
@@ -67,7 +71,36 @@ def ngram_draft(token_ids: np.ndarray | Sequence[int], min_n: int, max_n: int, k
     if n < min_n or not len(ends):
         return _EMPTY
     start = int(ends[-1]) + 1  # ends is ascending: the last one is the most recent
-    return tokens[start : start + k].copy()
+    if last + 1 - start >= k:
+        return tokens[start : start + k].copy()
+    return np.resize(tokens[start:], k)  # repeats the period (a new array)
+
+
+class TokenBuffer:
+    """An int64 numpy mirror of a growing token list, extended by its new tail
+    only: converting a 2k-token list every step costs more than the search."""
+
+    __slots__ = ("_array", "_len")
+
+    def __init__(self) -> None:
+        self._array = np.zeros(256, dtype=np.int64)
+        self._len = 0
+
+    def sync(self, token_ids: Sequence[int]) -> np.ndarray:
+        """The array of `token_ids` (a view, valid until the next call). The
+        list must only have grown since the last call (tokens are appended,
+        never rewritten)."""
+        n = len(token_ids)
+        if n < self._len:
+            raise ValueError(f"token list shrank from {self._len} to {n}")
+        if n > len(self._array):
+            grown = np.zeros(max(n, 2 * len(self._array)), dtype=np.int64)
+            grown[: self._len] = self._array[: self._len]
+            self._array = grown
+        if n > self._len:
+            self._array[self._len : n] = token_ids[self._len : n]
+            self._len = n
+        return self._array[:n]
 
 
 def _check(min_n: int, max_n: int, k: int) -> None:
