@@ -180,6 +180,8 @@ class RequestCounter:
 
     def __init__(self, app: Any, counter: Counter, endpoints: frozenset[str]) -> None:
         self.app, self.counter, self.endpoints = app, counter, endpoints
+        for endpoint in endpoints:  # series from the first scrape on
+            counter.labels(endpoint, "200")
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":

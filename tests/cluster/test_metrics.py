@@ -75,6 +75,31 @@ def sample(fams: dict[str, Any], name: str, **labels: str) -> float:
     return s.value
 
 
+CONTRACT = Path(__file__).resolve().parents[2] / "deploy" / "prometheus" / "metrics.yaml"
+
+
+def assert_matches_contract(fams: dict[str, Any]) -> None:
+    """Every series of deploy/prometheus/metrics.yaml (the names the rules and the
+    dashboard use) is exported with its type, labels and buckets, and nothing else is."""
+    import yaml
+
+    contract = {m["name"]: m for m in yaml.safe_load(CONTRACT.read_text())["metrics"]}
+    exported = {}
+    for fam in fams.values():
+        exposition_name = f"{fam.name}_total" if fam.type == "counter" else fam.name
+        exported[exposition_name] = fam
+    assert set(exported) == set(contract)
+    for name, spec in contract.items():
+        fam = exported[name]
+        assert fam.type == spec["type"], name
+        assert fam.samples, name
+        for s in fam.samples:
+            assert set(s.labels) - {"le"} == set(spec["labels"]), (name, s.labels)
+        if spec["type"] == "histogram":
+            les = {float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")}
+            assert les == {*map(float, spec["buckets"]), float("inf")}, name
+
+
 def bucket_counts(fams: dict[str, Any], family: str) -> dict[str, float]:
     return {s.labels["le"]: s.value for s in fams[family].samples if s.name == f"{family}_bucket"}
 
@@ -211,7 +236,7 @@ class WorkersBackend(TimedBackend):
 
 
 def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: Any) -> None:
-    p0, d0 = WorkerMetrics(Pool.PREFILL, "pdserve-prefill-0"), WorkerMetrics(Pool.DECODE, "pdserve-decode-0")
+    p0, d0 = WorkerMetrics(Pool.PREFILL, "pdserve-prefill-0", 4), WorkerMetrics(Pool.DECODE, "pdserve-decode-0", 4)
     p0.on_failure("checksum")
     d0.on_handoff(1000, 0.02)  # (a receiver never does; here it tells the workers' samples apart)
     router = Router(RouterConfig(), block_size=16)
@@ -246,6 +271,7 @@ def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: An
     assert sum(s.value for s in f["pdserve:router_decisions"].samples) == 2
     assert sample(f, "pdserve:router_cached_prompt_tokens_total") == decision.cached_prompt_tokens
     assert not any(name.endswith("_created") for name in f)
+    assert_matches_contract(f)
 
 
 def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> None:
@@ -314,3 +340,4 @@ def test_one_scrape_has_every_contract_family_for_every_worker(served: tuple[str
     assert sample(f, "pdserve:kv_transfer_bytes_total", worker="pdserve-prefill-0") > 0
     assert sample(f, "pdserve:kv_transfer_duration_seconds_count", worker="pdserve-prefill-0") == 3
     assert sum(s.value for s in f["pdserve:router_decisions"].samples if s.labels["role"] == "prefill") == 3
+    assert_matches_contract(f)

@@ -170,3 +170,15 @@ def test_a_corrupted_transfer_is_counted_once_by_kind(model_dir: Path) -> None:
     assert value(s, "pdserve:kv_transfer_duration_seconds_count") == 0  # no completed handoff
     # The decode worker recomputed the prompt and saw no transfer fail itself: counted once, on the sender.
     assert sum(v for (name, _), v in scrape(dm).items() if name == "pdserve:kv_transfer_failures_total") == 0
+
+
+def test_queue_time_crosses_the_token_stream() -> None:
+    from pdserve.workers.messages import TokenDeltaBatch, decode_as, encode
+    from pdserve.workers.outputs import CompletionOutput, RequestOutput
+    from pdserve.workers.token_stream import from_delta, to_delta
+
+    queued = RequestOutput("q", None, [1], [CompletionOutput(0, "a", [4])], False, metrics={"queue_time_s": 0.125})
+    fresh = RequestOutput("n", None, [1], [CompletionOutput(0, "b", [5])], False)
+    batch = decode_as(encode(TokenDeltaBatch(worker_id="w", seq=0, deltas=(to_delta(queued), to_delta(fresh)))),
+                      TokenDeltaBatch)
+    assert [from_delta(d, [1]).metrics for d in batch.deltas] == [{"queue_time_s": 0.125}, {}]
