@@ -172,7 +172,10 @@ def _finish(rec: RequestRecord, st: float, times: list[float], done: bool) -> Re
 
 async def first_model(client: httpx.AsyncClient, base_url: str, timeout_s: float) -> str:
     """The id of the first model `GET {base_url}/models` lists."""
-    r = await client.get(f"{base_url}/models", timeout=timeout_s)
+    try:
+        r = await client.get(f"{base_url}/models", timeout=timeout_s)
+    except httpx.HTTPError as e:
+        raise ValueError(f"GET {base_url}/models: {type(e).__name__}: {e} (is the server up? or pass --model)") from None
     if r.status_code != 200:
         raise ValueError(f"GET {base_url}/models: HTTP {r.status_code}: {_error_message(r.content)}")
     data = r.json().get("data") or []
