@@ -27,7 +27,7 @@ class EngineService:
 
     def __init__(self, config: dict[str, Any], torch_threads: int, worker_name: str | None = None) -> None:
         engine = _engine(config, torch_threads, record_events=False)
-        self.metrics = _worker_metrics(Pool.COLOCATED, worker_name, engine)
+        self.worker_metrics = _worker_metrics(Pool.COLOCATED, worker_name, engine)
         self.engine = AsyncEngine(engine, worker_id=f"worker-{os.getpid()}")
 
     async def ready(self) -> dict[str, Any]:
@@ -54,7 +54,7 @@ class EngineService:
 
     async def metrics(self) -> bytes:
         """This worker's Prometheus exposition (the gateway merges every worker's)."""
-        return await _render_metrics(self.engine, self.metrics)
+        return await _render_metrics(self.engine, self.worker_metrics)
 
 
 def _engine(config: dict[str, Any], torch_threads: int, record_events: bool = True) -> LLMEngine:
@@ -138,8 +138,8 @@ class PrefillService:
                 self._senders[address] = sender_cls(engine.kv_caches, address)
             return self._senders[address]
 
-        self.metrics = _worker_metrics(Pool.PREFILL, worker_name, engine)
-        self.worker = PrefillWorker(engine, sender_for, transfer_recorder=self.metrics)
+        self.worker_metrics = _worker_metrics(Pool.PREFILL, worker_name, engine)
+        self.worker = PrefillWorker(engine, sender_for, transfer_recorder=self.worker_metrics)
 
     async def ready(self) -> dict[str, Any]:
         e = self.worker.engine
@@ -157,7 +157,7 @@ class PrefillService:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
 
     async def metrics(self) -> bytes:
-        return await _render_metrics(self.worker.async_engine, self.metrics)
+        return await _render_metrics(self.worker.async_engine, self.worker_metrics)
 
 
 class DecodeService:
@@ -172,8 +172,8 @@ class DecodeService:
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
         self.receiver = _transport_classes(transport)[1](engine.kv_caches, bind=f"tcp://{bind_host}:*")
-        self.metrics = _worker_metrics(Pool.DECODE, worker_name, engine)
-        self.worker = DecodeWorker(engine, self.receiver, transfer_recorder=self.metrics)
+        self.worker_metrics = _worker_metrics(Pool.DECODE, worker_name, engine)
+        self.worker = DecodeWorker(engine, self.receiver, transfer_recorder=self.worker_metrics)
 
     async def ready(self) -> dict[str, Any]:
         e = self.worker.engine
@@ -211,7 +211,7 @@ class DecodeService:
         return await self.worker.async_engine.call(_load)  # type: ignore[return-value]
 
     async def metrics(self) -> bytes:
-        return await _render_metrics(self.worker.async_engine, self.metrics)
+        return await _render_metrics(self.worker.async_engine, self.worker_metrics)
 
 
 # The Ray actors: the plain services above, one process (and one GPU) each.

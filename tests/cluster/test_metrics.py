@@ -298,6 +298,53 @@ def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> N
     assert sample(f, "pdserve:time_per_output_token_seconds_count") == 2
 
 
+def test_services_export_their_engines_metrics_through_the_disaggregated_backend(model_dir: Path, tokenizer: Any) -> None:
+    """The real worker services in this process (LocalActor for Ray): the
+    backend names its workers, their `metrics()` feed the gateway's scrape, and
+    the queue time of the prefill worker reaches the gateway once per request."""
+    from pdserve.cluster.actors import DecodeService, PrefillService
+    from pdserve.cluster.disagg_backend import DisaggregatedBackend
+
+    base = {"model": str(model_dir), "max_model_len": 256, "num_kv_blocks": 64}
+    p = PrefillService(base, 1, worker_name="pdserve-prefill-0")
+    d = DecodeService(base, 1, "127.0.0.1", worker_name="pdserve-decode-0")
+    backend = DisaggregatedBackend({"p0": LocalActor(p)}, {"d0": LocalActor(d)}, {"d0": d.receiver.address},
+                                   Router(RouterConfig(), 16), poll_s=0.01,
+                                   names={"p0": "pdserve-prefill-0", "d0": "pdserve-decode-0"})
+    gw = Gateway(backend, tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+    prompt = list(range(5, 85))  # 5 blocks: prefilled on p0, sent to d0
+
+    async def main() -> dict:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            for max_tokens in (6, 1):  # the first token goes out early / is also the last
+                body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
+                assert "[DONE]" in (await c.post("/v1/completions", json=body)).text
+            f = parse((await c.get("/metrics")).text)
+        await backend.close()
+        return f
+
+    f = asyncio.run(main())
+    assert {s.labels["worker"]: s.value for s in f["pdserve:worker_up"].samples} == \
+        {"pdserve-prefill-0": 1, "pdserve-decode-0": 1}
+    k, _ = p.worker.engine.kv_caches[0]
+    layers = p.worker.engine.model_config.num_layers
+    # 5 blocks, then again minus those the decode worker kept in its own prefix cache (not sent).
+    decode_hits = sample(f, "pdserve:prefix_cache_hits_total", worker="pdserve-decode-0")
+    assert decode_hits == 64 == d.worker.engine.stats.prompt_tokens_cached
+    assert sample(f, "pdserve:kv_transfer_bytes_total", worker="pdserve-prefill-0") == \
+        (5 + 5 - 64 // 16) * layers * 2 * k[0].numel() * k.element_size()
+    assert sample(f, "pdserve:kv_transfer_duration_seconds_count", worker="pdserve-prefill-0") == 2
+    assert sample(f, "pdserve:prefix_cache_queries_total", worker="pdserve-prefill-0") == 2 * 80
+    assert sample(f, "pdserve:prefix_cache_hits_total", worker="pdserve-prefill-0") == 64  # the rerun's full blocks
+    assert sample(f, "pdserve:engine_step_duration_seconds_count", worker="pdserve-decode-0") == \
+        d.worker.engine.stats.steps
+    assert sample(f, "pdserve:request_queue_time_seconds_count") == 2
+    assert sample(f, "pdserve:generation_tokens_total") == 7
+    assert sum(s.value for s in f["pdserve:router_decisions"].samples if s.labels["role"] == "decode") == 2
+    assert_matches_contract(f)
+
+
 # -- end to end on local Ray ------------------------------------------------------
 
 
