@@ -10,6 +10,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.token_stream import TokenStreamCollector
@@ -75,7 +76,7 @@ class ColocatedBackend:
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
         live = [i for i in range(len(self.workers)) if i not in self._dead]
         if not live:
-            raise RuntimeError("no healthy worker")
+            raise NoHealthyWorkerError("colocated")  # the gateway answers 503
         i = min(live, key=lambda j: (self._in_flight[j], j))
         worker = self.workers[i]
         self._in_flight[i] += 1

@@ -21,7 +21,7 @@ from factories import LocalActor, tiny_spec
 from pdserve import LLM
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
-from pdserve.cluster.router import Router, RouterConfig, WorkerLoad, WorkerRole
+from pdserve.cluster.router import NoHealthyWorkerError, Router, RouterConfig, WorkerLoad, WorkerRole
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.metrics import Pool, WorkerMetrics
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
@@ -204,14 +204,17 @@ def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: A
             r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}],
                                                            "stream": True}, headers=auth)
             assert '"code": 500' in r.text
+            gw.backend = FailingBackend(NoHealthyWorkerError("decode"))
+            r = await c.post("/v1/completions", json=ok, headers=auth)
+            assert r.status_code == 503 and r.json()["error"]["code"] == 503
             return parse((await c.get("/metrics")).text)
 
     f = asyncio.run(main())
     errors = {s.labels["code"]: s.value for s in f["pdserve:request_errors"].samples}
-    assert errors == {"400": 2, "401": 2, "404": 1, "429": 0, "499": 0, "500": 1, "503": 0, "504": 2}
+    assert errors == {"400": 2, "401": 2, "404": 1, "429": 0, "499": 0, "500": 1, "503": 1, "504": 2}
     assert sum(s.value for s in f["pdserve:request_success"].samples) == 0
     # The requests that failed after their first token still had one.
-    assert sample(f, "pdserve:time_to_first_token_seconds_count") == 3
+    assert sample(f, "pdserve:time_to_first_token_seconds_count") == 4
     assert sample(f, "pdserve:num_requests_in_flight") == sample(f, "pdserve:num_requests_queued") == 0
 
 
