@@ -371,9 +371,9 @@ class PrometheusServer:
             try:
                 self._wait_ready()
                 return
-            except RuntimeError:
+            except BaseException as e:
                 self.stop()
-                if attempt == 2 or "address already in use" not in self.log_tail():
+                if not (isinstance(e, RuntimeError) and attempt < 2 and "address already in use" in self.log_tail()):
                     raise
 
     def _spawn(self) -> None:

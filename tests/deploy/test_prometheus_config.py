@@ -98,6 +98,15 @@ def test_a_bad_expression_is_reported(prometheus: PrometheusServer) -> None:
         prometheus.query("sum by (le (rate(x[5m]))")
 
 
+def test_a_prometheus_that_cannot_start_is_reported_and_stopped(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yml"
+    bad.write_text("scrape_configs: [{job_name: x, static_configs: [{targets: [':::']}]}]\nnot_a_key: 1\n")
+    server = PrometheusServer(bad, tmp_path / "data", binary=find_binary("prometheus"), ready_timeout_s=30)
+    with pytest.raises(RuntimeError, match="exited"):
+        server.start()
+    assert server.proc is None
+
+
 # --- names, against the contract --------------------------------------------------------
 
 CONTRACT_METRICS = load_contract(CONTRACT)
