@@ -357,9 +357,14 @@ def served(model_dir: Path) -> Iterator[tuple[str, Any]]:
     from pdserve.cluster import serve_app
 
     port = 20000 + os.getpid() % 1000
-    cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256,
+    # Serve's Python proxy: the HAProxy ingress binds fixed ports, which another
+    # cluster on this machine may hold (the metrics path is the same either way).
+    cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256, ingress="proxy",
                                 engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
-    serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
+    with pytest.MonkeyPatch.context() as env:  # Ray's processes read it at start; later tests do not see it
+        for key in serve_app.HAPROXY_ENV:
+            env.setenv(key, "0")
+        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
         yield f"http://127.0.0.1:{port}", cfg
