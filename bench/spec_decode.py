@@ -131,6 +131,8 @@ def main() -> int:
                 row[f"{k}_tok_s"] = statistics.median(rates[k])
                 row[f"{k}_ratio"] = row[f"{k}_tok_s"] / row["plain_tok_s"]  # type: ignore[operator]
                 row[f"{k}_acceptance_length"] = (accepted + drafts) / drafts if drafts else 0.0
+                price = e.engine.spec_cost.price(b)  # what drafting cost, measured (workers/spec/cost.py)
+                row[f"{k}_price"] = [price.fixed, price.per_token]
             rows.append(row)
     head = "| workload | batch | none, tok/s |" + "".join(f" {k}, tok/s | {k} ratio | {k} mean acceptance length |"
                                                       for k in engines)
@@ -138,6 +140,10 @@ def main() -> int:
     for r in rows:
         print(f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.0f} |" + "".join(
             f" {r[f'{k}_tok_s']:.0f} | {r[f'{k}_ratio']:.2f}x | {r[f'{k}_acceptance_length']:.2f} |" for k in engines))
+    print("\nmeasured price of drafting, in tokens' worth (fixed per verification / per draft):")
+    for r in rows:
+        print(f"  {r['workload']}, batch {r['batch']}: " + ", ".join(
+            f"{k} {r[f'{k}_price'][0]:.2f} / {r[f'{k}_price'][1]:.2f}" for k in engines))
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)

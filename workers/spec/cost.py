@@ -34,7 +34,13 @@ from dataclasses import dataclass, field
 
 _MAX_PRICE = 10.0
 _WINDOW = 32  # recent steps per batch size (and proposals) that the medians see
-_MIN_SAMPLES = 3  # verify steps before the measured price replaces the prior
+_MIN_SAMPLES = 8  # verify steps before the measured price replaces the prior
+_WARMUP = 2  # first verify steps per batch size, not counted: first calls on new shapes are slow
+# Verify steps older than this many observed steps no longer count. Once drafting
+# stops, only rare probes add verify samples, so a window spoilt by a load spike
+# would keep drafting off for good; aged out, the price falls back to the prior
+# and a few verify steps measure it afresh (at most ~1% of steps at this age).
+_MAX_AGE_STEPS = 1024
 
 
 @dataclass(frozen=True)
@@ -48,13 +54,15 @@ class Price:
 @dataclass
 class _PerBatch:
     plain: deque[float] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # seconds of plain decode steps
-    verify: deque[tuple[int, float]] = field(default_factory=lambda: deque(maxlen=_WINDOW))  # (drafts, seconds)
+    # (drafts, seconds, the model's step count when seen)
+    verify: deque[tuple[int, float, int]] = field(default_factory=lambda: deque(maxlen=_WINDOW))
     steps_since_plain: int = 0
+    warmup_left: int = _WARMUP
 
     def fixed_and_per_token(self, plain_s: float) -> tuple[float, float]:
         """Seconds: the fixed extra of a verify step and the extra per drafted token."""
         by_k: dict[int, list[float]] = {}
-        for k, seconds in self.verify:
+        for k, seconds, _ in self.verify:
             by_k.setdefault(k, []).append(seconds - plain_s)
         points = [(k, statistics.median(e), len(e)) for k, e in by_k.items()]
         if len(points) >= 2:  # least squares over the per-length medians, weighted by their counts
@@ -78,17 +86,22 @@ class SpecCostModel:
         self.prior, self.fixed, self.stale_steps = prior, fixed, stale_steps
         self._batches: dict[int, _PerBatch] = {}
         self._propose: deque[float] = deque(maxlen=_WINDOW)  # seconds per drafted token
+        self._steps = 0
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt tokens) of `batch` sequences and
         `tokens` query tokens in all (batch + the drafts it verified)."""
+        self._steps += 1
         b = self._batches.setdefault(batch, _PerBatch())
         if tokens <= batch:
             b.plain.append(seconds)
             b.steps_since_plain = 0
         else:
-            b.verify.append((tokens - batch, seconds))
             b.steps_since_plain += 1
+            if b.warmup_left:
+                b.warmup_left -= 1
+            else:
+                b.verify.append((tokens - batch, seconds, self._steps))
 
     def observe_propose(self, seconds: float, drafted_tokens: int) -> None:
         if drafted_tokens > 0:
@@ -98,6 +111,9 @@ class SpecCostModel:
         """What drafting costs a request in a batch of `batch` decoding
         sequences, in units of the worth of one token."""
         b = self._batches.get(batch)
+        if b is not None:
+            while b.verify and b.verify[0][2] < self._steps - _MAX_AGE_STEPS:
+                b.verify.popleft()
         if self.fixed or b is None or not b.plain or len(b.verify) < _MIN_SAMPLES:
             return Price(0.0, self.prior)
         plain_s = statistics.median(b.plain)
