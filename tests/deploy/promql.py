@@ -416,6 +416,19 @@ class PrometheusServer:
         except OSError:
             return ""
 
+    def api(self, path: str, params: dict[str, str] | None = None, *, timeout_s: float = 10.0) -> Any:
+        """The `data` of a GET of the HTTP API, e.g. api("rules") for /api/v1/rules;
+        PromQLError if Prometheus answers with status "error"."""
+        url = f"{self.url}/api/v1/{path}" + (f"?{urllib.parse.urlencode(params)}" if params else "")
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as r:
+                body = json.load(r)
+        except urllib.error.HTTPError as e:  # 400/422/503 carry the error as JSON
+            body = json.loads(e.read() or b"{}")
+        if body.get("status") != "success":
+            raise PromQLError(f"{body.get('errorType')}: {body.get('error')} ({path} {params or ''})")
+        return body["data"]
+
     def query(self, expr: str, *, at: float | None = None, timeout_s: float = 10.0) -> dict[str, Any]:
         """The `data` of /api/v1/query ({"resultType", "result"}); PromQLError if the
         query fails (a parse error among others)."""
