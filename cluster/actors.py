@@ -16,7 +16,7 @@ import ray
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.metrics import Pool, WorkerMetrics
+from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 

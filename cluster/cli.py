@@ -109,7 +109,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
-    from pdserve.bench.cli import run
+    from pdserve.cluster.bench.cli import run
 
     return run(a)
 
@@ -175,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "fewer threads than cores can be several times faster)")
     pair.set_defaults(func=_cmd_make_tiny_pair)
 
-    from pdserve.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+    from pdserve.cluster.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: TTFT/TPOT/ITL, goodput, plots",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -26,7 +26,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
-from pdserve.workers.metrics import WithoutCreated
+from pdserve.cluster.worker_metrics import WithoutCreated
 from pdserve.workers.outputs import RequestOutput
 
 log = logging.getLogger(__name__)

@@ -324,6 +324,9 @@ class LLMEngine:
         if batch > self.config.spec_max_batch_size or self.spec_cost.wants_plain_step(batch):
             return
         price = self.spec_cost.price(batch)
+        # Until the price is measured, explore with one draft: at the prior price a
+        # draft model could spend many tokens' worth on drafts that never pay.
+        k_cap = self.config.num_speculative_tokens if self.spec_cost.measured(batch) else 1
         candidates: list[tuple[Request, int]] = []
         for req in self.scheduler.running:
             p = req.params
@@ -332,7 +335,7 @@ class LLMEngine:
             if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative
                     or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
                 continue
-            k = min(self._draft_length(req, price), req.max_tokens - req.num_output_tokens - 1,
+            k = min(self._draft_length(req, price), k_cap, req.max_tokens - req.num_output_tokens - 1,
                     self.max_model_len - req.num_tokens - 1)
             if k > 0:
                 candidates.append((req, k))

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from pdserve.bench.arrivals import arrival_offsets, rescale_to_rate
+from pdserve.cluster.bench.arrivals import arrival_offsets, rescale_to_rate
 
 
 @pytest.mark.parametrize("burstiness", [0.25, 1.0, 4.0])

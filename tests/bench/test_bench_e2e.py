@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from conftest import FakeBehaviour, FakeServer
 
-from pdserve.bench.client import Endpoint
-from pdserve.bench.config import BenchConfig
-from pdserve.bench.driver import Session
-from pdserve.bench.metrics import SLO
-from pdserve.bench.workloads import WorkloadKind
+from pdserve.cluster.bench.client import Endpoint
+from pdserve.cluster.bench.config import BenchConfig
+from pdserve.cluster.bench.driver import Session
+from pdserve.cluster.bench.metrics import SLO
+from pdserve.cluster.bench.workloads import WorkloadKind
 from pdserve.cluster.cli import main
 
 D1, D2 = 0.1, 0.02  # first token after D1, then a token every D2

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pdserve.bench.client import RequestRecord, _finish, _is_token_chunk
-from pdserve.bench.metrics import SLO, distribution, summarize
-from pdserve.bench.sweep import GoodputMethod, distserve_goodput, parse_rates
+from pdserve.cluster.bench.client import RequestRecord, _finish, _is_token_chunk
+from pdserve.cluster.bench.metrics import SLO, distribution, summarize
+from pdserve.cluster.bench.sweep import GoodputMethod, distserve_goodput, parse_rates
 
 
 def timeline(index: int, chunk_times: list[float], output_tokens: int | None = None, usage: bool = True,

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.bench.config import BenchConfig
-from pdserve.bench.driver import schedule
-from pdserve.bench.workloads import (TimeUnit, TokenRange, WorkloadKind, load_trace, random_requests,
+from pdserve.cluster.bench.config import BenchConfig
+from pdserve.cluster.bench.driver import schedule
+from pdserve.cluster.bench.workloads import (TimeUnit, TokenRange, WorkloadKind, load_trace, random_requests,
                                      shared_prefix_requests, trace_requests)
 
 TOKENS = TokenRange(16, 4096)
@@ -130,7 +130,7 @@ def tokenizer():  # noqa: ANN201 - the tiny model's byte-level BPE (trains in ab
 
 
 def test_text_prompts_retokenize_to_exact_lengths_and_keep_shared_prefixes(tokenizer) -> None:  # noqa: ANN001
-    from pdserve.bench.prompts import TextRenderer, usable_token_ids
+    from pdserve.cluster.bench.prompts import TextRenderer, usable_token_ids
 
     reqs = shared_prefix_requests(12, num_groups=3, prefix_len=40, input_len=70, output_len=4, range_ratio=0.2,
                                   tokens=TokenRange(16, 4000), seed=0)

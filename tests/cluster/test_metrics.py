@@ -23,7 +23,7 @@ from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.cluster.router import NoHealthyWorkerError, Router, RouterConfig, WorkerLoad, WorkerRole
 from pdserve.workers.async_engine import AsyncEngine
-from pdserve.workers.metrics import Pool, WorkerMetrics
+from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec

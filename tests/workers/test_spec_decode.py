@@ -80,7 +80,8 @@ def test_kv_after_many_rejected_drafts_equals_kv_without_speculation(model_dir: 
     prompt = prompts()[0]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     runs = {}
-    for name, extra in (("plain", {}), ("spec", {"speculative": "ngram", "num_speculative_tokens": 4})):
+    for name, extra in (("plain", {}), ("spec", {"speculative": "ngram", "num_speculative_tokens": 4,
+                                                     "spec_token_cost": 0.01})):
         engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=512, enable_prefix_caching=False, **extra))
         engine.add_request("r", prompt, params, hold_kv=True)  # keep the blocks after it finishes
         tokens: list[int] = []

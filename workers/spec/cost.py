@@ -122,6 +122,11 @@ class SpecCostModel:
         worth = plain_s / batch
         return Price(min(fixed_s / worth, _MAX_PRICE), min((token_s + propose_s) / worth, _MAX_PRICE))
 
+    def measured(self, batch: int) -> bool:
+        """Whether `price(batch)` is measured (or pinned) rather than the prior."""
+        b = self._batches.get(batch)
+        return self.fixed or (b is not None and bool(b.plain) and len(b.verify) >= _MIN_SAMPLES)
+
     def wants_plain_step(self, batch: int) -> bool:
         if self.fixed:
             return False

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker
-from pdserve.workers.metrics import Pool, WorkerMetrics
+from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import TransferError

@@ -11,8 +11,10 @@ Three feeds, each on the thread that owns its data:
 `render()` may run on any thread: it reads the last sample and the
 prometheus_client metrics (which lock their own values).
 
-Names and semantics are the metric contract the dashboards and alert rules
-are written against (deploy/); every label set exists from the first scrape.
+It lives in cluster/: the engine it observes does not import Prometheus, so
+workers/ stays runnable without it. Names and semantics are the metric
+contract the dashboards and alert rules are written against (deploy/); every
+label set exists from the first scrape.
 """
 
 from __future__ import annotations
