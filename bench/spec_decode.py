@@ -8,7 +8,7 @@ Workloads, each at batch 1, 4 and 16, greedy, `--new` tokens per request:
 
 Decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill and
 the first token cancel out. Plain and speculative engines alternate A B A B
-over `--repeats` repeats after a warm-up; medians; ratio = spec / plain. Mean
+over `--repeats` repeats after a full warm-up run each; medians; ratio = spec / plain. Mean
 acceptance length = tokens emitted per verification pass (accepted drafts + 1).
 
     python bench/spec_decode.py [--model DIR] [--repeats 3] [--new 96] [--k 4] [--out results.json]
@@ -121,8 +121,11 @@ def main() -> int:
     for name, prompts in loads.items():
         for b in batches:
             batch = prompts[:b]
+            # Warm-up: one full run each, so that what the engines adapt (the
+            # measured price of drafting, the acceptance rate new requests start
+            # from) reflects this workload, as it would in a server that has run a while.
             for llm in (plain, *engines.values()):
-                decode_rate(llm, batch[:1], 8)  # warm-up
+                decode_rate(llm, batch, a.new)
             rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
             before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
             for r in range(a.repeats):

@@ -70,6 +70,7 @@ class StepStats:
 
 
 _SPEC_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
+_SPEC_GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
 _SPEC_PROBE_STEPS = 16
 _SPEC_PROBE_BUDGET = 1 / 64  # share of decode time probes may spend (a probe costs its price)
 _SPEC_PRIOR_COST = 0.25  # per-token price until measured (roughly the n-gram price on the 2-core CPU)
@@ -99,6 +100,9 @@ class LLMEngine:
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
         self.proposer: NgramProposer | DraftModelProposer | None = None
+        # Acceptance rate over all recent verifications: where a new request starts
+        # (starting every request at 1 made each one pay for a few rejected full drafts).
+        self._spec_acceptance = 1.0
         fixed_cost = config.spec_token_cost is not None
         self.spec_cost = SpecCostModel(config.spec_token_cost if fixed_cost else _SPEC_PRIOR_COST, fixed=fixed_cost)
         if config.speculative == "ngram":
@@ -197,6 +201,7 @@ class LLMEngine:
                 self.tokenizer.backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                 params.skip_special_tokens)
         self.stats.prompt_tokens += len(token_ids)
+        req.spec_acceptance = self._spec_acceptance  # until its own drafts say otherwise
         return req
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
@@ -295,7 +300,9 @@ class LLMEngine:
                 st.spec_accepted_per_position.extend([0] * (s.num_spec - len(st.spec_accepted_per_position)))
             for i in range(accepted):
                 st.spec_accepted_per_position[i] += 1
-            req.spec_acceptance = (1 - _SPEC_EMA) * req.spec_acceptance + _SPEC_EMA * accepted / s.num_spec
+            rate = accepted / s.num_spec
+            req.spec_acceptance = (1 - _SPEC_EMA) * req.spec_acceptance + _SPEC_EMA * rate
+            self._spec_acceptance = (1 - _SPEC_GLOBAL_EMA) * self._spec_acceptance + _SPEC_GLOBAL_EMA * rate
             status = None
             for token in r.tokens:
                 req.append_token(token)

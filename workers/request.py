@@ -80,7 +80,7 @@ class Request:
         # part of all_token_ids until the target accepts them.
         self.spec_token_ids: list[int] = []
         # Rolling (exponentially weighted) rate at which this request's drafts are
-        # accepted; starts optimistic so drafting gets a chance. Steps since the
+        # accepted; starts at the engine's recent rate (1 at first: drafting gets a chance). Steps since the
         # request last drafted, for an occasional probe when the rate is low.
         self.spec_acceptance = 1.0
         self.spec_idle_steps = 0

@@ -41,6 +41,7 @@ _WARMUP = 2  # first verify steps per batch size, not counted: first calls on ne
 # would keep drafting off for good; aged out, the price falls back to the prior
 # and a few verify steps measure it afresh (at most ~1% of steps at this age).
 _MAX_AGE_STEPS = 1024
+_REPRICE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,11 @@ class SpecCostModel:
         self._batches: dict[int, _PerBatch] = {}
         self._propose: deque[float] = deque(maxlen=_WINDOW)  # seconds per drafted token
         self._steps = 0
+        # The engine asks every step and medians over the windows cost ~20 us: the
+        # price is recomputed when a verify step or a proposal was seen, or after
+        # _REPRICE_STEPS plain steps (which only move the reference slowly).
+        self._cached: dict[int, tuple[int, int, Price]] = {}
+        self._version = 0
 
     def observe_step(self, batch: int, tokens: int, seconds: float) -> None:
         """A decode-only step (no prompt tokens) of `batch` sequences and
@@ -102,14 +108,24 @@ class SpecCostModel:
                 b.warmup_left -= 1
             else:
                 b.verify.append((tokens - batch, seconds, self._steps))
+                self._version += 1
 
     def observe_propose(self, seconds: float, drafted_tokens: int) -> None:
         if drafted_tokens > 0:
             self._propose.append(seconds / drafted_tokens)
+            self._version += 1
 
     def price(self, batch: int) -> Price:
         """What drafting costs a request in a batch of `batch` decoding
         sequences, in units of the worth of one token."""
+        cached = self._cached.get(batch)
+        if cached is not None and cached[1] == self._version and self._steps - cached[0] < _REPRICE_STEPS:
+            return cached[2]
+        price = self._price(batch)
+        self._cached[batch] = (self._steps, self._version, price)
+        return price
+
+    def _price(self, batch: int) -> Price:
         b = self._batches.get(batch)
         if b is not None:
             while b.verify and b.verify[0][2] < self._steps - _MAX_AGE_STEPS:
