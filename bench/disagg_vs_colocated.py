@@ -66,14 +66,17 @@ def run_mode(mode: str, a: argparse.Namespace, out: Path) -> dict:
     proc = subprocess.Popen(serve, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(url, proc, a.start_timeout)
-        bench = [sys.executable, "-m", "pdserve", "bench", "--base-url", f"{url}/v1", "--input-len", str(a.input_len),
-                 "--output-len", str(a.output_len), "--num-requests", str(a.num_requests), "--seed", str(a.seed),
-                 "--goodput", f"ttft:{a.slo_ttft_ms}", f"tpot:{a.slo_tpot_ms}", "--no-progress"]
-        # Warm-up (shapes, allocator, Ray's first calls), not reported.
-        subprocess.run(bench[:-1] + ["--num-requests", "4", "--request-rate", "inf", "--no-progress"],
+        def bench(seed: int, *extra: str) -> list[str]:
+            return [sys.executable, "-m", "pdserve", "bench", "--base-url", f"{url}/v1", "--input-len",
+                    str(a.input_len), "--output-len", str(a.output_len), "--seed", str(seed),
+                    "--goodput", f"ttft:{a.slo_ttft_ms}", f"tpot:{a.slo_tpot_ms}", "--no-progress", *extra]
+
+        # Warm-up (shapes, allocator, Ray's first calls), with other prompts than the runs', not reported.
+        subprocess.run(bench(a.seed + 1000, "--num-requests", "4", "--request-rate", "inf"),
                        check=True, stdout=subprocess.DEVNULL, timeout=a.run_timeout)
-        subprocess.run(bench + ["--sweep", a.rates, "--result-json", str(out / f"{mode}.json"),
-                                "--plot-dir", str(out / mode)], check=True, timeout=a.run_timeout * len(a.rates.split(",")))
+        subprocess.run(bench(a.seed, "--num-requests", str(a.num_requests), "--sweep", a.rates,
+                             "--result-json", str(out / f"{mode}.json"), "--plot-dir", str(out / mode)),
+                       check=True, timeout=a.run_timeout * len(a.rates.split(",")))
         (out / f"{mode}_metrics.txt").write_text(httpx.get(f"{url}/metrics", timeout=10).text)
     finally:
         stop(proc)

@@ -7,9 +7,10 @@ Workloads, each at batch 1, 4 and 16, greedy, `--new` tokens per request:
   - free text: English prose (the Python license text on this machine).
 
 Decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill and
-the first token cancel out. Plain and speculative engines alternate A B A B
-over `--repeats` repeats after a full warm-up run each; medians; ratio = spec / plain. Mean
-acceptance length = tokens emitted per verification pass (accepted drafts + 1).
+the first token cancel out. Plain and speculative engines alternate A B C,
+C B A over `--repeats` repeats after a full warm-up run each; medians; ratio =
+spec / plain. Mean acceptance length = tokens emitted per verification pass
+(accepted drafts + 1).
 
     python bench/spec_decode.py [--model DIR] [--repeats 3] [--new 96] [--k 4] [--out results.json]
 
@@ -130,8 +131,10 @@ def main() -> int:
             before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
             for r in range(a.repeats):
                 print(f"[bench] {name}, batch {b}, repeat {r + 1}/{a.repeats}", file=sys.stderr, flush=True)
-                rates["plain"].append(decode_rate(plain, batch, a.new))
-                for k, e in engines.items():
+                # A B C, then C B A: a drift of the machine's speed over the
+                # repeats favours neither side.
+                order = [("plain", plain), *engines.items()]
+                for k, e in order if r % 2 == 0 else order[::-1]:
                     rates[k].append(decode_rate(e, batch, a.new))
             row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
             for k, e in engines.items():

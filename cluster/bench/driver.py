@@ -7,6 +7,7 @@ report covers what was measured so far (the cut run is marked interrupted).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import platform
 import sys
@@ -78,8 +79,15 @@ class Session:
 
     def prepare(self) -> None:
         """Build prompts before any clock starts (text rendering can take seconds)."""
-        self._reqs = build_requests(self.cfg)
-        self._prompts = build_prompts(self.cfg, self._reqs)
+        self._reqs, self._prompts = self._workload(0)
+
+    def _workload(self, index: int) -> tuple[list[BenchRequest], list[list[int] | str]]:
+        """The requests of the index-th rate of a sweep: the same lengths, arrivals and
+        sharing pattern, other token content (seed + index), so that no rate is served
+        from the prefix cache the rate before it filled."""
+        cfg = dataclasses.replace(self.cfg, seed=self.cfg.seed + index)
+        reqs = build_requests(cfg)
+        return reqs, build_prompts(cfg, reqs)
 
     async def _main(self) -> None:
         cfg = self.cfg
@@ -91,9 +99,11 @@ class Session:
                                      limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
                                      trust_env=False) as client:
             self.model = cfg.model or await first_model(client, cfg.base_url, min(cfg.request_timeout, 30.0))
-            bodies = [request_body(cfg.endpoint, self.model, p, r.output_len, cfg.ignore_eos, cfg.temperature)
-                      for p, r in zip(self._prompts, self._reqs)]
-            for rate in rates:
+            for i, rate in enumerate(rates):
+                if i:  # fresh prompts per rate: the last rate's would hit the server's prefix cache
+                    self._reqs, self._prompts = self._workload(i)
+                bodies = [request_body(cfg.endpoint, self.model, p, r.output_len, cfg.ignore_eos, cfg.temperature)
+                          for p, r in zip(self._prompts, self._reqs)]
                 shown, offsets = schedule(cfg, self._reqs, rate)
                 plan = Plan(cfg.base_url + cfg.endpoint.path, bodies, [r.input_len for r in self._reqs],
                             [r.output_len for r in self._reqs], offsets, cfg.max_concurrency, cfg.request_timeout)
@@ -154,7 +164,8 @@ class Session:
                  slo.ttft if slo else None)
         plot_cdf(d / "tpot_cdf.png", "TPOT", {k: [t for r in v if (t := r.tpot) is not None] for k, v in ok.items()},
                  slo.tpot if slo else None)
-        plot_cdf(d / "itl_cdf.png", "ITL", {k: [g for r in v for g in r.itl] for k, v in ok.items()}, None)
+        plot_cdf(d / "itl_cdf.png", "ITL", {k: [g for r in v for g in r.itl] for k, v in ok.items()}, None,
+                 unit="gaps between chunks")
 
     def _config_json(self) -> dict[str, Any]:
         return {**self.cfg.as_json(), "model": self.model, "argv": sys.argv,

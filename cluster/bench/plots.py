@@ -21,7 +21,8 @@ def _pyplot():  # noqa: ANN202 - matplotlib.pyplot
     return plt
 
 
-def plot_cdf(path: Path, name: str, series: dict[str, list[float]], slo_s: float | None) -> Path:
+def plot_cdf(path: Path, name: str, series: dict[str, list[float]], slo_s: float | None,
+             unit: str = "successful requests") -> Path:
     """Empirical CDF of each series (seconds, drawn in ms); a vertical line at the SLO."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4), dpi=100)
@@ -33,7 +34,7 @@ def plot_cdf(path: Path, name: str, series: dict[str, list[float]], slo_s: float
     if slo_s is not None:
         ax.axvline(slo_s * 1000, color="red", linestyle="--", label=f"SLO {slo_s * 1000:g} ms")
     ax.set_xlabel(f"{name} (ms)")
-    ax.set_ylabel("fraction of successful requests")
+    ax.set_ylabel(f"fraction of {unit}")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
     ax.set_title(f"{name} CDF")

@@ -144,6 +144,10 @@ def test_cli_sweep_writes_json_and_plots(fake_server: FakeServer, tmp_path: Path
         assert run["summary"]["goodput"]["attainment"] == pytest.approx(0.8)
         ok = [r for r in run["requests"] if r["success"]]
         assert all(isinstance(r["ttft"], float) and isinstance(r["tpot"], float) and len(r["itl"]) == 3 for r in ok)
+    # Each rate sends its own prompts (the same lengths): a repeat would be served
+    # from the prefix cache the rate before filled.
+    prompts = [tuple(b["prompt"]) for b in fake_server.bodies]
+    assert len(prompts) == 20 and len(set(prompts)) == 20 and all(len(p) == 16 for p in prompts)
     # 80% attainment at every rate: below the 90% target from the start
     assert res["sweep"]["distserve_goodput"] == {"rate": None, "method": "below_lowest", "target_attainment": 0.9}
     for name in ("ttft_cdf.png", "tpot_cdf.png", "itl_cdf.png", "attainment_vs_rate.png"):
