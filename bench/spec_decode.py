@@ -4,7 +4,9 @@ Workloads, each at batch 1, 4 and 16, greedy, `--new` tokens per request:
   - repetitive: code-like prompts that repeat themselves (similar lines, a
     class with similar methods), where prompt lookup finds what comes next;
   - code: plain chunks of Python source from the local corpus;
-  - free text: English prose (the Python license text on this machine).
+  - free text: English prose (the Python license text on this machine);
+  - random: random token ids, sampled at temperature 1.5 (random text in and
+    out), where drafts are (almost) never accepted. The others are greedy.
 
 Decode tokens/s = batch * (N - 1) / (t(N tokens) - t(1 token)), so prefill and
 the first token cancel out. Plain and speculative engines alternate A B C,
@@ -50,7 +52,14 @@ def default_pair() -> tuple[str, str | None]:
     return str(root / "target"), str(root / "draft")
 
 
-def workloads(tokenizer: object, n: int, prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
+# Random prompts alone still get text-like (copyable) output from a trained
+# model; sampled at temperature 1.5 the output is random too, and drafts are
+# accepted only with the small probability p(draft).
+TEMPERATURE = {"random": 1.5}
+
+
+def workloads(tokenizer: object, n: int, prompt_tokens: int, seed: int,
+              only: set[str] | None = None) -> dict[str, list[list[int]]]:
     rng = random.Random(seed)
     encode = tokenizer.encode  # type: ignore[attr-defined]
 
@@ -74,11 +83,16 @@ def workloads(tokenizer: object, n: int, prompt_tokens: int, seed: int) -> dict[
     prose = prose_file.read_text(errors="replace") if prose_file else ("The quick brown fox jumps over the lazy dog. " * 200)
     paragraphs = [p for p in prose.split("\n\n") if len(p) > 400] or [prose]
     free = [clip(" ".join(rng.choice(paragraphs).split())) for _ in range(n)]
-    return {"repetitive": repetitive, "code": code, "free text": free}
+    # Random token ids: nothing to copy, nothing a draft can guess (the
+    # worst case: speculation must cost almost nothing here).
+    vocab = len(tokenizer)  # type: ignore[arg-type]
+    rand = [[rng.randrange(16, vocab) for _ in range(prompt_tokens)] for _ in range(n)]
+    loads = {"repetitive": repetitive, "code": code, "free text": free, "random": rand}
+    return {k: v for k, v in loads.items() if not only or k in only}
 
 
-def timed(llm: LLM, prompts: list[list[int]], new: int) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)
+def timed(llm: LLM, prompts: list[list[int]], new: int, temperature: float = 0.0) -> float:
+    params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True)
     gc.collect()
     gc.disable()  # a collection inside one timed run and not the other is noise
     try:
@@ -89,8 +103,9 @@ def timed(llm: LLM, prompts: list[list[int]], new: int) -> float:
         gc.enable()
 
 
-def decode_rate(llm: LLM, prompts: list[list[int]], new: int) -> float:
-    return len(prompts) * (new - 1) / max(timed(llm, prompts, new) - timed(llm, prompts, 1), 1e-9)
+def decode_rate(llm: LLM, prompts: list[list[int]], new: int, temperature: float = 0.0) -> float:
+    return len(prompts) * (new - 1) / max(timed(llm, prompts, new, temperature) - timed(llm, prompts, 1, temperature),
+                                          1e-9)
 
 
 def main() -> int:
@@ -102,6 +117,8 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=192)
     ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--workloads", default="repetitive,code,free text,random",
+                    help="comma-separated, of: repetitive, code, free text, random")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -117,7 +134,7 @@ def main() -> int:
     if draft:
         engines["draft"] = LLM(model, **common, speculative="draft", draft_model=draft, num_speculative_tokens=a.k)
     batches = [int(b) for b in a.batches.split(",")]
-    loads = workloads(plain.tokenizer, max(batches), a.prompt_tokens, seed=0)
+    loads = workloads(plain.tokenizer, max(batches), a.prompt_tokens, seed=0, only=set(a.workloads.split(",")))
     rows = []
     for name, prompts in loads.items():
         for b in batches:
@@ -126,7 +143,7 @@ def main() -> int:
             # measured price of drafting, the acceptance rate new requests start
             # from) reflects this workload, as it would in a server that has run a while.
             for llm in (plain, *engines.values()):
-                decode_rate(llm, batch, a.new)
+                decode_rate(llm, batch, a.new, TEMPERATURE.get(name, 0.0))
             rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
             before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
             for r in range(a.repeats):
@@ -135,7 +152,7 @@ def main() -> int:
                 # repeats favours neither side.
                 order = [("plain", plain), *engines.items()]
                 for k, e in order if r % 2 == 0 else order[::-1]:
-                    rates[k].append(decode_rate(e, batch, a.new))
+                    rates[k].append(decode_rate(e, batch, a.new, TEMPERATURE.get(name, 0.0)))
             row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
             for k, e in engines.items():
                 drafts = e.engine.stats.spec_drafts - before[k][0]
