@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec
 
 
@@ -49,3 +55,24 @@ async def _resolved_stream(gen):  # noqa: ANN001, ANN202
         fut = asyncio.get_running_loop().create_future()
         fut.set_result(item)
         yield fut
+
+
+@contextlib.contextmanager
+def local_cluster(cfg: Any) -> Iterator[str]:
+    """Serve `cfg` (a serve_app.ServeConfig) on local Ray with 2 CPUs, yield its base
+    URL, and always tear it down. The ingress environment is set only while Ray's
+    processes start (they read it then), so later tests do not see it."""
+    import ray
+
+    from pdserve.cluster import serve_app
+
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in serve_app.HAPROXY_ENV.items():
+            env.setenv(key, value if cfg.ingress == "haproxy" else "0")
+        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
+    try:
+        serve_app.run(cfg, block=False)
+        yield f"http://127.0.0.1:{cfg.port}"
+    finally:
+        serve_app.shutdown(cfg)
+        ray.shutdown()

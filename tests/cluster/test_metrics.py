@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from factories import LocalActor, tiny_spec
+from factories import LocalActor, local_cluster, tiny_spec
 from pdserve import LLM
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
@@ -353,7 +353,7 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
 
 @pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[tuple[str, Any]]:
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from pdserve.cluster import serve_app
 
     port = 20000 + os.getpid() % 1000
@@ -361,16 +361,8 @@ def served(model_dir: Path) -> Iterator[tuple[str, Any]]:
     # cluster on this machine may hold (the metrics path is the same either way).
     cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256, ingress="proxy",
                                 engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes read it at start; later tests do not see it
-        for key in serve_app.HAPROXY_ENV:
-            env.setenv(key, "0")
-        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
-    try:
-        serve_app.run(cfg, block=False)
-        yield f"http://127.0.0.1:{port}", cfg
-    finally:
-        serve_app.shutdown(cfg)
-        ray.shutdown()
+    with local_cluster(cfg) as url:
+        yield url, cfg
 
 
 def test_one_scrape_has_every_contract_family_for_every_worker(served: tuple[str, Any]) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from factories import tiny_spec
+from factories import local_cluster, tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
 
@@ -31,16 +31,8 @@ def cluster(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[s
     mode, transport, ingress = request.param.split("-")
     cfg = serve_app.ServeConfig(model=str(model_dir), mode=mode, transport=transport, ingress=ingress, port=port,
                                 max_model_len=256, engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes read it at start; later tests do not see it
-        for key, value in serve_app.HAPROXY_ENV.items():
-            env.setenv(key, value if ingress == "haproxy" else "0")
-        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
-    try:
-        serve_app.run(cfg, block=False)
-        yield f"http://127.0.0.1:{port}", mode
-    finally:
-        serve_app.shutdown(cfg)
-        ray.shutdown()
+    with local_cluster(cfg) as url:
+        yield url, mode
 
 
 def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, str], model_dir: Path) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from factories import tiny_spec
+from factories import local_cluster, tiny_spec
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 openai = pytest.importorskip("openai")
@@ -39,10 +39,8 @@ def serve_and_count(model_dir: Path, policy: str, prompts: list[list[int]]) -> i
     port = 19000 + os.getpid() % 1000
     cfg = serve_app.ServeConfig(model=str(model_dir), num_prefill=2, num_decode=1, router_policy=policy, port=port,
                                 max_model_len=1024, engine_args={"num_kv_blocks": 192, "max_num_batched_tokens": 1024})
-    serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
-    try:
-        serve_app.run(cfg, block=False)
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    with local_cluster(cfg) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         sem = asyncio.Semaphore(4)
 
         async def one(p: list[int]) -> str:
@@ -61,9 +59,6 @@ def serve_and_count(model_dir: Path, policy: str, prompts: list[list[int]]) -> i
         loads = ray.get([ray.get_actor(n, namespace=serve_app.NAMESPACE).load.remote() for n in cfg.worker_names()])
         assert all(ld["used_blocks"] == 0 for ld in loads), loads
         return sum(ld["prompt_tokens_computed"] for ld in loads)
-    finally:
-        serve_app.shutdown(cfg)
-        ray.shutdown()
 
 
 def test_cache_aware_router_computes_2x_fewer_prefill_tokens_than_round_robin_over_http(model_dir: Path) -> None:

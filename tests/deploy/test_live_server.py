@@ -35,7 +35,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from factories import tiny_spec
+from factories import local_cluster, tiny_spec
 from pdserve.workers.tiny.builder import TinyModelSpec
 from promql import (DASHBOARD, RULES_DIR, PrometheusServer, PromQLError, dashboard_expressions, find_binary,
                     free_port, metric_names, rule_expressions, write_config)
@@ -99,16 +99,8 @@ def served(prometheus_binary: str, model_dir: Path) -> Iterator[tuple[str, Any]]
 
     cfg = serve_app.ServeConfig(model=str(model_dir), port=free_port(), max_model_len=256, ingress="proxy",
                                 engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
-    with pytest.MonkeyPatch.context() as env:  # Ray's processes read it at start; later tests do not see it
-        for key in serve_app.HAPROXY_ENV:
-            env.setenv(key, "0")
-        serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
-    try:
-        serve_app.run(cfg, block=False)
-        yield f"http://127.0.0.1:{cfg.port}", cfg
-    finally:
-        serve_app.shutdown(cfg)
-        ray.shutdown()
+    with local_cluster(cfg) as url:
+        yield url, cfg
 
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
