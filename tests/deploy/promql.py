@@ -435,12 +435,4 @@ class PrometheusServer:
         params = {"query": expr}
         if at is not None:
             params["time"] = str(at)
-        url = f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as r:
-                body = json.load(r)
-        except urllib.error.HTTPError as e:  # 400/422/503 carry the error as JSON
-            body = json.loads(e.read() or b"{}")
-        if body.get("status") != "success":
-            raise PromQLError(f"{body.get('errorType')}: {body.get('error')} in {expr!r}")
-        return body["data"]
+        return self.api("query", params, timeout_s=timeout_s)
