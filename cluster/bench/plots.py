@@ -6,6 +6,7 @@ matplotlib is imported here only, on the Agg backend (no display needed).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,14 +37,8 @@ def plot_cdf(path: Path, name: str, series: dict[str, list[float]], slo_s: float
     ax.set_xlabel(f"{name} (ms)")
     ax.set_ylabel(f"fraction of {unit}")
     ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
     ax.set_title(f"{name} CDF")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path)
 
 
 def plot_attainment(path: Path, rates: list[float], attainment: list[float],
@@ -61,6 +56,10 @@ def plot_attainment(path: Path, rates: list[float], attainment: list[float],
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(0, 102)
+    return _save(plt, fig, ax, path)
+
+
+def _save(plt: Any, fig: Any, ax: Any, path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
