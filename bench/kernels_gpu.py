@@ -26,6 +26,11 @@ kernels are timed without host launch gaps.
 
     python3 bench/kernels_gpu.py [--dry-run] [--only norm,rope,cache,decode,prefill]
         [--rep MS] [--warmup MS] [--rounds N] [--decode-splits 1,4,16]
+        [--tune [--tune-budget-s S]]
+
+--tune: after the sections, every launch config of the attention sweeps
+(kernels/configs.py) on the bar shapes, each checked then timed, a table per
+shape with the default marked (bench/kernels_tune.py).
 
 --dry-run: no GPU needed. Runs everything on the CPU with tiny shapes in
 float32 (Triton's interpreter has no bf16; TRITON_INTERPRET=1 is set), timing
@@ -199,6 +204,7 @@ class Runner:
         self.args = args
         self.r = Report()
         self.broken = ""  # set after a CUDA error: the context is gone, skip the rest
+        self.sweep = None  # kernels_tune.Sweep after --tune
         self.gen_seed = 1234
 
     # ---------------- helpers
@@ -689,6 +695,15 @@ class Runner:
         self.perf(Perf("rope", f"T={T} heads={nqk} D={D} (strided)", ms * 1e3, gbps, "GB/s", self.pct_bw(gbps),
                        "torch eager", ref_ms * 1e3, ref_ms / ms))
 
+    # tune ---------------------------------------------------------------
+
+    def tune(self) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        import kernels_tune
+
+        self.sweep = kernels_tune.Sweep(self, self.args.tune_budget_s)  # kept if the sweep dies midway
+        kernels_tune.run_sweep(self.sweep, dry=DRY)
+
     # summary ------------------------------------------------------------
 
     def summary(self) -> str:
@@ -715,6 +730,8 @@ class Runner:
         lines.append(_perf_header())
         for row in r.perf:
             lines.append(_perf_line(row))
+        if self.sweep is not None:
+            lines += self.sweep.table()
         lines += ["", "bars"]
         for b in r.bars:
             met = "n/a" if b.met is None else ("met" if b.met else "NOT met")
@@ -733,6 +750,7 @@ class Runner:
             "header": self.r.header, "ceilings": self.r.ceilings,
             "checks": [asdict(c) for c in self.r.checks], "perf": [asdict(x) for x in self.r.perf],
             "bars": [asdict(b) for b in self.r.bars], "errors": self.r.errors,
+            "tuning": self.sweep.to_json() if self.sweep is not None else [],
             "plan": {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in asdict(self.p).items()},
         }
 
@@ -785,6 +803,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds for prefill vs SDPA")
     ap.add_argument("--decode-splits", default="", help="extra num_splits values to time for decode, e.g. 1,4,16")
+    ap.add_argument("--tune", action="store_true",
+                    help="after the sections, time every config of the attention sweeps on the bar shapes")
+    ap.add_argument("--tune-budget-s", type=float, default=240.0, help="stop the --tune sweep after this long")
     args = ap.parse_args(argv)
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -803,6 +824,9 @@ def main(argv: list[str] | None = None) -> int:
         if name in sections:
             run.log(f"== {name}")
             run.guarded(name, getattr(run, name))
+    if args.tune:
+        run.log("== tune")
+        run.guarded("tune", run.tune)
     run.r.header["wall_s"] = round(time.perf_counter() - t0, 1)
     text = run.summary() + f"\nwall: {run.r.header['wall_s']} s"
     out_dir = os.environ.get("OUT")

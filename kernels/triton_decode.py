@@ -37,9 +37,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.configs import DecodeConfig, decode_config
+
 _LOG2E = 1.4426950408889634
 
-# KV tokens per tile, independent of the cache's page size.
+# Tile (KV tokens per loop iteration) that choose_num_splits assumes by default.
 TILE_N = 32
 # Upper bound on KV splits per (sequence, KV head).
 MAX_SPLITS = 16
@@ -47,6 +49,16 @@ MAX_SPLITS = 16
 _DEFAULT_TARGET_PROGRAMS = 132
 
 _sm_count_cache: dict[int, int] = {}
+
+
+def block_m_for(max_query_len: int, group: int) -> int:
+    """Rows of stage 1's dot: all query rows x the GQA group, padded to a power of two >= 16."""
+    return max(16, triton.next_power_of_2(max_query_len * group))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    # fp32 must match an fp32 reference: full-precision dots, not TF32.
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _target_programs(device: torch.device) -> int:
@@ -208,6 +220,8 @@ def paged_decode_attention(
     max_query_len: int,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
+    *,
+    config: DecodeConfig | None = None,  # launch config override (tuning, tests)
 ) -> torch.Tensor:
     """Attention of each sequence's new query rows over its paged KV cache.
 
@@ -241,14 +255,15 @@ def paged_decode_attention(
     if num_seqs == 0 or num_q == 0:
         return out
 
+    cfg = config or decode_config(head_dim, q.dtype)
     if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1], block_size, q.device,
+                                       tile_n=cfg.tile_n)
     num_splits = int(num_splits)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
-    block_m = max(16, triton.next_power_of_2(max_query_len * group))
-    dot_precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    block_m = block_m_for(max_query_len, group)
 
     if num_splits > 1:
         rows = num_seqs * max_query_len
@@ -257,16 +272,15 @@ def paged_decode_attention(
     else:
         ws_acc = ws_lse = out  # unused
 
-    num_warps = 4 if head_dim <= 64 else 8
     _decode_stage1[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, ws_acc, ws_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
         float(scale) * _LOG2E,
         block_size,
-        GROUP=group, MAX_Q=max_query_len, BLOCK_M=block_m, HEAD_DIM=head_dim, TILE=TILE_N,
-        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision,
-        num_warps=num_warps, num_stages=2,
+        GROUP=group, MAX_Q=max_query_len, BLOCK_M=block_m, HEAD_DIM=head_dim, TILE=cfg.tile_n,
+        NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if num_splits > 1:
         _decode_stage2[(num_seqs, max_query_len, num_heads)](

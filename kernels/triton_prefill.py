@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.configs import PrefillConfig, prefill_config
+
 _LOG2E = 1.4426950408889634
 
 
@@ -94,7 +96,10 @@ def _prefill_kernel(
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2)
+    # Program ids run roughly in launch order, axis 2 slowest: hand out the last
+    # query blocks (the most keys, under causality) first, so the long programs
+    # do not form the tail of the launch (as FlashAttention-2 does).
+    q_block = tl.num_programs(2) - 1 - tl.program_id(2)
 
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -150,20 +155,13 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _config(group_pad: int, head_dim: int, max_query_len: int, dtype: torch.dtype) -> tuple[int, int]:
-    """(BLOCK_M, TILE_N): untuned defaults after the Triton tutorial / SGLang extend.
-
-    Checked only by compiling for sm_90/sm_80 (no spills with the JIT's usual stride
-    specialisation); never timed on a GPU.
-    """
-    # Rows per program: 128 for real prefill chunks, fewer for short ones so padding rows stay few.
-    block_m = min(128, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
-    tile_n = 64
-    if head_dim > 128 or dtype == torch.float32:
-        # fp32 tiles are twice the bytes and its 3-pass dot splits each operand in two:
-        # smaller tiles keep registers and shared memory in budget.
-        block_m, tile_n = min(block_m, 64), 32
-    return max(block_m, group_pad), tile_n
+def dot_precision(dtype: torch.dtype, cuda: bool) -> str | None:
+    """fp16/bf16: None (the setting only matters for fp32 operands). fp32 must match an
+    fp32 reference (no plain TF32): on NVIDIA the 3-pass TF32 dot (~fp32 accuracy on
+    tensor cores, and far fewer registers than the FMA dot); elsewhere IEEE."""
+    if dtype != torch.float32:
+        return None
+    return "tf32x3" if cuda and torch.version.hip is None else "ieee"
 
 
 def prefill_attention(
@@ -177,7 +175,8 @@ def prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [Nq, H, D]
     *,
-    block_m: int | None = None,  # tile overrides (tests, tuning); powers of two, >= 16
+    config: PrefillConfig | None = None,  # launch config override (tuning)
+    block_m: int | None = None,  # tile overrides of the default config (tests); powers of two, >= 16
     tile_n: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new rows over its paged keys. Returns `out` [Nq, H, D].
@@ -205,19 +204,13 @@ def prefill_attention(
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    bm, tn = _config(group_pad, head_dim, max_query_len, q.dtype)
-    bm = block_m or bm
-    tn = tile_n or tn
-    if bm < group_pad or bm & (bm - 1) or tn & (tn - 1) or min(bm, tn) < 16:
-        raise ValueError(f"block_m={bm} / tile_n={tn} must be powers of two >= 16 (and block_m >= group {group_pad})")
-    block_q = bm // group_pad
-    num_warps = 8 if bm >= 128 else 4
-    precision = None  # fp16/bf16: the setting only matters for fp32 operands
-    if q.dtype == torch.float32:
-        # fp32 must match an fp32 reference (no plain TF32): on NVIDIA the 3-pass TF32 dot
-        # (~fp32 accuracy on tensor cores, and far fewer registers than the FMA dot).
-        precision = "tf32x3" if q.is_cuda and torch.version.hip is None else "ieee"
-
+    cfg = config or prefill_config(group_pad, head_dim, max_query_len, q.dtype)
+    if block_m or tile_n:
+        bm = block_m or cfg.block_m
+        cfg = PrefillConfig(bm, tile_n or cfg.tile_n, 8 if bm >= 128 else 4, cfg.num_stages)
+    if cfg.block_m < group_pad:
+        raise ValueError(f"block_m={cfg.block_m} must be >= the padded GQA group {group_pad}")
+    block_q = cfg.block_m // group_pad
     grid = (num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         q, k_cache, v_cache, out,
@@ -227,8 +220,8 @@ def prefill_attention(
         k_cache.shape[1], float(scale) * _LOG2E,
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_Q=block_q, BLOCK_M=bm, TILE_N=tn,
-        DOT_PRECISION=precision,
-        num_warps=num_warps, num_stages=2,
+        BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,
+        DOT_PRECISION=dot_precision(q.dtype, q.is_cuda),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pdserve.kernels import reference
+from pdserve.kernels.configs import DECODE_SWEEP, DecodeConfig, decode_config
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.triton_decode import MAX_SPLITS, TILE_N, choose_num_splits, paged_decode_attention
 
@@ -138,7 +139,8 @@ def _naive(case: dict) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _run_and_check(case: dict, max_query_len: int, num_splits: int | None, tol: float) -> torch.Tensor:
+def _run_and_check(case: dict, max_query_len: int, num_splits: int | None, tol: float,
+                   config: DecodeConfig | None = None) -> torch.Tensor:
     q = case["q"]
     out = torch.full_like(q, 7.0)
     start = case["row_offset"]
@@ -146,7 +148,7 @@ def _run_and_check(case: dict, max_query_len: int, num_splits: int | None, tol: 
     out[start:end] = float("nan")  # every covered element must be written
     res = paged_decode_attention(
         q, case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["query_start_loc"],
-        case["scale"], max_query_len, num_splits=num_splits, out=out,
+        case["scale"], max_query_len, num_splits=num_splits, out=out, config=config,
     )
     assert res is out
     out = out.cpu()
@@ -191,6 +193,32 @@ def test_verification_rows_match_reference(seq_lens, q_lens, H, KVH, D, dtype, n
     case = _make_case(seq_lens, q_lens, num_heads=H, num_kv_heads=KVH, head_dim=D, block_size=16,
                       dtype=dtype, layout="engine", seed=sum(seq_lens))
     _run_and_check(case, 4, num_splits, FP32_TOL if dtype == torch.float32 else FP16_TOL)
+
+
+# The interpreter ignores warps and stages: one config per tile size covers the sweep's code paths.
+_SWEEP_TILES = sorted({c.tile_n for c in DECODE_SWEEP} | {decode_config(64, torch.float16).tile_n})
+
+
+@pytest.mark.parametrize("tile_n", _SWEEP_TILES)
+@pytest.mark.parametrize("max_query_len,num_splits", [(1, None), (4, 3)])
+def test_every_tuning_tile_matches_reference(tile_n, max_query_len, num_splits):
+    """Each tile size the GPU sweep may pick (`bench/kernels_gpu.py --tune`), with
+    sequences shorter than, equal to and longer than one tile, several splits."""
+    seq_lens = [3, tile_n, tile_n + 17, 2 * tile_n + 5]
+    q_lens = [1] * 4 if max_query_len == 1 else [1, 4, 2, 3]
+    case = _make_case(seq_lens, q_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=16,
+                      dtype=torch.float32, layout="engine", seed=tile_n + max_query_len)
+    cfg = next(c for c in DECODE_SWEEP if c.tile_n == tile_n)
+    _run_and_check(case, max_query_len, num_splits, FP32_TOL, config=cfg)
+
+
+def test_decode_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="tile_n"):
+        DecodeConfig(tile_n=48, num_warps=4, num_stages=3)
+    with pytest.raises(ValueError, match="num_warps"):
+        DecodeConfig(tile_n=64, num_warps=3, num_stages=3)
+    with pytest.raises(ValueError, match="num_stages"):
+        DecodeConfig(tile_n=64, num_warps=4, num_stages=0)
 
 
 def test_oracle_agrees_with_naive_definition():

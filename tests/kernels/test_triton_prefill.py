@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pdserve.kernels import reference
+from pdserve.kernels.configs import PREFILL_SWEEP, PrefillConfig
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.triton_cache import write_kv
 from pdserve.kernels.triton_prefill import prefill_attention
@@ -225,6 +226,27 @@ def test_prefill_matches_reference(dtype, head_dim, num_heads, kv_heads, block_s
     ret = case.run(out=out, **tiles)
     assert ret is out
     _check(case, out)
+
+
+@pytest.mark.parametrize("block_m,tile_n", sorted({(c.block_m, c.tile_n) for c in PREFILL_SWEEP}))
+def test_every_tuning_tile_matches_reference(block_m, tile_n):
+    """Each (rows, keys) tile the GPU sweep may pick (`bench/kernels_gpu.py --tune`),
+    GQA 4, a chunk longer than one program, a chunk behind a cached prefix, a short one."""
+    case = _Case([(0, 70), (37, 21), (5, 3)], 8, 2, 32, 16, torch.float32, q_offset=2, q_tail=1,
+                 seed=block_m + tile_n).to_device()
+    cfg = next(c for c in PREFILL_SWEEP if (c.block_m, c.tile_n) == (block_m, tile_n))
+    out = torch.full_like(case.q, NAN)
+    case.run(out=out, config=cfg)
+    _check(case, out)
+
+
+def test_prefill_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="powers of two"):
+        PrefillConfig(block_m=96, tile_n=64, num_warps=8, num_stages=3)
+    # 32 query heads on one KV head: a 16-row program cannot hold the group.
+    case = _Case([(0, 5)], 32, 1, 32, 16, torch.float32, q_offset=0, q_tail=0, seed=1).to_device()
+    with pytest.raises(ValueError, match="GQA group"):
+        case.run(config=PrefillConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2))
 
 
 def test_prefill_allocates_out_and_tolerates_oversized_grid():
