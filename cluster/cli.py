@@ -44,7 +44,9 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     llm = LLM(model=a.model, **_engine_kwargs(a))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos)
+                            seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos,
+                            presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
+                            repetition_penalty=a.repetition_penalty)
     prompts = list(a.prompts)
     if a.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
@@ -124,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--presence-penalty", type=float, default=0.0)
+    gen.add_argument("--frequency-penalty", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating prompt and output tokens")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")

@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from pdserve.workers.sampling_params import SamplingParams
 
 
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
@@ -36,6 +40,11 @@ class _SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
+    presence_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this for each token already generated")
+    frequency_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this times each token's count so far")
+    repetition_penalty: float | None = Field(1.0, description="> 0, 1 = off: divides the logits of tokens already "
+                                                               "in the prompt or output (vLLM's extension)")
+    logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
     speculative: bool = Field(True, description="false: no speculative decoding for this request "
                                                 "(when the server speculates)")
 
@@ -47,6 +56,8 @@ class _SamplingFields(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0), logit_bias=self.logit_bias,
             speculative=self.speculative,
         )
 

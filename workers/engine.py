@@ -210,6 +210,9 @@ class LLMEngine:
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         text, token_ids = self._tokenize(prompt)
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary [0, {vocab})")
         return text, token_ids, self._check_lengths(token_ids, params)
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
@@ -338,8 +341,9 @@ class LLMEngine:
         for req in self.scheduler.running:
             p = req.params
             # No drafts while logprobs are asked for (verification does not return
-            # them yet) or min_tokens bans stop tokens (the ban would apply to every draft position).
-            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative
+            # them yet), min_tokens bans stop tokens (the ban would apply to every draft
+            # position), or penalties depend on each position's history.
+            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative or p.has_penalties
                     or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
                 continue
             k = min(self._draft_length(req, price), k_cap, req.max_tokens - req.num_output_tokens - 1,

@@ -16,7 +16,7 @@ from pdserve.workers.buffers import InputBuffers
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.request import Request
-from pdserve.workers.sampler import SamplerOutput, SamplingBatch, sample
+from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
@@ -149,5 +149,15 @@ class ModelRunner:
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
                   if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
         batch.banned = banned or None
+        biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            batch.logit_bias = [
+                (i, torch.tensor(list(b), dtype=torch.int64, device=self.device),
+                 torch.tensor(list(b.values()), dtype=torch.float32, device=self.device))
+                for i, b in biased]
+        if any(p.has_penalties for p in params):
+            batch.penalties = Penalties.build(
+                [(r.prompt_token_ids, r.output_token_ids, r.params.presence_penalty, r.params.frequency_penalty,
+                  r.params.repetition_penalty) for r in reqs], self.vocab_size, self.device)
         batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch

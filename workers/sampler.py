@@ -1,4 +1,5 @@
-"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+"""Batched token sampling: greedy, temperature, top-k, top-p, min-p, seeds, logprobs,
+presence/frequency/repetition penalties and logit bias.
 
 Everything is a tensor op over the batch except seeded rows, which each draw
 their noise from their own generator: that is what makes a seeded request's
@@ -13,6 +14,59 @@ import torch
 
 
 @dataclass
+class Penalties:
+    """Per-row penalty settings and token histories of one step (rows without
+    penalties carry neutral values: 0, 0, 1)."""
+
+    presence: torch.Tensor  # [N, 1] float32
+    frequency: torch.Tensor  # [N, 1] float32
+    repetition: torch.Tensor  # [N, 1] float32
+    output_counts: torch.Tensor  # [N, V] float32: times each token was generated so far
+    seen: torch.Tensor | None  # [N, V] bool: in the prompt or the output; None when no row has a repetition penalty
+
+    @classmethod
+    def build(cls, rows: list[tuple[list[int], list[int], float, float, float]], vocab_size: int,
+              device: torch.device) -> "Penalties":
+        """rows: (prompt ids, output ids, presence, frequency, repetition) per sampled row."""
+        n = len(rows)
+
+        def column(i: int) -> torch.Tensor:
+            return torch.tensor([r[i] for r in rows], dtype=torch.float32, device=device)[:, None]
+
+        counts = _bincount_rows([r[1] for r in rows], vocab_size, device)
+        seen = None
+        if any(r[4] != 1.0 for r in rows):
+            seen = (counts > 0) | (_bincount_rows([r[0] for r in rows], vocab_size, device) > 0)
+        assert counts.shape == (n, vocab_size)
+        return cls(column(2), column(3), column(4), counts, seen)
+
+
+def _bincount_rows(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[N, V] float32 counts of each row's tokens (one scatter, padded with a spare column)."""
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
+        for i, toks in enumerate(token_lists):
+            padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.int64)
+        padded = padded.to(device)
+        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, pen: Penalties) -> torch.Tensor:
+    """vLLM's order and definitions, in place: repetition (prompt and output tokens:
+    positive logits divided, negative multiplied), then frequency (x count) and
+    presence (x once) over the output tokens, OpenAI's definition."""
+    if pen.seen is not None:
+        factor = torch.where(pen.seen, pen.repetition, torch.ones_like(pen.repetition))
+        logits.copy_(torch.where(logits > 0, logits / factor, logits * factor))
+    logits.sub_(pen.frequency * pen.output_counts)
+    logits.sub_(pen.presence * (pen.output_counts > 0).to(logits.dtype))
+    return logits
+
+
+@dataclass
 class SamplingBatch:
     """Per-row sampling settings of one step, built by the model runner."""
 
@@ -23,6 +77,8 @@ class SamplingBatch:
     min_p: torch.Tensor | None = None  # [N] float32, 0.0 where disabled
     generators: dict[int, torch.Generator] | None = None  # row -> generator, seeded rows only
     banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) forbidden this step (min_tokens)
+    logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (row, token ids, biases)
+    penalties: Penalties | None = None
     max_logprobs: int = -1  # >= 0: also return the top-N raw log-probs of every row
 
 
@@ -37,9 +93,7 @@ class SamplerOutput:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [N, V] float32 (modified in place)."""
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
-    if batch.banned:
-        for row, ids in batch.banned:
-            logits[row, ids] = float("-inf")
+    apply_logits_processors(logits, batch)
     if batch.all_greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -50,6 +104,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
     return out
+
+
+def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """What acts on the logits before the sampling law (vLLM's order): min_tokens
+    bans, logit bias, penalties. In place; greedy rows included."""
+    if batch.banned:
+        for row, ids in batch.banned:
+            logits[row, ids] = float("-inf")
+    if batch.logit_bias:
+        for row, ids, bias in batch.logit_bias:
+            logits[row, ids] += bias
+    if batch.penalties is not None:
+        apply_penalties(logits, batch.penalties)
+    return logits
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

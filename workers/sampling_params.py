@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 
 
@@ -20,6 +21,14 @@ class SamplingParams:
     filters. `seed` makes a request's samples reproducible whatever else is in
     the batch. `logprobs=N` returns the N most likely tokens' log-probabilities
     (of the raw model distribution) at each step, plus the sampled token's.
+
+    Penalties, as vLLM applies them to the logits before temperature:
+    `repetition_penalty` (> 0, 1 = off) divides the positive logits and
+    multiplies the negative ones of every token already in the prompt or the
+    output (the CTRL / transformers definition); `presence_penalty` and
+    `frequency_penalty` (in [-2, 2], OpenAI's definition) subtract, per token
+    already in the output, a constant and its count times the penalty.
+    `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits.
     """
 
     n: int = 1
@@ -37,6 +46,10 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     # False: no speculative decoding for this request, even when the engine drafts for others.
     speculative: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -48,6 +61,7 @@ class SamplingParams:
         self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = self._parse_logit_bias(self.logit_bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -73,6 +87,41 @@ class SamplingParams:
             raise ValueError("stop_token_ids: token ids must be >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
+            raise ValueError(f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+
+    @staticmethod
+    def _parse_logit_bias(bias: object) -> dict[int, float] | None:
+        """{token id: bias}; JSON clients send the ids as strings (OpenAI's format)."""
+        if not bias:
+            return None
+        if not isinstance(bias, dict):
+            raise ValueError("logit_bias: must be an object mapping token ids to biases")
+        out: dict[int, float] = {}
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+            if token < 0:
+                raise ValueError(f"logit_bias: token id {token} must be >= 0")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+                raise ValueError(f"logit_bias: bias of token {token} must be a number in [-100, 100], got {value!r}")
+            out[token] = float(value)
+        return out
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether anything but the sampling law's shape (temperature, top-k/p, min-p) acts on the logits."""
+        return self.has_penalties or bool(self.logit_bias)
 
     @property
     def greedy(self) -> bool:

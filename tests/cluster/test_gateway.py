@@ -102,6 +102,23 @@ def test_n_and_seed(server: tuple[str, AsyncEngine]) -> None:
     assert [ch.text for ch in a.choices] == [ch.text for ch in b.choices]
 
 
+def test_logit_bias_and_penalties_reach_the_sampler(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    """OpenAI's logit_bias (string token ids) and the penalties, through chat and completions."""
+    url, _ = server
+    c = client(url)
+    forced = c.completions.create(model=MODEL, prompt="x = ", max_tokens=6, temperature=0.0,
+                                  logit_bias={"77": 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == offline.tokenizer.decode([77] * 6)
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                     temperature=0.0, logit_bias={"77": 100}, frequency_penalty=0.5)
+    assert chat.choices[0].message.content == offline.tokenizer.decode([77] * 6)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5)
+    want = offline.generate(["x = "], params)[0].outputs[0].text
+    got = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.0, presence_penalty=0.5,
+                               extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
+    assert got.choices[0].text == want
+
+
 @pytest.mark.parametrize(
     ("body", "status", "param"),
     [
@@ -114,6 +131,12 @@ def test_n_and_seed(server: tuple[str, AsyncEngine]) -> None:
         ({"model": MODEL}, 400, "prompt"),
         ({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
         ({"model": MODEL, "prompt": "hi", "speculative": "maybe"}, 400, "speculative"),
+        ({"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+        ({"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: tuple[str, AsyncEngine], body: dict, status: int, param: str) -> None:

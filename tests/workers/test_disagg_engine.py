@@ -69,8 +69,12 @@ def run_with_first(decode: LLMEngine, rid: str, first: int) -> list[int]:
     [
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
         SamplingParams(temperature=0.9, top_k=50, seed=7, max_tokens=20, ignore_eos=True),
+        # The prefill side's first token sees the prompt's repetition penalty; the
+        # decode side counts that first token as generated.
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5,
+                       frequency_penalty=0.7, presence_penalty=0.3, logit_bias={9: 2.0}),
     ],
-    ids=["greedy", "seeded"],
+    ids=["greedy", "seeded", "penalties"],
 )
 def test_handoff_equals_colocated(model_dir: Path, params: SamplingParams) -> None:
     g = torch.Generator().manual_seed(0)

@@ -51,7 +51,9 @@ def verify(
         sampler.sample (model_runner builds it). `banned` bans the tokens at
         every position of the row: for a row under min_tokens, draft at most
         min_tokens - num_output_tokens - 1 tokens so that all its positions are
-        under the limit. `max_logprobs` is ignored: no logprobs are returned.
+        under the limit. `logit_bias` applies at every position; `penalties`
+        must be None (they depend on each position's history).
+        `max_logprobs` is ignored: no logprobs are returned.
     draft_probs: [B, K, V], the law each draft token was really sampled from
         (the draft model's normalised probabilities after the request's own processing),
         or None for deterministic drafters (n-gram, argmax drafts), which is
@@ -60,10 +62,17 @@ def verify(
     Returns the emitted tokens and accepted counts per row (one host sync).
     """
     _check_shapes(target_logits, draft_tokens, num_drafts, draft_probs)
+    if batch.penalties is not None:
+        # A penalty depends on the tokens before each position, drafts included: the
+        # engine does not draft for such requests.
+        raise ValueError("verify: rows with presence/frequency/repetition penalties cannot be verified")
     rows, positions, vocab = target_logits.shape
     if batch.banned:
         for row, ids in batch.banned:
             target_logits[row, :, ids] = float("-inf")
+    if batch.logit_bias:  # the same at every position
+        for row, ids, bias in batch.logit_bias:
+            target_logits[row, :, ids] += bias
     drafts = draft_tokens.clamp(0, vocab - 1)  # padding may hold anything
     n_drafts = torch.tensor(num_drafts, dtype=torch.int64, device=target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]
