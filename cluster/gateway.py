@@ -49,6 +49,7 @@ class GatewayConfig:
     max_in_flight: int = 256  # admission bound: beyond it, 429 with Retry-After
     request_timeout_s: float = 600.0
     max_logprobs: int = 20
+    max_batch_prompts: int = 64  # prompts in one /v1/completions request
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -82,6 +83,16 @@ def bad_request(e: ValueError) -> APIError:
     msg = str(e)
     param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
     return APIError(400, msg, "BadRequestError", param)
+
+
+@dataclass
+class Work:
+    """One prompt of an API request: its tokens, its sampling parameters (n samples),
+    and for `echo` the prompt text to put before each of its completions."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    echo: str | None = None
 
 
 @dataclass
@@ -126,6 +137,17 @@ class Gateway:
             raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
         return list(prompt)
 
+    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
+        """The prompts of a completions request (OpenAI: a string, token ids, or a
+        batch of either) as (token ids, text when given as text)."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            one = prompt if isinstance(prompt, str) else None
+            return [(self.tokenize(prompt), one)]  # type: ignore[arg-type]
+        if len(prompt) > self.config.max_batch_prompts:
+            raise APIError(400, f"prompt: at most {self.config.max_batch_prompts} prompts per request",
+                           "BadRequestError", "prompt")
+        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in prompt]  # type: ignore[arg-type]
+
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -157,18 +179,19 @@ class Gateway:
 
     # -- generation ------------------------------------------------------------
 
-    async def run(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(choice index, delta) for each of the n samples, interleaved as they come."""
+    async def run(self, rid: str, works: list[Work]) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(choice index, delta) for each of the n samples of every prompt, interleaved
+        as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
         self._admitted += 1
         try:
-            subs = [dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
-                    for i in range(params.n)]
+            subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=None if w.params.seed is None else w.params.seed + j))
+                    for w in works for j in range(w.params.n)]
             if len(subs) == 1:
-                async for out in self.backend.generate(rid, prompt_ids, subs[0], self.config.request_timeout_s):
+                async for out in self.backend.generate(rid, subs[0][0], subs[0][1], self.config.request_timeout_s):
                     yield 0, out
                 return
-            async for item in _merge([self.backend.generate(f"{rid}-{i}", prompt_ids, sp, self.config.request_timeout_s)
-                                      for i, sp in enumerate(subs)]):
+            async for item in _merge([self.backend.generate(f"{rid}-{i}", ids, sp, self.config.request_timeout_s)
+                                      for i, (ids, sp) in enumerate(subs)]):
                 yield item
         finally:
             self._admitted -= 1

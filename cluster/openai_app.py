@@ -12,11 +12,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pdserve.cluster.gateway import APIError, Gateway, _Choice, bad_request, status_of
+from pdserve.cluster.gateway import APIError, Gateway, Work, _Choice, bad_request, status_of
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now, usage
 from pdserve.workers.outputs import RequestOutput
-from pdserve.workers.sampling_params import SamplingParams
 
 Kind = str  # "completion" | "chat"
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
@@ -64,9 +63,16 @@ def build_app(gw: Gateway) -> FastAPI:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
         gw.check_auth(request)
         gw.check_model(body.model)
-        prompt_ids = gw.tokenize(body.prompt)
-        params = gw.params(prompt_ids, body.max_tokens, lambda mt: body.sampling_params(mt, body.logprobs))
-        return await _respond(gw, request, "completion", body.stream, body.include_usage, prompt_ids, params, rm)
+        if body.echo and body.logprobs is not None:
+            # vLLM returns the prompt's logprobs too; this server does not compute them.
+            raise APIError(400, "echo: not supported together with logprobs (no prompt logprobs)",
+                           "BadRequestError", "echo")
+        works = []
+        for ids, text in gw.prompts(body.prompt):
+            params = gw.params(ids, body.max_tokens, lambda mt: body.sampling_params(mt, body.logprobs))
+            echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
+            works.append(Work(ids, params, echo))
+        return await _respond(gw, request, "completion", body.stream, body.include_usage, works, rm)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -79,22 +85,36 @@ def build_app(gw: Gateway) -> FastAPI:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs") from None
         prompt_ids = gw.chat_prompt(body)
         params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
-        return await _respond(gw, request, "chat", body.stream, body.include_usage, prompt_ids, params, rm)
+        return await _respond(gw, request, "chat", body.stream, body.include_usage, [Work(prompt_ids, params)], rm)
 
     return app
 
 
 async def _respond(gw: Gateway, request: Request, kind: Kind, stream: bool, include_usage: bool,
-                   prompt_ids: list[int], params: SamplingParams, rm: RequestMetrics) -> Response:
+                   works: list[Work], rm: RequestMetrics) -> Response:
     gw.admit()
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     if stream:
         # Starlette cancels this generator when the client disconnects; the
         # backend's generate() then aborts the request and frees its blocks.
-        return StreamingResponse(_sse(gw, kind, rid, prompt_ids, params, include_usage, rm),
-                                 media_type="text/event-stream")
-    body = await _until_disconnect(request, _collect(gw, kind, rid, prompt_ids, params, rm))
+        return StreamingResponse(_sse(gw, kind, rid, works, include_usage, rm), media_type="text/event-stream")
+    body = await _until_disconnect(request, _collect(gw, kind, rid, works, rm))
     return JSONResponse(body)
+
+
+def _choices(works: list[Work]) -> list[_Choice]:
+    """Prompt p's sample j is choice p * n + j."""
+    return [_Choice(i) for i in range(sum(w.params.n for w in works))]
+
+
+def _work_of(works: list[Work], index: int) -> Work:
+    return works[index // works[0].params.n]
+
+
+def _usage(works: list[Work], choices: list[_Choice]) -> dict[str, Any]:
+    n = works[0].params.n
+    return usage(sum(len(w.prompt_ids) for w in works), sum(len(c.token_ids) for c in choices),
+                 sum(choices[p * n].cached_tokens for p in range(len(works))))
 
 
 async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
@@ -113,12 +133,11 @@ async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -
             task.cancel()
 
 
-async def _collect(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams,
-                   rm: RequestMetrics) -> dict[str, Any]:
-    choices = [_Choice(i) for i in range(params.n)]
-    rm.admitted(len(prompt_ids))
+async def _collect(gw: Gateway, kind: Kind, rid: str, works: list[Work], rm: RequestMetrics) -> dict[str, Any]:
+    choices = _choices(works)
+    rm.admitted(sum(len(w.prompt_ids) for w in works))
     try:
-        async for i, out in gw.run(rid, prompt_ids, params):
+        async for i, out in gw.run(rid, works):
             rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
             _accumulate(choices[i], out)
         rm.succeeded(c.finish_reason for c in choices)
@@ -132,12 +151,11 @@ async def _collect(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], par
         raise APIError(status_of(e), str(e) or type(e).__name__, type(e).__name__) from e
     finally:
         rm.close()  # a failure is counted by the APIError handler
-    completion_tokens = sum(len(c.token_ids) for c in choices)
     return {
         "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion", "created": now(),
         "model": gw.config.model_name,
-        "choices": [_final_choice(gw, kind, c, params) for c in choices],
-        "usage": usage(len(prompt_ids), completion_tokens, choices[0].cached_tokens),
+        "choices": [_final_choice(gw, kind, c, _work_of(works, c.index)) for c in choices],
+        "usage": _usage(works, choices),
     }
 
 
@@ -150,12 +168,12 @@ def _accumulate(choice: _Choice, out: RequestOutput) -> None:
     choice.cached_tokens = out.num_cached_tokens
 
 
-def _final_choice(gw: Gateway, kind: Kind, c: _Choice, params: SamplingParams) -> dict[str, Any]:
-    logprobs = _logprobs(gw, kind, c.token_ids, c.logprobs) if params.logprobs is not None else None
+def _final_choice(gw: Gateway, kind: Kind, c: _Choice, work: Work) -> dict[str, Any]:
+    logprobs = _logprobs(gw, kind, c.token_ids, c.logprobs) if work.params.logprobs is not None else None
     if kind == "chat":
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs, "finish_reason": c.finish_reason}
-    return {"index": c.index, "text": c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+    return {"index": c.index, "text": (work.echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
 def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
@@ -174,33 +192,36 @@ def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[
     }
 
 
-async def _sse(gw: Gateway, kind: Kind, rid: str, prompt_ids: list[int], params: SamplingParams,
-               include_usage: bool, rm: RequestMetrics) -> AsyncIterator[str]:
+async def _sse(gw: Gateway, kind: Kind, rid: str, works: list[Work], include_usage: bool,
+               rm: RequestMetrics) -> AsyncIterator[str]:
     created, obj = now(), ("chat.completion.chunk" if kind == "chat" else "text_completion")
-    choices = [_Choice(i) for i in range(params.n)]
+    choices = _choices(works)
+    want_logprobs = works[0].params.logprobs is not None
 
     def chunk(payload_choices: list[dict[str, Any]], **extra: Any) -> str:
         body = {"id": rid, "object": obj, "created": created, "model": gw.config.model_name,
                 "choices": payload_choices, **extra}
         return f"data: {json.dumps(body)}\n\n"
 
-    rm.admitted(len(prompt_ids))
+    rm.admitted(sum(len(w.prompt_ids) for w in works))
     try:
         if kind == "chat":
-            yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-                         for i in range(params.n)])
-        async for i, out in gw.run(rid, prompt_ids, params):
+            yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                         for c in choices])
+        async for i, out in gw.run(rid, works):
             c = out.outputs[0]
+            # echo: the prompt goes before the choice's first text.
+            echo = (_work_of(works, i).echo or "") if not choices[i].token_ids else ""
             _accumulate(choices[i], out)
-            lp = _logprobs(gw, kind, c.token_ids, c.logprobs or []) if params.logprobs is not None else None
+            lp = _logprobs(gw, kind, c.token_ids, c.logprobs or []) if want_logprobs else None
             rm.output(out)
             if kind == "chat":
                 yield chunk([{"index": i, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason}])
             else:
-                yield chunk([{"index": i, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}])
+                yield chunk([{"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason}])
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
-            yield chunk([], usage=usage(len(prompt_ids), sum(len(c.token_ids) for c in choices), choices[0].cached_tokens))
+            yield chunk([], usage=_usage(works, choices))
     except (asyncio.CancelledError, GeneratorExit):
         rm.failed(499)  # the client went away mid-stream (after success it is already closed)
         raise

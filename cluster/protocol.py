@@ -67,7 +67,9 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] = Field(..., description="text, or token ids")
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(
+        ..., description="text or token ids, or a batch of either: prompt p's sample j is choice p * n + j")
+    echo: bool = Field(False, description="put the prompt before each completion's text")
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many top log-probs per token")
 

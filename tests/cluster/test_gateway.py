@@ -81,6 +81,46 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
 
 
+def test_batched_prompts_number_choices_prompt_major(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    """OpenAI's batch form: a list of strings or of token-id lists; prompt p's
+    sample j is choice p * n + j; usage counts every prompt once."""
+    url, _ = server
+    c = client(url)
+    prompts = ["def f(x):", "import sys", "x = [1, 2"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    want = [o.outputs[0].text for o in offline.generate(prompts, params)]
+    resp = c.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, n=2,
+                                extra_body={"ignore_eos": True})
+    assert [ch.index for ch in resp.choices] == list(range(6))
+    assert [ch.text for ch in resp.choices] == [w for w in want for _ in range(2)]
+    ids = [offline.tokenizer.encode(p) for p in prompts]
+    assert resp.usage.prompt_tokens == sum(map(len, ids)) and resp.usage.completion_tokens == 48
+    as_ids = c.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    assert [ch.text for ch in as_ids.choices] == want
+    stream = c.completions.create(model=MODEL, prompt=prompts, max_tokens=8, temperature=0, stream=True,
+                                  extra_body={"ignore_eos": True})
+    texts = ["", "", ""]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+    assert texts == want
+
+
+def test_echo_puts_the_prompt_first(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    url, _ = server
+    c = client(url)
+    gen = offline.generate(["def g():"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    resp = c.completions.create(model=MODEL, prompt="def g():", max_tokens=6, temperature=0, echo=True,
+                                extra_body={"ignore_eos": True})
+    assert resp.choices[0].text == "def g():" + gen
+    stream = c.completions.create(model=MODEL, prompt="def g():", max_tokens=6, temperature=0, echo=True, stream=True,
+                                  extra_body={"ignore_eos": True})
+    assert "".join(ch.choices[0].text for ch in stream if ch.choices) == "def g():" + gen
+    r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
+                   json={"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+
+
 def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
     url, _ = server
     c = client(url)
@@ -137,6 +177,10 @@ def test_logit_bias_and_penalties_reach_the_sampler(server: tuple[str, AsyncEngi
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
         ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": ["ok", ""]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [[5, 6], []]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["x"] * 65}, 400, "prompt"),
+        ({"model": MODEL, "prompt": ["ok", "x" * 2000]}, 400, "prompt"),
     ],
 )
 def test_bad_requests_get_openai_errors(server: tuple[str, AsyncEngine], body: dict, status: int, param: str) -> None:
