@@ -30,7 +30,7 @@ from pdserve.workers.request import Request, RequestStatus
 from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
-from pdserve.workers.model_runner import SpecResult
+from pdserve.workers.model_runner import PromptLogprobs, SpecResult
 from pdserve.workers.spec.cost import Price, SpecCostModel
 from pdserve.workers.spec.draft import DraftModelProposer
 from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer
@@ -247,6 +247,8 @@ class LLMEngine:
                 self.scheduler.advance(s)
         self.stats.prompt_tokens_computed += prefill_tokens
         self.stats.steps += 1
+        for scored in result.prompt_logprobs:  # before the samples: a finishing output carries them
+            _record_prompt_logprobs(scored)
         outputs.extend(self._process_samples(result.sampled, result.output))
         outputs.extend(self._process_spec(result.spec))
         scheduled_tokens = sum(s.num_tokens for s in sched.scheduled)
@@ -404,8 +406,11 @@ class LLMEngine:
         text = detok.text if detok is not None else ""
         token_ids = req.output_token_ids
         logprobs = req.logprobs
+        prompt_logprobs = req.prompt_logprobs
         if req.params.output_kind is RequestOutputKind.DELTA:
             sent_tokens, sent_chars = self._sent.get(req.request_id, (0, 0))
+            if sent_tokens or req.request_id in self._sent:
+                prompt_logprobs = None  # sent with the first delta
             self._sent[req.request_id] = (len(token_ids), len(text))
             token_ids, text = token_ids[sent_tokens:], text[sent_chars:]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
@@ -419,7 +424,7 @@ class LLMEngine:
             metrics["queue_time_s"] = req.first_scheduled_time - req.arrival_time
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                              finished=req.status.finished, num_cached_tokens=max(req.num_cached_tokens, 0),
-                             metrics=metrics)
+                             metrics=metrics, prompt_logprobs=prompt_logprobs)
 
     def _finish_output(self, req: Request) -> RequestOutput:
         out = self._make_output(req)
@@ -472,6 +477,15 @@ class LLMEngine:
     def _log(self, msg: str) -> None:
         if self.config.progress:
             print(f"[pdserve] {msg}", file=sys.stderr, flush=True)
+
+
+def _record_prompt_logprobs(scored: PromptLogprobs) -> None:
+    entries = scored.request.prompt_logprobs
+    assert entries is not None and len(entries) == scored.first, "prompt tokens scored out of order"
+    for i, lp in enumerate(scored.token_logprobs):
+        entry = dict(zip(scored.top_ids[i], scored.top_logprobs[i]))
+        entry[scored.request.prompt_token_ids[scored.first + i]] = lp
+        entries.append(entry)
 
 
 def _token_array(req: Request) -> np.ndarray:

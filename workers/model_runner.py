@@ -30,10 +30,22 @@ class SpecResult:
 
 
 @dataclass
+class PromptLogprobs:
+    """Prompt tokens scored this step for a request that asked for prompt_logprobs."""
+
+    request: Request
+    first: int  # index (in the prompt) of the first token scored
+    token_logprobs: list[float]  # each scored prompt token's log-prob given the tokens before it
+    top_ids: list[list[int]]  # [tokens][N]
+    top_logprobs: list[list[float]]
+
+
+@dataclass
 class StepResult:
     sampled: list[Request]  # requests that got a token this step, in row order
     output: SamplerOutput
     spec: list[SpecResult] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -55,15 +67,54 @@ class ModelRunner:
         # Stable partition: decode rows first, as the attention metadata requires.
         ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
         meta, num_tokens, logit_rows, sampled = self._prepare(ordered)
+        prompt_rows = self._prompt_logprob_rows(ordered, logit_rows)
+        total_rows = logit_rows + sum(n for _, _, n in prompt_rows)
         hidden = self.model(self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens), meta, self.kv_caches)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
-        if logit_rows:
-            logits = self.model.compute_logits(hidden[self.buf.logits_indices.to_device(logit_rows)])
-            # Rows: one per plain sampled request, then k+1 per verifying one.
+        if total_rows:
+            logits = self.model.compute_logits(hidden[self.buf.logits_indices.to_device(total_rows)])
+            # Rows: one per plain sampled request, then k+1 per verifying one, then scored prompt tokens.
+            if prompt_rows:
+                result.prompt_logprobs = self._score_prompts(prompt_rows, logits[logit_rows:])
             if sampled:
                 result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
-            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):])
+            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):logit_rows])
         return result
+
+    def _prompt_logprob_rows(self, ordered: list[ScheduledRequest], row0: int) -> list[tuple[Request, int, int]]:
+        """Queue, after the sampling rows, a logits row for each scheduled position that
+        predicts a prompt token not scored yet (a recomputed chunk is not scored twice).
+        Returns (request, first prompt token scored, count)."""
+        out: list[tuple[Request, int, int]] = []
+        idx = self.buf.logits_indices.np
+        t = row = 0
+        for s in ordered:
+            req, n = s.request, s.num_tokens
+            if req.prompt_logprobs is not None and not s.num_spec:
+                start = req.num_computed_tokens
+                # Position p predicts token p + 1: score tokens [first, last).
+                first = max(start + 1, len(req.prompt_logprobs))
+                last = min(start + n + 1, req.num_prompt_tokens)
+                if last > first:
+                    count = last - first
+                    idx[row0 + row : row0 + row + count] = np.arange(t + first - 1 - start, t + last - 1 - start)
+                    out.append((req, first, count))
+                    row += count
+            t += n
+        return out
+
+    def _score_prompts(self, rows: list[tuple[Request, int, int]], logits: torch.Tensor) -> list[PromptLogprobs]:
+        logprobs = logits.float().log_softmax(dim=-1)
+        out, at = [], 0
+        for req, first, count in rows:
+            lp = logprobs[at : at + count]
+            targets = torch.tensor(req.prompt_token_ids[first : first + count], device=lp.device)
+            n = req.params.prompt_logprobs or 0
+            top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], torch.empty(count, 0, dtype=torch.int64))
+            out.append(PromptLogprobs(req, first, lp.gather(1, targets[:, None])[:, 0].tolist(),
+                                      top_ids.tolist(), top_lp.tolist()))
+            at += count
+        return out
 
     def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> list[SpecResult]:
         """Exact verification (workers/spec/rejection.py): greedy rows keep drafts

@@ -30,6 +30,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: per prompt token, {token id: log-prob} (None for the
+    # first). In every cumulative output; in the first of a DELTA stream only.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -38,4 +41,5 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     logprobs = None if ca.logprobs is None and cb.logprobs is None else (ca.logprobs or []) + (cb.logprobs or [])
     merged = CompletionOutput(ca.index, ca.text + cb.text, ca.token_ids + cb.token_ids, cb.cumulative_logprob,
                               logprobs, cb.finish_reason, cb.stop_reason)
-    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics,
+                         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)

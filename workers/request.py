@@ -68,6 +68,9 @@ class Request:
             self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed)
         self.logprobs: list[dict[int, float]] | None = [] if params.logprobs is not None else None
+        # Entry i: prompt token i's log-prob given tokens < i, with the top-N (None for token 0).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = (
+            [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None

@@ -43,6 +43,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # N: the log-probability of every prompt token after the first given the ones before
+    # it, with the top-N (vLLM's prompt_logprobs). Such a request skips the prefix cache.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     detokenize: bool = True
@@ -81,6 +84,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
             raise ValueError(f"logprobs: must be a non-negative integer, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
+            raise ValueError(f"prompt_logprobs: must be a non-negative integer, got {self.prompt_logprobs!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
         if any(t < 0 for t in self.stop_token_ids):

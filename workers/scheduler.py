@@ -136,6 +136,8 @@ class Scheduler:
             req = self.waiting[0]
             if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
                 cached_blocks, num_cached = [], req.num_computed_tokens
+            elif req.prompt_logprobs is not None:  # every prompt position's logits are needed
+                cached_blocks, num_cached = [], 0
             else:
                 cached_blocks, num_cached = self.kv.find_cached_prefix(req)
             n = min(req.num_tokens - num_cached, budget)
