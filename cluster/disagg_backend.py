@@ -136,7 +136,7 @@ class DisaggregatedBackend:
         c = first.outputs[0]
         return stream, RequestOutput(request_id, first.prompt, first.prompt_token_ids,
                                      [dataclasses.replace(c, finish_reason=None, stop_reason=None)], False,
-                                     first.num_cached_tokens, first.metrics), first_metrics
+                                     first.num_cached_tokens, first.metrics, first.prompt_logprobs), first_metrics
 
     async def close(self) -> None:
         await self.streams.close()

@@ -81,9 +81,10 @@ class DecodeWorker:
         if ok:
             first_token = first.outputs[0].token_ids[0]  # type: ignore[union-attr]
             first_logprobs = (first.outputs[0].logprobs or [None])[0]  # type: ignore[union-attr]
+            prompt_logprobs = first.prompt_logprobs  # type: ignore[union-attr]
 
             def start(e: LLMEngine) -> RequestOutput | None:
-                out = e.finish_remote_prefill(request_id, first_token, first_logprobs)
+                out = e.finish_remote_prefill(request_id, first_token, first_logprobs, prompt_logprobs)
                 return _without_first_token(out) if first_sent and out is not None else out
         elif self.on_failure is KVFailurePolicy.RECOMPUTE and not first_sent:
             start = lambda e: e.prefill_locally(request_id)  # noqa: E731
@@ -120,4 +121,5 @@ def _without_first_token(out: RequestOutput) -> RequestOutput | None:
         return None
     c = out.outputs[0]
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[],
-                                                                 logprobs=[] if c.logprobs is not None else None)])
+                                                                 logprobs=[] if c.logprobs is not None else None)],
+                               prompt_logprobs=None)

@@ -145,14 +145,21 @@ class LLMEngine:
         return plan
 
     def finish_remote_prefill(self, request_id: str, first_token: int,
-                              first_logprobs: dict[int, float] | None = None) -> RequestOutput | None:
+                              first_logprobs: dict[int, float] | None = None,
+                              prompt_logprobs: list[dict[int, float] | None] | None = None) -> RequestOutput | None:
         """Decode worker: the prompt's KV is in the reserved blocks and the prefill
         worker sampled `first_token` (with `first_logprobs`, its logprobs entry,
-        when the request asks for logprobs). The request decodes from the next
-        step. Returns the output carrying the first token (final if it already stops)."""
+        when the request asks for logprobs, and the prompt's logprobs when it asks
+        for those). The request decodes from the next step. Returns the output
+        carrying the first token (final if it already stops)."""
         req = self.scheduler.awaiting_kv.get(request_id)
         if req is None:
             raise ValueError(f"request_id: {request_id!r} is not waiting for KV")
+        if req.prompt_logprobs is not None:
+            if prompt_logprobs is None or len(prompt_logprobs) != req.num_prompt_tokens:
+                raise ValueError(f"prompt_logprobs: the prefill worker sent {len(prompt_logprobs or [])} entries "
+                                 f"for {req.num_prompt_tokens} prompt tokens")
+            req.prompt_logprobs = list(prompt_logprobs)
         self.scheduler.complete_remote(req)
         if req.logprobs is not None:
             # Keep one entry per output token, or every later entry is misplaced.

@@ -261,6 +261,9 @@ class TokenDelta(Record):
     # Seconds the request waited in its worker's scheduler queue before its
     # first step (RequestOutput.metrics["queue_time_s"]); None until scheduled.
     queue_time_s: float | None = None
+    # SamplingParams.prompt_logprobs, in the request's first delta: one entry per
+    # prompt token (the first token's, which has none, is empty).
+    prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
 
 
 @_register(MessageType.TOKEN_DELTA_BATCH)
@@ -273,7 +276,7 @@ class TokenDeltaBatch(Message):
     worker_id: str
     seq: int
     deltas: tuple[TokenDelta, ...]
-    version: int = 2  # 2: TokenDelta.queue_time_s
+    version: int = 3  # 2: TokenDelta.queue_time_s; 3: TokenDelta.prompt_logprobs
 
 
 # -- encode / decode ---------------------------------------------------------------

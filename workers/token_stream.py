@@ -45,8 +45,11 @@ def to_delta(out: RequestOutput) -> TokenDelta:
     stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
     logprobs = None if c.logprobs is None else tuple(
         TokenLogprobs(tuple(entry), tuple(entry.values())) for entry in c.logprobs)
+    prompt_logprobs = None if out.prompt_logprobs is None else tuple(
+        TokenLogprobs(tuple(entry or ()), tuple((entry or {}).values())) for entry in out.prompt_logprobs)
     return TokenDelta(out.request_id, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
-                      out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"))
+                      out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"),
+                      prompt_logprobs)
 
 
 def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
@@ -54,8 +57,11 @@ def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
     stop = d.stop_token if d.stop_token is not None else d.stop_string
     c = CompletionOutput(0, d.text, list(d.token_ids), d.cumulative_logprob, logprobs, d.finish_reason, stop)
     metrics = {} if d.queue_time_s is None else {"queue_time_s": d.queue_time_s}
+    # Only the first prompt token has no entry: an empty record stands for its None.
+    prompt_logprobs = None if d.prompt_logprobs is None else [
+        dict(zip(e.token_ids, e.logprobs)) if e.token_ids else None for e in d.prompt_logprobs]
     return RequestOutput(d.request_id, None, prompt_token_ids, [c], d.finish_reason is not None, d.num_cached_tokens,
-                         metrics)
+                         metrics, prompt_logprobs)
 
 
 class TokenStreamPublisher:

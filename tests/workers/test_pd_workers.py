@@ -87,6 +87,40 @@ def test_seeded_sampling_across_workers_equals_offline(model_dir: Path) -> None:
     assert asyncio.run(serve_one(p, d, "s", ps[0], params)) == expected(model_dir, ps, params)[0]
 
 
+@pytest.mark.parametrize("fault", [None, "drop"])
+def test_prompt_logprobs_cross_from_prefill_to_decode(model_dir: Path, fault: str | None) -> None:
+    """The prefill worker scores the prompt; the decode worker's stream carries
+    those entries once, in its first output (also when the KV is lost and the
+    decode worker recomputes the prompt itself)."""
+    ps = prompts(1, 50, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=2)
+    want = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).generate(ps, params)[0]
+    faults = Faults()
+    if fault == "drop":
+        faults.drop(layer=1)
+    p, d = make_pair(model_dir, faults=faults)
+
+    async def main() -> list:
+        plan = await d.reserve("pl", ps[0], params)
+        assert plan is not None
+        try:
+            first = await p.prefill("pl", ps[0], params, plan[0], plan[1], "inproc", timeout_s=2)
+        except (TransferError, TimeoutError):
+            first = None
+        return [o async for o in d.decode("pl", ps[0], first, plan[1], timeout_s=10)]
+
+    outs = asyncio.run(main())
+    assert [t for o in outs for t in o.outputs[0].token_ids] == want.outputs[0].token_ids
+    got = outs[0].prompt_logprobs
+    assert got is not None and len(got) == 50 and got[0] is None
+    for g_entry, w_entry in zip(got[1:], want.prompt_logprobs[1:]):
+        assert g_entry.keys() == w_entry.keys()
+        assert all(abs(g_entry[t] - w_entry[t]) < 1e-4 for t in g_entry)
+    assert all(o.prompt_logprobs is None for o in outs[1:])
+    assert d.num_transfer_failures == (1 if fault else 0)
+    assert_no_blocks(p, d)
+
+
 @pytest.mark.parametrize("fault", ["drop", "corrupt"])
 def test_bad_kv_message_is_detected_and_recomputed(model_dir: Path, fault: str) -> None:
     ps = prompts(1, 50, seed=5)

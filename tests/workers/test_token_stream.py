@@ -33,8 +33,13 @@ def output(rid: str, tokens: list[int], text: str, finish: str | None = None, lo
     return RequestOutput(rid, None, [1, 2, 3], [c], finish is not None, num_cached_tokens=16)
 
 
+def with_prompt_logprobs(out: RequestOutput) -> RequestOutput:
+    out.prompt_logprobs = [None, {2: -0.75, 9: -0.5}, {3: -2.0}]
+    return out
+
+
 @pytest.mark.parametrize("out", [output("a", [5, 6], "xy"), output("b", [9], "z", "stop", logprobs=True),
-                                 output("c", [], "", "abort")])
+                                 output("c", [], "", "abort"), with_prompt_logprobs(output("d", [4], "w"))])
 def test_a_delta_survives_the_wire(out: RequestOutput) -> None:
     assert from_delta(to_delta(out), [1, 2, 3]) == out
 
