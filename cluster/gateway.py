@@ -93,6 +93,7 @@ class Work:
     prompt_ids: list[int]
     params: SamplingParams
     echo: str | None = None
+    prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
 
 
 @dataclass
@@ -103,6 +104,8 @@ class _Choice:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    started: bool = False  # a chunk of it was streamed
 
 
 class Gateway:

@@ -63,15 +63,16 @@ def build_app(gw: Gateway) -> FastAPI:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
         gw.check_auth(request)
         gw.check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            # vLLM returns the prompt's logprobs too; this server does not compute them.
-            raise APIError(400, "echo: not supported together with logprobs (no prompt logprobs)",
-                           "BadRequestError", "echo")
+        # echo + logprobs: the prompt's logprobs too; echo + max_tokens 0: the prompt alone
+        # (one token is generated and dropped: a request always samples).
+        prompt_lp = body.logprobs if body.echo else None
+        prompt_only = body.echo and body.max_tokens == 0
         works = []
         for ids, text in gw.prompts(body.prompt):
-            params = gw.params(ids, body.max_tokens, lambda mt: body.sampling_params(mt, body.logprobs))
+            params = gw.params(ids, 1 if prompt_only else body.max_tokens,
+                               lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp))
             echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
-            works.append(Work(ids, params, echo))
+            works.append(Work(ids, params, echo, prompt_only))
         return await _respond(gw, request, "completion", body.stream, body.include_usage, works, rm)
 
     @app.post("/v1/chat/completions")
@@ -139,7 +140,7 @@ async def _collect(gw: Gateway, kind: Kind, rid: str, works: list[Work], rm: Req
     try:
         async for i, out in gw.run(rid, works):
             rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
-            _accumulate(choices[i], out)
+            _accumulate(choices[i], out, _work_of(works, i).prompt_only)
         rm.succeeded(c.finish_reason for c in choices)
     except ValueError as e:
         raise bad_request(e) from None
@@ -159,24 +160,36 @@ async def _collect(gw: Gateway, kind: Kind, rid: str, works: list[Work], rm: Req
     }
 
 
-def _accumulate(choice: _Choice, out: RequestOutput) -> None:
+def _accumulate(choice: _Choice, out: RequestOutput, prompt_only: bool = False) -> None:
     c = out.outputs[0]
-    choice.text += c.text
-    choice.token_ids += c.token_ids
-    choice.logprobs += c.logprobs or []
+    if out.prompt_logprobs is not None:
+        choice.prompt_logprobs = out.prompt_logprobs
+    if not prompt_only:
+        choice.text += c.text
+        choice.token_ids += c.token_ids
+        choice.logprobs += c.logprobs or []
     choice.finish_reason = c.finish_reason or choice.finish_reason
     choice.cached_tokens = out.num_cached_tokens
 
 
+def _scored(work: Work, choice: _Choice, token_ids: list[int],
+            entries: list[dict[int, float]]) -> tuple[list[int], list[dict[int, float] | None]]:
+    """The tokens and logprob entries to report: with echo + logprobs, the prompt's first."""
+    if work.params.prompt_logprobs is None:
+        return token_ids, list(entries)
+    prompt = choice.prompt_logprobs or [None] * len(work.prompt_ids)
+    return work.prompt_ids + token_ids, prompt + list(entries)
+
+
 def _final_choice(gw: Gateway, kind: Kind, c: _Choice, work: Work) -> dict[str, Any]:
-    logprobs = _logprobs(gw, kind, c.token_ids, c.logprobs) if work.params.logprobs is not None else None
+    logprobs = _logprobs(gw, kind, *_scored(work, c, c.token_ids, c.logprobs)) if work.params.logprobs is not None else None
     if kind == "chat":
         return {"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": logprobs, "finish_reason": c.finish_reason}
     return {"index": c.index, "text": (work.echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
 
-def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[int, float]]) -> dict[str, Any]:
+def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[int, float] | None]) -> dict[str, Any]:
     if kind == "chat":
         content = []
         for tok, entry in zip(token_ids, entries):
@@ -184,10 +197,10 @@ def _logprobs(gw: Gateway, kind: Kind, token_ids: list[int], entries: list[dict[
             content.append({"token": gw.token_str(tok), "logprob": entry.get(tok, 0.0), "bytes": None,
                             "top_logprobs": [{"token": gw.token_str(t), "logprob": lp, "bytes": None} for t, lp in top]})
         return {"content": content}
-    return {
+    return {  # None entries: the first prompt token (echo), which nothing predicts
         "tokens": [gw.token_str(t) for t in token_ids],
-        "token_logprobs": [e.get(t) for t, e in zip(token_ids, entries)],
-        "top_logprobs": [{gw.token_str(t): lp for t, lp in e.items()} for e in entries],
+        "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
+        "top_logprobs": [None if e is None else {gw.token_str(t): lp for t, lp in e.items()} for e in entries],
         "text_offset": [],
     }
 
@@ -209,16 +222,19 @@ async def _sse(gw: Gateway, kind: Kind, rid: str, works: list[Work], include_usa
             yield chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                          for c in choices])
         async for i, out in gw.run(rid, works):
-            c = out.outputs[0]
-            # echo: the prompt goes before the choice's first text.
-            echo = (_work_of(works, i).echo or "") if not choices[i].token_ids else ""
-            _accumulate(choices[i], out)
-            lp = _logprobs(gw, kind, c.token_ids, c.logprobs or []) if want_logprobs else None
+            c, work, ch = out.outputs[0], _work_of(works, i), choices[i]
+            head, ch.started = not ch.started, True
+            _accumulate(ch, out, work.prompt_only)
             rm.output(out)
+            text, ids, entries = ("", [], []) if work.prompt_only else (c.text, c.token_ids, c.logprobs or [])
+            if head:  # echo: the prompt (and its logprobs) go before the choice's first text
+                text = (work.echo or "") + text
+                ids, entries = _scored(work, ch, ids, entries)
+            lp = _logprobs(gw, kind, ids, entries) if want_logprobs else None
             if kind == "chat":
-                yield chunk([{"index": i, "delta": {"content": c.text}, "logprobs": lp, "finish_reason": c.finish_reason}])
+                yield chunk([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": c.finish_reason}])
             else:
-                yield chunk([{"index": i, "text": echo + c.text, "logprobs": lp, "finish_reason": c.finish_reason}])
+                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
             yield chunk([], usage=_usage(works, choices))

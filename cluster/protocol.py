@@ -48,7 +48,8 @@ class _SamplingFields(BaseModel):
     speculative: bool = Field(True, description="false: no speculative decoding for this request "
                                                 "(when the server speculates)")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Raises ValueError naming the bad parameter."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
@@ -56,7 +57,7 @@ class _SamplingFields(BaseModel):
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
-            presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
+            prompt_logprobs=prompt_logprobs, presence_penalty=_or(self.presence_penalty, 0.0), frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0), logit_bias=self.logit_bias,
             speculative=self.speculative,
         )
@@ -69,7 +70,9 @@ class _SamplingFields(BaseModel):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]] = Field(
         ..., description="text or token ids, or a batch of either: prompt p's sample j is choice p * n + j")
-    echo: bool = Field(False, description="put the prompt before each completion's text")
+    echo: bool = Field(False, description="put the prompt before each completion's text (and, with logprobs, "
+                                         "the prompt tokens' logprobs before the generated ones'); "
+                                         "with max_tokens 0, return only the prompt")
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many top log-probs per token")
 

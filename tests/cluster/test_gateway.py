@@ -116,9 +116,39 @@ def test_echo_puts_the_prompt_first(server: tuple[str, AsyncEngine], offline: LL
     stream = c.completions.create(model=MODEL, prompt="def g():", max_tokens=6, temperature=0, echo=True, stream=True,
                                   extra_body={"ignore_eos": True})
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) == "def g():" + gen
+
+
+def test_echo_with_logprobs_scores_the_prompt(server: tuple[str, AsyncEngine], offline: LLM) -> None:
+    """What evaluation harnesses send for log-likelihoods: echo + logprobs (+ max_tokens 0):
+    the prompt tokens' logprobs (the first None) before the generated ones'."""
+    url, _ = server
+    c = client(url)
+    prompt = "def add(a, b): return a + b"
+    ids = offline.tokenizer.encode(prompt)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2,
+                                                     prompt_logprobs=2))[0]
+    resp = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                extra_body={"ignore_eos": True})
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    expect = [None] + [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])] + \
+        [e[t] for t, e in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    assert all(a is None and b is None or abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs, expect))
+    assert resp.choices[0].text == prompt + want.outputs[0].text
+
+    only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1)
+    assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert len(only.choices[0].logprobs.tokens) == len(ids)
+    assert only.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
+
+    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2,
+                                  stream=True, extra_body={"ignore_eos": True})
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert chunks[0].text.startswith(prompt)
+    assert [x for ch in chunks for x in ch.logprobs.token_logprobs] == lp.token_logprobs
     r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
-                   json={"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
 
 
 def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
