@@ -62,6 +62,34 @@ def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, 
         assert p["used_blocks"] == 0 and d["used_blocks"] == 0
 
 
+def test_cluster_scores_prompts_and_applies_penalties(cluster: tuple[str, str], model_dir: Path) -> None:
+    """echo + logprobs (the prompt's logprobs are computed where the prompt is: the
+    prefill worker when disaggregated) and the penalties, as the offline engine."""
+    url, _ = cluster
+    c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    model = os.path.basename(str(model_dir))
+    prompt = "def mul(a, b):\n    return a * b\n" * 3
+    offline = LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, progress=False)
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1,
+                                                     prompt_logprobs=1, repetition_penalty=1.3,
+                                                     frequency_penalty=0.4))[0]
+    ids = want.prompt_token_ids
+    expect = [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])]
+    for stream in (False, True):
+        kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=1, frequency_penalty=0.4,
+                  extra_body={"ignore_eos": True, "repetition_penalty": 1.3})
+        if stream:
+            chunks = [ch.choices[0] for ch in c.completions.create(stream=True, **kw) if ch.choices]
+            text = "".join(ch.text for ch in chunks)
+            token_lps = [x for ch in chunks for x in ch.logprobs.token_logprobs]
+        else:
+            choice = c.completions.create(**kw).choices[0]
+            text, token_lps = choice.text, choice.logprobs.token_logprobs
+        assert text == prompt + want.outputs[0].text
+        assert token_lps[0] is None and len(token_lps) == len(ids) + 6
+        assert max(abs(a - b) for a, b in zip(token_lps[1:len(ids)], expect)) < 1e-4
+
+
 def _worker_loads() -> list[dict]:
     from pdserve.cluster.serve_app import NAMESPACE
 
