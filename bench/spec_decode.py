@@ -160,7 +160,7 @@ def main() -> int:
                 row[f"{k}_tok_s"] = statistics.median(rates[k])
                 row[f"{k}_ratio"] = row[f"{k}_tok_s"] / row["plain_tok_s"]  # type: ignore[operator]
                 row[f"{k}_acceptance_length"] = (accepted + drafts) / drafts if drafts else 0.0
-                price = e.engine.spec_cost.price(b)  # what drafting cost, measured (workers/spec/cost.py)
+                price = e.engine.spec.cost.price(b)  # what drafting cost, measured (workers/spec/cost.py)
                 row[f"{k}_price"] = [price.fixed, price.per_token]
             rows.append(row)
     head = "| workload | batch | none, tok/s |" + "".join(f" {k}, tok/s | {k} ratio | {k} mean acceptance length |"

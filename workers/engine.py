@@ -7,13 +7,11 @@ same loop; `pdserve.LLM` wraps it for offline use.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -31,9 +29,9 @@ from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
 from pdserve.workers.model_runner import PromptLogprobs, SpecResult
-from pdserve.workers.spec.cost import Price, SpecCostModel
 from pdserve.workers.spec.draft import DraftModelProposer
-from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer
+from pdserve.workers.spec.ngram import NgramProposer
+from pdserve.workers.spec.planner import Speculator
 
 
 @dataclass
@@ -69,13 +67,6 @@ class StepStats:
     scheduled_tokens: int
 
 
-_SPEC_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
-_SPEC_GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
-_SPEC_PROBE_STEPS = 16
-_SPEC_PROBE_BUDGET = 1 / 64  # share of decode time probes may spend (a probe costs its price)
-_SPEC_PRIOR_COST = 0.25  # per-token price until measured (roughly the n-gram price on the 2-core CPU)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -99,20 +90,17 @@ class LLMEngine:
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
-        self.proposer: NgramProposer | DraftModelProposer | None = None
-        # Acceptance rate over all recent verifications: where a new request starts
-        # (starting every request at 1 made each one pay for a few rejected full drafts).
-        self._spec_acceptance = 1.0
-        fixed_cost = config.spec_token_cost is not None
-        self.spec_cost = SpecCostModel(config.spec_token_cost if fixed_cost else _SPEC_PRIOR_COST, fixed=fixed_cost)
+        self.spec: Speculator | None = None  # speculative decoding, when configured
         if config.speculative == "ngram":
-            self.proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
+            proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
+            self.spec = Speculator(config, proposer, self.max_model_len)
         elif config.speculative == "draft":
             self._log(f"loading draft model {config.draft_model}")
-            self.proposer = DraftModelProposer(
+            proposer = DraftModelProposer(
                 str(config.draft_model), self.model_config, self.dtype, self.device, backend, self.num_kv_blocks,
                 config.block_size, self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs,
                 progress=config.progress)
+            self.spec = Speculator(config, proposer, self.max_model_len)
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens, chars) already sent as deltas
         self._aborted_outputs: list[RequestOutput] = []
@@ -208,7 +196,8 @@ class LLMEngine:
                 self.tokenizer.backend_tokenizer, token_ids, params.stop, params.include_stop_str_in_output,
                 params.skip_special_tokens)
         self.stats.prompt_tokens += len(token_ids)
-        req.spec_acceptance = self._spec_acceptance  # until its own drafts say otherwise
+        if self.spec is not None:
+            req.spec_acceptance = self.spec.acceptance  # until its own drafts say otherwise
         return req
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
@@ -259,9 +248,10 @@ class LLMEngine:
         outputs.extend(self._process_samples(result.sampled, result.output))
         outputs.extend(self._process_spec(result.spec))
         scheduled_tokens = sum(s.num_tokens for s in sched.scheduled)
-        if self.proposer is not None and prefill_tokens == 0:
-            self.spec_cost.observe_step(len(sched.scheduled), scheduled_tokens, time.perf_counter() - t0)
-        self._propose()
+        if self.spec is not None:
+            if prefill_tokens == 0:
+                self.spec.cost.observe_step(len(sched.scheduled), scheduled_tokens, time.perf_counter() - t0)
+            self.spec.propose(list(self.scheduler.running))
         if self.step_observers:
             step = StepStats(time.perf_counter() - t0, prefill_tokens, decode_seqs, scheduled_tokens)
             for observe in self.step_observers:
@@ -304,17 +294,8 @@ class LLMEngine:
             s, req = r.scheduled, r.scheduled.request
             req.spec_token_ids = []
             accepted = len(r.tokens) - 1
-            st = self.stats
-            st.spec_drafts += 1
-            st.spec_draft_tokens += s.num_spec
-            st.spec_accepted_tokens += accepted
-            if len(st.spec_accepted_per_position) < s.num_spec:
-                st.spec_accepted_per_position.extend([0] * (s.num_spec - len(st.spec_accepted_per_position)))
-            for i in range(accepted):
-                st.spec_accepted_per_position[i] += 1
-            rate = accepted / s.num_spec
-            req.spec_acceptance = (1 - _SPEC_EMA) * req.spec_acceptance + _SPEC_EMA * rate
-            self._spec_acceptance = (1 - _SPEC_GLOBAL_EMA) * self._spec_acceptance + _SPEC_GLOBAL_EMA * rate
+            assert self.spec is not None, "verification without a speculator"
+            self.spec.verified(req, s.num_spec, accepted, self.stats)
             status = None
             for token in r.tokens:
                 req.append_token(token)
@@ -332,66 +313,6 @@ class LLMEngine:
                     self._held[req.request_id] = req
                 outputs.append(self._finish_output(req))
         return outputs
-
-    def _propose(self) -> None:
-        """Draft tokens for every decoding request that speculates, for the next step."""
-        if self.proposer is None:
-            return
-        if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
-            self.proposer.retain({r.request_id for r in self.scheduler.running})
-        batch = len(self.scheduler.running)
-        if batch > self.config.spec_max_batch_size or self.spec_cost.wants_plain_step(batch):
-            return
-        price = self.spec_cost.price(batch)
-        # Until the price is measured, explore with one draft: at the prior price a
-        # draft model could spend many tokens' worth on drafts that never pay.
-        k_cap = self.config.num_speculative_tokens if self.spec_cost.measured(batch) else 1
-        candidates: list[tuple[Request, int]] = []
-        for req in self.scheduler.running:
-            p = req.params
-            # No drafts while logprobs are asked for (verification does not return
-            # them yet), min_tokens bans stop tokens (the ban would apply to every draft
-            # position), or penalties depend on each position's history.
-            if (req.num_computed_tokens != req.num_tokens - 1 or not p.speculative or p.has_penalties
-                    or req.logprobs is not None or req.num_output_tokens < p.min_tokens):
-                continue
-            k = min(self._draft_length(req, price), k_cap, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
-            if k > 0:
-                candidates.append((req, k))
-        if not candidates:
-            return
-        start = time.perf_counter()
-        if isinstance(self.proposer, DraftModelProposer):
-            drafts = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
-        else:
-            drafts = [self.proposer.propose(_token_array(r), k).tolist() for r, k in candidates]
-        self.spec_cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
-        for (req, _), d in zip(candidates, drafts):
-            req.spec_token_ids = d
-            if d:
-                req.spec_idle_steps = 0
-
-    def _draft_length(self, req: Request, price: Price) -> int:
-        """How many drafts pay for this request: the k that maximises the
-        expected tokens they add, a + a^2 + ... + a^k (a: its rolling acceptance
-        rate), minus their price (workers/spec/cost.py). A request for which no
-        k pays stops drafting and probes with one draft now and then, so it can
-        recover; probes are rarer the dearer a draft is, so they cost at most
-        about _SPEC_PROBE_BUDGET of the decode time."""
-        a, k_max = req.spec_acceptance, self.config.num_speculative_tokens
-        best_k, best_gain, gain, chance = 0, 0.0, -price.fixed, 1.0
-        for k in range(1, k_max + 1):
-            chance *= a
-            gain += chance - price.per_token
-            if gain >= best_gain - 1e-12 and gain > 0:  # ties: the longer draft
-                best_k, best_gain = k, gain
-        if best_k:
-            return best_k
-        req.spec_idle_steps += 1
-        probe_cost = price.fixed + price.per_token
-        probe_every = max(_SPEC_PROBE_STEPS, math.ceil(probe_cost / _SPEC_PROBE_BUDGET - 1e-6))
-        return 1 if req.spec_idle_steps >= probe_every else 0
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         detok = self._detok.get(req.request_id)
@@ -493,12 +414,6 @@ def _record_prompt_logprobs(scored: PromptLogprobs) -> None:
         entry = dict(zip(scored.top_ids[i], scored.top_logprobs[i]))
         entry[scored.request.prompt_token_ids[scored.first + i]] = lp
         entries.append(entry)
-
-
-def _token_array(req: Request) -> np.ndarray:
-    if req.token_buffer is None:
-        req.token_buffer = TokenBuffer()
-    return req.token_buffer.sync(req.all_token_ids)
 
 
 def _resolve_device(name: str) -> torch.device:

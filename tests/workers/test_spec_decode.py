@@ -106,17 +106,17 @@ def test_draft_length_follows_each_requests_acceptance(model_dir: Path) -> None:
     # The i-th draft is made while acceptance**i >= cost.
     for acceptance, k in ((1.0, 6), (0.9, 6), (0.6, 2), (0.5, 2), (0.3, 1)):
         req.spec_acceptance = acceptance
-        assert engine._draft_length(req, Price(0.0, 0.25)) == k, acceptance
+        assert engine.spec.draft_length(req, Price(0.0, 0.25)) == k, acceptance
     req.spec_acceptance = 0.1  # below the cost: no drafts, but a probe now and then
-    lengths = [engine._draft_length(req, Price(0.0, 0.25)) for _ in range(20)]
+    lengths = [engine.spec.draft_length(req, Price(0.0, 0.25)) for _ in range(20)]
     assert lengths[:15] == [0] * 15 and lengths[15] == 1
     # A fixed price per verification asks for longer drafts, or none.
     for acceptance, k in ((0.9, 6), (0.6, 2), (0.3, 0)):
         req.spec_acceptance, req.spec_idle_steps = acceptance, 0
-        assert engine._draft_length(req, Price(0.3, 0.25)) == k, acceptance
+        assert engine.spec.draft_length(req, Price(0.3, 0.25)) == k, acceptance
     # Dear drafts probe more rarely (a probe costs its price).
     req.spec_acceptance, req.spec_idle_steps = 1.0, 0
-    lengths = [engine._draft_length(req, Price(0.5, 1.0)) for _ in range(96)]
+    lengths = [engine.spec.draft_length(req, Price(0.5, 1.0)) for _ in range(96)]
     assert lengths[:95] == [0] * 95 and lengths[95] == 1  # a probe after (0.5 + 1.0) * 64 = 96 steps
 
 
@@ -140,7 +140,7 @@ def test_drafting_backs_off_when_drafts_are_rejected_and_stops_for_big_batches(m
     plain = LLM(str(model_dir), max_model_len=512, progress=False).generate([prompt], params)[0].outputs[0].token_ids
     never = next(t for t in range(5, 4000) if t not in plain)
     llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4)
-    llm.engine.proposer = _WrongDrafts(never)  # type: ignore[assignment]
+    llm.engine.spec.proposer = _WrongDrafts(never)  # type: ignore[assignment]
     assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
     st = llm.engine.stats
     assert st.spec_accepted_tokens == 0
@@ -188,7 +188,7 @@ def _sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n:
              "spec_token_cost": 0.001} if drafts else {}
     llm = LLM(str(model_dir), max_model_len=256, max_num_seqs=256, progress=False, **extra)
     if drafts:
-        llm.engine.proposer = _FixedDrafts(drafts)  # type: ignore[assignment]
+        llm.engine.spec.proposer = _FixedDrafts(drafts)  # type: ignore[assignment]
     counts: dict[tuple[int, ...], int] = {}
     for out in llm.generate([prompt] * n, params):
         key = tuple(out.outputs[0].token_ids)
@@ -254,7 +254,7 @@ def test_greedy_output_with_a_draft_model_equals_without(model_dir: Path, draft_
     assert st.spec_drafts > 0
     if draft == "self":
         assert st.spec_accepted_tokens >= 0.9 * st.spec_draft_tokens
-    proposer = spec.engine.proposer
+    proposer = spec.engine.spec.proposer
     assert proposer.num_tracked == 0 and proposer.kv.pool.num_used == 0  # type: ignore[union-attr]
     assert spec.engine.kv.pool.num_used == 0
 
@@ -279,7 +279,7 @@ def test_draft_kv_after_rejections_equals_a_fresh_draft_prefill(model_dir: Path,
         engine.step()
     st = engine.stats
     assert st.spec_draft_tokens - st.spec_accepted_tokens >= 10, "the test needs rejected drafts"
-    proposer = engine.proposer
+    proposer = engine.spec.proposer
     shadow = proposer._shadows["r"].request  # type: ignore[union-attr]
     n = shadow.num_computed_tokens
     fresh = LLMEngine(EngineConfig(model=str(draft_dir), max_model_len=512, enable_prefix_caching=False))
@@ -322,7 +322,7 @@ def test_drafting_stops_when_the_measured_price_of_a_draft_exceeds_its_worth(mod
     drafted = {}
     for delay in (0.0, 0.05):
         llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4)
-        llm.engine.proposer = _Oracle(prompt, plain, delay)  # type: ignore[assignment]
+        llm.engine.spec.proposer = _Oracle(prompt, plain, delay)  # type: ignore[assignment]
         assert llm.generate([prompt], params)[0].outputs[0].token_ids == plain
         st = llm.engine.stats
         assert st.spec_accepted_tokens == st.spec_draft_tokens  # the oracle is never wrong

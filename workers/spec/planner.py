@@ -1,0 +1,132 @@
+"""Which requests draft, how many tokens, and what their verifications taught.
+
+The engine owns the requests and the steps; this owns the speculative side of
+them: the proposer (n-gram lookup or a draft model), the measured price of a
+draft (workers/spec/cost.py), each request's rolling acceptance rate and the
+engine-wide one new requests start from, and the acceptance counters.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Protocol
+
+import numpy as np
+
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.request import Request
+from pdserve.workers.spec.cost import Price, SpecCostModel
+from pdserve.workers.spec.draft import DraftModelProposer
+from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer
+
+_EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
+_GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
+_PROBE_STEPS = 16
+_PROBE_BUDGET = 1 / 64  # share of decode time probes may spend (a probe costs its price)
+_PRIOR_COST = 0.25  # per-token price until measured (roughly the n-gram price on the 2-core CPU)
+
+
+class SpecStats(Protocol):
+    """Counters of drafting and acceptance (EngineStats has them)."""
+
+    spec_drafts: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    spec_accepted_per_position: list[int]
+
+
+class Speculator:
+    def __init__(self, config: EngineConfig, proposer: NgramProposer | DraftModelProposer, max_model_len: int) -> None:
+        self.config = config
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        fixed = config.spec_token_cost is not None
+        self.cost = SpecCostModel(config.spec_token_cost if fixed else _PRIOR_COST, fixed=fixed)
+        # Acceptance rate over all recent verifications: where a new request starts
+        # (starting every request at 1 made each one pay for a few rejected full drafts).
+        self.acceptance = 1.0
+
+    def propose(self, running: list[Request]) -> None:
+        """Draft tokens for every decoding request that speculates, for the next step."""
+        if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
+            self.proposer.retain({r.request_id for r in running})
+        batch = len(running)
+        if batch > self.config.spec_max_batch_size or self.cost.wants_plain_step(batch):
+            return
+        price = self.cost.price(batch)
+        # Until the price is measured, explore with one draft: at the prior price a
+        # draft model could spend many tokens' worth on drafts that never pay.
+        k_cap = self.config.num_speculative_tokens if self.cost.measured(batch) else 1
+        candidates: list[tuple[Request, int]] = []
+        for req in running:
+            if not _may_draft(req):
+                continue
+            k = min(self.draft_length(req, price), k_cap, req.max_tokens - req.num_output_tokens - 1,
+                    self.max_model_len - req.num_tokens - 1)
+            if k > 0:
+                candidates.append((req, k))
+        if not candidates:
+            return
+        start = time.perf_counter()
+        if isinstance(self.proposer, DraftModelProposer):
+            drafts = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
+        else:
+            drafts = [self.proposer.propose(_token_array(r), k).tolist() for r, k in candidates]
+        self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
+        for (req, _), d in zip(candidates, drafts):
+            req.spec_token_ids = d
+            if d:
+                req.spec_idle_steps = 0
+
+    def draft_length(self, req: Request, price: Price) -> int:
+        """How many drafts pay for this request: the k that maximises the
+        expected tokens they add, a + a^2 + ... + a^k (a: its rolling acceptance
+        rate), minus their price (workers/spec/cost.py). A request for which no
+        k pays stops drafting and probes with one draft now and then, so it can
+        recover; probes are rarer the dearer a draft is, so they cost at most
+        about _PROBE_BUDGET of the decode time."""
+        a, k_max = req.spec_acceptance, self.config.num_speculative_tokens
+        best_k, best_gain, gain, chance = 0, 0.0, -price.fixed, 1.0
+        for k in range(1, k_max + 1):
+            chance *= a
+            gain += chance - price.per_token
+            if gain >= best_gain - 1e-12 and gain > 0:  # ties: the longer draft
+                best_k, best_gain = k, gain
+        if best_k:
+            return best_k
+        req.spec_idle_steps += 1
+        probe_cost = price.fixed + price.per_token
+        probe_every = max(_PROBE_STEPS, math.ceil(probe_cost / _PROBE_BUDGET - 1e-6))
+        return 1 if req.spec_idle_steps >= probe_every else 0
+
+    def verified(self, req: Request, num_drafts: int, accepted: int, stats: SpecStats) -> None:
+        """Count one verification of `num_drafts` drafts and update the acceptance rates."""
+        stats.spec_drafts += 1
+        stats.spec_draft_tokens += num_drafts
+        stats.spec_accepted_tokens += accepted
+        per_position = stats.spec_accepted_per_position
+        if len(per_position) < num_drafts:
+            per_position.extend([0] * (num_drafts - len(per_position)))
+        for i in range(accepted):
+            per_position[i] += 1
+        rate = accepted / num_drafts
+        req.spec_acceptance = (1 - _EMA) * req.spec_acceptance + _EMA * rate
+        self.acceptance = (1 - _GLOBAL_EMA) * self.acceptance + _GLOBAL_EMA * rate
+
+
+def _may_draft(req: Request) -> bool:
+    """No drafts while the request is not at its last token, has opted out, asks
+    for logprobs (verification does not return them yet), is under min_tokens
+    (the stop-token ban would apply to every draft position), or sets a penalty
+    (it depends on each position's history)."""
+    p = req.params
+    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+            and req.logprobs is None and req.num_output_tokens >= p.min_tokens)
+
+
+def _token_array(req: Request) -> np.ndarray:
+    """The request's tokens as int64, for the n-gram lookup (kept incrementally)."""
+    if req.token_buffer is None:
+        req.token_buffer = TokenBuffer()
+    return req.token_buffer.sync(req.all_token_ids)
