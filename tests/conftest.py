@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -41,3 +42,17 @@ def make_model(tmp_path_factory: pytest.TempPathFactory, session_cache: Path) ->
         return made[spec]
 
     return get
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stop_leftover_engine_threads() -> Iterator[None]:
+    """After each test module, stop the engine threads of any AsyncEngine it left
+    running. Idle ones wake ten times a second, and the GIL hand-offs they force
+    skew what later tests time (the speculative-decoding cost model measured
+    drafting as dear with a dozen of them around)."""
+    yield
+    from pdserve.workers.async_engine import AsyncEngine
+
+    for obj in gc.get_objects():
+        if isinstance(obj, AsyncEngine) and obj._thread.is_alive():
+            obj.shutdown()

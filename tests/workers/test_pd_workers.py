@@ -6,7 +6,7 @@ block is left allocated on either side."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,6 +29,19 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
+_live: list[PrefillWorker | DecodeWorker] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_workers() -> Iterator[None]:
+    """Stop every worker's engine thread after its test: idle threads left behind
+    wake ten times a second, and the GIL hand-offs they cause skew the timing
+    that later tests measure (the speculative-decoding cost model)."""
+    yield
+    while _live:
+        _live.pop().async_engine.shutdown()
+
+
 def make_pair(model_dir: Path, policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, faults: Faults | None = None,
               chunk: int = 32) -> tuple[PrefillWorker, DecodeWorker]:
     def engine():  # noqa: ANN202
@@ -37,7 +50,9 @@ def make_pair(model_dir: Path, policy: KVFailurePolicy = KVFailurePolicy.RECOMPU
     p_engine, d_engine = engine(), engine()
     receiver = InProcessReceiver(d_engine.kv_caches)
     sender = InProcessSender(p_engine.kv_caches, receiver, faults)
-    return PrefillWorker(p_engine, lambda addr: sender), DecodeWorker(d_engine, receiver, policy)
+    pair = PrefillWorker(p_engine, lambda addr: sender), DecodeWorker(d_engine, receiver, policy)
+    _live.extend(pair)
+    return pair
 
 
 async def serve_one(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
