@@ -297,9 +297,12 @@ class LLMEngine:
             assert self.spec is not None, "verification without a speculator"
             self.spec.verified(req, s.num_spec, accepted, self.stats)
             status = None
-            for token in r.tokens:
+            for i, token in enumerate(r.tokens):
                 req.append_token(token)
                 self.stats.generation_tokens += 1
+                if req.logprobs is not None and r.logprobs is not None:
+                    req.logprobs.append(r.logprobs[i])
+                    req.cumulative_logprob += r.logprobs[i][token]
                 status = self._check_stop(req, token)
                 if status is not None:
                     break

@@ -27,6 +27,8 @@ class SpecResult:
 
     scheduled: ScheduledRequest
     tokens: list[int]  # emitted: the accepted drafts, then the target's own next token
+    # When the request asks for logprobs: per emitted token, the raw top-N and its own.
+    logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
@@ -126,8 +128,18 @@ class ModelRunner:
         num_drafts = [s.num_spec for s in verifying]
         drafts, _ = pad_drafts([s.request.spec_token_ids[: s.num_spec] for s in verifying], logits.device)
         batch = self._sampling_batch([s.request for s in verifying])
+        # Raw log-probs (before any processing, as the sampler reports them), read
+        # before verify() touches the logits.
+        raw = logits.log_softmax(dim=-1) if any(s.request.logprobs is not None for s in verifying) else None
         out = verify(unflatten_logits(logits, num_drafts), drafts, num_drafts, batch)
-        return [SpecResult(s, tokens) for s, tokens in zip(verifying, out.token_ids)]
+        results, start = [], 0
+        for s, tokens in zip(verifying, out.token_ids):
+            lp = None
+            if raw is not None and s.request.logprobs is not None:
+                lp = _entries(raw[start : start + len(tokens)], tokens, s.request.params.logprobs or 0)
+            results.append(SpecResult(s, tokens, lp))
+            start += s.num_spec + 1
+        return results
 
     def _prepare(self, ordered: list[ScheduledRequest]) -> tuple[AttentionMetadata, int, int, list[Request]]:
         b = self.buf
@@ -212,3 +224,16 @@ class ModelRunner:
                   r.params.repetition_penalty) for r in reqs], self.vocab_size, self.device)
         batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch
+
+
+def _entries(logprobs: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, float]]:
+    """[T, V] log-probs of T positions -> per position {top-N ids: log-prob} plus the emitted token's."""
+    own = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device)[:, None])[:, 0].tolist()
+    if top_n:
+        top_lp, top_ids = logprobs.topk(top_n, dim=-1)
+        entries = [dict(zip(i, v)) for i, v in zip(top_ids.tolist(), top_lp.tolist())]
+    else:
+        entries = [{} for _ in tokens]
+    for entry, tok, lp in zip(entries, tokens, own):
+        entry[tok] = lp
+    return entries

@@ -62,6 +62,25 @@ def test_greedy_output_with_ngram_speculation_equals_without(model_dir: Path, k:
     assert spec.engine.kv.pool.num_used == 0
 
 
+def test_logprobs_requests_speculate_and_get_the_same_logprobs(model_dir: Path) -> None:
+    """Verification reports the raw log-probs of every emitted token (the accepted
+    drafts and the target's own), the same as one-token decode steps give."""
+    ps = prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=3)
+    plain = LLM(str(model_dir), max_model_len=512, progress=False).generate(ps, params)
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4,
+               spec_max_batch_size=64, spec_token_cost=0.01)
+    got = spec.generate(ps, params)
+    assert spec.engine.stats.spec_accepted_tokens > 0
+    for a, b in zip(got, plain):
+        ca, cb = a.outputs[0], b.outputs[0]
+        assert ca.token_ids == cb.token_ids and len(ca.logprobs) == len(cb.logprobs) == 30
+        for ea, eb in zip(ca.logprobs, cb.logprobs):
+            assert ea.keys() == eb.keys()
+            assert all(abs(ea[t] - eb[t]) < 1e-4 for t in ea)
+        assert abs(ca.cumulative_logprob - cb.cumulative_logprob) < 1e-3
+
+
 def _kv_of(engine: LLMEngine, request_id: str, num_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     blocks = engine.kv.blocks_of(request_id)
     bs = engine.config.block_size

@@ -116,13 +116,12 @@ class Speculator:
 
 
 def _may_draft(req: Request) -> bool:
-    """No drafts while the request is not at its last token, has opted out, asks
-    for logprobs (verification does not return them yet), is under min_tokens
-    (the stop-token ban would apply to every draft position), or sets a penalty
-    (it depends on each position's history)."""
+    """No drafts while the request is not at its last token, has opted out, is
+    under min_tokens (the stop-token ban would apply to every draft position),
+    or sets a penalty (it depends on each position's history)."""
     p = req.params
     return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
-            and req.logprobs is None and req.num_output_tokens >= p.min_tokens)
+            and req.num_output_tokens >= p.min_tokens)
 
 
 def _token_array(req: Request) -> np.ndarray:
