@@ -119,6 +119,8 @@ def main() -> int:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--workloads", default="repetitive,code,free text,random",
                     help="comma-separated, of: repetitive, code, free text, random")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="sampling temperature of every workload but random (1.5 there); 0 = greedy")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -143,7 +145,7 @@ def main() -> int:
             # measured price of drafting, the acceptance rate new requests start
             # from) reflects this workload, as it would in a server that has run a while.
             for llm in (plain, *engines.values()):
-                decode_rate(llm, batch, a.new, TEMPERATURE.get(name, 0.0))
+                decode_rate(llm, batch, a.new, TEMPERATURE.get(name, a.temperature))
             rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
             before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
             for r in range(a.repeats):
@@ -152,7 +154,7 @@ def main() -> int:
                 # repeats favours neither side.
                 order = [("plain", plain), *engines.items()]
                 for k, e in order if r % 2 == 0 else order[::-1]:
-                    rates[k].append(decode_rate(e, batch, a.new, TEMPERATURE.get(name, 0.0)))
+                    rates[k].append(decode_rate(e, batch, a.new, TEMPERATURE.get(name, a.temperature)))
             row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
             for k, e in engines.items():
                 drafts = e.engine.stats.spec_drafts - before[k][0]

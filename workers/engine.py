@@ -292,7 +292,7 @@ class LLMEngine:
         outputs = []
         for r in results:
             s, req = r.scheduled, r.scheduled.request
-            req.spec_token_ids = []
+            req.spec_token_ids, req.spec_draft_probs = [], None
             accepted = len(r.tokens) - 1
             assert self.spec is not None, "verification without a speculator"
             self.spec.verified(req, s.num_spec, accepted, self.stats)

@@ -82,6 +82,9 @@ class Request:
         # Drafted tokens to verify in the next step (speculative decoding); not
         # part of all_token_ids until the target accepts them.
         self.spec_token_ids: list[int] = []
+        # [len(spec_token_ids), V]: the law each draft was sampled from (a draft model
+        # sampling for a random request); None for deterministic drafts (one-hot).
+        self.spec_draft_probs: torch.Tensor | None = None
         # Rolling (exponentially weighted) rate at which this request's drafts are
         # accepted; starts at the engine's recent rate (1 at first: drafting gets a chance). Steps since the
         # request last drafted, for an occasional probe when the rate is low.

@@ -123,16 +123,39 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_rows = batch.temperature == 0.0
     greedy_tokens = logits.argmax(dim=-1)
-    temperature = torch.where(greedy_rows, torch.ones_like(batch.temperature), batch.temperature)
-    logits = logits.div_(temperature[:, None])
-    if batch.top_k is not None or batch.top_p is not None:
-        logits = apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    probs = logits.softmax(dim=-1)
-    if batch.min_p is not None:
-        threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill_(probs < threshold, 0.0)
+    probs = random_law(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     random_tokens = exponential_race(probs, batch.generators or {})
     return torch.where(greedy_rows, greedy_tokens, random_tokens)
+
+
+def random_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+               top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+    """The law a random row samples from, per row: temperature (0 rows: as 1),
+    then top-k and top-p, softmax, then min-p. Unnormalised after min-p (the race
+    needs no normalisation). `logits` is modified in place."""
+    temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
+    logits = logits.div_(temperature[:, None])
+    if top_k is not None or top_p is not None:
+        logits = apply_top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    if min_p is not None:
+        threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill_(probs < threshold, 0.0)
+    return probs
+
+
+def sample_with_law(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample`, also returning the normalised law each random row's token was
+    drawn from ([N, V]; None when every row is greedy; greedy rows' rows are
+    meaningless): what a speculative draft must hand to verification."""
+    apply_logits_processors(logits, batch)
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens, None
+    law = random_law(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    law = law.div_(law.sum(dim=-1, keepdim=True))
+    random_tokens = exponential_race(law.clone(), batch.generators or {})
+    return torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), law
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

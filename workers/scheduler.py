@@ -157,7 +157,7 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1

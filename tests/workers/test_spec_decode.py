@@ -201,10 +201,13 @@ def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: 
 
 
 def _sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n: int,
-                  drafts: list[int] | None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
+                  drafts: list[int] | None, draft_model: Path | None = None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
     # The cost is pinned: this test is about the law, drafts must be made at any batch size.
-    extra = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256,
-             "spec_token_cost": 0.001} if drafts else {}
+    extra: dict[str, object] = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256,
+                                "spec_token_cost": 0.001} if drafts else {}
+    if draft_model is not None:
+        extra = {"speculative": "draft", "draft_model": str(draft_model), "num_speculative_tokens": 2,
+                 "spec_max_batch_size": 256, "spec_token_cost": 0.001}
     llm = LLM(str(model_dir), max_model_len=256, max_num_seqs=256, progress=False, **extra)
     if drafts:
         llm.engine.spec.proposer = _FixedDrafts(drafts)  # type: ignore[assignment]
@@ -276,6 +279,56 @@ def test_greedy_output_with_a_draft_model_equals_without(model_dir: Path, draft_
     proposer = spec.engine.spec.proposer
     assert proposer.num_tracked == 0 and proposer.kv.pool.num_used == 0  # type: ignore[union-attr]
     assert spec.engine.kv.pool.num_used == 0
+
+
+@pytest.fixture(scope="module")
+def near_draft_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with noise on its weights: a law close to the target's but not
+    equal (two unrelated random models share no top-4 token: nothing would be accepted)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("near-draft")
+    for f in model_dir.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    g = torch.Generator().manual_seed(0)
+    for f in out.glob("*.safetensors"):
+        weights = load_file(f)
+        save_file({k: v + 0.5 * v.std() * torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point()
+                   and v.dim() == 2 else v for k, v in weights.items()}, f, metadata={"format": "pt"})
+    return out
+
+
+def test_sampled_drafts_of_a_draft_model_keep_the_targets_distribution(model_dir: Path, near_draft_dir: Path) -> None:
+    """For a random request the draft model samples from its own law q (under the
+    request's temperature and top-k) and hands q to verification: the joint law of
+    the first 3 tokens is still the target's (the bound of the test above)."""
+    prompt = prompts()[1][:24]
+    params = SamplingParams(temperature=0.8, top_k=4, max_tokens=3, ignore_eos=True, detokenize=False)
+    exact = _exact_joint(model_dir, prompt, 0.8, 4, depth=3)
+    n = 20_000
+    got, engine = _sample_joint(model_dir, prompt, params, n, None, draft_model=near_draft_dir)
+    st = engine.stats
+    assert st.spec_drafts > n // 2 and 0 < st.spec_accepted_tokens < st.spec_draft_tokens
+    assert _tv(got, exact) < 0.5 * (64 / n) ** 0.5 + (np.log(1e6) / (2 * n)) ** 0.5, _tv(got, exact)
+
+
+def test_the_target_as_its_own_sampling_draft_is_always_accepted(model_dir: Path) -> None:
+    """q = p when the draft is the target: every sampled draft is accepted (an
+    argmax draft would be accepted only with probability p(argmax)). A seeded
+    request gives the same tokens alone and batched."""
+    ps = prompts(4)
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(model_dir),
+               num_speculative_tokens=3, spec_max_batch_size=64, spec_token_cost=0.01)
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, ignore_eos=True, seed=3)
+    alone = spec.generate([ps[0]], params)[0].outputs[0].token_ids
+    st = spec.engine.stats
+    assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens >= 0.98 * st.spec_draft_tokens
+    others = SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True)
+    batched = spec.generate(ps, [params, others, others, others])[0].outputs[0].token_ids
+    assert batched == alone
 
 
 def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path, make_model: Callable[[TinyModelSpec], Path]) -> None:

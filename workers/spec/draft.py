@@ -1,5 +1,7 @@
 """Draft-model proposer: a small model with the target's tokenizer drafts k
-tokens greedily, each step, for every speculating request.
+tokens each step for every speculating request: its argmax for greedy
+requests; for random ones, samples from its own law under the request's
+temperature, top-k, top-p and min-p, handing that law (q) to verification.
 
 The draft keeps its own paged KV (its own pool and block tables) and, per
 request, a shadow sequence: the target's tokens plus the drafts of this step.
@@ -11,9 +13,12 @@ computed length is rewound to the accepted prefix (the rejected slots are
 rewritten next time).
 
 In disaggregated serving the decode worker prefills the draft itself during the
-first catch-up (docs/speculative.md says why). Drafts are the draft's argmax, a
-deterministic function of the context, so verification treats them as one-hot
-proposals and stays exact for sampled requests too.
+first catch-up (docs/speculative.md says why). Verification accepts a draft x
+with probability min(1, p(x)/q(x)) and resamples from max(0, p - q) at the first
+rejection, so the output law is the target's whatever q is; the closer q is to
+p, the more is accepted (sampling from q accepts sum(min(p, q)) on average,
+an argmax draft only p(argmax)). A seeded request's drafts draw from a
+generator seeded from its seed, so its output stays a function of the seed.
 """
 
 from __future__ import annotations
@@ -33,6 +38,17 @@ from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.scheduler import ScheduledRequest
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
+_SEED_SALT = 0x5DEECE66D  # the draft's stream differs from the request's own
+
+
+def _draft_params(p: SamplingParams) -> SamplingParams:
+    """How the draft picks for a request: the request's sampling law, nothing that
+    only concerns output (stops, logprobs); greedy stays greedy."""
+    if p.temperature == 0.0:
+        return _GREEDY
+    seed = None if p.seed is None else (p.seed ^ _SEED_SALT) % (1 << 63)
+    return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
+                          max_tokens=None, logit_bias=p.logit_bias)
 
 
 @dataclass
@@ -55,17 +71,20 @@ class DraftModelProposer:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, max_num_tokens, max_num_seqs, max_model_len,
                                   device)
         self.max_num_tokens, self.max_num_seqs = max_num_tokens, max_num_seqs
+        self.device = device
         self._shadows: dict[str, _Shadow] = {}
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> list[list[int]]:
-        """Up to ks[i] greedy drafts for requests[i] (decoding: every token but the
-        last is in the target's cache). [] for a request the draft pool cannot hold."""
+    def propose_batch(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Up to ks[i] drafts for requests[i] (decoding: every token but the last is
+        in the target's cache), and for each the law [len, V] its drafts were
+        sampled from (None: argmax drafts). [] for a request the draft pool cannot hold."""
         shadows: list[tuple[_Shadow, int]] = []
         for req, k in zip(requests, ks):
             sh = self._shadows.get(req.request_id)
             if sh is None:
                 sh = self._shadows[req.request_id] = _Shadow(
-                    Request(req.request_id, list(req.all_token_ids), _GREEDY, max_tokens=1 << 30))
+                    Request(req.request_id, list(req.all_token_ids), _draft_params(req.params), max_tokens=1 << 30,
+                            device=self.device))
             r = sh.request
             # The target's tokens are the truth. Its first `base` tokens were ours
             # too; after them, keep computed KV only while our drafts match what it kept.
@@ -80,12 +99,15 @@ class DraftModelProposer:
                 continue
             shadows.append((sh, k))
         drafts: dict[str, list[int]] = {sh.request.request_id: [] for sh, _ in shadows}
-        self._catch_up([sh for sh, _ in shadows], drafts)
+        laws: dict[str, list[torch.Tensor]] = {}
+        self._catch_up([sh for sh, _ in shadows], drafts, laws)
         for step in range(1, max((k for _, k in shadows), default=0)):
             live = [sh for sh, k in shadows if k > step]
             if live:
-                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts)
-        return [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
+                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, laws)
+        tokens = [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
+        return tokens, [torch.stack(laws[r.request_id][:len(t)]) if t and r.request_id in laws else None
+                        for r, t in zip(requests, tokens)]
 
     def retain(self, request_ids: set[str]) -> None:
         """Free the draft KV of every request not in `request_ids` (finished, aborted, preempted)."""
@@ -101,7 +123,8 @@ class DraftModelProposer:
     def num_tracked(self) -> int:
         return len(self._shadows)
 
-    def _catch_up(self, shadows: list[_Shadow], drafts: dict[str, list[int]]) -> None:
+    def _catch_up(self, shadows: list[_Shadow], drafts: dict[str, list[int]],
+                  laws: dict[str, list[torch.Tensor]]) -> None:
         """Compute every shadow's missing KV, in passes of at most max_num_tokens;
         the pass that reaches a shadow's last token gives its first draft."""
         pending = list(shadows)
@@ -117,17 +140,20 @@ class DraftModelProposer:
                         rest.append(sh)
                 else:
                     rest.append(sh)
-            self._run(batch, drafts)
+            self._run(batch, drafts, laws)
             pending = rest
 
-    def _run(self, batch: list[ScheduledRequest], drafts: dict[str, list[int]]) -> None:
+    def _run(self, batch: list[ScheduledRequest], drafts: dict[str, list[int]],
+             laws: dict[str, list[torch.Tensor]]) -> None:
         sampled = set()
         if batch:
-            result = self.runner.execute(batch)
+            result = self.runner.execute(batch, want_law=True)
             tokens = result.output.token_ids.tolist()
-            for req, token in zip(result.sampled, tokens):
+            for row, (req, token) in enumerate(zip(result.sampled, tokens)):
                 drafts[req.request_id].append(token)
                 sampled.add(req.request_id)
+                if result.law is not None and req.params.temperature > 0.0:
+                    laws.setdefault(req.request_id, []).append(result.law[row])
         for s in batch:
             s.request.num_computed_tokens += s.num_tokens
             if s.request.request_id in sampled:

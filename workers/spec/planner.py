@@ -13,6 +13,7 @@ import time
 from typing import Protocol
 
 import numpy as np
+import torch
 
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.request import Request
@@ -69,13 +70,15 @@ class Speculator:
         if not candidates:
             return
         start = time.perf_counter()
+        laws: list[torch.Tensor | None]
         if isinstance(self.proposer, DraftModelProposer):
-            drafts = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
+            drafts, laws = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
         else:
             drafts = [self.proposer.propose(_token_array(r), k).tolist() for r, k in candidates]
+            laws = [None] * len(drafts)
         self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
-        for (req, _), d in zip(candidates, drafts):
-            req.spec_token_ids = d
+        for (req, _), d, law in zip(candidates, drafts, laws):
+            req.spec_token_ids, req.spec_draft_probs = d, law
             if d:
                 req.spec_idle_steps = 0
 

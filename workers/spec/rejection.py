@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pdserve.workers.sampler import SamplingBatch, apply_top_k_top_p, exponential_race
+from pdserve.workers.sampler import SamplingBatch, exponential_race, random_law
 
 
 class Verified(NamedTuple):
@@ -57,8 +57,10 @@ def verify(
     draft_probs: [B, K, V], the law each draft token was really sampled from
         (the draft model's normalised probabilities after the request's own processing),
         or None for deterministic drafters (n-gram, argmax drafts), which is
-        treated as one-hot at the draft token. Passing None for drafts that
-        were sampled makes the output biased. Ignored for greedy rows.
+        treated as one-hot at the draft token. Either way the output is exact
+        (one-hot q is exact for any draft token, so for any law of drafts
+        independent of the verifier's draws); the true q accepts more:
+        sum(min(p, q)) on average instead of sum(p * q). Ignored for greedy rows.
     Returns the emitted tokens and accepted counts per row (one host sync).
     """
     _check_shapes(target_logits, draft_tokens, num_drafts, draft_probs)
@@ -126,23 +128,15 @@ def unflatten_logits(logits: torch.Tensor, num_drafts: Sequence[int]) -> torch.T
 
 def _target_probs(logits: torch.Tensor, batch: SamplingBatch, positions: int) -> torch.Tensor:
     """[B*(K+1), V] -> probs, each row processed with its sequence's settings
-    exactly as sampler._sample_random does before its race (unnormalised after min-p)."""
+    exactly as the sampler does before its race (unnormalised after min-p)."""
 
-    def per_position(t: torch.Tensor) -> torch.Tensor:
-        return t.repeat_interleave(positions)
+    def per_position(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.repeat_interleave(positions)
 
     temperature = per_position(batch.temperature)
-    temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
-    logits = logits.div_(temperature[:, None])
-    if batch.top_k is not None or batch.top_p is not None:
-        top_k = per_position(batch.top_k) if batch.top_k is not None else None
-        top_p = per_position(batch.top_p) if batch.top_p is not None else None
-        logits = apply_top_k_top_p(logits, top_k, top_p)
-    probs = logits.softmax(dim=-1)
-    if batch.min_p is not None:
-        threshold = per_position(batch.min_p)[:, None] * probs.amax(dim=-1, keepdim=True)
-        probs = probs.masked_fill_(probs < threshold, 0.0)
-    return probs
+    assert temperature is not None
+    return random_law(logits, temperature, per_position(batch.top_k), per_position(batch.top_p),
+                      per_position(batch.min_p))
 
 
 def _at_position(t: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
