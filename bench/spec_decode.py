@@ -121,6 +121,9 @@ def main() -> int:
                     help="comma-separated, of: repetitive, code, free text, random")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="sampling temperature of every workload but random (1.5 there); 0 = greedy")
+    ap.add_argument("--pin-cost", type=float, default=None,
+                    help="pin the price of a draft (spec_token_cost) instead of measuring it: draft every step, "
+                         "to measure acceptance rather than speed")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -132,9 +135,10 @@ def main() -> int:
           f"machine: {cpu}, {os.cpu_count()} cores, {a.threads} torch threads; torch {torch.__version__}\n", flush=True)
     common = dict(max_model_len=1024, progress=False)
     plain = LLM(model, **common)
-    engines = {"n-gram": LLM(model, **common, speculative="ngram", num_speculative_tokens=a.k)}
+    spec = dict(num_speculative_tokens=a.k, spec_token_cost=a.pin_cost)
+    engines = {"n-gram": LLM(model, **common, speculative="ngram", **spec)}
     if draft:
-        engines["draft"] = LLM(model, **common, speculative="draft", draft_model=draft, num_speculative_tokens=a.k)
+        engines["draft"] = LLM(model, **common, speculative="draft", draft_model=draft, **spec)
     batches = [int(b) for b in a.batches.split(",")]
     loads = workloads(plain.tokenizer, max(batches), a.prompt_tokens, seed=0, only=set(a.workloads.split(",")))
     rows = []
