@@ -62,6 +62,25 @@ def test_greedy_output_with_ngram_speculation_equals_without(model_dir: Path, k:
     assert spec.engine.kv.pool.num_used == 0
 
 
+def test_requests_under_min_tokens_draft_only_up_to_the_limit(model_dir: Path) -> None:
+    """Under min_tokens the stop tokens are banned at every verified position, so
+    drafts must stop short of the limit. The stop token is the one the free run
+    first emits at position s >= 10, and min_tokens = s: the request must stop
+    right there. Drafts are always right (read off the free run): a draft window
+    reaching past the limit would ban the stop token at s and run on."""
+    prompt = prompts()[1]
+    free = LLM(str(model_dir), max_model_len=512, progress=False).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))[0].outputs[0].token_ids
+    s = next(i for i in range(10, 60) if free[i] not in free[:i])
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, min_tokens=s, stop_token_ids=[free[s]])
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=4,
+               spec_token_cost=0.01)
+    spec.engine.spec.proposer = _Oracle(prompt, free, 0.0)  # type: ignore[union-attr]
+    out = spec.generate([prompt], params)[0].outputs[0]
+    assert out.token_ids == free[: s + 1] and out.finish_reason == "stop"
+    assert spec.engine.stats.spec_accepted_tokens >= s // 2  # it did draft while under the limit
+
+
 def test_logprobs_requests_speculate_and_get_the_same_logprobs(model_dir: Path) -> None:
     """Verification reports the raw log-probs of every emitted token (the accepted
     drafts and the target's own), the same as one-token decode steps give."""

@@ -64,7 +64,7 @@ class Speculator:
             if not _may_draft(req):
                 continue
             k = min(self.draft_length(req, price), k_cap, req.max_tokens - req.num_output_tokens - 1,
-                    self.max_model_len - req.num_tokens - 1)
+                    self.max_model_len - req.num_tokens - 1, _min_tokens_room(req))
             if k > 0:
                 candidates.append((req, k))
         if not candidates:
@@ -119,12 +119,18 @@ class Speculator:
 
 
 def _may_draft(req: Request) -> bool:
-    """No drafts while the request is not at its last token, has opted out, is
-    under min_tokens (the stop-token ban would apply to every draft position),
-    or sets a penalty (it depends on each position's history)."""
+    """No drafts while the request is not at its last token, has opted out, or
+    sets a penalty (it depends on each position's history)."""
     p = req.params
-    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
-            and req.num_output_tokens >= p.min_tokens)
+    return req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+
+
+def _min_tokens_room(req: Request) -> int:
+    """Under min_tokens, verification bans the stop tokens at every position of
+    the row: draft only as far as every position is still under the limit."""
+    if req.num_output_tokens >= req.params.min_tokens or not req.stop_token_ids:
+        return 1 << 30
+    return req.params.min_tokens - req.num_output_tokens - 1
 
 
 def _token_array(req: Request) -> np.ndarray:
