@@ -238,21 +238,35 @@ def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None
     assert {"CompletionRequest", "ChatCompletionRequest"} <= set(spec["components"]["schemas"])
 
 
+def _errors_499(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    line = next((ln for ln in text.splitlines() if ln.startswith('pdserve:request_errors_total{code="499"}')), None)
+    return float(line.split()[-1]) if line else 0.0
+
+
 def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -> None:
+    """A client that goes away, mid-stream or while waiting for a whole body: the
+    request is aborted, its blocks freed, and it counts as a 499."""
     url, engine = server
     generated_before = engine.engine.stats.generation_tokens
+    errors_before = _errors_499(url)
     for _ in range(5):
         with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
                           json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
         # leaving the block closes the connection mid-stream
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up before the body comes
+        httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=0.05,
+                   json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "n": 4, "ignore_eos": True})
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (engine.num_in_flight or engine.engine.kv.pool.num_used):
+    while time.monotonic() < deadline and (engine.num_in_flight or engine.engine.kv.pool.num_used
+                                           or _errors_499(url) < errors_before + 6):
         time.sleep(0.05)
     assert engine.num_in_flight == 0 and engine.engine.kv.pool.num_used == 0
-    # Aborted, not run to completion: far fewer than 5 x 240 tokens were made.
-    assert engine.engine.stats.generation_tokens - generated_before < 600
+    # Aborted, not run to completion: far fewer than 9 x 240 tokens were made.
+    assert engine.engine.stats.generation_tokens - generated_before < 1000
+    assert _errors_499(url) == errors_before + 6
 
 
 class _SlowBackend:
