@@ -21,6 +21,9 @@ from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
 
+_SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
+
+
 @dataclass
 class SpecResult:
     """A request that verified drafts this step."""
@@ -77,16 +80,18 @@ class ModelRunner:
         hidden = self.model(self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens), meta, self.kv_caches)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if total_rows:
-            logits = self.model.compute_logits(hidden[self.buf.logits_indices.to_device(total_rows)])
-            # Rows: one per plain sampled request, then k+1 per verifying one, then scored prompt tokens.
-            if prompt_rows:
-                result.prompt_logprobs = self._score_prompts(prompt_rows, logits[logit_rows:])
+            idx = self.buf.logits_indices.to_device(total_rows)
+            if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
+                result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[logit_rows:])
+        if logit_rows:
+            logits = self.model.compute_logits(hidden[idx[:logit_rows]])
+            # Rows: one per plain sampled request, then k+1 per verifying one.
             if sampled and want_law:
                 tokens, result.law = sample_with_law(logits[: len(sampled)], self._sampling_batch(sampled))
                 result.output = SamplerOutput(tokens)
             elif sampled:
                 result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
-            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):logit_rows])
+            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):])
         return result
 
     def _prompt_logprob_rows(self, ordered: list[ScheduledRequest], row0: int) -> list[tuple[Request, int, int]]:
@@ -111,16 +116,30 @@ class ModelRunner:
             t += n
         return out
 
-    def _score_prompts(self, rows: list[tuple[Request, int, int]], logits: torch.Tensor) -> list[PromptLogprobs]:
-        logprobs = logits.float().log_softmax(dim=-1)
+    def _score_prompts(self, rows: list[tuple[Request, int, int]], hidden: torch.Tensor,
+                       idx: torch.Tensor) -> list[PromptLogprobs]:
+        """Log-probs of the queued prompt tokens; `idx` holds their hidden-state rows.
+        At most _SCORE_ROWS rows of logits at a time (a 128k vocabulary makes
+        [rows, vocab] float32 half a GiB per 1,024 rows)."""
         out, at = [], 0
         for req, first, count in rows:
-            lp = logprobs[at : at + count]
-            targets = torch.tensor(req.prompt_token_ids[first : first + count], device=lp.device)
             n = req.params.prompt_logprobs or 0
-            top_lp, top_ids = lp.topk(n, dim=-1) if n else (lp[:, :0], torch.empty(count, 0, dtype=torch.int64))
-            out.append(PromptLogprobs(req, first, lp.gather(1, targets[:, None])[:, 0].tolist(),
-                                      top_ids.tolist(), top_lp.tolist()))
+            own: list[float] = []
+            top_ids: list[list[int]] = []
+            top_lp: list[list[float]] = []
+            for lo in range(0, count, _SCORE_ROWS):
+                hi = min(count, lo + _SCORE_ROWS)
+                lp = self.model.compute_logits(hidden[idx[at + lo : at + hi]]).float().log_softmax(dim=-1)
+                targets = torch.tensor(req.prompt_token_ids[first + lo : first + hi], device=lp.device)
+                own += lp.gather(1, targets[:, None])[:, 0].tolist()
+                if n:
+                    values, ids = lp.topk(n, dim=-1)
+                    top_lp += values.tolist()
+                    top_ids += ids.tolist()
+                else:
+                    top_lp += [[] for _ in range(hi - lo)]
+                    top_ids += [[] for _ in range(hi - lo)]
+            out.append(PromptLogprobs(req, first, own, top_ids, top_lp))
             at += count
         return out
 
