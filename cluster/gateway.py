@@ -174,8 +174,10 @@ class Gateway:
             raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs")
         return params
 
-    def admit(self) -> None:
-        if self._admitted >= self.config.max_in_flight:
+    def admit(self, num_requests: int = 1) -> None:
+        """Room for `num_requests` engine requests (a call's prompts x n), or 429.
+        A call bigger than the whole bound still runs when nothing else does."""
+        if self._admitted > 0 and self._admitted + num_requests > self.config.max_in_flight:
             raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers={"Retry-After": "1"})
         if not self.backend.healthy:
             raise APIError(503, "no healthy workers to serve the request", "ServiceUnavailableError")
@@ -185,10 +187,10 @@ class Gateway:
     async def run(self, rid: str, works: list[Work]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
-        self._admitted += 1
+        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=None if w.params.seed is None else w.params.seed + j))
+                for w in works for j in range(w.params.n)]
+        self._admitted += len(subs)  # the admission bound counts engine requests
         try:
-            subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=None if w.params.seed is None else w.params.seed + j))
-                    for w in works for j in range(w.params.n)]
             if len(subs) == 1:
                 async for out in self.backend.generate(rid, subs[0][0], subs[0][1], self.config.request_timeout_s):
                     yield 0, out
@@ -197,7 +199,7 @@ class Gateway:
                                       for i, (ids, sp) in enumerate(subs)]):
                 yield item
         finally:
-            self._admitted -= 1
+            self._admitted -= len(subs)
 
     def worker_handles(self) -> WorkerHandles:
         """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""

@@ -93,7 +93,7 @@ def build_app(gw: Gateway) -> FastAPI:
 
 async def _respond(gw: Gateway, request: Request, kind: Kind, stream: bool, include_usage: bool,
                    works: list[Work], rm: RequestMetrics) -> Response:
-    gw.admit()
+    gw.admit(sum(w.params.n for w in works))
     rid = new_id("chatcmpl" if kind == "chat" else "cmpl")
     if stream:
         # Starlette cancels this generator when the client disconnects; the
@@ -162,13 +162,15 @@ async def _collect(gw: Gateway, kind: Kind, rid: str, works: list[Work], rm: Req
 
 def _accumulate(choice: _Choice, out: RequestOutput, prompt_only: bool = False) -> None:
     c = out.outputs[0]
-    if out.prompt_logprobs is not None:
-        choice.prompt_logprobs = out.prompt_logprobs
+    if out.prompt_logprobs is not None:  # over the token stream they may come in slices
+        choice.prompt_logprobs = (choice.prompt_logprobs or []) + out.prompt_logprobs
     if not prompt_only:
         choice.text += c.text
         choice.token_ids += c.token_ids
         choice.logprobs += c.logprobs or []
-    choice.finish_reason = c.finish_reason or choice.finish_reason
+    # echo with max_tokens 0: the one token generated is dropped, whatever ended it.
+    finish = "length" if prompt_only and c.finish_reason is not None else c.finish_reason
+    choice.finish_reason = finish or choice.finish_reason
     choice.cached_tokens = out.num_cached_tokens
 
 
@@ -224,17 +226,21 @@ async def _sse(gw: Gateway, kind: Kind, rid: str, works: list[Work], include_usa
         async for i, out in gw.run(rid, works):
             c, work, ch = out.outputs[0], _work_of(works, i), choices[i]
             head, ch.started = not ch.started, True
+            scored = len(ch.prompt_logprobs or [])
             _accumulate(ch, out, work.prompt_only)
             rm.output(out)
             text, ids, entries = ("", [], []) if work.prompt_only else (c.text, c.token_ids, c.logprobs or [])
-            if head:  # echo: the prompt (and its logprobs) go before the choice's first text
+            if head:  # echo: the prompt goes before the choice's first text
                 text = (work.echo or "") + text
-                ids, entries = _scored(work, ch, ids, entries)
+            if work.params.prompt_logprobs is not None and out.prompt_logprobs:  # and its logprobs, as they come
+                new = out.prompt_logprobs
+                ids, entries = work.prompt_ids[scored : scored + len(new)] + ids, list(new) + entries
             lp = _logprobs(gw, kind, ids, entries) if want_logprobs else None
+            finish = ch.finish_reason if c.finish_reason is not None else None
             if kind == "chat":
-                yield chunk([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": c.finish_reason}])
+                yield chunk([{"index": i, "delta": {"content": text}, "logprobs": lp, "finish_reason": finish}])
             else:
-                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}])
+                yield chunk([{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}])
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
             yield chunk([], usage=_usage(works, choices))

@@ -31,7 +31,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: dict[str, float] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: per prompt token, {token id: log-prob} (None for the
-    # first). In every cumulative output; in the first of a DELTA stream only.
+    # first). In every cumulative output; in the first of a DELTA stream only, or, over
+    # the token stream, in consecutive slices in its first outputs (concatenate them).
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
@@ -41,5 +42,7 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     logprobs = None if ca.logprobs is None and cb.logprobs is None else (ca.logprobs or []) + (cb.logprobs or [])
     merged = CompletionOutput(ca.index, ca.text + cb.text, ca.token_ids + cb.token_ids, cb.cumulative_logprob,
                               logprobs, cb.finish_reason, cb.stop_reason)
+    prompt_lp = None if a.prompt_logprobs is None and b.prompt_logprobs is None else (
+        (a.prompt_logprobs or []) + (b.prompt_logprobs or []))  # a stream may carry them in slices
     return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics,
-                         a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
+                         prompt_lp)

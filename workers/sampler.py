@@ -147,7 +147,8 @@ def random_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
 def sample_with_law(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`sample`, also returning the normalised law each random row's token was
     drawn from ([N, V]; None when every row is greedy; greedy rows' rows are
-    meaningless): what a speculative draft must hand to verification."""
+    meaningless): what a speculative draft must hand to verification. No
+    logprobs (`max_logprobs` is ignored)."""
     apply_logits_processors(logits, batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
@@ -29,7 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
+from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 # Step batches a gateway may fall behind by before the worker gives up on its
 # requests (aborts them) rather than buffer without bound.
 SEND_HWM = 4096
+# What one message may take of the receiver's limit (it refuses bigger ones whole).
+MESSAGE_BUDGET = MAX_MESSAGE_BYTES - 4096
 
 
 def to_delta(out: RequestOutput) -> TokenDelta:
@@ -79,19 +82,27 @@ class TokenStreamPublisher:
         self._pending.setdefault(address, []).append(to_delta(out))
 
     def flush(self) -> list[str]:
-        """Send what `add` buffered, one message per gateway. Returns the request
-        ids whose deltas could not be sent (the gateway is gone or far behind)."""
+        """Send what `add` buffered, one message per gateway (more when one would
+        pass the receiver's size limit: a long prompt's prompt_logprobs). Returns
+        the request ids whose deltas could not be sent (the gateway is gone or far
+        behind, or a delta too big even alone)."""
         lost: list[str] = []
         pending, self._pending = self._pending, {}
         for address, deltas in pending.items():
-            seq = self._seq.get(address, 0)
-            self._seq[address] = seq + 1
-            try:
-                self._socket(address).send(encode(TokenDeltaBatch(worker_id=self.worker_id, seq=seq, deltas=deltas)),
-                                           zmq.NOBLOCK)
-            except zmq.Again:
-                log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
-                lost += [d.request_id for d in deltas]
+            batches, too_big = _split(self.worker_id, deltas)
+            for d in too_big:
+                log.error("token delta of %s is over the %d-byte message limit even alone; dropping the request",
+                          d.request_id, MAX_MESSAGE_BYTES)
+            lost += [d.request_id for d in too_big]
+            for batch in batches:
+                seq = self._seq.get(address, 0)
+                self._seq[address] = seq + 1
+                try:
+                    self._socket(address).send(
+                        encode(TokenDeltaBatch(worker_id=self.worker_id, seq=seq, deltas=tuple(batch))), zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
+                    lost += [d.request_id for d in batch]
         return lost
 
     def close(self) -> None:
@@ -108,6 +119,51 @@ class TokenStreamPublisher:
             sock.connect(address)
             self._sockets[address] = sock
         return sock
+
+
+def _size(worker_id: str, deltas: list[TokenDelta]) -> int:
+    return len(encode(TokenDeltaBatch(worker_id=worker_id, seq=0, deltas=tuple(deltas))))
+
+
+def _split(worker_id: str, deltas: list[TokenDelta]) -> tuple[list[list[TokenDelta]], list[TokenDelta]]:
+    """The deltas in order, as batches that each encode under MESSAGE_BUDGET, and
+    the deltas that cannot (nothing to split but still too big). A delta whose
+    prompt_logprobs make it too big becomes several: pieces with no tokens that
+    carry consecutive slices of them, then the delta with the last slice (the
+    gateway concatenates them)."""
+    if _size(worker_id, deltas) <= MESSAGE_BUDGET:
+        return [deltas], []
+    pieces: list[tuple[TokenDelta, int]] = []
+    too_big: list[TokenDelta] = []
+    for d in deltas:
+        size = _size(worker_id, [d])
+        if size <= MESSAGE_BUDGET:
+            pieces.append((d, size))
+            continue
+        entries = d.prompt_logprobs or ()
+        bare = _size(worker_id, [dataclasses.replace(d, prompt_logprobs=None)])
+        per_entry = max(1.0, (size - bare) / max(1, len(entries)))
+        step = int((MESSAGE_BUDGET - bare) / per_entry * 0.9)
+        if not entries or step < 1:
+            too_big.append(d)
+            continue
+        starts = list(range(0, len(entries), step))
+        for i in starts[:-1]:
+            piece = dataclasses.replace(d, token_ids=(), text="", finish_reason=None, stop_token=None, stop_string=None,
+                                        logprobs=() if d.logprobs is not None else None,
+                                        prompt_logprobs=entries[i : i + step])
+            pieces.append((piece, _size(worker_id, [piece])))
+        last = dataclasses.replace(d, prompt_logprobs=entries[starts[-1] :])
+        pieces.append((last, _size(worker_id, [last])))
+    batches: list[list[TokenDelta]] = []
+    used = MESSAGE_BUDGET + 1
+    for piece, size in pieces:
+        if used + size > MESSAGE_BUDGET:
+            batches.append([])
+            used = 0
+        batches[-1].append(piece)
+        used += size
+    return batches, too_big
 
 
 class StreamLostError(RuntimeError):

@@ -138,6 +138,7 @@ def test_echo_with_logprobs_scores_the_prompt(server: tuple[str, AsyncEngine], o
 
     only = c.completions.create(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=1)
     assert only.choices[0].text == prompt and only.usage.completion_tokens == 0
+    assert only.choices[0].finish_reason == "length"
     assert len(only.choices[0].logprobs.tokens) == len(ids)
     assert only.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:len(ids)]
 
@@ -303,12 +304,21 @@ def test_admission_bound_gives_429_with_retry_after(model_dir: Path) -> None:
             slow = [asyncio.create_task(c.post("/v1/completions", json=body)) for _ in range(2)]
             await asyncio.sleep(0.15)  # both admitted and generating
             extra = await c.post("/v1/completions", json=body)
-            return [extra, *await asyncio.gather(*slow)]
+            results = await asyncio.gather(*slow)
+            # The bound counts engine requests: one call of 2 prompts x n=2 is four of them.
+            first = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.15)
+            batch = await c.post("/v1/completions", json={**body, "prompt": ["a", "b"], "n": 2})
+            results.append(await first)
+            alone = await c.post("/v1/completions", json={**body, "prompt": ["a", "b"], "n": 2})  # nothing else runs
+            return [extra, batch, alone, *results]
 
-    extra, *ok = asyncio.run(main())
+    extra, batch, alone, *ok = asyncio.run(main())
     assert extra.status_code == 429 and extra.headers["retry-after"] == "1"
     assert extra.json()["error"]["code"] == 429
-    assert [r.status_code for r in ok] == [200, 200]
+    assert batch.status_code == 429
+    assert alone.status_code == 200 and len(alone.json()["choices"]) == 4  # bigger than the bound, but alone
+    assert [r.status_code for r in ok] == [200, 200, 200]
 
 
 def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -> None:

@@ -81,6 +81,19 @@ def test_requests_under_min_tokens_draft_only_up_to_the_limit(model_dir: Path) -
     assert spec.engine.stats.spec_accepted_tokens >= s // 2  # it did draft while under the limit
 
 
+def test_drafts_left_unverified_are_dropped_before_the_next_step(model_dir: Path) -> None:
+    """A step that could not verify a request's drafts (no room) leaves them behind;
+    they were cut to limits (min_tokens, max_model_len) that have moved since, so
+    the next proposal starts from none, even when it drafts nothing."""
+    from pdserve.workers.request import Request
+
+    llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", spec_max_batch_size=1)
+    reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8), max_tokens=8) for i in range(2)]
+    reqs[0].spec_token_ids, reqs[0].spec_draft_probs = [1, 2, 3], torch.zeros(3, 4)
+    llm.engine.spec.propose(reqs)  # two running > spec_max_batch_size: nobody drafts this time
+    assert reqs[0].spec_token_ids == [] and reqs[0].spec_draft_probs is None
+
+
 def test_logprobs_requests_speculate_and_get_the_same_logprobs(model_dir: Path) -> None:
     """Verification reports the raw log-probs of every emitted token (the accepted
     drafts and the target's own), the same as one-token decode steps give."""

@@ -74,6 +74,38 @@ def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests()
     asyncio.run(run())
 
 
+def test_prompt_logprobs_over_the_message_limit_arrive_in_slices() -> None:
+    """A long prompt's logprobs (top-20 for 8,000 tokens: several MiB) do not fit
+    one message, which the receiver would refuse whole: they go in slices, in
+    order, and the other requests of the same step are not held back."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        pub = TokenStreamPublisher("w0")
+        for rid in ("big", "small"):
+            collector.open(rid, [1, 2, 3])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        consumers = [asyncio.ensure_future(_consume(collector, rid, done)) for rid in ("big", "small")]
+        big = output("big", [5], "x", "length")
+        big.prompt_logprobs = [None] + [{t * 31 + j: -0.1 * j - 0.001 * t for j in range(21)} for t in range(1, 8000)]
+        pub.add(collector.address, big)
+        pub.add(collector.address, output("small", [8], "p", "stop"))
+        assert pub.flush() == []
+        assert pub._seq[collector.address] >= 3  # it took several messages
+        done.set_result(None)
+        got_big, got_small = await asyncio.gather(*consumers)
+        # (the collector merges the slices it holds when its consumer is behind)
+        assert [t for o in got_big for t in o.outputs[0].token_ids] == [5] and got_big[-1].finished
+        assert not any(o.finished for o in got_big[:-1])
+        joined = [e for o in got_big if o.prompt_logprobs for e in o.prompt_logprobs]
+        assert joined == big.prompt_logprobs
+        assert [t for o in got_small for t in o.outputs[0].token_ids] == [8] and got_small[-1].finished
+        pub.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
 def test_the_workers_error_reaches_the_consumer() -> None:
     async def run() -> None:
         collector = TokenStreamCollector()

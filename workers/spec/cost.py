@@ -12,7 +12,7 @@ sequence. Drafting is paid in seconds:
   draft model per position).
 
 `price` returns (F, c + p) in units of u, and the engine picks the k that
-maximises gain - price (workers/engine.py `_draft_length`). F and c come from a
+maximises gain - price (workers/spec/planner.py `Speculator.draft_length`). F and c come from a
 least-squares line through the median extra seconds of recent verify steps at
 each draft length; times are medians over a window of recent steps, per batch
 size (a first call on a new shape can take 100x a normal step: a mean would

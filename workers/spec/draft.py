@@ -18,7 +18,9 @@ with probability min(1, p(x)/q(x)) and resamples from max(0, p - q) at the first
 rejection, so the output law is the target's whatever q is; the closer q is to
 p, the more is accepted (sampling from q accepts sum(min(p, q)) on average,
 an argmax draft only p(argmax)). A seeded request's drafts draw from a
-generator seeded from its seed, so its output stays a function of the seed.
+generator seeded from its seed, so they do not depend on the batch (they do
+depend on how many drafts the engine chose to make, and a preempted request's
+draft stream starts over).
 """
 
 from __future__ import annotations

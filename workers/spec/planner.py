@@ -50,6 +50,10 @@ class Speculator:
 
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for every decoding request that speculates, for the next step."""
+        # Drafts not verified last step (no room for them, or a plain step) are stale:
+        # the limits they were cut to (min_tokens, max_model_len) moved since.
+        for req in running:
+            req.spec_token_ids, req.spec_draft_probs = [], None
         if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
             self.proposer.retain({r.request_id for r in running})
         batch = len(running)
