@@ -81,7 +81,7 @@ def _next_pow2(n: int) -> int:
 
 
 # The sweeps `bench/kernels_gpu.py --tune` times (half precision, head dim <= 128).
-# Every entry compiles for sm_90 without register spills (tests/kernels/test_static_sm90.py).
+# Every entry compiles for sm_90 without register spills (tests/kernels/test_static_compile.py).
 DECODE_SWEEP: tuple[DecodeConfig, ...] = tuple(
     DecodeConfig(tile_n=t, num_warps=w, num_stages=s)
     for t in (32, 64, 128) for w in (4, 8) for s in (2, 3)

@@ -25,11 +25,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-# Per-SM limits of the targets we check (CUDA occupancy tables).
+# Per-SM limits of the targets we check (CUDA occupancy tables): H100/H200,
+# A100, A10/RTX 30xx, L4/RTX 40xx.
 _SM_LIMITS = {
     90: dict(regs=65536, smem=233472, smem_per_block_reserved=1024, max_warps=64, max_blocks=32),
     80: dict(regs=65536, smem=167936, smem_per_block_reserved=1024, max_warps=64, max_blocks=32),
+    86: dict(regs=65536, smem=102400, smem_per_block_reserved=1024, max_warps=48, max_blocks=16),
+    89: dict(regs=65536, smem=102400, smem_per_block_reserved=1024, max_warps=48, max_blocks=24),
 }
+# The most shared memory one program may use, per target.
+SMEM_PER_BLOCK = {90: 232448, 80: 166912, 86: 101376, 89: 101376}
 
 _TRITON_DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 

@@ -36,6 +36,8 @@ REQUESTS = (
     + [_decode(DECODE_DEFAULT), _decode(replace(DECODE_DEFAULT, num_stages=2))]
     + [_decode(configs.decode_config(d, torch.bfloat16), d, rows) for d, rows in ((128, 5), (64, 1), (64, 5))]
     + [_prefill(configs.prefill_config(4, d, 1 << 14, torch.bfloat16), d) for d in (64, 128)]
+    + [replace(_decode(DECODE_DEFAULT), arch=a) for a in (80, 86, 89)]
+    + [replace(_prefill(configs.prefill_config(4, 128, 1 << 14, torch.bfloat16)), arch=a) for a in (80, 86, 89)]
 )
 
 
@@ -82,6 +84,17 @@ def test_prefill_default_uses_wgmma(reports, head_dim):
     report = reports[_prefill(configs.prefill_config(4, head_dim, 1 << 14, torch.bfloat16), head_dim)]
     _ok(report)
     assert report.wgmma > 0 and report.mma_sync == 0, report.row()
+
+
+@pytest.mark.parametrize("arch", [80, 86, 89])
+def test_defaults_fit_ampere_and_ada(reports, arch):
+    """The same defaults on A100 (sm_80), A10 / RTX 30xx (sm_86), L4 / RTX 40xx
+    (sm_89): no spills, shared memory within what one program may have there."""
+    for req in (replace(_decode(DECODE_DEFAULT), arch=arch),
+                replace(_prefill(configs.prefill_config(4, 128, 1 << 14, torch.bfloat16)), arch=arch)):
+        report = reports[req]
+        assert report.spill_bytes == 0 and report.programs_per_sm >= 1, report.row()
+        assert report.smem <= static_check.SMEM_PER_BLOCK[arch], report.row()
 
 
 def test_occupancy_arithmetic():
