@@ -150,6 +150,10 @@ class PrefillService:
         return await self.worker.prefill(request_id, prompt, SamplingParams(**params), dst_blocks, cached_on_decode,
                                          receiver, timeout_s)
 
+    async def generate_alone(self, request_id: str, prompt: list[int], params: dict[str, Any],
+                             timeout_s: float) -> RequestOutput:
+        return await self.worker.generate_alone(request_id, prompt, SamplingParams(**params), timeout_s)
+
     async def abort(self, request_id: str) -> None:
         await self.worker.async_engine.call(lambda e: e.abort(request_id))
 

@@ -87,7 +87,19 @@ class DisaggregatedBackend:
         # first queue (the decode worker's own "queue time" spans the prefill).
         first_metrics: dict[str, float] | None = None
         try:
-            if decision.local_prefill or p_id is None:
+            if params.max_tokens == 1 and not decision.local_prefill and p_id is not None:
+                # Ends at its first token: the prefill worker runs it alone (no decode
+                # blocks reserved, no KV shipped). If it is gone, the decode worker does.
+                try:
+                    out = await self.prefill[p_id].generate_alone.remote(request_id, prompt, wire, timeout_s)
+                except RayActorError:
+                    self._dead.add(p_id)
+                else:
+                    finished = True
+                    yield out
+                    return
+                start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
+            elif decision.local_prefill or p_id is None:
                 start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
             else:
                 start, first, first_metrics = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from pdserve.workers.async_engine import AsyncEngine, RequestTimeoutError
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
@@ -90,6 +90,20 @@ class PrefillWorker:
             raise
         assert first is not None
         return first
+
+    async def generate_alone(self, request_id: str, prompt: list[int], params: SamplingParams,
+                             timeout_s: float = 60.0) -> RequestOutput:
+        """The whole request on this worker, no handoff: for requests that end at
+        their first token (max_tokens 1: classification, scoring a prompt), where
+        reserving decode blocks and shipping the KV would buy nothing. Returns the
+        final output; aborts (blocks freed) on timeout or cancellation."""
+        if params.max_tokens != 1:
+            raise ValueError(f"max_tokens: generate_alone runs requests of 1 token, got {params.max_tokens}")
+        final: RequestOutput | None = None
+        async for out in self.async_engine.generate(request_id, prompt, params, timeout_s):  # deltas
+            final = out if final is None else merge_deltas(final, out)
+        assert final is not None and final.finished
+        return final
 
     def sender_for(self, address: str) -> KVSender:
         sender = self._sender_for(address)

@@ -165,3 +165,36 @@ def test_cache_aware_routing_computes_2x_fewer_prefill_tokens_than_round_robin(m
         computed[policy] = sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) + \
             decode.worker.engine.stats.prompt_tokens_computed
     assert computed[RoutingPolicy.ROUND_ROBIN] >= 2 * computed[RoutingPolicy.CACHE_AWARE], computed
+
+
+def test_single_token_requests_stay_on_the_prefill_worker(model_dir: Path) -> None:
+    """max_tokens 1 (classification, scoring a prompt with echo): the prefill
+    worker runs the request alone; the decode worker reserves nothing and
+    receives no KV. Tokens and prompt logprobs as offline."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (70, 120)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=1)
+    backend, prefill, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256)
+
+    async def main() -> list[RequestOutput]:
+        outs = []
+        try:
+            for i, p in enumerate(prompts):
+                got = [o async for o in backend.generate(f"s{i}", p, params, 60)]
+                assert len(got) == 1 and got[0].finished
+                outs.append(got[0])
+        finally:
+            await backend.close()
+        return outs
+
+    outs = asyncio.run(main())
+    offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False).generate(prompts, params)
+    for got, want in zip(outs, offline):
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs)
+        assert all(a is None and b is None or abs(a[t] - b[t]) < 1e-4
+                   for a, b, t in zip(got.prompt_logprobs, want.prompt_logprobs, [None] + want.prompt_token_ids[1:])
+                   if t is not None)
+    assert decode.worker.engine.stats.prompt_tokens == 0  # never asked to hold or compute anything
+    assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) >= sum(map(len, prompts)) - BS
+    assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())

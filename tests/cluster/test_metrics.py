@@ -320,7 +320,7 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
 
     async def main() -> dict:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-            for max_tokens in (6, 1):  # the first token goes out early / is also the last
+            for max_tokens in (6, 2):  # both handed off (max_tokens 1 would stay on the prefill worker)
                 body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
                 assert "[DONE]" in (await c.post("/v1/completions", json=body)).text
             f = parse((await c.get("/metrics")).text)
@@ -343,7 +343,7 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
     assert sample(f, "pdserve:engine_step_duration_seconds_count", worker="pdserve-decode-0") == \
         d.worker.engine.stats.steps
     assert sample(f, "pdserve:request_queue_time_seconds_count") == 2
-    assert sample(f, "pdserve:generation_tokens_total") == 7
+    assert sample(f, "pdserve:generation_tokens_total") == 8
     assert sum(s.value for s in f["pdserve:router_decisions"].samples if s.labels["role"] == "decode") == 2
     assert_matches_contract(f)
 
