@@ -108,7 +108,9 @@ def _load(e: LLMEngine) -> dict[str, Any]:
     # prefix, so only the rest is queued work (counting it all would make a worker
     # that holds a hot prefix look busy and push its requests elsewhere, cold).
     queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens) for r in sched.running)
-    queued += sum(r.num_prompt_tokens - max(r.num_computed_tokens, e.kv.find_cached_prefix(r)[1])
+    # (A request scoring its prompt, prompt_logprobs, skips the cache: all of it is work.)
+    queued += sum(r.num_prompt_tokens - max(r.num_computed_tokens,
+                                            0 if r.prompt_logprobs is not None else e.kv.find_cached_prefix(r)[1])
                   for r in sched.waiting if r.num_computed_tokens < r.num_prompt_tokens)
     events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.kv.pool.take_events()]
     return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
