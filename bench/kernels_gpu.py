@@ -65,7 +65,6 @@ if DRY or not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.testing  # noqa: E402
 
-
 # --------------------------------------------------------------------- imports
 
 

@@ -57,7 +57,10 @@ import zmq
 from pdserve.workers.messages import ChecksumKind
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.zmq_backend import (
-    DEFAULT_CREDITS, DEFAULT_MAX_MESSAGE_BYTES, ZmqKVReceiver, ZmqKVSender,
+    DEFAULT_CREDITS,
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ZmqKVReceiver,
+    ZmqKVSender,
 )
 
 BLOCK_SIZE, KV_HEADS, HEAD_DIM = 16, 8, 128

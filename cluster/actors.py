@@ -13,10 +13,10 @@ from typing import Any
 
 import ray
 
+from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
-from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 

@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "fewer threads than cores can be several times faster)")
     pair.set_defaults(func=_cmd_make_tiny_pair)
 
-    from pdserve.cluster.bench.cli import DESCRIPTION as BENCH_DESCRIPTION, add_arguments as add_bench_arguments
+    from pdserve.cluster.bench.cli import DESCRIPTION as BENCH_DESCRIPTION
+    from pdserve.cluster.bench.cli import add_arguments as add_bench_arguments
 
     bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: TTFT/TPOT/ITL, goodput, plots",
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)

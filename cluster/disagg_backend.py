@@ -165,7 +165,7 @@ class DisaggregatedBackend:
         for wid, (actor, role) in workers.items():
             try:
                 load = await asyncio.wait_for(actor.load.remote(), timeout=5.0)
-            except (RayActorError, asyncio.TimeoutError):
+            except (TimeoutError, RayActorError):
                 self._dead.add(wid)
                 self.router.update_load(WorkerLoad(wid, role, healthy=False))
                 continue

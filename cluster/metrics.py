@@ -101,7 +101,7 @@ class GatewayMetrics:
         merged: dict[str, Metric] = {}
         for families in [WithoutCreated(self.registry).collect(), *worker_families]:
             _merge_into(merged, families)
-        return generate_latest(_Families(list(merged.values())))  # type: ignore[arg-type]
+        return generate_latest(_Families(list(merged.values())))
 
 
 class RequestMetrics:

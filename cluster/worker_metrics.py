@@ -139,7 +139,7 @@ class WorkerMetrics:
 
     def render(self) -> bytes:
         """The text exposition of this worker's metrics."""
-        return generate_latest(WithoutCreated(self.registry))  # type: ignore[arg-type]
+        return generate_latest(WithoutCreated(self.registry))
 
 
 class _EngineCollector:

@@ -16,7 +16,7 @@ class AttentionBackend(str, enum.Enum):
     TRITON = "triton"
     AUTO = "auto"
 
-    def resolve(self, device: torch.device) -> "AttentionBackend":
+    def resolve(self, device: torch.device) -> AttentionBackend:
         """The concrete backend for `device`. auto: Triton on CUDA, the PyTorch reference on CPU
         (where Triton only runs in its interpreter: correct, and very slow)."""
         if self is AttentionBackend.AUTO:

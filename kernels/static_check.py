@@ -22,8 +22,11 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
+
+from pdserve.kernels.configs import DecodeConfig, PrefillConfig
 
 # Per-SM limits of the targets we check (CUDA occupancy tables): H100/H200,
 # A100, A10/RTX 30xx, L4/RTX 40xx.
@@ -92,7 +95,7 @@ def available() -> bool:
 
 
 def compile_static(
-    fn,
+    fn: Any,  # a @triton.jit function
     pointers: dict[str, str],
     constexprs: dict[str, object],
     *,
@@ -152,7 +155,7 @@ def compile_static(
 
 # ---------------------------------------------------------------- our kernels
 
-def decode_report(config, *, head_dim: int, group: int, max_q: int, dtype: torch.dtype,
+def decode_report(config: DecodeConfig, *, head_dim: int, group: int, max_q: int, dtype: torch.dtype,
                   num_splits: int = 1, arch: int = 90) -> StaticReport:
     """Static cost of `triton_decode`'s stage 1 under `config` (a DecodeConfig)."""
     from pdserve.kernels import triton_decode
@@ -169,7 +172,7 @@ def decode_report(config, *, head_dim: int, group: int, max_q: int, dtype: torch
     )
 
 
-def prefill_report(config, *, head_dim: int, group: int, dtype: torch.dtype, arch: int = 90) -> StaticReport:
+def prefill_report(config: PrefillConfig, *, head_dim: int, group: int, dtype: torch.dtype, arch: int = 90) -> StaticReport:
     """Static cost of `triton_prefill`'s kernel under `config` (a PrefillConfig)."""
     import triton
 

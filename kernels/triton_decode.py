@@ -53,7 +53,7 @@ _sm_count_cache: dict[int, int] = {}
 
 def block_m_for(max_query_len: int, group: int) -> int:
     """Rows of stage 1's dot: all query rows x the GQA group, padded to a power of two >= 16."""
-    return max(16, triton.next_power_of_2(max_query_len * group))
+    return max(16, int(triton.next_power_of_2(max_query_len * group)))
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -90,7 +90,7 @@ def _rows(t: torch.Tensor, H: int) -> torch.Tensor:
 
 def _num_warps(block: int, elem_size: int) -> int:
     # ~16 bytes per thread per load: 4096 bf16 -> 8 warps.
-    return max(1, min(16, triton.next_power_of_2(block * elem_size // (16 * 32))))
+    return max(1, min(16, int(triton.next_power_of_2(block * elem_size // (16 * 32)))))
 
 
 def fused_add_rms_norm(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import importlib.util
 import os
 import sys
 from collections.abc import Callable, Iterator
@@ -17,27 +16,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-
-def _map_source_tree() -> None:
-    """Import pdserve from this checkout when it is not installed (the lent GPU
-    machine, where `pytest tests/kernels` runs without pip): the same mapping as
-    pyproject's package-dir, pdserve.X -> ./X."""
-    try:
-        import pdserve.workers  # noqa: F401
-        return
-    except ImportError:  # not installed (or ./pdserve alone found through the current directory)
-        for name in [m for m in sys.modules if m == "pdserve" or m.startswith("pdserve.")]:
-            del sys.modules[name]
-    root = Path(__file__).resolve().parents[1]
-    spec = importlib.util.spec_from_file_location(
-        "pdserve", root / "pdserve" / "__init__.py", submodule_search_locations=[str(root / "pdserve"), str(root)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pdserve"] = module
-    spec.loader.exec_module(module)
-
-
-_map_source_tree()
 
 from pdserve.workers.tiny.builder import TinyModelSpec, make_tiny_model
 

@@ -27,7 +27,7 @@ class LocalActor:
     def __init__(self, service: object) -> None:
         self._service = service
 
-    def __getattr__(self, name: str) -> "_LocalMethod":
+    def __getattr__(self, name: str) -> _LocalMethod:
         return _LocalMethod(getattr(self._service, name))
 
 
@@ -35,7 +35,7 @@ class _LocalMethod:
     def __init__(self, fn: object) -> None:
         self._fn = fn
 
-    def options(self, **_: object) -> "_LocalMethod":
+    def options(self, **_: object) -> _LocalMethod:
         return self
 
     def remote(self, *args: object) -> object:

@@ -104,7 +104,7 @@ class AsyncEngine:
                 remaining = stream.deadline - time.monotonic()
                 try:
                     item = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.0))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise RequestTimeoutError(f"request {request_id} exceeded its {timeout_s:.0f}s deadline") from None
                 if isinstance(item, BaseException):
                     raise item
@@ -234,11 +234,11 @@ class AsyncEngine:
                 stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
 
 
-def _set_result(fut: "asyncio.Future[object]", value: object) -> None:
+def _set_result(fut: asyncio.Future[object], value: object) -> None:
     if not fut.done():
         fut.set_result(value)
 
 
-def _set_exception(fut: "asyncio.Future[object]", exc: BaseException) -> None:
+def _set_exception(fut: asyncio.Future[object], exc: BaseException) -> None:
     if not fut.done():
         fut.set_exception(exc)

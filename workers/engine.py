@@ -22,13 +22,12 @@ from pdserve.workers.kv.cache import allocate_kv_caches, bytes_per_block, kv_bud
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model, resolve_dtype
-from pdserve.workers.model_runner import ModelRunner
+from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import Request, RequestStatus
 from pdserve.workers.sampler import SamplerOutput, advance_generator
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig
-from pdserve.workers.model_runner import PromptLogprobs, SpecResult
 from pdserve.workers.spec.draft import DraftModelProposer
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from tqdm import tqdm
 
@@ -30,7 +31,7 @@ class LLM:
         self._ids = itertools.count()
 
     @property
-    def tokenizer(self):  # noqa: ANN201 - transformers' tokenizer type
+    def tokenizer(self) -> Any:  # transformers' tokenizer (untyped)
         return self.engine.tokenizer
 
     def generate(
@@ -43,8 +44,8 @@ class LLM:
         ValueError and nothing runs.
         """
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompts = list(prompts)
         params = _broadcast_params(sampling_params, len(prompts))
         for p, sp in zip(prompts, params):
             self.engine.validate(p, sp)

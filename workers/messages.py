@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -86,7 +85,7 @@ class Message:
 
     def __post_init__(self) -> None:
         _check_fields(self)
-        supported, version = _version_of(type(self)), getattr(self, "version")
+        supported, version = _version_of(type(self)), self.version
         if version != supported:
             raise ValueError(
                 f"{type(self).__name__}: version {version} is not supported (this code speaks {supported})")
@@ -288,7 +287,8 @@ def encode(msg: Message) -> bytes:
         raise ValueError(f"encode: {type(msg).__name__} is not a registered message")
     body = {f.name: _to_wire(getattr(msg, f.name)) for f in _fields(type(msg)) if f.name != "version"}
     try:
-        return msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)  # type: ignore[attr-defined]
+        data: bytes = msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)  # type: ignore[attr-defined]
+        return data
     except (OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"encode {type(msg).__name__}: {e}") from e
 
@@ -319,7 +319,8 @@ def decode(data: bytes | bytearray | memoryview) -> Message:
         raise ValueError(f"decode {cls.__name__}: unknown fields {sorted(extra)}")
     hints = _hints(cls)
     values = {name: _from_wire(f"{cls.__name__}.{name}", hints[name], body[name]) for name in expected}
-    return cls(**values, version=version)
+    build: typing.Callable[..., Message] = cls  # a registered dataclass: its fields are the keywords
+    return build(**values, version=version)
 
 
 def decode_as(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
@@ -332,25 +333,39 @@ def decode_as(data: bytes | bytearray | memoryview, cls: type[M]) -> M:
 
 # -- field types -------------------------------------------------------------------
 
+T = TypeVar("T")
 
-@functools.cache
+
+def _per_class(fn: typing.Callable[[type], T]) -> typing.Callable[[type], T]:
+    """`functools.cache` for a function of a class (typed: mypy does not take classes as Hashable)."""
+    cache: dict[type, T] = {}
+
+    def cached(cls: type) -> T:
+        if cls not in cache:
+            cache[cls] = fn(cls)
+        return cache[cls]
+
+    return cached
+
+
+@_per_class
 def _fields(cls: type) -> tuple[dataclasses.Field[Any], ...]:
     return dataclasses.fields(cls)
 
 
-@functools.cache
+@_per_class
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-@functools.cache
+@_per_class
 def _field_specs(cls: type) -> tuple[tuple[str, Any, str], ...]:
     """(name, type hint, name for errors) of each field: computed once per class, used per message."""
     hints = _hints(cls)
     return tuple((f.name, hints[f.name], f"{cls.__name__}.{f.name}") for f in _fields(cls))
 
 
-@functools.cache
+@_per_class
 def _version_of(cls: type) -> int:
     (version,) = (f.default for f in _fields(cls) if f.name == "version")
     return int(version)  # type: ignore[arg-type]

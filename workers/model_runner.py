@@ -20,7 +20,6 @@ from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sam
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
-
 _SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
 
 

@@ -76,7 +76,7 @@ class PrefillWorker:
                 first = out
             remaining = job.deadline - time.monotonic()
             await asyncio.wait_for(job.done, timeout=max(remaining, 0.0))
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception) as e:
+        except (TimeoutError, asyncio.CancelledError, Exception) as e:
             if job.done.done() and not job.done.cancelled():
                 e = job.done.exception() or e  # the transfer's own error says more
             await self._cancel(request_id, f"prefill ended early: {type(e).__name__}")

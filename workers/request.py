@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from pdserve.workers.spec.ngram import TokenBuffer
 
 
+_CPU = torch.device("cpu")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, prompt KV arriving from a prefill worker
@@ -46,7 +49,7 @@ class Request:
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), max_tokens: int,
-        device: torch.device = torch.device("cpu"), hold_kv: bool = False,
+        device: torch.device = _CPU, hold_kv: bool = False,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt

@@ -26,7 +26,7 @@ class Penalties:
 
     @classmethod
     def build(cls, rows: list[tuple[list[int], list[int], float, float, float]], vocab_size: int,
-              device: torch.device) -> "Penalties":
+              device: torch.device) -> Penalties:
         """rows: (prompt ids, output ids, presence, frequency, repetition) per sampled row."""
         n = len(rows)
 
@@ -113,8 +113,8 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
     if batch.logit_bias:
-        for row, ids, bias in batch.logit_bias:
-            logits[row, ids] += bias
+        for row, bias_ids, bias in batch.logit_bias:
+            logits[row, bias_ids] += bias
     if batch.penalties is not None:
         apply_penalties(logits, batch.penalties)
     return logits

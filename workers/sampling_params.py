@@ -86,6 +86,7 @@ class SamplingParams:
             raise ValueError(f"logprobs: must be a non-negative integer, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
             raise ValueError(f"prompt_logprobs: must be a non-negative integer, got {self.prompt_logprobs!r}")
+        assert isinstance(self.stop, list) and self.stop_token_ids is not None  # normalised above
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
         if any(t < 0 for t in self.stop_token_ids):

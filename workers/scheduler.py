@@ -134,6 +134,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            cached_blocks: list[int]
             if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
                 cached_blocks, num_cached = [], req.num_computed_tokens
             elif req.prompt_logprobs is not None:  # every prompt position's logits are needed

@@ -71,10 +71,10 @@ class TokenStreamPublisher:
     """Worker side. Used from one thread only (the engine thread): ZeroMQ
     sockets are not thread-safe."""
 
-    def __init__(self, worker_id: str, context: zmq.Context | None = None) -> None:
+    def __init__(self, worker_id: str, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.worker_id = worker_id
         self._ctx = context or zmq.Context.instance()
-        self._sockets: dict[str, zmq.Socket] = {}
+        self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._pending: dict[str, list[TokenDelta]] = {}
         self._seq: dict[str, int] = {}
 
@@ -110,7 +110,7 @@ class TokenStreamPublisher:
             sock.close(linger=0)
         self._sockets.clear()
 
-    def _socket(self, address: str) -> zmq.Socket:
+    def _socket(self, address: str) -> zmq.Socket[bytes]:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
@@ -220,9 +220,10 @@ class TokenStreamCollector:
             while True:
                 try:
                     item = await asyncio.wait_for(entry.queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     if done is not None:
-                        raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+                        raise StreamLostError(
+                            f"{request_id}: the worker finished but its last tokens never arrived") from None
                     raise TimeoutError(f"request {request_id} passed its deadline") from None
                 if isinstance(item, RequestOutput):
                     # Behind? Everything queued goes out as one delta.

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .config import BenchConfig
 
 DESCRIPTION = """\
 Load-test an OpenAI-compatible server (pdserve or any other): send a workload at
@@ -84,7 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     o.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True, help="progress bar on stderr")
 
 
-def config_from_args(a: argparse.Namespace):  # noqa: ANN201 - BenchConfig, imported lazily
+def config_from_args(a: argparse.Namespace) -> BenchConfig:
     from .client import Endpoint
     from .config import BenchConfig
     from .metrics import SLO

@@ -24,8 +24,7 @@ from .config import DEFAULT_NUM_REQUESTS, BenchConfig
 from .metrics import summarize
 from .runner import Plan, Run, execute
 from .sweep import distserve_goodput
-from .workloads import (BenchRequest, WorkloadKind, load_trace, random_requests, shared_prefix_requests,
-                        trace_requests)
+from .workloads import BenchRequest, WorkloadKind, load_trace, random_requests, shared_prefix_requests, trace_requests
 
 
 def build_requests(cfg: BenchConfig) -> list[BenchRequest]:

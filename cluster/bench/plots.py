@@ -13,7 +13,7 @@ import numpy as np
 from .sweep import DistServeGoodput
 
 
-def _pyplot():  # noqa: ANN202 - matplotlib.pyplot
+def _pyplot() -> Any:  # matplotlib.pyplot (untyped)
     import matplotlib
 
     matplotlib.use("Agg")

@@ -41,7 +41,7 @@ class TextRenderer:
         return list(self.tok.encode(text, add_special_tokens=False))
 
     def render(self, req: BenchRequest) -> str:
-        text, ids = "", []
+        text, ids = "", list[int]()
         chain: tuple[str, ...] | None = ()
         for seg in req.segments:
             if chain is not None and seg.key is not None and (*chain, seg.key) in self._chains:

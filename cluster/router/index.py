@@ -151,7 +151,8 @@ class PrefixIndex:
             del self._holders[h]
 
     def _fresh(self, worker_id: str, h: int, now: float) -> bool:
-        stamp = self._blocks.get(worker_id, {}).get(h)
+        blocks = self._blocks.get(worker_id)
+        stamp = blocks.get(h) if blocks is not None else None
         return stamp is not None and (self.ttl_s is None or now - stamp <= self.ttl_s)
 
     def _expire_worker(self, worker_id: str, now: float) -> None:

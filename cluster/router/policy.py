@@ -315,8 +315,10 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
     else:
         decode, decode_reason = choose_decode(snapshot, config.decode_headroom_blocks, config.decode_load_slack)
     local_uncached = snapshot.uncached_tokens(decode)
+    costs: tuple[PrefillCost, ...] = ()
+    prefill: str | None
     if local_uncached < config.local_prefill_threshold_tokens:
-        prefill, reason, costs = None, RouteReason.LOCAL_PREFILL, ()
+        prefill, reason = None, RouteReason.LOCAL_PREFILL
         detail = f"{local_uncached} uncached tokens on {decode} < {config.local_prefill_threshold_tokens}"
     else:
         prefill, reason, detail, costs = _prefill_side(snapshot, config, rr_prefill, decode)

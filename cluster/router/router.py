@@ -13,7 +13,13 @@ from dataclasses import dataclass
 
 from pdserve.cluster.router.index import PrefixIndex
 from pdserve.cluster.router.policy import (
-    DecodeReason, RouteReason, RouterConfig, RouterSnapshot, RoutingDecision, WorkerLoad, route,
+    DecodeReason,
+    RouterConfig,
+    RouteReason,
+    RouterSnapshot,
+    RoutingDecision,
+    WorkerLoad,
+    route,
 )
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.kv.hashing import extend_block_hashes

@@ -11,8 +11,15 @@ import pytest
 
 from pdserve.cluster.bench.config import BenchConfig
 from pdserve.cluster.bench.driver import schedule
-from pdserve.cluster.bench.workloads import (TimeUnit, TokenRange, WorkloadKind, load_trace, random_requests,
-                                     shared_prefix_requests, trace_requests)
+from pdserve.cluster.bench.workloads import (
+    TimeUnit,
+    TokenRange,
+    WorkloadKind,
+    load_trace,
+    random_requests,
+    shared_prefix_requests,
+    trace_requests,
+)
 
 TOKENS = TokenRange(16, 4096)
 

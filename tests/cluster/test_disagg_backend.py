@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from factories import LocalActor, tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
 from pdserve.cluster.backend import ColocatedBackend

@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 import uvicorn
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app

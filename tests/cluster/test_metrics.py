@@ -15,15 +15,15 @@ from typing import Any
 
 import httpx
 import pytest
+from factories import LocalActor, local_cluster, tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
-from factories import LocalActor, local_cluster, tiny_spec
 from pdserve import LLM
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.cluster.router import NoHealthyWorkerError, Router, RouterConfig, WorkerLoad, WorkerRole
-from pdserve.workers.async_engine import AsyncEngine
 from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
+from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec

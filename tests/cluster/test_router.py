@@ -8,8 +8,20 @@ import random
 import pytest
 
 from pdserve.cluster.router import (
-    DecodeReason, NoHealthyWorkerError, PrefixIndex, RouteReason, Router, RouterConfig, RouterSnapshot,
-    RoutingPolicy, WorkerLoad, WorkerRole, choose_decode, choose_prefill, choose_round_robin, route,
+    DecodeReason,
+    NoHealthyWorkerError,
+    PrefixIndex,
+    Router,
+    RouterConfig,
+    RouteReason,
+    RouterSnapshot,
+    RoutingPolicy,
+    WorkerLoad,
+    WorkerRole,
+    choose_decode,
+    choose_prefill,
+    choose_round_robin,
+    route,
 )
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent, KVEventKind

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import openai
 import pytest
-
 from factories import local_cluster, tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
 

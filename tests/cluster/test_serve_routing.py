@@ -11,8 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
 from factories import local_cluster, tiny_spec
+
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 openai = pytest.importorskip("openai")

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
-from factories import tiny_spec
 from pdserve import LLM, SamplingParams
-from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
+from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import TransferError

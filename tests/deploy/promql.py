@@ -187,7 +187,7 @@ def variable_query_as_promql(query: str) -> str | None:
     if m:
         selector, label = m.group(1), m.group(2)
         if not selector:
-            selector = '{%s!=""}' % label
+            selector = f'{{{label}!=""}}'
         return f"group by ({label}) ({selector})"
     m = re.match(r"^\s*query_result\((.*)\)\s*$", query, re.S)
     return m.group(1) if m else None

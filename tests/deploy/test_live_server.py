@@ -33,12 +33,22 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from factories import local_cluster, tiny_spec
+from prometheus_client.parser import text_string_to_metric_families
+from promql import (
+    DASHBOARD,
+    RULES_DIR,
+    PrometheusServer,
+    PromQLError,
+    dashboard_expressions,
+    find_binary,
+    free_port,
+    metric_names,
+    rule_expressions,
+    write_config,
+)
+
 from pdserve.workers.tiny.builder import TinyModelSpec
-from promql import (DASHBOARD, RULES_DIR, PrometheusServer, PromQLError, dashboard_expressions, find_binary,
-                    free_port, metric_names, rule_expressions, write_config)
 
 ray = pytest.importorskip("ray")
 

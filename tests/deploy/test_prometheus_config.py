@@ -19,10 +19,26 @@ from pathlib import Path
 
 import pytest
 import yaml
-
-from promql import (CONTRACT, DASHBOARD, PROMETHEUS_DIR, ROOT, RULES_DIR, PrometheusServer, PromQLError,
-                    alert_as_bool, dashboard_expressions, dashboard_variables, exposed_le, find_binary,
-                    iter_panels, load_contract, load_rules, metric_names, rule_expressions, write_config)
+from promql import (
+    CONTRACT,
+    DASHBOARD,
+    PROMETHEUS_DIR,
+    ROOT,
+    RULES_DIR,
+    PrometheusServer,
+    PromQLError,
+    alert_as_bool,
+    dashboard_expressions,
+    dashboard_variables,
+    exposed_le,
+    find_binary,
+    iter_panels,
+    load_contract,
+    load_rules,
+    metric_names,
+    rule_expressions,
+    write_config,
+)
 
 CONFIG = PROMETHEUS_DIR / "prometheus.yml"
 RULE_FILES = sorted(RULES_DIR.glob("*.yml"))

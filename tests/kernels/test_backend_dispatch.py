@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.tiny.builder import TinyModelSpec

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.tiny.builder import TinyModelSpec

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.prefill_worker import PrefillWorker

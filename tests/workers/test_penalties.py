@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_spec
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.sampler import Penalties, SamplingBatch, apply_penalties, sample
 from pdserve.workers.tiny.builder import TinyModelSpec

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_spec
 from transformers import AutoModelForCausalLM
 
-from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.sampling_params import RequestOutputKind
 from pdserve.workers.tiny.builder import TinyModelSpec

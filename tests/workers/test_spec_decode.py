@@ -11,8 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine

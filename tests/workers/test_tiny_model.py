@@ -11,19 +11,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+from factories import tiny_spec
 from tokenizers import pre_tokenizers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from pdserve.workers.tiny import builder, corpus, tokenizer
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec, make_tiny_model
-
-from factories import tiny_spec
-
 
 ARCH_CASES = {
     "llama-gqa": tiny_spec(Arch.LLAMA),

@@ -16,9 +16,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from factories import tiny_spec
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.tiny import train
 from pdserve.workers.tiny.train import PairSpec, TrainConfig, make_tiny_pair, pair_dir, pair_spec

@@ -9,15 +9,19 @@ from pathlib import Path
 
 import pytest
 import zmq
-
 from factories import tiny_spec
+
 from pdserve import LLM, SamplingParams
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import (
-    StreamLostError, TokenStreamCollector, TokenStreamPublisher, from_delta, to_delta,
+    StreamLostError,
+    TokenStreamCollector,
+    TokenStreamPublisher,
+    from_delta,
+    to_delta,
 )
 
 

@@ -21,8 +21,22 @@ import torch
 
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVCreditGrant, KVEventBatch, KVTransferAbort, KVTransferAck, KVTransferHeader,
-    KVTransferHello, Message, MessageType, TokenDelta, TokenDeltaBatch, TokenLogprobs, TransferState, decode, encode,
+    ChecksumKind,
+    FailReason,
+    KVCreditGrant,
+    KVEventBatch,
+    KVTransferAbort,
+    KVTransferAck,
+    KVTransferHeader,
+    KVTransferHello,
+    Message,
+    MessageType,
+    TokenDelta,
+    TokenDeltaBatch,
+    TokenLogprobs,
+    TransferState,
+    decode,
+    encode,
 )
 from pdserve.workers.transfer import KVReceiver, KVSender, TransferError, frames
 from pdserve.workers.transfer.faults import Faults

@@ -22,7 +22,14 @@ import torch.distributed as dist
 import zmq
 
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVCreditGrant, KVTransferHeader, KVTransferHello, TransferState, decode, encode,
+    ChecksumKind,
+    FailReason,
+    KVCreditGrant,
+    KVTransferHeader,
+    KVTransferHello,
+    TransferState,
+    decode,
+    encode,
 )
 from pdserve.workers.transfer import TransferError, frames
 from pdserve.workers.transfer.faults import Faults

@@ -12,7 +12,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -79,7 +82,7 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path) -> "ModelConfig":
+    def from_pretrained(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: no config.json in {model_dir}")
@@ -89,7 +92,7 @@ class ModelConfig:
         return cls.from_hf_dict(hf, gen)
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> "ModelConfig":
+    def from_hf_dict(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -161,7 +164,7 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     )
 
 
-def rope_inv_freq(rope: RopeConfig, head_dim: int) -> "torch.Tensor":  # noqa: F821
+def rope_inv_freq(rope: RopeConfig, head_dim: int) -> torch.Tensor:
     """Inverse frequencies exactly as transformers computes them (float32)."""
     import torch
 

@@ -98,7 +98,8 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:
-        return self.model(input_ids, positions, meta, kv_caches)
+        hidden: torch.Tensor = self.model(input_ids, positions, meta, kv_caches)
+        return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head.weight).float()

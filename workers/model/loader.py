@@ -122,10 +122,10 @@ def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str
     else:
         sizes = [cfg.intermediate_size, cfg.intermediate_size]
     start = sum(sizes[:shard])
-    param = params.get(target)
-    if param is None:
+    fused_param = params.get(target)
+    if fused_param is None:
         raise ValueError(f"model: unexpected weight {name!r} in checkpoint")
-    dest = param.narrow(0, start, sizes[shard])
+    dest = fused_param.narrow(0, start, sizes[shard])
     if dest.shape != tensor.shape:
         raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
     with torch.no_grad():

@@ -131,7 +131,9 @@ class DraftModelProposer:
         the pass that reaches a shadow's last token gives its first draft."""
         pending = list(shadows)
         while pending:
-            batch, budget, rest = [], self.max_num_tokens, []
+            batch: list[ScheduledRequest] = []
+            rest: list[_Shadow] = []
+            budget = self.max_num_tokens
             for sh in pending:
                 r = sh.request
                 n = min(r.num_tokens - r.num_computed_tokens, budget)

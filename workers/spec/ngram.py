@@ -72,7 +72,7 @@ def ngram_draft(token_ids: np.ndarray | Sequence[int], min_n: int, max_n: int, k
         return _EMPTY
     start = int(ends[-1]) + 1  # ends is ascending: the last one is the most recent
     if last + 1 - start >= k:
-        return tokens[start : start + k].copy()
+        return np.array(tokens[start : start + k])
     return np.resize(tokens[start:], k)  # repeats the period (a new array)
 
 

@@ -42,8 +42,8 @@ class Speculator:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
-        fixed = config.spec_token_cost is not None
-        self.cost = SpecCostModel(config.spec_token_cost if fixed else _PRIOR_COST, fixed=fixed)
+        pinned = config.spec_token_cost
+        self.cost = SpecCostModel(_PRIOR_COST if pinned is None else pinned, fixed=pinned is not None)
         # Acceptance rate over all recent verifications: where a new request starts
         # (starting every request at 1 made each one pay for a few rejected full drafts).
         self.acceptance = 1.0

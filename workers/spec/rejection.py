@@ -73,8 +73,8 @@ def verify(
         for row, ids in batch.banned:
             target_logits[row, :, ids] = float("-inf")
     if batch.logit_bias:  # the same at every position
-        for row, ids, bias in batch.logit_bias:
-            target_logits[row, :, ids] += bias
+        for row, bias_ids, bias in batch.logit_bias:
+            target_logits[row, :, bias_ids] += bias
     drafts = draft_tokens.clamp(0, vocab - 1)  # padding may hold anything
     n_drafts = torch.tensor(num_drafts, dtype=torch.int64, device=target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]

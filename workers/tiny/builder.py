@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from tokenizers import Tokenizer
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
@@ -39,8 +40,6 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
 )
-
-from tokenizers import Tokenizer
 from transformers.utils import logging as hf_logging
 
 from . import tokenizer as tiny_tokenizer

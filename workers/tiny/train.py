@@ -262,12 +262,12 @@ def train(
     for idx in _batch_order(len(windows), cfg.batch_size, cfg.steps, seed):
         loss, ce = _loss(model, windows[idx], teacher, cfg.distill_weight)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         sched.step()
         ce_losses.append(ce)
-        meter.step(ce, sched.get_last_lr()[0])
+        meter.step(ce, float(sched.get_last_lr()[0]))
     model.eval()
     seconds = meter.elapsed()
     return TrainResult(
@@ -303,7 +303,8 @@ class _Meter:
         self.label, self.steps, self.tokens_per_step = label, steps, tokens_per_step
         self.enabled, self.every_s = enabled, every_s
         self.start = self.last = time.perf_counter()
-        self.done, self.tokens, self.window = 0, 0, []  # window: losses since the last line
+        self.done, self.tokens = 0, 0
+        self.window: list[float] = []  # losses since the last line
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -379,7 +380,7 @@ def acceptance(draft: PreTrainedModel, target: PreTrainedModel, prompts: torch.T
                 a += 1
             accepted.append(a)
             i += a + 1  # the accepted tokens, then the target's own token
-    return _mean(accepted)
+    return _mean([float(a) for a in accepted])
 
 
 def _quality(draft: PreTrainedModel, target: PreTrainedModel, heldout: torch.Tensor) -> dict[str, float]:
@@ -435,7 +436,7 @@ def _train_into(tmp: Path, spec: PairSpec, progress: bool, threads: int) -> dict
     tok = tiny_tokenizer.train_tokenizer(spec.target.vocab_size, progress=progress)
     data = corpus_windows(tok, spec.corpus_bytes, spec.seq_len, spec.heldout_every, spec.skip_dirs)
     # Spread over the whole held-out stream: its first windows are a file or two.
-    heldout = data.heldout[torch.linspace(0, len(data.heldout) - 1, spec.eval_windows).long().unique()]
+    heldout = data.heldout[torch.linspace(0, len(data.heldout) - 1, spec.eval_windows).long().unique()]  # type: ignore[no-untyped-call]
     _log(progress, f"corpus: {data.train.numel():,} train tokens in {len(data.train):,} windows of {spec.seq_len}, "
                    f"{len(data.heldout):,} held-out windows; {threads} threads")
     with _threads(threads):
@@ -446,7 +447,7 @@ def _train_into(tmp: Path, spec: PairSpec, progress: bool, threads: int) -> dict
         _log(progress, f"draft: {len(copied)} tensors copied from the target")
         draft_result = train(draft, data.train, spec.draft_train, spec.seed + 1, "draft", progress, teacher=target)
         _log(progress, "measuring quality on held-out text…")
-        report = {
+        report: dict[str, Any] = {
             "key": spec.key(),
             "machine": {"cpu": _cpu_name(), "threads": threads, "torch": torch.__version__},
             "target": _model_report(target, target_result, heldout),
@@ -454,7 +455,7 @@ def _train_into(tmp: Path, spec: PairSpec, progress: bool, threads: int) -> dict
             "pair": _quality(draft, target, heldout),
             "spec": asdict(spec),
         }
-    report["seconds_total"] = round(time.perf_counter() - start, 1)
+    report["seconds_total"] = float(round(time.perf_counter() - start, 1))
     save_model_dir(target, tok, tmp / "target", progress=False)
     save_model_dir(draft, tok, tmp / "draft", progress=False)
     (tmp / "quality.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -13,7 +13,12 @@ backend's own parts: `nccl_channel` (the pair's process group) and
 """
 
 from pdserve.workers.transfer.base import (
-    FailReason, KVReceiver, KVSender, TransferError, TransferState, TransferStatus,
+    FailReason,
+    KVReceiver,
+    KVSender,
+    TransferError,
+    TransferState,
+    TransferStatus,
 )
 
 __all__ = ["FailReason", "KVReceiver", "KVSender", "TransferError", "TransferState", "TransferStatus"]

@@ -45,12 +45,21 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
 
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVCreditGrant, KVTransferAbort, KVTransferAck, KVTransferHeader, KVTransferHello,
-    Message, decode, encode,
+    ChecksumKind,
+    FailReason,
+    KVCreditGrant,
+    KVTransferAbort,
+    KVTransferAck,
+    KVTransferHeader,
+    KVTransferHello,
+    Message,
+    decode,
+    encode,
 )
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import KVSender, TransferError
@@ -82,7 +91,7 @@ class ReceiverControl:
     touch the ROUTER: they `post` messages, which the I/O thread sends. `start` once the owner is ready.
     """
 
-    def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int, context: zmq.Context | None,
+    def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int, context: zmq.Context[zmq.Socket[bytes]] | None,
                  on_header: OnHeader, on_hello: OnHello, on_request: OnRequest | None = None,
                  on_turn: Callable[[], None] | None = None, max_frames: int | None = None) -> None:
         if credits < 1:
@@ -222,7 +231,7 @@ class NetworkSender(KVSender):
     `routing_id` names the DEALER (stable across reconnects); None: ZeroMQ picks one.
     """
 
-    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context | None, faults: Faults | None,
+    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None, faults: Faults | None,
                  sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
                  routing_id: bytes | None = None) -> None:
         self._book = SenderBook(kv_caches)
@@ -324,7 +333,7 @@ class NetworkSender(KVSender):
             time.sleep(rule.delay_s)
         return rule.action
 
-    def _put_header(self, header: KVTransferHeader, tensor_frames: Sequence[object] = ()) -> None:
+    def _put_header(self, header: KVTransferHeader, tensor_frames: Sequence[Any] = ()) -> None:
         """Send `header` (and zero-copy frames after it); spends a credit."""
         try:
             self._sock.send_multipart([encode(header), *tensor_frames], flags=zmq.NOBLOCK, copy=False)
@@ -389,7 +398,7 @@ def message_key(header: KVTransferHeader) -> tuple[str, int, int]:
     return header.request_id, header.transfer_id, header.seq
 
 
-def _drain_wakeups(sock: zmq.Socket) -> None:
+def _drain_wakeups(sock: zmq.Socket[bytes]) -> None:
     while True:
         try:
             sock.recv(flags=zmq.NOBLOCK)

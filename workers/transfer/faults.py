@@ -86,6 +86,6 @@ class Faults:
 
 def corrupted(frame: np.ndarray) -> np.ndarray:
     """A copy of a uint8 frame with one byte flipped (the original, a view of real data, is untouched)."""
-    bad = frame.copy()
+    bad: np.ndarray = frame.copy()
     bad[len(bad) // 2] ^= 0xFF
     return bad

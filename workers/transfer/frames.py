@@ -208,7 +208,7 @@ def _load_libdeflate_crc32() -> Callable[[int, int, int], int] | None:
         return None
     fn.restype = ctypes.c_uint32
     fn.argtypes = (ctypes.c_uint32, ctypes.c_void_p, ctypes.c_size_t)
-    return fn  # type: ignore[no-any-return]
+    return fn
 
 
 _libdeflate_crc32 = _load_libdeflate_crc32()
@@ -262,7 +262,7 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
             else:  # numpy's fancy assignment copies ~5x faster than torch's index_copy_ on CPU (fp16, 2025)
                 rows[ids] = src
         else:
-            src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)  # type: ignore[call-overload]
+            src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)
             _place(cache, ids, src.view(len(ids), *geometry.block_shape).to(cache.device))
     if on_device and k.device.type == "cuda":
         # The frames may be staging that the transport's next receive overwrites on its own stream: the copy

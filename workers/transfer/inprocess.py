@@ -17,7 +17,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, decode, decode_as, encode,
+    ChecksumKind,
+    FailReason,
+    KVTransferAbort,
+    KVTransferAck,
+    KVTransferHeader,
+    decode,
+    decode_as,
+    encode,
 )
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import KVSender, TransferError

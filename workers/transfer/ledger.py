@@ -23,7 +23,12 @@ from typing import Any
 import torch
 
 from pdserve.workers.messages import (
-    ChecksumKind, FailReason, KVTransferAbort, KVTransferAck, KVTransferHeader, TransferState,
+    ChecksumKind,
+    FailReason,
+    KVTransferAbort,
+    KVTransferAck,
+    KVTransferHeader,
+    TransferState,
 )
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import DONE, PENDING, KVReceiver, TransferError, TransferStatus

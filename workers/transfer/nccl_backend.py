@@ -110,7 +110,15 @@ from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
 from pdserve.workers.transfer.nccl_channel import (
-    TAG_MAX, DataChannel, Staging, first_line, gather, host_halves, pick_backend, staging_device, wire_bytes,
+    TAG_MAX,
+    DataChannel,
+    Staging,
+    first_line,
+    gather,
+    host_halves,
+    pick_backend,
+    staging_device,
+    wire_bytes,
 )
 from pdserve.workers.transfer.nccl_store import STORE_MAGIC, LocalStore, StoreClient, StoreTable
 
@@ -175,7 +183,7 @@ class NcclKVReceiver(LedgerReceiver):
                  credits: int = DEFAULT_CREDITS, verify_checksums: bool = True,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
-                 context: zmq.Context | None = None, faults: Faults | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
         super().__init__(ReceiverLedger(kv_caches))
         self._backend = pick_backend(self._ledger.geometry, backend)
         self.staging_device = staging_device(self._ledger.geometry, self._backend)
@@ -269,7 +277,7 @@ class NcclKVReceiver(LedgerReceiver):
             peer_host = frame.get("Peer-Address")
         except zmq.ZMQError:
             return None
-        return _local_ip_towards(peer_host, 9) if peer_host else None
+        return _local_ip_towards(str(peer_host), 9) if peer_host else None
 
     def _on_header(self, peer: bytes, header: KVTransferHeader, tensor_frames: list[zmq.Frame]) -> None:
         with self._pairs_lock:
@@ -367,7 +375,7 @@ class NcclKVSender(NetworkSender):
     def __init__(self, kv_caches: KVCaches, address: str, *, backend: str | None = None,
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context | None = None,
+                 gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context[zmq.Socket[bytes]] | None = None,
                  faults: Faults | None = None) -> None:
         host, port = parse_address(address)
         self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists

@@ -57,26 +57,26 @@ class DataChannel:
     most `timeout_s`, and raises if that fails.
     """
 
-    def __init__(self, backend: str, store: dist.Store, key: str, rank: int, timeout_s: float,
+    def __init__(self, backend: str, store: Any, key: str, rank: int, timeout_s: float,
                  device: torch.device, gloo_hostname: str | None) -> None:
         self.backend, self.rank, self.device, self.timeout_s = backend, rank, device, timeout_s
         self._store = store  # a Python Store must outlive the group: c10d calls back into this object
-        prefixed = dist.PrefixStore(f"pdserve-kv/{key}", store)
+        prefixed = dist.PrefixStore(f"pdserve-kv/{key}", store)  # type: ignore[attr-defined]
         timeout = datetime.timedelta(seconds=timeout_s)
         self._pg: Any
         if backend == "gloo":
-            opts = dist.ProcessGroupGloo._Options()
+            opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # c10d's private options
             gloo = dist.ProcessGroupGloo
             opts._devices = [gloo.create_device(hostname=gloo_hostname) if gloo_hostname
                              else gloo.create_default_device()]
             opts._timeout = timeout
             self._pg = gloo(prefixed, rank, 2, opts)
         else:
-            nccl_opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+            nccl_opts: Any = dist.ProcessGroupNCCL.Options()
             nccl_opts.is_high_priority_stream = False
             nccl_opts._timeout = timeout
             nccl_opts.group_name = f"pdserve-kv-{key}"
-            self._pg = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)  # type: ignore[attr-defined]
+            self._pg = dist.ProcessGroupNCCL(prefixed, rank, 2, nccl_opts)
         self._closed = False
         probe = torch.zeros(1, dtype=torch.uint8, device=device)
         work = self.send(probe, 0) if rank == 1 else self.recv(probe, 0)

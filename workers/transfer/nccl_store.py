@@ -103,7 +103,7 @@ def _seconds(timeout: datetime.timedelta | None, default_s: float) -> float:
     return default_s if timeout is None else timeout.total_seconds()
 
 
-class LocalStore(dist.Store):
+class LocalStore(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Store has no stubs
     """c10d's view of the receiver's `StoreTable`, for the receiver's own rank (rank 0)."""
 
     def __init__(self, table: StoreTable, timeout_s: float) -> None:
@@ -143,14 +143,14 @@ class LocalStore(dist.Store):
         return LocalStore(self._table, self._timeout_s)
 
 
-class StoreClient(dist.Store):
+class StoreClient(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Store has no stubs
     """c10d's view of a receiver's `StoreTable` from the sender's rank (rank 1): requests over a DEALER of its own."""
 
-    def __init__(self, endpoint: str, context: zmq.Context, timeout_s: float) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context[zmq.Socket[bytes]], timeout_s: float) -> None:
         super().__init__()
         self._endpoint, self._context, self._timeout_s = endpoint, context, timeout_s
         self._lock = threading.Lock()
-        self._sock: zmq.Socket | None = context.socket(zmq.DEALER)
+        self._sock: zmq.Socket[bytes] | None = context.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(endpoint)
 

@@ -48,7 +48,7 @@ class ZmqKVReceiver(LedgerReceiver):
     """Binds a ROUTER at `bind` (use port `*` for any free one; see `address`) and writes into `kv_caches`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, credits: int = DEFAULT_CREDITS,
-                 context: zmq.Context | None = None, faults: Faults | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
         super().__init__(ReceiverLedger(kv_caches))
         self._faults = faults
         self._in_flight: dict[bytes, int] = {}  # peer identity -> its messages not yet acked (I/O thread)
@@ -99,6 +99,8 @@ class ZmqKVReceiver(LedgerReceiver):
             self._control.reply(peer, refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0))
             return
         self._in_flight[peer] = in_flight
+        k: memoryview | bytes
+        v: memoryview | bytes
         if len(tensor_frames) == 2:
             k, v = tensor_frames[0].buffer, tensor_frames[1].buffer
         else:
@@ -114,7 +116,7 @@ class ZmqKVReceiver(LedgerReceiver):
 class ZmqKVSender(NetworkSender):
     """Connects a DEALER to one receiver's `address` and sends blocks of `kv_caches` to it."""
 
-    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context | None = None,
+    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None = None,
                  faults: Faults | None = None, sender_id: str = "",
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
