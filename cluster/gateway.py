@@ -36,7 +36,8 @@ class GenerationBackend(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 timeout_s: float) -> AsyncIterator[RequestOutput]:
         """DELTA outputs until finished; ValueError for bad input; aborts on cancellation."""
         ...
 
@@ -187,7 +188,8 @@ class Gateway:
     async def run(self, rid: str, works: list[Work]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
-        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=None if w.params.seed is None else w.params.seed + j))
+        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1,
+                                                   seed=None if w.params.seed is None else w.params.seed + j))
                 for w in works for j in range(w.params.n)]
         self._admitted += len(subs)  # the admission bound counts engine requests
         try:
