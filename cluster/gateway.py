@@ -1,12 +1,11 @@
-"""The OpenAI-compatible HTTP API (FastAPI), over any generation backend.
+"""The gateway behind the OpenAI-compatible API, over any generation backend.
 
-`build_app(backend, tokenizer, config)` returns the ASGI app; Ray Serve wraps
-it as the cluster's ingress (cluster/serve_app.py), tests run it under uvicorn
-over an in-process engine. The backend yields DELTA RequestOutputs.
-
-Every request ends with a terminal event: a final chunk + `[DONE]` (stream),
-a response body, or an error object. A client that disconnects aborts its
-request in the backend, which frees its KV blocks.
+It admits requests (a bound on engine requests in flight, 429 beyond it),
+checks the API key and the model, tokenizes prompts, checks sampling
+parameters against the context length, and runs a request's prompts x n
+samples on the backend as one interleaved stream of DELTA outputs (cancelling
+it aborts them in the backend, which frees their KV blocks). HTTP routes live
+in openai_app.py, response bodies and SSE chunks in responses.py.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
-
-from fastapi import Request
 
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.protocol import ChatCompletionRequest
@@ -36,7 +33,8 @@ class GenerationBackend(Protocol):
     @property
     def num_in_flight(self) -> int: ...
 
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 timeout_s: float) -> AsyncIterator[RequestOutput]:
         """DELTA outputs until finished; ValueError for bad input; aborts on cancellation."""
         ...
 
@@ -96,18 +94,6 @@ class Work:
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
 
 
-@dataclass
-class _Choice:
-    index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
-    finish_reason: str | None = None
-    cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-    started: bool = False  # a chunk of it was streamed
-
-
 class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
@@ -119,11 +105,11 @@ class Gateway:
 
     # -- request preparation ---------------------------------------------------
 
-    def check_auth(self, request: Request) -> None:
+    def check_auth(self, authorization: str) -> None:
+        """`authorization`: the request's Authorization header ("" when it has none)."""
         if self.config.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        token = header[7:] if header.lower().startswith("bearer ") else ""
+        token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
         if not secrets.compare_digest(token.encode(), self.config.api_key.encode()):
             raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
@@ -149,14 +135,17 @@ class Gateway:
         if len(prompt) > self.config.max_batch_prompts:
             raise APIError(400, f"prompt: at most {self.config.max_batch_prompts} prompts per request",
                            "BadRequestError", "prompt")
-        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in prompt]  # type: ignore[arg-type]
+        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in prompt]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def params(self, prompt_ids: list[int], max_tokens: int | None, make: Any) -> SamplingParams:
+    def params(self, prompt_ids: list[int], max_tokens: int | None,
+               make: Callable[[int], SamplingParams]) -> SamplingParams:
+        """The checked parameters `make` builds for the completion's token budget
+        (`max_tokens`, or all the context the prompt leaves)."""
         n = len(prompt_ids)
         limit = self.config.max_model_len
         if n >= limit:
@@ -187,7 +176,8 @@ class Gateway:
     async def run(self, rid: str, works: list[Work]) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
-        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=None if w.params.seed is None else w.params.seed + j))
+        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1,
+                                                   seed=None if w.params.seed is None else w.params.seed + j))
                 for w in works for j in range(w.params.n)]
         self._admitted += len(subs)  # the admission bound counts engine requests
         try:
@@ -207,7 +197,8 @@ class Gateway:
         return handles() if handles is not None else {}
 
     def token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        text: str = self.tokenizer.decode([token_id])
+        return text
 
 
 async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -1,0 +1,302 @@
+"""OpenAI response assembly: a request's DELTA outputs become the choices, the
+response body or the SSE chunks of /v1/completions and /v1/chat/completions.
+
+The one place their wire shapes live. The two endpoints differ only in an
+`ApiKind`'s `WireShape`: its object names, how a choice, a streamed delta and
+logprobs look. Routes and HTTP wiring stay in openai_app.py; admission,
+tokenization and the runs in gateway.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from pdserve.cluster.gateway import APIError, Gateway, Work, bad_request, status_of
+from pdserve.cluster.metrics import RequestMetrics
+from pdserve.cluster.protocol import error_body, now, usage
+from pdserve.workers.outputs import RequestOutput
+
+TokenStr = Callable[[int], str]
+# Per reported token, {token id: log-prob}; None for a prompt's first token (echo), which nothing predicts.
+Entries = list[dict[int, float] | None]
+Json = dict[str, Any]
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One choice of a response as its deltas come in."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    started: bool = False  # a chunk of it was streamed
+
+
+@dataclass(frozen=True)
+class Delta:
+    """What one output adds to its choice's stream."""
+
+    index: int
+    text: str
+    finish_reason: str | None
+    scored: tuple[list[int], Entries] | None  # (tokens, their logprob entries) when logprobs were asked for
+
+
+class ApiKind(Enum):
+    """Which endpoint a response is for: /v1/completions or /v1/chat/completions."""
+
+    COMPLETION = "completion"
+    CHAT = "chat"
+
+    @property
+    def shape(self) -> WireShape:
+        return _SHAPES[self]
+
+
+# -- the two wire formats ------------------------------------------------------
+
+
+class WireShape(ABC):
+    """Everything that differs between the completions and the chat format."""
+
+    id_prefix: str
+    object_name: str  # of a whole response
+    chunk_object: str  # of a streamed chunk
+
+    def opening(self, choices: list[Choice]) -> list[Json] | None:
+        """The choices of a chunk sent before any token, where the format has one."""
+        return None
+
+    @abstractmethod
+    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json: ...
+
+    @abstractmethod
+    def delta(self, d: Delta, logprobs: Json | None) -> Json: ...
+
+    @abstractmethod
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json: ...
+
+
+class _CompletionShape(WireShape):
+    id_prefix = "cmpl"
+    object_name = chunk_object = "text_completion"
+
+    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json:
+        return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def delta(self, d: Delta, logprobs: Json | None) -> Json:
+        return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json:
+        return {
+            "tokens": [token_str(t) for t in token_ids],
+            "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
+            "top_logprobs": [None if e is None else {token_str(t): lp for t, lp in e.items()} for e in entries],
+            "text_offset": [],
+        }
+
+
+class _ChatShape(WireShape):
+    id_prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def opening(self, choices: list[Choice]) -> list[Json] | None:
+        return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                for c in choices]
+
+    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json:
+        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                "logprobs": logprobs, "finish_reason": c.finish_reason}
+
+    def delta(self, d: Delta, logprobs: Json | None) -> Json:
+        return {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": d.finish_reason}
+
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json:
+        content = []
+        for tok, entry in zip(token_ids, entries):
+            scores = entry or {}  # never None: a chat request does not echo its prompt
+            top = sorted(scores.items(), key=lambda kv: -kv[1])
+            content.append({"token": token_str(tok), "logprob": scores.get(tok, 0.0), "bytes": None,
+                            "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": None} for t, lp in top]})
+        return {"content": content}
+
+
+_SHAPES: dict[ApiKind, WireShape] = {ApiKind.COMPLETION: _CompletionShape(), ApiKind.CHAT: _ChatShape()}
+
+
+# -- accumulation ----------------------------------------------------------------
+
+
+def new_choices(works: list[Work]) -> list[Choice]:
+    """Prompt p's sample j is choice p * n + j."""
+    return [Choice(i) for i in range(sum(w.params.n for w in works))]
+
+
+def work_of(works: list[Work], index: int) -> Work:
+    return works[index // works[0].params.n]
+
+
+def accumulate(choice: Choice, out: RequestOutput, prompt_only: bool = False) -> None:
+    c = out.outputs[0]
+    if out.prompt_logprobs is not None:  # over the token stream they may come in slices
+        choice.prompt_logprobs = (choice.prompt_logprobs or []) + out.prompt_logprobs
+    if not prompt_only:
+        choice.text += c.text
+        choice.token_ids += c.token_ids
+        choice.logprobs += c.logprobs or []
+    # echo with max_tokens 0: the one token generated is dropped, whatever ended it.
+    finish = "length" if prompt_only and c.finish_reason is not None else c.finish_reason
+    choice.finish_reason = finish or choice.finish_reason
+    choice.cached_tokens = out.num_cached_tokens
+
+
+def accumulate_delta(choice: Choice, work: Work, out: RequestOutput) -> Delta:
+    """`accumulate`, and what `out` adds to the stream: with echo, the prompt goes
+    before the choice's first text, and its logprobs before the tokens' as they come."""
+    c = out.outputs[0]
+    head, choice.started = not choice.started, True
+    already = len(choice.prompt_logprobs or [])  # prompt tokens an earlier chunk reported
+    accumulate(choice, out, work.prompt_only)
+    text = "" if work.prompt_only else c.text
+    ids: list[int] = [] if work.prompt_only else c.token_ids
+    entries: Entries = [] if work.prompt_only else list(c.logprobs or [])
+    if head:
+        text = (work.echo or "") + text
+    if work.params.prompt_logprobs is not None and out.prompt_logprobs:
+        new = out.prompt_logprobs
+        ids, entries = work.prompt_ids[already : already + len(new)] + ids, list(new) + entries
+    finish = choice.finish_reason if c.finish_reason is not None else None
+    return Delta(choice.index, text, finish, (ids, entries) if work.params.logprobs is not None else None)
+
+
+# -- rendering -------------------------------------------------------------------
+
+
+def _reported(work: Work, c: Choice) -> tuple[list[int], Entries]:
+    """The tokens and logprob entries a whole response reports: with echo + logprobs, the prompt's first."""
+    if work.params.prompt_logprobs is None:
+        return c.token_ids, list(c.logprobs)
+    prompt = c.prompt_logprobs or [None] * len(work.prompt_ids)
+    return work.prompt_ids + c.token_ids, prompt + list(c.logprobs)
+
+
+def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> Json:
+    shape = kind.shape
+    logprobs = shape.logprobs(token_str, *_reported(work, c)) if work.params.logprobs is not None else None
+    return shape.choice(c, work.echo, logprobs)
+
+
+def usage_body(works: list[Work], choices: list[Choice]) -> Json:
+    n = works[0].params.n
+    return usage(sum(len(w.prompt_ids) for w in works), sum(len(c.token_ids) for c in choices),
+                 sum(choices[p * n].cached_tokens for p in range(len(works))))
+
+
+def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choices: list[Choice]) -> Json:
+    return {
+        "id": rid, "object": kind.shape.object_name, "created": now(), "model": gw.config.model_name,
+        "choices": [final_choice(kind, gw.token_str, c, work_of(works, c.index)) for c in choices],
+        "usage": usage_body(works, choices),
+    }
+
+
+def sse_event(body: Json) -> str:
+    return f"data: {json.dumps(body)}\n\n"
+
+
+@dataclass(frozen=True)
+class ChunkRenderer:
+    """The chunks of one stream: each carries the stream's id, object name, creation time and model."""
+
+    kind: ApiKind
+    rid: str
+    model: str
+    token_str: TokenStr
+    created: int = field(default_factory=now)
+
+    def chunk(self, choices: list[Json], **extra: Any) -> str:
+        return sse_event({"id": self.rid, "object": self.kind.shape.chunk_object, "created": self.created,
+                          "model": self.model, "choices": choices, **extra})
+
+    def opening(self, choices: list[Choice]) -> str | None:
+        opening = self.kind.shape.opening(choices)
+        return None if opening is None else self.chunk(opening)
+
+    def delta(self, d: Delta) -> str:
+        shape = self.kind.shape
+        logprobs = None if d.scored is None else shape.logprobs(self.token_str, *d.scored)
+        return self.chunk([shape.delta(d, logprobs)])
+
+
+# -- a request's outputs to its response -------------------------------------------
+
+
+def _prompt_tokens(works: list[Work]) -> int:
+    return sum(len(w.prompt_ids) for w in works)
+
+
+async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], rm: RequestMetrics) -> Json:
+    """The whole response body; a failure raises an APIError (its handler counts it)."""
+    choices = new_choices(works)
+    rm.admitted(_prompt_tokens(works))
+    try:
+        async for i, out in gw.run(rid, works):
+            rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
+            accumulate(choices[i], out, work_of(works, i).prompt_only)
+        rm.succeeded(c.finish_reason for c in choices)
+    except ValueError as e:
+        raise bad_request(e) from None
+    except TimeoutError as e:
+        raise APIError(504, str(e), "Timeout") from None
+    except APIError:
+        raise
+    except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
+        raise APIError(status_of(e), str(e) or type(e).__name__, type(e).__name__) from e
+    finally:
+        rm.close()  # a failure is counted by the APIError handler
+    return response_body(gw, kind, rid, works, choices)
+
+
+async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], include_usage: bool,
+                          rm: RequestMetrics) -> AsyncIterator[str]:
+    """The SSE events of a streamed response, `[DONE]` last. The status line is
+    sent by then, so a failure is an in-band error event, counted here."""
+    render = ChunkRenderer(kind, rid, gw.config.model_name, gw.token_str)
+    choices = new_choices(works)
+    rm.admitted(_prompt_tokens(works))
+    try:
+        opening = render.opening(choices)
+        if opening is not None:
+            yield opening
+        async for i, out in gw.run(rid, works):
+            delta = accumulate_delta(choices[i], work_of(works, i), out)
+            rm.output(out)
+            yield render.delta(delta)
+        rm.succeeded(c.finish_reason for c in choices)
+        if include_usage:
+            yield render.chunk([], usage=usage_body(works, choices))
+    except (asyncio.CancelledError, GeneratorExit):
+        rm.failed(499)  # the client went away mid-stream (after success it is already closed)
+        raise
+    except ValueError as e:
+        rm.failed(400)
+        yield sse_event(error_body(str(e), "BadRequestError", 400))
+    except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
+        code = status_of(e)
+        rm.failed(code)
+        yield sse_event(error_body(str(e) or type(e).__name__, type(e).__name__, code))
+    finally:
+        rm.close()
+    yield DONE
