@@ -122,7 +122,8 @@ def main() -> int:
     from pdserve.workers.tiny.builder import default_model_dir
 
     model_dir = str(default_model_dir(progress=True))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), platform.processor())
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
     print(f"# pdserve cluster serving benchmark\ncommand: python {' '.join(sys.argv)}\n"
           f"machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}\n", flush=True)
     results: dict[str, dict[str, float]] = {}
@@ -163,8 +164,10 @@ def main() -> int:
     e, h, h16 = results["engine_c1"], results["http_c1"], results["http_c16"]
     print("## Gateway + router overhead (concurrency 1, 128-token prompts, 32 output tokens)\n")
     print("| metric | in-process engine | HTTP, 1P+1D | added | bar |\n|---|---|---|---|---|")
-    print(f"| p50 TTFT, ms | {e['ttft_p50_ms']:.1f} | {h['ttft_p50_ms']:.1f} | {h['ttft_p50_ms'] - e['ttft_p50_ms']:.1f} | <= 15 ms added |")
-    print(f"| p50 ITL, ms | {e['itl_p50_ms']:.2f} | {h['itl_p50_ms']:.2f} | {h['itl_p50_ms'] - e['itl_p50_ms']:.2f} | <= 1 ms added |")
+    print(f"| p50 TTFT, ms | {e['ttft_p50_ms']:.1f} | {h['ttft_p50_ms']:.1f} "
+          f"| {h['ttft_p50_ms'] - e['ttft_p50_ms']:.1f} | <= 15 ms added |")
+    print(f"| p50 ITL, ms | {e['itl_p50_ms']:.2f} | {h['itl_p50_ms']:.2f} "
+          f"| {h['itl_p50_ms'] - e['itl_p50_ms']:.2f} | <= 1 ms added |")
     print("\n## Throughput (256 in, 64 out, concurrency 16, 1P+1D over HTTP)\n")
     print("| metric | value | bar |\n|---|---|---|")
     print(f"| output tokens/s | {h16['output_tok_s']:.0f} | >= 2000 |")

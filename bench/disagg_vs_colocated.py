@@ -88,7 +88,8 @@ def table(results: dict[str, dict]) -> tuple[str, list[dict]]:
     rows = [{"mode": mode, "rate": run["request_rate"], "summary": run["summary"]}
             for mode, res in results.items() for run in res["runs"]]
     lines = ["| mode | rate req/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | ITL p50 ms | ITL p99 ms "
-             "| output tok/s | goodput req/s | SLO attainment |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| output tok/s | goodput req/s | SLO attainment |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         s = r["summary"]
 

@@ -219,7 +219,8 @@ class Runner:
         """Fresh random data every call (never zeros)."""
         self.gen_seed += 1
         g = torch.Generator(device=self.p.device).manual_seed(self.gen_seed)
-        t = torch.randn(*shape, generator=g, device=self.p.device, dtype=torch.float32 if dtype in (None, torch.float64) else dtype)
+        t = torch.randn(*shape, generator=g, device=self.p.device,
+                        dtype=torch.float32 if dtype in (None, torch.float64) else dtype)
         if scale != 1.0:
             t.mul_(scale)
         return t.to(dtype or self.p.dtype)
@@ -271,7 +272,8 @@ class Runner:
             if self.p.device.type == "cuda" and not self.broken:
                 torch.cuda.empty_cache()
 
-    def compare(self, kernel: str, case: str, out: torch.Tensor, ref: torch.Tensor, tol: float | None = None, note: str = "") -> Check:
+    def compare(self, kernel: str, case: str, out: torch.Tensor, ref: torch.Tensor, tol: float | None = None,
+                note: str = "") -> Check:
         tol = self.p.rel_tol if tol is None else tol
         o = out.double()
         finite = bool(torch.isfinite(o).all())
@@ -331,7 +333,8 @@ class Runner:
         dev = self.p.device
         return (torch.tensor(seq_lens, dtype=torch.int32, device=dev), torch.tensor(qsl, dtype=torch.int32, device=dev))
 
-    def attn_ref64(self, q, k_cache, v_cache, table, seq_lens: list[int], q_lens: list[int], scale: float) -> torch.Tensor:
+    def attn_ref64(self, q, k_cache, v_cache, table, seq_lens: list[int], q_lens: list[int],
+                   scale: float) -> torch.Tensor:
         """Float64 causal attention over the paged cache, one sequence at a time."""
         H, KVH, bs = q.shape[1], k_cache.shape[2], k_cache.shape[1]
         outs, start = [], 0
@@ -385,7 +388,8 @@ class Runner:
         self.r.ceilings["copy_us"] = ms * 1e3
         assert torch.equal(dst, src), "copy_ mismatch"
         del src, dst
-        self.log(f"copy bandwidth: {self.r.ceilings['copy_gbps']:.0f} GB/s ({_bytes(moved)} read+write, {ms * 1e3:.0f} us)")
+        self.log(f"copy bandwidth: {self.r.ceilings['copy_gbps']:.0f} GB/s "
+                 f"({_bytes(moved)} read+write, {ms * 1e3:.0f} us)")
         if self.p.device.type == "cuda":
             torch.cuda.empty_cache()
         m = p.matmul_n
@@ -428,7 +432,8 @@ class Runner:
                 if p.device.type == "cuda":
                     free = torch.cuda.mem_get_info()[0]
                     if kv_bytes * 1.1 + (1 << 30) > free:
-                        self.perf(Perf("decode", cfg, note=f"skipped: needs {kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} free"))
+                        self.perf(Perf("decode", cfg,
+                                       note=f"skipped: needs {kv_bytes / 2**30:.1f} GiB, {free / 2**30:.1f} free"))
                         continue
                 table, kc, vc = self.paged([ctx] * b)
                 q = self.randn(b, p.heads, p.head_dim)
@@ -442,12 +447,13 @@ class Runner:
                     note = "" if bool(torch.isfinite(out).all()) else "NON-FINITE OUTPUT"
                     ms = self.bench(fn)
                     gbps = moved / (ms * 1e-3) / 1e9
-                    self.perf(Perf("decode", cfg + ("" if splits is None else f" splits={splits}"), ms * 1e3, gbps, "GB/s",
-                                   self.pct_bw(gbps), note=note))
+                    self.perf(Perf("decode", cfg + ("" if splits is None else f" splits={splits}"), ms * 1e3, gbps,
+                                   "GB/s", self.pct_bw(gbps), note=note))
                     if (b, ctx) == p.bar_decode and splits is None:
                         pct = self.pct_bw(gbps)
                         self.r.bars.append(Bar(f"decode {cfg} >= {p.bar_decode_pct:.0f}% of copy bandwidth", pct,
-                                               f">= {p.bar_decode_pct:.0f}%", None if pct is None else pct >= p.bar_decode_pct))
+                                               f">= {p.bar_decode_pct:.0f}%",
+                                               None if pct is None else pct >= p.bar_decode_pct))
                 del table, kc, vc, q, out
                 if p.device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -505,8 +511,8 @@ class Runner:
             ref_out = sdpa()
             self.sync()
             got_bhsd = out.view(nseq, s, p.heads, p.head_dim).transpose(1, 2)
-            self.compare("prefill", f"{cfg} vs {sdpa_name} (both {_dt(p.dtype)})", got_bhsd, ref_out.double(), tol=2 * p.rel_tol,
-                         note=how)
+            self.compare("prefill", f"{cfg} vs {sdpa_name} (both {_dt(p.dtype)})", got_bhsd, ref_out.double(),
+                         tol=2 * p.rel_tol, note=how)
             del ref_out
             ours_ms, ref_ms = [], []
             for _ in range(max(1, self.args.rounds)):
@@ -517,7 +523,8 @@ class Runner:
             tflops = flops / (o_ms * 1e-3) / 1e12
             mm = self.r.ceilings.get("matmul_tflops")
             row = self.perf(Perf("prefill", cfg, o_ms * 1e3, tflops, "TFLOP/s", 100 * tflops / mm if mm else None,
-                                 sdpa_name, r_ms * 1e3, r_ms / o_ms, note=f"spread {spread:.0f}% over {len(ours_ms)} rounds"))
+                                 sdpa_name, r_ms * 1e3, r_ms / o_ms,
+                                 note=f"spread {spread:.0f}% over {len(ours_ms)} rounds"))
             try:  # cuDNN attention, for information only
                 cudnn, cudnn_name = self.sdpa_fn(qs, ks, vs, scale, "cudnn")
                 if p.device.type == "cuda" and cudnn_name.startswith("sdpa-cudnn"):
@@ -528,7 +535,8 @@ class Runner:
             if tokens >= p.bar_prefill_min_tokens:
                 ratio = row.ratio
                 self.r.bars.append(Bar(f"prefill {cfg} >= {p.bar_prefill_ratio}x {sdpa_name}", ratio,
-                                       f">= {p.bar_prefill_ratio}x", None if ratio is None else ratio >= p.bar_prefill_ratio))
+                                       f">= {p.bar_prefill_ratio}x",
+                                       None if ratio is None else ratio >= p.bar_prefill_ratio))
             del table, kc, vc, q, k, v, qs, ks, vs, out
             if p.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -597,7 +605,8 @@ class Runner:
             ms = self.bench(lambda: write_kv(k, v, kc, vc, slot_mapping))
             moved = 4 * k.numel() * k.element_size() + slot_mapping.numel() * 8
             gbps = moved / (ms * 1e-3) / 1e9
-            self.perf(Perf("write_kv", f"T={tokens} KVH={p.kv_heads} D={p.head_dim}", ms * 1e3, gbps, "GB/s", self.pct_bw(gbps)))
+            self.perf(Perf("write_kv", f"T={tokens} KVH={p.kv_heads} D={p.head_dim}", ms * 1e3, gbps, "GB/s",
+                           self.pct_bw(gbps)))
 
     # norm ---------------------------------------------------------------
 
@@ -712,17 +721,20 @@ class Runner:
         if "sms" in h:
             dev += f" ({h['capability']}, {h['sms']} SMs, {h['memory_gib']} GiB, L2 {h['l2_mib']} MiB)"
         lines.append(dev)
-        lines.append(f"stack  : torch {h['torch']}, triton {h['triton']}, CUDA {h['cuda']}, python {h['python']}, pdserve {h['pdserve_import']}")
+        lines.append(f"stack  : torch {h['torch']}, triton {h['triton']}, CUDA {h['cuda']}, python {h['python']}, "
+                     f"pdserve {h['pdserve_import']}")
         lines.append(f"command: {h['command']}")
         if c:
             lines.append(f"ceilings: copy {c.get('copy_gbps', float('nan')):.0f} GB/s "
                          f"({_bytes(c.get('copy_bytes', 0))} read+write, median); "
                          f"matmul {c.get('matmul_tflops', float('nan')):.1f} TFLOP/s ({self.p.matmul_n}^3)")
         dt = _dt(self.p.dtype)
-        lines += ["", f"correctness ({dt} vs float64 on fresh random inputs, outputs NaN-poisoned; rel = ||out-ref||/||ref||, tol {self.p.rel_tol:g})"]
+        lines += ["", f"correctness ({dt} vs float64 on fresh random inputs, outputs NaN-poisoned; "
+                      f"rel = ||out-ref||/||ref||, tol {self.p.rel_tol:g})"]
         lines.append(f"{'kernel':<10} {'case':<48} {'max_abs':>10} {'rel':>10}  result")
         for k in r.checks:
-            lines.append(f"{k.kernel:<10} {k.case:<48} {_f(k.max_abs, '.2e'):>10} {_f(k.rel, '.2e'):>10}  {k.status} {k.note}")
+            lines.append(f"{k.kernel:<10} {k.case:<48} {_f(k.max_abs, '.2e'):>10} {_f(k.rel, '.2e'):>10}  "
+                         f"{k.status} {k.note}")
         timer = "host clock, dry run: no speed signal" if DRY else "median of triton.testing.do_bench, L2 flushed"
         lines += ["", f"performance ({timer}; %lim = % of measured copy bw (GB/s rows) or matmul rate (TFLOP/s rows);"
                   " ours/ref = ref time / our time, >1 = ours faster)"]
@@ -750,7 +762,8 @@ class Runner:
             "checks": [asdict(c) for c in self.r.checks], "perf": [asdict(x) for x in self.r.perf],
             "bars": [asdict(b) for b in self.r.bars], "errors": self.r.errors,
             "tuning": self.sweep.to_json() if self.sweep is not None else [],
-            "plan": {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v) for k, v in asdict(self.p).items()},
+            "plan": {k: (str(v) if isinstance(v, (torch.device, torch.dtype)) else v)
+                     for k, v in asdict(self.p).items()},
         }
 
 
@@ -782,11 +795,13 @@ def _f(x: float | None, fmt: str) -> str:
 
 
 def _perf_header() -> str:
-    return f"{'section':<9} {'config':<30} {'us':>9} {'rate':>9} {'unit':<8} {'%lim':>6}  {'vs':<18} {'ref us':>9} {'ours/ref':>8}  note"
+    return (f"{'section':<9} {'config':<30} {'us':>9} {'rate':>9} {'unit':<8} {'%lim':>6}  "
+            f"{'vs':<18} {'ref us':>9} {'ours/ref':>8}  note")
 
 
 def _perf_line(r: Perf) -> str:
-    return (f"{r.section:<9} {r.config:<30} {_f(r.us, '.1f'):>9} {_f(r.rate, '.1f' if (r.rate or 0) >= 10 else '.3g'):>9} {r.unit:<8} {_f(r.pct, '.1f'):>6}  "
+    return (f"{r.section:<9} {r.config:<30} {_f(r.us, '.1f'):>9} "
+            f"{_f(r.rate, '.1f' if (r.rate or 0) >= 10 else '.3g'):>9} {r.unit:<8} {_f(r.pct, '.1f'):>6}  "
             f"{r.ref:<18} {_f(r.ref_us, '.1f'):>9} {_f(r.ratio, '.2f'):>8}  {r.note}")
 
 

@@ -302,7 +302,8 @@ def machine() -> str:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{model}, {cores} cores; Linux {platform.release()}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), "
-            f"zlib {zlib.ZLIB_RUNTIME_VERSION}, crc32 by {frames.CRC32_BY}, xxhash {'installed' if frames.xxhash is not None else 'not installed'}")
+            f"zlib {zlib.ZLIB_RUNTIME_VERSION}, crc32 by {frames.CRC32_BY}, "
+            f"xxhash {'installed' if frames.xxhash is not None else 'not installed'}")
 
 
 def progress(msg: str) -> None:

@@ -80,7 +80,8 @@ def workloads(tokenizer: object, n: int, prompt_tokens: int, seed: int,
         start = rng.randrange(0, len(text) - 4000)
         code.append(clip(text[start:start + 4000]))
     prose_file = next((p for p in (lib / "LICENSE.txt", lib.parent / "LICENSE.txt") if p.exists()), None)
-    prose = prose_file.read_text(errors="replace") if prose_file else ("The quick brown fox jumps over the lazy dog. " * 200)
+    prose = (prose_file.read_text(errors="replace") if prose_file
+             else ("The quick brown fox jumps over the lazy dog. " * 200))
     paragraphs = [p for p in prose.split("\n\n") if len(p) > 400] or [prose]
     free = [clip(" ".join(rng.choice(paragraphs).split())) for _ in range(n)]
     # Random token ids: nothing to copy, nothing a draft can guess (the

@@ -52,7 +52,8 @@ class GatewayMetrics:
         self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
                                       ["endpoint", "status"], registry=r)
         self.ttft = Histogram("pdserve:time_to_first_token_seconds",
-                              "Request arrival at the gateway to its first token sent", buckets=TTFT_BUCKETS, registry=r)
+                              "Request arrival at the gateway to its first token sent", buckets=TTFT_BUCKETS,
+                              registry=r)
         self.tpot = Histogram("pdserve:time_per_output_token_seconds",
                               "Per request with >= 2 output tokens: (E2E - TTFT) / (output tokens - 1)",
                               buckets=TPOT_BUCKETS, registry=r)
@@ -252,7 +253,8 @@ class _RouterCollector:
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         decisions = CounterMetricFamily("pdserve:router_decisions",
-                                        "Routing decisions by role and reason (disaggregated)", labels=["role", "reason"])
+                                        "Routing decisions by role and reason (disaggregated)",
+                                        labels=["role", "reason"])
         for reason in RouteReason:
             decisions.add_metric(["prefill", reason.value], stats.decisions[reason] if stats else 0)
         for d_reason in DecodeReason:

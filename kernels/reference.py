@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from pdserve.kernels.metadata import AttentionMetadata
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
     """Scatter new keys/values [T, KVH, D] into their cache slots."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
@@ -96,7 +97,8 @@ def _short_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     out[rows[valid]] = o[valid.to(q.device)]
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            scale: float) -> torch.Tensor:
     """One query per sequence: gather each sequence's blocks and run masked SDPA."""
     nd, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -108,7 +110,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         keys = torch.arange(max_blocks * meta.block_size, device=q.device)
         # Additive float mask, built once: a boolean one is converted in every call.
         valid = keys[None, :] < meta.seq_lens[:nd, None]
-        mask = torch.zeros(valid.shape, dtype=q.dtype, device=q.device).masked_fill_(~valid, float("-inf")).view(nd, 1, 1, -1)
+        mask = (torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
+                .masked_fill_(~valid, float("-inf")).view(nd, 1, 1, -1))
         plan = meta.scratch["torch_decode"] = (blocks, mask)
     blocks, mask = plan
     length = mask.shape[-1]

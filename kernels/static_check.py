@@ -172,7 +172,8 @@ def decode_report(config: DecodeConfig, *, head_dim: int, group: int, max_q: int
     )
 
 
-def prefill_report(config: PrefillConfig, *, head_dim: int, group: int, dtype: torch.dtype, arch: int = 90) -> StaticReport:
+def prefill_report(config: PrefillConfig, *, head_dim: int, group: int, dtype: torch.dtype,
+                   arch: int = 90) -> StaticReport:
     """Static cost of `triton_prefill`'s kernel under `config` (a PrefillConfig)."""
     import triton
 

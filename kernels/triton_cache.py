@@ -58,7 +58,8 @@ def write_kv(
     if v.shape != k.shape:
         raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} differ")
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must both be [blocks, block_size, kv_heads, head_dim]: {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(f"caches must both be [blocks, block_size, kv_heads, head_dim]: "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"cache heads/dim {tuple(k_cache.shape[2:])} != k {(num_kv_heads, head_dim)}")
     if slot_mapping.shape[0] != num_tokens:

@@ -186,7 +186,8 @@ def prefill_attention(
     """
     num_q, num_heads, head_dim = q.shape
     if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"caches must both be [blocks, block_size, kv_heads, head_dim]: {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(f"caches must both be [blocks, block_size, kv_heads, head_dim]: "
+                         f"{tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
     num_kv_heads = k_cache.shape[2]
     if k_cache.shape[3] != head_dim:
         raise ValueError(f"cache head_dim {k_cache.shape[3]} != q head_dim {head_dim}")

@@ -175,7 +175,8 @@ async def first_model(client: httpx.AsyncClient, base_url: str, timeout_s: float
     try:
         r = await client.get(f"{base_url}/models", timeout=timeout_s)
     except httpx.HTTPError as e:
-        raise ValueError(f"GET {base_url}/models: {type(e).__name__}: {e} (is the server up? or pass --model)") from None
+        raise ValueError(f"GET {base_url}/models: {type(e).__name__}: {e} "
+                         "(is the server up? or pass --model)") from None
     if r.status_code != 200:
         raise ValueError(f"GET {base_url}/models: HTTP {r.status_code}: {_error_message(r.content)}")
     data = r.json().get("data") or []

@@ -168,7 +168,8 @@ class Session:
 
     def _config_json(self) -> dict[str, Any]:
         return {**self.cfg.as_json(), "model": self.model, "argv": sys.argv,
-                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}}
+                "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                            "python": platform.python_version()}}
 
 
 def _point(run: Run, s: dict[str, Any]) -> dict[str, Any]:

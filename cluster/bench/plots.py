@@ -52,7 +52,8 @@ def plot_attainment(path: Path, rates: list[float], attainment: list[float],
             ax.plot(*zip(*pts), ".--", alpha=0.6, label=f"{k} only")
     ax.axhline(best.target * 100, color="red", linestyle=":", label=f"{best.target:.0%} target")
     if best.rate is not None:
-        ax.axvline(best.rate, color="green", linestyle="--", label=f"goodput {best.rate:.3g} req/s ({best.method.value})")
+        ax.axvline(best.rate, color="green", linestyle="--",
+                   label=f"goodput {best.rate:.3g} req/s ({best.method.value})")
     ax.set_xlabel("request rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(0, 102)

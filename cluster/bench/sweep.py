@@ -41,7 +41,8 @@ def parse_rates(text: str) -> list[float]:
     return sorted(set(rates))
 
 
-def distserve_goodput(rates: list[float], attainments: list[float], target: float = DISTSERVE_TARGET) -> DistServeGoodput:
+def distserve_goodput(rates: list[float], attainments: list[float],
+                      target: float = DISTSERVE_TARGET) -> DistServeGoodput:
     if len(rates) != len(attainments) or not rates:
         raise ValueError("sweep: need one attainment per rate, and at least one rate")
     pts = sorted(zip(rates, attainments))

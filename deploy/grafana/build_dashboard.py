@@ -91,7 +91,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
               max=1, threshold=OBJECTIVE, good_above=True),
         Panel("End-to-end latency and queue time", "s",
               quantiles("pdserve:e2e_request_latency_seconds", GW, ps=(0.5, 0.99))
-              + [Q(q.expr, "queue " + q.legend) for q in quantiles("pdserve:request_queue_time_seconds", GW, ps=(0.5, 0.99))],
+              + [Q(q.expr, "queue " + q.legend)
+                 for q in quantiles("pdserve:request_queue_time_seconds", GW, ps=(0.5, 0.99))],
               "Arrival to last token, and the time spent in the first worker's scheduler queue."),
     ]),
     ("Throughput and load", [
@@ -106,7 +107,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Workers up", "short", [Q(f"pdserve:worker_up{{{WK}}}", "{{worker}}")],
               "1 when the gateway's last metrics fetch from the worker succeeded within its deadline.",
               kind="stat", extra={"mappings": [{"type": "value", "options": {
-                  "0": {"text": "DOWN", "color": "red", "index": 0}, "1": {"text": "up", "color": "green", "index": 1}}}]}),
+                  "0": {"text": "DOWN", "color": "red", "index": 0},
+                  "1": {"text": "up", "color": "green", "index": 1}}}]}),
         Panel("Running requests per pool", "short",
               [Q(f"sum by (pool) (pdserve:num_requests_running{{{WK}}})", "{{pool}}")],
               "Requests in the workers' running batches."),
@@ -120,7 +122,8 @@ ROWS: list[tuple[str, list[Panel]]] = [
               [Q(per_worker_ratio("pdserve:iteration_prefill_tokens_sum", "pdserve:iteration_prefill_tokens_count"),
                  "{{worker}}")], "Prompt tokens computed per engine step."),
         Panel("Decode batch size (mean)", "short",
-              [Q(per_worker_ratio("pdserve:iteration_decode_batch_size_sum", "pdserve:iteration_decode_batch_size_count"),
+              [Q(per_worker_ratio("pdserve:iteration_decode_batch_size_sum",
+                                  "pdserve:iteration_decode_batch_size_count"),
                  "{{worker}}")], "Sequences decoded per engine step."),
     ]),
     ("KV cache", [

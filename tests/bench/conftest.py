@@ -76,7 +76,8 @@ class FakeServer:
         try:
             head = (await reader.readuntil(b"\r\n\r\n")).decode()
             method, path, _ = head.split("\r\n", 1)[0].split(" ", 2)
-            length = next((int(h.split(":", 1)[1]) for h in head.split("\r\n") if h.lower().startswith("content-length:")), 0)
+            length = next((int(h.split(":", 1)[1]) for h in head.split("\r\n")
+                           if h.lower().startswith("content-length:")), 0)
             body = json.loads(await reader.readexactly(length)) if length else {}
             if method == "GET" and path == "/v1/models":
                 await self._json(writer, 200, {"object": "list", "data": [{"id": self.behaviour.model}]})
@@ -121,7 +122,8 @@ class FakeServer:
 
         n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
         if chat:  # the role preamble goes out at once: it is not a token
-            await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+            await event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                      "finish_reason": None}]})
         ping = b": keep-alive\n\n"  # an SSE comment, which clients must skip
         writer.write(f"{len(ping):x}\r\n".encode() + ping + b"\r\n")
         await asyncio.sleep(b.first_token_delay)

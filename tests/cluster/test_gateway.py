@@ -63,7 +63,8 @@ def client(url: str) -> openai.OpenAI:
 def test_completion_greedy_equals_offline_engine(server: tuple[str, AsyncEngine], offline: LLM) -> None:
     url, _ = server
     prompt = "def fibonacci(n):"
-    resp = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    resp = client(url).completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True})
     expected = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))[0]
     assert resp.choices[0].text == expected.outputs[0].text
     assert resp.choices[0].finish_reason == "length"
@@ -72,8 +73,9 @@ def test_completion_greedy_equals_offline_engine(server: tuple[str, AsyncEngine]
 
 def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, AsyncEngine], offline: LLM) -> None:
     url, _ = server
-    stream = client(url).completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client(url).completions.create(model=MODEL, prompt="import os\n", max_tokens=16, temperature=0,
+                                            stream=True, stream_options={"include_usage": True},
+                                            extra_body={"ignore_eos": True})
     chunks = list(stream)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     expected = offline.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
@@ -109,7 +111,8 @@ def test_batched_prompts_number_choices_prompt_major(server: tuple[str, AsyncEng
 def test_echo_puts_the_prompt_first(server: tuple[str, AsyncEngine], offline: LLM) -> None:
     url, _ = server
     c = client(url)
-    gen = offline.generate(["def g():"], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
+    gen = offline.generate(["def g():"],
+                           SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].outputs[0].text
     resp = c.completions.create(model=MODEL, prompt="def g():", max_tokens=6, temperature=0, echo=True,
                                 extra_body={"ignore_eos": True})
     assert resp.choices[0].text == "def g():" + gen
@@ -156,9 +159,10 @@ def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
     url, _ = server
     c = client(url)
     msgs = [{"role": "user", "content": "hello there"}]
-    full = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0, extra_body={"ignore_eos": True})
-    streamed = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0, stream=True,
-                                         extra_body={"ignore_eos": True})
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    streamed = c.chat.completions.create(model=MODEL, messages=msgs, max_completion_tokens=12, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True})
     text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
     assert full.choices[0].message.role == "assistant"
     assert text == full.choices[0].message.content and full.usage.completion_tokens == 12
@@ -183,7 +187,8 @@ def test_logit_bias_and_penalties_reach_the_sampler(server: tuple[str, AsyncEngi
     chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                      temperature=0.0, logit_bias={"77": 100}, frequency_penalty=0.5)
     assert chat.choices[0].message.content == offline.tokenizer.decode([77] * 6)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5, presence_penalty=0.5)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.5,
+                            presence_penalty=0.5)
     want = offline.generate(["x = "], params)[0].outputs[0].text
     got = c.completions.create(model=MODEL, prompt="x = ", max_tokens=12, temperature=0.0, presence_penalty=0.5,
                                extra_body={"ignore_eos": True, "repetition_penalty": 1.5})
@@ -228,7 +233,8 @@ def test_api_key_required(server: tuple[str, AsyncEngine]) -> None:
     assert httpx.get(f"{url}/v1/models", timeout=10).status_code == 401
     r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer wrong"}, timeout=10)
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
-    assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()["data"][0]["id"] == MODEL
+    models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
+    assert models["data"][0]["id"] == MODEL
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
@@ -253,7 +259,8 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
     errors_before = _errors_499(url)
     for _ in range(5):
         with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
-                          json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "stream": True, "ignore_eos": True}) as r:
+                          json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "stream": True,
+                                "ignore_eos": True}) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
         # leaving the block closes the connection mid-stream
@@ -284,7 +291,8 @@ class _SlowBackend:
         for i in range(params.max_tokens):
             await asyncio.sleep(0.05)
             done = i == params.max_tokens - 1
-            yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x", [7], finish_reason="length" if done else None)],
+            yield RequestOutput(request_id, None, prompt,
+                                [CompletionOutput(0, "x", [7], finish_reason="length" if done else None)],
                                 finished=done)
 
 

@@ -201,8 +201,9 @@ def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: A
             r = await c.post("/v1/completions", json={**ok, "stream": True}, headers=auth)
             assert r.status_code == 200 and '"code": 504' in r.text  # reported in-band
             gw.backend = FailingBackend(RuntimeError("worker died"))
-            r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "a"}],
-                                                           "stream": True}, headers=auth)
+            r = await c.post("/v1/chat/completions",
+                             json={"model": MODEL, "messages": [{"role": "user", "content": "a"}], "stream": True},
+                             headers=auth)
             assert '"code": 500' in r.text
             gw.backend = FailingBackend(NoHealthyWorkerError("decode"))
             r = await c.post("/v1/completions", json=ok, headers=auth)
@@ -301,7 +302,8 @@ def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> N
     assert sample(f, "pdserve:time_per_output_token_seconds_count") == 2
 
 
-def test_services_export_their_engines_metrics_through_the_disaggregated_backend(model_dir: Path, tokenizer: Any) -> None:
+def test_services_export_their_engines_metrics_through_the_disaggregated_backend(model_dir: Path,
+                                                                                 tokenizer: Any) -> None:
     """The real worker services in this process (LocalActor for Ray): the
     backend names its workers, their `metrics()` feed the gateway's scrape, and
     the queue time of the prefill worker reaches the gateway once per request."""

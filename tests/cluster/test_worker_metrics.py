@@ -117,7 +117,8 @@ def test_speculative_counters_equal_engine_truth(model_dir: Path) -> None:
     assert value(s, "pdserve:engine_step_duration_seconds_count") == st.steps
 
 
-def pair(model_dir: Path, faults: Faults | None = None) -> tuple[PrefillWorker, DecodeWorker, WorkerMetrics, WorkerMetrics]:
+def pair(model_dir: Path,
+         faults: Faults | None = None) -> tuple[PrefillWorker, DecodeWorker, WorkerMetrics, WorkerMetrics]:
     p_engine, d_engine = engine(model_dir), engine(model_dir)
     pm, dm = WorkerMetrics(Pool.PREFILL, "p0"), WorkerMetrics(Pool.DECODE, "d0")
     receiver = InProcessReceiver(d_engine.kv_caches)

@@ -221,7 +221,8 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"' r"|'(?:[^'\\]|\\.)*'" r"|`[^`]*`")
 _IDENT = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _COMPARISON = ("==", "!=", "<=", ">=", "<", ">")
 _SET_OPS = ("and", "or", "unless")
-_MODIFIERS = re.compile(r"\s*(?:(bool)\b)?\s*(?:(?:on|ignoring)\s*\([^)]*\))?\s*(?:(?:group_left|group_right)\b\s*(?:\([^)]*\))?)?")
+_MODIFIERS = re.compile(r"\s*(?:(bool)\b)?\s*(?:(?:on|ignoring)\s*\([^)]*\))?"
+                        r"\s*(?:(?:group_left|group_right)\b\s*(?:\([^)]*\))?)?")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,8 @@ def test_dry_run_with_tune_sweep(tmp_path):
     for kernel, sweep in (("decode", configs.DECODE_SWEEP), ("prefill", configs.PREFILL_SWEEP)):
         mine = [r for r in rows if r["kernel"] == kernel]
         timed = {r["config"] for r in mine if r["us"] is not None}
-        assert {c.label() for c in sweep} <= timed, f"{kernel}: configs not timed: {set(c.label() for c in sweep) - timed}"
+        assert {c.label() for c in sweep} <= timed, \
+            f"{kernel}: configs not timed: {set(c.label() for c in sweep) - timed}"
         assert any(r["default"] for r in mine), f"{kernel}: the default config was not in the sweep"
         # every config computed the attention (float32 under the interpreter)
         assert all(r["rel"] is not None and r["rel"] < 1e-4 for r in mine if r["us"] is not None)

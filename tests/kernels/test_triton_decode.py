@@ -50,7 +50,8 @@ def _make_case(
     num_blocks = sum(need) + 2  # + the poison block + one spare
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     if layout == "contiguous":
-        k_cache, v_cache = torch.empty(shape, dtype=dtype, device=DEVICE), torch.empty(shape, dtype=dtype, device=DEVICE)
+        k_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+        v_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
     elif layout == "engine":  # [L, 2, NB, bs, KVH, D], one layer's k/v
         buf = torch.empty(3, 2, *shape, dtype=dtype, device=DEVICE)
         k_cache, v_cache = buf[1, 0], buf[1, 1]

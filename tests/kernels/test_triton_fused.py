@@ -188,7 +188,8 @@ def test_rope_strided_head_dim_and_tables() -> None:
     cos_t, sin_t = cos.t().contiguous().t(), sin.t().contiguous().t()
     assert cos_t.stride(1) != 1
     positions = torch.randint(0, P, (T,), generator=_gen(52)).to(DEVICE)
-    torch.testing.assert_close(apply_rope(x, positions, cos_t, sin_t), rope_ref(x, positions, cos, sin), **TOL[torch.float32])
+    torch.testing.assert_close(apply_rope(x, positions, cos_t, sin_t), rope_ref(x, positions, cos, sin),
+                               **TOL[torch.float32])
 
 
 def test_rope_float32_vs_float64() -> None:
@@ -200,7 +201,8 @@ def test_rope_float32_vs_float64() -> None:
     out = apply_rope(x, positions, cos, sin).double()
     c, s = cos[positions].double()[:, None], sin[positions].double()[:, None]
     x64 = x.double()
-    ref = torch.cat((x64[..., : D // 2] * c - x64[..., D // 2 :] * s, x64[..., D // 2 :] * c + x64[..., : D // 2] * s), -1)
+    ref = torch.cat((x64[..., : D // 2] * c - x64[..., D // 2 :] * s,
+                     x64[..., D // 2 :] * c + x64[..., : D // 2] * s), -1)
     assert ((out - ref).norm() / ref.norm()).item() < 1e-6
 
 

@@ -142,7 +142,8 @@ class _Case:
             v_new.append(v[ctx:])
         self.k_new, self.v_new = torch.cat(k_new), torch.cat(v_new)
         self.slots = torch.cat([
-            tables[i, torch.arange(ctx, ctx + n) // block_size].long() * block_size + torch.arange(ctx, ctx + n) % block_size
+            tables[i, torch.arange(ctx, ctx + n) // block_size].long() * block_size
+            + torch.arange(ctx, ctx + n) % block_size
             for i, (ctx, n) in enumerate(seqs)
         ])
         self.tables = tables
@@ -221,7 +222,8 @@ PREFILL_CASES = [
     [pytest.param(*c[1:], id=c[0]) for c in PREFILL_CASES],
 )
 def test_prefill_matches_reference(dtype, head_dim, num_heads, kv_heads, block_size, seqs, q_offset, tiles):
-    case = _Case(seqs, num_heads, kv_heads, head_dim, block_size, dtype, q_offset, q_tail=3, seed=len(seqs) * 100 + head_dim).to_device()
+    case = _Case(seqs, num_heads, kv_heads, head_dim, block_size, dtype, q_offset, q_tail=3,
+                 seed=len(seqs) * 100 + head_dim).to_device()
     out = torch.full_like(case.q, NAN)
     ret = case.run(out=out, **tiles)
     assert ret is out

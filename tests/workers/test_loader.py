@@ -22,10 +22,12 @@ PROMPT = list(range(40, 90))
 
 def _greedy(model_dir: Path, **kw: object) -> list[int]:
     llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=32, progress=False, **kw)
-    return llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    return llm.generate([PROMPT], params)[0].outputs[0].token_ids
 
 
-def test_sharded_checkpoint_loads_like_the_single_file(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path) -> None:
+def test_sharded_checkpoint_loads_like_the_single_file(make_model: Callable[[TinyModelSpec], Path],
+                                                       tmp_path: Path) -> None:
     src = make_model(SPEC)
     sharded = tmp_path / "sharded"
     hf = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)

@@ -34,7 +34,8 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers_for_prefill_and_32_decode_steps(case: str, make_model: Callable[[TinyModelSpec], Path]) -> None:
+def test_logits_match_transformers_for_prefill_and_32_decode_steps(case: str,
+                                                                   make_model: Callable[[TinyModelSpec], Path]) -> None:
     model_dir = make_model(CASES[case])
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=512, progress=False)
     captured: list[torch.Tensor] = []

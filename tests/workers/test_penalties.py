@@ -74,8 +74,8 @@ def test_sample_applies_bias_and_penalties_to_greedy_rows_only_where_asked() -> 
     logits[:, 7] = 5.0  # everyone's argmax
     batch = SamplingBatch(temperature=torch.zeros(3), all_greedy=True)
     batch.logit_bias = [(1, torch.tensor([3]), torch.tensor([10.0]))]
-    batch.penalties = Penalties.build([([1], [], 0.0, 0.0, 1.0), ([1], [], 0.0, 0.0, 1.0), ([1], [7, 7], 0.0, 3.0, 1.0)],
-                                      V, torch.device("cpu"))
+    batch.penalties = Penalties.build([([1], [], 0.0, 0.0, 1.0), ([1], [], 0.0, 0.0, 1.0),
+                                       ([1], [7, 7], 0.0, 3.0, 1.0)], V, torch.device("cpu"))
     assert sample(logits, batch).token_ids.tolist() == [7, 3, 0]  # row 2: 5 - 2*3 < 0 = token 0's logit
 
 

@@ -113,7 +113,8 @@ def test_no_drafts_samples_exactly_as_the_sampler() -> None:
         torch.manual_seed(step)
         want = sample(logits.clone(), mixed_batch(rows, seeds)).token_ids.tolist()
         torch.manual_seed(step)
-        got = verify(logits.clone()[:, None], torch.zeros(rows, 0, dtype=torch.int64), [0] * rows, mixed_batch(rows, seeds))
+        got = verify(logits.clone()[:, None], torch.zeros(rows, 0, dtype=torch.int64), [0] * rows,
+                     mixed_batch(rows, seeds))
         assert got.token_ids == [[t] for t in want]
         assert got.num_accepted == [0] * rows
 
@@ -186,7 +187,8 @@ def speculative_joint(n: int, drafter: str, settings: dict[str, float], verifier
             draft_probs[padding[:, 1:]] = float("nan")
         temperature = settings.get("temperature", 1.0)
         filters = {name: value for name, value in settings.items() if name != "temperature"}
-        result = verifier(logits, drafts, num_drafts.tolist(), batch_of(len(active), temperature, **filters), draft_probs)
+        result = verifier(logits, drafts, num_drafts.tolist(), batch_of(len(active), temperature, **filters),
+                          draft_probs)
         for i, tokens in zip(active, result.token_ids):
             out[i].extend(tokens)
             last[i] = tokens[-1]

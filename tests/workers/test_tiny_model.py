@@ -42,9 +42,8 @@ def _files(d: Path) -> dict[str, bytes]:
 def test_loads_in_transformers(case: str, make_model: Callable[[TinyModelSpec], Path]) -> None:
     spec = ARCH_CASES[case]
     d = make_model(spec)
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= {
-        p.name for p in d.iterdir()
-    }
+    expected = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"}
+    assert expected <= {p.name for p in d.iterdir()}
 
     model, info = AutoModelForCausalLM.from_pretrained(d, output_loading_info=True)
     # Every tensor in the file is used and none is re-initialised.

@@ -88,7 +88,8 @@ def test_draft_and_target_share_the_tokenizer(pair: Path) -> None:
     assert (target["num_hidden_layers"], draft["num_hidden_layers"]) == (2, 1)
 
 
-def test_same_spec_gives_identical_weights_and_progress(tmp_path: Path, pair: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_same_spec_gives_identical_weights_and_progress(tmp_path: Path, pair: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     again = make_tiny_pair(tmp_path / "again", SPEC, progress=True, threads=THREADS)
     for role in ("target", "draft"):
         assert (again / role / "model.safetensors").read_bytes() == (pair / role / "model.safetensors").read_bytes()

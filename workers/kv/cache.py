@@ -22,7 +22,8 @@ def allocate_kv_caches(
 
     One allocation for the whole cache; K and V of a layer are views into it.
     """
-    full = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device)
+    full = torch.zeros(cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+                       dtype=dtype, device=device)
     return [(full[i, 0], full[i, 1]) for i in range(cfg.num_layers)]
 
 

@@ -37,7 +37,8 @@ class RopeConfig:
 
     def __post_init__(self) -> None:
         if self.rope_type not in ("default", "linear", "llama3"):
-            raise ValueError(f"rope_type: unsupported RoPE scaling {self.rope_type!r} (supported: default, linear, llama3)")
+            raise ValueError(f"rope_type: unsupported RoPE scaling {self.rope_type!r} "
+                             "(supported: default, linear, llama3)")
         if self.theta <= 0:
             raise ValueError(f"rope_theta: must be > 0, got {self.theta}")
 
@@ -65,11 +66,13 @@ class ModelConfig:
     torch_dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_key_value_heads: {self.num_kv_heads} does not divide num_attention_heads {self.num_heads}")
+            raise ValueError(f"num_key_value_heads: {self.num_kv_heads} does not divide "
+                             f"num_attention_heads {self.num_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: must be even for RoPE, got {self.head_dim}")
 
@@ -99,7 +102,8 @@ class ModelConfig:
             arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(hf.get("model_type", ""))
         if arch is None:
             raise ValueError(
-                f"model: unsupported architecture {archs or hf.get('model_type')!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
+                f"model: unsupported architecture {archs or hf.get('model_type')!r}; "
+                f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])

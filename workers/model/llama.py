@@ -35,7 +35,9 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
         # RoPE on q and k together: they are adjacent in the fused output.
-        qk = rotary.apply(qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin)
+        qk = rotary.apply(
+            qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin
+        )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
@@ -53,7 +55,8 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-        cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, rotary, cos_sin, meta, kv_cache)
@@ -86,7 +89,8 @@ class LlamaForCausalLM(nn.Module):
     """forward(token ids, positions, metadata, caches) -> hidden [T, hidden];
     compute_logits(hidden rows) -> float32 logits [N, vocab]."""
 
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend = AttentionBackend.TORCH, max_positions: int = 2048) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend = AttentionBackend.TORCH,
+                 max_positions: int = 2048) -> None:
         super().__init__()
         self.config = cfg
         self.model = LlamaModel(cfg, backend, max_positions)

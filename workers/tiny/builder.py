@@ -131,9 +131,11 @@ class TinyModelSpec:
         if self.intermediate_size is not None:
             _require("intermediate_size", self.intermediate_size > 0, "must be > 0")
         _require("vocab_size", self.vocab_size >= 512, "must be >= 512")
-        _require("hidden_size", self.hidden_size % self.num_heads == 0, f"must be divisible by num_heads={self.num_heads}")
+        _require("hidden_size", self.hidden_size % self.num_heads == 0,
+                 f"must be divisible by num_heads={self.num_heads}")
         _require("num_kv_heads", self.num_heads % self.num_kv_heads == 0, f"must divide num_heads={self.num_heads}")
-        _require("hidden_size", self.head_dim % 2 == 0, f"head_dim {self.head_dim} (hidden_size/num_heads) must be even for RoPE")
+        _require("hidden_size", self.head_dim % 2 == 0,
+                 f"head_dim {self.head_dim} (hidden_size/num_heads) must be even for RoPE")
         _require("seed", 0 <= self.seed < 2**63, "must be in [0, 2**63)")
         _require("rope_theta", self.rope_theta > 0, "must be > 0")
         _require("rope_scaling", self.rope_scaling in (None, "llama3"), "must be None or 'llama3'")

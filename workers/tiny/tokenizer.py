@@ -120,7 +120,8 @@ def train_tokenizer(
         # The corpus ran out of pairs to merge: a silently smaller vocab would
         # desynchronise config.vocab_size expectations downstream.
         raise ValueError(
-            f"vocab_size: corpus of {corpus_bytes} bytes only supports {tok.get_vocab_size()} tokens, asked {vocab_size}"
+            f"vocab_size: corpus of {corpus_bytes} bytes only supports {tok.get_vocab_size()} tokens, "
+            f"asked {vocab_size}"
         )
     if use_cache:
         _write_atomic(path, tok.to_str())

@@ -345,7 +345,8 @@ def heldout_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int 
 
 
 @torch.no_grad()
-def greedy_agreement(draft: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor, batch_size: int = 8) -> float:
+def greedy_agreement(draft: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor,
+                     batch_size: int = 8) -> float:
     """Fraction of positions of `windows` where the two models' argmax next tokens are equal."""
     same = 0
     for i in range(0, len(windows), batch_size):
@@ -355,7 +356,8 @@ def greedy_agreement(draft: PreTrainedModel, target: PreTrainedModel, windows: t
 
 
 @torch.no_grad()
-def acceptance(draft: PreTrainedModel, target: PreTrainedModel, prompts: torch.Tensor, new_tokens: int, k: int) -> float:
+def acceptance(draft: PreTrainedModel, target: PreTrainedModel, prompts: torch.Tensor, new_tokens: int,
+               k: int) -> float:
     """Mean draft tokens accepted per verify step in greedy speculative decoding with `k` proposals.
 
     Exact without running the loop: the draft's j-th proposal only counts if

@@ -91,9 +91,10 @@ class ReceiverControl:
     touch the ROUTER: they `post` messages, which the I/O thread sends. `start` once the owner is ready.
     """
 
-    def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int, context: zmq.Context[zmq.Socket[bytes]] | None,
-                 on_header: OnHeader, on_hello: OnHello, on_request: OnRequest | None = None,
-                 on_turn: Callable[[], None] | None = None, max_frames: int | None = None) -> None:
+    def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int,
+                 context: zmq.Context[zmq.Socket[bytes]] | None, on_header: OnHeader, on_hello: OnHello,
+                 on_request: OnRequest | None = None, on_turn: Callable[[], None] | None = None,
+                 max_frames: int | None = None) -> None:
         if credits < 1:
             raise ValueError(f"credits: must be >= 1, got {credits}")
         self.credits = credits
@@ -231,8 +232,8 @@ class NetworkSender(KVSender):
     `routing_id` names the DEALER (stable across reconnects); None: ZeroMQ picks one.
     """
 
-    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None, faults: Faults | None,
-                 sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
+    def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None,
+                 faults: Faults | None, sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
                  routing_id: bytes | None = None) -> None:
         self._book = SenderBook(kv_caches)
         self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))

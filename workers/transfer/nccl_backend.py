@@ -3,9 +3,9 @@
 Two planes per (prefill sender, decode receiver) pair:
 
 * Control, the ZeroMQ control plane both network backends share (`control`): the receiver binds one
-  ROUTER, each sender connects one DEALER. Hello and credit grant, one msgpack `KVTransferHeader` per data message (with the
-  checksum of its bytes), acks (which return credits and carry the receiver's verdict), aborts both
-  ways, and `finish`'s end marker.
+  ROUTER, each sender connects one DEALER. Hello and credit grant, one msgpack `KVTransferHeader` per
+  data message (with the checksum of its bytes), acks (which return credits and carry the receiver's
+  verdict), aborts both ways, and `finish`'s end marker.
 * Data: the K and V bytes of one message, as one flat uint8 tensor (K blocks then V blocks, the layout
   of `frames.gather`), `send` by the sender, `recv` by the receiver, on a process group of two ranks
   private to the pair: the receiver is rank 0, the sender rank 1 (`nccl_channel`).
@@ -22,9 +22,10 @@ registered globally: `dist.is_initialized()` stays False.
 The store (the two or three keys a rendezvous exchanges) is the receiver's, served on its ROUTER; each
 end sees it through a `torch.distributed.Store` subclass (c10d calls Python stores through its
 `PythonStore` trampoline): `LocalStore` for the receiver's rank, `StoreClient` (its own DEALER) for
-the sender's (both in `nccl_store`). So the receiver's address is just its ROUTER endpoint. Not a `TCPStore`: that needs a
-second port and, worse, its connection setup formats peer addresses with a reverse DNS lookup, which on
-this repo's CI box stalled for 5 s about once in fifty connections (an unreachable resolver).
+the sender's (both in `nccl_store`). So the receiver's address is just its ROUTER endpoint. Not a
+`TCPStore`: that needs a second port and, worse, its connection setup formats peer addresses with a
+reverse DNS lookup, which on this repo's CI box stalled for 5 s about once in fifty connections (an
+unreachable resolver).
 
 Building a rank is a rendezvous that blocks until both ranks are there (at most `group_timeout_s`), so
 each end does it on a thread of its own: the receiver on the pair's thread when the hello arrives, the
@@ -55,9 +56,10 @@ returned by its ack). A sender holds a message's staging buffer (and its send's 
 credits bound staging memory; a receiver has one staging buffer per pair.
 
 Threads. Receiver: the control plane's I/O thread owns the ROUTER (hellos, headers, aborts, outgoing acks
-and aborts, and the store's requests), and one thread per pair forms the group, then receives that pair's tensors in order, applies them to
-the ledger and queues each ack for the I/O thread. Sender: only the short-lived group-forming thread;
-otherwise it reads acks when called, and its calls are serialized by a lock.
+and aborts, and the store's requests), and one thread per pair forms the group, then receives that
+pair's tensors in order, applies them to the ledger and queues each ack for the I/O thread. Sender: only
+the short-lived group-forming thread; otherwise it reads acks when called, and its calls are serialized
+by a lock.
 
 Deadlines and limitations.
 * gloo cannot cancel or poll a posted recv: `Work.is_completed()` stays False until `wait()`, and neither
@@ -375,8 +377,8 @@ class NcclKVSender(NetworkSender):
     def __init__(self, kv_caches: KVCaches, address: str, *, backend: str | None = None,
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 gloo_hostname: str | None = None, sender_id: str = "", context: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 faults: Faults | None = None) -> None:
+                 gloo_hostname: str | None = None, sender_id: str = "",
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
         host, port = parse_address(address)
         self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
         self.key = _new_key(sender_id)
