@@ -161,9 +161,9 @@ class RouterConfig:
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # w in the prefill cost. 1 would price a queued token like an uncached one
     # (the TTFT estimate), but a miss costs more than its own compute: the
-    # prefix now lives on two workers and evicts others. Measured on the
-    # shared-prefix test (8 groups x 16, 2 workers): w=1 computed 9.7k-13.1k
-    # prompt tokens over 4 runs, w=0.5 8.8k-10.5k, w=0.25 9.3k-9.8k.
+    # prefix now lives on two workers and evicts others. On the shared-prefix
+    # routing test (tests/cluster/test_serve_routing.py), weights below 1
+    # computed fewer prompt tokens (runs: docs/benchmarks.md, "Router load weight").
     load_weight: float = 0.5
     # Prefill on the decode worker, with no transfer, when fewer than this many
     # prompt tokens are uncached there. 0 turns it off (llm-d ships 8-16).

@@ -130,7 +130,7 @@ def test_bad_trace_row_names_the_line(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def tokenizer():  # noqa: ANN201 - the tiny model's byte-level BPE (trains in about a second)
+def tokenizer():  # noqa: ANN201 - the tiny model's byte-level BPE (trained, or read from its cache, once per module)
     from pdserve.workers.tiny.tokenizer import train_tokenizer, wrap_tokenizer
 
     return wrap_tokenizer(train_tokenizer(4096, progress=False))

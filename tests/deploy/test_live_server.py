@@ -70,22 +70,22 @@ WAIT_S = 30.0  # each bounded wait on Prometheus (first scrape; scrapes and rule
 
 # TTFT: the requests whose transport overhead (client send -> gateway handler, plus the
 # first chunk's way back through Serve's proxy actor) exceeded a bucket's width. That
-# overhead is not bounded; measured here on 2 cores (40 sequential requests, each one's
-# server TTFT from the _sum delta of a scrape before and after it) it was 6.5-18 ms,
-# typically 8 ms, and above 15 ms (the narrowest gap, 0.01 -> 0.025 s) for 2 of 40.
-# Gaps above 0.025 s are >= 25 ms, which no request's overhead reached.
+# overhead is not bounded: for a few requests it exceeds the narrowest gap (0.01 -> 0.025 s,
+# 15 ms); gaps above 0.025 s are >= 25 ms, which it did not reach (measured:
+# docs/observability.md, "Tests").
 TTFT_LATE_REQUESTS = 2
 # TPOT: a bound on |d_last - d_first|, the difference between the delivery delays (server
 # send -> client receive) of a request's last and first token chunks, which is what
 # separates the two TPOTs: (E2E - TTFT) on each side is last chunk - first chunk on its
-# own clock. Measured as above: at most 2 ms (per-request TPOT differences <= 0.08 ms
-# over 23 gaps). A request's TPOTs then differ by at most this / (output tokens - 1).
+# own clock. The bound is several times the largest measured (docs/observability.md,
+# "Tests"). A request's TPOTs then differ by at most this / (output tokens - 1).
 TPOT_DELIVERY_JITTER_S = 0.010
 # ... but for a request whose first or last chunk was held up longer, by a stall of the
 # client's event loop (it shares the pytest process with Ray's driver threads) or of
-# Serve's proxy actor on the 2 loaded cores: seen once in about ten runs, a client TPOT
-# just above the 5 ms bound whose server TPOT was below it. One such request is allowed
-# per bound; the sum check below is not loosened (one 100 ms stall moves it < 5 ms).
+# Serve's proxy actor on loaded cores: now and then a client TPOT just above the 5 ms
+# bound whose server TPOT was below it (how often: docs/observability.md, "Tests"). One
+# such request is allowed per bound; the sum check below is not loosened (one 100 ms
+# stall moves it < 5 ms).
 TPOT_STALLED_REQUESTS = 1
 
 

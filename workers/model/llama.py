@@ -31,7 +31,8 @@ class Attention(nn.Module):
         meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         # Functional calls, not module calls, on the per-step path: nn.Module's
-        # __call__ costs microseconds each, which adds up on a CPU decode step.
+        # __call__ has a fixed cost per call (hooks, dispatch) that adds up over
+        # a CPU decode step's many small calls (docs/benchmarks-engine.md).
         t = x.shape[0]
         qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
         # RoPE on q and k together: they are adjacent in the fused output.

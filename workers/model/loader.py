@@ -92,9 +92,10 @@ def _column_major_linears(model: LlamaForCausalLM) -> None:
     """Store each [out, in] weight as the transpose of a contiguous [in, out] matrix.
 
     On CPU, `x @ W.T` with W laid out this way runs the GEMM without a
-    transposed operand; for the small-batch decode shapes it is 1.3-3x faster
-    (bench: all linears of the tiny model at batch 1, 1.32 -> 0.45 ms). A tied
-    lm_head gets its own copy, so the embedding keeps row-major rows to gather.
+    transposed operand, which is much faster for the small-batch decode shapes
+    (docs/benchmarks-engine.md, "What helped": the measurement and its
+    machine). A tied lm_head gets its own copy, so the embedding keeps
+    row-major rows to gather.
     """
     if model.config.tie_word_embeddings:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)

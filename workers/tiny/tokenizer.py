@@ -2,7 +2,7 @@
 
 Byte-level (GPT-2 / Llama 3 / Qwen2 style) so that any text, in any script,
 round-trips exactly: every byte has a token, merges only shorten sequences.
-Training takes about a second, but tests call it many times, so the trained
+Training is quick, but tests call it many times, so the trained
 `tokenizer.json` is cached under `cache_dir()/tokenizers/`, keyed by
 (vocab size, corpus fingerprint, FORMAT_VERSION).
 

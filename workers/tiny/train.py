@@ -16,8 +16,9 @@ nothing to measure. This module trains both on CPU in a few minutes:
 Budgets are step counts, not wall time, so a `PairSpec` gives the same weights
 wherever the software is the same (the default pair came out byte-identical
 trained with 2 threads on an idle machine and with 1 on a loaded one).
-`pair_spec(minutes=...)` converts a time budget to steps with the throughput
-measured on the reference machine (2-core AMD EPYC).
+`pair_spec(minutes=...)` converts a time budget to steps with fixed
+steps-per-minute rates (measured on the machine docs/speculative.md, "The
+trained tiny pair", names), so a given `minutes` means the same steps anywhere.
 
 Every `heldout_every`-th corpus file is held out. `quality.json`, next to
 `target/` and `draft/`, records each model's held-out loss, the draft/target
@@ -63,9 +64,10 @@ __all__ = [
 # part of the cached pair's directory name.
 TRAIN_FORMAT_VERSION = 1
 
-# Steps per minute of each phase at the default sizes (batch 2 x 256 tokens) on
-# the reference machine, idle; `pair_spec` turns minutes into steps with
-# these, two thirds of the time for the target.
+# Steps per minute of each phase at the default sizes (batch 2 x 256 tokens),
+# measured on an otherwise idle machine (which one: docs/speculative.md, "The
+# trained tiny pair"); `pair_spec` turns minutes into steps with these, two
+# thirds of the time for the target.
 _TARGET_STEPS_PER_MIN = 470
 _DRAFT_STEPS_PER_MIN = 600
 DEFAULT_MINUTES = 4.5
@@ -91,8 +93,9 @@ class TrainConfig:
     """
 
     steps: int
-    # At a fixed token budget on the reference machine, batch 2 at lr 1.5e-3
-    # reached a lower held-out loss than batch 4 or 8 at any lr tried.
+    # At a fixed token budget, batch 2 at lr 1.5e-3 reached a lower held-out
+    # loss than batch 4 or 8 at any lr tried (docs/speculative.md, "How the
+    # choices were made").
     batch_size: int = 2
     lr: float = 1.5e-3
     warmup_frac: float = 0.05
@@ -162,7 +165,7 @@ class PairSpec:
 
 
 def pair_spec(minutes: float = DEFAULT_MINUTES, seed: int = 0) -> PairSpec:
-    """The default-sized pair with step counts that take about `minutes` on the reference machine."""
+    """The default-sized pair with step counts that take about `minutes` where the rates above were measured."""
     _require("minutes", minutes > 0, "must be > 0")
     base = PairSpec()
     return replace(

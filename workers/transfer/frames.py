@@ -19,10 +19,11 @@ Checksum, over the K frame continued over the V frame: xxh3_64 when the
 from what the sender offers). Either catches a frame corrupted in memory or
 by a buggy peer (TCP already checks the link itself). CRC-32 is computed by
 the system's libdeflate when it is there (`libdeflate.so.0`, PCLMUL-based;
-the same values as zlib.crc32), else by zlib. Cost on this repo's CPU box
-(AMD EPYC, one core, bench/kv_transfer.py): zlib ~4 GB/s, about the speed of
-a loopback TCP copy, so a large share of a CPU-bound transfer; libdeflate
-~14 GB/s. All of them release the GIL on big buffers.
+the same values as zlib.crc32), else by zlib. zlib's runs at about the speed
+of a loopback TCP copy, so it is a large share of a CPU-bound transfer;
+libdeflate's is several times faster (rates, command and machine: the KV
+transfer benchmark in docs/cluster.md). All of them release the GIL on big
+buffers.
 """
 
 from __future__ import annotations
@@ -217,7 +218,10 @@ _CRC_CALL_MIN_BYTES = 4096  # below this the ctypes call costs more than zlib's 
 
 
 def crc32(data: object, value: int = 0) -> int:
-    """`zlib.crc32(data, value)` (same values, same continuation), ~3.5x faster through libdeflate."""
+    """`zlib.crc32(data, value)` (same values, same continuation), faster through libdeflate.
+
+    How much faster: the KV transfer benchmark in docs/cluster.md.
+    """
     buf = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]  # no copy; any C-contiguous buffer
     if _libdeflate_crc32 is None or buf.nbytes < _CRC_CALL_MIN_BYTES:
         return zlib.crc32(buf, value)
@@ -259,7 +263,7 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
             src = np.frombuffer(frame, dtype=np.uint8).reshape(len(ids), -1)  # type: ignore[call-overload]
             if _is_run(ids):  # one memcpy
                 rows[ids[0] : ids[0] + len(ids)] = src
-            else:  # numpy's fancy assignment copies ~5x faster than torch's index_copy_ on CPU (fp16, 2025)
+            else:  # numpy's fancy assignment copies faster than torch's index_copy_ on CPU
                 rows[ids] = src
         else:
             src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)

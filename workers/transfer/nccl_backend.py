@@ -24,8 +24,8 @@ end sees it through a `torch.distributed.Store` subclass (c10d calls Python stor
 `PythonStore` trampoline): `LocalStore` for the receiver's rank, `StoreClient` (its own DEALER) for
 the sender's (both in `nccl_store`). So the receiver's address is just its ROUTER endpoint. Not a
 `TCPStore`: that needs a second port and, worse, its connection setup formats peer addresses with a
-reverse DNS lookup, which on this repo's CI box stalled for 5 s about once in fifty connections (an
-unreachable resolver).
+reverse DNS lookup, which stalls a connection until the lookup times out on a host whose DNS resolver
+is unreachable.
 
 Building a rank is a rendezvous that blocks until both ranks are there (at most `group_timeout_s`), so
 each end does it on a thread of its own: the receiver on the pair's thread when the hello arrives, the
