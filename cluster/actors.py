@@ -103,23 +103,14 @@ def _transport_classes(transport: str) -> tuple[Any, Any]:
 
 def _load(e: LLMEngine) -> dict[str, Any]:
     """Engine thread: what the router needs, plus the KV events since the last call."""
-    sched = e.scheduler
-    # Prompt tokens still to compute; a waiting request will start from its cached
-    # prefix, so only the rest is queued work (counting it all would make a worker
-    # that holds a hot prefix look busy and push its requests elsewhere, cold).
-    queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens) for r in sched.running)
-    # (A request scoring its prompt, prompt_logprobs, skips the cache: all of it is work.)
-    queued += sum(r.num_prompt_tokens - max(r.num_computed_tokens,
-                                            0 if r.prompt_logprobs is not None else e.kv.find_cached_prefix(r)[1])
-                  for r in sched.waiting if r.num_computed_tokens < r.num_prompt_tokens)
-    events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.kv.pool.take_events()]
-    return {"queued_prefill_tokens": queued, "running": len(sched.running), "waiting": len(sched.waiting),
-            "free_blocks": e.kv.pool.num_free, "total_blocks": e.kv.pool.num_blocks, "used_blocks": e.kv.pool.num_used,
-            "prompt_tokens_computed": e.stats.prompt_tokens_computed,
-            "generation_tokens": e.stats.generation_tokens, "events": events,
-            "spec_drafts": e.stats.spec_drafts, "spec_draft_tokens": e.stats.spec_draft_tokens,
-            "spec_accepted_tokens": e.stats.spec_accepted_tokens,
-            "spec_accepted_per_position": list(e.stats.spec_accepted_per_position)}
+    s = e.snapshot()
+    events = [(ev.kind.value, ev.block_hash, ev.parent_hash) for ev in e.take_kv_events()]
+    return {"queued_prefill_tokens": s.queued_prefill_tokens, "running": s.running, "waiting": s.waiting,
+            "free_blocks": s.free_blocks, "total_blocks": s.total_blocks, "used_blocks": s.used_blocks,
+            "prompt_tokens_computed": s.prompt_tokens_computed, "generation_tokens": s.generation_tokens,
+            "events": events, "spec_drafts": s.spec_drafts, "spec_draft_tokens": s.spec_draft_tokens,
+            "spec_accepted_tokens": s.spec_accepted_tokens,
+            "spec_accepted_per_position": list(s.spec_accepted_per_position)}
 
 
 class PrefillService:

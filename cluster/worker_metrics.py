@@ -5,7 +5,7 @@ Three feeds, each on the thread that owns its data:
   * KV transfers: `on_handoff` / `on_failure` (a `TransferRecorder`), from the
     transport's caller (the engine thread) or the decode worker;
   * engine counters and gauges: `sample(engine)` copies them into an immutable
-    `EngineSample`; the owner runs it on the engine thread (`AsyncEngine.call`)
+    `EngineSnapshot`; the owner runs it on the engine thread (`AsyncEngine.call`)
     just before rendering, so nothing here reads the scheduler's lists while
     the scheduler changes them.
 `render()` may run on any thread: it reads the last sample and the
@@ -21,16 +21,17 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pdserve.workers.messages import FailReason
+from pdserve.workers.stats import EngineSnapshot
 
 if TYPE_CHECKING:
-    from pdserve.workers.engine import LLMEngine, StepStats
+    from pdserve.workers.engine import LLMEngine
+    from pdserve.workers.stats import StepStats
 
 PREFILL_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -45,36 +46,6 @@ class Pool(str, enum.Enum):
     COLOCATED = "colocated"
 
 
-@dataclass(frozen=True)
-class EngineSample:
-    """Engine counters and gauges at one instant (taken on the engine thread)."""
-
-    kv_usage: float = 0.0  # used blocks / total blocks
-    running: int = 0
-    waiting: int = 0  # queued, plus (decode) reserved requests whose KV has not arrived
-    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_hits: int = 0  # of those, tokens found there
-    preemptions: int = 0
-    spec_drafts: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_accepted_per_position: tuple[int, ...] = ()
-
-    @classmethod
-    def of(cls, engine: LLMEngine) -> EngineSample:
-        """Engine thread only."""
-        pool, sched, st = engine.kv.pool, engine.scheduler, engine.stats
-        return cls(
-            kv_usage=pool.num_used / pool.num_blocks if pool.num_blocks else 0.0,
-            running=len(sched.running), waiting=len(sched.waiting) + len(sched.awaiting_kv),
-            # The scheduler's counter is current (a decode reservation adds to it
-            # at once); the stats copy of it trails by one step.
-            prefix_queries=st.prompt_tokens, prefix_hits=max(st.prompt_tokens_cached, sched.num_cached_prompt_tokens),
-            preemptions=st.preemptions, spec_drafts=st.spec_drafts, spec_draft_tokens=st.spec_draft_tokens,
-            spec_accepted_tokens=st.spec_accepted_tokens,
-            spec_accepted_per_position=tuple(st.spec_accepted_per_position))
-
-
 class WorkerMetrics:
     """The registry of one worker. `num_speculative_tokens` fixes the draft
     positions exported from the start (k; more appear if the engine drafts more)."""
@@ -82,7 +53,7 @@ class WorkerMetrics:
     def __init__(self, pool: Pool, worker: str, num_speculative_tokens: int = 0) -> None:
         self.pool, self.worker = Pool(pool), worker
         self.registry = CollectorRegistry()
-        self._sample = EngineSample()
+        self._sample = EngineSnapshot()
         self._positions = num_speculative_tokens
         labels = (self.pool.value, worker)
 
@@ -133,7 +104,7 @@ class WorkerMetrics:
 
     def sample(self, engine: LLMEngine) -> None:
         """Engine thread: refresh the counters and gauges `render` exports."""
-        self._sample = EngineSample.of(engine)
+        self._sample = engine.snapshot()
 
     # -- output ----------------------------------------------------------------
 
@@ -143,7 +114,7 @@ class WorkerMetrics:
 
 
 class _EngineCollector:
-    """Exports the last `EngineSample` (counters are the engine's own monotonic totals)."""
+    """Exports the last `EngineSnapshot` (counters are the engine's own monotonic totals)."""
 
     def __init__(self, owner: WorkerMetrics) -> None:
         self._owner = owner
@@ -166,8 +137,8 @@ class _EngineCollector:
         yield gauge("pdserve:num_requests_running", "Requests in the running batch", s.running)
         yield gauge("pdserve:num_requests_waiting", "Requests queued (decode: including those awaiting their KV)",
                     s.waiting)
-        yield counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prefix_queries)
-        yield counter("pdserve:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prefix_hits)
+        yield counter("pdserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", s.prompt_tokens)
+        yield counter("pdserve:prefix_cache_hits", "Prompt tokens served from the prefix cache", s.prompt_tokens_cached)
         yield counter("pdserve:num_preemptions", "Requests preempted (blocks freed, recomputed later)", s.preemptions)
         yield counter("pdserve:spec_decode_num_drafts", "Speculative verification passes", s.spec_drafts)
         yield counter("pdserve:spec_decode_num_draft_tokens", "Draft tokens proposed for verification",

@@ -51,7 +51,7 @@ class DecodeWorker:
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
         def reserve(engine: LLMEngine) -> tuple[list[int], int] | None:
-            plan = engine.add_remote_prefill_request(request_id, prompt, params)
+            plan = engine.reserve(request_id, prompt, params)
             if plan is not None:
                 blocks, cached = plan
                 skip = cached // engine.config.block_size
@@ -84,7 +84,7 @@ class DecodeWorker:
             prompt_logprobs = first.prompt_logprobs  # type: ignore[union-attr]
 
             def start(e: LLMEngine) -> RequestOutput | None:
-                out = e.finish_remote_prefill(request_id, first_token, first_logprobs, prompt_logprobs)
+                out = e.complete_reservation(request_id, first_token, first_logprobs, prompt_logprobs)
                 return _without_first_token(out) if first_sent and out is not None else out
         elif self.on_failure is KVFailurePolicy.RECOMPUTE and not first_sent:
             start = lambda e: e.prefill_locally(request_id)  # noqa: E731

@@ -82,6 +82,7 @@ class Message:
     """Base of every message. Subclasses are frozen, keyword-only dataclasses."""
 
     TYPE: ClassVar[MessageType]
+    version: int  # every message declares it, last, with its current version as the default
 
     def __post_init__(self) -> None:
         _check_fields(self)
@@ -287,7 +288,7 @@ def encode(msg: Message) -> bytes:
         raise ValueError(f"encode: {type(msg).__name__} is not a registered message")
     body = {f.name: _to_wire(getattr(msg, f.name)) for f in _fields(type(msg)) if f.name != "version"}
     try:
-        data: bytes = msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)  # type: ignore[attr-defined]
+        data: bytes = msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)
         return data
     except (OverflowError, TypeError, ValueError) as e:
         raise ValueError(f"encode {type(msg).__name__}: {e}") from e

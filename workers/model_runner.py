@@ -16,7 +16,7 @@ from pdserve.workers.buffers import InputBuffers
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.request import Request
-from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_law
+from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
@@ -50,7 +50,7 @@ class StepResult:
     output: SamplerOutput
     spec: list[SpecResult] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    law: torch.Tensor | None = None  # execute(want_law=True): [sampled, V], the law each token was drawn from
+    probs: torch.Tensor | None = None  # execute(want_probs=True): [sampled, V], the distribution each token was drawn from
 
 
 class ModelRunner:
@@ -68,8 +68,8 @@ class ModelRunner:
         self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], want_law: bool = False) -> StepResult:
-        """Run one step. `want_law`: also return the normalised law each sampled
+    def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
+        """Run one step. `want_probs`: also return the normalised distribution each sampled
         row was drawn from (a draft model's proposals need it for verification)."""
         # Stable partition: decode rows first, as the attention metadata requires.
         ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
@@ -85,8 +85,8 @@ class ModelRunner:
         if logit_rows:
             logits = self.model.compute_logits(hidden[idx[:logit_rows]])
             # Rows: one per plain sampled request, then k+1 per verifying one.
-            if sampled and want_law:
-                tokens, result.law = sample_with_law(logits[: len(sampled)], self._sampling_batch(sampled))
+            if sampled and want_probs:
+                tokens, result.probs = sample_with_probs(logits[: len(sampled)], self._sampling_batch(sampled))
                 result.output = SamplerOutput(tokens)
             elif sampled:
                 result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
@@ -156,7 +156,7 @@ class ModelRunner:
         # before verify() touches the logits.
         raw = logits.log_softmax(dim=-1) if any(s.request.logprobs is not None for s in verifying) else None
         out = verify(unflatten_logits(logits, num_drafts), drafts, num_drafts, batch,
-                     _draft_laws(verifying, drafts, logits.shape[-1]))
+                     _draft_probs(verifying, drafts, logits.shape[-1]))
         results, start = [], 0
         for s, tokens in zip(verifying, out.token_ids):
             lp = None
@@ -264,15 +264,15 @@ def _entries(logprobs: torch.Tensor, tokens: list[int], top_n: int) -> list[dict
     return entries
 
 
-def _draft_laws(verifying: list[ScheduledRequest], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
-    """[B, K, V]: the law each draft was sampled from. Sampled draft-model drafts
+def _draft_probs(verifying: list[ScheduledRequest], drafts: torch.Tensor, vocab: int) -> torch.Tensor | None:
+    """[B, K, V]: the distribution each draft was sampled from. Sampled draft-model drafts
     bring theirs; deterministic ones (n-gram, argmax) are one-hot. None when all are."""
     if all(s.request.spec_draft_probs is None for s in verifying):
         return None
-    laws = torch.zeros(drafts.shape[0], drafts.shape[1], vocab, dtype=torch.float32, device=drafts.device)
-    laws.scatter_(2, drafts[..., None], 1.0)
+    probs = torch.zeros(drafts.shape[0], drafts.shape[1], vocab, dtype=torch.float32, device=drafts.device)
+    probs.scatter_(2, drafts[..., None], 1.0)
     for row, s in enumerate(verifying):
-        law = s.request.spec_draft_probs
-        if law is not None:
-            laws[row, : s.num_spec] = law[: s.num_spec]
-    return laws
+        sampled_from = s.request.spec_draft_probs
+        if sampled_from is not None:
+            probs[row, : s.num_spec] = sampled_from[: s.num_spec]
+    return probs

@@ -154,7 +154,7 @@ class PrefillWorker:
             if finished:
                 job.sender.finish(job.request_id, job.deadline)
             return
-        src = engine.held_blocks(job.request_id) or engine.kv.blocks_of(job.request_id)
+        src = engine.blocks_of(job.request_id)
         blocks = range(job.next_block, ready)
         for layer in range(engine.model_config.num_layers):
             job.sender.send(job.request_id, layer, [src[i] for i in blocks], [job.dst_blocks[i] for i in blocks],

@@ -11,6 +11,7 @@ import torch
 from pdserve.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pdserve.workers.detokenizer import IncrementalDetokenizer
     from pdserve.workers.spec.ngram import TokenBuffer
 
 
@@ -44,7 +45,12 @@ _FINISH_REASON = {
 
 
 class Request:
-    """Tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache."""
+    """Tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache.
+
+    Everything the engine knows of one request lives here: its tokens and
+    progress, its scheduling status, its text (`detok`) and what of its output
+    has been handed out (`sent_*`), its drafts. The scheduler owns its status.
+    """
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
@@ -76,16 +82,23 @@ class Request:
             [None] if params.prompt_logprobs is not None else None)
         self.cumulative_logprob = 0.0
         self.arrival_time = time.monotonic()
-        self.first_token_time: float | None = None
-        self.first_scheduled_time: float | None = None  # end of queueing (metrics)
-        self.num_preemptions = 0
-        # Prefill side of a handoff: keep the blocks after finishing, until the
-        # KV transfer is done and the engine is told to release them.
+        # Seconds from arrival to its first step (metrics); a decode worker's request
+        # takes the prefill worker's, the queue it really waited in.
+        self.queue_time_s: float | None = None
+        # Its text so far and the stop-string matcher (None: no text wanted, no stop strings).
+        self.detok: IncrementalDetokenizer | None = None
+        # DELTA outputs: output tokens and text characters already handed out, and
+        # whether any was (prompt_logprobs ride in the first one only).
+        self.sent_tokens = 0
+        self.sent_chars = 0
+        self.sent_any = False
+        # Prefill side of a handoff: when it finishes it keeps its blocks (the
+        # scheduler holds it, finished) until its KV is sent and it is released.
         self.hold_kv = hold_kv
         # Drafted tokens to verify in the next step (speculative decoding); not
         # part of all_token_ids until the target accepts them.
         self.spec_token_ids: list[int] = []
-        # [len(spec_token_ids), V]: the law each draft was sampled from (a draft model
+        # [len(spec_token_ids), V]: the distribution each draft was sampled from (a draft model
         # sampling for a random request); None for deterministic drafts (one-hot).
         self.spec_draft_probs: torch.Tensor | None = None
         # Rolling (exponentially weighted) rate at which this request's drafts are
@@ -109,5 +122,3 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
-        if self.first_token_time is None:
-            self.first_token_time = time.monotonic()

@@ -107,7 +107,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """What acts on the logits before the sampling law (vLLM's order): min_tokens
+    """What acts on the logits before the sampling distribution (vLLM's order): min_tokens
     bans, logit bias, penalties. In place; greedy rows included."""
     if batch.banned:
         for row, ids in batch.banned:
@@ -123,14 +123,14 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_rows = batch.temperature == 0.0
     greedy_tokens = logits.argmax(dim=-1)
-    probs = random_law(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
     random_tokens = exponential_race(probs, batch.generators or {})
     return torch.where(greedy_rows, greedy_tokens, random_tokens)
 
 
-def random_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
+def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
                top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
-    """The law a random row samples from, per row: temperature (0 rows: as 1),
+    """The distribution a random row samples from, per row: temperature (0 rows: as 1),
     then top-k and top-p, softmax, then min-p. Unnormalised after min-p (the race
     needs no normalisation). `logits` is modified in place."""
     temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
@@ -144,8 +144,8 @@ def random_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Ten
     return probs
 
 
-def sample_with_law(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`sample`, also returning the normalised law each random row's token was
+def sample_with_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`sample`, also returning the normalised distribution each random row's token was
     drawn from ([N, V]; None when every row is greedy; greedy rows' rows are
     meaningless): what a speculative draft must hand to verification. No
     logprobs (`max_logprobs` is ignored)."""
@@ -153,10 +153,10 @@ def sample_with_law(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.T
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens, None
-    law = random_law(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
-    law = law.div_(law.sum(dim=-1, keepdim=True))
-    random_tokens = exponential_race(law.clone(), batch.generators or {})
-    return torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), law
+    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+    random_tokens = exponential_race(probs.clone(), batch.generators or {})
+    return torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), probs
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
@@ -181,7 +181,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Sample each row of `probs` as argmax(p / E), E ~ Exp(1): the same law as a
+    """Sample each row of `probs` as argmax(p / E), E ~ Exp(1): the same distribution as a
     categorical draw, with no cumsum and no normalisation."""
     noise = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:

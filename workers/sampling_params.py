@@ -126,7 +126,7 @@ class SamplingParams:
 
     @property
     def changes_logits(self) -> bool:
-        """Whether anything but the sampling law's shape (temperature, top-k/p, min-p) acts on the logits."""
+        """Whether anything but the sampling distribution's shape (temperature, top-k/p, min-p) acts on the logits."""
         return self.has_penalties or bool(self.logit_bias)
 
     @property

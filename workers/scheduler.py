@@ -7,6 +7,8 @@ Policy (vLLM v1 style, one token budget for prefill and decode alike):
      preempted (blocks freed, recomputed later), never an earlier one.
   2. Then waiting requests, first come first served, while budget, the sequence
      cap and blocks allow; each starts from its longest cached prefix.
+A request that ends keeps its blocks only if it holds its KV for a handoff
+(`hold_kv`, a prefill worker): it stays in `requests`, finished, until `release`.
 Nothing here touches tensors.
 """
 
@@ -56,8 +58,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.awaiting_kv: dict[str, Request] = {}  # blocks reserved, KV in flight from a prefill worker
-        self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.requests: dict[str, Request] = {}  # every request here: live, or finished and holding its KV
         self.num_cached_prompt_tokens = 0  # served from the prefix cache at first admission
 
     def add(self, request: Request) -> None:
@@ -89,6 +90,19 @@ class Scheduler:
         self.kv.cache_computed_blocks(req)
         req.status = RequestStatus.WAITING
         self.waiting.appendleft(req)
+
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens still to compute here, the router's measure of queued prefill work."""
+        # A waiting request will start from its cached prefix, so only the rest is
+        # work: counting it all would make a worker that holds a hot prefix look
+        # busy and push its requests elsewhere, cold. (A request scoring its
+        # prompt, prompt_logprobs, skips the cache: all of it is work.)
+        queued = sum(r.num_prompt_tokens - min(r.num_computed_tokens, r.num_prompt_tokens) for r in self.running)
+        for r in self.waiting:
+            if r.num_computed_tokens < r.num_prompt_tokens:
+                cached = 0 if r.prompt_logprobs is not None else self.kv.find_cached_prefix(r)[1]
+                queued += r.num_prompt_tokens - max(r.num_computed_tokens, cached)
+        return queued
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -150,8 +164,8 @@ class Scheduler:
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
             req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
+            if req.queue_time_s is None:
+                req.queue_time_s = time.monotonic() - req.arrival_time
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
@@ -161,8 +175,6 @@ class Scheduler:
         req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def advance(self, scheduled: ScheduledRequest, num_accepted: int = 0) -> None:
@@ -174,9 +186,9 @@ class Scheduler:
         req.num_computed_tokens += scheduled.num_tokens - scheduled.num_spec + num_accepted
         self.kv.cache_computed_blocks(req)
 
-    def finish(self, req: Request, status: RequestStatus, keep_blocks: bool = False) -> None:
+    def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request in any state: its blocks go back to the pool at once,
-        unless `keep_blocks` (a prefill worker still has to send them)."""
+        unless it holds its KV for a handoff (`hold_kv`): then until `release`."""
         if req.status.finished:
             return
         if req.status is RequestStatus.RUNNING:
@@ -186,6 +198,13 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         req.status = status
-        if not keep_blocks:
+        if not req.hold_kv:
+            self.release(req.request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks of a finished request that held them (its KV is sent, or
+        the handoff was abandoned). Unknown or live requests are left alone."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status.finished:
             self.kv.free(req)
-        self.requests.pop(req.request_id, None)
+            del self.requests[request_id]

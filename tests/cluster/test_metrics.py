@@ -336,7 +336,7 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
     layers = p.worker.engine.model_config.num_layers
     # 5 blocks, then again minus those the decode worker kept in its own prefix cache (not sent).
     decode_hits = sample(f, "pdserve:prefix_cache_hits_total", worker="pdserve-decode-0")
-    assert decode_hits == 64 == d.worker.engine.stats.prompt_tokens_cached
+    assert decode_hits == 64 == d.worker.engine.snapshot().prompt_tokens_cached
     assert sample(f, "pdserve:kv_transfer_bytes_total", worker="pdserve-prefill-0") == \
         (5 + 5 - 64 // 16) * layers * 2 * k[0].numel() * k.element_size()
     assert sample(f, "pdserve:kv_transfer_duration_seconds_count", worker="pdserve-prefill-0") == 2

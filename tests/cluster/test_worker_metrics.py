@@ -66,7 +66,7 @@ def test_counters_and_step_histograms_equal_engine_truth(model_dir: Path) -> Non
     s = scrape(m)
 
     assert first.num_cached_tokens == 0 and again.num_cached_tokens == 64
-    assert value(s, "pdserve:prefix_cache_hits_total") == 64 == e.stats.prompt_tokens_cached
+    assert value(s, "pdserve:prefix_cache_hits_total") == 64 == e.snapshot().prompt_tokens_cached
     assert value(s, "pdserve:prefix_cache_queries_total") == 2 * 70
     # One observation per model step; prompt tokens per step add up to the computed ones.
     assert value(s, "pdserve:engine_step_duration_seconds_count") == e.stats.steps > 0

@@ -39,13 +39,13 @@ def run(eng: LLMEngine) -> dict[str, list[int]]:
 def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
     """What the workers do, minus the transport: P prefills and samples token 1,
     D reserves blocks, the KV of the blocks D lacks is copied, D decodes."""
-    plan = decode.add_remote_prefill_request(rid, prompt, params)
+    plan = decode.reserve(rid, prompt, params)
     assert plan is not None
     dst_blocks, cached_here = plan
     p_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
     prefill.add_request(rid, prompt, p_params, hold_kv=True)
     first = run(prefill)[rid][0]
-    src_blocks = prefill.held_blocks(rid)
+    src_blocks = prefill.blocks_of(rid)
     skip = cached_here // prefill.config.block_size
     for (pk, pv), (dk, dv) in zip(prefill.kv_caches, decode.kv_caches):
         idx_src = torch.tensor(src_blocks[skip:])
@@ -54,7 +54,7 @@ def handoff(prefill: LLMEngine, decode: LLMEngine, rid: str, prompt: list[int], 
         dv[idx_dst] = pv[idx_src]
     prefill.release(rid)
     assert prefill.kv.pool.num_used == 0
-    decode.finish_remote_prefill(rid, first)
+    decode.complete_reservation(rid, first)
     return run_with_first(decode, rid, first)
 
 
@@ -93,7 +93,7 @@ def test_decode_worker_prefix_cache_skips_the_shared_blocks(model_dir: Path) -> 
     prefill, decode = engine(model_dir), engine(model_dir)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     handoff(prefill, decode, "a", shared + [11, 12, 13], params)
-    plan = decode.add_remote_prefill_request("b", shared + [21, 22, 23, 24], params)
+    plan = decode.reserve("b", shared + [21, 22, 23, 24], params)
     assert plan is not None and plan[1] == 64  # four full blocks already here: only the rest is sent
     decode.abort("b")
     assert decode.kv.pool.num_used == 0
@@ -102,8 +102,8 @@ def test_decode_worker_prefix_cache_skips_the_shared_blocks(model_dir: Path) -> 
 def test_reserve_fails_cleanly_when_the_pool_is_short(model_dir: Path) -> None:
     decode = engine(model_dir, blocks=34)  # max_model_len 512 needs 32
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    assert decode.add_remote_prefill_request("a", list(range(5, 400)), params) is not None
-    assert decode.add_remote_prefill_request("b", list(range(5, 200)), params) is None
+    assert decode.reserve("a", list(range(5, 400)), params) is not None
+    assert decode.reserve("b", list(range(5, 200)), params) is None
     assert "b" not in decode.scheduler.requests
     decode.abort("a")
     assert decode.kv.pool.num_used == 0 and not decode.has_unfinished_requests()
@@ -113,6 +113,6 @@ def test_abort_frees_held_prefill_blocks(model_dir: Path) -> None:
     prefill = engine(model_dir)
     prefill.add_request("p", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
     run(prefill)
-    assert prefill.held_blocks("p") and prefill.kv.pool.num_used > 0
+    assert prefill.blocks_of("p") and prefill.kv.pool.num_used > 0
     prefill.abort("p")
-    assert prefill.kv.pool.num_used == 0 and prefill.held_blocks("p") == []
+    assert prefill.kv.pool.num_used == 0 and prefill.blocks_of("p") == []

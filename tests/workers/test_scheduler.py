@@ -193,7 +193,6 @@ def test_preempts_the_newest_running_request_and_resumes_it() -> None:
     first = next(i for i, o in enumerate(outs) if o.preempted)
     assert outs[first].preempted == [reqs[2]]
     assert "r2" not in scheduled_tokens(outs[first])
-    assert reqs[2].num_preemptions == len(preempted) and sched.num_preemptions == len(preempted)
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
     assert reqs[2].output_token_ids == [1000 + i for i in range(6)], "outputs survive the recompute"
     assert all_blocks_free(sched)
@@ -222,6 +221,7 @@ def test_random_workload_loses_no_request() -> None:
     sched = make_scheduler(num_blocks=24, max_num_seqs=5, budget=20)
     reqs: list[Request] = []
     aborted: set[str] = set()
+    preemptions = 0
     for t in range(400):
         if t < 60 and rng.random() < 0.5:
             # Some prompts share a prefix, so cached blocks get shared and evicted too.
@@ -235,9 +235,9 @@ def test_random_workload_loses_no_request() -> None:
                 sched.finish(victim, RequestStatus.FINISHED_ABORTED)
                 aborted.add(victim.request_id)
         if sched.has_unfinished():
-            step(sched)
+            preemptions += len(step(sched).preempted)
     assert not sched.has_unfinished() and not sched.requests
-    assert sched.num_preemptions > 0, "the workload should exercise preemption"
+    assert preemptions > 0, "the workload should exercise preemption"
     for r in reqs:
         if r.request_id in aborted:
             assert r.status is RequestStatus.FINISHED_ABORTED

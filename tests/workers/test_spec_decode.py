@@ -16,7 +16,9 @@ from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.request import Request
 from pdserve.workers.spec.cost import Price, SpecCostModel
+from pdserve.workers.spec.proposer import Drafts
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 
@@ -85,7 +87,6 @@ def test_drafts_left_unverified_are_dropped_before_the_next_step(model_dir: Path
     """A step that could not verify a request's drafts (no room) leaves them behind;
     they were cut to limits (min_tokens, max_model_len) that have moved since, so
     the next proposal starts from none, even when it drafts nothing."""
-    from pdserve.workers.request import Request
 
     llm = LLM(str(model_dir), max_model_len=512, progress=False, speculative="ngram", spec_max_batch_size=1)
     reqs = [Request(f"r{i}", [5, 6, 7], SamplingParams(max_tokens=8), max_tokens=8) for i in range(2)]
@@ -177,9 +178,12 @@ class _WrongDrafts:
     def __init__(self, token: int) -> None:
         self.token, self.calls = token, 0
 
-    def propose(self, token_ids: list[int], k: int) -> np.ndarray:
-        self.calls += 1
-        return np.full(k, self.token, dtype=np.int64)
+    def draft(self, requests: list[Request], ks: list[int]) -> Drafts:
+        self.calls += len(requests)
+        return [[self.token] * k for k in ks], [None] * len(ks)
+
+    def retain(self, request_ids: set[str]) -> None:
+        pass
 
 
 def test_drafting_backs_off_when_drafts_are_rejected_and_stops_for_big_batches(model_dir: Path) -> None:
@@ -207,10 +211,13 @@ class _FixedDrafts:
     so verification both accepts and resamples."""
 
     def __init__(self, tokens: list[int]) -> None:
-        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.tokens = tokens
 
-    def propose(self, token_ids: list[int], k: int) -> np.ndarray:
-        return self.tokens[:k].copy()
+    def draft(self, requests: list[Request], ks: list[int]) -> Drafts:
+        return [self.tokens[:k] for k in ks], [None] * len(ks)
+
+    def retain(self, request_ids: set[str]) -> None:
+        pass
 
 
 def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: int, depth: int) -> dict[tuple[int, ...], float]:
@@ -411,9 +418,15 @@ class _Oracle:
     def __init__(self, prompt: list[int], plain: list[int], delay_s: float) -> None:
         self.full, self.delay_s = prompt + plain, delay_s
 
-    def propose(self, token_ids: np.ndarray, k: int) -> np.ndarray:
-        time.sleep(self.delay_s)
-        return np.asarray(self.full[len(token_ids):len(token_ids) + k], dtype=np.int64)
+    def draft(self, requests: list[Request], ks: list[int]) -> Drafts:
+        drafts = []
+        for req, k in zip(requests, ks):
+            time.sleep(self.delay_s)
+            drafts.append(self.full[req.num_tokens:req.num_tokens + k])
+        return drafts, [None] * len(drafts)
+
+    def retain(self, request_ids: set[str]) -> None:
+        pass
 
 
 def test_drafting_stops_when_the_measured_price_of_a_draft_exceeds_its_worth(model_dir: Path) -> None:

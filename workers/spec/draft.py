@@ -1,7 +1,7 @@
 """Draft-model proposer: a small model with the target's tokenizer drafts k
 tokens each step for every speculating request: its argmax for greedy
-requests; for random ones, samples from its own law under the request's
-temperature, top-k, top-p and min-p, handing that law (q) to verification.
+requests; for random ones, samples from its own distribution under the request's
+temperature, top-k, top-p and min-p, handing that distribution (q) to verification.
 
 The draft keeps its own paged KV (its own pool and block tables) and, per
 request, a shadow sequence: the target's tokens plus the drafts of this step.
@@ -15,7 +15,7 @@ rewritten next time).
 In disaggregated serving the decode worker prefills the draft itself during the
 first catch-up (docs/speculative.md says why). Verification accepts a draft x
 with probability min(1, p(x)/q(x)) and resamples from max(0, p - q) at the first
-rejection, so the output law is the target's whatever q is; the closer q is to
+rejection, so the output distribution is the target's whatever q is; the closer q is to
 p, the more is accepted (sampling from q accepts sum(min(p, q)) on average,
 an argmax draft only p(argmax)). A seeded request's drafts draw from a
 generator seeded from its seed, so they do not depend on the batch (they do
@@ -38,13 +38,14 @@ from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.request import Request
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.scheduler import ScheduledRequest
+from pdserve.workers.spec.proposer import Drafts
 
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 _SEED_SALT = 0x5DEECE66D  # the draft's stream differs from the request's own
 
 
 def _draft_params(p: SamplingParams) -> SamplingParams:
-    """How the draft picks for a request: the request's sampling law, nothing that
+    """How the draft picks for a request: the request's sampling distribution, nothing that
     only concerns output (stops, logprobs); greedy stays greedy."""
     if p.temperature == 0.0:
         return _GREEDY
@@ -76,9 +77,9 @@ class DraftModelProposer:
         self.device = device
         self._shadows: dict[str, _Shadow] = {}
 
-    def propose_batch(self, requests: list[Request], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def draft(self, requests: list[Request], ks: list[int]) -> Drafts:
         """Up to ks[i] drafts for requests[i] (decoding: every token but the last is
-        in the target's cache), and for each the law [len, V] its drafts were
+        in the target's cache), and for each the distribution [len, V] its drafts were
         sampled from (None: argmax drafts). [] for a request the draft pool cannot hold."""
         shadows: list[tuple[_Shadow, int]] = []
         for req, k in zip(requests, ks):
@@ -101,14 +102,14 @@ class DraftModelProposer:
                 continue
             shadows.append((sh, k))
         drafts: dict[str, list[int]] = {sh.request.request_id: [] for sh, _ in shadows}
-        laws: dict[str, list[torch.Tensor]] = {}
-        self._catch_up([sh for sh, _ in shadows], drafts, laws)
+        probs: dict[str, list[torch.Tensor]] = {}
+        self._catch_up([sh for sh, _ in shadows], drafts, probs)
         for step in range(1, max((k for _, k in shadows), default=0)):
             live = [sh for sh, k in shadows if k > step]
             if live:
-                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, laws)
+                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, probs)
         tokens = [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
-        return tokens, [torch.stack(laws[r.request_id][:len(t)]) if t and r.request_id in laws else None
+        return tokens, [torch.stack(probs[r.request_id][:len(t)]) if t and r.request_id in probs else None
                         for r, t in zip(requests, tokens)]
 
     def retain(self, request_ids: set[str]) -> None:
@@ -126,7 +127,7 @@ class DraftModelProposer:
         return len(self._shadows)
 
     def _catch_up(self, shadows: list[_Shadow], drafts: dict[str, list[int]],
-                  laws: dict[str, list[torch.Tensor]]) -> None:
+                  probs: dict[str, list[torch.Tensor]]) -> None:
         """Compute every shadow's missing KV, in passes of at most max_num_tokens;
         the pass that reaches a shadow's last token gives its first draft."""
         pending = list(shadows)
@@ -144,20 +145,20 @@ class DraftModelProposer:
                         rest.append(sh)
                 else:
                     rest.append(sh)
-            self._run(batch, drafts, laws)
+            self._run(batch, drafts, probs)
             pending = rest
 
     def _run(self, batch: list[ScheduledRequest], drafts: dict[str, list[int]],
-             laws: dict[str, list[torch.Tensor]]) -> None:
+             probs: dict[str, list[torch.Tensor]]) -> None:
         sampled = set()
         if batch:
-            result = self.runner.execute(batch, want_law=True)
+            result = self.runner.execute(batch, want_probs=True)
             tokens = result.output.token_ids.tolist()
             for row, (req, token) in enumerate(zip(result.sampled, tokens)):
                 drafts[req.request_id].append(token)
                 sampled.add(req.request_id)
-                if result.law is not None and req.params.temperature > 0.0:
-                    laws.setdefault(req.request_id, []).append(result.law[row])
+                if result.probs is not None and req.params.temperature > 0.0:
+                    probs.setdefault(req.request_id, []).append(result.probs[row])
         for s in batch:
             s.request.num_computed_tokens += s.num_tokens
             if s.request.request_id in sampled:

@@ -4,10 +4,8 @@ sequence's own tail earlier in the sequence and copying what followed it.
 It runs on the CPU for every speculating sequence at every decode step, so it
 is a few numpy ops on the candidate positions rather than a Python loop over
 the sequence: one O(L) comparison against the last token, then at most
-`max_n - 1` comparisons over the (usually few) positions that survived.
-Measured on a 2-core CPU for a 2,048-token int64 array, k=5: 3 us when the
-last token is new, 9-22 us for typical matches, 65 us in the worst case (a
-run of one token, max_n=8, where every position survives every round).
+`max_n - 1` comparisons over the (usually few) positions that survived
+(microseconds per sequence: docs/speculative.md).
 """
 
 from __future__ import annotations
@@ -16,6 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from pdserve.workers.request import Request
+from pdserve.workers.spec.proposer import Drafts
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -36,6 +37,13 @@ class NgramProposer:
         """Draft for one sequence; `k` overrides the configured draft length
         (e.g. shrunk when the batch is large). See `ngram_draft`."""
         return ngram_draft(token_ids, self.min_n, self.max_n, self.k if k is None else k)
+
+    def draft(self, requests: list[Request], ks: list[int]) -> Drafts:
+        """`Proposer.draft`: each request's lookup over its own tokens (deterministic drafts)."""
+        return [self.propose(_token_array(r), k).tolist() for r, k in zip(requests, ks)], [None] * len(requests)
+
+    def retain(self, request_ids: set[str]) -> None:
+        """Nothing to free: the lookup's only state (a token mirror) lives on the request."""
 
 
 def ngram_draft(token_ids: np.ndarray | Sequence[int], min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -110,3 +118,10 @@ def _check(min_n: int, max_n: int, k: int) -> None:
         raise ValueError(f"max_n must be >= min_n ({min_n}), got {max_n}")
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+
+
+def _token_array(req: Request) -> np.ndarray:
+    """The request's tokens as int64, for the lookup (kept incrementally)."""
+    if req.token_buffer is None:
+        req.token_buffer = TokenBuffer()
+    return req.token_buffer.sync(req.all_token_ids)

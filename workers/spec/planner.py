@@ -12,14 +12,10 @@ import math
 import time
 from typing import Protocol
 
-import numpy as np
-import torch
-
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.request import Request
 from pdserve.workers.spec.cost import Price, SpecCostModel
-from pdserve.workers.spec.draft import DraftModelProposer
-from pdserve.workers.spec.ngram import NgramProposer, TokenBuffer
+from pdserve.workers.spec.proposer import Proposer
 
 _EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
 _GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
@@ -38,7 +34,7 @@ class SpecStats(Protocol):
 
 
 class Speculator:
-    def __init__(self, config: EngineConfig, proposer: NgramProposer | DraftModelProposer, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, proposer: Proposer, max_model_len: int) -> None:
         self.config = config
         self.proposer = proposer
         self.max_model_len = max_model_len
@@ -54,8 +50,7 @@ class Speculator:
         # the limits they were cut to (min_tokens, max_model_len) moved since.
         for req in running:
             req.spec_token_ids, req.spec_draft_probs = [], None
-        if isinstance(self.proposer, DraftModelProposer):  # free the draft KV of requests that left
-            self.proposer.retain({r.request_id for r in running})
+        self.proposer.retain({r.request_id for r in running})  # a draft model frees the KV of those that left
         batch = len(running)
         if batch > self.config.spec_max_batch_size or self.cost.wants_plain_step(batch):
             return
@@ -74,15 +69,10 @@ class Speculator:
         if not candidates:
             return
         start = time.perf_counter()
-        laws: list[torch.Tensor | None]
-        if isinstance(self.proposer, DraftModelProposer):
-            drafts, laws = self.proposer.propose_batch([r for r, _ in candidates], [k for _, k in candidates])
-        else:
-            drafts = [self.proposer.propose(_token_array(r), k).tolist() for r, k in candidates]
-            laws = [None] * len(drafts)
+        drafts, probs = self.proposer.draft([r for r, _ in candidates], [k for _, k in candidates])
         self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
-        for (req, _), d, law in zip(candidates, drafts, laws):
-            req.spec_token_ids, req.spec_draft_probs = d, law
+        for (req, _), d, sampled_from in zip(candidates, drafts, probs):
+            req.spec_token_ids, req.spec_draft_probs = d, sampled_from
             if d:
                 req.spec_idle_steps = 0
 
@@ -136,9 +126,3 @@ def _min_tokens_room(req: Request) -> int:
         return 1 << 30
     return req.params.min_tokens - req.num_output_tokens - 1
 
-
-def _token_array(req: Request) -> np.ndarray:
-    """The request's tokens as int64, for the n-gram lookup (kept incrementally)."""
-    if req.token_buffer is None:
-        req.token_buffer = TokenBuffer()
-    return req.token_buffer.sync(req.all_token_ids)

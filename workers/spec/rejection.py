@@ -2,7 +2,7 @@
 one target pass scores every draft, and the tokens emitted are distributed
 exactly as if the target had sampled them one at a time.
 
-Per row b with drafts x_1..x_k (k = num_drafts[b], 0 allowed) and target laws
+Per row b with drafts x_1..x_k (k = num_drafts[b], 0 allowed) and target distributions
 p_1..p_{k+1} (the row's temperature/top-k/top-p/min-p applied, as sampler.py does):
   - greedy rows (temperature 0): accept x_i while x_i == argmax p_i;
   - random rows: accept x_i with probability min(1, p_i(x_i) / q_i(x_i));
@@ -24,7 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from pdserve.workers.sampler import SamplingBatch, exponential_race, random_law
+from pdserve.workers.sampler import SamplingBatch, exponential_race, sampling_probs
 
 
 class Verified(NamedTuple):
@@ -54,11 +54,11 @@ def verify(
         under the limit. `logit_bias` applies at every position; `penalties`
         must be None (they depend on each position's history).
         `max_logprobs` is ignored: no logprobs are returned.
-    draft_probs: [B, K, V], the law each draft token was really sampled from
+    draft_probs: [B, K, V], the distribution each draft token was really sampled from
         (the draft model's normalised probabilities after the request's own processing),
         or None for deterministic drafters (n-gram, argmax drafts), which is
         treated as one-hot at the draft token. Either way the output is exact
-        (one-hot q is exact for any draft token, so for any law of drafts
+        (one-hot q is exact for any draft token, so for any distribution of drafts
         independent of the verifier's draws); the true q accepts more:
         sum(min(p, q)) on average instead of sum(p * q). Ignored for greedy rows.
     Returns the emitted tokens and accepted counts per row (one host sync).
@@ -135,7 +135,7 @@ def _target_probs(logits: torch.Tensor, batch: SamplingBatch, positions: int) ->
 
     temperature = per_position(batch.temperature)
     assert temperature is not None
-    return random_law(logits, temperature, per_position(batch.top_k), per_position(batch.top_p),
+    return sampling_probs(logits, temperature, per_position(batch.top_k), per_position(batch.top_p),
                       per_position(batch.min_p))
 
 

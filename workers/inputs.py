@@ -1,0 +1,37 @@
+"""What a request may ask for, checked once: the engine and the gateway both use
+these, so a bad request gets the same `ValueError` (its message starts with
+the offending parameter's name) wherever it is caught."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdserve.workers.sampling_params import SamplingParams
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """A prompt given as token ids: not empty, every id in the vocabulary."""
+    ids = list(token_ids)
+    if not ids:
+        raise ValueError("prompt: must not be empty")
+    if not all(type(t) is int and 0 <= t < vocab_size for t in ids):
+        raise ValueError(f"prompt: token ids must be integers in [0, {vocab_size})")
+    return ids
+
+
+def max_new_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
+    """How many tokens the request may generate: its `max_tokens`, or all the
+    context left. ValueError if the prompt and `max_tokens` do not fit."""
+    n = num_prompt_tokens
+    if n >= max_model_len:
+        raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens; "
+                         f"the prompt has {n}, which leaves no room to generate")
+    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; you "
+                         f"requested {n + params.max_tokens} ({n} in the prompt, {params.max_tokens} in the completion)")
+    return params.max_tokens if params.max_tokens is not None else max_model_len - n
+
+
+def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    if params.logit_bias and max(params.logit_bias) >= vocab_size:
+        raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary [0, {vocab_size})")
