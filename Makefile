@@ -24,7 +24,11 @@ run: setup
 generate: setup
 	$(BIN)/pdserve generate "$(PROMPT)" --max-tokens 48
 
+# The checks first (seconds), then the suite: lint, types (pyproject.toml says
+# what each covers), tests.
 test: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 	$(BIN)/pytest -q
 
 bench: setup

@@ -118,6 +118,7 @@ def main() -> int:
 
     from pdserve import LLM
     from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
     from pdserve.workers.async_engine import AsyncEngine
     from pdserve.workers.tiny.builder import default_model_dir
 
@@ -132,7 +133,7 @@ def main() -> int:
 
     # In-process engine (one worker, the same engine config as a served worker).
     torch.set_num_threads(1)
-    engine = AsyncEngine(LLM(model_dir, progress=False).engine)
+    engine = AsyncEngine(LLM(model_dir, progress=False).engine).start()
 
     async def in_process(i: int, p: list[int], mt: int) -> Timing:
         return await engine_one(engine, f"e{i}-{time.monotonic_ns()}", p, mt)
@@ -140,9 +141,9 @@ def main() -> int:
     print("[bench] in-process engine, concurrency 1 ...", file=sys.stderr, flush=True)
     asyncio.run(run_load(in_process, overhead_prompts[:4], 1, 8))  # warm-up
     results["engine_c1"] = summary(*asyncio.run(run_load(in_process, overhead_prompts, 1, 32)))
-    engine.shutdown()
+    engine.close()
 
-    cfg = serve_app.ServeConfig(model=model_dir, port=a.port)
+    cfg = serve_config({"model": model_dir, "port": a.port})
     serve_app.init_ray(cfg, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)

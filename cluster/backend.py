@@ -1,26 +1,66 @@
-"""The gateway's view of the worker pools: pick a worker, stream from it, abort on exit."""
+"""The gateway's view of its workers: a `GenerationBackend` runs a request and
+yields its DELTA outputs.
+
+Every backend runs a request the same way: one call starts it on a worker
+(`ServeRequest`, with this gateway's token stream as `reply_to`), and every
+token, the first included, comes back on that stream (`TokenStreams.run`).
+The request's gateway-side lifecycle ends with the stream; any end but its
+finish aborts it on its workers, which frees its blocks there.
+"""
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import AsyncIterator
-from typing import Any
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import RayActorError
 
+from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.router.policy import NoHealthyWorkerError
+from pdserve.cluster.router.router import RouterStats
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.token_stream import TokenStreamCollector
 
 
-def params_to_wire(params: SamplingParams) -> dict[str, Any]:
-    """Plain fields only: the worker rebuilds (and re-validates) SamplingParams."""
-    fields = dataclasses.asdict(params)
-    fields.pop("output_kind", None)
-    return fields
+class GenerationBackend(Protocol):
+    """What the gateway needs from the cluster (or from one in-process engine)."""
+
+    @property
+    def healthy(self) -> bool:
+        """Whether it can take a request now (else the gateway answers 503)."""
+        ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 timeout_s: float) -> AsyncIterator[RequestOutput]:
+        """DELTA outputs until the final one. ValueError for bad input;
+        NoHealthyWorkerError when no worker can take it; TimeoutError at the
+        deadline. Leaving early (cancellation) aborts the request on its workers."""
+        ...
+
+    def worker_handles(self) -> WorkerHandles:
+        """Actor name -> (pool, handle) of every worker whose metrics the gateway merges."""
+        ...
+
+    def router_stats(self) -> RouterStats | None:
+        """The router's counters, where it routes (the gateway exports them)."""
+        ...
+
+    async def start(self) -> None:
+        """Before the first request, on the event loop that will serve (idempotent)."""
+        ...
+
+    async def close(self) -> None:
+        """Stop what `start` started; requests in flight end."""
+        ...
 
 
 class TokenStreams:
@@ -39,6 +79,19 @@ class TokenStreams:
             host = ray.util.get_node_ip_address() if self.bind_host == "auto" else self.bind_host
             self._collector = TokenStreamCollector(host)
         return self._collector
+
+    def request(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> ServeRequest:
+        """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
+        return ServeRequest(request_id, tuple(prompt), params, timeout_s, self.collector.address)
+
+    async def run(self, req: ServeRequest, start: Callable[[], Awaitable[Any]],
+                  abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
+        """`start()` runs the request (a worker call that returns when it is over);
+        yield its deltas from the stream. `abort()` runs on any end but its finish."""
+        life = self.collector.open(req.request_id, list(req.prompt_token_ids), req.timeout_s)
+        life.on_exit(lambda exit: None if exit is Exit.FINISHED else abort())
+        async for out in self.collector.consume(req.request_id, start()):
+            yield out
 
     async def close(self) -> None:
         if self._collector is not None:
@@ -69,38 +122,71 @@ class ColocatedBackend:
     def num_in_flight(self) -> int:
         return sum(self._in_flight)
 
-    def worker_handles(self) -> dict[str, tuple[str, Any]]:
-        """Actor name -> (pool, handle) of every worker, for the gateway's metrics scrape."""
+    def worker_handles(self) -> WorkerHandles:
         return {name: ("colocated", w) for name, w in zip(self.names, self.workers)}
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+    def router_stats(self) -> RouterStats | None:
+        return None
+
+    async def start(self) -> None:
+        pass
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
         live = [i for i in range(len(self.workers)) if i not in self._dead]
         if not live:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
         i = min(live, key=lambda j: (self._in_flight[j], j))
         worker = self.workers[i]
+        req = self.streams.request(request_id, prompt, params, timeout_s)
         self._in_flight[i] += 1
-        finished = False
-        collector = self.streams.collector
-        collector.open(request_id, prompt)
         try:
-            start = worker.generate_to.remote(request_id, prompt, params_to_wire(params), timeout_s, collector.address)
-            async for out in collector.consume(request_id, start, time.monotonic() + timeout_s):
+            async for out in self.streams.run(req, lambda: worker.serve.remote(req),
+                                              lambda: _abort(worker, request_id)):
                 yield out
-                finished = out.finished
         except RayActorError:
             self._dead.add(i)
             raise
         finally:
-            collector.discard(request_id)
             self._in_flight[i] -= 1
-            if not finished and i not in self._dead:
-                worker.abort.remote(request_id)  # fire and forget: the worker frees the blocks
-
 
     async def close(self) -> None:
         await self.streams.close()
 
 
-def get_workers(names: list[str], namespace: str) -> list[Any]:
-    return [ray.get_actor(name, namespace=namespace) for name in names]
+class LocalBackend:
+    """One in-process engine, no Ray and no token stream (tests, benchmarks, a
+    single-process server): the engine hands its outputs to the caller directly."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self.engine = engine
+
+    @property
+    def healthy(self) -> bool:
+        return self.engine.healthy
+
+    @property
+    def num_in_flight(self) -> int:
+        return self.engine.num_in_flight
+
+    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                 timeout_s: float) -> AsyncIterator[RequestOutput]:
+        return self.engine.generate(request_id, prompt, params, timeout_s)
+
+    def worker_handles(self) -> WorkerHandles:
+        return {}
+
+    def router_stats(self) -> RouterStats | None:
+        return None
+
+    async def start(self) -> None:
+        self.engine.start()
+
+    async def close(self) -> None:
+        self.engine.close()
+
+
+def _abort(worker: Any, request_id: str) -> None:
+    """Tell a worker to drop a request; fire and forget (a dead one is already rid of it)."""
+    with contextlib.suppress(RayActorError):
+        worker.abort.remote(request_id)

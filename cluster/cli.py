@@ -1,7 +1,10 @@
 """`pdserve` command line: the one place that reads flags.
 
-Subcommands import what they need lazily so `pdserve --help` stays fast and
-the offline commands never import Ray.
+Engine and serving flags have no defaults here: a flag given is a setting
+(`--max-model-len 2048` is `max_model_len: 2048`, as in a Serve YAML), and
+cluster/serve_config.py turns settings into configs, defaults and checks
+included, the same way for both. Subcommands import what they need lazily so
+`pdserve --help` stays fast and the offline commands never import Ray.
 """
 
 from __future__ import annotations
@@ -11,38 +14,46 @@ import sys
 import time
 from collections.abc import Sequence
 
+_SETTING = argparse.SUPPRESS  # a flag's default: not given, not a setting
+
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF-format model directory (default: the embedded tiny model)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=128)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool size in blocks (overrides the memory budget)")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--speculative", default=None, choices=["ngram", "draft"],
+    p.add_argument("--model", default=_SETTING, help="HF-format model directory (default: the embedded tiny model)")
+    p.add_argument("--dtype", default=_SETTING, help="auto (default), float32, float16 or bfloat16")
+    p.add_argument("--device", default=_SETTING, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--max-model-len", type=int, default=_SETTING, help="default: the model's")
+    p.add_argument("--block-size", type=int, default=_SETTING, help="KV block size in tokens (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=_SETTING, help="requests in a batch (default 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=_SETTING, help="tokens in a step (default 2048)")
+    p.add_argument("--num-kv-blocks", type=int, default=_SETTING,
+                   help="KV pool size in blocks (overrides the memory budget)")
+    p.add_argument("--attention-backend", default=_SETTING, help="auto (default: Triton on CUDA), torch or triton")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=_SETTING)
+    p.add_argument("--speculative", default=_SETTING,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
-    p.add_argument("--draft-model", default=None, help="HF-format directory of the draft model (same tokenizer)")
-    p.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts verified per step")
+    p.add_argument("--draft-model", default=_SETTING, help="HF-format directory of the draft model (same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=_SETTING, help="most drafts verified per step (4)")
 
 
-def _engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
-    return dict(
-        dtype=a.dtype, device=a.device, max_model_len=a.max_model_len, block_size=a.block_size,
-        max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens, num_kv_blocks=a.num_kv_blocks,
-        attention_backend=a.attention_backend, enable_prefix_caching=not a.no_prefix_caching, progress=True,
-        speculative=a.speculative, num_speculative_tokens=a.num_speculative_tokens, draft_model=a.draft_model,
-    )
+def _settings(a: argparse.Namespace, model: bool = True) -> dict[str, object]:
+    """The settings the command line gave (flags left out are absent); with the
+    embedded tiny model when no --model was given."""
+    from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS
+
+    settings = {k: v for k, v in vars(a).items() if k in ENGINE_SETTINGS or k in SERVE_SETTINGS}
+    if model and "model" not in settings:
+        from pdserve.workers.tiny.builder import default_model_dir
+
+        settings["model"] = str(default_model_dir(progress=True))
+    return settings
 
 
 def _cmd_generate(a: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
+    from pdserve.cluster.serve_config import engine_config
 
-    llm = LLM(model=a.model, **_engine_kwargs(a))
+    llm = LLM.from_config(engine_config(_settings(a), progress=True))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
@@ -88,25 +99,10 @@ def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from pdserve.cluster.serve_app import ServeConfig, run
+    from pdserve.cluster.serve_app import run
+    from pdserve.cluster.serve_config import serve_config
 
-    model = a.model
-    if model is None:
-        from pdserve.workers.tiny.builder import default_model_dir
-
-        model = str(default_model_dir(progress=True))
-    engine_args: dict[str, object] = {"dtype": a.dtype, "device": a.device, "max_num_seqs": a.max_num_seqs,
-                                      "max_num_batched_tokens": a.max_num_batched_tokens,
-                                      "num_kv_blocks": a.num_kv_blocks, "attention_backend": a.attention_backend,
-                                      "enable_prefix_caching": not a.no_prefix_caching,
-                                      "speculative": a.speculative, "num_speculative_tokens": a.num_speculative_tokens,
-                                      "draft_model": a.draft_model}
-    cfg = ServeConfig(model=model, mode=a.mode, num_prefill=a.prefill, num_decode=a.decode, transport=a.transport, ingress=a.ingress,
-                      router_policy=a.router_policy,
-                      host=a.host, port=a.port,
-                      api_key=a.api_key, max_model_len=a.max_model_len, block_size=a.block_size,
-                      engine_args=engine_args)
-    run(cfg)
+    run(serve_config(_settings(a)))
     return 0
 
 
@@ -128,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--presence-penalty", type=float, default=0.0)
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 1 discourages repeating prompt and output tokens")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="> 1 discourages repeating prompt and output tokens")
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
@@ -137,18 +134,22 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_cmd_generate)
 
     srv = sub.add_parser("serve", help="start workers on Ray and the OpenAI-compatible HTTP API")
-    srv.add_argument("--mode", default="disaggregated", choices=["disaggregated", "colocated"])
-    srv.add_argument("--prefill", type=int, default=1, help="prefill workers (colocated: total workers = prefill + decode)")
-    srv.add_argument("--decode", type=int, default=1, help="decode workers")
-    srv.add_argument("--transport", default="zmq", choices=["zmq", "nccl"])
-    srv.add_argument("--ingress", default="haproxy", choices=["haproxy", "proxy"],
-                     help="Ray Serve's HAProxy ingress (fast) or its Python proxy actor (local Ray only: "
-                          "a running cluster keeps the ingress it was started with)")
-    srv.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin"],
-                     help="how the gateway picks prefill workers (round_robin: for comparison)")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
+    srv.add_argument("--prefill", type=int, default=_SETTING,
+                     help="prefill workers (1; colocated: total workers = prefill + decode)")
+    srv.add_argument("--decode", type=int, default=_SETTING, help="decode workers (1)")
+    srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
+    srv.add_argument("--ingress", default=_SETTING,
+                     help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
+                          "Ray only: a running cluster keeps the ingress it was started with)")
+    srv.add_argument("--router-policy", default=_SETTING,
+                     help="how the gateway picks prefill workers: cache_aware (default) or round_robin")
+    srv.add_argument("--kv-failure-policy", default=_SETTING,
+                     help="when a request's KV does not arrive intact: recompute it on the decode worker "
+                          "(default) or fail the request")
+    srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
+    srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
+    srv.add_argument("--api-key", default=_SETTING)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
@@ -166,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--max-position-embeddings", type=int, default=2048)
     tiny.set_defaults(func=_cmd_make_tiny_model)
 
-    pair = sub.add_parser("make-tiny-pair", help="train a tiny target and a 1-layer draft (speculative decoding) on CPU",
+    pair = sub.add_parser("make-tiny-pair",
+                          help="train a tiny target and a 1-layer draft (speculative decoding) on CPU",
                           description="Train the default tiny model and a 1-layer draft distilled from it on the "
                                       "stdlib corpus; write OUT_DIR/target, OUT_DIR/draft and OUT_DIR/quality.json.")
     pair.add_argument("out_dir", nargs="?", default=None,

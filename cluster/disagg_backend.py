@@ -1,57 +1,61 @@
 """The gateway's coordinator for disaggregated serving.
 
-One request: route (cache- and load-aware) -> the decode worker reserves blocks
--> the prefill worker prefills and streams KV into them -> the decode worker
-streams tokens. Any exit before the end (client gone, deadline, worker error)
-aborts the request on both workers, which frees its blocks on both sides.
-Worker loads and KV events reach the router from a poller every `poll_s`.
+One request: the router picks a prefill and a decode worker and a plan; one
+call runs it, and every token comes back on the gateway's token stream:
+
+    LOCAL         decode.serve(req)                      the decode worker prefills it too
+    HANDOFF       decode.handoff(req, prefill)           it reserves blocks, the prefill worker
+                                                         computes the prompt into them, it decodes
+    PREFILL_ONLY  prefill.serve(req)                     ends at its first token: no decode worker
+                                                         (if the prefill worker is gone: decode.serve)
+
+Any exit before the end (client gone, deadline, worker error) aborts the
+request on both workers, which frees its blocks on both sides. Worker loads and
+KV events reach the router from a poller every `poll_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray.exceptions import RayActorError
 
-from pdserve.cluster.backend import TokenStreams, params_to_wire
+from pdserve.cluster.backend import TokenStreams, _abort
+from pdserve.cluster.metrics import WorkerHandles
+from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router
-from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
-from pdserve.workers.kv.events import KVEvent, KVEventKind
+from pdserve.cluster.router.policy import Plan, RoutingDecision, WorkerLoad, WorkerRole
+from pdserve.cluster.router.router import RouterStats
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
-
-def _first_token_is_not_last(first: RequestOutput, params: SamplingParams) -> bool:
-    """Whether the prefill worker's first token can go to the client as it is,
-    before the decode worker continues: it did not stop the request (the prefill
-    ran with max_tokens=1, so "length" means no EOS or stop token), and no stop
-    string could cut its text."""
-    c = first.outputs[0]
-    return (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
-            and (params.max_tokens is None or params.max_tokens > 1))
+# The router knows no worker until the first poll has answered; a worker that
+# takes longer than this to report is taken for dead (until it answers again).
+_FIRST_POLL_S = 30.0
+_POLL_TIMEOUT_S = 5.0
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], decode_addresses: dict[str, str],
-                 router: Router, poll_s: float = 0.05, stream_host: str = "127.0.0.1",
-                 names: dict[str, str] | None = None) -> None:
+    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.05,
+                 stream_host: str = "127.0.0.1", names: dict[str, str] | None = None) -> None:
         """`prefill`/`decode`: router worker id -> actor handle; `names`: router
         worker id -> actor name (the `worker` label of its metrics; default the id)."""
-        self.prefill, self.decode, self.addresses, self.router = prefill, decode, decode_addresses, router
+        self.prefill, self.decode, self.router = prefill, decode, router
         self.names = names or {}
         self.streams = TokenStreams(stream_host)
         self.poll_s = poll_s
+        self.loads: dict[str, LoadReport] = {}
         self._in_flight = 0
         self._dead: set[str] = set()
+        self._event_seq: dict[str, int] = {}  # the next KV event batch each worker should send
         self._poller: asyncio.Task[None] | None = None
+        self._ready: asyncio.Event | None = None
         self._closing = False
-        self._ready = asyncio.Event()
-        self.loads: dict[str, dict[str, Any]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -62,122 +66,92 @@ class DisaggregatedBackend:
     def num_in_flight(self) -> int:
         return self._in_flight
 
-    def worker_handles(self) -> dict[str, tuple[str, Any]]:
-        """Actor name -> (pool, handle) of every worker, for the gateway's metrics scrape."""
+    def worker_handles(self) -> WorkerHandles:
         pools = [("prefill", self.prefill), ("decode", self.decode)]
         return {self.names.get(wid, wid): (pool, h) for pool, handles in pools for wid, h in handles.items()}
 
-    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> AsyncIterator[RequestOutput]:
+    def router_stats(self) -> RouterStats | None:
+        return self.router.stats
+
+    async def start(self) -> None:
+        """Start polling worker loads; returns once the first poll has answered."""
         if self._poller is None:
             self._closing = False
             self._ready = asyncio.Event()
-            self._poller = asyncio.create_task(self._poll_loads())
-        # The router knows no worker until the first poll has answered.
-        await asyncio.wait_for(self._ready.wait(), timeout=30.0)
-        decision = self.router.route(request_id, prompt)
-        d_id, p_id = decision.decode_worker, decision.prefill_worker
-        d = self.decode[d_id]
-        wire = params_to_wire(params)
-        self._in_flight += 1
-        finished = False
-        deadline = time.monotonic() + timeout_s
-        collector = self.streams.collector
-        collector.open(request_id, prompt)
-        # The prefill worker's queue time, when it prefilled: the request's
-        # first queue (the decode worker's own "queue time" spans the prefill).
-        first_metrics: dict[str, float] | None = None
-        try:
-            if params.max_tokens == 1 and not decision.local_prefill and p_id is not None:
-                # Ends at its first token: the prefill worker runs it alone (no decode
-                # blocks reserved, no KV shipped). If it is gone, the decode worker does.
-                try:
-                    out = await self.prefill[p_id].generate_alone.remote(request_id, prompt, wire, timeout_s)
-                except RayActorError:
-                    self._dead.add(p_id)
-                else:
-                    finished = True
-                    yield out
-                    return
-                start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
-            elif decision.local_prefill or p_id is None:
-                start = d.generate_to.remote(request_id, prompt, wire, timeout_s, collector.address)
-            else:
-                start, first, first_metrics = await self._handoff(request_id, prompt, params, wire, timeout_s, p_id,
-                                                                  d_id, collector.address)
-                if first is not None:
-                    yield first
-            async for out in collector.consume(request_id, start, deadline):
-                if first_metrics is not None:
-                    out.metrics = first_metrics
-                yield out
-                finished = out.finished
-        finally:
-            collector.discard(request_id)
-            self._in_flight -= 1
-            if not finished:
-                for worker in [d] + ([self.prefill[p_id]] if p_id else []):
-                    with contextlib.suppress(RayActorError):
-                        worker.abort.remote(request_id)
-
-    async def _handoff(self, request_id: str, prompt: list[int], params: SamplingParams, wire: dict[str, Any],
-                       timeout_s: float, p_id: str, d_id: str,
-                       reply_to: str) -> tuple[Any, RequestOutput | None, dict[str, float] | None]:
-        """Reserve on D, prefill on P; returns D's call that streams the rest to
-        `reply_to`, the first token's output when it goes to the client now,
-        before D's stream starts, and P's output metrics (None if P did not prefill)."""
-        d = self.decode[d_id]
-        plan = await d.reserve.remote(request_id, prompt, wire)
-        if plan is None:  # no room on the decode worker now: it queues and prefills the request itself
-            return d.generate_to.remote(request_id, prompt, wire, timeout_s, reply_to), None, None
-        blocks, cached_here = plan
-        first: RequestOutput | None
-        try:
-            first = await self.prefill[p_id].prefill.remote(request_id, prompt, wire, blocks, cached_here,
-                                                            self.addresses[d_id], timeout_s)
-        except RayActorError:
-            self._dead.add(p_id)
-            first = None
-        except Exception:  # noqa: BLE001 - RayTaskError around TransferError / timeout
-            first = None  # the prefill or its transfer failed: the decode worker applies its policy
-        early = first is not None and _first_token_is_not_last(first, params)
-        stream = d.decode_to.remote(request_id, prompt, first, cached_here, timeout_s, early, reply_to)
-        first_metrics = first.metrics if first is not None else None
-        if not early:
-            return stream, None, first_metrics
-        assert first is not None
-        c = first.outputs[0]
-        return stream, RequestOutput(request_id, first.prompt, first.prompt_token_ids,
-                                     [dataclasses.replace(c, finish_reason=None, stop_reason=None)], False,
-                                     first.num_cached_tokens, first.metrics, first.prompt_logprobs), first_metrics
+            self._poller = asyncio.create_task(self._poll_loads(self._ready))
+        assert self._ready is not None
+        await asyncio.wait_for(self._ready.wait(), timeout=_FIRST_POLL_S)
 
     async def close(self) -> None:
         await self.streams.close()
-        self._closing = True  # Python 3.11's wait_for can swallow a cancel: the loop checks this too
+        self._closing = True  # Python 3.11's wait_for can swallow a cancel: the poll loop checks this too
         if self._poller is not None:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
             self._poller = None
 
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        await self.start()
+        decision = self.router.route(request_id, prompt, params.max_tokens)
+        req = self.streams.request(request_id, prompt, params, timeout_s)
+        self._in_flight += 1
+        try:
+            async for out in self.streams.run(req, lambda: self._run(decision, req),
+                                              lambda: self._abort(decision, request_id)):
+                yield out
+        finally:
+            self._in_flight -= 1
+
+    async def _run(self, decision: RoutingDecision, req: ServeRequest) -> None:
+        """The one call that runs the request, by its plan."""
+        decode = self.decode[decision.decode_worker]
+        p_id = decision.prefill_worker
+        if decision.plan is Plan.LOCAL or p_id is None:
+            await decode.serve.remote(req)
+        elif decision.plan is Plan.HANDOFF:
+            await decode.handoff.remote(req, self.prefill[p_id])
+        else:
+            try:
+                await self.prefill[p_id].serve.remote(req)
+            except RayActorError:  # it is gone: the decode worker runs the request
+                self._dead.add(p_id)
+                await decode.serve.remote(req)
+
+    def _abort(self, decision: RoutingDecision, request_id: str) -> None:
+        _abort(self.decode[decision.decode_worker], request_id)
+        if decision.prefill_worker is not None:
+            _abort(self.prefill[decision.prefill_worker], request_id)
+
+    # -- loads and KV events -----------------------------------------------------
+
+    async def _poll_loads(self, ready: asyncio.Event) -> None:
+        while not self._closing:
+            await self._refresh()
+            ready.set()
+            await asyncio.sleep(self.poll_s)
+
     async def _refresh(self) -> None:
         workers = {**{k: (v, WorkerRole.PREFILL) for k, v in self.prefill.items()},
                    **{k: (v, WorkerRole.DECODE) for k, v in self.decode.items()}}
         for wid, (actor, role) in workers.items():
             try:
-                load = await asyncio.wait_for(actor.load.remote(), timeout=5.0)
-            except (TimeoutError, RayActorError):
+                report: LoadReport = await asyncio.wait_for(actor.load.remote(), timeout=_POLL_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - dead, hung, or its engine failed: not routable
                 self._dead.add(wid)
                 self.router.update_load(WorkerLoad(wid, role, healthy=False))
                 continue
-            self.loads[wid] = load
-            self.router.on_kv_events(wid, [KVEvent(KVEventKind(k), h, p) for k, h, p in load["events"]])
+            self.loads[wid] = report
+            self._apply_events(wid, report.events)
+            s = report.snapshot
             self.router.update_load(WorkerLoad(wid, role, healthy=wid not in self._dead,
-                                               queued_prefill_tokens=load["queued_prefill_tokens"],
-                                               running_requests=load["running"], free_blocks=load["free_blocks"],
-                                               total_blocks=load["total_blocks"]))
+                                               queued_prefill_tokens=s.queued_prefill_tokens,
+                                               running_requests=s.running, free_blocks=s.free_blocks,
+                                               total_blocks=s.total_blocks))
 
-    async def _poll_loads(self) -> None:
-        while not self._closing:
-            await self._refresh()
-            self._ready.set()
-            await asyncio.sleep(self.poll_s)
+    def _apply_events(self, wid: str, batch: KVEventBatch) -> None:
+        if batch.batch_seq != self._event_seq.get(wid, 0):
+            self.router.forget_cache(wid)  # a batch was lost: what it caches is unknown; relearn it
+        self._event_seq[wid] = batch.batch_seq + 1
+        self.router.on_kv_events(wid, batch.events)

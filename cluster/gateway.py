@@ -15,28 +15,15 @@ import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
+from pdserve.cluster.backend import GenerationBackend
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.protocol import ChatCompletionRequest
 from pdserve.cluster.router import NoHealthyWorkerError
+from pdserve.workers.inputs import max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
-
-
-class GenerationBackend(Protocol):
-    """What the gateway needs from the cluster (or one in-process engine)."""
-
-    @property
-    def healthy(self) -> bool: ...
-
-    @property
-    def num_in_flight(self) -> int: ...
-
-    def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 timeout_s: float) -> AsyncIterator[RequestOutput]:
-        """DELTA outputs until finished; ValueError for bad input; aborts on cancellation."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -97,8 +84,7 @@ class Work:
 class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        router = getattr(backend, "router", None)  # the disaggregated backend's
-        self.metrics = GatewayMetrics(lambda: getattr(router, "stats", None))
+        self.metrics = GatewayMetrics(backend.router_stats)
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
         self._admitted = 0
@@ -118,13 +104,9 @@ class Gateway:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
-            return list(self.tokenizer.encode(prompt))
         if not prompt:
             raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
-        return list(prompt)
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
     def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
@@ -146,17 +128,8 @@ class Gateway:
                make: Callable[[int], SamplingParams]) -> SamplingParams:
         """The checked parameters `make` builds for the completion's token budget
         (`max_tokens`, or all the context the prompt leaves)."""
-        n = len(prompt_ids)
-        limit = self.config.max_model_len
-        if n >= limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens; the prompt has {n}.",
-                           "BadRequestError", "prompt")
-        if max_tokens is not None and n + max_tokens > limit:
-            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
-                                f"{n + max_tokens} tokens ({n} in the prompt, {max_tokens} in the completion).",
-                           "BadRequestError", "max_tokens")
         try:
-            params = make(max_tokens if max_tokens is not None else limit - n)
+            params = make(max_new_tokens(len(prompt_ids), max_tokens, self.config.max_model_len))
         except ValueError as e:
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
@@ -193,8 +166,7 @@ class Gateway:
 
     def worker_handles(self) -> WorkerHandles:
         """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""
-        handles = getattr(self.backend, "worker_handles", None)
-        return handles() if handles is not None else {}
+        return self.backend.worker_handles()
 
     def token_str(self, token_id: int) -> str:
         text: str = self.tokenizer.decode([token_id])

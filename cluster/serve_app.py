@@ -4,82 +4,26 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray import serve
 
+from pdserve.cluster.reports import WorkerInfo
+from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+
 NAMESPACE = "pdserve"
 
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
-# relaying every request and every streamed chunk over Ray. Measured here
-# (1P+1D, concurrency 16, 2 cores): the proxy actor took a sixth of the machine.
-# Ray reads these when its processes start, so they must be in the environment
-# of `ray start` (or of the process whose ray.init starts local Ray).
+# relaying every request and every streamed chunk over Ray, which takes a large
+# share of a small machine's CPU (docs/benchmarks-cluster.md). Ray reads these
+# when its processes start, so they must be in the environment of `ray start`
+# (or of the process whose ray.init starts local Ray).
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # Local Ray only: the gateway replica's drain on shutdown waits (30 s by
 # default) for load balancers on other nodes to stop sending; here there are none.
 LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """What `pdserve serve` and deploy/serve.yaml configure (validated here)."""
-
-    model: str
-    mode: str = "disaggregated"  # disaggregated | colocated (the baseline)
-    num_prefill: int = 1
-    num_decode: int = 1
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    max_model_len: int | None = None
-    block_size: int = 16
-    max_in_flight: int = 256
-    transport: str = "zmq"  # zmq | nccl
-    ingress: str = "haproxy"  # haproxy | proxy (Serve's Python proxy actor)
-    router_policy: str = "cache_aware"  # cache_aware | round_robin (for comparison)
-    # Where decode workers listen for KV, and the gateway for token streams:
-    # loopback on one machine; "auto" = each one's node address (multi-node;
-    # keep it on a private network).
-    kv_bind_host: str = "127.0.0.1"
-    engine_args: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("colocated", "disaggregated"):
-            raise ValueError(f"mode: must be colocated or disaggregated, got {self.mode!r}")
-        if self.transport not in ("zmq", "nccl"):
-            raise ValueError(f"transport: must be zmq or nccl, got {self.transport!r}")
-        if self.ingress not in ("haproxy", "proxy"):
-            raise ValueError(f"ingress: must be haproxy or proxy, got {self.ingress!r}")
-        if self.router_policy not in ("cache_aware", "round_robin"):
-            raise ValueError(f"router_policy: must be cache_aware or round_robin, got {self.router_policy!r}")
-        if self.num_prefill < 1 or self.num_decode < 1:
-            raise ValueError("prefill/decode: each pool needs at least one worker")
-        if not 0 < self.port < 65536:
-            raise ValueError(f"port: must be in 1..65535, got {self.port}")
-
-    @property
-    def num_workers(self) -> int:
-        # Colocated: the same total number of workers as the disaggregated pools.
-        return self.num_prefill + self.num_decode
-
-    def worker_names(self) -> list[str]:
-        if self.mode == "disaggregated":
-            return self.prefill_names() + self.decode_names()
-        return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
-
-    def prefill_names(self) -> list[str]:
-        return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]
-
-    def decode_names(self) -> list[str]:
-        return [f"pdserve-decode-{i}" for i in range(self.num_decode)]
-
-    def engine_config(self) -> dict[str, Any]:
-        return {"model": self.model, "max_model_len": self.max_model_len, "block_size": self.block_size,
-                **self.engine_args}
 
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
@@ -95,14 +39,15 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     def make(actor_cls: Any, name: str, *args: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
-            cfg.engine_config(), threads, *args, worker_name=name)
+            cfg.engine, threads, *args, worker_name=name)
 
-    if cfg.mode == "disaggregated":
+    if cfg.mode is ServingMode.DISAGGREGATED:
         workers = [make(PrefillWorkerActor, n, cfg.transport) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport) for n in cfg.decode_names()]
+        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport, cfg.kv_failure_policy)
+                    for n in cfg.decode_names()]
     else:
         workers = [make(EngineWorkerActor, n) for n in cfg.worker_names()]
-    ray.get([w.ready.remote() for w in workers], timeout=timeout_s)
+    ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     return workers
 
 
@@ -110,16 +55,16 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     """Runs on the gateway replica: tokenizer, backend over the named workers, routes."""
     from transformers import AutoTokenizer
 
-    from pdserve.cluster.backend import ColocatedBackend, get_workers
+    from pdserve.cluster.backend import ColocatedBackend
     from pdserve.cluster.gateway import Gateway, GatewayConfig
     from pdserve.cluster.openai_app import build_app
 
-    workers = get_workers(cfg.worker_names(), NAMESPACE)
-    limits = ray.get(workers[-1].ready.remote(), timeout=60)
+    workers = [ray.get_actor(name, namespace=NAMESPACE) for name in cfg.worker_names()]
+    info: WorkerInfo = ray.get(workers[-1].info.remote(), timeout=60)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
-                           max_model_len=limits["max_model_len"], api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
-    backend = (_disaggregated_backend(cfg) if cfg.mode == "disaggregated"
+                           max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
+    backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend(workers, stream_host=cfg.kv_bind_host, names=cfg.worker_names()))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
 
@@ -127,15 +72,14 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
 def _disaggregated_backend(cfg: ServeConfig) -> Any:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
     from pdserve.cluster.router import Router
-    from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
+    from pdserve.cluster.router.policy import RouterConfig
 
     names = {f"p{i}": n for i, n in enumerate(cfg.prefill_names())}
     names.update({f"d{i}": n for i, n in enumerate(cfg.decode_names())})
     prefill = {f"p{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.decode_names())}
-    addresses = {wid: ray.get(a.ready.remote(), timeout=60)["address"] for wid, a in decode.items()}
-    router = Router(RouterConfig(policy=RoutingPolicy(cfg.router_policy)), cfg.block_size)
-    return DisaggregatedBackend(prefill, decode, addresses, router, stream_host=cfg.kv_bind_host, names=names)
+    router = Router(RouterConfig(policy=cfg.router_policy), cfg.engine.block_size)
+    return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:
@@ -149,7 +93,7 @@ def gateway_app(cfg: ServeConfig) -> serve.Application:
 def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
     """ray.init (local Ray, or RAY_ADDRESS) with the environment `cfg.ingress` needs.
     A cluster that is already running keeps the ingress it was started with."""
-    if cfg.ingress == "haproxy":
+    if cfg.ingress is Ingress.HAPROXY:
         for key, value in HAPROXY_ENV.items():
             os.environ.setdefault(key, value)
     else:
@@ -168,8 +112,8 @@ def run(cfg: ServeConfig, block: bool = True) -> None:
     start_workers(cfg)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
-    print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 ({cfg.mode}, {cfg.num_workers} workers)",
-          flush=True)
+    print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
+          f"({cfg.mode.value}, {cfg.num_workers} workers)", flush=True)
     if block:
         try:
             while True:

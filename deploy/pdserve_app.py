@@ -35,29 +35,9 @@ from typing import Any
 
 from ray import serve
 
-from pdserve.cluster.serve_app import NAMESPACE, ServeConfig, gateway_app, start_workers
-from pdserve.workers.config import EngineConfig
+from pdserve.cluster.serve_app import NAMESPACE, gateway_app, start_workers
+from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeConfig, serve_config
 
-# YAML arg (the `pdserve serve` flag, snake_case) -> ServeConfig field.
-_CONFIG_ARGS = {
-    "model": "model",
-    "mode": "mode",
-    "prefill": "num_prefill",
-    "decode": "num_decode",
-    "transport": "transport",
-    "max_model_len": "max_model_len",
-    "block_size": "block_size",
-    "max_in_flight": "max_in_flight",
-    "kv_bind_host": "kv_bind_host",
-    "router_policy": "router_policy",
-}
-_INT_ARGS = {"prefill", "decode", "block_size", "max_in_flight"}
-_STR_ARGS = {"model", "mode", "transport", "kv_bind_host", "router_policy"}
-# Engine settings the YAML may give at the top level or under `engine_args:`. The
-# rest of EngineConfig is set by ServeConfig (model, max_model_len, block_size) or by
-# the worker actors (record_kv_events, progress).
-_ENGINE_ARGS = frozenset(f.name for f in dataclasses.fields(EngineConfig)) - {
-    "model", "max_model_len", "block_size", "record_kv_events", "progress"}
 _API_KEY_ARGS = ("api_key", "api_key_env", "api_key_file")
 _BUILDER_ARGS = {"engine_args", "worker_timeout_s", "wait_for_gpus_s", *_API_KEY_ARGS}
 # Set elsewhere under Serve: refuse them rather than ignore them.
@@ -76,7 +56,11 @@ class DeployArgs:
 
 
 def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
-    """Validate the YAML `args:`; every error is a ValueError that starts with the arg's name."""
+    """Validate the YAML `args:`; every error is a ValueError that starts with the arg's name.
+
+    The args are `pdserve serve`'s settings (cluster/serve_config.py), engine
+    settings at the top level or under `engine_args:`, plus what only a Serve
+    deployment has: the API key from a file or the environment, and the builder's waits."""
     if args is None:
         args = {}
     if not isinstance(args, Mapping):
@@ -84,38 +68,14 @@ def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
     for key in args:
         if key in _ELSEWHERE:
             raise ValueError(f"{key}: not an application arg under Ray Serve; set {_ELSEWHERE[key]}")
-        if key not in _CONFIG_ARGS and key not in _ENGINE_ARGS and key not in _BUILDER_ARGS:
-            known = sorted({*_CONFIG_ARGS, *_ENGINE_ARGS, *_BUILDER_ARGS})
+        if key not in SERVE_SETTINGS and key not in ENGINE_SETTINGS and key not in _BUILDER_ARGS:
+            known = sorted({*SERVE_SETTINGS, *ENGINE_SETTINGS, *_BUILDER_ARGS})
             raise ValueError(f"{key}: unknown arg (known: {', '.join(known)})")
-
-    if "model" not in args:
+    if not args.get("model"):
         raise ValueError("model: required (an HF-format model directory present on every node)")
-    kwargs: dict[str, Any] = {}
-    for key, fld in _CONFIG_ARGS.items():
-        if key not in args:
-            continue
-        value = args[key]
-        if key in _INT_ARGS:
-            value = _positive_int(key, value)
-        elif key in _STR_ARGS:
-            if not isinstance(value, str) or not value:
-                raise ValueError(f"{key}: must be a non-empty string, got {value!r}")
-        elif key == "max_model_len" and value is not None:
-            value = _positive_int(key, value)
-        kwargs[fld] = value
-
-    if "transport" in kwargs and "transport" not in {f.name for f in dataclasses.fields(ServeConfig)}:
-        # ServeConfig without a transport field runs ZeroMQ only.
-        if kwargs.pop("transport") != "zmq":
-            raise ValueError(f"transport: only zmq is available, got {args['transport']!r}")
-
-    kwargs["api_key"] = _api_key(args)
-    kwargs["engine_args"] = _engine_args(args)
-    cfg = ServeConfig(**kwargs)  # its own checks raise ValueError("mode: ...") and so on
-    try:
-        EngineConfig(**{**cfg.engine_config(), "progress": False})
-    except TypeError as e:  # pragma: no cover - unknown keys are refused above
-        raise ValueError(f"engine_args: {e}") from None
+    settings = {k: v for k, v in args.items() if k not in _BUILDER_ARGS} | _engine_args(args)
+    settings["api_key"] = _api_key(args)
+    cfg = serve_config(settings)  # its own checks raise ValueError("mode: ...") and so on
 
     extra: dict[str, float] = {}
     for key, least in (("worker_timeout_s", 1), ("wait_for_gpus_s", 0)):
@@ -223,23 +183,17 @@ def _api_key(args: Mapping[str, Any]) -> str | None:
 
 
 def _engine_args(args: Mapping[str, Any]) -> dict[str, Any]:
+    """The engine settings under `engine_args:` (each may be given there or at the top level, not both)."""
     nested = args.get("engine_args") or {}
     if not isinstance(nested, Mapping):
         raise ValueError(f"engine_args: must be a mapping, got {type(nested).__name__}")
     for key in nested:
-        if key not in _ENGINE_ARGS:
-            raise ValueError(f"engine_args: unknown key {key!r} (known: {', '.join(sorted(_ENGINE_ARGS))})")
-    top = {k: v for k, v in args.items() if k in _ENGINE_ARGS}
-    both = sorted(set(top) & set(nested))
+        if key not in ENGINE_SETTINGS:
+            raise ValueError(f"engine_args: unknown key {key!r} (known: {', '.join(sorted(ENGINE_SETTINGS))})")
+    both = sorted(set(args) & set(nested))
     if both:
         raise ValueError(f"{both[0]}: given both at the top level and under engine_args")
-    return {**nested, **top}
-
-
-def _positive_int(key: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{key}: must be a positive integer, got {value!r}")
-    return value
+    return dict(nested)
 
 
 # -- `python -m deploy.pdserve_app stop deploy/serve.yaml` --------------------------

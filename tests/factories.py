@@ -76,3 +76,53 @@ def local_cluster(cfg: Any) -> Iterator[str]:
     finally:
         serve_app.shutdown(cfg)
         ray.shutdown()
+
+
+class LocalPrefillPeer:
+    """An in-process prefill worker as a decode worker's `PrefillPeer` (what
+    cluster/actors.py's `RayPrefillPeer` is for an actor handle)."""
+
+    def __init__(self, worker: Any) -> None:
+        self.worker = worker
+
+    async def prefill(self, order: Any) -> Any:
+        return await self.worker.prefill(order)
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+
+async def handoff_deltas(p: Any, d: Any, rid: str, prompt: list[int], params: Any,
+                         timeout_s: float = 10.0) -> list[Any]:
+    """One request handed off from prefill worker `p` to decode worker `d` (both
+    in this process), as the gateway sees it: the deltas on its token stream."""
+    from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.token_stream import TokenStreamCollector
+
+    collector = TokenStreamCollector()
+    try:
+        collector.open(rid, prompt, timeout_s)
+        req = ServeRequest(rid, tuple(prompt), params, timeout_s, collector.address)
+        return [o async for o in collector.consume(rid, d.handoff(req, LocalPrefillPeer(p)))]
+    finally:
+        await collector.close()
+
+
+class FakeBackend:
+    """The parts of a `GenerationBackend` a test's fake does not care about
+    (subclasses write `generate`)."""
+
+    healthy = True
+    num_in_flight = 0
+
+    def worker_handles(self) -> dict[str, tuple[str, Any]]:
+        return {}
+
+    def router_stats(self) -> Any:
+        return None
+
+    async def start(self) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

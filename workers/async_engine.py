@@ -1,28 +1,39 @@
-"""An LLMEngine driven by its own thread, with an asyncio-facing API.
+"""An LLMEngine driven by its own thread, with an asyncio-facing API: the owner
+of every request's `Lifecycle` in one worker.
 
-The engine is single-threaded by design; this class owns the thread that
-steps it and is the only code that touches it. Callers (the HTTP gateway, a
-worker actor) submit requests and read their token deltas from an async
-iterator. Every wait has a deadline; every exit path (finish, abort, caller
-cancellation, deadline, engine failure) ends the request in the engine, which
-frees its blocks, and ends the caller's iterator with a terminal output or an
-exception.
+The engine is single-threaded by design; this class owns the thread that steps
+it and is the only code that touches it. A request here is a `Job`: its
+lifecycle (state, deadline, exit hooks), where its outputs go (the caller's
+queue, or a gateway's token stream), and what the worker's role does for it
+after each step (a prefill worker sends its KV). Jobs are opened on the event
+loop and live on the engine thread; every exit (finish, abort, caller gone,
+deadline, peer or engine failure) goes through `_end` there: the lifecycle's
+exit hooks free the request's blocks (and whatever its role registered), and
+the caller's wait ends with the final output or an exception.
+
+    open(...)  ->  begin(job, start)  ->  outputs(job) / finished(job)
+    (event loop)   (engine thread: start(engine) queues the request)
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.token_stream import StreamLostError, TokenStreamPublisher
+
+T = TypeVar("T")
+Start = Callable[[LLMEngine], RequestOutput | None]
+ENGINE_THREAD_NAME = "pdserve-engine"
 
 
 class EngineDeadError(RuntimeError):
@@ -33,31 +44,75 @@ class RequestTimeoutError(TimeoutError):
     """A request passed its deadline; it was aborted and its blocks freed."""
 
 
-@dataclass
-class _Stream:
+class RequestAbortedError(RuntimeError):
+    """Someone else aborted the request (the gateway, or the decode worker it served)."""
+
+
+@dataclass(eq=False)
+class Job:
+    """One request in this worker: its lifecycle and where its outputs go."""
+
+    life: Lifecycle
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    deadline: float
+    # The caller's side: outputs (or, with `reply_to`, only the final one) and the error that ended it.
+    inbox: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     reply_to: str | None = None  # a gateway's token stream: deltas go there, batched per step
+    tokens_sent: int = 0  # output tokens already on that stream (a delta's offset)
+    # Engine thread, after every step while the job lives (a prefill worker sends KV from it).
+    after_step: Callable[[LLMEngine], None] | None = None
+    # Engine thread: the role takes the job's outputs (a prefill worker); they go
+    # neither to the caller nor to a stream, and the final one does not end the
+    # job: the role ends it (once the request's KV is all sent).
+    on_output: Callable[[RequestOutput], None] | None = None
+    # Set (any thread) when an exit was asked for: work still queued for the engine
+    # thread (starting it, reserving its blocks) is skipped rather than done and undone.
+    ending: Exit | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.life.request_id
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002,
-                 on_step: Callable[[LLMEngine], None] | None = None, worker_id: str = "engine") -> None:
+    def __init__(self, engine: LLMEngine, idle_wait_s: float = 0.002, worker_id: str = "engine") -> None:
         self.engine = engine
         self.worker_id = worker_id
         self._publisher: TokenStreamPublisher | None = None  # engine thread only
-        self._finished_remote: list[RequestOutput] = []  # engine thread only
-        # Runs on the engine thread after every step (a prefill worker sends
-        # the KV of blocks that step completed).
-        self._on_step = on_step
+        self._published_final: list[Job] = []  # engine thread only
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._jobs: dict[str, Job] = {}
+        self._calls: set[tuple[asyncio.AbstractEventLoop, asyncio.Future[Any]]] = set()  # `call`s not answered
         self._idle_wait_s = idle_wait_s
         self._stop = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
-        self._thread.start()
+        # Engine thread, once per loop iteration, between taking commands and the
+        # step (tests hold the thread with it to catch a request in a given state).
+        self.on_iteration: Callable[[], None] | None = None
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
+
+    # -- lifetime ---------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        """Start the engine thread (once); returns self."""
+        if not self._thread.is_alive() and not self._stop.is_set():
+            self._thread.start()
+        return self
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the engine thread; requests still in flight fail with EngineDeadError."""
+        if not self._thread.is_alive():
+            self._stop.set()
+            return
+        self._commands.put(lambda: self._fail_all(EngineDeadError("engine closed")))
+        self._stop.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout_s)
+
+    def __enter__(self) -> AsyncEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     @property
     def healthy(self) -> bool:
@@ -65,132 +120,212 @@ class AsyncEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._streams)
+        return len(self._jobs)
 
-    async def generate(
-        self, request_id: str, prompt: str | list[int], params: SamplingParams, timeout_s: float = 600.0,
-        reply_to: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield DELTA outputs until the request finishes. Bad input raises
-        ValueError before anything is queued; a passed deadline raises
-        RequestTimeoutError; an engine failure raises EngineDeadError.
-        `reply_to`: see `stream`."""
+    # -- requests, for callers on the event loop ----------------------------------------
+
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       timeout_s: float = 600.0) -> AsyncIterator[RequestOutput]:
+        """Run a request; yield its DELTA outputs until it finishes. Bad input raises
+        ValueError before anything is queued; see `outputs` for the rest."""
         self.engine.validate(prompt, params)
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        async for out in self.stream(request_id, lambda e: e.add_request(request_id, prompt, params), timeout_s,
-                                     reply_to):
+        params = params.with_output_kind(RequestOutputKind.DELTA)
+        job = self.open(request_id, timeout_s)
+        self.begin(job, lambda e: e.add_request(request_id, prompt, params))
+        async for out in self.outputs(job):
             yield out
 
-    async def stream(
-        self, request_id: str, start: Callable[[LLMEngine], RequestOutput | None], timeout_s: float = 600.0,
-        reply_to: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Run `start(engine)` on the engine thread (it puts the request into the
-        engine, and may return a first output), then yield the request's outputs
-        until it finishes. Same exits and guarantees as `generate`.
+    async def serve(self, req: ServeRequest) -> None:
+        """Run a request with its deltas going to the gateway's token stream at
+        `req.reply_to`; return once its final delta is sent. See `finished`."""
+        params = req.params.with_output_kind(RequestOutputKind.DELTA)
+        self.engine.validate(list(req.prompt_token_ids), params)
+        job = self.open(req.request_id, req.timeout_s, reply_to=req.reply_to)
+        self.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params))
+        await self.finished(job)
 
-        `reply_to`: the address of a gateway's token stream
-        (workers/token_stream.py). The deltas go there, one message per engine
-        step for all of that gateway's requests; this yields only the final
-        output, once its delta has been sent."""
+    def open(self, request_id: str, timeout_s: float, state: RequestState = RequestState.QUEUED,
+             reply_to: str | None = None) -> Job:
+        """Track a new request here (before anything reaches the engine). Its first
+        exit hook ends it in the engine: aborted (blocks freed) unless it finished,
+        then released (a held prefill's blocks). EngineDeadError if the engine is down."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), time.monotonic() + timeout_s, reply_to)
-        self._streams[request_id] = stream
-        self._commands.put(lambda: self._start(request_id, start))
+        if request_id in self._jobs:
+            raise ValueError(f"request_id: {request_id!r} is already running here")
+        job = Job(Lifecycle.start(request_id, timeout_s, state), asyncio.get_running_loop(), reply_to=reply_to)
+        job.life.on_exit(lambda exit: self._leave_engine(request_id, exit))
+        self._jobs[request_id] = job
+        return job
+
+    def begin(self, job: Job, start: Start) -> None:
+        """Run `start(engine)` on the engine thread: it puts the request into the
+        engine (and may return a first output). A ValueError ends the job (REJECTED)."""
+        self._commands.put(lambda: self._start(job, start))
+
+    async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
+        """The job's outputs until the final one. Raises RequestTimeoutError at its
+        deadline, the error that ended it otherwise; leaving early aborts it."""
         try:
             while True:
-                remaining = stream.deadline - time.monotonic()
-                try:
-                    item = await asyncio.wait_for(stream.queue.get(), timeout=max(remaining, 0.0))
-                except TimeoutError:
-                    raise RequestTimeoutError(f"request {request_id} exceeded its {timeout_s:.0f}s deadline") from None
-                if isinstance(item, BaseException):
-                    raise item
-                # A consumer that fell behind gets everything pending as one
-                # delta: fewer messages through Ray and HTTP under load.
-                while not item.finished and not stream.queue.empty():
-                    nxt = stream.queue.get_nowait()
+                item = await self._next(job)
+                # A consumer that fell behind gets everything pending as one delta.
+                while not item.finished and not job.inbox.empty():
+                    nxt = job.inbox.get_nowait()
                     if isinstance(nxt, BaseException):
-                        stream.queue.put_nowait(nxt)  # raised on the next turn, after this delta
+                        job.inbox.put_nowait(nxt)  # raised on the next turn, after this delta
                         break
                     item = merge_deltas(item, nxt)
                 yield item
                 if item.finished:
                     return
         finally:
-            # Any exit before the terminal output (cancellation, timeout, error)
-            # aborts the request so the engine frees its blocks.
-            if self._streams.pop(request_id, None) is not None:
-                self._commands.put(lambda: self.engine.abort(request_id))
+            self.end(job, Exit.ABORTED)  # nothing if it already ended
+
+    async def finished(self, job: Job) -> RequestOutput:
+        """Wait for the job's final output: with `reply_to` (or `on_output`), the
+        notice that its last delta went out (that its role ended it). Same exits
+        as `outputs`."""
+        done = False
+        try:
+            while True:
+                item = await self._next(job)
+                if item.finished:
+                    done = True
+                    return item
+        finally:
+            if not done:
+                self.end(job, Exit.ABORTED)
+
+    def end(self, job: Job, exit: Exit, error: BaseException | None = None) -> None:
+        """End the job on the engine thread (from any thread); nothing if it already ended."""
+        if not job.life.ended:
+            job.ending = job.ending or exit
+            self._commands.put(lambda: self.end_now(job, exit, error))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self.engine.abort(request_id))
+        """Abort a request from outside (the gateway's or a peer's abort); unknown ids are ignored."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            self.end(job, Exit.ABORTED, RequestAbortedError(f"request {request_id} was aborted"))
 
-    async def call(self, fn: Callable[[LLMEngine], object], timeout_s: float = 30.0) -> object:
-        """Run `fn(engine)` on the engine thread (e.g. to read counters safely) and
-        return its result. EngineDeadError if the engine is not running;
-        TimeoutError if the engine thread does not get to it in `timeout_s`."""
+    def job(self, request_id: str) -> Job | None:
+        return self._jobs.get(request_id)
+
+    async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
+        """Run `fn(engine)` on the engine thread and return its result. EngineDeadError
+        if the engine is not running; TimeoutError if the thread does not get to it in time."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
-        fut: asyncio.Future[object] = loop.create_future()
+        fut: asyncio.Future[T] = loop.create_future()
+        pending = (loop, fut)
 
         def run() -> None:
+            self._calls.discard(pending)
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_set_exception, fut, e)
+                loop.call_soon_threadsafe(_settle, fut, None, e)
             else:
-                loop.call_soon_threadsafe(_set_result, fut, result)
+                loop.call_soon_threadsafe(_settle, fut, result, None)
 
+        self._calls.add(pending)
         self._commands.put(run)
-        return await asyncio.wait_for(fut, timeout=timeout_s)
+        try:
+            return await asyncio.wait_for(fut, timeout=timeout_s)
+        finally:
+            self._calls.discard(pending)
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        self._stop.set()
-        self._commands.put(lambda: None)
-        self._thread.join(timeout_s)
+    async def _next(self, job: Job) -> RequestOutput:
+        try:
+            item = await asyncio.wait_for(job.inbox.get(), timeout=job.life.remaining())
+        except TimeoutError:
+            self.end(job, Exit.DEADLINE)
+            raise RequestTimeoutError(f"request {job.request_id} passed its deadline here") from None
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
-    # -- engine thread ---------------------------------------------------------
+    # -- engine thread ------------------------------------------------------------------
 
-    def _start(self, request_id: str, start: Callable[[LLMEngine], RequestOutput | None]) -> None:
-        if request_id not in self._streams:
-            return  # the caller went away before the request reached the engine
+    def _leave_engine(self, request_id: str, exit: Exit) -> None:
+        if exit is Exit.FINISHED:
+            self.engine.release(request_id)  # a held prefill's blocks; nothing for others
+        else:
+            self.engine.abort(request_id)
+
+    def _start(self, job: Job, start: Start) -> None:
+        if job.life.ended or job.ending is not None:
+            return  # its exit is already on the way (the caller went away, an abort)
+        if job.life.remaining() <= 0:
+            self.end_now(job, Exit.DEADLINE, RequestTimeoutError(f"request {job.request_id} passed its deadline"))
+            return
         try:
             first = start(self.engine)
         except ValueError as e:
-            self._deliver(request_id, e)
+            self.end_now(job, Exit.REJECTED, e)
             return
         if first is not None:
-            self._deliver(request_id, first)
+            self._deliver(first)
+
+    def end_now(self, job: Job, exit: Exit, error: BaseException | None = None,
+                final: RequestOutput | None = None) -> None:
+        """Engine thread: the one exit. The lifecycle runs its hooks (the request's
+        blocks are freed, with whatever its role took), then the caller hears:
+        `final` (FINISHED) or the error. Nothing if the job had already ended."""
+        if not job.life.end(exit):
+            return
+        if self._jobs.get(job.request_id) is job:
+            del self._jobs[job.request_id]
+        if exit is not Exit.FINISHED:
+            failure = error or RequestAbortedError(f"request {job.request_id} ended: {exit.value}")
+            job.loop.call_soon_threadsafe(job.inbox.put_nowait, failure)
+        elif final is not None:
+            job.loop.call_soon_threadsafe(job.inbox.put_nowait, final)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for job in list(self._jobs.values()):
+            self.end_now(job, Exit.ENGINE_FAILED, error)
+        for loop, fut in list(self._calls):  # a call still queued will never run now
+            loop.call_soon_threadsafe(_settle, fut, None, error)
 
     def _run(self) -> None:
         try:
             idle = True
             while not self._stop.is_set():
-                # Block for commands when there is nothing to step, or when the
-                # last step could schedule nothing (requests waiting only for
-                # their KV, or for blocks): spinning here would hold the GIL
-                # that the transfer thread and the event loop need.
+                # Block for commands when there is nothing to step, or when the last
+                # step could schedule nothing (requests waiting only for their KV, or
+                # for blocks): spinning here would hold the GIL that the transfer
+                # thread and the event loop need.
                 self._drain_commands(block=idle)
-                idle = True
-                if self.engine.has_unfinished_requests():
-                    steps = self.engine.stats.steps
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
-                    idle = self.engine.stats.steps == steps
-                if self._on_step is not None:
-                    self._on_step(self.engine)
+                if self.on_iteration is not None:
+                    self.on_iteration()
+                    self._drain_commands(block=False)  # what came while it held the thread
+                idle = not self._step()
+                for job in [j for j in self._jobs.values() if j.after_step is not None]:
+                    job.after_step(self.engine)  # type: ignore[misc]  # checked just above
                 self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
-            for rid in list(self._streams):
-                self._deliver(rid, EngineDeadError(f"engine failed: {e!r}"))
+            self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
         finally:
             if self._publisher is not None:
                 self._publisher.close()
+
+    def _step(self) -> bool:
+        """One engine step, its outputs delivered; whether it ran the model."""
+        if not self.engine.has_unfinished_requests():
+            return False
+        steps = self.engine.stats.steps
+        for out in self.engine.step():
+            self._deliver(out)
+        for job in self._jobs.values():
+            if job.life.state is RequestState.QUEUED:
+                progress = self.engine.progress(job.request_id)
+                if progress is not None and progress[0] > 0:
+                    job.life.move(RequestState.PREFILLING)
+        return self.engine.stats.steps != steps
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -204,41 +339,55 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
+    def _deliver(self, out: RequestOutput) -> None:
+        job = self._jobs.get(out.request_id)
+        if job is None:
+            return  # it ended here already (aborted, or the caller left)
+        if job.on_output is not None:
+            job.on_output(out)
             return
-        if stream.reply_to is not None and isinstance(item, RequestOutput):
-            if self._publisher is None:
-                self._publisher = TokenStreamPublisher(self.worker_id)
-            self._publisher.add(stream.reply_to, item)
-            if item.finished:  # the caller hears of it once the delta is sent
-                self._finished_remote.append(item)
+        if out.outputs[0].token_ids:
+            job.life.advance(RequestState.DECODING)
+        if job.reply_to is None:
+            job.loop.call_soon_threadsafe(job.inbox.put_nowait, out)
+            if out.finished:
+                self.end_now(job, Exit.FINISHED)
             return
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        self.publish(job, out)
+        if out.finished:  # the caller hears of it once the delta is sent
+            self._published_final.append(job)
+
+    def publish(self, job: Job, out: RequestOutput) -> None:
+        """Engine thread: put a delta of `job` on its gateway's token stream (sent at
+        the end of this loop iteration)."""
+        assert job.reply_to is not None, f"request {job.request_id} has no token stream"
+        if self._publisher is None:
+            self._publisher = TokenStreamPublisher(self.worker_id)
+        self._publisher.add(job.reply_to, out, job.tokens_sent)
+        job.tokens_sent += len(out.outputs[0].token_ids)
 
     def _flush_remote(self) -> None:
-        """Send this iteration's token deltas, then tell the callers whose requests ended."""
+        """Send this iteration's token deltas, then end the jobs whose final delta went out."""
         if self._publisher is None:
             return
         for rid in self._publisher.flush():
-            self.engine.abort(rid)
-            stream = self._streams.get(rid)
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait,
-                                                 StreamLostError(f"{rid}: its gateway stopped reading tokens"))
-        finished, self._finished_remote = self._finished_remote, []
-        for out in finished:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+            job = self._jobs.get(rid)
+            if job is not None:
+                self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{rid}: its gateway stopped reading tokens"))
+        finished, self._published_final = self._published_final, []
+        for job in finished:
+            self.end_now(job, Exit.FINISHED, final=done_notice(job.request_id))
 
 
-def _set_result(fut: asyncio.Future[object], value: object) -> None:
-    if not fut.done():
-        fut.set_result(value)
+def done_notice(request_id: str) -> RequestOutput:
+    """What `finished` returns when the real final output went elsewhere (a token stream)."""
+    return RequestOutput(request_id, None, [], [], finished=True)
 
 
-def _set_exception(fut: asyncio.Future[object], exc: BaseException) -> None:
-    if not fut.done():
+def _settle(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
         fut.set_exception(exc)
+    else:
+        fut.set_result(value)  # type: ignore[arg-type]  # T when exc is None

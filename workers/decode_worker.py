@@ -1,11 +1,21 @@
-"""Decode role: reserve blocks for a prompt before its KV arrives, wait for the
-transfer (with a deadline), join the continuous batch, stream token deltas.
+"""Decode role: drive a request's handoff, then decode it in the continuous batch.
 
-Lifecycle of one request here: RESERVED (blocks held, WAITING_FOR_KV) ->
-DECODING -> finished. A transfer that fails or misses its deadline never
-reaches decoding with bad KV: by default the request is re-prefilled here from
-its prompt (`recompute`), or fails with a clear error (`fail`); the reserved
-blocks are freed either way.
+The gateway makes one call; this worker does the rest. A request's lifecycle
+here (workers/lifecycle.py):
+
+    ROUTED (reserving blocks for its prompt, reusing this worker's prefix cache)
+      -> TRANSFERRING (blocks reserved; the prefill worker computes the prompt and
+         streams its KV into them, then replies with the first token)
+      -> DECODING (the KV is verified: the request joins the batch; its tokens go
+         to the gateway's token stream) -> FINISHED
+    ROUTED -> QUEUED (no room to reserve now: it queues and prefills here)
+    TRANSFERRING -> QUEUED (the prefill worker or the transfer failed: by default
+         the prompt is recomputed here, `recompute`; with `fail`, or when the
+         client already has the first token, the request fails)
+    any state -> ABORTED | FAILED: the transfer is stopped, the prefill worker
+         told, the blocks freed.
+
+A transfer that fails or misses its deadline never reaches decoding with bad KV.
 """
 
 from __future__ import annotations
@@ -13,104 +23,206 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import enum
-import os
-import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
+from typing import Protocol
 
-from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest
+from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.messages import TransferState
 from pdserve.workers.outputs import RequestOutput
-from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.sampling_params import RequestOutputKind
 from pdserve.workers.transfer.base import FailReason, KVReceiver, TransferError
 from pdserve.workers.transfer.recording import TransferRecorder
 
 
 class KVFailurePolicy(str, enum.Enum):
-    RECOMPUTE = "recompute"
-    FAIL = "fail"
+    RECOMPUTE = "recompute"  # prefill the prompt here instead (the default)
+    FAIL = "fail"  # fail the request with a clear error
+
+
+class PeerFailedError(RuntimeError):
+    """A worker this request depended on failed (it died, or its call did)."""
+
+
+class PrefillPeer(Protocol):
+    """The prefill worker a handoff uses, as the decode worker sees it (cluster/actors.py
+    wraps a Ray handle; tests wrap an in-process worker)."""
+
+    async def prefill(self, order: PrefillOrder) -> FirstToken:
+        """Prefill into the reserved blocks; the first token once the KV is all verified.
+        Raises on failure (PeerFailedError when the worker itself is gone)."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request there; does not wait. Any thread."""
+        ...
+
+
+Start = Callable[[LLMEngine], RequestOutput | None]
+_PEER_GRACE_S = 0.25
 
 
 class DecodeWorker:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver,
                  on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
-                 transfer_recorder: TransferRecorder | None = None) -> None:
+                 transfer_recorder: TransferRecorder | None = None, worker_id: str = "decode",
+                 prefill_timeout_s: float | None = None) -> None:
         """`transfer_recorder` hears of the transfers that fail here after the
-        prefill worker saw them succeed (a failure it saw, it counted)."""
+        prefill worker saw them succeed (a failure it saw, it counted).
+        `prefill_timeout_s`: the most a remote prefill and its transfer may take
+        before the failure policy applies (None: until the request's deadline)."""
         self.engine = engine
         self.receiver = receiver
         self.on_failure = on_failure
+        self.prefill_timeout_s = prefill_timeout_s
         self.transfer_recorder = transfer_recorder
-        self.async_engine = AsyncEngine(engine, worker_id=f"decode-{os.getpid()}")
+        self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.num_transfer_failures = 0
 
-    async def reserve(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[list[int], int] | None:
-        """Allocate blocks for the prompt (reusing this worker's prefix cache) and
-        register them with the receiver. Returns (block ids, tokens cached here)
-        or None when the pool is full now. ValueError for bad input."""
-        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+    def start(self) -> DecodeWorker:
+        self.async_engine.start()
+        return self
 
-        def reserve(engine: LLMEngine) -> tuple[list[int], int] | None:
-            plan = engine.reserve(request_id, prompt, params)
-            if plan is not None:
-                blocks, cached = plan
-                skip = cached // engine.config.block_size
-                if skip < len(blocks):
-                    self.receiver.register(request_id, blocks[skip:], engine.model_config.num_layers)
-            return plan
+    def close(self) -> None:
+        self.async_engine.close()
 
-        return await self.async_engine.call(reserve)  # type: ignore[return-value]
+    async def serve(self, req: ServeRequest) -> None:
+        """The whole request here (the router chose local prefill)."""
+        await self.async_engine.serve(req)
 
-    async def decode(self, request_id: str, prompt: list[int], first: RequestOutput | None, cached_here: int,
-                     timeout_s: float = 600.0, first_sent: bool = False,
-                     reply_to: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Wait for the KV, then stream DELTA outputs from the first token on.
-        `first=None`: the prefill worker failed; apply the failure policy at once.
-        `first_sent`: the caller already gave the client the first token (from the
-        prefill worker's output): stream from the second token on.
-        `reply_to`: the deltas go to that gateway token stream (see `AsyncEngine.stream`)."""
-        deadline = time.monotonic() + timeout_s
-        if first is None:
-            self.receiver.abort(request_id)
-            self.num_transfer_failures += 1
-            ok = False
-        elif cached_here < -(-len(prompt) // self.engine.config.block_size) * self.engine.config.block_size:
-            ok = await self._wait_transfer(request_id, deadline)
-        else:
-            ok = True  # every block was already cached here: nothing was sent
-        if ok:
-            first_token = first.outputs[0].token_ids[0]  # type: ignore[union-attr]
-            first_logprobs = (first.outputs[0].logprobs or [None])[0]  # type: ignore[union-attr]
-            prompt_logprobs = first.prompt_logprobs  # type: ignore[union-attr]
+    async def handoff(self, req: ServeRequest, peer: PrefillPeer) -> None:
+        """Reserve blocks, have `peer` prefill into them, decode; every token to
+        `req.reply_to`. Returns once the final delta is sent; raises the error that
+        ended the request (ValueError for bad input), with every block freed."""
+        params = req.params.with_output_kind(RequestOutputKind.DELTA)
+        req = dataclasses.replace(req, params=params)
+        self.engine.validate(list(req.prompt_token_ids), params)
+        ae = self.async_engine
+        job = ae.open(req.request_id, req.timeout_s, RequestState.ROUTED, reply_to=req.reply_to)
+        try:
+            start = await self._arrange(job, req, peer)
+        except BaseException:
+            ae.end(job, Exit.ABORTED)  # cancelled here; nothing if it ended already (deadline, failure)
+            raise
+        ae.begin(job, start)
+        await ae.finished(job)
 
-            def start(e: LLMEngine) -> RequestOutput | None:
-                out = e.complete_reservation(request_id, first_token, first_logprobs, prompt_logprobs)
-                return _without_first_token(out) if first_sent and out is not None else out
-        elif self.on_failure is KVFailurePolicy.RECOMPUTE and not first_sent:
-            start = lambda e: e.prefill_locally(request_id)  # noqa: E731
-        else:  # (a recomputed first token could differ from the one the client already has)
-            await self.abort(request_id)
-            raise TransferError(request_id, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
-        async for out in self.async_engine.stream(request_id, start, max(deadline - time.monotonic(), 0.0), reply_to):
-            yield out
+    def abort(self, request_id: str) -> None:
+        """Cancel wherever the request is: stop the transfer, tell the prefill worker, free the blocks."""
+        self.async_engine.abort(request_id)
 
-    async def abort(self, request_id: str) -> None:
-        """Cancel wherever the request is: stop the transfer, free the blocks."""
-        self.receiver.abort(request_id)
-        await self.async_engine.call(lambda e: e.abort(request_id))
+    # -- the handoff, step by step ---------------------------------------------------
 
-    async def _wait_transfer(self, request_id: str, deadline: float) -> bool:
+    async def _arrange(self, job: Job, req: ServeRequest, peer: PrefillPeer) -> Start:
+        """Everything before decoding: how to start the request on the engine."""
+        ae = self.async_engine
+        rid, prompt = req.request_id, list(req.prompt_token_ids)
+        try:
+            reservation = await ae.call(lambda e: self._reserve(e, job, req, peer), timeout_s=job.life.remaining())
+        except TimeoutError:
+            ae.end(job, Exit.DEADLINE)
+            raise RequestTimeoutError(f"request {rid} passed its deadline here") from None
+        if reservation is None:  # no room now: it queues and prefills here
+            return lambda e: e.add_request(rid, prompt, req.params)
+        first = await self._remote_prefill(job, req, reservation, peer)
+        if first is not None and await self._kv_arrived(job, reservation, len(prompt)):
+            job.tokens_sent = 1 if first.published else 0
+            return lambda e: self._complete(e, job, first)
+        # Nothing more may land in the reserved blocks before they are freed.
+        self.receiver.release(rid)
+        # (A recomputed first token could differ from the one the client already has.)
+        if self.on_failure is KVFailurePolicy.RECOMPUTE and not (first is not None and first.published):
+            return lambda e: self._recompute(e, job)
+        error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
+        ae.end(job, Exit.PEER_FAILED, error)
+        raise error
+
+    def _reserve(self, e: LLMEngine, job: Job, req: ServeRequest, peer: PrefillPeer) -> Reservation | None:
+        """Engine thread: blocks for the prompt, registered with the receiver; the
+        exit hooks that undo each (last added, first run)."""
+        rid = req.request_id
+        if job.ending is not None or job.life.ended:
+            return None  # its exit is on the way: reserve nothing
+        plan = e.reserve(rid, list(req.prompt_token_ids), req.params)
+        if plan is None:
+            job.life.move(RequestState.QUEUED)
+            return None
+        blocks, cached = plan
+        skip = cached // e.config.block_size
+        if skip < len(blocks):
+            self.receiver.register(rid, blocks[skip:], e.model_config.num_layers)
+            job.life.on_exit(lambda exit: self.receiver.release(rid))  # a pending transfer: aborted
+
+        def stop_peer(exit: Exit) -> None:
+            if exit is not Exit.FINISHED:
+                job.loop.call_soon_threadsafe(peer.abort, rid)
+
+        job.life.on_exit(stop_peer)
+        job.life.move(RequestState.TRANSFERRING)
+        return Reservation(tuple(blocks), cached)
+
+    async def _remote_prefill(self, job: Job, req: ServeRequest, reservation: Reservation,
+                              peer: PrefillPeer) -> FirstToken | None:
+        """The prefill worker's reply, or None when it (or its transfer) failed."""
+        remaining = job.life.remaining()
+        budget = remaining if self.prefill_timeout_s is None else min(remaining, self.prefill_timeout_s)
+        order = PrefillOrder(dataclasses.replace(req, timeout_s=max(budget, 1e-3)), reservation, self.receiver.address)
+        try:
+            # The prefill worker keeps its own deadline and says why it missed it;
+            # a moment more than its budget lets that answer arrive.
+            return await asyncio.wait_for(peer.prefill(order), timeout=min(budget + _PEER_GRACE_S, remaining))
+        except TimeoutError:
+            if budget < remaining:
+                self._count_failure(None)
+                return None  # the remote prefill's own budget ran out: the policy decides
+            self.async_engine.end(job, Exit.DEADLINE)
+            raise RequestTimeoutError(f"request {req.request_id} passed its deadline here") from None
+        except Exception:  # noqa: BLE001 - its transfer or the worker failed: the policy decides
+            self._count_failure(None)
+            return None
+
+    async def _kv_arrived(self, job: Job, reservation: Reservation, num_prompt_tokens: int) -> bool:
+        """Whether every block the prefill worker sent is here and verified."""
+        bs = self.engine.config.block_size
+        if reservation.cached_tokens >= -(-num_prompt_tokens // bs) * bs:
+            return True  # every block was cached here already: nothing was sent
+        rid = job.request_id
         loop = asyncio.get_running_loop()
         try:
-            status = await loop.run_in_executor(None, self.receiver.wait, request_id, deadline)
+            status = await loop.run_in_executor(None, self.receiver.wait, rid, job.life.deadline)
         finally:
-            self.receiver.release(request_id)
+            self.receiver.release(rid)
         if status.state is TransferState.DONE:
             return True
-        self.num_transfer_failures += 1
-        if self.transfer_recorder is not None:
-            self.transfer_recorder.on_failure((status.reason or FailReason.TIMEOUT).value)
+        self._count_failure(status.reason or FailReason.TIMEOUT)
         return False
+
+    def _count_failure(self, reason: FailReason | None) -> None:
+        self.num_transfer_failures += 1
+        if reason is not None and self.transfer_recorder is not None:
+            self.transfer_recorder.on_failure(reason.value)
+
+    # -- engine thread: how decoding starts ------------------------------------------
+
+    @staticmethod
+    def _complete(e: LLMEngine, job: Job, first: FirstToken) -> RequestOutput | None:
+        """The KV landed: decode from the prefill worker's first token. If that
+        worker already published it, the client has it: only what follows goes out."""
+        prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
+        out = e.complete_reservation(job.request_id, first.token_id, first.logprobs, prompt_logprobs,
+                                     first.queue_time_s)
+        job.life.advance(RequestState.DECODING)
+        if first.published and out is not None:
+            return _without_first_token(out)
+        return out
+
+    @staticmethod
+    def _recompute(e: LLMEngine, job: Job) -> None:
+        """The KV did not come: prefill the prompt here (the reserved blocks are freed first)."""
+        e.prefill_locally(job.request_id)
+        job.life.move(RequestState.QUEUED)
 
 
 def _without_first_token(out: RequestOutput) -> RequestOutput | None:

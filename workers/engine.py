@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.detokenizer import IncrementalDetokenizer
@@ -54,7 +53,7 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.dtype = setup.resolve_model_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config.max_model_len, self.model_config)
-        backend = AttentionBackend(config.attention_backend).resolve(self.device)
+        backend = config.attention_backend.resolve(self.device)
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
@@ -353,7 +352,7 @@ class LLMEngine:
         else:
             text, token_ids = None, check_token_ids(prompt, self.model_config.vocab_size)
         check_logit_bias(params, self.model_config.vocab_size)
-        return text, token_ids, max_new_tokens(len(token_ids), params, self.max_model_len)
+        return text, token_ids, max_new_tokens(len(token_ids), params.max_tokens, self.max_model_len)
 
     def _awaiting_kv(self, request_id: str) -> Request:
         req = self.scheduler.awaiting_kv.get(request_id)

@@ -8,7 +8,7 @@ import sys
 import torch
 
 from pdserve.kernels.attention import AttentionBackend
-from pdserve.workers.config import EngineConfig
+from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.kv.cache import bytes_per_block, kv_budget_bytes
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import resolve_dtype
@@ -24,9 +24,9 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_model_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return resolve_dtype(name)
+def resolve_model_dtype(dtype: DType, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if dtype is not DType.AUTO:
+        return resolve_dtype(dtype.value)
     if device.type == "cpu":
         return torch.float32  # CPU half-precision matmuls are slow and the tiny model is small
     return resolve_dtype(cfg.torch_dtype) if cfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
@@ -65,9 +65,9 @@ def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtyp
                     backend: AttentionBackend, kv_blocks: int, max_model_len: int) -> Speculator | None:
     """The speculator `config.speculative` asks for (None: no speculative decoding)."""
     proposer: Proposer
-    if config.speculative == "ngram":
+    if config.speculative is SpeculativeMethod.NGRAM:
         proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
-    elif config.speculative == "draft":
+    elif config.speculative is SpeculativeMethod.DRAFT:
         log(config, f"loading draft model {config.draft_model}")
         proposer = DraftModelProposer(
             str(config.draft_model), target, dtype, device, backend, kv_blocks, config.block_size, max_model_len,

@@ -19,17 +19,17 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     return ids
 
 
-def max_new_tokens(num_prompt_tokens: int, params: SamplingParams, max_model_len: int) -> int:
-    """How many tokens the request may generate: its `max_tokens`, or all the
+def max_new_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
+    """How many tokens a request may generate: its `max_tokens`, or all the
     context left. ValueError if the prompt and `max_tokens` do not fit."""
     n = num_prompt_tokens
     if n >= max_model_len:
         raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens; "
                          f"the prompt has {n}, which leaves no room to generate")
-    if params.max_tokens is not None and n + params.max_tokens > max_model_len:
-        raise ValueError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; you "
-                         f"requested {n + params.max_tokens} ({n} in the prompt, {params.max_tokens} in the completion)")
-    return params.max_tokens if params.max_tokens is not None else max_model_len - n
+    if max_tokens is not None and n + max_tokens > max_model_len:
+        raise ValueError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; "
+                         f"you requested {n + max_tokens} ({n} in the prompt, {max_tokens} in the completion)")
+    return max_tokens if max_tokens is not None else max_model_len - n
 
 
 def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:

@@ -30,12 +30,17 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))  # type: ignore[arg-type]
         self._ids = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLM:
+        return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
+
     @property
     def tokenizer(self) -> Any:  # transformers' tokenizer (untyped)
         return self.engine.tokenizer
 
     def generate(
-        self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        self, prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.

@@ -250,6 +250,11 @@ class TokenDelta(Record):
     """What one request generated since its last delta (a DELTA RequestOutput)."""
 
     request_id: str
+    # Output tokens of the request before this delta: its place in the request's
+    # stream. One request's deltas may come from two workers (the prefill worker
+    # sends the first token, the decode worker the rest): the gateway puts them
+    # in this order, and sees a gap.
+    offset: int
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None
@@ -276,7 +281,7 @@ class TokenDeltaBatch(Message):
     worker_id: str
     seq: int
     deltas: tuple[TokenDelta, ...]
-    version: int = 3  # 2: TokenDelta.queue_time_s; 3: TokenDelta.prompt_logprobs
+    version: int = 4
 
 
 # -- encode / decode ---------------------------------------------------------------

@@ -50,7 +50,8 @@ class StepResult:
     output: SamplerOutput
     spec: list[SpecResult] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
-    probs: torch.Tensor | None = None  # execute(want_probs=True): [sampled, V], the distribution each token was drawn from
+    # execute(want_probs=True): [sampled, V], the distribution each token was drawn from
+    probs: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -76,7 +77,8 @@ class ModelRunner:
         meta, num_tokens, logit_rows, sampled = self._prepare(ordered)
         prompt_rows = self._prompt_logprob_rows(ordered, logit_rows)
         total_rows = logit_rows + sum(n for _, _, n in prompt_rows)
-        hidden = self.model(self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens), meta, self.kv_caches)
+        input_ids, positions = self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if total_rows:
             idx = self.buf.logits_indices.to_device(total_rows)
@@ -225,7 +227,8 @@ class ModelRunner:
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         params = [r.params for r in reqs]
         temps = [p.temperature for p in params]
-        batch = SamplingBatch(temperature=torch.tensor(temps, dtype=torch.float32, device=self.device), all_greedy=not any(temps))
+        batch = SamplingBatch(temperature=torch.tensor(temps, dtype=torch.float32, device=self.device),
+                              all_greedy=not any(temps))
         if not batch.all_greedy:
             if any(p.top_k for p in params):
                 batch.top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=self.device)
@@ -233,7 +236,8 @@ class ModelRunner:
                 batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
             if any(p.min_p > 0.0 for p in params):
                 batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
-            batch.generators = {i: r.generator for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
+            batch.generators = {i: r.generator for i, r in enumerate(reqs)
+                                if r.generator is not None and r.params.temperature}
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
                   if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
         batch.banned = banned or None

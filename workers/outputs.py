@@ -44,5 +44,5 @@ def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
                               logprobs, cb.finish_reason, cb.stop_reason)
     prompt_lp = None if a.prompt_logprobs is None and b.prompt_logprobs is None else (
         (a.prompt_logprobs or []) + (b.prompt_logprobs or []))  # a stream may carry them in slices
-    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens, b.metrics,
-                         prompt_lp)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, [merged], b.finished, b.num_cached_tokens,
+                         b.metrics, prompt_lp)

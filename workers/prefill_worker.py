@@ -1,45 +1,53 @@
 """Prefill role: compute a prompt's KV (chunked, with this worker's prefix cache),
-stream it to the decode worker's reserved blocks as chunks complete, sample the
-first token, free the blocks.
+stream it into the decode worker's reserved blocks as chunks complete, sample the
+first token, and hand that token back.
 
-Lifecycle of one request here: PREFILLING (engine) -> TRANSFERRING (blocks held,
-KV in flight) -> done (blocks released). Every exit releases the blocks: success
-after `sender.finish` returns, failure after `sender.abort`.
+A request's lifecycle here (workers/lifecycle.py):
+
+    QUEUED -> PREFILLING (chunks computed; each full block's KV leaves as it is done)
+           -> TRANSFERRING (prompt done, first token sampled, blocks held until the
+              decode worker has verified every block)
+           -> FINISHED: blocks released; the first token is published on the
+              gateway's token stream when nothing can take it back (no stop string
+              to cut its text, not the last token), and returned to the decode worker
+    any state -> ABORTED (the decode worker or gateway aborted) | FAILED (deadline,
+              transfer error): the sender aborts, the engine frees the blocks.
+
+Requests that end at their first token run here alone (`serve`: no handoff).
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from pdserve.workers.async_engine import AsyncEngine, RequestTimeoutError
+from pdserve.workers.async_engine import AsyncEngine, Job, done_notice
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.outputs import RequestOutput, merge_deltas
+from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.lifecycle import Exit, RequestState
+from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 
 
-@dataclass
-class _Job:
-    request_id: str
+@dataclass(eq=False)
+class _Transfer:
+    """One request's KV on its way to a decode worker (engine thread)."""
+
+    job: Job
+    order: PrefillOrder
     sender: KVSender
-    dst_blocks: list[int]
     next_block: int  # first block not sent yet (blocks the decode worker caches are skipped)
-    num_prompt_tokens: int
-    deadline: float
-    loop: asyncio.AbstractEventLoop
-    done: asyncio.Future[None]
-    sent_layers: int = 0
-    failed: BaseException | None = field(default=None)
+    output: RequestOutput | None = None  # the engine's final output: the first token
+    first: FirstToken | None = None  # set when the transfer succeeded
+    failed: TransferError | None = None
 
 
 class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
-                 transfer_recorder: TransferRecorder | None = None) -> None:
+                 transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill") -> None:
         """`sender_for(address)` returns the (cached) sender to a decode worker's receiver.
         `transfer_recorder` hears of every handoff: its bytes and duration, and
         its failures (the transport's, through `RecordingSender`, and this
@@ -47,63 +55,45 @@ class PrefillWorker:
         self.transfer_recorder = transfer_recorder
         self._recording: dict[str, KVSender] = {}
         self._sender_for = sender_for
-        self._jobs: dict[str, _Job] = {}  # touched on the engine thread only, after registration
-        self.async_engine = AsyncEngine(engine, on_step=self._after_step)
+        self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.engine = engine
 
-    async def prefill(
-        self, request_id: str, prompt: list[int], params: SamplingParams, dst_blocks: list[int],
-        cached_on_decode: int, receiver: str, timeout_s: float = 60.0,
-    ) -> RequestOutput:
-        """Prefill `prompt`, send its KV into `dst_blocks` (skipping the first
-        `cached_on_decode` tokens, which the decode worker holds), return the
-        output carrying the first sampled token. Raises TransferError or
-        RequestTimeoutError on failure, with every block freed."""
-        loop = asyncio.get_running_loop()
-        bs = self.engine.config.block_size
-        job = _Job(request_id, self.sender_for(receiver), dst_blocks, cached_on_decode // bs, len(prompt),
-                   time.monotonic() + timeout_s, loop, loop.create_future())
-        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None,
-                                           output_kind=RequestOutputKind.FINAL_ONLY)
+    def start(self) -> PrefillWorker:
+        self.async_engine.start()
+        return self
 
-        def start(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, first_params, hold_kv=True)
-            self._jobs[request_id] = job
+    def close(self) -> None:
+        self.async_engine.close()
 
-        first: RequestOutput | None = None
-        try:
-            async for out in self.async_engine.stream(request_id, start, timeout_s):
-                first = out
-            remaining = job.deadline - time.monotonic()
-            await asyncio.wait_for(job.done, timeout=max(remaining, 0.0))
-        except (TimeoutError, asyncio.CancelledError, Exception) as e:
-            if job.done.done() and not job.done.cancelled():
-                e = job.done.exception() or e  # the transfer's own error says more
-            await self._cancel(request_id, f"prefill ended early: {type(e).__name__}")
-            # The prompt was done and its KV still in flight at the deadline, and
-            # the transport raised nothing (it would have counted it): a transfer timeout.
-            if (isinstance(e, asyncio.TimeoutError) and first is not None and job.failed is None
-                    and self.transfer_recorder is not None):
-                self.transfer_recorder.on_failure(FailReason.TIMEOUT.value)
-            if isinstance(e, asyncio.TimeoutError):
-                raise RequestTimeoutError(f"prefill of {request_id} passed its deadline") from None
-            raise
-        assert first is not None
-        return first
+    async def prefill(self, order: PrefillOrder) -> FirstToken:
+        """Prefill `order.request`, send its KV into the reserved blocks (those the
+        decode worker caches are skipped), return its first token once the decode
+        worker has verified all of it. Raises TransferError, RequestTimeoutError or
+        RequestAbortedError on failure, with every block freed."""
+        req = order.request
+        params = _first_token_params(req.params)
+        ae = self.async_engine
+        job = ae.open(req.request_id, req.timeout_s, reply_to=req.reply_to)
+        t = _Transfer(job, order, self.sender_for(order.kv_address),
+                      order.reservation.skip_blocks(self.engine.config.block_size))
+        job.on_output = lambda out: setattr(t, "output", out)
+        job.after_step = lambda engine: self._pump(engine, t)
+        job.life.on_exit(lambda exit: self._abandon(t, exit))
+        ae.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params, hold_kv=True))
+        await ae.finished(job)
+        assert t.first is not None, "a finished prefill without its first token"
+        return t.first
 
-    async def generate_alone(self, request_id: str, prompt: list[int], params: SamplingParams,
-                             timeout_s: float = 60.0) -> RequestOutput:
-        """The whole request on this worker, no handoff: for requests that end at
-        their first token (max_tokens 1: classification, scoring a prompt), where
-        reserving decode blocks and shipping the KV would buy nothing. Returns the
-        final output; aborts (blocks freed) on timeout or cancellation."""
-        if params.max_tokens != 1:
-            raise ValueError(f"max_tokens: generate_alone runs requests of 1 token, got {params.max_tokens}")
-        final: RequestOutput | None = None
-        async for out in self.async_engine.generate(request_id, prompt, params, timeout_s):  # deltas
-            final = out if final is None else merge_deltas(final, out)
-        assert final is not None and final.finished
-        return final
+    async def serve(self, req: ServeRequest) -> None:
+        """The whole request here, no handoff: for requests that end at their first
+        token (max_tokens 1: classification, scoring a prompt), where reserving
+        decode blocks and shipping the KV would buy nothing."""
+        if req.params.max_tokens != 1:
+            raise ValueError(f"max_tokens: a prefill worker serves requests of 1 token, got {req.params.max_tokens}")
+        await self.async_engine.serve(req)
+
+    def abort(self, request_id: str) -> None:
+        self.async_engine.abort(request_id)
 
     def sender_for(self, address: str) -> KVSender:
         sender = self._sender_for(address)
@@ -113,62 +103,71 @@ class PrefillWorker:
             self._recording[address] = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
         return self._recording[address]
 
-    async def _cancel(self, request_id: str, reason: str) -> None:
-        def cancel(engine: LLMEngine) -> None:
-            job = self._jobs.pop(request_id, None)
-            if job is not None:
-                job.sender.abort(request_id, reason)
-            engine.abort(request_id)  # frees live or held blocks
-
-        await self.async_engine.call(cancel)
-
     # -- engine thread -----------------------------------------------------------
 
-    def _after_step(self, engine: LLMEngine) -> None:
-        for rid in list(self._jobs):
-            job = self._jobs[rid]
-            progress = engine.progress(rid)
-            if progress is None:  # aborted elsewhere
-                self._jobs.pop(rid)
-                continue
-            computed, finished = progress
-            try:
-                self._send_ready(engine, job, computed, finished)
-            except TransferError as e:
-                job.failed = e  # read by prefill() once _cancel has run after this
-                self._jobs.pop(rid)
-                engine.abort(rid)
-                job.loop.call_soon_threadsafe(_fail, job.done, e)
-                continue
-            if finished:
-                self._jobs.pop(rid)
-                engine.release(rid)
-                job.loop.call_soon_threadsafe(_succeed, job.done)
-
-    def _send_ready(self, engine: LLMEngine, job: _Job, computed: int, finished: bool) -> None:
-        """Send every block whose KV is complete: full blocks as chunks finish,
-        the last partial block once the whole prompt is done."""
-        bs = engine.config.block_size
-        ready = -(-computed // bs) if finished else computed // bs
-        if ready <= job.next_block:
-            if finished:
-                job.sender.finish(job.request_id, job.deadline)
+    def _pump(self, engine: LLMEngine, t: _Transfer) -> None:
+        """After a step: send what is ready; once the prompt is done and all of it
+        is verified, publish the first token (when safe) and finish."""
+        progress = engine.progress(t.job.request_id)
+        if progress is None or t.job.life.ended:
             return
-        src = engine.blocks_of(job.request_id)
-        blocks = range(job.next_block, ready)
-        for layer in range(engine.model_config.num_layers):
-            job.sender.send(job.request_id, layer, [src[i] for i in blocks], [job.dst_blocks[i] for i in blocks],
-                            job.deadline)
-        job.next_block = ready
-        if finished:
-            job.sender.finish(job.request_id, job.deadline)
+        computed, done = progress
+        try:
+            self._send_ready(engine, t, computed, done)
+        except TransferError as e:
+            t.failed = e
+            self.async_engine.end_now(t.job, Exit.PEER_FAILED, e)
+            return
+        if not done:
+            return
+        assert t.output is not None, "the prompt is done but its first token never came"
+        t.first = self._first_token(t, t.output)
+        self.async_engine.end_now(t.job, Exit.FINISHED, final=done_notice(t.job.request_id))
+
+    def _send_ready(self, engine: LLMEngine, t: _Transfer, computed: int, done: bool) -> None:
+        """Send every block whose KV is complete: full blocks as chunks finish, the
+        last partial block once the whole prompt is done; then wait for the verdict."""
+        bs = engine.config.block_size
+        ready = -(-computed // bs) if done else computed // bs
+        rid, deadline = t.job.request_id, t.job.life.deadline
+        if ready > t.next_block:
+            src, dst = engine.blocks_of(rid), t.order.reservation.block_ids
+            blocks = range(t.next_block, ready)
+            for layer in range(engine.model_config.num_layers):
+                t.sender.send(rid, layer, [src[i] for i in blocks], [dst[i] for i in blocks], deadline)
+            t.next_block = ready
+        if done:
+            t.job.life.advance(RequestState.TRANSFERRING)
+            t.sender.finish(rid, deadline)
+
+    def _first_token(self, t: _Transfer, out: RequestOutput) -> FirstToken:
+        """The reply to the decode worker; published to the gateway first when
+        nothing can take it back."""
+        c, params = out.outputs[0], t.order.request.params
+        published = (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
+                     and (params.max_tokens is None or params.max_tokens > 1))
+        if published:  # the request goes on: the client sees this token as it does every other
+            self.async_engine.publish(t.job, dataclasses.replace(
+                out, outputs=[dataclasses.replace(c, finish_reason=None, stop_reason=None)], finished=False))
+        return FirstToken(
+            token_id=c.token_ids[0], logprobs=c.logprobs[0] if c.logprobs else None,
+            prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
+            queue_time_s=out.metrics.get("queue_time_s"), published=published)
+
+    def _abandon(self, t: _Transfer, exit: Exit) -> None:
+        """Exit hook: a prefill that did not finish stops its transfer (the engine
+        hook, which runs after this one, frees the blocks)."""
+        if exit is Exit.FINISHED:
+            return
+        t.sender.abort(t.job.request_id, f"prefill ended early: {exit.value}")
+        # The prompt was done and its KV still in flight at the deadline, and the
+        # transport raised nothing (it would have counted it): a transfer timeout.
+        if exit is Exit.DEADLINE and t.output is not None and t.failed is None and self.transfer_recorder:
+            self.transfer_recorder.on_failure(FailReason.TIMEOUT.value)
 
 
-def _succeed(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def _fail(fut: asyncio.Future[None], exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)
+def _first_token_params(params: SamplingParams) -> SamplingParams:
+    """The prefill's share of a request: one token, the final output only, no stop
+    strings (the decode worker matches them over the whole text)."""
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1), stop=None,
+                               output_kind=RequestOutputKind.FINAL_ONLY)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # once, when the request finishes
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (the fields vLLM users know).
 
@@ -29,6 +30,9 @@ class SamplingParams:
     `frequency_penalty` (in [-2, 2], OpenAI's definition) subtract, per token
     already in the output, a constant and its count times the penalty.
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits.
+
+    Frozen: validated once where it is built (the gateway, `LLM.generate`), it
+    travels to the workers as it is; `dataclasses.replace` makes a changed copy.
     """
 
     n: int = 1
@@ -58,14 +62,17 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        # Normalised forms (frozen: through object.__setattr__, before anyone sees them).
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", [int(t) for t in (self.stop_token_ids or [])])
         if self.top_k == -1:
-            self.top_k = 0
-        self.logit_bias = self._parse_logit_bias(self.logit_bias)
+            object.__setattr__(self, "top_k", 0)
+        object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
         self._validate()
+
+    def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
+        return self if self.output_kind is kind else dataclasses.replace(self, output_kind=kind)
 
     def _validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:

@@ -11,6 +11,11 @@ The control path stays on RPC: the gateway starts the request with a call that
 returns when the request is over (or raises its error), which is also how a
 dead worker is noticed. Deltas arrive here; the RPC's result only says "done".
 
+Every token of a request comes this way, the first included, though not always
+from one worker: after a handoff the prefill worker sends the first token and
+the decode worker the rest. Each delta carries its offset in the request's
+output, and the collector hands them on in that order.
+
     worker (engine thread)                    gateway (asyncio)
     TokenStreamPublisher.add(addr, out) ...   TokenStreamCollector.consume(rid, rpc)
     TokenStreamPublisher.flush()  --PUSH-->   PULL socket -> per-request queue
@@ -30,6 +35,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
 
@@ -42,7 +48,8 @@ SEND_HWM = 4096
 MESSAGE_BUDGET = MAX_MESSAGE_BYTES - 4096
 
 
-def to_delta(out: RequestOutput) -> TokenDelta:
+def to_delta(out: RequestOutput, offset: int) -> TokenDelta:
+    """`out` (a DELTA output) as the wire record; `offset`: output tokens before it."""
     c = out.outputs[0]
     stop_token = c.stop_reason if isinstance(c.stop_reason, int) else None
     stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
@@ -50,7 +57,7 @@ def to_delta(out: RequestOutput) -> TokenDelta:
         TokenLogprobs(tuple(entry), tuple(entry.values())) for entry in c.logprobs)
     prompt_logprobs = None if out.prompt_logprobs is None else tuple(
         TokenLogprobs(tuple(entry or ()), tuple((entry or {}).values())) for entry in out.prompt_logprobs)
-    return TokenDelta(out.request_id, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
+    return TokenDelta(out.request_id, offset, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
                       out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"),
                       prompt_logprobs)
 
@@ -78,8 +85,9 @@ class TokenStreamPublisher:
         self._pending: dict[str, list[TokenDelta]] = {}
         self._seq: dict[str, int] = {}
 
-    def add(self, address: str, out: RequestOutput) -> None:
-        self._pending.setdefault(address, []).append(to_delta(out))
+    def add(self, address: str, out: RequestOutput, offset: int) -> None:
+        """Buffer `out` (a DELTA output, `offset` output tokens into its request) for `flush`."""
+        self._pending.setdefault(address, []).append(to_delta(out, offset))
 
     def flush(self) -> list[str]:
         """Send what `add` buffered, one message per gateway (more when one would
@@ -170,10 +178,13 @@ class StreamLostError(RuntimeError):
     """The worker says the request ended, but its final delta never came."""
 
 
-@dataclass
+@dataclass(eq=False)
 class _Open:
     prompt_token_ids: list[int]
+    life: Lifecycle
     queue: asyncio.Queue[RequestOutput | _RpcDone] = field(default_factory=asyncio.Queue)
+    next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
+    held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
 
 
 @dataclass
@@ -183,7 +194,13 @@ class _RpcDone:
 
 class TokenStreamCollector:
     """Gateway side: one PULL socket, a reader task, a queue per open request.
-    Create and use it on one event loop."""
+    Create and use it on one event loop.
+
+    Each open request has its gateway-side `Lifecycle`: QUEUED when opened,
+    ROUTED once its worker call starts, DECODING from its first token, then
+    FINISHED at its final delta, FAILED on an error or the deadline, ABORTED
+    when its reader goes away. The caller hangs its exit hooks on it (the
+    backend aborts the request on its workers)."""
 
     def __init__(self, bind_host: str = "127.0.0.1", final_grace_s: float = 5.0) -> None:
         self._ctx = zmq.asyncio.Context.instance()
@@ -195,58 +212,81 @@ class TokenStreamCollector:
         self.final_grace_s = final_grace_s
         self._open: dict[str, _Open] = {}
         self.num_rejected = 0  # messages that were not a valid TokenDeltaBatch
+        self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
-    def open(self, request_id: str, prompt_token_ids: list[int]) -> None:
-        """Start collecting `request_id`'s deltas; before the worker can send any.
-        `consume` reads them and closes it; `discard` closes it if `consume` never runs."""
+    def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
+        """Start collecting `request_id`'s deltas, before any worker can send one;
+        returns its lifecycle here. `consume` reads them and closes it."""
         if request_id in self._open:
             raise ValueError(f"request_id: {request_id!r} is already streaming")
-        self._open[request_id] = _Open(prompt_token_ids)
+        life = Lifecycle.start(request_id, timeout_s)
+        self._open[request_id] = _Open(prompt_token_ids, life)
+        return life
 
-    def discard(self, request_id: str) -> None:
-        self._open.pop(request_id, None)
-
-    async def consume(self, request_id: str, start: Awaitable[Any], deadline: float) -> AsyncIterator[RequestOutput]:
-        """Yield the request's DELTA outputs (it must be `open`) until the final
-        one. `start` is the RPC that runs the request on a worker (awaited here:
-        its error is raised; its return means the final delta is on its way)."""
+    async def consume(self, request_id: str, start: Awaitable[Any]) -> AsyncIterator[RequestOutput]:
+        """Yield the request's DELTA outputs (it must be `open`), in order, until the
+        final one. `start` is the RPC that runs the request on a worker (awaited
+        here: its error is raised; its return means the final delta is on its way).
+        However this ends, the request's lifecycle ends with it."""
         entry = self._open[request_id]
+        life = entry.life
         rpc = asyncio.ensure_future(start)
-        rpc.add_done_callback(lambda f: entry.queue.put_nowait(
-            _RpcDone(None if f.cancelled() else f.exception())))
-        done: _RpcDone | None = None
+        rpc.add_done_callback(lambda f: entry.queue.put_nowait(_RpcDone(None if f.cancelled() else f.exception())))
+        life.move(RequestState.ROUTED)
+        exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
         try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(entry.queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
-                except TimeoutError:
-                    if done is not None:
-                        raise StreamLostError(
-                            f"{request_id}: the worker finished but its last tokens never arrived") from None
-                    raise TimeoutError(f"request {request_id} passed its deadline") from None
-                if isinstance(item, RequestOutput):
-                    # Behind? Everything queued goes out as one delta.
-                    while not item.finished and not entry.queue.empty():
-                        nxt = entry.queue.get_nowait()
-                        if isinstance(nxt, _RpcDone):
-                            done = nxt
-                            break
-                        item = merge_deltas(item, nxt)
-                    yield item
-                    if item.finished:
-                        return
-                else:
-                    done = item
-                if done is not None:
-                    if done.error is not None:
-                        raise done.error
-                    # The worker is done: its last delta is at most a moment behind.
-                    deadline = min(deadline, time.monotonic() + self.final_grace_s)
+            async for out in self._ordered(request_id, entry):
+                if out.outputs[0].token_ids:
+                    life.advance(RequestState.DECODING)
+                if out.finished:
+                    exit = Exit.FINISHED
+                yield out
+        except TimeoutError:
+            exit = Exit.DEADLINE
+            raise
+        except ValueError:  # the worker refused the request
+            exit = Exit.REJECTED
+            raise
+        except Exception:
+            exit = Exit.PEER_FAILED
+            raise
         finally:
             self._open.pop(request_id, None)
             if not rpc.done():
                 rpc.cancel()
+            life.end(exit)
+
+    async def _ordered(self, request_id: str, entry: _Open) -> AsyncIterator[RequestOutput]:
+        """The entry's outputs until the final one (merged when the reader is behind)."""
+        done: _RpcDone | None = None
+        deadline = entry.life.deadline
+        while True:
+            try:
+                item = await asyncio.wait_for(entry.queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                if done is not None:
+                    raise StreamLostError(
+                        f"{request_id}: the worker finished but its last tokens never arrived") from None
+                raise TimeoutError(f"request {request_id} passed its deadline") from None
+            if isinstance(item, RequestOutput):
+                # Behind? Everything queued goes out as one delta.
+                while not item.finished and not entry.queue.empty():
+                    nxt = entry.queue.get_nowait()
+                    if isinstance(nxt, _RpcDone):
+                        done = nxt
+                        break
+                    item = merge_deltas(item, nxt)
+                yield item
+                if item.finished:
+                    return
+            else:
+                done = item
+            if done is not None:
+                if done.error is not None:
+                    raise done.error
+                # The worker is done: its last delta is at most a moment behind.
+                deadline = min(deadline, time.monotonic() + self.final_grace_s)
 
     async def close(self) -> None:
         self._reader.cancel()
@@ -266,4 +306,26 @@ class TokenStreamCollector:
             for d in batch.deltas:
                 entry = self._open.get(d.request_id)
                 if entry is not None:  # else: late deltas of a request that ended here
-                    entry.queue.put_nowait(from_delta(d, entry.prompt_token_ids))
+                    self._accept(entry, d)
+
+    def _accept(self, entry: _Open, d: TokenDelta) -> None:
+        """Hand `d` on in offset order: one that overtook an earlier delta (another
+        worker's) waits for it; a repeat of tokens already handed on is dropped."""
+        if d.offset > entry.next_offset:
+            self.num_out_of_order += 1
+            entry.held.append((d.offset, from_delta(d, entry.prompt_token_ids)))
+            return
+        if d.offset < entry.next_offset:
+            log.warning("token stream: %s sent tokens %d.. again; dropped", d.request_id, d.offset)
+            return
+        self._pass(entry, from_delta(d, entry.prompt_token_ids))
+        while True:  # the held deltas this one was waiting for, in the order they came
+            nxt = next((i for i, (offset, _) in enumerate(entry.held) if offset == entry.next_offset), None)
+            if nxt is None:
+                return
+            self._pass(entry, entry.held.pop(nxt)[1])
+
+    @staticmethod
+    def _pass(entry: _Open, out: RequestOutput) -> None:
+        entry.queue.put_nowait(out)
+        entry.next_offset += len(out.outputs[0].token_ids)

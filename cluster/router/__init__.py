@@ -8,6 +8,7 @@ from pdserve.cluster.router.index import PrefixIndex
 from pdserve.cluster.router.policy import (
     DecodeReason,
     NoHealthyWorkerError,
+    Plan,
     PrefillCost,
     RouterConfig,
     RouteReason,
@@ -21,10 +22,10 @@ from pdserve.cluster.router.policy import (
     choose_round_robin,
     route,
 )
-from pdserve.cluster.router.router import LoggedDecision, Router, RouterStats
+from pdserve.cluster.router.router import Router, RouterStats
 
 __all__ = [
-    "DecodeReason", "LoggedDecision", "NoHealthyWorkerError", "PrefillCost", "PrefixIndex", "RouteReason",
+    "DecodeReason", "NoHealthyWorkerError", "Plan", "PrefillCost", "PrefixIndex", "RouteReason",
     "Router", "RouterConfig", "RouterSnapshot", "RouterStats", "RoutingDecision", "RoutingPolicy",
     "WorkerLoad", "WorkerRole", "choose_decode", "choose_prefill", "choose_round_robin", "route",
 ]

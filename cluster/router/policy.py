@@ -46,6 +46,14 @@ class RoutingPolicy(enum.Enum):
     ROUND_ROBIN = "round_robin"  # the baseline: ignores caches and load (like vLLM's toy proxy)
 
 
+class Plan(enum.Enum):
+    """How a request runs, given where it prefills and decodes."""
+
+    LOCAL = "local"  # the decode worker prefills it too: no transfer
+    HANDOFF = "handoff"  # the prefill worker computes the prompt, its KV moves to the decode worker
+    PREFILL_ONLY = "prefill_only"  # it ends at its first token: the prefill worker runs it alone
+
+
 class RouteReason(enum.Enum):
     """Why the prompt is prefilled where it is."""
 
@@ -109,6 +117,7 @@ class RouterSnapshot:
     # on the same worker every time, even before that worker's STORED events
     # arrive, and different new prefixes spread over the workers.
     affinity_key: int | None = None
+    max_tokens: int | None = None  # the request's (1: it ends at its first token)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0:
@@ -192,9 +201,9 @@ class RouterConfig:
 class RoutingDecision:
     """Where one request prefills and decodes, why, and the numbers behind it."""
 
-    prefill_worker: str | None  # None when the decode worker prefills (local_prefill)
-    decode_worker: str
-    local_prefill: bool  # the decode worker prefills the uncached part; nothing is transferred
+    prefill_worker: str | None  # None when the decode worker prefills (Plan.LOCAL)
+    decode_worker: str  # under PREFILL_ONLY, where it runs if the prefill worker is gone
+    plan: Plan
     reason: RouteReason
     decode_reason: DecodeReason
     detail: str
@@ -206,6 +215,11 @@ class RoutingDecision:
     block_size: int
     costs: tuple[PrefillCost, ...] = ()  # cheapest first; empty when no cost was computed
     next_rr_counter: int = 0  # round-robin state to pass to the next call
+
+    @property
+    def local_prefill(self) -> bool:
+        """The decode worker prefills the uncached part; nothing is transferred."""
+        return self.plan is Plan.LOCAL
 
     @property
     def cached_prompt_tokens(self) -> int:
@@ -220,7 +234,7 @@ class RoutingDecision:
     @property
     def transferred_blocks(self) -> int:
         """Blocks sent prefill -> decode (the decode worker's own prefix is not sent)."""
-        if self.local_prefill:
+        if self.plan is not Plan.HANDOFF:
             return 0
         return -(-self.prompt_tokens // self.block_size) - self.decode_cached_blocks
 
@@ -303,7 +317,8 @@ def choose_round_robin(
 def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -> RoutingDecision:
     """Pick the decode worker first, then decide whether it prefills locally
     (uncached part there below the threshold, or no healthy prefill worker and
-    the fallback is on) or which prefill worker computes and sends the KV.
+    the fallback is on) or which prefill worker computes and sends the KV; a
+    request that ends at its first token then runs on that prefill worker alone.
 
     Raises NoHealthyWorkerError when no decode worker is healthy, or no prefill
     worker is and `config.fallback_local_prefill` is off.
@@ -324,8 +339,9 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
         prefill, reason, detail, costs = _prefill_side(snapshot, config, rr_prefill, decode)
     if prefill == decode:  # a colocated (BOTH) worker won both roles: nothing to transfer
         prefill, detail = None, f"{detail}; prefill worker is the decode worker"
+    plan = Plan.LOCAL if prefill is None else Plan.PREFILL_ONLY if snapshot.max_tokens == 1 else Plan.HANDOFF
     return RoutingDecision(
-        prefill_worker=prefill, decode_worker=decode, local_prefill=prefill is None, reason=reason,
+        prefill_worker=prefill, decode_worker=decode, plan=plan, reason=reason,
         decode_reason=decode_reason, detail=detail,
         prefill_cached_blocks=snapshot.cached_blocks(prefill if prefill is not None else decode),
         decode_cached_blocks=snapshot.cached_blocks(decode), prompt_tokens=snapshot.prompt_tokens,

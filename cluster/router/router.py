@@ -7,13 +7,14 @@ thread-safe: one owner (the gateway's event loop or a router actor) calls it.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from pdserve.cluster.router.index import PrefixIndex
 from pdserve.cluster.router.policy import (
     DecodeReason,
+    Plan,
     RouterConfig,
     RouteReason,
     RouterSnapshot,
@@ -23,12 +24,6 @@ from pdserve.cluster.router.policy import (
 )
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.kv.hashing import extend_block_hashes
-
-
-@dataclass(frozen=True)
-class LoggedDecision:
-    request_id: str
-    decision: RoutingDecision
 
 
 @dataclass
@@ -51,7 +46,8 @@ class Router:
 
     Callers feed it each worker's KV events (`on_kv_events`, in emission order)
     and load reports (`update_load`, the latest replaces the previous), and
-    call `remove_worker` when a worker leaves or restarts. `route` never blocks
+    call `forget_cache` when they lost a worker's events (a lost report, a
+    restart). `route` never blocks
     and raises `NoHealthyWorkerError` when no worker can take the request.
 
     Between load reports, `route` adds the request it just placed to the
@@ -59,9 +55,7 @@ class Router:
     looked idle in the last report; the next `update_load` overwrites that.
     """
 
-    def __init__(
-        self, config: RouterConfig, block_size: int, index: PrefixIndex | None = None, log_size: int = 256,
-    ) -> None:
+    def __init__(self, config: RouterConfig, block_size: int, index: PrefixIndex | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self.config = config
@@ -69,7 +63,6 @@ class Router:
         self.index = index if index is not None else PrefixIndex()
         self.loads: dict[str, WorkerLoad] = {}
         self.stats = RouterStats()
-        self.recent: deque[LoggedDecision] = deque(maxlen=log_size)
         self._rr_counter = 0
 
     def on_kv_events(self, worker_id: str, events: Iterable[KVEvent]) -> None:
@@ -78,50 +71,52 @@ class Router:
     def update_load(self, load: WorkerLoad) -> None:
         self.loads[load.worker_id] = load
 
-    def remove_worker(self, worker_id: str) -> None:
-        """The worker left or restarted: forget its cache and its load."""
+    def forget_cache(self, worker_id: str) -> None:
+        """What the worker caches is unknown now (its events were lost): forget it;
+        its next events build it up again."""
         self.index.remove_worker(worker_id)
-        self.loads.pop(worker_id, None)
 
-    def snapshot(self, prompt_token_ids: Sequence[int]) -> tuple[RouterSnapshot, list[int]]:
+    def snapshot(self, prompt_token_ids: Sequence[int],
+                 max_tokens: int | None = None) -> tuple[RouterSnapshot, list[int]]:
         """The policy's input for this prompt, and the prompt's block hashes."""
         hashes: list[int] = []
         extend_block_hashes(hashes, prompt_token_ids, self.block_size)
         snap = RouterSnapshot(
             prompt_tokens=len(prompt_token_ids), block_size=self.block_size,
             matched_blocks=self.index.match(hashes), loads=tuple(self.loads.values()),
-            affinity_key=hashes[0] if hashes else None,
+            affinity_key=hashes[0] if hashes else None, max_tokens=max_tokens,
         )
         return snap, hashes
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int]) -> RoutingDecision:
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> RoutingDecision:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
-        snap, hashes = self.snapshot(prompt_token_ids)
+        snap, hashes = self.snapshot(prompt_token_ids, max_tokens)
         decision = route(snap, self.config, self._rr_counter)
         self._rr_counter = decision.next_rr_counter
-        self._record(request_id, decision)
+        self._record(decision)
         self._account(decision, hashes)
         return decision
 
-    def _record(self, request_id: str, decision: RoutingDecision) -> None:
+    def _record(self, decision: RoutingDecision) -> None:
         self.stats.decisions[decision.reason] += 1
         self.stats.decode_decisions[decision.decode_reason] += 1
         self.stats.prompt_tokens += decision.prompt_tokens
         self.stats.cached_prompt_tokens += decision.cached_prompt_tokens
         self.stats.transferred_blocks += decision.transferred_blocks
-        self.recent.append(LoggedDecision(request_id, decision))
 
     def _account(self, decision: RoutingDecision, hashes: list[int]) -> None:
         """Refresh the reused prefix in the index (the worker's LRU does the same)
         and charge the request to the chosen workers until their next report."""
         prefiller = decision.prefill_worker or decision.decode_worker
         self.index.touch(prefiller, hashes[: decision.prefill_cached_blocks])
-        if decision.prefill_worker is not None:
-            self.index.touch(decision.decode_worker, hashes[: decision.decode_cached_blocks])
         load = self.loads[prefiller]
         self.loads[prefiller] = dataclasses.replace(
             load, queued_prefill_tokens=load.queued_prefill_tokens + decision.computed_prompt_tokens)
+        if decision.plan is Plan.PREFILL_ONLY:
+            return  # nothing reaches the decode worker
+        if decision.plan is Plan.HANDOFF:
+            self.index.touch(decision.decode_worker, hashes[: decision.decode_cached_blocks])
         load = self.loads[decision.decode_worker]
         new_blocks = -(-decision.prompt_tokens // self.block_size) - decision.decode_cached_blocks
         self.loads[decision.decode_worker] = dataclasses.replace(

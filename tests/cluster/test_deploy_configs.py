@@ -28,8 +28,8 @@ from ray.autoscaler._private.util import prepare_config, validate_config  # noqa
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary  # noqa: E402
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema  # noqa: E402
 
-from pdserve.cluster.serve_app import ServeConfig  # noqa: E402
-from pdserve.workers.config import EngineConfig  # noqa: E402
+from pdserve.cluster.serve_config import ServeConfig, serve_config  # noqa: E402
+from pdserve.workers.config import DType, EngineConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
@@ -213,11 +213,10 @@ def test_serve_yaml_args_build_a_valid_serve_config(deploy_pkg: Any, api_key_hom
     assert isinstance(cfg, ServeConfig)
     assert cfg.model == "/models/Meta-Llama-3-8B-Instruct"
     assert (cfg.mode, cfg.num_prefill, cfg.num_decode) == ("disaggregated", 2, 2)
-    assert cfg.max_model_len == 8192 and cfg.block_size == 16
+    assert cfg.engine.max_model_len == 8192 and cfg.engine.block_size == 16
     assert cfg.api_key == api_key_home
     assert cfg.worker_names() == ["pdserve-prefill-0", "pdserve-prefill-1", "pdserve-decode-0", "pdserve-decode-1"]
-    engine = EngineConfig(**cfg.engine_config())
-    assert engine.dtype == "bfloat16" and engine.gpu_memory_utilization == 0.9
+    assert cfg.engine.dtype is DType.BFLOAT16 and cfg.engine.gpu_memory_utilization == 0.9
     parsed = deploy_pkg.parse_args(args)
     assert parsed.wait_for_gpus_s == 900 and parsed.worker_timeout_s == 900
 
@@ -291,13 +290,13 @@ def test_api_key_from_the_environment(deploy_pkg: Any, monkeypatch: pytest.Monke
 
 def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:
     cfg = deploy_pkg.config_from_args({"model": "/m"})
-    assert cfg == ServeConfig(model="/m")
+    assert cfg == serve_config({"model": "/m"}) == ServeConfig(EngineConfig("/m"))
     assert deploy_pkg.parse_args({"model": "/m"}).wait_for_gpus_s == 0  # CPU-only runs stay possible
 
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_stop_matches_exactly_the_worker_names_start_makes(deploy_pkg: Any, mode: str) -> None:
-    cfg = ServeConfig(model="/m", mode=mode, num_prefill=3, num_decode=2)
+    cfg = serve_config({"model": "/m", "mode": mode, "prefill": 3, "decode": 2})
     assert all(deploy_pkg._WORKER_NAME.fullmatch(n) for n in cfg.worker_names())
     for other in ("pdserve-gateway", "pdserve-router", "SERVE_CONTROLLER_ACTOR", "pdserve-decode-x"):
         assert not deploy_pkg._WORKER_NAME.fullmatch(other)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,10 @@ from pdserve.cluster.backend import ColocatedBackend
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
+from pdserve.workers.config import EngineConfig
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
+from pdserve.workers.transfer.base import Transport
 
 BS = 16
 
@@ -29,15 +32,27 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
+_services: list[PrefillService | DecodeService | EngineService] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_services() -> Iterator[None]:
+    yield
+    while _services:
+        _services.pop().close()
+
+
 def cluster(model_dir: Path, policy: RoutingPolicy, prefill_blocks: int, num_prefill: int = 2,  # noqa: ANN201
             transport: str = "zmq", **engine_args: object):
-    base = {"model": str(model_dir), "max_model_len": 1024, "block_size": BS, "max_num_batched_tokens": 1024,
-            **engine_args}
-    prefill = {f"p{i}": PrefillService({**base, "num_kv_blocks": prefill_blocks}, 1, transport) for i in range(num_prefill)}
-    decode = DecodeService({**base, "num_kv_blocks": 1024}, 1, "127.0.0.1", transport)
+    base = EngineConfig(model=str(model_dir), max_model_len=1024, block_size=BS, max_num_batched_tokens=1024,
+                        **engine_args)  # type: ignore[arg-type]
+    prefill = {f"p{i}": PrefillService(replace(base, num_kv_blocks=prefill_blocks), 1, Transport(transport))
+               for i in range(num_prefill)}
+    decode = DecodeService(replace(base, num_kv_blocks=1024), 1, "127.0.0.1", Transport(transport))
+    _services.extend([*prefill.values(), decode])
     router = Router(RouterConfig(policy=policy), BS)
     backend = DisaggregatedBackend({k: LocalActor(v) for k, v in prefill.items()}, {"d0": LocalActor(decode)},
-                                   {"d0": decode.receiver.address}, router, poll_s=0.01)
+                                   router, poll_s=0.01)
     return backend, prefill, decode
 
 
@@ -67,7 +82,8 @@ def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport:
     got = asyncio.run(run_all(backend, prompts, params))
     offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False)
     assert got == [o.outputs[0].token_ids for o in offline.generate(prompts, params)]
-    assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) >= sum(map(len, prompts)) - 4 * BS
+    computed = sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values())
+    assert computed >= sum(map(len, prompts)) - 4 * BS
     assert decode.worker.engine.kv.pool.num_used == 0
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
 
@@ -92,8 +108,9 @@ def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mod
         backend, _, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1, **spec)
         engine = decode.worker.engine
     else:
-        worker = EngineService({"model": str(model_dir), "max_model_len": 1024, **spec}, 1)
-        backend, engine = ColocatedBackend([LocalActor(worker)]), worker.engine.engine
+        worker = EngineService(EngineConfig(model=str(model_dir), max_model_len=1024, **spec), 1)  # type: ignore[arg-type]
+        _services.append(worker)
+        backend, engine = ColocatedBackend([LocalActor(worker)]), worker.engine
 
     async def run() -> list[list[int]]:
         async def one(i: int) -> list[int]:

@@ -13,9 +13,10 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from factories import tiny_spec
+from factories import FakeBackend, tiny_spec
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.backend import LocalBackend
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.workers.async_engine import AsyncEngine
@@ -32,8 +33,9 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[tuple[str, AsyncEngine]]:
     llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=256, progress=False)
-    engine = AsyncEngine(llm.engine)
-    gw = Gateway(engine, llm.tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret",
+    engine = AsyncEngine(llm.engine).start()
+    gw = Gateway(LocalBackend(engine), llm.tokenizer,
+                 GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret",
                                                       max_in_flight=64))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,7 +50,7 @@ def server(model_dir: Path) -> Iterator[tuple[str, AsyncEngine]]:
     yield f"http://127.0.0.1:{port}", engine
     srv.should_exit = True
     thread.join(10)
-    engine.shutdown()
+    engine.close()
 
 
 @pytest.fixture(scope="module")
@@ -277,11 +279,8 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
     assert _errors_499(url) == errors_before + 6
 
 
-class _SlowBackend:
+class _SlowBackend(FakeBackend):
     """Streams one token per 50 ms, forever unless aborted: holds admission slots."""
-
-    healthy = True
-    num_in_flight = 0
 
     async def generate(self, request_id, prompt, params, timeout_s):  # noqa: ANN001, ANN201
         import asyncio
@@ -334,7 +333,7 @@ def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -
 
     from pdserve.workers.async_engine import EngineDeadError
 
-    engine = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine)
+    engine = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine).start()
 
     async def main() -> None:
         assert await engine.call(lambda e: e.num_kv_blocks) == 64
@@ -342,7 +341,7 @@ def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -
             await asyncio.gather(engine.call(lambda e: time.sleep(0.3)), engine.call(lambda e: None, timeout_s=0.1))
 
     asyncio.run(main())
-    engine.shutdown()
+    engine.close()
 
     async def after() -> None:
         with pytest.raises(EngineDeadError):

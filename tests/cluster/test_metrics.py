@@ -15,15 +15,17 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import LocalActor, local_cluster, tiny_spec
+from factories import FakeBackend, LocalActor, local_cluster, tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM
+from pdserve.cluster.backend import LocalBackend
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.cluster.router import NoHealthyWorkerError, Router, RouterConfig, WorkerLoad, WorkerRole
 from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.config import EngineConfig
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -110,13 +112,10 @@ def only_in(fams: dict[str, Any], family: str, lo: str, hi: str) -> bool:
     return b[lo] == 0 and b[hi] == b["+Inf"] > 0
 
 
-class TimedBackend:
+class TimedBackend(FakeBackend):
     """Tokens at known times: the first after 0.35 s, then 1 token after 0.25 s,
     2 tokens after 0.5 s, 1 token after 0.25 s. Queue time 0.12 s on the first
     output (later outputs say otherwise: only the first counts)."""
-
-    healthy = True
-    num_in_flight = 0
     plan = [(0.35, 1), (0.25, 1), (0.5, 2), (0.25, 1)]
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
@@ -168,11 +167,8 @@ def test_latencies_of_known_delays_land_in_their_buckets(tokenizer: Any) -> None
     assert sample(f, "pdserve:gateway_requests_total", endpoint="/metrics", status="200") == 2
 
 
-class FailingBackend:
+class FailingBackend(FakeBackend):
     """Sends one token, then fails the way `error` says."""
-
-    healthy = True
-    num_in_flight = 0
 
     def __init__(self, error: BaseException) -> None:
         self.error = error
@@ -238,6 +234,9 @@ class WorkersBackend(TimedBackend):
     def worker_handles(self) -> dict[str, tuple[str, Any]]:
         return self.workers
 
+    def router_stats(self) -> Any:
+        return self.router.stats
+
 
 def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: Any) -> None:
     p0, d0 = WorkerMetrics(Pool.PREFILL, "pdserve-prefill-0", 4), WorkerMetrics(Pool.DECODE, "pdserve-decode-0", 4)
@@ -280,8 +279,8 @@ def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: An
 
 def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> None:
     llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False)
-    engine = AsyncEngine(llm.engine)
-    gw = Gateway(engine, tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    engine = AsyncEngine(llm.engine).start()
+    gw = Gateway(LocalBackend(engine), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
     app = build_app(gw)
 
     async def main() -> dict:
@@ -294,7 +293,7 @@ def test_token_counters_equal_engine_truth(model_dir: Path, tokenizer: Any) -> N
     try:
         f = asyncio.run(main())
     finally:
-        engine.shutdown()
+        engine.close()
     assert sample(f, "pdserve:generation_tokens_total") == llm.engine.stats.generation_tokens == 12
     assert sample(f, "pdserve:prompt_tokens_total") == llm.engine.stats.prompt_tokens == 8
     assert sample(f, "pdserve:request_success_total", finished_reason="length") == 2
@@ -310,10 +309,10 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
     from pdserve.cluster.actors import DecodeService, PrefillService
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
 
-    base = {"model": str(model_dir), "max_model_len": 256, "num_kv_blocks": 64}
+    base = EngineConfig(model=str(model_dir), max_model_len=256, num_kv_blocks=64)
     p = PrefillService(base, 1, worker_name="pdserve-prefill-0")
     d = DecodeService(base, 1, "127.0.0.1", worker_name="pdserve-decode-0")
-    backend = DisaggregatedBackend({"p0": LocalActor(p)}, {"d0": LocalActor(d)}, {"d0": d.receiver.address},
+    backend = DisaggregatedBackend({"p0": LocalActor(p)}, {"d0": LocalActor(d)},
                                    Router(RouterConfig(), 16), poll_s=0.01,
                                    names={"p0": "pdserve-prefill-0", "d0": "pdserve-decode-0"})
     gw = Gateway(backend, tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
@@ -329,7 +328,11 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
         await backend.close()
         return f
 
-    f = asyncio.run(main())
+    try:
+        f = asyncio.run(main())
+    finally:
+        p.close()
+        d.close()
     assert {s.labels["worker"]: s.value for s in f["pdserve:worker_up"].samples} == \
         {"pdserve-prefill-0": 1, "pdserve-decode-0": 1}
     k, _ = p.worker.engine.kv_caches[0]
@@ -356,13 +359,13 @@ def test_services_export_their_engines_metrics_through_the_disaggregated_backend
 @pytest.fixture(scope="module")
 def served(model_dir: Path) -> Iterator[tuple[str, Any]]:
     pytest.importorskip("ray")
-    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
 
     port = 20000 + os.getpid() % 1000
     # Serve's Python proxy: the HAProxy ingress binds fixed ports, which another
     # cluster on this machine may hold (the metrics path is the same either way).
-    cfg = serve_app.ServeConfig(model=str(model_dir), port=port, max_model_len=256, ingress="proxy",
-                                engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
+    cfg = serve_config({"model": str(model_dir), "port": port, "max_model_len": 256, "ingress": "proxy",
+                        "num_kv_blocks": 128, "speculative": "ngram"})
     with local_cluster(cfg) as url:
         yield url, cfg
 

@@ -10,6 +10,7 @@ import pytest
 from pdserve.cluster.router import (
     DecodeReason,
     NoHealthyWorkerError,
+    Plan,
     PrefixIndex,
     Router,
     RouterConfig,
@@ -328,7 +329,7 @@ def test_snapshot_and_load_are_validated() -> None:
 # ---- Router ---------------------------------------------------------------------
 
 def make_router(**config: object) -> Router:
-    router = Router(RouterConfig(**config), BS, log_size=3)  # type: ignore[arg-type]
+    router = Router(RouterConfig(**config), BS)  # type: ignore[arg-type]
     for load in (prefill_load("p0"), prefill_load("p1"), decode_load("d0")):
         router.update_load(load)
     return router
@@ -352,18 +353,27 @@ def test_router_routes_onto_the_worker_that_reported_the_prefix() -> None:
     assert router.loads["p1"].queued_prefill_tokens == 0
 
 
-def test_router_keeps_a_bounded_log_and_forgets_removed_workers() -> None:
-    router = make_router()
+def test_router_forgets_a_cache_whose_events_were_lost() -> None:
+    router = make_router(local_prefill_threshold_tokens=0)
     tokens = list(range(64))
     router.on_kv_events("p0", stored(*block_hashes(tokens)))
-    for i in range(5):
-        router.route(f"r{i}", tokens)
-    assert [entry.request_id for entry in router.recent] == ["r2", "r3", "r4"]
-    router.remove_worker("p0")
-    assert router.index.num_blocks("p0") == 0 and "p0" not in router.loads
-    assert router.route("r5", tokens).prefill_worker == "p1"
+    assert router.route("r0", tokens).prefill_worker == "p0"
+    router.forget_cache("p0")
+    assert router.index.num_blocks("p0") == 0 and "p0" in router.loads  # still a worker, with no known cache
+    assert router.route("r1", tokens).reason is RouteReason.COLD
     with pytest.raises(ValueError, match="empty prompt"):
-        router.route("r6", [])
+        router.route("r2", [])
+
+
+def test_a_single_token_request_runs_on_the_prefill_worker_and_charges_no_decode_work() -> None:
+    router = make_router(local_prefill_threshold_tokens=0)
+    tokens = list(range(64))
+    decision = router.route("r0", tokens, max_tokens=1)
+    assert decision.plan is Plan.PREFILL_ONLY and decision.prefill_worker is not None
+    assert decision.transferred_blocks == 0 and router.stats.transferred_blocks == 0
+    assert router.loads["d0"].running_requests == 0
+    assert router.loads[decision.prefill_worker].queued_prefill_tokens == 64
+    assert router.route("r1", tokens, max_tokens=2).plan is Plan.HANDOFF
 
 
 # ---- simulation ---------------------------------------------------------------

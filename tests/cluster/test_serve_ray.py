@@ -21,16 +21,17 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
-@pytest.fixture(scope="module", params=["colocated-zmq-proxy", "disaggregated-zmq-haproxy", "disaggregated-nccl-haproxy"])
+@pytest.fixture(scope="module",
+                params=["colocated-zmq-proxy", "disaggregated-zmq-haproxy", "disaggregated-nccl-haproxy"])
 def cluster(model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
     """`nccl`: the NCCL transport, which runs its gloo path on CPU. `proxy`/`haproxy`:
     Ray Serve's Python proxy actor, or its HAProxy ingress (the default)."""
-    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
 
     port = 18000 + os.getpid() % 1000
     mode, transport, ingress = request.param.split("-")
-    cfg = serve_app.ServeConfig(model=str(model_dir), mode=mode, transport=transport, ingress=ingress, port=port,
-                                max_model_len=256, engine_args={"num_kv_blocks": 256, "max_num_seqs": 64})
+    cfg = serve_config({"model": str(model_dir), "mode": mode, "transport": transport, "ingress": ingress,
+                        "port": port, "max_model_len": 256, "num_kv_blocks": 256, "max_num_seqs": 64})
     with local_cluster(cfg) as url:
         yield url, mode
 
@@ -46,20 +47,21 @@ def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, 
         r = c.completions.create(model=os.path.basename(str(model_dir)), prompt=prompt, max_tokens=16, temperature=0,
                                  extra_body={"ignore_eos": True})
         assert r.choices[0].text == exp.outputs[0].text
-    stream = c.chat.completions.create(model=os.path.basename(str(model_dir)), messages=[{"role": "user", "content": "hi"}],
+    stream = c.chat.completions.create(model=os.path.basename(str(model_dir)),
+                                       messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert len("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)) > 0
     if mode == "disaggregated":
         from pdserve.cluster.serve_app import NAMESPACE
 
-        p = ray.get(ray.get_actor("pdserve-prefill-0", namespace=NAMESPACE).load.remote())
-        d = ray.get(ray.get_actor("pdserve-decode-0", namespace=NAMESPACE).load.remote())
+        p = ray.get(ray.get_actor("pdserve-prefill-0", namespace=NAMESPACE).load.remote()).snapshot
+        d = ray.get(ray.get_actor("pdserve-decode-0", namespace=NAMESPACE).load.remote()).snapshot
         # Prompts were prefilled on the prefill worker and their KV shipped; the
         # decode worker computed no prompt token itself (the chat prompt aside,
         # which is short enough to be prefilled locally).
-        assert p["prompt_tokens_computed"] > 60
-        assert d["prompt_tokens_computed"] < 20
-        assert p["used_blocks"] == 0 and d["used_blocks"] == 0
+        assert p.prompt_tokens_computed > 60
+        assert d.prompt_tokens_computed < 20
+        assert p.used_blocks == 0 and d.used_blocks == 0
 
 
 def test_cluster_scores_prompts_and_applies_penalties(cluster: tuple[str, str], model_dir: Path) -> None:
@@ -94,8 +96,9 @@ def _worker_loads() -> list[dict]:
     from pdserve.cluster.serve_app import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NAMESPACE and a["name"].startswith(("pdserve-worker", "pdserve-prefill", "pdserve-decode"))]
-    return ray.get([ray.get_actor(n, namespace=NAMESPACE).load.remote() for n in names])
+             if a["namespace"] == NAMESPACE
+             and a["name"].startswith(("pdserve-worker", "pdserve-prefill", "pdserve-decode"))]
+    return [r.snapshot for r in ray.get([ray.get_actor(n, namespace=NAMESPACE).load.remote() for n in names])]
 
 
 def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], model_dir: Path) -> None:
@@ -127,14 +130,14 @@ def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], 
 
             await asyncio.gather(*(one(i) for i in range(50)))
 
-    generated_before = sum(ld["generation_tokens"] for ld in _worker_loads())
+    generated_before = sum(ld.generation_tokens for ld in _worker_loads())
     asyncio.run(disconnects())
     deadline = time.monotonic() + 30
     loads = _worker_loads()
-    while time.monotonic() < deadline and any(ld["used_blocks"] or ld["running"] or ld["waiting"] for ld in loads):
+    while time.monotonic() < deadline and any(ld.used_blocks or ld.running or ld.waiting for ld in loads):
         time.sleep(0.2)
         loads = _worker_loads()
     # Only prefix-cache entries may remain (they count as free): nothing is held.
-    assert all(ld["used_blocks"] == 0 and ld["running"] == 0 and ld["waiting"] == 0 for ld in loads), loads
+    assert all(ld.used_blocks == 0 and ld.running == 0 and ld.waiting == 0 for ld in loads), loads
     # The hung-up streams were aborted, not run to their 200 tokens.
-    assert sum(ld["generation_tokens"] for ld in loads) - generated_before < 50 * 200 // 2
+    assert sum(ld.generation_tokens for ld in loads) - generated_before < 50 * 200 // 2

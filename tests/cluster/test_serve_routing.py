@@ -35,10 +35,11 @@ def shared_prefix_prompts(groups: int = 8, per_group: int = 16, prefix: int = 51
 def serve_and_count(model_dir: Path, policy: str, prompts: list[list[int]]) -> int:
     """Prompt tokens computed by all workers while serving `prompts` (concurrency 4)."""
     from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
 
     port = 19000 + os.getpid() % 1000
-    cfg = serve_app.ServeConfig(model=str(model_dir), num_prefill=2, num_decode=1, router_policy=policy, port=port,
-                                max_model_len=1024, engine_args={"num_kv_blocks": 192, "max_num_batched_tokens": 1024})
+    cfg = serve_config({"model": str(model_dir), "prefill": 2, "decode": 1, "router_policy": policy, "port": port,
+                        "max_model_len": 1024, "num_kv_blocks": 192, "max_num_batched_tokens": 1024})
     with local_cluster(cfg) as url:
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
         sem = asyncio.Semaphore(4)
@@ -57,8 +58,8 @@ def serve_and_count(model_dir: Path, policy: str, prompts: list[list[int]]) -> i
 
         assert asyncio.run(run()) == ["length"] * len(prompts)
         loads = ray.get([ray.get_actor(n, namespace=serve_app.NAMESPACE).load.remote() for n in cfg.worker_names()])
-        assert all(ld["used_blocks"] == 0 for ld in loads), loads
-        return sum(ld["prompt_tokens_computed"] for ld in loads)
+        assert all(ld.snapshot.used_blocks == 0 for ld in loads), loads
+        return sum(ld.snapshot.prompt_tokens_computed for ld in loads)
 
 
 def test_cache_aware_router_computes_2x_fewer_prefill_tokens_than_round_robin_over_http(model_dir: Path) -> None:

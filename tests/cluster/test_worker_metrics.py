@@ -5,12 +5,12 @@ engine and the KV transport did."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import handoff_deltas, tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
@@ -18,7 +18,6 @@ from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.transfer.base import TransferError
 from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
@@ -123,23 +122,28 @@ def pair(model_dir: Path,
     pm, dm = WorkerMetrics(Pool.PREFILL, "p0"), WorkerMetrics(Pool.DECODE, "d0")
     receiver = InProcessReceiver(d_engine.kv_caches)
     sender = InProcessSender(p_engine.kv_caches, receiver, faults)
-    return (PrefillWorker(p_engine, lambda addr: sender, transfer_recorder=pm),
-            DecodeWorker(d_engine, receiver, transfer_recorder=dm), pm, dm)
+    workers = (PrefillWorker(p_engine, lambda addr: sender, transfer_recorder=pm).start(),
+               DecodeWorker(d_engine, receiver, transfer_recorder=dm).start())
+    _live.extend(workers)
+    return (*workers, pm, dm)
+
+
+@pytest.fixture(autouse=True)
+def _close_workers() -> Iterator[None]:
+    yield
+    while _live:
+        _live.pop().close()
+
+
+_live: list[PrefillWorker | DecodeWorker] = []
 
 
 async def handoff(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int]) -> tuple[int, bool]:
     """One request through prefill -> transfer -> decode; (tokens cached on decode, transfer ok)."""
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    plan = await d.reserve(rid, prompt, params)
-    assert plan is not None
-    blocks, cached = plan
-    try:
-        first = await p.prefill(rid, prompt, params, blocks, cached, "inproc", timeout_s=5)
-    except TransferError:
-        first = None
-    async for _ in d.decode(rid, prompt, first, cached, timeout_s=10):
-        pass
-    return cached, first is not None
+    failures = d.num_transfer_failures
+    outs = await handoff_deltas(p, d, rid, prompt, params)
+    return outs[-1].num_cached_tokens, d.num_transfer_failures == failures
 
 
 def test_kv_transfer_bytes_equal_the_blocks_sent(model_dir: Path) -> None:
@@ -180,6 +184,6 @@ def test_queue_time_crosses_the_token_stream() -> None:
 
     queued = RequestOutput("q", None, [1], [CompletionOutput(0, "a", [4])], False, metrics={"queue_time_s": 0.125})
     fresh = RequestOutput("n", None, [1], [CompletionOutput(0, "b", [5])], False)
-    batch = decode_as(encode(TokenDeltaBatch(worker_id="w", seq=0, deltas=(to_delta(queued), to_delta(fresh)))),
+    batch = decode_as(encode(TokenDeltaBatch(worker_id="w", seq=0, deltas=(to_delta(queued, 0), to_delta(fresh, 0)))),
                       TokenDeltaBatch)
     assert [from_delta(d, [1]).metrics for d in batch.deltas] == [{"queue_time_s": 0.125}, {}]

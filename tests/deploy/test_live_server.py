@@ -105,10 +105,10 @@ def served(prometheus_binary: str, model_dir: Path) -> Iterator[tuple[str, Any]]
     fixed ports may be held by another cluster on this machine), ngram speculation (the
     speculative-decoding series get their `position` labels, and chunks carry several
     tokens, so TPOT per token and per chunk differ), local Ray on 2 CPUs, always torn down."""
-    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
 
-    cfg = serve_app.ServeConfig(model=str(model_dir), port=free_port(), max_model_len=256, ingress="proxy",
-                                engine_args={"num_kv_blocks": 128, "speculative": "ngram"})
+    cfg = serve_config({"model": str(model_dir), "port": free_port(), "max_model_len": 256, "ingress": "proxy",
+                        "num_kv_blocks": 128, "speculative": "ngram"})
     with local_cluster(cfg) as url:
         yield url, cfg
 

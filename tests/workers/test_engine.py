@@ -141,7 +141,8 @@ def test_stop_string_cuts_text_and_reports_reason(model_dir: Path) -> None:
     full = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
     stop = full.text[10:13]
     assert len(stop) == 3
-    cut = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+    cut = llm.generate([prompt], params)[0].outputs[0]
     idx = full.text.find(stop)
     assert cut.text == full.text[:idx]
     assert cut.finish_reason == "stop" and cut.stop_reason == stop
@@ -173,14 +174,16 @@ def test_stop_token_ids_and_min_tokens(model_dir: Path) -> None:
 
 def test_max_tokens_and_eos(model_dir: Path) -> None:
     llm = make_llm(model_dir)
-    out = llm.generate(random_prompts([9]), SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0].outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    out = llm.generate(random_prompts([9]), params)[0].outputs[0]
     assert len(out.token_ids) == 7 and out.finish_reason == "length"
 
 
 def test_logprobs_are_raw_model_logprobs(model_dir: Path) -> None:
     llm = make_llm(model_dir)
     prompt = random_prompts([12], seed=30)[0]
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3))[0].outputs[0]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=3)
+    out = llm.generate([prompt], params)[0].outputs[0]
     assert out.logprobs is not None and len(out.logprobs) == 4
     for token, entry in zip(out.token_ids, out.logprobs):
         assert token in entry and len(entry) == 3  # greedy: the sampled token is the top-1
@@ -190,7 +193,8 @@ def test_logprobs_are_raw_model_logprobs(model_dir: Path) -> None:
 
 def test_n_samples_per_prompt(model_dir: Path) -> None:
     llm = make_llm(model_dir)
-    outs = llm.generate(random_prompts([10, 14]), SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True))
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=12, ignore_eos=True)
+    outs = llm.generate(random_prompts([10, 14]), params)
     assert [len(o.outputs) for o in outs] == [3, 3]
     assert sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1

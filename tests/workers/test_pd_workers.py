@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import handoff_deltas, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
@@ -33,40 +33,31 @@ _live: list[PrefillWorker | DecodeWorker] = []
 
 
 @pytest.fixture(autouse=True)
-def _shutdown_workers() -> Iterator[None]:
-    """Stop every worker's engine thread after its test: idle threads left behind
-    wake ten times a second, and the GIL hand-offs they cause skew the timing
-    that later tests measure (the speculative-decoding cost model)."""
+def _close_workers() -> Iterator[None]:
     yield
     while _live:
-        _live.pop().async_engine.shutdown()
+        _live.pop().close()
 
 
 def make_pair(model_dir: Path, policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, faults: Faults | None = None,
               chunk: int = 32) -> tuple[PrefillWorker, DecodeWorker]:
     def engine():  # noqa: ANN202
-        return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=chunk, progress=False).engine
+        return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=chunk,
+                   progress=False).engine
 
     p_engine, d_engine = engine(), engine()
     receiver = InProcessReceiver(d_engine.kv_caches)
     sender = InProcessSender(p_engine.kv_caches, receiver, faults)
-    pair = PrefillWorker(p_engine, lambda addr: sender), DecodeWorker(d_engine, receiver, policy)
+    # A lost KV message shows only at the deadline: 2 s for the remote prefill leaves time to recompute.
+    decode = DecodeWorker(d_engine, receiver, policy, prefill_timeout_s=2.0)
+    pair = PrefillWorker(p_engine, lambda addr: sender).start(), decode.start()
     _live.extend(pair)
     return pair
 
 
-async def serve_one(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
-    plan = await d.reserve(rid, prompt, params)
-    assert plan is not None
-    blocks, cached = plan
-    try:
-        first = await p.prefill(rid, prompt, params, blocks, cached, "inproc", timeout_s=2)
-    except (TransferError, TimeoutError):
-        first = None  # what the coordinator does: the decode worker applies its failure policy
-    tokens: list[int] = []
-    async for out in d.decode(rid, prompt, first, cached, timeout_s=10):
-        tokens += out.outputs[0].token_ids
-    return tokens
+async def serve_one(p: PrefillWorker, d: DecodeWorker, rid: str, prompt: list[int],
+                    params: SamplingParams) -> list[int]:
+    return [t for out in await handoff_deltas(p, d, rid, prompt, params) for t in out.outputs[0].token_ids]
 
 
 def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -114,17 +105,7 @@ def test_prompt_logprobs_cross_from_prefill_to_decode(model_dir: Path, fault: st
     if fault == "drop":
         faults.drop(layer=1)
     p, d = make_pair(model_dir, faults=faults)
-
-    async def main() -> list:
-        plan = await d.reserve("pl", ps[0], params)
-        assert plan is not None
-        try:
-            first = await p.prefill("pl", ps[0], params, plan[0], plan[1], "inproc", timeout_s=2)
-        except (TransferError, TimeoutError):
-            first = None
-        return [o async for o in d.decode("pl", ps[0], first, plan[1], timeout_s=10)]
-
-    outs = asyncio.run(main())
+    outs = asyncio.run(handoff_deltas(p, d, "pl", ps[0], params))
     assert [t for o in outs for t in o.outputs[0].token_ids] == want.outputs[0].token_ids
     got = outs[0].prompt_logprobs
     assert got is not None and len(got) == 50 and got[0] is None

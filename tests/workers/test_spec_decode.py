@@ -60,7 +60,8 @@ def test_greedy_output_with_ngram_speculation_equals_without(model_dir: Path, k:
     assert got == want
     st = spec.engine.stats
     assert st.spec_drafts > 0 and st.spec_accepted_tokens > 0  # it did speculate, and some drafts held
-    assert st.spec_accepted_tokens <= st.spec_draft_tokens and sum(st.spec_accepted_per_position) == st.spec_accepted_tokens
+    assert st.spec_accepted_tokens <= st.spec_draft_tokens
+    assert sum(st.spec_accepted_per_position) == st.spec_accepted_tokens
     assert spec.engine.kv.pool.num_used == 0
 
 
@@ -220,7 +221,8 @@ class _FixedDrafts:
         pass
 
 
-def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: int, depth: int) -> dict[tuple[int, ...], float]:
+def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: int,
+                 depth: int) -> dict[tuple[int, ...], float]:
     """P(first `depth` tokens) under temperature + top-k sampling, in float64 with transformers."""
     from transformers import AutoModelForCausalLM
 
@@ -240,9 +242,11 @@ def _exact_joint(model_dir: Path, prompt: list[int], temperature: float, top_k: 
 
 
 def _sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n: int,
-                  drafts: list[int] | None, draft_model: Path | None = None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
+                  drafts: list[int] | None,
+                  draft_model: Path | None = None) -> tuple[dict[tuple[int, ...], float], LLMEngine]:
     # The cost is pinned: this test is about the law, drafts must be made at any batch size.
-    extra: dict[str, object] = {"speculative": "ngram", "num_speculative_tokens": len(drafts), "spec_max_batch_size": 256,
+    extra: dict[str, object] = {"speculative": "ngram", "num_speculative_tokens": len(drafts),
+                                "spec_max_batch_size": 256,
                                 "spec_token_cost": 0.001} if drafts else {}
     if draft_model is not None:
         extra = {"speculative": "draft", "draft_model": str(draft_model), "num_speculative_tokens": 2,
@@ -261,7 +265,8 @@ def _tv(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> flo
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
 
 
-def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The joint law of the first 3 sampled tokens (temperature 0.8, top-k 4: 64
     outcomes) with drafts verified by rejection sampling equals the target's,
     computed exactly in float64. 20,000 samples; bound on the total variation:
@@ -370,7 +375,8 @@ def test_the_target_as_its_own_sampling_draft_is_always_accepted(model_dir: Path
     assert batched == alone
 
 
-def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path, make_model: Callable[[TinyModelSpec], Path]) -> None:
+def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path,
+                                                    make_model: Callable[[TinyModelSpec], Path]) -> None:
     other = make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=512))
     with pytest.raises(ValueError, match="vocabulary"):
         LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(other))

@@ -13,6 +13,8 @@ from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -45,11 +47,11 @@ def with_prompt_logprobs(out: RequestOutput) -> RequestOutput:
 @pytest.mark.parametrize("out", [output("a", [5, 6], "xy"), output("b", [9], "z", "stop", logprobs=True),
                                  output("c", [], "", "abort"), with_prompt_logprobs(output("d", [4], "w"))])
 def test_a_delta_survives_the_wire(out: RequestOutput) -> None:
-    assert from_delta(to_delta(out), [1, 2, 3]) == out
+    assert from_delta(to_delta(out, 3), [1, 2, 3]) == out
 
 
-async def _consume(collector: TokenStreamCollector, rid: str, start: object, deadline_s: float = 10.0) -> list[RequestOutput]:
-    return [o async for o in collector.consume(rid, start, time.monotonic() + deadline_s)]  # type: ignore[arg-type]
+async def _consume(collector: TokenStreamCollector, rid: str, start: object) -> list[RequestOutput]:
+    return [o async for o in collector.consume(rid, start)]  # type: ignore[arg-type]
 
 
 def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests() -> None:
@@ -57,15 +59,15 @@ def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests()
         collector = TokenStreamCollector()
         pub = TokenStreamPublisher("w0")
         for rid in ("a", "b"):
-            collector.open(rid, [1, 2, 3])
+            collector.open(rid, [1, 2, 3], 10.0)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         consumers = [asyncio.ensure_future(_consume(collector, rid, done)) for rid in ("a", "b")]
-        pub.add(collector.address, output("a", [5], "x"))
-        pub.add(collector.address, output("b", [8], "p"))
+        pub.add(collector.address, output("a", [5], "x"), 0)
+        pub.add(collector.address, output("b", [8], "p"), 0)
         assert pub.flush() == []
-        pub.add(collector.address, output("a", [6], "y", "length"))
-        pub.add(collector.address, output("b", [9], "q", "stop"))
-        pub.add(collector.address, output("gone", [1], "late"))  # nobody listens: dropped
+        pub.add(collector.address, output("a", [6], "y", "length"), 1)
+        pub.add(collector.address, output("b", [9], "q", "stop"), 1)
+        pub.add(collector.address, output("gone", [1], "late"), 0)  # nobody listens: dropped
         pub.flush()
         done.set_result(None)
         a, b = await asyncio.gather(*consumers)
@@ -87,13 +89,13 @@ def test_prompt_logprobs_over_the_message_limit_arrive_in_slices() -> None:
         collector = TokenStreamCollector()
         pub = TokenStreamPublisher("w0")
         for rid in ("big", "small"):
-            collector.open(rid, [1, 2, 3])
+            collector.open(rid, [1, 2, 3], 10.0)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         consumers = [asyncio.ensure_future(_consume(collector, rid, done)) for rid in ("big", "small")]
         big = output("big", [5], "x", "length")
         big.prompt_logprobs = [None] + [{t * 31 + j: -0.1 * j - 0.001 * t for j in range(21)} for t in range(1, 8000)]
-        pub.add(collector.address, big)
-        pub.add(collector.address, output("small", [8], "p", "stop"))
+        pub.add(collector.address, big, 0)
+        pub.add(collector.address, output("small", [8], "p", "stop"), 0)
         assert pub.flush() == []
         assert pub._seq[collector.address] >= 3  # it took several messages
         done.set_result(None)
@@ -113,7 +115,7 @@ def test_prompt_logprobs_over_the_message_limit_arrive_in_slices() -> None:
 def test_the_workers_error_reaches_the_consumer() -> None:
     async def run() -> None:
         collector = TokenStreamCollector()
-        collector.open("a", [1])
+        collector.open("a", [1], 10.0)
 
         async def rpc() -> None:
             raise ValueError("prompt: too long")
@@ -128,7 +130,7 @@ def test_the_workers_error_reaches_the_consumer() -> None:
 def test_a_final_delta_that_never_comes_is_an_error_not_a_hang() -> None:
     async def run() -> None:
         collector = TokenStreamCollector(final_grace_s=0.2)
-        collector.open("a", [1])
+        collector.open("a", [1], 10.0)
 
         async def rpc() -> None:  # the worker says "done", but its last message was lost
             return None
@@ -145,10 +147,11 @@ def test_a_final_delta_that_never_comes_is_an_error_not_a_hang() -> None:
 def test_the_deadline_holds_when_the_worker_says_nothing() -> None:
     async def run() -> None:
         collector = TokenStreamCollector()
-        collector.open("a", [1])
+        life = collector.open("a", [1], 0.2)
         never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         with pytest.raises(TimeoutError):
-            await _consume(collector, "a", never, deadline_s=0.2)
+            await _consume(collector, "a", never)
+        assert life.state is RequestState.FAILED and life.exit is Exit.DEADLINE
         await collector.close()
 
     asyncio.run(run())
@@ -157,18 +160,52 @@ def test_the_deadline_holds_when_the_worker_says_nothing() -> None:
 def test_garbage_on_the_socket_is_dropped_and_the_stream_goes_on() -> None:
     async def run() -> None:
         collector = TokenStreamCollector()
-        collector.open("a", [1])
+        collector.open("a", [1], 10.0)
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(collector.address)
         sock.send(b"\x93\x07\x01\x80")  # a TokenDeltaBatch header with no fields
         sock.send(b"not msgpack at all")
-        ok = TokenDeltaBatch(worker_id="w", seq=0, deltas=(TokenDelta("a", (4,), "t", "length", None, None, 0, None, None),))
+        delta = TokenDelta("a", 0, (4,), "t", "length", None, None, 0, None, None)
+        ok = TokenDeltaBatch(worker_id="w", seq=0, deltas=(delta,))
         sock.send(encode(ok))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         outs = await _consume(collector, "a", done)
         assert [o.outputs[0].token_ids for o in outs] == [[4]] and collector.num_rejected == 2
         sock.close(linger=0)
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_deltas_from_two_workers_are_put_back_in_order() -> None:
+    """After a handoff the prefill worker sends token 1 and the decode worker the
+    rest, on two connections: a delta that overtakes an earlier one waits for it,
+    a repeat is dropped, and the request's lifecycle walks to FINISHED."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        life = collector.open("r", [1, 2], 10.0)
+        prefill, decode = TokenStreamPublisher("p"), TokenStreamPublisher("d")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        consumer = asyncio.ensure_future(_consume(collector, "r", done))
+        decode.add(collector.address, output("r", [6, 7], "bc"), 1)
+        decode.flush()
+        await asyncio.sleep(0.2)  # the decode worker's deltas arrive first
+        prefill.add(collector.address, output("r", [5], "a"), 0)
+        prefill.flush()
+        decode.add(collector.address, output("r", [6], "b"), 1)  # a repeat: dropped
+        decode.add(collector.address, output("r", [8], "d", "length"), 3)
+        decode.flush()
+        done.set_result(None)
+        outs = await consumer
+        assert [t for o in outs for t in o.outputs[0].token_ids] == [5, 6, 7, 8]
+        assert "".join(o.outputs[0].text for o in outs) == "abcd"
+        assert collector.num_out_of_order >= 1
+        assert life.history == [RequestState.QUEUED, RequestState.ROUTED, RequestState.DECODING,
+                                RequestState.FINISHED]
+        for pub in (prefill, decode):
+            pub.close()
         await collector.close()
 
     asyncio.run(run())
@@ -181,18 +218,15 @@ def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Pa
     prompts = [[5 + i, 9, 33, 7 * i + 1, 2] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=1)
     expected = llm.generate(prompts, params)
-    engine = AsyncEngine(LLM(str(model_dir), max_model_len=512, progress=False).engine, worker_id="w")
+    engine = AsyncEngine(LLM(str(model_dir), max_model_len=512, progress=False).engine, worker_id="w").start()
 
     async def run() -> list[list[RequestOutput]]:
         collector = TokenStreamCollector()
 
-        async def worker_call(rid: str, prompt: list[int]) -> None:
-            async for _ in engine.generate(rid, prompt, params, 30, reply_to=collector.address):
-                pass
-
         async def one(i: int, prompt: list[int]) -> list[RequestOutput]:
-            collector.open(f"r{i}", prompt)
-            return await _consume(collector, f"r{i}", worker_call(f"r{i}", prompt))
+            collector.open(f"r{i}", prompt, 30.0)
+            req = ServeRequest(f"r{i}", tuple(prompt), params, 30.0, collector.address)
+            return await _consume(collector, f"r{i}", engine.serve(req))
 
         try:
             return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
@@ -200,7 +234,7 @@ def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Pa
             await collector.close()
 
     got = asyncio.run(run())
-    engine.shutdown()
+    engine.close()
     for outs, ref in zip(got, expected):
         assert [t for o in outs for t in o.outputs[0].token_ids] == ref.outputs[0].token_ids
         assert "".join(o.outputs[0].text for o in outs) == ref.outputs[0].text

@@ -171,8 +171,8 @@ EXAMPLES: list[Message] = [
     KVEventBatch(worker_id="prefill-0", batch_seq=4, events=(
         KVEvent(KVEventKind.STORED, (1 << 64) - 1, 0), KVEvent(KVEventKind.REMOVED, 12345))),
     TokenDeltaBatch(worker_id="decode-0", seq=9, deltas=(
-        TokenDelta("r1", (5, 6), "ab", None, None, None, 16, None, None),
-        TokenDelta("r2", (7,), "c", "stop", 7, None, 0, -0.25, (TokenLogprobs((7, 3), (-0.25, -1.5)),)))),
+        TokenDelta("r1", 0, (5, 6), "ab", None, None, None, 16, None, None),
+        TokenDelta("r2", 4, (7,), "c", "stop", 7, None, 0, -0.25, (TokenLogprobs((7, 3), (-0.25, -1.5)),)))),
 ]
 
 

@@ -30,12 +30,20 @@ block size, KV heads and head dim (no heterogeneous tensor parallelism).
 from __future__ import annotations
 
 import abc
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.workers.messages import FailReason, TransferState
 
-__all__ = ["FailReason", "KVReceiver", "KVSender", "TransferError", "TransferState", "TransferStatus"]
+__all__ = ["FailReason", "KVReceiver", "KVSender", "TransferError", "TransferState", "TransferStatus", "Transport"]
+
+
+class Transport(str, enum.Enum):
+    """Which backend moves KV between workers."""
+
+    ZMQ = "zmq"  # ZeroMQ over TCP: any two hosts
+    NCCL = "nccl"  # GPU to GPU (its gloo path when the caches are on the CPU)
 
 
 class TransferError(RuntimeError):
@@ -119,6 +127,8 @@ class KVSender(abc.ABC):
 
 class KVReceiver(abc.ABC):
     """Receiver half, owned by one decode worker; writes verified K/V into its cache."""
+
+    address: str  # where senders reach it (what a decode worker puts in its PrefillOrder)
 
     @abc.abstractmethod
     def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:

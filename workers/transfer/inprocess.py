@@ -39,6 +39,8 @@ _TIMER_JOIN_S = 1.0
 class InProcessReceiver(LedgerReceiver):
     """Writes into `kv_caches` what an `InProcessSender` bound to it delivers."""
 
+    address = "inproc"  # senders are bound to it directly: the address only names it
+
     def __init__(self, kv_caches: KVCaches) -> None:
         super().__init__(ReceiverLedger(kv_caches))
 

@@ -1,0 +1,25 @@
+"""What workers tell the gateway: who they are (`WorkerInfo`, once) and how
+loaded they are, with what entered and left their prefix caches (`LoadReport`,
+on every poll). Frozen and typed: the gateway reads fields, not dict keys."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.workers.messages import KVEventBatch
+from pdserve.workers.stats import EngineSnapshot
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    num_kv_blocks: int
+    max_model_len: int
+    kv_address: str | None = None  # a decode worker's KV receiver (where prefill workers send)
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    snapshot: EngineSnapshot  # taken on the worker's engine thread
+    # Prefix-cache events since the previous report, numbered per worker: a gap in
+    # `batch_seq` means a report was lost, and the router's view of that worker is stale.
+    events: KVEventBatch

@@ -1,0 +1,127 @@
+"""What `pdserve serve` and a Serve YAML configure, and the one mapping to it.
+
+Settings are flat names, the same for a command-line flag (`--max-model-len`
+is `max_model_len`) and for the YAML `args:`: `serve_config(settings)` turns
+them into a `ServeConfig`, which holds the workers' typed `EngineConfig`.
+Every check happens here, on the machine that starts the cluster, with a
+`ValueError` that starts with the setting's name: a typo or a bad value fails
+before any worker is started on a remote node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pdserve.cluster.router.policy import RoutingPolicy
+from pdserve.workers.config import EngineConfig, enum_member
+from pdserve.workers.decode_worker import KVFailurePolicy
+from pdserve.workers.transfer.base import Transport
+
+
+class ServingMode(str, enum.Enum):
+    DISAGGREGATED = "disaggregated"  # prefill and decode pools
+    COLOCATED = "colocated"  # every worker prefills and decodes: the baseline
+
+
+class Ingress(str, enum.Enum):
+    HAPROXY = "haproxy"  # Ray Serve's HAProxy ingress: HTTP straight to the gateway replica
+    PROXY = "proxy"  # Serve's Python proxy actor
+
+
+# Setting name -> ServeConfig field, for the settings that are not the engine's.
+SERVE_SETTINGS = {
+    "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "host": "host", "port": "port",
+    "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
+    "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
+}
+ENGINE_SETTINGS = EngineConfig.settings()
+_ENUMS: dict[str, type[enum.Enum]] = {
+    "mode": ServingMode, "transport": Transport, "ingress": Ingress, "router_policy": RoutingPolicy,
+    "kv_failure_policy": KVFailurePolicy}
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    engine: EngineConfig  # every worker's (a prefill worker drops speculation: it never decodes)
+    mode: ServingMode = ServingMode.DISAGGREGATED
+    num_prefill: int = 1  # colocated: the workers are num_prefill + num_decode
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    max_in_flight: int = 256
+    transport: Transport = Transport.ZMQ
+    ingress: Ingress = Ingress.HAPROXY
+    router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
+    # Where decode workers listen for KV, and the gateway for token streams:
+    # loopback on one machine; "auto" = each one's node address (multi-node;
+    # keep it on a private network).
+    kv_bind_host: str = "127.0.0.1"
+    kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        for name, kind in _ENUMS.items():
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                object.__setattr__(self, name, enum_member(name, kind, value))
+        for setting, name, least in (("prefill", "num_prefill", 1), ("decode", "num_decode", 1),
+                                     ("max_in_flight", "max_in_flight", 1), ("port", "port", 1)):
+            value = getattr(self, name)
+            if type(value) is not int or value < least:
+                raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
+        if self.port > 65535:
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        for name in ("host", "kv_bind_host"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
+
+    @property
+    def model(self) -> str:
+        return self.engine.model
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    def worker_names(self) -> list[str]:
+        if self.mode is ServingMode.DISAGGREGATED:
+            return self.prefill_names() + self.decode_names()
+        return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
+
+    def prefill_names(self) -> list[str]:
+        return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]
+
+    def decode_names(self) -> list[str]:
+        return [f"pdserve-decode-{i}" for i in range(self.num_decode)]
+
+
+def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
+    """The ServeConfig `settings` describe (flat names: see the module docstring)."""
+    _check_names(settings, ENGINE_SETTINGS | SERVE_SETTINGS.keys())
+    serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
+    return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
+
+
+def engine_config(settings: Mapping[str, Any], progress: bool = False,
+                  known: frozenset[str] | set[str] = ENGINE_SETTINGS) -> EngineConfig:
+    """The EngineConfig the engine settings among `settings` describe (`pdserve generate`)."""
+    _check_names(settings, known)
+    if settings.get("model") is None:
+        raise ValueError("model: required (an HF-format model directory)")
+    return EngineConfig(**{k: v for k, v in settings.items() if k in ENGINE_SETTINGS}, progress=progress)
+
+
+def with_engine(cfg: ServeConfig, **changes: Any) -> ServeConfig:
+    """`cfg` with some engine settings changed."""
+    return dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, **changes))
+
+
+def _check_names(settings: Mapping[str, Any], known: frozenset[str] | set[str]) -> None:
+    for name in settings:
+        if name not in known:
+            raise ValueError(f"{name}: unknown setting (known: {', '.join(sorted(known))})")
+
