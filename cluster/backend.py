@@ -90,7 +90,11 @@ class TokenStreams:
         yield its deltas from the stream. `abort()` runs on any end but its finish."""
         life = self.collector.open(req.request_id, list(req.prompt_token_ids), req.timeout_s)
         life.on_exit(lambda exit: None if exit is Exit.FINISHED else abort())
-        async for out in self.collector.consume(req.request_id, start()):
+
+        async def call() -> Any:  # a call that fails at once fails the stream, like one that fails later
+            return await start()
+
+        async for out in self.collector.consume(req.request_id, call()):
             yield out
 
     async def close(self) -> None:
@@ -171,6 +175,7 @@ class LocalBackend:
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  timeout_s: float) -> AsyncIterator[RequestOutput]:
+        self.engine.start()  # on the first request, like the cluster's backends
         return self.engine.generate(request_id, prompt, params, timeout_s)
 
     def worker_handles(self) -> WorkerHandles:

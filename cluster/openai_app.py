@@ -10,7 +10,8 @@ aborts its request in the backend, which frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,7 +28,15 @@ ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", 
 
 
 def build_app(gw: Gateway) -> FastAPI:
-    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0")
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        # The backend starts on its first request (a disaggregated one waits for its
+        # workers' first load reports then); the app's shutdown closes it.
+        yield
+        await gw.backend.close()
+
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0",
+                  lifespan=lifespan)
     app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS)
     _add_error_handlers(app, gw)
     _add_info_routes(app, gw)

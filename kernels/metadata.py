@@ -1,7 +1,7 @@
 """The one description of a packed batch that every attention backend reads.
 
 Tokens of a step are packed into one flat batch ("varlen"): the first
-`num_decode_tokens` rows are sequences with exactly one new token (decode, or
+`num_decode_seqs` rows are sequences with exactly one new token (decode, or
 the last token of a prefill), the rest are multi-token chunks (prefill). Each
 sequence's keys live in the paged cache; its block table lists the blocks.
 """
@@ -34,10 +34,6 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_np)
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decode_seqs
 
     @property
     def num_tokens(self) -> int:

@@ -20,9 +20,8 @@ def tiny_spec(arch: Arch | str = Arch.LLAMA, **kw: object) -> TinyModelSpec:
 
 class LocalActor:
     """Stands in for a Ray actor handle over a plain service object in this process:
-    `handle.method.remote(...)` and `.options(num_returns="streaming").remote(...)`
-    behave as with Ray (a task that runs even if nobody awaits it; a stream of
-    awaitables). Lets the cluster's coordinator run in tests without Ray."""
+    `handle.method.remote(...)` behaves as with Ray (a task that runs even if
+    nobody awaits it). Lets the cluster's coordinator run in tests without Ray."""
 
     def __init__(self, service: object) -> None:
         self._service = service
@@ -35,26 +34,10 @@ class _LocalMethod:
     def __init__(self, fn: object) -> None:
         self._fn = fn
 
-    def options(self, **_: object) -> _LocalMethod:
-        return self
-
     def remote(self, *args: object) -> object:
         import asyncio
-        import inspect
 
-        result = self._fn(*args)  # type: ignore[operator]
-        if inspect.isasyncgen(result):
-            return _resolved_stream(result)
-        return asyncio.ensure_future(result)
-
-
-async def _resolved_stream(gen):  # noqa: ANN001, ANN202
-    import asyncio
-
-    async for item in gen:
-        fut = asyncio.get_running_loop().create_future()
-        fut.set_result(item)
-        yield fut
+        return asyncio.ensure_future(self._fn(*args))  # type: ignore[operator]
 
 
 @contextlib.contextmanager

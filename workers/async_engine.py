@@ -7,7 +7,7 @@ lifecycle (state, deadline, exit hooks), where its outputs go (the caller's
 queue, or a gateway's token stream), and what the worker's role does for it
 after each step (a prefill worker sends its KV). Jobs are opened on the event
 loop and live on the engine thread; every exit (finish, abort, caller gone,
-deadline, peer or engine failure) goes through `_end` there: the lifecycle's
+deadline, peer or engine failure) goes through `end_now` there: the lifecycle's
 exit hooks free the request's blocks (and whatever its role registered), and
 the caller's wait ends with the final output or an exception.
 
@@ -322,7 +322,7 @@ class AsyncEngine:
             self._deliver(out)
         for job in self._jobs.values():
             if job.life.state is RequestState.QUEUED:
-                progress = self.engine.progress(job.request_id)
+                progress = self.engine.prefill_progress(job.request_id)
                 if progress is not None and progress[0] > 0:
                     job.life.move(RequestState.PREFILLING)
         return self.engine.stats.steps != steps

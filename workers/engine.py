@@ -155,7 +155,7 @@ class LLMEngine:
         """Prefill worker: free the blocks of a finished `hold_kv` request."""
         self.scheduler.release(request_id)
 
-    def progress(self, request_id: str) -> tuple[int, bool] | None:
+    def prefill_progress(self, request_id: str) -> tuple[int, bool] | None:
         """(prompt tokens whose KV is computed, finished) of a live or held request."""
         req = self.scheduler.requests.get(request_id)
         if req is None:

@@ -108,7 +108,7 @@ class PrefillWorker:
     def _pump(self, engine: LLMEngine, t: _Transfer) -> None:
         """After a step: send what is ready; once the prompt is done and all of it
         is verified, publish the first token (when safe) and finish."""
-        progress = engine.progress(t.job.request_id)
+        progress = engine.prefill_progress(t.job.request_id)
         if progress is None or t.job.life.ended:
             return
         computed, done = progress

@@ -1,8 +1,8 @@
 """Token deltas from workers to the gateway: one ZeroMQ message per engine step.
 
-Per-token RPCs cost more than the model on small batches (measured here: a Ray
-streaming generator spends ~0.3 ms of the worker's CPU and ~0.5 ms of the
-caller's per item; a batch-16 decode step is ~6 ms). So the worker's engine
+Per-token RPCs cost more than the model on small batches: a Ray streaming item
+costs the worker and the caller a sizeable share of a small decode step's time
+(docs/benchmarks-cluster.md, "Where the time went"). So the worker's engine
 thread buffers the DELTA outputs of a step and sends them as one
 `TokenDeltaBatch` (typed msgpack, no pickle) per gateway; the gateway's
 collector hands each delta to its request's queue.

@@ -331,7 +331,7 @@ def test_free_returns_every_block() -> None:
     assert kv.pool.num_free == 8 - sum(len(kv.blocks_of(r.request_id)) for r in reqs)
     for r in reqs:
         kv.free(r)
-    assert kv.pool.num_free == 8 and kv.usage == 0.0
+    assert kv.pool.num_free == 8 and kv.pool.num_used == 0
     assert all(c == 0 for c in kv.pool.ref_counts)
     kv.free(reqs[0])  # freeing again is a no-op, not a double free
     assert kv.pool.num_free == 8

@@ -18,10 +18,6 @@ class KVCacheManager:
         # Blocks of each request already registered in the prefix cache.
         self._num_cached_blocks: dict[str, int] = {}
 
-    @property
-    def usage(self) -> float:
-        return self.pool.num_used / self.pool.num_blocks
-
     def blocks_of(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 

@@ -6,8 +6,8 @@ worth u = T / B seconds: the time a plain decode step of B sequences spends per
 sequence. Drafting is paid in seconds:
 
 - verification: a step that verifies drafts costs more than a plain one by a
-  fixed part F (another attention path, the verification itself; measured on
-  the 2-core CPU: ~0.7 ms against a 1.7 ms step) plus c per verified token;
+  fixed part F (another attention path, the verification itself; on a small
+  CPU model a large share of a step: docs/speculative.md) plus c per verified token;
 - proposing: p per drafted token (a lookup for n-gram; one forward pass of the
   draft model per position).
 

@@ -21,7 +21,7 @@ _EMA = 0.3  # weight of the newest verification in a request's rolling acceptanc
 _GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
 _PROBE_STEPS = 16
 _PROBE_BUDGET = 1 / 64  # share of decode time probes may spend (a probe costs its price)
-_PRIOR_COST = 0.25  # per-token price until measured (roughly the n-gram price on the 2-core CPU)
+_PRIOR_COST = 0.25  # per-token price until measured (of the order docs/speculative.md reports for n-gram)
 
 
 class SpecStats(Protocol):
