@@ -44,10 +44,6 @@ class InProcessReceiver(LedgerReceiver):
     def __init__(self, kv_caches: KVCaches) -> None:
         super().__init__(ReceiverLedger(kv_caches))
 
-    def close(self) -> None:
-        for notice in self._ledger.close():
-            self._post(notice)
-
     def _post(self, notice: Notice | None) -> None:
         if notice is not None:
             sender: InProcessSender = notice.peer

@@ -265,11 +265,12 @@ def _nbytes(frame: Any) -> int:
 class LedgerReceiver(KVReceiver):
     """The KVReceiver calls every backend answers the same way, from its `ReceiverLedger`.
 
-    A backend adds how aborts reach its senders (`_post`) and `close`.
+    A backend adds how aborts reach its senders (`_post`) and what else it stops on close (`_close_backend`).
     """
 
     def __init__(self, ledger: ReceiverLedger) -> None:
         self._ledger = ledger
+        self._closed = False
 
     def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
         self._ledger.register(request_id, dst_block_ids, expected_layers)
@@ -287,6 +288,18 @@ class LedgerReceiver(KVReceiver):
 
     def release(self, request_id: str) -> None:
         self._post(self._ledger.abort(request_id, "released by the decode worker"))
+
+    def close(self) -> None:
+        """Fail every pending transfer with CLOSED (telling its sender), then stop the backend. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for notice in self._ledger.close():
+            self._post(notice)
+        self._close_backend()
+
+    def _close_backend(self) -> None:
+        """Stop what the backend runs (threads, sockets), after the ledger closed. Nothing by default."""
 
     @abc.abstractmethod
     def _post(self, notice: Notice | None) -> None:

@@ -197,7 +197,6 @@ class NcclKVReceiver(LedgerReceiver):
         self._table = StoreTable()  # the pairs' rendezvous store, served on the ROUTER
         self._pairs: dict[bytes, _Pair] = {}
         self._pairs_lock = threading.Lock()
-        self._closed = False
         # Tensors travel on the data channel: a control message is its header frame alone.
         self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context, max_frames=1,
                                         on_header=self._on_header, on_hello=self._on_hello,
@@ -207,12 +206,7 @@ class NcclKVReceiver(LedgerReceiver):
         self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
         self._control.start()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for notice in self._ledger.close():
-            self._post(notice)
+    def _close_backend(self) -> None:
         end = time.monotonic() + JOIN_S
         self._control.close()  # sets `stopped`, which the pair threads watch too
         with self._pairs_lock:

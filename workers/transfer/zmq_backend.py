@@ -56,18 +56,12 @@ class ZmqKVReceiver(LedgerReceiver):
         self._in_flight: dict[bytes, int] = {}  # peer identity -> its messages not yet acked (I/O thread)
         # Data read while a test stalls the receiver: at most `credits` messages per well-behaved peer.
         self._parked: collections.deque[tuple[bytes, KVTransferHeader, list[zmq.Frame]]] = collections.deque()
-        self._closed = False
         self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context,
                                         on_header=self._on_header, on_hello=self._on_hello, on_turn=self._unpark)
         self.address = self._control.address
         self._control.start()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for notice in self._ledger.close():
-            self._post(notice)
+    def _close_backend(self) -> None:
         self._control.close()
 
     @property
