@@ -1,0 +1,137 @@
+"""Typed messages on the wire: every message type round-trips, and `decode` rejects whatever is not exactly
+a known message (never unpickling or evaluating anything)."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import msgpack
+import pytest
+from kv_links import Exploit, header
+
+from pdserve.workers.kv.events import KVEvent, KVEventKind
+from pdserve.workers.messages import (
+    ChecksumKind,
+    FailReason,
+    KVCreditGrant,
+    KVEventBatch,
+    KVTransferAbort,
+    KVTransferAck,
+    KVTransferHello,
+    Message,
+    MessageType,
+    TokenDelta,
+    TokenDeltaBatch,
+    TokenLogprobs,
+    TransferState,
+    decode,
+    encode,
+)
+
+EXAMPLES: list[Message] = [
+    KVTransferHello(sender_id="prefill-0", checksums=("xxh3_64", "crc32")),
+    KVCreditGrant(credits=8, checksum=ChecksumKind.CRC32),
+    header(),
+    header(checksum_kind=ChecksumKind.XXH3_64, checksum=(1 << 64) - 1),
+    header(dst_block_ids=(), num_blocks=0, seq=32, is_last=True),
+    KVTransferAck(request_id="r1", transfer_id=7, seq=3, state=TransferState.PENDING),
+    KVTransferAck(request_id="r1", transfer_id=7, seq=3, state=TransferState.FAILED, reason=FailReason.CHECKSUM,
+                  detail="crc32 mismatch"),
+    KVTransferAbort(request_id="r1", transfer_id=7, reason="client went away"),
+    KVEventBatch(worker_id="prefill-0", batch_seq=4, events=(
+        KVEvent(KVEventKind.STORED, (1 << 64) - 1, 0), KVEvent(KVEventKind.REMOVED, 12345))),
+    TokenDeltaBatch(worker_id="decode-0", seq=9, deltas=(
+        TokenDelta("r1", 0, (5, 6), "ab", None, None, None, 16, None, None),
+        TokenDelta("r2", 4, (7,), "c", "stop", 7, None, 0, -0.25, (TokenLogprobs((7, 3), (-0.25, -1.5)),)))),
+]
+
+
+@pytest.mark.parametrize("msg", EXAMPLES, ids=lambda m: type(m).__name__)
+def test_message_round_trips(msg: Message) -> None:
+    back = decode(encode(msg))
+    assert back == msg and type(back) is type(msg)
+
+
+def test_every_message_type_has_an_example() -> None:
+    assert {m.TYPE for m in EXAMPLES} == set(MessageType)
+
+
+def test_lists_become_tuples_so_messages_are_immutable_and_hashable() -> None:
+    h = header(dst_block_ids=[5, 9])
+    assert h.dst_block_ids == (5, 9) and hash(h) == hash(header())
+    with pytest.raises(AttributeError):
+        h.layer = 3  # type: ignore[misc]
+
+
+def test_event_batch_mirrors_kv_events() -> None:
+    events = [KVEvent(KVEventKind.STORED, 11, 0), KVEvent(KVEventKind.STORED, 12, 11), KVEvent(KVEventKind.REMOVED, 11)]
+    batch = decode(encode(KVEventBatch(worker_id="w", batch_seq=0, events=events)))
+    assert isinstance(batch, KVEventBatch) and list(batch.events) == events
+
+
+def wire(msg_type: int, version: int, fields: dict[str, object]) -> bytes:
+    return msgpack.packb([msg_type, version, fields])
+
+
+def header_fields(**over: object) -> dict[str, object]:
+    fields = {k: v for k, v in msgpack.unpackb(encode(header()))[2].items()}
+    fields.update(over)
+    return fields
+
+
+@pytest.mark.parametrize("data, match", [
+    (b"", "not a msgpack message"),
+    (b"\xc1", "not a msgpack message"),
+    (b"\x93\x01", "not a msgpack message"),  # truncated
+    (msgpack.packb({"type": 3}), r"expected \[type, version, fields\]"),
+    (msgpack.packb([3, 1]), r"expected \[type, version, fields\]"),
+    (wire(99, 1, {}), "unknown message type 99"),
+    (wire(True, 1, {"sender_id": "x", "checksums": []}), "unknown message type True"),  # a bool is not a type id
+    (wire(1, 2, {"sender_id": "x", "checksums": []}), "version 2 is not supported"),
+    (wire(1, "1", {"sender_id": "x", "checksums": []}), "version '1' is not supported"),
+    (wire(1, 1, {"sender_id": "x"}), r"missing fields \['checksums'\]"),
+    (wire(1, 1, {"sender_id": "x", "checksums": [], "admin": True}), r"unknown fields \['admin'\]"),
+    (wire(1, 1, {"sender_id": 5, "checksums": []}), "sender_id: expected str, got int"),
+    (wire(1, 1, [("sender_id", "x")]), "fields must be a map"),
+    (wire(2, 1, {"credits": 4, "checksum": "md5"}), "checksum: 'md5' is not one of"),
+    (wire(3, 1, header_fields(layer=True)), "layer: expected int, got bool"),
+    (wire(3, 1, header_fields(layer=1.0)), "layer: expected int, got float"),
+    (wire(3, 1, header_fields(dst_block_ids=["5", "9"])), r"dst_block_ids\[0\]: expected int, got str"),
+    (wire(3, 1, header_fields(dst_block_ids=5)), "dst_block_ids: expected a sequence"),
+    (wire(3, 1, header_fields(num_blocks=3)), "num_blocks: 3 != len"),
+    (wire(3, 1, header_fields(checksum=1 << 40)), "checksum: not a 32-bit value"),
+    (wire(3, 1, header_fields(checksum=-1)), "checksum: not a 32-bit value"),
+    (wire(3, 1, header_fields(dtype=b"float16")), "dtype: expected str, got bytes"),
+    (wire(4, 1, {"request_id": "r", "transfer_id": 1, "seq": 0, "state": "exploded", "reason": None,
+                 "detail": "", "credits": 1}), "state: 'exploded' is not one of"),
+    (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", -1, None]]}), "block_hash: expected a 64-bit"),
+    (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", 1]]}), r"expected \[kind, block_hash"),
+    (msgpack.packb([1, 1, {"sender_id": msgpack.ExtType(42, b"x"), "checksums": []}]),
+     "sender_id: expected str, got ExtType"),
+    (b"\x00" * (2 << 20), "message limit"),
+])
+def test_decode_rejects_what_is_not_exactly_a_known_message(data: bytes, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        decode(data)
+
+
+def test_a_pickle_payload_is_rejected_not_executed(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    for payload in (pickle.dumps(Exploit(marker)), pickle.dumps(header()), pickle.dumps(Exploit(marker), protocol=0)):
+        with pytest.raises(ValueError):
+            decode(payload)
+    assert not marker.exists()
+
+
+def test_construction_checks_types_too() -> None:
+    with pytest.raises(ValueError, match="seq: expected int, got bool"):
+        header(seq=False)
+    with pytest.raises(ValueError, match="version 3 is not supported"):
+        KVTransferHello(sender_id="x", checksums=(), version=3)
+    with pytest.raises(ValueError, match="end marker"):
+        header(is_last=True)
+    with pytest.raises(ValueError, match="reason goes with"):
+        KVTransferAck(request_id="r", transfer_id=1, seq=0, state=TransferState.DONE, reason=FailReason.TIMEOUT)
+    with pytest.raises(ValueError, match="not a registered message"):
+        encode(object())  # type: ignore[arg-type]
