@@ -20,6 +20,8 @@ when the fields change: a peer on the old version gets a clear error, not a
 silent misread.
 """
 
+# One file (over 450 lines): each message next to the codec that checks it; construction runs the same checks.
+
 from __future__ import annotations
 
 import dataclasses

@@ -87,6 +87,8 @@ Deadlines and limitations.
   overrides).
 """
 
+# One file (over 450 lines): the receiver and sender are the two ends of the protocol described above, read together.
+
 from __future__ import annotations
 
 import collections
