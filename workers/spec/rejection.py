@@ -68,13 +68,8 @@ def verify(
         # A penalty depends on the tokens before each position, drafts included: the
         # engine does not draft for such requests.
         raise ValueError("verify: rows with presence/frequency/repetition penalties cannot be verified")
-    rows, positions, vocab = target_logits.shape
-    if batch.banned:
-        for row, ids in batch.banned:
-            target_logits[row, :, ids] = float("-inf")
-    if batch.logit_bias:  # the same at every position
-        for row, bias_ids, bias in batch.logit_bias:
-            target_logits[row, :, bias_ids] += bias
+    _ban_and_bias(target_logits, batch)
+    positions, vocab = target_logits.shape[1:]
     drafts = draft_tokens.clamp(0, vocab - 1)  # padding may hold anything
     n_drafts = torch.tensor(num_drafts, dtype=torch.int64, device=target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]
@@ -86,21 +81,42 @@ def verify(
 
     generators = batch.generators or {}
     greedy_rows = batch.temperature == 0.0
-    probs = _target_probs(target_logits.reshape(rows * positions, vocab), batch, positions).view(rows, positions, vocab)
-    total = probs.sum(dim=-1, keepdim=True)  # [B, K+1, 1]: unnormalised after min-p, like sampler's
-    p_draft = probs[:, :-1].gather(2, drafts[..., None])[..., 0] / total[:, :-1, 0]  # [B, K]
-    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts[..., None])[..., 0]
-    uniforms = _uniforms(num_drafts, positions - 1, generators, probs.device)
-    random_accept = uniforms * q_draft < p_draft  # with probability min(1, p/q); never where p = 0
-    accept = torch.where(greedy_rows[:, None], accept, random_accept)
-    num_accepted = _leading_trues(accept & valid)
-
+    probs, total, random_accept = _random_accept(target_logits, drafts, num_drafts, batch, draft_probs)
+    num_accepted = _leading_trues(torch.where(greedy_rows[:, None], accept, random_accept) & valid)
     # One token per row: from the residual at its first rejection, else the bonus from p.
     last = _at_position(probs, num_accepted)  # [B, V], a copy: exponential_race writes into it
     residual = _residual(last, _at_position(total, num_accepted), drafts, num_accepted, draft_probs)
     last = torch.where((num_accepted < n_drafts)[:, None], residual, last)
     greedy_tokens = greedy_ids.gather(1, num_accepted[:, None])[:, 0]
     return _emitted(drafts, num_accepted, torch.where(greedy_rows, greedy_tokens, exponential_race(last, generators)))
+
+
+def _ban_and_bias(target_logits: torch.Tensor, batch: SamplingBatch) -> None:
+    """Apply each row's banned tokens and logit bias, in place, at every position of the row."""
+    if batch.banned:
+        for row, ids in batch.banned:
+            target_logits[row, :, ids] = float("-inf")
+    if batch.logit_bias:  # the same at every position
+        for row, bias_ids, bias in batch.logit_bias:
+            target_logits[row, :, bias_ids] += bias
+
+
+def _random_accept(
+    target_logits: torch.Tensor,
+    drafts: torch.Tensor,
+    num_drafts: Sequence[int],
+    batch: SamplingBatch,
+    draft_probs: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' target probs [B, K+1, V], their totals [B, K+1, 1], and which drafts a random row
+    accepts [B, K]: each with probability min(1, p/q), drawing the rows' uniforms."""
+    rows, positions, vocab = target_logits.shape
+    probs = _target_probs(target_logits.reshape(rows * positions, vocab), batch, positions).view(rows, positions, vocab)
+    total = probs.sum(dim=-1, keepdim=True)  # [B, K+1, 1]: unnormalised after min-p, like sampler's
+    p_draft = probs[:, :-1].gather(2, drafts[..., None])[..., 0] / total[:, :-1, 0]  # [B, K]
+    q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts[..., None])[..., 0]
+    uniforms = _uniforms(num_drafts, positions - 1, batch.generators or {}, probs.device)
+    return probs, total, uniforms * q_draft < p_draft  # never accepted where p = 0
 
 
 def pad_drafts(
