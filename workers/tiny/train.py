@@ -23,6 +23,8 @@ trained tiny pair", names), so a given `minutes` means the same steps anywhere.
 Every `heldout_every`-th corpus file is held out. `quality.json`, next to
 `target/` and `draft/`, records each model's held-out loss, the draft/target
 greedy next-token agreement, and the greedy acceptance length at k=4.
+
+The windows come from windows.py; the quality measures are in quality.py.
 """
 
 from __future__ import annotations
@@ -43,17 +45,19 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 from transformers import PreTrainedModel
 
 from . import tokenizer as tiny_tokenizer
 from .builder import TinyModelSpec, build_dir, init_model, save_model_dir
-from .corpus import DEFAULT_CORPUS_BYTES, cache_dir, corpus_files, corpus_fingerprint, stdlib_root
+from .corpus import DEFAULT_CORPUS_BYTES, cache_dir, corpus_fingerprint
+from .quality import acceptance, heldout_loss, pair_quality
+from .windows import batch_order, corpus_windows
 
 __all__ = [
     "DEFAULT_PAIR",
     "PairSpec",
     "TrainConfig",
+    "acceptance",  # measured in quality.py; callers (and tests) reach it here too
     "default_pair_dir",
     "make_tiny_pair",
     "pair_dir",
@@ -71,13 +75,6 @@ TRAIN_FORMAT_VERSION = 1
 _TARGET_STEPS_PER_MIN = 470
 _DRAFT_STEPS_PER_MIN = 600
 DEFAULT_MINUTES = 4.5
-
-# Acceptance-length measurement: this many held-out prompts, each followed by
-# the target's greedy continuation, verified k draft tokens at a time.
-_ACCEPT_PROMPTS = 64
-_ACCEPT_NEW_TOKENS = 64
-_ACCEPT_K = 4
-
 
 def _require(name: str, ok: bool, why: str) -> None:
     if not ok:
@@ -181,56 +178,6 @@ def pair_spec(minutes: float = DEFAULT_MINUTES, seed: int = 0) -> PairSpec:
 DEFAULT_PAIR = pair_spec()
 
 
-# --- data ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenWindows:
-    """Packed token windows: row i is inputs `[:-1]` and labels `[1:]`."""
-
-    train: torch.Tensor  # [N, seq_len + 1] int64
-    heldout: torch.Tensor  # [M, seq_len + 1] int64
-
-
-def corpus_windows(
-    tok: Tokenizer, corpus_bytes: int, seq_len: int, heldout_every: int, skip_dirs: tuple[str, ...] = ()
-) -> TokenWindows:
-    """Tokenize the corpus, file by file joined by EOS, and cut it into windows of `seq_len + 1`.
-
-    Files under a directory named in `skip_dirs` are left out.
-    """
-    eos = tiny_tokenizer.special_token_ids(tok)["eos"]
-    root = stdlib_root()
-    files = [f for f in corpus_files(corpus_bytes) if not set(f.relative_to(root).parts[:-1]) & set(skip_dirs)]
-    texts = [f.read_text(encoding="utf-8", errors="replace") for f in files]
-    streams: tuple[list[int], list[int]] = ([], [])
-    for i, enc in enumerate(tok.encode_batch(texts)):
-        streams[i % heldout_every == heldout_every - 1].extend([*enc.ids, eos])
-    train, heldout = (_windows(s, seq_len) for s in streams)
-    if len(heldout) == 0:
-        raise ValueError(f"corpus_bytes: {corpus_bytes} bytes leave no held-out window of {seq_len + 1} tokens")
-    return TokenWindows(train, heldout)
-
-
-def _windows(ids: list[int], seq_len: int) -> torch.Tensor:
-    n = max(0, (len(ids) - 1) // seq_len)
-    if n == 0:
-        return torch.empty(0, seq_len + 1, dtype=torch.long)
-    # Stride seq_len: window i's last label is window i+1's first input.
-    return torch.tensor(ids[: n * seq_len + 1], dtype=torch.long).unfold(0, seq_len + 1, seq_len)
-
-
-def _batch_order(num_windows: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
-    """Window indices for each step: epochs of seeded permutations, cut into batches."""
-    gen = torch.Generator().manual_seed(seed)
-    order = torch.empty(0, dtype=torch.long)
-    for _ in range(steps):
-        while len(order) < batch_size:
-            order = torch.cat([order, torch.randperm(num_windows, generator=gen)])
-        yield order[:batch_size]
-        order = order[batch_size:]
-
-
 # --- training --------------------------------------------------------------
 
 
@@ -262,7 +209,7 @@ def train(
     meter = _Meter(label, cfg.steps, cfg.batch_size * (windows.shape[1] - 1), progress)
     ce_losses: list[float] = []
     model.train()
-    for idx in _batch_order(len(windows), cfg.batch_size, cfg.steps, seed):
+    for idx in batch_order(len(windows), cfg.batch_size, cfg.steps, seed):
         loss, ce = _loss(model, windows[idx], teacher, cfg.distill_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -333,72 +280,6 @@ def _clock(seconds: float) -> str:
     return f"{m}:{s:02d}"
 
 
-# --- quality ---------------------------------------------------------------
-
-
-@torch.no_grad()
-def heldout_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int = 8) -> float:
-    """Mean next-token cross-entropy (nats) over `windows` [N, T + 1]."""
-    total = 0.0
-    for i in range(0, len(windows), batch_size):
-        batch = windows[i : i + batch_size]
-        logits = model(input_ids=batch[:, :-1]).logits
-        total += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-    return total / (len(windows) * (windows.shape[1] - 1))
-
-
-@torch.no_grad()
-def greedy_agreement(draft: PreTrainedModel, target: PreTrainedModel, windows: torch.Tensor,
-                     batch_size: int = 8) -> float:
-    """Fraction of positions of `windows` where the two models' argmax next tokens are equal."""
-    same = 0
-    for i in range(0, len(windows), batch_size):
-        inputs = windows[i : i + batch_size, :-1]
-        same += int((draft(input_ids=inputs).logits.argmax(-1) == target(input_ids=inputs).logits.argmax(-1)).sum())
-    return same / windows[:, :-1].numel()
-
-
-@torch.no_grad()
-def acceptance(draft: PreTrainedModel, target: PreTrainedModel, prompts: torch.Tensor, new_tokens: int,
-               k: int) -> float:
-    """Mean draft tokens accepted per verify step in greedy speculative decoding with `k` proposals.
-
-    Exact without running the loop: the draft's j-th proposal only counts if
-    proposals 1..j-1 equalled the target's tokens, so its context is always
-    the target's own greedy sequence. Teacher-forcing the draft on that
-    sequence gives every proposal that matters in one forward pass.
-    """
-    out = target(input_ids=prompts, use_cache=True)
-    generated = [out.logits[:, -1].argmax(-1)]
-    for _ in range(new_tokens - 1):
-        out = target(input_ids=generated[-1][:, None], cache=out.cache, use_cache=True)
-        generated.append(out.logits[:, -1].argmax(-1))
-    gen = torch.stack(generated, dim=1)  # [N, G]
-    seq = torch.cat([prompts, gen], dim=1)
-    match = draft(input_ids=seq[:, :-1]).logits[:, prompts.shape[1] - 1 :].argmax(-1) == gen  # [N, G]
-    accepted: list[int] = []
-    for row in match.tolist():
-        i = 0
-        while i < len(row):
-            a = 0
-            while a < k and i + a < len(row) and row[i + a]:
-                a += 1
-            accepted.append(a)
-            i += a + 1  # the accepted tokens, then the target's own token
-    return _mean([float(a) for a in accepted])
-
-
-def _quality(draft: PreTrainedModel, target: PreTrainedModel, heldout: torch.Tensor) -> dict[str, float]:
-    prompt_len = min(64, heldout.shape[1])
-    accepted = acceptance(draft, target, heldout[:_ACCEPT_PROMPTS, :prompt_len], _ACCEPT_NEW_TOKENS, _ACCEPT_K)
-    return {
-        "greedy_next_token_agreement": round(greedy_agreement(draft, target, heldout), 4),
-        f"accepted_per_step_k{_ACCEPT_K}": round(accepted, 3),
-        # What one target forward yields: the accepted tokens plus its own.
-        f"tokens_per_target_step_k{_ACCEPT_K}": round(accepted + 1, 3),
-    }
-
-
 # --- building --------------------------------------------------------------
 
 
@@ -457,7 +338,7 @@ def _train_into(tmp: Path, spec: PairSpec, progress: bool, threads: int) -> dict
             "machine": {"cpu": _cpu_name(), "threads": threads, "torch": torch.__version__},
             "target": _model_report(target, target_result, heldout),
             "draft": {**_model_report(draft, draft_result, heldout), "tensors_from_target": len(copied)},
-            "pair": _quality(draft, target, heldout),
+            "pair": pair_quality(draft, target, heldout),
             "spec": asdict(spec),
         }
     report["seconds_total"] = float(round(time.perf_counter() - start, 1))
