@@ -49,18 +49,7 @@ def _make_case(
     capacity = capacity_blocks or max(max(need), 1) + 1
     num_blocks = sum(need) + 2  # + the poison block + one spare
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    if layout == "contiguous":
-        k_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
-        v_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
-    elif layout == "engine":  # [L, 2, NB, bs, KVH, D], one layer's k/v
-        buf = torch.empty(3, 2, *shape, dtype=dtype, device=DEVICE)
-        k_cache, v_cache = buf[1, 0], buf[1, 1]
-    elif layout == "interleaved":  # [NB, 2, bs, KVH, D]: k/v views with a non-dense block stride
-        buf = torch.empty(num_blocks, 2, *shape[1:], dtype=dtype, device=DEVICE)
-        k_cache, v_cache = buf[:, 0], buf[:, 1]
-        assert not k_cache.is_contiguous()
-    else:
-        raise AssertionError(layout)
+    k_cache, v_cache = _empty_caches(shape, dtype, layout)
     k_cache.copy_(torch.randn(shape, generator=g).to(dtype))
     v_cache.copy_(torch.randn(shape, generator=g).to(dtype))
 
@@ -86,6 +75,24 @@ def _make_case(
         seq_lens_list=list(seq_lens), q_lens=list(q_lens), block_size=block_size,
         row_offset=row_offset, scale=head_dim ** -0.5,
     )
+
+
+def _empty_caches(shape: tuple[int, int, int, int], dtype: torch.dtype,
+                  layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised K and V caches of `shape` [NB, bs, KVH, D], laid out as `layout` says."""
+    if layout == "contiguous":
+        k_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+        v_cache = torch.empty(shape, dtype=dtype, device=DEVICE)
+    elif layout == "engine":  # [L, 2, NB, bs, KVH, D], one layer's k/v
+        buf = torch.empty(3, 2, *shape, dtype=dtype, device=DEVICE)
+        k_cache, v_cache = buf[1, 0], buf[1, 1]
+    elif layout == "interleaved":  # [NB, 2, bs, KVH, D]: k/v views with a non-dense block stride
+        buf = torch.empty(shape[0], 2, *shape[1:], dtype=dtype, device=DEVICE)
+        k_cache, v_cache = buf[:, 0], buf[:, 1]
+        assert not k_cache.is_contiguous()
+    else:
+        raise AssertionError(layout)
+    return k_cache, v_cache
 
 
 def _oracle(case: dict) -> torch.Tensor:
