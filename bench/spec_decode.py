@@ -109,7 +109,7 @@ def decode_rate(llm: LLM, prompts: list[list[int]], new: int, temperature: float
                                           1e-9)
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=None, help="target (default: the trained tiny pair's)")
     ap.add_argument("--draft-model", default=None, help="draft (default: the trained tiny pair's)")
@@ -127,7 +127,55 @@ def main() -> int:
                          "to measure acceptance rather than speed")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def measure(name: str, prompts: list[list[int]], b: int, plain: LLM, engines: dict[str, LLM],
+            a: argparse.Namespace) -> dict[str, object]:
+    """One row: workload `name` at batch `b`, plain and every speculative engine, medians over the repeats."""
+    batch = prompts[:b]
+    # Warm-up: one full run each, so that what the engines adapt (the
+    # measured price of drafting, the acceptance rate new requests start
+    # from) reflects this workload, as it would in a server that has run a while.
+    for llm in (plain, *engines.values()):
+        decode_rate(llm, batch, a.new, TEMPERATURE.get(name, a.temperature))
+    rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
+    before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
+    for r in range(a.repeats):
+        print(f"[bench] {name}, batch {b}, repeat {r + 1}/{a.repeats}", file=sys.stderr, flush=True)
+        # A B C, then C B A: a drift of the machine's speed over the
+        # repeats favours neither side.
+        order = [("plain", plain), *engines.items()]
+        for k, e in order if r % 2 == 0 else order[::-1]:
+            rates[k].append(decode_rate(e, batch, a.new, TEMPERATURE.get(name, a.temperature)))
+    row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
+    for k, e in engines.items():
+        drafts = e.engine.stats.spec_drafts - before[k][0]
+        accepted = e.engine.stats.spec_accepted_tokens - before[k][1]
+        row[f"{k}_tok_s"] = statistics.median(rates[k])
+        row[f"{k}_ratio"] = row[f"{k}_tok_s"] / row["plain_tok_s"]  # type: ignore[operator]
+        row[f"{k}_acceptance_length"] = (accepted + drafts) / drafts if drafts else 0.0
+        price = e.engine.spec.cost.price(b)  # what drafting cost, measured (workers/spec/cost.py)
+        row[f"{k}_price"] = [price.fixed, price.per_token]
+    return row
+
+
+def print_tables(rows: list[dict[str, object]], engines: dict[str, LLM]) -> None:
+    """The rates table (markdown), then the measured price of drafting per row."""
+    head = "| workload | batch | none, tok/s |" + "".join(f" {k}, tok/s | {k} ratio | {k} mean acceptance length |"
+                                                      for k in engines)
+    print(head + "\n" + "|---|---:|---:|" + "---:|---:|---:|" * len(engines))
+    for r in rows:
+        print(f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.0f} |" + "".join(
+            f" {r[f'{k}_tok_s']:.0f} | {r[f'{k}_ratio']:.2f}x | {r[f'{k}_acceptance_length']:.2f} |" for k in engines))
+    print("\nmeasured price of drafting, in tokens' worth (fixed per verification / per draft):")
+    for r in rows:
+        print(f"  {r['workload']}, batch {r['batch']}: " + ", ".join(
+            f"{k} {r[f'{k}_price'][0]:.2f} / {r[f'{k}_price'][1]:.2f}" for k in engines))
+
+
+def main() -> int:
+    a = parse_args()
     torch.set_num_threads(a.threads)
     model, draft = (a.model, a.draft_model) if a.model else default_pair()
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
@@ -142,44 +190,8 @@ def main() -> int:
         engines["draft"] = LLM(model, **common, speculative="draft", draft_model=draft, **spec)
     batches = [int(b) for b in a.batches.split(",")]
     loads = workloads(plain.tokenizer, max(batches), a.prompt_tokens, seed=0, only=set(a.workloads.split(",")))
-    rows = []
-    for name, prompts in loads.items():
-        for b in batches:
-            batch = prompts[:b]
-            # Warm-up: one full run each, so that what the engines adapt (the
-            # measured price of drafting, the acceptance rate new requests start
-            # from) reflects this workload, as it would in a server that has run a while.
-            for llm in (plain, *engines.values()):
-                decode_rate(llm, batch, a.new, TEMPERATURE.get(name, a.temperature))
-            rates: dict[str, list[float]] = {"plain": [], **{k: [] for k in engines}}
-            before = {k: (e.engine.stats.spec_drafts, e.engine.stats.spec_accepted_tokens) for k, e in engines.items()}
-            for r in range(a.repeats):
-                print(f"[bench] {name}, batch {b}, repeat {r + 1}/{a.repeats}", file=sys.stderr, flush=True)
-                # A B C, then C B A: a drift of the machine's speed over the
-                # repeats favours neither side.
-                order = [("plain", plain), *engines.items()]
-                for k, e in order if r % 2 == 0 else order[::-1]:
-                    rates[k].append(decode_rate(e, batch, a.new, TEMPERATURE.get(name, a.temperature)))
-            row: dict[str, object] = {"workload": name, "batch": b, "plain_tok_s": statistics.median(rates["plain"])}
-            for k, e in engines.items():
-                drafts = e.engine.stats.spec_drafts - before[k][0]
-                accepted = e.engine.stats.spec_accepted_tokens - before[k][1]
-                row[f"{k}_tok_s"] = statistics.median(rates[k])
-                row[f"{k}_ratio"] = row[f"{k}_tok_s"] / row["plain_tok_s"]  # type: ignore[operator]
-                row[f"{k}_acceptance_length"] = (accepted + drafts) / drafts if drafts else 0.0
-                price = e.engine.spec.cost.price(b)  # what drafting cost, measured (workers/spec/cost.py)
-                row[f"{k}_price"] = [price.fixed, price.per_token]
-            rows.append(row)
-    head = "| workload | batch | none, tok/s |" + "".join(f" {k}, tok/s | {k} ratio | {k} mean acceptance length |"
-                                                      for k in engines)
-    print(head + "\n" + "|---|---:|---:|" + "---:|---:|---:|" * len(engines))
-    for r in rows:
-        print(f"| {r['workload']} | {r['batch']} | {r['plain_tok_s']:.0f} |" + "".join(
-            f" {r[f'{k}_tok_s']:.0f} | {r[f'{k}_ratio']:.2f}x | {r[f'{k}_acceptance_length']:.2f} |" for k in engines))
-    print("\nmeasured price of drafting, in tokens' worth (fixed per verification / per draft):")
-    for r in rows:
-        print(f"  {r['workload']}, batch {r['batch']}: " + ", ".join(
-            f"{k} {r[f'{k}_price'][0]:.2f} / {r[f'{k}_price'][1]:.2f}" for k in engines))
+    rows = [measure(name, prompts, b, plain, engines, a) for name, prompts in loads.items() for b in batches]
+    print_tables(rows, engines)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(rows, f, indent=2)
