@@ -108,30 +108,19 @@ def summary(timings: list[Timing], wall: float) -> dict[str, float]:
             "output_tok_s": sum(t.tokens for t in timings) / wall}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--port", type=int, default=8123)
     ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    import ray
+    return ap.parse_args()
 
+
+def bench_engine(model_dir: str, overhead_prompts: list[list[int]]) -> dict[str, float]:
+    """In-process engine (one worker, the same engine config as a served worker), concurrency 1."""
     from pdserve import LLM
-    from pdserve.cluster import serve_app
-    from pdserve.cluster.serve_config import serve_config
     from pdserve.workers.async_engine import AsyncEngine
-    from pdserve.workers.tiny.builder import default_model_dir
 
-    model_dir = str(default_model_dir(progress=True))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
-    print(f"# pdserve cluster serving benchmark\ncommand: python {' '.join(sys.argv)}\n"
-          f"machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}\n", flush=True)
-    results: dict[str, dict[str, float]] = {}
-    overhead_prompts = prompts(a.requests, 128, seed=1)
-    load_prompts = prompts(a.requests * 2, 256, seed=2)
-
-    # In-process engine (one worker, the same engine config as a served worker).
     torch.set_num_threads(1)
     engine = AsyncEngine(LLM(model_dir, progress=False).engine).start()
 
@@ -140,14 +129,25 @@ def main() -> int:
 
     print("[bench] in-process engine, concurrency 1 ...", file=sys.stderr, flush=True)
     asyncio.run(run_load(in_process, overhead_prompts[:4], 1, 8))  # warm-up
-    results["engine_c1"] = summary(*asyncio.run(run_load(in_process, overhead_prompts, 1, 32)))
+    result = summary(*asyncio.run(run_load(in_process, overhead_prompts, 1, 32)))
     engine.close()
+    return result
 
-    cfg = serve_config({"model": model_dir, "port": a.port})
+
+def bench_http(model_dir: str, port: int, overhead_prompts: list[list[int]],
+               load_prompts: list[list[int]]) -> dict[str, dict[str, float]]:
+    """Through HTTP on a local Ray cluster (`pdserve serve` defaults): concurrency 1, then the throughput load."""
+    import ray
+
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
+
+    results: dict[str, dict[str, float]] = {}
+    cfg = serve_config({"model": model_dir, "port": port})
     serve_app.init_ray(cfg, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
-        url, model = f"http://127.0.0.1:{a.port}", os.path.basename(model_dir)
+        url, model = f"http://127.0.0.1:{port}", os.path.basename(model_dir)
 
         async def over_http(items: list[list[int]], conc: int, mt: int) -> tuple[list[Timing], float]:
             async with httpx.AsyncClient(timeout=600) as client:
@@ -161,7 +161,10 @@ def main() -> int:
     finally:
         serve_app.shutdown(cfg)
         ray.shutdown()
+    return results
 
+
+def print_tables(results: dict[str, dict[str, float]]) -> None:
     e, h, h16 = results["engine_c1"], results["http_c1"], results["http_c16"]
     print("## Gateway + router overhead (concurrency 1, 128-token prompts, 32 output tokens)\n")
     print("| metric | in-process engine | HTTP, 1P+1D | added | bar |\n|---|---|---|---|---|")
@@ -174,6 +177,22 @@ def main() -> int:
     print(f"| output tokens/s | {h16['output_tok_s']:.0f} | >= 2000 |")
     print(f"| p50 TPOT, ms | {h16['tpot_p50_ms']:.2f} | <= 8 |")
     print(f"| p50 TTFT, ms | {h16['ttft_p50_ms']:.1f} | - |")
+
+
+def main() -> int:
+    a = parse_args()
+    from pdserve.workers.tiny.builder import default_model_dir
+
+    model_dir = str(default_model_dir(progress=True))
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+               platform.processor())
+    print(f"# pdserve cluster serving benchmark\ncommand: python {' '.join(sys.argv)}\n"
+          f"machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}\n", flush=True)
+    overhead_prompts = prompts(a.requests, 128, seed=1)
+    load_prompts = prompts(a.requests * 2, 256, seed=2)
+    results = {"engine_c1": bench_engine(model_dir, overhead_prompts)}
+    results.update(bench_http(model_dir, a.port, overhead_prompts, load_prompts))
+    print_tables(results)
     if a.out:
         with open(a.out, "w") as f:
             json.dump(results, f, indent=2)
