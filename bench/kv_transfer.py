@@ -310,7 +310,8 @@ def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def main() -> None:
+def parse_args() -> tuple[argparse.Namespace, list[int]]:
+    """The arguments (with --quick applied) and the prompt lengths, each a multiple of the block size."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokens", default="256,1024,4096", help="prompt lengths, comma-separated")
     ap.add_argument("--layers", type=int, default=32)
@@ -325,8 +326,10 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     if any(t % BLOCK_SIZE for t in tokens):
         raise SystemExit(f"--tokens: multiples of the block size {BLOCK_SIZE}")
-    torch.set_num_threads(1)
+    return args, tokens
 
+
+def print_header(args: argparse.Namespace) -> None:
     print("# KV transfer over loopback: pdserve ZeroMQ transport vs raw TCP")
     print(f"# command: python {shlex.join(sys.argv)}")
     print(f"# machine: {machine()}")
@@ -335,11 +338,21 @@ def main() -> None:
           f"messages <= {args.max_message_kib} KiB; "
           f"{args.repeats} repeats, medians")
 
-    max_blocks = max(tokens) // BLOCK_SIZE
-    setup = Setup(*allocate(args.layers, max_blocks, fill=True), layers=args.layers, num_blocks=max_blocks,
-                  recv_blocks=max_blocks + max_blocks // 4 + 8)
-    layer_bytes = 2 * max_blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
+@dataclass
+class Peers:
+    """The three receiver processes, and this process's connection to each: the socket, and pdserve's senders."""
+
+    pipes: dict[str, mp.connection.Connection]
+    procs: list[mp.process.BaseProcess]
+    tcp: socket.socket
+    zctx: zmq.Context
+    zsock: zmq.Socket
+    senders: dict[ChecksumKind, ZmqKVSender]
+
+
+def start_peers(args: argparse.Namespace, setup: Setup, layer_bytes: int) -> Peers:
+    """Spawn the receivers (raw TCP, raw ZMQ, pdserve) and connect to each."""
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     for name, target, extra in (("tcp", raw_tcp_receiver, (layer_bytes,)), ("zmq", raw_zmq_receiver, ()),
@@ -361,44 +374,51 @@ def main() -> None:
     senders = {kind: ZmqKVSender(setup.kv, pd_address, context=zctx, sender_id=f"bench-{kind.value}", checksums=[kind],
                                  max_message_bytes=args.max_message_kib << 10)
                for kind in frames.CHECKSUMS}
+    return Peers(pipes, procs, tcp, zctx, zsock, senders)
 
-    rows = []
-    try:
-        for n_tokens in tokens:
-            n = n_tokens // BLOCK_SIZE
-            runs: dict[str, Callable[[int], Sample]] = {
-                "tcp": lambda rep: run_raw_tcp(tcp, setup, n),
-                "zmq": lambda rep: run_raw_zmq(zsock, setup, n),
-            }
-            for kind, tx in senders.items():
-                runs[kind.value] = lambda rep, tx=tx: run_pdserve(tx, pipes["pdserve"], setup, n, rep)
-            samples: dict[str, list[Sample]] = {k: [] for k in runs}
-            for rep in range(args.repeats + 1):  # rep 0 warms up
-                for name, run in runs.items():
-                    sample = run(rep)
-                    if rep:
-                        samples[name].append(sample)
-                progress(f"{n_tokens} tokens: repeat {rep}/{args.repeats} "
-                         + " ".join(f"{k}={v[-1].wall * 1e3:.1f}ms" for k, v in samples.items() if v))
-            nbytes = 2 * args.layers * n * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
-            rows.append((n_tokens, nbytes,
-                         {k: nbytes / statistics.median(s.wall for s in v) / 1e9 for k, v in samples.items()},
-                         {k: statistics.median(s.cpu for s in v) / (nbytes / 1e9) for k, v in samples.items()}))
-        comp = components(setup, max_blocks)
-    finally:
-        tcp.sendall(struct.pack("<Q", (1 << 64) - 1))
-        zsock.send_multipart([b"quit"])
-        pipes["pdserve"].send(("quit",))
-        for tx in senders.values():
-            tx.close()
-        zsock.close()
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.terminate()
-        zctx.term()
 
-    kinds = [k.value for k in ChecksumKind]
+def stop_peers(peers: Peers) -> None:
+    """Tell every receiver to quit, close this side, and reap the processes."""
+    peers.tcp.sendall(struct.pack("<Q", (1 << 64) - 1))
+    peers.zsock.send_multipart([b"quit"])
+    peers.pipes["pdserve"].send(("quit",))
+    for tx in peers.senders.values():
+        tx.close()
+    peers.zsock.close()
+    for p in peers.procs:
+        p.join(10)
+        if p.is_alive():
+            p.terminate()
+    peers.zctx.term()
+
+
+Row = tuple[int, int, dict[str, float], dict[str, float]]  # tokens, bytes, GB/s and CPU s per GB by way
+
+
+def measure(n_tokens: int, args: argparse.Namespace, setup: Setup, peers: Peers) -> Row:
+    """One prompt length, every way in turn over the repeats (after a warm-up): medians."""
+    n = n_tokens // BLOCK_SIZE
+    runs: dict[str, Callable[[int], Sample]] = {
+        "tcp": lambda rep: run_raw_tcp(peers.tcp, setup, n),
+        "zmq": lambda rep: run_raw_zmq(peers.zsock, setup, n),
+    }
+    for kind, tx in peers.senders.items():
+        runs[kind.value] = lambda rep, tx=tx: run_pdserve(tx, peers.pipes["pdserve"], setup, n, rep)
+    samples: dict[str, list[Sample]] = {k: [] for k in runs}
+    for rep in range(args.repeats + 1):  # rep 0 warms up
+        for name, run in runs.items():
+            sample = run(rep)
+            if rep:
+                samples[name].append(sample)
+        progress(f"{n_tokens} tokens: repeat {rep}/{args.repeats} "
+                 + " ".join(f"{k}={v[-1].wall * 1e3:.1f}ms" for k, v in samples.items() if v))
+    nbytes = 2 * args.layers * n * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    return (n_tokens, nbytes,
+            {k: nbytes / statistics.median(s.wall for s in v) / 1e9 for k, v in samples.items()},
+            {k: statistics.median(s.cpu for s in v) / (nbytes / 1e9) for k, v in samples.items()})
+
+
+def print_throughput(rows: list[Row], kinds: list[str]) -> None:
     print()
     print("| prompt tokens | KV MB | raw TCP GB/s | raw ZMQ GB/s | "
           + " | ".join(f"pdserve {k} GB/s | {k} / raw TCP" for k in kinds) + " |")
@@ -412,6 +432,9 @@ def main() -> None:
             ratio = gbs[k] / gbs["tcp"]
             cells += [f"{gbs[k]:.2f}", f"{ratio:.2f}x {'(>= 0.7x)' if ratio >= 0.7 else '(< 0.7x)'}"]
         print(f"| {n_tokens} | {nbytes / 1e6:.0f} | {gbs['tcp']:.2f} | {gbs['zmq']:.2f} | " + " | ".join(cells) + " |")
+
+
+def print_cpu(rows: list[Row], kinds: list[str]) -> None:
     print()
     print("CPU seconds per GB moved, sender + receiver process (all threads), medians: what each way costs")
     print("the two cores that also run the loopback link.")
@@ -421,13 +444,36 @@ def main() -> None:
     print("|---:|" + "---:|" * len(names))
     for n_tokens, _, _, cpu in rows:
         print(f"| {n_tokens} | " + " | ".join(f"{cpu[k]:.2f}" if k in cpu else "-" for k in names) + " |")
+
+
+def print_components(comp: list[tuple[str, float]], tokens: int, layer_bytes: int) -> None:
     print()
-    print(f"Per-byte steps on one layer's K+V of {max(tokens)} tokens ({layer_bytes / 1e6:.1f} MB), one thread:")
+    print(f"Per-byte steps on one layer's K+V of {tokens} tokens ({layer_bytes / 1e6:.1f} MB), one thread:")
     print()
     print("| step | GB/s |")
     print("|---|---:|")
     for name, gbs_ in comp:
         print(f"| {name} | {gbs_:.2f} |")
+
+
+def main() -> None:
+    args, tokens = parse_args()
+    torch.set_num_threads(1)
+    print_header(args)
+    max_blocks = max(tokens) // BLOCK_SIZE
+    setup = Setup(*allocate(args.layers, max_blocks, fill=True), layers=args.layers, num_blocks=max_blocks,
+                  recv_blocks=max_blocks + max_blocks // 4 + 8)
+    layer_bytes = 2 * max_blocks * BLOCK_SIZE * KV_HEADS * HEAD_DIM * DTYPE.itemsize
+    peers = start_peers(args, setup, layer_bytes)
+    try:
+        rows = [measure(n_tokens, args, setup, peers) for n_tokens in tokens]
+        comp = components(setup, max_blocks)
+    finally:
+        stop_peers(peers)
+    kinds = [k.value for k in ChecksumKind]
+    print_throughput(rows, kinds)
+    print_cpu(rows, kinds)
+    print_components(comp, max(tokens), layer_bytes)
 
 
 if __name__ == "__main__":
