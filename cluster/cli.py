@@ -117,6 +117,36 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="offline generation with the engine (no server)")
+    _generate_arguments(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    srv = sub.add_parser("serve", help="start workers on Ray and the OpenAI-compatible HTTP API")
+    _serve_arguments(srv)
+    srv.set_defaults(func=_cmd_serve)
+
+    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF-format model with its own BPE tokenizer")
+    _tiny_model_arguments(tiny)
+    tiny.set_defaults(func=_cmd_make_tiny_model)
+
+    pair = sub.add_parser("make-tiny-pair",
+                          help="train a tiny target and a 1-layer draft (speculative decoding) on CPU",
+                          description="Train the default tiny model and a 1-layer draft distilled from it on the "
+                                      "stdlib corpus; write OUT_DIR/target, OUT_DIR/draft and OUT_DIR/quality.json.")
+    _tiny_pair_arguments(pair)
+    pair.set_defaults(func=_cmd_make_tiny_pair)
+
+    from pdserve.cluster.bench.cli import DESCRIPTION as BENCH_DESCRIPTION
+    from pdserve.cluster.bench.cli import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: TTFT/TPOT/ITL, goodput, plots",
+                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+    return parser
+
+
+def _generate_arguments(gen: argparse.ArgumentParser) -> None:
+    """The arguments of `pdserve generate`."""
     gen.add_argument("prompts", nargs="+", help="one or more prompts")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -131,9 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     _add_engine_args(gen)
-    gen.set_defaults(func=_cmd_generate)
 
-    srv = sub.add_parser("serve", help="start workers on Ray and the OpenAI-compatible HTTP API")
+
+def _serve_arguments(srv: argparse.ArgumentParser) -> None:
+    """The arguments of `pdserve serve`."""
     srv.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
     srv.add_argument("--prefill", type=int, default=_SETTING,
                      help="prefill workers (1; colocated: total workers = prefill + decode)")
@@ -151,9 +182,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
     srv.add_argument("--api-key", default=_SETTING)
     _add_engine_args(srv)
-    srv.set_defaults(func=_cmd_serve)
 
-    tiny = sub.add_parser("make-tiny-model", help="write a tiny random HF-format model with its own BPE tokenizer")
+
+def _tiny_model_arguments(tiny: argparse.ArgumentParser) -> None:
+    """The arguments of `pdserve make-tiny-model`."""
     tiny.add_argument("out_dir")
     tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
     tiny.add_argument("--layers", type=int, default=4)
@@ -165,12 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--rope-scaling", default=None, choices=["llama3"])
     tiny.add_argument("--max-position-embeddings", type=int, default=2048)
-    tiny.set_defaults(func=_cmd_make_tiny_model)
 
-    pair = sub.add_parser("make-tiny-pair",
-                          help="train a tiny target and a 1-layer draft (speculative decoding) on CPU",
-                          description="Train the default tiny model and a 1-layer draft distilled from it on the "
-                                      "stdlib corpus; write OUT_DIR/target, OUT_DIR/draft and OUT_DIR/quality.json.")
+
+def _tiny_pair_arguments(pair: argparse.ArgumentParser) -> None:
+    """The arguments of `pdserve make-tiny-pair`."""
     pair.add_argument("out_dir", nargs="?", default=None,
                       help="where to write the pair (default: the cache, trained once per spec; prints the path)")
     pair.add_argument("--minutes", type=float, default=None,
@@ -180,16 +210,6 @@ def build_parser() -> argparse.ArgumentParser:
     pair.add_argument("--threads", type=int, default=None,
                       help="torch threads while training (default: every core; on a machine other jobs keep busy, "
                            "fewer threads than cores can be several times faster)")
-    pair.set_defaults(func=_cmd_make_tiny_pair)
-
-    from pdserve.cluster.bench.cli import DESCRIPTION as BENCH_DESCRIPTION
-    from pdserve.cluster.bench.cli import add_arguments as add_bench_arguments
-
-    bench = sub.add_parser("bench", help="load-test an OpenAI-compatible server: TTFT/TPOT/ITL, goodput, plots",
-                           description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_bench_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
