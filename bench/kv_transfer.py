@@ -34,6 +34,8 @@ the transport adds to the link.
         [--max-message-kib 2048] [--quick]
 """
 
+# One file (over 450 lines): a script run as is, whose spawned receiver processes run functions of this file.
+
 from __future__ import annotations
 
 import argparse
