@@ -204,8 +204,8 @@ def _tiny_pair_arguments(pair: argparse.ArgumentParser) -> None:
     pair.add_argument("out_dir", nargs="?", default=None,
                       help="where to write the pair (default: the cache, trained once per spec; prints the path)")
     pair.add_argument("--minutes", type=float, default=None,
-                      help="training budget (default 4.5), as step counts that take about this long on a 2-core "
-                           "AMD EPYC: the steps, not the clock, decide the weights")
+                      help="training budget (default 4.5), as step counts calibrated on the machine "
+                           "docs/speculative.md names: the steps, not the clock, decide the weights")
     pair.add_argument("--seed", type=int, default=0)
     pair.add_argument("--threads", type=int, default=None,
                       help="torch threads while training (default: every core; on a machine other jobs keep busy, "

@@ -72,7 +72,7 @@ class FailReason(str, enum.Enum):
 class ChecksumKind(str, enum.Enum):
     """How a data message's frames are checksummed; the receiver picks one the sender offered."""
 
-    CRC32 = "crc32"  # zlib: always there; ~4 GB/s on one core
+    CRC32 = "crc32"  # zlib: always there (the KV transfer benchmark in docs/benchmarks-cluster.md has its speed)
     XXH3_64 = "xxh3_64"  # the `xxhash` package, where installed: ~10x faster
 
 
