@@ -226,9 +226,9 @@ class AsyncEngine:
             try:
                 result = fn(self.engine)
             except BaseException as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_settle, fut, None, e)
+                _on_loop(loop, _settle, fut, None, e)
             else:
-                loop.call_soon_threadsafe(_settle, fut, result, None)
+                _on_loop(loop, _settle, fut, result, None)
 
         self._calls.add(pending)
         self._commands.put(run)
@@ -280,15 +280,15 @@ class AsyncEngine:
             del self._jobs[job.request_id]
         if exit is not Exit.FINISHED:
             failure = error or RequestAbortedError(f"request {job.request_id} ended: {exit.value}")
-            job.loop.call_soon_threadsafe(job.inbox.put_nowait, failure)
+            _on_loop(job.loop, job.inbox.put_nowait, failure)
         elif final is not None:
-            job.loop.call_soon_threadsafe(job.inbox.put_nowait, final)
+            _on_loop(job.loop, job.inbox.put_nowait, final)
 
     def _fail_all(self, error: BaseException) -> None:
         for job in list(self._jobs.values()):
             self.end_now(job, Exit.ENGINE_FAILED, error)
         for loop, fut in list(self._calls):  # a call still queued will never run now
-            loop.call_soon_threadsafe(_settle, fut, None, error)
+            _on_loop(loop, _settle, fut, None, error)
 
     def _run(self) -> None:
         try:
@@ -349,7 +349,7 @@ class AsyncEngine:
         if out.outputs[0].token_ids:
             job.life.advance(RequestState.DECODING)
         if job.reply_to is None:
-            job.loop.call_soon_threadsafe(job.inbox.put_nowait, out)
+            _on_loop(job.loop, job.inbox.put_nowait, out)
             if out.finished:
                 self.end_now(job, Exit.FINISHED)
             return
@@ -382,6 +382,15 @@ class AsyncEngine:
 def done_notice(request_id: str) -> RequestOutput:
     """What `finished` returns when the real final output went elsewhere (a token stream)."""
     return RequestOutput(request_id, None, [], [], finished=True)
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, fn: Callable[..., object], *args: object) -> None:
+    """Hand `fn(*args)` to a caller's event loop; nothing if that loop is gone (its
+    caller left, a test or a process shutting down): the engine thread goes on."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # "Event loop is closed"
+        pass
 
 
 def _settle(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:

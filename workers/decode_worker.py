@@ -157,7 +157,8 @@ class DecodeWorker:
 
         def stop_peer(exit: Exit) -> None:
             if exit is not Exit.FINISHED:
-                job.loop.call_soon_threadsafe(peer.abort, rid)
+                if not job.loop.is_closed():
+                    job.loop.call_soon_threadsafe(peer.abort, rid)
 
         job.life.on_exit(stop_peer)
         job.life.move(RequestState.TRANSFERRING)

@@ -400,3 +400,23 @@ def test_the_gateways_lifecycle_ends_with_its_stream(state: RequestState, exit: 
 def _delta(rid: str, tokens: list[int], final: bool) -> RequestOutput:
     return RequestOutput(rid, None, [1, 2, 3], [CompletionOutput(0, "x", tokens, finish_reason="length" if final
                                                                   else None)], final)
+
+
+def test_a_caller_whose_event_loop_is_gone_does_not_take_the_engine_down(model_dir: Path) -> None:
+    """The engine thread tells a caller its request ended on the caller's event loop;
+    if that loop has closed meanwhile (the caller left, a process shutting down),
+    the engine thread goes on."""
+    ae = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine).start()
+
+    async def open_and_leave() -> Job:
+        return ae.open("gone", 5.0)
+
+    try:
+        job = asyncio.run(open_and_leave())  # its loop is closed from here on
+        ae.end(job, Exit.ABORTED)
+        deadline = time.monotonic() + 5
+        while ae.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ae.healthy and ae.num_in_flight == 0 and job.life.state is S.ABORTED
+    finally:
+        ae.close()
