@@ -211,6 +211,28 @@ def test_deltas_from_two_workers_are_put_back_in_order() -> None:
     asyncio.run(run())
 
 
+def test_a_lost_middle_delta_is_an_error_not_a_short_answer() -> None:
+    """The final delta came, a middle one never did (its offset is missing): the
+    client gets StreamLostError, not a shorter answer that looks finished."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector(final_grace_s=0.2)
+        collector.open("r", [1, 2], 10.0)
+        pub = TokenStreamPublisher("w")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        consumer = asyncio.ensure_future(_consume(collector, "r", done))
+        pub.add(collector.address, output("r", [5], "a"), 0)
+        pub.add(collector.address, output("r", [7], "c", "length"), 2)  # offset 1 was lost on the way
+        pub.flush()
+        done.set_result(None)
+        with pytest.raises(StreamLostError):
+            await consumer
+        pub.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
 def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Path) -> None:
     """The same requests, deltas through ZeroMQ, equal the offline outputs; the
     worker-side call returns only once the final delta is out."""
