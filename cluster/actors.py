@@ -125,12 +125,14 @@ class DecodeService(_Service):
     serves a request end to end (local prefill) when the router says so."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, bind_host: str, transport: Transport = Transport.ZMQ,
-                 on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, worker_name: str = "decode") -> None:
+                 on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, prefill_timeout_s: float | None = None,
+                 worker_name: str = "decode") -> None:
         engine = _engine(config, torch_threads, record_events=True)
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
         self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{bind_host}:*")
-        worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name)
+        worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name,
+                              prefill_timeout_s=prefill_timeout_s)
         super().__init__(Pool.DECODE, engine, worker.async_engine, worker_name)
         worker.transfer_recorder = self.worker_metrics
         self.worker = worker.start()

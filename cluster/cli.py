@@ -178,6 +178,11 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--kv-failure-policy", default=_SETTING,
                      help="when a request's KV does not arrive intact: recompute it on the decode worker "
                           "(default) or fail the request")
+    srv.add_argument("--request-timeout", type=float, default=_SETTING,
+                     help="seconds a request may take, from its arrival (default 600)")
+    srv.add_argument("--prefill-timeout", type=float, default=_SETTING,
+                     help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
+                          "failure policy applies (default: the request's whole deadline)")
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
     srv.add_argument("--api-key", default=_SETTING)

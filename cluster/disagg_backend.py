@@ -142,10 +142,11 @@ class DisaggregatedBackend:
                 self._dead.add(wid)
                 self.router.update_load(WorkerLoad(wid, role, healthy=False))
                 continue
+            self._dead.discard(wid)  # it answers: routable again (a restarted worker, a hiccup)
             self.loads[wid] = report
             self._apply_events(wid, report.events)
             s = report.snapshot
-            self.router.update_load(WorkerLoad(wid, role, healthy=wid not in self._dead,
+            self.router.update_load(WorkerLoad(wid, role, healthy=True,
                                                queued_prefill_tokens=s.queued_prefill_tokens,
                                                running_requests=s.running, free_blocks=s.free_blocks,
                                                total_blocks=s.total_blocks))

@@ -43,8 +43,8 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
 
     if cfg.mode is ServingMode.DISAGGREGATED:
         workers = [make(PrefillWorkerActor, n, cfg.transport) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport, cfg.kv_failure_policy)
-                    for n in cfg.decode_names()]
+        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport, cfg.kv_failure_policy,
+                         cfg.prefill_timeout) for n in cfg.decode_names()]
     else:
         workers = [make(EngineWorkerActor, n) for n in cfg.worker_names()]
     ray.get([w.info.remote() for w in workers], timeout=timeout_s)
@@ -63,7 +63,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     info: WorkerInfo = ray.get(workers[-1].info.remote(), timeout=60)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
-                           max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight)
+                           max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
+                           request_timeout_s=float(cfg.request_timeout))
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend(workers, stream_host=cfg.kv_bind_host, names=cfg.worker_names()))
     return build_app(Gateway(backend, tokenizer, gw_cfg))

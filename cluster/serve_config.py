@@ -37,6 +37,7 @@ SERVE_SETTINGS = {
     "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "host": "host", "port": "port",
     "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
     "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
+    "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
@@ -62,6 +63,10 @@ class ServeConfig:
     # keep it on a private network).
     kv_bind_host: str = "127.0.0.1"
     kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
+    request_timeout: float = 600.0  # seconds a request may take, from its arrival at the gateway
+    # Seconds a decode worker gives a remote prefill and its KV transfer before the
+    # failure policy applies (None: the request's whole deadline).
+    prefill_timeout: float | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -75,6 +80,10 @@ class ServeConfig:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
         if self.port > 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        for name in ("request_timeout", "prefill_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+                raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
         for name in ("host", "kv_bind_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")

@@ -274,6 +274,8 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": "/m", "api_key_file": "/nonexistent/pdserve/api_key"}, "api_key_file"),
     ({"model": "/m", "wait_for_gpus_s": -5}, "wait_for_gpus_s"),
     ({"model": "/m", "worker_timeout_s": 0}, "worker_timeout_s"),
+    ({"model": "/m", "request_timeout": 0}, "request_timeout"),
+    ({"model": "/m", "prefill_timeout": "soon"}, "prefill_timeout"),
 ])
 def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[str, Any], field: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -312,3 +314,19 @@ def test_broken_serve_yaml_fails_the_schema() -> None:
     bad["http_options"]["port"] = "eight thousand"
     with pytest.raises(Exception, match="port"):
         ServeDeploySchema.model_validate(bad)
+
+
+def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> None:
+    """One mapping: `pdserve serve`'s flags and the Serve YAML's args, by the same names."""
+    from pdserve.cluster.cli import _settings, build_parser
+
+    argv = ["serve", "--model", "/m", "--prefill", "2", "--max-model-len", "2048", "--dtype", "bfloat16",
+            "--kv-failure-policy", "fail", "--request-timeout", "120", "--prefill-timeout", "10",
+            "--no-prefix-caching"]
+    from_flags = serve_config(_settings(build_parser().parse_args(argv)))
+    from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill": 2, "max_model_len": 2048, "dtype": "bfloat16",
+                                             "kv_failure_policy": "fail", "request_timeout": 120,
+                                             "prefill_timeout": 10, "enable_prefix_caching": False})
+    assert from_flags == from_yaml
+    assert from_flags.engine.max_model_len == 2048 and not from_flags.engine.enable_prefix_caching
+    assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"

@@ -17,10 +17,13 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
 from pdserve.cluster.backend import ColocatedBackend
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
+from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import RouterConfig, RoutingPolicy
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import Transport
 
@@ -215,3 +218,34 @@ def test_single_token_requests_stay_on_the_prefill_worker(model_dir: Path) -> No
     assert decode.worker.engine.stats.prompt_tokens == 0  # never asked to hold or compute anything
     assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) >= sum(map(len, prompts)) - BS
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
+
+
+class _FlakyWorker:
+    """A worker whose load report fails while `down` (dead, hung, restarting)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.down, self.seq = name, False, 0
+
+    async def load(self) -> LoadReport:
+        if self.down:
+            raise RuntimeError(f"{self.name} is down")
+        self.seq += 1
+        return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
+                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()))
+
+
+def test_a_worker_that_answers_again_is_routed_to_again() -> None:
+    """A worker whose report fails is taken out of routing at once, and back in as
+    soon as it reports again (a restarted worker, a hiccup), without a redeploy."""
+    p, d = _FlakyWorker("p0"), _FlakyWorker("d0")
+    backend = DisaggregatedBackend({"p0": LocalActor(p)}, {"d0": LocalActor(d)}, Router(RouterConfig(), BS))
+
+    async def main() -> list[tuple[bool, bool]]:
+        seen = []
+        for down in (False, True, False):
+            d.down = down
+            await backend._refresh()
+            seen.append((backend.healthy, backend.router.loads["d0"].healthy))
+        return seen
+
+    assert asyncio.run(main()) == [(True, True), (False, False), (True, True)]
