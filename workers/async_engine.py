@@ -18,6 +18,7 @@ the caller's wait ends with the final output or an exception.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -202,6 +203,15 @@ class AsyncEngine:
         if not job.life.ended:
             job.ending = job.ending or exit
             self._commands.put(lambda: self.end_now(job, exit, error))
+
+    async def end_and_wait(self, job: Job, exit: Exit, error: BaseException | None = None,
+                           timeout_s: float = 5.0) -> None:
+        """`end`, then wait (at most `timeout_s`: a stuck engine thread must not hold the
+        caller) until the engine thread has run it: the request's blocks are free when
+        this returns, before its caller hears why it ended."""
+        self.end(job, exit, error)
+        with contextlib.suppress(TimeoutError, EngineDeadError):
+            await self.call(lambda e: None, timeout_s=timeout_s)
 
     def abort(self, request_id: str) -> None:
         """Abort a request from outside (the gateway's or a peer's abort); unknown ids are ignored."""

@@ -121,7 +121,7 @@ class DecodeWorker:
         rid, prompt = req.request_id, list(req.prompt_token_ids)
         try:
             reservation = await ae.call(lambda e: self._reserve(e, job, req, peer), timeout_s=job.life.remaining())
-        except TimeoutError:
+        except TimeoutError:  # the engine thread did not get to it: do not wait on it again
             ae.end(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {rid} passed its deadline here") from None
         if reservation is None:  # no room now: it queues and prefills here
@@ -136,7 +136,7 @@ class DecodeWorker:
         if self.on_failure is KVFailurePolicy.RECOMPUTE and not (first is not None and first.published):
             return lambda e: self._recompute(e, job)
         error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
-        ae.end(job, Exit.PEER_FAILED, error)
+        await ae.end_and_wait(job, Exit.PEER_FAILED, error)
         raise error
 
     def _reserve(self, e: LLMEngine, job: Job, req: ServeRequest, peer: PrefillPeer) -> Reservation | None:
@@ -178,7 +178,7 @@ class DecodeWorker:
             if budget < remaining:
                 self._count_failure(None)
                 return None  # the remote prefill's own budget ran out: the policy decides
-            self.async_engine.end(job, Exit.DEADLINE)
+            await self.async_engine.end_and_wait(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {req.request_id} passed its deadline here") from None
         except Exception:  # noqa: BLE001 - its transfer or the worker failed: the policy decides
             self._count_failure(None)
