@@ -295,7 +295,7 @@ class AsyncEngine:
             _on_loop(job.loop, job.inbox.put_nowait, final)
 
     def _fail_all(self, error: BaseException) -> None:
-        for job in list(self._jobs.values()):
+        for job in self._live_jobs():
             self.end_now(job, Exit.ENGINE_FAILED, error)
         for loop, fut in list(self._calls):  # a call still queued will never run now
             _on_loop(loop, _settle, fut, None, error)
@@ -313,7 +313,7 @@ class AsyncEngine:
                     self.on_iteration()
                     self._drain_commands(block=False)  # what came while it held the thread
                 idle = not self._step()
-                for job in [j for j in self._jobs.values() if j.after_step is not None]:
+                for job in [j for j in self._live_jobs() if j.after_step is not None]:
                     job.after_step(self.engine)  # type: ignore[misc]  # checked just above
                 self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
@@ -323,6 +323,11 @@ class AsyncEngine:
             if self._publisher is not None:
                 self._publisher.close()
 
+    def _live_jobs(self) -> list[Job]:
+        """A copy of the jobs: the event loop opens new ones while this thread walks them
+        (`list()` of a dict's values takes them in one step, under the GIL)."""
+        return list(self._jobs.values())
+
     def _step(self) -> bool:
         """One engine step, its outputs delivered; whether it ran the model."""
         if not self.engine.has_unfinished_requests():
@@ -330,7 +335,7 @@ class AsyncEngine:
         steps = self.engine.stats.steps
         for out in self.engine.step():
             self._deliver(out)
-        for job in self._jobs.values():
+        for job in self._live_jobs():
             if job.life.state is RequestState.QUEUED:
                 progress = self.engine.prefill_progress(job.request_id)
                 if progress is not None and progress[0] > 0:
