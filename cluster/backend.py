@@ -11,7 +11,12 @@ finish aborts it on its workers, which frees its blocks there.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+import dataclasses
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import ray
@@ -20,12 +25,38 @@ from ray.exceptions import RayActorError
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
-from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.token_stream import TokenStreamCollector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolState:
+    live: int  # workers answering now
+    total: int  # workers the deployment has
+
+
+@dataclass(frozen=True)
+class Health:
+    """What /health reports: each pool's live workers, and whether a request can be served."""
+
+    pools: dict[str, PoolState]
+    serving: bool
+
+    @property
+    def status(self) -> str:
+        if not self.serving:
+            return "unavailable"
+        return "degraded" if any(p.live < p.total for p in self.pools.values()) else "ok"
+
+    def body(self) -> dict[str, Any]:
+        return {"status": self.status,
+                "pools": {name: {"live": p.live, "total": p.total} for name, p in self.pools.items()}}
 
 
 class GenerationBackend(Protocol):
@@ -34,6 +65,10 @@ class GenerationBackend(Protocol):
     @property
     def healthy(self) -> bool:
         """Whether it can take a request now (else the gateway answers 503)."""
+        ...
+
+    def health(self) -> Health:
+        """Its pools' live workers (degraded: some are down, requests still served)."""
         ...
 
     @property
@@ -63,14 +98,54 @@ class GenerationBackend(Protocol):
         ...
 
 
+class Placement(Protocol):
+    """Where one try of a request runs: the call that runs it there, and how to stop it."""
+
+    async def call(self, req: ServeRequest) -> None:
+        """Run `req` there; return when it is over (its final delta is sent), raise its error."""
+        ...
+
+    def abort(self, request_id: str) -> None:
+        """Tell its workers to drop the request (fire and forget)."""
+        ...
+
+
+# (the request, the placement whose worker just died or None for the first try) -> where to run it.
+# Raises NoHealthyWorkerError when nowhere is left.
+Place = Callable[[ServeRequest, Placement | None], Placement]
+
+# Failures of the worker, not of the request: the request moves to another worker.
+# (Ray raises an actor's death as RayActorError; a worker whose engine thread died
+# answers EngineDeadError, which Ray re-raises as a subclass of it.)
+WORKER_LOST: tuple[type[BaseException], ...] = (RayActorError, EngineDeadError)
+
+
+class WorkerLostError(RuntimeError):
+    """The request's workers kept dying: its retries are spent (the client gets this, not Ray's message)."""
+
+
+@dataclass
+class MigrationStats:
+    """What the gateway exports about requests that moved after a worker died."""
+
+    migrations: int = 0  # tries started because the previous try's worker died
+    resumed_tokens: int = 0  # output tokens those tries did not have to send again
+    exhausted: int = 0  # requests that failed after their last allowed try
+
+
 class TokenStreams:
     """The gateway's token-stream collector (workers/token_stream.py), made on
-    first use in the event loop that serves requests."""
+    first use in the event loop that serves requests, and the loop that runs a
+    request's tries: when a try's worker dies, the next try starts on another
+    worker from what the client already has (`Resume`), at most `max_migrations`
+    times."""
 
-    def __init__(self, bind_host: str) -> None:
+    def __init__(self, bind_host: str, max_migrations: int = 2) -> None:
         # Where workers reach this gateway: loopback on one machine, the node's
         # address ("auto") when workers run on other nodes.
         self.bind_host = bind_host
+        self.max_migrations = max_migrations
+        self.stats = MigrationStats()
         self._collector: TokenStreamCollector | None = None
 
     @property
@@ -84,18 +159,33 @@ class TokenStreams:
         """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
         return ServeRequest(request_id, tuple(prompt), params, timeout_s, self.collector.address)
 
-    async def run(self, req: ServeRequest, start: Callable[[], Awaitable[Any]],
-                  abort: Callable[[], None]) -> AsyncIterator[RequestOutput]:
-        """`start()` runs the request (a worker call that returns when it is over);
-        yield its deltas from the stream. `abort()` runs on any end but its finish."""
+    async def run(self, req: ServeRequest, place: Place) -> AsyncIterator[RequestOutput]:
+        """Place `req` and yield its deltas from the stream until the final one. Any
+        end but its finish aborts it where it runs then."""
+        placement = place(req, None)  # NoHealthyWorkerError before anything starts
+        where = [placement]
         life = self.collector.open(req.request_id, list(req.prompt_token_ids), req.timeout_s)
-        life.on_exit(lambda exit: None if exit is Exit.FINISHED else abort())
-
-        async def call() -> Any:  # a call that fails at once fails the stream, like one that fails later
-            return await start()
-
-        async for out in self.collector.consume(req.request_id, call()):
+        life.on_exit(lambda exit: None if exit is Exit.FINISHED else where[-1].abort(req.request_id))
+        async for out in self.collector.consume(req.request_id, self._tries(req, place, where)):
             yield out
+
+    async def _tries(self, req: ServeRequest, place: Place, where: list[Placement]) -> None:
+        while True:
+            try:
+                return await where[-1].call(req)
+            except WORKER_LOST as e:
+                if req.attempt >= self.max_migrations:
+                    self.stats.exhausted += 1
+                    raise WorkerLostError(f"request {req.request_id}: its worker failed {req.attempt + 1} times; "
+                                          "giving up") from e
+                log.warning("request %s: its worker failed (%s); moving it", req.request_id, type(e).__name__)
+                where[-1].abort(req.request_id)  # what survives of the try (a handoff's prefill worker) drops it
+                retry = self.collector.next_attempt(req.request_id)
+                req = dataclasses.replace(req, attempt=retry.attempt, resume=retry.resume,
+                                          timeout_s=max(retry.remaining_s, 1e-3))
+                self.stats.migrations += 1
+                self.stats.resumed_tokens += req.offset
+                where.append(place(req, where[-1]))
 
     async def close(self) -> None:
         if self._collector is not None:
@@ -105,22 +195,30 @@ class TokenStreams:
 
 class ColocatedBackend:
     """Each worker runs prefill and decode. Requests go to the worker with the
-    fewest in flight from this gateway (the baseline the disaggregated mode beats)."""
+    fewest in flight from this gateway (the baseline the disaggregated mode beats).
+    A worker whose call failed is skipped for `retry_dead_s`, then tried again (Ray
+    restarts it); its requests move to the others."""
 
-    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1", names: list[str] | None = None) -> None:
+    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1", names: list[str] | None = None,
+                 max_migrations: int = 2, retry_dead_s: float = 5.0) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
             raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
         self.names = names or [f"worker-{i}" for i in range(len(workers))]
-        self.streams = TokenStreams(stream_host)
+        self.streams = TokenStreams(stream_host, max_migrations)
+        self.retry_dead_s = retry_dead_s
         self._in_flight = [0] * len(workers)
-        self._dead: set[int] = set()
+        self._dead: dict[int, float] = {}  # worker -> when a call to it failed
 
     @property
     def healthy(self) -> bool:
-        return len(self._dead) < len(self.workers)
+        return bool(self._live())
+
+    def health(self) -> Health:
+        live = len(self._live())
+        return Health({"colocated": PoolState(live, len(self.workers))}, serving=live > 0)
 
     @property
     def num_in_flight(self) -> int:
@@ -137,25 +235,44 @@ class ColocatedBackend:
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:
-        live = [i for i in range(len(self.workers)) if i not in self._dead]
+        req = self.streams.request(request_id, prompt, params, timeout_s)
+        async for out in self.streams.run(req, self._place):
+            yield out
+
+    def _live(self) -> list[int]:
+        now = time.monotonic()
+        return [i for i in range(len(self.workers)) if now - self._dead.get(i, -math.inf) >= self.retry_dead_s]
+
+    def _place(self, req: ServeRequest, failed: Placement | None) -> Placement:
+        if isinstance(failed, _OnWorker):
+            self._dead[failed.index] = time.monotonic()
+        live = self._live()
         if not live:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
-        i = min(live, key=lambda j: (self._in_flight[j], j))
-        worker = self.workers[i]
-        req = self.streams.request(request_id, prompt, params, timeout_s)
-        self._in_flight[i] += 1
-        try:
-            async for out in self.streams.run(req, lambda: worker.serve.remote(req),
-                                              lambda: _abort(worker, request_id)):
-                yield out
-        except RayActorError:
-            self._dead.add(i)
-            raise
-        finally:
-            self._in_flight[i] -= 1
+        return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)))
 
     async def close(self) -> None:
         await self.streams.close()
+
+
+@dataclass(eq=False)
+class _OnWorker:
+    """A try of a request on one colocated worker."""
+
+    backend: ColocatedBackend
+    index: int
+
+    async def call(self, req: ServeRequest) -> None:
+        b, i = self.backend, self.index
+        b._in_flight[i] += 1
+        try:
+            await b.workers[i].serve.remote(req)
+            b._dead.pop(i, None)  # it answered: alive (again)
+        finally:
+            b._in_flight[i] -= 1
+
+    def abort(self, request_id: str) -> None:
+        _abort(self.backend.workers[self.index], request_id)
 
 
 class LocalBackend:
@@ -168,6 +285,10 @@ class LocalBackend:
     @property
     def healthy(self) -> bool:
         return self.engine.healthy
+
+    def health(self) -> Health:
+        live = int(self.engine.healthy)
+        return Health({"engine": PoolState(live, 1)}, serving=live > 0)
 
     @property
     def num_in_flight(self) -> int:
@@ -193,5 +314,6 @@ class LocalBackend:
 
 def _abort(worker: Any, request_id: str) -> None:
     """Tell a worker to drop a request; fire and forget (a dead one is already rid of it)."""
-    with contextlib.suppress(RayActorError):
-        worker.abort.remote(request_id)
+    if worker is not None:
+        with contextlib.suppress(RayActorError):
+            worker.abort.remote(request_id)

@@ -12,18 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.backend import GenerationBackend
+from ray.exceptions import RayError
+
+from pdserve.cluster.backend import GenerationBackend, WorkerLostError
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.protocol import ChatCompletionRequest
 from pdserve.cluster.router import NoHealthyWorkerError
 from pdserve.workers.inputs import max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -58,9 +63,19 @@ def status_of(e: BaseException) -> int:
         return 400
     if isinstance(e, TimeoutError):
         return 504
-    if isinstance(e, NoHealthyWorkerError):
-        return 503
+    if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
+        return 503  # retry later: workers are restarting
     return 500
+
+
+def public_error(e: BaseException) -> tuple[str, str]:
+    """(message, type) the client is told of an error: ours say what went wrong;
+    Ray's carry a worker's traceback and host names, so they are logged here and
+    the client gets a plain line."""
+    if isinstance(e, RayError):
+        log.error("request failed in a worker: %s", e)
+        return "internal error: a worker failed (the gateway's log has the details)", "InternalServerError"
+    return str(e) or type(e).__name__, type(e).__name__
 
 
 def bad_request(e: ValueError) -> APIError:

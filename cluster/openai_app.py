@@ -67,9 +67,13 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/health")
     async def health() -> Response:
-        if not gw.backend.healthy:
-            return JSONResponse(error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503), 503)
-        return Response(status_code=200)
+        """200 while a request can be served (the body says "degraded" when a pool
+        is short of workers); 503 only when none can."""
+        h = gw.backend.health()
+        if not h.serving:
+            body = error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503)
+            return JSONResponse({**body, **h.body()}, 503)
+        return JSONResponse(h.body(), 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pdserve.cluster.gateway import APIError, Gateway, Work, bad_request, status_of
+from pdserve.cluster.gateway import APIError, Gateway, Work, bad_request, public_error, status_of
 from pdserve.cluster.metrics import RequestMetrics
 from pdserve.cluster.protocol import error_body, now, usage
 from pdserve.workers.outputs import RequestOutput
@@ -263,7 +263,7 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
     except APIError:
         raise
     except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
-        raise APIError(status_of(e), str(e) or type(e).__name__, type(e).__name__) from e
+        raise APIError(status_of(e), *public_error(e)) from e
     finally:
         rm.close()  # a failure is counted by the APIError handler
     return response_body(gw, kind, rid, works, choices)
@@ -296,7 +296,8 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
         code = status_of(e)
         rm.failed(code)
-        yield sse_event(error_body(str(e) or type(e).__name__, type(e).__name__, code))
+        message, err_type = public_error(e)
+        yield sse_event(error_body(message, err_type, code))
     finally:
         rm.close()
     yield DONE

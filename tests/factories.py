@@ -98,6 +98,11 @@ class FakeBackend:
     healthy = True
     num_in_flight = 0
 
+    def health(self) -> Any:
+        from pdserve.cluster.backend import Health, PoolState
+
+        return Health({"fake": PoolState(int(self.healthy), 1)}, serving=self.healthy)
+
     def worker_handles(self) -> dict[str, tuple[str, Any]]:
         return {}
 

@@ -59,6 +59,7 @@ class Job:
     inbox: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
     reply_to: str | None = None  # a gateway's token stream: deltas go there, batched per step
     tokens_sent: int = 0  # output tokens already on that stream (a delta's offset)
+    attempt: int = 0  # the request's try (ServeRequest.attempt), stamped on its deltas
     # Engine thread, after every step while the job lives (a prefill worker sends KV from it).
     after_step: Callable[[LLMEngine], None] | None = None
     # Engine thread: the role takes the job's outputs (a prefill worker); they go
@@ -141,9 +142,17 @@ class AsyncEngine:
         `req.reply_to`; return once its final delta is sent. See `finished`."""
         params = req.params.with_output_kind(RequestOutputKind.DELTA)
         self.engine.validate(list(req.prompt_token_ids), params)
-        job = self.open(req.request_id, req.timeout_s, reply_to=req.reply_to)
-        self.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params))
+        job = self.open_stream(req)
+        self.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params,
+                                                resume=req.resume))
         await self.finished(job)
+
+    def open_stream(self, req: ServeRequest, state: RequestState = RequestState.QUEUED) -> Job:
+        """`open` a request whose deltas go to its gateway's token stream, after the
+        tokens its client already has (a migrated request's)."""
+        job = self.open(req.request_id, req.timeout_s, state, reply_to=req.reply_to)
+        job.tokens_sent, job.attempt = req.offset, req.attempt
+        return job
 
     def open(self, request_id: str, timeout_s: float, state: RequestState = RequestState.QUEUED,
              reply_to: str | None = None) -> Job:
@@ -378,7 +387,7 @@ class AsyncEngine:
         assert job.reply_to is not None, f"request {job.request_id} has no token stream"
         if self._publisher is None:
             self._publisher = TokenStreamPublisher(self.worker_id)
-        self._publisher.add(job.reply_to, out, job.tokens_sent)
+        self._publisher.add(job.reply_to, out, job.tokens_sent, job.attempt)
         job.tokens_sent += len(out.outputs[0].token_ids)
 
     def _flush_remote(self) -> None:

@@ -100,7 +100,7 @@ class DecodeWorker:
         req = dataclasses.replace(req, params=params)
         self.engine.validate(list(req.prompt_token_ids), params)
         ae = self.async_engine
-        job = ae.open(req.request_id, req.timeout_s, RequestState.ROUTED, reply_to=req.reply_to)
+        job = ae.open_stream(req, RequestState.ROUTED)
         try:
             start = await self._arrange(job, req, peer)
         except BaseException:

@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.detokenizer import IncrementalDetokenizer
+from pdserve.workers.handoff import Resume
 from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
@@ -32,7 +33,7 @@ from pdserve.workers.model.loader import load_model
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import Request, RequestStatus
-from pdserve.workers.sampler import SamplerOutput, advance_generator
+from pdserve.workers.sampler import SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
@@ -81,13 +82,19 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    hold_kv: bool = False) -> None:
+                    hold_kv: bool = False, resume: Resume | None = None) -> None:
         """Queue a request. Raises ValueError (changing nothing) on bad input.
 
         `hold_kv` (prefill worker): when the request finishes, its blocks stay
         allocated until `release(request_id)`, so their KV can be sent.
+        `resume`: a request that another worker started and lost (it died); its
+        output so far is taken as this one's, computed again with the prompt, and
+        its outputs go on after it.
         """
-        self.scheduler.add(self._new_request(request_id, prompt, params, hold_kv))
+        req = self._new_request(request_id, prompt, params, hold_kv)
+        if resume is not None:
+            self._resume(req, resume)
+        self.scheduler.add(req)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
         """Raise ValueError if add_request would reject this prompt and params."""
@@ -139,10 +146,6 @@ class LLMEngine:
             req.prompt_logprobs = list(prompt_logprobs)
         req.queue_time_s = queue_time_s
         self.scheduler.complete_remote(req)
-        if req.generator is not None and req.params.temperature:
-            # The prefill worker drew this token from the same seeded stream:
-            # consume that draw so later tokens match a colocated run.
-            advance_generator(req.generator, self.model_config.vocab_size, self.device)
         self.stats.generation_tokens += 1
         status = self._append(req, first_token, dict(first_logprobs or {}) if req.logprobs is not None else None)
         return self._emit(req, status)
@@ -343,6 +346,27 @@ class LLMEngine:
         if self.spec is not None:
             req.spec_acceptance = self.spec.acceptance  # until its own drafts say otherwise
         return req
+
+    def _resume(self, req: Request, resume: Resume) -> None:
+        """Take `resume`'s tokens as `req`'s output already handed out: the request
+        computes them with its prompt in its first steps (as a preempted one does)
+        and its next token follows them. A seeded request's draws depend only on
+        its seed and position (the sampler reseeds per position), so it goes on as
+        it would have."""
+        tokens = check_token_ids(list(resume.token_ids), self.model_config.vocab_size)
+        if len(tokens) >= req.max_tokens:
+            raise ValueError(f"resume: {len(tokens)} tokens already leave no room for more (max {req.max_tokens})")
+        for token in tokens:
+            req.append_token(token)
+            if req.detok is not None:
+                req.detok.add(token, match_stop=False)  # a stop string in them would have ended the request
+        if req.detok is not None and resume.text_chars > len(req.detok.text):
+            raise ValueError(f"resume: {resume.text_chars} characters sent, but the tokens make "
+                             f"{len(req.detok.text)}")
+        if req.logprobs is not None:
+            req.logprobs += [{} for _ in tokens]  # handed out already: never sent again
+            req.cumulative_logprob = resume.cumulative_logprob or 0.0
+        req.sent_tokens, req.sent_chars, req.sent_any = len(tokens), resume.text_chars, True
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         if isinstance(prompt, str):

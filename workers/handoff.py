@@ -20,6 +20,24 @@ LogprobEntry = dict[int, float]
 
 
 @dataclass(frozen=True)
+class Resume:
+    """What a request already streamed to its client before its worker died. The
+    worker that takes it over computes prompt + these tokens (as it would for a
+    preempted request) and goes on from there: the client sees no token twice and
+    none missing."""
+
+    token_ids: tuple[int, ...]
+    text_chars: int  # characters of text the client already has: new text starts after them
+    cumulative_logprob: float | None = None  # of `token_ids`, when the request asks for logprobs
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            raise ValueError("resume: no tokens to resume from")
+        if self.text_chars < 0:
+            raise ValueError(f"resume.text_chars: must be >= 0, got {self.text_chars}")
+
+
+@dataclass(frozen=True)
 class ServeRequest:
     """What a gateway asks a worker to run, and where its tokens go."""
 
@@ -28,12 +46,23 @@ class ServeRequest:
     params: SamplingParams
     timeout_s: float  # from arrival at the worker; each hop measures its own deadline from it
     reply_to: str  # the gateway's token stream (tcp://host:port)
+    # Which try of the request this is (0 first; one more per migration): deltas
+    # carry it, so the gateway drops the late deltas of a try it gave up on.
+    attempt: int = 0
+    resume: Resume | None = None  # a migrated request: the output its client already has
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("prompt: must not be empty")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
+        if self.attempt < 0:
+            raise ValueError(f"attempt: must be >= 0, got {self.attempt}")
+
+    @property
+    def offset(self) -> int:
+        """Output tokens the client has before this try's first delta."""
+        return len(self.resume.token_ids) if self.resume is not None else 0
 
 
 @dataclass(frozen=True)

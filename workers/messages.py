@@ -271,6 +271,9 @@ class TokenDelta(Record):
     # SamplingParams.prompt_logprobs, in the request's first delta: one entry per
     # prompt token (the first token's, which has none, is empty).
     prompt_logprobs: tuple[TokenLogprobs, ...] | None = None
+    # The try of the request it belongs to (ServeRequest.attempt): after a
+    # migration the gateway takes only the new try's deltas.
+    attempt: int = 0
 
 
 @_register(MessageType.TOKEN_DELTA_BATCH)
@@ -283,7 +286,7 @@ class TokenDeltaBatch(Message):
     worker_id: str
     seq: int
     deltas: tuple[TokenDelta, ...]
-    version: int = 4
+    version: int = 5
 
 
 # -- encode / decode ---------------------------------------------------------------

@@ -16,7 +16,7 @@ from pdserve.workers.buffers import InputBuffers
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.request import Request
-from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs
+from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs, seeded_at
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
@@ -236,8 +236,8 @@ class ModelRunner:
                 batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
             if any(p.min_p > 0.0 for p in params):
                 batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
-            batch.generators = {i: r.generator for i, r in enumerate(reqs)
-                                if r.generator is not None and r.params.temperature}
+            batch.generators = {i: seeded_at(r.generator, r.params.seed, r.num_output_tokens)
+                                for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
                   if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
         batch.banned = banned or None

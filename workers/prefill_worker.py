@@ -73,7 +73,7 @@ class PrefillWorker:
         req = order.request
         params = _first_token_params(req.params)
         ae = self.async_engine
-        job = ae.open(req.request_id, req.timeout_s, reply_to=req.reply_to)
+        job = ae.open_stream(req)
         t = _Transfer(job, order, self.sender_for(order.kv_address),
                       order.reservation.skip_blocks(self.engine.config.block_size))
         job.on_output = lambda out: setattr(t, "output", out)

@@ -191,7 +191,23 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return probs.div_(noise).argmax(dim=-1)
 
 
-def advance_generator(generator: torch.Generator, vocab_size: int, device: torch.device) -> None:
-    """Consume exactly the draws `exponential_race` makes for one seeded row, as if
-    this generator had sampled a token here (it did, on another worker)."""
-    torch.empty(vocab_size, device=device).exponential_(generator=generator)
+def seeded_at(generator: torch.Generator, seed: int | None, position: int) -> torch.Generator:
+    """`generator`, reseeded for a request's output `position`: a seeded request's
+    draws at each position depend on its seed and that position only, not on how
+    many draws came before. So its tokens are the same wherever each was sampled
+    (the prefill worker samples the first, a decode worker the rest; a migrated
+    request goes on on another worker; a preempted one recomputes)."""
+    generator.manual_seed(_mix64((seed or 0) * _GOLDEN + position) & _SEED_MASK)
+    return generator
+
+
+_GOLDEN = 0x9E3779B97F4A7C15
+_SEED_MASK = (1 << 63) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: nearby (seed, position) pairs get unrelated seeds."""
+    x &= (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)

@@ -35,6 +35,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
@@ -48,8 +49,9 @@ SEND_HWM = 4096
 MESSAGE_BUDGET = MAX_MESSAGE_BYTES - 4096
 
 
-def to_delta(out: RequestOutput, offset: int) -> TokenDelta:
-    """`out` (a DELTA output) as the wire record; `offset`: output tokens before it."""
+def to_delta(out: RequestOutput, offset: int, attempt: int = 0) -> TokenDelta:
+    """`out` (a DELTA output) as the wire record; `offset`: output tokens before it;
+    `attempt`: the request's try (ServeRequest.attempt)."""
     c = out.outputs[0]
     stop_token = c.stop_reason if isinstance(c.stop_reason, int) else None
     stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
@@ -59,7 +61,7 @@ def to_delta(out: RequestOutput, offset: int) -> TokenDelta:
         TokenLogprobs(tuple(entry or ()), tuple((entry or {}).values())) for entry in out.prompt_logprobs)
     return TokenDelta(out.request_id, offset, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
                       out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"),
-                      prompt_logprobs)
+                      prompt_logprobs, attempt)
 
 
 def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
@@ -85,9 +87,10 @@ class TokenStreamPublisher:
         self._pending: dict[str, list[TokenDelta]] = {}
         self._seq: dict[str, int] = {}
 
-    def add(self, address: str, out: RequestOutput, offset: int) -> None:
-        """Buffer `out` (a DELTA output, `offset` output tokens into its request) for `flush`."""
-        self._pending.setdefault(address, []).append(to_delta(out, offset))
+    def add(self, address: str, out: RequestOutput, offset: int, attempt: int = 0) -> None:
+        """Buffer `out` (a DELTA output, `offset` output tokens into its request's
+        try `attempt`) for `flush`."""
+        self._pending.setdefault(address, []).append(to_delta(out, offset, attempt))
 
     def flush(self) -> list[str]:
         """Send what `add` buffered, one message per gateway (more when one would
@@ -174,6 +177,15 @@ def _split(worker_id: str, deltas: list[TokenDelta]) -> tuple[list[list[TokenDel
     return batches, too_big
 
 
+@dataclass(frozen=True)
+class Retry:
+    """Where a request's next try starts (`TokenStreamCollector.next_attempt`)."""
+
+    attempt: int
+    resume: Resume | None  # what the client already has (None: nothing yet, start over)
+    remaining_s: float  # of the request's deadline
+
+
 class StreamLostError(RuntimeError):
     """The worker says the request ended, but its final delta never came."""
 
@@ -185,6 +197,11 @@ class _Open:
     queue: asyncio.Queue[RequestOutput | _RpcDone] = field(default_factory=asyncio.Queue)
     next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
     held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
+    attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
+    # What was handed on (what the client has, or will as it reads): where a migrated try resumes.
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -213,6 +230,7 @@ class TokenStreamCollector:
         self._open: dict[str, _Open] = {}
         self.num_rejected = 0  # messages that were not a valid TokenDeltaBatch
         self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
+        self.num_stale = 0  # deltas of a try given up on (a migrated request's old worker)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
@@ -288,6 +306,18 @@ class TokenStreamCollector:
                 # The worker is done: its last delta is at most a moment behind.
                 deadline = min(deadline, time.monotonic() + self.final_grace_s)
 
+    def next_attempt(self, request_id: str) -> Retry:
+        """Give up on the request's current try (its worker died): from now on only
+        deltas of the next try are taken (late ones of the old try are dropped, as
+        are any it sent out of order). The answer says where the next try starts."""
+        entry = self._open[request_id]
+        entry.attempt += 1
+        entry.held.clear()
+        resume = None
+        if entry.token_ids:
+            resume = Resume(tuple(entry.token_ids), entry.chars, entry.cumulative_logprob)
+        return Retry(entry.attempt, resume, entry.life.remaining())
+
     async def close(self) -> None:
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -310,7 +340,11 @@ class TokenStreamCollector:
 
     def _accept(self, entry: _Open, d: TokenDelta) -> None:
         """Hand `d` on in offset order: one that overtook an earlier delta (another
-        worker's) waits for it; a repeat of tokens already handed on is dropped."""
+        worker's) waits for it; a repeat of tokens already handed on is dropped, as
+        is a delta of a try given up on."""
+        if d.attempt != entry.attempt:
+            self.num_stale += 1
+            return
         if d.offset > entry.next_offset:
             self.num_out_of_order += 1
             entry.held.append((d.offset, from_delta(d, entry.prompt_token_ids)))
@@ -328,4 +362,9 @@ class TokenStreamCollector:
     @staticmethod
     def _pass(entry: _Open, out: RequestOutput) -> None:
         entry.queue.put_nowait(out)
-        entry.next_offset += len(out.outputs[0].token_ids)
+        c = out.outputs[0]
+        entry.next_offset += len(c.token_ids)
+        entry.token_ids += c.token_ids
+        entry.chars += len(c.text)
+        if c.cumulative_logprob is not None:
+            entry.cumulative_logprob = c.cumulative_logprob

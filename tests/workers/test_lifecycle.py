@@ -196,7 +196,7 @@ def test_every_exit_of_every_state_frees_everything_and_ends_the_stream(cluster:
         assert e.kv.pool.num_used == 0, f"the {role} worker holds {e.kv.pool.num_used} blocks"
         assert not e.scheduler.requests and not e.has_unfinished_requests()
         assert worker.async_engine.num_in_flight == 0
-    assert not cluster.receiver._ledger._regs, "a KV registration was left behind"
+    assert not cluster.receiver.num_registered, "a KV registration was left behind"
 
 
 def _expected(cluster: Cluster) -> list[int]:

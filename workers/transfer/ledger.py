@@ -77,6 +77,11 @@ class ReceiverLedger:
         self._regs: dict[str, _Registration] = {}
         self._closed = False
 
+    @property
+    def num_registered(self) -> int:
+        with self._cond:
+            return len(self._regs)
+
     def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
         ids = tuple(dst_block_ids)
         if not ids:
@@ -274,6 +279,11 @@ class LedgerReceiver(KVReceiver):
 
     def register(self, request_id: str, dst_block_ids: Sequence[int], expected_layers: int) -> None:
         self._ledger.register(request_id, dst_block_ids, expected_layers)
+
+    @property
+    def num_registered(self) -> int:
+        """Requests whose KV this receiver awaits (registered, not yet released)."""
+        return self._ledger.num_registered
 
     def poll(self, request_id: str) -> TransferStatus:
         return self._ledger.status(request_id)

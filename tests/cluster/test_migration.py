@@ -1,0 +1,221 @@
+"""A worker that dies mid-stream: its requests go on on another worker from the
+tokens their clients already have. Real worker services (real engines, ZeroMQ
+KV transport on loopback) in one process; a worker "dies" as a Ray actor does
+for its callers: every call in flight fails at once, and so does every later
+one (Ray's processes are killed for real in tests/chaos)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from factories import LocalActor, tiny_spec
+from ray.exceptions import RayActorError
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
+from pdserve.cluster.backend import ColocatedBackend, WorkerLostError
+from pdserve.cluster.disagg_backend import DisaggregatedBackend
+from pdserve.cluster.router import Router
+from pdserve.cluster.router.policy import NoHealthyWorkerError, RouterConfig
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+_services: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_services() -> Iterator[None]:
+    yield
+    while _services:
+        _services.pop().close()
+
+
+class MortalActor(LocalActor):
+    """A `LocalActor` that can die: `kill()` fails its calls in flight and every later
+    one with RayActorError (what Ray raises to an actor's callers when its process
+    dies) and stops the service (its engine, its streams)."""
+
+    def __init__(self, service: Any) -> None:
+        super().__init__(service)
+        self.dead = False
+        self.service = service
+        self._calls: set[asyncio.Future[Any]] = set()
+
+    def kill(self) -> None:
+        self.dead = True
+        for call in list(self._calls):
+            call.cancel()
+        self.service.close()
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self.service, name)
+        actor = self
+
+        class Remote:
+            @staticmethod
+            def remote(*args: Any) -> asyncio.Future[Any]:
+                fut = asyncio.ensure_future(actor._call(method, *args))
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # fire and forget is fine
+                return fut
+
+        return Remote()
+
+    async def _call(self, method: Any, *args: Any) -> Any:
+        if self.dead:
+            raise RayActorError()
+        task = asyncio.ensure_future(method(*args))
+        self._calls.add(task)
+        try:
+            return await task
+        except asyncio.CancelledError:
+            if self.dead:
+                raise RayActorError() from None
+            raise
+        finally:
+            self._calls.discard(task)
+
+
+def config(model_dir: Path, **kw: Any) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), max_model_len=1024, block_size=BS, max_num_batched_tokens=1024,
+                        num_kv_blocks=512, **kw)
+
+
+def disaggregated(model_dir: Path, num_decode: int = 2) -> tuple[DisaggregatedBackend, dict[str, MortalActor]]:
+    base = config(model_dir)
+    services: dict[str, Any] = {"p0": PrefillService(base, 1)}
+    services.update({f"d{i}": DecodeService(base, 1, "127.0.0.1") for i in range(num_decode)})
+    _services.extend(services.values())
+    actors = {k: MortalActor(v) for k, v in services.items()}
+    # Every prompt is handed off (no local prefill) unless the prefill worker is gone.
+    router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
+    backend = DisaggregatedBackend({"p0": actors["p0"]}, {k: v for k, v in actors.items() if k != "p0"}, router,
+                                   poll_s=0.01)
+    return backend, actors
+
+
+PROMPTS = [torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (40, 90, 33, 150, 61, 77, 20, 45)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=5, max_tokens=48, ignore_eos=True)
+
+
+async def stream_all(backend: Any, params: list[SamplingParams], kill: Callable[[], Any] | None = None,
+                     after_tokens: int = 0) -> list[list[int] | BaseException]:
+    """Stream every prompt, 4 at a time; `kill()` once the clients hold `after_tokens` tokens in all."""
+    received = [0]
+    sem = asyncio.Semaphore(4)
+
+    async def one(i: int) -> list[int]:
+        async with sem:
+            tokens: list[int] = []
+            async for out in backend.generate(f"r{i}", PROMPTS[i], params[i], 60):
+                tokens += out.outputs[0].token_ids
+                received[0] += len(out.outputs[0].token_ids)
+                await asyncio.sleep(0.002)  # a client that reads at its own pace
+            return tokens
+
+    async def killer() -> None:
+        while received[0] < after_tokens:
+            await asyncio.sleep(0.001)
+        assert kill is not None
+        kill()
+
+    tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+    if kill is not None:
+        tasks.append(asyncio.ensure_future(killer()))
+    try:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return list(results[: len(PROMPTS)])
+    finally:
+        await backend.close()
+
+
+def offline(model_dir: Path, params: list[SamplingParams]) -> list[list[int]]:
+    llm = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=512, progress=False)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def test_decode_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
+    """d0 dies with requests mid-stream on it: each goes on on d1 from what its
+    client has; greedy and seeded outputs equal a fault-free run, no token missing
+    or repeated; the survivors hold no block after."""
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+    backend, actors = disaggregated(model_dir)
+    victim = actors["d0"]
+    got = asyncio.run(stream_all(backend, params, victim.kill, after_tokens=60))
+    assert got == offline(model_dir, params)
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.resumed_tokens > 0
+    assert backend.events.lost == 1
+    for name in ("p0", "d1"):
+        engine = actors[name].service.engine
+        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert not engine.has_unfinished_requests()
+    assert actors["d1"].service.receiver.num_registered == 0
+
+
+def test_requests_fail_cleanly_once_every_decode_worker_is_gone(model_dir: Path) -> None:
+    """No survivor: each request ends with one clean error (no hang, no Ray message)."""
+    backend, actors = disaggregated(model_dir, num_decode=1)
+
+    def kill_all() -> None:
+        actors["d0"].kill()
+
+    got = asyncio.run(asyncio.wait_for(stream_all(backend, [GREEDY] * len(PROMPTS), kill_all, after_tokens=30), 60))
+    errors = [r for r in got if isinstance(r, BaseException)]
+    assert errors, "some requests were running when the only decode worker died"
+    # 503 (nowhere to go) for every request that was or would have been on it; never Ray's own error.
+    assert all(isinstance(e, (NoHealthyWorkerError, WorkerLostError)) for e in errors), errors
+    want = offline(model_dir, [GREEDY] * len(PROMPTS))
+    assert all(r == w for r, w in zip(got, want) if not isinstance(r, BaseException))  # those done before it died
+
+
+def test_colocated_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
+    workers = [EngineService(config(model_dir), 1, worker_name=f"w{i}") for i in range(2)]
+    _services.extend(workers)
+    actors = [MortalActor(w) for w in workers]
+    backend = ColocatedBackend(actors)
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+    got = asyncio.run(stream_all(backend, params, actors[0].kill, after_tokens=60))
+    assert got == offline(model_dir, params)
+    assert backend.streams.stats.migrations >= 1
+    assert backend.health().status == "degraded"
+    engine = workers[1].engine
+    assert not engine.has_unfinished_requests()
+
+
+def test_health_stays_up_while_a_pool_role_can_be_served(model_dir: Path) -> None:
+    """The only prefill worker gone: degraded (decode workers prefill locally), still 200;
+    every decode worker gone: unavailable."""
+    backend, actors = disaggregated(model_dir, num_decode=1)
+
+    async def main() -> list[tuple[str, bool]]:
+        seen = []
+        await backend._refresh()
+        seen.append((backend.health().status, backend.healthy))
+        actors["p0"].kill()
+        await backend._refresh()
+        seen.append((backend.health().status, backend.healthy))
+        tokens = [t async for out in backend.generate("x", PROMPTS[0], replace(GREEDY, max_tokens=4), 30)
+                  for t in out.outputs[0].token_ids]
+        assert len(tokens) == 4  # prefilled on the decode worker
+        actors["d0"].kill()
+        await backend._refresh()
+        seen.append((backend.health().status, backend.healthy))
+        await backend.close()
+        return seen
+
+    assert asyncio.run(main()) == [("ok", True), ("degraded", True), ("unavailable", False)]

@@ -1,0 +1,123 @@
+"""A request resumed on another engine from what its client already has (its
+worker died mid-stream) goes on exactly as the uninterrupted run: the same
+tokens, text, finish and logprobs after the cut, for greedy, seeded, penalised
+and stop-string requests, cut after any step."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.handoff import Resume
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.sampling_params import RequestOutputKind
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+def engine(model_dir: Path) -> LLMEngine:
+    return LLM(str(model_dir), max_model_len=512, num_kv_blocks=128, progress=False).engine
+
+
+def deltas(eng: LLMEngine, prompt: list[int], params: SamplingParams,
+           resume: Resume | None = None) -> list[RequestOutput]:
+    eng.add_request("r", prompt, params.with_output_kind(RequestOutputKind.DELTA), resume=resume)
+    outs: list[RequestOutput] = []
+    for _ in range(1000):
+        if not eng.has_unfinished_requests():
+            break
+        outs += [o for o in eng.step() if o.request_id == "r"]
+    assert outs and outs[-1].finished
+    assert eng.kv.pool.num_used == 0 or eng.config.enable_prefix_caching
+    return outs
+
+
+def flat(outs: list[RequestOutput]) -> tuple[list[int], str, list[dict[int, float]]]:
+    tokens: list[int] = []
+    text, logprobs = "", []
+    for o in outs:
+        c = o.outputs[0]
+        tokens += c.token_ids
+        text += c.text
+        logprobs += c.logprobs or []
+    return tokens, text, logprobs
+
+
+def resume_after(outs: list[RequestOutput]) -> Resume:
+    tokens, text, _ = flat(outs)
+    return Resume(tuple(tokens), len(text), outs[-1].outputs[0].cumulative_logprob)
+
+
+PROMPT = torch.randint(5, 4000, (37,), generator=torch.Generator().manual_seed(3)).tolist()
+CASES = {
+    "greedy": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+    "seeded": SamplingParams(temperature=0.9, top_k=50, seed=11, max_tokens=24, ignore_eos=True),
+    "penalties+logprobs": SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, repetition_penalty=1.4,
+                                         frequency_penalty=0.5, presence_penalty=0.2, logprobs=2),
+    "min_tokens": SamplingParams(temperature=0.7, seed=5, max_tokens=24, min_tokens=20),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_resumed_request_goes_on_as_the_uninterrupted_run(model_dir: Path, name: str) -> None:
+    params = CASES[name]
+    expected = deltas(engine(model_dir), PROMPT, params)
+    want_tokens, want_text, want_logprobs = flat(expected)
+    assert len(expected) > 6
+    other = engine(model_dir)
+    for cut in (1, 2, len(expected) // 2, len(expected) - 1):
+        rest = deltas(other, PROMPT, params, resume_after(expected[:cut]))
+        tokens, text, logprobs = flat(expected[:cut] + rest)
+        assert tokens == want_tokens, f"cut after {cut} deltas"
+        assert text == want_text
+        assert rest[-1].outputs[0].finish_reason == expected[-1].outputs[0].finish_reason
+        if params.logprobs is not None:
+            assert [list(e) for e in logprobs] == [list(e) for e in want_logprobs]
+            for got, want in zip(logprobs, want_logprobs):
+                assert got == pytest.approx(want, abs=1e-4)
+            assert rest[-1].outputs[0].cumulative_logprob == pytest.approx(
+                expected[-1].outputs[0].cumulative_logprob, abs=1e-3)
+
+
+def test_resume_with_a_stop_string_cut_at_its_first_characters(model_dir: Path) -> None:
+    """The stop string is found over the whole text (the resumed tokens' included),
+    and the text handed out before the cut is not sent again."""
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    _, text, _ = flat(deltas(engine(model_dir), PROMPT, free))
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert stop.strip() and text.find(stop) > 0
+    params = dataclasses.replace(free, stop=[stop])
+    expected = deltas(engine(model_dir), PROMPT, params)
+    want_tokens, want_text, _ = flat(expected)
+    assert expected[-1].outputs[0].finish_reason == "stop" and not want_text.endswith(stop)
+    other = engine(model_dir)
+    for cut in range(1, len(expected)):
+        rest = deltas(other, PROMPT, params, resume_after(expected[:cut]))
+        tokens, text, _ = flat(expected[:cut] + rest)
+        assert (tokens, text) == (want_tokens, want_text), f"cut after {cut} deltas"
+        assert rest[-1].outputs[0].stop_reason == stop
+
+
+def test_a_resume_that_cannot_be_right_is_refused(model_dir: Path) -> None:
+    eng = engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(ValueError, match="no room"):
+        eng.add_request("a", PROMPT, params, resume=Resume((7, 8, 9, 10), 0))
+    with pytest.raises(ValueError, match="characters"):
+        eng.add_request("b", PROMPT, params, resume=Resume((7,), 10_000))
+    with pytest.raises(ValueError, match="token"):
+        eng.add_request("c", PROMPT, params, resume=Resume((10**9,), 0))
+    with pytest.raises(ValueError):
+        Resume((), 0)
+    assert not eng.has_unfinished_requests() and eng.kv.pool.num_used == 0
