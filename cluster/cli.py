@@ -186,6 +186,13 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
     srv.add_argument("--api-key", default=_SETTING)
+    srv.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
+                     help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
+    srv.add_argument("--haproxy-stats-port", type=int, default=_SETTING,
+                     help="the HAProxy ingress's stats port (default 8404; local Ray only)")
+    srv.add_argument("--haproxy-fallback-port", type=int, default=_SETTING,
+                     help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
+                          "(default 8500; local Ray only)")
     _add_engine_args(srv)
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import ray
 from ray import serve
 
+from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
 
@@ -24,6 +25,49 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # Local Ray only: the gateway replica's drain on shutdown waits (30 s by
 # default) for load balancers on other nodes to stop sending; here there are none.
 LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+
+
+def haproxy_env(cfg: ServeConfig) -> dict[str, str]:
+    """Where local Ray's HAProxy ingress listens and keeps its files: the ports
+    `cfg` names (Ray's defaults are fixed: 9101, 8404, and 8500 for Serve's
+    Python proxy that HAProxy falls back to) and the run's own
+    directory (leftovers.haproxy_run_dir) for its config file and sockets, so two
+    runs never share them (ray/serve/_private/constants.py reads these variables
+    when a Ray process starts; Ray adds a directory per node under the paths)."""
+    run_dir = haproxy_run_dir(cfg.port)
+    return {
+        "RAY_SERVE_HAPROXY_METRICS_PORT": str(cfg.haproxy_metrics_port),
+        "RAY_SERVE_HAPROXY_STATS_PORT": str(cfg.haproxy_stats_port),
+        "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(cfg.haproxy_fallback_port),
+        "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": os.path.join(run_dir, "haproxy.cfg"),
+        "RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(run_dir, "admin.sock"),
+        "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": os.path.join(run_dir, "metrics.sock"),
+        "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run_dir,
+        "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run_dir, "server-state"),
+    }
+
+
+def bound_ports(cfg: ServeConfig) -> dict[int, str]:
+    """Every port a local run binds on this machine, with the flag that moves it
+    (Ray's own ports are picked free at start)."""
+    ports = {cfg.port: "--port"}
+    if cfg.ingress is Ingress.HAPROXY:
+        ports |= {cfg.haproxy_metrics_port: "--haproxy-metrics-port", cfg.haproxy_stats_port: "--haproxy-stats-port",
+                  cfg.haproxy_fallback_port: "--haproxy-fallback-port"}
+    return ports
+
+
+def starts_local_ray() -> bool:
+    """Whether init_ray starts a new local Ray (rather than joining RAY_ADDRESS or
+    a cluster that `ray start` left running on this machine)."""
+    if ray.is_initialized() or os.environ.get("RAY_ADDRESS"):
+        return False
+    try:
+        from ray._private.services import canonicalize_bootstrap_address
+
+        return canonicalize_bootstrap_address(None) is None
+    except Exception:  # noqa: BLE001 - a private Ray API: if it fails, assume a new local Ray
+        return True
 
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
@@ -104,11 +148,17 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
         if not os.environ.get("RAY_ADDRESS") and "address" not in kwargs:
             for key, value in LOCAL_ENV.items():
                 os.environ.setdefault(key, value)
+            if cfg.ingress is Ingress.HAPROXY:
+                os.environ.update(haproxy_env(cfg))  # the flags', over any variable already set
         ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 
 def run(cfg: ServeConfig, block: bool = True) -> None:
-    """Start local Ray (or join RAY_ADDRESS), the workers, and the HTTP gateway."""
+    """Start local Ray (or join RAY_ADDRESS), the workers, and the HTTP gateway.
+    Before local Ray starts, an earlier run's orphaned HAProxy on one of this
+    run's ports is stopped; any other process there is a PortInUseError."""
+    if starts_local_ray():
+        check_ports(bound_ports(cfg))
     init_ray(cfg)
     start_workers(cfg)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

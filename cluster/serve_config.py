@@ -35,6 +35,8 @@ class Ingress(str, enum.Enum):
 # Setting name -> ServeConfig field, for the settings that are not the engine's.
 SERVE_SETTINGS = {
     "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "host": "host", "port": "port",
+    "haproxy_metrics_port": "haproxy_metrics_port", "haproxy_stats_port": "haproxy_stats_port",
+    "haproxy_fallback_port": "haproxy_fallback_port",
     "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
     "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
@@ -53,6 +55,12 @@ class ServeConfig:
     num_decode: int = 1
     host: str = "127.0.0.1"
     port: int = 8000
+    # The HAProxy ingress's own ports, and that of Serve's Python proxy it falls
+    # back to (Ray Serve's defaults); local Ray only: a running cluster keeps the
+    # ports it was started with.
+    haproxy_metrics_port: int = 9101
+    haproxy_stats_port: int = 8404
+    haproxy_fallback_port: int = 8500
     api_key: str | None = None
     max_in_flight: int = 256
     transport: Transport = Transport.ZMQ
@@ -87,6 +95,18 @@ class ServeConfig:
         for name in ("host", "kv_bind_host"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
+        for name in ("haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port"):
+            value = getattr(self, name)
+            if type(value) is not int or not 1 <= value <= 65535:
+                raise ValueError(f"{name}: must be an integer in 1..65535, got {value!r}")
+        if self.ingress is Ingress.HAPROXY:
+            ports = {"port": self.port, "haproxy_metrics_port": self.haproxy_metrics_port,
+                     "haproxy_stats_port": self.haproxy_stats_port, "haproxy_fallback_port": self.haproxy_fallback_port}
+            named = list(ports.items())
+            for i, (name, value) in enumerate(named):
+                clash = [other for other, v in named[:i] if v == value]
+                if clash:
+                    raise ValueError(f"{name}: {value} is also {clash[0]}; every port must differ")
 
     @property
     def model(self) -> str:

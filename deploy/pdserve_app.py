@@ -41,7 +41,10 @@ from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeC
 _API_KEY_ARGS = ("api_key", "api_key_env", "api_key_file")
 _BUILDER_ARGS = {"engine_args", "worker_timeout_s", "wait_for_gpus_s", *_API_KEY_ARGS}
 # Set elsewhere under Serve: refuse them rather than ignore them.
-_ELSEWHERE = {"host": "http_options.host in the Serve config", "port": "http_options.port in the Serve config"}
+_ELSEWHERE = {"host": "http_options.host in the Serve config", "port": "http_options.port in the Serve config",
+              "haproxy_metrics_port": "RAY_SERVE_HAPROXY_METRICS_PORT in the environment of `ray start`",
+              "haproxy_stats_port": "RAY_SERVE_HAPROXY_STATS_PORT in the environment of `ray start`",
+              "haproxy_fallback_port": "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT in the environment of `ray start`"}
 
 _WORKER_NAME = re.compile(r"pdserve-(worker|prefill|decode)-\d+")
 

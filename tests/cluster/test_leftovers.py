@@ -1,0 +1,301 @@
+"""Clean starts after dirty stops (cluster/leftovers.py): a port this run binds that an
+earlier run's orphaned HAProxy still holds is cleared; any other holder is reported,
+never killed; every port pdserve binds moves with a flag.
+
+No Ray cluster: the holders are small Python listeners the tests start on 127.0.0.1
+(ephemeral ports), some with a command line crafted to look like Ray Serve's HAProxy
+(`haproxy -db -f <dir>/<node>/haproxy.cfg`, argv[0] set by Popen's `executable=`).
+Each test kills only the processes it started, by pid, whatever happens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pdserve.cluster import leftovers
+from pdserve.cluster.leftovers import PortInUseError, check_ports, haproxy_run_dir, is_ray_haproxy
+
+pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads /proc (Linux)")
+
+# Listens on a free port of 127.0.0.1, says which, and waits (at most a minute).
+LISTEN = ("import os, socket, time\n"
+          "s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+          "print('listener', os.getpid(), s.getsockname()[1], flush=True)\n"
+          "time.sleep(60)\n")
+# `LAUNCH exit|stay PYTHON ARGV...`: runs PYTHON with ARGV (ARGV[0] as its argv[0]) in
+# its own session, says its pid, and exits (`stay`: waits instead): the child is orphaned.
+LAUNCH = ("import os, subprocess, sys, time\n"
+          "stay = sys.argv[1] == 'stay'\n"
+          "p = subprocess.Popen(sys.argv[3:], executable=sys.argv[2], start_new_session=True)\n"
+          "print('child', p.pid, flush=True)\n"
+          "if stay: time.sleep(60)\n")
+
+
+def _alive(pid: int) -> bool:
+    return leftovers.process(pid) is not None
+
+
+def _kill(pid: int, cmdline: tuple[str, ...]) -> None:
+    """SIGKILL `pid` if it is still the process this test started."""
+    holder = leftovers.process(pid)
+    if holder is not None and holder.cmdline == cmdline:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _read_lines(proc: subprocess.Popen[str], n: int) -> dict[str, list[int]]:
+    out = {}
+    for _ in range(n):
+        line = proc.stdout.readline() if proc.stdout else ""
+        assert line, "the helper process said nothing"
+        word, *numbers = line.split()
+        out[word] = [int(x) for x in numbers]
+    return out
+
+
+@contextlib.contextmanager
+def plain_listener() -> Iterator[tuple[subprocess.Popen[str], int]]:
+    """A Python process (a child of the test) listening on a free port."""
+    proc = subprocess.Popen([sys.executable, "-c", LISTEN], stdout=subprocess.PIPE, text=True)
+    try:
+        ((pid, port),) = _read_lines(proc, 1).values()
+        assert pid == proc.pid
+        yield proc, port
+    finally:
+        proc.kill()
+        proc.wait()
+        if proc.stdout:
+            proc.stdout.close()
+
+
+@contextlib.contextmanager
+def fake_haproxy(config: str, parent: str | None = None) -> Iterator[tuple[int, int, tuple[str, ...]]]:
+    """A listener whose command line is Ray Serve's HAProxy's (`haproxy -db -f config`):
+    orphaned (its launcher exited) or, with `parent`, the child of a live process
+    named `parent`. Yields its pid, its port and its command line."""
+    argv = ["haproxy", "-c", LISTEN, "-db", "-f", config]
+    launch = [parent or "python", "-c", LAUNCH, "stay" if parent else "exit", sys.executable, *argv]
+    launcher = subprocess.Popen(launch, executable=sys.executable, stdout=subprocess.PIPE, text=True)
+    pid = -1
+    try:
+        said = _read_lines(launcher, 2)
+        (pid,) = said["child"]
+        assert said["listener"][0] == pid
+        port = said["listener"][1]
+        if parent is None:
+            launcher.wait(timeout=10)
+            deadline = time.monotonic() + 10
+            while (holder := leftovers.process(pid)) is not None and holder.ppid == launcher.pid:
+                assert time.monotonic() < deadline, "the fake HAProxy was not reparented"
+                time.sleep(0.01)
+        yield pid, port, tuple(argv)
+    finally:
+        if pid > 0:
+            _kill(pid, tuple(argv))
+        launcher.kill()
+        launcher.wait()
+        if launcher.stdout:
+            launcher.stdout.close()
+
+
+# -- (a) another process holds the port: reported, not killed -----------------------------
+
+
+def test_a_port_held_by_another_process_is_reported_with_its_pid_and_not_killed() -> None:
+    with plain_listener() as (proc, port):
+        with pytest.raises(PortInUseError) as e:
+            check_ports({port: "--port"}, timeout_s=1.0)
+        msg = str(e.value)
+        assert f"port {port}" in msg and f"pid {proc.pid}" in msg and f"`kill {proc.pid}`" in msg
+        assert "--port" in msg and sys.executable in msg  # its command line
+        assert proc.poll() is None and _alive(proc.pid)
+        assert leftovers.listening_inodes(port)
+
+
+def test_pdserve_serve_says_which_process_holds_its_port(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdserve serve` checks before Ray starts, and exits 2 with `pdserve: error: ...`."""
+    from pdserve.cluster import cli, serve_app
+
+    def no_ray(*a: Any, **k: Any) -> None:
+        raise AssertionError("Ray started although a port is taken")
+
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: True)
+    monkeypatch.setattr(serve_app, "init_ray", no_ray)
+    with plain_listener() as (proc, port):
+        code = cli.main(["serve", "--model", "/nonexistent/model", "--ingress", "proxy", "--port", str(port)])
+        err = capsys.readouterr().err
+        assert code == 2
+        assert err.startswith(f"pdserve: error: port {port} is in use by pid {proc.pid}")
+        assert f"kill {proc.pid}" in err and "--port" in err
+        assert proc.poll() is None
+
+
+def test_free_ports_pass() -> None:
+    with plain_listener() as (proc, port):
+        pass
+    assert check_ports({port: "--port"}) == []
+
+
+# -- (b) an earlier run's orphaned HAProxy: stopped ---------------------------------------
+
+
+@pytest.mark.parametrize("where", ["ray-default", "pdserve-run-dir"])
+def test_an_orphaned_ray_serve_haproxy_is_stopped_and_the_port_freed(
+        where: str, caplog: pytest.LogCaptureFixture) -> None:
+    base = leftovers.RAY_HAPROXY_DIR if where == "ray-default" else haproxy_run_dir(os.getpid())
+    config = os.path.join(base, f"test-node-{os.getpid()}", "haproxy.cfg")
+    with fake_haproxy(config) as (pid, port, cmdline):
+        holder = leftovers.process(pid)
+        assert holder is not None and holder.cmdline == cmdline
+        assert leftovers.is_leftover(holder)
+        with caplog.at_level(logging.WARNING, logger=leftovers.__name__):
+            assert check_ports({port: "--haproxy-metrics-port"}, timeout_s=5.0) == [pid]
+        assert not _alive(pid)
+        assert not leftovers.listening_inodes(port)
+        (record,) = caplog.records
+        assert f"pid {pid}" in record.getMessage() and f"port {port}" in record.getMessage()
+        assert "orphaned" in record.getMessage()
+
+
+def test_a_live_ray_serve_haproxy_is_not_touched() -> None:
+    """An HAProxy whose parent is alive and a Ray worker (`ray::...`) belongs to a
+    running Ray Serve: reported with the flag that moves the port, not stopped."""
+    config = os.path.join(leftovers.RAY_HAPROXY_DIR, f"test-node-{os.getpid()}", "haproxy.cfg")
+    with fake_haproxy(config, parent="ray::HAProxyManager") as (pid, port, _):
+        with pytest.raises(PortInUseError, match=rf"(?s)pid {pid}\b.*still running.*kill {pid}.*--haproxy-stats-port"):
+            check_ports({port: "--haproxy-stats-port"}, timeout_s=1.0)
+        assert _alive(pid)
+
+
+def test_an_orphaned_haproxy_that_is_not_ray_serves_is_not_touched() -> None:
+    with fake_haproxy(f"/nonexistent/pdserve-test-{os.getpid()}/haproxy.cfg") as (pid, port, _):
+        with pytest.raises(PortInUseError, match=rf"pid {pid}\b"):
+            check_ports({port: "--port"}, timeout_s=1.0)
+        assert _alive(pid)
+
+
+@pytest.mark.parametrize("cmdline, ray_serves", [
+    (("/venv/lib/python3.11/site-packages/ray_haproxy/bin/haproxy", "-db", "-f",
+      "/tmp/haproxy-serve/0123abcd/haproxy.cfg", "-dR"), True),
+    (("haproxy", "-db", "-f", "/tmp/pdserve-haproxy-8000/0123abcd/haproxy.cfg", "-sf", "77"), True),
+    (("haproxy", "-f", "/etc/haproxy/haproxy.cfg"), False),
+    (("haproxy", "-f", "/tmp/haproxy-serve/../etc/haproxy.cfg"), False),
+    (("haproxy", "-f", "/tmp/pdserve-haproxy-x/n/haproxy.cfg"), False),
+    (("haproxy", "/tmp/haproxy-serve/n/haproxy.cfg"), False),
+    (("nginx", "-f", "/tmp/haproxy-serve/n/haproxy.cfg"), False),
+    ((), False),
+])
+def test_what_counts_as_ray_serves_haproxy(cmdline: tuple[str, ...], ray_serves: bool) -> None:
+    assert is_ray_haproxy(cmdline) is ray_serves
+
+
+# -- (c) every port pdserve binds moves with a flag ---------------------------------------
+
+
+MOVED = ["--port", "18000", "--haproxy-metrics-port", "19101", "--haproxy-stats-port", "18404",
+         "--haproxy-fallback-port", "18500"]
+
+
+def _cfg(argv: list[str]) -> Any:
+    from pdserve.cluster.cli import _settings, build_parser
+    from pdserve.cluster.serve_config import serve_config
+
+    return serve_config(_settings(build_parser().parse_args(["serve", "--model", "/m", *argv])))
+
+
+def test_the_flags_move_every_port_and_the_haproxy_files() -> None:
+    from pdserve.cluster.serve_app import bound_ports, haproxy_env
+
+    cfg = _cfg(MOVED)
+    assert (cfg.port, cfg.haproxy_metrics_port, cfg.haproxy_stats_port, cfg.haproxy_fallback_port) == (
+        18000, 19101, 18404, 18500)
+    assert bound_ports(cfg) == {18000: "--port", 19101: "--haproxy-metrics-port", 18404: "--haproxy-stats-port",
+                                18500: "--haproxy-fallback-port"}
+    env = haproxy_env(cfg)
+    assert env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101" and env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
+    assert env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == "18500"
+    run_dir = haproxy_run_dir(18000)
+    assert run_dir.endswith("pdserve-haproxy-18000")
+    for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
+                "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE"):
+        assert os.path.dirname(env[key]) == run_dir, key
+    assert env["RAY_SERVE_HAPROXY_SERVER_STATE_BASE"] == run_dir
+    # What the check treats as Ray Serve's HAProxy includes what this run will start.
+    assert is_ray_haproxy(("haproxy", "-db", "-f", os.path.join(run_dir, "node", "haproxy.cfg")))
+    # Two runs (two HTTP ports) never share a file.
+    other = haproxy_env(_cfg(["--port", "18001"]))
+    assert not {v for k, v in env.items() if "PORT" not in k} & set(other.values())
+
+
+def test_defaults_are_ray_serves_and_the_proxy_ingress_binds_only_the_http_port() -> None:
+    from pdserve.cluster.serve_app import bound_ports
+
+    cfg = _cfg([])
+    assert (cfg.port, cfg.haproxy_metrics_port, cfg.haproxy_stats_port, cfg.haproxy_fallback_port) == (
+        8000, 9101, 8404, 8500)
+    assert bound_ports(cfg) == {8000: "--port", 9101: "--haproxy-metrics-port", 8404: "--haproxy-stats-port",
+                                8500: "--haproxy-fallback-port"}
+    assert bound_ports(_cfg(["--ingress", "proxy"])) == {8000: "--port"}
+
+
+def test_the_env_names_are_the_ones_ray_reads() -> None:
+    """Each variable haproxy_env sets is one ray/serve/_private/constants.py reads."""
+    from pdserve.cluster.serve_app import haproxy_env
+
+    spec = importlib.util.find_spec("ray.serve._private.constants")
+    if spec is None or spec.origin is None:
+        pytest.skip("Ray Serve not installed")
+    with open(spec.origin, encoding="utf-8") as f:
+        source = f.read()
+    for key in haproxy_env(_cfg([])):
+        assert f'"{key}",' in source or f'"{key}")' in source, key
+
+
+def test_init_ray_puts_the_ports_in_the_environment_before_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ray
+
+    from pdserve.cluster import serve_app
+
+    cfg = _cfg(MOVED)
+    seen: dict[str, str] = {}
+    for key in [*serve_app.haproxy_env(cfg), *serve_app.HAPROXY_ENV, *serve_app.LOCAL_ENV]:
+        monkeypatch.setenv(key, "")  # restored (or removed again) after the test
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_METRICS_PORT", "9101")  # the flag wins over a variable
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: seen.update(os.environ))
+    serve_app.init_ray(cfg)
+    for key, value in serve_app.haproxy_env(cfg).items():
+        assert seen.get(key) == value, key
+    assert seen["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--haproxy-metrics-port", "0"], "haproxy_metrics_port"),
+    (["--haproxy-stats-port", "70000"], "haproxy_stats_port"),
+    (["--haproxy-metrics-port", "8000"], "haproxy_metrics_port"),
+    (["--port", "9000", "--haproxy-stats-port", "9000"], "haproxy_stats_port"),
+    (["--haproxy-metrics-port", "9000", "--haproxy-stats-port", "9000"], "haproxy_stats_port"),
+    (["--haproxy-fallback-port", "8404"], "haproxy_fallback_port"),
+    (["--haproxy-fallback-port", "-1"], "haproxy_fallback_port"),
+])
+def test_bad_or_clashing_ports_fail_naming_the_setting(argv: list[str], name: str) -> None:
+    with pytest.raises(ValueError, match=rf"^{name}\b"):
+        _cfg(argv)
+
+
+def test_clashing_haproxy_ports_are_fine_without_haproxy() -> None:
+    assert _cfg(["--ingress", "proxy", "--haproxy-metrics-port", "8000"]).port == 8000
