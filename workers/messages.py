@@ -67,6 +67,7 @@ class FailReason(str, enum.Enum):
     UNKNOWN_REQUEST = "unknown_request"  # the receiver has no registration for this request
     CLOSED = "closed"  # the transport was closed while the transfer was pending
     INTERNAL = "internal"  # the receiver could not write into its cache (a device error)
+    PEER_LOST = "peer_lost"  # the connection to the other side was lost (it died, hung, or the network failed)
 
 
 class ChecksumKind(str, enum.Enum):

@@ -13,7 +13,7 @@ One request's handoff, in order:
   4. D sees `wait(...)` / `poll(...)` turn DONE, moves the request to decoding,
      and calls `receiver.release(request_id)`.
 
-Any failure (checksum, timeout, abort on either side, a closed transport) makes
+Any failure (checksum, timeout, abort on either side, a closed transport, a lost connection) makes
 the transfer FAILED on the receiver and raises `TransferError` on the sender at
 its next call; each side then frees its blocks. Once the receiver reports a
 terminal state, or `abort` returns, nothing more is written into the request's
@@ -94,7 +94,8 @@ class KVSender(abc.ABC):
         they are never written into the receiver's cache as if they were good.
         Raises `TransferError`: TIMEOUT when no credit came in time (a backend that
         splits a layer into several messages may have sent part of it; retrying the
-        call is safe: blocks are rewritten with the same bytes), or the receiver's
+        call is safe: blocks are rewritten with the same bytes), PEER_LOST when the
+        connection to the receiver was lost (or none came up within a few seconds), or the receiver's
         reason once it reported the transfer FAILED (then the transfer is over and
         forgotten: free the blocks). `ValueError` for bad arguments.
         """
@@ -105,8 +106,9 @@ class KVSender(abc.ABC):
 
         Called by the prefill worker after the last `send` of the request. Blocks until
         the receiver reports DONE, or until `deadline` (then TIMEOUT, and the receiver
-        is told to abort). Either way the sender forgets the request: the prefill
-        worker frees its blocks after this returns or raises `TransferError`.
+        is told to abort), or until the connection is lost (PEER_LOST, within seconds).
+        Either way the sender forgets the request: the prefill worker frees its blocks
+        after this returns or raises `TransferError`.
         """
 
     @abc.abstractmethod

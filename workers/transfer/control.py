@@ -24,6 +24,28 @@ raises TIMEOUT, so a slow decode worker makes prefill workers wait (visibly),
 never buffer without bound. Control messages (hello, acks, aborts) need no
 credit.
 
+Liveness and resync (`workers/link_monitor.py`). Both ends turn on ZMTP
+heartbeats (a PING a second; a connection silent for 3 s after one is closed),
+so a receiver that died or hangs (SIGKILL, SIGSTOP, a dead host) loses its
+connections within about 4 s, and a receiver drops a dead sender's pipe the same
+way. The sender watches its DEALER with a socket monitor, read (like its socket)
+whenever it is called: a wait (`send` waiting for credit, `finish` for the
+verdict) wakes on link events too. When the connection is lost, every transfer
+the receiver had not settled fails at once with PEER_LOST (the one being waited
+for raises now, the others at their next call), credits drop to 0, and the
+sender opens a new DEALER (a new socket rather than the old one's own reconnect,
+so that nothing queued or received on the old connection crosses over: no stale
+ack can return a credit of the old window). Its hello goes first, then an abort
+for each failed transfer (a receiver that only hung frees them as soon as it
+runs again). The receiver answers a hello with a full window (`_on_hello` starts
+that peer's count at zero), which the sender takes as its credit, not added to
+what it had: that is a resync (`num_resyncs`; `num_links_lost` counts the
+losses). While no connection is up (never made, or lost and not yet back), a
+wait lasts at most `connect_budget_s` (5 s) from when the link went down or the
+sender was created, then raises PEER_LOST; otherwise deadlines are as above.
+Heartbeats see the peer's process and network, not its Python threads: a live
+receiver that stops draining still shows as TIMEOUT at the deadline.
+
 Threads: the receiver runs one I/O thread (`ReceiverControl`) that owns its
 sockets. API calls work on the shared ledger under its lock and hand messages
 for peers (aborts) to the I/O thread through a queue and an inproc wake-up
@@ -49,6 +71,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.workers.link_monitor import LinkMonitor, apply_heartbeats
 from pdserve.workers.messages import (
     ChecksumKind,
     FailReason,
@@ -72,6 +95,7 @@ log = logging.getLogger(__name__)
 DEFAULT_CREDITS = 8
 LINGER_MS = 200  # on close, how long queued aborts may take to leave
 JOIN_S = 2.0  # how long close() waits for the I/O thread
+CONNECT_BUDGET_S = 5.0  # how long a sender's wait may last while no connection to its receiver is up
 _IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a fault switch
 _BATCH = 64  # messages handled per loop turn before the outbox gets a look
 
@@ -105,6 +129,7 @@ class ReceiverControl:
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
+        apply_heartbeats(self._sock)  # a dead or frozen sender's connection is dropped, not kept forever
         self._sock.bind(bind)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://pdserve-kv-wake-{uuid.uuid4().hex}"
@@ -228,29 +253,35 @@ class NetworkSender(KVSender):
     """`send`, `finish`, `abort` and `close` over a DEALER to one receiver's `address`.
 
     For the backends that differ only in how a data message's bytes travel: a subclass implements
-    `_send_message` (one message of at most `_blocks_per_message` blocks) and may hook `_on_ack`.
-    `routing_id` names the DEALER (stable across reconnects); None: ZeroMQ picks one.
+    `_send_message` (one message of at most `_blocks_per_message` blocks) and may hook `_on_ack`,
+    `_on_link_lost` and `_on_resync`. `routing_id` names the DEALER (None: ZeroMQ picks one per
+    connection); a subclass may change it (and `_sender_id`) in `_on_link_lost` for the next connection.
+    `connect_budget_s`: how long a wait may last while no connection is up (module docstring).
+
+    `num_links_lost` counts connections lost after they were up; `num_resyncs` the credit grants that
+    answered a hello on a replacement connection (module docstring, "Liveness and resync").
     """
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None,
                  faults: Faults | None, sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
-                 routing_id: bytes | None = None) -> None:
+                 routing_id: bytes | None = None, connect_budget_s: float = CONNECT_BUDGET_S) -> None:
         self._book = SenderBook(kv_caches)
         self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))
         self._faults = faults
         self.address = address
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        if routing_id is not None:
-            self._sock.setsockopt(zmq.ROUTING_ID, routing_id)
-        self._sock.setsockopt(zmq.LINGER, LINGER_MS)
-        self._sock.connect(address)
+        self._context = context or zmq.Context.instance()
+        self._routing_id = routing_id
+        self._sender_id = sender_id
+        self._checksums = tuple(c.value for c in checksums)
+        self._connect_budget_s = connect_budget_s
         self._credits = 0
         self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
         self._lock = threading.Lock()
         self._closed = False
-        # Queued until the connection is up; the grant that answers it is what the first send waits for.
-        hello = KVTransferHello(sender_id=sender_id, checksums=tuple(c.value for c in checksums))
-        self._sock.send(encode(hello), flags=zmq.NOBLOCK)
+        self.num_links_lost = 0
+        self.num_resyncs = 0
+        self._resync_due = False  # a link was lost: the next grant completes a resync
+        self._sock, self._monitor, self._poller = self._open()
 
     @property
     def checksum(self) -> ChecksumKind:
@@ -266,6 +297,13 @@ class NetworkSender(KVSender):
             self._drain()
             return self._credits
 
+    @property
+    def link_up(self) -> bool:
+        """Whether the connection to the receiver is up now (ZMTP handshake done, not lost since)."""
+        with self._lock:
+            self._drain()
+            return self._monitor.connected and not self._closed
+
     # -- KVSender ------------------------------------------------------------------------
 
     def send(self, request_id: str, layer: int, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -273,6 +311,7 @@ class NetworkSender(KVSender):
         src, dst = list(src_block_ids), list(dst_block_ids)
         with self._lock:
             self._check_open(request_id)
+            self._drain()
             self._book.check_send(request_id, layer, src, dst)
             step = self._blocks_per_message
             for i in range(0, len(src), step):
@@ -313,6 +352,7 @@ class NetworkSender(KVSender):
             for request_id in self._book.request_ids():  # unfinished: the receiver must not wait for them
                 self._send_abort(request_id, "sender closed")
                 self._book.forget(request_id)
+            self._monitor.close()
             self._sock.close(linger=LINGER_MS)
 
     # -- for the backend (lock held) ---------------------------------------------------------
@@ -324,6 +364,13 @@ class NetworkSender(KVSender):
 
     def _on_ack(self, ack: KVTransferAck) -> None:
         """An ack arrived (before the book sees it): the message's bytes are no longer needed."""
+
+    def _on_link_lost(self, detail: str) -> None:
+        """The connection was lost; every unsettled transfer has failed. Drop what waited for acks; runs before
+        the replacement connection is opened (with `_routing_id` and `_sender_id` as they are on return)."""
+
+    def _on_resync(self) -> None:
+        """The receiver granted credits on a replacement connection: the link works again."""
 
     def _take_fault(self, header: KVTransferHeader) -> FaultAction | None:
         """The fault a test injects into this message: DROP or CORRUPT for the caller; a DELAY is slept here."""
@@ -348,19 +395,38 @@ class NetworkSender(KVSender):
         while self._credits <= 0:
             self._read_until(deadline, request_id,
                              f"no credit from {self.address} by the deadline: the receiver is not draining")
-            self._book.raise_if_failed(request_id)
 
     def _read_until(self, deadline: float, request_id: str, timeout_detail: str) -> None:
-        """Wait for one batch of incoming messages, or raise TIMEOUT at `deadline`."""
-        remaining = deadline - time.monotonic()
+        """Wait for one batch of incoming messages or link events, then apply them.
+
+        Raises the request's failure once it has one (PEER_LOST when its link was lost), PEER_LOST when no
+        connection has been up for `connect_budget_s`, TIMEOUT at `deadline`, whichever comes first.
+        """
+        self._book.raise_if_failed(request_id)
+        now = time.monotonic()
+        remaining = deadline - now
+        if not self._monitor.connected:
+            down_s = now - self._monitor.changed_at
+            if down_s >= self._connect_budget_s:
+                what = "lost" if self._resync_due else "never made"
+                raise TransferError(request_id, FailReason.PEER_LOST,
+                                    f"no connection to {self.address} for {down_s:.1f} s (it was {what}): "
+                                    "the receiver is dead, hung or unreachable")
+            remaining = min(remaining, self._connect_budget_s - down_s)
+        elif remaining <= 0:
+            raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
         if remaining <= 0:
             raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
-        if self._sock.poll(max(1, math.ceil(remaining * 1000)), zmq.POLLIN):
+        if self._poller.poll(max(1, math.ceil(remaining * 1000))):
             self._drain()
+            self._book.raise_if_failed(request_id)
 
     def _drain(self) -> None:
-        """Apply every ack, credit grant and abort that has arrived; never blocks."""
-        while not self._closed:
+        """Apply every link event, ack, credit grant and abort that has arrived; never blocks."""
+        if self._closed:
+            return
+        self._poll_link()
+        while True:
             try:
                 data = self._sock.recv(flags=zmq.NOBLOCK)
             except zmq.Again:
@@ -375,15 +441,62 @@ class NetworkSender(KVSender):
                 self._on_ack(msg)
                 self._book.on_ack(msg)
             elif isinstance(msg, KVCreditGrant):
-                self._credits += msg.credits
+                # The one answer to this connection's hello: a full window, whatever the last connection left.
+                self._credits = msg.credits
                 self._checksum = msg.checksum
+                if self._resync_due:
+                    self._resync_due = False
+                    self.num_resyncs += 1
+                    log.info("KV sender -> %s: link resynchronized (%d credits)", self.address, msg.credits)
+                    self._on_resync()
             elif isinstance(msg, KVTransferAbort):
                 self._book.on_abort(msg)
             else:
                 log.warning("KV sender -> %s: unexpected %s", self.address, type(msg).__name__)
 
-    def _send_abort(self, request_id: str, reason: str) -> None:
-        msg = KVTransferAbort(request_id=request_id, transfer_id=self._book.transfer_id(request_id), reason=reason)
+    def _poll_link(self) -> None:
+        for event in self._monitor.poll():
+            if event.lost:
+                self._link_lost(str(event))
+                return  # the rest are the old socket's, which is gone
+
+    def _link_lost(self, why: str) -> None:
+        """The connection went down: fail what was in flight on it, and start over on a new socket."""
+        self.num_links_lost += 1
+        self._credits = 0  # those in flight will not come back; the next grant is a full window
+        detail = f"connection to {self.address} lost ({why}): the receiver died, hung or is unreachable"
+        log.warning("KV sender -> %s: %s", self.address, detail)
+        failed = self._book.fail_pending(FailReason.PEER_LOST, detail)
+        self._on_link_lost(detail)
+        # A new socket, not the old one's own reconnect: nothing it queued or received (stale data, acks that
+        # would return credits of the old window) crosses over to the new connection.
+        self._monitor.close()
+        self._sock.close(linger=0)
+        self._sock, self._monitor, self._poller = self._open()
+        self._resync_due = True
+        for request_id, transfer_id in failed:  # after the hello: a receiver that only hung frees these at once
+            self._send_abort(request_id, f"sender lost the link: {why}", transfer_id)
+
+    def _open(self) -> tuple[zmq.Socket[bytes], LinkMonitor, zmq.Poller]:
+        """A DEALER to `address`, with heartbeats and a monitor, and this connection's hello queued on it."""
+        sock = self._context.socket(zmq.DEALER)
+        if self._routing_id is not None:
+            sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        apply_heartbeats(sock)
+        monitor = LinkMonitor(sock)  # before connect: it sees the first handshake
+        sock.connect(self.address)
+        # Queued until the connection is up; the grant that answers it is what the first send waits for.
+        hello = KVTransferHello(sender_id=self._sender_id, checksums=self._checksums)
+        sock.send(encode(hello), flags=zmq.NOBLOCK)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(monitor.socket, zmq.POLLIN)
+        return sock, monitor, poller
+
+    def _send_abort(self, request_id: str, reason: str, transfer_id: int | None = None) -> None:
+        tid = self._book.transfer_id(request_id) if transfer_id is None else transfer_id
+        msg = KVTransferAbort(request_id=request_id, transfer_id=tid, reason=reason)
         try:
             self._sock.send(encode(msg), flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:

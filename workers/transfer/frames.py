@@ -151,7 +151,7 @@ class StagingPool:
 
     A sender holds a buffer from a message's send until the receiver acks it: the receiver then has
     every byte, so the transport no longer reads it. At most `credits` buffers are held; a message
-    whose ack never comes (a lost receiver) keeps its buffer until the sender is closed. Pinned
+    whose ack never comes keeps its buffer until the sender is closed or its link is lost. Pinned
     memory for a CUDA cache, so the device-to-host copy of the gather runs at full speed.
     """
 
@@ -176,6 +176,11 @@ class StagingPool:
         buf = self._held.pop(key, None)
         if buf is not None:
             self._free.append(buf)
+
+    def forget_held(self) -> None:
+        """Drop every held buffer unreused: their acks will not come (the link was lost), and the old
+        connection's socket may still hold references to them until it is torn down."""
+        self._held.clear()
 
 
 # What this process can compute, best first.

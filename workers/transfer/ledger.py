@@ -402,6 +402,16 @@ class SenderBook:
             detail = f"aborted by the receiver: {msg.reason}"
             out.status = TransferStatus(TransferState.FAILED, FailReason.ABORTED, detail)
 
+    def fail_pending(self, reason: FailReason, detail: str) -> list[tuple[str, int]]:
+        """Fail every transfer the receiver has not settled (the link they travelled on is gone), so that each
+        raises at its sender's next call; their (request id, transfer id)."""
+        failed = []
+        for request_id, out in self._out.items():
+            if not out.status.terminal:
+                out.status = TransferStatus(TransferState.FAILED, reason, detail)
+                failed.append((request_id, out.transfer_id))
+        return failed
+
     def request_ids(self) -> list[str]:
         return list(self._out)
 

@@ -75,12 +75,17 @@ Deadlines and limitations.
   CI has no GPU, and one GPU cannot host both ranks of an NCCL communicator.
 * A broken pair (group not formed in time, a failed send or recv, an unsizable header) stays broken:
   every later message from that sender fails its transfer with CLOSED; the sender must be re-created.
+* A lost control link (the control plane's heartbeats or monitor: see `control`) ends the pair on the
+  sender's side too, since headers lost with the connection would leave the two streams misaligned.
+  The sender then takes a new key (and routing id), says hello on its new connection, and once the
+  receiver grants credits forms a new pair with it: the link resyncs as the ZeroMQ backend's does.
 * Abort and release never wait for a recv: received bytes land in staging, and the ledger writes into the
   cache only under its lock while the transfer is PENDING. close() joins every thread within ~2 s; a thread
   stuck in a gloo wait or in group formation is left behind (daemon) and logged, as the ZeroMQ receiver
   does with its I/O thread.
-* Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender leaves
-  an idle pair thread and group behind. At most `max_senders` pairs are accepted.
+* Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender, or one
+  that resynced after a lost link, leaves an idle pair thread and group behind. At most `max_senders`
+  pairs are accepted.
 * The ROUTER, and so the store, is unauthenticated: trusted networks only (the store keeps at most
   4096 small entries). A receiver bound to a wildcard address advertises it as is, as the
   ZeroMQ backend does. Each gloo rank listens on the address its peer reaches it by (`gloo_hostname`
@@ -109,7 +114,14 @@ import zmq
 from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import TransferError
-from pdserve.workers.transfer.control import DEFAULT_CREDITS, JOIN_S, NetworkSender, ReceiverControl, message_key
+from pdserve.workers.transfer.control import (
+    CONNECT_BUDGET_S,
+    DEFAULT_CREDITS,
+    JOIN_S,
+    NetworkSender,
+    ReceiverControl,
+    message_key,
+)
 from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
@@ -374,25 +386,27 @@ class NcclKVSender(NetworkSender):
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = True,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                  gloo_hostname: str | None = None, sender_id: str = "",
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 connect_budget_s: float = CONNECT_BUDGET_S) -> None:
         host, port = parse_address(address)
         self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
+        self._label = sender_id
         self.key = _new_key(sender_id)
-        self._context = context or zmq.Context.instance()
-        super().__init__(kv_caches, address, context=self._context, faults=faults, sender_id=self.key,
+        super().__init__(kv_caches, address, context=context, faults=faults, sender_id=self.key,
                          checksums=checksums, max_message_bytes=max_message_bytes,
-                         routing_id=self.key.encode())  # stable across reconnects: names the pair
+                         routing_id=self.key.encode(),  # names the pair; a new one after a lost link
+                         connect_budget_s=connect_budget_s)
         self._staging = Staging(staging_device(self._book.geometry, self._backend))
         self._verify = verify_checksums
         self._tag = 0
+        self._group_timeout_s = group_timeout_s
+        self._gloo_hostname = gloo_hostname or _local_ip_towards(host, port)
         self._channel_lock = threading.Lock()
         self._channel: DataChannel | None = None
         self._channel_error: str | None = None
+        self._generation = 0  # of the pair: a lost link ends one, its resync forms the next
         self._channel_ready = threading.Event()
-        self._former = threading.Thread(
-            target=self._form, name=f"kv-sender-form {self.key}", daemon=True,
-            args=(group_timeout_s, gloo_hostname or _local_ip_towards(host, port)))
-        self._former.start()
+        self._former = self._start_forming()
 
     def wait_ready(self, timeout: float) -> bool:
         """True once the data channel is formed; False if forming it failed or takes longer than `timeout` s."""
@@ -409,22 +423,31 @@ class NcclKVSender(NetworkSender):
 
     # -- group formation (its own thread) ------------------------------------------------------
 
-    def _form(self, timeout_s: float, gloo_hostname: str | None) -> None:
+    def _start_forming(self) -> threading.Thread:
+        former = threading.Thread(target=self._form, name=f"kv-sender-form {self.key}", daemon=True,
+                                  args=(self._generation, self.key, self._channel_ready))
+        former.start()
+        return former
+
+    def _form(self, generation: int, key: str, ready: threading.Event) -> None:
+        timeout_s = self._group_timeout_s
         store = StoreClient(self.address, self._context, timeout_s)
         try:
-            channel = DataChannel(self._backend, store, self.key, 1, timeout_s, self._staging.device, gloo_hostname)
+            channel = DataChannel(self._backend, store, key, 1, timeout_s, self._staging.device, self._gloo_hostname)
         except Exception as e:
-            self._channel_error = f"not formed: {first_line(e)}"
-            log.warning("KV sender -> %s: data channel %s", self.address, self._channel_error)
+            with self._channel_lock:
+                if generation == self._generation:
+                    self._channel_error = f"not formed: {first_line(e)}"
+            log.warning("KV sender -> %s: data channel %s not formed: %s", self.address, key, first_line(e))
         else:
             with self._channel_lock:
-                if self._closed:
+                if self._closed or generation != self._generation:  # closed, or its link was lost meanwhile
                     channel.close()
                 else:
                     self._channel = channel
         finally:
             store.retire()
-            self._channel_ready.set()
+            ready.set()
 
     # -- NetworkSender hooks (lock held) -------------------------------------------------------
 
@@ -445,6 +468,21 @@ class NcclKVSender(NetworkSender):
         else:
             self._staging.give(staging)
         self._book.commit(header)
+
+    def _on_link_lost(self, detail: str) -> None:
+        # The pair's two streams may no longer line up (headers lost with the connection, their tensors not):
+        # this pair is over. The next connection says hello under a new key, which the receiver pairs anew.
+        self._break(f"control link lost: {detail}")
+        with self._channel_lock:
+            self._generation += 1
+            self._channel_error = "not formed yet (the link is being resynchronized)"
+        self._channel_ready = threading.Event()
+        self._tag = 0  # the next pair counts its messages from the start
+        self.key = _new_key(self._label)
+        self._routing_id, self._sender_id = self.key.encode(), self.key
+
+    def _on_resync(self) -> None:
+        self._former = self._start_forming()  # the receiver is forming its side now, on our hello
 
     def _on_ack(self, ack: KVTransferAck) -> None:
         key = (ack.request_id, ack.transfer_id, ack.seq)

@@ -38,7 +38,13 @@ import zmq
 
 from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
 from pdserve.workers.transfer import frames
-from pdserve.workers.transfer.control import DEFAULT_CREDITS, NetworkSender, ReceiverControl, message_key
+from pdserve.workers.transfer.control import (
+    CONNECT_BUDGET_S,
+    DEFAULT_CREDITS,
+    NetworkSender,
+    ReceiverControl,
+    message_key,
+)
 from pdserve.workers.transfer.faults import FaultAction, Faults, corrupted
 from pdserve.workers.transfer.frames import KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
@@ -115,9 +121,10 @@ class ZmqKVSender(NetworkSender):
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None = None,
                  faults: Faults | None = None, sender_id: str = "",
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 connect_budget_s: float = CONNECT_BUDGET_S) -> None:
         super().__init__(kv_caches, address, context=context, faults=faults, sender_id=sender_id or uuid.uuid4().hex,
-                         checksums=checksums, max_message_bytes=max_message_bytes)
+                         checksums=checksums, max_message_bytes=max_message_bytes, connect_budget_s=connect_budget_s)
         self._staging = frames.StagingPool(pin_memory=self._book.geometry.device.type == "cuda")
 
     def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
@@ -144,6 +151,9 @@ class ZmqKVSender(NetworkSender):
 
     def _on_ack(self, ack: KVTransferAck) -> None:
         self._staging.release((ack.request_id, ack.transfer_id, ack.seq))
+
+    def _on_link_lost(self, detail: str) -> None:
+        self._staging.forget_held()  # their acks will not come
 
 
 __all__ = ["DEFAULT_CREDITS", "DEFAULT_MAX_MESSAGE_BYTES", "ZmqKVReceiver", "ZmqKVSender"]

@@ -1,0 +1,66 @@
+"""A KV receiver in a process of its own, for the tests that kill or stop it (test_kv_link_liveness.py).
+
+    python kv_receiver_proc.py real CREDITS [REQUEST_ID:DST_BLOCK:LAYERS ...]
+        a ZmqKVReceiver over a small CPU cache, stalled (it never drains data: no acks, no verdict),
+        with those requests registered; the torch import makes it take a few seconds to start.
+    python kv_receiver_proc.py fake GRANT_HEX
+        a bare ROUTER that answers each new connection's first message (a sender's hello) with the
+        given encoded credit grant and ignores everything else: a stalled receiver that starts at once
+        (it imports neither torch nor pdserve).
+
+Both print their address on one line once they listen, and exit when their stdin closes, so that they
+never outlive the test that started them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import zmq
+
+
+def _exit_with_stdin() -> None:
+    def watch() -> None:
+        sys.stdin.read()
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def fake(grant: bytes) -> None:
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.bind("tcp://127.0.0.1:*")
+    print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+    seen: set[bytes] = set()
+    while True:
+        peer, *_ = sock.recv_multipart()
+        if peer not in seen:
+            seen.add(peer)
+            sock.send_multipart([peer, grant])
+
+
+def real(credits: int, registrations: list[str]) -> None:
+    from kv_links import make_cache
+
+    from pdserve.workers.transfer.faults import Faults
+    from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
+
+    kv, _ = make_cache(2, 8)
+    faults = Faults()
+    faults.stall_receiver()
+    receiver = ZmqKVReceiver(kv, "tcp://127.0.0.1:*", credits=credits, faults=faults)
+    for spec in registrations:
+        request_id, block, layers = spec.split(":")
+        receiver.register(request_id, [int(block)], int(layers))
+    print(receiver.address, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    _exit_with_stdin()
+    if sys.argv[1] == "fake":
+        fake(bytes.fromhex(sys.argv[2]))
+    else:
+        real(int(sys.argv[2]), sys.argv[3:])
