@@ -13,6 +13,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import logging
+import os
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +31,15 @@ from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFai
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import KVEventBatch
-from pdserve.workers.prefill_worker import PrefillWorker
+from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.transfer.base import KVReceiver, KVSender, Transport
+
+logger = logging.getLogger(__name__)
+
+# After its engine thread died, a worker process lives this long (the errors
+# already sent reach their callers), then exits so that Ray restarts it.
+_EXIT_DELAY_S = 0.5
+_EXIT_CODE = 70  # EX_SOFTWARE
 
 # A scrape waits this long for the engine thread to sample its counters; past
 # it (a long step), the last sample goes out with the current step histograms.
@@ -38,25 +49,30 @@ _SAMPLE_TIMEOUT_S = 1.0
 class _Service:
     """What every worker service answers: its info, its load, its metrics, aborts."""
 
-    def __init__(self, pool: Pool, engine: LLMEngine, async_engine: AsyncEngine, worker_name: str) -> None:
+    def __init__(self, pool: Pool, engine: LLMEngine, async_engine: AsyncEngine, worker_name: str,
+                 exit_on_engine_death: bool) -> None:
         self.pool, self.name = pool, worker_name
         self.engine, self.async_engine = engine, async_engine
         self.worker_metrics = WorkerMetrics(pool, worker_name, engine.config.num_speculative_tokens)
         self.worker_metrics.attach(engine)
         self._event_seq = itertools.count()
+        self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        if exit_on_engine_death:
+            async_engine.on_dead = _exit_soon
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len)
 
-    async def abort(self, request_id: str) -> None:
-        self.async_engine.abort(request_id)
+    async def abort(self, request_id: str, attempt: int | None = None) -> None:
+        """End the request here (only its try `attempt` or an earlier one, when given)."""
+        self.async_engine.abort(request_id, attempt)
 
     async def load(self) -> LoadReport:
         """The engine's load, and its prefix-cache events since the last call (engine thread)."""
         def report(e: LLMEngine) -> LoadReport:
             events = KVEventBatch(worker_id=self.name, batch_seq=next(self._event_seq),
                                   events=tuple(e.take_kv_events()))
-            return LoadReport(e.snapshot(), events)
+            return LoadReport(e.snapshot(), events, self.incarnation)
 
         return await self.async_engine.call(report)
 
@@ -75,9 +91,11 @@ class EngineService(_Service):
     """A colocated worker: prefills and decodes. Async actor: many requests
     stream through it at once while its engine thread batches them."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int, worker_name: str = "worker") -> None:
+    def __init__(self, config: EngineConfig, torch_threads: int, worker_name: str = "worker",
+                 exit_on_engine_death: bool = False) -> None:
         engine = _engine(config, torch_threads)
-        super().__init__(Pool.COLOCATED, engine, AsyncEngine(engine, worker_id=worker_name).start(), worker_name)
+        super().__init__(Pool.COLOCATED, engine, AsyncEngine(engine, worker_id=worker_name).start(), worker_name,
+                         exit_on_engine_death)
 
     async def serve(self, req: ServeRequest) -> None:
         """Run `req`; its tokens go to `req.reply_to`. Returns when it is over, raises its error."""
@@ -88,7 +106,8 @@ class PrefillService(_Service):
     """A prefill worker: computes prompts and streams their KV to decode workers."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, transport: Transport = Transport.ZMQ,
-                 worker_name: str = "prefill") -> None:
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, worker_name: str = "prefill",
+                 exit_on_engine_death: bool = False) -> None:
         # A prefill worker never decodes, so it never drafts: no draft model to load.
         engine = _engine(dataclasses.replace(config, speculative=None, draft_model=None), torch_threads,
                          record_events=True)
@@ -100,8 +119,8 @@ class PrefillService(_Service):
                 self._senders[address] = sender_cls(engine.kv_caches, address)
             return self._senders[address]
 
-        worker = PrefillWorker(engine, sender_for, worker_id=worker_name)
-        super().__init__(Pool.PREFILL, engine, worker.async_engine, worker_name)
+        worker = PrefillWorker(engine, sender_for, worker_id=worker_name, transfer_timeout_s=transfer_timeout_s)
+        super().__init__(Pool.PREFILL, engine, worker.async_engine, worker_name, exit_on_engine_death)
         worker.transfer_recorder = self.worker_metrics
         self.worker = worker.start()
 
@@ -115,6 +134,7 @@ class PrefillService(_Service):
 
     def close(self) -> None:
         super().close()
+        self.worker.close()  # its send queues' threads
         for sender in self._senders.values():
             sender.close()
 
@@ -126,14 +146,14 @@ class DecodeService(_Service):
 
     def __init__(self, config: EngineConfig, torch_threads: int, bind_host: str, transport: Transport = Transport.ZMQ,
                  on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, prefill_timeout_s: float | None = None,
-                 worker_name: str = "decode") -> None:
+                 worker_name: str = "decode", exit_on_engine_death: bool = False) -> None:
         engine = _engine(config, torch_threads, record_events=True)
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
         self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{bind_host}:*")
         worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name,
                               prefill_timeout_s=prefill_timeout_s)
-        super().__init__(Pool.DECODE, engine, worker.async_engine, worker_name)
+        super().__init__(Pool.DECODE, engine, worker.async_engine, worker_name, exit_on_engine_death)
         worker.transfer_recorder = self.worker_metrics
         self.worker = worker.start()
 
@@ -166,9 +186,19 @@ class RayPrefillPeer:
             raise PeerFailedError(f"the prefill worker is gone: {e}") from None
         return first
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, attempt: int) -> None:
         with contextlib.suppress(RayActorError):
-            self._handle.abort.remote(request_id)  # fire and forget
+            self._handle.abort.remote(request_id, attempt)  # fire and forget
+
+
+def _exit_soon(error: BaseException) -> None:
+    """The engine thread died: this process can run nothing, though Ray would still
+    see a live actor. Exit (after the failed requests' errors went out), so that Ray
+    restarts it (`max_restarts`) and the gateway routes to the new one."""
+    logger.error("engine thread failed (%r): exiting in %.1f s to be restarted", error, _EXIT_DELAY_S)
+    timer = threading.Timer(_EXIT_DELAY_S, os._exit, args=(_EXIT_CODE,))
+    timer.daemon = True
+    timer.start()
 
 
 def _engine(config: EngineConfig, torch_threads: int, record_events: bool = False) -> LLMEngine:

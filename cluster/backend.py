@@ -10,6 +10,7 @@ finish aborts it on its workers, which frees its blocks there.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -30,7 +31,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
-from pdserve.workers.token_stream import TokenStreamCollector
+from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ class Placement(Protocol):
         ...
 
     def abort(self, request_id: str) -> None:
-        """Tell its workers to drop the request (fire and forget)."""
+        """Tell its workers to drop this try of the request (fire and forget; a later
+        try of it on the same worker is left alone)."""
         ...
 
 
@@ -118,6 +120,10 @@ Place = Callable[[ServeRequest, Placement | None], Placement]
 # (Ray raises an actor's death as RayActorError; a worker whose engine thread died
 # answers EngineDeadError, which Ray re-raises as a subclass of it.)
 WORKER_LOST: tuple[type[BaseException], ...] = (RayActorError, EngineDeadError)
+# ...and failures of the token stream between a worker and this gateway (a lost
+# batch, a final delta that never came, a worker that could not send): the tokens
+# handed on so far are sound, so the request goes on from them too.
+RETRYABLE: tuple[type[BaseException], ...] = (*WORKER_LOST, StreamLostError)
 
 
 class WorkerLostError(RuntimeError):
@@ -172,8 +178,8 @@ class TokenStreams:
     async def _tries(self, req: ServeRequest, place: Place, where: list[Placement]) -> None:
         while True:
             try:
-                return await where[-1].call(req)
-            except WORKER_LOST as e:
+                return await self.collector.watch(req.request_id, where[-1].call(req))
+            except RETRYABLE as e:
                 if req.attempt >= self.max_migrations:
                     self.stats.exhausted += 1
                     raise WorkerLostError(f"request {req.request_id}: its worker failed {req.attempt + 1} times; "
@@ -197,10 +203,13 @@ class ColocatedBackend:
     """Each worker runs prefill and decode. Requests go to the worker with the
     fewest in flight from this gateway (the baseline the disaggregated mode beats).
     A worker whose call failed is skipped for `retry_dead_s`, then tried again (Ray
-    restarts it); its requests move to the others."""
+    restarts it); its requests move to the others. A worker handle that is None
+    (not found when the gateway started) is asked of `lookup(name)` every
+    `retry_dead_s` until it is found."""
 
-    def __init__(self, workers: list[Any], stream_host: str = "127.0.0.1", names: list[str] | None = None,
-                 max_migrations: int = 2, retry_dead_s: float = 5.0) -> None:
+    def __init__(self, workers: list[Any | None], stream_host: str = "127.0.0.1", names: list[str] | None = None,
+                 max_migrations: int = 2, retry_dead_s: float = 5.0,
+                 lookup: Callable[[str], Any | None] | None = None) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
@@ -209,8 +218,10 @@ class ColocatedBackend:
         self.names = names or [f"worker-{i}" for i in range(len(workers))]
         self.streams = TokenStreams(stream_host, max_migrations)
         self.retry_dead_s = retry_dead_s
+        self.lookup = lookup
         self._in_flight = [0] * len(workers)
         self._dead: dict[int, float] = {}  # worker -> when a call to it failed
+        self._finder: asyncio.Task[None] | None = None
 
     @property
     def healthy(self) -> bool:
@@ -225,26 +236,37 @@ class ColocatedBackend:
         return sum(self._in_flight)
 
     def worker_handles(self) -> WorkerHandles:
-        return {name: ("colocated", w) for name, w in zip(self.names, self.workers)}
+        return {name: ("colocated", w) for name, w in zip(self.names, self.workers) if w is not None}
 
     def router_stats(self) -> RouterStats | None:
         return None
 
     async def start(self) -> None:
-        pass
+        if self._finder is None and self.lookup is not None and None in self.workers:
+            self._finder = asyncio.create_task(self._find_missing())
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:
+        await self.start()
         req = self.streams.request(request_id, prompt, params, timeout_s)
         async for out in self.streams.run(req, self._place):
             yield out
 
+    async def _find_missing(self) -> None:
+        assert self.lookup is not None
+        while None in self.workers:
+            for i, name in enumerate(self.names):
+                if self.workers[i] is None:
+                    self.workers[i] = await asyncio.to_thread(self.lookup, name)
+            await asyncio.sleep(self.retry_dead_s)
+
     def _live(self) -> list[int]:
         now = time.monotonic()
-        return [i for i in range(len(self.workers)) if now - self._dead.get(i, -math.inf) >= self.retry_dead_s]
+        return [i for i, w in enumerate(self.workers)
+                if w is not None and now - self._dead.get(i, -math.inf) >= self.retry_dead_s]
 
     def _place(self, req: ServeRequest, failed: Placement | None) -> Placement:
-        if isinstance(failed, _OnWorker):
+        if isinstance(failed, _OnWorker) and failed.lost:
             self._dead[failed.index] = time.monotonic()
         live = self._live()
         if not live:
@@ -252,6 +274,10 @@ class ColocatedBackend:
         return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)))
 
     async def close(self) -> None:
+        if self._finder is not None:
+            self._finder.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._finder
         await self.streams.close()
 
 
@@ -261,18 +287,24 @@ class _OnWorker:
 
     backend: ColocatedBackend
     index: int
+    lost: bool = False  # the worker died (not just this try's stream)
+    attempt: int = 0
 
     async def call(self, req: ServeRequest) -> None:
         b, i = self.backend, self.index
+        self.attempt = req.attempt
         b._in_flight[i] += 1
         try:
-            await b.workers[i].serve.remote(req)
+            await b.workers[i].serve.remote(req)  # type: ignore[union-attr]  # only live (found) ones are placed
             b._dead.pop(i, None)  # it answered: alive (again)
+        except WORKER_LOST:
+            self.lost = True
+            raise
         finally:
             b._in_flight[i] -= 1
 
     def abort(self, request_id: str) -> None:
-        _abort(self.backend.workers[self.index], request_id)
+        _abort(self.backend.workers[self.index], request_id, self.attempt)
 
 
 class LocalBackend:
@@ -312,8 +344,8 @@ class LocalBackend:
         self.engine.close()
 
 
-def _abort(worker: Any, request_id: str) -> None:
-    """Tell a worker to drop a request; fire and forget (a dead one is already rid of it)."""
+def _abort(worker: Any, request_id: str, attempt: int) -> None:
+    """Tell a worker to drop try `attempt` of a request; fire and forget (a dead one is already rid of it)."""
     if worker is not None:
         with contextlib.suppress(RayActorError):
-            worker.abort.remote(request_id)
+            worker.abort.remote(request_id, attempt)

@@ -182,7 +182,15 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="seconds a request may take, from its arrival (default 600)")
     srv.add_argument("--prefill-timeout", type=float, default=_SETTING,
                      help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
-                          "failure policy applies (default: the request's whole deadline)")
+                          "failure policy applies (default 120)")
+    srv.add_argument("--transfer-timeout", type=float, default=_SETTING,
+                     help="seconds a prefill worker waits on one KV link (a credit, the decode worker's verdict) "
+                          "before it gives the transfer up (default 30)")
+    srv.add_argument("--max-migrations", type=int, default=_SETTING,
+                     help="times a request moves to another worker when its worker dies, before it fails "
+                          "(default 2; 0: never)")
+    srv.add_argument("--max-restarts", type=int, default=_SETTING,
+                     help="times Ray restarts a crashed worker (default -1: always)")
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
     srv.add_argument("--api-key", default=_SETTING)

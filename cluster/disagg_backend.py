@@ -46,6 +46,7 @@ class WorkerEvents:
 
     lost: int = 0  # a worker went from answering to not (its call or its poll failed)
     readmitted: int = 0  # a lost worker answered again (restarted, or a hiccup over)
+    restarted: int = 0  # a worker answered from a new process (Ray restarted it)
 
 
 class DisaggregatedBackend:
@@ -69,6 +70,7 @@ class DisaggregatedBackend:
         self._pollers: list[asyncio.Task[None]] = []
         self._polled: set[str] = set()
         self._answered: set[str] = set()  # workers that answered a poll at least once
+        self._incarnation: dict[str, str] = {}  # the worker process that last answered
         self._ready: asyncio.Event | None = None
         self._closing = False
 
@@ -179,6 +181,9 @@ class DisaggregatedBackend:
             self._dead.discard(wid)  # it answers: routable again (a restarted worker, a hiccup)
             self.events.readmitted += wid in self._answered
         self._answered.add(wid)
+        if self._incarnation.setdefault(wid, report.incarnation) != report.incarnation:
+            self._incarnation[wid] = report.incarnation
+            self.events.restarted += 1
         self.loads[wid] = report
         self._apply_events(wid, report.events)
         s = report.snapshot
@@ -206,9 +211,11 @@ class _Try:
     backend: DisaggregatedBackend
     decision: RoutingDecision
     lost: str | None = None  # the worker whose death ended this try
+    attempt: int = 0
 
     async def call(self, req: ServeRequest) -> None:
         b, d = self.backend, self.decision
+        self.attempt = req.attempt
         decode, p_id = b.decode[d.decode_worker], d.prefill_worker
         try:
             if d.plan is Plan.LOCAL or p_id is None:
@@ -227,6 +234,6 @@ class _Try:
 
     def abort(self, request_id: str) -> None:
         b, d = self.backend, self.decision
-        _abort(b.decode[d.decode_worker], request_id)
+        _abort(b.decode[d.decode_worker], request_id, self.attempt)
         if d.prefill_worker is not None:
-            _abort(b.prefill[d.prefill_worker], request_id)
+            _abort(b.prefill[d.prefill_worker], request_id, self.attempt)

@@ -23,3 +23,6 @@ class LoadReport:
     # Prefix-cache events since the previous report, numbered per worker: a gap in
     # `batch_seq` means a report was lost, and the router's view of that worker is stale.
     events: KVEventBatch
+    # Which life of the worker process answered (its pid and start time): a new one
+    # means the worker was restarted (the gateway counts restarts by it).
+    incarnation: str = ""

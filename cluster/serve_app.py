@@ -79,14 +79,18 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     per_cpu = max(0.01, min(1.0, (cpus - 1) / cfg.num_workers)) if cpus > 1 else 0.01
     threads = max(1, cpus // cfg.num_workers) if not gpus else 1
     opts: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": per_cpu}
+    # A crashed worker (or one whose engine thread died: it exits) is restarted by
+    # Ray under the same name and handle; the gateway re-admits it when it answers.
+    # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
+    opts |= {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
 
     def make(actor_cls: Any, name: str, *args: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
-            cfg.engine, threads, *args, worker_name=name)
+            cfg.engine, threads, *args, worker_name=name, exit_on_engine_death=True)
 
     if cfg.mode is ServingMode.DISAGGREGATED:
-        workers = [make(PrefillWorkerActor, n, cfg.transport) for n in cfg.prefill_names()]
+        workers = [make(PrefillWorkerActor, n, cfg.transport, cfg.transfer_timeout) for n in cfg.prefill_names()]
         workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport, cfg.kv_failure_policy,
                          cfg.prefill_timeout) for n in cfg.decode_names()]
     else:
@@ -103,15 +107,45 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from pdserve.cluster.gateway import Gateway, GatewayConfig
     from pdserve.cluster.openai_app import build_app
 
-    workers = [ray.get_actor(name, namespace=NAMESPACE) for name in cfg.worker_names()]
-    info: WorkerInfo = ray.get(workers[-1].info.remote(), timeout=60)
+    info = _any_worker_info(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
                            max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
                            request_timeout_s=float(cfg.request_timeout))
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
-               else ColocatedBackend(workers, stream_host=cfg.kv_bind_host, names=cfg.worker_names()))
+               else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_bind_host,
+                                     names=cfg.worker_names(), max_migrations=cfg.max_migrations,
+                                     lookup=find_worker))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
+
+
+def find_worker(name: str) -> Any | None:
+    """The named worker's handle, or None while Ray knows no such actor (it is being
+    created, or it died for good): a gateway starts with the workers that exist and
+    asks again for the others."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def _any_worker_info(cfg: ServeConfig, timeout_s: float = 120.0) -> WorkerInfo:
+    """What the workers say of the model, from the first that answers (one dead
+    worker must not stop a gateway replica from starting)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for name in reversed(cfg.worker_names()):
+            handle = find_worker(name)
+            if handle is None:
+                continue
+            try:
+                info: WorkerInfo = ray.get(handle.info.remote(), timeout=5)
+                return info
+            except (ray.exceptions.RayError, TimeoutError):
+                continue
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no pdserve worker answered within {timeout_s:.0f} s")
+        time.sleep(1.0)
 
 
 def _disaggregated_backend(cfg: ServeConfig) -> Any:
@@ -121,10 +155,11 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
 
     names = {f"p{i}": n for i, n in enumerate(cfg.prefill_names())}
     names.update({f"d{i}": n for i, n in enumerate(cfg.decode_names())})
-    prefill = {f"p{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.prefill_names())}
-    decode = {f"d{i}": ray.get_actor(n, namespace=NAMESPACE) for i, n in enumerate(cfg.decode_names())}
+    prefill = {f"p{i}": find_worker(n) for i, n in enumerate(cfg.prefill_names())}
+    decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
     router = Router(RouterConfig(policy=cfg.router_policy), cfg.engine.block_size)
-    return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names)
+    return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names,
+                                lookup=find_worker, max_migrations=cfg.max_migrations)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

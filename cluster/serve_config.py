@@ -40,6 +40,7 @@ SERVE_SETTINGS = {
     "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
     "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
+    "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
@@ -72,9 +73,19 @@ class ServeConfig:
     kv_bind_host: str = "127.0.0.1"
     kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
     request_timeout: float = 600.0  # seconds a request may take, from its arrival at the gateway
-    # Seconds a decode worker gives a remote prefill and its KV transfer before the
-    # failure policy applies (None: the request's whole deadline).
-    prefill_timeout: float | None = None
+    # Seconds a decode worker gives a remote prefill and its KV transfer (the
+    # request's first token) before the failure policy applies (None: the
+    # request's whole deadline).
+    prefill_timeout: float | None = 120.0
+    # Seconds a prefill worker waits on one KV link (a credit, the receiver's
+    # verdict) before it gives the transfer up: a hung or dead decode worker
+    # costs its transfers this long at most (a dead one's link breaks sooner).
+    transfer_timeout: float = 30.0
+    # Times a request moves to another worker after its worker died, before it
+    # fails with one clean error.
+    max_migrations: int = 2
+    # Times Ray restarts a crashed worker (-1: always; 0: never).
+    max_restarts: int = -1
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -82,13 +93,14 @@ class ServeConfig:
             if not isinstance(value, kind):
                 object.__setattr__(self, name, enum_member(name, kind, value))
         for setting, name, least in (("prefill", "num_prefill", 1), ("decode", "num_decode", 1),
-                                     ("max_in_flight", "max_in_flight", 1), ("port", "port", 1)):
+                                     ("max_in_flight", "max_in_flight", 1), ("port", "port", 1),
+                                     ("max_migrations", "max_migrations", 0), ("max_restarts", "max_restarts", -1)):
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
         if self.port > 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
-        for name in ("request_timeout", "prefill_timeout"):
+        for name in ("request_timeout", "prefill_timeout", "transfer_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")

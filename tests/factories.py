@@ -71,8 +71,8 @@ class LocalPrefillPeer:
     async def prefill(self, order: Any) -> Any:
         return await self.worker.prefill(order)
 
-    def abort(self, request_id: str) -> None:
-        self.worker.abort(request_id)
+    def abort(self, request_id: str, attempt: int = 0) -> None:
+        self.worker.abort(request_id, attempt)
 
 
 async def handoff_deltas(p: Any, d: Any, rid: str, prompt: list[int], params: Any,

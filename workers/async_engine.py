@@ -30,7 +30,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
-from pdserve.workers.token_stream import StreamLostError, TokenStreamPublisher
+from pdserve.workers.token_stream import GATEWAY_GONE_S, StreamLostError, TokenStreamPublisher
 
 T = TypeVar("T")
 Start = Callable[[LLMEngine], RequestOutput | None]
@@ -60,6 +60,9 @@ class Job:
     reply_to: str | None = None  # a gateway's token stream: deltas go there, batched per step
     tokens_sent: int = 0  # output tokens already on that stream (a delta's offset)
     attempt: int = 0  # the request's try (ServeRequest.attempt), stamped on its deltas
+    # Engine thread: its request went into the engine. Until then, outputs under its
+    # id are an earlier try's (still ending here after this one replaced it).
+    started: bool = False
     # Engine thread, after every step while the job lives (a prefill worker sends KV from it).
     after_step: Callable[[LLMEngine], None] | None = None
     # Engine thread: the role takes the job's outputs (a prefill worker); they go
@@ -90,6 +93,13 @@ class AsyncEngine:
         # Engine thread, once per loop iteration, between taking commands and the
         # step (tests hold the thread with it to catch a request in a given state).
         self.on_iteration: Callable[[], None] | None = None
+        # Called once (on the engine thread) after the engine thread failed and every
+        # request heard of it: a worker process exits there, so that it is restarted
+        # instead of living on as a zombie that answers calls but runs nothing.
+        self.on_dead: Callable[[BaseException], None] | None = None
+        # A gateway unreachable this long is gone: its requests here are aborted.
+        self.gateway_gone_s = GATEWAY_GONE_S
+        self.num_orphans_aborted = 0  # requests aborted because their gateway was gone
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
 
     # -- lifetime ---------------------------------------------------------------
@@ -150,20 +160,30 @@ class AsyncEngine:
     def open_stream(self, req: ServeRequest, state: RequestState = RequestState.QUEUED) -> Job:
         """`open` a request whose deltas go to its gateway's token stream, after the
         tokens its client already has (a migrated request's)."""
-        job = self.open(req.request_id, req.timeout_s, state, reply_to=req.reply_to)
-        job.tokens_sent, job.attempt = req.offset, req.attempt
+        job = self.open(req.request_id, req.timeout_s, state, reply_to=req.reply_to, attempt=req.attempt)
+        job.tokens_sent = req.offset
+        if req.reply_to is not None:
+            address = req.reply_to
+            self._commands.put(lambda: self._stream().watch(address))
         return job
 
     def open(self, request_id: str, timeout_s: float, state: RequestState = RequestState.QUEUED,
-             reply_to: str | None = None) -> Job:
+             reply_to: str | None = None, attempt: int = 0) -> Job:
         """Track a new request here (before anything reaches the engine). Its first
         exit hook ends it in the engine: aborted (blocks freed) unless it finished,
-        then released (a held prefill's blocks). EngineDeadError if the engine is down."""
+        then released (a held prefill's blocks). EngineDeadError if the engine is down.
+        A later try (`attempt`) of a request whose earlier try is still here ends
+        that one first (the gateway gave up on it); the same try twice is a ValueError."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        if request_id in self._jobs:
-            raise ValueError(f"request_id: {request_id!r} is already running here")
-        job = Job(Lifecycle.start(request_id, timeout_s, state), asyncio.get_running_loop(), reply_to=reply_to)
+        old = self._jobs.get(request_id)
+        if old is not None:
+            if old.attempt >= attempt:
+                raise ValueError(f"request_id: {request_id!r} is already running here")
+            # Queued before this job's start: the engine thread ends the old try first.
+            self.end(old, Exit.ABORTED, RequestAbortedError(f"request {request_id}: superseded by try {attempt}"))
+        job = Job(Lifecycle.start(request_id, timeout_s, state), asyncio.get_running_loop(), reply_to=reply_to,
+                  attempt=attempt)
         job.life.on_exit(lambda exit: self._leave_engine(request_id, exit))
         self._jobs[request_id] = job
         return job
@@ -222,10 +242,16 @@ class AsyncEngine:
         with contextlib.suppress(TimeoutError, EngineDeadError):
             await self.call(lambda e: None, timeout_s=timeout_s)
 
-    def abort(self, request_id: str) -> None:
-        """Abort a request from outside (the gateway's or a peer's abort); unknown ids are ignored."""
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run `fn()` on the engine thread, soon (from any thread; does not wait)."""
+        self._commands.put(fn)
+
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
+        """Abort a request from outside (the gateway's or a peer's abort); unknown ids
+        are ignored. With `attempt`, only that try or an earlier one: an abort of a
+        given-up try that arrives late must not end the try that replaced it here."""
         job = self._jobs.get(request_id)
-        if job is not None:
+        if job is not None and (attempt is None or job.attempt <= attempt):
             self.end(job, Exit.ABORTED, RequestAbortedError(f"request {request_id} was aborted"))
 
     def job(self, request_id: str) -> Job | None:
@@ -272,7 +298,9 @@ class AsyncEngine:
         if exit is Exit.FINISHED:
             self.engine.release(request_id)  # a held prefill's blocks; nothing for others
         else:
-            self.engine.abort(request_id)
+            # The job's exit tells its caller; an "abort" output from the engine would
+            # reach whatever job holds the id next (a later try of the request).
+            self.engine.abort(request_id, output=False)
 
     def _start(self, job: Job, start: Start) -> None:
         if job.life.ended or job.ending is not None:
@@ -280,6 +308,7 @@ class AsyncEngine:
         if job.life.remaining() <= 0:
             self.end_now(job, Exit.DEADLINE, RequestTimeoutError(f"request {job.request_id} passed its deadline"))
             return
+        job.started = True
         try:
             first = start(self.engine)
         except ValueError as e:
@@ -328,6 +357,8 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))
+            if self.on_dead is not None:
+                self.on_dead(e)
         finally:
             if self._publisher is not None:
                 self._publisher.close()
@@ -365,8 +396,8 @@ class AsyncEngine:
 
     def _deliver(self, out: RequestOutput) -> None:
         job = self._jobs.get(out.request_id)
-        if job is None:
-            return  # it ended here already (aborted, or the caller left)
+        if job is None or not job.started:
+            return  # it ended here already (aborted, the caller left, a later try replaced it)
         if job.on_output is not None:
             job.on_output(out)
             return
@@ -385,19 +416,28 @@ class AsyncEngine:
         """Engine thread: put a delta of `job` on its gateway's token stream (sent at
         the end of this loop iteration)."""
         assert job.reply_to is not None, f"request {job.request_id} has no token stream"
-        if self._publisher is None:
-            self._publisher = TokenStreamPublisher(self.worker_id)
-        self._publisher.add(job.reply_to, out, job.tokens_sent, job.attempt)
+        self._stream().add(job.reply_to, out, job.tokens_sent, job.attempt)
         job.tokens_sent += len(out.outputs[0].token_ids)
 
+    def _stream(self) -> TokenStreamPublisher:
+        """Engine thread: the publisher of this worker's token streams."""
+        if self._publisher is None:
+            self._publisher = TokenStreamPublisher(self.worker_id)
+        return self._publisher
+
     def _flush_remote(self) -> None:
-        """Send this iteration's token deltas, then end the jobs whose final delta went out."""
+        """Send this iteration's token deltas, then end the jobs whose final delta went
+        out, and those whose gateway is gone."""
         if self._publisher is None:
             return
         for rid in self._publisher.flush():
             job = self._jobs.get(rid)
             if job is not None:
                 self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{rid}: its gateway stopped reading tokens"))
+        gone = self._publisher.gone(self.gateway_gone_s)
+        for job in [j for j in self._live_jobs() if j.reply_to in gone]:
+            self.num_orphans_aborted += 1
+            self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{job.request_id}: its gateway is gone"))
         finished, self._published_final = self._published_final, []
         for job in finished:
             self.end_now(job, Exit.FINISHED, final=done_notice(job.request_id))

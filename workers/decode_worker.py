@@ -21,8 +21,10 @@ A transfer that fails or misses its deadline never reaches decoding with bad KV.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import enum
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -55,13 +57,16 @@ class PrefillPeer(Protocol):
         Raises on failure (PeerFailedError when the worker itself is gone)."""
         ...
 
-    def abort(self, request_id: str) -> None:
-        """Stop the request there; does not wait. Any thread."""
+    def abort(self, request_id: str, attempt: int) -> None:
+        """Stop the request's try `attempt` there; does not wait. Any thread."""
         ...
 
 
 Start = Callable[[LLMEngine], RequestOutput | None]
 _PEER_GRACE_S = 0.25
+# The prefill worker replies only once this receiver reported the KV verified, so
+# the wait for that verdict here is short; this bounds it all the same.
+_VERDICT_WAIT_S = 5.0
 
 
 class DecodeWorker:
@@ -80,6 +85,9 @@ class DecodeWorker:
         self.transfer_recorder = transfer_recorder
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.num_transfer_failures = 0
+        # Its own threads for the receiver's blocking waits: the event loop's default
+        # pool is shared with everything else in the process, and small.
+        self._waits = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
 
     def start(self) -> DecodeWorker:
         self.async_engine.start()
@@ -87,6 +95,7 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.async_engine.close()
+        self._waits.shutdown(wait=False, cancel_futures=True)
 
     async def serve(self, req: ServeRequest) -> None:
         """The whole request here (the router chose local prefill)."""
@@ -109,9 +118,9 @@ class DecodeWorker:
         ae.begin(job, start)
         await ae.finished(job)
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
         """Cancel wherever the request is: stop the transfer, tell the prefill worker, free the blocks."""
-        self.async_engine.abort(request_id)
+        self.async_engine.abort(request_id, attempt)
 
     # -- the handoff, step by step ---------------------------------------------------
 
@@ -158,7 +167,7 @@ class DecodeWorker:
         def stop_peer(exit: Exit) -> None:
             if exit is not Exit.FINISHED:
                 if not job.loop.is_closed():
-                    job.loop.call_soon_threadsafe(peer.abort, rid)
+                    job.loop.call_soon_threadsafe(peer.abort, rid, job.attempt)
 
         job.life.on_exit(stop_peer)
         job.life.move(RequestState.TRANSFERRING)
@@ -192,7 +201,8 @@ class DecodeWorker:
         rid = job.request_id
         loop = asyncio.get_running_loop()
         try:
-            status = await loop.run_in_executor(None, self.receiver.wait, rid, job.life.deadline)
+            deadline = min(job.life.deadline, time.monotonic() + _VERDICT_WAIT_S)
+            status = await loop.run_in_executor(self._waits, self.receiver.wait, rid, deadline)
         finally:
             self.receiver.release(rid)
         if status.state is TransferState.DONE:

@@ -100,16 +100,19 @@ class LLMEngine:
         """Raise ValueError if add_request would reject this prompt and params."""
         self._prepare(prompt, params)
 
-    def abort(self, request_ids: str | Iterable[str]) -> None:
+    def abort(self, request_ids: str | Iterable[str], output: bool = True) -> None:
         """Stop requests now, wherever they are (held ones included); their blocks
-        are freed before this returns. Unknown ids are ignored."""
+        are freed before this returns. Unknown ids are ignored. The next `step`
+        returns each one's final output (finish_reason "abort") unless `output` is
+        False (a caller that told its client already: the id may be reused at once)."""
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
             if not req.status.finished:
                 self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                self._aborted_outputs.append(self._output(req))
+                if output:
+                    self._aborted_outputs.append(self._output(req))
             self.scheduler.release(rid)
 
     def has_unfinished_requests(self) -> bool:

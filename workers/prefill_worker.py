@@ -7,6 +7,9 @@ A request's lifecycle here (workers/lifecycle.py):
     QUEUED -> PREFILLING (chunks computed; each full block's KV leaves as it is done)
            -> TRANSFERRING (prompt done, first token sampled, blocks held until the
               decode worker has verified every block)
+              (the KV leaves from a thread per decode worker, `SendQueue`: the engine
+              thread never waits on a peer, and a dead or hung one costs its own
+              transfers `transfer_timeout_s` at most, or less when its link breaks)
            -> FINISHED: blocks released; the first token is published on the
               gateway's token stream when nothing can take it back (no stop string
               to cut its text, not the last token), and returned to the decode worker
@@ -30,6 +33,9 @@ from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
+from pdserve.workers.transfer.send_queue import SendQueue
+
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 
 
 @dataclass(eq=False)
@@ -38,22 +44,30 @@ class _Transfer:
 
     job: Job
     order: PrefillOrder
-    sender: KVSender
+    link: SendQueue
     next_block: int  # first block not sent yet (blocks the decode worker caches are skipped)
     output: RequestOutput | None = None  # the engine's final output: the first token
     first: FirstToken | None = None  # set when the transfer succeeded
     failed: TransferError | None = None
+    finishing: bool = False  # the end marker is queued: the verdict comes back through the link
+
+    def over(self) -> bool:
+        """Whether queued sends of this request should be skipped (any thread)."""
+        return self.job.life.ended or self.job.ending is not None or self.failed is not None
 
 
 class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
-                 transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill") -> None:
+                 transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill",
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
         """`sender_for(address)` returns the (cached) sender to a decode worker's receiver.
         `transfer_recorder` hears of every handoff: its bytes and duration, and
         its failures (the transport's, through `RecordingSender`, and this
-        worker's own deadline)."""
+        worker's own deadline). `transfer_timeout_s`: the longest one send may
+        wait on its decode worker (a credit, the verdict) before the transfer fails."""
         self.transfer_recorder = transfer_recorder
-        self._recording: dict[str, KVSender] = {}
+        self.transfer_timeout_s = transfer_timeout_s
+        self._links: dict[str, SendQueue] = {}
         self._sender_for = sender_for
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.engine = engine
@@ -64,6 +78,8 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.async_engine.close()
+        for link in self._links.values():
+            link.close()
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill `order.request`, send its KV into the reserved blocks (those the
@@ -74,7 +90,7 @@ class PrefillWorker:
         params = _first_token_params(req.params)
         ae = self.async_engine
         job = ae.open_stream(req)
-        t = _Transfer(job, order, self.sender_for(order.kv_address),
+        t = _Transfer(job, order, self.link_to(order.kv_address),
                       order.reservation.skip_blocks(self.engine.config.block_size))
         job.on_output = lambda out: setattr(t, "output", out)
         job.after_step = lambda engine: self._pump(engine, t)
@@ -92,53 +108,65 @@ class PrefillWorker:
             raise ValueError(f"max_tokens: a prefill worker serves requests of 1 token, got {req.params.max_tokens}")
         await self.async_engine.serve(req)
 
-    def abort(self, request_id: str) -> None:
-        self.async_engine.abort(request_id)
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
+        self.async_engine.abort(request_id, attempt)
 
-    def sender_for(self, address: str) -> KVSender:
-        sender = self._sender_for(address)
-        if self.transfer_recorder is None:
-            return sender
-        if address not in self._recording:
-            self._recording[address] = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
-        return self._recording[address]
+    def link_to(self, address: str) -> SendQueue:
+        """The send queue (and its thread) to the decode worker at `address`."""
+        if address not in self._links:
+            sender = self._sender_for(address)
+            if self.transfer_recorder is not None:
+                sender = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
+            self._links[address] = SendQueue(sender, self.transfer_timeout_s, name=f"kv-send {address}")
+        return self._links[address]
 
     # -- engine thread -----------------------------------------------------------
 
     def _pump(self, engine: LLMEngine, t: _Transfer) -> None:
-        """After a step: send what is ready; once the prompt is done and all of it
-        is verified, publish the first token (when safe) and finish."""
+        """After a step: queue the sends of what is ready; once the prompt is done,
+        the end marker (the verdict comes back through `_sent`)."""
         progress = engine.prefill_progress(t.job.request_id)
-        if progress is None or t.job.life.ended:
+        if progress is None or t.job.life.ended or t.finishing:
             return
         computed, done = progress
-        try:
-            self._send_ready(engine, t, computed, done)
-        except TransferError as e:
-            t.failed = e
-            self.async_engine.end_now(t.job, Exit.PEER_FAILED, e)
-            return
-        if not done:
-            return
-        assert t.output is not None, "the prompt is done but its first token never came"
-        t.first = self._first_token(t, t.output)
-        self.async_engine.end_now(t.job, Exit.FINISHED, final=done_notice(t.job.request_id))
-
-    def _send_ready(self, engine: LLMEngine, t: _Transfer, computed: int, done: bool) -> None:
-        """Send every block whose KV is complete: full blocks as chunks finish, the
-        last partial block once the whole prompt is done; then wait for the verdict."""
         bs = engine.config.block_size
         ready = -(-computed // bs) if done else computed // bs
         rid, deadline = t.job.request_id, t.job.life.deadline
         if ready > t.next_block:
             src, dst = engine.blocks_of(rid), t.order.reservation.block_ids
             blocks = range(t.next_block, ready)
-            for layer in range(engine.model_config.num_layers):
-                t.sender.send(rid, layer, [src[i] for i in blocks], [dst[i] for i in blocks], deadline)
+            src_ids, dst_ids = [src[i] for i in blocks], [dst[i] for i in blocks]
+
+            def send(sender: KVSender, wait_until: float) -> None:
+                for layer in range(engine.model_config.num_layers):
+                    sender.send(rid, layer, src_ids, dst_ids, wait_until)
+
+            t.link.submit(rid, send, deadline, lambda error: self._sent(t, error, last=False), t.over)
             t.next_block = ready
         if done:
+            assert t.output is not None, "the prompt is done but its first token never came"
             t.job.life.advance(RequestState.TRANSFERRING)
-            t.sender.finish(rid, deadline)
+            t.finishing = True
+            t.link.submit(rid, lambda sender, wait_until: sender.finish(rid, wait_until), deadline,
+                          lambda error: self._sent(t, error, last=True), t.over)
+
+    def _sent(self, t: _Transfer, error: TransferError | None, last: bool) -> None:
+        """The link's thread: a queued send is done. A failure ends the request; the
+        verdict of the end marker finishes it (both on the engine thread)."""
+        if error is not None:
+            t.failed = error
+            self.async_engine.end(t.job, Exit.PEER_FAILED, error)
+        elif last:
+            self.async_engine.post(lambda: self._verified(t))
+
+    def _verified(self, t: _Transfer) -> None:
+        """Engine thread: every block is verified on the decode worker: publish the
+        first token (when safe) and finish."""
+        if t.job.life.ended:
+            return
+        assert t.output is not None
+        t.first = self._first_token(t, t.output)
+        self.async_engine.end_now(t.job, Exit.FINISHED, final=done_notice(t.job.request_id))
 
     def _first_token(self, t: _Transfer, out: RequestOutput) -> FirstToken:
         """The reply to the decode worker; published to the gateway first when
@@ -159,7 +187,11 @@ class PrefillWorker:
         hook, which runs after this one, frees the blocks)."""
         if exit is Exit.FINISHED:
             return
-        t.sender.abort(t.job.request_id, f"prefill ended early: {exit.value}")
+        # Through the link's thread (a send there may be waiting on the peer): the
+        # sends still queued are skipped (`t.over`), the abort goes after the one running.
+        reason = f"prefill ended early: {exit.value}"
+        t.link.submit(t.job.request_id, lambda sender, _: sender.abort(t.job.request_id, reason), t.job.life.deadline,
+                      lambda error: None)
         # The prompt was done and its KV still in flight at the deadline, and the
         # transport raised nothing (it would have counted it): a transfer timeout.
         if exit is Exit.DEADLINE and t.output is not None and t.failed is None and self.transfer_recorder:

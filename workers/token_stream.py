@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,7 @@ import zmq.asyncio
 
 from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
+from pdserve.workers.link_monitor import LinkMonitor, apply_heartbeats
 from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
 
@@ -47,6 +49,10 @@ log = logging.getLogger(__name__)
 SEND_HWM = 4096
 # What one message may take of the receiver's limit (it refuses bigger ones whole).
 MESSAGE_BUDGET = MAX_MESSAGE_BYTES - 4096
+# A gateway whose link has been down this long (never up, or lost and not back:
+# heartbeats close a link to a dead or frozen one within seconds) is taken for
+# gone, and the worker aborts its requests rather than compute for nobody.
+GATEWAY_GONE_S = 10.0
 
 
 def to_delta(out: RequestOutput, offset: int, attempt: int = 0) -> TokenDelta:
@@ -81,9 +87,13 @@ class TokenStreamPublisher:
     sockets are not thread-safe."""
 
     def __init__(self, worker_id: str, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
-        self.worker_id = worker_id
+        # Batches are numbered per publisher, so each signs with an id of its own:
+        # two workers of one name, or a worker restarted under its old name, are
+        # told apart by the gateway's sequence check.
+        self.worker_id = f"{worker_id}#{uuid.uuid4().hex[:8]}"
         self._ctx = context or zmq.Context.instance()
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
+        self._monitors: dict[str, LinkMonitor] = {}
         self._pending: dict[str, list[TokenDelta]] = {}
         self._seq: dict[str, int] = {}
 
@@ -116,10 +126,30 @@ class TokenStreamPublisher:
                     lost += [d.request_id for d in batch]
         return lost
 
+    def watch(self, address: str) -> None:
+        """Connect to the gateway at `address` now (before any delta), so that one
+        that is gone is noticed for requests that have sent nothing yet."""
+        self._socket(address)
+
+    def gone(self, grace_s: float = GATEWAY_GONE_S) -> list[str]:
+        """The gateways whose link has been down for `grace_s` (never up, or lost
+        and not back); their sockets are closed (a later `add` opens a new one)."""
+        now = time.monotonic()
+        lost: list[str] = []
+        for address, monitor in list(self._monitors.items()):
+            monitor.poll()
+            if not monitor.connected and now - monitor.changed_at > grace_s:
+                lost.append(address)
+                self._drop(address)
+        return lost
+
     def close(self) -> None:
-        for sock in self._sockets.values():
-            sock.close(linger=0)
-        self._sockets.clear()
+        for address in list(self._sockets):
+            self._drop(address)
+
+    def _drop(self, address: str) -> None:
+        self._monitors.pop(address).close()
+        self._sockets.pop(address).close(linger=0)  # (its numbering goes on: the gateway may be back)
 
     def _socket(self, address: str) -> zmq.Socket[bytes]:
         sock = self._sockets.get(address)
@@ -127,6 +157,8 @@ class TokenStreamPublisher:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.SNDHWM, SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
+            apply_heartbeats(sock)
+            self._monitors[address] = LinkMonitor(sock)
             sock.connect(address)
             self._sockets[address] = sock
         return sock
@@ -187,7 +219,8 @@ class Retry:
 
 
 class StreamLostError(RuntimeError):
-    """The worker says the request ended, but its final delta never came."""
+    """Tokens of the request were lost on their way: its final delta never came, or
+    a batch of its worker's deltas is missing (the request moves to another try)."""
 
 
 @dataclass(eq=False)
@@ -202,6 +235,11 @@ class _Open:
     token_ids: list[int] = field(default_factory=list)
     chars: int = 0
     cumulative_logprob: float | None = None
+    senders: set[str] = field(default_factory=set)  # the workers that sent this try's deltas
+    # Set when the current try can no longer be trusted to deliver every token (a
+    # batch from one of its senders went missing), or when its final delta passed.
+    broken: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass
@@ -224,6 +262,7 @@ class TokenStreamCollector:
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)  # the senders bound their own queues
+        apply_heartbeats(self._sock)  # a dead worker's connection is dropped, not kept for ever
         port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self.final_grace_s = final_grace_s
@@ -231,6 +270,8 @@ class TokenStreamCollector:
         self.num_rejected = 0  # messages that were not a valid TokenDeltaBatch
         self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
         self.num_stale = 0  # deltas of a try given up on (a migrated request's old worker)
+        self.num_gaps = 0  # batches missing from a worker's sequence (each breaks that worker's tries)
+        self._next_seq: dict[str, int] = {}  # worker id -> the batch number it should send next
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
@@ -306,6 +347,34 @@ class TokenStreamCollector:
                 # The worker is done: its last delta is at most a moment behind.
                 deadline = min(deadline, time.monotonic() + self.final_grace_s)
 
+    async def watch(self, request_id: str, call: Awaitable[Any]) -> None:
+        """Run one try's worker call and return once the try delivered every token:
+        the call returned and the final delta was handed on. Raises the call's error,
+        or StreamLostError when the try's stream broke (a batch from one of its
+        workers went missing: its held deltas may never come) or its final delta did
+        not follow the call's return within `final_grace_s`."""
+        entry = self._open[request_id]
+        rpc = asyncio.ensure_future(call)
+        broken = asyncio.ensure_future(entry.broken.wait())
+        try:
+            await asyncio.wait({rpc, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if not rpc.done():
+                raise StreamLostError(f"{request_id}: a batch of its tokens was lost on the way")
+            rpc.result()
+            # The worker is done: its last delta is at most a moment behind.
+            finished = asyncio.ensure_future(entry.finished.wait())
+            try:
+                await asyncio.wait({finished, broken}, timeout=self.final_grace_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if not entry.finished.is_set():
+                raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+        finally:
+            for task in (rpc, broken):
+                if not task.done():
+                    task.cancel()
+
     def next_attempt(self, request_id: str) -> Retry:
         """Give up on the request's current try (its worker died): from now on only
         deltas of the next try are taken (late ones of the old try are dropped, as
@@ -313,6 +382,8 @@ class TokenStreamCollector:
         entry = self._open[request_id]
         entry.attempt += 1
         entry.held.clear()
+        entry.senders.clear()
+        entry.broken.clear()
         resume = None
         if entry.token_ids:
             resume = Resume(tuple(entry.token_ids), entry.chars, entry.cumulative_logprob)
@@ -333,10 +404,30 @@ class TokenStreamCollector:
                 self.num_rejected += 1
                 log.warning("token stream: dropped a bad message: %s", e)
                 continue
+            self._check_sequence(batch)
             for d in batch.deltas:
                 entry = self._open.get(d.request_id)
                 if entry is not None:  # else: late deltas of a request that ended here
+                    if d.attempt == entry.attempt:
+                        entry.senders.add(batch.worker_id)
                     self._accept(entry, d)
+
+    def _check_sequence(self, batch: TokenDeltaBatch) -> None:
+        """Batches of one publisher come numbered from 0; a missing number means lost
+        deltas of requests we cannot name, so every try that publisher sends to is
+        broken (they move on from what was handed on; nothing short is passed off as
+        complete)."""
+        wid = batch.worker_id
+        expected = self._next_seq.get(wid, 0)
+        self._next_seq[wid] = max(expected, batch.seq + 1)
+        if batch.seq <= expected:
+            return
+        self.num_gaps += 1
+        log.warning("token stream: batches %d..%d from %s are missing; its requests move on",
+                    expected, batch.seq - 1, wid)
+        for entry in self._open.values():
+            if wid in entry.senders:
+                entry.broken.set()
 
     def _accept(self, entry: _Open, d: TokenDelta) -> None:
         """Hand `d` on in offset order: one that overtook an earlier delta (another
@@ -362,6 +453,8 @@ class TokenStreamCollector:
     @staticmethod
     def _pass(entry: _Open, out: RequestOutput) -> None:
         entry.queue.put_nowait(out)
+        if out.finished:
+            entry.finished.set()
         c = out.outputs[0]
         entry.next_offset += len(c.token_ids)
         entry.token_ids += c.token_ids

@@ -219,3 +219,51 @@ def test_health_stays_up_while_a_pool_role_can_be_served(model_dir: Path) -> Non
         return seen
 
     assert asyncio.run(main()) == [("ok", True), ("degraded", True), ("unavailable", False)]
+
+
+def test_a_gap_in_a_workers_token_stream_moves_the_request_on_not_short() -> None:
+    """A batch of the worker's deltas is lost on the way (its sequence number is
+    missing): the try is broken though its call succeeded; the next try resumes
+    from the tokens handed on, and the client gets every token once."""
+    import zmq
+
+    from pdserve.cluster.backend import TokenStreams
+    from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
+
+    def delta(offset: int, tokens: tuple[int, ...], attempt: int, final: bool = False) -> TokenDelta:
+        return TokenDelta("g", offset, tokens, "x" * len(tokens), "length" if final else None, None, None, 0, None,
+                          None, None, None, attempt)
+
+    class Pushing:
+        def __init__(self, worker: str, batches: list[tuple[int, tuple[TokenDelta, ...]]]) -> None:
+            self.worker, self.batches, self.seen = worker, batches, None
+
+        async def call(self, req: Any) -> None:
+            self.seen = req
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.connect(req.reply_to)
+            for seq, deltas in self.batches:
+                sock.send(encode(TokenDeltaBatch(worker_id=self.worker, seq=seq, deltas=deltas)))
+            await asyncio.sleep(0.1)
+            sock.close(linger=1000)
+
+        def abort(self, request_id: str) -> None:
+            pass
+
+    first = Pushing("w1", [(0, (delta(0, (1, 2), 0),)),  # seq 1, carrying token 3, never arrives
+                           (2, (delta(3, (4,), 0),))])
+    second = Pushing("w2", [(0, (delta(2, (3, 4, 5), 1, final=True),))])
+    tries = iter([first, second])
+
+    async def run() -> list[int]:
+        streams = TokenStreams("127.0.0.1")
+        try:
+            req = streams.request("g", [7, 8], SamplingParams(max_tokens=5), 10.0)
+            outs = [o async for o in streams.run(req, lambda r, failed: next(tries))]
+            assert streams.collector.num_gaps == 1 and streams.stats.migrations == 1
+            return [t for o in outs for t in o.outputs[0].token_ids]
+        finally:
+            await streams.close()
+
+    assert asyncio.run(run()) == [1, 2, 3, 4, 5]
+    assert second.seen is not None and second.seen.resume.token_ids == (1, 2) and second.seen.attempt == 1

@@ -121,3 +121,52 @@ def test_a_resume_that_cannot_be_right_is_refused(model_dir: Path) -> None:
     with pytest.raises(ValueError):
         Resume((), 0)
     assert not eng.has_unfinished_requests() and eng.kv.pool.num_used == 0
+
+
+def test_a_later_try_replaces_the_earlier_one_and_late_aborts_spare_it(model_dir: Path) -> None:
+    """The gateway gave up on try 0 (its stream broke) and sent try 1 to the same
+    worker: try 0 ends there (blocks freed), try 1 runs; try 0's abort, arriving
+    late, leaves try 1 alone; the same try twice is refused."""
+    import asyncio
+
+    from pdserve.workers.async_engine import AsyncEngine, RequestAbortedError
+    from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.token_stream import TokenStreamCollector
+
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = list(range(5, 25))
+    want = LLM(str(model_dir), max_model_len=512, num_kv_blocks=128, progress=False).generate(
+        [prompt], params)[0].outputs[0].token_ids
+
+    async def run(ae: AsyncEngine) -> list[int]:
+        collector = TokenStreamCollector()
+        collector.open("r", prompt, 30.0)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        async def read() -> list[int]:
+            return [t async for o in collector.consume("r", done) for t in o.outputs[0].token_ids]
+
+        def try_(attempt: int, resume: Resume | None = None) -> asyncio.Future[None]:
+            req = ServeRequest("r", tuple(prompt), params, 30.0, collector.address, attempt=attempt, resume=resume)
+            return asyncio.ensure_future(ae.serve(req))
+
+        try:
+            reader = asyncio.ensure_future(read())
+            first = try_(0)
+            await asyncio.sleep(0.05)
+            with pytest.raises(ValueError, match="already running"):
+                await try_(0)
+            second = try_(1, collector.next_attempt("r").resume)
+            with pytest.raises(RequestAbortedError, match="superseded"):
+                await first
+            ae.abort("r", attempt=0)  # late: try 1 is spared
+            await second
+            done.set_result(None)
+            return await reader
+        finally:
+            await collector.close()
+
+    with AsyncEngine(engine(model_dir)) as ae:
+        assert asyncio.run(run(ae)) == want
+        assert ae.engine.kv.pool.num_used == 0 or ae.engine.config.enable_prefix_caching
+        assert ae.num_in_flight == 0

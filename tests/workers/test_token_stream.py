@@ -263,3 +263,41 @@ def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Pa
         assert len([lp for o in outs for lp in o.outputs[0].logprobs or []]) == len(ref.outputs[0].token_ids)
         assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
     assert engine.engine.kv.pool.num_used == 0
+
+
+def test_a_worker_aborts_the_requests_of_a_gateway_that_is_gone(model_dir: Path) -> None:
+    """The gateway dies mid-stream (its socket closes), or was never reachable: the
+    worker ends those requests after its grace and frees their blocks, instead of
+    decoding to the deadline for nobody."""
+    import socket
+
+    from pdserve.workers.async_engine import RequestAbortedError
+
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        nowhere = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+
+    async def run(ae: AsyncEngine) -> list[float]:
+        collector = TokenStreamCollector()
+        collector.open("live", [5, 6, 7], 60.0)
+        t0 = time.monotonic()
+        gone = asyncio.ensure_future(ae.serve(ServeRequest("live", (5, 6, 7), params, 60.0, collector.address)))
+        never = asyncio.ensure_future(ae.serve(ServeRequest("never", (5, 6, 7), params, 60.0, nowhere)))
+        await asyncio.sleep(0.3)
+        await collector.close()  # the gateway is gone
+        ended = []
+        for fut in (gone, never):
+            with pytest.raises((StreamLostError, RequestAbortedError), match="gateway is gone"):
+                await fut
+            ended.append(time.monotonic() - t0)
+        return ended
+
+    ae = AsyncEngine(LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False).engine)
+    ae.gateway_gone_s = 0.5
+    with ae:
+        ended = asyncio.run(run(ae))
+        assert max(ended) < 10.0, ended  # not 400 tokens' worth, nor the 60 s deadline
+        assert ae.num_orphans_aborted == 2 and ae.num_in_flight == 0
+        assert ae.engine.kv.pool.num_used == 0 or ae.engine.config.enable_prefix_caching
+        assert not ae.engine.has_unfinished_requests()
