@@ -10,6 +10,7 @@ token stream, never through these calls.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import itertools
@@ -23,7 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from pdserve.cluster.reports import LoadReport, WorkerInfo
+from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
 from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
@@ -81,6 +82,32 @@ class _Service:
         with contextlib.suppress(TimeoutError):
             await self.async_engine.call(self.worker_metrics.sample, timeout_s=_SAMPLE_TIMEOUT_S)
         return self.worker_metrics.render()
+
+    async def drain_state(self) -> DrainState:
+        """What this worker still holds (engine thread: a consistent view)."""
+        def read(e: LLMEngine) -> tuple[int, int]:
+            return len(e.scheduler.requests), e.kv.pool.num_used
+
+        requests, used = await self.async_engine.call(read)
+        return DrainState(self.async_engine.num_in_flight, requests, used, self._registrations(),
+                          len(asyncio.all_tasks()), threading.active_count(),
+                          self.async_engine.num_orphans_aborted, self.incarnation)
+
+    def _registrations(self) -> int:
+        return 0
+
+    async def inject_fault(self, kind: str) -> None:
+        """Chaos tests: `engine_crash` makes the engine thread fail as a bug would.
+        Refused unless the worker was started with PDSERVE_FAULT_INJECTION=1."""
+        if os.environ.get("PDSERVE_FAULT_INJECTION") != "1":
+            raise PermissionError("fault injection is off (PDSERVE_FAULT_INJECTION=1 turns it on)")
+        if kind != "engine_crash":
+            raise ValueError(f"kind: unknown fault {kind!r} (known: engine_crash)")
+
+        def crash() -> None:
+            raise RuntimeError("injected engine-thread crash")
+
+        self.async_engine.post(crash)
 
     def close(self) -> None:
         """Stop the engine thread (requests in flight fail) and the transport."""
@@ -159,6 +186,9 @@ class DecodeService(_Service):
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.receiver.address)
+
+    def _registrations(self) -> int:
+        return int(getattr(self.receiver, "num_registered", 0))
 
     async def serve(self, req: ServeRequest) -> None:
         """The whole request here (the router chose local prefill)."""

@@ -18,6 +18,25 @@ class WorkerInfo:
 
 
 @dataclass(frozen=True)
+class DrainState:
+    """What a worker still holds (the chaos suite reads it once the load is over:
+    everything but the thread and task counts should be 0 then)."""
+
+    jobs: int  # requests this worker's AsyncEngine tracks
+    engine_requests: int  # requests in the engine (queued, running, held, awaiting KV)
+    used_blocks: int  # KV blocks referenced (free and cached-but-evictable ones do not count)
+    kv_registrations: int  # a decode worker's receiver: transfers it still expects
+    tasks: int  # asyncio tasks on the actor's event loop
+    threads: int  # threads in the worker process
+    orphans_aborted: int  # requests aborted because their gateway was gone
+    incarnation: str  # which life of the worker process answered
+
+    @property
+    def drained(self) -> bool:
+        return not (self.jobs or self.engine_requests or self.used_blocks or self.kv_registrations)
+
+
+@dataclass(frozen=True)
 class LoadReport:
     snapshot: EngineSnapshot  # taken on the worker's engine thread
     # Prefix-cache events since the previous report, numbered per worker: a gap in

@@ -85,6 +85,9 @@ class DecodeWorker:
         self.transfer_recorder = transfer_recorder
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.num_transfer_failures = 0
+        # Reservations given up because their KV did not come within the remote
+        # prefill's budget (`prefill_timeout_s`): the blocks' lease expired.
+        self.num_leases_expired = 0
         # Its own threads for the receiver's blocking waits: the event loop's default
         # pool is shared with everything else in the process, and small.
         self._waits = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
@@ -185,6 +188,7 @@ class DecodeWorker:
             return await asyncio.wait_for(peer.prefill(order), timeout=min(budget + _PEER_GRACE_S, remaining))
         except TimeoutError:
             if budget < remaining:
+                self.num_leases_expired += 1
                 self._count_failure(None)
                 return None  # the remote prefill's own budget ran out: the policy decides
             await self.async_engine.end_and_wait(job, Exit.DEADLINE)

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+import zmq.asyncio
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def heartbeats_supported() -> bool:
     return zmq.zmq_version_info()[:2] >= HEARTBEAT_MIN_ZMQ
 
 
-def apply_heartbeats(sock: zmq.Socket[bytes], *, ivl_ms: int = HEARTBEAT_IVL_MS,
+def apply_heartbeats(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, *, ivl_ms: int = HEARTBEAT_IVL_MS,
                      timeout_ms: int = HEARTBEAT_TIMEOUT_MS, ttl_ms: int = HEARTBEAT_TTL_MS) -> bool:
     """Turn on ZMTP heartbeats for `sock`'s future connections (set before `connect`/`bind`).
 

@@ -7,6 +7,7 @@ one (Ray's processes are killed for real in tests/chaos)."""
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -267,3 +268,41 @@ def test_a_gap_in_a_workers_token_stream_moves_the_request_on_not_short() -> Non
 
     assert asyncio.run(run()) == [1, 2, 3, 4, 5]
     assert second.seen is not None and second.seen.resume.token_ids == (1, 2) and second.seen.attempt == 1
+
+
+def test_a_worker_whose_engine_thread_dies_exits_to_be_restarted(model_dir: Path, tmp_path: Path) -> None:
+    """An engine-thread crash (injected, as a bug would raise) leaves no zombie: the
+    worker's requests fail, then its process exits (Ray restarts it). Fault
+    injection is refused unless the worker was started with it on."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(f"""
+        import asyncio, os, sys
+        from pdserve.cluster.actors import EngineService
+        from pdserve.workers.config import EngineConfig
+        cfg = EngineConfig(model={str(model_dir)!r}, max_model_len=256, num_kv_blocks=64)
+        svc = EngineService(cfg, 1, worker_name="w", exit_on_engine_death=True)
+
+        async def main():
+            state = await svc.drain_state()
+            assert state.drained, state
+            os.environ.pop("PDSERVE_FAULT_INJECTION")
+            try:
+                await svc.inject_fault("engine_crash")
+            except PermissionError:
+                print("refused", flush=True)
+            os.environ["PDSERVE_FAULT_INJECTION"] = "1"
+            await svc.inject_fault("engine_crash")
+            await asyncio.sleep(30)  # the exit comes well before
+            print("still alive", flush=True)
+
+        asyncio.run(main())
+    """))
+    env = {**os.environ, "PDSERVE_FAULT_INJECTION": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, env=env)
+    assert "refused" in proc.stdout and "still alive" not in proc.stdout
+    assert proc.returncode == 70, proc.stderr[-2000:]
+    assert "engine thread failed" in proc.stderr

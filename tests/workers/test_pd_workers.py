@@ -126,6 +126,9 @@ def test_bad_kv_message_is_detected_and_recomputed(model_dir: Path, fault: str) 
 
     tokens = asyncio.run(serve_one(p, d, "f", ps[0], PARAMS))
     assert d.num_transfer_failures == 1
+    # A lost message shows as KV that never comes: the reservation's lease (the
+    # remote prefill's 2 s budget) expires; a corrupt one is refused at once.
+    assert d.num_leases_expired == (1 if fault == "drop" else 0)
     assert tokens == expected(model_dir, ps, PARAMS)[0]  # re-prefilled on the decode worker: still right
     assert_no_blocks(p, d)
 
