@@ -18,9 +18,10 @@ with probability min(1, p(x)/q(x)) and resamples from max(0, p - q) at the first
 rejection, so the output distribution is the target's whatever q is; the closer q is to
 p, the more is accepted (sampling from q accepts sum(min(p, q)) on average,
 an argmax draft only p(argmax)). A seeded request's drafts draw from a
-generator seeded from its seed, so they do not depend on the batch (they do
-depend on how many drafts the engine chose to make, and a preempted request's
-draft stream starts over).
+generator reseeded from its (salted) seed and the draft's position at every
+step (sampler.seeded_at), so they depend on neither the batch nor a preemption
+or a migration to another worker; which drafts are accepted still depends on
+how many the engine chose to make, never the output's distribution.
 """
 
 from __future__ import annotations
