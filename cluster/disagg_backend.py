@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +34,8 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
 
 # The router knows no worker until the first poll has answered; a worker that
 # takes longer than this to report is taken for dead (until it answers again).
@@ -157,7 +160,11 @@ class DisaggregatedBackend:
         """One worker's poll loop (each worker has its own: one that hangs or
         restarts for a minute does not hold the others' reports)."""
         while not self._closing:
-            await self._refresh_one(wid, role)
+            try:
+                await self._refresh_one(wid, role)
+            except Exception:  # noqa: BLE001 - a bug in handling one report must not end the loop for good
+                log.exception("poll of worker %s failed", wid)
+                self._lose(wid)
             self._polled.add(wid)
             if len(self._polled) == len(self.prefill) + len(self.decode):
                 ready.set()

@@ -224,14 +224,18 @@ class _FlakyWorker:
     """A worker whose load report fails while `down` (dead, hung, restarting)."""
 
     def __init__(self, name: str) -> None:
-        self.name, self.down, self.seq = name, False, 0
+        self.name, self.down, self.seq, self.incarnation = name, False, 0, "1"
+        self.garbled = False  # the next report is not a LoadReport (a bug, a version skew)
 
     async def load(self) -> LoadReport:
         if self.down:
             raise RuntimeError(f"{self.name} is down")
+        if self.garbled:
+            self.garbled = False
+            return "not a report"  # type: ignore[return-value]
         self.seq += 1
         return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
-                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()))
+                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()), self.incarnation)
 
 
 def test_a_worker_that_answers_again_is_routed_to_again() -> None:
@@ -249,3 +253,41 @@ def test_a_worker_that_answers_again_is_routed_to_again() -> None:
         return seen
 
     assert asyncio.run(main()) == [(True, True), (False, False), (True, True)]
+
+
+def test_the_poller_survives_anything_and_finds_restarted_and_missing_workers() -> None:
+    """Each worker's poll loop goes on whatever a poll raises (a dead worker, an
+    engine error, a report it cannot read); a worker not found when the gateway
+    started is looked up until it exists; a restart (new incarnation) is counted."""
+    p, d = _FlakyWorker("p0"), _FlakyWorker("d0")
+    found: dict[str, LocalActor | None] = {"pdserve-decode-0": None}
+    backend = DisaggregatedBackend({"p0": LocalActor(p)}, {"d0": None}, Router(RouterConfig(), BS), poll_s=0.01,
+                                   names={"p0": "pdserve-prefill-0", "d0": "pdserve-decode-0"},
+                                   lookup=lambda name: found.get(name))
+
+    async def until(cond: Callable[[], bool]) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError("condition not reached in 5 s")
+
+    async def main() -> None:
+        try:
+            await backend.start()
+            assert backend.health().status == "unavailable"  # no decode worker yet
+            found["pdserve-decode-0"] = LocalActor(d)  # it comes up
+            await until(lambda: backend.health().status == "ok")
+            d.garbled = True  # a report the gateway cannot use: out for a moment, then back
+            await until(lambda: backend.events.lost == 1)
+            await until(lambda: backend.health().status == "ok")
+            d.down = True
+            await until(lambda: backend.events.lost == 2 and backend.health().status == "unavailable")
+            d.incarnation, d.down = "2", False  # Ray restarted it
+            await until(lambda: backend.health().status == "ok")
+            assert backend.events.readmitted == 2 and backend.events.restarted == 1
+            assert all(not t.done() for t in backend._pollers)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
