@@ -25,7 +25,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
-from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
+from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
@@ -34,6 +34,7 @@ from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.transfer.base import KVReceiver, KVSender, Transport
+from pdserve.workers.transfer.control import NetworkSender
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class _Service:
                  exit_on_engine_death: bool) -> None:
         self.pool, self.name = pool, worker_name
         self.engine, self.async_engine = engine, async_engine
-        self.worker_metrics = WorkerMetrics(pool, worker_name, engine.config.num_speculative_tokens)
+        self.worker_metrics = WorkerMetrics(pool, worker_name, engine.config.num_speculative_tokens, self.counts)
         self.worker_metrics.attach(engine)
         self._event_seq = itertools.count()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
@@ -95,6 +96,10 @@ class _Service:
 
     def _registrations(self) -> int:
         return 0
+
+    def counts(self) -> WorkerCounts:
+        """Its failure counters now (its metrics export them at each scrape)."""
+        return WorkerCounts(orphans_aborted=self.async_engine.num_orphans_aborted)
 
     async def inject_fault(self, kind: str) -> None:
         """Chaos tests: `engine_crash` makes the engine thread fail as a bug would.
@@ -151,6 +156,12 @@ class PrefillService(_Service):
         worker.transfer_recorder = self.worker_metrics
         self.worker = worker.start()
 
+    def counts(self) -> WorkerCounts:
+        # A copy of the values first: a KV-sending thread may add a sender meanwhile.
+        senders = [s for s in tuple(self._senders.values()) if isinstance(s, NetworkSender)]
+        return dataclasses.replace(super().counts(), link_resyncs=sum(s.num_resyncs for s in senders),
+                                   links_lost=sum(s.num_links_lost for s in senders))
+
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill into a decode worker's reserved blocks; the first token once its KV is verified there."""
         return await self.worker.prefill(order)
@@ -189,6 +200,10 @@ class DecodeService(_Service):
 
     def _registrations(self) -> int:
         return int(getattr(self.receiver, "num_registered", 0))
+
+    def counts(self) -> WorkerCounts:
+        return dataclasses.replace(super().counts(), awaiting_kv=self._registrations(),
+                                   leases_expired=self.worker.num_leases_expired)
 
     async def serve(self, req: ServeRequest) -> None:
         """The whole request here (the router chose local prefill)."""

@@ -60,6 +60,22 @@ class Health:
                 "pools": {name: {"live": p.live, "total": p.total} for name, p in self.pools.items()}}
 
 
+@dataclass(frozen=True)
+class Reliability:
+    """What the gateway exports about failures and recovery, read at scrape time
+    (counters are the backend's own totals; 0 where a backend has no such thing)."""
+
+    health: Health
+    migrations: int = 0  # tries started because the previous try's worker died or its stream broke
+    resumed_tokens: int = 0  # output tokens those tries did not send again
+    exhausted: int = 0  # requests that failed after their last allowed try
+    stream_gaps: int = 0  # batches missing from a worker's token-stream sequence
+    stream_stale: int = 0  # deltas of a try given up on (a migrated request's old worker)
+    workers_lost: int = 0  # workers that went from answering to not
+    workers_readmitted: int = 0  # lost workers that answered again
+    workers_restarted: int = 0  # workers that answered from a new process
+
+
 class GenerationBackend(Protocol):
     """What the gateway needs from the cluster (or from one in-process engine)."""
 
@@ -88,6 +104,10 @@ class GenerationBackend(Protocol):
 
     def router_stats(self) -> RouterStats | None:
         """The router's counters, where it routes (the gateway exports them)."""
+        ...
+
+    def reliability(self) -> Reliability:
+        """Its health and failure counters now (the gateway exports them)."""
         ...
 
     async def start(self) -> None:
@@ -160,6 +180,14 @@ class TokenStreams:
             host = ray.util.get_node_ip_address() if self.bind_host == "auto" else self.bind_host
             self._collector = TokenStreamCollector(host)
         return self._collector
+
+    def reliability(self, health: Health) -> Reliability:
+        """Its counters now, with `health`; the collector's are 0 until a request made it
+        (reading them does not make one)."""
+        s, c = self.stats, self._collector
+        return Reliability(health, s.migrations, s.resumed_tokens, s.exhausted,
+                           stream_gaps=c.num_gaps if c is not None else 0,
+                           stream_stale=c.num_stale if c is not None else 0)
 
     def request(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> ServeRequest:
         """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
@@ -240,6 +268,9 @@ class ColocatedBackend:
 
     def router_stats(self) -> RouterStats | None:
         return None
+
+    def reliability(self) -> Reliability:
+        return self.streams.reliability(self.health())
 
     async def start(self) -> None:
         if self._finder is None and self.lookup is not None and None in self.workers:
@@ -336,6 +367,9 @@ class LocalBackend:
 
     def router_stats(self) -> RouterStats | None:
         return None
+
+    def reliability(self) -> Reliability:
+        return Reliability(self.health())  # no token stream, no workers to lose
 
     async def start(self) -> None:
         self.engine.start()

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.backend import WORKER_LOST, Health, Placement, PoolState, TokenStreams, _abort
+from pdserve.cluster.backend import WORKER_LOST, Health, Placement, PoolState, Reliability, TokenStreams, _abort
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router
@@ -100,6 +100,11 @@ class DisaggregatedBackend:
 
     def router_stats(self) -> RouterStats | None:
         return self.router.stats
+
+    def reliability(self) -> Reliability:
+        e = self.events
+        return dataclasses.replace(self.streams.reliability(self.health()), workers_lost=e.lost,
+                                   workers_readmitted=e.readmitted, workers_restarted=e.restarted)
 
     async def start(self) -> None:
         """Start polling worker loads; returns once every worker answered or failed its first poll."""

@@ -99,7 +99,7 @@ class Work:
 class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        self.metrics = GatewayMetrics(backend.router_stats)
+        self.metrics = GatewayMetrics(backend.router_stats, backend.reliability)
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
         self._admitted = 0

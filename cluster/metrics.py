@@ -3,7 +3,9 @@
 Latencies are measured where the user feels them: `RequestMetrics` starts when
 the HTTP handler starts and ticks when a chunk carrying tokens goes to the client
 (openai_app.py calls it). Router counters are read from the router's own
-`RouterStats` at scrape time. Each scrape also fetches every worker's exposition
+`RouterStats` at scrape time, and the backend's health and failure counters
+(pools' live workers, migrations, lost and restarted workers, token-stream gaps)
+from its `Reliability`. Each scrape also fetches every worker's exposition
 (`metrics()` on its actor) concurrently under one deadline, merges the samples of
 each family across workers, and renders them with the gateway's own families as
 one exposition (one HELP/TYPE per family). `pdserve:worker_up` says which
@@ -19,15 +21,18 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
 from pdserve.cluster.worker_metrics import WithoutCreated
 from pdserve.workers.outputs import RequestOutput
+
+if TYPE_CHECKING:
+    from pdserve.cluster.backend import Reliability
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +42,7 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
+HEALTH_STATES = ("ok", "degraded", "unavailable")  # `Health.status`
 WORKER_SCRAPE_DEADLINE_S = 2.0
 
 # Actor name -> (pool, actor handle with an async `metrics()` returning the exposition).
@@ -45,9 +51,12 @@ WorkerHandles = Mapping[str, tuple[str, Any]]
 
 class GatewayMetrics:
     """The gateway's registry. `router_stats` returns the disaggregated router's
-    counters (None without a router: the families export zeros)."""
+    counters (None without a router: the families export zeros); `reliability`
+    the backend's health and failure counters (None: counters export zeros, and
+    pools and health nothing)."""
 
-    def __init__(self, router_stats: Callable[[], RouterStats | None] = lambda: None) -> None:
+    def __init__(self, router_stats: Callable[[], RouterStats | None] = lambda: None,
+                 reliability: Callable[[], Reliability | None] = lambda: None) -> None:
         self.registry = r = CollectorRegistry()
         self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
                                       ["endpoint", "status"], registry=r)
@@ -80,6 +89,7 @@ class GatewayMetrics:
         for code in ERROR_CODES:
             self.errors.labels(code)
         r.register(_RouterCollector(router_stats))
+        r.register(_ReliabilityCollector(reliability))
 
     def request(self) -> RequestMetrics:
         """A request arrived (call where the HTTP handler starts)."""
@@ -264,3 +274,51 @@ class _RouterCollector:
                                      "Prompt tokens the chosen prefill worker already held (router's index)")
         cached.add_metric([], stats.cached_prompt_tokens if stats else 0)
         yield cached
+
+
+# (family, help, `Reliability` field) of the gateway's failure and recovery counters.
+_RELIABILITY_COUNTERS = (
+    ("pdserve:request_migrations", "Tries started because the previous try's worker died or its token stream broke",
+     "migrations"),
+    ("pdserve:request_migration_resumed_tokens",
+     "Output tokens that migrated tries did not send again (the client had them)", "resumed_tokens"),
+    ("pdserve:request_migrations_exhausted", "Requests that failed after their last allowed try", "exhausted"),
+    ("pdserve:workers_lost", "Workers that went from answering to not (a call or a poll failed)", "workers_lost"),
+    ("pdserve:workers_readmitted", "Lost workers that answered again", "workers_readmitted"),
+    ("pdserve:workers_restarted", "Workers that answered from a new process (restarted)", "workers_restarted"),
+    ("pdserve:token_stream_gaps", "Batches missing from a worker's token-stream sequence (its requests move on)",
+     "stream_gaps"),
+    ("pdserve:token_stream_stale_deltas", "Token deltas of tries given up on (dropped)", "stream_stale"),
+)
+
+
+class _ReliabilityCollector:
+    """The backend's `Reliability`: pools, health state, migrations, worker events, token-stream gaps."""
+
+    def __init__(self, reliability: Callable[[], Reliability | None]) -> None:
+        self._reliability = reliability
+
+    def collect(self) -> Iterator[Metric]:
+        r = self._reliability()
+        live = GaugeMetricFamily("pdserve:pool_workers_live", "Workers of the pool the gateway routes to now",
+                                 labels=["pool"])
+        configured = GaugeMetricFamily("pdserve:pool_workers_configured", "Workers the pool is deployed with",
+                                       labels=["pool"])
+        state = GaugeMetricFamily("pdserve:health_state",
+                                  "1 for the state /health reports (ok, degraded: a pool short of workers, "
+                                  "unavailable: no request can be served), 0 for the others", labels=["state"])
+        if r is not None:
+            for pool, p in r.health.pools.items():
+                live.add_metric([pool], p.live)
+                configured.add_metric([pool], p.total)
+            status = r.health.status
+            for s in HEALTH_STATES:
+                state.add_metric([s], float(s == status))
+        yield live
+        yield configured
+        yield state
+
+        for name, doc, field in _RELIABILITY_COUNTERS:
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], getattr(r, field) if r is not None else 0)
+            yield c

@@ -1,13 +1,16 @@
 """One worker's Prometheus metrics (its own registry), labelled by pool and worker name.
 
-Three feeds, each on the thread that owns its data:
+Four feeds, each on the thread that owns its data:
   * engine steps: `observe_step` is one of the engine's step observers (engine thread);
   * KV transfers: `on_handoff` / `on_failure` (a `TransferRecorder`), from the
     transport's caller (the engine thread) or the decode worker;
   * engine counters and gauges: `sample(engine)` copies them into an immutable
     `EngineSnapshot`; the owner runs it on the engine thread (`AsyncEngine.call`)
     just before rendering, so nothing here reads the scheduler's lists while
-    the scheduler changes them.
+    the scheduler changes them;
+  * the worker's failure counters (leases expired, KV links lost, orphans
+    aborted, ...): `counts()`, a callable the owner gives, read at render time
+    (the counters are plain ints and locked properties, safe to read anywhere).
 `render()` may run on any thread: it reads the last sample and the
 prometheus_client metrics (which lock their own values).
 
@@ -20,7 +23,8 @@ label set exists from the first scrape.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -46,12 +50,26 @@ class Pool(str, enum.Enum):
     COLOCATED = "colocated"
 
 
+@dataclass(frozen=True)
+class WorkerCounts:
+    """A worker's own failure and recovery counters (0 where its role has none)."""
+
+    awaiting_kv: int = 0  # decode: requests whose KV its receiver awaits (registered, not released)
+    leases_expired: int = 0  # decode: reservations released because their KV did not come in time
+    orphans_aborted: int = 0  # requests aborted because their gateway was gone
+    link_resyncs: int = 0  # prefill: KV links that came back after a loss (credits granted anew)
+    links_lost: int = 0  # prefill: KV links to decode workers lost after they were up
+
+
 class WorkerMetrics:
     """The registry of one worker. `num_speculative_tokens` fixes the draft
-    positions exported from the start (k; more appear if the engine drafts more)."""
+    positions exported from the start (k; more appear if the engine drafts more).
+    `counts` returns the worker's failure counters at render time (default: zeros)."""
 
-    def __init__(self, pool: Pool, worker: str, num_speculative_tokens: int = 0) -> None:
+    def __init__(self, pool: Pool, worker: str, num_speculative_tokens: int = 0,
+                 counts: Callable[[], WorkerCounts] = WorkerCounts) -> None:
         self.pool, self.worker = Pool(pool), worker
+        self.counts = counts
         self.registry = CollectorRegistry()
         self._sample = EngineSnapshot()
         self._positions = num_speculative_tokens
@@ -114,7 +132,8 @@ class WorkerMetrics:
 
 
 class _EngineCollector:
-    """Exports the last `EngineSnapshot` (counters are the engine's own monotonic totals)."""
+    """Exports the last `EngineSnapshot` (counters are the engine's own monotonic totals)
+    and the worker's `WorkerCounts` now."""
 
     def __init__(self, owner: WorkerMetrics) -> None:
         self._owner = owner
@@ -152,6 +171,19 @@ class _EngineCollector:
         for i in range(max(o._positions, len(accepted))):
             per_pos.add_metric([*labels, str(i)], accepted[i] if i < len(accepted) else 0)
         yield per_pos
+
+        c = o.counts()
+        yield gauge("pdserve:num_requests_awaiting_kv",
+                    "Decode: requests whose KV from a prefill worker has not all arrived yet", c.awaiting_kv)
+        yield counter("pdserve:kv_leases_expired",
+                      "Decode: reserved blocks released because their KV did not come within the remote prefill's "
+                      "budget", c.leases_expired)
+        yield counter("pdserve:orphan_requests_aborted", "Requests aborted because their gateway was gone",
+                      c.orphans_aborted)
+        yield counter("pdserve:kv_link_resyncs", "Prefill: KV links to decode workers that came back after a loss",
+                      c.link_resyncs)
+        yield counter("pdserve:kv_links_lost", "Prefill: KV links to decode workers lost after they were up "
+                      "(their pending transfers fail with peer_lost)", c.links_lost)
 
 
 class WithoutCreated:

@@ -109,6 +109,11 @@ class FakeBackend:
     def router_stats(self) -> Any:
         return None
 
+    def reliability(self) -> Any:
+        from pdserve.cluster.backend import Reliability
+
+        return Reliability(self.health())
+
     async def start(self) -> None:
         pass
 

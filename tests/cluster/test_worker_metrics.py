@@ -5,11 +5,13 @@ engine and the KV transport did."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+import socket
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import zmq
 from factories import handoff_deltas, tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,7 +84,13 @@ def test_counters_and_step_histograms_equal_engine_truth(model_dir: Path) -> Non
     assert value(s, "pdserve:num_preemptions_total") == e.stats.preemptions == 0
     # Series that nothing has touched exist from the first scrape.
     assert value(s, "pdserve:kv_transfer_failures_total", kind="timeout") == 0
+    assert value(s, "pdserve:kv_transfer_failures_total", kind="peer_lost") == 0
     assert value(s, "pdserve:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 0
+    # A worker without a service behind it: its fault counters exist, at 0.
+    for name in ("pdserve:num_requests_awaiting_kv", "pdserve:kv_leases_expired_total",
+                 "pdserve:orphan_requests_aborted_total", "pdserve:kv_link_resyncs_total",
+                 "pdserve:kv_links_lost_total"):
+        assert value(s, name) == 0, name
 
 
 def test_gauges_while_requests_run(model_dir: Path) -> None:
@@ -187,3 +195,105 @@ def test_queue_time_crosses_the_token_stream() -> None:
     batch = decode_as(encode(TokenDeltaBatch(worker_id="w", seq=0, deltas=(to_delta(queued, 0), to_delta(fresh, 0)))),
                       TokenDeltaBatch)
     assert [from_delta(d, [1]).metrics for d in batch.deltas] == [{"queue_time_s": 0.125}, {}]
+
+
+def test_services_export_their_fault_counters(model_dir: Path) -> None:
+    """Real worker services (ZeroMQ KV transport on loopback): a request awaiting its
+    KV, a reservation whose KV never comes (its lease expires), a request whose gateway
+    is gone, and a KV link lost and resynced, each exported as its object counts it."""
+    import time
+
+    from factories import LocalActor
+
+    from pdserve.cluster.actors import DecodeService, PrefillService
+    from pdserve.workers.async_engine import RequestAbortedError
+    from pdserve.workers.config import EngineConfig
+    from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector
+    from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
+
+    base = EngineConfig(model=str(model_dir), max_model_len=1024, num_kv_blocks=128, block_size=BS)
+    p = PrefillService(base, 1, worker_name="p0")
+    d = DecodeService(base, 1, "127.0.0.1", worker_name="d0")
+    d.worker.prefill_timeout_s = 0.5
+    d.async_engine.gateway_gone_s = 0.3
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompt = list(range(5, 55))
+    replacement: list[ZmqKVReceiver] = []
+
+    class Silent:
+        """A prefill worker that takes the order and is never heard of again."""
+
+        async def prefill(self, order: object) -> None:
+            await asyncio.sleep(3600)
+
+        def abort(self, request_id: str, attempt: int = 0) -> None:
+            pass
+
+    async def until(check: Callable[[], bool], seconds: float = 5.0) -> None:
+        end = time.monotonic() + seconds
+        while not check():
+            assert time.monotonic() < end, "condition not reached"
+            await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        collector = TokenStreamCollector()
+
+        async def outputs(rid: str, call: Awaitable[object]) -> list[object]:
+            return [o async for o in collector.consume(rid, call)]
+
+        try:
+            # 1. A handoff whose prefill worker is silent: awaiting KV, then its lease expires.
+            collector.open("l", prompt, 10.0)
+            req = ServeRequest("l", tuple(prompt), params, 10.0, collector.address)
+            lease = asyncio.ensure_future(outputs("l", d.worker.handoff(req, Silent())))
+            await until(lambda: d.receiver.num_registered == 1)
+            await d.metrics()  # the service's own scrape path
+            s = scrape(d.worker_metrics)
+            assert value(s, "pdserve:num_requests_awaiting_kv") == d.receiver.num_registered == 1
+            assert value(s, "pdserve:kv_leases_expired_total") == d.worker.num_leases_expired == 0
+            assert await lease  # computed here instead
+            s = scrape(d.worker_metrics)
+            assert value(s, "pdserve:kv_leases_expired_total") == d.worker.num_leases_expired == 1
+            assert value(s, "pdserve:num_requests_awaiting_kv") == d.receiver.num_registered == 0
+
+            # 2. A request whose gateway never listens: aborted as an orphan.
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                nowhere = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+            long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
+            with pytest.raises((StreamLostError, RequestAbortedError), match="gateway is gone"):
+                await d.serve(ServeRequest("o", (5, 6, 7), long, 60.0, nowhere))
+            s = scrape(d.worker_metrics)
+            assert value(s, "pdserve:orphan_requests_aborted_total") == d.async_engine.num_orphans_aborted == 1
+
+            # 3. A real handoff opens p0's KV link to d0; d0's receiver goes, a new one takes its
+            # address: the link is lost, then resynced.
+            collector.open("k", prompt, 10.0)
+            req = ServeRequest("k", tuple(prompt), params, 10.0, collector.address)
+            assert await outputs("k", d.handoff(req, LocalActor(p)))
+            (sender,) = p._senders.values()
+            address = d.receiver.address
+            d.receiver.close()
+            end = time.monotonic() + 3
+            while not replacement:
+                try:
+                    replacement.append(ZmqKVReceiver(d.engine.kv_caches, address))
+                except zmq.ZMQError:  # libzmq frees the closed listener asynchronously
+                    assert time.monotonic() < end
+                    await asyncio.sleep(0.02)
+            await until(lambda: sender.credits > 0 and sender.num_resyncs == 1)
+            s = scrape(p.worker_metrics)
+            assert value(s, "pdserve:kv_links_lost_total") == sender.num_links_lost == 1
+            assert value(s, "pdserve:kv_link_resyncs_total") == sender.num_resyncs == 1
+            assert value(s, "pdserve:num_requests_awaiting_kv") == 0  # a prefill worker awaits no KV
+        finally:
+            await collector.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        p.close()
+        d.close()
+        for r in replacement:
+            r.close()
