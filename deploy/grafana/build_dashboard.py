@@ -25,6 +25,7 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 RATE = "$__rate_interval"
 GW = 'job=~"$job"'  # gateway series
 WK = 'job=~"$job", pool=~"$pool", worker=~"$worker"'  # per-worker series
+PL = 'job=~"$job", pool=~"$pool"'  # the gateway's per-pool series (no worker label)
 
 # SLO thresholds offered in the dashboard: bucket bounds of the TTFT and TPOT
 # histograms, written as the exporter writes `le` (1 s is "1.0").
@@ -161,6 +162,53 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "position {{position}}")],
               "Share of verification passes that accepted the draft token at each position.", max=1),
     ]),
+    ("Reliability", [
+        Panel("Workers live per pool", "short", [
+            Q(f"min by (pool) (pdserve:pool_workers_live{{{PL}}})", "{{pool}} live"),
+            Q(f"max by (pool) (pdserve:pool_workers_configured{{{PL}}})", "{{pool}} configured"),
+        ], "Workers the gateway routes to now, and the workers each pool is deployed with. Live below configured "
+           "for a minute is the PdservePoolDegraded alert."),
+        Panel("Health", "short", [
+            Q(f'pdserve:health_state{{{GW}, state="degraded"}}'
+              f' + ignoring (state) 2 * pdserve:health_state{{{GW}, state="unavailable"}}', "{{instance}}")],
+              "What /health reports: ok (every worker live), degraded (a pool short of workers, requests still "
+              "served) or unavailable (no request can be served: 503).",
+              kind="stat", extra={"mappings": [{"type": "value", "options": {
+                  "0": {"text": "ok", "color": "green", "index": 0},
+                  "1": {"text": "degraded", "color": "orange", "index": 1},
+                  "2": {"text": "UNAVAILABLE", "color": "red", "index": 2}}}]}),
+        Panel("Migrations", "short", [
+            Q(f"sum(rate(pdserve:request_migrations_total{{{GW}}}[{RATE}]))", "tries moved/s"),
+            Q(f"sum(rate(pdserve:request_migrations_exhausted_total{{{GW}}}[{RATE}]))", "failed after last try/s"),
+            Q(f"sum(rate(pdserve:request_migration_resumed_tokens_total{{{GW}}}[{RATE}]))", "tokens resumed/s"),
+        ], "Tries started because the previous try's worker died or its token stream broke; requests that failed "
+           "after their last allowed try; output tokens the moved tries did not send again."),
+        Panel("Worker events", "short", [
+            Q(f"max(increase(pdserve:workers_lost_total{{{GW}}}[{RATE}]))", "lost"),
+            Q(f"max(increase(pdserve:workers_readmitted_total{{{GW}}}[{RATE}]))", "readmitted"),
+            Q(f"max(increase(pdserve:workers_restarted_total{{{GW}}}[{RATE}]))", "restarted"),
+        ], "What the gateway saw happen to workers per interval: stopped answering, answered again, answered "
+           "from a new process (restarted)."),
+        Panel("Awaiting KV and expired leases", "short", [
+            Q(f"sum by (worker) (pdserve:num_requests_awaiting_kv{{{WK}}})", "{{worker}} awaiting KV"),
+            Q(f"sum by (worker) (increase(pdserve:kv_leases_expired_total{{{WK}}}[{RATE}]))",
+              "{{worker}} leases expired"),
+        ], "Decode workers: requests whose KV has not all arrived yet, and reservations released per interval "
+           "because their KV did not come within the remote prefill's budget."),
+        Panel("KV links lost and resynced", "short", [
+            Q(f"sum by (worker) (increase(pdserve:kv_links_lost_total{{{WK}}}[{RATE}]))", "{{worker}} lost"),
+            Q(f"sum by (worker) (increase(pdserve:kv_link_resyncs_total{{{WK}}}[{RATE}]))", "{{worker}} resynced"),
+        ], "Prefill workers, per interval: KV links to decode workers lost after they were up (transfers in flight "
+           "fail with peer_lost), and links that came back."),
+        Panel("Token stream gaps and stale deltas", "short", [
+            Q(f"sum(increase(pdserve:token_stream_gaps_total{{{GW}}}[{RATE}]))", "gaps"),
+            Q(f"sum(increase(pdserve:token_stream_stale_deltas_total{{{GW}}}[{RATE}]))", "stale deltas"),
+        ], "Per interval, at the gateway: batches missing from a worker's token stream (their requests move on), "
+           "and deltas of tries given up on (dropped)."),
+        Panel("Requests aborted for a gateway gone", "short", [
+            Q(f"sum by (worker) (increase(pdserve:orphan_requests_aborted_total{{{WK}}}[{RATE}]))", "{{worker}}")],
+              "Per interval: requests a worker aborted because the gateway they stream to was gone."),
+    ]),
     ("Errors and routing", [
         Panel("Errors by code", "reqps",
               [Q(f"sum by (code) (rate(pdserve:request_errors_total{{{GW}}}[{RATE}]))", "{{code}}")],
@@ -266,7 +314,7 @@ def dashboard() -> dict[str, Any]:
             {"type": "panel", "id": "stat", "name": "Stat", "version": ""},
         ],
         "uid": "pdserve-overview", "title": "pdserve", "description": "pdserve: SLOs, pools, KV cache and transfer, "
-        "speculative decoding, errors and routing. Built by deploy/grafana/build_dashboard.py.",
+        "speculative decoding, reliability, errors and routing. Built by deploy/grafana/build_dashboard.py.",
         "tags": ["pdserve", "llm-serving"], "timezone": "browser", "editable": True, "graphTooltip": 1,
         "time": {"from": "now-1h", "to": "now"}, "refresh": "30s", "schemaVersion": 38, "version": 1,
         "fiscalYearStartMonth": 0, "liveNow": False, "links": [], "annotations": {"list": [{
