@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -35,6 +36,7 @@ from pdserve.workers.token_stream import GATEWAY_GONE_S, StreamLostError, TokenS
 T = TypeVar("T")
 Start = Callable[[LLMEngine], RequestOutput | None]
 ENGINE_THREAD_NAME = "pdserve-engine"
+_GONE_CHECK_S = 0.5  # how often the engine thread looks at its gateway links (seconds)
 
 
 class EngineDeadError(RuntimeError):
@@ -100,6 +102,7 @@ class AsyncEngine:
         # A gateway unreachable this long is gone: its requests here are aborted.
         self.gateway_gone_s = GATEWAY_GONE_S
         self.num_orphans_aborted = 0  # requests aborted because their gateway was gone
+        self._next_gone_check = 0.0  # engine thread: when to look at the gateway links again
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
 
     # -- lifetime ---------------------------------------------------------------
@@ -350,6 +353,9 @@ class AsyncEngine:
                 if self.on_iteration is not None:
                     self.on_iteration()
                     self._drain_commands(block=False)  # what came while it held the thread
+                # What the commands published (a prefill's first token, once its KV is
+                # verified) goes out now, not after the step: a step can be long.
+                self._flush_remote()
                 idle = not self._step()
                 for job in [j for j in self._live_jobs() if j.after_step is not None]:
                     job.after_step(self.engine)  # type: ignore[misc]  # checked just above
@@ -434,13 +440,16 @@ class AsyncEngine:
             job = self._jobs.get(rid)
             if job is not None:
                 self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{rid}: its gateway stopped reading tokens"))
-        gone = self._publisher.gone(self.gateway_gone_s)
-        for job in [j for j in self._live_jobs() if j.reply_to in gone]:
-            self.num_orphans_aborted += 1
-            self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{job.request_id}: its gateway is gone"))
         finished, self._published_final = self._published_final, []
         for job in finished:
             self.end_now(job, Exit.FINISHED, final=done_notice(job.request_id))
+        now = time.monotonic()
+        if now >= self._next_gone_check:
+            self._next_gone_check = now + _GONE_CHECK_S
+            gone = self._publisher.gone(self.gateway_gone_s)
+            for job in [j for j in self._live_jobs() if j.reply_to in gone]:
+                self.num_orphans_aborted += 1
+                self.end_now(job, Exit.PEER_FAILED, StreamLostError(f"{job.request_id}: its gateway is gone"))
 
 
 def done_notice(request_id: str) -> RequestOutput:

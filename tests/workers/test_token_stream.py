@@ -273,7 +273,7 @@ def test_a_worker_aborts_the_requests_of_a_gateway_that_is_gone(model_dir: Path)
 
     from pdserve.workers.async_engine import RequestAbortedError
 
-    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         nowhere = f"tcp://127.0.0.1:{s.getsockname()[1]}"
@@ -294,10 +294,11 @@ def test_a_worker_aborts_the_requests_of_a_gateway_that_is_gone(model_dir: Path)
         return ended
 
     ae = AsyncEngine(LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False).engine)
+    ae.on_iteration = lambda: time.sleep(0.005)  # 1000 tokens take >= 5 s: longer than noticing
     ae.gateway_gone_s = 0.5
     with ae:
         ended = asyncio.run(run(ae))
-        assert max(ended) < 10.0, ended  # not 400 tokens' worth, nor the 60 s deadline
+        assert max(ended) < 10.0, ended  # not 1000 tokens' worth, nor the 60 s deadline
         assert ae.num_orphans_aborted == 2 and ae.num_in_flight == 0
         assert ae.engine.kv.pool.num_used == 0 or ae.engine.config.enable_prefix_caching
         assert not ae.engine.has_unfinished_requests()
