@@ -245,6 +245,11 @@ class AsyncEngine:
         with contextlib.suppress(TimeoutError, EngineDeadError):
             await self.call(lambda e: None, timeout_s=timeout_s)
 
+    def answer(self, job: Job, final: RequestOutput) -> None:
+        """Hand the job's caller `final` now (any thread); the job itself still ends
+        on the engine thread (`end_now` without a final), soon after."""
+        _on_loop(job.loop, job.inbox.put_nowait, final)
+
     def post(self, fn: Callable[[], None]) -> None:
         """Run `fn()` on the engine thread, soon (from any thread; does not wait)."""
         self._commands.put(fn)

@@ -22,6 +22,7 @@ Requests that end at their first token run here alone (`serve`: no handoff).
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +32,7 @@ from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.token_stream import TokenStreamPublisher
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 from pdserve.workers.transfer.send_queue import SendQueue
@@ -68,6 +70,8 @@ class PrefillWorker:
         self.transfer_recorder = transfer_recorder
         self.transfer_timeout_s = transfer_timeout_s
         self._links: dict[str, SendQueue] = {}
+        self._first_tokens = TokenStreamPublisher(f"{worker_id}-first")
+        self._first_lock = threading.Lock()
         self._sender_for = sender_for
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.engine = engine
@@ -80,6 +84,8 @@ class PrefillWorker:
         self.async_engine.close()
         for link in self._links.values():
             link.close()
+        with self._first_lock:
+            self._first_tokens.close()
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill `order.request`, send its KV into the reserved blocks (those the
@@ -151,22 +157,19 @@ class PrefillWorker:
                           lambda error: self._sent(t, error, last=True), t.over)
 
     def _sent(self, t: _Transfer, error: TransferError | None, last: bool) -> None:
-        """The link's thread: a queued send is done. A failure ends the request; the
-        verdict of the end marker finishes it (both on the engine thread)."""
+        """The link's thread: a queued send is done. A failure ends the request (on
+        the engine thread). The end marker's verdict answers at once, from here: the
+        first token goes to the gateway and to the decode worker without waiting for
+        the engine thread to finish a step; the job ends there after (its held
+        blocks go back to the prefix cache)."""
         if error is not None:
             t.failed = error
             self.async_engine.end(t.job, Exit.PEER_FAILED, error)
-        elif last:
-            self.async_engine.post(lambda: self._verified(t))
-
-    def _verified(self, t: _Transfer) -> None:
-        """Engine thread: every block is verified on the decode worker: publish the
-        first token (when safe) and finish."""
-        if t.job.life.ended:
-            return
-        assert t.output is not None
-        t.first = self._first_token(t, t.output)
-        self.async_engine.end_now(t.job, Exit.FINISHED, final=done_notice(t.job.request_id))
+        elif last and not t.job.life.ended and t.job.ending is None:
+            assert t.output is not None
+            t.first = self._first_token(t, t.output)
+            self.async_engine.answer(t.job, done_notice(t.job.request_id))
+            self.async_engine.post(lambda: self.async_engine.end_now(t.job, Exit.FINISHED))
 
     def _first_token(self, t: _Transfer, out: RequestOutput) -> FirstToken:
         """The reply to the decode worker; published to the gateway first when
@@ -175,8 +178,12 @@ class PrefillWorker:
         published = (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
                      and (params.max_tokens is None or params.max_tokens > 1))
         if published:  # the request goes on: the client sees this token as it does every other
-            self.async_engine.publish(t.job, dataclasses.replace(
-                out, outputs=[dataclasses.replace(c, finish_reason=None, stop_reason=None)], finished=False))
+            delta = dataclasses.replace(out, outputs=[dataclasses.replace(c, finish_reason=None, stop_reason=None)],
+                                        finished=False)
+            assert t.job.reply_to is not None
+            with self._first_lock:  # link threads share it; the engine thread has its own publisher
+                self._first_tokens.add(t.job.reply_to, delta, 0, t.job.attempt)
+                self._first_tokens.flush()
         return FirstToken(
             token_id=c.token_ids[0], logprobs=c.logprobs[0] if c.logprobs else None,
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
