@@ -1,0 +1,1143 @@
+"""Chaos harness: a real `pdserve serve`, streaming greedy load whose answers are
+known, faults on the pids of the processes it started, and the checks after each
+(issue 13; the scenarios are in chaos_scenarios.py, the matrix in bench/chaos.py,
+the CI subset in tests/chaos/).
+
+- `Server` starts `pdserve serve` as a subprocess in a session of its own (every
+  Ray process it starts stays in that session, so the harness can tell them from
+  any other process on the machine, and stops only those), on free ports, with
+  PDSERVE_FAULT_INJECTION=1 in its environment (which its Ray workers inherit).
+- `RayView` joins the server's local Ray as a driver (the GCS address is in the
+  session directory of the server's `gcs_server`) and reads every worker's
+  `drain_state()`: its pid (`incarnation`), what it still holds, its tasks and
+  threads.
+- `make_probes` draws prompts (token ids, long enough that the router hands them
+  to the prefill worker) and computes their greedy completions offline with
+  `pdserve.LLM` on the same model: the oracle every streamed answer is held to.
+- `run_load` runs N concurrent streaming clients over the probes; every read has
+  a deadline, and each request ends as one `Outcome`: ok (exactly the expected
+  text, every token), wrong, error (a clean error: an HTTP error status or an
+  in-band error event), dropped (the connection ended without either), hung (a
+  read or the request's deadline passed), closed (the client hung up on purpose).
+- `run_fault` is one scenario's skeleton: baseline drain states, the load, the
+  fault after K streamed chunks, the recovery watch (the pool back to size, a
+  restarted worker answering from a new process, /health 200 "ok"), the drain
+  and leak checks, and a few requests after recovery that must all be ok.
+
+Linux only (/proc). Network: 127.0.0.1 only; `cut_links` uses `ss -K` (root).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from pdserve.cluster.reports import DrainState
+
+NAMESPACE = "pdserve"  # cluster/serve_app.py's (not imported: that pulls Ray Serve into every user of this module)
+GATEWAY_TITLE = "ray::ServeReplica:pdserve:pdserve-gateway"  # the gateway replica's process title
+FAULT_ENV = "PDSERVE_FAULT_INJECTION"
+
+# How long a worker's drain may take after the load: a gateway's orphans are
+# aborted GATEWAY_GONE_S (10 s) after its link went down, looked at every 0.5 s.
+DRAIN_TIMEOUT_S = 30.0
+
+
+# --- processes, from /proc ---------------------------------------------------------
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat's fields after the command name (state first), or None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def stopped(pid: int) -> bool:
+    """Whether `pid` is stopped (SIGSTOP)."""
+    st = _stat(pid)
+    return st is not None and st[0] == "T"
+
+
+def session_of(pid: int) -> int | None:
+    st = _stat(pid)
+    return int(st[3]) if st is not None else None
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes of session `sid`."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            pid = int(entry.name)
+            st = _stat(pid)
+            if st is not None and int(st[3]) == sid and st[0] not in ("Z", "X"):
+                pids.append(pid)
+    return sorted(pids)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
+    except OSError:
+        return ""
+
+
+def process_start(pid: int) -> float | None:
+    """When `pid` started (Unix time), or None when gone."""
+    st = _stat(pid)
+    if st is None:
+        return None
+    with open("/proc/stat", encoding="ascii") as f:
+        btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+    return btime + int(st[19]) / os.sysconf("SC_CLK_TCK")
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    inodes = set()
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link.startswith("socket:["):
+                    inodes.add(int(link[8:-1]))
+    return inodes
+
+
+def _tcp4() -> list[tuple[str, int, str, int, str, int]]:
+    """/proc/net/tcp rows: (local ip hex, local port, remote ip hex, remote port, state, inode)."""
+    rows = []
+    with open("/proc/net/tcp", encoding="ascii") as f:
+        for line in f.read().splitlines()[1:]:
+            fields = line.split()
+            (lip, lport), (rip, rport) = fields[1].split(":"), fields[2].split(":")
+            rows.append((lip, int(lport, 16), rip, int(rport, 16), fields[3], int(fields[9])))
+    return rows
+
+
+_LOOPBACK, _LISTEN, _ESTABLISHED = "0100007F", "0A", "01"
+
+
+def loopback_ports(pid: int) -> set[int]:
+    """The ports `pid` listens on at 127.0.0.1 (pdserve's own sockets: a decode worker's
+    KV receiver, a gateway's token-stream collector and HTTP server; Ray listens elsewhere)."""
+    mine = _socket_inodes(pid)
+    return {lport for lip, lport, _, _, st, ino in _tcp4() if st == _LISTEN and lip == _LOOPBACK and ino in mine}
+
+
+def links(client: int, server: int, ports: Iterable[int] | None = None) -> list[tuple[int, int]]:
+    """(client port, server port) of the TCP connections `client` opened to a
+    127.0.0.1 port `server` listens on (`ports`, when given, narrows them)."""
+    wanted = set(ports) if ports is not None else loopback_ports(server)
+    mine = _socket_inodes(client)
+    return sorted((lport, rport) for lip, lport, rip, rport, st, ino in _tcp4()
+                  if st == _ESTABLISHED and ino in mine and rip == _LOOPBACK and rport in wanted)
+
+
+def can_cut_links() -> bool:
+    """`ss -K` needs root and a kernel with INET_DIAG_DESTROY."""
+    return shutil.which("ss") is not None and os.geteuid() == 0
+
+
+def cut_links(conns: Sequence[tuple[int, int]]) -> int:
+    """Destroy these loopback TCP connections, both ends (`ss -K`: the sockets are
+    closed under their owners, as a dropped link would be). Returns how many of the
+    connections are gone afterwards."""
+    for lport, rport in conns:
+        flt = f"( sport = :{lport} and dport = :{rport} ) or ( sport = :{rport} and dport = :{lport} )"
+        subprocess.run(["ss", "-K", "-t", "state", "established", flt], capture_output=True, timeout=10, check=False)
+    live = {(lp, rp) for _, lp, _, rp, st, _ in _tcp4() if st == _ESTABLISHED}
+    return sum((lp, rp) not in live for lp, rp in conns)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+# --- the server ---------------------------------------------------------------------
+
+# What the cluster says it did about a fault (GET /metrics; docs/observability.md).
+COUNTERS = {
+    "pdserve:request_migrations": "migrations",
+    "pdserve:request_migrations_exhausted": "migrations exhausted",
+    "pdserve:token_stream_gaps": "token-stream gaps",
+    "pdserve:kv_transfer_failures": "KV transfer failures",
+    "pdserve:kv_links_lost": "KV links lost",
+    "pdserve:kv_link_resyncs": "KV link resyncs",
+    "pdserve:kv_leases_expired": "KV leases expired",
+    "pdserve:orphan_requests_aborted": "orphans aborted",
+    "pdserve:workers_restarted": "workers restarted",
+}
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """How the harness runs `pdserve serve` (flags beyond these go in `extra`)."""
+
+    model: str
+    prefill: int = 1
+    decode: int = 2
+    ingress: str = "haproxy"
+    max_model_len: int = 2048
+    # A request's deadline at the gateway: it bounds how long a request may take
+    # before the server must end it itself (a client read past it is a hang).
+    request_timeout: float = 60.0
+    extra: tuple[str, ...] = ()
+
+    def worker_names(self) -> list[str]:
+        return self.prefill_names() + self.decode_names()
+
+    def prefill_names(self) -> list[str]:
+        return [f"pdserve-prefill-{i}" for i in range(self.prefill)]
+
+    def decode_names(self) -> list[str]:
+        return [f"pdserve-decode-{i}" for i in range(self.decode)]
+
+
+@dataclass(frozen=True)
+class Ports:
+    http: int
+    metrics: int
+    stats: int
+    fallback: int
+
+    @classmethod
+    def free(cls) -> Ports:
+        ports: set[int] = set()
+        while len(ports) < 4:
+            ports.add(free_port())
+        return cls(*sorted(ports))
+
+
+def pdserve_command() -> list[str]:
+    """`pdserve` of this Python environment (the script beside the interpreter), or
+    the same entry point through `python -c` where it is not installed."""
+    script = Path(sys.executable).with_name("pdserve")
+    if script.is_file():
+        return [str(script)]
+    return [sys.executable, "-c", "import sys; from pdserve.cluster.cli import main; sys.exit(main())"]
+
+
+class Server:
+    """`pdserve serve` in a session of its own; `stop` ends it and everything it started."""
+
+    def __init__(self, opts: ServerOptions, log_dir: Path, ports: Ports | None = None) -> None:
+        self.opts, self.log_dir = opts, log_dir
+        self.ports = ports or Ports.free()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.started_at = 0.0  # time.monotonic() of the last start
+        self.startup_s: float | None = None  # start -> /health 200 "ok", of the last start
+        self.sid = 0
+        self.old_sids: list[int] = []  # sessions of earlier starts (killed ones)
+        self.log_path = log_dir / "serve.log"
+        self._frozen: set[int] = set()  # pids this harness stopped (SIGSTOP) and has not continued
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.http}"
+
+    def command(self) -> list[str]:
+        o, p = self.opts, self.ports
+        return [*pdserve_command(), "serve", "--model", o.model, "--prefill", str(o.prefill), "--decode",
+                str(o.decode), "--ingress", o.ingress, "--port", str(p.http), "--haproxy-metrics-port", str(p.metrics),
+                "--haproxy-stats-port", str(p.stats), "--haproxy-fallback-port", str(p.fallback),
+                "--max-model-len", str(o.max_model_len), "--request-timeout", f"{o.request_timeout:g}", *o.extra]
+
+    def start(self) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env[FAULT_ENV] = "1"  # the Ray workers inherit it from the process that starts local Ray
+        env.setdefault("RAY_AUTH_MODE", "token")  # local Ray's default, spelled out: RayView joins with it
+        env.pop("RAY_ADDRESS", None)
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== {time.strftime('%H:%M:%S')} {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env=env, cwd=self.log_dir, start_new_session=True)
+        self.sid = self.proc.pid
+        self.started_at = time.monotonic()
+        self.startup_s = None
+
+    def restart(self) -> None:
+        """Start `pdserve serve` again on the same ports (after the last one was killed);
+        what is left of the old one's session is reaped by `stop`."""
+        if self.proc is not None and self.proc.poll() is None:
+            raise RuntimeError("pdserve serve is still running")
+        self.old_sids.append(self.sid)
+        self.start()
+
+    def health(self, timeout_s: float = 2.0) -> tuple[int, dict[str, Any]] | None:
+        """(status, body) of GET /health, or None when nothing answers."""
+        try:
+            r = httpx.get(f"{self.url}/health", timeout=timeout_s, trust_env=False)
+            body = r.json() if r.headers.get("content-type", "").startswith("application/json") else {}
+            return r.status_code, body
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def counters(self, timeout_s: float = 5.0) -> dict[str, float]:
+        """COUNTERS from GET /metrics (the gateway's and every worker's), summed over
+        their labels; {} when it does not answer."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        try:
+            r = httpx.get(f"{self.url}/metrics", timeout=timeout_s, trust_env=False)
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return {}
+        out = dict.fromkeys(COUNTERS, 0.0)
+        for fam in text_string_to_metric_families(r.text):
+            for sample in fam.samples:
+                name = sample.name.removesuffix("_total")
+                if name in out:
+                    out[name] += sample.value
+        return out
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds from `start` to /health 200 "ok" from this start's gateway (not one an
+        earlier, killed start left answering for a moment); RuntimeError with the log's
+        tail if the server exits or the deadline passes."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"pdserve serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            h = self.health() if self.gateway_pid() is not None else None
+            if h is not None and h[0] == 200 and h[1].get("status") == "ok":
+                self.startup_s = time.monotonic() - self.started_at
+                return self.startup_s
+            time.sleep(0.25)
+        raise RuntimeError(f"pdserve serve not healthy within {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def pids(self) -> list[int]:
+        """Every live process of this server's session (itself, Ray's, the workers')."""
+        return session_members(self.sid) if self.sid else []
+
+    def find(self, title: str) -> list[int]:
+        """The server's processes whose command line starts with `title`."""
+        return [pid for pid in self.pids() if cmdline(pid).startswith(title)]
+
+    def gateway_pid(self) -> int | None:
+        found = self.find(GATEWAY_TITLE)
+        return found[0] if found else None
+
+    def session_dir(self) -> Path | None:
+        """The local Ray's session directory (from its gcs_server's flags)."""
+        for pid in self.pids():
+            for arg in cmdline(pid).split():
+                if arg.startswith("--session-dir=") and "gcs_server" in cmdline(pid).split()[0]:
+                    return Path(arg.split("=", 1)[1])
+        return None
+
+    def ray_address(self) -> str:
+        """127.0.0.1:<GCS port> of the server's local Ray."""
+        session = self.session_dir()
+        if session is None:
+            raise RuntimeError("no gcs_server among the server's processes")
+        ports = list(session.glob("gcs_server_port_*"))
+        if not ports:
+            raise RuntimeError(f"no gcs_server_port file in {session}")
+        return f"127.0.0.1:{int(ports[0].read_text().strip())}"
+
+    def send(self, pid: int, sig: signal.Signals) -> None:
+        """Send `sig` to `pid`, one of this server's processes (checked: never another's)."""
+        if session_of(pid) != self.sid:
+            raise ValueError(f"pid {pid} is not a process of this server (session {self.sid})")
+        if sig is signal.SIGSTOP:
+            self._frozen.add(pid)
+        os.kill(pid, sig)
+        if sig is signal.SIGCONT:
+            self._frozen.discard(pid)
+
+    def kill_main(self, sig: signal.Signals = signal.SIGKILL) -> int:
+        """Signal the `pdserve serve` process itself; returns its pid."""
+        assert self.proc is not None
+        os.kill(self.proc.pid, sig)
+        return self.proc.pid
+
+    def stop(self, timeout_s: float = 20.0) -> list[int]:
+        """SIGTERM `pdserve serve` (Ray's driver handler shuts local Ray down), then
+        SIGKILL whatever of its session is left after `timeout_s`, each by pid.
+        Returns the pids that needed SIGKILL."""
+        for pid in list(self._frozen):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGCONT)
+        self._frozen.clear()
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout_s)
+        killed = self.reap(timeout_s=5.0)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(5)
+        return killed
+
+    def reap(self, timeout_s: float = 5.0) -> list[int]:
+        """SIGKILL every process left in this server's sessions (the current one and
+        those of earlier starts); wait (bounded) until they are gone."""
+        sids = [self.sid, *self.old_sids] if self.sid else list(self.old_sids)
+        left = [(pid, sid) for sid in sids for pid in session_members(sid)]
+        for pid, sid in left:
+            if session_of(pid) == sid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and any(alive(p) for p, _ in left):
+            time.sleep(0.05)
+        return [p for p, _ in left]
+
+
+# --- the cluster, through Ray -------------------------------------------------------
+
+
+class RayView:
+    """A Ray driver on the server's local Ray: the workers' drain states, faults, infos."""
+
+    def __init__(self, address: str) -> None:
+        import ray
+
+        self.ray, self.address = ray, address
+        if ray.is_initialized():
+            ray.shutdown()
+        _token_auth()
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
+
+    def close(self) -> None:
+        self.ray.shutdown()
+
+    def handle(self, name: str) -> Any | None:
+        try:
+            return self.ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    def states(self, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, DrainState | None]:
+        """Each worker's drain_state(), or None for one that did not answer in time."""
+        refs: dict[str, Any] = {}
+        for name in names:
+            h = self.handle(name)
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    refs[name] = h.drain_state.remote()
+        out: dict[str, DrainState | None] = dict.fromkeys(names)
+        deadline = time.monotonic() + timeout_s
+        for name, ref in refs.items():
+            try:
+                out[name] = self.ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - dead, restarting, stopped: no answer
+                with contextlib.suppress(Exception):
+                    self.ray.cancel(ref)
+        return out
+
+    def thread_names(self, names: Iterable[str], timeout_s: float = 5.0) -> dict[str, list[str] | None]:
+        """The names of each worker's threads (read in the worker, through Ray's
+        `__ray_call__`), or None for one that did not answer."""
+        refs: dict[str, Any] = {}
+        for name in names:
+            h = self.handle(name)
+            if h is not None:
+                with contextlib.suppress(Exception):
+                    refs[name] = h.__ray_call__.remote(_thread_names)
+        out: dict[str, list[str] | None] = dict.fromkeys(names)
+        deadline = time.monotonic() + timeout_s
+        for name, ref in refs.items():
+            with contextlib.suppress(Exception):
+                out[name] = self.ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+        return out
+
+    def call(self, name: str, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
+        h = self.handle(name)
+        if h is None:
+            raise LookupError(f"no actor {name}")
+        return self.ray.get(getattr(h, method).remote(*args), timeout=timeout_s)
+
+
+def _thread_names(_actor: object) -> list[str]:
+    """(Runs in the worker.) "name [class]" of each of its threads."""
+    import threading
+
+    return sorted(f"{t.name} [{type(t).__name__}]" for t in threading.enumerate())
+
+
+def _token_auth() -> None:
+    """Join with token authentication, as the server's local Ray has it (a new local
+    Ray turns it on unless RAY_AUTH_MODE says otherwise; Server.start spells it out).
+    Ray reads the mode when it is imported: set it the way ray.init does for a new
+    local cluster (the variable, then Ray's config read again)."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None and mode.lower() != "token":
+        return  # turned off by the user: the server's Ray has it off too
+    try:
+        from ray._private.authentication.authentication_token_setup import _enable_token_auth
+    except ImportError:  # another Ray: the variable alone
+        os.environ["RAY_AUTH_MODE"] = "token"
+        return
+    _enable_token_auth()
+
+
+def pid_of(state: DrainState | None) -> int | None:
+    return int(state.incarnation.split("-")[0]) if state is not None else None
+
+
+def born_at(state: DrainState) -> float:
+    """When the worker process answering `state` finished starting (Unix time)."""
+    return int(state.incarnation.split("-")[1]) / 1e9
+
+
+# --- probes and their oracle ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    text: str  # the greedy completion, computed offline
+
+
+def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: tuple[int, int] = (40, 120),
+                max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000)) -> list[Probe]:
+    """`count` prompts of random token ids (lengths in `prompt_len`: over the router's
+    16-token local-prefill threshold, so they are handed off) with their greedy
+    completions from the offline engine on the same model."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(count)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, threads)))
+    try:
+        llm = LLM(model, max_model_len=max_model_len, progress=False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        torch.set_num_threads(threads)
+    return [Probe(tuple(p), max_tokens, o.outputs[0].text) for p, o in zip(prompts, outs)]
+
+
+# --- the load ------------------------------------------------------------------------
+
+
+class Outcome(str, enum.Enum):
+    OK = "ok"  # [DONE] after exactly the expected text, every token
+    WRONG = "wrong"  # [DONE] after other text, or fewer tokens
+    ERROR = "error"  # an HTTP error status, or one in-band error event
+    DROPPED = "dropped"  # the connection ended (or was refused) without [DONE] or an error
+    HUNG = "hung"  # a read waited past its deadline, or the request past its own
+    CLOSED = "closed"  # the client hung up on purpose (a disconnect burst)
+
+
+@dataclass
+class Result:
+    index: int
+    probe: int
+    outcome: Outcome
+    started: float  # time.monotonic()
+    ended: float
+    chunks: int = 0
+    status: int | None = None  # the HTTP status, or the code of the in-band error
+    detail: str = ""
+    first_chunk: float | None = None  # time.monotonic() of its first text chunk
+
+
+@dataclass
+class Load:
+    """N clients over `probes` (request i asks probe (offset + i) % len(probes))."""
+
+    probes: Sequence[Probe]
+    requests: int
+    concurrency: int
+    offset: int = 0
+    read_timeout_s: float = 30.0  # no byte for this long: hung
+    # A client whose request failed waits this long before its next (as a client
+    # that retries would): the load spans an outage instead of failing through it.
+    pause_after_error_s: float = 0.5
+    deadline_s: float = 90.0  # the whole request, from its send (> the server's --request-timeout)
+    # (h): these requests hang up at the first chunk after `hang_up` is set.
+    hang_up_if: Callable[[int], bool] | None = None
+    hang_up: asyncio.Event | None = None
+    # Extra streams started with the load and not checked against a probe (they are
+    # expected to be cut: (c)'s long streams, still running when the gateway dies).
+    long_streams: Sequence[Probe] = ()
+    chunks: int = 0  # text chunks streamed so far (each one token or more), all requests
+    on_chunk: Callable[[int], None] | None = None  # called with the running total
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def hang_up_now(self) -> None:
+        """Start the disconnect burst (from any thread)."""
+        if self.hang_up is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.hang_up.set)
+
+    async def run(self, url: str) -> list[Result]:
+        self._loop = asyncio.get_running_loop()
+        limits = httpx.Limits(max_connections=self.concurrency + len(self.long_streams) + 4)
+        timeout = httpx.Timeout(connect=5.0, read=self.read_timeout_s, write=5.0, pool=self.deadline_s)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False) as client:
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for i in range(self.requests):
+                queue.put_nowait(i)
+            results: list[Result] = []
+
+            async def worker() -> None:
+                while True:
+                    try:
+                        i = queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    p = (self.offset + i) % len(self.probes)
+                    res = await self.one(client, i, p, self.probes[p])
+                    results.append(res)
+                    if res.outcome in (Outcome.ERROR, Outcome.DROPPED):
+                        await asyncio.sleep(self.pause_after_error_s)
+
+            longs = [asyncio.create_task(self.one(client, -1 - j, -1, probe, check=False))
+                     for j, probe in enumerate(self.long_streams)]
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+            results += await asyncio.gather(*longs)
+        return sorted(results, key=lambda r: r.index)
+
+    async def one(self, client: httpx.AsyncClient, index: int, p: int, probe: Probe, check: bool = True) -> Result:
+        body = {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0)
+        text: list[str] = []
+        finish: str | None = None
+        completion_tokens: int | None = None
+        done = False
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    res.status = r.status_code
+                    if r.status_code != 200:
+                        raw = await r.aread()
+                        res.outcome, res.detail = Outcome.ERROR, _error_text(raw)
+                        return res
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            err = event["error"]
+                            res.outcome, res.status = Outcome.ERROR, err.get("code")
+                            res.detail = f"{err.get('type')}: {err.get('message')}"
+                            return res
+                        if event.get("usage"):
+                            completion_tokens = event["usage"].get("completion_tokens")
+                        for choice in event.get("choices") or ():
+                            if choice.get("text"):
+                                text.append(choice["text"])
+                                res.chunks += 1
+                                self.chunks += 1
+                                if res.first_chunk is None:
+                                    res.first_chunk = time.monotonic()
+                                if self.on_chunk is not None:
+                                    self.on_chunk(self.chunks)
+                            finish = choice.get("finish_reason") or finish
+                        if (self.hang_up is not None and self.hang_up.is_set() and self.hang_up_if is not None
+                                and self.hang_up_if(index)):
+                            res.outcome = Outcome.CLOSED
+                            return res  # leaving the block closes the stream mid-way
+            if not done:
+                res.outcome, res.detail = Outcome.DROPPED, f"stream ended after {res.chunks} chunks without [DONE]"
+            elif not check:
+                res.outcome = Outcome.OK
+            else:
+                got = "".join(text)
+                if got == probe.text and finish == "length" and completion_tokens == probe.max_tokens:
+                    res.outcome = Outcome.OK
+                else:
+                    res.outcome = Outcome.WRONG
+                    res.detail = (f"{len(got)} chars (expected {len(probe.text)}), finish {finish}, "
+                                  f"{completion_tokens} tokens (expected {probe.max_tokens}); first difference at "
+                                  f"char {_first_difference(got, probe.text)}")
+        except (httpx.ReadTimeout, TimeoutError):
+            res.outcome = Outcome.HUNG
+            res.detail = f"no byte for {self.read_timeout_s:g} s, or past {self.deadline_s:g} s"
+        except (httpx.TransportError, httpx.StreamError) as e:
+            res.outcome, res.detail = Outcome.DROPPED, f"{type(e).__name__}: {e}"
+        except ValueError as e:  # a line that is not JSON: as bad as a wrong answer
+            res.outcome, res.detail = Outcome.WRONG, f"bad event: {e}"
+        finally:
+            res.ended = time.monotonic()
+        return res
+
+
+def _error_text(raw: bytes) -> str:
+    try:
+        err = json.loads(raw)["error"]
+        return f"{err.get('type')}: {err.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# --- one scenario --------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    """What a fault did: to whom, when (time.monotonic()), what it saw there."""
+
+    what: str
+    target: str = ""
+    pid: int | None = None
+    started: float = 0.0
+    ended: float = 0.0  # recovery is timed from here (the kill, or the SIGCONT)
+    note: str = ""
+    in_flight: int | None = None  # requests on the target when it was struck (its jobs)
+
+
+@dataclass(frozen=True)
+class Leaks:
+    """What the workers still held after the drain (summed over workers); tasks and
+    threads are counted above each worker's baseline (measured before the fault)."""
+
+    requests: int = 0  # AsyncEngine jobs + engine requests
+    blocks: int = 0
+    registrations: int = 0
+    tasks: int = 0
+    threads: int = 0
+    unanswered: int = 0  # workers that did not answer drain_state
+
+    @property
+    def total(self) -> int:
+        return sum(dataclasses.astuple(self))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{v} {k}" for k, v in dataclasses.asdict(self).items() if v) or "nothing"
+
+    def short(self) -> str:
+        extra = (f" +{self.requests} req" if self.requests else "") + \
+            (f" {self.unanswered} silent" if self.unanswered else "")
+        return f"{self.blocks}/{self.registrations}/{self.tasks}/{self.threads}{extra}"
+
+
+@dataclass
+class ScenarioResult:
+    key: str
+    title: str
+    requests: int = 0
+    ok: int = 0
+    errors: int = 0  # clean errors (excused ones: no survivor could serve them)
+    dropped: int = 0  # connections cut (excused: the gateway or the server itself died)
+    closed: int = 0  # hung up by the client on purpose
+    wrong: int = 0
+    hung: int = 0
+    lost: int = 0  # not ok, though a survivor could have served them (errors and drops not excused)
+    leaks: Leaks = field(default_factory=Leaks)
+    extra_threads: dict[str, list[str]] = field(default_factory=dict)  # per worker, beyond its baseline
+    # COUNTERS' increase over the scenario (a gateway or worker that restarted starts its own from 0)
+    counters: dict[str, float] = field(default_factory=dict)
+    recovery_s: float | None = None  # fault end -> pool back to size and /health 200 "ok"
+    budget_s: float | None = None  # model load + 10 s
+    after_ok: int = 0  # requests after recovery: all must be ok
+    after_total: int = 0
+    fault: Fault | None = None
+    notes: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    elapsed_s: float = 0.0
+    skipped: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return not self.skipped and not self.failures
+
+    def judge(self) -> None:
+        f = self.failures
+        if self.wrong:
+            f.append(f"{self.wrong} wrong")
+        if self.hung:
+            f.append(f"{self.hung} hung")
+        if self.lost:
+            f.append(f"{self.lost} lost")
+        if self.leaks.total:
+            f.append(f"leaked {self.leaks}")
+        if self.recovery_s is None:
+            f.append("not recovered")
+        elif self.budget_s is not None and self.recovery_s > self.budget_s:
+            f.append(f"recovered in {self.recovery_s:.1f} s > {self.budget_s:.1f} s")
+        if self.after_ok != self.after_total:
+            f.append(f"{self.after_total - self.after_ok} of {self.after_total} failed after recovery")
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["passed"] = self.passed
+        return d
+
+
+Excuse = Callable[[Result, Fault, float | None], bool]  # (result, fault, recovered at) -> not counted as lost
+# (result, states before the fault, states after the drain): a scenario's own checks (notes, failures)
+Check = Callable[[ScenarioResult, dict[str, DrainState | None], dict[str, DrainState | None]], None]
+
+
+def never(_: Result, __: Fault, ___: float | None) -> bool:
+    return False
+
+
+def before_recovery(r: Result, fault: Fault, recovered_at: float | None) -> bool:
+    """A request that was in flight at the fault or started before recovery (the only
+    worker of a role, the gateway, or the server was down then)."""
+    return r.ended >= fault.started and (recovered_at is None or r.started <= recovered_at)
+
+
+@dataclass
+class Harness:
+    """One running server, the Ray view of it, and the probes: what scenarios share."""
+
+    server: Server
+    view: RayView
+    probes: list[Probe]
+    model_load_s: float  # the longest a worker took from process start to serving, at startup
+    log: Callable[[str], None] = print
+    next_probe: int = 0
+    extra_probes: dict[str, list[Probe]] = field(default_factory=dict)
+
+    @classmethod
+    def start(cls, opts: ServerOptions, log_dir: Path, probes: list[Probe], startup_timeout_s: float = 240.0,
+              log: Callable[[str], None] = print) -> Harness:
+        server = Server(opts, log_dir)
+        server.start()
+        view: RayView | None = None
+        try:
+            took = server.wait_healthy(startup_timeout_s)
+            log(f"server up in {took:.1f} s on {server.url} (pid {server.sid})")
+            view = RayView(server.ray_address())
+            states = view.states(opts.worker_names())
+            loads = [born_at(s) - (process_start(pid_of(s) or 0) or born_at(s)) for s in states.values() if s]
+            h = cls(server, view, probes, max(loads, default=0.0), log)
+            h.warm_up()
+            return h
+        except BaseException:
+            if view is not None:
+                view.close()
+            server.stop()
+            raise
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.view.close()
+        self.server.stop()
+
+    @property
+    def names(self) -> list[str]:
+        return self.server.opts.worker_names()
+
+    def warm_up(self) -> None:
+        """A fault-free pass at full concurrency (links, threads, caches made) that must be all ok."""
+        results = self.load(Load(self.probes, requests=16, concurrency=8, offset=self.take(16)))
+        bad = [r for r in results if r.outcome is not Outcome.OK]
+        if bad:
+            raise RuntimeError(f"fault-free warm-up: {len(bad)} of {len(results)} not ok: "
+                               f"{[(r.outcome.value, r.detail) for r in bad[:3]]}")
+
+    def probe_set(self, name: str, count: int, max_tokens: int, prompt_len: tuple[int, int]) -> list[Probe]:
+        """Another set of probes (made once per harness, with their oracle)."""
+        if name not in self.extra_probes:
+            seed = 1000 + len(self.extra_probes)
+            self.extra_probes[name] = make_probes(self.server.opts.model, count, seed, max_tokens, prompt_len,
+                                                  self.server.opts.max_model_len)
+        return self.extra_probes[name]
+
+    def take(self, n: int) -> int:
+        """The offset of the next `n` probes (scenarios use fresh prompts: no prefix-cache hits)."""
+        start = self.next_probe
+        self.next_probe += n
+        return start
+
+    def load(self, load: Load) -> list[Result]:
+        return asyncio.run(load.run(self.server.url))
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        """Before a scenario: /health "ok", every worker answering and drained."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            h = self.server.health()
+            states = self.view.states(self.names)
+            if h is not None and h[0] == 200 and h[1].get("status") == "ok" and \
+                    all(s is not None and s.drained for s in states.values()):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"cluster not ready: health {h}, states {states}")
+            time.sleep(0.5)
+
+    def busiest(self, names: Sequence[str]) -> tuple[str, DrainState | None]:
+        """The worker among `names` with the most requests now (jobs), and its state."""
+        states = self.view.states(names, timeout_s=5.0)
+        best = max(names, key=lambda n: s.jobs if (s := states[n]) is not None else -1)
+        return best, states[best]
+
+    def wait_for(self, names: Sequence[str], cond: Callable[[DrainState], bool], timeout_s: float = 10.0,
+                 poll_s: float = 0.01) -> tuple[str, DrainState] | None:
+        """Poll until one worker's state satisfies `cond` (a moment to strike)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, s in self.view.states(names, timeout_s=2.0).items():
+                if s is not None and cond(s):
+                    return name, s
+            time.sleep(poll_s)
+        return None
+
+    def kill_worker(self, name: str, sig: signal.Signals = signal.SIGKILL, what: str = "SIGKILL",
+                    state: DrainState | None = None) -> Fault:
+        """Signal worker `name` (its pid from `state`, just read, or read now)."""
+        s = state or self.view.states([name], timeout_s=5.0)[name]
+        if s is None:
+            raise RuntimeError(f"{name} does not answer: nothing to kill")
+        pid = pid_of(s)
+        assert pid is not None
+        t = time.monotonic()
+        self.server.send(pid, sig)
+        return Fault(what, name, pid, t, t, f"{s.jobs} in flight on it", s.jobs)
+
+    def kill_busiest(self, names: Sequence[str], sig: signal.Signals = signal.SIGKILL, what: str = "SIGKILL",
+                     min_jobs: int = 2) -> Fault:
+        """Strike the first of `names` seen with `min_jobs` requests or more (within 5 s),
+        else the busiest."""
+        seen = self.wait_for(names, lambda s: s.jobs >= min_jobs, timeout_s=5.0)
+        name, state = seen if seen is not None else self.busiest(names)
+        return self.kill_worker(name, sig, what, state)
+
+    def run_fault(self, key: str, title: str, fault: Callable[[Load], Fault], load: Load, at_chunks: int,
+                  restarted: bool = False, gateway_restart: bool = False, excuse: Excuse = never,
+                  budget_s: float | None = None, after: int = 8, check: Check | None = None,
+                  migrate: bool = False) -> ScenarioResult:
+        """The skeleton every scenario shares: baseline; `load` with `fault(load)` fired
+        (in a thread) once `at_chunks` chunks streamed; the recovery watch from the
+        fault's end (`restarted`: the fault's target must answer from a new process;
+        `gateway_restart`: the gateway replica must be a new process); the drain and
+        leak checks; `after` requests that must all be ok. `excuse` says which
+        non-ok requests had no survivor to serve them. `check(result, before, after)`
+        adds the scenario's own checks. `migrate`: the target's requests in flight must
+        have moved (the gateway counted migrations)."""
+        t0 = time.monotonic()
+        res = ScenarioResult(key, title)
+        self.wait_ready()
+        before = self.snapshot()
+        counters_before = self.server.counters()
+        gateway_before = self.server.gateway_pid()
+        budget = budget_s if budget_s is not None else self.model_load_s + 10.0
+        recovered: list[float] = []
+        fault_box: list[Fault] = []
+
+        async def scenario() -> list[Result]:
+            reached = asyncio.Event()
+            load.on_chunk = lambda n: reached.set() if n >= at_chunks else None
+
+            async def strike() -> None:
+                await reached.wait()
+                f = await asyncio.to_thread(fault, load)
+                fault_box.append(f)
+                self.log(f"  [{key}] fault: {f.what} {f.target} (pid {f.pid}) {f.note}")
+                restarts = [f.target] if restarted else []
+                at = await asyncio.to_thread(self._watch_recovery, f, before.states, restarts, gateway_before,
+                                             gateway_restart, max(budget * 3, 60.0))
+                if at is not None:
+                    recovered.append(at)
+
+            striker = asyncio.create_task(strike())
+            results = await load.run(self.server.url)
+            if not reached.is_set():
+                striker.cancel()
+                raise RuntimeError(f"the load ended after {load.chunks} chunks, before the fault's {at_chunks}")
+            await striker
+            return results
+
+        results = asyncio.run(scenario())
+        fault_ = fault_box[0]
+        res.fault = fault_
+        recovered_at = recovered[0] if recovered else None
+        res.recovery_s = None if recovered_at is None else recovered_at - fault_.ended
+        res.budget_s = budget
+        self._count(res, results, fault_, recovered_at, excuse)
+        self.after_recovery(res, after)
+        final = self.drain(before)
+        res.leaks = leaks(before, final)
+        res.extra_threads = {n: extra for n in final.states
+                             if (extra := extra_threads(before.threads.get(n), final.threads.get(n)))}
+        if res.leaks.total:
+            res.notes += leak_details(before, final)
+        res.counters = counter_increase(counters_before, self.server.counters())
+        if migrate and fault_.in_flight and not res.counters.get("pdserve:request_migrations"):
+            res.failures.append(f"the {fault_.in_flight} requests on {fault_.target} did not migrate")
+        if check is not None:
+            check(res, before.states, final.states)
+        res.judge()
+        res.elapsed_s = time.monotonic() - t0
+        return res
+
+    def after_recovery(self, res: ScenarioResult, n: int) -> None:
+        """`n` requests at once, after recovery: all must be ok (they reach the restarted worker too)."""
+        post = self.load(Load(self.probes, requests=n, concurrency=n, offset=self.take(n)))
+        res.after_total, res.after_ok = len(post), sum(r.outcome is Outcome.OK for r in post)
+        for r in post:
+            if r.outcome is not Outcome.OK:
+                res.notes.append(f"after recovery: {r.outcome.value} {r.detail}")
+
+    def snapshot(self) -> Snapshot:
+        return Snapshot(self.view.states(self.names), self.view.thread_names(self.names))
+
+    def _count(self, res: ScenarioResult, results: list[Result], fault: Fault, recovered_at: float | None,
+               excuse: Excuse) -> None:
+        res.requests = len(results)
+        for r in results:
+            o = r.outcome
+            res.ok += o is Outcome.OK
+            res.wrong += o is Outcome.WRONG
+            res.hung += o is Outcome.HUNG
+            res.closed += o is Outcome.CLOSED
+            if o in (Outcome.ERROR, Outcome.DROPPED):
+                if excuse(r, fault, recovered_at):
+                    res.errors += o is Outcome.ERROR
+                    res.dropped += o is Outcome.DROPPED
+                else:
+                    res.lost += 1
+            if o not in (Outcome.OK, Outcome.CLOSED) and len(res.notes) < 8:
+                when = f"{r.started - fault.started:+.1f}..{r.ended - fault.started:+.1f} s"
+                res.notes.append(f"request {r.index}: {o.value} ({when} from the fault, {r.chunks} chunks) {r.detail}")
+
+    def _watch_recovery(self, fault: Fault, before: dict[str, DrainState | None], restarts: Sequence[str],
+                        gateway_before: int | None, gateway_restart: bool, cap_s: float) -> float | None:
+        """time.monotonic() when the pool was back to size (every worker answering; those
+        in `restarts` from a new process; with `gateway_restart`, a new gateway replica)
+        and /health was 200 "ok"; None if not within `cap_s` of the fault's end."""
+        deadline = fault.ended + cap_s
+        while time.monotonic() < deadline:
+            states = self.view.states(self.names, timeout_s=2.0)
+            workers = all(s is not None for s in states.values()) and all(
+                states[n] is not None and before[n] is not None
+                and states[n].incarnation != before[n].incarnation  # type: ignore[union-attr]
+                for n in restarts)
+            gw = self.server.gateway_pid()
+            gateway = gw is not None and (not gateway_restart or gw != gateway_before)
+            if workers and gateway:
+                h = self.server.health(timeout_s=2.0)
+                if h is not None and h[0] == 200 and h[1].get("status") == "ok":
+                    return time.monotonic()
+            time.sleep(0.2)
+        return None
+
+    def drain(self, before: Snapshot, timeout_s: float = DRAIN_TIMEOUT_S) -> Snapshot:
+        """Wait (bounded) until every worker holds nothing and its tasks and threads are
+        back to the baseline; the snapshot then (or at the deadline)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = self.snapshot()
+            if leaks(before, now).total == 0 or time.monotonic() > deadline:
+                return now
+            time.sleep(0.5)
+
+
+def counter_increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """How much each counter grew (a counter that went down restarted from 0 with its
+    process: its value now is what it counted since)."""
+    out = {}
+    for name, value in after.items():
+        grew = value - before.get(name, 0.0)
+        out[name] = grew if grew >= 0 else value
+    return out
+
+
+# Threads made on demand up to a fixed number (not leaks): a decode worker's KV waits
+# (DecodeWorker._waits, 4 at most), an event loop's default executor, pyzmq's one
+# garbage-collector thread (started by the first zero-copy send over 64 KiB).
+BOUNDED_POOLS = re.compile(r"^(kv-wait_\d+|asyncio_\d+|ThreadPoolExecutor-\d+_\d+) \[|\[GarbageCollectorThread\]$")
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Every worker's drain state and thread names (None: it did not answer)."""
+
+    states: dict[str, DrainState | None]
+    threads: dict[str, list[str] | None]
+
+
+def _thread_kinds(names: Iterable[str]) -> collections.Counter[str]:
+    """Thread names with their addresses' ports masked (a restarted peer listens on
+    another port), bounded pools left out."""
+    return collections.Counter(re.sub(r"tcp://\S+", "tcp://*", n) for n in names if not BOUNDED_POOLS.search(n))
+
+
+def extra_threads(before: list[str] | None, after: list[str] | None) -> list[str]:
+    """Threads in `after` beyond those in `before`, by kind (see _thread_kinds)."""
+    if before is None or after is None:
+        return []
+    return sorted((_thread_kinds(after) - _thread_kinds(before)).elements())
+
+
+def leaks(before: Snapshot, after: Snapshot) -> Leaks:
+    """What the workers hold in `after` (tasks and threads: beyond `before`; threads by
+    name where the workers told them, by count otherwise)."""
+    requests = blocks = regs = tasks = threads = silent = 0
+    for name, s in after.states.items():
+        if s is None:
+            silent += 1
+            continue
+        b = before.states.get(name)
+        requests += s.jobs + s.engine_requests
+        blocks += s.used_blocks
+        regs += s.kv_registrations
+        if b is not None:
+            tasks += max(0, s.tasks - b.tasks)
+            names_before, names_after = before.threads.get(name), after.threads.get(name)
+            if names_before is not None and names_after is not None:
+                threads += len(extra_threads(names_before, names_after))
+            else:
+                threads += max(0, s.threads - b.threads)
+    return Leaks(requests, blocks, regs, tasks, threads, silent)
+
+
+def leak_details(before: Snapshot, after: Snapshot) -> list[str]:
+    out = []
+    for name, s in after.states.items():
+        b = before.states.get(name)
+        extra = extra_threads(before.threads.get(name), after.threads.get(name))
+        out.append(f"{name}: {s}" + (f" (was {b.tasks} tasks, {b.threads} threads)" if s and b else "")
+                   + (f"; threads beyond the baseline: {extra}" if extra else ""))
+    return out

@@ -1,0 +1,481 @@
+"""The chaos scenarios of issue 13 (a)-(i), each a function of a running `Harness`
+(cluster/chaos.py), and the matrix they make (bench/chaos.py prints it; tests/chaos
+runs the CI subset).
+
+Every scenario runs streaming greedy load over fresh probe prompts, strikes a
+process the harness started (by pid) once the load has streamed `AT_CHUNKS`
+chunks, and is judged the same way (`ScenarioResult.judge`): 0 wrong, 0 hung,
+0 lost while a survivor could serve, nothing held by any worker after the drain
+(KV blocks, KV registrations, requests; tasks and threads back to each worker's
+baseline), the pool back to size (a killed worker answering from a new process)
+and /health 200 "ok" within model load + 10 s of the fault, and every request
+after recovery ok.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.cluster.chaos import (
+    COUNTERS,
+    DRAIN_TIMEOUT_S,
+    Fault,
+    Harness,
+    Load,
+    Outcome,
+    Probe,
+    RayView,
+    Result,
+    ScenarioResult,
+    ServerOptions,
+    Snapshot,
+    before_recovery,
+    can_cut_links,
+    cmdline,
+    cut_links,
+    leaks,
+    links,
+    loopback_ports,
+    make_probes,
+    pid_of,
+    session_members,
+)
+from pdserve.cluster.reports import DrainState
+
+REQUESTS = 48  # per scenario's load
+CONCURRENCY = 8
+MAX_TOKENS = 128  # each probe's: streams long enough to be cut mid-way (~1 s at 8 concurrent)
+AT_CHUNKS = 500  # the fault strikes once the load has streamed this many chunks (~1/10 of it)
+AFTER = 8  # requests after recovery, all at once (both decode workers get some): all must be ok
+
+
+def excuse_errors_before_recovery(r: Result, fault: Fault, recovered_at: float | None) -> bool:
+    """The only worker of a role was down: a clean error (never a drop or a hang) is
+    what a request in flight then, or sent before recovery, should get."""
+    return r.outcome is Outcome.ERROR and before_recovery(r, fault, recovered_at)
+
+
+def _load(h: Harness, requests: int = REQUESTS, concurrency: int = CONCURRENCY, **kw: object) -> Load:
+    return Load(h.probes, requests=requests, concurrency=concurrency, offset=h.take(requests), **kw)  # type: ignore[arg-type]
+
+
+def _decodes(h: Harness) -> list[str]:
+    return h.server.opts.decode_names()
+
+
+def _prefills(h: Harness) -> list[str]:
+    return h.server.opts.prefill_names()
+
+
+LONG_USERS = ("b1", "b2", "g1")  # the scenarios on long prompts: each has its own REQUESTS of them
+
+
+def _long_load(h: Harness, key: str) -> Load:
+    """Prompts of 600-1500 tokens (fresh ones for each scenario): their prefill and KV
+    transfer take long enough to be struck."""
+    probes = h.probe_set("long", REQUESTS * len(LONG_USERS), 32, (600, 1500))
+    return Load(probes, requests=REQUESTS, concurrency=CONCURRENCY, offset=REQUESTS * LONG_USERS.index(key))
+
+
+# --- (a) a decode worker killed mid-stream --------------------------------------------
+
+
+def decode_killed(h: Harness) -> ScenarioResult:
+    def fault(_: Load) -> Fault:
+        return h.kill_busiest(_decodes(h))
+
+    return h.run_fault("a", "decode worker SIGKILL mid-stream", fault, _load(h), AT_CHUNKS, restarted=True,
+                       migrate=True)
+
+
+def only_decode_killed(h: Harness) -> ScenarioResult:
+    """(a, 1P+1D) the only decode worker killed: no survivor; its requests and those sent
+    before it is back end with one clean error each (never a drop or a hang)."""
+    def fault(_: Load) -> Fault:
+        return h.kill_worker(_decodes(h)[0])
+
+    return h.run_fault("a1", "only decode worker SIGKILL (1P+1D)", fault, _load(h), AT_CHUNKS, restarted=True,
+                       excuse=excuse_errors_before_recovery)
+
+
+# --- (b) the prefill worker killed mid-prefill and mid-transfer ------------------------
+
+
+def prefill_killed_mid_prefill(h: Harness) -> ScenarioResult:
+    """Long prompts; SIGKILL the prefill worker the first time it reports a request (it
+    has a prompt in its engine, chunks computed and their KV leaving as they complete)."""
+    def fault(_: Load) -> Fault:
+        seen = h.wait_for(_prefills(h), lambda s: s.jobs > 0 and s.engine_requests > 0, timeout_s=10.0)
+        f = h.kill_worker(seen[0], state=seen[1]) if seen else h.kill_worker(_prefills(h)[0])
+        f.note += "" if seen else " (no prefill seen in flight within 10 s: killed anyway)"
+        return f
+
+    return h.run_fault("b1", "prefill worker SIGKILL mid-prefill", fault, _long_load(h, "b1"), 20,
+                       restarted=True)
+
+
+def prefill_killed_mid_transfer(h: Harness) -> ScenarioResult:
+    """Long prompts; SIGKILL the prefill worker when a decode worker holds a KV
+    registration (blocks reserved, the KV on its way into them)."""
+    def fault(_: Load) -> Fault:
+        seen = h.wait_for(_decodes(h), lambda s: s.kv_registrations > 0, timeout_s=10.0)
+        f = h.kill_worker(_prefills(h)[0])
+        f.note += f"; {seen[0]} awaited KV for {seen[1].kv_registrations}" if seen else \
+            " (no KV registration seen within 10 s: killed anyway)"
+        return f
+
+    return h.run_fault("b2", "prefill worker SIGKILL mid-transfer", fault, _long_load(h, "b2"), 20,
+                       restarted=True)
+
+
+# --- (c) the gateway replica killed -----------------------------------------------------
+
+ORPHANS = 12  # long streams cut with the gateway: still running on the workers GATEWAY_GONE_S later
+ORPHAN_TOKENS = 1800
+
+
+def gateway_killed(h: Harness) -> ScenarioResult:
+    """SIGKILL the gateway replica (Ray Serve starts another). Its streams are cut (the
+    client sees the connection drop: counted as dropped, excused); requests sent before
+    the new replica serves are excused too. The workers must abort the cut requests
+    themselves (their gateway is gone: orphans_aborted) and hold nothing after."""
+    orphan = Probe(tuple(range(100, 160)), ORPHAN_TOKENS, "")
+
+    def fault(_: Load) -> Fault:
+        pid = h.server.gateway_pid()
+        if pid is None:
+            raise RuntimeError("no gateway replica process")
+        t = time.monotonic()
+        h.server.send(pid, signal.SIGKILL)
+        return Fault("SIGKILL", "gateway replica", pid, t, t)
+
+    def orphans(res: ScenarioResult, before: dict[str, DrainState | None],
+                after: dict[str, DrainState | None]) -> None:
+        aborted = sum(a.orphans_aborted - b.orphans_aborted for n, a in after.items()
+                      if a is not None and (b := before.get(n)) is not None and a.incarnation == b.incarnation)
+        res.notes.append(f"{ORPHANS} long streams cut with the gateway; the workers counted {aborted} of their "
+                         "requests as orphans (orphans_aborted); the rest ended when their token stream's send "
+                         "queue filled (the drain check: nothing left)")
+
+    load = _load(h, long_streams=[dataclasses.replace(orphan, prompt=(100 + i, *orphan.prompt))
+                                  for i in range(ORPHANS)])
+    return h.run_fault("c", "gateway replica SIGKILL", fault, load, AT_CHUNKS, gateway_restart=True,
+                       excuse=before_recovery, check=orphans)
+
+
+# --- (d) a decode worker stopped for 10 s, then continued --------------------------------
+
+STOP_S = 10.0
+
+
+def decode_stopped(h: Harness) -> ScenarioResult:
+    def fault(_: Load) -> Fault:
+        f = h.kill_busiest(_decodes(h), signal.SIGSTOP, "SIGSTOP 10 s, SIGCONT")
+        try:
+            time.sleep(STOP_S)
+        finally:
+            assert f.pid is not None
+            h.server.send(f.pid, signal.SIGCONT)
+        f.ended = time.monotonic()
+        return f
+
+    return h.run_fault("d", "decode worker SIGSTOP 10 s + SIGCONT", fault, _load(h), AT_CHUNKS, restarted=False)
+
+
+# --- (e) an engine-thread crash ------------------------------------------------------------
+
+
+def engine_crash(h: Harness) -> ScenarioResult:
+    def fault(_: Load) -> Fault:
+        seen = h.wait_for(_decodes(h), lambda s: s.jobs >= 2, timeout_s=5.0)
+        name, state = seen if seen is not None else h.busiest(_decodes(h))
+        t = time.monotonic()
+        h.view.call(name, "inject_fault", "engine_crash")
+        jobs = state.jobs if state else None
+        return Fault("inject_fault(engine_crash)", name, pid_of(state), t, t, f"{jobs} in flight on it", jobs)
+
+    return h.run_fault("e", "decode engine-thread crash (injected)", fault, _load(h), AT_CHUNKS, restarted=True,
+                       migrate=True)
+
+
+# --- (f) the only prefill worker killed ------------------------------------------------------
+
+
+def only_prefill_killed(h: Harness) -> ScenarioResult:
+    """No prefill worker for a while: handoffs in flight recompute on their decode worker,
+    new requests are prefilled there (the router's fallback); none may fail."""
+    def fault(_: Load) -> Fault:
+        seen = h.wait_for(_prefills(h), lambda s: s.jobs > 0, timeout_s=5.0)
+        return h.kill_worker(seen[0], state=seen[1]) if seen else h.kill_worker(_prefills(h)[0])
+
+    return h.run_fault("f", "only prefill worker SIGKILL", fault, _load(h), AT_CHUNKS, restarted=True)
+
+
+# --- (g) a link cut mid-transfer ---------------------------------------------------------------
+
+CUTS = 5
+
+
+def kv_link_cut(h: Harness) -> ScenarioResult:
+    """Long prompts; each time a decode worker awaits KV, the TCP connections of the
+    prefill worker's KV link to it are destroyed under both ends (`ss -K`), up to
+    CUTS times: the transfer in flight is lost with its socket, ZeroMQ reconnects, the
+    link resyncs; the decode worker's request recomputes (or its KV arrives anyway)."""
+    if not can_cut_links():
+        return ScenarioResult("g1", "KV link cut mid-transfer", skipped="needs root for ss -K")
+
+    def fault(_: Load) -> Fault:
+        t, cut, hit = time.monotonic(), 0, 0
+        prefill = pid_of(h.view.states(_prefills(h))[_prefills(h)[0]])
+        for _try in range(CUTS):
+            seen = h.wait_for(_decodes(h), lambda s: s.kv_registrations > 0, timeout_s=3.0, poll_s=0.005)
+            if seen is None or prefill is None:
+                continue
+            decode = pid_of(seen[1])
+            assert decode is not None
+            conns = links(prefill, decode, loopback_ports(decode))
+            n = cut_links(conns)
+            cut += n
+            hit += bool(n)
+            time.sleep(0.3)
+        return Fault("ss -K (KV link)", "prefill -> decode", prefill, t, time.monotonic(),
+                     f"{cut} connections cut in {hit} of {CUTS} tries, each with KV awaited")
+
+    return h.run_fault("g1", "KV link cut mid-transfer (ss -K)", fault, _long_load(h, "g1"), 20)
+
+
+def token_link_cut(h: Harness) -> ScenarioResult:
+    """Mid-stream, the decode workers' token-stream connections to the gateway are
+    destroyed (`ss -K`) 3 times, 0.5 s apart: batches in the cut sockets are lost; the
+    gateway sees the gap in the worker's numbering and moves the request on."""
+    if not can_cut_links():
+        return ScenarioResult("g2", "token link cut mid-stream", skipped="needs root for ss -K")
+
+    def fault(_: Load) -> Fault:
+        t, cut = time.monotonic(), 0
+        gateway = h.server.gateway_pid()
+        states = h.view.states(_decodes(h))
+        for _round in range(3):
+            for s in states.values():
+                decode = pid_of(s)
+                if decode is not None and gateway is not None:
+                    cut += cut_links(links(decode, gateway))
+            time.sleep(0.5)
+        return Fault("ss -K (token link)", "decode -> gateway", gateway, t, time.monotonic(),
+                     f"{cut} connections cut")
+
+    return h.run_fault("g2", "token link cut mid-stream (ss -K)", fault, _load(h), AT_CHUNKS)
+
+
+# --- (h) a kill during a burst of client disconnects ---------------------------------------------
+
+
+def disconnect_burst(h: Harness) -> ScenarioResult:
+    """16 streams; at the fault, half of them hang up at once and the busiest decode
+    worker is SIGKILLed. The other half must complete exactly; nothing may be left."""
+    def fault(load: Load) -> Fault:
+        seen = h.wait_for(_decodes(h), lambda s: s.jobs >= 4, timeout_s=5.0)
+        name, state = seen if seen is not None else h.busiest(_decodes(h))
+        load.hang_up_now()
+        f = h.kill_worker(name, state=state)
+        f.what = "disconnect burst + SIGKILL"
+        return f
+
+    load = _load(h, requests=REQUESTS, concurrency=16, hang_up_if=lambda i: i % 2 == 0, hang_up=asyncio.Event())
+
+    def closed(res: ScenarioResult, _b: dict[str, DrainState | None], _a: dict[str, DrainState | None]) -> None:
+        res.notes.append(f"{res.closed} streams hung up by their clients")
+        if res.closed < 4:
+            res.failures.append(f"only {res.closed} clients hung up: no burst")
+
+    return h.run_fault("h", "disconnect burst + decode SIGKILL", fault, load, AT_CHUNKS, restarted=True,
+                       check=closed, migrate=True)
+
+
+# --- (i) `pdserve serve` itself killed, then started again -----------------------------------------
+
+
+def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
+    """Mid-load, `pdserve serve` is killed (SIGKILL to its process, or SIGTERM to its
+    process group), then started again on the same ports as soon as its process is
+    gone. Its streams are cut, and requests fail until the new one serves (excused);
+    the new one must be healthy within the first start's time + 10 s of the fault,
+    with whatever the old one left (Ray's agents, an orphaned HAProxy holding the
+    port) cleared or reported, and serve every request after."""
+    key = "i1" if how == "SIGKILL" else "i2"
+    title = "pdserve serve SIGKILL, restarted" if how == "SIGKILL" else "pdserve serve SIGTERM to its group, restarted"
+    t0 = time.monotonic()
+    res = ScenarioResult(key, title)
+    server = h.server
+    h.wait_ready()
+    res.budget_s = (server.startup_s or 60.0) + 10.0
+    load = _load(h)
+    faults: list[Fault] = []
+    h.view.close()  # a driver on a Ray whose GCS dies may be ended by Ray: leave first
+
+    def kill_and_restart() -> None:
+        t = time.monotonic()
+        old = server.sid
+        if how == "SIGKILL":
+            server.kill_main(signal.SIGKILL)
+        else:
+            os.killpg(old, signal.SIGTERM)  # the group of the process the harness started
+        faults.append(Fault(how, "pdserve serve", old, t, t))
+        assert server.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.proc.wait(30)
+        left = server.pids()
+        log_start = server.log_path.stat().st_size
+        server.restart()
+        res.notes.append(f"restarted {time.monotonic() - t:.1f} s after the fault; the old run's processes alive "
+                         f"then: {_describe(left)}")
+        try:
+            server.wait_healthy(max(120.0, 3 * (res.budget_s or 60.0)))
+            res.recovery_s = time.monotonic() - t
+        except RuntimeError as e:
+            res.failures.append(f"not healthy after the restart: {str(e).splitlines()[0]}")
+            res.notes.append(server.log_tail(15))
+        with open(server.log_path, errors="replace") as f:
+            f.seek(log_start)
+            res.notes += [line.strip() for line in f if line.startswith("pdserve:")]
+        res.notes.append(f"the old run's processes still alive once the new one was healthy: "
+                         f"{_describe(session_members(old))}")
+
+    async def scenario() -> list[Result]:
+        reached = asyncio.Event()
+        load.on_chunk = lambda n: reached.set() if n >= AT_CHUNKS else None
+
+        async def strike() -> None:
+            await reached.wait()
+            await asyncio.to_thread(kill_and_restart)
+
+        striker = asyncio.create_task(strike())
+        results = await load.run(server.url)
+        await striker
+        return results
+
+    results = asyncio.run(scenario())
+    fault = faults[0]
+    res.fault = fault
+    recovered_at = fault.ended + res.recovery_s if res.recovery_s is not None else None
+    h._count(res, results, fault, recovered_at, before_recovery)
+    if res.recovery_s is not None:
+        h.view = RayView(server.ray_address())
+        h.after_recovery(res, AFTER)
+        empty = Snapshot({}, {})
+        res.leaks = leaks(empty, h.drain(empty, timeout_s=DRAIN_TIMEOUT_S))
+    res.judge()
+    res.elapsed_s = time.monotonic() - t0
+    return res
+
+
+def _describe(pids: list[int]) -> str:
+    if not pids:
+        return "none"
+    return ", ".join(f"{p} {cmdline(p).split()[0] if cmdline(p) else '?'}" for p in pids)
+
+
+# --- the matrix -----------------------------------------------------------------------------------
+
+ONE_DECODE = "1p1d"
+TWO_DECODE = "1p2d"
+OWN = "own"  # a server of its own (killed)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    key: str
+    title: str
+    server: str  # which harness runs it: TWO_DECODE, ONE_DECODE, OWN
+    run: Callable[[Harness], ScenarioResult]
+    probes: int = REQUESTS + AFTER  # of the harness's main set
+
+
+SCENARIOS = [
+    Scenario("a", "decode worker SIGKILL mid-stream", TWO_DECODE, decode_killed),
+    Scenario("a1", "only decode worker SIGKILL (1P+1D)", ONE_DECODE, only_decode_killed),
+    Scenario("b1", "prefill worker SIGKILL mid-prefill", TWO_DECODE, prefill_killed_mid_prefill, AFTER),
+    Scenario("b2", "prefill worker SIGKILL mid-transfer", TWO_DECODE, prefill_killed_mid_transfer, AFTER),
+    Scenario("c", "gateway replica SIGKILL", TWO_DECODE, gateway_killed),
+    Scenario("d", "decode worker SIGSTOP 10 s + SIGCONT", TWO_DECODE, decode_stopped),
+    Scenario("e", "decode engine-thread crash (injected)", TWO_DECODE, engine_crash),
+    Scenario("f", "only prefill worker SIGKILL", TWO_DECODE, only_prefill_killed),
+    Scenario("g1", "KV link cut mid-transfer (ss -K)", TWO_DECODE, kv_link_cut, AFTER),
+    Scenario("g2", "token link cut mid-stream (ss -K)", TWO_DECODE, token_link_cut),
+    Scenario("h", "disconnect burst + decode SIGKILL", TWO_DECODE, disconnect_burst),
+    Scenario("i1", "pdserve serve SIGKILL, restarted", OWN, lambda h: server_killed(h, "SIGKILL")),
+    Scenario("i2", "pdserve serve SIGTERM to its group, restarted", OWN, lambda h: server_killed(h, "SIGTERM")),
+]
+BY_KEY = {s.key: s for s in SCENARIOS}
+
+MODEL_SPEC = dict(arch="llama", num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+WARM_UP = 16
+
+
+def server_options(model: str, which: str) -> ServerOptions:
+    return ServerOptions(model, prefill=1, decode=1 if which == ONE_DECODE else 2)
+
+
+def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], None] = print,
+               on_result: Callable[[ScenarioResult], None] | None = None) -> list[ScenarioResult]:
+    """Run the scenarios `keys` (in SCENARIOS order), one harness per server kind."""
+    chosen = [s for s in SCENARIOS if s.key in keys]
+    results: list[ScenarioResult] = []
+    for which in (TWO_DECODE, ONE_DECODE, OWN):
+        group = [s for s in chosen if s.server == which]
+        if not group:
+            continue
+        count = WARM_UP + sum(s.probes for s in group)
+        log(f"[{which}] computing {count} probes' greedy answers offline ...")
+        probes = make_probes(model, count, seed=len(results) + 1, max_tokens=MAX_TOKENS)
+        for s in group if which == OWN else [None]:
+            opts = server_options(model, which if which != OWN else TWO_DECODE)
+            sub = log_dir / (which if s is None else f"own-{s.key}")
+            log(f"[{which}] starting pdserve serve ({opts.prefill}P+{opts.decode}D) ...")
+            h = Harness.start(opts, sub, probes, log=log)
+            try:
+                for sc in group if s is None else [s]:
+                    log(f"[{sc.key}] {sc.title} ...")
+                    try:
+                        r = sc.run(h)
+                    except Exception as e:  # noqa: BLE001 - one scenario's harness failure is its row's
+                        r = ScenarioResult(sc.key, sc.title, failures=[f"harness error: {type(e).__name__}: {e}"])
+                    results.append(r)
+                    log(f"[{sc.key}] {'PASS' if r.passed else 'SKIP' if r.skipped else 'FAIL'} "
+                        f"({r.elapsed_s:.0f} s) {'; '.join(r.failures)}")
+                    if on_result is not None:
+                        on_result(r)
+            finally:
+                h.close()
+    order = {s.key: i for i, s in enumerate(SCENARIOS)}
+    return sorted(results, key=lambda r: order[r.key])
+
+
+def table(results: list[ScenarioResult]) -> str:
+    """The matrix as a Markdown table."""
+    rows = ["| scenario | requests | ok | clean errors | dropped | wrong | hung | lost | migrated | leaked blocks/"
+            "regs/tasks/threads | recovery s (budget) | after recovery | result |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        rec = "—" if r.recovery_s is None else f"{r.recovery_s:.1f}"
+        budget = "" if r.budget_s is None else f" ({r.budget_s:.1f})"
+        migrated = int(r.counters.get("pdserve:request_migrations", 0)) if r.counters else "—"
+        verdict = f"skipped: {r.skipped}" if r.skipped else "pass" if r.passed else "FAIL: " + "; ".join(r.failures)
+        rows.append(f"| ({r.key}) {r.title} | {r.requests} | {r.ok} | {r.errors} | {r.dropped} | {r.wrong} | "
+                    f"{r.hung} | {r.lost} | {migrated} | {r.leaks.short()} | {rec}{budget} | "
+                    f"{r.after_ok}/{r.after_total} | {verdict} |")
+    return "\n".join(rows)
+
+
+def counters_line(r: ScenarioResult) -> str:
+    """The cluster's own counts of what it did (the non-zero COUNTERS)."""
+    return ", ".join(f"{COUNTERS[n]} {v:g}" for n, v in r.counters.items() if v) or "nothing counted"

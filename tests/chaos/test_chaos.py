@@ -1,0 +1,93 @@
+"""The chaos suite's CI subset (issue 13): real `pdserve serve` processes killed under
+streaming greedy load, on one server start (1 prefill + 2 decode workers, the tiny
+model). bench/chaos.py runs the whole matrix; docs/reliability.md has its results.
+
+- (a) a decode worker SIGKILLed mid-stream: its requests move to the other decode
+  worker and finish with exactly the offline engine's greedy text;
+- (e) a decode worker's engine thread crashes (injected): the worker exits, Ray
+  restarts it, its requests move;
+- (f) the only prefill worker SIGKILLed: handoffs recompute on their decode worker,
+  new requests are prefilled there until it is back.
+
+After each: 0 wrong, 0 hung, 0 lost, nothing held by any worker after the drain
+(blocks, KV registrations, requests, tasks, threads), the pool back to size and
+/health 200 "ok" within model load + 10 s, and requests after recovery all ok.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from factories import tiny_spec
+
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(sys.platform != "linux", reason="the harness reads /proc")]
+
+SUBSET = ("a", "e", "f")
+
+
+@pytest.fixture(scope="module")
+def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from pdserve.cluster.chaos import Harness, make_probes
+    from pdserve.cluster.chaos_scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
+
+    # test_serve_ray's model (made once per session): the scenarios' MODEL_SPEC.
+    model = str(make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)))
+    probes = make_probes(model, WARM_UP + len(SUBSET) * (REQUESTS + AFTER), seed=1, max_tokens=MAX_TOKENS)
+    h = Harness.start(server_options(model, TWO_DECODE), tmp_path_factory.mktemp("chaos"), probes,
+                      log=lambda line: print(line, flush=True))
+    try:
+        yield h
+    finally:
+        h.close()
+        assert not h.server.pids(), f"processes of the server left: {h.server.pids()}"
+
+
+# Known bug (docs/reliability.md, "Found"): a prefill worker keeps its KV link (a
+# `kv-send` thread and a ZeroMQ socket reconnecting for ever) to the address of a
+# decode worker that was restarted (the new one listens on another port). Where that
+# is the only failure, the test is an expected failure; every other check holds.
+KNOWN_LEAK = "kv-send tcp://* [Thread]"
+
+
+def _only_the_known_leak(result: object) -> bool:
+    from pdserve.cluster.chaos import Leaks, ScenarioResult
+
+    assert isinstance(result, ScenarioResult)
+    threads = [t for extra in result.extra_threads.values() for t in extra]
+    return (len(result.failures) == 1 and result.failures[0].startswith("leaked")
+            and result.leaks == Leaks(threads=len(threads)) and bool(threads)
+            and all(t == KNOWN_LEAK for t in threads)
+            and all(name.startswith("pdserve-prefill-") for name in result.extra_threads))
+
+
+def _check(harness: object, key: str) -> None:
+    from pdserve.cluster.chaos import Harness
+    from pdserve.cluster.chaos_scenarios import BY_KEY, table
+
+    assert isinstance(harness, Harness)
+    result = BY_KEY[key].run(harness)
+    print(table([result]))
+    if result.passed:
+        return
+    if _only_the_known_leak(result):
+        pytest.xfail(f"known bug: the prefill worker kept its KV link to the restarted decode worker's old "
+                     f"address ({result.extra_threads})")
+    pytest.fail(f"{table([result])}\n" + "\n".join(result.notes), pytrace=False)
+
+
+def test_decode_worker_killed_mid_stream(harness: object) -> None:
+    _check(harness, "a")
+
+
+def test_engine_thread_crash(harness: object) -> None:
+    _check(harness, "e")
+
+
+def test_only_prefill_worker_killed(harness: object) -> None:
+    _check(harness, "f")

@@ -1,0 +1,165 @@
+"""The chaos harness's own judgement, without a cluster: a request's outcome from what
+a (fake) server streamed, the thread and counter accounting, the excuses, the verdict."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from pdserve.cluster.chaos import (
+    Fault,
+    Leaks,
+    Load,
+    Outcome,
+    Probe,
+    Result,
+    ScenarioResult,
+    Snapshot,
+    before_recovery,
+    counter_increase,
+    extra_threads,
+    leaks,
+)
+from pdserve.cluster.reports import DrainState
+
+PROBE = Probe((5, 6, 7), 3, "abc")
+
+
+def _sse(*events: object) -> bytes:
+    return b"".join(f"data: {e if isinstance(e, str) else json.dumps(e)}\n\n".encode() for e in events)
+
+
+def _chunk(text: str, finish: str | None = None) -> dict[str, object]:
+    return {"choices": [{"index": 0, "text": text, "finish_reason": finish}]}
+
+
+USAGE = {"choices": [], "usage": {"completion_tokens": 3}}
+# What the fake server sends, by the first prompt token of the request (`None`: hang up
+# after the headers and the first chunk; "hang": send a chunk, then nothing).
+BEHAVIOURS: dict[int, tuple[int, bytes | None | str]] = {
+    5: (200, _sse(_chunk("a"), _chunk("b"), _chunk("c", "length"), USAGE, "[DONE]")),
+    6: (200, _sse(_chunk("a"), _chunk("x"), _chunk("c", "length"), USAGE, "[DONE]")),  # wrong text
+    7: (200, _sse(_chunk("a"), _chunk("b", "length"), {"choices": [], "usage": {"completion_tokens": 2}},
+                  "[DONE]")),  # short
+    8: (200, _sse(_chunk("a"), {"error": {"message": "no healthy decode worker", "type": "X", "code": 503}},
+                  "[DONE]")),
+    9: (503, json.dumps({"error": {"message": "at capacity", "type": "ServiceUnavailableError"}}).encode()),
+    10: (200, None),  # the connection drops mid-stream
+    11: (200, "hang"),  # one chunk, then silence
+}
+
+
+@pytest.fixture(scope="module")
+def fake_url() -> Iterator[str]:
+    """A plain asyncio HTTP server on 127.0.0.1 (its own loop in a thread) that answers
+    each completion by BEHAVIOURS[its first prompt token]."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length"))
+        body = json.loads(await reader.readexactly(length))
+        status, payload = BEHAVIOURS[body["prompt"][0]]
+        if status != 200:
+            assert isinstance(payload, bytes)
+            writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(payload)}\r\n"
+                         "connection: close\r\n\r\n".encode() + payload)
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+            if isinstance(payload, bytes):
+                writer.write(payload)
+            else:
+                writer.write(_sse(_chunk("a")))
+                await writer.drain()
+                if payload == "hang":
+                    await asyncio.sleep(3)
+        await writer.drain()
+        writer.close()
+
+    server = asyncio.run_coroutine_threadsafe(asyncio.start_server(handle, "127.0.0.1", 0), loop).result(10)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        async def stop() -> None:
+            server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_each_stream_is_judged_by_what_arrived(fake_url: str) -> None:
+    probes = [Probe((first, 1, 2), 3, "abc") for first in sorted(BEHAVIOURS)]
+    load = Load(probes, requests=len(probes), concurrency=len(probes), read_timeout_s=1.0, deadline_s=3.0,
+                pause_after_error_s=0.0)
+    results = asyncio.run(load.run(fake_url))
+    outcomes = {probes[r.probe].prompt[0]: r.outcome for r in results}
+    assert outcomes == {5: Outcome.OK, 6: Outcome.WRONG, 7: Outcome.WRONG, 8: Outcome.ERROR, 9: Outcome.ERROR,
+                        10: Outcome.DROPPED, 11: Outcome.HUNG}
+    by_first = {probes[r.probe].prompt[0]: r for r in results}
+    assert by_first[8].status == 503 and "no healthy decode worker" in by_first[8].detail
+    assert by_first[9].status == 503 and "at capacity" in by_first[9].detail
+    assert load.chunks == sum(r.chunks for r in results)
+
+
+def test_a_client_that_hangs_up_is_closed_not_lost(fake_url: str) -> None:
+    event = asyncio.Event()
+    event.set()
+    load = Load([PROBE], requests=2, concurrency=2, hang_up_if=lambda i: i == 0, hang_up=event)
+    results = asyncio.run(load.run(fake_url))
+    assert [r.outcome for r in results] == [Outcome.CLOSED, Outcome.OK]
+
+
+def _state(jobs: int = 0, blocks: int = 0, tasks: int = 1, threads: int = 5, incarnation: str = "1-0") -> DrainState:
+    return DrainState(jobs, jobs, blocks, 0, tasks, threads, 0, incarnation)
+
+
+def test_threads_are_counted_by_kind_ports_masked_pools_left_out() -> None:
+    before = ["MainThread [_MainThread]", "kv-send tcp://127.0.0.1:1000 [Thread]", "kv-wait_0 [Thread]"]
+    # A restarted peer's link under another port is the same kind; pools and pyzmq's gc thread grow freely.
+    after_ok = ["MainThread [_MainThread]", "kv-send tcp://127.0.0.1:2000 [Thread]", "kv-wait_0 [Thread]",
+                "kv-wait_1 [Thread]", "Thread-3 [GarbageCollectorThread]"]
+    assert extra_threads(before, after_ok) == []
+    leaked = [*after_ok, "kv-send tcp://127.0.0.1:1000 [Thread]"]
+    assert extra_threads(before, leaked) == ["kv-send tcp://* [Thread]"]
+    snap_before = Snapshot({"w": _state(threads=3)}, {"w": before})
+    assert leaks(snap_before, Snapshot({"w": _state(threads=6)}, {"w": after_ok})) == Leaks()
+    assert leaks(snap_before, Snapshot({"w": _state(threads=7)}, {"w": leaked})) == Leaks(threads=1)
+    # Without names, by count; what a worker holds counts whatever its baseline.
+    assert leaks(snap_before, Snapshot({"w": _state(jobs=1, blocks=2, tasks=2, threads=4)}, {"w": None})) == \
+        Leaks(requests=2, blocks=2, tasks=1, threads=1)
+    assert leaks(snap_before, Snapshot({"w": None}, {"w": None})) == Leaks(unanswered=1)
+
+
+def test_counters_that_restarted_count_from_zero() -> None:
+    assert counter_increase({"a": 5.0, "b": 7.0}, {"a": 8.0, "b": 2.0, "c": 1.0}) == {"a": 3.0, "b": 2.0, "c": 1.0}
+
+
+def test_excuses_and_the_verdict() -> None:
+    fault = Fault("SIGKILL", "w", 1, started=10.0, ended=10.0)
+    during = Result(0, 0, Outcome.DROPPED, started=9.0, ended=10.5)
+    before_it = Result(1, 0, Outcome.DROPPED, started=1.0, ended=2.0)
+    after_it = Result(2, 0, Outcome.ERROR, started=30.0, ended=30.1)
+    assert before_recovery(during, fault, 20.0)
+    assert not before_recovery(before_it, fault, 20.0)
+    assert not before_recovery(after_it, fault, 20.0)
+    assert before_recovery(after_it, fault, None)  # never recovered: nothing after it
+    r = ScenarioResult("x", "x", recovery_s=5.0, budget_s=10.0, after_ok=8, after_total=8)
+    r.judge()
+    assert r.passed
+    r = ScenarioResult("x", "x", wrong=1, hung=1, lost=1, leaks=Leaks(blocks=1), recovery_s=11.0, budget_s=10.0,
+                       after_ok=7, after_total=8)
+    r.judge()
+    assert not r.passed and len(r.failures) == 6
