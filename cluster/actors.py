@@ -34,7 +34,6 @@ from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.transfer.base import KVReceiver, KVSender, Transport
-from pdserve.workers.transfer.control import NetworkSender
 
 logger = logging.getLogger(__name__)
 
@@ -144,12 +143,9 @@ class PrefillService(_Service):
         engine = _engine(dataclasses.replace(config, speculative=None, draft_model=None), torch_threads,
                          record_events=True)
         sender_cls = _sender_class(transport)
-        self._senders: dict[str, KVSender] = {}
 
-        def sender_for(address: str) -> KVSender:
-            if address not in self._senders:
-                self._senders[address] = sender_cls(engine.kv_caches, address)
-            return self._senders[address]
+        def sender_for(address: str) -> KVSender:  # the worker keeps one per link, and closes it
+            return sender_cls(engine.kv_caches, address)
 
         worker = PrefillWorker(engine, sender_for, worker_id=worker_name, transfer_timeout_s=transfer_timeout_s)
         super().__init__(Pool.PREFILL, engine, worker.async_engine, worker_name, exit_on_engine_death)
@@ -157,10 +153,8 @@ class PrefillService(_Service):
         self.worker = worker.start()
 
     def counts(self) -> WorkerCounts:
-        # A copy of the values first: a KV-sending thread may add a sender meanwhile.
-        senders = [s for s in tuple(self._senders.values()) if isinstance(s, NetworkSender)]
-        return dataclasses.replace(super().counts(), link_resyncs=sum(s.num_resyncs for s in senders),
-                                   links_lost=sum(s.num_links_lost for s in senders))
+        links = self.worker.link_counts()
+        return dataclasses.replace(super().counts(), link_resyncs=links.resyncs, links_lost=links.links_lost)
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill into a decode worker's reserved blocks; the first token once its KV is verified there."""
@@ -172,9 +166,7 @@ class PrefillService(_Service):
 
     def close(self) -> None:
         super().close()
-        self.worker.close()  # its send queues' threads
-        for sender in self._senders.values():
-            sender.close()
+        self.worker.close()  # its send queues' threads and their senders
 
 
 class DecodeService(_Service):

@@ -9,7 +9,10 @@ A request's lifecycle here (workers/lifecycle.py):
               decode worker has verified every block)
               (the KV leaves from a thread per decode worker, `SendQueue`: the engine
               thread never waits on a peer, and a dead or hung one costs its own
-              transfers `transfer_timeout_s` at most, or less when its link breaks)
+              transfers `transfer_timeout_s` at most, or less when its link breaks;
+              a link whose decode worker stays unreachable and that no transfer
+              holds is retired after `LINK_RETIRE_S`: a restarted decode worker
+              listens at a new address, and the old link would reconnect for ever)
            -> FINISHED: blocks released; the first token is published on the
               gateway's token stream when nothing can take it back (no stop string
               to cut its text, not the last token), and returned to the decode worker
@@ -34,10 +37,32 @@ from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.token_stream import TokenStreamPublisher
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
+from pdserve.workers.transfer.control import NetworkSender
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 from pdserve.workers.transfer.send_queue import SendQueue
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+# Past the transports' connect budget (5 s: transfers on the link have failed by then),
+# so a blip that heals keeps its link; what it costs to be wrong is one reconnect.
+LINK_RETIRE_S = 10.0
+
+
+@dataclass(frozen=True)
+class LinkCounts:
+    """A network link's failure counters (`NetworkSender`): 0 for other transports."""
+
+    links_lost: int = 0
+    resyncs: int = 0
+
+    @staticmethod
+    def of(sender: KVSender) -> LinkCounts:
+        inner = sender.inner if isinstance(sender, RecordingSender) else sender
+        if not isinstance(inner, NetworkSender):
+            return LinkCounts()
+        return LinkCounts(inner.num_links_lost, inner.num_resyncs)
+
+    def __add__(self, other: LinkCounts) -> LinkCounts:
+        return LinkCounts(self.links_lost + other.links_lost, self.resyncs + other.resyncs)
 
 
 @dataclass(eq=False)
@@ -61,15 +86,22 @@ class _Transfer:
 class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
                  transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill",
-                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
-        """`sender_for(address)` returns the (cached) sender to a decode worker's receiver.
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+                 link_retire_s: float | None = LINK_RETIRE_S) -> None:
+        """`sender_for(address)` makes a sender to a decode worker's receiver, once per
+        link (again after a link was retired); this worker closes it.
         `transfer_recorder` hears of every handoff: its bytes and duration, and
         its failures (the transport's, through `RecordingSender`, and this
         worker's own deadline). `transfer_timeout_s`: the longest one send may
-        wait on its decode worker (a credit, the verdict) before the transfer fails."""
+        wait on its decode worker (a credit, the verdict) before the transfer fails.
+        `link_retire_s`: how long an idle link's peer may stay unreachable before the
+        link is closed (None: never)."""
         self.transfer_recorder = transfer_recorder
         self.transfer_timeout_s = transfer_timeout_s
+        self.link_retire_s = link_retire_s
         self._links: dict[str, SendQueue] = {}
+        self._links_lock = threading.Lock()  # the event loop opens links, their own threads retire them
+        self._retired = LinkCounts()  # retired links' counters still count
         self._first_tokens = TokenStreamPublisher(f"{worker_id}-first")
         self._first_lock = threading.Lock()
         self._sender_for = sender_for
@@ -82,8 +114,11 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.async_engine.close()
-        for link in self._links.values():
+        with self._links_lock:
+            links = list(self._links.values())
+        for link in links:
             link.close()
+            link.sender.close()
         with self._first_lock:
             self._first_tokens.close()
 
@@ -96,11 +131,12 @@ class PrefillWorker:
         params = _first_token_params(req.params)
         ae = self.async_engine
         job = ae.open_stream(req)
-        t = _Transfer(job, order, self.link_to(order.kv_address),
-                      order.reservation.skip_blocks(self.engine.config.block_size))
+        link = self.link_to(order.kv_address)  # held by this transfer until its exit hook is done with it
+        t = _Transfer(job, order, link, order.reservation.skip_blocks(self.engine.config.block_size))
         job.on_output = lambda out: setattr(t, "output", out)
         job.after_step = lambda engine: self._pump(engine, t)
         job.life.on_exit(lambda exit: self._abandon(t, exit))
+        job.life.on_exit(lambda _: link.release())
         ae.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params, hold_kv=True))
         await ae.finished(job)
         assert t.first is not None, "a finished prefill without its first token"
@@ -118,13 +154,37 @@ class PrefillWorker:
         self.async_engine.abort(request_id, attempt)
 
     def link_to(self, address: str) -> SendQueue:
-        """The send queue (and its thread) to the decode worker at `address`."""
-        if address not in self._links:
+        """The send queue (and its thread) to the decode worker at `address`, held
+        for the caller: `release` it when done."""
+        with self._links_lock:
+            link = self._links.get(address)
+            if link is not None and link.hold():
+                return link
             sender = self._sender_for(address)
             if self.transfer_recorder is not None:
                 sender = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
-            self._links[address] = SendQueue(sender, self.transfer_timeout_s, name=f"kv-send {address}")
-        return self._links[address]
+            link = SendQueue(sender, self.transfer_timeout_s, name=f"kv-send {address}",
+                             retire_after_s=self.link_retire_s, on_retire=lambda q: self._retire(address, q))
+            link.hold()
+            self._links[address] = link
+            return link
+
+    def link_counts(self) -> LinkCounts:
+        """Connections lost and resynced on every link this worker has had (retired ones too)."""
+        with self._links_lock:
+            return sum((LinkCounts.of(link.sender) for link in self._links.values()), self._retired)
+
+    @property
+    def num_links(self) -> int:
+        with self._links_lock:
+            return len(self._links)
+
+    def _retire(self, address: str, link: SendQueue) -> None:
+        """The link's thread: it closed itself (its peer stayed unreachable)."""
+        with self._links_lock:
+            if self._links.get(address) is link:
+                del self._links[address]
+            self._retired += LinkCounts.of(link.sender)
 
     # -- engine thread -----------------------------------------------------------
 

@@ -48,24 +48,6 @@ def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytes
         assert not h.server.pids(), f"processes of the server left: {h.server.pids()}"
 
 
-# Known bug (docs/reliability.md, "Found"): a prefill worker keeps its KV link (a
-# `kv-send` thread and a ZeroMQ socket reconnecting for ever) to the address of a
-# decode worker that was restarted (the new one listens on another port). Where that
-# is the only failure, the test is an expected failure; every other check holds.
-KNOWN_LEAK = "kv-send tcp://* [Thread]"
-
-
-def _only_the_known_leak(result: object) -> bool:
-    from pdserve.cluster.chaos import Leaks, ScenarioResult
-
-    assert isinstance(result, ScenarioResult)
-    threads = [t for extra in result.extra_threads.values() for t in extra]
-    return (len(result.failures) == 1 and result.failures[0].startswith("leaked")
-            and result.leaks == Leaks(threads=len(threads)) and bool(threads)
-            and all(t == KNOWN_LEAK for t in threads)
-            and all(name.startswith("pdserve-prefill-") for name in result.extra_threads))
-
-
 def _check(harness: object, key: str) -> None:
     from pdserve.cluster.chaos import Harness
     from pdserve.cluster.chaos_scenarios import BY_KEY, table
@@ -73,12 +55,8 @@ def _check(harness: object, key: str) -> None:
     assert isinstance(harness, Harness)
     result = BY_KEY[key].run(harness)
     print(table([result]))
-    if result.passed:
-        return
-    if _only_the_known_leak(result):
-        pytest.xfail(f"known bug: the prefill worker kept its KV link to the restarted decode worker's old "
-                     f"address ({result.extra_threads})")
-    pytest.fail(f"{table([result])}\n" + "\n".join(result.notes), pytrace=False)
+    if not result.passed:
+        pytest.fail(f"{table([result])}\n" + "\n".join(result.notes), pytrace=False)
 
 
 def test_decode_worker_killed_mid_stream(harness: object) -> None:

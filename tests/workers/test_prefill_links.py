@@ -6,6 +6,7 @@ other decode worker, and the hung link's transfers fail after
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -90,3 +91,53 @@ def test_a_hung_decode_worker_does_not_hold_the_prefill_engine_thread(model_dir:
             r.close()
         for s in senders.values():
             s.close()
+
+
+def test_a_link_to_a_decode_worker_that_is_gone_is_retired(model_dir: Path) -> None:
+    """A decode worker restarts at a new address: the prefill worker's link to the old
+    one (its thread, its socket) goes once it has been unreachable for
+    `link_retire_s`; what it counted still counts; the new worker is served."""
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(5, 4000, (40,), generator=g).tolist()
+    want = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).generate(
+        [prompt], PARAMS)[0].outputs[0].token_ids
+    p_engine = _engine(model_dir)
+    prefill = PrefillWorker(p_engine, lambda address: ZmqKVSender(p_engine.kv_caches, address),
+                            transfer_timeout_s=5.0, link_retire_s=1.0).start()
+
+    def link_threads() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith("kv-send")]
+
+    def serve_once(name: str) -> tuple[list[int], ZmqKVReceiver, DecodeWorker]:
+        engine = _engine(model_dir)
+        receiver = ZmqKVReceiver(engine.kv_caches)
+        decode = DecodeWorker(engine, receiver, prefill_timeout_s=20.0).start()
+        outs = asyncio.run(handoff_deltas(prefill, decode, f"r-{name}", prompt, PARAMS, timeout_s=30.0))
+        return [t for o in outs for t in o.outputs[0].token_ids], receiver, decode
+
+    try:
+        tokens, receiver, decode = serve_once("old")
+        assert tokens == want and link_threads() == [f"kv-send {receiver.address}"]
+        decode.close()
+        receiver.close()  # the worker is gone; the next one listens elsewhere
+        deadline = time.monotonic() + 8.0
+        while prefill.num_links and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert prefill.num_links == 0 and link_threads() == []
+        assert prefill.link_counts().links_lost == 1  # the retired link's counter is kept
+
+        tokens, receiver, decode = serve_once("new")
+        assert tokens == want and link_threads() == [f"kv-send {receiver.address}"]
+        assert p_engine.kv.pool.num_used == 0 and decode.engine.kv.pool.num_used == 0
+        decode.close()
+        receiver.close()
+    finally:
+        prefill.close()
+    assert _wait_no_link_threads(link_threads)
+
+
+def _wait_no_link_threads(link_threads: Callable[[], list[str]]) -> bool:
+    deadline = time.monotonic() + 3.0
+    while link_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not link_threads()

@@ -126,6 +126,12 @@ class KVSender(abc.ABC):
         Later calls raise `TransferError(CLOSED)`. Bounded: never blocks past ~1 s.
         """
 
+    def link_down_s(self) -> float:
+        """Seconds the connection to the receiver has been down (or never came up); 0
+        while it is up, or for a transport with no connection of its own. Does not
+        block; the prefill worker retires a link whose peer stays unreachable."""
+        return 0.0
+
 
 class KVReceiver(abc.ABC):
     """Receiver half, owned by one decode worker; writes verified K/V into its cache."""

@@ -283,6 +283,13 @@ class NetworkSender(KVSender):
         self._resync_due = False  # a link was lost: the next grant completes a resync
         self._sock, self._monitor, self._poller = self._open()
 
+    def link_down_s(self) -> float:
+        with self._lock:
+            if self._closed:
+                return 0.0
+            self._drain()
+            return 0.0 if self._monitor.connected else time.monotonic() - self._monitor.changed_at
+
     @property
     def checksum(self) -> ChecksumKind:
         """The checksum the receiver chose (crc32 until its grant arrived)."""

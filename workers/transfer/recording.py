@@ -84,6 +84,9 @@ class RecordingSender(KVSender):
             self._open.clear()
         self.inner.close()
 
+    def link_down_s(self) -> float:
+        return self.inner.link_down_s()
+
     def _failed(self, request_id: str, e: TransferError) -> None:
         with self._lock:
             self._open.pop(request_id, None)

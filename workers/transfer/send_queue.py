@@ -9,6 +9,12 @@ through a callback; each queued call waits at most `wait_s` on the peer.
 One queue per destination (decode worker): calls keep their order per link (a
 request's end marker after its data), and a stalled link holds only its own
 transfers. A call whose request was cancelled before its turn is skipped.
+
+Retirement: a decode worker that restarts listens at a new address, so the queue to
+its old one would keep a thread and a socket reconnecting for ever. A queue that no
+transfer holds (`hold`/`release`), with nothing queued, whose peer has been
+unreachable for `retire_after_s`, closes itself and its sender and tells its owner
+(`on_retire`); a later transfer to that address opens a new one.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 log = logging.getLogger(__name__)
 
 _JOIN_S = 2.0
+_IDLE_CHECK_S = 1.0  # how often an idle queue looks at its link
 Work = Callable[[KVSender, float], None]  # (sender, the deadline of this call's waits)
 Done = Callable[[TransferError | None], None]
 
@@ -39,17 +46,43 @@ class _Task:
 
 
 class SendQueue:
-    def __init__(self, sender: KVSender, wait_s: float, name: str = "kv-send") -> None:
+    def __init__(self, sender: KVSender, wait_s: float, name: str = "kv-send", *,
+                 retire_after_s: float | None = None, on_retire: Callable[[SendQueue], None] | None = None) -> None:
         """`wait_s`: how long one queued call may wait on the peer (for a credit, for
-        the verdict) before it fails with TIMEOUT, whatever the request's deadline."""
+        the verdict) before it fails with TIMEOUT, whatever the request's deadline.
+        `retire_after_s`: close when idle and the peer has been unreachable this long
+        (None: never); then `on_retire(self)` runs on this queue's thread."""
         if wait_s <= 0:
             raise ValueError(f"wait_s: must be > 0, got {wait_s}")
+        if retire_after_s is not None and retire_after_s <= 0:
+            raise ValueError(f"retire_after_s: must be > 0 or None, got {retire_after_s}")
         self.sender = sender
         self.wait_s = wait_s
+        self._retire_after_s = retire_after_s
+        self._on_retire = on_retire
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # `_closed` and `_holders`: retiring must not race a new holder
         self._closed = False
+        self._holders = 0
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def hold(self) -> bool:
+        """A transfer will use this queue: it is not retired until `release`. False when
+        it is already closed (open a new one)."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._holders += 1
+            return True
+
+    def release(self) -> None:
+        with self._lock:
+            self._holders -= 1
 
     def submit(self, request_id: str, work: Work, deadline: float, done: Done,
                cancelled: Callable[[], bool] = lambda: False) -> None:
@@ -62,14 +95,22 @@ class SendQueue:
         self._tasks.put(_Task(request_id, work, deadline, done, cancelled))
 
     def close(self) -> None:
-        """Stop the thread after the calls already queued (bounded by `_JOIN_S`)."""
-        self._closed = True
+        """Stop the thread after the calls already queued (bounded by `_JOIN_S`). The
+        sender is the caller's to close."""
+        with self._lock:
+            self._closed = True
         self._tasks.put(None)
-        self._thread.join(_JOIN_S)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_JOIN_S)
 
     def _run(self) -> None:
         while True:
-            task = self._tasks.get()
+            try:
+                task = self._tasks.get(timeout=_IDLE_CHECK_S if self._retire_after_s is not None else None)
+            except queue.Empty:
+                if self._retired():
+                    return
+                continue
             if task is None:
                 return
             if task.cancelled():
@@ -87,3 +128,25 @@ class SendQueue:
             except Exception:  # noqa: BLE001
                 log.exception("KV send callback failed")
 
+    def _retired(self) -> bool:
+        """Idle: retire when nothing holds or waits on this queue and the peer has been
+        unreachable for `retire_after_s` (this thread owns the sender)."""
+        assert self._retire_after_s is not None
+        try:
+            down_s = self.sender.link_down_s()
+        except Exception:  # noqa: BLE001 - a sender that cannot tell is kept
+            log.exception("KV link check failed")
+            return False
+        if down_s < self._retire_after_s:
+            return False
+        with self._lock:
+            if self._closed or self._holders > 0 or not self._tasks.empty():
+                return False
+            self._closed = True
+        log.info("KV link %s retired: its peer has been unreachable for %.1f s", self._thread.name, down_s)
+        try:
+            if self._on_retire is not None:
+                self._on_retire(self)
+        finally:
+            self.sender.close()
+        return True
