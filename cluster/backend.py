@@ -159,18 +159,30 @@ class MigrationStats:
     exhausted: int = 0  # requests that failed after their last allowed try
 
 
+# How long a request that has a place to go waits for a worker while none can take
+# it (a pool's only worker restarting: Ray brings it back in seconds).
+DEFAULT_WORKER_WAIT_S = 10.0
+_WAIT_POLL_S = 0.1
+
+
 class TokenStreams:
     """The gateway's token-stream collector (workers/token_stream.py), made on
     first use in the event loop that serves requests, and the loop that runs a
     request's tries: when a try's worker dies, the next try starts on another
     worker from what the client already has (`Resume`), at most `max_migrations`
-    times."""
+    times. A try that finds no worker to take it waits up to `worker_wait_s` (and
+    never past the request's deadline) for one to come back: the client of a
+    stream under way would lose what it has, while a new request is turned away
+    at once by the gateway's admission (503 with Retry-After) when the backend is
+    not healthy."""
 
-    def __init__(self, bind_host: str, max_migrations: int = 2) -> None:
+    def __init__(self, bind_host: str, max_migrations: int = 2,
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
         # Where workers reach this gateway: loopback on one machine, the node's
         # address ("auto") when workers run on other nodes.
         self.bind_host = bind_host
         self.max_migrations = max_migrations
+        self.worker_wait_s = worker_wait_s
         self.stats = MigrationStats()
         self._collector: TokenStreamCollector | None = None
 
@@ -196,8 +208,8 @@ class TokenStreams:
     async def run(self, req: ServeRequest, place: Place) -> AsyncIterator[RequestOutput]:
         """Place `req` and yield its deltas from the stream until the final one. Any
         end but its finish aborts it where it runs then."""
-        placement = place(req, None)  # NoHealthyWorkerError before anything starts
-        where = [placement]
+        placement = await self._place(req, place, None, time.monotonic() + req.timeout_s)
+        where = [placement]  # NoHealthyWorkerError before anything starts: above
         life = self.collector.open(req.request_id, list(req.prompt_token_ids), req.timeout_s)
         life.on_exit(lambda exit: None if exit is Exit.FINISHED else where[-1].abort(req.request_id))
         async for out in self.collector.consume(req.request_id, self._tries(req, place, where)):
@@ -219,7 +231,23 @@ class TokenStreams:
                                           timeout_s=max(retry.remaining_s, 1e-3))
                 self.stats.migrations += 1
                 self.stats.resumed_tokens += req.offset
-                where.append(place(req, where[-1]))
+                where.append(await self._place(req, place, where[-1], time.monotonic() + req.timeout_s))
+
+    async def _place(self, req: ServeRequest, place: Place, failed: Placement | None, deadline: float) -> Placement:
+        """`place(req, failed)`, waiting while no worker can take it, up to `worker_wait_s`
+        or `deadline`; then NoHealthyWorkerError."""
+        give_up = min(time.monotonic() + self.worker_wait_s, deadline)
+        while True:
+            try:
+                return place(req, failed)
+            except NoHealthyWorkerError:
+                if time.monotonic() + _WAIT_POLL_S > give_up:
+                    raise
+            if failed is not None:
+                log.warning("request %s: no worker can take it; waiting up to %.1f s for one",
+                            req.request_id, give_up - time.monotonic())
+            failed = None  # reported once: a worker back meanwhile must not be marked failed again
+            await asyncio.sleep(_WAIT_POLL_S)
 
     async def close(self) -> None:
         if self._collector is not None:
@@ -237,14 +265,15 @@ class ColocatedBackend:
 
     def __init__(self, workers: list[Any | None], stream_host: str = "127.0.0.1", names: list[str] | None = None,
                  max_migrations: int = 2, retry_dead_s: float = 5.0,
-                 lookup: Callable[[str], Any | None] | None = None) -> None:
+                 lookup: Callable[[str], Any | None] | None = None,
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
             raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
         self.names = names or [f"worker-{i}" for i in range(len(workers))]
-        self.streams = TokenStreams(stream_host, max_migrations)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s)
         self.retry_dead_s = retry_dead_s
         self.lookup = lookup
         self._in_flight = [0] * len(workers)

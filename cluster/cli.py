@@ -189,6 +189,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-migrations", type=int, default=_SETTING,
                      help="times a request moves to another worker when its worker dies, before it fails "
                           "(default 2; 0: never)")
+    srv.add_argument("--worker-wait", type=float, default=_SETTING,
+                     help="seconds a request under way waits for a worker when none can take it (the only one "
+                          "restarting) before it fails (default 10; 0: no wait)")
     srv.add_argument("--max-restarts", type=int, default=_SETTING,
                      help="times Ray restarts a crashed worker (default -1: always)")
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")

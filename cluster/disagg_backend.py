@@ -24,7 +24,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pdserve.cluster.backend import WORKER_LOST, Health, Placement, PoolState, Reliability, TokenStreams, _abort
+from pdserve.cluster.backend import (
+    DEFAULT_WORKER_WAIT_S,
+    WORKER_LOST,
+    Health,
+    Placement,
+    PoolState,
+    Reliability,
+    TokenStreams,
+    _abort,
+)
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router
@@ -55,7 +64,8 @@ class WorkerEvents:
 class DisaggregatedBackend:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.05,
                  stream_host: str = "127.0.0.1", names: dict[str, str] | None = None,
-                 lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2) -> None:
+                 lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2,
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker
         not found (yet): `lookup(name)` is asked for it again at each poll (a
         gateway that starts while a worker is down). `names`: router worker id ->
@@ -63,7 +73,7 @@ class DisaggregatedBackend:
         self.prefill, self.decode, self.router = prefill, decode, router
         self.names = names or {}
         self.lookup = lookup
-        self.streams = TokenStreams(stream_host, max_migrations)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s)
         self.poll_s = poll_s
         self.loads: dict[str, LoadReport] = {}
         self.events = WorkerEvents()

@@ -157,7 +157,8 @@ class Gateway:
         if self._admitted > 0 and self._admitted + num_requests > self.config.max_in_flight:
             raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers={"Retry-After": "1"})
         if not self.backend.healthy:
-            raise APIError(503, "no healthy workers to serve the request", "ServiceUnavailableError")
+            raise APIError(503, "no healthy workers to serve the request", "ServiceUnavailableError",
+                           headers={"Retry-After": "1"})  # workers restart in seconds
 
     # -- generation ------------------------------------------------------------
 

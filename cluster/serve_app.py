@@ -115,7 +115,7 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_bind_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
-                                     lookup=find_worker))
+                                     lookup=find_worker, worker_wait_s=cfg.worker_wait))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
 
 
@@ -159,7 +159,7 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
     router = Router(RouterConfig(policy=cfg.router_policy), cfg.engine.block_size)
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names,
-                                lookup=find_worker, max_migrations=cfg.max_migrations)
+                                lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

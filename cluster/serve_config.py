@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ SERVE_SETTINGS = {
     "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
+    "worker_wait": "worker_wait",
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
@@ -84,6 +86,10 @@ class ServeConfig:
     # Times a request moves to another worker after its worker died, before it
     # fails with one clean error.
     max_migrations: int = 2
+    # Seconds a request under way waits for a worker when none can take it (its
+    # worker died and the pool's others are down too, or it was the only one:
+    # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.
+    worker_wait: float = 10.0
     # Times Ray restarts a crashed worker (-1: always; 0: never).
     max_restarts: int = -1
 
@@ -98,6 +104,9 @@ class ServeConfig:
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
+        if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) \
+                or not 0 <= self.worker_wait < math.inf:
+            raise ValueError(f"worker_wait: must be a number of seconds >= 0, got {self.worker_wait!r}")
         if self.port > 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         for name in ("request_timeout", "prefill_timeout", "transfer_timeout"):

@@ -279,6 +279,8 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": "/m", "worker_timeout_s": 0}, "worker_timeout_s"),
     ({"model": "/m", "request_timeout": 0}, "request_timeout"),
     ({"model": "/m", "prefill_timeout": "soon"}, "prefill_timeout"),
+    ({"model": "/m", "worker_wait": -1}, "worker_wait"),
+    ({"model": "/m", "worker_wait": float("inf")}, "worker_wait"),
 ])
 def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[str, Any], field: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:

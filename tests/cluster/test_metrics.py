@@ -179,6 +179,12 @@ class FailingBackend(FakeBackend):
         raise self.error
 
 
+class Unhealthy(FakeBackend):
+    """No worker can take a request now."""
+
+    healthy = False
+
+
 def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: Any) -> None:
     cfg = GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret")
     gw = Gateway(FailingBackend(TimeoutError("deadline")), tokenizer, cfg)
@@ -204,11 +210,15 @@ def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: A
             gw.backend = FailingBackend(NoHealthyWorkerError("decode"))
             r = await c.post("/v1/completions", json=ok, headers=auth)
             assert r.status_code == 503 and r.json()["error"]["code"] == 503
+            gw.backend = Unhealthy()  # turned away at admission: clients retry after the hint
+            r = await c.post("/v1/completions", json={**ok, "stream": True}, headers=auth)
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "ServiceUnavailableError"
             return parse((await c.get("/metrics")).text)
 
     f = asyncio.run(main())
     errors = {s.labels["code"]: s.value for s in f["pdserve:request_errors"].samples}
-    assert errors == {"400": 2, "401": 2, "404": 1, "429": 0, "499": 0, "500": 1, "503": 1, "504": 2}
+    assert errors == {"400": 2, "401": 2, "404": 1, "429": 0, "499": 0, "500": 1, "503": 2, "504": 2}
     assert sum(s.value for s in f["pdserve:request_success"].samples) == 0
     # The requests that failed after their first token still had one.
     assert sample(f, "pdserve:time_to_first_token_seconds_count") == 4

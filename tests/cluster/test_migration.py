@@ -62,6 +62,11 @@ class MortalActor(LocalActor):
             call.cancel()
         self.service.close()
 
+    def restart(self, service: Any) -> None:
+        """What Ray does to a dead actor: a new process behind the same handle."""
+        self.service = service
+        self.dead = False
+
     def __getattr__(self, name: str) -> Any:
         method = getattr(self.service, name)
         actor = self
@@ -95,7 +100,8 @@ def config(model_dir: Path, **kw: Any) -> EngineConfig:
                         num_kv_blocks=512, **kw)
 
 
-def disaggregated(model_dir: Path, num_decode: int = 2) -> tuple[DisaggregatedBackend, dict[str, MortalActor]]:
+def disaggregated(model_dir: Path, num_decode: int = 2,
+                  worker_wait_s: float = 10.0) -> tuple[DisaggregatedBackend, dict[str, MortalActor]]:
     base = config(model_dir)
     services: dict[str, Any] = {"p0": PrefillService(base, 1)}
     services.update({f"d{i}": DecodeService(base, 1, "127.0.0.1") for i in range(num_decode)})
@@ -104,7 +110,7 @@ def disaggregated(model_dir: Path, num_decode: int = 2) -> tuple[DisaggregatedBa
     # Every prompt is handed off (no local prefill) unless the prefill worker is gone.
     router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
     backend = DisaggregatedBackend({"p0": actors["p0"]}, {k: v for k, v in actors.items() if k != "p0"}, router,
-                                   poll_s=0.01)
+                                   poll_s=0.01, worker_wait_s=worker_wait_s)
     return backend, actors
 
 
@@ -169,8 +175,9 @@ def test_decode_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
 
 
 def test_requests_fail_cleanly_once_every_decode_worker_is_gone(model_dir: Path) -> None:
-    """No survivor: each request ends with one clean error (no hang, no Ray message)."""
-    backend, actors = disaggregated(model_dir, num_decode=1)
+    """No survivor, and none back within `worker_wait_s`: each request ends with one
+    clean error (no hang, no Ray message)."""
+    backend, actors = disaggregated(model_dir, num_decode=1, worker_wait_s=0.5)
 
     def kill_all() -> None:
         actors["d0"].kill()
@@ -182,6 +189,28 @@ def test_requests_fail_cleanly_once_every_decode_worker_is_gone(model_dir: Path)
     assert all(isinstance(e, (NoHealthyWorkerError, WorkerLostError)) for e in errors), errors
     want = offline(model_dir, [GREEDY] * len(PROMPTS))
     assert all(r == w for r, w in zip(got, want) if not isinstance(r, BaseException))  # those done before it died
+
+
+def test_requests_wait_for_the_only_decode_worker_to_come_back(model_dir: Path) -> None:
+    """The only decode worker dies mid-stream and Ray restarts it 1.5 s later: its
+    requests wait for it (`worker_wait_s`) and go on there from what their clients
+    have; every output equals a fault-free run, none fails."""
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+    backend, actors = disaggregated(model_dir, num_decode=1)
+    victim = actors["d0"]
+
+    def kill_then_restart() -> None:
+        victim.kill()
+        loop = asyncio.get_running_loop()
+        loop.call_later(1.5, lambda: victim.restart(DecodeService(config(model_dir), 1, "127.0.0.1")))
+
+    got = asyncio.run(asyncio.wait_for(stream_all(backend, params, kill_then_restart, after_tokens=60), 60))
+    _services.append(victim.service)
+    assert got == offline(model_dir, params)
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.exhausted == 0
+    assert backend.events.lost == 1 and backend.events.readmitted == 1
+    engine = victim.service.engine
+    assert not engine.has_unfinished_requests() and victim.service.receiver.num_registered == 0
 
 
 def test_colocated_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
