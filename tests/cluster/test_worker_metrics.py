@@ -22,6 +22,7 @@ from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
+from pdserve.workers.transfer.recording import RecordingSender
 
 BS = 16
 
@@ -272,8 +273,11 @@ def test_services_export_their_fault_counters(model_dir: Path) -> None:
             collector.open("k", prompt, 10.0)
             req = ServeRequest("k", tuple(prompt), params, 10.0, collector.address)
             assert await outputs("k", d.handoff(req, LocalActor(p)))
-            (sender,) = p._senders.values()
             address = d.receiver.address
+            link = p.worker.link_to(address)  # the handoff's link (held here only to look)
+            link.release()
+            assert isinstance(link.sender, RecordingSender)
+            sender = link.sender.inner
             d.receiver.close()
             end = time.monotonic() + 3
             while not replacement:
