@@ -60,8 +60,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
         self.model = load_model(config.model, self.model_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress)
-        self.num_kv_blocks = setup.num_kv_blocks(config, self.model_config, self.dtype, self.device,
-                                                 self.max_model_len)
+        self.num_kv_blocks, self.max_model_len = setup.plan_kv(config, self.model_config, self.dtype, self.device,
+                                                               self.max_model_len)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size, self.dtype,
                                             self.device)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,

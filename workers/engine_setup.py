@@ -3,6 +3,7 @@ size a config resolves to on this machine, and its speculator."""
 
 from __future__ import annotations
 
+import logging
 import sys
 
 import torch
@@ -44,21 +45,38 @@ def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     return requested
 
 
-def num_kv_blocks(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-                  max_model_len: int) -> int:
-    """The KV pool size: `num_kv_blocks` if set, else what the memory budget holds;
-    ValueError if that cannot hold one `max_model_len` sequence."""
-    per_block = bytes_per_block(cfg, config.block_size, dtype)
+def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+            max_model_len: int) -> tuple[int, int]:
+    """(KV pool blocks, max_model_len). The pool: `num_kv_blocks` if set, else what
+    the memory budget holds (on CPU by default no more than `max_num_seqs` whole
+    sequences: blocks past that would only hold prefix cache, and every byte is
+    allocated up front). It must hold one `max_model_len` sequence, which is what
+    makes preemption always progress: when it cannot and the user asked for that
+    length, ValueError; when the length is the model's own, the largest that fits
+    is served instead, and said (vLLM refuses to start; a first run on a laptop
+    should not)."""
+    bs = config.block_size
+    per_block = bytes_per_block(cfg, bs, dtype)
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
     else:
         reserve = config.max_num_batched_tokens * cfg.intermediate_size * 16
         n = kv_budget_bytes(device, config.kv_cache_memory, config.gpu_memory_utilization, reserve) // per_block
-    need = -(-max_model_len // config.block_size)
-    if n < need:
-        raise ValueError(f"num_kv_blocks: {n} blocks of {config.block_size} tokens cannot hold one "
-                         f"max_model_len ({max_model_len}) sequence; raise the KV budget or lower max_model_len")
-    return n
+        if device.type != "cuda" and config.kv_cache_memory is None:
+            n = min(n, config.max_num_seqs * -(-max_model_len // bs))
+    n = max(n, 0)
+    if n >= -(-max_model_len // bs):
+        return n, max_model_len
+    fits = n * bs
+    if config.max_model_len is not None or fits == 0:
+        raise ValueError(f"num_kv_blocks: {n} blocks of {bs} tokens cannot hold one max_model_len "
+                         f"({max_model_len}) sequence; raise the KV budget (kv_cache_memory, "
+                         "gpu_memory_utilization, num_kv_blocks) or lower max_model_len")
+    _log.warning("max_model_len: the model allows %d positions, but its KV budget (%d blocks of %d tokens) holds "
+                 "%d; serving with max_model_len %d (set max_model_len, or raise kv_cache_memory / "
+                 "gpu_memory_utilization)", max_model_len, n, bs, fits, fits)
+    log(config, f"max_model_len lowered to {fits} tokens: what the KV budget holds (the model allows {max_model_len})")
+    return n, fits
 
 
 def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -75,6 +93,9 @@ def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtyp
     else:
         return None
     return Speculator(config, proposer, max_model_len)
+
+
+_log = logging.getLogger(__name__)
 
 
 def log(config: EngineConfig, msg: str) -> None:

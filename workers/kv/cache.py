@@ -6,7 +6,8 @@ import torch
 
 from pdserve.workers.model.config import ModelConfig
 
-CPU_DEFAULT_KV_BYTES = 256 << 20
+# vLLM's CPU backend default (VLLM_CPU_KVCACHE_SPACE): room for real models' contexts.
+CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
