@@ -30,6 +30,7 @@ from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
+from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import Request, RequestStatus
@@ -51,14 +52,17 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = setup.resolve_device(config.device)
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        # `model` may name a GGUF file or `tiny`: the directory it stands for (converted once, cached).
+        model_dir = str(resolve_model(config.model, progress=config.progress))
+        self.model_dir = model_dir
+        self.model_config = ModelConfig.from_pretrained(model_dir)
         self.dtype = setup.resolve_model_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config.max_model_len, self.model_config)
         backend = config.attention_backend.resolve(self.device)
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
-        self.model = load_model(config.model, self.model_config, self.dtype, self.device, backend,
+        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.model = load_model(model_dir, self.model_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress)
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(config, self.model_config, self.dtype, self.device,
                                                                self.max_model_len)

@@ -1,0 +1,65 @@
+"""What a `model` setting names, as the HF-format directory the engine loads.
+
+- an HF-format directory: itself;
+- `tiny`: the embedded tiny random model (tests, and an explicit choice);
+- a `.gguf` file, or a directory holding one GGUF file and no safetensors: that
+  file converted once (workers/model/gguf.py) into
+  `cache_dir()/models/gguf-<stem>-<key>`, where the key hashes the file's
+  absolute path, size and modification time: hashing a multi-GB file's bytes on
+  every start would cost more than the check is worth, and a file replaced in
+  place changes its size or time. A file lock makes concurrent first uses (every
+  worker of a cluster starting at once) convert it once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from pdserve.workers.tiny.corpus import cache_dir
+
+TINY = "tiny"
+
+
+def resolve_model(model: str, progress: bool = False) -> Path:
+    """The directory to load for `model`; ValueError naming `model` if there is none."""
+    if model == TINY:
+        from pdserve.workers.tiny.builder import default_model_dir
+
+        return default_model_dir(progress=progress)
+    from pdserve.workers.model.gguf import convert_gguf, find_gguf
+
+    path = Path(model).expanduser()
+    gguf = find_gguf(path)
+    if gguf is None:
+        return path
+    out = converted_dir(gguf)
+    done = out / "config.json"  # written before the directory is renamed into place
+    if done.is_file():
+        return out
+    with _locked(out.with_name(out.name + ".lock")):
+        if not done.is_file():  # another process may have converted it meanwhile
+            if progress:
+                print(f"[pdserve] converting {gguf} into {out} (once)", flush=True)
+            convert_gguf(gguf, out, progress=progress)
+    return out
+
+
+def converted_dir(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
