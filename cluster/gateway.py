@@ -40,6 +40,7 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     max_logprobs: int = 20
     max_batch_prompts: int = 64  # prompts in one /v1/completions request
+    aliases: tuple[str, ...] = ()  # other names requests may use (vLLM's --served-model-name after the first)
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -115,7 +116,7 @@ class Gateway:
             raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name:
+        if model is not None and model != self.config.model_name and model not in self.config.aliases:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -82,8 +82,10 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gw.check_auth(request.headers.get("authorization", ""))
-        return {"object": "list", "data": [{"id": gw.config.model_name, "object": "model", "created": now(),
-                                            "owned_by": "pdserve", "max_model_len": gw.config.max_model_len}]}
+        created = now()
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
+                                            "max_model_len": gw.config.max_model_len}
+                                           for name in (gw.config.model_name, *gw.config.aliases)]}
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:

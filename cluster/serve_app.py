@@ -106,10 +106,12 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from pdserve.cluster.backend import ColocatedBackend
     from pdserve.cluster.gateway import Gateway, GatewayConfig
     from pdserve.cluster.openai_app import build_app
+    from pdserve.workers.model.resolve import resolve_model
 
     info = _any_worker_info(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    gw_cfg = GatewayConfig(model_name=os.path.basename(cfg.model.rstrip("/")) or cfg.model,
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model)))  # a GGUF: its converted directory
+    names = cfg.served_names
+    gw_cfg = GatewayConfig(model_name=names[0], aliases=names[1:],
                            max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
                            request_timeout_s=float(cfg.request_timeout))
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ SERVE_SETTINGS = {
     "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
-    "worker_wait": "worker_wait",
+    "worker_wait": "worker_wait", "served_model_name": "served_model_name",
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
@@ -92,6 +93,9 @@ class ServeConfig:
     worker_wait: float = 10.0
     # Times Ray restarts a crashed worker (-1: always; 0: never).
     max_restarts: int = -1
+    # The names the API answers to (vLLM's --served-model-name): responses carry the
+    # first. None: the model setting as given, and its basename (`served_names`).
+    served_model_name: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -104,6 +108,14 @@ class ServeConfig:
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
+        if self.served_model_name is not None:
+            names: Any = self.served_model_name  # YAML and callers may give one name, or a list
+            if isinstance(names, str):
+                names = (names,)
+            if not isinstance(names, (list, tuple)) or not names or \
+                    not all(isinstance(n, str) and n.strip() for n in names):
+                raise ValueError(f"served_model_name: must be one or more non-empty names, got {names!r}")
+            object.__setattr__(self, "served_model_name", tuple(dict.fromkeys(names)))
         if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) \
                 or not 0 <= self.worker_wait < math.inf:
             raise ValueError(f"worker_wait: must be a number of seconds >= 0, got {self.worker_wait!r}")
@@ -134,6 +146,11 @@ class ServeConfig:
         return self.engine.model
 
     @property
+    def served_names(self) -> tuple[str, ...]:
+        """The API's model names, the one responses report first."""
+        return self.served_model_name or default_served_names(self.model)
+
+    @property
     def num_workers(self) -> int:
         return self.num_prefill + self.num_decode
 
@@ -147,6 +164,13 @@ class ServeConfig:
 
     def decode_names(self) -> list[str]:
         return [f"pdserve-decode-{i}" for i in range(self.num_decode)]
+
+
+def default_served_names(model: str) -> tuple[str, ...]:
+    """vLLM reports the model argument as given (a path, a hub id); pdserve also
+    answers to its basename, the name the directory is known by."""
+    base = os.path.basename(model.rstrip("/")) or model
+    return (model,) if base == model else (model, base)
 
 
 def serve_config(settings: Mapping[str, Any]) -> ServeConfig:

@@ -4,9 +4,44 @@ the offending parameter's name) wherever it is caught."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pdserve.workers.sampling_params import SamplingParams
+
+# vLLM's prompt shapes: a string, a TextPrompt {"prompt": str} or a TokensPrompt
+# {"prompt_token_ids": [int, ...]}; and, as pdserve always took, a bare list of ids.
+_PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
+
+
+def is_one_prompt(prompts: Any) -> bool:
+    """Whether `prompts` is a single prompt rather than a sequence of them."""
+    if not isinstance(prompts, (list, tuple)):
+        return True  # a str, a dict, or what `prompt_of` will refuse with a clear message
+    return bool(prompts) and isinstance(prompts[0], int)
+
+
+def prompt_of(p: Any) -> str | list[int]:
+    """One prompt in any of the accepted shapes, as text or token ids; ValueError naming `prompts`."""
+    if isinstance(p, str):
+        return p
+    if isinstance(p, (list, tuple)) and all(type(t) is int for t in p):
+        return list(p)
+    if isinstance(p, Mapping):
+        keys = set(p)
+        if len(keys) != 1 or not keys <= set(_PROMPT_KEYS):
+            raise ValueError(f"prompts: a prompt dict takes exactly one of {sorted(_PROMPT_KEYS)}, "
+                             f"got keys {sorted(map(str, keys))}")
+        (key,) = keys
+        value = p[key]
+        if key == "prompt" and isinstance(value, str):
+            return value
+        if key == "prompt_token_ids" and isinstance(value, (list, tuple)) and all(type(t) is int for t in value):
+            return list(value)
+        raise ValueError(f"prompts: {key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                         f"got {type(value).__name__}")
+    raise ValueError(f"prompts: a prompt is a string, a list of token ids, {{'prompt': str}} or "
+                     f"{{'prompt_token_ids': [int, ...]}}, got {type(p).__name__}")
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -12,10 +12,12 @@ from tqdm import tqdm
 
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.inputs import is_one_prompt, prompt_of
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# vLLM's shapes too: {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt).
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -48,19 +50,17 @@ class LLM:
         All inputs are validated before any is queued: a bad one raises
         ValueError and nothing runs.
         """
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = _broadcast_params(sampling_params, len(prompts))
-        for p, sp in zip(prompts, params):
+        batch = [prompt_of(p) for p in ([prompts] if is_one_prompt(prompts) else list(prompts))]
+        params = _broadcast_params(sampling_params, len(batch))
+        for p, sp in zip(batch, params):
             self.engine.validate(p, sp)
         order: dict[str, int] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
+        for i, (p, sp) in enumerate(zip(batch, params)):
             for j in range(sp.n):
                 rid = f"{next(self._ids)}"
                 order[rid] = i
                 self.engine.add_request(rid, p, _child_params(sp, j))
-        return self._run(order, len(prompts), use_tqdm)
+        return self._run(order, len(batch), use_tqdm)
 
     def _run(self, order: dict[str, int], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts

@@ -280,6 +280,7 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": "/m", "request_timeout": 0}, "request_timeout"),
     ({"model": "/m", "prefill_timeout": "soon"}, "prefill_timeout"),
     ({"model": "/m", "worker_wait": -1}, "worker_wait"),
+    ({"model": "/m", "served_model_name": []}, "served_model_name"),
     ({"model": "/m", "worker_wait": float("inf")}, "worker_wait"),
 ])
 def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[str, Any], field: str,
