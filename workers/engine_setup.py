@@ -13,6 +13,7 @@ from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.kv.cache import bytes_per_block, kv_budget_bytes
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import resolve_dtype
+from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.spec.draft import DraftModelProposer
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
@@ -87,8 +88,9 @@ def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtyp
         proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
     elif config.speculative is SpeculativeMethod.DRAFT:
         log(config, f"loading draft model {config.draft_model}")
+        draft_dir = str(resolve_model(str(config.draft_model), progress=config.progress))  # a GGUF too
         proposer = DraftModelProposer(
-            str(config.draft_model), target, dtype, device, backend, kv_blocks, config.block_size, max_model_len,
+            draft_dir, target, dtype, device, backend, kv_blocks, config.block_size, max_model_len,
             config.max_num_batched_tokens, config.max_num_seqs, progress=config.progress)
     else:
         return None

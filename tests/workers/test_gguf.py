@@ -160,8 +160,25 @@ def test_the_tokenizer_and_chat_template_come_through(models: dict[str, Path], t
     chat = [{"role": "user", "content": "Hi!"}]
     assert converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
         original.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    # Where the serving stacks look for it (not only in transformers 5's chat_template.jinja).
+    assert json.loads((out / "tokenizer_config.json").read_text())["chat_template"] == \
+        json.loads((src / "tokenizer_config.json").read_text())["chat_template"]
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["tie_word_embeddings"] is False
+    assert cfg["vocab_size"] == json.loads((src / "config.json").read_text())["vocab_size"]
+
+
+def test_a_gguf_draft_model_drafts_for_its_target(models: dict[str, Path], tmp_path: Path) -> None:
+    # The draft is the target itself: its drafts are accepted, the output is the plain greedy one.
+    path = write_gguf(models["llama"], tmp_path / "tiny.gguf", "Q8_0", "llama")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    plain = LLM(str(path), max_model_len=256, num_kv_blocks=64, progress=False)
+    ids = plain.tokenizer.encode(PROMPTS[0], add_special_tokens=False)
+    spec = LLM(str(path), max_model_len=256, num_kv_blocks=64, progress=False, speculative="draft",
+               draft_model=str(path), num_speculative_tokens=2, spec_max_batch_size=64)
+    want = plain.generate([ids], params)[0].outputs[0].token_ids
+    assert spec.generate([ids], params)[0].outputs[0].token_ids == want
+    assert spec.engine.stats.spec_accepted_tokens > 0
 
 
 def test_bad_gguf_input_is_a_clear_error(models: dict[str, Path], tmp_path: Path) -> None:

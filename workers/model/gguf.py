@@ -106,7 +106,11 @@ class GGUFModel:
         hidden = int(self.arch_field("embedding_length"))
         heads = int(self.arch_field("attention.head_count"))
         head_dim = int(self.arch_field("attention.key_length", 0) or hidden // heads)
-        vocab = self.arch_field("vocab_size", 0) or len(self.field("tokenizer.ggml.tokens"))
+        # The embedding's rows, not the token list: some models pad their vocabulary past it.
+        embd = next((t for t in self.reader.tensors if t.name == "token_embd.weight"), None)
+        if embd is None:
+            raise ValueError(f"model: {self.path.name} has no token_embd.weight tensor")
+        vocab = int(embd.shape[-1])  # GGML lists dimensions fastest first: [hidden, vocab]
         cfg: dict[str, Any] = {
             "architectures": [hf_arch], "model_type": model_type,
             "vocab_size": int(vocab), "hidden_size": hidden,
@@ -243,4 +247,6 @@ def _write_tokenizer(gguf_path: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the user needs the file named
         raise ValueError(f"model: could not read the tokenizer of {gguf_path.name}: {e}") from None
-    tok.save_pretrained(str(out))
+    # The serving stacks (and the tiny model, workers/tiny/tokenizer.py) keep the chat
+    # template in tokenizer_config.json, not in transformers 5's separate .jinja file.
+    tok.save_pretrained(str(out), save_jinja_files=False)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def resolve_model(model: str, progress: bool = False) -> Path:
     with _locked(out.with_name(out.name + ".lock")):
         if not done.is_file():  # another process may have converted it meanwhile
             if progress:
-                print(f"[pdserve] converting {gguf} into {out} (once)", flush=True)
+                print(f"[pdserve] converting {gguf} into {out} (once)", file=sys.stderr, flush=True)
             convert_gguf(gguf, out, progress=progress)
     return out
 
