@@ -41,6 +41,14 @@ class GatewayConfig:
     max_logprobs: int = 20
     max_batch_prompts: int = 64  # prompts in one /v1/completions request
     aliases: tuple[str, ...] = ()  # other names requests may use (vLLM's --served-model-name after the first)
+    # /v1/models' `root` (vLLM's: the model path; `vllm bench serve` loads its tokenizer
+    # from it when given no --model). None: the model name.
+    model_root: str | None = None
+
+    @property
+    def served_names(self) -> tuple[str, ...]:
+        """Every name a request may use; responses report the first (vLLM's --served-model-name)."""
+        return (self.model_name, *self.aliases)
 
     def __post_init__(self) -> None:
         if self.max_in_flight < 1:
@@ -116,7 +124,8 @@ class Gateway:
             raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.config.model_name and model not in self.config.aliases:
+        # No model, or "", is the served one (vLLM's `_is_model_supported`: `if not model_name`).
+        if model and model not in self.config.served_names:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:

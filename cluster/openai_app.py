@@ -82,10 +82,13 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> dict[str, Any]:
         gw.check_auth(request.headers.get("authorization", ""))
-        created = now()
+        # vLLM's model card, one per served name: `vllm bench serve` with no --model
+        # takes data[0]'s `id` as the model and its `root` as the tokenizer.
+        created, cfg = now(), gw.config
+        root = cfg.model_root if cfg.model_root is not None else cfg.model_name
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
-                                            "max_model_len": gw.config.max_model_len}
-                                           for name in (gw.config.model_name, *gw.config.aliases)]}
+                                            "root": root, "parent": None, "max_model_len": cfg.max_model_len}
+                                           for name in cfg.served_names]}
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
@@ -12,6 +12,9 @@ from ray import serve
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+
+if TYPE_CHECKING:
+    from pdserve.cluster.gateway import GatewayConfig
 
 NAMESPACE = "pdserve"
 
@@ -104,21 +107,30 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from transformers import AutoTokenizer
 
     from pdserve.cluster.backend import ColocatedBackend
-    from pdserve.cluster.gateway import Gateway, GatewayConfig
+    from pdserve.cluster.gateway import Gateway
     from pdserve.cluster.openai_app import build_app
     from pdserve.workers.model.resolve import resolve_model
 
     info = _any_worker_info(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(cfg.model)))  # a GGUF: its converted directory
-    names = cfg.served_names
-    gw_cfg = GatewayConfig(model_name=names[0], aliases=names[1:],
-                           max_model_len=info.max_model_len, api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
-                           request_timeout_s=float(cfg.request_timeout))
+    model_dir = str(resolve_model(cfg.model))  # a GGUF or `tiny`: the directory it was made into
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gw_cfg = gateway_config(cfg, info.max_model_len, model_dir)
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_bind_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
+
+
+def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str) -> GatewayConfig:
+    """The gateway's settings: the API answers to `cfg.served_names` and reports the
+    first; /v1/models' `root` is `model_dir`, where a client finds the tokenizer."""
+    from pdserve.cluster.gateway import GatewayConfig
+
+    names = cfg.served_names
+    return GatewayConfig(model_name=names[0], aliases=names[1:], model_root=model_dir, max_model_len=max_model_len,
+                         api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
+                         request_timeout_s=float(cfg.request_timeout))
 
 
 def find_worker(name: str) -> Any | None:

@@ -9,13 +9,18 @@ from typing import Any
 
 from pdserve.workers.sampling_params import SamplingParams
 
-# vLLM's prompt shapes: a string, a TextPrompt {"prompt": str} or a TokensPrompt
-# {"prompt_token_ids": [int, ...]}; and, as pdserve always took, a bare list of ids.
-_PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
+# vLLM's prompt shapes (vllm/inputs/parse.py, `parse_singleton_prompt`): a string, a
+# TokensPrompt {"prompt_token_ids": [int, ...]} or a TextPrompt {"prompt": str}; a dict
+# with both is a TokensPrompt (the ids win, as in vLLM). vLLM >= 0.10 refuses a bare
+# list of ids (a TypeError: it takes the list for a batch of ints); pdserve keeps
+# taking one as a prompt (its own API before vLLM's shapes, used across its tests and
+# benches): no call that vLLM accepts means anything else here.
+_PROMPT_KEYS = ("prompt_token_ids", "prompt")
 
 
 def is_one_prompt(prompts: Any) -> bool:
-    """Whether `prompts` is a single prompt rather than a sequence of them."""
+    """Whether `prompts` is a single prompt rather than a sequence of them (vLLM:
+    a str or a dict is one; pdserve: a list of ints too)."""
     if not isinstance(prompts, (list, tuple)):
         return True  # a str, a dict, or what `prompt_of` will refuse with a clear message
     return bool(prompts) and isinstance(prompts[0], int)
@@ -28,20 +33,22 @@ def prompt_of(p: Any) -> str | list[int]:
     if isinstance(p, (list, tuple)) and all(type(t) is int for t in p):
         return list(p)
     if isinstance(p, Mapping):
-        keys = set(p)
-        if len(keys) != 1 or not keys <= set(_PROMPT_KEYS):
-            raise ValueError(f"prompts: a prompt dict takes exactly one of {sorted(_PROMPT_KEYS)}, "
-                             f"got keys {sorted(map(str, keys))}")
-        (key,) = keys
-        value = p[key]
-        if key == "prompt" and isinstance(value, str):
-            return value
-        if key == "prompt_token_ids" and isinstance(value, (list, tuple)) and all(type(t) is int for t in value):
-            return list(value)
-        raise ValueError(f"prompts: {key} must be {'a string' if key == 'prompt' else 'a list of token ids'}, "
-                         f"got {type(value).__name__}")
-    raise ValueError(f"prompts: a prompt is a string, a list of token ids, {{'prompt': str}} or "
-                     f"{{'prompt_token_ids': [int, ...]}}, got {type(p).__name__}")
+        # vLLM's other keys (multi_modal_data, prompt_embeds, cache_salt, ...) ask for
+        # what pdserve cannot do: refused, not dropped, so nothing changes silently.
+        if other := sorted(map(str, set(p) - set(_PROMPT_KEYS))):
+            raise ValueError(f"prompts: a prompt dict takes {list(_PROMPT_KEYS)}; pdserve does not support {other}")
+        if "prompt_token_ids" in p:
+            ids = p["prompt_token_ids"]
+            if isinstance(ids, (list, tuple)) and all(type(t) is int for t in ids):
+                return list(ids)
+            raise ValueError(f"prompts: prompt_token_ids must be a list of token ids, got {type(ids).__name__}")
+        if "prompt" in p:
+            text = p["prompt"]
+            if isinstance(text, str):
+                return text
+            raise ValueError(f"prompts: prompt must be a string, got {type(text).__name__}")
+    raise ValueError(f"prompts: a prompt is a string, {{'prompt': str}}, {{'prompt_token_ids': [int, ...]}} "
+                     f"or a list of token ids, got {type(p).__name__}")
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:

@@ -16,7 +16,8 @@ from pdserve.workers.inputs import is_one_prompt, prompt_of
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 
-# vLLM's shapes too: {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt).
+# vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
+# and pdserve's bare list of token ids, which vLLM >= 0.10 refuses (workers/inputs.py).
 Prompt = str | list[int] | dict[str, Any]
 
 
@@ -47,8 +48,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
+        `prompts`: one prompt or a sequence of them, as vLLM's `LLM.generate` takes
+        them (a str, {"prompt": str}, {"prompt_token_ids": [int, ...]}), or a list
+        of token ids. `sampling_params`: one for every prompt, or one per prompt.
         All inputs are validated before any is queued: a bad one raises
-        ValueError and nothing runs.
+        ValueError naming `prompts` or `sampling_params`, and nothing runs.
         """
         batch = [prompt_of(p) for p in ([prompts] if is_one_prompt(prompts) else list(prompts))]
         params = _broadcast_params(sampling_params, len(batch))
@@ -85,10 +89,11 @@ def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: i
         sp = SamplingParams()
     if isinstance(sp, SamplingParams):
         return [sp] * n
-    sp = list(sp)
-    if len(sp) != n:
+    if not isinstance(sp, Sequence) or not all(isinstance(p, SamplingParams) for p in sp):
+        raise ValueError("sampling_params: a SamplingParams, or a list of them (one per prompt)")
+    if len(sp) != n:  # vLLM: "The lengths of prompts and params must be the same."
         raise ValueError(f"sampling_params: got {len(sp)} for {n} prompts")
-    return sp
+    return list(sp)
 
 
 def _child_params(sp: SamplingParams, j: int) -> SamplingParams:

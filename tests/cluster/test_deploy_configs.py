@@ -336,3 +336,18 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
     assert from_flags == from_yaml
     assert from_flags.engine.max_model_len == 2048 and not from_flags.engine.enable_prefix_caching
     assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"
+
+
+def test_served_model_name_from_the_command_line_and_the_yaml(deploy_pkg: Any) -> None:
+    """vLLM's --served-model-name NAME [NAME ...]; the YAML takes a list or one name."""
+    from pdserve.cluster.cli import _settings, build_parser
+
+    argv = ["serve", "--model", "/models/llama/", "--served-model-name", "llama", "org/llama"]
+    from_flags = serve_config(_settings(build_parser().parse_args(argv)))
+    yaml_args = {"model": "/models/llama/", "served_model_name": ["llama", "org/llama"]}
+    assert from_flags == deploy_pkg.config_from_args(yaml_args)
+    assert from_flags.served_names == ("llama", "org/llama")
+    one = deploy_pkg.config_from_args({"model": "/models/llama/", "served_model_name": "llama"})
+    assert one.served_names == ("llama",)
+    # Not given: the model argument as given, then its basename.
+    assert deploy_pkg.config_from_args({"model": "/models/llama/"}).served_names == ("/models/llama/", "llama")
