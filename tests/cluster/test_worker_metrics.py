@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.worker_metrics import Pool, WorkerMetrics
+from pdserve.workers import async_engine
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -198,7 +199,7 @@ def test_queue_time_crosses_the_token_stream() -> None:
     assert [from_delta(d, [1]).metrics for d in batch.deltas] == [{"queue_time_s": 0.125}, {}]
 
 
-def test_services_export_their_fault_counters(model_dir: Path) -> None:
+def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Real worker services (ZeroMQ KV transport on loopback): a request awaiting its
     KV, a reservation whose KV never comes (its lease expires), a request whose gateway
     is gone, and a KV link lost and resynced, each exported as its object counts it."""
@@ -218,6 +219,9 @@ def test_services_export_their_fault_counters(model_dir: Path) -> None:
     d = DecodeService(base, 1, "127.0.0.1", worker_name="d0")
     d.worker.prefill_timeout_s = 0.5
     d.async_engine.gateway_gone_s = 0.3
+    # Looked at every 0.05 s, not 0.5: the orphan (900 tokens of a tiny model, ~1 s) must be
+    # caught while it runs, which 0.3 + 0.5 s did not always do on a fast machine.
+    monkeypatch.setattr(async_engine, "_GONE_CHECK_S", 0.05)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = list(range(5, 55))
     replacement: list[ZmqKVReceiver] = []
