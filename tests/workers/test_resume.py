@@ -133,7 +133,9 @@ def test_a_later_try_replaces_the_earlier_one_and_late_aborts_spare_it(model_dir
     from pdserve.workers.handoff import ServeRequest
     from pdserve.workers.token_stream import TokenStreamCollector
 
-    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    # Long enough that try 0 is still running when its duplicate and try 1 come (40 tokens
+    # of the tiny model could be over in the 0.05 s the test waited).
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
     prompt = list(range(5, 25))
     want = LLM(str(model_dir), max_model_len=512, num_kv_blocks=128, progress=False).generate(
         [prompt], params)[0].outputs[0].token_ids
@@ -153,7 +155,8 @@ def test_a_later_try_replaces_the_earlier_one_and_late_aborts_spare_it(model_dir
         try:
             reader = asyncio.ensure_future(read())
             first = try_(0)
-            await asyncio.sleep(0.05)
+            while ae.num_in_flight == 0:  # try 0 is on the engine
+                await asyncio.sleep(0.005)
             with pytest.raises(ValueError, match="already running"):
                 await try_(0)
             second = try_(1, collector.next_attempt("r").resume)
