@@ -8,6 +8,10 @@ transformers, B = pdserve) over `--repeats` repeats after a warm-up call each:
 - batch 1: one chat prompt, `--tokens` output tokens;
 - batch 8: eight chat prompts at once (transformers: one left-padded batch).
 
+`--prompt-len N` uses random token ids of N tokens instead (seeded, fresh for
+each batch size; all prompts of one length, so transformers pads nothing): the
+workload the issue's figures came from is 256 in, 64 out.
+
 EOS is masked on both sides (`min_tokens` = transformers' `min_new_tokens` =
 `max_tokens`), so both produce exactly `--tokens` tokens per prompt; the table
 gives output tokens/s (medians), the speed-up (pdserve tokens/s over
@@ -53,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=64, help="output tokens per prompt")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--max-model-len", type=int, default=None, help="pdserve's (default: the model's, as it fits)")
+    p.add_argument("--prompt-len", type=int, default=None, help="random prompts of this many tokens (default: chat)")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -78,6 +83,12 @@ def chat_prompts(tok: transformers.PreTrainedTokenizerBase, n: int) -> list[list
         ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         out.append(list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids))
     return out
+
+
+def random_prompts(vocab: int, n: int, length: int, seed: int) -> list[list[int]]:
+    """Ids above the first 100 (SmolLM2's specials are 0-16), the same on both sides."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(100, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
 def run_transformers(model: transformers.PreTrainedModel, prompts: list[list[int]], n: int,
@@ -114,7 +125,8 @@ def main() -> int:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     rows = []
     for batch in BATCHES:
-        prompts = chat_prompts(tok, batch)
+        prompts = (chat_prompts(tok, batch) if a.prompt_len is None
+                   else random_prompts(len(tok), batch, a.prompt_len, seed=batch))
         run_transformers(hf, prompts, 4, pad_id)  # warm-up
         run_pdserve(llm, prompts, 4)
         hf_s: list[float] = []
@@ -141,7 +153,8 @@ def main() -> int:
     print(f"# offline speed: pdserve vs transformers on {path.name}\n"
           f"command: python {' '.join(sys.argv)}\nmachine: {cpu}, {os.cpu_count()} cores, {a.threads} torch threads; "
           f"torch {torch.__version__}, transformers {transformers.__version__}\n"
-          f"greedy, {a.tokens} output tokens per prompt (EOS masked), medians of {a.repeats} A/B repeats\n")
+          f"greedy, {'chat prompts' if a.prompt_len is None else f'random {a.prompt_len}-token prompts'}, "
+          f"{a.tokens} output tokens per prompt (EOS masked), medians of {a.repeats} A/B repeats\n")
     print("| batch | transformers tok/s | pdserve tok/s | speed-up | per-repeat speed-ups | identical outputs |")
     print("|---:|---:|---:|---:|---|---:|")
     for r in rows:
