@@ -161,11 +161,15 @@ def test_ctrl_c_reports_what_was_measured(fake_server: FakeServer, tmp_path: Pat
     cfg = BenchConfig(fake_server.base_url, num_requests=40, input_len=8, output_len=4, request_rate=20.0,
                       progress=False, result_json=str(out))
     timer = threading.Timer(0.8, os.kill, (os.getpid(), signal.SIGINT))
+    # Python's own Ctrl-C handling, whatever this process inherited: a shell that starts
+    # a job in the background (`make test &`) starts it with SIGINT ignored.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer.start()
     try:
         rc = Session(cfg, out=io.StringIO()).run()
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, inherited)
     assert rc == 130
     run = json.loads(out.read_text())["runs"][0]
     assert run["interrupted"] is True
