@@ -130,9 +130,10 @@ class PrefillWorker:
         req = order.request
         params = _first_token_params(req.params)
         ae = self.async_engine
+        skip = order.reservation.skip_blocks(self.engine.config.block_size)
         job = ae.open_stream(req)
         link = self.link_to(order.kv_address)  # held by this transfer until its exit hook is done with it
-        t = _Transfer(job, order, link, order.reservation.skip_blocks(self.engine.config.block_size))
+        t = _Transfer(job, order, link, skip)
         job.on_output = lambda out: setattr(t, "output", out)
         job.after_step = lambda engine: self._pump(engine, t)
         job.life.on_exit(lambda exit: self._abandon(t, exit))

@@ -208,3 +208,18 @@ def test_bad_gguf_input_is_a_clear_error(models: dict[str, Path], tmp_path: Path
     w.close()
     with pytest.raises(ValueError, match="architecture 'phi2'.*not supported"):
         LLM(str(other), progress=False)
+
+
+def test_a_conversion_lock_held_too_long_is_a_clear_error(tmp_path: Path) -> None:
+    import fcntl
+
+    from pdserve.workers.model import resolve
+
+    lock = tmp_path / "gguf-x.lock"
+    with open(lock, "w") as holder:
+        fcntl.flock(holder, fcntl.LOCK_EX)  # another process converting (flock locks are per open file)
+        with pytest.raises(ValueError, match="another process has been converting"):
+            with resolve._locked(lock, timeout_s=0.5):
+                pass
+    with resolve._locked(lock, timeout_s=0.5):  # free again
+        pass

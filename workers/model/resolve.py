@@ -17,12 +17,14 @@ import contextlib
 import fcntl
 import hashlib
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from pdserve.workers.tiny.corpus import cache_dir
 
 TINY = "tiny"
+LOCK_TIMEOUT_S = 1800.0  # converting a 70B GGUF on a slow disk takes minutes, not hours
 
 
 def resolve_model(model: str, progress: bool = False) -> Path:
@@ -56,10 +58,21 @@ def converted_dir(gguf: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
+def _locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
+    """The conversion's lock, waited for at most `timeout_s` (a converter that hangs
+    must not hang every worker that starts after it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + timeout_s
     with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        while True:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise ValueError(f"model: another process has been converting into {path.with_suffix('')} "
+                                     f"for over {timeout_s:.0f} s; remove {path} if none is") from None
+                time.sleep(0.2)
         try:
             yield
         finally:
