@@ -15,6 +15,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Engines run eagerly unless a test asks for the compiled model (tests/workers/
+# test_compiled.py): compiling each of the suite's hundreds of tiny engines
+# would take longer than running them. Set before any engine (or Ray worker,
+# which inherits the environment) is made.
+os.environ.setdefault("PDSERVE_ENFORCE_EAGER", "1")
 
 from pdserve.workers.tiny.builder import TinyModelSpec, make_tiny_model
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,6 +68,11 @@ class EngineConfig:
     # (docs/speculative.md has the measurements behind the default).
     spec_token_cost: float | None = None
     spec_max_batch_size: int = 2
+    # vLLM's name: True runs the model op by op. False (default) compiles it with
+    # torch.compile at start (CPU; workers/model/compiled.py). The environment
+    # variable PDSERVE_ENFORCE_EAGER=1 flips the default (the test suite sets it:
+    # compiling every tiny engine would cost more than the tests run).
+    enforce_eager: bool = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER") == "1")
     seed: int = 0
     progress: bool = False
 
@@ -93,6 +99,8 @@ class EngineConfig:
             raise ValueError(f"spec_token_cost: must be in (0, 1), got {self.spec_token_cost}")
         if type(self.spec_max_batch_size) is not int or self.spec_max_batch_size < 0:
             raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.spec_ngram_max < self.spec_ngram_min:
             raise ValueError(f"spec_ngram_max: must be >= spec_ngram_min ({self.spec_ngram_min}), "
                              f"got {self.spec_ngram_max}")

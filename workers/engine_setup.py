@@ -11,9 +11,11 @@ import torch
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.kv.cache import bytes_per_block, kv_budget_bytes
+from pdserve.workers.model.compiled import compile_forward
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import resolve_dtype
 from pdserve.workers.model.resolve import resolve_model
+from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.spec.draft import DraftModelProposer
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
@@ -80,6 +82,17 @@ def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: 
     return n, fits
 
 
+def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend) -> None:
+    """Unless `enforce_eager`: run `runner`'s model through its compiled graph,
+    compiled and warmed up now (CPU; eager where that is not possible)."""
+    if config.enforce_eager:
+        return
+    forward = compile_forward(runner.model, backend, runner.kv_caches, config.block_size,
+                              config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg))
+    if forward is not None:
+        runner.forward = forward
+
+
 def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
                     backend: AttentionBackend, kv_blocks: int, max_model_len: int) -> Speculator | None:
     """The speculator `config.speculative` asks for (None: no speculative decoding)."""
@@ -92,6 +105,7 @@ def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtyp
         proposer = DraftModelProposer(
             draft_dir, target, dtype, device, backend, kv_blocks, config.block_size, max_model_len,
             config.max_num_batched_tokens, config.max_num_seqs, progress=config.progress)
+        compile_runner(config, proposer.runner, backend)
     else:
         return None
     return Speculator(config, proposer, max_model_len)
@@ -101,6 +115,7 @@ _log = logging.getLogger(__name__)
 
 
 def log(config: EngineConfig, msg: str) -> None:
-    """Progress of long work (model load), when the config asks for it."""
+    """Progress of long work (model load, compiling), when the config asks for it."""
+    _log.info("%s", msg)
     if config.progress:
         print(f"[pdserve] {msg}", file=sys.stderr, flush=True)

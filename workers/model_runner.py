@@ -14,6 +14,7 @@ import torch
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers
 from pdserve.workers.kv.cache_manager import KVCacheManager
+from pdserve.workers.model.compiled import Forward
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.request import Request
 from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs, seeded_at
@@ -60,6 +61,8 @@ class ModelRunner:
         max_num_tokens: int, max_num_seqs: int, max_model_len: int, device: torch.device,
     ) -> None:
         self.model = model
+        # What runs a step's forward: the model itself, or its compiled graph (set by the engine).
+        self.forward: Forward = model
         self.kv_caches = kv_caches
         self.kv = kv
         self.block_size = kv.block_size
@@ -78,7 +81,7 @@ class ModelRunner:
         prompt_rows = self._prompt_logprob_rows(ordered, logit_rows)
         total_rows = logit_rows + sum(n for _, _, n in prompt_rows)
         input_ids, positions = self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens)
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        hidden = self.forward(input_ids, positions, meta, self.kv_caches)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if total_rows:
             idx = self.buf.logits_indices.to_device(total_rows)

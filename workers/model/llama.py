@@ -12,13 +12,15 @@ from torch import nn
 
 from pdserve.kernels.attention import AttentionBackend, paged_attention
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.model.compiled import step_attention
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
@@ -28,7 +30,7 @@ class Attention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata | None, kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> torch.Tensor:
         # Functional calls, not module calls, on the per-step path: nn.Module's
         # __call__ has a fixed cost per call (hooks, dispatch) that adds up over
@@ -41,23 +43,26 @@ class Attention(nn.Module):
         )
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
+        if meta is None or kv_cache is None:  # compiled: the step's cache and metadata are not graph inputs
+            out = step_attention(q, k, v, self.layer_idx, self.scale)
+        else:
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
         return F.linear(out, self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
         super().__init__()
         triton = backend is AttentionBackend.TRITON
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,
-        cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        cos_sin: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata | None,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.forward(x, residual)
         h = self.self_attn.forward(h, rotary, cos_sin, meta, kv_cache)
@@ -69,19 +74,20 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, backend) for _ in range(cfg.num_layers)])
+        self.layers = nn.ModuleList([DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)])
         triton = backend is AttentionBackend.TRITON
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, triton)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
+        for i, layer in enumerate(self.layers):
+            kv_cache = None if kv_caches is None else kv_caches[i]
             x, residual = layer.forward(x, residual, self.rotary, cos_sin, meta, kv_cache)
         return self.norm.forward(x, residual)[0]
 
@@ -100,9 +106,11 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
+        """meta and kv_caches None: attention goes through the step context
+        (workers/model/compiled.py), which is how the compiled graph runs."""
         hidden: torch.Tensor = self.model(input_ids, positions, meta, kv_caches)
         return hidden
 

@@ -1,0 +1,109 @@
+"""The compiled model (torch.compile, CPU) computes what the eager model does.
+
+The eager model is itself held to transformers (test_model_parity.py); here the
+compiled engine must give the same greedy tokens and the same log-probs as an
+eager one on every kind of step: prefill, chunked prefill, batched and batch-1
+decode, prefix-cache hits, preemption and speculative verification. A
+compile failure must leave a working eager engine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.model import compiled
+from pdserve.workers.model.compiled import CompiledForward
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(SPEC)
+
+
+def make_llm(model_dir: Path, eager: bool, **kw: object) -> LLM:
+    # Small steps and a small pool: prompts are prefilled in chunks, and eight
+    # long requests cannot all hold their blocks at once (preemption).
+    args: dict[str, object] = dict(dtype="float32", max_model_len=256, num_kv_blocks=24,
+                                   max_num_batched_tokens=64, progress=False, enforce_eager=eager)
+    args.update(kw)
+    return LLM(str(model_dir), **args)
+
+
+def prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def outputs(llm: LLM, batch: list[list[int]], params: SamplingParams = PARAMS) -> list[tuple[list[int], list]]:
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(batch, params)]
+
+
+def assert_same(got: list[tuple[list[int], list]], want: list[tuple[list[int], list]]) -> None:
+    for (tokens, lps), (ref_tokens, ref_lps) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(lps, ref_lps, strict=True):  # fused kernels round differently, a little
+            assert step.keys() == ref_step.keys()
+            for tok in step:
+                assert step[tok] == pytest.approx(ref_step[tok], abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def pair(model_dir: Path) -> tuple[LLM, LLM]:
+    return make_llm(model_dir, eager=False), make_llm(model_dir, eager=True)
+
+
+def test_the_engine_runs_the_compiled_graph(pair: tuple[LLM, LLM]) -> None:
+    fast, slow = pair
+    assert isinstance(fast.engine.runner.forward, CompiledForward)
+    assert slow.engine.runner.forward is slow.engine.model
+
+
+def test_compiled_matches_eager_on_every_kind_of_step(pair: tuple[LLM, LLM]) -> None:
+    fast, slow = pair
+    batch = prompts([5, 90, 17, 140, 33, 61, 120, 8])  # chunked prefills, mixed steps, preemption
+    assert_same(outputs(fast, batch), outputs(slow, batch))
+    assert fast.engine.stats.preemptions > 0  # the case was exercised
+    one = prompts([70], seed=1)  # batch 1: the one-token graph
+    assert_same(outputs(fast, one), outputs(slow, one))
+    # Again: the prompt's blocks now come from the prefix cache.
+    assert_same(outputs(fast, one), outputs(slow, one))
+
+
+def test_compiled_verifies_drafts_exactly(model_dir: Path) -> None:
+    # N-gram drafts on a repetitive prompt: steps of k + 1 query tokens per sequence.
+    fast = make_llm(model_dir, eager=False, speculative="ngram", num_speculative_tokens=3)
+    slow = make_llm(model_dir, eager=True)
+    batch = [[11, 12, 13, 14] * 12, [40, 41, 42] * 9]
+    got = outputs(fast, batch)
+    assert fast.engine.stats.spec_drafts > 0
+    assert_same(got, outputs(slow, batch))
+
+
+def test_a_compile_failure_leaves_an_eager_engine(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*args: object, **kw: object) -> float:
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(compiled, "warm_up", broken)
+    with caplog.at_level(logging.WARNING):
+        llm = make_llm(model_dir, eager=False)
+    assert llm.engine.runner.forward is llm.engine.model
+    assert "running the model eagerly" in caplog.text and "no C++ compiler" in caplog.text
+    batch = prompts([30])
+    assert_same(outputs(llm, batch), outputs(make_llm(model_dir, eager=True), batch))
+
+
+def test_enforce_eager_must_be_a_bool(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="enforce_eager"):
+        make_llm(model_dir, eager="yes")  # type: ignore[arg-type]
