@@ -32,6 +32,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="KV pool size in blocks (overrides the memory budget)")
     p.add_argument("--attention-backend", default=_SETTING, help="auto (default: Triton on CUDA), torch or triton")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=_SETTING)
+    p.add_argument("--enforce-eager", action="store_true", default=_SETTING,
+                   help="run the model op by op (default on CPU: compiled with torch.compile at start)")
     p.add_argument("--speculative", default=_SETTING,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
