@@ -3,7 +3,9 @@
 The default model (SmolLM2-135M-Instruct, fetched and converted once) or any
 HF-format directory / GGUF file (`--model`). Both sides run the same float32
 weights greedily on the CPU in one process, alternating A B A B (A =
-transformers, B = pdserve) over `--repeats` repeats after a warm-up call each:
+transformers, B = pdserve, its model compiled as by default) over `--repeats`
+repeats after a warm-up call each (`--with-eager`: also pdserve with
+`enforce_eager`, a third side C in the same rotation):
 
 - batch 1: one chat prompt, `--tokens` output tokens;
 - batch 8: eight chat prompts at once (transformers: one left-padded batch).
@@ -17,7 +19,8 @@ EOS is masked on both sides (`min_tokens` = transformers' `min_new_tokens` =
 gives output tokens/s (medians), the speed-up (pdserve tokens/s over
 transformers'), and how many prompts' tokens were identical.
 
-    python bench/real_model.py [--model PATH] [--repeats 5] [--tokens 64] [--threads 2] [--out results.json]
+    python bench/real_model.py [--model PATH] [--repeats 5] [--tokens 64] [--threads 2] [--with-eager]
+                               [--out results.json]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -58,6 +62,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads (default 2)")
     p.add_argument("--max-model-len", type=int, default=None, help="pdserve's (default: the model's, as it fits)")
     p.add_argument("--prompt-len", type=int, default=None, help="random prompts of this many tokens (default: chat)")
+    p.add_argument("--with-eager", action="store_true", help="also time pdserve with enforce_eager")
     p.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     return p.parse_args()
 
@@ -121,7 +126,8 @@ def main() -> int:
     tok = AutoTokenizer.from_pretrained(str(path))
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     extra = {} if a.max_model_len is None else {"max_model_len": a.max_model_len}
-    llm = LLM(str(path), dtype="float32", progress=False, **extra)
+    llm = LLM(str(path), dtype="float32", progress=True, enforce_eager=False, **extra)
+    eager = LLM(str(path), dtype="float32", progress=False, enforce_eager=True, **extra) if a.with_eager else None
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
     rows = []
     for batch in BATCHES:
@@ -129,21 +135,31 @@ def main() -> int:
                    else random_prompts(len(tok), batch, a.prompt_len, seed=batch))
         run_transformers(hf, prompts, 4, pad_id)  # warm-up
         run_pdserve(llm, prompts, 4)
+        if eager is not None:
+            run_pdserve(eager, prompts, 4)
         hf_s: list[float] = []
         pd_s: list[float] = []
+        eager_s: list[float] = []
         same = 0
-        for r in range(a.repeats):
-            print(f"[bench] batch {batch}: repeat {r + 1}/{a.repeats}", file=sys.stderr, flush=True)
+        for rep in range(a.repeats):
+            print(f"[bench] batch {batch}: repeat {rep + 1}/{a.repeats}", file=sys.stderr, flush=True)
             t_hf, out_hf = timed(lambda: run_transformers(hf, prompts, a.tokens, pad_id))
             t_pd, out_pd = timed(lambda: run_pdserve(llm, prompts, a.tokens))
             hf_s.append(t_hf)
             pd_s.append(t_pd)
             same = sum(x == y for x, y in zip(out_hf, out_pd))
+            if eager is not None:
+                t_eager, _ = timed(lambda: run_pdserve(eager, prompts, a.tokens))
+                eager_s.append(t_eager)
         tokens = batch * a.tokens
         hf_rate, pd_rate = tokens / statistics.median(hf_s), tokens / statistics.median(pd_s)
-        rows.append({"batch": batch, "transformers_tok_s": hf_rate, "pdserve_tok_s": pd_rate,
-                     "speedup": pd_rate / hf_rate, "paired_speedups": [h / p for h, p in zip(hf_s, pd_s)],
-                     "identical_prompts": same, "prompts": batch})
+        row: dict[str, Any] = {"batch": batch, "transformers_tok_s": hf_rate, "pdserve_tok_s": pd_rate,
+               "speedup": pd_rate / hf_rate, "paired_speedups": [h / p for h, p in zip(hf_s, pd_s)],
+               "identical_prompts": same, "prompts": batch}
+        if eager_s:
+            row["eager_tok_s"] = tokens / statistics.median(eager_s)
+            row["eager_speedup"] = row["eager_tok_s"] / hf_rate
+        rows.append(row)
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -155,12 +171,15 @@ def main() -> int:
           f"torch {torch.__version__}, transformers {transformers.__version__}\n"
           f"greedy, {'chat prompts' if a.prompt_len is None else f'random {a.prompt_len}-token prompts'}, "
           f"{a.tokens} output tokens per prompt (EOS masked), medians of {a.repeats} A/B repeats\n")
-    print("| batch | transformers tok/s | pdserve tok/s | speed-up | per-repeat speed-ups | identical outputs |")
-    print("|---:|---:|---:|---:|---|---:|")
+    extra_head, extra_rule = (" pdserve eager tok/s | eager speed-up |", "---:|---:|") if eager else ("", "")
+    print(f"| batch | transformers tok/s | pdserve tok/s | speed-up | per-repeat speed-ups |{extra_head} "
+          "identical outputs |")
+    print(f"|---:|---:|---:|---:|---|{extra_rule}---:|")
     for r in rows:
         spread = ", ".join(f"{x:.2f}" for x in r["paired_speedups"])
+        cells = f" {r['eager_tok_s']:.1f} | {r['eager_speedup']:.2f}x |" if eager else ""
         print(f"| {r['batch']} | {r['transformers_tok_s']:.1f} | {r['pdserve_tok_s']:.1f} | {r['speedup']:.2f}x | "
-              f"{spread} | {r['identical_prompts']}/{r['prompts']} |")
+              f"{spread} |{cells} {r['identical_prompts']}/{r['prompts']} |")
     if a.out:
         a.out.write_text(json.dumps({"command": " ".join(sys.argv), "model": str(path), "rows": rows}, indent=2))
     return 0

@@ -123,9 +123,13 @@ def warm_up(forward: CompiledForward, kv_caches: KVCaches, block_size: int, max_
             query_start_loc_np=np.array([0, count], dtype=np.int32),
             block_size=block_size,
         )
+        # Made outside inference mode, like the runner's persistent input buffers:
+        # dynamo guards on the difference, and a warm-up with inference tensors
+        # would compile graphs that serving never uses.
         ids = torch.zeros(count, dtype=torch.int64, device=device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=device)
         with torch.inference_mode():
-            forward(ids, torch.tensor(positions, dtype=torch.int64, device=device), meta, kv_caches)
+            forward(ids, pos, meta, kv_caches)
     for k_cache, v_cache in kv_caches:  # leave block 0 as it was: zeros, like every fresh block
         k_cache[0].zero_()
         v_cache[0].zero_()
