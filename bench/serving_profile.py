@@ -1,0 +1,233 @@
+"""Where the served time goes: CPU per process while `pdserve serve` is under load,
+beside the offline engine on the same workload.
+
+For each `--mode`: starts `pdserve serve` (its own process group, stopped
+whatever happens), warms it up, then runs `pdserve bench` (random prompts of
+`--input-len` tokens, `--output-len` out, EOS ignored, `--concurrency`) and,
+over a window in the middle of that run, reads every process's CPU time from
+/proc: the table gives each group's share of one core (the decode, prefill or
+colocated worker, the gateway replica, Ray's own processes, HAProxy, the bench
+client) and how busy the machine was. Then the offline engine (`LLM.generate`,
+the same prompts, `max_num_seqs` = concurrency, 1 and 2 torch threads) in this
+process, for the ratio served / offline.
+
+    python bench/serving_profile.py [--model tiny] [--modes disaggregated,colocated] [--concurrency 16]
+        [--requests 400] [--window 16] [--out results.json]
+
+py-spy is left out on purpose: sampling six processes at a useful rate takes
+a good part of a 2-core machine and changes what it measures (run it by hand
+on one process: `py-spy record -p PID -r 100 -d 15 -f raw -o out.txt`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+# A process's group: the first of these found in its command line.
+GROUPS = ("DecodeService", "PrefillService", "ColocatedService", "EngineService", "ServeReplica", "ProxyActor",
+          "HAProxyManager", "haproxy", "pdserve bench", "pdserve serve", "raylet", "gcs_server", "ServeController",
+          "DashboardAgent", "RuntimeEnvAgent", "dashboard", "log_monitor", "monitor")
+HZ = os.sysconf("SC_CLK_TCK")
+PDSERVE = str(Path(sys.executable).parent / "pdserve")  # the console script beside this interpreter
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--tokenizer", default=None, help="for the bench client (default: the model's directory)")
+    p.add_argument("--modes", default="disaggregated,colocated")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--window", type=float, default=16.0, help="seconds of CPU accounting in the run's middle")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument (repeatable)")
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+def cpu_snapshot() -> tuple[dict[str, tuple[str, float]], float, float]:
+    """{pid: (command line, CPU seconds)}, and the machine's total and idle CPU seconds."""
+    procs: dict[str, tuple[str, float]] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        procs[pid] = (cmd, (int(fields[11]) + int(fields[12])) / HZ)  # utime + stime
+    cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    return procs, sum(cpu) / HZ, (cpu[3] + cpu[4]) / HZ
+
+
+def group_of(cmd: str) -> str:
+    return next((g for g in GROUPS if g in cmd), "other")
+
+
+def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
+    """Each group's CPU over the window, in % of one core; "machine" = busy % of all cores."""
+    (p0, total0, idle0), (p1, total1, idle1) = before, after
+    share: collections.Counter[str] = collections.Counter()
+    for pid, (cmd, t) in p1.items():
+        # By pid alone: Ray retitles its workers as they run tasks (the command line changes).
+        group = group_of(cmd if pid not in p0 else p0[pid][0] + " " + cmd)
+        share[group] += (t - p0[pid][1] if pid in p0 else t) / wall * 100
+        if group == "other" and t - p0.get(pid, ("", 0.0))[1] > 0.05 * wall:
+            print(f"[profile] other: {cmd[:100]}", file=sys.stderr)
+    out: dict[str, float] = {g: round(v, 1) for g, v in share.most_common() if v >= 0.5}
+    out["machine"] = round(((total1 - total0) - (idle1 - idle0)) / wall * 100, 1)
+    return out
+
+
+def wait_ready(url: str, deadline_s: float, server: subprocess.Popen[bytes]) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if server.poll() is not None:
+            raise SystemExit(f"pdserve serve exited with {server.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=3):
+                return
+        except OSError:
+            time.sleep(1)
+    raise SystemExit(f"pdserve serve was not ready within {deadline_s:.0f} s")
+
+
+def wait_closed(url: str, deadline_s: float) -> None:
+    """Until nothing answers at `url` (Ray Serve's proxy outlives `pdserve serve` by a few
+    seconds: the next mode's readiness check would see the old server)."""
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        try:
+            with urllib.request.urlopen(f"{url}/models", timeout=3):
+                pass
+        except OSError:
+            return
+        time.sleep(1)
+    raise SystemExit(f"the server at {url} still answers {deadline_s:.0f} s after it was stopped")
+
+
+def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int, out: Path) -> list[str]:
+    return [PDSERVE, "bench", "--base-url", url, "--input-len", str(a.input_len),
+            "--output-len", str(a.output_len), "--range-ratio", "0", "--num-requests", str(n), "--max-concurrency",
+            str(a.concurrency), "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--result-json",
+            str(out)]
+
+
+def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[str, Any]:
+    url = f"http://127.0.0.1:{a.port}/v1"
+    log = (tmp / f"serve-{mode}.log").open("wb")
+    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode",
+                               mode, "--port", str(a.port), *a.serve_arg], stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True)
+    try:
+        print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
+        wait_ready(url, 600, server)
+        warm = subprocess.run(bench_cmd(a, url, tokenizer, 2 * a.concurrency, 100, tmp / "warm.json"),
+                              capture_output=True, text=True, timeout=600)
+        if warm.returncode:
+            raise SystemExit(f"the warm-up bench failed ({warm.returncode}):\n{warm.stderr[-2000:]}")
+        print(f"[profile] {mode}: {a.requests} requests, CPU over {a.window:.0f} s of them ...", file=sys.stderr,
+              flush=True)
+        result = tmp / f"bench-{mode}.json"
+        client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+        time.sleep(5)  # past the ramp-up
+        before, t0 = cpu_snapshot(), time.monotonic()
+        time.sleep(a.window)
+        after, wall = cpu_snapshot(), time.monotonic() - t0
+        still_running = client.poll() is None
+        client.wait(timeout=900)
+        metrics = json.loads(result.read_text())["runs"][0]["summary"]
+        return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics}
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        log.close()
+        wait_closed(url, 120)
+
+
+def offline(a: argparse.Namespace, threads: int) -> float:
+    """Output tokens/s of LLM.generate on the same workload, in a child process
+    (its own torch thread count, nothing else of this one's)."""
+    code = f"""
+import time, torch
+torch.set_num_threads({threads})
+from pdserve import LLM, SamplingParams
+llm = LLM({a.model!r}, max_num_seqs={a.concurrency}, progress=False)
+g = torch.Generator().manual_seed(1)
+vocab = llm.engine.model_config.vocab_size
+prompts = [torch.randint(100, vocab, ({a.input_len},), generator=g).tolist() for _ in range({a.requests})]
+sp = SamplingParams(temperature=0.0, max_tokens={a.output_len}, ignore_eos=True)
+llm.generate(prompts[: 2 * {a.concurrency}], sp)
+t = time.perf_counter(); llm.generate(prompts, sp); dt = time.perf_counter() - t
+print({a.requests} * {a.output_len} / dt)
+"""
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=1800)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def main() -> int:
+    a = parse_args()
+    from pdserve.workers.model.resolve import resolve_model
+
+    tokenizer = a.tokenizer or str(resolve_model(a.model))
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for mode in a.modes.split(","):
+            results[mode] = served(a, mode, tokenizer, Path(d))
+    for threads in (1, 2):
+        print(f"[profile] offline engine, {threads} torch thread(s) ...", file=sys.stderr, flush=True)
+        results[f"offline_{threads}t"] = offline(a, threads)
+    print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
+          f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_model()}, "
+          f"{os.cpu_count()} cores\n")
+    print("| mode | output tok/s | / offline 1 thread | / offline 2 threads | p50 TTFT ms | p50 TPOT ms | failed |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for mode in a.modes.split(","):
+        m = results[mode]["bench"]
+        tps = m["output_token_throughput"]
+        print(f"| {mode} | {tps:.0f} | {tps / results['offline_1t']:.2f} | {tps / results['offline_2t']:.2f} | "
+              f"{m['ttft_s']['median'] * 1e3:.0f} | {m['tpot_s']['median'] * 1e3:.1f} | {m['failed']} |")
+    print(f"| offline, 1 torch thread | {results['offline_1t']:.0f} | | | | | |")
+    print(f"| offline, 2 torch threads | {results['offline_2t']:.0f} | | | | | |")
+    print("\nCPU during the run, % of one core (machine: busy % of all cores):\n")
+    groups = sorted({g for mode in a.modes.split(",") for g in results[mode]["cpu"]},
+                    key=lambda g: -max(results[m]["cpu"].get(g, 0.0) for m in a.modes.split(",")))
+    print("| process | " + " | ".join(a.modes.split(",")) + " |")
+    print("|---|" + "---:|" * len(a.modes.split(",")))
+    for g in groups:
+        print(f"| {g} | " + " | ".join(f"{results[m]['cpu'].get(g, 0.0):.1f}" for m in a.modes.split(",")) + " |")
+    if a.out:
+        a.out.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
