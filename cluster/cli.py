@@ -10,6 +10,7 @@ included, the same way for both. Subcommands import what they need lazily so
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -118,8 +119,35 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     from pdserve.cluster.serve_app import run
     from pdserve.cluster.serve_config import serve_config
 
-    run(serve_config(_settings(a, serving=True)))
+    settings = _settings(a, serving=True)
+    for name, env in (("api_key", API_KEY_ENV), ("metrics_api_key", METRICS_API_KEY_ENV)):
+        key = _secret(name, getattr(a, name, None), getattr(a, f"{name}_file", None), env)
+        if key is not None:
+            settings[name] = key
+    run(serve_config(settings))
     return 0
+
+
+API_KEY_ENV = "PDSERVE_API_KEY"
+METRICS_API_KEY_ENV = "PDSERVE_METRICS_API_KEY"
+
+
+def _secret(name: str, given: str | None, path: str | None, env: str) -> str | None:
+    """A key from its flag, its file (first line, whitespace stripped) or its
+    environment variable, in that order; ValueError naming the flag, never the key."""
+    if given is not None and path is not None:
+        raise ValueError(f"{name}: give --{name.replace('_', '-')} or --{name.replace('_', '-')}-file, not both")
+    if path is not None:
+        try:
+            key = Path(path).expanduser().read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"{name}_file: cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
+        if not key:
+            raise ValueError(f"{name}_file: {path} is empty")
+        return key
+    if given is not None:
+        return given
+    return os.environ.get(env, "").strip() or None
 
 
 def _cmd_bench(a: argparse.Namespace) -> int:
@@ -215,7 +243,14 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="times Ray restarts a crashed worker (default -1: always)")
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
-    srv.add_argument("--api-key", default=_SETTING)
+    srv.add_argument("--api-key", default=None,
+                     help=f"the key clients send as `Authorization: Bearer KEY`; prefer --api-key-file or "
+                          f"{API_KEY_ENV}: a command line is visible to every user of the machine")
+    srv.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    srv.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
+                     help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
+                          "opens it too. Default: /metrics is open")
+    _limit_arguments(srv)
     srv.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
                      help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
     srv.add_argument("--haproxy-stats-port", type=int, default=_SETTING,
@@ -224,6 +259,26 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
                           "(default 8500; local Ray only)")
     _add_engine_args(srv)
+
+
+def _limit_arguments(srv: argparse.ArgumentParser) -> None:
+    """Bounds on one request (cluster/limits.py; docs/security.md says what each defends)."""
+    from pdserve.cluster.limits import RequestLimits as L
+
+    for flag, kind, help_ in (
+        ("--max-n", int, f"samples per prompt (n; default {L.max_n})"),
+        ("--max-prompts", int, f"prompts in one /v1/completions request (default {L.max_prompts})"),
+        ("--max-stop", int, f"stop strings, and stop token ids, per request (default {L.max_stop})"),
+        ("--max-stop-length", int, f"characters in one stop string (default {L.max_stop_length})"),
+        ("--max-messages", int, f"chat messages per request (default {L.max_messages})"),
+        ("--max-logit-bias", int, f"logit_bias entries per request (default {L.max_logit_bias})"),
+        ("--max-cache-salt-length", int, f"characters of a cache_salt (default {L.max_cache_salt_length})"),
+        ("--max-body-bytes", int, f"bytes of a request body: 413 beyond (default {L.max_body_bytes})"),
+        ("--body-timeout", float, f"seconds to receive a request's body: 408 after (default {L.body_timeout:g})"),
+        ("--write-timeout", float, f"seconds a write to a client may wait: a client that stops reading is "
+                                   f"dropped after it (default {L.write_timeout:g})"),
+    ):
+        srv.add_argument(flag, type=kind, default=_SETTING, help=help_)
 
 
 def _tiny_model_arguments(tiny: argparse.ArgumentParser) -> None:

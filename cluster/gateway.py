@@ -1,45 +1,62 @@
 """The gateway behind the OpenAI-compatible API, over any generation backend.
 
-It admits requests (a bound on engine requests in flight, 429 beyond it),
-checks the API key and the model, tokenizes prompts, checks sampling
-parameters against the context length, and runs a request's prompts x n
+It refuses what a request may not ask for (cluster/limits.py: the bounds;
+protocol.py: the fields pdserve does not honour; token ids outside the
+vocabulary) before the request costs anything, admits requests (a bound on
+engine requests in flight, 429 beyond it, taken at once), tokenizes prompts on
+its own thread (never on the event loop), checks sampling parameters against
+the context length, and runs a request's prompts x n
 samples on the backend as one interleaved stream of DELTA outputs (cancelling
 it aborts them in the backend, which frees their KV blocks). HTTP routes live
-in openai_app.py, response bodies and SSE chunks in responses.py.
+in openai_app.py, response bodies and SSE chunks in responses.py, what runs
+before a route (API keys, body size, write timeouts) in http_guard.py.
+
+Errors reach the client as `client_error` makes them: a message, a type and
+the request id; a worker's traceback stays in the server log.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
-import secrets
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from ray.exceptions import RayError
 
 from pdserve.cluster.backend import GenerationBackend, WorkerLostError
+from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
-from pdserve.cluster.protocol import ChatCompletionRequest
+from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.cluster.router import NoHealthyWorkerError
-from pdserve.workers.inputs import max_new_tokens
+from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+RETRY_AFTER = {"Retry-After": "1"}  # 429 and 503: workers restart, slots free, in seconds
+_MAX_MESSAGE = 500  # characters of an error message a client is sent
 
 
 @dataclass(frozen=True)
 class GatewayConfig:
     model_name: str
     max_model_len: int
-    api_key: str | None = None
+    # Keys are never in a repr: a config may be logged, or shown in an error.
+    api_key: str | None = field(default=None, repr=False)
+    # The key GET /metrics wants (the API key is taken there too); None: /metrics is open.
+    metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256  # admission bound: beyond it, 429 with Retry-After
     request_timeout_s: float = 600.0
     max_logprobs: int = 20
-    max_batch_prompts: int = 64  # prompts in one /v1/completions request
+    limits: RequestLimits = RequestLimits()
+    # Token ids a request may name (prompt, logit_bias, stop_token_ids): the model's
+    # vocabulary. None: the tokenizer's size.
+    vocab_size: int | None = None
     aliases: tuple[str, ...] = ()  # other names requests may use (vLLM's --served-model-name after the first)
     # /v1/models' `root` (vLLM's: the model path; `vllm bench serve` loads its tokenizer
     # from it when given no --model). None: the model name.
@@ -59,39 +76,46 @@ class GatewayConfig:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, reason: RefusalReason | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
+        self.reason = reason  # set when the request was refused before it ran (counted by reason)
 
 
-def status_of(e: BaseException) -> int:
-    """The HTTP status an error of the generation path maps to (also the code of an in-band stream error)."""
+def client_error(e: BaseException, rid: str) -> APIError:
+    """What the client is told of an error of request `rid`: ours say what went
+    wrong and name the field; anything else (a worker's traceback with its pid,
+    address and paths: Ray's errors carry them in their text) is logged here
+    under `rid`, and the client gets a plain line with that id."""
     if isinstance(e, APIError):
-        return e.status
-    if isinstance(e, ValueError):
-        return 400
-    if isinstance(e, TimeoutError):
-        return 504
-    if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
-        return 503  # retry later: workers are restarting
-    return 500
-
-
-def public_error(e: BaseException) -> tuple[str, str]:
-    """(message, type) the client is told of an error: ours say what went wrong;
-    Ray's carry a worker's traceback and host names, so they are logged here and
-    the client gets a plain line."""
+        return e
     if isinstance(e, RayError):
-        log.error("request failed in a worker: %s", e)
-        return "internal error: a worker failed (the gateway's log has the details)", "InternalServerError"
-    return str(e) or type(e).__name__, type(e).__name__
+        log.error("request %s failed in a worker: %s", rid, e)
+        cause = getattr(e, "cause", None)  # a RayTaskError's exception, raised on the worker
+        if isinstance(cause, ValueError) and not isinstance(cause, RayError):
+            return bad_request(cause)  # the worker refused the input: its first line says why
+        return APIError(500, f"internal error (request id {rid}): a worker failed; the server log has the details",
+                        "InternalServerError")
+    if isinstance(e, ValueError):
+        return bad_request(e)
+    if isinstance(e, TimeoutError):
+        return APIError(504, "the request did not finish within its deadline", "Timeout")
+    if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
+        log.warning("request %s: %s", rid, e)
+        return APIError(503, "no healthy worker could take the request; retry later", "ServiceUnavailableError",
+                        headers=RETRY_AFTER)
+    log.error("request %s failed", rid, exc_info=e)
+    return APIError(500, f"internal error (request id {rid}): the server log has the details", "InternalServerError")
 
 
 def bad_request(e: ValueError) -> APIError:
-    """Our ValueErrors start with the parameter name ("top_p: must be ..."): report it as `param`."""
-    msg = str(e)
+    """Our ValueErrors start with the parameter name ("top_p: must be ..."): report it as `param`.
+    Only the first line goes out, cut short: the message is the client's to read, not a dump."""
+    msg = (str(e).splitlines() or [""])[0][:_MAX_MESSAGE]
     param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
-    return APIError(400, msg, "BadRequestError", param)
+    if isinstance(e, Refused):
+        return APIError(400, msg, "BadRequestError", e.param, reason=e.reason)
+    return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED)
 
 
 @dataclass
@@ -105,46 +129,86 @@ class Work:
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
 
 
+class Admission:
+    """A request's share of the admission bound (its prompts x n engine requests),
+    taken whole by `Gateway.admit` and held until `release` (idempotent): by the
+    handler until its response is ready, then by a stream until it ends."""
+
+    def __init__(self, gw: Gateway, num_requests: int) -> None:
+        self._gw, self.num_requests, self._held = gw, num_requests, True
+        gw.admitted += num_requests
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._gw.admitted -= self.num_requests
+
+
 class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
         self.metrics = GatewayMetrics(backend.router_stats, backend.reliability)
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
-        self._admitted = 0
+        self.admitted = 0  # engine requests admitted and not released
+        self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        # Tokenizing and chat templates run here, off the event loop: a long prompt must
+        # not stall every stream on the replica. One thread: a fast tokenizer must not be
+        # used from two at once.
+        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
 
     # -- request preparation ---------------------------------------------------
-
-    def check_auth(self, authorization: str) -> None:
-        """`authorization`: the request's Authorization header ("" when it has none)."""
-        if self.config.api_key is None:
-            return
-        token = authorization[7:] if authorization.lower().startswith("bearer ") else ""
-        if not secrets.compare_digest(token.encode(), self.config.api_key.encode()):
-            raise APIError(401, "invalid or missing API key", "AuthenticationError")
 
     def check_model(self, model: str | None) -> None:
         # No model, or "", is the served one (vLLM's `_is_model_supported`: `if not model_name`).
         if model and model not in self.config.served_names:
             raise APIError(404, f"The model `{model}` does not exist.", "NotFoundError", "model")
 
+    def check_request(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """What can be refused before the request costs anything: the model, a field
+        pdserve does not honour, a bound, a token id outside the vocabulary."""
+        self.check_model(body.model)
+        try:
+            body.check_supported()
+            body.check_limits(self.config.limits)
+            if self.vocab_size is not None:
+                self._check_vocab(body)
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def _check_vocab(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """Prompt and stop token ids (logit_bias: `params`, once its keys are parsed)."""
+        vocab = self.vocab_size
+        assert vocab is not None
+        if any(not 0 <= t < vocab for t in body.stop_token_ids or ()):
+            raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab})")
+        if isinstance(body, CompletionRequest) and not isinstance(body.prompt, str) and body.prompt:
+            batch = [body.prompt] if isinstance(body.prompt[0], int) else body.prompt
+            for p in batch:
+                if not isinstance(p, str) and p:
+                    check_token_ids(p, vocab)
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """`fn()` on the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if not prompt:
-            raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt")
+            raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt",
+                           reason=RefusalReason.MALFORMED)
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
 
     def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
-        batch of either) as (token ids, text when given as text)."""
+        batch of either) as (token ids, text when given as text). Blocking: call it
+        through `off_loop`."""
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
             one = prompt if isinstance(prompt, str) else None
             return [(self.tokenize(prompt), one)]  # type: ignore[arg-type]
-        if len(prompt) > self.config.max_batch_prompts:
-            raise APIError(400, f"prompt: at most {self.config.max_batch_prompts} prompts per request",
-                           "BadRequestError", "prompt")
         return [(self.tokenize(p), p if isinstance(p, str) else None) for p in prompt]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
+        """Blocking: call it through `off_loop`."""
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -155,20 +219,27 @@ class Gateway:
         (`max_tokens`, or all the context the prompt leaves)."""
         try:
             params = make(max_new_tokens(len(prompt_ids), max_tokens, self.config.max_model_len))
+            if self.vocab_size is not None:
+                check_logit_bias(params, self.vocab_size)
         except ValueError as e:
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs")
+            raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs",
+                           reason=RefusalReason.LIMIT)
         return params
 
-    def admit(self, num_requests: int = 1) -> None:
-        """Room for `num_requests` engine requests (a call's prompts x n), or 429.
-        A call bigger than the whole bound still runs when nothing else does."""
-        if self._admitted > 0 and self._admitted + num_requests > self.config.max_in_flight:
-            raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers={"Retry-After": "1"})
+    def admit(self, num_requests: int = 1) -> Admission:
+        """Room for `num_requests` engine requests (a call's prompts x n), taken at
+        once (no await between the check and the count), or 429; 503 while no
+        worker can serve. A call bigger than the whole bound still runs when
+        nothing else does (the bounds on n and prompts keep it finite)."""
+        if self.admitted > 0 and self.admitted + num_requests > self.config.max_in_flight:
+            raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers=RETRY_AFTER,
+                           reason=RefusalReason.CAPACITY)
         if not self.backend.healthy:
             raise APIError(503, "no healthy workers to serve the request", "ServiceUnavailableError",
-                           headers={"Retry-After": "1"})  # workers restart in seconds
+                           headers=RETRY_AFTER, reason=RefusalReason.UNAVAILABLE)
+        return Admission(self, num_requests)
 
     # -- generation ------------------------------------------------------------
 
@@ -178,17 +249,17 @@ class Gateway:
         subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1,
                                                    seed=None if w.params.seed is None else w.params.seed + j))
                 for w in works for j in range(w.params.n)]
-        self._admitted += len(subs)  # the admission bound counts engine requests
-        try:
-            if len(subs) == 1:
-                async for out in self.backend.generate(rid, subs[0][0], subs[0][1], self.config.request_timeout_s):
-                    yield 0, out
-                return
-            async for item in _merge([self.backend.generate(f"{rid}-{i}", ids, sp, self.config.request_timeout_s)
-                                      for i, (ids, sp) in enumerate(subs)]):
-                yield item
-        finally:
-            self._admitted -= len(subs)
+        if len(subs) == 1:
+            async for out in self.backend.generate(rid, subs[0][0], subs[0][1], self.config.request_timeout_s):
+                yield 0, out
+            return
+        async for item in _merge([self.backend.generate(f"{rid}-{i}", ids, sp, self.config.request_timeout_s)
+                                  for i, (ids, sp) in enumerate(subs)]):
+            yield item
+
+    async def close(self) -> None:
+        await self.backend.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def worker_handles(self) -> WorkerHandles:
         """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""

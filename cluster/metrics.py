@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
 from pdserve.cluster.worker_metrics import WithoutCreated
 from pdserve.workers.outputs import RequestOutput
@@ -80,6 +81,9 @@ class GatewayMetrics:
                                ["finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by HTTP status (or in-band stream error)",
                               ["code"], registry=r)
+        self.refused = Counter("pdserve:requests_refused",
+                               "Requests turned away before they ran, and clients dropped for not reading, by reason",
+                               ["reason"], registry=r)
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
         self.worker_up = Gauge("pdserve:worker_up", "1 if the last metrics fetch from the worker succeeded in time",
@@ -88,6 +92,9 @@ class GatewayMetrics:
             self.success.labels(reason)
         for code in ERROR_CODES:
             self.errors.labels(code)
+        for refusal in RefusalReason:
+            self.refused.labels(refusal.value)
+        self._scrape: asyncio.Future[bytes] | None = None
         r.register(_RouterCollector(router_stats))
         r.register(_ReliabilityCollector(reliability))
 
@@ -98,9 +105,23 @@ class GatewayMetrics:
     def error(self, status: int) -> None:
         self.errors.labels(str(status)).inc()
 
+    def refuse(self, reason: RefusalReason | None, status: int | None) -> None:
+        """A request failed with `status` (None: none was sent), refused for `reason` (None: it ran)."""
+        if reason is not None:
+            self.refused.labels(reason.value).inc()
+        if status is not None:
+            self.error(status)
+
     async def exposition(self, workers: WorkerHandles, deadline_s: float = WORKER_SCRAPE_DEADLINE_S) -> bytes:
         """The gateway's metrics and every worker's, as one text exposition.
-        Returns within `deadline_s` (plus parsing) whatever the workers do."""
+        Returns within `deadline_s` (plus parsing) whatever the workers do.
+        Scrapes that overlap share one fetch from the workers: however many
+        clients scrape at once, each worker is asked once at a time."""
+        if self._scrape is None or self._scrape.done():
+            self._scrape = asyncio.ensure_future(self._exposition(workers, deadline_s))
+        return await asyncio.shield(self._scrape)  # one scraper going away does not cancel the others'
+
+    async def _exposition(self, workers: WorkerHandles, deadline_s: float) -> bytes:
         names = list(workers)
         texts = await asyncio.gather(*(_fetch(workers[n][1], deadline_s) for n in names))
         worker_families: list[Iterable[Metric]] = []

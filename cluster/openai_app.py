@@ -4,26 +4,33 @@
 ingress (cluster/serve_app.py), tests run it under uvicorn over an in-process
 engine. Every request ends with a terminal event: a final chunk + `[DONE]`
 (stream), a response body, or an error object. A client that disconnects
-aborts its request in the backend, which frees its KV blocks.
+aborts its request in the backend, which frees its KV blocks. Keys, body
+limits and write timeouts act before the routes (http_guard.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
 
-from pdserve.cluster.gateway import APIError, Gateway, Work
+from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work
+from pdserve.cluster.http_guard import Guard, Keys, request_id
+from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
-from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, new_id, now
+from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, now
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
 
+log = logging.getLogger(__name__)
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 
 
@@ -33,10 +40,14 @@ def build_app(gw: Gateway) -> FastAPI:
         # The backend starts on its first request (a disaggregated one waits for its
         # workers' first load reports then); the app's shutdown closes it.
         yield
-        await gw.backend.close()
+        await gw.close()
 
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0",
                   lifespan=lifespan)
+    cfg = gw.config
+    # Added first, so inside the counter: the counter sees the guard's refusals too.
+    app.add_middleware(Guard, keys=Keys(cfg.api_key, cfg.metrics_api_key), limits=cfg.limits,
+                       on_refused=gw.metrics.refuse)
     app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS)
     _add_error_handlers(app, gw)
     _add_info_routes(app, gw)
@@ -45,23 +56,44 @@ def build_app(gw: Gateway) -> FastAPI:
 
 
 def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
-    # Every failed request passes one of these two handlers (the stream reports its
-    # errors in-band: stream_response counts those): the one place errors are counted.
+    # Every failed request passes one of these handlers or the guard's refusals (the
+    # stream reports its errors in-band: stream_response counts those): the one place
+    # errors are counted. None sends more than a message, a type and a field name.
     @app.exception_handler(APIError)
     async def _api_error(_: Request, e: APIError) -> JSONResponse:
-        gw.metrics.error(e.status)
+        gw.metrics.refuse(e.reason, e.status)
         return JSONResponse(error_body(e.message, e.err_type, e.status, e.param), status_code=e.status,
                             headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
-        gw.metrics.error(400)
-        # OpenAI clients expect 400 with the error object, not FastAPI's 422.
+        gw.metrics.refuse(RefusalReason.MALFORMED, 400)
+        # OpenAI clients expect 400 with the error object, not FastAPI's 422. The
+        # message names the field and the rule, never the input (it can be huge).
         first = e.errors()[0] if e.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         param = loc[0] if loc else None
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"[:500]
         return JSONResponse(error_body(msg, "BadRequestError", 400, param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        # An unknown route or method, or a body FastAPI could not decode (not UTF-8).
+        gw.metrics.refuse(RefusalReason.MALFORMED if e.status_code == 400 else None, e.status_code)
+        err_type = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError"}.get(
+            e.status_code, "HTTPError")
+        return JSONResponse(error_body(str(e.detail), err_type, e.status_code), status_code=e.status_code,
+                            headers=e.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> JSONResponse:
+        # Starlette logs the traceback (under the request id: the guard put it in the
+        # response's x-request-id); the client gets the id, never the traceback.
+        rid = request_id(request.scope)
+        log.error("request %s: unhandled error", rid, exc_info=e)
+        gw.metrics.error(500)
+        return JSONResponse(error_body(f"internal error (request id {rid}): the server log has the details",
+                                       "InternalServerError", 500), status_code=500)
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
@@ -72,7 +104,7 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         h = gw.backend.health()
         if not h.serving:
             body = error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503)
-            return JSONResponse({**body, **h.body()}, 503)
+            return JSONResponse({**body, **h.body()}, 503, headers=RETRY_AFTER)
         return JSONResponse(h.body(), 200)
 
     @app.get("/metrics")
@@ -80,8 +112,7 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         return Response(await gw.metrics.exposition(gw.worker_handles()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models(request: Request) -> dict[str, Any]:
-        gw.check_auth(request.headers.get("authorization", ""))
+    async def models() -> dict[str, Any]:
         # vLLM's model card, one per served name: `vllm bench serve` with no --model
         # takes data[0]'s `id` as the model and its `root` as the tokenizer.
         created, cfg = now(), gw.config
@@ -92,49 +123,87 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
+    # Each route: refuse what can be refused for free, take the admission slot (at
+    # once: no await between its check and its count), then tokenize off the event
+    # loop; the slot is held until the response is done.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
-        gw.check_auth(request.headers.get("authorization", ""))
-        gw.check_model(body.model)
-        # echo + logprobs: the prompt's logprobs too; echo + max_tokens 0: the prompt alone
-        # (one token is generated and dropped: a request always samples).
-        prompt_lp = body.logprobs if body.echo else None
-        prompt_only = body.echo and body.max_tokens == 0
-        works: list[Work] = []
-        for ids, text in gw.prompts(body.prompt):
-            params = gw.params(ids, 1 if prompt_only else body.max_tokens,
-                               lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp))
-            echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
-            works.append(Work(ids, params, echo, prompt_only))
-        return await _respond(gw, request, ApiKind.COMPLETION, body.stream, body.include_usage, works, rm)
+        gw.check_request(body)
+        slot = gw.admit(body.num_prompts * body.n)
+        try:
+            works = await gw.off_loop(lambda: _completion_works(gw, body))
+        except BaseException:
+            slot.release()
+            raise
+        return await _respond(gw, request, ApiKind.COMPLETION, body.stream, body.include_usage, works, rm, slot)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
-        gw.check_auth(request.headers.get("authorization", ""))
-        gw.check_model(body.model)
+        gw.check_request(body)
         try:
             num_logprobs = body.num_logprobs()
         except ValueError as e:
-            raise APIError(400, str(e), "BadRequestError", "top_logprobs") from None
-        prompt_ids = gw.chat_prompt(body)
-        params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
+            raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
+        slot = gw.admit(body.n)
+        try:
+            prompt_ids = await gw.off_loop(lambda: gw.chat_prompt(body))
+            params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
+        except BaseException:
+            slot.release()
+            raise
         works = [Work(prompt_ids, params)]
-        return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm)
+        return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot)
+
+
+def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
+    """The request's prompts, tokenized and checked (blocking: on the tokenizer thread)."""
+    # echo + logprobs: the prompt's logprobs too; echo + max_tokens 0: the prompt alone
+    # (one token is generated and dropped: a request always samples).
+    prompt_lp = body.logprobs if body.echo else None
+    prompt_only = body.echo and body.max_tokens == 0
+    works: list[Work] = []
+    for ids, text in gw.prompts(body.prompt):
+        params = gw.params(ids, 1 if prompt_only else body.max_tokens,
+                           lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp))
+        echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
+        works.append(Work(ids, params, echo, prompt_only))
+    return works
 
 
 async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, include_usage: bool,
-                   works: list[Work], rm: RequestMetrics) -> Response:
-    gw.admit(sum(w.params.n for w in works))
-    rid = new_id(kind.shape.id_prefix)
+                   works: list[Work], rm: RequestMetrics, slot: Admission) -> Response:
+    """The response of admitted `works`; it releases `slot` when it is done."""
+    rid = f"{kind.shape.id_prefix}-{request_id(request.scope)}"
     if stream:
         # Starlette cancels this generator when the client disconnects; the
         # backend's generate() then aborts the request and frees its blocks.
-        events = stream_response(gw, kind, rid, works, include_usage, rm)
-        return StreamingResponse(events, media_type="text/event-stream")
-    body = await _until_disconnect(request, collect_response(gw, kind, rid, works, rm))
+        return _AdmittedStream(stream_response(gw, kind, rid, works, include_usage, rm), slot)
+    try:
+        body = await _until_disconnect(request, collect_response(gw, kind, rid, works, rm))
+    finally:
+        slot.release()
     return JSONResponse(body)
+
+
+class _AdmittedStream(StreamingResponse):
+    """An SSE stream that holds its request's admission slot until it ends, however
+    it ends: finished, the client gone, or dropped for not reading (the guard's
+    write timeout). Its events are closed then, which aborts a request still running."""
+
+    def __init__(self, events: AsyncGenerator[str, None], slot: Admission) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events, self._slot = events, slot
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._events.aclose()
+            finally:
+                self._slot.release()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:

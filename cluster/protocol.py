@@ -1,8 +1,11 @@
 """OpenAI-compatible request and response shapes (the subset pdserve serves).
 
 Requests are pydantic models so FastAPI validates them and /openapi.json
-describes them. Unknown fields are ignored, as vLLM does, so clients that send
-extra OpenAI options still work.
+describes them. A field pdserve does not honour is refused with a 400 naming
+it (vLLM logs and ignores unknown fields; a client asking for JSON output or
+tool calls would then get free text with a 200): the OpenAI options it cannot
+do are modelled so the refusal is explicit, any other unknown field is
+refused too, except the few in `IGNORED_FIELDS` that change nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
 from pdserve.workers.sampling_params import SamplingParams
+
+# Fields OpenAI clients may send that ask nothing of the model: accepted, not used.
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
 
 
 def _or(value: float | None, default: float) -> float:
@@ -25,7 +32,7 @@ class StreamOptions(BaseModel):
 
 
 class _SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept, to be refused by name (`check_supported`)
 
     model: str | None = None
     temperature: float = Field(1.0, description="0 = greedy")
@@ -35,7 +42,8 @@ class _SamplingFields(BaseModel):
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    n: int = 1
+    n: int = Field(1, description="samples per prompt (at most the server's --max-n)")
+    best_of: int | None = Field(None, description="accepted only equal to n: pdserve returns every sample")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -47,6 +55,24 @@ class _SamplingFields(BaseModel):
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
     speculative: bool = Field(True, description="false: no speculative decoding for this request "
                                                 "(when the server speculates)")
+    cache_salt: str | None = Field(None, min_length=1,
+                                   description="vLLM's: requests share prefix-cache blocks only with requests "
+                                               "of the same salt (one per tenant keeps tenants apart)")
+    user: str | None = Field(None, description="OpenAI's end-user id: accepted, not used")
+
+    def check_supported(self) -> None:
+        """Refused (naming the field) for what pdserve would otherwise silently not do."""
+        for name in sorted(self.model_extra or {}):
+            if name not in IGNORED_FIELDS:
+                raise Refused(name, "pdserve does not support this field", RefusalReason.UNSUPPORTED)
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        """Refused (naming the field) when the request is over one of the server's bounds."""
+        check_n(self.n, self.best_of, limits)
+        check_stop(self.stop, self.stop_token_ids, limits)
+        check_count("logit_bias", list(self.logit_bias or ()), limits.max_logit_bias, "max-logit-bias")
+        if self.cache_salt is not None and len(self.cache_salt) > limits.max_cache_salt_length:
+            raise Refused("cache_salt", f"at most {limits.max_cache_salt_length} characters")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -61,7 +87,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
-            speculative=self.speculative,
+            speculative=self.speculative, cache_salt=self.cache_salt,
         )
 
     @property
@@ -78,6 +104,17 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many top log-probs per token")
 
+    @property
+    def num_prompts(self) -> int:
+        p = self.prompt
+        return 1 if isinstance(p, str) or not p or isinstance(p[0], int) else len(p)
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        if self.num_prompts > limits.max_prompts:
+            raise Refused("prompt", f"at most {limits.max_prompts} prompts per request, got {self.num_prompts} "
+                                    "(the server's --max-prompts)")
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -88,7 +125,15 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        return "".join(str(part.get("text", "")) for part in self.content)
+
+    def check_supported(self) -> None:
+        """Text parts only: an image or audio part would otherwise be dropped unseen."""
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise Refused("messages", f"pdserve takes text content parts only ({{\"type\": \"text\", "
+                                          f"\"text\": ...}}), got type {str(part.get('type'))[:40]!r}",
+                              RefusalReason.UNSUPPORTED)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -97,6 +142,31 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # OpenAI options pdserve cannot honour: modelled so that asking for them is a 400 naming
+    # the field, while their "off" values (what some clients send by default) pass.
+    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"} (the default)')
+    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only an empty list")
+    tool_choice: str | dict[str, Any] | None = Field(None, description='not supported: only "none"')
+    functions: list[dict[str, Any]] | None = Field(None, description="not supported: only an empty list")
+    function_call: str | dict[str, Any] | None = Field(None, description='not supported: only "none"')
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise Refused("response_format", 'pdserve generates free text only: {"type": "text"}',
+                          RefusalReason.UNSUPPORTED)
+        for name in ("tools", "functions"):
+            if getattr(self, name):
+                raise Refused(name, "pdserve does not call tools", RefusalReason.UNSUPPORTED)
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none"):
+                raise Refused(name, 'pdserve does not call tools: only "none"', RefusalReason.UNSUPPORTED)
+        for m in self.messages:
+            m.check_supported()
+
+    def check_limits(self, limits: RequestLimits) -> None:
+        super().check_limits(limits)
+        check_count("messages", self.messages, limits.max_messages, "max-messages")
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pdserve.cluster.gateway import APIError, Gateway, Work, bad_request, public_error, status_of
+from pdserve.cluster.gateway import Gateway, Work, client_error
 from pdserve.cluster.metrics import RequestMetrics
 from pdserve.cluster.protocol import error_body, now, usage
 from pdserve.workers.outputs import RequestOutput
@@ -256,21 +256,15 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
             rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
             accumulate(choices[i], out, work_of(works, i).prompt_only)
         rm.succeeded(c.finish_reason for c in choices)
-    except ValueError as e:
-        raise bad_request(e) from None
-    except TimeoutError as e:
-        raise APIError(504, str(e), "Timeout") from None
-    except APIError:
-        raise
     except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
-        raise APIError(status_of(e), *public_error(e)) from e
+        raise client_error(e, rid) from None  # what the client may see; client_error logged the rest
     finally:
         rm.close()  # a failure is counted by the APIError handler
     return response_body(gw, kind, rid, works, choices)
 
 
 async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], include_usage: bool,
-                          rm: RequestMetrics) -> AsyncIterator[str]:
+                          rm: RequestMetrics) -> AsyncGenerator[str, None]:
     """The SSE events of a streamed response, `[DONE]` last. The status line is
     sent by then, so a failure is an in-band error event, counted here."""
     render = ChunkRenderer(kind, rid, gw.config.model_name, gw.token_str)
@@ -290,14 +284,10 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
     except (asyncio.CancelledError, GeneratorExit):
         rm.failed(499)  # the client went away mid-stream (after success it is already closed)
         raise
-    except ValueError as e:
-        rm.failed(400)
-        yield sse_event(error_body(str(e), "BadRequestError", 400))
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        code = status_of(e)
-        rm.failed(code)
-        message, err_type = public_error(e)
-        yield sse_event(error_body(message, err_type, code))
+        err = client_error(e, rid)
+        rm.failed(err.status)
+        yield sse_event(error_body(err.message, err.err_type, err.status, err.param))
     finally:
         rm.close()
     yield DONE

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -129,8 +130,20 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str) -> Gate
 
     names = cfg.served_names
     return GatewayConfig(model_name=names[0], aliases=names[1:], model_root=model_dir, max_model_len=max_model_len,
-                         api_key=cfg.api_key, max_in_flight=cfg.max_in_flight,
-                         request_timeout_s=float(cfg.request_timeout))
+                         api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key, max_in_flight=cfg.max_in_flight,
+                         request_timeout_s=float(cfg.request_timeout), limits=cfg.limits,
+                         vocab_size=_vocab_size(model_dir))
+
+
+def _vocab_size(model_dir: str) -> int | None:
+    """The model's vocabulary (the token ids a request may name), or None (the
+    gateway then takes its tokenizer's size) when its config cannot be read."""
+    from pdserve.workers.model.config import ModelConfig
+
+    try:
+        return ModelConfig.from_pretrained(model_dir).vocab_size
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def find_worker(name: str) -> Any | None:
@@ -208,6 +221,9 @@ def run(cfg: ServeConfig, block: bool = True) -> None:
     run's ports is stopped; any other process there is a PortInUseError."""
     if starts_local_ray():
         check_ports(bound_ports(cfg))
+    if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
+              "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)
     init_ray(cfg)
     start_workers(cfg)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})

@@ -15,9 +15,10 @@ import enum
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.workers.config import EngineConfig, enum_member
 from pdserve.workers.decode_worker import KVFailurePolicy
@@ -44,6 +45,9 @@ SERVE_SETTINGS = {
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
+    "metrics_api_key": "metrics_api_key",
+    # What one request may ask for (cluster/limits.py): the same names as RequestLimits'.
+    **{f.name: f.name for f in dataclasses.fields(RequestLimits)},
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
@@ -65,7 +69,11 @@ class ServeConfig:
     haproxy_metrics_port: int = 9101
     haproxy_stats_port: int = 8404
     haproxy_fallback_port: int = 8500
-    api_key: str | None = None
+    # Never in a repr (a config may be logged): `pdserve serve` reads them from a file
+    # or the environment (PDSERVE_API_KEY, PDSERVE_METRICS_API_KEY), not from argv.
+    api_key: str | None = field(default=None, repr=False)
+    # The key GET /metrics wants (besides the API key); None: /metrics is open.
+    metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256
     transport: Transport = Transport.ZMQ
     ingress: Ingress = Ingress.HAPROXY
@@ -96,8 +104,24 @@ class ServeConfig:
     # The names the API answers to (vLLM's --served-model-name): responses carry the
     # first. None: the model setting as given, and its basename (`served_names`).
     served_model_name: tuple[str, ...] | None = None
+    # Bounds on one request (cluster/limits.py has what each defends).
+    max_n: int = RequestLimits.max_n
+    max_prompts: int = RequestLimits.max_prompts
+    max_stop: int = RequestLimits.max_stop
+    max_stop_length: int = RequestLimits.max_stop_length
+    max_messages: int = RequestLimits.max_messages
+    max_logit_bias: int = RequestLimits.max_logit_bias
+    max_cache_salt_length: int = RequestLimits.max_cache_salt_length
+    max_body_bytes: int = RequestLimits.max_body_bytes
+    body_timeout: float = RequestLimits.body_timeout
+    write_timeout: float = RequestLimits.write_timeout
 
     def __post_init__(self) -> None:
+        self.limits  # noqa: B018 - RequestLimits checks its own (a ValueError naming the setting)
+        for name in ("api_key", "metrics_api_key"):
+            key = getattr(self, name)
+            if key is not None and (not isinstance(key, str) or not key.strip()):
+                raise ValueError(f"{name}: must be a non-empty string")
         for name, kind in _ENUMS.items():
             value = getattr(self, name)
             if not isinstance(value, kind):
@@ -144,6 +168,10 @@ class ServeConfig:
     @property
     def model(self) -> str:
         return self.engine.model
+
+    @property
+    def limits(self) -> RequestLimits:
+        return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
 
     @property
     def served_names(self) -> tuple[str, ...]:

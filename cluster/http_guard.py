@@ -1,0 +1,201 @@
+"""What runs before any route: the request id, the API key, the body's size and
+pace, and a deadline on every write to the client.
+
+A plain ASGI middleware (`Guard`), so that it acts before FastAPI reads or
+parses anything:
+
+* every request gets an id (`x-request-id` on its response; the server log
+  names the request by it);
+* the key is checked from the headers alone, before the body is read: an
+  unauthenticated client costs no parsing. /health is open; /metrics wants the
+  metrics key or the API key when a metrics key is set, and is open otherwise;
+  every other path (the API, /docs, /openapi.json) wants the API key when one
+  is set;
+* the body is read here, whole, under `max_body_bytes` (413, as soon as
+  Content-Length or the bytes so far say so) and `body_timeout` (408: a client
+  trickling its body in must not hold a connection and its buffer for ever),
+  then handed to the app;
+* each write to the client waits at most `write_timeout`: a client that stops
+  reading a stream is dropped, which ends its response and frees its
+  admission slot and its request's KV blocks (openai_app's stream does both
+  when it is closed).
+
+Slow headers are left to the HTTP server in front (uvicorn's keep-alive
+timeout, HAProxy's `timeout http-request`): no request exists before them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.cluster.limits import RefusalReason, RequestLimits
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+OnRefused = Callable[[RefusalReason, "int | None"], None]
+
+REQUEST_ID_HEADER = "x-request-id"
+OPEN_PATHS = frozenset({"/health"})
+METRICS_PATH = "/metrics"
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The keys a request must carry (`Authorization: Bearer KEY`); None: no key wanted."""
+
+    api_key: str | None = field(default=None, repr=False)
+    metrics_api_key: str | None = field(default=None, repr=False)
+
+    def wanted(self, path: str) -> tuple[str, ...]:
+        """The keys any one of which opens `path` (empty: it is open)."""
+        if path in OPEN_PATHS:
+            return ()
+        if path == METRICS_PATH:
+            return tuple(k for k in (self.metrics_api_key, self.api_key) if k) if self.metrics_api_key else ()
+        return (self.api_key,) if self.api_key else ()
+
+
+def request_id(scope: Scope) -> str:
+    """The id `Guard` gave the request (a fresh one outside it: tests that call routes directly)."""
+    state = scope.setdefault("state", {})
+    rid: str = state.setdefault("request_id", uuid.uuid4().hex)
+    return rid
+
+
+class WriteTimeout(Exception):
+    """The client did not take a write within `write_timeout`."""
+
+
+class _Refusal(Exception):
+    def __init__(self, status: int, message: str, err_type: str, reason: RefusalReason) -> None:
+        super().__init__(message)
+        self.status, self.message, self.err_type, self.reason = status, message, err_type, reason
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class Guard:
+    """See the module docstring. `on_refused(reason, status)` counts each refusal
+    it makes (status None: a client dropped for not reading)."""
+
+    def __init__(self, app: App, keys: Keys, limits: RequestLimits, on_refused: OnRefused) -> None:
+        self.app, self.keys, self.limits, self.on_refused = app, keys, limits, on_refused
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = request_id(scope)
+        send = self._timed(send, rid)
+        try:
+            self._check_key(scope)
+            if scope.get("method") in _BODY_METHODS:
+                receive = _replay(await self._read_body(scope, receive), receive)
+        except _Refusal as r:
+            self.on_refused(r.reason, r.status)
+            with contextlib.suppress(WriteTimeout):
+                await _send_error(send, r)
+            return
+        except _ClientGone:
+            return
+        try:
+            await self.app(scope, receive, send)
+        except* WriteTimeout:
+            self.on_refused(RefusalReason.WRITE_TIMEOUT, None)  # the connection is closed with the response cut
+
+    def _check_key(self, scope: Scope) -> None:
+        wanted = self.keys.wanted(scope.get("path", ""))
+        if not wanted:
+            return
+        header = _header(scope, b"authorization")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        # Every key compared, in constant time: which key matched, or how far, does not show.
+        ok = [secrets.compare_digest(token.encode(), k.encode()) for k in wanted]
+        if not any(ok):
+            raise _Refusal(401, "invalid or missing API key", "AuthenticationError", RefusalReason.AUTH)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.limits.max_body_bytes
+        too_large = _Refusal(413, f"request body: at most {limit} bytes (the server's --max-body-bytes)",
+                             "RequestTooLargeError", RefusalReason.BODY_TOO_LARGE)
+        length = _header(scope, b"content-length")
+        if length.isdigit() and int(length) > limit:
+            raise too_large
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async with asyncio.timeout(self.limits.body_timeout):
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        raise _ClientGone
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > limit:
+                        raise too_large
+                    chunks.append(chunk)
+                    if not message.get("more_body", False):
+                        return b"".join(chunks)
+        except TimeoutError:
+            raise _Refusal(408, f"request body: not received within {self.limits.body_timeout:g} s",
+                           "RequestTimeoutError", RefusalReason.BODY_TIMEOUT) from None
+
+    def _timed(self, send: Send, rid: str) -> Send:
+        timeout = self.limits.write_timeout
+        header = (REQUEST_ID_HEADER.encode(), rid.encode())
+
+        async def timed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), header]
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                raise WriteTimeout from None
+
+        return timed_send
+
+
+def _header(scope: Scope, name: bytes) -> str:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return ""
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """`receive` for the app: the body read here, then the client's own messages (its disconnect)."""
+    pending = True
+
+    async def replay() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(send: Send, r: _Refusal) -> None:
+    body = json.dumps({"error": {"message": r.message, "type": r.err_type, "param": None, "code": r.status}}).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if r.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if r.status in (408, 413):
+        headers.append((b"connection", b"close"))  # the rest of the body is not read
+    await send({"type": "http.response.start", "status": r.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
