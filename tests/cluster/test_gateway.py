@@ -242,7 +242,8 @@ def test_api_key_required(server: tuple[str, AsyncEngine]) -> None:
 
 def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None:
     url, _ = server
-    spec = httpx.get(f"{url}/openapi.json", timeout=10).json()
+    assert httpx.get(f"{url}/openapi.json", timeout=10).status_code == 401  # behind the API key, when one is set
+    spec = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(spec["paths"])
     assert {"CompletionRequest", "ChatCompletionRequest"} <= set(spec["components"]["schemas"])
 
