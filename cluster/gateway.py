@@ -118,6 +118,16 @@ def bad_request(e: ValueError) -> APIError:
     return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED)
 
 
+def _unicode(param: str, text: str) -> str:
+    """`text`, if it is Unicode a tokenizer can take (JSON may carry lone surrogates: "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate)", "BadRequestError", param,
+                       reason=RefusalReason.MALFORMED) from None
+    return text
+
+
 @dataclass
 class Work:
     """One prompt of an API request: its tokens, its sampling parameters (n samples),
@@ -196,7 +206,7 @@ class Gateway:
         if not prompt:
             raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt",
                            reason=RefusalReason.MALFORMED)
-        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt)
+        return list(self.tokenizer.encode(_unicode("prompt", prompt))) if isinstance(prompt, str) else list(prompt)
 
     def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
@@ -209,7 +219,7 @@ class Gateway:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        messages = [{"role": m.role, "content": _unicode("messages", m.text())} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
