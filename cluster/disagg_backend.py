@@ -156,7 +156,7 @@ class DisaggregatedBackend:
             self._lose(failed.lost)
         prompt = list(req.prompt_token_ids) + list(req.resume.token_ids if req.resume is not None else ())
         max_tokens = None if req.params.max_tokens is None else req.params.max_tokens - req.offset
-        decision = self.router.route(req.request_id, prompt, max_tokens)
+        decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt)
         if req.resume is not None and decision.plan is not Plan.LOCAL:
             decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
         return _Try(self, decision)

@@ -33,8 +33,9 @@ def prompt_of(p: Any) -> str | list[int]:
     if isinstance(p, (list, tuple)) and all(type(t) is int for t in p):
         return list(p)
     if isinstance(p, Mapping):
-        # vLLM's other keys (multi_modal_data, prompt_embeds, cache_salt, ...) ask for
-        # what pdserve cannot do: refused, not dropped, so nothing changes silently.
+        # vLLM's other keys (multi_modal_data, prompt_embeds, ...) ask for what pdserve
+        # cannot do: refused, not dropped, so nothing changes silently. (A cache salt is
+        # SamplingParams(cache_salt=...) here; vLLM puts it in the prompt dict.)
         if other := sorted(map(str, set(p) - set(_PROMPT_KEYS))):
             raise ValueError(f"prompts: a prompt dict takes {list(_PROMPT_KEYS)}; pdserve does not support {other}")
         if "prompt_token_ids" in p:

@@ -31,6 +31,11 @@ class SamplingParams:
     already in the output, a constant and its count times the penalty.
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits.
 
+    `cache_salt` (vLLM's): folded into the first KV block's hash, so the request
+    shares prefix-cache blocks only with requests of the same salt; one salt per
+    tenant keeps one tenant from learning (by `cached_tokens` or TTFT) what
+    another's prompts were.
+
     Frozen: validated once where it is built (the gateway, `LLM.generate`), it
     travels to the workers as it is; `dataclasses.replace` makes a changed copy.
     """
@@ -59,6 +64,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # False: no speculative decoding for this request, even when the engine drafts for others.
     speculative: bool = True
+    cache_salt: str | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -106,6 +112,8 @@ class SamplingParams:
                 raise ValueError(f"{name}: must be in [-2, 2], got {value}")
         if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ValueError(f"cache_salt: must be a non-empty string, got {self.cache_salt!r}")
 
     @staticmethod
     def _parse_logit_bias(bias: object) -> dict[int, float] | None:

@@ -76,11 +76,12 @@ class Router:
         its next events build it up again."""
         self.index.remove_worker(worker_id)
 
-    def snapshot(self, prompt_token_ids: Sequence[int],
-                 max_tokens: int | None = None) -> tuple[RouterSnapshot, list[int]]:
-        """The policy's input for this prompt, and the prompt's block hashes."""
+    def snapshot(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
+                 cache_salt: str | None = None) -> tuple[RouterSnapshot, list[int]]:
+        """The policy's input for this prompt, and the prompt's block hashes (salted
+        as the workers salt the request's: `cache_salt` is its SamplingParams')."""
         hashes: list[int] = []
-        extend_block_hashes(hashes, prompt_token_ids, self.block_size)
+        extend_block_hashes(hashes, prompt_token_ids, self.block_size, cache_salt)
         snap = RouterSnapshot(
             prompt_tokens=len(prompt_token_ids), block_size=self.block_size,
             matched_blocks=self.index.match(hashes), loads=tuple(self.loads.values()),
@@ -88,10 +89,11 @@ class Router:
         )
         return snap, hashes
 
-    def route(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> RoutingDecision:
+    def route(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
+              cache_salt: str | None = None) -> RoutingDecision:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
-        snap, hashes = self.snapshot(prompt_token_ids, max_tokens)
+        snap, hashes = self.snapshot(prompt_token_ids, max_tokens, cache_salt)
         decision = route(snap, self.config, self._rr_counter)
         self._rr_counter = decision.next_rr_counter
         self._record(decision)

@@ -4,7 +4,7 @@ caching of newly computed full blocks, and freeing."""
 from __future__ import annotations
 
 from pdserve.workers.kv.block_pool import BlockPool
-from pdserve.workers.kv.hashing import ROOT_HASH, extend_block_hashes
+from pdserve.workers.kv.hashing import extend_block_hashes, root_hash
 from pdserve.workers.request import Request
 
 
@@ -69,7 +69,7 @@ class KVCacheManager:
         self._update_hashes(request)
         blocks = self.req_blocks[request.request_id]
         for i in range(done, num_full):
-            parent = request.block_hashes[i - 1] if i else ROOT_HASH
+            parent = request.block_hashes[i - 1] if i else root_hash(request.params.cache_salt)
             self.pool.cache(blocks[i], request.block_hashes[i], parent)
         self._num_cached_blocks[request.request_id] = num_full
 
@@ -80,4 +80,4 @@ class KVCacheManager:
             self.pool.free(reversed(blocks))
 
     def _update_hashes(self, request: Request) -> None:
-        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size)
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.params.cache_salt)
