@@ -82,6 +82,25 @@ def apply_heartbeats(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, *, ivl_ms: in
     return True
 
 
+# Inbound frames on a socket that only ever receives small replies or handshakes
+# (a PUSH, a DEALER reading acks): anything bigger is garbage or an attack.
+SMALL_FRAME_BYTES = 1 << 20
+
+
+def apply_limits(sock: zmq.Socket[bytes] | zmq.asyncio.Socket, *, max_frame_bytes: int, rcvhwm: int = 1000,
+                 sndhwm: int = 1000) -> None:
+    """Bound what a peer can make `sock` hold (set before `connect`/`bind`).
+
+    `ZMQ_MAXMSGSIZE` (`max_frame_bytes`): libzmq checks each incoming frame's size
+    from its length prefix and drops the connection before allocating for a bigger
+    one, so a peer cannot make us allocate 2 GB by announcing it. The high-water
+    marks bound the messages queued per connection each way (0 would be unbounded).
+    """
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+
+
 def event_name(event: int) -> str:
     try:
         name = zmq.Event(event).name
@@ -182,5 +201,5 @@ class LinkMonitor:
         return LinkEvent(event, value, endpoint, up=up, lost=lost)
 
 
-__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "HEARTBEAT_TTL_MS", "LinkEvent", "LinkMonitor",
-           "apply_heartbeats", "event_name", "heartbeats_supported"]
+__all__ = ["HEARTBEAT_IVL_MS", "HEARTBEAT_TIMEOUT_MS", "HEARTBEAT_TTL_MS", "SMALL_FRAME_BYTES", "LinkEvent",
+           "LinkMonitor", "apply_heartbeats", "apply_limits", "event_name", "heartbeats_supported"]

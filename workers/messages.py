@@ -49,6 +49,7 @@ class MessageType(enum.IntEnum):
     KV_TRANSFER_ABORT = 5
     KV_EVENT_BATCH = 6
     TOKEN_DELTA_BATCH = 7
+    KV_HELLO_REFUSAL = 8
 
 
 class TransferState(str, enum.Enum):
@@ -118,7 +119,13 @@ class KVTransferHello(Message):
     # ChecksumKind values the sender can compute, best first; strings, so that a kind
     # this receiver does not know yet is skipped rather than failing the hello.
     checksums: tuple[str, ...]
-    version: int = 1
+    # Fresh per connection (hex): with the grant's, it keys this connection's MACs
+    # (workers/transfer/auth.py), so nothing recorded on another connection checks.
+    nonce: str
+    # The sender's model (workers/transfer/fingerprint.py; "" when unknown): KV of
+    # another model is refused at the hello, not written as if it were this one's.
+    fingerprint: str = ""
+    version: int = 2
 
 
 @_register(MessageType.KV_CREDIT_GRANT)
@@ -129,11 +136,25 @@ class KVCreditGrant(Message):
 
     credits: int
     checksum: ChecksumKind
-    version: int = 1
+    nonce: str  # the receiver's half of the connection's key (see KVTransferHello.nonce)
+    version: int = 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _require(self.credits > 0, f"KVCreditGrant.credits: must be > 0, got {self.credits}")
+
+
+@_register(MessageType.KV_HELLO_REFUSAL)
+@dataclass(frozen=True, kw_only=True)
+class KVHelloRefusal(Message):
+    """Receiver -> sender, instead of a grant: this sender may not send here, and why
+    (another model; or a hello whose MAC did not check: then it is sent unauthenticated,
+    as a hint for the operator, with `receiver_nonce` empty)."""
+
+    nonce: str  # the refused hello's
+    receiver_nonce: str  # keys its MAC with the hello's nonce, as a grant's would; "" when unauthenticated
+    reason: str
+    version: int = 1
 
 
 @_register(MessageType.KV_TRANSFER_HEADER)

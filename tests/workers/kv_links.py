@@ -16,8 +16,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pdserve.workers.messages import ChecksumKind, KVTransferHeader
-from pdserve.workers.transfer import KVReceiver, KVSender, frames
+from pdserve.workers.messages import (
+    ChecksumKind,
+    KVCreditGrant,
+    KVTransferHeader,
+    KVTransferHello,
+    Message,
+    decode,
+    encode,
+)
+from pdserve.workers.transfer import KVReceiver, KVSender, auth, frames
 from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
@@ -162,3 +170,66 @@ class Links:
             lk.sender.close()
             lk.receiver.close()
             assert not getattr(lk.receiver, "thread_alive", False)
+
+
+class RawPeer:
+    """A DEALER that speaks a KV receiver's authenticated protocol by hand, message by message: a sender
+    that holds `secret` but does what it likes (hostile-peer tests), or, with another secret, a stranger."""
+
+    def __init__(self, address: str, secret: auth.ClusterSecret | None = None, routing_id: bytes | None = None,
+                 fingerprint: str = "") -> None:
+        import zmq
+
+        self.secret = auth.resolve(secret)
+        self.fingerprint = fingerprint
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        if routing_id is not None:
+            self.sock.setsockopt(zmq.ROUTING_ID, routing_id)
+        self.sock.connect(address)
+        self.nonce = auth.new_nonce()
+        self.key: bytes | None = None
+        self.tx = 1  # the hello's number
+        self.rx = auth.SeqWindow()
+
+    def hello(self, timeout_s: float = 2.0) -> Message | None:
+        """Say hello; the receiver's answer (a grant, whose key then seals `send`; or a refusal), or None."""
+        body = encode(KVTransferHello(sender_id="raw", checksums=("crc32",), nonce=self.nonce,
+                                      fingerprint=self.fingerprint))
+        self.sock.send_multipart([auth.seal(self.secret.derive(auth.KV_HELLO), auth.KV_HELLO, 1, [body]), body])
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        tag, reply = self.sock.recv_multipart()
+        msg = decode(reply)
+        if isinstance(msg, KVCreditGrant):
+            self.key = auth.session_key(self.secret, self.nonce, msg.nonce)
+            assert auth.check(self.key, auth.KV_TO_SENDER, tag, [reply]) is not None
+        return msg
+
+    def seal(self, msg: Message, *frames: bytes, seq: int | None = None) -> list[bytes]:
+        """The parts of `msg` (and `frames` after it) under the connection's key, numbered next (or `seq`)."""
+        assert self.key is not None, "hello first"
+        if seq is None:
+            self.tx += 1
+            seq = self.tx
+        body = [encode(msg), *frames]
+        return [auth.seal(self.key, auth.KV_TO_RECEIVER, seq, body), *body]
+
+    def send(self, msg: Message, *frames: bytes) -> list[bytes]:
+        parts = self.seal(msg, *frames)
+        self.sock.send_multipart(parts)
+        return parts
+
+    def recv(self, timeout_s: float = 2.0) -> Message | None:
+        """The next message from the receiver (its MAC checked), or None within `timeout_s`."""
+        assert self.key is not None
+        if not self.sock.poll(int(timeout_s * 1000)):
+            return None
+        tag, body = self.sock.recv_multipart()
+        seq = auth.check(self.key, auth.KV_TO_SENDER, tag, [body])
+        assert seq is not None and self.rx.fresh(seq)
+        self.rx.take(seq)
+        return decode(body)
+
+    def close(self) -> None:
+        self.sock.close()

@@ -29,8 +29,8 @@ from kv_links import GROUP_TIMEOUT_S, eventually, make_cache, soon
 zmq = pytest.importorskip("zmq")
 
 from pdserve.workers import link_monitor  # noqa: E402
-from pdserve.workers.messages import ChecksumKind, FailReason, KVCreditGrant, TransferState, encode  # noqa: E402
-from pdserve.workers.transfer import TransferError  # noqa: E402
+from pdserve.workers.messages import FailReason, TransferState  # noqa: E402
+from pdserve.workers.transfer import TransferError, auth  # noqa: E402
 from pdserve.workers.transfer.faults import Faults  # noqa: E402
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender  # noqa: E402
 from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender  # noqa: E402
@@ -45,8 +45,9 @@ HEARTBEAT_S = (link_monitor.HEARTBEAT_IVL_MS + link_monitor.HEARTBEAT_TIMEOUT_MS
 @contextmanager
 def receiver_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """Start `kv_receiver_proc.py args`; yields (process, its address). Continued and killed on the way out."""
+    env = {**os.environ, auth.SECRET_ENV: auth.default_secret().key.hex()}  # the link's two ends must agree
     proc = subprocess.Popen([sys.executable, str(PROC), *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, cwd=PROC.parent)
+                            text=True, cwd=PROC.parent, env=env)
     try:
         assert proc.stdout is not None
         address = proc.stdout.readline().strip()
@@ -65,7 +66,7 @@ def receiver_process(*args: str) -> Iterator[tuple[subprocess.Popen[str], str]]:
 
 def fake_receiver(credits: int) -> AbstractContextManager[tuple[subprocess.Popen[str], str]]:
     """A stalled receiver process that starts at once: it grants `credits` and never acks."""
-    return receiver_process("fake", encode(KVCreditGrant(credits=credits, checksum=ChecksumKind.CRC32)).hex())
+    return receiver_process("fake", str(credits))
 
 
 def later(seconds: float, action: Callable[[], None]) -> threading.Timer:
@@ -357,9 +358,11 @@ def test_a_network_blip_fails_what_was_in_flight_tells_the_receiver_and_resyncs(
         _, took = raises_peer_lost(rest_of_the_transfer)
         print(f"{backend}: link cut, PEER_LOST after {took:.2f} s")
         assert took < 2.0
+        # Its aborts go under the new connection's key, so right after its grant, which the sender reads when
+        # called (`credits` reads what arrived; a worker's send queue calls it every idle second).
+        assert eventually(lambda: sender.credits == 4 and sender.num_resyncs == 1, 5.0)
         status = receiver.wait("req", soon(5))
         assert status.reason is FailReason.ABORTED and "lost the link" in status.detail, status
-        assert eventually(lambda: sender.credits == 4 and sender.num_resyncs == 1, 5.0)  # credits: reads what arrived
         before = dst.clone()
         receiver.register("new", [7, 8], expected_layers=2)
         for layer in range(2):

@@ -16,6 +16,7 @@ from pdserve.workers.messages import (
     FailReason,
     KVCreditGrant,
     KVEventBatch,
+    KVHelloRefusal,
     KVTransferAbort,
     KVTransferAck,
     KVTransferHello,
@@ -30,8 +31,9 @@ from pdserve.workers.messages import (
 )
 
 EXAMPLES: list[Message] = [
-    KVTransferHello(sender_id="prefill-0", checksums=("xxh3_64", "crc32")),
-    KVCreditGrant(credits=8, checksum=ChecksumKind.CRC32),
+    KVTransferHello(sender_id="prefill-0", checksums=("xxh3_64", "crc32"), nonce="ab" * 16, fingerprint="f00d"),
+    KVHelloRefusal(nonce="ab" * 16, receiver_nonce="", reason="another model"),
+    KVCreditGrant(credits=8, checksum=ChecksumKind.CRC32, nonce="cd" * 16),
     header(),
     header(checksum_kind=ChecksumKind.XXH3_64, checksum=(1 << 64) - 1),
     header(dst_block_ids=(), num_blocks=0, seq=32, is_last=True),
@@ -80,6 +82,9 @@ def header_fields(**over: object) -> dict[str, object]:
     return fields
 
 
+HELLO = {"sender_id": "x", "checksums": [], "nonce": "", "fingerprint": ""}
+
+
 @pytest.mark.parametrize("data, match", [
     (b"", "not a msgpack message"),
     (b"\xc1", "not a msgpack message"),
@@ -87,14 +92,14 @@ def header_fields(**over: object) -> dict[str, object]:
     (msgpack.packb({"type": 3}), r"expected \[type, version, fields\]"),
     (msgpack.packb([3, 1]), r"expected \[type, version, fields\]"),
     (wire(99, 1, {}), "unknown message type 99"),
-    (wire(True, 1, {"sender_id": "x", "checksums": []}), "unknown message type True"),  # a bool is not a type id
-    (wire(1, 2, {"sender_id": "x", "checksums": []}), "version 2 is not supported"),
-    (wire(1, "1", {"sender_id": "x", "checksums": []}), "version '1' is not supported"),
-    (wire(1, 1, {"sender_id": "x"}), r"missing fields \['checksums'\]"),
-    (wire(1, 1, {"sender_id": "x", "checksums": [], "admin": True}), r"unknown fields \['admin'\]"),
-    (wire(1, 1, {"sender_id": 5, "checksums": []}), "sender_id: expected str, got int"),
-    (wire(1, 1, [("sender_id", "x")]), "fields must be a map"),
-    (wire(2, 1, {"credits": 4, "checksum": "md5"}), "checksum: 'md5' is not one of"),
+    (wire(True, 2, HELLO), "unknown message type True"),  # a bool is not a type id
+    (wire(1, 1, {"sender_id": "x", "checksums": []}), "version 1 is not supported"),  # no nonce: before the MAC
+    (wire(1, "2", {"sender_id": "x", "checksums": []}), "version '2' is not supported"),
+    (wire(1, 2, {"sender_id": "x", "nonce": "", "fingerprint": ""}), r"missing fields \['checksums'\]"),
+    (wire(1, 2, {**HELLO, "admin": True}), r"unknown fields \['admin'\]"),
+    (wire(1, 2, {**HELLO, "sender_id": 5}), "sender_id: expected str, got int"),
+    (wire(1, 2, [("sender_id", "x")]), "fields must be a map"),
+    (wire(2, 2, {"credits": 4, "checksum": "md5", "nonce": ""}), "checksum: 'md5' is not one of"),
     (wire(3, 1, header_fields(layer=True)), "layer: expected int, got bool"),
     (wire(3, 1, header_fields(layer=1.0)), "layer: expected int, got float"),
     (wire(3, 1, header_fields(dst_block_ids=["5", "9"])), r"dst_block_ids\[0\]: expected int, got str"),
@@ -107,7 +112,7 @@ def header_fields(**over: object) -> dict[str, object]:
                  "detail": "", "credits": 1}), "state: 'exploded' is not one of"),
     (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", -1, None]]}), "block_hash: expected a 64-bit"),
     (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", 1]]}), r"expected \[kind, block_hash"),
-    (msgpack.packb([1, 1, {"sender_id": msgpack.ExtType(42, b"x"), "checksums": []}]),
+    (msgpack.packb([1, 2, {**HELLO, "sender_id": msgpack.ExtType(42, b"x")}]),
      "sender_id: expected str, got ExtType"),
     (b"\x00" * (2 << 20), "message limit"),
 ])
@@ -128,7 +133,7 @@ def test_construction_checks_types_too() -> None:
     with pytest.raises(ValueError, match="seq: expected int, got bool"):
         header(seq=False)
     with pytest.raises(ValueError, match="version 3 is not supported"):
-        KVTransferHello(sender_id="x", checksums=(), version=3)
+        KVTransferHello(sender_id="x", checksums=(), nonce="", version=3)
     with pytest.raises(ValueError, match="end marker"):
         header(is_last=True)
     with pytest.raises(ValueError, match="reason goes with"):

@@ -387,9 +387,12 @@ def test_the_receiver_survives_garbage_and_pickles_on_its_socket(link: Links, tm
     try:
         rogue.send_multipart([pickle.dumps(Exploit(marker)), b"k", b"v"])
         rogue.send(b"\xff\x00garbage")
-        rogue.send_multipart([encode(header(request_id="req")), b"\x00" * 8, b"\x00" * 8])  # no credit, unregistered
-        assert rogue.poll(2000)
-        rogue.recv()  # an ack that refuses it, not a crash
+        rogue.send_multipart([encode(header(request_id="req")), b"\x00" * 8, b"\x00" * 8])  # no MAC, unregistered
+        deadline = time.monotonic() + 5
+        while lk.receiver.refusals.forged < 3 and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(0.01)
+        assert lk.receiver.refusals.forged == 3  # type: ignore[attr-defined]
+        assert not rogue.poll(100)  # dropped unanswered (not even decoded: it holds no MAC)
     finally:
         rogue.close()
     lk.receiver.register("req", [3], expected_layers=1)

@@ -12,6 +12,7 @@ what only this backend does: no checksums, a second process, a data channel that
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -20,19 +21,17 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 import zmq
-from kv_links import BLOCK, GROUP_TIMEOUT_S, SENTINEL, Links, make_cache, soon
+from kv_links import BLOCK, GROUP_TIMEOUT_S, SENTINEL, Links, RawPeer, make_cache, soon
 
 from pdserve.workers.messages import (
     ChecksumKind,
     FailReason,
     KVCreditGrant,
     KVTransferHeader,
-    KVTransferHello,
     TransferState,
-    decode,
     encode,
 )
-from pdserve.workers.transfer import TransferError
+from pdserve.workers.transfer import TransferError, auth
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender, parse_address
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -80,8 +79,9 @@ sender.finish("req", time.monotonic() + 3)
 sender.close()
 print("sent")
 """
+    env = {**os.environ, auth.SECRET_ENV: auth.default_secret().key.hex()}  # the cluster's secret, as Ray hands it
     done = subprocess.run([sys.executable, "-c", script, lk.receiver.address], capture_output=True, text=True,
-                          timeout=9)
+                          timeout=9, env=env)
     assert done.returncode == 0 and "sent" in done.stdout, done.stderr[-2000:]
     assert lk.receiver.wait("req", soon(2)).state is TransferState.DONE
     lk.expect_moved(range(3), src_ids, dst_ids, before)
@@ -95,22 +95,16 @@ def test_a_sender_whose_data_channel_never_forms_fails_its_transfers_with_closed
     # A peer that says hello but never joins its group: the receiver's side gives up at the group timeout,
     # and every message from that peer then fails its transfer instead of waiting for bytes that never come.
     lk = link(layers=1, group_timeout_s=0.5)
-    rogue = zmq.Context.instance().socket(zmq.DEALER)
-    rogue.setsockopt(zmq.LINGER, 0)
-    rogue.setsockopt(zmq.ROUTING_ID, b"rogue")
-    rogue.connect(lk.receiver.address)
+    rogue = RawPeer(lk.receiver.address, routing_id=b"raw")  # holds the secret; its sender id is its routing id
     try:
-        rogue.send(encode(KVTransferHello(sender_id="rogue", checksums=("crc32",))))
-        assert rogue.poll(2000)
-        assert isinstance(decode(rogue.recv()), KVCreditGrant)
+        assert isinstance(rogue.hello(), KVCreditGrant)
         lk.receiver.register("req", [3], expected_layers=1)
         time.sleep(0.7)  # past the receiver's group timeout
-        rogue.send(encode(KVTransferHeader(
+        rogue.send(KVTransferHeader(
             request_id="req", transfer_id=5, seq=0, layer=0, dst_block_ids=(3,), num_blocks=1, dtype="float16",
-            block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0)))
-        assert rogue.poll(2000)
-        ack = decode(rogue.recv())
-        assert ack.reason is FailReason.CLOSED  # type: ignore[attr-defined]
+            block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0))
+        ack = rogue.recv()
+        assert ack is not None and ack.reason is FailReason.CLOSED  # type: ignore[attr-defined]
     finally:
         rogue.close()
     status = lk.receiver.poll("req")
@@ -127,7 +121,8 @@ def test_a_recv_whose_tensor_never_comes_ends_at_the_group_timeout(link: Links) 
     lk.receiver.register("other", [4], expected_layers=1)
     header = KVTransferHeader(request_id="req", transfer_id=5, seq=0, layer=0, dst_block_ids=(3,), num_blocks=1,
                               dtype="float16", block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0)
-    lk.sender._sock.send(encode(header))  # the header alone, behind the sender's back
+    assert lk.sender.credits > 0  # the grant is read: the connection's key is known
+    lk.sender._send_sealed([encode(header)])  # the header alone, behind the sender's back
     start = time.monotonic()
     time.sleep(0.1)
     lk.receiver.abort("other")  # the API stays responsive while the pair thread waits

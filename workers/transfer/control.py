@@ -35,16 +35,28 @@ the receiver had not settled fails at once with PEER_LOST (the one being waited
 for raises now, the others at their next call), credits drop to 0, and the
 sender opens a new DEALER (a new socket rather than the old one's own reconnect,
 so that nothing queued or received on the old connection crosses over: no stale
-ack can return a credit of the old window). Its hello goes first, then an abort
-for each failed transfer (a receiver that only hung frees them as soon as it
-runs again). The receiver answers a hello with a full window (`_on_hello` starts
-that peer's count at zero), which the sender takes as its credit, not added to
+ack can return a credit of the old window). Its hello goes first, then, once the
+receiver's grant gives the new connection its key, an abort for each failed
+transfer (a receiver that only hung frees them as soon as it runs again). The
+receiver answers a hello with a full window (`_on_hello` starts that peer's
+count at zero), which the sender takes as its credit, not added to
 what it had: that is a resync (`num_resyncs`; `num_links_lost` counts the
 losses). While no connection is up (never made, or lost and not yet back), a
 wait lasts at most `connect_budget_s` (5 s) from when the link went down or the
 sender was created, then raises PEER_LOST; otherwise deadlines are as above.
 Heartbeats see the peer's process and network, not its Python threads: a live
 receiver that stops draining still shows as TIMEOUT at the deadline.
+
+Authentication (`auth`; docs/security-data-plane.md). Every message is
+`[auth, body...]`: a number and an HMAC-SHA256 tag over a direction label, the
+number and every body frame (K and V bytes included). The hello is under a key
+derived from the cluster secret and carries the sender's fresh nonce and model
+fingerprint; the receiver answers with its own nonce in the grant (or a
+`KVHelloRefusal`: another model), and from then on both directions use that
+connection's key with rising numbers. The receiver checks the tag before it
+decodes anything, and drops (and counts, `refusals`) a message that does not
+check or repeats a number; so does the sender. Both bound what a peer can make
+them hold: ZMQ_MAXMSGSIZE and high-water marks on every socket.
 
 Threads: the receiver runs one I/O thread (`ReceiverControl`) that owns its
 sockets. API calls work on the shared ledger under its lock and hand messages
@@ -61,6 +73,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import contextlib
 import logging
 import math
 import threading
@@ -71,20 +84,24 @@ from typing import Any
 
 import zmq
 
-from pdserve.workers.link_monitor import LinkMonitor, apply_heartbeats
+from pdserve.workers.link_monitor import SMALL_FRAME_BYTES, LinkMonitor, apply_heartbeats, apply_limits
 from pdserve.workers.messages import (
+    MAX_MESSAGE_BYTES,
     ChecksumKind,
     FailReason,
     KVCreditGrant,
+    KVHelloRefusal,
     KVTransferAbort,
     KVTransferAck,
     KVTransferHeader,
     KVTransferHello,
     Message,
     decode,
+    decode_as,
     encode,
 )
-from pdserve.workers.transfer import frames
+from pdserve.workers.transfer import auth, frames
+from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts, SeqWindow
 from pdserve.workers.transfer.base import KVSender, TransferError
 from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import KVCaches
@@ -98,38 +115,69 @@ JOIN_S = 2.0  # how long close() waits for the I/O thread
 CONNECT_BUDGET_S = 5.0  # how long a sender's wait may last while no connection to its receiver is up
 _IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a fault switch
 _BATCH = 64  # messages handled per loop turn before the outbox gets a look
+# Peers a receiver keeps a connection key for; past it the least recently heard from is forgotten (its
+# next message is refused, as a stranger's): only hellos that check make one, so this bounds replays.
+MAX_SESSIONS = 1024
+DEFAULT_MAX_FRAME_BYTES = 64 << 20  # a receiver's ZMQ_MAXMSGSIZE: K or V of one data message, at most
+_RECEIVER_HWM = 1000  # messages queued per connection; a sender keeps within its credits (+ a few aborts)
+_NO_AUTH = bytes(auth.AUTH_FRAME_BYTES)  # the auth frame of an unauthenticated notice
 
 # A receiver backend's answers to what arrives (all called on the I/O thread):
 OnHeader = Callable[[bytes, KVTransferHeader, list[zmq.Frame]], None]  # (peer, header, the frames after it)
 OnHello = Callable[[bytes, KVTransferHello, zmq.Frame], bool]  # (peer, hello, its frame) -> grant credits?
-OnRequest = Callable[[bytes, list[zmq.Frame]], bool]  # (peer, all frames) -> taken (it is no control message)?
+# (peer, the frames of a store request whose MAC checked) -> its reply's frames (the NCCL rendezvous store)
+OnRequest = Callable[[bytes, list[zmq.Frame]], list[bytes]]
+
+
+class _Session:
+    """A receiver's key and numbers for one sender connection (I/O thread only)."""
+
+    __slots__ = ("key", "rx", "tx")
+
+    def __init__(self, key: bytes) -> None:
+        self.key, self.rx, self.tx = key, SeqWindow(), 0
 
 
 class ReceiverControl:
     """A receiver's ROUTER at `bind` (port `*`: any free one; see `address`) and the I/O thread that owns it.
 
-    The thread decodes each message and passes it on: a header to `on_header`, a hello to `on_hello`
-    (which answers whether to grant the sender `credits`), an abort to the ledger. `on_request` sees every
-    message first and may take it (the NCCL backend serves its rendezvous store this way); `on_turn` runs
-    once per loop turn. `max_frames` bounds a message's frames (header included). Other threads never
-    touch the ROUTER: they `post` messages, which the I/O thread sends. `start` once the owner is ready.
+    The thread checks each message's MAC (`auth`: a hello's under a key derived from the cluster
+    secret, anything else under its connection's key, numbers rising), decodes it and passes it on: a
+    header to `on_header`, a hello to `on_hello` (which answers whether to grant the sender `credits`),
+    an abort to the ledger. A message whose MAC does not check is dropped and counted (`refusals`); so
+    is a hello from a sender whose model `fingerprint` is not ours (it gets a `KVHelloRefusal`).
+    `on_request` answers the NCCL rendezvous store's requests (their own key); `on_turn` runs once per
+    loop turn. `max_frames` bounds a message's frames (header included), `max_frame_bytes` each frame's
+    size (ZMQ_MAXMSGSIZE: a bigger one drops its connection). Other threads never touch the ROUTER:
+    they `post` messages, which the I/O thread sends. `start` once the owner is ready.
     """
 
     def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int,
                  context: zmq.Context[zmq.Socket[bytes]] | None, on_header: OnHeader, on_hello: OnHello,
                  on_request: OnRequest | None = None, on_turn: Callable[[], None] | None = None,
-                 max_frames: int | None = None) -> None:
+                 max_frames: int | None = None, secret: ClusterSecret | None = None, fingerprint: str = "",
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         if credits < 1:
             raise ValueError(f"credits: must be >= 1, got {credits}")
         self.credits = credits
         self._ledger = ledger
         self._on_header, self._on_hello, self._on_request, self._on_turn = on_header, on_hello, on_request, on_turn
         self._max_frames = max_frames
+        self._secret = auth.resolve(secret)
+        self._hello_key = self._secret.derive(auth.KV_HELLO)
+        self._store_key = self._secret.derive(auth.STORE_REQUEST)
+        self.fingerprint = fingerprint
+        self._sessions: collections.OrderedDict[bytes, _Session] = collections.OrderedDict()
+        self._store_windows: collections.OrderedDict[bytes, SeqWindow] = collections.OrderedDict()
+        self.refusals = RefusalCounts()
         ctx = context or zmq.Context.instance()
         self._sock = ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.setsockopt(zmq.LINGER, LINGER_MS)
         apply_heartbeats(self._sock)  # a dead or frozen sender's connection is dropped, not kept forever
+        apply_limits(self._sock, max_frame_bytes=max_frame_bytes, rcvhwm=_RECEIVER_HWM, sndhwm=_RECEIVER_HWM)
+        # Counts the connections the ROUTER loses (an oversize frame drops one; so does a peer leaving).
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self._sock.bind(bind)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://pdserve-kv-wake-{uuid.uuid4().hex}"
@@ -155,10 +203,18 @@ class ReceiverControl:
         self._wake()
 
     def reply(self, peer: bytes, message: Message) -> None:
-        """Send `message` to `peer` now. I/O thread only; a vanished or stalled peer is logged, not waited for."""
-        self.reply_frames(peer, [encode(message)])
+        """Send `message` to `peer` now, under its connection's key. I/O thread only; a vanished or
+        stalled peer (or one we hold no key for) is logged, not waited for."""
+        session = self._sessions.get(peer)
+        if session is None:
+            log.info("KV receiver %s: no connection key for %r; %s not sent", self.address, peer,
+                     type(message).__name__)
+            return
+        session.tx += 1
+        body = encode(message)
+        self._send(peer, [auth.seal(session.key, auth.KV_TO_SENDER, session.tx, [body]), body])
 
-    def reply_frames(self, peer: bytes, parts: Sequence[bytes]) -> None:
+    def _send(self, peer: bytes, parts: Sequence[bytes]) -> None:
         try:
             self._sock.send_multipart([peer, *parts], flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:  # EHOSTUNREACH: the sender is gone; EAGAIN: it stopped reading
@@ -184,11 +240,14 @@ class ReceiverControl:
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         try:
             while not self.stopped.is_set():
                 events = dict(poller.poll(_IDLE_POLL_MS))
                 if self._wake_rx in events:
                     _drain_wakeups(self._wake_rx)
+                if self._monitor in events:
+                    self.refusals.dropped += _count_events(self._monitor)
                 self._flush_outbox()
                 if self._on_turn is not None:
                     self._on_turn()
@@ -200,6 +259,9 @@ class ReceiverControl:
             self._ledger.close()
             self.stopped.set()
         finally:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+            self._monitor.close(linger=0)
             self._sock.close()
             self._wake_rx.close(linger=0)
 
@@ -212,24 +274,94 @@ class ReceiverControl:
             self._handle(parts)
 
     def _handle(self, parts: list[zmq.Frame]) -> None:
+        """One message from `peer`: [auth, body...]. Nothing is decoded before its MAC checked."""
         peer = parts[0].bytes
-        if self._on_request is not None and self._on_request(peer, parts):
-            return
+        if len(parts) < 3:
+            return self._refuse(peer, "no auth frame")
+        tag, body = parts[1].buffer, parts[2:]
+        buffers = [f.buffer for f in body]
+        session = self._sessions.get(peer)
+        if session is not None and (seq := auth.check(session.key, auth.KV_TO_RECEIVER, tag, buffers)) is not None:
+            if not session.rx.fresh(seq):
+                self.refusals.replayed += 1
+                log.warning("KV receiver %s: refused a replayed message (#%d) from %r", self.address, seq, peer)
+                return None
+            session.rx.take(seq)
+            self._sessions.move_to_end(peer)
+            return self._dispatch(peer, body)
+        if auth.check(self._hello_key, auth.KV_HELLO, tag, buffers) is not None:
+            return self._hello(peer, body)
+        if self._on_request is not None and (seq := auth.check(self._store_key, auth.STORE_REQUEST, tag,
+                                                                 buffers)) is not None:
+            window = self._store_windows.setdefault(peer, SeqWindow())
+            self._store_windows.move_to_end(peer)
+            while len(self._store_windows) > MAX_SESSIONS:
+                self._store_windows.popitem(last=False)
+            if not window.fresh(seq):
+                self.refusals.replayed += 1
+                return None
+            window.take(seq)
+            reply = self._on_request(peer, body)
+            # Bound to the request (its tag): a reply recorded for one request does not answer another.
+            self._send(peer, [auth.seal(self._store_key, auth.STORE_REPLY, seq, [tag, *reply]), *reply])
+            return None
+        return self._refuse(peer, "its MAC does not check", body)
+
+    def _refuse(self, peer: bytes, why: str, body: Sequence[zmq.Frame] = ()) -> None:
+        """A message that is not from a holder of the cluster secret (or was altered): dropped, counted.
+        A hello gets an unauthenticated refusal, so that a sender with another secret learns why."""
+        self.refusals.forged += 1
+        if self.refusals.forged & (self.refusals.forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
+            log.warning("KV receiver %s: refused a message from %r: %s (%d refused so far)", self.address, peer, why,
+                        self.refusals.forged)
+        if len(body) == 1:
+            try:
+                hello = decode_as(body[0].buffer, KVTransferHello)
+            except ValueError:
+                return
+            notice = KVHelloRefusal(nonce=hello.nonce, receiver_nonce="",
+                                    reason="its MAC does not check: the two workers have different cluster secrets")
+            self._send(peer, [_NO_AUTH, encode(notice)])
+
+    def _hello(self, peer: bytes, body: list[zmq.Frame]) -> None:
         try:
-            if len(parts) < 2:
-                raise ValueError("no header frame")
-            if self._max_frames is not None and len(parts) - 1 > self._max_frames:
-                raise ValueError(f"{len(parts) - 1} frames, at most {self._max_frames} expected")
-            msg = decode(parts[1].buffer)
+            if len(body) != 1:
+                raise ValueError(f"{len(body)} frames")
+            hello = decode_as(body[0].buffer, KVTransferHello)
+        except ValueError as e:
+            log.warning("KV receiver %s: dropped a bad hello from %r: %s", self.address, peer, e)
+            return
+        nonce = auth.new_nonce()
+        key = auth.session_key(self._secret, hello.nonce, nonce)
+        if self.fingerprint and hello.fingerprint and hello.fingerprint != self.fingerprint:
+            self.refusals.wrong_model += 1
+            reason = (f"the sender runs another model (fingerprint {hello.fingerprint}, this decode worker's is "
+                      f"{self.fingerprint}): prefill and decode workers must load the same model")
+            log.error("KV receiver %s: refused sender %r: %s", self.address, hello.sender_id, reason)
+            notice = encode(KVHelloRefusal(nonce=hello.nonce, receiver_nonce=nonce, reason=reason))
+            self._send(peer, [auth.seal(key, auth.KV_TO_SENDER, 1, [notice]), notice])
+            return
+        if not self._on_hello(peer, hello, body[0]):
+            return
+        self._sessions[peer] = _Session(key)
+        self._sessions.move_to_end(peer)
+        while len(self._sessions) > MAX_SESSIONS:
+            self._sessions.popitem(last=False)
+        self.reply(peer, KVCreditGrant(credits=self.credits, checksum=frames.pick_checksum(hello.checksums),
+                                       nonce=nonce))
+
+    def _dispatch(self, peer: bytes, body: list[zmq.Frame]) -> None:
+        """A message whose MAC and number checked, from a sender that said hello on this connection."""
+        try:
+            if self._max_frames is not None and len(body) > self._max_frames:
+                raise ValueError(f"{len(body)} frames, at most {self._max_frames} expected")
+            msg = decode(body[0].buffer)
         except ValueError as e:
             # Not even a header: nothing to ack, and no credit is returned to a peer this broken.
             log.warning("KV receiver %s: dropped a bad message from %r: %s", self.address, peer, e)
             return
         if isinstance(msg, KVTransferHeader):
-            self._on_header(peer, msg, parts[2:])
-        elif isinstance(msg, KVTransferHello):
-            if self._on_hello(peer, msg, parts[1]):
-                self.reply(peer, KVCreditGrant(credits=self.credits, checksum=frames.pick_checksum(msg.checksums)))
+            self._on_header(peer, msg, body[1:])
         elif isinstance(msg, KVTransferAbort):
             self._ledger.on_abort(msg, peer)
         else:
@@ -260,11 +392,18 @@ class NetworkSender(KVSender):
 
     `num_links_lost` counts connections lost after they were up; `num_resyncs` the credit grants that
     answered a hello on a replacement connection (module docstring, "Liveness and resync").
+
+    Authentication (`auth`): the hello goes under a key derived from `secret` with a fresh nonce and the
+    model's `fingerprint`; the receiver's grant names its own nonce, and every later message either way
+    is under that connection's key, numbered. Aborts wait for the grant (before it there is no key).
+    A receiver that refuses the hello (another model, or another secret) fails every send on this
+    connection with PROTOCOL and its reason. `refusals` counts what this sender dropped.
     """
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None,
                  faults: Faults | None, sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
-                 routing_id: bytes | None = None, connect_budget_s: float = CONNECT_BUDGET_S) -> None:
+                 routing_id: bytes | None = None, connect_budget_s: float = CONNECT_BUDGET_S,
+                 secret: ClusterSecret | None = None, fingerprint: str = "") -> None:
         self._book = SenderBook(kv_caches)
         self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))
         self._faults = faults
@@ -281,6 +420,17 @@ class NetworkSender(KVSender):
         self.num_links_lost = 0
         self.num_resyncs = 0
         self._resync_due = False  # a link was lost: the next grant completes a resync
+        self._secret = auth.resolve(secret)
+        self._hello_key = self._secret.derive(auth.KV_HELLO)
+        self._fingerprint = fingerprint
+        self.refusals = RefusalCounts()
+        # This connection's: set by `_open`, the key by the grant.
+        self._nonce = ""
+        self._session_key: bytes | None = None
+        self._tx = 0
+        self._rx = SeqWindow()
+        self._deferred: list[KVTransferAbort] = []  # aborts waiting for the connection's key
+        self._refused: str | None = None  # why the receiver refused this connection's hello
         self._sock, self._monitor, self._poller = self._open()
 
     def link_down_s(self) -> float:
@@ -389,15 +539,24 @@ class NetworkSender(KVSender):
         return rule.action
 
     def _put_header(self, header: KVTransferHeader, tensor_frames: Sequence[Any] = ()) -> None:
-        """Send `header` (and zero-copy frames after it); spends a credit."""
+        """Send `header` (and zero-copy frames after it) under the connection's MAC; spends a credit."""
         try:
-            self._sock.send_multipart([encode(header), *tensor_frames], flags=zmq.NOBLOCK, copy=False)
+            self._send_sealed([encode(header), *tensor_frames])
         except zmq.ZMQError as e:  # cannot happen while credits hold; never block without a deadline if it does
             raise TransferError(header.request_id, FailReason.PROTOCOL, f"not sent despite credits: {e}") from None
         self._credits -= 1
 
+    def _send_sealed(self, parts: Sequence[Any]) -> None:
+        """Send one message under this connection's key (the grant came: credits or a key are in hand)."""
+        assert self._session_key is not None, "no message but a hello before the receiver's grant"
+        seq = self._tx + 1
+        tag = auth.seal(self._session_key, auth.KV_TO_RECEIVER, seq, parts)
+        self._sock.send_multipart([tag, *parts], flags=zmq.NOBLOCK, copy=False)
+        self._tx = seq  # only once sent: a number the receiver never saw is no gap it minds either
+
     def _await_credit(self, request_id: str, deadline: float) -> None:
         self._drain()
+        self._raise_if_refused(request_id)
         self._book.raise_if_failed(request_id)
         while self._credits <= 0:
             self._read_until(deadline, request_id,
@@ -407,8 +566,10 @@ class NetworkSender(KVSender):
         """Wait for one batch of incoming messages or link events, then apply them.
 
         Raises the request's failure once it has one (PEER_LOST when its link was lost), PEER_LOST when no
-        connection has been up for `connect_budget_s`, TIMEOUT at `deadline`, whichever comes first.
+        connection has been up for `connect_budget_s`, TIMEOUT at `deadline`, whichever comes first;
+        PROTOCOL when the receiver refused this sender.
         """
+        self._raise_if_refused(request_id)
         self._book.raise_if_failed(request_id)
         now = time.monotonic()
         remaining = deadline - now
@@ -426,7 +587,12 @@ class NetworkSender(KVSender):
             raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
         if self._poller.poll(max(1, math.ceil(remaining * 1000))):
             self._drain()
+            self._raise_if_refused(request_id)
             self._book.raise_if_failed(request_id)
+
+    def _raise_if_refused(self, request_id: str) -> None:
+        if self._refused is not None:
+            raise TransferError(request_id, FailReason.PROTOCOL, self._refused)
 
     def _drain(self) -> None:
         """Apply every link event, ack, credit grant and abort that has arrived; never blocks."""
@@ -435,13 +601,11 @@ class NetworkSender(KVSender):
         self._poll_link()
         while True:
             try:
-                data = self._sock.recv(flags=zmq.NOBLOCK)
+                parts = self._sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            try:
-                msg = decode(data)
-            except ValueError as e:
-                log.warning("KV sender -> %s: dropped a bad message: %s", self.address, e)
+            msg = self._authentic(parts)
+            if msg is None:
                 continue
             if isinstance(msg, KVTransferAck):
                 self._credits += msg.credits
@@ -456,10 +620,64 @@ class NetworkSender(KVSender):
                     self.num_resyncs += 1
                     log.info("KV sender -> %s: link resynchronized (%d credits)", self.address, msg.credits)
                     self._on_resync()
+                deferred, self._deferred = self._deferred, []
+                for abort in deferred:
+                    self._send_abort(abort.request_id, abort.reason, abort.transfer_id)
             elif isinstance(msg, KVTransferAbort):
                 self._book.on_abort(msg)
             else:
                 log.warning("KV sender -> %s: unexpected %s", self.address, type(msg).__name__)
+
+    def _authentic(self, parts: list[bytes]) -> Message | None:
+        """The message in `parts` ([auth, body]) if its MAC checks under this connection's key (a grant:
+        the key it completes) and its number is new; None (counted) otherwise. A refusal of our hello is
+        acted on here."""
+        try:
+            if len(parts) != 2:
+                raise ValueError(f"{len(parts)} frames")
+            tag, body = parts
+            msg = decode(body)
+        except ValueError as e:
+            self._count_forged(f"not a message: {e}")
+            return None
+        if self._session_key is None:  # only the answer to our hello can come now
+            # (A grant names the receiver's nonce, bound to ours through the key its MAC is under.)
+            if not (isinstance(msg, KVCreditGrant) or isinstance(msg, KVHelloRefusal) and msg.nonce == self._nonce):
+                self._count_forged(f"{type(msg).__name__} before the grant")
+                return None
+            if isinstance(msg, KVHelloRefusal) and not msg.receiver_nonce:  # unauthenticated: a hint only
+                self._refuse(f"{msg.reason} (an unauthenticated notice)")
+                return None
+            other = msg.receiver_nonce if isinstance(msg, KVHelloRefusal) else msg.nonce
+            key = auth.session_key(self._secret, self._nonce, other)
+            if (seq := auth.check(key, auth.KV_TO_SENDER, tag, [body])) is None:
+                self._count_forged(f"{type(msg).__name__} whose MAC does not check")
+                return None
+            if isinstance(msg, KVHelloRefusal):
+                self._refuse(msg.reason)
+                return None
+            self._session_key = key
+            self._rx.take(seq)
+            return msg
+        if (seq := auth.check(self._session_key, auth.KV_TO_SENDER, tag, [body])) is None:
+            self._count_forged(f"{type(msg).__name__} whose MAC does not check")
+            return None
+        if not self._rx.fresh(seq):
+            self.refusals.replayed += 1
+            log.warning("KV sender -> %s: refused a replayed %s (#%d)", self.address, type(msg).__name__, seq)
+            return None
+        self._rx.take(seq)
+        return msg
+
+    def _count_forged(self, why: str) -> None:
+        self.refusals.forged += 1
+        log.warning("KV sender -> %s: dropped a message: %s", self.address, why)
+
+    def _refuse(self, reason: str) -> None:
+        """The receiver refused this connection's hello: every send on it fails with the reason."""
+        self._refused = f"the KV receiver at {self.address} refused this sender: {reason}"
+        log.error("KV sender -> %s: %s", self.address, self._refused)
+        self._book.fail_pending(FailReason.PROTOCOL, self._refused)
 
     def _poll_link(self) -> None:
         for event in self._monitor.poll():
@@ -475,13 +693,14 @@ class NetworkSender(KVSender):
         log.warning("KV sender -> %s: %s", self.address, detail)
         failed = self._book.fail_pending(FailReason.PEER_LOST, detail)
         self._on_link_lost(detail)
+        self._deferred.clear()  # for the old connection's receiver session, which is gone
         # A new socket, not the old one's own reconnect: nothing it queued or received (stale data, acks that
         # would return credits of the old window) crosses over to the new connection.
         self._monitor.close()
         self._sock.close(linger=0)
         self._sock, self._monitor, self._poller = self._open()
         self._resync_due = True
-        for request_id, transfer_id in failed:  # after the hello: a receiver that only hung frees these at once
+        for request_id, transfer_id in failed:  # after the grant: a receiver that only hung frees these then
             self._send_abort(request_id, f"sender lost the link: {why}", transfer_id)
 
     def _open(self) -> tuple[zmq.Socket[bytes], LinkMonitor, zmq.Poller]:
@@ -491,11 +710,15 @@ class NetworkSender(KVSender):
             sock.setsockopt(zmq.ROUTING_ID, self._routing_id)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         apply_heartbeats(sock)
+        # Only acks, grants and aborts come back; data goes out within the credits (+ aborts).
+        apply_limits(sock, max_frame_bytes=MAX_MESSAGE_BYTES + SMALL_FRAME_BYTES)
         monitor = LinkMonitor(sock)  # before connect: it sees the first handshake
         sock.connect(self.address)
         # Queued until the connection is up; the grant that answers it is what the first send waits for.
-        hello = KVTransferHello(sender_id=self._sender_id, checksums=self._checksums)
-        sock.send(encode(hello), flags=zmq.NOBLOCK)
+        self._nonce, self._session_key, self._tx, self._rx, self._refused = auth.new_nonce(), None, 1, SeqWindow(), None
+        hello = encode(KVTransferHello(sender_id=self._sender_id, checksums=self._checksums, nonce=self._nonce,
+                                       fingerprint=self._fingerprint))
+        sock.send_multipart([auth.seal(self._hello_key, auth.KV_HELLO, 1, [hello]), hello], flags=zmq.NOBLOCK)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         poller.register(monitor.socket, zmq.POLLIN)
@@ -504,8 +727,11 @@ class NetworkSender(KVSender):
     def _send_abort(self, request_id: str, reason: str, transfer_id: int | None = None) -> None:
         tid = self._book.transfer_id(request_id) if transfer_id is None else transfer_id
         msg = KVTransferAbort(request_id=request_id, transfer_id=tid, reason=reason)
+        if self._session_key is None:  # no key yet to send it under: it goes after the grant
+            self._deferred.append(msg)
+            return
         try:
-            self._sock.send(encode(msg), flags=zmq.NOBLOCK)
+            self._send_sealed([encode(msg)])
         except zmq.ZMQError as e:
             log.info("KV sender -> %s: abort of %r not sent: %s", self.address, request_id, e)
 
@@ -517,6 +743,16 @@ class NetworkSender(KVSender):
 def message_key(header: KVTransferHeader) -> tuple[str, int, int]:
     """What an ack names its message by."""
     return header.request_id, header.transfer_id, header.seq
+
+
+def _count_events(monitor: zmq.Socket[bytes]) -> int:
+    n = 0
+    while True:
+        try:
+            monitor.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+        n += 1
 
 
 def _drain_wakeups(sock: zmq.Socket[bytes]) -> None:

@@ -86,8 +86,12 @@ Deadlines and limitations.
 * Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender, or one
   that resynced after a lost link, leaves an idle pair thread and group behind. At most `max_senders`
   pairs are accepted.
-* The ROUTER, and so the store, is unauthenticated: trusted networks only (the store keeps at most
-  4096 small entries). A receiver bound to a wildcard address advertises it as is, as the
+* Authentication (`auth`, `control`): every control message (hello, headers, acks, aborts, end markers)
+  carries an HMAC-SHA256 tag under its connection's key, and the store's requests and replies one under a
+  key derived from the cluster secret (numbered per store connection; a reply is bound to its request).
+  A header's tag covers the checksum of its tensor, but not the tensor itself: the bytes on the NCCL or
+  gloo channel carry no MAC (docs/security-data-plane.md says what that leaves open). The store keeps at
+  most 4096 small entries. A receiver bound to a wildcard address advertises it as is, as the
   ZeroMQ backend does. Each gloo rank listens on the address its peer reaches it by (`gloo_hostname`
   overrides).
 """
@@ -111,8 +115,17 @@ import numpy as np
 import torch
 import zmq
 
-from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
+from pdserve.workers.link_monitor import SMALL_FRAME_BYTES
+from pdserve.workers.messages import (
+    MAX_MESSAGE_BYTES,
+    ChecksumKind,
+    FailReason,
+    KVTransferAck,
+    KVTransferHeader,
+    KVTransferHello,
+)
 from pdserve.workers.transfer import frames
+from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
 from pdserve.workers.transfer.base import TransferError
 from pdserve.workers.transfer.control import (
     CONNECT_BUDGET_S,
@@ -199,7 +212,8 @@ class NcclKVReceiver(LedgerReceiver):
                  credits: int = DEFAULT_CREDITS, verify_checksums: bool = True,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 secret: ClusterSecret | None = None, fingerprint: str = "") -> None:
         super().__init__(ReceiverLedger(kv_caches))
         self._backend = pick_backend(self._ledger.geometry, backend)
         self.staging_device = staging_device(self._ledger.geometry, self._backend)
@@ -214,7 +228,8 @@ class NcclKVReceiver(LedgerReceiver):
         # Tensors travel on the data channel: a control message is its header frame alone.
         self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context, max_frames=1,
                                         on_header=self._on_header, on_hello=self._on_hello,
-                                        on_request=self._on_store_request)
+                                        on_request=self._on_store_request, secret=secret, fingerprint=fingerprint,
+                                        max_frame_bytes=MAX_MESSAGE_BYTES + SMALL_FRAME_BYTES)
         self.address = self._control.address
         host = parse_address(self.address)[0]
         self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
@@ -243,6 +258,11 @@ class NcclKVReceiver(LedgerReceiver):
         return self._control.alive or any(p.thread is not None and p.thread.is_alive() for p in pairs)
 
     @property
+    def refusals(self) -> RefusalCounts:
+        """What the receiver refused from peers (forged, replayed, another model, dropped connections)."""
+        return self._control.refusals
+
+    @property
     def senders(self) -> int:
         """Pairs formed or forming (one per sender that said hello)."""
         with self._pairs_lock:
@@ -254,12 +274,11 @@ class NcclKVReceiver(LedgerReceiver):
 
     # -- I/O thread ------------------------------------------------------------------------
 
-    def _on_store_request(self, peer: bytes, parts: list[zmq.Frame]) -> bool:
-        if not (len(parts) == 6 and parts[1].bytes == STORE_MAGIC):
-            return False
-        # A sender's rank at its rendezvous.
-        self._control.reply_frames(peer, [STORE_MAGIC, *self._table.serve(*(f.bytes for f in parts[2:]))])
-        return True
+    def _on_store_request(self, peer: bytes, body: list[zmq.Frame]) -> list[bytes]:
+        """A sender's rank at its rendezvous (the control plane checked the request's MAC); the reply."""
+        if not (len(body) == 5 and body[0].bytes == STORE_MAGIC):
+            return [STORE_MAGIC, b"error", b"malformed store request"]
+        return [STORE_MAGIC, *self._table.serve(*(f.bytes for f in body[1:]))]
 
     def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
         key = hello.sender_id
@@ -387,7 +406,8 @@ class NcclKVSender(NetworkSender):
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                  gloo_hostname: str | None = None, sender_id: str = "",
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
-                 connect_budget_s: float = CONNECT_BUDGET_S) -> None:
+                 connect_budget_s: float = CONNECT_BUDGET_S, secret: ClusterSecret | None = None,
+                 fingerprint: str = "") -> None:
         host, port = parse_address(address)
         self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
         self._label = sender_id
@@ -395,7 +415,7 @@ class NcclKVSender(NetworkSender):
         super().__init__(kv_caches, address, context=context, faults=faults, sender_id=self.key,
                          checksums=checksums, max_message_bytes=max_message_bytes,
                          routing_id=self.key.encode(),  # names the pair; a new one after a lost link
-                         connect_budget_s=connect_budget_s)
+                         connect_budget_s=connect_budget_s, secret=secret, fingerprint=fingerprint)
         self._staging = Staging(staging_device(self._book.geometry, self._backend))
         self._verify = verify_checksums
         self._tag = 0
@@ -431,7 +451,7 @@ class NcclKVSender(NetworkSender):
 
     def _form(self, generation: int, key: str, ready: threading.Event) -> None:
         timeout_s = self._group_timeout_s
-        store = StoreClient(self.address, self._context, timeout_s)
+        store = StoreClient(self.address, self._context, timeout_s, self._secret)
         try:
             channel = DataChannel(self._backend, store, key, 1, timeout_s, self._staging.device, self._gloo_hostname)
         except Exception as e:

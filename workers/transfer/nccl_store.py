@@ -4,6 +4,10 @@ whose keys live in the receiver's process and are served on its ROUTER.
 The receiver's rank sees the keys through `LocalStore`, a sender's rank through `StoreClient` (a DEALER
 of its own, asking the receiver's ROUTER with `STORE_MAGIC`-tagged requests). c10d calls these Python
 stores through its `PythonStore` trampoline. Bounded, since it is served to the network.
+
+Requests and replies are authenticated (`auth`): a request carries a numbered HMAC tag under a key
+derived from the cluster secret, which the receiver checks (numbers rising per store connection); the
+reply's tag is bound to the request's, so it answers only that request.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 import zmq
+
+from pdserve.workers.link_monitor import SMALL_FRAME_BYTES, apply_limits
+from pdserve.workers.transfer import auth
+from pdserve.workers.transfer.auth import ClusterSecret
 
 STORE_MAGIC = b"pdserve-kv-store/1"  # first frame of a store request or reply (never a msgpack message)
 _STORE_POLL_S = 0.005  # a remote get/wait asks again this often (backing off to 10x) until the key is there
@@ -146,13 +154,22 @@ class LocalStore(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Store
 class StoreClient(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Store has no stubs
     """c10d's view of a receiver's `StoreTable` from the sender's rank (rank 1): requests over a DEALER of its own."""
 
-    def __init__(self, endpoint: str, context: zmq.Context[zmq.Socket[bytes]], timeout_s: float) -> None:
+    def __init__(self, endpoint: str, context: zmq.Context[zmq.Socket[bytes]], timeout_s: float,
+                 secret: ClusterSecret | None = None) -> None:
         super().__init__()
         self._endpoint, self._context, self._timeout_s = endpoint, context, timeout_s
+        self._secret = auth.resolve(secret)
+        self._key = self._secret.derive(auth.STORE_REQUEST)
+        self._seq = 0
         self._lock = threading.Lock()
-        self._sock: zmq.Socket[bytes] | None = context.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(endpoint)
+        self._sock: zmq.Socket[bytes] | None = self._connect()
+
+    def _connect(self) -> zmq.Socket[bytes]:
+        sock = self._context.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        apply_limits(sock, max_frame_bytes=SMALL_FRAME_BYTES)
+        sock.connect(self._endpoint)
+        return sock
 
     def set(self, key: str, value: bytes) -> None:
         self._call(b"set", key, bytes(value))
@@ -181,7 +198,7 @@ class StoreClient(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Stor
         return int(self._call(b"num_keys", "") or b"0")
 
     def clone(self) -> StoreClient:
-        return StoreClient(self._endpoint, self._context, self._timeout_s)
+        return StoreClient(self._endpoint, self._context, self._timeout_s, self._secret)
 
     def retire(self) -> None:
         """Close the socket (the group is formed: it needs the store no more); later calls raise."""
@@ -204,15 +221,20 @@ class StoreClient(dist.Store):  # type: ignore[misc,name-defined]  # c10d's Stor
         with self._lock:
             if self._sock is None:
                 raise RuntimeError("store client is closed")
-            self._sock.send_multipart([STORE_MAGIC, op, key.encode(), value, extra])
+            request = [STORE_MAGIC, op, key.encode(), value, extra]
+            self._seq += 1
+            tag = auth.seal(self._key, auth.STORE_REQUEST, self._seq, request)
+            self._sock.send_multipart([tag, *request])
             if not self._sock.poll(int(self._timeout_s * 1000), zmq.POLLIN):
                 # The socket may now hold a late reply: replace it, so that replies never pair up wrongly.
                 self._sock.close(linger=0)
-                self._sock = self._context.socket(zmq.DEALER)
-                self._sock.setsockopt(zmq.LINGER, 0)
-                self._sock.connect(self._endpoint)
-                raise RuntimeError(f"store at {self._endpoint}: no answer to {op.decode()} {key!r}")
-            reply = self._sock.recv_multipart()
+                self._sock = self._connect()
+                raise RuntimeError(f"store at {self._endpoint}: no answer to {op.decode()} {key!r} (is the "
+                                   "receiver's cluster secret ours? it ignores requests whose MAC does not check)")
+            parts = self._sock.recv_multipart()
+        if len(parts) < 2 or auth.check(self._key, auth.STORE_REPLY, parts[0], [tag, *parts[1:]]) != self._seq:
+            raise RuntimeError(f"store at {self._endpoint}: a reply whose MAC does not check")
+        reply = parts[1:]
         if len(reply) != 3 or reply[0] != STORE_MAGIC:
             raise RuntimeError(f"store at {self._endpoint}: malformed reply")
         status, result = reply[1], reply[2]

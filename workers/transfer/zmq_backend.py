@@ -22,7 +22,14 @@ docs/benchmarks.md, "KV message size", and the KV transfer benchmark in
 docs/benchmarks-cluster.md).
 
 Memory: each side holds at most `credits` messages of a peer,
-`credits x max_message_bytes` bytes (32 MiB by default).
+`credits x max_message_bytes` bytes (32 MiB by default). The receiver drops a
+connection that sends a frame over `max_frame_bytes` (ZMQ_MAXMSGSIZE, 64 MiB)
+before allocating for it.
+
+Authentication (`auth`, `control`): every message, its K and V frames
+included, carries an HMAC-SHA256 tag under its connection's key, checked on
+the I/O thread before anything is decoded or written; a hello names the
+sender's model fingerprint, and the receiver refuses another model's.
 
 Threads: the receiver's I/O thread (the control plane's) also checks and
 writes the data, in arrival order. The sender has no thread.
@@ -38,9 +45,11 @@ import zmq
 
 from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
 from pdserve.workers.transfer import frames
+from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
 from pdserve.workers.transfer.control import (
     CONNECT_BUDGET_S,
     DEFAULT_CREDITS,
+    DEFAULT_MAX_FRAME_BYTES,
     NetworkSender,
     ReceiverControl,
     message_key,
@@ -53,17 +62,23 @@ DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
 
 class ZmqKVReceiver(LedgerReceiver):
-    """Binds a ROUTER at `bind` (use port `*` for any free one; see `address`) and writes into `kv_caches`."""
+    """Binds a ROUTER at `bind` (use port `*` for any free one; see `address`) and writes into `kv_caches`.
+
+    Takes messages only from senders that hold `secret` (None: `auth.default_secret()`) and, when both
+    ends name one, run the model of `fingerprint`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, credits: int = DEFAULT_CREDITS,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None) -> None:
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 secret: ClusterSecret | None = None, fingerprint: str = "",
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         super().__init__(ReceiverLedger(kv_caches))
         self._faults = faults
         self._in_flight: dict[bytes, int] = {}  # peer identity -> its messages not yet acked (I/O thread)
         # Data read while a test stalls the receiver: at most `credits` messages per well-behaved peer.
         self._parked: collections.deque[tuple[bytes, KVTransferHeader, list[zmq.Frame]]] = collections.deque()
         self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context,
-                                        on_header=self._on_header, on_hello=self._on_hello, on_turn=self._unpark)
+                                        on_header=self._on_header, on_hello=self._on_hello, on_turn=self._unpark,
+                                        secret=secret, fingerprint=fingerprint, max_frame_bytes=max_frame_bytes)
         self.address = self._control.address
         self._control.start()
 
@@ -73,6 +88,11 @@ class ZmqKVReceiver(LedgerReceiver):
     @property
     def thread_alive(self) -> bool:
         return self._control.alive
+
+    @property
+    def refusals(self) -> RefusalCounts:
+        """What the receiver refused from peers (forged, replayed, another model, dropped connections)."""
+        return self._control.refusals
 
     def _post(self, notice: Notice | None) -> None:
         if notice is not None:
@@ -122,9 +142,11 @@ class ZmqKVSender(NetworkSender):
                  faults: Faults | None = None, sender_id: str = "",
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-                 connect_budget_s: float = CONNECT_BUDGET_S) -> None:
+                 connect_budget_s: float = CONNECT_BUDGET_S, secret: ClusterSecret | None = None,
+                 fingerprint: str = "") -> None:
         super().__init__(kv_caches, address, context=context, faults=faults, sender_id=sender_id or uuid.uuid4().hex,
-                         checksums=checksums, max_message_bytes=max_message_bytes, connect_budget_s=connect_budget_s)
+                         checksums=checksums, max_message_bytes=max_message_bytes, connect_budget_s=connect_budget_s,
+                         secret=secret, fingerprint=fingerprint)
         self._staging = frames.StagingPool(pin_memory=self._book.geometry.device.type == "cuda")
 
     def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
