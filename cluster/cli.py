@@ -265,6 +265,9 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
     """Bounds on one request (cluster/limits.py; docs/security.md says what each defends)."""
     from pdserve.cluster.limits import RequestLimits as L
 
+    srv.add_argument("--max-in-flight", type=int, default=_SETTING,
+                     help="engine requests the gateway admits at once (a call counts its prompts x n); 429 with "
+                          "Retry-After beyond (default 256)")
     for flag, kind, help_ in (
         ("--max-n", int, f"samples per prompt (n; default {L.max_n})"),
         ("--max-prompts", int, f"prompts in one /v1/completions request (default {L.max_prompts})"),
