@@ -33,7 +33,10 @@ from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
+from pdserve.workers.transfer import auth
+from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import KVReceiver, KVSender, Transport
+from pdserve.workers.transfer.fingerprint import module_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -120,10 +123,15 @@ class _Service:
 
 class EngineService(_Service):
     """A colocated worker: prefills and decodes. Async actor: many requests
-    stream through it at once while its engine thread batches them."""
+    stream through it at once while its engine thread batches them.
+
+    Every service takes the cluster's `cluster_secret` (workers/transfer/auth.py):
+    its token streams and KV links are signed with it (None: PDSERVE_CLUSTER_SECRET,
+    else a secret of this process's own, which no other process shares)."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, worker_name: str = "worker",
-                 exit_on_engine_death: bool = False) -> None:
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
+        _use_secret(cluster_secret)
         engine = _engine(config, torch_threads)
         super().__init__(Pool.COLOCATED, engine, AsyncEngine(engine, worker_id=worker_name).start(), worker_name,
                          exit_on_engine_death)
@@ -138,23 +146,27 @@ class PrefillService(_Service):
 
     def __init__(self, config: EngineConfig, torch_threads: int, transport: Transport = Transport.ZMQ,
                  transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, worker_name: str = "prefill",
-                 exit_on_engine_death: bool = False) -> None:
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
+        secret = _use_secret(cluster_secret)
         # A prefill worker never decodes, so it never drafts: no draft model to load.
         engine = _engine(dataclasses.replace(config, speculative=None, draft_model=None), torch_threads,
                          record_events=True)
         sender_cls = _sender_class(transport)
+        self.fingerprint = module_fingerprint(engine.model_dir, engine.model)
 
         def sender_for(address: str) -> KVSender:  # the worker keeps one per link, and closes it
-            return sender_cls(engine.kv_caches, address)
+            return sender_cls(engine.kv_caches, address, secret=secret, fingerprint=self.fingerprint)
 
-        worker = PrefillWorker(engine, sender_for, worker_id=worker_name, transfer_timeout_s=transfer_timeout_s)
+        worker = PrefillWorker(engine, sender_for, worker_id=worker_name, transfer_timeout_s=transfer_timeout_s,
+                               secret=secret)
         super().__init__(Pool.PREFILL, engine, worker.async_engine, worker_name, exit_on_engine_death)
         worker.transfer_recorder = self.worker_metrics
         self.worker = worker.start()
 
     def counts(self) -> WorkerCounts:
         links = self.worker.link_counts()
-        return dataclasses.replace(super().counts(), link_resyncs=links.resyncs, links_lost=links.links_lost)
+        return dataclasses.replace(super().counts(), link_resyncs=links.resyncs, links_lost=links.links_lost,
+                                   dataplane_refused=links.refused)
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill into a decode worker's reserved blocks; the first token once its KV is verified there."""
@@ -176,11 +188,15 @@ class DecodeService(_Service):
 
     def __init__(self, config: EngineConfig, torch_threads: int, bind_host: str, transport: Transport = Transport.ZMQ,
                  on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, prefill_timeout_s: float | None = None,
-                 worker_name: str = "decode", exit_on_engine_death: bool = False) -> None:
+                 worker_name: str = "decode", exit_on_engine_death: bool = False,
+                 cluster_secret: ClusterSecret | None = None) -> None:
+        secret = _use_secret(cluster_secret)
         engine = _engine(config, torch_threads, record_events=True)
         if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
             bind_host = ray.util.get_node_ip_address()
-        self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{bind_host}:*")
+        self.fingerprint = module_fingerprint(engine.model_dir, engine.model)
+        self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{bind_host}:*", secret=secret,
+                                                   fingerprint=self.fingerprint)
         worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name,
                               prefill_timeout_s=prefill_timeout_s)
         super().__init__(Pool.DECODE, engine, worker.async_engine, worker_name, exit_on_engine_death)
@@ -194,8 +210,10 @@ class DecodeService(_Service):
         return int(getattr(self.receiver, "num_registered", 0))
 
     def counts(self) -> WorkerCounts:
+        refused = getattr(self.receiver, "refusals", None) or auth.RefusalCounts()  # a network receiver's
         return dataclasses.replace(super().counts(), awaiting_kv=self._registrations(),
-                                   leases_expired=self.worker.num_leases_expired)
+                                   leases_expired=self.worker.num_leases_expired,
+                                   dataplane_refused=refused.add(auth.RefusalCounts()))  # a copy, now
 
     async def serve(self, req: ServeRequest) -> None:
         """The whole request here (the router chose local prefill)."""
@@ -226,6 +244,14 @@ class RayPrefillPeer:
     def abort(self, request_id: str, attempt: int) -> None:
         with contextlib.suppress(RayActorError):
             self._handle.abort.remote(request_id, attempt)  # fire and forget
+
+
+def _use_secret(secret: ClusterSecret | None) -> ClusterSecret:
+    """The cluster secret this worker signs with, made this process's default too: the engine's token
+    stream publisher (workers/async_engine.py) takes the default."""
+    if secret is not None:
+        auth.set_default_secret(secret)
+    return auth.default_secret()
 
 
 def _exit_soon(error: BaseException) -> None:

@@ -32,6 +32,7 @@ from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector
+from pdserve.workers.transfer.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,8 @@ class Reliability:
     exhausted: int = 0  # requests that failed after their last allowed try
     stream_gaps: int = 0  # batches missing from a worker's token-stream sequence
     stream_stale: int = 0  # deltas of a try given up on (a migrated request's old worker)
+    stream_forged: int = 0  # token-stream messages whose MAC did not check (dropped unread)
+    stream_replayed: int = 0  # signed token-stream batches sent again (a number their publisher had used)
     workers_lost: int = 0  # workers that went from answering to not
     workers_readmitted: int = 0  # lost workers that answered again
     workers_restarted: int = 0  # workers that answered from a new process
@@ -177,20 +180,21 @@ class TokenStreams:
     not healthy."""
 
     def __init__(self, bind_host: str, max_migrations: int = 2,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, secret: ClusterSecret | None = None) -> None:
         # Where workers reach this gateway: loopback on one machine, the node's
         # address ("auto") when workers run on other nodes.
         self.bind_host = bind_host
         self.max_migrations = max_migrations
         self.worker_wait_s = worker_wait_s
         self.stats = MigrationStats()
+        self._secret = secret  # the cluster's: workers sign their tokens with it (None: auth.default_secret())
         self._collector: TokenStreamCollector | None = None
 
     @property
     def collector(self) -> TokenStreamCollector:
         if self._collector is None:
             host = ray.util.get_node_ip_address() if self.bind_host == "auto" else self.bind_host
-            self._collector = TokenStreamCollector(host)
+            self._collector = TokenStreamCollector(host, secret=self._secret)
         return self._collector
 
     def reliability(self, health: Health) -> Reliability:
@@ -199,7 +203,9 @@ class TokenStreams:
         s, c = self.stats, self._collector
         return Reliability(health, s.migrations, s.resumed_tokens, s.exhausted,
                            stream_gaps=c.num_gaps if c is not None else 0,
-                           stream_stale=c.num_stale if c is not None else 0)
+                           stream_stale=c.num_stale if c is not None else 0,
+                           stream_forged=c.num_forged if c is not None else 0,
+                           stream_replayed=c.num_replayed if c is not None else 0)
 
     def request(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> ServeRequest:
         """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
@@ -266,14 +272,14 @@ class ColocatedBackend:
     def __init__(self, workers: list[Any | None], stream_host: str = "127.0.0.1", names: list[str] | None = None,
                  max_migrations: int = 2, retry_dead_s: float = 5.0,
                  lookup: Callable[[str], Any | None] | None = None,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
             raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
         self.names = names or [f"worker-{i}" for i in range(len(workers))]
-        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret)
         self.retry_dead_s = retry_dead_s
         self.lookup = lookup
         self._in_flight = [0] * len(workers)

@@ -10,6 +10,7 @@ included, the same way for both. Subcommands import what they need lazily so
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -124,7 +125,12 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         key = _secret(name, getattr(a, name, None), getattr(a, f"{name}_file", None), env)
         if key is not None:
             settings[name] = key
-    run(serve_config(settings))
+    cfg = serve_config(settings)
+    if a.cluster_secret_file is not None:  # else PDSERVE_CLUSTER_SECRET, else made now (ServeConfig)
+        from pdserve.workers.transfer.auth import ClusterSecret
+
+        cfg = dataclasses.replace(cfg, cluster_secret=ClusterSecret.from_file(a.cluster_secret_file))
+    run(cfg)
     return 0
 
 
@@ -250,6 +256,10 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
                      help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
                           "opens it too. Default: /metrics is open")
+    srv.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                     help="the key that authenticates KV and token-stream messages between workers and the gateway "
+                          "(64 hex digits: openssl rand -hex 32); else PDSERVE_CLUSTER_SECRET, else a new one per "
+                          "start (docs/security-data-plane.md)")
     _limit_arguments(srv)
     srv.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
                      help="the HAProxy ingress's metrics port (default 9101; local Ray only)")

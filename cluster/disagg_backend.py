@@ -43,6 +43,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.transfer.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,16 @@ class DisaggregatedBackend:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.05,
                  stream_host: str = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker
         not found (yet): `lookup(name)` is asked for it again at each poll (a
         gateway that starts while a worker is down). `names`: router worker id ->
-        actor name (the `worker` label of its metrics; default the id)."""
+        actor name (the `worker` label of its metrics; default the id). `cluster_secret`:
+        the workers' (their token streams are signed with it)."""
         self.prefill, self.decode, self.router = prefill, decode, router
         self.names = names or {}
         self.lookup = lookup
-        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret)
         self.poll_s = poll_s
         self.loads: dict[str, LoadReport] = {}
         self.events = WorkerEvents()

@@ -91,7 +91,8 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     def make(actor_cls: Any, name: str, *args: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
-            cfg.engine, threads, *args, worker_name=name, exit_on_engine_death=True)
+            cfg.engine, threads, *args, worker_name=name, exit_on_engine_death=True,
+            cluster_secret=cfg.cluster_secret)
 
     if cfg.mode is ServingMode.DISAGGREGATED:
         workers = [make(PrefillWorkerActor, n, cfg.transport, cfg.transfer_timeout) for n in cfg.prefill_names()]
@@ -119,7 +120,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_bind_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
-                                     lookup=find_worker, worker_wait_s=cfg.worker_wait))
+                                     lookup=find_worker, worker_wait_s=cfg.worker_wait,
+                                     cluster_secret=cfg.cluster_secret))
     return build_app(Gateway(backend, tokenizer, gw_cfg))
 
 
@@ -186,7 +188,8 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
     router = Router(RouterConfig(policy=cfg.router_policy), cfg.engine.block_size)
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names,
-                                lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait)
+                                lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
+                                cluster_secret=cfg.cluster_secret)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

@@ -22,6 +22,7 @@ from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.workers.config import EngineConfig, enum_member
 from pdserve.workers.decode_worker import KVFailurePolicy
+from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
 
 
@@ -115,6 +116,9 @@ class ServeConfig:
     max_body_bytes: int = RequestLimits.max_body_bytes
     body_timeout: float = RequestLimits.body_timeout
     write_timeout: float = RequestLimits.write_timeout
+    # The data plane's key (workers/transfer/auth.py): PDSERVE_CLUSTER_SECRET, else made
+    # here, once per cluster start; handed to every worker and the gateway; never shown.
+    cluster_secret: ClusterSecret = field(default_factory=ClusterSecret.from_env_or_new, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.limits  # noqa: B018 - RequestLimits checks its own (a ValueError naming the setting)

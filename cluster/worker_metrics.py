@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -32,6 +32,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pdserve.workers.messages import FailReason
 from pdserve.workers.stats import EngineSnapshot
+from pdserve.workers.transfer.auth import RefusalCounts
 
 if TYPE_CHECKING:
     from pdserve.workers.engine import LLMEngine
@@ -59,6 +60,9 @@ class WorkerCounts:
     orphans_aborted: int = 0  # requests aborted because their gateway was gone
     link_resyncs: int = 0  # prefill: KV links that came back after a loss (credits granted anew)
     links_lost: int = 0  # prefill: KV links to decode workers lost after they were up
+    # What its data-plane sockets refused from peers (workers/transfer/auth.py): decode from senders,
+    # prefill from receivers.
+    dataplane_refused: RefusalCounts = field(default_factory=RefusalCounts)
 
 
 class WorkerMetrics:
@@ -184,6 +188,15 @@ class _EngineCollector:
                       c.link_resyncs)
         yield counter("pdserve:kv_links_lost", "Prefill: KV links to decode workers lost after they were up "
                       "(their pending transfers fail with peer_lost)", c.links_lost)
+        refused = CounterMetricFamily("pdserve:dataplane_refused",
+                                      "KV-link messages refused from peers, by reason: forged (no or wrong MAC), "
+                                      "replayed, wrong_model (hello from another model); dropped: connections "
+                                      "the socket lost (an oversize frame drops one)", labels=(*LABELS, "reason"))
+        r = c.dataplane_refused
+        for reason, value in (("forged", r.forged), ("replayed", r.replayed), ("wrong_model", r.wrong_model),
+                              ("dropped", r.dropped)):
+            refused.add_metric([*labels, reason], value)
+        yield refused
 
 
 class WithoutCreated:

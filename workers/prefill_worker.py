@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdserve.workers.async_engine import AsyncEngine, Job, done_notice
 from pdserve.workers.engine import LLMEngine
@@ -36,6 +36,7 @@ from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.token_stream import TokenStreamPublisher
+from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.control import NetworkSender
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
@@ -53,16 +54,18 @@ class LinkCounts:
 
     links_lost: int = 0
     resyncs: int = 0
+    refused: RefusalCounts = field(default_factory=RefusalCounts)  # messages from the receiver it dropped
 
     @staticmethod
     def of(sender: KVSender) -> LinkCounts:
         inner = sender.inner if isinstance(sender, RecordingSender) else sender
         if not isinstance(inner, NetworkSender):
             return LinkCounts()
-        return LinkCounts(inner.num_links_lost, inner.num_resyncs)
+        return LinkCounts(inner.num_links_lost, inner.num_resyncs, inner.refusals.add(RefusalCounts()))
 
     def __add__(self, other: LinkCounts) -> LinkCounts:
-        return LinkCounts(self.links_lost + other.links_lost, self.resyncs + other.resyncs)
+        return LinkCounts(self.links_lost + other.links_lost, self.resyncs + other.resyncs,
+                          self.refused.add(other.refused))
 
 
 @dataclass(eq=False)
@@ -87,7 +90,7 @@ class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
                  transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill",
                  transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-                 link_retire_s: float | None = LINK_RETIRE_S) -> None:
+                 link_retire_s: float | None = LINK_RETIRE_S, secret: ClusterSecret | None = None) -> None:
         """`sender_for(address)` makes a sender to a decode worker's receiver, once per
         link (again after a link was retired); this worker closes it.
         `transfer_recorder` hears of every handoff: its bytes and duration, and
@@ -95,14 +98,15 @@ class PrefillWorker:
         worker's own deadline). `transfer_timeout_s`: the longest one send may
         wait on its decode worker (a credit, the verdict) before the transfer fails.
         `link_retire_s`: how long an idle link's peer may stay unreachable before the
-        link is closed (None: never)."""
+        link is closed (None: never). `secret` signs the first tokens it sends
+        to gateways (None: `auth.default_secret()`)."""
         self.transfer_recorder = transfer_recorder
         self.transfer_timeout_s = transfer_timeout_s
         self.link_retire_s = link_retire_s
         self._links: dict[str, SendQueue] = {}
         self._links_lock = threading.Lock()  # the event loop opens links, their own threads retire them
         self._retired = LinkCounts()  # retired links' counters still count
-        self._first_tokens = TokenStreamPublisher(f"{worker_id}-first")
+        self._first_tokens = TokenStreamPublisher(f"{worker_id}-first", secret=secret)
         self._first_lock = threading.Lock()
         self._sender_for = sender_for
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)

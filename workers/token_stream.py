@@ -19,6 +19,16 @@ output, and the collector hands them on in that order.
     worker (engine thread)                    gateway (asyncio)
     TokenStreamPublisher.add(addr, out) ...   TokenStreamCollector.consume(rid, rpc)
     TokenStreamPublisher.flush()  --PUSH-->   PULL socket -> per-request queue
+
+Authentication (workers/transfer/auth.py): each message is `[tag, batch]`, the
+tag an HMAC-SHA256 under the cluster secret over the gateway's stream address
+and the encoded batch (its publisher id and number included). The collector
+drops, unread, a message whose tag does not check (`num_forged`), and one whose
+number its publisher already used (`num_replayed`): whoever knows a request id
+but not the secret cannot put a word into its answer, nor replay one that was
+sent. The PULL socket refuses frames over the message limit (ZMQ_MAXMSGSIZE:
+the connection is dropped, `num_dropped`) and queues a bounded number per
+connection.
 """
 
 from __future__ import annotations
@@ -38,9 +48,11 @@ import zmq.asyncio
 
 from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
-from pdserve.workers.link_monitor import LinkMonitor, apply_heartbeats
+from pdserve.workers.link_monitor import SMALL_FRAME_BYTES, LinkMonitor, apply_heartbeats, apply_limits
 from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
+from pdserve.workers.transfer import auth
+from pdserve.workers.transfer.auth import ClusterSecret
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +65,10 @@ MESSAGE_BUDGET = MAX_MESSAGE_BYTES - 4096
 # heartbeats close a link to a dead or frozen one within seconds) is taken for
 # gone, and the worker aborts its requests rather than compute for nobody.
 GATEWAY_GONE_S = 10.0
+# Messages the gateway's PULL queues per worker connection before it stops
+# reading that connection (then the worker's SEND_HWM fills, and it gives up on
+# that gateway's requests): bounded, so no peer can make the gateway hold more.
+RECEIVE_HWM = 1000
 
 
 def to_delta(out: RequestOutput, offset: int, attempt: int = 0) -> TokenDelta:
@@ -84,14 +100,17 @@ def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
 
 class TokenStreamPublisher:
     """Worker side. Used from one thread only (the engine thread): ZeroMQ
-    sockets are not thread-safe."""
+    sockets are not thread-safe. Signs with `secret` (None: `auth.default_secret()`,
+    which a worker process sets from its constructor's argument)."""
 
-    def __init__(self, worker_id: str, context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
+    def __init__(self, worker_id: str, context: zmq.Context[zmq.Socket[bytes]] | None = None,
+                 secret: ClusterSecret | None = None) -> None:
         # Batches are numbered per publisher, so each signs with an id of its own:
         # two workers of one name, or a worker restarted under its old name, are
         # told apart by the gateway's sequence check.
         self.worker_id = f"{worker_id}#{uuid.uuid4().hex[:8]}"
         self._ctx = context or zmq.Context.instance()
+        self._secret = auth.resolve(secret)
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[str, LinkMonitor] = {}
         self._pending: dict[str, list[TokenDelta]] = {}
@@ -118,9 +137,10 @@ class TokenStreamPublisher:
             for batch in batches:
                 seq = self._seq.get(address, 0)
                 self._seq[address] = seq + 1
+                body = encode(TokenDeltaBatch(worker_id=self.worker_id, seq=seq, deltas=tuple(batch)))
                 try:
-                    self._socket(address).send(
-                        encode(TokenDeltaBatch(worker_id=self.worker_id, seq=seq, deltas=tuple(batch))), zmq.NOBLOCK)
+                    self._socket(address).send_multipart([auth.token_tag(self._secret, address, body), body],
+                                                         zmq.NOBLOCK)
                 except zmq.Again:
                     log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
                     lost += [d.request_id for d in batch]
@@ -155,7 +175,8 @@ class TokenStreamPublisher:
         sock = self._sockets.get(address)
         if sock is None:
             sock = self._ctx.socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, SEND_HWM)
+            # It never takes a message; inbound there is only the ZMTP handshake and heartbeats.
+            apply_limits(sock, max_frame_bytes=SMALL_FRAME_BYTES, sndhwm=SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
             apply_heartbeats(sock)
             self._monitors[address] = LinkMonitor(sock)
@@ -255,14 +276,20 @@ class TokenStreamCollector:
     ROUTED once its worker call starts, DECODING from its first token, then
     FINISHED at its final delta, FAILED on an error or the deadline, ABORTED
     when its reader goes away. The caller hangs its exit hooks on it (the
-    backend aborts the request on its workers)."""
+    backend aborts the request on its workers).
 
-    def __init__(self, bind_host: str = "127.0.0.1", final_grace_s: float = 5.0) -> None:
+    It takes only batches signed with `secret` (None: `auth.default_secret()`)
+    for its own address, each publisher's numbers rising (module docstring)."""
+
+    def __init__(self, bind_host: str = "127.0.0.1", final_grace_s: float = 5.0,
+                 secret: ClusterSecret | None = None) -> None:
         self._ctx = zmq.asyncio.Context.instance()
+        self._secret = auth.resolve(secret)
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.RCVHWM, 0)  # the senders bound their own queues
+        apply_limits(self._sock, max_frame_bytes=MAX_MESSAGE_BYTES, rcvhwm=RECEIVE_HWM)
         apply_heartbeats(self._sock)  # a dead worker's connection is dropped, not kept for ever
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self.final_grace_s = final_grace_s
@@ -271,8 +298,12 @@ class TokenStreamCollector:
         self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
         self.num_stale = 0  # deltas of a try given up on (a migrated request's old worker)
         self.num_gaps = 0  # batches missing from a worker's sequence (each breaks that worker's tries)
+        self.num_forged = 0  # messages whose tag did not check (no secret, another secret, altered, another stream)
+        self.num_replayed = 0  # signed batches whose number their publisher had already used
+        self.num_dropped = 0  # connections lost (a frame over the size limit drops one; so does a worker leaving)
         self._next_seq: dict[str, int] = {}  # worker id -> the batch number it should send next
         self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_drops())
 
     def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
         """Start collecting `request_id`'s deltas, before any worker can send one;
@@ -390,21 +421,37 @@ class TokenStreamCollector:
         return Retry(entry.attempt, resume, entry.life.remaining())
 
     async def close(self) -> None:
-        self._reader.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._reader
+        for task in (self._reader, self._watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
         self._sock.close(linger=0)
+
+    async def _watch_drops(self) -> None:
+        while True:
+            await self._monitor.recv_multipart()
+            self.num_dropped += 1
 
     async def _read(self) -> None:
         while True:
-            data = await self._sock.recv(copy=True)
+            parts = await self._sock.recv_multipart(copy=True)
+            if len(parts) != 2 or not auth.token_check(self._secret, self.address, parts[0], parts[1]):
+                self.num_forged += 1
+                if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
+                    log.warning("token stream: dropped a message whose MAC does not check (%d so far): a peer "
+                                "without the cluster secret, or another one", self.num_forged)
+                continue
             try:
-                batch = decode_as(data, TokenDeltaBatch)
+                batch = decode_as(parts[1], TokenDeltaBatch)
             except ValueError as e:
                 self.num_rejected += 1
                 log.warning("token stream: dropped a bad message: %s", e)
                 continue
-            self._check_sequence(batch)
+            if not self._check_sequence(batch):
+                continue
             for d in batch.deltas:
                 entry = self._open.get(d.request_id)
                 if entry is not None:  # else: late deltas of a request that ended here
@@ -412,22 +459,28 @@ class TokenStreamCollector:
                         entry.senders.add(batch.worker_id)
                     self._accept(entry, d)
 
-    def _check_sequence(self, batch: TokenDeltaBatch) -> None:
-        """Batches of one publisher come numbered from 0; a missing number means lost
-        deltas of requests we cannot name, so every try that publisher sends to is
-        broken (they move on from what was handed on; nothing short is passed off as
-        complete)."""
+    def _check_sequence(self, batch: TokenDeltaBatch) -> bool:
+        """Whether to take the batch. Batches of one publisher come numbered from 0
+        and in order (one connection each); a number already seen is a replay,
+        refused. A missing number means lost deltas of requests we cannot name, so
+        every try that publisher sends to is broken (they move on from what was
+        handed on; nothing short is passed off as complete)."""
         wid = batch.worker_id
         expected = self._next_seq.get(wid, 0)
-        self._next_seq[wid] = max(expected, batch.seq + 1)
-        if batch.seq <= expected:
-            return
+        if batch.seq < expected:
+            self.num_replayed += 1
+            log.warning("token stream: refused batch %d from %s again (replayed)", batch.seq, wid)
+            return False
+        self._next_seq[wid] = batch.seq + 1
+        if batch.seq == expected:
+            return True
         self.num_gaps += 1
         log.warning("token stream: batches %d..%d from %s are missing; its requests move on",
                     expected, batch.seq - 1, wid)
         for entry in self._open.values():
             if wid in entry.senders:
                 entry.broken.set()
+        return True
 
     def _accept(self, entry: _Open, d: TokenDelta) -> None:
         """Hand `d` on in offset order: one that overtook an earlier delta (another

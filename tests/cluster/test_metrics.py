@@ -443,11 +443,13 @@ class _Pushing:
         import zmq
 
         from pdserve.workers.messages import TokenDeltaBatch, encode
+        from pdserve.workers.transfer import auth
 
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(req.reply_to)
         for seq, deltas in self.batches:
-            sock.send(encode(TokenDeltaBatch(worker_id=self.worker, seq=seq, deltas=deltas)))
+            body = encode(TokenDeltaBatch(worker_id=self.worker, seq=seq, deltas=deltas))
+            sock.send_multipart([auth.token_tag(auth.default_secret(), req.reply_to, body), body])  # signed
         await asyncio.sleep(0.1)
         sock.close(linger=1000)
 

@@ -259,6 +259,7 @@ def test_a_gap_in_a_workers_token_stream_moves_the_request_on_not_short() -> Non
 
     from pdserve.cluster.backend import TokenStreams
     from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
+    from pdserve.workers.transfer import auth
 
     def delta(offset: int, tokens: tuple[int, ...], attempt: int, final: bool = False) -> TokenDelta:
         return TokenDelta("g", offset, tokens, "x" * len(tokens), "length" if final else None, None, None, 0, None,
@@ -273,7 +274,8 @@ def test_a_gap_in_a_workers_token_stream_moves_the_request_on_not_short() -> Non
             sock = zmq.Context.instance().socket(zmq.PUSH)
             sock.connect(req.reply_to)
             for seq, deltas in self.batches:
-                sock.send(encode(TokenDeltaBatch(worker_id=self.worker, seq=seq, deltas=deltas)))
+                body = encode(TokenDeltaBatch(worker_id=self.worker, seq=seq, deltas=deltas))
+                sock.send_multipart([auth.token_tag(auth.default_secret(), req.reply_to, body), body])
             await asyncio.sleep(0.1)
             sock.close(linger=1000)
 

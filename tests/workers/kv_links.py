@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -182,7 +183,7 @@ class RawPeer:
 
         self.secret = auth.resolve(secret)
         self.fingerprint = fingerprint
-        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock: Any = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         if routing_id is not None:
             self.sock.setsockopt(zmq.ROUTING_ID, routing_id)

@@ -25,6 +25,7 @@ from pdserve.workers.token_stream import (
     from_delta,
     to_delta,
 )
+from pdserve.workers.transfer import auth
 
 
 @pytest.fixture(scope="module")
@@ -163,11 +164,15 @@ def test_garbage_on_the_socket_is_dropped_and_the_stream_goes_on() -> None:
         collector.open("a", [1], 10.0)
         sock = zmq.Context.instance().socket(zmq.PUSH)
         sock.connect(collector.address)
-        sock.send(b"\x93\x07\x01\x80")  # a TokenDeltaBatch header with no fields
-        sock.send(b"not msgpack at all")
+
+        def signed(body: bytes) -> list[bytes]:  # garbage from a holder of the secret: past the MAC, then refused
+            return [auth.token_tag(auth.default_secret(), collector.address, body), body]
+
+        sock.send_multipart(signed(b"\x93\x07\x01\x80"))  # a TokenDeltaBatch header with no fields
+        sock.send_multipart(signed(b"not msgpack at all"))
         delta = TokenDelta("a", 0, (4,), "t", "length", None, None, 0, None, None)
         ok = TokenDeltaBatch(worker_id="w", seq=0, deltas=(delta,))
-        sock.send(encode(ok))
+        sock.send_multipart(signed(encode(ok)))
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         done.set_result(None)
         outs = await _consume(collector, "a", done)

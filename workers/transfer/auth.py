@@ -94,6 +94,11 @@ class ClusterSecret:
         text = os.environ.get(SECRET_ENV)
         return cls.from_text(text) if text else None
 
+    @classmethod
+    def from_env_or_new(cls) -> ClusterSecret:
+        """`PDSERVE_CLUSTER_SECRET` when set, else a new one (a cluster's startup makes it once)."""
+        return cls.from_env() or cls.generate()
+
     def derive(self, label: bytes, *parts: bytes) -> bytes:
         """A 32-byte key for one purpose (`label`) and context (`parts`, each length-prefixed)."""
         return _tag(self._key, label, 0, parts)
@@ -127,6 +132,12 @@ def default_secret() -> ClusterSecret:
     if _process_secret is None:
         _process_secret = ClusterSecret.from_env() or ClusterSecret.generate()
     return _process_secret
+
+
+def set_default_secret(secret: ClusterSecret) -> None:
+    """Make `secret` this process's default (a worker process: from its constructor's argument)."""
+    global _process_secret
+    _process_secret = secret
 
 
 def resolve(secret: ClusterSecret | None) -> ClusterSecret:
@@ -219,4 +230,4 @@ def fingerprint_digest(*parts: bytes) -> str:
 
 
 __all__ = ["AUTH_FRAME_BYTES", "SECRET_ENV", "ClusterSecret", "RefusalCounts", "SeqWindow", "check", "default_secret",
-           "new_nonce", "open_seq", "resolve", "seal", "session_key", "token_check", "token_tag"]
+           "new_nonce", "open_seq", "resolve", "seal", "session_key", "set_default_secret", "token_check", "token_tag"]

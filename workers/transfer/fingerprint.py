@@ -1,0 +1,47 @@
+"""A model's fingerprint: what a KV link's hello names, so that a decode worker never takes KV computed by
+another model (another checkpoint, another fine-tune, another config of the same shapes).
+
+KV of the wrong model has the right shapes more often than not (two fine-tunes of one base, a model and
+its quantized copy): the cache geometry check cannot see it, and the decode worker would generate from
+it as if it were its own. The fingerprint is cheap, computed once when the worker starts: SHA-256 over
+the model directory's config.json, then, per tensor in name order, its name, shape and dtype, and 32
+bytes sampled at its start and at its middle (a different checkpoint differs there in practice; a
+full hash of the weights would cost seconds per GB at every start). What it does not see: two
+checkpoints that agree on every sampled byte, or a tokenizer change (the gateway tokenizes).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+
+import torch
+
+from pdserve.workers.transfer.auth import fingerprint_digest
+
+_SAMPLE_ELEMENTS = 16
+
+
+def model_fingerprint(model_dir: str | None, tensors: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The fingerprint of the model in `model_dir` whose loaded tensors are `tensors` (name, tensor)."""
+    parts: list[bytes] = [b"pdserve-model/1"]
+    config = os.path.join(model_dir, "config.json") if model_dir else None
+    if config is not None and os.path.isfile(config):
+        with open(config, "rb") as f:
+            parts.append(f.read())
+    with torch.no_grad():
+        for name, t in sorted(tensors, key=lambda item: item[0]):
+            parts.append(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+            flat = t.detach().reshape(-1)
+            mid = flat.numel() // 2
+            for piece in (flat[:_SAMPLE_ELEMENTS], flat[mid : mid + _SAMPLE_ELEMENTS]):
+                parts.append(piece.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return fingerprint_digest(*parts)
+
+
+def module_fingerprint(model_dir: str | None, module: torch.nn.Module) -> str:
+    """`model_fingerprint` of a loaded module's parameters and buffers."""
+    return model_fingerprint(model_dir, [*module.named_parameters(), *module.named_buffers()])
+
+
+__all__ = ["model_fingerprint", "module_fingerprint"]
