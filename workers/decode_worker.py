@@ -143,7 +143,7 @@ class DecodeWorker:
             job.tokens_sent = 1 if first.published else 0
             return lambda e: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
-        self.receiver.release(rid)
+        self._release(job)
         # (A recomputed first token could differ from the one the client already has.)
         if self.on_failure is KVFailurePolicy.RECOMPUTE and not (first is not None and first.published):
             return lambda e: self._recompute(e, job)
@@ -203,16 +203,34 @@ class DecodeWorker:
         if reservation.cached_tokens >= -(-num_prompt_tokens // bs) * bs:
             return True  # every block was cached here already: nothing was sent
         rid = job.request_id
+        if self._superseded(job):
+            return False  # the registration under its id is a later try's now
         loop = asyncio.get_running_loop()
         try:
             deadline = min(job.life.deadline, time.monotonic() + _VERDICT_WAIT_S)
             status = await loop.run_in_executor(self._waits, self.receiver.wait, rid, deadline)
         finally:
-            self.receiver.release(rid)
+            self._release(job)
         if status.state is TransferState.DONE:
             return True
         self._count_failure(status.reason or FailReason.TIMEOUT)
         return False
+
+    def _superseded(self, job: Job) -> bool:
+        """Whether a later try of the request took its place here. Registrations are keyed by
+        request id, so a try must not touch one once a later try may have made its own.
+        (Event loop: tries open on it, so no later try can open between this and what the
+        caller does next.)"""
+        current = self.async_engine.job(job.request_id)
+        return current is not None and current is not job
+
+    def _release(self, job: Job) -> None:
+        """Release `job`'s registration (a pending transfer: aborted), unless a later try
+        replaced it: then its own exit hook released it already, and what is registered
+        under the id is the later try's, whose blocks are live (releasing it would leave
+        that try waiting for KV that can no longer land)."""
+        if not self._superseded(job):
+            self.receiver.release(job.request_id)
 
     def _count_failure(self, reason: FailReason | None) -> None:
         self.num_transfer_failures += 1
