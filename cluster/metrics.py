@@ -117,9 +117,10 @@ class GatewayMetrics:
         Returns within `deadline_s` (plus parsing) whatever the workers do.
         Scrapes that overlap share one fetch from the workers: however many
         clients scrape at once, each worker is asked once at a time."""
-        if self._scrape is None or self._scrape.done():
-            self._scrape = asyncio.ensure_future(self._exposition(workers, deadline_s))
-        return await asyncio.shield(self._scrape)  # one scraper going away does not cancel the others'
+        scrape = self._scrape
+        if scrape is None or scrape.done() or scrape.get_loop() is not asyncio.get_running_loop():
+            self._scrape = scrape = asyncio.ensure_future(self._exposition(workers, deadline_s))
+        return await asyncio.shield(scrape)  # one scraper going away does not cancel the others'
 
     async def _exposition(self, workers: WorkerHandles, deadline_s: float) -> bytes:
         names = list(workers)

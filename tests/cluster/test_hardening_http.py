@@ -284,3 +284,31 @@ def test_keys_come_from_files_or_the_environment_and_never_show(tmp_path: Path,
         args.func(args)
     with pytest.raises(ValueError, match="^max_n: must be an integer >= 1"):
         serve_config({"model": "tiny", "max_n": 0})
+
+
+def test_overlapping_scrapes_ask_each_worker_once(tokenizer: Any) -> None:
+    """/metrics fans out to every worker: ten scrapes at once cost each worker one."""
+    from factories import LocalActor
+
+    class Worker:
+        calls = 0
+
+        async def metrics(self) -> bytes:
+            Worker.calls += 1
+            await asyncio.sleep(0.2)
+            return b""
+
+    class WithWorkers(Backend):
+        def worker_handles(self) -> dict[str, tuple[str, Any]]:
+            return {"pdserve-decode-0": ("decode", LocalActor(Worker()))}
+
+    gw = gateway(tokenizer, WithWorkers())
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
+            together = await asyncio.gather(*(c.get("/metrics") for _ in range(10)))
+            return [*together, await c.get("/metrics")]
+
+    responses = asyncio.run(main())
+    assert all(r.status_code == 200 and "pdserve:worker_up" in r.text for r in responses)
+    assert Worker.calls == 2  # one for the ten, one for the scrape after them
