@@ -325,3 +325,22 @@ def test_the_secret_never_shows_in_a_repr_and_travels_whole(monkeypatch: pytest.
     assert ServeConfig(EngineConfig("/m")).cluster_secret != ServeConfig(EngineConfig("/m")).cluster_secret
     with pytest.raises(ValueError):
         auth.ClusterSecret(b"short")
+
+
+def test_the_model_fingerprint_tells_checkpoints_and_configs_apart(tmp_path: Any) -> None:
+    from pdserve.workers.transfer.fingerprint import module_fingerprint
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Embedding(64, 16), torch.nn.Linear(16, 16))
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 16}')
+    base = module_fingerprint(str(tmp_path), model(0))
+    assert module_fingerprint(str(tmp_path), model(0)) == base  # the same model, loaded again
+    assert module_fingerprint(str(tmp_path), model(1)) != base  # another checkpoint of the same shapes
+    tuned = model(0)
+    with torch.no_grad():
+        tuned[1].weight.view(-1)[tuned[1].weight.numel() // 2] += 1.0  # a fine-tune that moved sampled bytes
+    assert module_fingerprint(str(tmp_path), tuned) != base
+    (tmp_path / "config.json").write_text('{"hidden_size": 16, "rope_theta": 1e6}')
+    assert module_fingerprint(str(tmp_path), model(0)) != base  # same weights, another config
