@@ -17,7 +17,10 @@ alternating A B C A B C ... over `--repeats` repeats after one warm-up each, med
             receiver's cache at scattered destination blocks), then `finish`, which
             returns once the receiver acked every layer as verified: end to end.
             Twice: with crc32 (always available) and with xxh3_64 (when the
-            `xxhash` package is installed; else that column says so).
+            `xxhash` package is installed; else that column says so). Every
+            message carries an HMAC-SHA256 tag over its header and K/V bytes,
+            made by the sender and checked by the receiver (the cluster secret
+            is handed to the receiving process, as Ray hands it to a worker).
 
 Time is measured in the sending process from the first byte to the final reply.
 GB/s = request KV bytes / time (1 GB = 1e9 B). Bar: pdserve >= 0.7x raw TCP.
@@ -39,6 +42,7 @@ the transport adds to the link.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import multiprocessing as mp
 import os
 import platform
@@ -57,7 +61,7 @@ import torch
 import zmq
 
 from pdserve.workers.messages import ChecksumKind
-from pdserve.workers.transfer import frames
+from pdserve.workers.transfer import auth, frames
 from pdserve.workers.transfer.zmq_backend import (
     DEFAULT_CREDITS,
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -155,10 +159,11 @@ def raw_zmq_receiver(conn: mp.connection.Connection) -> None:
     ctx.term()
 
 
-def pdserve_receiver(conn: mp.connection.Connection, num_layers: int, num_blocks: int, credits: int) -> None:
+def pdserve_receiver(conn: mp.connection.Connection, num_layers: int, num_blocks: int, credits: int,
+                     secret: auth.ClusterSecret) -> None:
     torch.set_num_threads(1)
     kv, full = allocate(num_layers, num_blocks, fill=False)
-    rx = ZmqKVReceiver(kv, "tcp://127.0.0.1:*", credits=credits)
+    rx = ZmqKVReceiver(kv, "tcp://127.0.0.1:*", credits=credits, secret=secret)
     conn.send(rx.address)
     try:
         while True:
@@ -280,6 +285,9 @@ def components(s: Setup, n: int) -> list[tuple[str, float]]:
     scattered = dst_blocks(n, s.num_blocks)
     steps = [(f"checksum {kind.value}", lambda kind=kind: frames.checksum(kind, kb, vb)) for kind in frames.CHECKSUMS]
     steps += [("crc32 through zlib", lambda: zlib.crc32(vb, zlib.crc32(kb)))]
+    key = auth.default_secret().key
+    steps += [("MAC: HMAC-SHA256 (what the transport uses)", lambda: auth.seal(key, auth.KV_TO_RECEIVER, 1, [kb, vb])),
+              ("MAC: keyed BLAKE2b (for comparison)", lambda: _blake2b(key, kb, vb))]
     steps += [
         ("frames of contiguous blocks (views of the cache)", lambda: frames.cache_frames(s.kv, 0, src)),
         ("gather, contiguous blocks, fresh buffer", lambda: frames.gather(s.kv, 0, src)),
@@ -289,6 +297,13 @@ def components(s: Setup, n: int) -> list[tuple[str, float]]:
         ("memcpy (torch clone)", lambda: (k[:n].clone(), v[:n].clone())),
     ]
     return [(name, nbytes / time_it(fn) / 1e9) for name, fn in steps]
+
+
+def _blake2b(key: bytes, kb: np.ndarray, vb: np.ndarray) -> bytes:
+    h = hashlib.blake2b(key=key, digest_size=32)
+    h.update(kb)
+    h.update(vb)
+    return h.digest()
 
 
 # -- main ------------------------------------------------------------------------------------------------
@@ -358,7 +373,8 @@ def start_peers(args: argparse.Namespace, setup: Setup, layer_bytes: int) -> Pee
     ctx = mp.get_context("spawn")
     pipes, procs = {}, []
     for name, target, extra in (("tcp", raw_tcp_receiver, (layer_bytes,)), ("zmq", raw_zmq_receiver, ()),
-                                ("pdserve", pdserve_receiver, (args.layers, setup.recv_blocks, args.credits))):
+                                ("pdserve", pdserve_receiver,
+                                 (args.layers, setup.recv_blocks, args.credits, auth.default_secret()))):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=target, args=(child, *extra), daemon=True, name=f"recv-{name}")
         p.start()
