@@ -269,9 +269,14 @@ def test_admission_is_taken_at_once(tokenizer: Any) -> None:
         tasks = [asyncio.create_task(c.post("/v1/completions", json={**OK, "stream": i % 2 == 0}, headers=KEY))
                  for i in range(20)]
         deadline = asyncio.get_running_loop().time() + 10
-        while sum(t.done() for t in tasks) < 17 and asyncio.get_running_loop().time() < deadline:
+        # The 17 refusals come back at once; the 3 admitted reach the backend once
+        # their prompts are tokenized (on the tokenizer thread): wait for both.
+        while ((sum(t.done() for t in tasks) < 17 or backend.running < 3)
+               and asyncio.get_running_loop().time() < deadline):
             await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)  # a fourth, wrongly admitted, would have got there too
         assert backend.running == 3
+        assert sum(t.done() for t in tasks) == 17
         backend.go.set()
         return await asyncio.gather(*tasks)
 
