@@ -26,7 +26,6 @@ import collections
 import json
 import os
 import platform
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from disagg_vs_colocated import stop, wait_healthy  # bench/ is on sys.path when run as a script
 
 # A process's group: the first of these found in its command line.
 GROUPS = ("DecodeService", "PrefillService", "ColocatedService", "EngineService", "ServeReplica", "ProxyActor",
@@ -95,19 +96,6 @@ def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
     return out
 
 
-def wait_ready(url: str, deadline_s: float, server: subprocess.Popen[bytes]) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if server.poll() is not None:
-            raise SystemExit(f"pdserve serve exited with {server.returncode}")
-        try:
-            with urllib.request.urlopen(f"{url}/models", timeout=3):
-                return
-        except OSError:
-            time.sleep(1)
-    raise SystemExit(f"pdserve serve was not ready within {deadline_s:.0f} s")
-
-
 def wait_closed(url: str, deadline_s: float) -> None:
     """Until nothing answers at `url` (Ray Serve's proxy outlives `pdserve serve` by a few
     seconds: the next mode's readiness check would see the old server)."""
@@ -137,7 +125,7 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
                               start_new_session=True)
     try:
         print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
-        wait_ready(url, 600, server)
+        wait_healthy(f"http://127.0.0.1:{a.port}", server, 600)
         warm = subprocess.run(bench_cmd(a, url, tokenizer, 2 * a.concurrency, 100, tmp / "warm.json"),
                               capture_output=True, text=True, timeout=600)
         if warm.returncode:
@@ -156,12 +144,7 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         metrics = json.loads(result.read_text())["runs"][0]["summary"]
         return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics}
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
+        stop(server)
         log.close()
         wait_closed(url, 120)
 
