@@ -38,8 +38,9 @@ from ray import serve
 from pdserve.cluster.serve_app import NAMESPACE, gateway_app, start_workers
 from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeConfig, serve_config
 
-_API_KEY_ARGS = ("api_key", "api_key_env", "api_key_file")
-_BUILDER_ARGS = {"engine_args", "worker_timeout_s", "wait_for_gpus_s", *_API_KEY_ARGS}
+_KEYS = ("api_key", "metrics_api_key")  # each given inline, or as `<name>_env` or `<name>_file`
+_KEY_ARGS = tuple(f"{name}{form}" for name in _KEYS for form in ("", "_env", "_file"))
+_BUILDER_ARGS = {"engine_args", "worker_timeout_s", "wait_for_gpus_s", *_KEY_ARGS}
 # Set elsewhere under Serve: refuse them rather than ignore them.
 _ELSEWHERE = {"host": "http_options.host in the Serve config", "port": "http_options.port in the Serve config",
               "haproxy_metrics_port": "RAY_SERVE_HAPROXY_METRICS_PORT in the environment of `ray start`",
@@ -77,7 +78,8 @@ def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
     if not args.get("model"):
         raise ValueError("model: required (an HF-format model directory present on every node)")
     settings = {k: v for k, v in args.items() if k not in _BUILDER_ARGS} | _engine_args(args)
-    settings["api_key"] = _api_key(args)
+    for name in _KEYS:
+        settings[name] = _key(args, name)
     cfg = serve_config(settings)  # its own checks raise ValueError("mode: ...") and so on
 
     extra: dict[str, float] = {}
@@ -157,31 +159,34 @@ def stop_workers() -> list[str]:
     return killed
 
 
-def _api_key(args: Mapping[str, Any]) -> str | None:
-    given = [k for k in _API_KEY_ARGS if args.get(k) is not None]
+def _key(args: Mapping[str, Any], name: str) -> str | None:
+    """A key (`api_key`, `metrics_api_key`) given inline, by environment variable or by file: at most one
+    of the three forms, so a key kept out of the YAML is not overridden by one left in it."""
+    forms = (name, f"{name}_env", f"{name}_file")
+    given = [k for k in forms if args.get(k) is not None]
     if len(given) > 1:
-        raise ValueError(f"{given[1]}: give only one of {', '.join(_API_KEY_ARGS)}")
+        raise ValueError(f"{given[1]}: give only one of {', '.join(forms)}")
     if not given:
         return None
     key = given[0]
     value = args[key]
     if not isinstance(value, str) or not value:
         raise ValueError(f"{key}: must be a non-empty string, got {value!r}")
-    if key == "api_key":
+    if key == name:
         return value
-    if key == "api_key_env":
+    if key.endswith("_env"):
         secret = os.environ.get(value, "").strip()
         if not secret:
-            raise ValueError(f"api_key_env: environment variable {value} is not set where the app is built")
+            raise ValueError(f"{key}: environment variable {value} is not set where the app is built")
         return secret
     path = os.path.expanduser(value)
     try:
         with open(path, encoding="utf-8") as f:
             secret = f.read().strip()
     except OSError as e:
-        raise ValueError(f"api_key_file: cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"{key}: cannot read {path}: {e.strerror}") from None
     if not secret:
-        raise ValueError(f"api_key_file: {path} is empty")
+        raise ValueError(f"{key}: {path} is empty")
     return secret
 
 

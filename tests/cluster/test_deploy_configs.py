@@ -275,6 +275,8 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": "/m", "api_key": "k", "api_key_env": "PDSERVE_API_KEY"}, "api_key_env"),
     ({"model": "/m", "api_key_env": "PDSERVE_TEST_UNSET_VARIABLE"}, "api_key_env"),
     ({"model": "/m", "api_key_file": "/nonexistent/pdserve/api_key"}, "api_key_file"),
+    ({"model": "/m", "metrics_api_key": "k", "metrics_api_key_file": "/k"}, "metrics_api_key_file"),
+    ({"model": "/m", "metrics_api_key_env": "PDSERVE_TEST_UNSET_VARIABLE"}, "metrics_api_key_env"),
     ({"model": "/m", "wait_for_gpus_s": -5}, "wait_for_gpus_s"),
     ({"model": "/m", "worker_timeout_s": 0}, "worker_timeout_s"),
     ({"model": "/m", "request_timeout": 0}, "request_timeout"),
@@ -294,6 +296,16 @@ def test_api_key_from_the_environment(deploy_pkg: Any, monkeypatch: pytest.Monke
     monkeypatch.setenv("PDSERVE_TEST_KEY", "  secret-from-env\n")
     cfg = deploy_pkg.config_from_args({"model": "/m", "api_key_env": "PDSERVE_TEST_KEY"})
     assert cfg.api_key == "secret-from-env"
+
+
+def test_metrics_key_from_a_file_apart_from_the_api_key(deploy_pkg: Any, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "metrics_key").write_text("scraper-key\n")
+    monkeypatch.setenv("PDSERVE_TEST_KEY", "client-key")
+    cfg = deploy_pkg.config_from_args({"model": "/m", "api_key_env": "PDSERVE_TEST_KEY",
+                                       "metrics_api_key_file": str(tmp_path / "metrics_key")})
+    assert (cfg.api_key, cfg.metrics_api_key) == ("client-key", "scraper-key")
+    assert "scraper-key" not in repr(cfg) and "client-key" not in repr(cfg)
 
 
 def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:

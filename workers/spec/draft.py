@@ -47,12 +47,14 @@ _SEED_SALT = 0x5DEECE66D  # the draft's stream differs from the request's own
 
 def _draft_params(p: SamplingParams) -> SamplingParams:
     """How the draft picks for a request: the request's sampling distribution, nothing that
-    only concerns output (stops, logprobs); greedy stays greedy."""
+    only concerns output (stops, logprobs); greedy stays greedy. The cache salt goes along: the
+    draft's cache shares no blocks today (prefix caching off), and must not start to across salts."""
     if p.temperature == 0.0:
-        return _GREEDY
+        return _GREEDY if p.cache_salt is None else SamplingParams(temperature=0.0, max_tokens=None,
+                                                                  cache_salt=p.cache_salt)
     seed = None if p.seed is None else (p.seed ^ _SEED_SALT) % (1 << 63)
     return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
-                          max_tokens=None, logit_bias=p.logit_bias)
+                          max_tokens=None, logit_bias=p.logit_bias, cache_salt=p.cache_salt)
 
 
 @dataclass
