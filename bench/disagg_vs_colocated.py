@@ -58,7 +58,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 def run_mode(mode: str, a: argparse.Namespace, out: Path) -> dict:
     url = f"http://127.0.0.1:{a.port}"
-    serve = [sys.executable, "-m", "pdserve", "serve", "--mode", mode, "--prefill", "1", "--decode", "1",
+    sizes = ["--workers", "2"] if mode == "colocated" else ["--prefill", "1", "--decode", "1"]  # the same CPUs
+    serve = [sys.executable, "-m", "pdserve", "serve", "--mode", mode, *sizes,
              "--port", str(a.port), "--max-model-len", str(a.input_len + a.output_len + 64),
              "--max-num-batched-tokens", str(a.max_num_batched_tokens), *a.serve_args]
     log = open(out / f"{mode}_serve.log", "w")

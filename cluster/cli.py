@@ -216,9 +216,11 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
 def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     """The arguments of `pdserve serve`."""
     srv.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
-    srv.add_argument("--prefill", type=int, default=_SETTING,
-                     help="prefill workers (1; colocated: total workers = prefill + decode)")
-    srv.add_argument("--decode", type=int, default=_SETTING, help="decode workers (1)")
+    srv.add_argument("--prefill", type=int, default=_SETTING, help="prefill workers (disaggregated; default 1)")
+    srv.add_argument("--decode", type=int, default=_SETTING, help="decode workers (disaggregated; default 1)")
+    srv.add_argument("--workers", type=int, default=_SETTING,
+                     help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
+                          "else one on all the CPU's cores)")
     srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
     srv.add_argument("--ingress", default=_SETTING,
                      help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "

@@ -74,6 +74,11 @@ def starts_local_ray() -> bool:
         return True
 
 
+def cluster_gpus() -> float:
+    """GPUs in the Ray cluster now (Ray is up)."""
+    return float(ray.cluster_resources().get("GPU", 0))
+
+
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     """Create the named worker actors (one GPU each on CUDA, a CPU share otherwise)."""
     from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
@@ -218,16 +223,18 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
         ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 
-def run(cfg: ServeConfig, block: bool = True) -> None:
+def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     """Start local Ray (or join RAY_ADDRESS), the workers, and the HTTP gateway.
     Before local Ray starts, an earlier run's orphaned HAProxy on one of this
-    run's ports is stopped; any other process there is a PortInUseError."""
+    run's ports is stopped; any other process there is a PortInUseError. Returns `cfg`
+    with what it decided (the colocated worker count)."""
     if starts_local_ray():
         check_ports(bound_ports(cfg))
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)
     init_ray(cfg)
+    cfg = cfg.fit_to_cluster(cluster_gpus)
     start_workers(cfg)
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
@@ -239,9 +246,11 @@ def run(cfg: ServeConfig, block: bool = True) -> None:
                 time.sleep(3600)
         except KeyboardInterrupt:
             shutdown(cfg)
+    return cfg  # with the worker count it decided
 
 
 def shutdown(cfg: ServeConfig) -> None:
+    cfg = cfg.fit_to_cluster(cluster_gpus)  # the same count `run` decided on this cluster
     serve.shutdown()
     for name in cfg.worker_names():
         try:

@@ -14,7 +14,7 @@ import dataclasses
 import enum
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +38,8 @@ class Ingress(str, enum.Enum):
 
 # Setting name -> ServeConfig field, for the settings that are not the engine's.
 SERVE_SETTINGS = {
-    "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "host": "host", "port": "port",
+    "mode": "mode", "prefill": "num_prefill", "decode": "num_decode", "workers": "num_colocated",
+    "host": "host", "port": "port",
     "haproxy_metrics_port": "haproxy_metrics_port", "haproxy_stats_port": "haproxy_stats_port",
     "haproxy_fallback_port": "haproxy_fallback_port",
     "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
@@ -60,8 +61,12 @@ _ENUMS: dict[str, type[enum.Enum]] = {
 class ServeConfig:
     engine: EngineConfig  # every worker's (a prefill worker drops speculation: it never decodes)
     mode: ServingMode = ServingMode.DISAGGREGATED
-    num_prefill: int = 1  # colocated: the workers are num_prefill + num_decode
+    num_prefill: int = 1  # disaggregated only
     num_decode: int = 1
+    # Colocated only: how many workers, each prefilling and decoding. None: what fits
+    # the cluster, decided when it starts (`fit_to_cluster`): one per GPU, else one
+    # worker on every CPU core (two workers on one CPU would split its cores).
+    num_colocated: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # The HAProxy ingress's own ports, and that of Serve's Python proxy it falls
@@ -136,6 +141,11 @@ class ServeConfig:
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
+        if self.num_colocated is not None:
+            if type(self.num_colocated) is not int or self.num_colocated < 1:
+                raise ValueError(f"workers: must be an integer >= 1, got {self.num_colocated!r}")
+            if self.mode is not ServingMode.COLOCATED:
+                raise ValueError("workers: colocated mode only; a disaggregated cluster takes prefill and decode")
         if self.served_model_name is not None:
             names: Any = self.served_model_name  # YAML and callers may give one name, or a list
             if isinstance(names, str):
@@ -184,12 +194,23 @@ class ServeConfig:
 
     @property
     def num_workers(self) -> int:
-        return self.num_prefill + self.num_decode
+        if self.mode is ServingMode.DISAGGREGATED:
+            return self.num_prefill + self.num_decode
+        if self.num_colocated is None:
+            raise ValueError("workers: not decided yet (fit_to_cluster decides it once Ray is up)")
+        return self.num_colocated
 
     def worker_names(self) -> list[str]:
         if self.mode is ServingMode.DISAGGREGATED:
             return self.prefill_names() + self.decode_names()
         return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
+
+    def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
+        """This config with the colocated worker count decided, where it was left to the
+        cluster: one worker per GPU (`cluster_gpus()`, asked only then), or one on a CPU-only cluster."""
+        if self.mode is not ServingMode.COLOCATED or self.num_colocated is not None:
+            return self
+        return dataclasses.replace(self, num_colocated=max(1, int(cluster_gpus())))
 
     def prefill_names(self) -> list[str]:
         return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]
@@ -208,6 +229,11 @@ def default_served_names(model: str) -> tuple[str, ...]:
 def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
     """The ServeConfig `settings` describe (flat names: see the module docstring)."""
     _check_names(settings, ENGINE_SETTINGS | SERVE_SETTINGS.keys())
+    if str(settings.get("mode", "")) in (ServingMode.COLOCATED, ServingMode.COLOCATED.value):
+        for name in ("prefill", "decode"):
+            if name in settings:
+                raise ValueError(f"{name}: disaggregated mode only; a colocated cluster takes workers "
+                                 "(--workers N; default: one per GPU, else one)")
     serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
     return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
 

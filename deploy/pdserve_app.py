@@ -35,7 +35,7 @@ from typing import Any
 
 from ray import serve
 
-from pdserve.cluster.serve_app import NAMESPACE, gateway_app, start_workers
+from pdserve.cluster.serve_app import NAMESPACE, cluster_gpus, gateway_app, start_workers
 from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeConfig, serve_config
 
 _KEYS = ("api_key", "metrics_api_key")  # each given inline, or as `<name>_env` or `<name>_file`
@@ -101,6 +101,11 @@ def app(args: dict[str, Any]) -> serve.Application:
     """Ray Serve application builder: `import_path: deploy.pdserve_app:app`."""
     parsed = parse_args(args)
     _ensure_ray()
+    if parsed.wait_for_gpus_s > 0:
+        _wait_for_gpus(parsed.wait_for_gpus_s)
+    # A colocated count left to the cluster is decided once, here: the workers and the
+    # gateway (which finds them by name) must agree on it.
+    parsed = dataclasses.replace(parsed, config=parsed.config.fit_to_cluster(cluster_gpus))
     _replace_workers(parsed)
     return gateway_app(parsed.config)
 
@@ -117,8 +122,6 @@ def _ensure_ray(address: str | None = None) -> None:
 
 def _replace_workers(parsed: DeployArgs) -> None:
     """Kill the pdserve worker actors left by an earlier build, then start this config's."""
-    if parsed.wait_for_gpus_s > 0:
-        _wait_for_gpus(parsed.wait_for_gpus_s)
     stop_workers()
     start_workers(parsed.config, timeout_s=parsed.worker_timeout_s)
 

@@ -230,6 +230,7 @@ def test_builder_returns_the_gateway_application_under_serves_own_call(
         deploy_pkg: Any, api_key_home: str, monkeypatch: pytest.MonkeyPatch) -> None:
     started: list[Any] = []
     monkeypatch.setattr(deploy_pkg, "_ensure_ray", lambda *a: None)
+    monkeypatch.setattr(deploy_pkg, "_wait_for_gpus", lambda *a: None)
     monkeypatch.setattr(deploy_pkg, "_replace_workers", started.append)
     app_cfg = pdserve_app_config()
     application = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg["import_path"]), app_cfg["args"])
@@ -258,6 +259,9 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": ""}, "model"),
     ({"model": "/m", "prefill": 0}, "prefill"),
     ({"model": "/m", "decode": "2"}, "decode"),
+    ({"model": "/m", "workers": 2}, "workers"),  # disaggregated: prefill and decode
+    ({"model": "/m", "mode": "colocated", "workers": 0}, "workers"),
+    ({"model": "/m", "mode": "colocated", "prefill": 2}, "prefill"),  # colocated: workers
     ({"model": "/m", "prefill": True}, "prefill"),
     ({"model": "/m", "max_model_len": -1}, "max_model_len"),
     ({"model": "/m", "block_size": 24}, "block_size"),
@@ -308,15 +312,29 @@ def test_metrics_key_from_a_file_apart_from_the_api_key(deploy_pkg: Any, tmp_pat
     assert "scraper-key" not in repr(cfg) and "client-key" not in repr(cfg)
 
 
+def test_colocated_worker_count_is_given_or_fits_the_cluster(deploy_pkg: Any) -> None:
+    given = serve_config({"model": "/m", "mode": "colocated", "workers": 3})
+    assert given.fit_to_cluster(lambda: pytest.fail("the cluster is not asked")) is given
+    left = deploy_pkg.config_from_args({"model": "/m", "mode": "colocated"})
+    assert left.num_colocated is None
+    with pytest.raises(ValueError, match="^workers"):
+        left.worker_names()  # nothing may start before the count is decided
+    assert left.fit_to_cluster(lambda: 0).worker_names() == ["pdserve-worker-0"]  # CPU: one on every core
+    assert left.fit_to_cluster(lambda: 4.0).worker_names() == [f"pdserve-worker-{i}" for i in range(4)]
+    disagg = serve_config({"model": "/m"})
+    assert disagg.fit_to_cluster(lambda: pytest.fail("the cluster is not asked")) is disagg
+
+
 def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:
     cfg = deploy_pkg.config_from_args({"model": "/m"})
     assert cfg == serve_config({"model": "/m"}) == ServeConfig(EngineConfig("/m"))
     assert deploy_pkg.parse_args({"model": "/m"}).wait_for_gpus_s == 0  # CPU-only runs stay possible
 
 
-@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
-def test_stop_matches_exactly_the_worker_names_start_makes(deploy_pkg: Any, mode: str) -> None:
-    cfg = serve_config({"model": "/m", "mode": mode, "prefill": 3, "decode": 2})
+@pytest.mark.parametrize("sizes", [{"mode": "colocated", "workers": 5}, {"prefill": 3, "decode": 2}])
+def test_stop_matches_exactly_the_worker_names_start_makes(deploy_pkg: Any, sizes: dict[str, Any]) -> None:
+    cfg = serve_config({"model": "/m", **sizes})
+    assert len(cfg.worker_names()) == 5
     assert all(deploy_pkg._WORKER_NAME.fullmatch(n) for n in cfg.worker_names())
     for other in ("pdserve-gateway", "pdserve-router", "SERVE_CONTROLLER_ACTOR", "pdserve-decode-x"):
         assert not deploy_pkg._WORKER_NAME.fullmatch(other)
