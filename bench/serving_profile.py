@@ -7,12 +7,16 @@ whatever happens), warms it up, then runs `pdserve bench` (random prompts of
 over a window in the middle of that run, reads every process's CPU time from
 /proc: the table gives each group's share of one core (the decode, prefill or
 colocated worker, the gateway replica, Ray's own processes, HAProxy, the bench
-client) and how busy the machine was. Then the offline engine (`LLM.generate`,
+client) and how busy the machine was, and, from the workers' own step histograms
+(scraped through the gateway's /metrics), each engine's steps per second, mean
+step time and the share of the window its engine thread spent stepping. The
+load must outlast the window (5 s + `--window`): the table says whether it did.
+Then the offline engine (`LLM.generate`,
 the same prompts, `max_num_seqs` = concurrency, 1 and 2 torch threads) in this
 process, for the ratio served / offline.
 
-    python bench/serving_profile.py [--model tiny] [--modes disaggregated,colocated] [--concurrency 16]
-        [--requests 400] [--window 16] [--out results.json]
+    python bench/serving_profile.py [--model tiny] [--modes disaggregated,colocated,colocated:2]
+        [--concurrency 16] [--requests 800] [--window 10] [--out results.json]
 
 py-spy is left out on purpose: sampling six processes at a useful rate takes
 a good part of a 2-core machine and changes what it measures (run it by hand
@@ -48,12 +52,13 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
     p.add_argument("--tokenizer", default=None, help="for the bench client (default: the model's directory)")
-    p.add_argument("--modes", default="disaggregated,colocated")
+    p.add_argument("--modes", default="disaggregated,colocated,colocated:2",
+                   help="comma-separated; colocated:N = N colocated workers (colocated alone: one)")
     p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--requests", type=int, default=400)
+    p.add_argument("--requests", type=int, default=800, help="enough that the load outlasts 5 s + --window")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--window", type=float, default=16.0, help="seconds of CPU accounting in the run's middle")
+    p.add_argument("--window", type=float, default=10.0, help="seconds of CPU accounting in the run's middle")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument (repeatable)")
     p.add_argument("--out", type=Path, default=None)
@@ -96,6 +101,45 @@ def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
     return out
 
 
+def scrape(port: int) -> dict[tuple[str, str], float]:
+    """{(sample name, worker): value} of the workers' step histograms, from the gateway's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith(("_sum", "_count")) and "worker" in sample.labels and \
+                    ("engine_step_duration" in sample.name or "iteration_" in sample.name):
+                out[(sample.name.removeprefix("pdserve:"), sample.labels["worker"])] = sample.value
+    return out
+
+
+def engine_table(s0: dict[tuple[str, str], float], s1: dict[tuple[str, str], float],
+                 wall: float) -> dict[str, dict[str, float]]:
+    """Per worker over the window: engine steps/s, mean step ms, the share of the wall time its
+    engine thread spent in steps (the rest: waiting), mean decode batch and prefill tokens per step."""
+    def delta(name: str, worker: str) -> float:
+        return s1.get((name, worker), 0.0) - s0.get((name, worker), 0.0)
+
+    table: dict[str, dict[str, float]] = {}
+    for worker in sorted({w for _, w in s1}):
+        steps = delta("engine_step_duration_seconds_count", worker)
+        busy = delta("engine_step_duration_seconds_sum", worker)
+        if steps <= 0:
+            continue
+        decode_n = delta("iteration_decode_batch_size_count", worker)
+        prefill_n = delta("iteration_prefill_tokens_count", worker)
+        table[worker] = {
+            "steps_per_s": round(steps / wall, 1), "step_ms": round(busy / steps * 1e3, 2),
+            "in_steps_pct": round(busy / wall * 100, 1),
+            "decode_batch": round(delta("iteration_decode_batch_size_sum", worker) / decode_n, 1) if decode_n else 0.0,
+            "prefill_tokens_per_step": round(delta("iteration_prefill_tokens_sum", worker) / prefill_n, 1)
+            if prefill_n else 0.0}
+    return table
+
+
 def wait_closed(url: str, deadline_s: float) -> None:
     """Until nothing answers at `url` (Ray Serve's proxy outlives `pdserve serve` by a few
     seconds: the next mode's readiness check would see the old server)."""
@@ -119,9 +163,11 @@ def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int
 
 def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{a.port}/v1"
-    log = (tmp / f"serve-{mode}.log").open("wb")
-    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode",
-                               mode, "--port", str(a.port), *a.serve_arg], stdout=log, stderr=subprocess.STDOUT,
+    log = (tmp / f"serve-{mode.replace(':', '-')}.log").open("wb")
+    name, _, workers = mode.partition(":")  # colocated:N: N colocated workers
+    sizes = ["--workers", workers] if workers else []
+    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode", name, *sizes,
+                               "--port", str(a.port), *a.serve_arg], stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:
         print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
@@ -132,17 +178,23 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
             raise SystemExit(f"the warm-up bench failed ({warm.returncode}):\n{warm.stderr[-2000:]}")
         print(f"[profile] {mode}: {a.requests} requests, CPU over {a.window:.0f} s of them ...", file=sys.stderr,
               flush=True)
-        result = tmp / f"bench-{mode}.json"
+        result = tmp / f"bench-{mode.replace(':', '-')}.json"
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         time.sleep(5)  # past the ramp-up
+        scraped0 = scrape(a.port)
         before, t0 = cpu_snapshot(), time.monotonic()
         time.sleep(a.window)
         after, wall = cpu_snapshot(), time.monotonic() - t0
+        scraped1 = scrape(a.port)
         still_running = client.poll() is None
+        if not still_running:  # the CPU and step shares would count idle time after the load
+            print(f"[profile] {mode}: the load ended inside the accounting window: its CPU and engine tables "
+                  "are not steady-state (raise --requests or lower --window)", file=sys.stderr, flush=True)
         client.wait(timeout=900)
         metrics = json.loads(result.read_text())["runs"][0]["summary"]
-        return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics}
+        return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics,
+                "engine": engine_table(scraped0, scraped1, wall)}
     finally:
         stop(server)
         log.close()
@@ -191,15 +243,17 @@ def main() -> int:
     print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
           f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_model()}, "
           f"{os.cpu_count()} cores\n")
-    print("| mode | output tok/s | / offline 1 thread | / offline 2 threads | p50 TTFT ms | p50 TPOT ms | failed |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| mode | output tok/s | / offline 1 thread | / offline 2 threads | p50 TTFT ms | p50 TPOT ms | failed "
+          "| window inside the load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
     for mode in a.modes.split(","):
         m = results[mode]["bench"]
         tps = m["output_token_throughput"]
         print(f"| {mode} | {tps:.0f} | {tps / results['offline_1t']:.2f} | {tps / results['offline_2t']:.2f} | "
-              f"{m['ttft_s']['median'] * 1e3:.0f} | {m['tpot_s']['median'] * 1e3:.1f} | {m['failed']} |")
-    print(f"| offline, 1 torch thread | {results['offline_1t']:.0f} | | | | | |")
-    print(f"| offline, 2 torch threads | {results['offline_2t']:.0f} | | | | | |")
+              f"{m['ttft_s']['median'] * 1e3:.0f} | {m['tpot_s']['median'] * 1e3:.1f} | {m['failed']} | "
+              f"{'yes' if results[mode]['window_inside_run'] else 'NO'} |")
+    print(f"| offline, 1 torch thread | {results['offline_1t']:.0f} | | | | | | |")
+    print(f"| offline, 2 torch threads | {results['offline_2t']:.0f} | | | | | | |")
     print("\nCPU during the run, % of one core (machine: busy % of all cores):\n")
     groups = sorted({g for mode in a.modes.split(",") for g in results[mode]["cpu"]},
                     key=lambda g: -max(results[m]["cpu"].get(g, 0.0) for m in a.modes.split(",")))
@@ -207,6 +261,14 @@ def main() -> int:
     print("|---|" + "---:|" * len(a.modes.split(",")))
     for g in groups:
         print(f"| {g} | " + " | ".join(f"{results[m]['cpu'].get(g, 0.0):.1f}" for m in a.modes.split(",")) + " |")
+    print("\nEngine steps during the same window, per worker (in steps: share of the wall time its engine "
+          "thread spent stepping):\n")
+    print("| mode | worker | steps/s | mean step ms | in steps % | mean decode batch | prefill tokens/step |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for mode in a.modes.split(","):
+        for worker, e in results[mode]["engine"].items():
+            print(f"| {mode} | {worker} | {e['steps_per_s']} | {e['step_ms']} | {e['in_steps_pct']} | "
+                  f"{e['decode_batch']} | {e['prefill_tokens_per_step']} |")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2))
     return 0

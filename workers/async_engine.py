@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
@@ -103,6 +105,11 @@ class AsyncEngine:
         self.gateway_gone_s = GATEWAY_GONE_S
         self.num_orphans_aborted = 0  # requests aborted because their gateway was gone
         self._next_gone_check = 0.0  # engine thread: when to look at the gateway links again
+        # The engine thread sets this itself: OpenMP's thread count is per thread, and a
+        # new thread starts from OMP_NUM_THREADS (Ray sets it to 1 in every worker process),
+        # not from what `torch.set_num_threads` set in the thread that built the engine.
+        # Without this, a served worker ran its model on one core whatever it was given.
+        self.torch_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
 
     # -- lifetime ---------------------------------------------------------------
@@ -347,6 +354,7 @@ class AsyncEngine:
             _on_loop(loop, _settle, fut, None, error)
 
     def _run(self) -> None:
+        torch.set_num_threads(self.torch_threads)
         try:
             idle = True
             while not self._stop.is_set():
