@@ -30,6 +30,7 @@ import collections
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--window", type=float, default=10.0, help="seconds of CPU accounting in the run's middle")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument (repeatable)")
+    p.add_argument("--py-spy", action="append", default=[], metavar="GROUP",
+                   help="also sample this process group (e.g. ServeReplica, EngineService) with py-spy over the "
+                        "window and print where its threads were (repeatable; it costs CPU: compare throughput "
+                        "with a run without it)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -99,6 +104,47 @@ def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
     out: dict[str, float] = {g: round(v, 1) for g, v in share.most_common() if v >= 0.5}
     out["machine"] = round(((total1 - total0) - (idle1 - idle0)) / wall * 100, 1)
     return out
+
+
+def pids_of(group: str) -> list[str]:
+    return [pid for pid, (cmd, _) in cpu_snapshot()[0].items() if group_of(cmd) == group]
+
+
+def spy(pid: str, group: str, seconds: float, out: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    """py-spy on one process over the window, not pausing it (--nonblocking), idle threads left out."""
+    out = out.with_name(f"{out.stem}-{pid}.txt")
+    return subprocess.Popen(["py-spy", "record", "-p", pid, "-r", "100", "-d", str(int(seconds)), "-f", "raw",
+                             "--threads", "--nonblocking", "-o", str(out)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL), out
+
+
+def summarize_spy(path: Path, top: int = 25) -> str:
+    """Per thread, the share of samples, then the functions (any frame) seen in most samples."""
+    if not path.exists():
+        return "  (no samples)"
+    threads: collections.Counter[str] = collections.Counter()
+    frames: collections.Counter[str] = collections.Counter()
+    leaves: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        count = int(n)
+        parts = stack.split(";")
+        threads[parts[0]] += count
+        total += count
+        for frame in {_short(f) for f in parts[1:]}:  # inclusive: a function counts once per sample
+            frames[frame] += count
+        leaves[_short(parts[-1])] += count
+    lines = [f"  {n / total:6.1%}  thread {t}" for t, n in threads.most_common(6)]
+    lines += ["  inclusive:"] + [f"  {n / total:6.1%}  {f}" for f, n in frames.most_common(top)]
+    lines += ["  self:"] + [f"  {n / total:6.1%}  {f}" for f, n in leaves.most_common(top)]
+    return "\n".join(lines)
+
+
+def _short(frame: str) -> str:
+    """`function (path/file.py:line)` -> `function (file.py)`."""
+    name, _, where = frame.partition(" (")
+    return f"{name} ({where.split(':')[0].rsplit('/', 1)[-1]})" if where else name
 
 
 def scrape(port: int) -> dict[tuple[str, str], float]:
@@ -183,6 +229,8 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
                                   stderr=subprocess.DEVNULL)
         time.sleep(5)  # past the ramp-up
         scraped0 = scrape(a.port)
+        spies = [spy(pid, group, a.window, tmp / f"py-spy-{mode.replace(':', '-')}-{group}.txt")
+                 for group in a.py_spy for pid in pids_of(group)]
         before, t0 = cpu_snapshot(), time.monotonic()
         time.sleep(a.window)
         after, wall = cpu_snapshot(), time.monotonic() - t0
@@ -192,6 +240,11 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
             print(f"[profile] {mode}: the load ended inside the accounting window: its CPU and engine tables "
                   "are not steady-state (raise --requests or lower --window)", file=sys.stderr, flush=True)
         client.wait(timeout=900)
+        for proc, out in spies:
+            proc.wait(timeout=60)
+            if a.out is not None and out.exists():  # the raw samples, beside the results
+                shutil.copy(out, a.out.parent / out.name)
+            print(f"[profile] {mode}: py-spy of {out.stem}:\n{summarize_spy(out)}", file=sys.stderr, flush=True)
         metrics = json.loads(result.read_text())["runs"][0]["summary"]
         return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics,
                 "engine": engine_table(scraped0, scraped1, wall)}
