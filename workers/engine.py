@@ -74,6 +74,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
         setup.compile_runner(config, self.runner, backend)
+        setup.prepare_attention(config, backend, self.device)
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []

@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from pdserve.kernels import cpu_decode
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.kv.cache import bytes_per_block, kv_budget_bytes
@@ -91,6 +92,14 @@ def compile_runner(config: EngineConfig, runner: ModelRunner, backend: Attention
                               config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg))
     if forward is not None:
         runner.forward = forward
+
+
+def prepare_attention(config: EngineConfig, backend: AttentionBackend, device: torch.device) -> None:
+    """Build the CPU decode attention op now, at engine start, not in the first request's step (a
+    first build takes ~20 s; later starts load it from torch's extension cache)."""
+    if device.type == "cpu" and backend is AttentionBackend.TORCH and cpu_decode.enabled():
+        log(config, "preparing the CPU decode attention op")
+        cpu_decode.load()
 
 
 def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
