@@ -154,8 +154,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode, "paged decod
 
 # -march=native: the dot products and exp vectorize for this machine's CPU (AVX2/AVX-512); -ffast-math
 # lets the compiler reorder the float sums and use the vector exp (the kernel has no NaN or infinity to
-# keep: its inputs are finite keys, queries and scores).
-_FLAGS = ["-O3", "-march=native", "-ffast-math"]
+# keep: its inputs are finite keys, queries and scores); -fopenmp: without it at::parallel_for, a header
+# template, compiles to a serial loop (the symbols resolve to the OpenMP runtime torch already loaded).
+# Attention per step of the tiny model's 4 layers, context 300, 2 threads, op vs reference: batch 1
+# 0.12 vs 0.37 ms, 8: 0.49 vs 0.74, 16: 0.91 vs 1.18, 32: 1.91 vs 2.42 (docs/serving-profile.md).
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -198,23 +201,15 @@ def load() -> ModuleType | None:
     return _module
 
 
-# Up to this many sequences a decode step takes the op. Beyond, the reference's batched SDPA (oneDNN/MKL
-# GEMMs over the gathered blocks) wins: attention per step of the tiny model's 4 layers, context 300,
-# 2 threads, op vs reference: batch 1 0.14 vs 0.37 ms, 2: 0.28 vs 0.43, 4: 0.45 vs 0.52, 8: 0.82 vs 0.71,
-# 16: 1.57 vs 1.12 (docs/serving-profile.md). The op reads each key once per sequence with plain
-# vectorized loops; it does not block several sequences' work into GEMMs.
-MAX_SEQS = 4
-
-
 # Rows (new tokens) a sequence may have in a step the op takes: decode (1) and verifying k drafts (k + 1).
 # Each row reads its sequence's keys once: for a prefill chunk the reference's one SDPA per chunk wins.
 MAX_ROWS = 8
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
-    """Whether this call takes the op: at most MAX_SEQS sequences, each with at most MAX_ROWS new tokens
-    (a decode or verification step), on CPU, in a dtype it has."""
-    if meta.num_seqs > MAX_SEQS or q.device.type != "cpu" or q.dtype not in DTYPES or k_cache.dtype != q.dtype:
+    """Whether this call takes the op: every sequence with at most MAX_ROWS new tokens (a decode or
+    verification step), on CPU, in a dtype it has."""
+    if q.device.type != "cpu" or q.dtype not in DTYPES or k_cache.dtype != q.dtype:
         return False
     if meta.num_decode_seqs != meta.num_seqs and int(np.diff(meta.query_start_loc_np).max()) > MAX_ROWS:
         return False

@@ -103,7 +103,7 @@ def test_verification_rows_see_their_own_prefix_only(dtype: torch.dtype) -> None
     assert not cpu_decode.usable(long_chunk[0], long_chunk[3], long_chunk[5])  # a prefill chunk: the reference
 
 
-def test_the_op_agrees_with_the_reference_and_the_dispatch_takes_it_only_for_small_decode_steps() -> None:
+def test_the_op_agrees_with_the_reference_and_the_dispatch_takes_it() -> None:
     lens = [40, 7, 129]
     q, k, v, k_cache, v_cache, meta, _, _ = decode_batch(lens, 8, 2, 32, 16, torch.float32, seed=3)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
@@ -112,8 +112,6 @@ def test_the_op_agrees_with_the_reference_and_the_dispatch_takes_it_only_for_sma
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     assert cpu_decode.usable(q, k_cache, meta)
-    big = decode_batch([20] * (cpu_decode.MAX_SEQS + 1), 8, 2, 32, 16, torch.float32, seed=4)
-    assert not cpu_decode.usable(big[0], big[3], big[5])  # many sequences: the reference's GEMMs win
     assert not cpu_decode.usable(q.double(), k_cache.double(), meta)  # a dtype the op has no loop for
 
 
