@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import socket
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -119,3 +122,28 @@ class FakeBackend:
 
     async def close(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def serve_gateway(gw: Any, log_level: str = "critical") -> Iterator[str]:
+    """Serve a Gateway's app with uvicorn on a free loopback port (a thread), yield its base URL,
+    and stop it whatever happens."""
+    import uvicorn
+
+    from pdserve.cluster.openai_app import build_app
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level=log_level))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert srv.started, "uvicorn did not start within 20 s"
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)

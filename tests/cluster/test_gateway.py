@@ -3,8 +3,6 @@ over one in-process engine. The cluster backends plug into the same gateway."""
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,8 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import uvicorn
-from factories import FakeBackend, tiny_spec
+from factories import FakeBackend, serve_gateway, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.backend import LocalBackend
@@ -37,19 +34,8 @@ def server(model_dir: Path) -> Iterator[tuple[str, AsyncEngine]]:
     gw = Gateway(LocalBackend(engine), llm.tokenizer,
                  GatewayConfig(model_name=MODEL, max_model_len=256, api_key="sekret",
                                                       max_in_flight=64))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert srv.started
-    yield f"http://127.0.0.1:{port}", engine
-    srv.should_exit = True
-    thread.join(10)
+    with serve_gateway(gw, log_level="warning") as url:
+        yield url, engine
     engine.close()
 
 

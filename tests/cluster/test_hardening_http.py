@@ -9,16 +9,14 @@ import asyncio
 import contextlib
 import logging
 import socket
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from factories import FakeBackend, tiny_spec
+from factories import FakeBackend, serve_gateway, tiny_spec
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.gateway import Gateway, GatewayConfig
@@ -65,23 +63,6 @@ def tokenizer(make_model: Callable[[TinyModelSpec], Path]) -> Any:
     return AutoTokenizer.from_pretrained(make_model(tiny_spec()))
 
 
-@contextlib.contextmanager
-def serving(gw: Gateway) -> Iterator[str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level="critical"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert srv.started
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def gateway(tokenizer: Any, backend: Any = None, **config: Any) -> Gateway:
@@ -126,7 +107,7 @@ def normal_request_works(url: str) -> bool:
 
 def test_key_is_checked_before_the_body_and_a_declared_huge_body_is_413_at_once(tokenizer: Any) -> None:
     gw = gateway(tokenizer)
-    with serving(gw) as url:
+    with serve_gateway(gw) as url:
         # Neither sends a byte of its gigabyte: each is answered from its headers.
         with contextlib.closing(raw(url, head("/v1/completions", 10**9, key="wrong"))) as s:
             assert status_of(s, 5) == 401
@@ -138,7 +119,7 @@ def test_key_is_checked_before_the_body_and_a_declared_huge_body_is_413_at_once(
 
 def test_a_body_that_trickles_in_gets_408_and_slow_headers_block_no_one(tokenizer: Any) -> None:
     gw = gateway(tokenizer, limits=RequestLimits(body_timeout=0.5))
-    with serving(gw) as url:
+    with serve_gateway(gw) as url:
         with contextlib.closing(raw(url, head("/v1/completions", 100), b'{"model": ')) as slow_body, \
                 contextlib.closing(raw(url, "POST /v1/completions HTTP/1.1\r\nHost: gw\r\n")) as slow_headers:
             start = time.monotonic()
@@ -156,7 +137,7 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_frees_its_slot(tokeni
     backend.flood = True
     gw = gateway(tokenizer, backend, max_in_flight=1, limits=RequestLimits(write_timeout=0.5))
     body = b'{"model": "tiny", "prompt": "hi", "stream": true, "max_tokens": 100}'
-    with serving(gw) as url, contextlib.closing(raw(url, head("/v1/completions", len(body)), body, rcvbuf=4096)):
+    with serve_gateway(gw) as url, contextlib.closing(raw(url, head("/v1/completions", len(body)), body, rcvbuf=4096)):
         deadline = time.monotonic() + 5
         while not gw.admitted and time.monotonic() < deadline:
             time.sleep(0.01)
