@@ -211,9 +211,11 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> b
     verification step), on CPU, in a dtype it has."""
     if q.device.type != "cpu" or q.dtype not in DTYPES or k_cache.dtype != q.dtype:
         return False
-    if meta.num_decode_seqs != meta.num_seqs and int(np.diff(meta.query_start_loc_np).max()) > MAX_ROWS:
-        return False
-    return k_cache.is_contiguous() and load() is not None
+    short = meta.scratch.get("cpu_decode_rows")  # the same for every layer of the step: decided once
+    if short is None:
+        short = meta.scratch["cpu_decode_rows"] = (
+            meta.num_decode_seqs == meta.num_seqs or int(np.diff(meta.query_start_loc_np).max()) <= MAX_ROWS)
+    return bool(short) and k_cache.is_contiguous() and load() is not None
 
 
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

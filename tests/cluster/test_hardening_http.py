@@ -63,8 +63,6 @@ def tokenizer(make_model: Callable[[TinyModelSpec], Path]) -> Any:
     return AutoTokenizer.from_pretrained(make_model(tiny_spec()))
 
 
-
-
 def gateway(tokenizer: Any, backend: Any = None, **config: Any) -> Gateway:
     return Gateway(backend or Backend(), tokenizer,
                    GatewayConfig(**{"model_name": MODEL, "max_model_len": 256, "api_key": "sekret", **config}))
