@@ -1,0 +1,143 @@
+"""The engine on a CUDA device: the tests only a GPU can run (bench/gpu_check.sh runs them
+on a lent one; everywhere else they are skipped). transformers on the same device is the
+oracle. Imports nothing the lent GPU image lacks (no Ray, ZeroMQ, pydantic)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+from transformers import AutoModelForCausalLM
+
+from pdserve import LLM, SamplingParams
+from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers.stats import StepStats
+from pdserve.workers.tiny.builder import Arch, TinyModelSpec
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+GQA = tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2)
+QWEN2 = tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1)
+
+
+def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [3, 17, 29, 48, 64, 95, 120, 161][:n]
+    return [torch.randint(5, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def _hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
+
+
+@pytest.mark.parametrize("spec", [GQA, QWEN2], ids=["llama-gqa", "qwen2-bias"])
+def test_fp32_greedy_on_cuda_equals_transformers(spec: TinyModelSpec,
+                                                 make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Triton kernels (the CUDA default) in float32: the same greedy tokens as transformers on the GPU."""
+    model_dir = make_model(spec)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512,
+              progress=False)
+    assert llm.engine.model.model.layers[0].self_attn.backend is AttentionBackend.TRITON
+    prompts = _prompts(8, llm.engine.model_config.vocab_size, seed=1)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+    hf = _hf(model_dir, torch.float32)
+    hf.generation_config.eos_token_id = None
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt], device="cuda"), max_new_tokens=48, do_sample=False,
+                              pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_bf16_prefill_logits_on_cuda_match_transformers(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """bf16 end to end: each prompt's last-position logits within bf16 noise of transformers' bf16
+    logits, and the same top token wherever transformers' top two are clearly apart."""
+    model_dir = make_model(GQA)
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512,
+              progress=False)
+    captured: list[torch.Tensor] = []
+    compute_logits = llm.engine.model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        captured.append(logits.float().clone())
+        return logits
+
+    llm.engine.model.compute_logits = capture  # type: ignore[method-assign]
+    hf = _hf(model_dir, torch.bfloat16)
+    for prompt in _prompts(8, llm.engine.model_config.vocab_size, seed=2):
+        captured.clear()
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
+        mine = captured[-1][0]
+        rel = float((mine - ref).norm() / ref.norm())
+        assert rel < 3e-2, f"prompt of {len(prompt)}: rel {rel:.2e}"
+        top2 = ref.topk(2).values
+        if float(top2[0] - top2[1]) > 0.5:
+            assert int(mine.argmax()) == int(ref.argmax())
+
+
+def test_cuda_graphs_change_no_greedy_token(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Decode replayed from CUDA graphs (batches padded up to their bucket) gives exactly the
+    eager engine's tokens, float32, ragged batches of 1, 3 and 5."""
+    model_dir = make_model(GQA)
+    outs = {}
+    for eager in (True, False):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512,
+                  max_num_seqs=8, enforce_eager=eager, progress=False)
+        prompts = _prompts(8, llm.engine.model_config.vocab_size, seed=3)
+        outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(
+            prompts[:n], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))] for n in (1, 3, 5)]
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[False] == outs[True]
+
+
+def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """A prompt of many chunks (the middle ones sample nothing, so no step ends on a read-back):
+    the logits equal those of the same run with the device synchronised after every step, bit for
+    bit. A staging buffer rewritten before its copy ran would make them differ."""
+    model_dir = make_model(GQA)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=2048,
+              max_num_batched_tokens=32, enable_prefix_caching=False, progress=False)
+    eng = llm.engine
+    captured: list[torch.Tensor] = []
+    compute_logits = eng.model.compute_logits
+
+    def capture(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute_logits(hidden)
+        captured.append(logits.float().clone())
+        return logits
+
+    def synchronise(_: StepStats) -> None:
+        torch.cuda.synchronize()
+
+    eng.model.compute_logits = capture  # type: ignore[method-assign]
+    prompt = torch.randint(5, eng.model_config.vocab_size, (1500,), generator=torch.Generator().manual_seed(4))
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    llm.generate([prompt.tolist()], params)
+    free_running = captured[-1]
+    eng.step_observers.append(synchronise)
+    llm.generate([prompt.tolist()], params)
+    assert torch.equal(captured[-1], free_running)
+
+
+def test_memory_plan_stays_inside_gpu_memory_utilization(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Default sizing on the device: the KV pool takes what the budget leaves, and a full
+    batch of long prompts then decodes without going past `gpu_memory_utilization`."""
+    model_dir = make_model(GQA)
+    free_before, total = torch.cuda.mem_get_info()
+    others = total - free_before - torch.cuda.memory_reserved()
+    util = 0.3
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", gpu_memory_utilization=util, max_model_len=2048,
+              max_num_batched_tokens=1024, max_num_seqs=16, progress=False)
+    assert llm.engine.num_kv_blocks > 16 * 2048 // 16
+    vocab = llm.engine.model_config.vocab_size
+    prompts = [torch.randint(5, vocab, (1500,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(16)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    assert torch.cuda.max_memory_reserved() + others <= util * total
