@@ -1,5 +1,8 @@
 """Load HF safetensors checkpoints (one file, or shards with an index) into the
-fused-layout model without ever holding two copies of the weights."""
+fused-layout model in place: the parameters are allocated once, in the target
+dtype on the target device, and each checkpoint tensor is read, cast and copied
+into its (slice of a fused) parameter, then dropped. Peak memory on the device
+is the weights; on the host, one checkpoint tensor (and its cast) besides."""
 
 from __future__ import annotations
 
@@ -55,13 +58,12 @@ def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     backend: AttentionBackend, max_positions: int, progress: bool = False,
 ) -> LlamaForCausalLM:
-    """Build the model on the meta device, materialise it empty on `device`, fill it."""
+    """Build the model on the meta device, allocate its parameters empty in `dtype`
+    on `device`, fill them tensor by tensor from the checkpoint."""
     model_dir = Path(model_dir)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
-    model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:  # to_empty breaks the tie: restore it
-        model.lm_head.weight = model.model.embed_tokens.weight
+    _materialise(model, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     # parameter name -> shards still to load (fused parameters have several)
     missing = {n: _num_shards(n) for n in dict(model.named_parameters())}
@@ -75,7 +77,9 @@ def load_model(
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
-                target = _load_one(params, cfg, name, st.get_tensor(name))
+                # Cast on the host (one tensor's worth), then one copy to the device: no
+                # device memory beyond the parameter it lands in.
+                target = _load_one(params, cfg, name, st.get_tensor(name).to(dtype))
                 missing[target] = missing.get(target, 1) - 1
         bar.update(f.stat().st_size)
     bar.close()
@@ -85,7 +89,31 @@ def load_model(
     model.model.rotary.build(device, dtype)
     if device.type == "cpu":
         _column_major_linears(model)
+    if device.type == "cuda":
+        # Blocks freed while loading (casts, the rotary tables' temporaries) would stay in
+        # torch's cache and look used to mem_get_info when the KV pool is sized.
+        torch.cuda.empty_cache()
     return model.eval()
+
+
+def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace every meta parameter and buffer with an uninitialised one of `dtype` (floating
+    point ones) on `device`: the one allocation of the weights. A parameter shared by two
+    modules (tied embeddings) stays shared: it is allocated once."""
+    done: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for key, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in done:
+                kind = dtype if param.is_floating_point() else param.dtype
+                done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                                     requires_grad=False)
+            module._parameters[key] = done[id(param)]
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = torch.empty(buf.shape, dtype=dtype if buf.is_floating_point() else buf.dtype,
+                                                   device=device)
 
 
 def _column_major_linears(model: LlamaForCausalLM) -> None:
