@@ -76,6 +76,9 @@ class ChecksumKind(str, enum.Enum):
 
     CRC32 = "crc32"  # zlib: always there (the KV transfer benchmark in docs/benchmarks-cluster.md has its speed)
     XXH3_64 = "xxh3_64"  # the `xxhash` package, where installed: ~10x faster
+    # Not checksummed: only where the sender offers it and the receiver does not ask for one (the NCCL
+    # transport's default, docs/cluster.md: a host checksum costs a device-to-host copy per message).
+    NONE = "none"
 
 
 M = TypeVar("M", bound="Message")

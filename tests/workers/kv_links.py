@@ -138,11 +138,13 @@ class Links:
     def __call__(self, *, layers: int = 3, src_blocks: int = 8, dst_blocks: int = 20, credits: int = 8,
                  dtype: torch.dtype = torch.float16, src_block: tuple[int, int, int] = BLOCK,
                  checksum: ChecksumKind = frames.CHECKSUMS[0], max_message_bytes: int | None = None,
-                 verify: bool = True, group_timeout_s: float = GROUP_TIMEOUT_S, receive_limit: int = 1 << 20) -> Link:
+                 verify: bool | tuple[bool | None, bool | None] | None = True, group_timeout_s: float = GROUP_TIMEOUT_S,
+                 receive_limit: int = 1 << 20) -> Link:
         """A sender (8 blocks, random) and a receiver (20 blocks, all SENTINEL) with one `Faults` between them.
 
-        The in-process backend has no credits nor message size; `verify`, `group_timeout_s` and
-        `receive_limit` (the receiver's `max_message_bytes`) are the torch.distributed backend's own."""
+        The in-process backend has no credits nor message size; `verify` (both ends', a (sender, receiver)
+        pair, or None: the backend's defaults), `group_timeout_s` and `receive_limit` (the receiver's
+        `max_message_bytes`) are the torch.distributed backend's own."""
         src_kv, src = make_cache(layers, src_blocks, seed=1, dtype=dtype, block=src_block)
         dst_kv, dst = make_cache(layers, dst_blocks, dtype=dtype)
         faults = Faults()
@@ -158,11 +160,13 @@ class Links:
         else:
             from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender
 
-            receiver = NcclKVReceiver(dst_kv, credits=credits, verify_checksums=verify,
-                                      group_timeout_s=group_timeout_s, max_message_bytes=receive_limit, faults=faults)
-            sender = NcclKVSender(src_kv, receiver.address, checksums=[checksum], verify_checksums=verify,
+            ends = (verify, verify) if not isinstance(verify, tuple) else verify
+            sender_kw, receiver_kw = ({} if v is None else {"verify_checksums": v} for v in ends)
+            receiver = NcclKVReceiver(dst_kv, credits=credits, group_timeout_s=group_timeout_s,
+                                      max_message_bytes=receive_limit, faults=faults, **receiver_kw)
+            sender = NcclKVSender(src_kv, receiver.address, checksums=[checksum],
                                   max_message_bytes=max_message_bytes or 16 << 20, group_timeout_s=group_timeout_s,
-                                  faults=faults)
+                                  faults=faults, **sender_kw)
         self.made.append(Link(sender, receiver, src, dst, faults))
         return self.made[-1]
 

@@ -119,7 +119,7 @@ def test_corrupted_data_fails_with_checksum_and_writes_nothing_wrong(link: Links
     assert torch.equal(lk.src, src_before)  # the byte was flipped in a copy or staging, not in the sender's cache
 
 
-@pytest.mark.parametrize("kind", list(ChecksumKind))
+@pytest.mark.parametrize("kind", [k for k in ChecksumKind if k is not ChecksumKind.NONE])
 def test_each_checksum_kind_moves_blocks_and_catches_a_flipped_byte(link: Links, kind: ChecksumKind) -> None:
     if kind not in frames.CHECKSUMS:
         pytest.skip(f"{kind.value} needs a package that is not installed")
@@ -409,6 +409,10 @@ def test_the_receiver_picks_a_checksum_both_ends_compute() -> None:
     assert frames.pick_checksum(["blake9", "crc32"]) is ChecksumKind.CRC32  # unknown kinds are skipped
     assert frames.pick_checksum([]) is ChecksumKind.CRC32
     assert frames.pick_checksum([k.value for k in frames.CHECKSUMS]) is frames.CHECKSUMS[0]
+    # No checksum only when neither end asks for one: the sender offers "none", the receiver does not verify.
+    assert frames.pick_checksum(["none", "crc32"]) is ChecksumKind.CRC32
+    assert frames.pick_checksum(["crc32"], verify=False) is ChecksumKind.CRC32
+    assert frames.pick_checksum(["none", "crc32"], verify=False) is ChecksumKind.NONE
 
 
 def test_crc32_gives_zlib_values_at_every_size_and_continues_like_it() -> None:

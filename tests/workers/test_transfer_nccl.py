@@ -7,7 +7,8 @@ different threads (their groups rendezvous through the receiver's store, served 
 loopback), and one test runs the sender in a second process. Every wait has a deadline of a few seconds.
 
 What every backend does (the conformance cases) runs over this one too, in test_transfer.py; here is
-what only this backend does: no checksums, a second process, a data channel that never forms or breaks.
+what only this backend does: no checksums by default (either end may ask for them), a second process,
+a data channel that never forms or breaks, writes queued on a copy stream that a transfer's end waits for.
 """
 
 from __future__ import annotations
@@ -15,9 +16,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
+import numpy as np
 import pytest
 import torch.distributed as dist
 import zmq
@@ -31,7 +35,8 @@ from pdserve.workers.messages import (
     TransferState,
     encode,
 )
-from pdserve.workers.transfer import TransferError, auth
+from pdserve.workers.transfer import TransferError, auth, frames, streams
+from pdserve.workers.transfer.ledger import ReceiverLedger
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender, parse_address
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -61,6 +66,56 @@ def test_without_checksums_the_ledger_still_decides_what_is_written(link: Links)
     status = lk.receiver.wait("other", soon(2))
     assert status.reason is FailReason.PROTOCOL and "not registered" in status.detail
     lk.expect_moved(range(2), [5, 2], [3, 4], before)
+
+
+def test_by_default_neither_end_checksums_and_the_kv_arrives_exact(link: Links) -> None:
+    # The defaults of both ends: the grant names no checksum, so no message is hashed on the host (on a GPU,
+    # a device-to-host copy of every message on each side). What that gives up: a flipped byte goes unseen.
+    lk = link(layers=2, verify=None)
+    before = lk.dst.clone()
+    lk.receiver.register("req", [3, 4, 9], expected_layers=2)
+    lk.receiver.register("run", [10, 11], expected_layers=1)
+    lk.send_layers("req", 2, [5, 2, 6], [3, 4, 9], finish_s=3)  # scattered source blocks: index_select(out=)
+    assert lk.receiver.poll("req").state is TransferState.DONE
+    lk.expect_moved(range(2), [5, 2, 6], [3, 4, 9], before)
+    before = lk.dst.clone()
+    lk.send_layers("run", 1, [0, 1], [10, 11], finish_s=3)  # blocks in a row: one slice copy
+    assert lk.receiver.poll("run").state is TransferState.DONE
+    lk.expect_moved(range(1), [0, 1], [10, 11], before)
+    assert lk.sender.checksum is ChecksumKind.NONE
+    assert lk.sender.num_checksummed == 0 and lk.receiver.num_checksummed == 0
+    lk.receiver.register("flipped", [12], expected_layers=1)
+    lk.faults.corrupt(request_id="flipped")
+    lk.send_layers("flipped", 1, [7], [12])
+    assert lk.receiver.poll("flipped").state is TransferState.DONE
+    assert not lk.dst[0, :, 12].equal(lk.src[0, :, 7])
+
+
+@pytest.mark.parametrize("ends", [(True, None), (None, True)], ids=["the sender asks", "the receiver asks"])
+def test_either_end_can_ask_for_checksums_and_then_both_take_them(link: Links, ends: tuple[bool, None]) -> None:
+    lk = link(layers=2, verify=ends)
+    before = lk.dst.clone()
+    lk.receiver.register("good", [3, 4], expected_layers=2)
+    lk.receiver.register("bad", [5], expected_layers=1)
+    lk.send_layers("good", 2, [0, 1], [3, 4])
+    assert lk.sender.checksum is ChecksumKind.CRC32  # what the link offered
+    assert lk.sender.num_checksummed == lk.receiver.num_checksummed == 2
+    lk.faults.corrupt(request_id="bad")
+    lk.sender.send("bad", 0, [2], [5], soon(2))
+    status = lk.receiver.wait("bad", soon(2))
+    assert status.reason is FailReason.CHECKSUM
+    lk.expect_moved(range(2), [0, 1], [3, 4], before)  # block 5 untouched
+
+
+def test_a_receiver_that_verifies_refuses_a_message_without_a_checksum() -> None:
+    # A sender that ignored the grant: its message is not written unverified.
+    kv, full = make_cache(1, 4)
+    ledger = ReceiverLedger(kv)
+    ledger.register("req", [1], expected_layers=1)
+    frame = np.zeros(frames.frame_bytes(ledger.geometry, 1) // 2, dtype=np.uint8)
+    ack = ledger.apply(_data_header(ChecksumKind.NONE), frame, frame, peer="p")
+    assert ack.reason is FailReason.PROTOCOL and "no checksum" in ack.detail
+    assert (full == SENTINEL).all()
 
 
 def test_the_sender_can_live_in_another_process(link: Links) -> None:
@@ -104,7 +159,7 @@ def test_a_sender_whose_data_channel_never_forms_fails_its_transfers_with_closed
             request_id="req", transfer_id=5, seq=0, layer=0, dst_block_ids=(3,), num_blocks=1, dtype="float16",
             block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0))
         ack = rogue.recv()
-        assert ack is not None and ack.reason is FailReason.CLOSED  # type: ignore[attr-defined]
+        assert ack is not None and ack.reason is FailReason.CLOSED
     finally:
         rogue.close()
     status = lk.receiver.poll("req")
@@ -186,3 +241,81 @@ def test_addresses_and_backends_are_checked() -> None:
         NcclKVReceiver(kv, backend="nccl")
     with pytest.raises(ValueError, match="backend"):
         NcclKVSender(kv, "tcp://127.0.0.1:1", backend="mpi")
+
+
+# -- writes queued on a copy stream ----------------------------------------------------------------
+# On a GPU the receiver's pair thread writes staging into the cache on a stream of its own and does not wait
+# message by message; the ledger waits for those writes (their events) before a transfer ends in any way,
+# since the decode engine then reads the blocks, or they go back to the pool. Here a stand-in event plays the
+# queued write: it is over only when the test says so.
+
+
+class _QueuedWrite:
+    """Stands in for the CUDA event after a write queued on a copy stream."""
+
+    def __init__(self) -> None:
+        self.over = threading.Event()
+
+    def query(self) -> bool:
+        return self.over.is_set()
+
+
+def _data_header(kind: ChecksumKind = ChecksumKind.NONE, **over: Any) -> KVTransferHeader:
+    fields: dict[str, Any] = dict(request_id="req", transfer_id=5, seq=0, layer=0, dst_block_ids=(1,), num_blocks=1,
+                                  dtype="float16", block_shape=BLOCK, checksum_kind=kind, checksum=0)
+    fields.update(over)
+    return KVTransferHeader(**fields)
+
+
+_END = _data_header(seq=1, dst_block_ids=(), num_blocks=0, is_last=True)
+
+
+@pytest.fixture
+def queued(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[ReceiverLedger, _QueuedWrite, np.ndarray]]:
+    """A ledger whose every write counts as queued on a copy stream until `write.over` is set."""
+    write = _QueuedWrite()
+    monkeypatch.setattr(streams, "record", lambda device, side_only=False: write)
+    kv, _ = make_cache(1, 4)
+    ledger = ReceiverLedger(kv, writes_wait_s=0.5)
+    ledger.register("req", [1], expected_layers=1)
+    frame = np.full(frames.frame_bytes(ledger.geometry, 1) // 2, 7, dtype=np.uint8)
+    assert ledger.apply(_data_header(), frame, frame, peer="p", verify=False).state is TransferState.PENDING
+    yield ledger, write, frame
+    write.over.set()
+
+
+def _later(seconds: float, fn: Any) -> threading.Timer:
+    timer = threading.Timer(seconds, fn)
+    timer.start()
+    return timer
+
+
+def test_a_transfer_is_done_only_once_its_queued_writes_are_over(
+        queued: tuple[ReceiverLedger, _QueuedWrite, np.ndarray]) -> None:
+    ledger, write, _ = queued
+    timer = _later(0.2, write.over.set)
+    try:
+        ack = ledger.apply(_END, frame := np.zeros(0, np.uint8), frame, peer="p", verify=False)
+        assert ack.state is TransferState.DONE and write.over.is_set()
+    finally:
+        timer.cancel()
+
+
+def test_an_abort_returns_once_the_queued_writes_are_over(
+        queued: tuple[ReceiverLedger, _QueuedWrite, np.ndarray]) -> None:
+    ledger, write, _ = queued
+    timer = _later(0.2, write.over.set)
+    try:
+        ledger.abort("req", "cancelled")  # the caller frees the blocks next: nothing may still write them
+        assert write.over.is_set()
+    finally:
+        timer.cancel()
+
+
+def test_writes_that_never_end_fail_the_transfer_at_their_deadline(
+        queued: tuple[ReceiverLedger, _QueuedWrite, np.ndarray]) -> None:
+    ledger, write, _ = queued
+    start = time.monotonic()
+    ack = ledger.apply(_END, frame := np.zeros(0, np.uint8), frame, peer="p", verify=False)
+    assert ack.reason is FailReason.INTERNAL and "not over" in ack.detail
+    assert 0.5 <= time.monotonic() - start < 2.0 and not write.over.is_set()

@@ -148,18 +148,21 @@ class ReceiverControl:
     is a hello from a sender whose model `fingerprint` is not ours (it gets a `KVHelloRefusal`).
     `on_request` answers the NCCL rendezvous store's requests (their own key); `on_turn` runs once per
     loop turn. `max_frames` bounds a message's frames (header included), `max_frame_bytes` each frame's
-    size (ZMQ_MAXMSGSIZE: a bigger one drops its connection). Other threads never touch the ROUTER:
-    they `post` messages, which the I/O thread sends. `start` once the owner is ready.
+    size (ZMQ_MAXMSGSIZE: a bigger one drops its connection). `verify`: whether this receiver asks for
+    a checksum even of a sender that offers none (the grant names the checksum both ends then use).
+    Other threads never touch the ROUTER: they `post` messages, which the I/O thread sends. `start`
+    once the owner is ready.
     """
 
     def __init__(self, ledger: ReceiverLedger, bind: str, *, credits: int,
                  context: zmq.Context[zmq.Socket[bytes]] | None, on_header: OnHeader, on_hello: OnHello,
                  on_request: OnRequest | None = None, on_turn: Callable[[], None] | None = None,
                  max_frames: int | None = None, secret: ClusterSecret | None = None, fingerprint: str = "",
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, verify: bool = True) -> None:
         if credits < 1:
             raise ValueError(f"credits: must be >= 1, got {credits}")
         self.credits = credits
+        self.verify = verify  # False: grant NONE to a sender that offers it (`frames.pick_checksum`)
         self._ledger = ledger
         self._on_header, self._on_hello, self._on_request, self._on_turn = on_header, on_hello, on_request, on_turn
         self._max_frames = max_frames
@@ -347,8 +350,8 @@ class ReceiverControl:
         self._sessions.move_to_end(peer)
         while len(self._sessions) > MAX_SESSIONS:
             self._sessions.popitem(last=False)
-        self.reply(peer, KVCreditGrant(credits=self.credits, checksum=frames.pick_checksum(hello.checksums),
-                                       nonce=nonce))
+        checksum = frames.pick_checksum(hello.checksums, self.verify)
+        self.reply(peer, KVCreditGrant(credits=self.credits, checksum=checksum, nonce=nonce))
 
     def _dispatch(self, peer: bytes, body: list[zmq.Frame]) -> None:
         """A message whose MAC and number checked, from a sender that said hello on this connection."""

@@ -119,7 +119,7 @@ def gather(kv_caches: KVCaches, layer: int, block_ids: Sequence[int],
     if out is None:
         out = torch.empty(2 * per, dtype=torch.uint8)
     for i, cache in enumerate((k, v)):
-        _select_into(cache, block_ids, out[i * per : (i + 1) * per].view(cache.dtype).view(n, *cache.shape[1:]))
+        select_into(cache, block_ids, out[i * per : (i + 1) * per].view(cache.dtype).view(n, *cache.shape[1:]))
     return out[:per].numpy(), out[per : 2 * per].numpy()
 
 
@@ -188,8 +188,12 @@ CHECKSUMS: tuple[ChecksumKind, ...] = (
     (ChecksumKind.XXH3_64, ChecksumKind.CRC32) if xxhash is not None else (ChecksumKind.CRC32,))
 
 
-def pick_checksum(offered: Sequence[str]) -> ChecksumKind:
-    """The first kind in the sender's `offered` list that this process computes too (crc32 at worst)."""
+def pick_checksum(offered: Sequence[str], verify: bool = True) -> ChecksumKind:
+    """The receiver's choice from the sender's `offered` kinds: NONE if the sender offers it and the receiver
+    does not `verify`; else the first kind this process computes too (crc32 at worst). So the bytes are
+    checksummed unless neither end asks for it (a sender that wants a checksum does not offer NONE)."""
+    if not verify and ChecksumKind.NONE.value in offered:
+        return ChecksumKind.NONE
     for name in offered:
         if name in {k.value for k in CHECKSUMS}:
             return ChecksumKind(name)
@@ -204,6 +208,8 @@ def checksum(kind: ChecksumKind, k_frame: object, v_frame: object) -> int:
         h = xxhash.xxh3_64(k_frame)
         h.update(v_frame)
         return int(h.intdigest())
+    if kind is ChecksumKind.NONE:
+        raise ValueError("the message carries no checksum, and this receiver verifies every message")
     raise ValueError(f"checksum {kind.value} is not available in this process")
 
 
@@ -253,15 +259,15 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
     """Write verified K/V frame bytes into `dst_block_ids` of `layer` (sizes checked by `header_problem`).
 
     Frames are buffers in host memory, or flat uint8 tensors on any device (a transport's staging).
+    Device copies are queued on this thread's current stream and not waited for: the caller orders what
+    reads the blocks (or reuses the frames) after them (the ledger, with `streams`).
     """
     k, v = kv_caches[layer]
     ids = list(dst_block_ids)
-    on_device = False
     for cache, frame in ((k, k_frame), (v, v_frame)):
         if isinstance(frame, torch.Tensor) and frame.device.type == "cpu":
             frame = frame.numpy()
         if isinstance(frame, torch.Tensor):
-            on_device = True
             _place(cache, ids, frame.view(geometry.dtype).view(len(ids), *geometry.block_shape).to(cache.device))
         elif cache.device.type == "cpu":
             rows = cache.view(cache.shape[0], -1).view(torch.uint8).numpy()
@@ -273,21 +279,18 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
         else:
             src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)
             _place(cache, ids, src.view(len(ids), *geometry.block_shape).to(cache.device))
-    if on_device and k.device.type == "cuda":
-        # The frames may be staging that the transport's next receive overwrites on its own stream: the copy
-        # must be over first (and over before the ledger reports DONE).
-        torch.cuda.current_stream(k.device).synchronize()
 
 
-def _select_into(cache: torch.Tensor, block_ids: Sequence[int], dst: torch.Tensor) -> None:
+def select_into(cache: torch.Tensor, block_ids: Sequence[int], dst: torch.Tensor) -> None:
+    """Blocks `block_ids` of `cache` into `dst` ([n, *block], contiguous), with one copy."""
     first = block_ids[0]
     if _is_run(block_ids):  # the common case: blocks allocated in a row; one memcpy (or one device-to-host copy)
         dst.copy_(cache[first : first + len(block_ids)])
         return
     idx = torch.tensor(block_ids, dtype=torch.long, device=cache.device)
-    if cache.device.type == "cpu":
+    if dst.device == cache.device:
         torch.index_select(cache, 0, idx, out=dst)
-    else:
+    else:  # a device cache into host staging: gather on the device, then one device-to-host copy
         dst.copy_(cache.index_select(0, idx))
 
 

@@ -30,11 +30,15 @@ from pdserve.workers.messages import (
     KVTransferHeader,
     TransferState,
 )
-from pdserve.workers.transfer import frames
+from pdserve.workers.transfer import frames, streams
 from pdserve.workers.transfer.base import DONE, PENDING, KVReceiver, TransferError, TransferStatus
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 
 log = logging.getLogger(__name__)
+
+# How long a transfer's end waits for its writes still queued on a copy stream (device copies of one message
+# each, over in microseconds): past it the device is wedged, and the transfer fails rather than hang.
+WRITES_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,7 @@ class _Registration:
     seqs: set[int] = field(default_factory=set)
     end_seq: int | None = None  # from the end marker: how many data messages there were
     covered: list[set[int]] = field(default_factory=list)  # per expected layer: blocks written
+    writes: list[Any] = field(default_factory=list)  # events after writes queued on a copy stream (`streams`)
 
     def progress(self) -> str:
         full = sum(len(c) == len(self.dst_block_ids) for c in self.covered)
@@ -67,12 +72,16 @@ class ReceiverLedger:
 
     Thread-safe. Writes happen under the lock, after the checksum passed and only
     while the transfer is PENDING, so when `abort`/`release` return, or a terminal
-    status is observed, no write is in flight and none will follow.
+    status is observed, no write is in flight and none will follow. A write that a
+    backend queues on a copy stream of its own (NCCL: device staging into the cache)
+    is not waited for message by message: its event is, on the host, before the
+    transfer becomes terminal (`streams`; at most `writes_wait_s`, then FAILED(INTERNAL)).
     """
 
-    def __init__(self, kv_caches: KVCaches) -> None:
+    def __init__(self, kv_caches: KVCaches, writes_wait_s: float = WRITES_WAIT_S) -> None:
         self.kv_caches = kv_caches
         self.geometry = CacheGeometry.of(kv_caches)
+        self.writes_wait_s = writes_wait_s
         self._cond = threading.Condition()
         self._regs: dict[str, _Registration] = {}
         self._closed = False
@@ -150,7 +159,7 @@ class ReceiverLedger:
         """Verify one message and, if it is good and its transfer pending, write it. Always returns an ack.
 
         The frames are buffers in host memory, or flat uint8 tensors on any device (`frames.scatter`).
-        `verify=False` skips the checksum (both ends were configured without one); every other check stays.
+        `verify=False` skips the checksum (the two ends negotiated none at hello); every other check stays.
         """
         data = not header.is_last
         # Outside the lock: the checksum is the slow part and depends only on the bytes.
@@ -184,8 +193,10 @@ class ReceiverLedger:
                     frames.scatter(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k_frame, v_frame)
                 except Exception as e:  # e.g. a device error mid-copy: the blocks hold a mix; the transfer is over
                     log.exception("KV receiver: writing %r layer %d failed", header.request_id, header.layer)
+                    self._queued(reg)
                     self._fail(reg, FailReason.INTERNAL, f"writing into the cache failed: {e!r}")
                 else:
+                    self._queued(reg)
                     reg.seqs.add(header.seq)
                     reg.covered[header.layer].update(header.dst_block_ids)
                     self._settle(reg)
@@ -235,13 +246,33 @@ class ReceiverLedger:
         missing = [layer for layer, c in enumerate(reg.covered) if len(c) != len(reg.dst_block_ids)]
         if missing:
             self._fail(reg, FailReason.PROTOCOL, f"sender finished without every block of layers {missing[:8]}")
+        elif not self._writes_over(reg):
+            self._fail(reg, FailReason.INTERNAL, f"writes into the cache not over after {self.writes_wait_s} s")
         else:
             reg.status = DONE
             self._cond.notify_all()
 
     def _fail(self, reg: _Registration, reason: FailReason, detail: str) -> None:
+        if not self._writes_over(reg):  # the device is wedged: nothing better to do than say so
+            log.error("KV receiver: writes of a transfer that fails (%s) still queued after %.1f s; its blocks may "
+                      "yet change", reason.value, self.writes_wait_s)
         reg.status = TransferStatus(TransferState.FAILED, reason, detail)
         self._cond.notify_all()
+
+    def _queued(self, reg: _Registration) -> None:
+        """After a write: its event if the backend queued it on a copy stream (none on the CPU)."""
+        event = streams.record(self.geometry.device, side_only=True)
+        if event is not None:
+            reg.writes = [e for e in reg.writes if not e.query()]  # over already: nothing to wait for
+            reg.writes.append(event)
+
+    def _writes_over(self, reg: _Registration) -> bool:
+        """Wait (host) until the writes queued for `reg` are over, `writes_wait_s` at most; False if not."""
+        deadline = time.monotonic() + self.writes_wait_s
+        over = all([streams.wait_done(e, deadline) for e in reg.writes])
+        if over:
+            reg.writes.clear()
+        return over
 
     @staticmethod
     def _notice(request_id: str, reg: _Registration, reason: str) -> Notice | None:

@@ -44,12 +44,19 @@ discarded. Only a header whose size cannot be known (an unknown dtype, a size ov
 or a failed recv breaks the pair (see below). End markers carry no tensor.
 
 Verification. After its recv, a message goes to the shared `ReceiverLedger`, as in the ZeroMQ receiver:
-it checks the header against the registration and the cache geometry, verifies the checksum (crc32, or
-xxh3_64 where both ends have xxhash) and only then writes into the destination blocks. On CUDA that
-costs a device-to-host copy of every message on both ends (and the write is then host-to-device). With
-`verify_checksums=False` on both ends the sender computes no checksum and the receiver writes staging
-to cache on the device, under the same ledger decisions minus the checksum (`apply(..., verify=False)`).
-Default: verify, for both backends.
+it checks the header against the registration and the cache geometry and only then writes into the
+destination blocks. Checksums are negotiated at hello. A sender that does not ask for them
+(`verify_checksums=False`, the default) offers NONE besides the kinds it computes; a receiver that does not
+ask for them either (its default too) grants NONE: neither end hashes, and the bytes go from device staging
+into the cache on the device. Either end's `verify_checksums=True` makes the grant name a real checksum
+(crc32, or xxh3_64 where both ends have xxhash): the sender hashes every message and the receiver verifies
+it before writing, which on CUDA costs a device-to-host copy of every message on both ends (and the write
+is then host-to-device). A header without a checksum sent to a receiver that verifies fails its transfer
+(PROTOCOL). `num_checksummed` counts, on each end, the messages it hashed. Why off by default: NVLink and
+InfiniBand check every packet at the link layer (CRC, with retransmission); the control messages that say
+which bytes go where (headers, acks, aborts) carry a MAC either way; and a crc32/xxh3 was never a defence
+against someone who can write into the data channel (docs/security-data-plane.md). What it still catches
+when asked for: bytes corrupted in memory or by a buggy peer, and what TCP's weak checksum misses on gloo.
 
 Flow control: the control plane's credits (hello -> grant; one credit per data message or end marker,
 returned by its ack). A sender holds a message's staging buffer (and its send's Work) until the ack, so
@@ -60,6 +67,15 @@ and aborts, and the store's requests), and one thread per pair forms the group, 
 pair's tensors in order, applies them to the ledger and queues each ack for the I/O thread. Sender: only
 the short-lived group-forming thread; otherwise it reads acks when called, and its calls are serialized
 by a lock.
+
+Streams (CUDA; `streams`). A pair thread runs with a copy stream of its own current, never the engine's:
+its recv is ordered after its previous writes out of the same staging (ProcessGroupNCCL's stream waits for
+the caller's current stream), `work.wait()` orders the writes after the recv, and the ledger waits on the
+host, before the transfer ends in any way, for the event after the last of those writes (the decode
+engine then reads the blocks, or they go back to the pool); no message waits for its write, and no
+`synchronize()` waits for the decode engine's kernels. The sender uses the caller's current stream: the
+prefill worker's link thread (`send_queue`) has a copy stream of its own that waits, on the device, for an
+event the engine thread recorded after the step that wrote the blocks; NCCL's send waits for the gather.
 
 Deadlines and limitations.
 * gloo cannot cancel or poll a posted recv: `Work.is_completed()` stays False until `wait()`, and neither
@@ -89,8 +105,9 @@ Deadlines and limitations.
 * Authentication (`auth`, `control`): every control message (hello, headers, acks, aborts, end markers)
   carries an HMAC-SHA256 tag under its connection's key, and the store's requests and replies one under a
   key derived from the cluster secret (numbered per store connection; a reply is bound to its request).
-  A header's tag covers the checksum of its tensor, but not the tensor itself: the bytes on the NCCL or
-  gloo channel carry no MAC (docs/security-data-plane.md says what that leaves open). The store keeps at
+  A header's tag covers where its tensor goes (request, transfer, seq, layer, blocks, dtype, shape) and
+  its checksum when one was negotiated (none by default), but not the tensor itself: the bytes on the
+  NCCL or gloo channel carry no MAC (docs/security-data-plane.md says what that leaves open). The store keeps at
   most 4096 small entries. A receiver bound to a wildcard address advertises it as is, as the
   ZeroMQ backend does. Each gloo rank listens on the address its peer reaches it by (`gloo_hostname`
   overrides).
@@ -150,6 +167,7 @@ from pdserve.workers.transfer.nccl_channel import (
     wire_bytes,
 )
 from pdserve.workers.transfer.nccl_store import STORE_MAGIC, LocalStore, StoreClient, StoreTable
+from pdserve.workers.transfer.streams import CopyStream
 
 log = logging.getLogger(__name__)
 
@@ -209,7 +227,7 @@ class NcclKVReceiver(LedgerReceiver):
     """Binds a ROUTER at `bind` (port `*`: any free one; see `address`) and writes into `kv_caches`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, backend: str | None = None,
-                 credits: int = DEFAULT_CREDITS, verify_checksums: bool = True,
+                 credits: int = DEFAULT_CREDITS, verify_checksums: bool = False,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
@@ -218,6 +236,7 @@ class NcclKVReceiver(LedgerReceiver):
         self._backend = pick_backend(self._ledger.geometry, backend)
         self.staging_device = staging_device(self._ledger.geometry, self._backend)
         self._verify = verify_checksums
+        self.num_checksummed = 0  # data messages whose bytes this receiver checksummed (on the host)
         self._group_timeout_s = group_timeout_s
         self._max_message_bytes = max_message_bytes
         self._max_senders = max_senders
@@ -229,7 +248,7 @@ class NcclKVReceiver(LedgerReceiver):
         self._control = ReceiverControl(self._ledger, bind, credits=credits, context=context, max_frames=1,
                                         on_header=self._on_header, on_hello=self._on_hello,
                                         on_request=self._on_store_request, secret=secret, fingerprint=fingerprint,
-                                        max_frame_bytes=MAX_MESSAGE_BYTES + SMALL_FRAME_BYTES)
+                                        max_frame_bytes=MAX_MESSAGE_BYTES + SMALL_FRAME_BYTES, verify=verify_checksums)
         self.address = self._control.address
         host = parse_address(self.address)[0]
         self._gloo_hostname = gloo_hostname or (None if host in _WILDCARD_HOSTS else host)
@@ -322,6 +341,10 @@ class NcclKVReceiver(LedgerReceiver):
     # -- pair threads ------------------------------------------------------------------------
 
     def _pair_main(self, pair: _Pair) -> None:
+        with CopyStream(self._ledger.geometry.device):  # recv, then the writes into the cache, off the engine's stream
+            self._pair_loop(pair)
+
+    def _pair_loop(self, pair: _Pair) -> None:
         try:
             pair.channel = DataChannel(self._backend, LocalStore(self._table, self._group_timeout_s), pair.key, 0,
                                         self._group_timeout_s, self.staging_device, pair.gloo_hostname)
@@ -384,9 +407,10 @@ class NcclKVReceiver(LedgerReceiver):
                                               f"data channel from sender {pair.key} is broken: {pair.broken}")
         if beyond_credit:  # received (the streams stay aligned), then discarded, as the ZeroMQ receiver does
             return refusal(header, FailReason.PROTOCOL, "sent beyond its credit window", credits=0)
-        if not self._verify:  # the frames stay where they landed (on the GPU for NCCL)
-            half = payload.numel() // 2
+        if not self._verify and header.checksum_kind is ChecksumKind.NONE:  # as negotiated at hello
+            half = payload.numel() // 2  # the frames stay where they landed (on the GPU for NCCL)
             return self._ledger.apply(header, payload[:half], payload[half:], peer=pair.peer, verify=False)
+        self.num_checksummed += 1  # (a header without one, to a receiver that verifies, fails PROTOCOL there)
         return self._ledger.apply(header, *host_halves(payload), peer=pair.peer)
 
 
@@ -402,7 +426,7 @@ class NcclKVSender(NetworkSender):
     """Connects to one receiver's `address`, forms the pair's group, and sends blocks of `kv_caches` to it."""
 
     def __init__(self, kv_caches: KVCaches, address: str, *, backend: str | None = None,
-                 checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = True,
+                 checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                  gloo_hostname: str | None = None, sender_id: str = "",
                  context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
@@ -412,12 +436,14 @@ class NcclKVSender(NetworkSender):
         self._backend = pick_backend(CacheGeometry.of(kv_caches), backend)  # before any socket exists
         self._label = sender_id
         self.key = _new_key(sender_id)
+        # Without `verify_checksums` this sender offers NONE too: no checksum unless the receiver asks for one.
+        offered = tuple(checksums) if verify_checksums else (ChecksumKind.NONE, *checksums)
         super().__init__(kv_caches, address, context=context, faults=faults, sender_id=self.key,
-                         checksums=checksums, max_message_bytes=max_message_bytes,
+                         checksums=offered, max_message_bytes=max_message_bytes,
                          routing_id=self.key.encode(),  # names the pair; a new one after a lost link
                          connect_budget_s=connect_budget_s, secret=secret, fingerprint=fingerprint)
         self._staging = Staging(staging_device(self._book.geometry, self._backend))
-        self._verify = verify_checksums
+        self.num_checksummed = 0  # data messages whose bytes this sender checksummed (on the host)
         self._tag = 0
         self._group_timeout_s = group_timeout_s
         self._gloo_hostname = gloo_hostname or _local_ip_towards(host, port)
@@ -477,10 +503,10 @@ class NcclKVSender(NetworkSender):
         # Gather only once a credit is in hand: the credit window also bounds the staging memory.
         staging = self._staging.take(frames.frame_bytes(self._book.geometry, len(src)))
         payload = gather(self._book.kv_caches, self._book.geometry, layer, src, staging)
-        kind, crc = ChecksumKind.CRC32, 0
-        if self._verify:
-            kind = self._checksum
-            crc = frames.checksum(kind, *host_halves(payload))
+        kind, crc = self._checksum, 0  # as the receiver's grant named it
+        if kind is not ChecksumKind.NONE:
+            crc = frames.checksum(kind, *host_halves(payload))  # a device-to-host copy on CUDA
+            self.num_checksummed += 1
         header = self._book.data_header(request_id, layer, dst, kind, crc)
         work = self._put(header, payload)
         if work is not None:

@@ -169,19 +169,17 @@ class Staging:
 
 
 def gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: list[int],
-            staging: torch.Tensor) -> torch.Tensor:
-    """K then V of `block_ids` of `layer`, copied into `staging`; returns the filled prefix."""
+           staging: torch.Tensor) -> torch.Tensor:
+    """K then V of `block_ids` of `layer`, copied into `staging`; returns the filled prefix.
+
+    One copy per frame, on this thread's current stream: a slice copy for blocks in a row, else
+    `index_select(out=)` straight into staging (NCCL: on the device; gloo: into host memory)."""
     n = len(block_ids)
-    nbytes = frames.frame_bytes(geometry, n)
-    if staging.device.type == "cpu":
-        frames.gather(kv_caches, layer, block_ids, out=staging)  # the same bytes the other backends send
-    else:  # NCCL: stays on the device
-        per = nbytes // 2
-        idx = torch.tensor(block_ids, dtype=torch.long, device=geometry.device)
-        for i, cache in enumerate(kv_caches[layer]):
-            dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
-            dst.copy_(cache.index_select(0, idx))
-    return staging[:nbytes]
+    per = frames.frame_bytes(geometry, n) // 2
+    for i, cache in enumerate(kv_caches[layer]):
+        dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
+        frames.select_into(cache, block_ids, dst)
+    return staging[: 2 * per]
 
 
 def host_halves(payload: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
