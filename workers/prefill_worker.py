@@ -10,6 +10,9 @@ A request's lifecycle here (workers/lifecycle.py):
               (the KV leaves from a thread per decode worker, `SendQueue`: the engine
               thread never waits on a peer, and a dead or hung one costs its own
               transfers `transfer_timeout_s` at most, or less when its link breaks;
+              the engine thread records what to send and an event after the step
+              that wrote it; the link's thread gathers on a CUDA stream of its own
+              once that event is passed: `workers/transfer/streams.py`;
               a link whose decode worker stays unreachable and that no transfer
               holds is retired after `LINK_RETIRE_S`: a restarted decode worker
               listens at a new address, and the old link would reconnect for ever)
@@ -36,11 +39,13 @@ from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.token_stream import TokenStreamPublisher
+from pdserve.workers.transfer import streams
 from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.control import NetworkSender
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 from pdserve.workers.transfer.send_queue import SendQueue
+from pdserve.workers.transfer.streams import CopyStream
 
 DEFAULT_TRANSFER_TIMEOUT_S = 30.0
 # Past the transports' connect budget (5 s: transfers on the link have failed by then),
@@ -111,6 +116,7 @@ class PrefillWorker:
         self._sender_for = sender_for
         self.async_engine = AsyncEngine(engine, worker_id=worker_id)
         self.engine = engine
+        self._device = engine.kv_caches[0][0].device
 
     def start(self) -> PrefillWorker:
         self.async_engine.start()
@@ -169,7 +175,8 @@ class PrefillWorker:
             if self.transfer_recorder is not None:
                 sender = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
             link = SendQueue(sender, self.transfer_timeout_s, name=f"kv-send {address}",
-                             retire_after_s=self.link_retire_s, on_retire=lambda q: self._retire(address, q))
+                             retire_after_s=self.link_retire_s, on_retire=lambda q: self._retire(address, q),
+                             stream=CopyStream(self._device))
             link.hold()
             self._links[address] = link
             return link
@@ -207,8 +214,10 @@ class PrefillWorker:
             src, dst = engine.blocks_of(rid), t.order.reservation.block_ids
             blocks = range(t.next_block, ready)
             src_ids, dst_ids = [src[i] for i in blocks], [dst[i] for i in blocks]
+            written = streams.record(self._device)  # after this step's kernels (None on the CPU)
 
             def send(sender: KVSender, wait_until: float) -> None:
+                streams.wait_for(written, self._device)  # the link's stream: its gathers read these blocks after it
                 for layer in range(engine.model_config.num_layers):
                     sender.send(rid, layer, src_ids, dst_ids, wait_until)
 

@@ -10,6 +10,11 @@ One queue per destination (decode worker): calls keep their order per link (a
 request's end marker after its data), and a stalled link holds only its own
 transfers. A call whose request was cancelled before its turn is skipped.
 
+Streams: given a `CopyStream`, the thread runs every call with it current, so the
+sender's gathers (and NCCL's sends, which follow the caller's stream) stay off the
+engine's stream; a call orders itself after the engine's work with an event
+(`streams.wait_for`), as the prefill worker's do.
+
 Retirement: a decode worker that restarts listens at a new address, so the queue to
 its old one would keep a thread and a socket reconnecting for ever. A queue that no
 transfer holds (`hold`/`release`), with nothing queued, whose peer has been
@@ -19,6 +24,7 @@ unreachable for `retire_after_s`, closes itself and its sender and tells its own
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -27,6 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
+from pdserve.workers.transfer.streams import CopyStream
 
 log = logging.getLogger(__name__)
 
@@ -47,11 +54,13 @@ class _Task:
 
 class SendQueue:
     def __init__(self, sender: KVSender, wait_s: float, name: str = "kv-send", *,
-                 retire_after_s: float | None = None, on_retire: Callable[[SendQueue], None] | None = None) -> None:
+                 retire_after_s: float | None = None, on_retire: Callable[[SendQueue], None] | None = None,
+                 stream: CopyStream | None = None) -> None:
         """`wait_s`: how long one queued call may wait on the peer (for a credit, for
         the verdict) before it fails with TIMEOUT, whatever the request's deadline.
         `retire_after_s`: close when idle and the peer has been unreachable this long
-        (None: never); then `on_retire(self)` runs on this queue's thread."""
+        (None: never); then `on_retire(self)` runs on this queue's thread.
+        `stream`: current on this queue's thread for every call (None: the default)."""
         if wait_s <= 0:
             raise ValueError(f"wait_s: must be > 0, got {wait_s}")
         if retire_after_s is not None and retire_after_s <= 0:
@@ -60,6 +69,7 @@ class SendQueue:
         self.wait_s = wait_s
         self._retire_after_s = retire_after_s
         self._on_retire = on_retire
+        self._stream = stream
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # `_closed` and `_holders`: retiring must not race a new holder
         self._closed = False
@@ -104,6 +114,10 @@ class SendQueue:
             self._thread.join(_JOIN_S)
 
     def _run(self) -> None:
+        with self._stream if self._stream is not None else contextlib.nullcontext():
+            self._serve()
+
+    def _serve(self) -> None:
         while True:
             try:
                 task = self._tasks.get(timeout=_IDLE_CHECK_S if self._retire_after_s is not None else None)
