@@ -24,6 +24,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
+from pdserve.cluster.placement import bind_host
 from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
@@ -186,16 +187,15 @@ class DecodeService(_Service):
     prefill elsewhere, receive the KV) and decodes in a continuous batch. It also
     serves a request end to end (local prefill) when the router says so."""
 
-    def __init__(self, config: EngineConfig, torch_threads: int, bind_host: str, transport: Transport = Transport.ZMQ,
-                 on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, prefill_timeout_s: float | None = None,
-                 worker_name: str = "decode", exit_on_engine_death: bool = False,
-                 cluster_secret: ClusterSecret | None = None) -> None:
+    def __init__(self, config: EngineConfig, torch_threads: int, kv_host: str | None,
+                 transport: Transport = Transport.ZMQ, on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
+                 prefill_timeout_s: float | None = None, worker_name: str = "decode",
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
         secret = _use_secret(cluster_secret)
         engine = _engine(config, torch_threads, record_events=True)
-        if bind_host == "auto":  # this node's address, reachable from prefill workers on other nodes
-            bind_host = ray.util.get_node_ip_address()
+        host = bind_host(kv_host)  # this node's address when prefill workers may be on other nodes
         self.fingerprint = module_fingerprint(engine.model_dir, engine.model)
-        self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{bind_host}:*", secret=secret,
+        self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{host}:*", secret=secret,
                                                    fingerprint=self.fingerprint)
         worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name,
                               prefill_timeout_s=prefill_timeout_s)

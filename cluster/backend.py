@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import ray
 from ray.exceptions import RayActorError
 
 from pdserve.cluster.metrics import WorkerHandles
+from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
@@ -179,10 +179,10 @@ class TokenStreams:
     at once by the gateway's admission (503 with Retry-After) when the backend is
     not healthy."""
 
-    def __init__(self, bind_host: str, max_migrations: int = 2,
+    def __init__(self, bind_host: str | None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, secret: ClusterSecret | None = None) -> None:
-        # Where workers reach this gateway: loopback on one machine, the node's
-        # address ("auto") when workers run on other nodes.
+        # Where workers reach this gateway: the kv_host setting, resolved on this
+        # node when the collector is made (cluster/placement.py).
         self.bind_host = bind_host
         self.max_migrations = max_migrations
         self.worker_wait_s = worker_wait_s
@@ -193,8 +193,7 @@ class TokenStreams:
     @property
     def collector(self) -> TokenStreamCollector:
         if self._collector is None:
-            host = ray.util.get_node_ip_address() if self.bind_host == "auto" else self.bind_host
-            self._collector = TokenStreamCollector(host, secret=self._secret)
+            self._collector = TokenStreamCollector(bind_host(self.bind_host), secret=self._secret)
         return self._collector
 
     def reliability(self, health: Health) -> Reliability:
@@ -269,7 +268,7 @@ class ColocatedBackend:
     (not found when the gateway started) is asked of `lookup(name)` every
     `retry_dead_s` until it is found."""
 
-    def __init__(self, workers: list[Any | None], stream_host: str = "127.0.0.1", names: list[str] | None = None,
+    def __init__(self, workers: list[Any | None], stream_host: str | None = "127.0.0.1", names: list[str] | None = None,
                  max_migrations: int = 2, retry_dead_s: float = 5.0,
                  lookup: Callable[[str], Any | None] | None = None,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:

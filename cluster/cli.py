@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -249,6 +250,15 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "restarting) before it fails (default 10; 0: no wait)")
     srv.add_argument("--max-restarts", type=int, default=_SETTING,
                      help="times Ray restarts a crashed worker (default -1: always)")
+    srv.add_argument("--kv-host", default=_SETTING,
+                     help="the address every data-plane socket (decode workers' KV receivers, the gateway's token "
+                          "stream) binds and advertises, resolved on each node: auto (the node's Ray address) or an "
+                          "IPv4 address; default: auto when the Ray cluster has several nodes, else 127.0.0.1")
+    for pool, what in (("prefill", "prefill worker"), ("decode", "decode worker"),
+                       ("worker", "colocated worker"), ("gateway", "gateway replica")):
+        srv.add_argument(f"--{pool}-resources", type=_json_mapping, default=_SETTING, metavar="JSON",
+                         help=f"Ray custom resources each {what} requires, to put it on the nodes started with them, "
+                              f"e.g. '{{\"{pool}_node\": 1}}' (default: any node)")
     srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
     srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
     srv.add_argument("--api-key", default=None,
@@ -271,6 +281,17 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
                           "(default 8500; local Ray only)")
     _add_engine_args(srv)
+
+
+def _json_mapping(text: str) -> dict[str, object]:
+    """A flag's JSON object (`--prefill-resources '{"prefill_node": 1}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e.msg}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def _limit_arguments(srv: argparse.ArgumentParser) -> None:

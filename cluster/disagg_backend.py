@@ -64,7 +64,7 @@ class WorkerEvents:
 
 class DisaggregatedBackend:
     def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.05,
-                 stream_host: str = "127.0.0.1", names: dict[str, str] | None = None,
+                 stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker

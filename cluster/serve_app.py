@@ -11,6 +11,7 @@ import ray
 from ray import serve
 
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
+from pdserve.cluster.placement import with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
 
@@ -80,31 +81,31 @@ def cluster_gpus() -> float:
 
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
-    """Create the named worker actors (one GPU each on CUDA, a CPU share otherwise)."""
+    """Create the named worker actors: one GPU each on a cluster with GPUs, a CPU share
+    otherwise; each pool on the nodes that offer its resources (cluster/placement.py).
+    ValueError, before any actor starts, when `--device cuda` finds no GPU in the cluster."""
     from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
-    gpus = ray.cluster_resources().get("GPU", 0)
-    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    per_cpu = max(0.01, min(1.0, (cpus - 1) / cfg.num_workers)) if cpus > 1 else 0.01
-    threads = max(1, cpus // cfg.num_workers) if not gpus else 1
-    opts: dict[str, Any] = {"num_gpus": 1} if gpus else {"num_cpus": per_cpu}
+    share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources())
     # A crashed worker (or one whose engine thread died: it exits) is restarted by
     # Ray under the same name and handle; the gateway re-admits it when it answers.
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
-    opts |= {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
+    opts = share.options | {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
 
-    def make(actor_cls: Any, name: str, *args: Any) -> Any:
+    def make(actor_cls: Any, name: str, resources: dict[str, float] | None, *args: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
-        return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **opts).remote(
-            cfg.engine, threads, *args, worker_name=name, exit_on_engine_death=True,
+        return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                 **with_resources(opts, resources)).remote(
+            cfg.engine, share.threads, *args, worker_name=name, exit_on_engine_death=True,
             cluster_secret=cfg.cluster_secret)
 
     if cfg.mode is ServingMode.DISAGGREGATED:
-        workers = [make(PrefillWorkerActor, n, cfg.transport, cfg.transfer_timeout) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, cfg.kv_bind_host, cfg.transport, cfg.kv_failure_policy,
-                         cfg.prefill_timeout) for n in cfg.decode_names()]
+        workers = [make(PrefillWorkerActor, n, cfg.prefill_resources, cfg.transport, cfg.transfer_timeout)
+                   for n in cfg.prefill_names()]
+        workers += [make(DecodeWorkerActor, n, cfg.decode_resources, cfg.kv_host, cfg.transport,
+                         cfg.kv_failure_policy, cfg.prefill_timeout) for n in cfg.decode_names()]
     else:
-        workers = [make(EngineWorkerActor, n) for n in cfg.worker_names()]
+        workers = [make(EngineWorkerActor, n, cfg.worker_resources) for n in cfg.worker_names()]
     ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     return workers
 
@@ -123,7 +124,7 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     gw_cfg = gateway_config(cfg, info.max_model_len, model_dir)
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
-               else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_bind_host,
+               else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait,
                                      cluster_secret=cfg.cluster_secret))
@@ -192,7 +193,7 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     prefill = {f"p{i}": find_worker(n) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
     router = Router(RouterConfig(policy=cfg.router_policy), cfg.engine.block_size)
-    return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_bind_host, names=names,
+    return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_host, names=names,
                                 lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
                                 cluster_secret=cfg.cluster_secret)
 
@@ -200,7 +201,7 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
 def gateway_app(cfg: ServeConfig) -> serve.Application:
     ingress = serve.ingress(lambda: build_gateway_app(cfg))()
     deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=1,
-                                  ray_actor_options={"num_cpus": 0.01},
+                                  ray_actor_options=with_resources({"num_cpus": 0.01}, cfg.gateway_resources),
                                   max_ongoing_requests=cfg.max_in_flight * 2)
     return deployment.bind()
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.cluster.limits import RequestLimits
+from pdserve.cluster.placement import check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.workers.config import EngineConfig, enum_member
 from pdserve.workers.decode_worker import KVFailurePolicy
@@ -43,7 +44,9 @@ SERVE_SETTINGS = {
     "haproxy_metrics_port": "haproxy_metrics_port", "haproxy_stats_port": "haproxy_stats_port",
     "haproxy_fallback_port": "haproxy_fallback_port",
     "api_key": "api_key", "max_in_flight": "max_in_flight", "transport": "transport", "ingress": "ingress",
-    "router_policy": "router_policy", "kv_bind_host": "kv_bind_host", "kv_failure_policy": "kv_failure_policy",
+    "router_policy": "router_policy", "kv_host": "kv_host", "kv_failure_policy": "kv_failure_policy",
+    "prefill_resources": "prefill_resources", "decode_resources": "decode_resources",
+    "worker_resources": "worker_resources", "gateway_resources": "gateway_resources",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
@@ -84,11 +87,18 @@ class ServeConfig:
     transport: Transport = Transport.ZMQ
     ingress: Ingress = Ingress.HAPROXY
     router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
-    # Where decode workers listen for KV, and the gateway for token streams:
-    # loopback on one machine; "auto" = each one's node address (multi-node;
-    # keep it on a private network).
-    kv_bind_host: str = "127.0.0.1"
+    # The address every data-plane socket binds and advertises (decode workers' KV
+    # receivers, the gateway's token stream), resolved on each node (cluster/placement.py):
+    # None: the node's Ray address when Ray has several nodes, else 127.0.0.1; "auto":
+    # the node's Ray address; or an IPv4 address. Keep it on a private network.
+    kv_host: str | None = None
     kv_failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
+    # Ray custom resources each actor of a pool requires, to put the pool on the nodes
+    # that offer them (cluster/placement.py); None: any node. Worker: colocated workers.
+    prefill_resources: dict[str, float] | None = field(default=None, hash=False)
+    decode_resources: dict[str, float] | None = field(default=None, hash=False)
+    worker_resources: dict[str, float] | None = field(default=None, hash=False)
+    gateway_resources: dict[str, float] | None = field(default=None, hash=False)
     request_timeout: float = 600.0  # seconds a request may take, from its arrival at the gateway
     # Seconds a decode worker gives a remote prefill and its KV transfer (the
     # request's first token) before the failure policy applies (None: the
@@ -163,9 +173,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
                 raise ValueError(f"{name}: must be a number of seconds > 0, got {value!r}")
-        for name in ("host", "kv_bind_host"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                raise ValueError(f"{name}: must be a non-empty string, got {getattr(self, name)!r}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
+        object.__setattr__(self, "kv_host", check_kv_host(self.kv_host))
+        self._check_pool_resources()
         for name in ("haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port"):
             value = getattr(self, name)
             if type(value) is not int or not 1 <= value <= 65535:
@@ -178,6 +189,14 @@ class ServeConfig:
                 clash = [other for other, v in named[:i] if v == value]
                 if clash:
                     raise ValueError(f"{name}: {value} is also {clash[0]}; every port must differ")
+
+    def _check_pool_resources(self) -> None:
+        pools = {"prefill_resources": ServingMode.DISAGGREGATED, "decode_resources": ServingMode.DISAGGREGATED,
+                 "worker_resources": ServingMode.COLOCATED, "gateway_resources": None}
+        for name, mode in pools.items():
+            object.__setattr__(self, name, check_resources(name, getattr(self, name)))
+            if getattr(self, name) is not None and mode is not None and self.mode is not mode:
+                raise ValueError(f"{name}: {mode.value} mode only (this config is {self.mode.value})")
 
     @property
     def model(self) -> str:

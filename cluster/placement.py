@@ -1,0 +1,156 @@
+"""Where things run on a Ray cluster of one node or several: the data plane's address
+(`kv_host`), the nodes each pool may use (`*_resources`), and what a worker actor asks Ray for.
+
+**`kv_host`.** Every socket that carries KV or tokens between pdserve processes binds
+this address on the node where it is made and advertises it to its peers: a decode
+worker's KV receiver (with the NCCL transport, the same ZeroMQ socket is the pair's
+rendezvous store; the gloo/NCCL ranks then connect over the route between the two
+nodes) and the gateway's token stream, which workers push tokens to. Prefill workers
+and the token-stream publishers only connect. The setting is one of:
+
+- unset (None, the default): this node's Ray address when the Ray cluster has more
+  than one node when the socket is made, else 127.0.0.1;
+- `auto`: this node's Ray address (`ray.util.get_node_ip_address()`), always;
+- an IPv4 address of the node: that address (so, in practice, a one-node cluster).
+
+It is resolved where the socket is made (`bind_host`), so each node binds its own
+address. A data-plane socket on a routable address is reachable by every host on that
+network: keep the nodes on a private one (docs/security-data-plane.md).
+
+**Pool resources.** `prefill_resources`, `decode_resources`, `worker_resources`
+(colocated workers) and `gateway_resources` name Ray custom resources that each actor
+of that pool requires, for example `{"prefill_node": 1}` with a node started as
+`ray start --resources '{"prefill_node": 8}'`: that is how a pool is put on
+particular nodes (an autoscaler starts a node type that offers the resource). The
+amounts count per actor, as Ray's do.
+
+**GPUs.** On a cluster with a GPU, each worker actor requires one (Ray sets its
+`CUDA_VISIBLE_DEVICES`; the engine's `cuda` is that GPU). `device: cuda` on a cluster
+without a GPU is an error, not CPU workers; `device: cpu` never asks for a GPU.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+AUTO = "auto"
+LOOPBACK = "127.0.0.1"
+
+# Ray's own resources, which pdserve sets (GPU, CPU share) or Ray measures: a pool's
+# resources name custom ones only.
+_RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+
+
+def check_kv_host(value: Any) -> str | None:
+    """`value` as a kv_host setting (see the module docstring), or a ValueError naming it."""
+    if value is None:
+        return None
+    if value == AUTO:
+        return AUTO
+    hint = "auto (each node's Ray address), or an IPv4 address of the node (127.0.0.1 on one machine)"
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"kv_host: must be {hint}; got {value!r}")
+    try:
+        address = ipaddress.ip_address(value)
+    except ValueError:
+        raise ValueError(f"kv_host: must be {hint}; got {value!r} (a host name is not resolved: "
+                         "peers connect to the address as given)") from None
+    if address.version != 4:
+        raise ValueError(f"kv_host: IPv6 ({value}) is not supported by the data plane yet; give {hint}")
+    if address.is_unspecified:
+        raise ValueError(f"kv_host: {value} listens on every interface but is no address a peer can connect to; "
+                         f"give {hint}")
+    return value
+
+
+def bind_host(setting: str | None) -> str:
+    """The address a data-plane socket made now, on this node, binds and advertises
+    for the kv_host `setting` (already checked by `check_kv_host`). Asks Ray for this
+    node's address and the cluster's nodes when the setting leaves them to it."""
+    if setting is None:
+        setting = AUTO if _ray_nodes() > 1 else LOOPBACK
+    if setting == AUTO:
+        import ray
+
+        return str(ray.util.get_node_ip_address())
+    _check_local(setting)
+    return setting
+
+
+def _ray_nodes() -> int:
+    """Live nodes in the Ray cluster this process is connected to (0 without Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    return sum(1 for node in ray.nodes() if node.get("Alive"))
+
+
+def _check_local(host: str) -> None:
+    """A ValueError naming kv_host when `host` is no address of this machine (the bind would fail
+    with ZeroMQ's "Cannot assign requested address")."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+    except OSError as e:
+        raise ValueError(f"kv_host: {host} is not an address of the node {socket.gethostname()} ({e.strerror}); "
+                         "on several nodes use auto, or leave kv_host unset") from None
+
+
+def check_resources(name: str, value: Any) -> dict[str, float] | None:
+    """`value` as a pool's Ray custom resources (`{"prefill_node": 1}`), or a ValueError naming `name`."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(f"{name}: must be a non-empty mapping of Ray custom resource names to amounts, "
+                         f"e.g. {{\"{name.split('_')[0]}_node\": 1}}; got {value!r}")
+    resources: dict[str, float] = {}
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key:
+            raise ValueError(f"{name}: resource names must be non-empty strings, got {key!r}")
+        if key in _RAY_RESOURCES:
+            raise ValueError(f"{name}: {key} is Ray's own resource, which pdserve sets for each worker "
+                             "(one GPU each on a GPU cluster, else a CPU share); name custom resources only")
+        if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < math.inf:
+            raise ValueError(f"{name}: {key} must be a number > 0, got {amount!r}")
+        if amount > 1 and amount != int(amount):
+            raise ValueError(f"{name}: {key} must be a whole number when above 1 (Ray's rule), got {amount!r}")
+        resources[key] = float(amount)
+    return resources
+
+
+@dataclass(frozen=True)
+class WorkerShare:
+    """What each worker actor asks Ray for, and the torch threads it runs."""
+
+    options: dict[str, Any]  # num_gpus or num_cpus: Ray actor options
+    threads: int
+
+
+def worker_share(device: str, num_workers: int, cluster: Mapping[str, float]) -> WorkerShare:
+    """One GPU per worker on a cluster that has GPUs (`cluster`: `ray.cluster_resources()`),
+    else a share of its CPUs. ValueError, naming `device`, where the device asks for a GPU
+    that the cluster does not have."""
+    gpus = cluster.get("GPU", 0)
+    if device.startswith("cuda"):
+        if device not in ("cuda", "cuda:0"):
+            raise ValueError(f"device: {device} names one GPU of a machine; under Ray each worker sees only the GPU "
+                             "Ray gave it, as cuda (use --device cuda)")
+        if not gpus:
+            raise ValueError("device: cuda, but the Ray cluster has no GPU (`ray status` lists its resources): "
+                             "start the GPU nodes, or serve on CPU with --device cpu or auto")
+    if gpus and device != "cpu":
+        return WorkerShare({"num_gpus": 1}, threads=1)
+    cpus = max(1, int(cluster.get("CPU", 1)))
+    per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
+    return WorkerShare({"num_cpus": per_cpu}, threads=max(1, cpus // num_workers))
+
+
+def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:
+    """Ray actor `options` that also require a pool's custom `resources` (None: none)."""
+    return {**options, "resources": dict(resources)} if resources else dict(options)
