@@ -33,8 +33,10 @@ class EngineConfig:
     """Everything `LLMEngine` needs. `model` is an HF-format directory.
 
     KV pool size: `num_kv_blocks` if given, else `kv_cache_memory` bytes, else
-    (CUDA) `gpu_memory_utilization` of the device minus weights and activations,
-    or (CPU) 256 MiB.
+    (CUDA) what is left of `gpu_memory_utilization` of the device once other
+    processes, the weights (target and draft) and a profile step's activations are
+    counted, or (CPU) 4 GiB; a block holds the target's and the draft's KV
+    (docs/engine.md, "Memory plan").
     """
 
     model: str

@@ -52,6 +52,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = setup.resolve_device(config.device)
+        probe = setup.memory_probe(self.device)  # before anything is allocated on the device
         # `model` may name a GGUF file or `tiny`: the directory it stands for (converted once, cached).
         model_dir = str(resolve_model(config.model, progress=config.progress))
         self.model_dir = model_dir
@@ -64,8 +65,12 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         self.model = load_model(model_dir, self.model_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress)
-        self.num_kv_blocks, self.max_model_len = setup.plan_kv(config, self.model_config, self.dtype, self.device,
-                                                               self.max_model_len)
+        # The draft's weights and its KV (per block) count before the pool is sized.
+        draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len)
+        memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)
+        self.num_kv_blocks, self.max_model_len = setup.plan_kv(
+            config, self.model_config, self.dtype, self.device, self.max_model_len,
+            draft=draft.config if draft is not None else None, memory=memory)
         self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size, self.dtype,
                                             self.device)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
@@ -78,8 +83,8 @@ class LLMEngine:
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
-        self.spec = setup.make_speculator(config, self.model_config, self.dtype, self.device, backend,
-                                          self.num_kv_blocks, self.max_model_len)
+        self.spec = setup.make_speculator(config, draft, self.dtype, self.device, backend, self.num_kv_blocks,
+                                          self.max_model_len)
         self._eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "

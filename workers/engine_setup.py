@@ -4,20 +4,24 @@ size a config resolves to on this machine, and its speculator."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import torch
 
 from pdserve.kernels import cpu_decode
 from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers import memory_plan
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
-from pdserve.workers.kv.cache import bytes_per_block, kv_budget_bytes
+from pdserve.workers.kv.cache import CPU_DEFAULT_KV_BYTES, DeviceMemory, bytes_per_block, kv_budget_bytes
+from pdserve.workers.memory_plan import CudaMemoryProbe, MemoryProbe
 from pdserve.workers.model.compiled import compile_forward
 from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import resolve_dtype
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model_runner import ModelRunner
-from pdserve.workers.spec.draft import DraftModelProposer
+from pdserve.workers.spec.draft import DraftModelProposer, load_draft_model
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
 from pdserve.workers.spec.proposer import Proposer
@@ -26,7 +30,40 @@ from pdserve.workers.spec.proposer import Proposer
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        # Now, not at the first CUDA call deep in loading (or never: a Ray actor that got no GPU).
+        raise ValueError(f"device: {name!r} asked for, but torch sees no CUDA device here "
+                         f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}; "
+                         "CUDA_VISIBLE_DEVICES=" + os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>") + ")")
+    return device
+
+
+def memory_probe(device: torch.device) -> MemoryProbe | None:
+    """On CUDA, the probe the memory plan measures with: make it before the engine allocates
+    anything on the device (it reads what others use then). None on CPU."""
+    return CudaMemoryProbe(device) if device.type == "cuda" else None
+
+
+def load_draft(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+               backend: AttentionBackend, max_positions: int) -> LlamaForCausalLM | None:
+    """The draft model (speculative="draft"), loaded before the KV pool is sized; else None."""
+    if config.speculative is not SpeculativeMethod.DRAFT:
+        return None
+    log(config, f"loading draft model {config.draft_model}")
+    draft_dir = str(resolve_model(str(config.draft_model), progress=config.progress))  # a GGUF too
+    return load_draft_model(draft_dir, target, dtype, device, backend, max_positions, progress=config.progress)
+
+
+def measure_memory(config: EngineConfig, probe: MemoryProbe | None, model: LlamaForCausalLM,
+                   draft: LlamaForCausalLM | None, dtype: torch.dtype, device: torch.device,
+                   max_model_len: int) -> DeviceMemory | None:
+    """What `plan_kv` sizes a GPU's KV pool from: measured after loading (workers/memory_plan.py).
+    None when nothing needs measuring (CPU, or the pool's size is given)."""
+    if probe is None or config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+        return None
+    log(config, "profiling a step of max_num_batched_tokens to size the KV cache")
+    return memory_plan.measure(config, probe, model, draft, dtype, device, max_model_len)
 
 
 def resolve_model_dtype(dtype: DType, cfg: ModelConfig, device: torch.device) -> torch.dtype:
@@ -50,24 +87,40 @@ def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
 
 
 def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-            max_model_len: int) -> tuple[int, int]:
+            max_model_len: int, *, draft: ModelConfig | None = None,
+            memory: DeviceMemory | None = None) -> tuple[int, int]:
     """(KV pool blocks, max_model_len). The pool: `num_kv_blocks` if set, else what
-    the memory budget holds (on CPU by default no more than `max_num_seqs` whole
-    sequences: blocks past that would only hold prefix cache, and every byte is
-    allocated up front). It must hold one `max_model_len` sequence, which is what
-    makes preemption always progress: when it cannot and the user asked for that
+    the memory budget holds: `kv_cache_memory`, else (CUDA) what `memory` (measured:
+    `measure_memory`) leaves of `gpu_memory_utilization` of the device, else (CPU) 4 GiB
+    but no more than `max_num_seqs` whole sequences (blocks past that would only hold
+    prefix cache, and every byte is allocated up front). A block costs its K and V in
+    every layer of the target and, with a `draft` model, of the draft too (it keeps a
+    pool of as many blocks). The pool must hold one `max_model_len` sequence, which is
+    what makes preemption always progress: when it cannot and the user asked for that
     length, ValueError; when the length is the model's own, the largest that fits
     is served instead, and said (vLLM refuses to start; a first run on a laptop
-    should not)."""
+    or a checkpoint's 128k context on a small card should not)."""
     bs = config.block_size
-    per_block = bytes_per_block(cfg, bs, dtype)
+    per_block = bytes_per_block(cfg, bs, dtype) + (bytes_per_block(draft, bs, dtype) if draft is not None else 0)
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
+    elif config.kv_cache_memory is not None:
+        n = config.kv_cache_memory // per_block
+    elif memory is not None:
+        n = max(kv_budget_bytes(memory, config.gpu_memory_utilization), 0) // per_block
+        _log_plan(config, memory, per_block, n)
+        if n == 0:
+            raise ValueError(
+                f"gpu_memory_utilization: {config.gpu_memory_utilization} of the device "
+                f"({_gib(memory.total)}) leaves nothing for the KV cache once others "
+                f"({_gib(memory.used_by_others)}), the weights ({_gib(memory.weights)}) and the activations "
+                f"({_gib(memory.activations + memory.non_torch)}) are counted; raise gpu_memory_utilization, "
+                "lower max_num_batched_tokens or max_num_seqs, or free the device")
+    elif device.type == "cuda":
+        raise ValueError("plan_kv: sizing the KV pool on CUDA needs the measured memory (measure_memory)")
     else:
-        reserve = config.max_num_batched_tokens * cfg.intermediate_size * 16
-        n = kv_budget_bytes(device, config.kv_cache_memory, config.gpu_memory_utilization, reserve) // per_block
-        if device.type != "cuda" and config.kv_cache_memory is None:
-            n = min(n, config.max_num_seqs * -(-max_model_len // bs))
+        n = CPU_DEFAULT_KV_BYTES // per_block
+        n = min(n, config.max_num_seqs * -(-max_model_len // bs))
     n = max(n, 0)
     if n >= -(-max_model_len // bs):
         return n, max_model_len
@@ -81,6 +134,17 @@ def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: 
                  "gpu_memory_utilization)", max_model_len, n, bs, fits, fits)
     log(config, f"max_model_len lowered to {fits} tokens: what the KV budget holds (the model allows {max_model_len})")
     return n, fits
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def _log_plan(config: EngineConfig, memory: DeviceMemory, per_block: int, blocks: int) -> None:
+    log(config, f"memory plan: {config.gpu_memory_utilization} of {_gib(memory.total)}, less others "
+                f"{_gib(memory.used_by_others)}, weights {_gib(memory.weights)}, activations "
+                f"{_gib(memory.activations)}, outside torch {_gib(memory.non_torch)}: KV cache "
+                f"{_gib(blocks * per_block)} ({blocks} blocks of {per_block} bytes)")
 
 
 def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend) -> None:
@@ -102,18 +166,18 @@ def prepare_attention(config: EngineConfig, backend: AttentionBackend, device: t
         cpu_decode.load()
 
 
-def make_speculator(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                    backend: AttentionBackend, kv_blocks: int, max_model_len: int) -> Speculator | None:
-    """The speculator `config.speculative` asks for (None: no speculative decoding)."""
+def make_speculator(config: EngineConfig, draft: LlamaForCausalLM | None, dtype: torch.dtype,
+                    device: torch.device, backend: AttentionBackend, kv_blocks: int,
+                    max_model_len: int) -> Speculator | None:
+    """The speculator `config.speculative` asks for (None: no speculative decoding);
+    `draft`: the draft model `load_draft` loaded."""
     proposer: Proposer
     if config.speculative is SpeculativeMethod.NGRAM:
         proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
     elif config.speculative is SpeculativeMethod.DRAFT:
-        log(config, f"loading draft model {config.draft_model}")
-        draft_dir = str(resolve_model(str(config.draft_model), progress=config.progress))  # a GGUF too
-        proposer = DraftModelProposer(
-            draft_dir, target, dtype, device, backend, kv_blocks, config.block_size, max_model_len,
-            config.max_num_batched_tokens, config.max_num_seqs, progress=config.progress)
+        assert draft is not None, "speculative='draft' without its model (load_draft)"
+        proposer = DraftModelProposer(draft, dtype, device, kv_blocks, config.block_size, max_model_len,
+                                      config.max_num_batched_tokens, config.max_num_seqs)
         compile_runner(config, proposer.runner, backend)
     else:
         return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.workers.model.config import ModelConfig
@@ -28,13 +30,24 @@ def allocate_kv_caches(
     return [(full[i, 0], full[i, 1]) for i in range(cfg.num_layers)]
 
 
-def kv_budget_bytes(device: torch.device, kv_cache_memory: int | None, gpu_memory_utilization: float,
-                    activation_reserve: int) -> int:
-    """Bytes the KV cache may take: explicit, or what the device has left."""
-    if kv_cache_memory is not None:
-        return kv_cache_memory
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
-    free, total = torch.cuda.mem_get_info(device)
-    used_by_others = total - free
-    return int(total * gpu_memory_utilization) - used_by_others - activation_reserve
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What the KV budget on a GPU is computed from, all measured (bytes; workers/memory_plan.py
+    measures them, docs/engine.md "Memory plan" says how)."""
+
+    total: int  # the device's memory
+    used_by_others: int  # in use before the engine allocated anything: other processes, this one's CUDA context
+    weights: int  # what torch held after loading: the target's and the draft's weights (and RoPE tables)
+    activations: int  # peak of the profile steps over what torch held before them
+    non_torch: int = 0  # taken since the start outside torch's allocator (cuBLAS workspaces, NCCL, ...)
+
+    @property
+    def non_kv(self) -> int:
+        return self.used_by_others + self.weights + self.activations + self.non_torch
+
+
+def kv_budget_bytes(memory: DeviceMemory, gpu_memory_utilization: float) -> int:
+    """Bytes the KV pool may take: what is left of `gpu_memory_utilization` of the device once
+    other processes, the weights, the activations of the largest step and what this process
+    holds outside torch are counted (negative: nothing is left)."""
+    return int(memory.total * gpu_memory_utilization) - memory.non_kv

@@ -34,6 +34,7 @@ from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.request import Request
@@ -63,15 +64,24 @@ class _Shadow:
     base: int = 0  # how many tokens the target had when this step's drafts were appended
 
 
+def load_draft_model(model_dir: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
+                     backend: AttentionBackend, max_positions: int, progress: bool = False) -> LlamaForCausalLM:
+    """The draft's weights, loaded before the KV pool is sized: they count in the memory plan."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    if cfg.vocab_size != target.vocab_size:
+        raise ValueError(f"draft_model: its vocabulary ({cfg.vocab_size}) differs from the target's "
+                         f"({target.vocab_size}); the draft must share the target's tokenizer")
+    return load_model(model_dir, cfg, dtype, device, backend, max_positions, progress=progress)
+
+
 class DraftModelProposer:
-    def __init__(self, model_dir: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                 backend: AttentionBackend, num_blocks: int, block_size: int, max_model_len: int,
-                 max_num_tokens: int, max_num_seqs: int, progress: bool = False) -> None:
-        self.config = ModelConfig.from_pretrained(model_dir)
-        if self.config.vocab_size != target.vocab_size:
-            raise ValueError(f"draft_model: its vocabulary ({self.config.vocab_size}) differs from the target's "
-                             f"({target.vocab_size}); the draft must share the target's tokenizer")
-        self.model = load_model(model_dir, self.config, dtype, device, backend, max_model_len, progress=progress)
+    """Drafts with `model` (from `load_draft_model`) over a KV pool of its own of `num_blocks`
+    blocks: as many as the target's, which the memory plan counts in its per-block cost."""
+
+    def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, num_blocks: int,
+                 block_size: int, max_model_len: int, max_num_tokens: int, max_num_seqs: int) -> None:
+        self.config = model.config
+        self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, max_num_tokens, max_num_seqs, max_model_len,
