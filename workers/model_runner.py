@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.metadata import AttentionMetadata
-from pdserve.workers.buffers import InputBuffers
+from pdserve.workers.buffers import InputBuffers, small_tensor
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.compiled import Forward
 from pdserve.workers.model.llama import LlamaForCausalLM
@@ -43,6 +43,18 @@ class PromptLogprobs:
     token_logprobs: list[float]  # each scored prompt token's log-prob given the tokens before it
     top_ids: list[list[int]]  # [tokens][N]
     top_logprobs: list[list[float]]
+
+
+@dataclass
+class HostStep:
+    """A step's shape, as `_fill` wrote its inputs into the host buffers."""
+
+    num_tokens: int
+    num_seqs: int
+    num_decode: int  # sequences [0, num_decode) have one new token and verify nothing
+    logit_rows: int  # sampled rows, then k+1 per verifying sequence
+    sampled: list[Request]  # requests that sample a token, in row order
+    max_rows: int  # new tokens of the longest sequence
 
 
 @dataclass
@@ -77,18 +89,21 @@ class ModelRunner:
         row was drawn from (a draft model's proposals need it for verification)."""
         # Stable partition: decode rows first, as the attention metadata requires.
         ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
-        meta, num_tokens, logit_rows, sampled = self._prepare(ordered)
-        prompt_rows = self._prompt_logprob_rows(ordered, logit_rows)
-        total_rows = logit_rows + sum(n for _, _, n in prompt_rows)
-        input_ids, positions = self.buf.input_ids.to_device(num_tokens), self.buf.positions.to_device(num_tokens)
-        hidden = self.forward(input_ids, positions, meta, self.kv_caches)
-        result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
-        if total_rows:
+        self.buf.begin_step()  # last step's copies have read the host buffers: they may be rewritten
+        try:
+            step = self._fill(ordered)
+            prompt_rows = self._prompt_logprob_rows(ordered, step.logit_rows)
+            total_rows = step.logit_rows + sum(n for _, _, n in prompt_rows)
+            hidden = self._forward(step)
             idx = self.buf.logits_indices.to_device(total_rows)
-            if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
-                result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[logit_rows:])
-        if logit_rows:
-            logits = self.model.compute_logits(hidden[idx[:logit_rows]])
+        finally:
+            self.buf.end_step()
+        sampled = step.sampled
+        result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
+        if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
+            result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[step.logit_rows:])
+        if step.logit_rows:
+            logits = self.model.compute_logits(hidden[idx[: step.logit_rows]])
             # Rows: one per plain sampled request, then k+1 per verifying one.
             if sampled and want_probs:
                 tokens, result.probs = sample_with_probs(logits[: len(sampled)], self._sampling_batch(sampled))
@@ -97,6 +112,22 @@ class ModelRunner:
                 result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
             result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):])
         return result
+
+    def _forward(self, step: HostStep) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote."""
+        b = self.buf
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping.to_device(step.num_tokens),
+            block_tables=b.block_tables.to_device(step.num_seqs),
+            seq_lens=b.seq_lens.to_device(step.num_seqs),
+            query_start_loc=b.query_start_loc.to_device(step.num_seqs + 1),
+            num_decode_seqs=step.num_decode,
+            seq_lens_np=b.seq_lens.np[: step.num_seqs],
+            query_start_loc_np=b.query_start_loc.np[: step.num_seqs + 1],
+            block_size=self.block_size,
+        )
+        input_ids, positions = b.input_ids.to_device(step.num_tokens), b.positions.to_device(step.num_tokens)
+        return self.forward(input_ids, positions, meta, self.kv_caches)
 
     def _prompt_logprob_rows(self, ordered: list[ScheduledRequest], row0: int) -> list[tuple[Request, int, int]]:
         """Queue, after the sampling rows, a logits row for each scheduled position that
@@ -171,7 +202,8 @@ class ModelRunner:
             start += s.num_spec + 1
         return results
 
-    def _prepare(self, ordered: list[ScheduledRequest]) -> tuple[AttentionMetadata, int, int, list[Request]]:
+    def _fill(self, ordered: list[ScheduledRequest]) -> HostStep:
+        """Write the step's inputs into the host buffers (nothing is copied yet)."""
         b = self.buf
         ids, pos, slots, tables = b.input_ids.np, b.positions.np, b.slot_mapping.np, b.block_tables.np
         seq_lens, qsl, logit_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
@@ -214,31 +246,23 @@ class ModelRunner:
             if s.num_spec:
                 logit_idx[rows : rows + s.num_tokens] = np.arange(end - s.num_tokens, end)
                 rows += s.num_tokens
-        num_seqs = len(ordered)
-        meta = AttentionMetadata(
-            slot_mapping=b.slot_mapping.to_device(t),
-            block_tables=b.block_tables.to_device(num_seqs),
-            seq_lens=b.seq_lens.to_device(num_seqs),
-            query_start_loc=b.query_start_loc.to_device(num_seqs + 1),
-            num_decode_seqs=num_decode,
-            seq_lens_np=seq_lens[:num_seqs],
-            query_start_loc_np=qsl[: num_seqs + 1],
-            block_size=bs,
-        )
-        return meta, t, rows, sampled
+        max_rows = max((s.num_tokens for s in ordered), default=0)
+        return HostStep(num_tokens=t, num_seqs=len(ordered), num_decode=num_decode, logit_rows=rows,
+                        sampled=sampled, max_rows=max_rows)
 
     def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
         params = [r.params for r in reqs]
         temps = [p.temperature for p in params]
-        batch = SamplingBatch(temperature=torch.tensor(temps, dtype=torch.float32, device=self.device),
-                              all_greedy=not any(temps))
+        # small_tensor, not torch.tensor(device=...): no stream sync before the sampled tokens' read-back.
+        batch = SamplingBatch(temperature=small_tensor(temps, torch.float32, self.device), all_greedy=not any(temps))
         if not batch.all_greedy:
             if any(p.top_k for p in params):
-                batch.top_k = torch.tensor([p.top_k or self.vocab_size for p in params], device=self.device)
+                top_k = [p.top_k or self.vocab_size for p in params]
+                batch.top_k, batch.top_k_max = small_tensor(top_k, torch.int64, self.device), max(top_k)
             if any(p.top_p < 1.0 for p in params):
-                batch.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device)
+                batch.top_p = small_tensor([p.top_p for p in params], torch.float32, self.device)
             if any(p.min_p > 0.0 for p in params):
-                batch.min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=self.device)
+                batch.min_p = small_tensor([p.min_p for p in params], torch.float32, self.device)
             batch.generators = {i: seeded_at(r.generator, r.params.seed, r.num_output_tokens)
                                 for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)

@@ -73,6 +73,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [N] float32; 0 = greedy row
     all_greedy: bool
     top_k: torch.Tensor | None = None  # [N] int64, vocab size where disabled; None if no row filters
+    top_k_max: int | None = None  # max(top_k), known on the host (None: read from the device, a sync)
     top_p: torch.Tensor | None = None  # [N] float32, 1.0 where disabled
     min_p: torch.Tensor | None = None  # [N] float32, 0.0 where disabled
     generators: dict[int, torch.Generator] | None = None  # row -> generator, seeded rows only
@@ -123,20 +124,21 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_rows = batch.temperature == 0.0
     greedy_tokens = logits.argmax(dim=-1)
-    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.top_k_max)
     random_tokens = exponential_race(probs, batch.generators or {})
     return torch.where(greedy_rows, greedy_tokens, random_tokens)
 
 
 def sampling_probs(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor | None,
-               top_p: torch.Tensor | None, min_p: torch.Tensor | None) -> torch.Tensor:
+                   top_p: torch.Tensor | None, min_p: torch.Tensor | None,
+                   top_k_max: int | None = None) -> torch.Tensor:
     """The distribution a random row samples from, per row: temperature (0 rows: as 1),
     then top-k and top-p, softmax, then min-p. Unnormalised after min-p (the race
     needs no normalisation). `logits` is modified in place."""
     temperature = torch.where(temperature == 0.0, torch.ones_like(temperature), temperature)
     logits = logits.div_(temperature[:, None])
     if top_k is not None or top_p is not None:
-        logits = apply_top_k_top_p(logits, top_k, top_p)
+        logits = apply_top_k_top_p(logits, top_k, top_p, top_k_max)
     probs = logits.softmax(dim=-1)
     if min_p is not None:
         threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
@@ -153,20 +155,23 @@ def sample_with_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens, None
-    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p)
+    probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.top_k_max)
     probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     random_tokens = exponential_race(probs.clone(), batch.generators or {})
     return torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), probs
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Mask (to -inf) tokens outside each row's top-k and nucleus top-p; one sort for both."""
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,
+                      top_k_max: int | None = None) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k and nucleus top-p; one sort for both.
+    `top_k_max`: max(top_k) if the caller knows it (saves reading it from the device)."""
     vocab = logits.shape[-1]
     if top_p is None and top_k is not None:
         # Top-k alone needs only each row's k-th largest value: topk, not a sort
         # of the vocabulary (ties with the k-th value are kept, as below).
         k = top_k.clamp(1, vocab)
-        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+        width = min(vocab, max(1, top_k_max)) if top_k_max is not None else int(k.max())
+        kth = logits.topk(width, dim=-1).values.gather(1, (k - 1)[:, None])
         return logits.masked_fill_(logits < kth, float("-inf"))
     sorted_logits, order = logits.sort(dim=-1, descending=False)
     if top_k is not None:

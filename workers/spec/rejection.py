@@ -152,7 +152,7 @@ def _target_probs(logits: torch.Tensor, batch: SamplingBatch, positions: int) ->
     temperature = per_position(batch.temperature)
     assert temperature is not None
     return sampling_probs(logits, temperature, per_position(batch.top_k), per_position(batch.top_p),
-                      per_position(batch.min_p))
+                          per_position(batch.min_p), batch.top_k_max)
 
 
 def _at_position(t: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
