@@ -70,6 +70,7 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   const T* vp = v.data_ptr<T>();
   const int64_t* slot = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < T_new; ++i) {  // the new tokens first: each query sees its own key
+    if (slot[i] < 0) continue;  // a padding row of a CUDA-graph bucket: writes nothing
     std::memcpy(kcp + slot[i] * row, kp + i * row, row * sizeof(T));
     std::memcpy(vcp + slot[i] * row, vp + i * row, row * sizeof(T));
   }
@@ -87,6 +88,11 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
       const int64_t first = qsl[b], rows = qsl[b + 1] - qsl[b], context = len[b] - rows;
       for (int64_t r = 0; r < rows; ++r) {  // row r (one new token) sees keys [0, context + r]
         const int64_t i = first + r, L = context + r + 1;
+        if (L <= 0) {  // a padding row (seq_len 0): no keys, a zero output
+          for (int64_t h = 0; h < G; ++h)
+            for (int64_t d = 0; d < D; ++d) op[(i * H + g * G + h) * D + d] = static_cast<T>(0.f);
+          continue;
+        }
         for (int64_t h = 0; h < G; ++h)
           for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qp[(i * H + g * G + h) * D + d]);
         scores.assign(G * L, 0.f);

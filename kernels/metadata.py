@@ -27,6 +27,10 @@ class AttentionMetadata:
     seq_lens_np: np.ndarray  # [S]
     query_start_loc_np: np.ndarray  # [S + 1]
     block_size: int
+    # A CUDA-graph bucket's batch (workers/cuda_graphs.py): rows past the real ones are padding
+    # (slot -1: write nothing; seq_len 0: attend to nothing), and the host arrays above are
+    # bounds fixed for the bucket (seq_lens_np: the block tables' capacity), not this step's values.
+    padded: bool = False
     # Per-step scratch a backend may fill once and reuse in every layer (masks,
     # gathered indices): keyed by backend name.
     scratch: dict[str, Any] = field(default_factory=dict)

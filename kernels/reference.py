@@ -31,7 +31,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:  # [T, H * D]
     """Write the new K/V into the cache, then attend causally over each sequence."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.padded:  # padding rows (slot -1) write nothing
+        keep = meta.slot_mapping >= 0
+        write_kv(k[keep], v[keep], k_cache, v_cache, meta.slot_mapping[keep])
+    else:
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     nd = meta.num_decode_seqs
     if nd == meta.num_seqs:  # pure decode step: no output buffer to assemble
         return _decode(q, k_cache, v_cache, meta, scale)
@@ -108,8 +112,9 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
         max_blocks = -(-int(meta.seq_lens_np[:nd].max()) // meta.block_size)
         blocks = meta.block_tables[:nd, :max_blocks].reshape(-1).long()
         keys = torch.arange(max_blocks * meta.block_size, device=q.device)
-        # Additive float mask, built once: a boolean one is converted in every call.
-        valid = keys[None, :] < meta.seq_lens[:nd, None]
+        # Additive float mask, built once: a boolean one is converted in every call. A padding
+        # row (seq_len 0, CUDA-graph buckets) sees key 0 of its table instead of nothing: finite.
+        valid = keys[None, :] < meta.seq_lens[:nd, None].clamp(min=1)
         mask = (torch.zeros(valid.shape, dtype=q.dtype, device=q.device)
                 .masked_fill_(~valid, float("-inf")).view(nd, 1, 1, -1))
         plan = meta.scratch["torch_decode"] = (blocks, mask)

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import AutoTokenizer
 
+from pdserve.workers import cuda_graphs
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.detokenizer import IncrementalDetokenizer
@@ -80,6 +81,7 @@ class LLMEngine:
                                   config.max_num_seqs, self.max_model_len, self.device)
         setup.compile_runner(config, self.runner, backend)
         setup.prepare_attention(config, backend, self.device)
+        self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []

@@ -7,6 +7,7 @@ multi-token (prefill) chunks, which is the order AttentionMetadata promises.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,6 +21,9 @@ from pdserve.workers.request import Request
 from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs, seeded_at
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
+
+if TYPE_CHECKING:
+    from pdserve.workers.cuda_graphs import DecodeGraphs
 
 _SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
 
@@ -82,6 +86,8 @@ class ModelRunner:
         self.vocab_size = model.config.vocab_size
         max_blocks = -(-max_model_len // self.block_size)
         self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
+        # Decode steps replayed from CUDA graphs (workers/cuda_graphs.py); None: every step eager.
+        self.graphs: DecodeGraphs | None = None
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
@@ -114,7 +120,12 @@ class ModelRunner:
         return result
 
     def _forward(self, step: HostStep) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote."""
+        """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote: replayed
+        from a CUDA graph when one fits the step, else run eagerly."""
+        bucket = self.graphs.select(step) if self.graphs is not None else None
+        if bucket is not None:
+            assert self.graphs is not None
+            return self.graphs.replay(bucket, step)
         b = self.buf
         meta = AttentionMetadata(
             slot_mapping=b.slot_mapping.to_device(step.num_tokens),
