@@ -277,6 +277,16 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def save() -> None:
+    """$OUT/e2e.json as it stands: written after every section, so a run stopped by its
+    timeout still leaves what it measured."""
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        rows = {k: [{f: v for f, v in r.items() if f != "tokens"} for r in RESULTS[k]] for k in ("tiny", "llama")}
+        (Path(out) / "e2e.json").write_text(json.dumps(RESULTS | rows, indent=1, default=str))
+
+
 def section(name: str, fn: Callable[[], None]) -> None:
     log(f"== {name}")
     try:
@@ -284,6 +294,7 @@ def section(name: str, fn: Callable[[], None]) -> None:
     except Exception as e:  # noqa: BLE001 - one section's failure must not hide the others' results
         traceback.print_exc()
         RESULTS["errors"].append(f"{name}: {type(e).__name__}: {e}")
+    save()
 
 
 def tiny_section(args: argparse.Namespace, device: torch.device, bws: dict[str, float]) -> None:
@@ -377,10 +388,7 @@ def main() -> int:
     failed = [c["check"] for c in RESULTS["checks"] if not c["ok"]]
     log(f"\nchecks {len(RESULTS['checks']) - len(failed)}/{len(RESULTS['checks'])} PASS; "
         f"errors {len(RESULTS['errors'])}; {RESULTS['wall_s']:.0f} s")
-    out = os.environ.get("OUT")
-    if out:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "e2e.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    save()
     return 1 if failed or RESULTS["errors"] else 0
 
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The one table of bench/gpu_check.sh: reads what its steps left in $OUT (pytest's JUnit
-XML, kernels_gpu.json, e2e.json), judges issue 15's GPU bars, and writes gpu_check.json and
+XML reports, kernels_gpu.json, e2e.json), judges issue 15's GPU bars, and writes gpu_check.json and
 gpu_check.txt (Markdown, ready for docs/gpu.md) beside them.
 
     python3 bench/gpu_summary.py OUT_DIR [--seconds S]
@@ -46,12 +46,14 @@ def summarise(out: Path, seconds: float | None) -> dict[str, Any]:
     def row(what: str, result: str, bar: str = "", ok: bool | None = None) -> None:
         rows.append({"what": what, "result": result, "bar": bar, "ok": ok})
 
-    tests = pytest_counts(out / "pytest_gpu.xml")
-    if tests is None:
-        row("GPU tests (pytest)", "no result", ok=False)
-    else:
-        row("GPU tests (pytest)", f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
-            f"{tests['skipped']} skipped", "all pass", tests["failures"] + tests["errors"] == 0)
+    for name, what in (("pytest_gpu.xml", "tests/gpu: the engine on CUDA"),
+                       ("pytest_kernels.xml", "tests/kernels on the device")):
+        tests = pytest_counts(out / name)
+        if tests is None:
+            row(what, "no result", ok=False)
+        else:
+            row(what, f"{tests['passed']} passed, {tests['failures'] + tests['errors']} failed, "
+                f"{tests['skipped']} skipped", "all pass", tests["failures"] + tests["errors"] == 0)
 
     kernels = _load(out / "kernels_gpu.json")
     device = None

@@ -24,8 +24,8 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == sorted(["gpu_check.log", "pytest_gpu.xml", "kernels_gpu.json", "kernels_gpu.txt", "e2e.json",
-                            "gpu_check.json", "gpu_check.txt"])
+    assert files == sorted(["gpu_check.log", "pytest_gpu.xml", "pytest_kernels.xml", "kernels_gpu.json",
+                            "kernels_gpu.txt", "e2e.json", "gpu_check.json", "gpu_check.txt"])
     summary = json.loads((out / "gpu_check.json").read_text())
     assert summary["failed"] == []
     what = [r["what"] for r in summary["rows"]]
@@ -44,4 +44,5 @@ def test_summary_fails_when_a_step_left_nothing(tmp_path: Path) -> None:
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
     summary = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(summary["failed"]) == {"GPU tests (pytest)", "kernels: bf16 checks against float64", "end to end"}
+    assert set(summary["failed"]) == {"tests/gpu: the engine on CUDA", "tests/kernels on the device",
+                                      "kernels: bf16 checks against float64", "end to end"}
