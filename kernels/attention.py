@@ -49,4 +49,6 @@ def paged_attention(
         return triton_attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     if cpu_decode.usable(q, k_cache, meta):  # a CPU decode step: one C++ op instead of ~20 tensor calls
         return cpu_decode.paged_decode(q, k, v, k_cache, v_cache, meta, scale)
+    if cpu_decode.usable_for_decode_rows(q, k_cache, meta):  # mixed: the op for its one-token rows
+        return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale, decode=cpu_decode.decode_rows)
     return reference.paged_attention(q, k, v, k_cache, v_cache, meta, scale)

@@ -224,6 +224,27 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> b
     return bool(short) and k_cache.is_contiguous() and load() is not None
 
 
+def usable_for_decode_rows(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether a mixed step's one-token rows (the first `num_decode_seqs`) take the op while its
+    longer chunks go to the reference: served steps mix them most of the time (requests arrive
+    while others decode), and the reference gathers each sequence's whole cache per layer."""
+    return (meta.num_decode_seqs > 0 and not meta.padded and q.device.type == "cpu" and q.dtype in DTYPES
+            and k_cache.dtype == q.dtype and k_cache.is_contiguous() and load() is not None)
+
+
+def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """[num_decode_seqs, H * D]: the attention of a step's one-token rows, by the op over their
+    sequences alone (it writes their K/V again: the same values, already in place)."""
+    op = load()
+    assert op is not None, "decode_rows called without the op (check usable_for_decode_rows() first)"
+    nd = meta.num_decode_seqs
+    out: torch.Tensor = op.decode(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.slot_mapping[:nd],
+                                  meta.block_tables[:nd], meta.seq_lens[:nd], meta.query_start_loc[: nd + 1],
+                                  float(scale))
+    return out
+
+
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Write the step's new K/V [T, KVH, D] into their slots and attend each query row [T, H, D]

@@ -7,6 +7,8 @@ k_cache / v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -21,6 +23,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
+# decode(q, k, v, k_cache, v_cache, meta, scale) -> [num_decode_seqs, H * D]: the attention of a
+# step's first meta.num_decode_seqs rows (one new token each, already written to the cache).
+DecodeRows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata, float],
+                      torch.Tensor]
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, H, D]
     k: torch.Tensor,  # [T, KVH, D] new keys (RoPE applied)
@@ -29,8 +37,10 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    decode: DecodeRows | None = None,
 ) -> torch.Tensor:  # [T, H * D]
-    """Write the new K/V into the cache, then attend causally over each sequence."""
+    """Write the new K/V into the cache, then attend causally over each sequence.
+    `decode`: what computes the one-token rows of a mixed step (default: this module's)."""
     if meta.padded:  # padding rows (slot -1) write nothing
         keep = meta.slot_mapping >= 0
         write_kv(k[keep], v[keep], k_cache, v_cache, meta.slot_mapping[keep])
@@ -41,7 +51,8 @@ def paged_attention(
         return _decode(q, k_cache, v_cache, meta, scale)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, meta, scale)
+        out[:nd] = (decode(q, k, v, k_cache, v_cache, meta, scale) if decode is not None
+                    else _decode(q[:nd], k_cache, v_cache, meta, scale))
     qsl = meta.query_start_loc_np
     # Short chunks (verifying k+1 drafted tokens, small prefill tails) go in one
     # padded batch: one SDPA call per layer instead of one per sequence.

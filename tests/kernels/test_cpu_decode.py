@@ -122,3 +122,37 @@ def test_turned_off_by_its_environment_variable(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(cpu_decode, "_tried", False)  # as in a fresh process
     monkeypatch.setattr(cpu_decode, "_module", None)
     assert not cpu_decode.usable(q, k_cache, meta)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mixed_step_sends_its_decode_rows_to_the_op_and_matches_float64(dtype: torch.dtype,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served step: decode rows first, then prefill chunks longer than the op takes. The decode
+    rows go through the op, the chunks through the reference; every row matches float64 attention
+    over its own prefix, and the cache holds every new K/V."""
+    lens, rows = [40, 21, 130, 64, 50], [1, 1, 1, 40, cpu_decode.MAX_ROWS + 3]
+    q, k, v, k_cache, v_cache, meta, full_k, full_v = decode_batch(lens, 8, 2, 32, 16, dtype, seed=13, rows=rows)
+    assert meta.num_decode_seqs == 3 and not cpu_decode.usable(q, k_cache, meta)
+    assert cpu_decode.usable_for_decode_rows(q, k_cache, meta)
+    calls: list[int] = []
+    real = cpu_decode.decode_rows
+
+    def counted(*args: object) -> torch.Tensor:
+        calls.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cpu_decode, "decode_rows", counted)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    scale = 32 ** -0.5
+    out = attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
+    assert calls, "the decode rows did not take the op"
+    qsl = meta.query_start_loc_np
+    for i, (n, r) in enumerate(zip(lens, rows)):
+        for j in range(r):
+            visible = n - r + j + 1
+            want = oracle(q[qsl[i] + j], full_k[i][:visible], full_v[i][:visible], scale).reshape(-1)
+            torch.testing.assert_close(out[qsl[i] + j].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
+        expected = before.clone()
+        expected.view(-1, 2, 32)[meta.slot_mapping] = new
+        assert torch.equal(cache, expected)
