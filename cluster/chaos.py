@@ -178,11 +178,24 @@ def cut_links(conns: Sequence[tuple[int, int]]) -> int:
     return sum((lp, rp) not in live for lp, rp in conns)
 
 
+# Ports the harness hands to servers it starts later: below Linux's ephemeral range (32768-60999,
+# where the kernel picks ports for Ray's own listeners and every outgoing connection) and above
+# Ray's worker ports (10002-19999), so nothing can be given the port between this check and its use.
+_PORTS = range(20000, 32768)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A port free on every address of this machine (HAProxy binds 0.0.0.0; Ray listens on the
+    node's address), outside the ranges the kernel and Ray assign on their own."""
+    for _ in range(1000):
+        port = random.choice(_PORTS)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 # --- the server ---------------------------------------------------------------------

@@ -28,7 +28,6 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,6 +43,7 @@ import yaml
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.chaos import free_port
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 ray = pytest.importorskip("ray")
@@ -87,12 +87,11 @@ class TwoNodes:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free on every address of this machine (now)."""
+    """`n` distinct ports free on every address of this machine, outside the ranges the kernel
+    and Ray hand out themselves (so none is taken between now and its use)."""
     found: set[int] = set()
     while len(found) < n:
-        with socket.socket() as s:
-            s.bind(("", 0))
-            found.add(int(s.getsockname()[1]))
+        found.add(free_port())
     return sorted(found)
 
 
@@ -171,7 +170,7 @@ def _ray_start(args: list[str], env: dict[str, str], log: Path, netns: str | Non
     assert proc.returncode == 0, f"ray start failed:\n{log.read_text()[-3000:]}"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()  # a cluster per test: nothing one test's Serve leaves (shutting down) can meet the next
 def two_nodes() -> Iterator[TwoNodes]:
     head_ip, node_ip = _subnet()
     tag = f"{os.getpid() % 10 ** 7}"
