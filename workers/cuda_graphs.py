@@ -125,7 +125,8 @@ class DecodeGraphs:
         max_tokens = runner.buf.input_ids.np.shape[0]
         self.runner = runner
         self.factory = graph_factory
-        self.decode = [self._bucket(b, 1) for b in sorted(buckets) if b <= max_seqs]
+        # A bucket of B sequences has B query rows: no more than the token buffers hold.
+        self.decode = [self._bucket(b, 1) for b in sorted(buckets) if b <= min(max_seqs, max_tokens)]
         self.verify = [] if not verify_rows or verify_rows < 2 else [
             self._bucket(b, verify_rows) for b in sorted(buckets) if b <= max_seqs and b * verify_rows <= max_tokens]
 
@@ -183,6 +184,7 @@ class DecodeGraphs:
         """Pad the step `_fill` wrote to `bucket`, copy it in, replay: hidden [num_tokens, hidden]."""
         assert bucket.graph is not None and step.num_seqs <= bucket.seqs and step.num_tokens <= bucket.tokens
         _stage(self.runner.buf, bucket.seqs, bucket.tokens, step.num_seqs, step.num_tokens)
+        self.runner.buf.end_step()  # fence the copies before the replay (ModelRunner._forward says why)
         bucket.graph.replay()
         bucket.replays += 1
         assert bucket.hidden is not None
@@ -250,8 +252,21 @@ def capture(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend
     verify_rows = config.num_speculative_tokens + 1 if config.speculative is not None else None
     graphs = DecodeGraphs(runner, decode_buckets(config.max_num_seqs), verify_rows,
                           graph_factory or CudaGraph)
-    seconds = graphs.capture()
-    say(f"captured {len(graphs.decode) + len(graphs.verify)} CUDA graphs in {seconds:.1f} s")
+    cuda = runner.device.type == "cuda"
+    before = torch.cuda.memory_reserved(runner.device) if cuda else 0
+    try:
+        seconds = graphs.capture()
+    except Exception as e:  # noqa: BLE001 - a capture that fails leaves a working eager engine
+        log.warning("CUDA graph capture failed, decode runs eagerly: %s: %s", type(e).__name__, e)
+        say(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode runs eagerly")
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+            torch.cuda.empty_cache()
+        return None
+    # What the graphs hold comes out of the headroom the memory plan left (1 - gpu_memory_utilization
+    # and its reserve for them): said, so a GPU run shows whether that was enough.
+    held = (torch.cuda.memory_reserved(runner.device) - before) / 2**20 if cuda else 0.0
+    say(f"captured {len(graphs.decode) + len(graphs.verify)} CUDA graphs in {seconds:.1f} s ({held:.0f} MiB)")
     return graphs
 
 

@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from pdserve.workers.config import EngineConfig, SpeculativeMethod
+from pdserve.workers.cuda_graphs import MAX_BUCKET
 from pdserve.workers.kv.cache import DeviceMemory, allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.llama import LlamaForCausalLM
@@ -100,6 +101,12 @@ def measure(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, d
     if draft is not None:
         activations = max(activations, profile_step(config, probe, draft, dtype, device, max_model_len,
                                                     want_probs=True))
+    if not config.enforce_eager:
+        # CUDA graphs (workers/cuda_graphs.py) are captured after the pool is sized and keep a
+        # private pool of their largest bucket's activations: reserved here, scaled from the
+        # profile by tokens (an overestimate: the graphs hold no logits or sampling).
+        top = min(config.max_num_seqs, MAX_BUCKET, config.max_num_batched_tokens) * (1 + spec_k)
+        activations += int(activations * min(1.0, top / config.max_num_batched_tokens))
     probe.empty_cache()
     return DeviceMemory(total=probe.total, used_by_others=probe.used_at_start, weights=weights,
                         activations=activations, non_torch=probe.non_torch())

@@ -100,10 +100,11 @@ class ModelRunner:
             step = self._fill(ordered)
             prompt_rows = self._prompt_logprob_rows(ordered, step.logit_rows)
             total_rows = step.logit_rows + sum(n for _, _, n in prompt_rows)
-            hidden = self._forward(step)
             idx = self.buf.logits_indices.to_device(total_rows)
-        finally:
+            hidden = self._forward(step)  # fences the copies (end_step) before it queues the model
+        except BaseException:
             self.buf.end_step()
+            raise
         sampled = step.sampled
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
@@ -138,6 +139,9 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids, positions = b.input_ids.to_device(step.num_tokens), b.positions.to_device(step.num_tokens)
+        # The fence goes right after the step's last copy, not after the model: the next step then
+        # waits only for these copies, and its host work overlaps this step's GPU work.
+        b.end_step()
         return self.forward(input_ids, positions, meta, self.kv_caches)
 
     def _prompt_logprob_rows(self, ordered: list[ScheduledRequest], row0: int) -> list[tuple[Request, int, int]]:

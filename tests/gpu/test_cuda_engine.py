@@ -92,6 +92,11 @@ def test_cuda_graphs_change_no_greedy_token(make_model: Callable[[TinyModelSpec]
         prompts = _prompts(8, llm.engine.model_config.vocab_size, seed=3)
         outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(
             prompts[:n], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))] for n in (1, 3, 5)]
+        graphs = llm.engine.runner.graphs
+        if eager:
+            assert graphs is None
+        else:  # the comparison is with replayed steps, not eager against eager
+            assert graphs is not None and all(b.replays > 0 for b in graphs.decode if b.seqs in (1, 4, 8))
         del llm
         torch.cuda.empty_cache()
     assert outs[False] == outs[True]
@@ -100,7 +105,9 @@ def test_cuda_graphs_change_no_greedy_token(make_model: Callable[[TinyModelSpec]
 def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyModelSpec], Path]) -> None:
     """A prompt of many chunks (the middle ones sample nothing, so no step ends on a read-back):
     the logits equal those of the same run with the device synchronised after every step, bit for
-    bit. A staging buffer rewritten before its copy ran would make them differ."""
+    bit. A staging buffer rewritten before its copy ran would make them differ. A tiny model's
+    chunk takes the GPU less time than the host takes to stage the next, so every step first
+    queues ~20 ms of GPU sleep: the next step's copies wait behind it while the host runs ahead."""
     model_dir = make_model(GQA)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=2048,
               max_num_batched_tokens=32, enable_prefix_caching=False, progress=False)
@@ -116,11 +123,16 @@ def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyMo
     def synchronise(_: StepStats) -> None:
         torch.cuda.synchronize()
 
+    def busy(_: StepStats) -> None:
+        torch.cuda._sleep(30_000_000)  # clock cycles: ~20 ms at H100/H200 clocks
+
     eng.model.compute_logits = capture  # type: ignore[method-assign]
     prompt = torch.randint(5, eng.model_config.vocab_size, (1500,), generator=torch.Generator().manual_seed(4))
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    eng.step_observers.append(busy)
     llm.generate([prompt.tolist()], params)
     free_running = captured[-1]
+    eng.step_observers.remove(busy)
     eng.step_observers.append(synchronise)
     llm.generate([prompt.tolist()], params)
     assert torch.equal(captured[-1], free_running)

@@ -250,3 +250,31 @@ def test_triton_backend_replays_padded_buckets_and_warms_eager_variants(model_di
     eng.runner.graphs = graphs
     assert [t for t, _ in run(llm, batch, params)] == [t for t, _ in want]
     assert [b.replays for b in graphs.decode] == [1, 2]  # 3, then 2 running (padded to 4), then 1
+
+
+def test_no_bucket_has_more_sequences_than_the_token_buffers_hold(model_dir: Path) -> None:
+    """max_num_batched_tokens below max_num_seqs: a decode bucket of B sequences needs B query rows,
+    so buckets stop at the token budget (a bigger one would stage past the buffers' end)."""
+    llm = make_llm(model_dir, max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64)
+    graphs = with_graphs(llm)
+    assert [b.seqs for b in graphs.decode] == [1, 2, 4]
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eager = make_llm(model_dir, max_num_seqs=8, max_num_batched_tokens=4, max_model_len=64)
+    assert [t for t, _ in run(llm, prompts(3), greedy)] == [t for t, _ in run(eager, prompts(3), greedy)]
+    assert sum(b.replays for b in graphs.decode) > 0
+
+
+class BrokenGraph(FakeGraph):
+    def capture(self, fn: Callable[[], None], pool: Any) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def test_a_failed_capture_leaves_an_eager_engine(model_dir: Path) -> None:
+    llm = make_llm(model_dir)
+    eng = llm.engine
+    said: list[str] = []
+    config = dataclasses.replace(eng.config, enforce_eager=False)
+    assert cuda_graphs.capture(config, eng.runner, AttentionBackend.TORCH, said.append, BrokenGraph) is None
+    assert any("capture failed" in line for line in said)
+    want = run(make_llm(model_dir), prompts(2))
+    assert_same(run(llm, prompts(2)), want)
