@@ -110,7 +110,13 @@ def small_tensor(values: Sequence[float] | Sequence[int], dtype: torch.dtype, de
     """A per-step tensor of a few values, on `device` without a host sync: `torch.tensor(...,
     device="cuda")` copies from pageable memory, which synchronises the stream. Pinned memory from
     PyTorch's caching host allocator is not reused before the copy that reads it has run."""
-    t = torch.tensor(values, dtype=dtype)
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor made this step, on `device`; on CUDA through pinned memory, without a sync
+    (see small_tensor)."""
+    device = torch.device(device)
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
     return t if device.type == "cpu" else t.to(device)

@@ -286,8 +286,8 @@ class ModelRunner:
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             batch.logit_bias = [
-                (i, torch.tensor(list(b), dtype=torch.int64, device=self.device),
-                 torch.tensor(list(b.values()), dtype=torch.float32, device=self.device))
+                (i, small_tensor(list(b), torch.int64, self.device),
+                 small_tensor(list(b.values()), torch.float32, self.device))
                 for i, b in biased]
         if any(p.has_penalties for p in params):
             batch.penalties = Penalties.build(

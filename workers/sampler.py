@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.workers.buffers import small_tensor, to_device_async
+
 
 @dataclass
 class Penalties:
@@ -30,15 +32,16 @@ class Penalties:
         """rows: (prompt ids, output ids, presence, frequency, repetition) per sampled row."""
         n = len(rows)
 
-        def column(i: int) -> torch.Tensor:
-            return torch.tensor([r[i] for r in rows], dtype=torch.float32, device=device)[:, None]
+        def column(values: list[float]) -> torch.Tensor:
+            return small_tensor(values, torch.float32, device)[:, None]
 
         counts = _bincount_rows([r[1] for r in rows], vocab_size, device)
         seen = None
         if any(r[4] != 1.0 for r in rows):
             seen = (counts > 0) | (_bincount_rows([r[0] for r in rows], vocab_size, device) > 0)
         assert counts.shape == (n, vocab_size)
-        return cls(column(2), column(3), column(4), counts, seen)
+        return cls(column([r[2] for r in rows]), column([r[3] for r in rows]), column([r[4] for r in rows]), counts,
+                   seen)
 
 
 def _bincount_rows(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
@@ -49,7 +52,7 @@ def _bincount_rows(token_lists: list[list[int]], vocab_size: int, device: torch.
         padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
         for i, toks in enumerate(token_lists):
             padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.int64)
-        padded = padded.to(device)
+        padded = to_device_async(padded, device)
         counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
     return counts[:, :vocab_size]
 

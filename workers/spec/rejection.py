@@ -24,6 +24,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pdserve.workers.buffers import small_tensor, to_device_async
 from pdserve.workers.sampler import SamplingBatch, exponential_race, sampling_probs
 
 
@@ -71,7 +72,7 @@ def verify(
     _ban_and_bias(target_logits, batch)
     positions, vocab = target_logits.shape[1:]
     drafts = draft_tokens.clamp(0, vocab - 1)  # padding may hold anything
-    n_drafts = torch.tensor(num_drafts, dtype=torch.int64, device=target_logits.device)
+    n_drafts = small_tensor(num_drafts, torch.int64, target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]
     greedy_ids = target_logits.argmax(dim=-1)  # [B, K+1]
     accept = drafts == greedy_ids[:, :-1]
@@ -128,7 +129,7 @@ def pad_drafts(
     padded = np.zeros((len(drafts), max(num_drafts, default=0)), dtype=np.int64)
     for row, d in enumerate(drafts):
         padded[row, : len(d)] = d
-    return torch.from_numpy(padded).to(device), num_drafts
+    return to_device_async(torch.from_numpy(padded), device), num_drafts
 
 
 def unflatten_logits(logits: torch.Tensor, num_drafts: Sequence[int]) -> torch.Tensor:
