@@ -65,6 +65,18 @@ def oracle(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: flo
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
+def assert_causal_rows(out: torch.Tensor, q: torch.Tensor, lens: list[int], rows: list[int],
+                       full_k: list[torch.Tensor], full_v: list[torch.Tensor], meta: AttentionMetadata, scale: float,
+                       dtype: torch.dtype) -> None:
+    """Row j of a sequence with r new tokens matches float64 attention over its keys up to its own position."""
+    qsl = meta.query_start_loc_np
+    for i, (n, r) in enumerate(zip(lens, rows)):
+        for j in range(r):
+            visible = n - r + j + 1
+            want = oracle(q[qsl[i] + j], full_k[i][:visible], full_v[i][:visible], scale).reshape(-1)
+            torch.testing.assert_close(out[qsl[i] + j].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(4, 4, 16), (4, 2, 16), (9, 3, 64), (8, 2, 36)])
 def test_the_op_matches_float64_attention_and_writes_the_new_kv(dtype: torch.dtype, heads: int, kv_heads: int,
@@ -93,12 +105,7 @@ def test_verification_rows_see_their_own_prefix_only(dtype: torch.dtype) -> None
     assert cpu_decode.usable(q, k_cache, meta)
     scale = 32 ** -0.5
     out = cpu_decode.paged_decode(q, k, v, k_cache, v_cache, meta, scale)
-    qsl = meta.query_start_loc_np
-    for i, (n, r) in enumerate(zip(lens, rows)):
-        for j in range(r):
-            visible = n - r + j + 1
-            want = oracle(q[qsl[i] + j], full_k[i][:visible], full_v[i][:visible], scale).reshape(-1)
-            torch.testing.assert_close(out[qsl[i] + j].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert_causal_rows(out, q, lens, rows, full_k, full_v, meta, scale, dtype)
     long_chunk = decode_batch([80], 8, 2, 32, 16, dtype, seed=12, rows=[cpu_decode.MAX_ROWS + 1])
     assert not cpu_decode.usable(long_chunk[0], long_chunk[3], long_chunk[5])  # a prefill chunk: the reference
 
@@ -146,12 +153,7 @@ def test_a_mixed_step_sends_its_decode_rows_to_the_op_and_matches_float64(dtype:
     scale = 32 ** -0.5
     out = attention.paged_attention(q, k, v, k_cache, v_cache, meta, scale)
     assert calls, "the decode rows did not take the op"
-    qsl = meta.query_start_loc_np
-    for i, (n, r) in enumerate(zip(lens, rows)):
-        for j in range(r):
-            visible = n - r + j + 1
-            want = oracle(q[qsl[i] + j], full_k[i][:visible], full_v[i][:visible], scale).reshape(-1)
-            torch.testing.assert_close(out[qsl[i] + j].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+    assert_causal_rows(out, q, lens, rows, full_k, full_v, meta, scale, dtype)
     for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
         expected = before.clone()
         expected.view(-1, 2, 32)[meta.slot_mapping] = new
