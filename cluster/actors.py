@@ -29,6 +29,7 @@ from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.cpu_threads import run_on_exiting_thread
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
@@ -268,9 +269,13 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
     import torch
 
     # Workers share the node's cores: more threads than cores makes OpenMP
-    # threads spin against each other (docs/benchmarks-engine.md).
+    # threads spin against each other (docs/benchmarks-engine.md). Set here too:
+    # the AsyncEngine's thread takes this thread's count.
     torch.set_num_threads(torch_threads)
-    return LLMEngine(dataclasses.replace(config, record_kv_events=record_events))
+    # Built on a thread that exits: the engine thread is then this process's only
+    # OpenMP master, and its workers spin instead of sleeping (workers/cpu_threads.py).
+    return run_on_exiting_thread(lambda: LLMEngine(dataclasses.replace(config, record_kv_events=record_events)),
+                                 torch_threads)
 
 
 def _sender_class(transport: Transport) -> Callable[..., KVSender]:
