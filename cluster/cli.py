@@ -163,6 +163,12 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _cmd_profile(a: argparse.Namespace) -> int:
+    from pdserve.cluster.planner.profile_cli import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -193,6 +199,14 @@ def build_parser() -> argparse.ArgumentParser:
                            description=BENCH_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_bench_arguments(bench)
     bench.set_defaults(func=_cmd_bench)
+
+    from pdserve.cluster.planner.profile_cli import DESCRIPTION as PROFILE_DESCRIPTION
+    from pdserve.cluster.planner.profile_cli import add_arguments as add_profile_arguments
+
+    prof = sub.add_parser("profile", help="measure this machine's step and KV handoff costs (a planner's profile)",
+                          description=PROFILE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_profile_arguments(prof)
+    prof.set_defaults(func=_cmd_profile)
     return parser
 
 
