@@ -84,6 +84,23 @@ class CostModel:
             return self.decode_s(batch, context)
         return self.prefill_s(new_tokens, cached_tokens) + self.decode_s(batch, context) - self.decode_coef[0]
 
+    def step_s(self, chunks: list[tuple[int, int]], rows: int, context_sum: float) -> float:
+        """One engine step: prefill `chunks` ((new, cached) tokens of each prompt) and `rows`
+        decode rows whose contexts sum to `context_sum`, in one forward pass (one fixed
+        overhead: the prefill's when it prefills, else the decode's). With one chunk and no
+        rows it is prefill_s; with rows only, decode_s; with both, mixed_s."""
+        if not chunks:
+            if rows <= 0:
+                return 0.0
+            a, b, c = self.decode_coef
+            return a + b * rows + c * context_sum
+        pa, pb, pc = self.prefill_coef
+        t = pa + sum(pb * n + pc * n * (cached + n / 2) for n, cached in chunks)
+        if rows > 0:
+            _, b, c = self.decode_coef
+            t += b * rows + c * context_sum
+        return t
+
     def transfer_s(self, num_tokens: int) -> float:
         a, per_byte = self.transfer_coef
         return a + per_byte * num_tokens * self.kv_bytes_per_token

@@ -1,0 +1,429 @@
+"""One simulated worker: workers/scheduler.py's policy over a `KVPool`, timed by a `CostModel`.
+
+Each step, as the real scheduler does it (vLLM v1 style, one token budget):
+  1. running sequences in admission order: a decoding one takes its row's tokens
+     (1, or 1 + drafts with speculative decoding), a prefilling one the next chunk
+     of its prompt, up to the budget; when the pool is short the most recently
+     admitted one is preempted (blocks freed, recomputed later);
+  2. then waiting ones, first come first served, while budget, `max_num_seqs` and
+     blocks allow, each from its longest cached prefix.
+The step lasts `CostModel.step_s` of its chunks and rows.
+
+Speed: when a step has decode rows only and nothing waiting can start, the
+next steps are the same batch with contexts one step longer each, so the worker
+plans them as one *segment* of k steps (step j lasts s0 + j*d, a closed-form
+sum) ending at the first sequence to finish or run out of blocks. Anything that
+lands on the worker meanwhile (`poke`) cuts the segment at the next step
+boundary, where the real engine would have seen it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pdserve.cluster.planner.costs import CostModel
+from pdserve.cluster.planner.sim_kv import KVPool, SeqBlocks
+from pdserve.cluster.planner.sim_workload import SimRequest
+from pdserve.cluster.router.policy import WorkerRole
+
+_MAX_SEGMENT_STEPS = 1 << 20  # a bound on one segment; finishing sequences end it far sooner
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """The engine knobs the simulator honours (from the profile's EngineShape, or overridden)."""
+
+    block_size: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int
+    enable_prefix_caching: bool = True
+    tokens_per_step: float = 1.0  # a decoding sequence's tokens per step (speculative decoding: > 1)
+    row_tokens: int = 1  # budget tokens one decode row takes (1 + drafts verified)
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "row_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine: {name} must be >= 1, got {getattr(self, name)}")
+        if not self.tokens_per_step >= 1.0:
+            raise ValueError(f"engine: tokens_per_step must be >= 1, got {self.tokens_per_step}")
+
+
+class SeqKind(enum.Enum):
+    FULL = "full"  # prefills and decodes here (colocated, local prefill, prefill-only)
+    PREFILL_ORDER = "prefill_order"  # prefills here; its KV then moves to a decode worker
+    REMOTE = "remote"  # decodes here; its prompt's KV comes from a prefill worker
+
+
+@dataclass(eq=False)
+class Track:
+    """What the client sees of one request: every token chunk's time (floats or arrays of them)."""
+
+    req: SimRequest
+    first: float | None = None
+    done: float | None = None
+    chunks: list[float | np.ndarray] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens the prefilling worker took from its cache
+    plan: str = ""
+    rejected: bool = False
+
+    def emit(self, t: float) -> None:
+        if self.first is None:
+            self.first = t
+        self.chunks.append(t)
+
+    def chunk_times(self) -> np.ndarray:
+        return np.concatenate([np.atleast_1d(np.asarray(c, dtype=float)) for c in self.chunks]) if self.chunks \
+            else np.zeros(0)
+
+
+@dataclass(eq=False)
+class Seq:
+    """A request on one worker (a handoff has one on each side)."""
+
+    track: Track
+    kind: SeqKind
+    target: int  # tokens to compute before it samples (the prompt; prompt + outputs after a preemption)
+    computed: int = 0
+    generated: float = 0.0  # output tokens so far (fractional with speculative decoding)
+    pending: int = 0  # prefill tokens it adds to the worker's queued_prefill_tokens
+    blocks: SeqBlocks = field(default_factory=SeqBlocks)
+    counted_cache: bool = False
+    peer: Seq | None = None  # a prefill order's decode-side sequence
+
+    @property
+    def req(self) -> SimRequest:
+        return self.track.req
+
+    @property
+    def decoding(self) -> bool:
+        return self.computed >= self.target
+
+    @property
+    def context(self) -> float:
+        return self.req.prompt_len + self.generated
+
+
+@dataclass
+class _Step:
+    """The step (or decode-only segment of k steps) in flight: step j lasts s0 + j*d."""
+
+    start: float
+    rows: list[Seq]
+    chunks: list[tuple[Seq, int]]
+    k: int
+    s0: float
+    d: float
+    growth: list[int]  # blocks each row was given for the whole segment (handed back if cut short)
+
+    def elapsed(self, n: int) -> float:
+        return n * self.s0 + self.d * n * (n - 1) / 2
+
+    @property
+    def end(self) -> float:
+        return self.start + self.elapsed(self.k)
+
+
+class Hooks:
+    """What a worker tells the cluster (the simulator implements it)."""
+
+    def wake(self, worker: SimWorker, t: float) -> None:
+        """The worker's step in flight now ends at `t`: call its `step_end(t, version)` then."""
+
+    def kick(self, worker: SimWorker, t: float) -> None:
+        """An idle worker has work: call its `kicked(t)` once everything else at `t` is done."""
+
+    def prefill_done(self, seq: Seq, t: float) -> None:
+        """A prefill order's prompt is computed at `t`: its KV may move (`release_held` after)."""
+
+    def finished(self, track: Track, t: float) -> None:
+        """The request's last token reached the client at `t`."""
+
+
+class SimWorker:
+    def __init__(self, wid: str, role: WorkerRole, engine: EngineSettings, costs: CostModel, hooks: Hooks) -> None:
+        self.wid, self.role, self.engine, self.costs, self.hooks = wid, role, engine, costs, hooks
+        self.pool = KVPool(engine.num_kv_blocks, engine.enable_prefix_caching)
+        self.waiting: deque[Seq] = deque()
+        self.running: list[Seq] = []
+        self.awaiting_kv = 0  # handoffs with blocks reserved here, KV not yet landed
+        self.queued_prefill = 0
+        self.step: _Step | None = None
+        self.version = 0  # bumps whenever the step in flight changes: older wake-ups are stale
+        self.preemptions = 0
+        self.busy_s = 0.0
+        self._kicked = False  # a start is due at the current instant
+
+    # -- what the router reads ------------------------------------------------------
+
+    def free_blocks(self) -> int:
+        """Free blocks as the worker reports them (a segment's advance allocation counts as free)."""
+        ahead = sum(self.step.growth) if self.step is not None else 0
+        return self.pool.free + ahead
+
+    def matched_blocks(self, req: SimRequest) -> int:
+        return self.pool.match(req.block_hashes, len(req.block_hashes))
+
+    # -- what lands on the worker ------------------------------------------------------
+
+    def enqueue(self, seq: Seq, t: float) -> None:
+        """A request to prefill here (and decode, unless it is a prefill order)."""
+        limit = (seq.target - 1) // self.engine.block_size
+        cached = self.pool.match(seq.req.block_hashes, limit) * self.engine.block_size
+        self._set_pending(seq, seq.target - cached)
+        self.waiting.append(seq)
+        self.poke(t)
+
+    def reserve(self, seq: Seq, t: float) -> int | None:
+        """Decode side of a handoff: blocks for the whole prompt, reusing this worker's cache.
+        Returns the prompt tokens already cached here, or None (nothing changed) if short."""
+        self._cut(t)
+        bs, req = self.engine.block_size, seq.req
+        n = self.pool.match(req.block_hashes, (req.prompt_len - 1) // bs)
+        hashes = req.block_hashes[:n]
+        need = -(-req.prompt_len // bs) - n
+        if not self.pool.can_take(hashes, need):
+            return None
+        self.pool.take(seq.blocks, hashes, need)
+        self.awaiting_kv += 1
+        return n * bs
+
+    def kv_arrived(self, seq: Seq, t: float) -> None:
+        """The prompt's KV landed: the sequence decodes from the next step, ahead of new work."""
+        self.awaiting_kv -= 1
+        seq.computed = seq.target
+        self.pool.cache(seq.blocks, seq.req.block_hashes[len(seq.blocks.hashed):])
+        self.waiting.appendleft(seq)
+        self.poke(t)
+
+    def poke(self, t: float) -> None:
+        """Something changed at `t`: an idle worker starts a step (once everything else that
+        happens at `t` has landed: requests sent together start together); a segment ends at
+        the next step boundary."""
+        if self.step is None:
+            if not self._kicked:
+                self._kicked = True
+                self.hooks.kick(self, t)
+        else:
+            self._cut(t)
+
+    def kicked(self, t: float) -> None:
+        """The cluster's event for `poke` on an idle worker."""
+        self._kicked = False
+        if self.step is None:
+            self._start(t)
+
+    def step_end(self, t: float, version: int) -> None:
+        """The step in flight ended at `t` (the cluster's event; stale versions are ignored)."""
+        if version != self.version or self.step is None:
+            return
+        step, self.step = self.step, None
+        self.busy_s += step.end - step.start
+        self._apply(step)
+        self._start(step.end)
+
+    # -- planning a step ---------------------------------------------------------------
+
+    def _start(self, t: float) -> None:
+        self.version += 1
+        rows, chunks, preempted = self._schedule()
+        if not rows and not chunks:
+            self.step = None
+            return
+        ctx = sum(s.context for s in rows)
+        s0 = self.costs.step_s([(n, s.computed) for s, n in chunks], len(rows), ctx)
+        k, growth = 1, self._grow(rows, 1)
+        if not chunks and not preempted:
+            k = self._segment_steps(rows)
+            growth = self._grow(rows, k)
+        d = self.costs.decode_coef[2] * len(rows) * self.engine.tokens_per_step if not chunks else 0.0
+        for s, g in zip(rows, growth):
+            self.pool.allocate(s.blocks, g)
+        self.step = _Step(t, rows, chunks, k, s0, d, growth)
+        self.hooks.wake(self, self.step.end)
+
+    def _schedule(self) -> tuple[list[Seq], list[tuple[Seq, int]], bool]:
+        """This step's decode rows and prefill chunks (the module doc's policy); allocates the
+        chunks' blocks, checks the rows' next step fits, preempts when it does not."""
+        e = self.engine
+        budget = e.max_num_batched_tokens
+        rows: list[Seq] = []
+        chunks: list[tuple[Seq, int]] = []
+        need = 0  # blocks the rows need for their next step
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:  # bounded: i grows or running shrinks
+            s = self.running[i]
+            if s.decoding:
+                n, blocks = min(e.row_tokens, budget), self._row_blocks(s, 1)
+                ok = need + blocks <= self.pool.free
+            else:
+                n = min(s.target - s.computed, budget)
+                blocks = max(0, -(-(s.computed + n) // e.block_size) - s.blocks.count)
+                ok = need + blocks <= self.pool.free
+            if not ok:
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is s:
+                    break
+                continue
+            if s.decoding:
+                rows.append(s)
+                need += blocks
+            else:
+                self.pool.allocate(s.blocks, blocks)
+                chunks.append((s, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(rows, chunks, budget, need)
+        return rows, chunks, preempted
+
+    def _admit(self, rows: list[Seq], chunks: list[tuple[Seq, int]], budget: int, need: int) -> None:
+        e, bs = self.engine, self.engine.block_size
+        while self.waiting and budget > 0 and len(self.running) < e.max_num_seqs:  # bounded by waiting
+            s = self.waiting[0]
+            if s.decoding:  # its KV arrived from a prefill worker: it holds its blocks
+                blocks = self._row_blocks(s, 1)
+                if need + blocks > self.pool.free:
+                    break
+                rows.append(s)
+                need += blocks
+                n = min(e.row_tokens, budget)
+            else:
+                hit = self.pool.match(s.req.block_hashes, (s.target - 1) // bs)
+                hashes = s.req.block_hashes[:hit]
+                n = min(s.target - hit * bs, budget)
+                fresh = -(-(hit * bs + n) // bs) - hit
+                if not self.pool.can_take(hashes, fresh + need):
+                    break
+                self.pool.take(s.blocks, hashes, fresh)
+                s.computed = hit * bs
+                self._set_pending(s, s.target - s.computed)
+                if not s.counted_cache:
+                    s.counted_cache = True
+                    if s.kind is not SeqKind.REMOTE:
+                        s.track.cached_tokens = s.computed
+                chunks.append((s, n))
+            self.waiting.popleft()
+            self.running.append(s)
+            budget -= n
+
+    def _row_blocks(self, s: Seq, steps: int) -> int:
+        """Fresh blocks a decoding sequence needs to hold its context after `steps` more steps."""
+        tokens = s.context + steps * self.engine.tokens_per_step
+        return max(0, math.ceil(tokens / self.engine.block_size - 1e-9) - s.blocks.count)
+
+    def _grow(self, rows: list[Seq], steps: int) -> list[int]:
+        return [self._row_blocks(s, steps) for s in rows]
+
+    def _segment_steps(self, rows: list[Seq]) -> int:
+        """Steps the decode batch can run unchanged: until the first sequence finishes, and
+        while the pool holds the batch's growing contexts."""
+        tps = self.engine.tokens_per_step
+        k = min(max(1, math.ceil((s.req.output_len - s.generated) / tps - 1e-9)) for s in rows)
+        k = min(k, _MAX_SEGMENT_STEPS)
+        free = self.pool.free
+        if sum(self._grow(rows, k)) <= free:
+            return k
+        lo, hi = 1, k  # 1 fits (the schedule checked it); find the most that fit
+        while hi - lo > 1:  # bounded: log2(k) halvings
+            mid = (lo + hi) // 2
+            if sum(self._grow(rows, mid)) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+    def _cut(self, t: float) -> None:
+        """End the segment in flight at the first step boundary at or after `t`."""
+        step = self.step
+        if step is None or step.k <= 1 or t >= step.end:
+            return
+        n = self._steps_by(step, t - step.start)
+        if n >= step.k:
+            return
+        new_growth = self._grow(step.rows, n)
+        for s, had, keep in zip(step.rows, step.growth, new_growth):
+            give = had - keep
+            s.blocks.private -= give
+            self.pool.private -= give
+        step.k, step.growth = n, new_growth
+        self.version += 1
+        self.hooks.wake(self, step.end)
+
+    @staticmethod
+    def _steps_by(step: _Step, dt: float) -> int:
+        """The fewest whole steps that reach `dt` into the segment (at least 1: the one running)."""
+        if step.d > 0:
+            a, b = step.d / 2, step.s0 - step.d / 2
+            n = math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
+        else:
+            n = math.ceil(dt / step.s0) if step.s0 > 0 else 1
+        n = max(1, n)
+        for _ in range(3):  # float slack: settle on the exact boundary
+            if n > 1 and step.elapsed(n - 1) >= dt:
+                n -= 1
+            elif step.elapsed(n) < dt:
+                n += 1
+        return n
+
+    # -- applying a finished step -----------------------------------------------------------
+
+    def _apply(self, step: _Step) -> None:
+        e, end = self.engine, step.end
+        for s, n in step.chunks:
+            s.computed += n
+            self._set_pending(s, s.pending - n)
+            full = min(s.computed // e.block_size, len(s.req.block_hashes))
+            self.pool.cache(s.blocks, s.req.block_hashes[len(s.blocks.hashed):full])
+            if s.decoding:
+                self._prefilled(s, end)
+        if step.rows:
+            times = step.start + np.cumsum(step.s0 + step.d * np.arange(step.k)) if step.k > 1 else end
+            gained = step.k * e.tokens_per_step
+            for s in step.rows:
+                s.generated = min(float(s.req.output_len), s.generated + gained)
+                s.track.chunks.append(times)
+                if s.generated >= s.req.output_len - 1e-9:
+                    self._finish(s, end)
+
+    def _prefilled(self, s: Seq, t: float) -> None:
+        if s.kind is SeqKind.PREFILL_ORDER and s.req.output_len > 1:
+            self.running.remove(s)  # it holds its KV until the transfer ends (`release_held`)
+            self.hooks.prefill_done(s, t)
+            return
+        s.generated += 1
+        s.track.emit(t)
+        if s.generated >= s.req.output_len - 1e-9:
+            self._finish(s, t)
+
+    def _finish(self, s: Seq, t: float) -> None:
+        self.running.remove(s)
+        self.pool.release(s.blocks)
+        self.hooks.finished(s.track, t)
+
+    def release_held(self, s: Seq, t: float) -> None:
+        """A prefill order's KV has been sent: its blocks go back (cached) to the pool."""
+        self.pool.release(s.blocks)
+        self.poke(t)
+
+    def _preempt(self, s: Seq) -> None:
+        self.preemptions += 1
+        self.pool.release(s.blocks)
+        s.target = s.req.prompt_len + int(s.generated) if s.generated else s.req.prompt_len
+        s.computed = 0
+        self._set_pending(s, s.target)
+        self.waiting.appendleft(s)
+
+    def _set_pending(self, s: Seq, v: int) -> None:
+        v = max(0, v)
+        self.queued_prefill += v - s.pending
+        s.pending = v
+

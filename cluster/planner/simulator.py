@@ -1,0 +1,285 @@
+"""A discrete-event simulator of a pdserve cluster: a workload through a profile's costs.
+
+The cluster, as the real one runs a request (cluster/disagg_backend.py, backend.py):
+
+  colocated    the gateway sends it to the worker with the fewest requests in flight
+               from it (ColocatedBackend); that worker prefills and decodes it.
+  disaggregated  the router's own policy (cluster/router/policy.route, called here on a
+               snapshot of the simulated workers: their cached prefixes, queued prefill
+               tokens, running requests, free blocks) picks the decode worker and a plan:
+    LOCAL         the decode worker prefills it too (little uncached there);
+    PREFILL_ONLY  it ends at its first token: the prefill worker runs it alone;
+    HANDOFF       the decode worker reserves blocks for the prompt (reusing its cache;
+                  no room: it queues the request and prefills it itself, as
+                  DecodeWorker.handoff does), the prefill worker computes the prompt
+                  (chunked, from its own cache), then the KV not already on the decode
+                  worker moves over its link (one transfer at a time per link); the
+                  client has the first token when the KV has landed, and the request
+                  joins the decode batch at the next step.
+  Each worker is `SimWorker` (sim_engine.py): the scheduler's policy over a KV pool.
+  The gateway refuses a request when `max_in_flight` are in flight (429).
+
+Left out: the router's lag behind KV events and load reports (it sees the workers as
+they are), the network between gateway and workers, streaming the KV while the
+prompt is still being computed (the transfer starts when the prefill ends), transfer
+failures and retries, stop strings and EOS (every request yields its output_len).
+
+`simulate(costs, engine, cluster, requests)` runs one configuration on one list of
+requests and returns a `SimResult`.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+from dataclasses import dataclass, field
+from typing import cast
+
+from pdserve.cluster.planner.costs import CostModel
+from pdserve.cluster.planner.profile import Profile
+from pdserve.cluster.planner.sim_engine import EngineSettings, Hooks, Seq, SeqKind, SimWorker, Track
+from pdserve.cluster.planner.sim_workload import SimRequest
+from pdserve.cluster.router.policy import (
+    Plan,
+    RouterConfig,
+    RouterSnapshot,
+    RoutingPolicy,
+    WorkerLoad,
+    WorkerRole,
+    route,
+)
+
+DEFAULT_MAX_IN_FLIGHT = 256  # the gateway's admission bound (cluster/gateway.py)
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """P prefill + D decode workers, or N colocated ones, and how requests reach them."""
+
+    num_prefill: int = 0
+    num_decode: int = 0
+    num_colocated: int = 0
+    router: RouterConfig = field(default_factory=RouterConfig)
+    max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+
+    def __post_init__(self) -> None:
+        if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
+            raise ValueError(f"cluster: worker counts must be >= 0, got {self}")
+        if self.num_colocated and (self.num_prefill or self.num_decode):
+            raise ValueError("cluster: colocated workers or prefill + decode pools, not both")
+        if not self.num_colocated and self.num_decode < 1:
+            raise ValueError("cluster: needs >= 1 decode worker (or colocated workers)")
+        if self.max_in_flight < 1:
+            raise ValueError(f"cluster: max_in_flight must be >= 1, got {self.max_in_flight}")
+
+    @classmethod
+    def colocated(cls, n: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> ClusterShape:
+        return cls(num_colocated=n, max_in_flight=max_in_flight)
+
+    @classmethod
+    def disaggregated(cls, p: int, d: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
+                      max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> ClusterShape:
+        return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy), max_in_flight=max_in_flight)
+
+    @property
+    def is_colocated(self) -> bool:
+        return self.num_colocated > 0
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_colocated or self.num_prefill + self.num_decode
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_colocated} colocated" if self.is_colocated else f"{self.num_prefill}P+{self.num_decode}D"
+
+
+def engine_settings(profile: Profile, **overrides: int | float | bool) -> EngineSettings:
+    """The engine the profile was measured with (its speculative decoding included), with overrides."""
+    e = profile.engine
+    spec = profile.speculative
+    base: dict[str, int | float | bool] = dict(
+        block_size=e.block_size, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
+        num_kv_blocks=e.num_kv_blocks, enable_prefix_caching=e.enable_prefix_caching,
+        tokens_per_step=spec.tokens_per_step if spec is not None else 1.0,
+        row_tokens=1 + spec.num_speculative_tokens if spec is not None else 1)
+    unknown = set(overrides) - set(base)
+    if unknown:
+        raise ValueError(f"engine overrides: unknown settings {sorted(unknown)}")
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineSettings(**base)  # type: ignore[arg-type]
+
+
+class _Event(enum.IntEnum):
+    STEP_END = 0  # before an arrival at the same instant: the worker is free again
+    TRANSFER_DONE = 1
+    ARRIVAL = 2
+    START = 3  # an idle worker starts its step once every arrival at that instant has landed
+
+
+@dataclass
+class SimResult:
+    """One simulated run: every request's track, and what the workers did."""
+
+    cluster: ClusterShape
+    tracks: list[Track]
+    busy_s: dict[str, float]  # worker -> seconds it was computing
+    preemptions: int
+    plans: dict[str, int]  # how many requests ran under each plan
+    events: int
+
+    @property
+    def duration(self) -> float:
+        """First arrival to the last token (the bench's run duration)."""
+        ends = [t.done for t in self.tracks if t.done is not None]
+        return max(ends) - min(t.req.arrival for t in self.tracks) if ends else 0.0
+
+
+class _Cluster(Hooks):
+    def __init__(self, costs: CostModel, engine: EngineSettings, shape: ClusterShape) -> None:
+        self.costs, self.engine, self.shape = costs, engine, shape
+        if shape.is_colocated:
+            specs = [(f"worker-{i}", WorkerRole.BOTH) for i in range(shape.num_colocated)]
+        else:
+            specs = [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(shape.num_prefill)]
+            specs += [(f"decode-{i}", WorkerRole.DECODE) for i in range(shape.num_decode)]
+        self.workers = [SimWorker(wid, role, engine, costs, self) for wid, role in specs]
+        self.by_id = {w.wid: w for w in self.workers}
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.counter = 0
+        self.in_flight: dict[Track, SimWorker] = {}  # the colocated gateway's count per worker
+        self.per_worker = {w.wid: 0 for w in self.workers}
+        self.handoffs: dict[Seq, tuple[SimWorker, SimWorker, int]] = {}  # prefill order -> (P, D, D's cached)
+        self.link_free: dict[tuple[str, str], float] = {}
+        self.rr_counter = 0
+        self.plans: dict[str, int] = {}
+
+    def push(self, t: float, kind: _Event, payload: object) -> None:
+        self.counter += 1
+        heapq.heappush(self.heap, (t, kind, self.counter, payload))
+
+    # -- Hooks -------------------------------------------------------------------------
+
+    def wake(self, worker: SimWorker, t: float) -> None:
+        self.push(t, _Event.STEP_END, (worker, worker.version))
+
+    def kick(self, worker: SimWorker, t: float) -> None:
+        self.push(t, _Event.START, worker)
+
+    def prefill_done(self, seq: Seq, t: float) -> None:
+        p, d, cached = self.handoffs[seq]
+        link = (p.wid, d.wid)
+        start = max(t, self.link_free.get(link, 0.0))
+        end = start + self.costs.transfer_s(seq.req.prompt_len - cached)
+        self.link_free[link] = end
+        self.push(end, _Event.TRANSFER_DONE, seq)
+
+    def finished(self, track: Track, t: float) -> None:
+        track.done = t
+        w = self.in_flight.pop(track, None)
+        if w is not None:
+            self.per_worker[w.wid] -= 1
+
+    # -- events ----------------------------------------------------------------------------
+
+    def transfer_done(self, seq: Seq, t: float) -> None:
+        p, d, _ = self.handoffs.pop(seq)
+        p.release_held(seq, t)
+        peer = seq.peer
+        assert peer is not None
+        seq.track.emit(t)  # the first token reaches the client once its KV is on the decode worker
+        peer.generated = 1.0
+        d.kv_arrived(peer, t)
+
+    def arrive(self, req: SimRequest, track: Track, t: float) -> None:
+        if len(self.in_flight) >= self.shape.max_in_flight:
+            track.rejected = True
+            track.plan = "rejected"
+            self._count("rejected")
+            return
+        if self.shape.is_colocated:
+            w = min(self.workers, key=lambda x: self.per_worker[x.wid])  # fewest in flight, then index
+            self._place(track, w)
+            track.plan = "colocated"
+            self._count(track.plan)
+            w.enqueue(Seq(track, SeqKind.FULL, req.prompt_len), t)
+            return
+        self._route(req, track, t)
+
+    def _route(self, req: SimRequest, track: Track, t: float) -> None:
+        loads = tuple(WorkerLoad(w.wid, w.role, True, w.queued_prefill, len(w.running) + w.awaiting_kv,
+                                 w.free_blocks(), w.pool.num_blocks) for w in self.workers)
+        matched = {w.wid: m for w in self.workers if (m := w.matched_blocks(req))}
+        snap = RouterSnapshot(req.prompt_len, self.engine.block_size, matched, loads, req.affinity_key,
+                              req.output_len)
+        decision = route(snap, self.shape.router, self.rr_counter)
+        self.rr_counter = decision.next_rr_counter
+        d = self.by_id[decision.decode_worker]
+        if decision.plan is Plan.PREFILL_ONLY:
+            assert decision.prefill_worker is not None
+            p = self.by_id[decision.prefill_worker]
+            self._place(track, p)
+            track.plan = Plan.PREFILL_ONLY.value
+            p.enqueue(Seq(track, SeqKind.FULL, req.prompt_len), t)
+        elif decision.plan is Plan.LOCAL:
+            self._place(track, d)
+            track.plan = Plan.LOCAL.value
+            d.enqueue(Seq(track, SeqKind.FULL, req.prompt_len), t)
+        else:
+            assert decision.prefill_worker is not None
+            self._handoff(track, self.by_id[decision.prefill_worker], d, t)
+        self._count(track.plan)
+
+    def _handoff(self, track: Track, p: SimWorker, d: SimWorker, t: float) -> None:
+        req = track.req
+        self._place(track, d)
+        remote = Seq(track, SeqKind.REMOTE, req.prompt_len)
+        cached = d.reserve(remote, t)
+        if cached is None:  # no room to reserve: the decode worker queues it and prefills it
+            track.plan = "local_no_room"
+            remote.kind = SeqKind.FULL
+            d.enqueue(remote, t)
+            return
+        track.plan = Plan.HANDOFF.value
+        order = Seq(track, SeqKind.PREFILL_ORDER, req.prompt_len, peer=remote)
+        self.handoffs[order] = (p, d, cached)
+        p.enqueue(order, t)
+
+    def _place(self, track: Track, w: SimWorker) -> None:
+        self.in_flight[track] = w
+        self.per_worker[w.wid] += 1
+
+    def _count(self, plan: str) -> None:
+        self.plans[plan] = self.plans.get(plan, 0) + 1
+
+
+def simulate(costs: CostModel, engine: EngineSettings, cluster: ClusterShape,
+             requests: list[SimRequest]) -> SimResult:
+    """Run `requests` (sent at their `arrival` times) through `cluster`; every request's track.
+
+    A request that never finishes (e.g. a prompt larger than a worker's KV pool) keeps
+    `done` None and counts as failed."""
+    c = _Cluster(costs, engine, cluster)
+    tracks = [Track(r) for r in requests]
+    for r, tr in zip(requests, tracks):
+        c.push(r.arrival, _Event.ARRIVAL, tr)
+    # every request makes a bounded number of events (its steps, its cuts of segments)
+    limit = 10_000_000 + 100_000 * len(requests)
+    events = 0
+    while c.heap:
+        events += 1
+        if events > limit:
+            raise RuntimeError(f"simulation: over {limit} events; a livelock in the model")
+        t, kind, _, payload = heapq.heappop(c.heap)
+        if kind == _Event.STEP_END:
+            worker, version = cast(tuple[SimWorker, int], payload)
+            worker.step_end(t, version)
+        elif kind == _Event.START:
+            cast(SimWorker, payload).kicked(t)
+        elif kind == _Event.TRANSFER_DONE:
+            c.transfer_done(cast(Seq, payload), t)
+        else:
+            track = cast(Track, payload)
+            c.arrive(track.req, track, t)
+    return SimResult(cluster, tracks, {w.wid: w.busy_s for w in c.workers},
+                     sum(w.preemptions for w in c.workers), c.plans, events)
