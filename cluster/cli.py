@@ -169,6 +169,12 @@ def _cmd_profile(a: argparse.Namespace) -> int:
     return run(a)
 
 
+def _cmd_plan(a: argparse.Namespace) -> int:
+    from pdserve.cluster.planner.plan_cli import run
+
+    return run(a)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="LLM serving with disaggregated prefill and decode")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -207,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
                           description=PROFILE_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_profile_arguments(prof)
     prof.set_defaults(func=_cmd_profile)
+
+    from pdserve.cluster.planner.plan_cli import DESCRIPTION as PLAN_DESCRIPTION
+    from pdserve.cluster.planner.plan_cli import add_arguments as add_plan_arguments
+
+    plan = sub.add_parser("plan", help="size the prefill/decode pools from SLOs by simulating a profile",
+                          description=PLAN_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_plan_arguments(plan)
+    plan.set_defaults(func=_cmd_plan)
     return parser
 
 

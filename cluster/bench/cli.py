@@ -35,15 +35,8 @@ def _token_range(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected LO:HI, got {text!r}") from None
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    s = p.add_argument_group("server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API root, ending in /v1")
-    s.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    s.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
-    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    s.add_argument("--request-timeout", type=float, default=600.0,
-                   help="seconds one request may take in all, stream included (default 600)")
-
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The workload flags (what each request is); `pdserve plan` takes the same ones."""
     w = p.add_argument_group("workload")
     w.add_argument("--workload", default="random", choices=["random", "shared-prefix", "trace"])
     w.add_argument("--num-requests", type=int, default=None,
@@ -65,6 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--tokenizer", default=None,
                    help="HF tokenizer path: send text that re-tokenizes to exactly the lengths "
                         "(needed for --endpoint chat) instead of token ids")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the API root, ending in /v1")
+    s.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
+    s.add_argument("--endpoint", default="completions", choices=["completions", "chat"])
+    s.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    s.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds one request may take in all, stream included (default 600)")
+
+    add_workload_arguments(p)
 
     ld = p.add_argument_group("load")
     ld.add_argument("--request-rate", type=_rate, default=math.inf,

@@ -94,7 +94,7 @@ class ClusterShape:
         return f"{self.num_colocated} colocated" if self.is_colocated else f"{self.num_prefill}P+{self.num_decode}D"
 
 
-def engine_settings(profile: Profile, **overrides: int | float | bool) -> EngineSettings:
+def engine_settings(profile: Profile, **overrides: int | float | bool | None) -> EngineSettings:
     """The engine the profile was measured with (its speculative decoding included), with overrides."""
     e = profile.engine
     spec = profile.speculative

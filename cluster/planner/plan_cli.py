@@ -1,0 +1,184 @@
+"""`pdserve plan`: flags -> a `Planner` -> a table (or JSON) of configurations.
+
+The workload flags are `pdserve bench`'s own (bench/cli.add_workload_arguments), read
+into a `BenchConfig` by the bench's own `config_from_args`, so a plan and a bench run
+with the same flags and seed see the same requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any, TextIO
+
+from pdserve.cluster.bench.cli import add_workload_arguments
+
+DESCRIPTION = """\
+Size the pools from SLOs: simulate every configuration (N colocated, or P prefill +
+D decode) on the workload through a profile from `pdserve profile`, and print those
+that meet the SLOs at a rate with the fewest workers (--rate), or every split of a
+number of workers with its goodput (--gpus).
+Example:
+  pdserve plan --profile profile.json --slo ttft:500 tpot:50 --rate 4 \\
+      --input-len 1024 --output-len 128 --num-requests 300
+"""
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a {kind.__name__}, got {text!r}") from None
+        if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
+            raise argparse.ArgumentTypeError(f"must be finite and > 0, got {text}")
+        return v
+    return parse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--profile", required=True, help="a profile JSON written by `pdserve profile`")
+    p.add_argument("--slo", nargs="+", required=True, metavar="KEY:MS",
+                   help="SLOs in ms, e.g. ttft:500 tpot:50 [e2e:MS] (the syntax of bench's --goodput)")
+    q = p.add_mutually_exclusive_group(required=True)
+    q.add_argument("--rate", type=_positive(float),
+                   help="requests/s to serve: the configurations meeting the SLOs with the fewest workers")
+    q.add_argument("--gpus", type=_positive(int), metavar="N",
+                   help="workers to use: the goodput of N colocated and of every P+D = N")
+    p.add_argument("--attainment", type=float, default=0.9,
+                   help="share of requests that must meet every SLO (default 0.9, DistServe's goodput)")
+    p.add_argument("--max-workers", type=_positive(int), default=8, help="--rate: the most workers tried (default 8)")
+    p.add_argument("--router-policy", default="cache_aware", choices=["cache_aware", "round_robin"])
+    p.add_argument("--no-colocated", dest="colocated", action="store_false",
+                   help="leave colocated configurations out")
+    p.add_argument("--max-in-flight", type=_positive(int), default=256,
+                   help="the gateway's admission bound, as `pdserve serve --max-in-flight` (default 256)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e = p.add_argument_group("engine (default: the profile's)")
+    e.add_argument("--max-num-seqs", type=_positive(int), default=None)
+    e.add_argument("--max-num-batched-tokens", type=_positive(int), default=None)
+    e.add_argument("--num-kv-blocks", type=_positive(int), default=None, help="KV blocks per worker")
+    e.add_argument("--kv-block-size", type=_positive(int), default=None,
+                   help="tokens per KV block (--block-size is the trace's tokens per hash id, as in bench)")
+    add_workload_arguments(p)
+    ld = p.add_argument_group("load")
+    ld.add_argument("--burstiness", type=_positive(float), default=1.0,
+                    help="gamma shape of the inter-arrival gaps: 1 = Poisson, < 1 burstier, > 1 more regular")
+    ld.add_argument("--seed", type=int, default=0)
+
+
+def _bench_config(a: argparse.Namespace) -> Any:
+    """The BenchConfig `pdserve bench` would build from the same workload flags."""
+    from pdserve.cluster.bench.cli import add_arguments as add_bench_arguments
+    from pdserve.cluster.bench.cli import config_from_args
+
+    bench = argparse.ArgumentParser(add_help=False)
+    add_bench_arguments(bench)
+    ns = bench.parse_args([])
+    for key in vars(ns):
+        if hasattr(a, key):
+            setattr(ns, key, getattr(a, key))
+    ns.seed, ns.burstiness, ns.progress = a.seed, a.burstiness, False
+    if a.rate is not None:
+        ns.request_rate = a.rate
+    return config_from_args(ns)
+
+
+def build_planner(a: argparse.Namespace) -> Any:
+    from pdserve.cluster.bench.metrics import SLO
+    from pdserve.cluster.planner.planner import Planner
+    from pdserve.cluster.planner.profile import Profile
+    from pdserve.cluster.planner.sim_workload import Workload
+    from pdserve.cluster.planner.simulator import engine_settings
+    from pdserve.cluster.router.policy import RoutingPolicy
+
+    try:
+        profile = Profile.load(a.profile)
+    except FileNotFoundError:
+        raise ValueError(f"profile {a.profile}: no such file") from None
+    except ValueError as e:
+        raise ValueError(f"profile {a.profile}: {e}") from None
+    engine = engine_settings(profile, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                             num_kv_blocks=a.num_kv_blocks, block_size=a.kv_block_size)
+    workload = Workload.build(_bench_config(a), engine.block_size)
+    return Planner(profile.costs(), engine, workload, SLO.parse(a.slo), a.attainment,
+                   RoutingPolicy(a.router_policy), a.max_in_flight, a.colocated)
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.1f}"
+
+
+def _header(planner: Any, what: str) -> str:
+    slo = " ".join(f"{k} {v * 1000:g} ms" for k, v in planner.slo.as_dict().items())
+    return f"pdserve plan: {what}; SLO {slo}; attainment >= {planner.target:.0%}; {len(planner.workload.requests)} " \
+           f"requests"
+
+
+_COLUMNS = f"{'config':<14}{'workers':>8}{'attain':>8}  {'TTFT p50':>9}{'p90':>9}{'p99':>9}  " \
+           f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}  (ms)"
+
+
+def _row(e: Any, mark: str = "") -> str:
+    t, p = e.ttft_s, e.tpot_s
+    return (f"{e.shape.label:<14}{e.shape.num_workers:>8}{e.attainment:>8.1%}  {_ms(t[0]):>9}{_ms(t[1]):>9}"
+            f"{_ms(t[2]):>9}  {_ms(p[0]):>9}{_ms(p[1]):>8}{_ms(p[2]):>8}  {mark}")
+
+
+def print_rate_plan(planner: Any, plan: Any, out: TextIO) -> None:
+    print(_header(planner, f"{plan.rate:g} req/s"), file=out)
+    print(_COLUMNS, file=out)
+    best = {id(e) for e in plan.best}
+    for e in plan.evaluated:
+        print(_row(e, "<- meets, fewest workers" if id(e) in best else ("meets" if e.meets else "")), file=out)
+    if plan.best:
+        print(f"best: {plan.best[0].shape.label}", file=out)
+    else:
+        n = max((e.shape.num_workers for e in plan.evaluated), default=0)
+        print(f"no configuration of up to {n} workers meets the SLOs at {plan.rate:g} req/s", file=out)
+
+
+def print_goodputs(planner: Any, n: int, found: list[Any], out: TextIO) -> None:
+    print(_header(planner, f"{n} workers"), file=out)
+    print(f"{'goodput':>10}  " + _COLUMNS.replace("attain", "attain"), file=out)
+    for g in found:
+        rate = "-" if g.rate is None else f"{g.rate:.3g}{'' if g.bounded else '+'}"
+        if g.at_goodput is None:
+            print(f"{rate:>10}  {g.shape.label:<14}{g.shape.num_workers:>8}  misses the SLOs at every rate tried",
+                  file=out)
+        else:
+            print(f"{rate:>10}  " + _row(g.at_goodput), file=out)
+    if found and found[0].rate is not None:
+        print(f"best: {found[0].shape.label} at {found[0].rate:.3g} req/s (goodput, req/s; '+': a lower bound)",
+              file=out)
+
+
+def run(a: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
+    if not 0 < a.attainment <= 1:
+        raise ValueError(f"--attainment: must be in (0, 1], got {a.attainment}")
+    planner = build_planner(a)
+    if a.rate is not None:
+        plan = planner.for_rate(a.rate, a.max_workers)
+        if a.json:
+            json.dump({"mode": "rate", "rate": plan.rate, "slo_ms": _slo_ms(planner), "target": planner.target,
+                       "best": [e.as_json() for e in plan.best],
+                       "evaluated": [e.as_json() for e in plan.evaluated]}, out, indent=1)
+            print(file=out)
+        else:
+            print_rate_plan(planner, plan, out)
+        return 0 if plan.best else 1
+    found = planner.for_workers(a.gpus)
+    if a.json:
+        json.dump({"mode": "gpus", "workers": a.gpus, "slo_ms": _slo_ms(planner), "target": planner.target,
+                   "candidates": [g.as_json() for g in found]}, out, indent=1)
+        print(file=out)
+    else:
+        print_goodputs(planner, a.gpus, found, out)
+    return 0 if found and found[0].rate is not None else 1
+
+
+def _slo_ms(planner: Any) -> dict[str, float]:
+    return {k: v * 1000 for k, v in planner.slo.as_dict().items()}

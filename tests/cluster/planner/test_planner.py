@@ -1,0 +1,121 @@
+"""The planner's answers and `pdserve plan` end to end, on a synthetic profile."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+from sim_factories import synthetic_profile
+
+from pdserve.cluster.bench.config import BenchConfig
+from pdserve.cluster.bench.metrics import SLO
+from pdserve.cluster.cli import build_parser, main
+from pdserve.cluster.planner.planner import Planner, shapes
+from pdserve.cluster.planner.sim_workload import Workload
+from pdserve.cluster.planner.simulator import engine_settings
+
+SLO_ARGS = ["--slo", "ttft:200", "tpot:20"]
+WORKLOAD_ARGS = ["--input-len", "1024", "--output-len", "64", "--num-requests", "150"]
+
+
+def planner(num_requests: int = 150) -> Planner:
+    p = synthetic_profile()
+    e = engine_settings(p)
+    cfg = BenchConfig("http://sim/v1", num_requests=num_requests, input_len=1024, output_len=64)
+    return Planner(p.costs(), e, Workload.build(cfg, e.block_size), SLO(ttft=0.2, tpot=0.02))
+
+
+@pytest.fixture
+def profile_path(tmp_path: Path) -> str:
+    path = tmp_path / "profile.json"
+    synthetic_profile().save(path)
+    return str(path)
+
+
+def test_every_split_of_n_workers_is_a_candidate() -> None:
+    assert [s.label for s in shapes(3)] == ["3 colocated", "1P+2D", "2P+1D"]
+    assert [s.label for s in shapes(1)] == ["1 colocated"]
+
+
+def test_a_lower_rate_needs_fewer_workers() -> None:
+    pl = planner()
+    low, high = pl.for_rate(5.0), pl.for_rate(90.0)
+    assert low.best and high.best
+    assert low.best[0].shape.num_workers < high.best[0].shape.num_workers
+    for plan in (low, high):
+        n = plan.best[0].shape.num_workers
+        assert all(e.meets for e in plan.best)
+        assert all(e.shape.num_workers == n for e in plan.best)
+        assert not any(e.meets for e in plan.evaluated if e.shape.num_workers < n)  # none smaller meets
+
+
+def test_goodput_for_n_workers_ranks_every_split() -> None:
+    found = planner(100).for_workers(2)
+    assert sorted(g.shape.label for g in found) == ["1P+1D", "2 colocated"]
+    assert found[0].rate is not None and found[0].rate >= (found[1].rate or 0.0)
+    assert found[0].at_goodput is not None and found[0].at_goodput.attainment >= 0.9
+
+
+def test_plan_cli_prints_the_fewest_workers_that_meet_the_slos(profile_path: str,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "5", *WORKLOAD_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "5 req/s" in out and "<- meets, fewest workers" in out and "best: 1 colocated" in out
+
+
+def test_plan_cli_json_for_a_number_of_workers(profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--gpus", "2", "--json",
+                 "--workload", "shared-prefix", "--input-len", "1024", "--prefix-len", "512",
+                 "--output-len", "32", "--num-requests", "100"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "gpus" and d["slo_ms"] == {"ttft": 200.0, "tpot": 20.0}
+    assert {c["config"] for c in d["candidates"]} == {"2 colocated", "1P+1D"}
+    assert all(c["goodput_rps"] is None or c["goodput_rps"] > 0 for c in d["candidates"])
+
+
+def test_plan_cli_says_when_nothing_meets_the_slos(profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--profile", profile_path, "--slo", "ttft:1", "--rate", "5", "--max-workers", "2",
+               *WORKLOAD_ARGS])
+    assert rc == 1
+    assert "no configuration of up to 2 workers" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--slo", "ttft500", "--rate", "1"], "expected ttft:MS"),
+    (["--slo", "ttft:abc", "--rate", "1"], "not a number"),
+    (["--slo", "ttft:500", "--rate", "1", "--attainment", "1.5"], "--attainment"),
+])
+def test_plan_cli_rejects_bad_input_clearly(profile_path: str, argv: list[str], message: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["plan", "--profile", profile_path, *argv, "--num-requests", "10"])
+    assert rc != 0
+    assert message in capsys.readouterr().err
+
+
+def test_plan_cli_rejects_a_missing_or_bad_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", str(tmp_path / "nope.json"), *SLO_ARGS, "--rate", "1"]) != 0
+    assert "no such file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"version": 1}))
+    assert main(["plan", "--profile", str(bad), *SLO_ARGS, "--rate", "1"]) != 0
+    assert "not a pdserve profile" in capsys.readouterr().err
+
+
+def test_plan_cli_needs_a_rate_or_a_number_of_workers(profile_path: str) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--profile", profile_path, *SLO_ARGS])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "1", "--gpus", "2"])
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "-1"])
+
+
+def test_plan_table_to_a_stream() -> None:
+    from pdserve.cluster.planner.plan_cli import print_rate_plan
+
+    pl = planner(50)
+    buf = io.StringIO()
+    print_rate_plan(pl, pl.for_rate(2.0, max_workers=1), buf)
+    assert "1 colocated" in buf.getvalue()
