@@ -4,12 +4,14 @@ The engine is built as a worker builds it (cluster/actors.py `_engine`: on a
 thread that exits, with the worker's torch thread count), and every
 measurement then runs on one other thread, as a worker's engine thread steps
 it. Each point times `LLMEngine.step()` whole (scheduling, the model,
-sampling, outputs), the median of `repeats` after one untimed warm-up of the
-same shape (a compiled model may specialise on a new token count).
+sampling, outputs), the median of `repeats` (at most 3 where a step takes
+over a second) after one untimed warm-up of the same shape (a compiled model
+may specialise on a new token count).
 
 - prefill: one prompt of `new` fresh tokens, all in one step (`new` <= the
   step's token budget: the chunk sizes the scheduler makes), after `cached`
-  tokens the prefix cache already holds (a prefix computed earlier, untimed);
+  tokens the prefix cache already holds (the start of one long prompt
+  computed once, untimed: a prefix-cache hit, or the chunks before this one);
   the point records what the engine reports it reused and computed.
 - decode: `batch` requests at a context, set up the way a decode worker
   receives them (reserve blocks, then the prompt's KV "arrives": no prefill
@@ -23,6 +25,7 @@ same shape (a compiled model may specialise on a new token count).
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import statistics
 import time
@@ -50,6 +53,7 @@ from pdserve.workers.transfer.base import Transport
 
 Progress = Callable[[str], None]
 _DECODE_WARMUP_STEPS = 2
+_LONG_STEP_S, _LONG_STEP_REPEATS = 1.0, 3
 # A text with repeats, so prompt lookup (ngram) has something to find, as in code or chat.
 _SPEC_PROMPT = ("def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\n"
                 "def mul(a, b):\n    return a * b\n\ndef div(a, b):\n    return a / b\n\ndef ")
@@ -92,7 +96,7 @@ class Grid:
             return cls(prefill_tokens=(16, 64, 256), cached=((256, 64),), batches=(1, 4, 16), contexts=(64, 256),
                        transfer_tokens=(16, 256, 1024), repeats=3, decode_steps=3, spec_tokens=32)
         return cls(prefill_tokens=(16, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
-                   cached=((512, 64), (2048, 64), (512, 512), (2048, 512), (6144, 512)),
+                   cached=((512, 64), (2048, 64), (4096, 64), (512, 512), (2048, 512), (4096, 512), (1024, 1024)),
                    batches=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), contexts=(128, 512, 2048, 8192),
                    transfer_tokens=(16, 64, 256, 1024, 4096))
 
@@ -143,6 +147,7 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
         transfer = measure_transfer(engine, transport, grid.transfer_tokens, grid.repeats, progress)
         return prefill, decode, transfer, profiler.speculation() if spec else None
 
+    load_before = os.getloadavg()  # other work on the machine moves the times: the reader should know
     prefill, decode, transfer, speculative = run_on_exiting_thread(measure, torch_threads, name="pdserve-profile")
     return Profile(machine=machine_info(str(engine.device)), model=model_info(engine),
                    engine=engine_shape(engine, torch_threads), transport=transport.value,
@@ -150,7 +155,8 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
                    transfer=tuple(transfer), speculative=speculative,
                    created=datetime.now(UTC).isoformat(timespec="seconds"),
                    notes={"grid": dataclasses.asdict(grid), "skipped": profiler.skipped,
-                          "spread": profiler.spread, "decode_warmup_steps": _DECODE_WARMUP_STEPS})
+                          "spread": profiler.spread, "decode_warmup_steps": _DECODE_WARMUP_STEPS,
+                          "load_average": {"before": load_before, "after": os.getloadavg()}})
 
 
 def model_info(engine: LLMEngine) -> dict[str, Any]:
@@ -189,14 +195,21 @@ class _Profiler:
     # -- prefill -----------------------------------------------------------------------------
 
     def prefill(self) -> list[PrefillPoint]:
-        points = [self._prefill_point(0, n) for n in self.grid.prefill_tokens]
-        return points + [self._prefill_point(c, n) for c, n in self.grid.cached]
+        points = [self._prefill_point([], n) for n in self.grid.prefill_tokens]
+        if not self.grid.cached:
+            return points
+        # One prompt computed once (untimed) caches every prefix the cached points start with:
+        # computing each prefix on its own would cost more than the points themselves.
+        base = self._tokens(max(c for c, _ in self.grid.cached))
+        self._run_to_end(base)  # freed, still cached: the blocks each point reuses are touched, so kept
+        return points + [self._prefill_point(base[:c], n) for c, n in self.grid.cached]
 
-    def _prefill_point(self, cached: int, new: int) -> PrefillPoint:
-        prefix = self._tokens(cached)
-        if cached:
-            self._run_to_end(prefix)  # now in the prefix cache (freed, not evicted: the pool is idle)
-        runs = [self._prefill_step(prefix + self._tokens(new)) for _ in range(self.grid.repeats + 1)][1:]
+    def _prefill_point(self, prefix: list[int], new: int) -> PrefillPoint:
+        cached = len(prefix)
+        runs = [self._prefill_step(prefix + self._tokens(new))]  # warm-up
+        # A step over a second varies less, relative to itself, than a short one: fewer repeats do.
+        repeats = self.grid.repeats if runs[0][0] < _LONG_STEP_S else min(self.grid.repeats, _LONG_STEP_REPEATS)
+        runs = [self._prefill_step(prefix + self._tokens(new)) for _ in range(repeats)]
         seconds = statistics.median(t for t, _ in runs)
         got = runs[-1][1]  # what the engine reused: the whole prefix, unless it was evicted
         point = PrefillPoint(new_tokens=cached + new - got, cached_tokens=got, seconds=seconds)
