@@ -55,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="leave colocated configurations out")
     p.add_argument("--max-in-flight", type=_positive(int), default=256,
                    help="the gateway's admission bound, as `pdserve serve --max-in-flight` (default 256)")
+    p.add_argument("--dispatch-ms", type=float, default=0.0,
+                   help="ms from a request's send to the router (HTTP, tokenizing), added to every TTFT (default 0)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e = p.add_argument_group("engine (default: the profile's)")
     e.add_argument("--max-num-seqs", type=_positive(int), default=None)
@@ -104,7 +106,7 @@ def build_planner(a: argparse.Namespace) -> Any:
                              num_kv_blocks=a.num_kv_blocks, block_size=a.kv_block_size)
     workload = Workload.build(_bench_config(a), engine.block_size)
     return Planner(profile.costs(), engine, workload, SLO.parse(a.slo), a.attainment,
-                   RoutingPolicy(a.router_policy), a.max_in_flight, a.colocated)
+                   RoutingPolicy(a.router_policy), a.max_in_flight, a.colocated, a.dispatch_ms / 1000)
 
 
 def _ms(v: float | None) -> str:

@@ -73,13 +73,13 @@ class RatePlan:
     evaluated: tuple[Evaluation, ...]  # every configuration simulated, in search order
 
 
-def shapes(n: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
-           max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, colocated: bool = True) -> list[ClusterShape]:
+def shapes(n: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+           colocated: bool = True, dispatch_s: float = 0.0) -> list[ClusterShape]:
     """Every way to run `n` workers: n colocated, and P prefill + D decode for each P+D = n."""
     if n < 1:
         raise ValueError(f"workers: must be >= 1, got {n}")
-    out = [ClusterShape.colocated(n, max_in_flight)] if colocated else []
-    out += [ClusterShape.disaggregated(p, n - p, policy, max_in_flight) for p in range(1, n)]
+    out = [ClusterShape.colocated(n, max_in_flight, dispatch_s)] if colocated else []
+    out += [ClusterShape.disaggregated(p, n - p, policy, max_in_flight, dispatch_s) for p in range(1, n)]
     return out
 
 
@@ -93,10 +93,14 @@ class Planner:
     policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     colocated: bool = True  # colocated configurations are candidates
+    dispatch_s: float = 0.0  # ClusterShape.dispatch_s: the gateway's time per request
 
     def __post_init__(self) -> None:
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target: must be in (0, 1], got {self.target}")
+
+    def shapes(self, n: int) -> list[ClusterShape]:
+        return shapes(n, self.policy, self.max_in_flight, self.colocated, self.dispatch_s)
 
     def evaluate(self, shape: ClusterShape, rate: float | None) -> Evaluation:
         """Simulate `shape` on the workload sent at `rate` (None: the workload's own timing)."""
@@ -117,7 +121,7 @@ class Planner:
             raise ValueError(f"max workers: must be >= 1, got {max_workers}")
         evaluated: list[Evaluation] = []
         for n in range(1, max_workers + 1):
-            here = [self.evaluate(s, rate) for s in shapes(n, self.policy, self.max_in_flight, self.colocated)]
+            here = [self.evaluate(s, rate) for s in self.shapes(n)]
             evaluated += here
             ok = sorted((e for e in here if e.meets), key=lambda e: (-e.attainment, _p90(e)))
             if ok:
@@ -133,7 +137,7 @@ class Planner:
     def for_workers(self, n: int, start: float | None = None) -> list[Goodput]:
         """Every configuration of `n` workers with its goodput, the highest first."""
         first = start if start is not None else self.start_rate(n)
-        found = [self.goodput(s, first) for s in shapes(n, self.policy, self.max_in_flight, self.colocated)]
+        found = [self.goodput(s, first) for s in self.shapes(n)]
         return sorted(found, key=lambda g: -(g.rate or 0.0))
 
     def start_rate(self, n: int) -> float:

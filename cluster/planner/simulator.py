@@ -61,6 +61,9 @@ class ClusterShape:
     num_colocated: int = 0
     router: RouterConfig = field(default_factory=RouterConfig)
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
+    # Seconds from a request's send to its landing on the router (HTTP, tokenizing, the
+    # gateway's hops): the profile times the workers only. It adds to every TTFT.
+    dispatch_s: float = 0.0
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -71,15 +74,18 @@ class ClusterShape:
             raise ValueError("cluster: needs >= 1 decode worker (or colocated workers)")
         if self.max_in_flight < 1:
             raise ValueError(f"cluster: max_in_flight must be >= 1, got {self.max_in_flight}")
+        if not 0 <= self.dispatch_s < float("inf"):
+            raise ValueError(f"cluster: dispatch_s must be finite and >= 0, got {self.dispatch_s}")
 
     @classmethod
-    def colocated(cls, n: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> ClusterShape:
-        return cls(num_colocated=n, max_in_flight=max_in_flight)
+    def colocated(cls, n: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
+        return cls(num_colocated=n, max_in_flight=max_in_flight, dispatch_s=dispatch_s)
 
     @classmethod
     def disaggregated(cls, p: int, d: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
-                      max_in_flight: int = DEFAULT_MAX_IN_FLIGHT) -> ClusterShape:
-        return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy), max_in_flight=max_in_flight)
+                      max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
+        return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy), max_in_flight=max_in_flight,
+                   dispatch_s=dispatch_s)
 
     @property
     def is_colocated(self) -> bool:
@@ -262,7 +268,7 @@ def simulate(costs: CostModel, engine: EngineSettings, cluster: ClusterShape,
     c = _Cluster(costs, engine, cluster)
     tracks = [Track(r) for r in requests]
     for r, tr in zip(requests, tracks):
-        c.push(r.arrival, _Event.ARRIVAL, tr)
+        c.push(r.arrival + cluster.dispatch_s, _Event.ARRIVAL, tr)
     # every request makes a bounded number of events (its steps, its cuts of segments)
     limit = 10_000_000 + 100_000 * len(requests)
     events = 0

@@ -37,6 +37,9 @@ def test_one_request_on_an_idle_disaggregated_cluster_costs_prefill_then_transfe
     rec = records(r)[0]
     assert rec.success and rec.tpot == pytest.approx((tr.done - tr.first) / (out - 1))
     assert len(rec.itl) == out - 1
+    # the gateway's own time per request, when given, comes first
+    late = simulate(c, e, ClusterShape.disaggregated(1, 1, dispatch_s=0.004), unique_requests([0.5], prompt, out))
+    assert late.tracks[0].first - 0.5 == pytest.approx(0.004 + ttft, rel=1e-12)
 
 
 def test_one_request_colocated_prefills_in_chunks_of_the_token_budget() -> None:
