@@ -102,5 +102,10 @@ class CostModel:
         return t
 
     def transfer_s(self, num_tokens: int) -> float:
+        """One request's KV of `num_tokens` tokens handed over: the fixed part once, then the bytes."""
         a, per_byte = self.transfer_coef
         return a + per_byte * num_tokens * self.kv_bytes_per_token
+
+    def transfer_bytes_s(self, num_tokens: int) -> float:
+        """The link time of `num_tokens` tokens' KV alone (a part streamed while the prompt is computed)."""
+        return self.transfer_coef[1] * num_tokens * self.kv_bytes_per_token

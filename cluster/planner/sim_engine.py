@@ -106,7 +106,44 @@ class Seq:
 
     @property
     def context(self) -> float:
-        return self.req.prompt_len + self.generated
+        return self.track.req.prompt_len + self.generated
+
+
+@dataclass
+class _Rows:
+    """A decode batch as arrays, for planning a segment: each row's context, blocks held and
+    output tokens left."""
+
+    ctx: np.ndarray
+    held: np.ndarray
+    left: np.ndarray
+    block_size: int
+    tps: float
+
+    @classmethod
+    def of(cls, rows: list[Seq], e: EngineSettings) -> _Rows:
+        return cls(np.array([s.context for s in rows]), np.array([s.blocks.count for s in rows]),
+                   np.array([s.req.output_len - s.generated for s in rows]), e.block_size, e.tokens_per_step)
+
+    def growth(self, steps: int) -> list[int]:
+        """Fresh blocks each row needs to hold its context after `steps` more steps."""
+        need = np.ceil((self.ctx + steps * self.tps) / self.block_size - 1e-9) - self.held
+        return np.maximum(need, 0).astype(int).tolist()  # type: ignore[no-any-return]
+
+    def steps(self, free: int) -> int:
+        """Steps the batch can run unchanged: until the first row finishes, and while `free`
+        blocks hold its growing contexts (1 always fits: the schedule checked it)."""
+        k = int(min(_MAX_SEGMENT_STEPS, max(1, np.ceil(self.left / self.tps - 1e-9).min())))
+        if sum(self.growth(k)) <= free:
+            return k
+        lo, hi = 1, k
+        while hi - lo > 1:  # bounded: log2(k) halvings
+            mid = (lo + hi) // 2
+            if sum(self.growth(mid)) <= free:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
 
 @dataclass
@@ -120,6 +157,7 @@ class _Step:
     s0: float
     d: float
     growth: list[int]  # blocks each row was given for the whole segment (handed back if cut short)
+    batch: _Rows | None = None  # a decode-only segment's rows as arrays
 
     def elapsed(self, n: int) -> float:
         return n * self.s0 + self.d * n * (n - 1) / 2
@@ -138,8 +176,12 @@ class Hooks:
     def kick(self, worker: SimWorker, t: float) -> None:
         """An idle worker has work: call its `kicked(t)` once everything else at `t` is done."""
 
+    def chunk_done(self, seq: Seq, t: float) -> None:
+        """A prefill order has `seq.computed` tokens computed at `t` (not yet all): the KV of
+        its full blocks may start to move."""
+
     def prefill_done(self, seq: Seq, t: float) -> None:
-        """A prefill order's prompt is computed at `t`: its KV may move (`release_held` after)."""
+        """A prefill order's prompt is computed at `t`: the rest of its KV moves (`release_held` after)."""
 
     def finished(self, track: Track, t: float) -> None:
         """The request's last token reached the client at `t`."""
@@ -237,14 +279,16 @@ class SimWorker:
             return
         ctx = sum(s.context for s in rows)
         s0 = self.costs.step_s([(n, s.computed) for s, n in chunks], len(rows), ctx)
-        k, growth = 1, self._grow(rows, 1)
+        k, growth, batch = 1, self._grow(rows, 1), None
         if not chunks and not preempted:
-            k = self._segment_steps(rows)
-            growth = self._grow(rows, k)
+            batch = _Rows.of(rows, self.engine)
+            k = batch.steps(self.pool.free)
+            growth = batch.growth(k)
         d = self.costs.decode_coef[2] * len(rows) * self.engine.tokens_per_step if not chunks else 0.0
         for s, g in zip(rows, growth):
-            self.pool.allocate(s.blocks, g)
-        self.step = _Step(t, rows, chunks, k, s0, d, growth)
+            if g:
+                self.pool.allocate(s.blocks, g)
+        self.step = _Step(t, rows, chunks, k, s0, d, growth, batch)
         self.hooks.wake(self, self.step.end)
 
     def _schedule(self) -> tuple[list[Seq], list[tuple[Seq, int]], bool]:
@@ -317,29 +361,12 @@ class SimWorker:
 
     def _row_blocks(self, s: Seq, steps: int) -> int:
         """Fresh blocks a decoding sequence needs to hold its context after `steps` more steps."""
-        tokens = s.context + steps * self.engine.tokens_per_step
-        return max(0, math.ceil(tokens / self.engine.block_size - 1e-9) - s.blocks.count)
+        e, b = self.engine, s.blocks  # the hot path: one call per row per step planned
+        tokens = s.track.req.prompt_len + s.generated + steps * e.tokens_per_step
+        return max(0, math.ceil(tokens / e.block_size - 1e-9) - len(b.hashed) - b.private)
 
     def _grow(self, rows: list[Seq], steps: int) -> list[int]:
         return [self._row_blocks(s, steps) for s in rows]
-
-    def _segment_steps(self, rows: list[Seq]) -> int:
-        """Steps the decode batch can run unchanged: until the first sequence finishes, and
-        while the pool holds the batch's growing contexts."""
-        tps = self.engine.tokens_per_step
-        k = min(max(1, math.ceil((s.req.output_len - s.generated) / tps - 1e-9)) for s in rows)
-        k = min(k, _MAX_SEGMENT_STEPS)
-        free = self.pool.free
-        if sum(self._grow(rows, k)) <= free:
-            return k
-        lo, hi = 1, k  # 1 fits (the schedule checked it); find the most that fit
-        while hi - lo > 1:  # bounded: log2(k) halvings
-            mid = (lo + hi) // 2
-            if sum(self._grow(rows, mid)) <= free:
-                lo = mid
-            else:
-                hi = mid
-        return lo
 
     def _cut(self, t: float) -> None:
         """End the segment in flight at the first step boundary at or after `t`."""
@@ -349,7 +376,7 @@ class SimWorker:
         n = self._steps_by(step, t - step.start)
         if n >= step.k:
             return
-        new_growth = self._grow(step.rows, n)
+        new_growth = step.batch.growth(n) if step.batch is not None else self._grow(step.rows, n)
         for s, had, keep in zip(step.rows, step.growth, new_growth):
             give = had - keep
             s.blocks.private -= give
@@ -385,6 +412,8 @@ class SimWorker:
             self.pool.cache(s.blocks, s.req.block_hashes[len(s.blocks.hashed):full])
             if s.decoding:
                 self._prefilled(s, end)
+            elif s.kind is SeqKind.PREFILL_ORDER:
+                self.hooks.chunk_done(s, end)
         if step.rows:
             times = step.start + np.cumsum(step.s0 + step.d * np.arange(step.k)) if step.k > 1 else end
             gained = step.k * e.tokens_per_step

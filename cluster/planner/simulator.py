@@ -12,17 +12,19 @@ The cluster, as the real one runs a request (cluster/disagg_backend.py, backend.
     HANDOFF       the decode worker reserves blocks for the prompt (reusing its cache;
                   no room: it queues the request and prefills it itself, as
                   DecodeWorker.handoff does), the prefill worker computes the prompt
-                  (chunked, from its own cache), then the KV not already on the decode
-                  worker moves over its link (one transfer at a time per link); the
-                  client has the first token when the KV has landed, and the request
-                  joins the decode batch at the next step.
+                  (chunked, from its own cache); the KV the decode worker lacks moves
+                  over the (P, D) link as chunks complete (each chunk's full blocks,
+                  behind what the link is already sending), the rest and the handoff's
+                  fixed cost after the last chunk; the client has the first token when
+                  the KV has landed, and the request joins the decode batch at the
+                  next step.
   Each worker is `SimWorker` (sim_engine.py): the scheduler's policy over a KV pool.
   The gateway refuses a request when `max_in_flight` are in flight (429).
 
 Left out: the router's lag behind KV events and load reports (it sees the workers as
-they are), the network between gateway and workers, streaming the KV while the
-prompt is still being computed (the transfer starts when the prefill ends), transfer
-failures and retries, stop strings and EOS (every request yields its output_len).
+they are), the network between gateway and workers (but a fixed `dispatch_s`),
+transfer failures and retries, stop strings and EOS (every request yields its
+output_len).
 
 `simulate(costs, engine, cluster, requests)` runs one configuration on one list of
 requests and returns a `SimResult`.
@@ -141,6 +143,13 @@ class SimResult:
         return max(ends) - min(t.req.arrival for t in self.tracks) if ends else 0.0
 
 
+@dataclass
+class _Handoff:
+    prefill: SimWorker
+    decode: SimWorker
+    sent: int  # prompt tokens whose KV the decode worker has or is being sent (its own cache first)
+
+
 class _Cluster(Hooks):
     def __init__(self, costs: CostModel, engine: EngineSettings, shape: ClusterShape) -> None:
         self.costs, self.engine, self.shape = costs, engine, shape
@@ -155,7 +164,7 @@ class _Cluster(Hooks):
         self.counter = 0
         self.in_flight: dict[Track, SimWorker] = {}  # the colocated gateway's count per worker
         self.per_worker = {w.wid: 0 for w in self.workers}
-        self.handoffs: dict[Seq, tuple[SimWorker, SimWorker, int]] = {}  # prefill order -> (P, D, D's cached)
+        self.handoffs: dict[Seq, _Handoff] = {}  # by the prefill order
         self.link_free: dict[tuple[str, str], float] = {}
         self.rr_counter = 0
         self.plans: dict[str, int] = {}
@@ -172,13 +181,25 @@ class _Cluster(Hooks):
     def kick(self, worker: SimWorker, t: float) -> None:
         self.push(t, _Event.START, worker)
 
+    def chunk_done(self, seq: Seq, t: float) -> None:
+        """The full blocks computed so far leave now, behind what the link is already sending."""
+        h = self.handoffs[seq]
+        full = seq.computed // self.engine.block_size * self.engine.block_size
+        if full > h.sent:
+            self._send(h, t, self.costs.transfer_bytes_s(full - h.sent))
+            h.sent = full
+
     def prefill_done(self, seq: Seq, t: float) -> None:
-        p, d, cached = self.handoffs[seq]
-        link = (p.wid, d.wid)
-        start = max(t, self.link_free.get(link, 0.0))
-        end = start + self.costs.transfer_s(seq.req.prompt_len - cached)
-        self.link_free[link] = end
+        """The rest of the KV leaves, then the fixed part of a handoff (verification, the reply)."""
+        h = self.handoffs[seq]
+        end = self._send(h, t, self.costs.transfer_s(max(0, seq.req.prompt_len - h.sent)))
         self.push(end, _Event.TRANSFER_DONE, seq)
+
+    def _send(self, h: _Handoff, t: float, seconds: float) -> float:
+        link = (h.prefill.wid, h.decode.wid)
+        end = max(t, self.link_free.get(link, 0.0)) + seconds
+        self.link_free[link] = end
+        return end
 
     def finished(self, track: Track, t: float) -> None:
         track.done = t
@@ -189,13 +210,13 @@ class _Cluster(Hooks):
     # -- events ----------------------------------------------------------------------------
 
     def transfer_done(self, seq: Seq, t: float) -> None:
-        p, d, _ = self.handoffs.pop(seq)
-        p.release_held(seq, t)
+        h = self.handoffs.pop(seq)
+        h.prefill.release_held(seq, t)
         peer = seq.peer
         assert peer is not None
         seq.track.emit(t)  # the first token reaches the client once its KV is on the decode worker
         peer.generated = 1.0
-        d.kv_arrived(peer, t)
+        h.decode.kv_arrived(peer, t)
 
     def arrive(self, req: SimRequest, track: Track, t: float) -> None:
         if len(self.in_flight) >= self.shape.max_in_flight:
@@ -248,7 +269,7 @@ class _Cluster(Hooks):
             return
         track.plan = Plan.HANDOFF.value
         order = Seq(track, SeqKind.PREFILL_ORDER, req.prompt_len, peer=remote)
-        self.handoffs[order] = (p, d, cached)
+        self.handoffs[order] = _Handoff(p, d, cached)
         p.enqueue(order, t)
 
     def _place(self, track: Track, w: SimWorker) -> None:

@@ -42,6 +42,16 @@ def test_one_request_on_an_idle_disaggregated_cluster_costs_prefill_then_transfe
     assert late.tracks[0].first - 0.5 == pytest.approx(0.004 + ttft, rel=1e-12)
 
 
+def test_a_chunked_prefill_streams_its_kv_so_only_the_last_chunk_s_transfer_shows() -> None:
+    p = synthetic_profile(max_num_batched_tokens=512)
+    c, e = p.costs(), engine_settings(p)
+    prompt = 1300  # chunks of 512, 512, 276; the first two chunks' KV moves while the next is computed
+    r = simulate(c, e, ClusterShape.disaggregated(1, 1), unique_requests([0.0], prompt, 5))
+    chunks = c.prefill_s(512, 0) + c.prefill_s(512, 512) + c.prefill_s(276, 1024)
+    assert c.transfer_bytes_s(512) < c.prefill_s(512, 512)  # the link keeps up with the prefill
+    assert r.tracks[0].first == pytest.approx(chunks + c.transfer_s(276), rel=1e-12)
+
+
 def test_one_request_colocated_prefills_in_chunks_of_the_token_budget() -> None:
     p = synthetic_profile(max_num_batched_tokens=512)
     c, e = p.costs(), engine_settings(p)
