@@ -70,7 +70,7 @@ class Grid:
     contexts: tuple[int, ...]
     transfer_tokens: tuple[int, ...]
     repeats: int = 5
-    decode_steps: int = 5  # odd: the middle step's context is the point's
+    decode_steps: int = 7  # odd: the middle step's context is the point's (at most 3 once a step takes > 1 s)
     # Batches stop growing at a context once a step takes longer than this: the
     # larger ones would be slower still (time runs out before KV capacity does).
     max_step_s: float = 2.0
@@ -241,8 +241,9 @@ class _Profiler:
     def decode(self) -> list[DecodePoint]:
         points = []
         for context in self.grid.contexts:
+            timed = self.grid.decode_steps
             for batch in self.grid.batches:
-                point = self._decode_point(batch, context)
+                point = self._decode_point(batch, context, timed)
                 if point is None:
                     break
                 points.append(point)
@@ -250,25 +251,22 @@ class _Profiler:
                     self._skip(f"decode context {context}: batches above {batch} (a step took "
                                f"{point.seconds:.2f} s > max_step_s {self.grid.max_step_s:g})")
                     break
+                if point.seconds > _LONG_STEP_S:  # the next batch's steps are longer still: fewer of them
+                    timed = min(timed, _LONG_STEP_REPEATS)
         return points
 
-    def _decode_point(self, batch: int, context: int) -> DecodePoint | None:
-        """`batch` rows decoding at `context` (averaged over the timed steps); None where the pool cannot hold them."""
-        g, spec_k = self.grid, self.engine.config.num_speculative_tokens if self.engine.spec is not None else 0
-        steps = _DECODE_WARMUP_STEPS + g.decode_steps
-        prompt_len = context - _DECODE_WARMUP_STEPS - (g.decode_steps + 1) // 2
+    def _decode_point(self, batch: int, context: int, timed: int) -> DecodePoint | None:
+        """`batch` rows decoding at `context` (averaged over `timed` steps); None where the pool cannot hold them."""
+        spec_k = self.engine.config.num_speculative_tokens if self.engine.spec is not None else 0
+        steps = _DECODE_WARMUP_STEPS + timed
+        prompt_len = context - _DECODE_WARMUP_STEPS - (timed + 1) // 2
         # Room for every step's drafts too: a row that runs out of blocks would preempt another.
         row_blocks = -(-(prompt_len + 1 + steps * (1 + spec_k)) // self.engine.config.block_size)
         if batch * row_blocks > self.engine.kv.pool.num_free:
             self._skip(f"decode batch {batch} at context {context}: {batch * row_blocks} blocks > the pool's "
                        f"{self.engine.kv.pool.num_free}")
             return None
-        rids = [self._rid("decode") for _ in range(batch)]
-        params = _params(1 + steps * (1 + spec_k) + 1)
-        for rid in rids:
-            if self.engine.reserve(rid, self._tokens(prompt_len), params) is None:
-                raise RuntimeError(f"decode batch {batch} at context {context}: the pool refused a reservation")
-            self.engine.complete_reservation(rid, self._tokens(1)[0])
+        rids = self._decoding_rows(batch, prompt_len, _params(1 + steps * (1 + spec_k) + 1))
         times = []
         try:
             for i in range(steps):
@@ -288,6 +286,17 @@ class _Profiler:
         self._note("decode", times, batch=batch, context=context)
         self.progress(f"decode batch {batch:>4} at context {context:>6}: {seconds * 1e3:9.2f} ms")
         return DecodePoint(batch=batch, context=context, seconds=seconds)
+
+    def _decoding_rows(self, batch: int, prompt_len: int, params: SamplingParams) -> list[str]:
+        """`batch` requests as a decode worker gets them: blocks reserved, then their prompt's
+        KV "arrived" with a first token; each decodes from the next step."""
+        rids = [self._rid("decode") for _ in range(batch)]
+        for rid in rids:
+            if self.engine.reserve(rid, self._tokens(prompt_len), params) is None:
+                self.engine.abort(rids, output=False)
+                raise RuntimeError(f"decode batch {batch}: the pool refused a reservation it had room for")
+            self.engine.complete_reservation(rid, self._tokens(1)[0])
+        return rids
 
     # -- speculation ---------------------------------------------------------------------------------
 
