@@ -68,7 +68,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"[profile {time.monotonic() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     # The settings `pdserve serve` would take, through the same checks: the workers' EngineConfig.
-    serve = serve_config(_settings(a))
+    serve = serve_config(_settings(a, serving=True))  # serving: the default model's served name, too
     config = dataclasses.replace(serve.engine, progress=True)
     threads = a.torch_threads if a.torch_threads is not None else default_torch_threads(config.device)
     if threads < 1:
@@ -77,7 +77,8 @@ def run(a: argparse.Namespace) -> int:
     progress(f"building the engine ({config.model}, {threads} torch thread(s))")
     engine = build_engine(config, threads)
     progress(f"engine ready: {engine.num_kv_blocks} KV blocks, max_model_len {engine.max_model_len}")
-    profile = profile_engine(engine, grid, serve.transport, threads, progress)
+    # The name it is served as, short: the default model's, or a path's basename.
+    profile = profile_engine(engine, grid, serve.transport, threads, progress, model_name=serve.served_names[-1])
     profile.save(a.out)
     print_profile(profile)
     progress(f"wrote {a.out}")

@@ -136,8 +136,9 @@ def build_engine(config: EngineConfig, torch_threads: int) -> LLMEngine:
 
 
 def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_threads: int,
-                   progress: Progress, spec: bool = True) -> Profile:
-    """Every measurement on one thread (as a worker's engine thread steps), then the profile."""
+                   progress: Progress, model_name: str | None = None) -> Profile:
+    """Every measurement on one thread (as a worker's engine thread steps), then the profile.
+    `model_name`: what the model is served as (default: the engine's `model` setting)."""
     grid = grid.fit(engine)
     profiler = _Profiler(engine, grid, progress)
 
@@ -145,11 +146,11 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
         prefill = profiler.prefill()
         decode = profiler.decode()
         transfer = measure_transfer(engine, transport, grid.transfer_tokens, grid.repeats, progress)
-        return prefill, decode, transfer, profiler.speculation() if spec else None
+        return prefill, decode, transfer, profiler.speculation()
 
     load_before = os.getloadavg()  # other work on the machine moves the times: the reader should know
     prefill, decode, transfer, speculative = run_on_exiting_thread(measure, torch_threads, name="pdserve-profile")
-    return Profile(machine=machine_info(str(engine.device)), model=model_info(engine),
+    return Profile(machine=machine_info(str(engine.device)), model=model_info(engine, model_name),
                    engine=engine_shape(engine, torch_threads), transport=transport.value,
                    kv_bytes_per_token=kv_bytes_per_token(engine), prefill=tuple(prefill), decode=tuple(decode),
                    transfer=tuple(transfer), speculative=speculative,
@@ -159,9 +160,9 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
                           "load_average": {"before": load_before, "after": os.getloadavg()}})
 
 
-def model_info(engine: LLMEngine) -> dict[str, Any]:
+def model_info(engine: LLMEngine, name: str | None = None) -> dict[str, Any]:
     mc = engine.model_config
-    return {"path": engine.model_dir, "name": engine.config.model, "architecture": mc.arch,
+    return {"path": engine.model_dir, "name": name or engine.config.model, "architecture": mc.arch,
             "layers": mc.num_layers, "hidden_size": mc.hidden_size, "num_heads": mc.num_heads,
             "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
             "dtype": str(engine.dtype).removeprefix("torch."),

@@ -106,7 +106,7 @@ def test_cli_quick_with_speculation_and_the_nccl_transport(model_dir: Path, tmp_
     assert main(["profile", "--model", str(model_dir), "--quick", "--out", str(out), "--num-kv-blocks", "512",
                  "--torch-threads", "1", "--speculative", "ngram", "--transport", "nccl"]) == 0
     p = Profile.load(out)
-    assert p.transport == "nccl" and p.engine.torch_threads == 1
+    assert p.transport == "nccl" and p.engine.torch_threads == 1 and p.model["name"] == model_dir.name
     assert len(p.prefill) == 4 and len(p.decode) == 6 and len(p.transfer) == 3
     assert p.speculative is not None and p.speculative.method == "ngram" and p.speculative.num_speculative_tokens == 4
     assert 0.0 <= p.speculative.acceptance_rate <= 1.0 and p.speculative.tokens_per_step >= 1.0
