@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -79,6 +80,9 @@ def run(a: argparse.Namespace) -> int:
     progress(f"engine ready: {engine.num_kv_blocks} KV blocks, max_model_len {engine.max_model_len}")
     # The name it is served as, short: the default model's, or a path's basename.
     profile = profile_engine(engine, grid, serve.transport, threads, progress, model_name=serve.served_names[-1])
+    command = "pdserve " + shlex.join(sys.argv[1:])  # numbers carry the command that produced them
+    profile = dataclasses.replace(profile, notes={**profile.notes, "command": command,
+                                                   "seconds": round(time.monotonic() - started, 1)})
     profile.save(a.out)
     print_profile(profile)
     progress(f"wrote {a.out}")
