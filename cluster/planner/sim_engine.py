@@ -45,11 +45,14 @@ class EngineSettings:
     enable_prefix_caching: bool = True
     tokens_per_step: float = 1.0  # a decoding sequence's tokens per step (speculative decoding: > 1)
     row_tokens: int = 1  # budget tokens one decode row takes (1 + drafts verified)
+    max_model_len: int | None = None  # longer prompt + max_tokens: refused (400), as workers/inputs.py does
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "row_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"engine: max_model_len must be >= 2, got {self.max_model_len}")
         if not self.tokens_per_step >= 1.0:
             raise ValueError(f"engine: tokens_per_step must be >= 1, got {self.tokens_per_step}")
 
@@ -70,7 +73,7 @@ class Track:
     chunks: list[float | np.ndarray] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens the prefilling worker took from its cache
     plan: str = ""
-    rejected: bool = False
+    rejected: str | None = None  # why the gateway refused it (the bench's error), else None
 
     def emit(self, t: float) -> None:
         if self.first is None:

@@ -27,8 +27,8 @@ def record(track: Track) -> RequestRecord:
     """One simulated request as the bench would have measured it."""
     r = track.req
     rec = RequestRecord(r.index, r.prompt_len, r.output_len, scheduled=r.arrival, sent=r.arrival)
-    if track.rejected:
-        rec.error = "HTTP 429: server is at capacity (simulated admission bound)"
+    if track.rejected is not None:
+        rec.error = track.rejected
         return rec
     if track.done is None or track.first is None:
         rec.error = "did not finish (simulated: e.g. a prompt larger than the KV pool)"
@@ -76,7 +76,7 @@ class Latencies:
         ttft, tpot, e2e = np.full(n, np.nan), np.full(n, np.nan), np.full(n, np.nan)
         ok = np.zeros(n, dtype=bool)
         for i, t in enumerate(result.tracks):
-            if t.done is None or t.first is None or t.rejected:
+            if t.done is None or t.first is None or t.rejected is not None:
                 continue
             ok[i] = True
             ttft[i] = t.first - t.req.arrival

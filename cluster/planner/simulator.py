@@ -106,9 +106,9 @@ def engine_settings(profile: Profile, **overrides: int | float | bool | None) ->
     """The engine the profile was measured with (its speculative decoding included), with overrides."""
     e = profile.engine
     spec = profile.speculative
-    base: dict[str, int | float | bool] = dict(
+    base: dict[str, int | float | bool | None] = dict(
         block_size=e.block_size, max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens,
-        num_kv_blocks=e.num_kv_blocks, enable_prefix_caching=e.enable_prefix_caching,
+        num_kv_blocks=e.num_kv_blocks, enable_prefix_caching=e.enable_prefix_caching, max_model_len=e.max_model_len,
         tokens_per_step=spec.tokens_per_step if spec is not None else 1.0,
         row_tokens=1 + spec.num_speculative_tokens if spec is not None else 1)
     unknown = set(overrides) - set(base)
@@ -219,10 +219,12 @@ class _Cluster(Hooks):
         h.decode.kv_arrived(peer, t)
 
     def arrive(self, req: SimRequest, track: Track, t: float) -> None:
+        mml = self.engine.max_model_len
+        if mml is not None and req.prompt_len + req.output_len > mml:
+            self._refuse(track, "too_long", f"HTTP 400: prompt + max_tokens over max_model_len {mml} (simulated)")
+            return
         if len(self.in_flight) >= self.shape.max_in_flight:
-            track.rejected = True
-            track.plan = "rejected"
-            self._count("rejected")
+            self._refuse(track, "rejected", "HTTP 429: server is at capacity (simulated admission bound)")
             return
         if self.shape.is_colocated:
             w = min(self.workers, key=lambda x: self.per_worker[x.wid])  # fewest in flight, then index
@@ -271,6 +273,10 @@ class _Cluster(Hooks):
         order = Seq(track, SeqKind.PREFILL_ORDER, req.prompt_len, peer=remote)
         self.handoffs[order] = _Handoff(p, d, cached)
         p.enqueue(order, t)
+
+    def _refuse(self, track: Track, plan: str, why: str) -> None:
+        track.rejected, track.plan = why, plan
+        self._count(plan)
 
     def _place(self, track: Track, w: SimWorker) -> None:
         self.in_flight[track] = w

@@ -158,9 +158,25 @@ def test_the_admission_bound_refuses_requests_past_it() -> None:
     p = synthetic_profile()
     shape = ClusterShape.colocated(1, max_in_flight=5)
     r = simulate(p.costs(), engine_settings(p), shape, unique_requests([0.0] * 8, 128, 10))
-    assert sum(t.rejected for t in r.tracks) == 3
+    assert sum(t.rejected is not None for t in r.tracks) == 3
     s = summary(r, SLO(ttft=10.0, tpot=1.0))
     assert s["failed"] == 3 and s["goodput"]["attainment"] == pytest.approx(5 / 8)
+
+
+def test_a_request_longer_than_max_model_len_is_refused() -> None:
+    p = synthetic_profile()  # max_model_len 8192
+    c, e = p.costs(), engine_settings(p)
+    over = simulate(c, e, ClusterShape.colocated(1), unique_requests([0.0], 8000, 193)).tracks[0]
+    assert over.rejected is not None and "max_model_len" in over.rejected
+    assert simulate(c, e, ClusterShape.colocated(1), unique_requests([0.0], 8000, 192)).tracks[0].done is not None
+
+
+def test_one_output_token_runs_on_the_prefill_worker_alone() -> None:
+    p = synthetic_profile()
+    c = p.costs()
+    r = simulate(c, engine_settings(p), ClusterShape.disaggregated(1, 1), unique_requests([0.0], 700, 1))
+    assert r.tracks[0].plan == "prefill_only"
+    assert r.tracks[0].first == r.tracks[0].done == pytest.approx(c.prefill_s(700, 0), rel=1e-12)
 
 
 def test_goodput_search_finds_the_rate_where_attainment_crosses_the_target() -> None:
