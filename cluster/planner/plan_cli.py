@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="requests/s to serve: the configurations meeting the SLOs with the fewest workers")
     q.add_argument("--gpus", type=_positive(int), metavar="N",
                    help="workers to use: the goodput of N colocated and of every P+D = N")
+    p.add_argument("--config", default=None, metavar="1P+1D|N",
+                   help="with --rate: simulate this one configuration (P+D, or N colocated) and print the "
+                        "summary `pdserve bench` prints, for comparing with a measured run")
     p.add_argument("--attainment", type=float, default=0.9,
                    help="share of requests that must meet every SLO (default 0.9, DistServe's goodput)")
     p.add_argument("--max-workers", type=_positive(int), default=8, help="--rate: the most workers tried (default 8)")
@@ -162,6 +165,8 @@ def run(a: argparse.Namespace, out: TextIO | None = None) -> int:
     if not 0 < a.attainment <= 1:
         raise ValueError(f"--attainment: must be in (0, 1], got {a.attainment}")
     planner = build_planner(a)
+    if a.config is not None:
+        return _one_config(planner, a, out)
     if a.rate is not None:
         plan = planner.for_rate(a.rate, a.max_workers)
         if a.json:
@@ -180,6 +185,31 @@ def run(a: argparse.Namespace, out: TextIO | None = None) -> int:
     else:
         print_goodputs(planner, a.gpus, found, out)
     return 0 if found and found[0].rate is not None else 1
+
+
+def _one_config(planner: Any, a: argparse.Namespace, out: TextIO) -> int:
+    """`--config`: one simulated run, reported as the bench reports a measured one."""
+    from pdserve.cluster.bench.report import print_summary
+    from pdserve.cluster.planner.planner import parse_shape
+    from pdserve.cluster.planner.sim_metrics import summary
+    from pdserve.cluster.planner.simulator import simulate
+
+    if a.rate is None:
+        raise ValueError("--config: give --rate (the rate to simulate it at), not --gpus")
+    shape = parse_shape(a.config, planner.policy, planner.max_in_flight, planner.dispatch_s)
+    result = simulate(planner.costs, planner.engine, shape, planner.workload.at_rate(a.rate))
+    s = summary(result, planner.slo)
+    if a.json:
+        json.dump({"mode": "config", "config": shape.label, "rate": a.rate, "summary": s}, out, indent=1)
+        print(file=out)
+    else:
+        print_summary(f"pdserve plan (simulated): {shape.label} at {a.rate:g} req/s", s, out)
+        sim = s["simulated"]
+        plans = ", ".join(f"{k} {v}" for k, v in sim["plans"].items())
+        print(f"{'Simulated plans:':<40}{plans}", file=out)
+        print(f"{'Simulated prefix hit rate:':<40}{sim['prefix_hit_rate']:.1%}", file=out)
+        print(f"{'Simulated preemptions:':<40}{sim['preemptions']}", file=out)
+    return 0
 
 
 def _slo_ms(planner: Any) -> dict[str, float]:

@@ -73,6 +73,24 @@ class RatePlan:
     evaluated: tuple[Evaluation, ...]  # every configuration simulated, in search order
 
 
+def parse_shape(text: str, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
+                max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
+    """'1P+2D' (prefill + decode workers) or '2' / '2C' / '2 colocated' -> a ClusterShape."""
+    t = text.strip().upper().replace(" ", "")
+    try:
+        if "P" in t and "D" in t:
+            p, _, d = t.partition("+")
+            if not (p.endswith("P") and d.endswith("D")):
+                raise ValueError
+            return ClusterShape.disaggregated(int(p[:-1]), int(d[:-1]), policy, max_in_flight, dispatch_s)
+        n = int(t.removesuffix("COLOCATED").removesuffix("C"))
+        if n < 1:
+            raise ValueError
+        return ClusterShape.colocated(n, max_in_flight, dispatch_s)
+    except ValueError:
+        raise ValueError(f"config: expected PP+DD (e.g. 1P+2D) or N colocated (e.g. 2 or 2C), got {text!r}") from None
+
+
 def shapes(n: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
            colocated: bool = True, dispatch_s: float = 0.0) -> list[ClusterShape]:
     """Every way to run `n` workers: n colocated, and P prefill + D decode for each P+D = n."""

@@ -12,7 +12,7 @@ from sim_factories import synthetic_profile
 from pdserve.cluster.bench.config import BenchConfig
 from pdserve.cluster.bench.metrics import SLO
 from pdserve.cluster.cli import build_parser, main
-from pdserve.cluster.planner.planner import Planner, shapes
+from pdserve.cluster.planner.planner import Planner, parse_shape, shapes
 from pdserve.cluster.planner.sim_workload import Workload
 from pdserve.cluster.planner.simulator import engine_settings
 
@@ -63,6 +63,28 @@ def test_plan_cli_prints_the_fewest_workers_that_meet_the_slos(profile_path: str
     assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "5", *WORKLOAD_ARGS]) == 0
     out = capsys.readouterr().out
     assert "5 req/s" in out and "<- meets, fewest workers" in out and "best: 1 colocated" in out
+
+
+def test_plan_cli_simulates_one_configuration_as_bench_reports_it(profile_path: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "3", "--config", "1P+1D",
+                 *WORKLOAD_ARGS]) == 0
+    out = capsys.readouterr().out
+    assert "1P+1D at 3 req/s" in out and "SLO attainment:" in out and "Simulated plans:" in out
+    assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "3", "--config", "2", "--json",
+                 *WORKLOAD_ARGS]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["config"] == "2 colocated" and d["summary"]["completed"] == 150
+    assert main(["plan", "--profile", profile_path, *SLO_ARGS, "--rate", "3", "--config", "1X"]) != 0
+    assert "expected PP+DD" in capsys.readouterr().err
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("1P+2D").label == "1P+2D"
+    assert parse_shape("3").label == parse_shape("3c").label == parse_shape("3 colocated").label == "3 colocated"
+    for bad in ("", "0", "P+D", "1P", "2D+1P"):
+        with pytest.raises(ValueError):
+            parse_shape(bad)
 
 
 def test_plan_cli_json_for_a_number_of_workers(profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
