@@ -1,0 +1,118 @@
+"""The planner loop's decision: a window of the gateway's histograms -> the split it wants.
+
+The windows are made the way the gateway makes them (prometheus_client histograms,
+one observation per finished request); the decisions come from simulating the
+window's traffic on the synthetic profile, whose costs are known exactly."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Histogram
+from sim_factories import synthetic_profile
+
+from pdserve.cluster.bench.metrics import SLO
+from pdserve.cluster.metrics import TPOT_BUCKETS, TTFT_BUCKETS
+from pdserve.cluster.planner.role_planner import Split, recommend
+from pdserve.cluster.planner.simulator import engine_settings
+from pdserve.cluster.planner.traffic import (
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    TOKEN_BUCKETS,
+    TPOT,
+    TTFT,
+    TrafficReader,
+    TrafficWindow,
+)
+from pdserve.cluster.router.policy import WorkerRole
+
+SLO_ = SLO(ttft=0.2, tpot=0.02)
+
+
+class Gateway:
+    """The four histograms the gateway keeps, in a registry of their own."""
+
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry()
+        self.prompt = Histogram(PROMPT_TOKENS, "prompt tokens per request", buckets=TOKEN_BUCKETS, registry=r)
+        self.output = Histogram(GENERATION_TOKENS, "output tokens per request", buckets=TOKEN_BUCKETS, registry=r)
+        self.ttft = Histogram(TTFT, "ttft", buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(TPOT, "tpot", buckets=TPOT_BUCKETS, registry=r)
+        self.reader = TrafficReader(r)
+
+    def finish(self, n: int, prompt: int, output: int, ttft: float = 0.05, tpot: float = 0.01) -> None:
+        for _ in range(n):
+            self.prompt.observe(prompt)
+            self.output.observe(output)
+            self.ttft.observe(ttft)
+            self.tpot.observe(tpot)
+
+
+def test_a_window_is_what_changed_since_the_last_read() -> None:
+    gw = Gateway()
+    gw.finish(50, 100, 300)  # before the baseline: not in any window
+    assert gw.reader.take(0.0) is None
+    gw.finish(40, 1900, 20, ttft=0.6)
+    gw.finish(20, 100, 300)
+    w = gw.reader.take(20.0)
+    assert w is not None and w.requests == 60 and w.rate == pytest.approx(3.0)
+    # Bucket (1000, 2000] holds 40, (50, 100] holds 20: the midpoints' mean.
+    assert w.mean("prompt_tokens") == pytest.approx((40 * 1500 + 20 * 75) / 60)
+    reqs = w.synthetic_requests(600, block_size=16, seed=1)
+    long = [r.prompt_len for r in reqs if r.prompt_len > 100]
+    assert all(1000 < p <= 2000 for p in long) and all(50 < r.prompt_len <= 100 for r in reqs if r.prompt_len <= 100)
+    assert 0.55 < len(long) / len(reqs) < 0.78  # two thirds of the window's requests were long
+    # Poisson arrivals at the window's rate; no two requests share a block.
+    assert reqs[-1].arrival / (len(reqs) - 1) == pytest.approx(1 / 3.0, rel=0.15)
+    hashes = [h for r in reqs for h in r.block_hashes]
+    assert len(hashes) == len(set(hashes))
+    empty = gw.reader.take(30.0)
+    assert empty is not None and empty.requests == 0
+    with pytest.raises(ValueError, match="no finished requests"):
+        empty.synthetic_requests(10, 16)
+
+
+def test_observed_attainment_comes_from_the_latency_histograms() -> None:
+    from pdserve.cluster.planner.role_planner import observed_attainment
+
+    gw = Gateway()
+    gw.reader.take(0.0)
+    gw.finish(30, 100, 100, ttft=0.05)
+    gw.finish(10, 100, 100, ttft=1.5)  # misses the 200 ms TTFT SLO
+    w = gw.reader.take(10.0)
+    assert w is not None and observed_attainment(w, SLO_) == pytest.approx(0.75)
+
+
+def _window(prompt: int, output: int, rate: float, seconds: float = 20.0) -> TrafficWindow:
+    gw = Gateway()
+    gw.reader.take(0.0)
+    gw.finish(int(rate * seconds), prompt, output)
+    w = gw.reader.take(seconds)
+    assert w is not None
+    return w
+
+
+def test_a_shift_to_long_prompts_wants_more_prefill_workers_and_back() -> None:
+    """3 workers. Short prompts with long outputs at 30 req/s need decode capacity;
+    long prompts with short outputs at 70 req/s saturate one prefill worker."""
+    prof = synthetic_profile()
+    costs, engine = prof.costs(), engine_settings(prof)
+    short = recommend(costs, engine, _window(100, 300, 30.0), Split(2, 1), SLO_)
+    assert short.best == Split(1, 2) and short.move == (WorkerRole.PREFILL, WorkerRole.DECODE)
+    assert short.predicted[Split(1, 2)] >= 0.9 > short.predicted[Split(2, 1)]
+    long = recommend(costs, engine, _window(1900, 20, 70.0), Split(1, 2), SLO_)
+    assert long.best == Split(2, 1) and long.move == (WorkerRole.DECODE, WorkerRole.PREFILL)
+    assert long.predicted[Split(2, 1)] >= 0.9 > long.predicted[Split(1, 2)]
+    assert "1P+2D -> 2P+1D" in long.describe()
+
+
+def test_the_current_split_stays_unless_another_wins_by_the_margin() -> None:
+    prof = synthetic_profile()
+    costs, engine = prof.costs(), engine_settings(prof)
+    light = recommend(costs, engine, _window(1900, 20, 5.0), Split(1, 2), SLO_)  # both splits meet it
+    assert light.best == Split(1, 2) and light.move is None
+    assert light.predicted[Split(2, 1)] == pytest.approx(light.predicted[Split(1, 2)], abs=0.05)
+
+
+def test_a_split_needs_a_worker_in_each_pool() -> None:
+    with pytest.raises(ValueError, match="needs >= 1 prefill and >= 1 decode"):
+        Split(0, 3)
