@@ -418,7 +418,10 @@ class SimWorker:
             elif s.kind is SeqKind.PREFILL_ORDER:
                 self.hooks.chunk_done(s, end)
         if step.rows:
-            times = step.start + np.cumsum(step.s0 + step.d * np.arange(step.k)) if step.k > 1 else end
+            times: float | np.ndarray = end
+            if step.k > 1:
+                times = step.start + np.cumsum(step.s0 + step.d * np.arange(step.k))
+                times[-1] = end  # the closed form's end, to the last bit: the sequence's `done`
             gained = step.k * e.tokens_per_step
             for s in step.rows:
                 s.generated = min(float(s.req.output_len), s.generated + gained)

@@ -135,6 +135,7 @@ class SimResult:
     preemptions: int
     plans: dict[str, int]  # how many requests ran under each plan
     events: int
+    blocks_held: dict[str, int] = field(default_factory=dict)  # worker -> blocks still held at the end (0: no leak)
 
     @property
     def duration(self) -> float:
@@ -315,4 +316,5 @@ def simulate(costs: CostModel, engine: EngineSettings, cluster: ClusterShape,
             track = cast(Track, payload)
             c.arrive(track.req, track, t)
     return SimResult(cluster, tracks, {w.wid: w.busy_s for w in c.workers},
-                     sum(w.preemptions for w in c.workers), c.plans, events)
+                     sum(w.preemptions for w in c.workers), c.plans, events,
+                     {w.wid: w.pool.private + len(w.pool.refs) for w in c.workers})

@@ -140,6 +140,24 @@ def test_a_small_pool_preempts_and_every_request_still_finishes() -> None:
     assert all(t.done is not None for t in r.tracks)
 
 
+@pytest.mark.parametrize("shape", [ClusterShape.colocated(2), ClusterShape.disaggregated(1, 2),
+                                   ClusterShape.disaggregated(2, 1, RoutingPolicy.ROUND_ROBIN)],
+                         ids=lambda s: s.label)
+def test_every_request_finishes_and_every_block_comes_back(shape: ClusterShape) -> None:
+    # small pools, shared prefixes, a burst: preemptions, evictions, handoffs and local prefills
+    p = synthetic_profile(num_kv_blocks=400, max_num_batched_tokens=512)
+    e = engine_settings(p)
+    cfg = BenchConfig("http://sim/v1", workload=WorkloadKind.SHARED_PREFIX, num_requests=300, input_len=600,
+                      output_len=100, range_ratio=0.5, num_prefix_groups=6, prefix_len=256, request_rate=30.0,
+                      burstiness=0.3, seed=2)
+    r = simulate(p.costs(), e, shape, Workload.build(cfg, e.block_size).at_rate())
+    assert all(t.done is not None and t.first is not None and t.first <= t.done for t in r.tracks)
+    assert r.blocks_held == dict.fromkeys(r.blocks_held, 0)
+    for t in r.tracks:
+        times = t.chunk_times()
+        assert np.all(np.diff(times) >= 0) and times[0] == t.first and times[-1] == t.done
+
+
 def test_speculative_decoding_takes_fewer_steps() -> None:
     prompt, out = 256, 101
     base = synthetic_profile()
