@@ -116,3 +116,78 @@ def test_the_current_split_stays_unless_another_wins_by_the_margin() -> None:
 def test_a_split_needs_a_worker_in_each_pool() -> None:
     with pytest.raises(ValueError, match="needs >= 1 prefill and >= 1 decode"):
         Split(0, 3)
+
+
+def _loop(gw: Gateway, split: list[Split], apply: bool, moves: list[tuple[WorkerRole, WorkerRole]],
+          fail: bool = False):  # noqa: ANN202
+    import asyncio
+
+    from pdserve.cluster.planner.role_loop import PlannerSettings, RolePlannerLoop
+
+    now = [0.0]
+
+    async def move(src: WorkerRole, dst: WorkerRole) -> None:
+        await asyncio.sleep(0)
+        if fail:
+            raise RuntimeError("the pool would be empty")
+        moves.append((src, dst))
+        split[0] = Split(split[0].prefill + (1 if dst is WorkerRole.PREFILL else -1),
+                         split[0].decode + (1 if dst is WorkerRole.DECODE else -1))
+
+    settings = PlannerSettings(synthetic_profile(), SLO_, interval_s=20.0, min_requests=20, apply=apply)
+    loop = RolePlannerLoop(settings, gw.registry, lambda: split[0], move, clock=lambda: now[0])
+    loop.reader.take(now[0])
+    return loop, now
+
+
+def _sample(registry: CollectorRegistry, name: str, labels: dict[str, str] | None = None) -> float | None:
+    return registry.get_sample_value(name, labels or {})
+
+
+def test_the_loop_moves_one_worker_per_window_toward_the_split_the_traffic_wants() -> None:
+    import asyncio
+
+    gw, split, moves = Gateway(), [Split(1, 2)], []
+    loop, now = _loop(gw, split, apply=True, moves=moves)
+
+    async def run() -> None:
+        now[0] = 20.0
+        gw.finish(5, 1900, 20)  # too few to act on
+        assert await loop.tick() is None
+        now[0] = 40.0
+        gw.finish(1400, 1900, 20)  # the load shifts to long prompts: 70 req/s
+        rec = await loop.tick()
+        assert rec is not None and rec.move == (WorkerRole.DECODE, WorkerRole.PREFILL)
+        now[0] = 60.0
+        gw.finish(1400, 1900, 20)
+        again = await loop.tick()  # measured on the new split: it stays
+        assert again is not None and again.current == Split(2, 1) and again.move is None
+
+    asyncio.run(run())
+    assert moves == [(WorkerRole.DECODE, WorkerRole.PREFILL)] and split[0] == Split(2, 1)
+    r = gw.registry
+    assert _sample(r, "pdserve:planner_decisions_total", {"decision": "applied"}) == 1
+    assert _sample(r, "pdserve:planner_decisions_total", {"decision": "skipped"}) == 1
+    assert _sample(r, "pdserve:planner_decisions_total", {"decision": "keep"}) == 1
+    assert _sample(r, "pdserve:planner_recommended_workers", {"pool": "prefill"}) == 2
+    assert _sample(r, "pdserve:planner_predicted_slo_attainment", {"config": "2P+1D"}) == pytest.approx(1.0)
+
+
+def test_without_autoscale_the_loop_only_recommends_and_a_failed_move_keeps_serving() -> None:
+    import asyncio
+
+    gw, split, moves = Gateway(), [Split(1, 2)], []
+    loop, now = _loop(gw, split, apply=False, moves=moves)
+    gw.finish(1400, 1900, 20)
+    now[0] = 20.0
+    rec = asyncio.run(loop.tick())
+    assert rec is not None and rec.move is not None and moves == [] and split[0] == Split(1, 2)
+    assert _sample(gw.registry, "pdserve:planner_decisions_total", {"decision": "recommend"}) == 1
+
+    gw2, split2 = Gateway(), [Split(1, 2)]
+    loop2, now2 = _loop(gw2, split2, apply=True, moves=moves, fail=True)
+    gw2.finish(1400, 1900, 20)
+    now2[0] = 20.0
+    asyncio.run(loop2.tick())
+    assert split2[0] == Split(1, 2)
+    assert _sample(gw2.registry, "pdserve:planner_decisions_total", {"decision": "failed"}) == 1
