@@ -109,3 +109,16 @@ class CostModel:
     def transfer_bytes_s(self, num_tokens: int) -> float:
         """The link time of `num_tokens` tokens' KV alone (a part streamed while the prompt is computed)."""
         return self.transfer_coef[1] * num_tokens * self.kv_bytes_per_token
+
+    def fit_errors(self, p: Profile) -> dict[str, tuple[float, str]]:
+        """The worst relative error of each fitted model over the profile's points, with the point:
+        how far to trust the simulator's times (a planner prints a warning past ~20%)."""
+        rows: dict[str, list[tuple[float, str]]] = {
+            "prefill": [(self.prefill_s(q.new_tokens, q.cached_tokens) / q.seconds - 1,
+                         f"new={q.new_tokens} cached={q.cached_tokens}") for q in p.prefill],
+            "decode": [(self.decode_s(q.batch, q.context) / q.seconds - 1, f"batch={q.batch} context={q.context}")
+                       for q in p.decode],
+            "transfer": [((self.transfer_coef[0] + self.transfer_coef[1] * q.bytes) / q.seconds - 1,
+                          f"bytes={q.bytes}") for q in p.transfer],
+        }
+        return {k: max(v, key=lambda e: abs(e[0])) for k, v in rows.items() if v}

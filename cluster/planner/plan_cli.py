@@ -105,11 +105,21 @@ def build_planner(a: argparse.Namespace) -> Any:
         raise ValueError(f"profile {a.profile}: no such file") from None
     except ValueError as e:
         raise ValueError(f"profile {a.profile}: {e}") from None
+    _warn_fit(profile)
     engine = engine_settings(profile, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                              num_kv_blocks=a.num_kv_blocks, block_size=a.kv_block_size)
     workload = Workload.build(_bench_config(a), engine.block_size)
     return Planner(profile.costs(), engine, workload, SLO.parse(a.slo), a.attainment,
                    RoutingPolicy(a.router_policy), a.max_in_flight, a.colocated, a.dispatch_ms / 1000)
+
+
+def _warn_fit(profile: Any) -> None:
+    """Say on stderr when a cost model misses a profile point by more than 20%: the times the
+    simulator predicts are no better than the fit."""
+    for kind, (err, where) in profile.costs().fit_errors(profile).items():
+        if abs(err) > 0.2:
+            print(f"pdserve plan: warning: the {kind} cost model is {err:+.0%} off the profile at {where}",
+                  file=sys.stderr)
 
 
 def _ms(v: float | None) -> str:

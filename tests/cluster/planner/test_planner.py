@@ -125,6 +125,16 @@ def test_plan_cli_rejects_a_missing_or_bad_profile(tmp_path: Path, capsys: pytes
     assert "not a pdserve profile" in capsys.readouterr().err
 
 
+def test_plan_cli_warns_when_the_cost_models_fit_the_profile_badly(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    d = synthetic_profile().to_json()
+    d["prefill"][2]["seconds"] *= 3  # one point far off the shape
+    path = tmp_path / "noisy.json"
+    path.write_text(json.dumps(d))
+    assert main(["plan", "--profile", str(path), *SLO_ARGS, "--rate", "2", "--config", "1", *WORKLOAD_ARGS]) == 0
+    assert "warning: the prefill cost model is" in capsys.readouterr().err
+
+
 def test_plan_cli_needs_a_rate_or_a_number_of_workers(profile_path: str) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["plan", "--profile", profile_path, *SLO_ARGS])
