@@ -102,15 +102,16 @@ class Grid:
 
     def fit(self, engine: LLMEngine) -> Grid:
         """This grid within what `engine` can run: prompts within one step's budget and
-        max_model_len, batches within max_num_seqs, lengths in whole blocks where a
-        prefix must be cached or KV moved. The budget itself is always a prefill point
+        max_model_len (a cached prefix cut to fit), batches within max_num_seqs, lengths
+        in whole blocks where a prefix must be cached or KV moved. The budget itself is always a prefill point
         (the chunk a long prompt's every step but its last computes)."""
         cfg, mml = engine.config, engine.max_model_len
         budget, bs = cfg.max_num_batched_tokens, cfg.block_size
         prefill = {n for n in self.prefill_tokens if n <= budget and n < mml}
         if max(self.prefill_tokens) >= budget:
             prefill.add(min(budget, mml - 1))
-        cached = {(c // bs * bs, n) for c, n in self.cached if n <= budget and c // bs * bs + n < mml}
+        # A prefix too long for the model is cut to what fits: the longest contexts are the ones to cover.
+        cached = {(min(c, mml - n - 1) // bs * bs, n) for c, n in self.cached if n <= budget and n < mml - bs}
         batches = {b for b in self.batches if b <= cfg.max_num_seqs}
         if max(self.batches) >= cfg.max_num_seqs:
             batches.add(cfg.max_num_seqs)

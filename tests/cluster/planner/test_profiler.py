@@ -20,9 +20,12 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import Transport
 
-GRID = Grid(prefill_tokens=(16, 64, 256), cached=((128, 32), (256, 64)), batches=(1, 4, 16), contexts=(64, 512),
-            transfer_tokens=(16, 128, 512), repeats=3, decode_steps=3)
-KV_BLOCKS = 1024
+# Wide gaps in the work (64x the prompt, 16x the rows at 16x the context): a time that grows by 1.5x
+# at least holds on a busy machine too.
+GRID = Grid(prefill_tokens=(16, 64, 1024), cached=((128, 32), (256, 64)), batches=(1, 4, 16), contexts=(64, 1024),
+            transfer_tokens=(16, 128, 512), repeats=5, decode_steps=3)
+BUDGET = 1024
+KV_BLOCKS = 2048
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +36,7 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
 @pytest.fixture(scope="module")
 def profile(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Profile:
     """One profile of the tiny model, written and read back as `pdserve profile` leaves it."""
-    config = EngineConfig(model=str(model_dir), num_kv_blocks=KV_BLOCKS, max_num_batched_tokens=256, max_num_seqs=16)
+    config = EngineConfig(model=str(model_dir), num_kv_blocks=KV_BLOCKS, max_num_batched_tokens=BUDGET, max_num_seqs=16)
     engine = build_engine(config, torch_threads=1)
     path = tmp_path_factory.mktemp("profile") / "profile.json"
     profile_engine(engine, GRID, Transport.ZMQ, 1, progress=lambda msg: None).save(path)
@@ -49,9 +52,9 @@ def kv_bytes_per_token_oracle(model_dir: Path) -> int:
 
 def test_the_profile_has_the_grid_asked_for(profile: Profile) -> None:
     assert [(p.new_tokens, p.cached_tokens) for p in profile.prefill] == [
-        (16, 0), (64, 0), (256, 0), (32, 128), (64, 256)]  # the prefixes really came from the cache
-    assert [(d.batch, d.context) for d in profile.decode] == [(1, 64), (4, 64), (16, 64), (1, 512), (4, 512),
-                                                             (16, 512)]
+        (16, 0), (64, 0), (1024, 0), (32, 128), (64, 256)]  # the prefixes really came from the cache
+    assert [(d.batch, d.context) for d in profile.decode] == [(1, 64), (4, 64), (16, 64), (1, 1024), (4, 1024),
+                                                             (16, 1024)]
     assert len(profile.transfer) == 3 and profile.transfer == tuple(sorted(profile.transfer, key=lambda t: t.bytes))
     assert profile.speculative is None  # speculation off: nothing to measure
 
@@ -69,34 +72,44 @@ def test_machine_model_and_engine_are_recorded(profile: Profile, model_dir: Path
     assert profile.model["dtype"] == profile.engine.dtype == "float32"
     e = profile.engine
     assert (e.num_kv_blocks, e.max_num_batched_tokens, e.max_num_seqs, e.torch_threads, e.device) == (
-        KV_BLOCKS, 256, 16, 1, "cpu")
+        KV_BLOCKS, BUDGET, 16, 1, "cpu")
     assert profile.transport == "zmq" and profile.machine["cores"] >= 1 and profile.created.endswith("+00:00")
 
 
 def test_times_grow_with_the_work(profile: Profile) -> None:
     prefill = {(p.new_tokens, p.cached_tokens): p.seconds for p in profile.prefill}
     decode = {(d.batch, d.context): d.seconds for d in profile.decode}
-    assert prefill[(256, 0)] > 1.5 * prefill[(16, 0)]
-    assert decode[(16, 512)] > 1.5 * decode[(1, 64)]
+    assert prefill[(1024, 0)] > 1.5 * prefill[(16, 0)]
+    assert decode[(16, 1024)] > 1.5 * decode[(1, 64)]
     # (Not the transfers: at the tiny model's few hundred KB, a handoff's fixed cost swamps its bytes.)
     costs = profile.costs()
     assert all(c >= 0 for c in (*costs.prefill_coef, *costs.decode_coef, *costs.transfer_coef))
-    assert costs.prefill_s(256) > costs.prefill_s(16) and costs.decode_s(16, 512) > costs.decode_s(1, 64)
+    assert costs.prefill_s(1024) > costs.prefill_s(16) and costs.decode_s(16, 1024) > costs.decode_s(1, 64)
 
 
 def test_the_grid_is_fitted_to_the_engine() -> None:
-    """Prompts within one step's budget (the budget itself a point), batches within max_num_seqs,
-    prefixes and transfers in whole blocks, decode contexts with room for the timed steps."""
+    """Prompts within one step's budget (the budget itself a point) and the model's length, batches
+    within max_num_seqs, prefixes and transfers in whole blocks, decode contexts with room for the timed steps."""
     engine = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=128, block_size=16, max_num_seqs=8,
                                                     speculative=None, num_speculative_tokens=4),
                              max_model_len=512, num_kv_blocks=20)
     grid = Grid(prefill_tokens=(16, 64, 1000), cached=((100, 32), (500, 64), (64, 200)), batches=(1, 4, 32),
                 contexts=(64, 4096), transfer_tokens=(20, 256, 4096)).fit(engine)  # type: ignore[arg-type]
     assert grid.prefill_tokens == (16, 64, 128)
-    assert grid.cached == ((96, 32),)
+    assert grid.cached == ((96, 32), (432, 64))  # whole blocks; a prefix too long for the model cut to fit
     assert grid.batches == (1, 4, 8)
     assert grid.contexts[0] == 64 and 448 <= grid.contexts[1] < 512 and grid.contexts[1] % 16 == 0
     assert grid.transfer_tokens == (16, 256)  # 4096 tokens: more than the pool's 320
+
+
+def test_decode_batches_stop_where_the_kv_pool_runs_out(model_dir: Path) -> None:
+    """A batch whose rows the pool cannot hold is not measured (it would preempt), and the profile says so."""
+    engine = build_engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, max_num_batched_tokens=256), 1)
+    grid = Grid(prefill_tokens=(16, 32, 64), cached=(), batches=(1, 4, 16), contexts=(64, 256), transfer_tokens=(16,),
+                repeats=1, decode_steps=1)
+    p = profile_engine(engine, grid, Transport.ZMQ, 1, progress=lambda msg: None)
+    assert [(d.batch, d.context) for d in p.decode] == [(1, 64), (4, 64), (16, 64), (1, 256), (4, 256)]
+    assert any("decode batch 16 at context 256" in why for why in p.notes["skipped"])
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo")
