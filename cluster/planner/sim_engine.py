@@ -227,13 +227,14 @@ class SimWorker:
     def reserve(self, seq: Seq, t: float) -> int | None:
         """Decode side of a handoff: blocks for the whole prompt, reusing this worker's cache.
         Returns the prompt tokens already cached here, or None (nothing changed) if short."""
-        self._cut(t)
         bs, req = self.engine.block_size, seq.req
         n = self.pool.match(req.block_hashes, (req.prompt_len - 1) // bs)
         hashes = req.block_hashes[:n]
         need = -(-req.prompt_len // bs) - n
         if not self.pool.can_take(hashes, need):
-            return None
+            self._cut(t)  # the segment in flight holds blocks for steps it has not run yet: end it
+            if not self.pool.can_take(hashes, need):
+                return None
         self.pool.take(seq.blocks, hashes, need)
         self.awaiting_kv += 1
         return n * bs
