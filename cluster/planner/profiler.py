@@ -79,8 +79,8 @@ class Grid:
     def __post_init__(self) -> None:
         for name in ("prefill_tokens", "batches", "contexts", "transfer_tokens"):
             values = getattr(self, name)
-            if any(type(v) is not int or v <= 0 for v in values):
-                raise ValueError(f"{name}: positive integers, got {values}")
+            if any(type(v) is not int or v <= 0 for v in values) or (not values and name != "transfer_tokens"):
+                raise ValueError(f"{name}: one or more positive integers, got {values}")
         if any(c < 0 or n <= 0 for c, n in self.cached):
             raise ValueError(f"cached: (cached >= 0, new > 0) pairs, got {self.cached}")
         for name in ("repeats", "decode_steps", "spec_tokens"):
@@ -102,16 +102,18 @@ class Grid:
 
     def fit(self, engine: LLMEngine) -> Grid:
         """This grid within what `engine` can run: prompts within one step's budget and
-        max_model_len (a cached prefix cut to fit), batches within max_num_seqs, lengths
-        in whole blocks where a prefix must be cached or KV moved. The budget itself is always a prefill point
-        (the chunk a long prompt's every step but its last computes)."""
+        max_model_len (a cached prefix cut to fit; none without prefix caching), batches
+        within max_num_seqs, lengths in whole blocks where a prefix must be cached or KV
+        moved. The budget itself is always a prefill point (the chunk a long prompt's
+        every step but its last computes)."""
         cfg, mml = engine.config, engine.max_model_len
         budget, bs = cfg.max_num_batched_tokens, cfg.block_size
         prefill = {n for n in self.prefill_tokens if n <= budget and n < mml}
         if max(self.prefill_tokens) >= budget:
             prefill.add(min(budget, mml - 1))
         # A prefix too long for the model is cut to what fits: the longest contexts are the ones to cover.
-        cached = {(min(c, mml - n - 1) // bs * bs, n) for c, n in self.cached if n <= budget and n < mml - bs}
+        cached = {(min(c, mml - n - 1) // bs * bs, n) for c, n in self.cached
+                  if n <= budget and n < mml - bs and cfg.enable_prefix_caching}
         batches = {b for b in self.batches if b <= cfg.max_num_seqs}
         if max(self.batches) >= cfg.max_num_seqs:
             batches.add(cfg.max_num_seqs)

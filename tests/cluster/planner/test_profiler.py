@@ -91,7 +91,8 @@ def test_the_grid_is_fitted_to_the_engine() -> None:
     """Prompts within one step's budget (the budget itself a point) and the model's length, batches
     within max_num_seqs, prefixes and transfers in whole blocks, decode contexts with room for the timed steps."""
     engine = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=128, block_size=16, max_num_seqs=8,
-                                                    speculative=None, num_speculative_tokens=4),
+                                                    speculative=None, num_speculative_tokens=4,
+                                                    enable_prefix_caching=True),
                              max_model_len=512, num_kv_blocks=20)
     grid = Grid(prefill_tokens=(16, 64, 1000), cached=((100, 32), (500, 64), (64, 200)), batches=(1, 4, 32),
                 contexts=(64, 4096), transfer_tokens=(20, 256, 4096)).fit(engine)  # type: ignore[arg-type]
