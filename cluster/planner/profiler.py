@@ -120,7 +120,8 @@ class Grid:
         spec_k = cfg.num_speculative_tokens if cfg.speculative else 0
         room = (self.decode_steps + _DECODE_WARMUP_STEPS + 2) * (1 + spec_k)  # what a row grows by while timed
         contexts = {min(c, (mml - room) // bs * bs) for c in self.contexts}
-        transfer = {max(bs, n // bs * bs) for n in self.transfer_tokens if n < min(mml, engine.num_kv_blocks * bs)}
+        # A handoff moves one request's KV: at most max_model_len tokens (a longer one is cut to that).
+        transfer = {max(bs, min(n, mml, engine.num_kv_blocks * bs) // bs * bs) for n in self.transfer_tokens}
         return dataclasses.replace(self, prefill_tokens=tuple(sorted(prefill)), cached=tuple(sorted(cached)),
                                    batches=tuple(sorted(batches)), contexts=tuple(sorted(c for c in contexts if c > 0)),
                                    transfer_tokens=tuple(sorted(transfer)))

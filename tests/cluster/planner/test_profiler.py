@@ -100,7 +100,7 @@ def test_the_grid_is_fitted_to_the_engine() -> None:
     assert grid.cached == ((96, 32), (432, 64))  # whole blocks; a prefix too long for the model cut to fit
     assert grid.batches == (1, 4, 8)
     assert grid.contexts[0] == 64 and 448 <= grid.contexts[1] < 512 and grid.contexts[1] % 16 == 0
-    assert grid.transfer_tokens == (16, 256)  # 4096 tokens: more than the pool's 320
+    assert grid.transfer_tokens == (16, 256, 320)  # 4096 tokens: cut to the pool's 320
 
 
 def test_decode_batches_stop_where_the_kv_pool_runs_out(model_dir: Path) -> None:
