@@ -18,14 +18,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from pdserve.cluster.placement import bind_host
-from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
+from pdserve.cluster.reports import DrainState, LoadReport, RoleSwitch, WorkerInfo
+from pdserve.cluster.role_switch import RoleSwitcher
+from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
+from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
@@ -35,10 +36,10 @@ from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
+from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
-from pdserve.workers.transfer.base import KVReceiver, KVSender, Transport
-from pdserve.workers.transfer.fingerprint import module_fingerprint
+from pdserve.workers.transfer.base import KVReceiver, Transport
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,12 @@ class _Service:
         def report(e: LLMEngine) -> LoadReport:
             events = KVEventBatch(worker_id=self.name, batch_seq=next(self._event_seq),
                                   events=tuple(e.take_kv_events()))
-            return LoadReport(e.snapshot(), events, self.incarnation)
+            return self._report(e.snapshot(), events)
 
         return await self.async_engine.call(report)
+
+    def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
+        return LoadReport(snapshot, events, self.incarnation)
 
     async def metrics(self) -> bytes:
         """This worker's Prometheus exposition (the gateway merges every worker's)."""
@@ -143,90 +147,123 @@ class EngineService(_Service):
         await self.async_engine.serve(req)
 
 
-class PrefillService(_Service):
-    """A prefill worker: computes prompts and streams their KV to decode workers."""
+class WorkerService(_Service):
+    """A disaggregated worker: one engine, loaded once, and one role at a time
+    (prefill or decode: cluster/roles.py), which `switch_role` changes while the
+    worker serves, without reloading the model or restarting the process.
 
-    def __init__(self, config: EngineConfig, torch_threads: int, transport: Transport = Transport.ZMQ,
-                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, worker_name: str = "prefill",
+    A prefill role computes prompts and streams their KV to decode workers; a
+    decode role drives each request's handoff (reserve, prefill elsewhere, receive
+    the KV) and decodes in a continuous batch, or serves a request end to end
+    (local prefill) when the router says so. A call for the role it does not hold
+    (now, or while it switches) raises WorkerDrainingError: the gateway moves the
+    request on (a decode worker whose prefill worker left computes the prompt itself).
+
+    `settings` holds both roles' settings: the gateway's switch names only the role."""
+
+    def __init__(self, config: EngineConfig, torch_threads: int, role: WorkerRole,
+                 settings: RoleSettings | None = None, worker_name: str = "worker",
                  exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
         secret = _use_secret(cluster_secret)
-        # A prefill worker never decodes, so it never drafts: no draft model to load.
-        engine = _engine(dataclasses.replace(config, speculative=None, draft_model=None), torch_threads,
-                         record_events=True)
-        sender_cls = _sender_class(transport)
-        self.fingerprint = module_fingerprint(engine.model_dir, engine.model)
+        settings = settings or RoleSettings()
+        self.config = config  # as given: a decode role decodes speculatively if the engine could
+        if role is WorkerRole.PREFILL:  # a prefill worker never decodes, so never drafts: no draft model to load
+            config = dataclasses.replace(config, speculative=None, draft_model=None)
+        engine = _engine(config, torch_threads, record_events=True)
+        super().__init__(Pool(role.value), engine, AsyncEngine(engine, worker_id=worker_name), worker_name,
+                         exit_on_engine_death)
+        self.ctx = RoleContext(engine, self.async_engine, settings, secret, worker_name)
+        self.role: Role = make_role(role, self.ctx, self.worker_metrics)
+        self.switcher = RoleSwitcher(self)
+        self.async_engine.start()
 
-        def sender_for(address: str) -> KVSender:  # the worker keeps one per link, and closes it
-            return sender_cls(engine.kv_caches, address, secret=secret, fingerprint=self.fingerprint)
+    @property
+    def worker(self) -> PrefillWorker | DecodeWorker:
+        """The current role's worker (workers/prefill_worker.py or decode_worker.py)."""
+        return self.role.worker
 
-        worker = PrefillWorker(engine, sender_for, worker_id=worker_name, transfer_timeout_s=transfer_timeout_s,
-                               secret=secret)
-        super().__init__(Pool.PREFILL, engine, worker.async_engine, worker_name, exit_on_engine_death)
-        worker.transfer_recorder = self.worker_metrics
-        self.worker = worker.start()
+    @property
+    def receiver(self) -> KVReceiver:
+        """The decode role's KV receiver (AttributeError in the prefill role)."""
+        if not isinstance(self.role, DecodeRole):
+            raise AttributeError(f"worker {self.name} is a prefill worker now: it has no KV receiver")
+        return self.role.receiver
+
+    async def info(self) -> WorkerInfo:
+        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.role.kv_address,
+                          self.role.role)
+
+    def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
+        role, switching, epoch = self.switcher.status
+        return LoadReport(snapshot, events, self.incarnation, role, switching, epoch)
+
+    def _registrations(self) -> int:
+        return self.role.registrations()
 
     def counts(self) -> WorkerCounts:
-        links = self.worker.link_counts()
-        return dataclasses.replace(super().counts(), link_resyncs=links.resyncs, links_lost=links.links_lost,
-                                   dataplane_refused=links.refused)
+        # Called by the metrics before the first role exists (WorkerMetrics takes it at once).
+        role: Role | None = getattr(self, "role", None)
+        base = super().counts()
+        return base if role is None else role.counts(base)
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
         """Prefill into a decode worker's reserved blocks; the first token once its KV is verified there."""
-        return await self.worker.prefill(order)
+        async with self.switcher.call(WorkerRole.PREFILL) as role:
+            assert isinstance(role, PrefillRole)
+            return await role.worker.prefill(order)
 
     async def serve(self, req: ServeRequest) -> None:
-        """A request that ends at its first token, alone here (no handoff)."""
-        await self.worker.serve(req)
+        """The whole request here: a decode worker's local prefill, or a request that ends
+        at its first token on a prefill worker (no handoff)."""
+        wants = WorkerRole.PREFILL if req.params.max_tokens == 1 and self.role.role is WorkerRole.PREFILL \
+            else WorkerRole.DECODE
+        async with self.switcher.call(wants) as role:
+            await role.worker.serve(req)
+
+    async def handoff(self, req: ServeRequest, prefill: Any) -> None:
+        """`req` prefilled by the prefill worker `prefill` (an actor handle), decoded here."""
+        async with self.switcher.call(WorkerRole.DECODE) as role:
+            assert isinstance(role, DecodeRole)
+            await role.worker.handoff(req, RayPrefillPeer(prefill))
+
+    async def switch_role(self, role: WorkerRole, drain_timeout_s: float) -> RoleSwitch:
+        """Take `role` (cluster/role_switch.py: drain, cut what is left, free every block
+        and the prefix cache, build the new role). ValueError for a role a disaggregated
+        worker cannot hold or while a switch is under way; returns what it did."""
+        return await self.switcher.switch(role, drain_timeout_s)
 
     def close(self) -> None:
         super().close()
-        self.worker.close()  # its send queues' threads and their senders
+        self.role.close()
 
 
-class DecodeService(_Service):
-    """A decode worker: drives the handoff of each request it is given (reserve,
-    prefill elsewhere, receive the KV) and decodes in a continuous batch. It also
-    serves a request end to end (local prefill) when the router says so."""
+class PrefillService(WorkerService):
+    """A worker that starts as a prefill worker (it may change role later: `switch_role`).
+    The decode role's settings (`kv_host`, `on_kv_failure`, `prefill_timeout_s`) are
+    used only if it does."""
+
+    def __init__(self, config: EngineConfig, torch_threads: int, transport: Transport = Transport.ZMQ,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S, worker_name: str = "prefill",
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None,
+                 kv_host: str | None = None, on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
+                 prefill_timeout_s: float | None = None) -> None:
+        settings = RoleSettings(transport, transfer_timeout_s, kv_host, on_kv_failure, prefill_timeout_s)
+        super().__init__(config, torch_threads, WorkerRole.PREFILL, settings, worker_name, exit_on_engine_death,
+                         cluster_secret)
+
+
+class DecodeService(WorkerService):
+    """A worker that starts as a decode worker (it may change role later: `switch_role`).
+    `transfer_timeout_s` is the prefill role's, used only if it does."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, kv_host: str | None,
                  transport: Transport = Transport.ZMQ, on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
                  prefill_timeout_s: float | None = None, worker_name: str = "decode",
-                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
-        secret = _use_secret(cluster_secret)
-        engine = _engine(config, torch_threads, record_events=True)
-        host = bind_host(kv_host)  # this node's address when prefill workers may be on other nodes
-        self.fingerprint = module_fingerprint(engine.model_dir, engine.model)
-        self.receiver = _receiver_class(transport)(engine.kv_caches, bind=f"tcp://{host}:*", secret=secret,
-                                                   fingerprint=self.fingerprint)
-        worker = DecodeWorker(engine, self.receiver, on_kv_failure, worker_id=worker_name,
-                              prefill_timeout_s=prefill_timeout_s)
-        super().__init__(Pool.DECODE, engine, worker.async_engine, worker_name, exit_on_engine_death)
-        worker.transfer_recorder = self.worker_metrics
-        self.worker = worker.start()
-
-    async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.receiver.address)
-
-    def _registrations(self) -> int:
-        return int(getattr(self.receiver, "num_registered", 0))
-
-    def counts(self) -> WorkerCounts:
-        refused = getattr(self.receiver, "refusals", None) or auth.RefusalCounts()  # a network receiver's
-        return dataclasses.replace(super().counts(), awaiting_kv=self._registrations(),
-                                   leases_expired=self.worker.num_leases_expired,
-                                   dataplane_refused=refused.add(auth.RefusalCounts()))  # a copy, now
-
-    async def serve(self, req: ServeRequest) -> None:
-        """The whole request here (the router chose local prefill)."""
-        await self.worker.serve(req)
-
-    async def handoff(self, req: ServeRequest, prefill: Any) -> None:
-        """`req` prefilled by the prefill worker `prefill` (an actor handle), decoded here."""
-        await self.worker.handoff(req, RayPrefillPeer(prefill))
-
-    def close(self) -> None:
-        super().close()
-        self.receiver.close()
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None,
+                 transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S) -> None:
+        settings = RoleSettings(transport, transfer_timeout_s, kv_host, on_kv_failure, prefill_timeout_s)
+        super().__init__(config, torch_threads, WorkerRole.DECODE, settings, worker_name, exit_on_engine_death,
+                         cluster_secret)
 
 
 class RayPrefillPeer:
@@ -278,29 +315,7 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
                                  torch_threads)
 
 
-def _sender_class(transport: Transport) -> Callable[..., KVSender]:
-    """ZeroMQ for any two hosts; NCCL between GPUs (gloo, the same code path, when
-    the caches are on the CPU)."""
-    if transport is Transport.NCCL:
-        from pdserve.workers.transfer.nccl_backend import NcclKVSender
-
-        return NcclKVSender
-    from pdserve.workers.transfer.zmq_backend import ZmqKVSender
-
-    return ZmqKVSender
-
-
-def _receiver_class(transport: Transport) -> Callable[..., KVReceiver]:
-    if transport is Transport.NCCL:
-        from pdserve.workers.transfer.nccl_backend import NcclKVReceiver
-
-        return NcclKVReceiver
-    from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
-
-    return ZmqKVReceiver
-
-
 # The Ray actors: the plain services above, one process (and one GPU) each.
 EngineWorkerActor = ray.remote(EngineService)
-PrefillWorkerActor = ray.remote(PrefillService)
-DecodeWorkerActor = ray.remote(DecodeService)
+PrefillWorkerActor = ray.remote(PrefillService)  # a WorkerService that starts as prefill
+DecodeWorkerActor = ray.remote(DecodeService)  # ... as decode

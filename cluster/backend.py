@@ -26,7 +26,7 @@ from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
-from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
+from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
@@ -77,6 +77,9 @@ class Reliability:
     workers_lost: int = 0  # workers that went from answering to not
     workers_readmitted: int = 0  # lost workers that answered again
     workers_restarted: int = 0  # workers that answered from a new process
+    role_switches_to_prefill: int = 0  # workers moved from the decode pool to the prefill pool
+    role_switches_to_decode: int = 0  # ... from the prefill pool to the decode pool
+    role_switch_failures: int = 0  # switches that failed (the worker kept or went back to its role)
 
 
 class GenerationBackend(Protocol):
@@ -145,8 +148,13 @@ Place = Callable[[ServeRequest, Placement | None], Placement]
 WORKER_LOST: tuple[type[BaseException], ...] = (RayActorError, EngineDeadError)
 # ...and failures of the token stream between a worker and this gateway (a lost
 # batch, a final delta that never came, a worker that could not send): the tokens
-# handed on so far are sound, so the request goes on from them too.
-RETRYABLE: tuple[type[BaseException], ...] = (*WORKER_LOST, StreamLostError)
+# handed on so far are sound, so the request goes on from them too. So does a
+# request that a worker changing role refused or cut at the end of its drain
+# (WorkerDrainingError: no failure, so it does not count against `max_migrations`).
+RETRYABLE: tuple[type[BaseException], ...] = (*WORKER_LOST, StreamLostError, WorkerDrainingError)
+# Moves after role switches a request may make beyond its `max_migrations` (a bound
+# all the same: a worker that kept refusing must not keep a request going round).
+_MAX_DRAIN_MOVES = 8
 
 
 class WorkerLostError(RuntimeError):
@@ -221,15 +229,21 @@ class TokenStreams:
             yield out
 
     async def _tries(self, req: ServeRequest, place: Place, where: list[Placement]) -> None:
+        failures = 0  # tries that ended in a failure (not a worker changing role)
         while True:
             try:
                 return await self.collector.watch(req.request_id, where[-1].call(req))
             except RETRYABLE as e:
-                if req.attempt >= self.max_migrations:
+                drained = isinstance(e, WorkerDrainingError)
+                failures += not drained
+                if failures > self.max_migrations or req.attempt >= self.max_migrations + _MAX_DRAIN_MOVES:
                     self.stats.exhausted += 1
-                    raise WorkerLostError(f"request {req.request_id}: its worker failed {req.attempt + 1} times; "
-                                          "giving up") from e
-                log.warning("request %s: its worker failed (%s); moving it", req.request_id, type(e).__name__)
+                    raise WorkerLostError(f"request {req.request_id}: its worker failed {failures} times "
+                                          f"({req.attempt + 1} tries); giving up") from e
+                if drained:
+                    log.info("request %s: its worker is changing role; moving it", req.request_id)
+                else:
+                    log.warning("request %s: its worker failed (%s); moving it", req.request_id, type(e).__name__)
                 where[-1].abort(req.request_id)  # what survives of the try (a handoff's prefill worker) drops it
                 retry = self.collector.next_attempt(req.request_id)
                 req = dataclasses.replace(req, attempt=retry.attempt, resume=retry.resume,

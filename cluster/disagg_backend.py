@@ -12,6 +12,11 @@ call runs it, and every token comes back on the gateway's token stream:
 Any exit before the end (client gone, deadline, worker error) aborts the
 request on both workers, which frees its blocks on both sides. Worker loads and
 KV events reach the router from a poller every `poll_s`.
+
+A worker changes pool while it serves (`switch_role`: cluster/role_switch.py has
+the worker's side): the router stops routing to it at once, the worker drains
+(what is left past the deadline moves to other workers and goes on there), and
+it joins the other pool with a fresh load report, so the next request can use it.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pdserve.cluster.backend import (
     _abort,
 )
 from pdserve.cluster.metrics import WorkerHandles
-from pdserve.cluster.reports import LoadReport
+from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import Plan, RoutingDecision, WorkerLoad, WorkerRole
 from pdserve.cluster.router.router import RouterStats
@@ -51,6 +56,10 @@ log = logging.getLogger(__name__)
 # takes longer than this to report is taken for dead (until it answers again).
 _FIRST_POLL_S = 30.0
 _POLL_TIMEOUT_S = 5.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# A switching worker answers within its drain deadline plus this (the cut, closing
+# its links or receiver, emptying its caches, building the other role).
+_SWITCH_GRACE_S = 30.0
 
 
 @dataclass
@@ -60,6 +69,9 @@ class WorkerEvents:
     lost: int = 0  # a worker went from answering to not (its call or its poll failed)
     readmitted: int = 0  # a lost worker answered again (restarted, or a hiccup over)
     restarted: int = 0  # a worker answered from a new process (Ray restarted it)
+    to_prefill: int = 0  # role switches that moved a worker into the prefill pool
+    to_decode: int = 0  # ... into the decode pool
+    switch_failures: int = 0  # role switches that failed
 
 
 class DisaggregatedBackend:
@@ -86,6 +98,10 @@ class DisaggregatedBackend:
         self._polled: set[str] = set()
         self._answered: set[str] = set()  # workers that answered a poll at least once
         self._incarnation: dict[str, str] = {}  # the worker process that last answered
+        self._switching: dict[str, Any] = {}  # workers changing role: in no pool, routed nothing
+        # The latest role change each worker process is known to have made (its incarnation,
+        # its count of switches): a report older than that one says nothing of its role.
+        self._role_epoch: dict[str, tuple[str, int]] = {}
         self._ready: asyncio.Event | None = None
         self._closing = False
 
@@ -116,15 +132,16 @@ class DisaggregatedBackend:
     def reliability(self) -> Reliability:
         e = self.events
         return dataclasses.replace(self.streams.reliability(self.health()), workers_lost=e.lost,
-                                   workers_readmitted=e.readmitted, workers_restarted=e.restarted)
+                                   workers_readmitted=e.readmitted, workers_restarted=e.restarted,
+                                   role_switches_to_prefill=e.to_prefill, role_switches_to_decode=e.to_decode,
+                                   role_switch_failures=e.switch_failures)
 
     async def start(self) -> None:
         """Start polling worker loads; returns once every worker answered or failed its first poll."""
         if not self._pollers:
             self._closing = False
             self._ready = asyncio.Event()
-            roles = {**dict.fromkeys(self.prefill, WorkerRole.PREFILL), **dict.fromkeys(self.decode, WorkerRole.DECODE)}
-            self._pollers = [asyncio.create_task(self._poll(wid, role, self._ready)) for wid, role in roles.items()]
+            self._pollers = [asyncio.create_task(self._poll(wid, self._ready)) for wid in self._workers()]
         assert self._ready is not None
         await asyncio.wait_for(self._ready.wait(), timeout=_FIRST_POLL_S)
 
@@ -168,31 +185,126 @@ class DisaggregatedBackend:
         if wid not in self._dead:
             self._dead.add(wid)
             self.events.lost += wid in self._answered
-        role = WorkerRole.PREFILL if wid in self.prefill else WorkerRole.DECODE
-        self.router.update_load(WorkerLoad(wid, role, healthy=False))
+        role = self._role(wid)
+        if role is not None:  # a switching worker is out of routing already
+            self.router.update_load(WorkerLoad(wid, role, healthy=False))
+
+    def _workers(self) -> list[str]:
+        return [*self.prefill, *self.decode, *self._switching]
+
+    def _role(self, wid: str) -> WorkerRole | None:
+        """The pool `wid` is in (None: it is changing role)."""
+        return WorkerRole.PREFILL if wid in self.prefill else WorkerRole.DECODE if wid in self.decode else None
+
+    def worker_id(self, worker: str) -> str:
+        """The router id of `worker`, given its id or its actor name (ValueError: neither)."""
+        if worker in self._workers():
+            return worker
+        ids = [wid for wid, name in self.names.items() if name == worker]
+        if not ids:
+            raise ValueError(f"worker: no worker named {worker!r}")
+        return ids[0]
+
+    def handle_of(self, wid: str) -> Any:
+        """The worker's actor handle, whichever pool it is in (a try routed before a
+        switch still calls and aborts on it)."""
+        for pool in (self.prefill, self.decode, self._switching):
+            if wid in pool:
+                return pool[wid]
+        raise LookupError(f"worker {wid!r} is not in this deployment")
+
+    # -- role switches -------------------------------------------------------------
+
+    async def switch_role(self, wid: str, role: WorkerRole,
+                          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> RoleSwitch:
+        """Move worker `wid` into the `role` pool while the cluster serves. The router
+        stops routing to it at once and forgets its cache; the worker drains for up to
+        `drain_timeout_s`, and what it still holds then moves to other workers (the
+        gateway's migration: the clients' streams go on); it joins the other pool, and
+        the router learns its new role and load before this returns.
+
+        ValueError (nothing changed): a role other than prefill or decode, an unknown
+        worker or one in that pool already, a switch of it under way, or a pool it
+        would leave with no live worker. If the worker fails the switch or does not
+        answer in time, it stays out of routing until a poll says which role it holds."""
+        if role not in (WorkerRole.PREFILL, WorkerRole.DECODE):
+            raise ValueError(f"role: a worker switches to prefill or decode, got {role.value}")
+        if wid in self._switching:
+            raise ValueError(f"worker {wid}: a role switch is under way")
+        src, dst = (self.decode, self.prefill) if role is WorkerRole.PREFILL else (self.prefill, self.decode)
+        old = WorkerRole.DECODE if role is WorkerRole.PREFILL else WorkerRole.PREFILL
+        if wid not in src:
+            raise ValueError(f"worker {wid}: a {role.value} worker already" if wid in dst
+                             else f"worker: no worker {wid!r}")
+        handle = src[wid]
+        if handle is None or wid in self._dead:
+            raise ValueError(f"worker {wid}: not answering; it cannot switch now")
+        if not any(w != wid and w not in self._dead and h is not None for w, h in src.items()):
+            raise ValueError(f"worker {wid}: the {old.value} pool would be left with no live worker")
+        del src[wid]
+        self._switching[wid] = handle
+        self.router.update_load(WorkerLoad(wid, old, healthy=False))  # routed nothing from now on
+        self.router.forget_cache(wid)
+        try:
+            result: RoleSwitch = await asyncio.wait_for(handle.switch_role.remote(role, drain_timeout_s),
+                                                        timeout=drain_timeout_s + _SWITCH_GRACE_S)
+        except BaseException as e:
+            self.events.switch_failures += 1
+            src[wid] = handle  # where it was; its next poll says which role it holds (`_follow`)
+            del self._switching[wid]
+            if not isinstance(e, ValueError):
+                self._lose(wid)
+            raise
+        del self._switching[wid]
+        dst[wid] = handle
+        self._role_epoch[wid] = (result.incarnation, result.epoch)
+        self.router.forget_cache(wid)  # its prefix cache was emptied: nothing of it is left there
+        if role is WorkerRole.PREFILL:
+            self.events.to_prefill += 1
+        else:
+            self.events.to_decode += 1
+        await self._refresh_one(wid)  # the router routes to it in its new role from the next request on
+        log.info("worker %s: %s -> %s (%d drained, %d moved on, %.2f s)", wid, old.value, role.value,
+                 result.drained, result.migrated, result.duration_s)
+        return result
+
+    def _follow(self, wid: str, report: LoadReport) -> None:
+        """A report newer than any switch of the worker we know of, of a role other than
+        its pool's (another gateway switched it, a switch of ours failed half way, or Ray
+        restarted it in the role it was created with): move it where it says it is."""
+        role, known = report.role, self._role_epoch.get(wid)
+        if role is None or wid in self._switching or report.switching:
+            return
+        if known is not None and known[0] == report.incarnation and report.role_epoch <= known[1]:
+            return  # sent before a switch we know of (replies may overtake each other)
+        self._role_epoch[wid] = (report.incarnation, report.role_epoch)
+        src, dst = (self.decode, self.prefill) if role is WorkerRole.PREFILL else (self.prefill, self.decode)
+        if wid in src:
+            log.warning("worker %s reports the %s role: moving it to that pool", wid, role.value)
+            dst[wid] = src.pop(wid)
+            self.router.forget_cache(wid)
 
     # -- loads and KV events -----------------------------------------------------
 
-    async def _poll(self, wid: str, role: WorkerRole, ready: asyncio.Event) -> None:
+    async def _poll(self, wid: str, ready: asyncio.Event) -> None:
         """One worker's poll loop (each worker has its own: one that hangs or
         restarts for a minute does not hold the others' reports)."""
         while not self._closing:
             try:
-                await self._refresh_one(wid, role)
+                await self._refresh_one(wid)
             except Exception:  # noqa: BLE001 - a bug in handling one report must not end the loop for good
                 log.exception("poll of worker %s failed", wid)
                 self._lose(wid)
             self._polled.add(wid)
-            if len(self._polled) == len(self.prefill) + len(self.decode):
+            if self._polled.issuperset(self._workers()):
                 ready.set()
             await asyncio.sleep(self.poll_s)
 
     async def _refresh(self) -> None:
         """Poll every worker once (tests; the poll loops do it continually)."""
-        roles = {**dict.fromkeys(self.prefill, WorkerRole.PREFILL), **dict.fromkeys(self.decode, WorkerRole.DECODE)}
-        await asyncio.gather(*(self._refresh_one(wid, role) for wid, role in roles.items()))
+        await asyncio.gather(*(self._refresh_one(wid) for wid in self._workers()))
 
-    async def _refresh_one(self, wid: str, role: WorkerRole) -> None:
+    async def _refresh_one(self, wid: str) -> None:
         handle = await self._handle(wid)
         try:
             if handle is None:
@@ -210,12 +322,19 @@ class DisaggregatedBackend:
             self.events.restarted += 1
         self.loads[wid] = report
         self._apply_events(wid, report.events)
+        self._follow(wid, report)
+        role = self._role(wid)
+        if role is None:
+            return  # changing role here: routed nothing until the switch is over
         s = report.snapshot
-        self.router.update_load(WorkerLoad(wid, role, healthy=True, queued_prefill_tokens=s.queued_prefill_tokens,
+        healthy = not report.switching  # another gateway is switching it
+        self.router.update_load(WorkerLoad(wid, role, healthy=healthy, queued_prefill_tokens=s.queued_prefill_tokens,
                                            running_requests=s.running, free_blocks=s.free_blocks,
                                            total_blocks=s.total_blocks))
 
     async def _handle(self, wid: str) -> Any | None:
+        if wid in self._switching:
+            return self._switching[wid]
         pool = self.prefill if wid in self.prefill else self.decode
         if pool[wid] is None and self.lookup is not None:
             pool[wid] = await asyncio.to_thread(self.lookup, self.names.get(wid, wid))
@@ -240,15 +359,15 @@ class _Try:
     async def call(self, req: ServeRequest) -> None:
         b, d = self.backend, self.decision
         self.attempt = req.attempt
-        decode, p_id = b.decode[d.decode_worker], d.prefill_worker
+        decode, p_id = b.handle_of(d.decode_worker), d.prefill_worker
         try:
             if d.plan is Plan.LOCAL or p_id is None:
                 await decode.serve.remote(req)
             elif d.plan is Plan.HANDOFF:
-                await decode.handoff.remote(req, b.prefill[p_id])
+                await decode.handoff.remote(req, b.handle_of(p_id))
             else:
                 try:
-                    await b.prefill[p_id].serve.remote(req)
+                    await b.handle_of(p_id).serve.remote(req)
                 except WORKER_LOST:  # it is gone: the decode worker runs the request
                     b._lose(p_id)
                     await decode.serve.remote(req)
@@ -258,6 +377,6 @@ class _Try:
 
     def abort(self, request_id: str) -> None:
         b, d = self.backend, self.decision
-        _abort(b.decode[d.decode_worker], request_id, self.attempt)
+        _abort(b.handle_of(d.decode_worker), request_id, self.attempt)
         if d.prefill_worker is not None:
-            _abort(b.prefill[d.prefill_worker], request_id, self.attempt)
+            _abort(b.handle_of(d.prefill_worker), request_id, self.attempt)

@@ -28,10 +28,12 @@ from typing import Any, TypeVar
 from ray.exceptions import RayError
 
 from pdserve.cluster.backend import GenerationBackend, WorkerLostError
+from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
-from pdserve.cluster.router import NoHealthyWorkerError
+from pdserve.cluster.reports import RoleSwitch
+from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
@@ -270,6 +272,17 @@ class Gateway:
     async def close(self) -> None:
         await self.backend.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+
+    async def switch_role(self, worker: str, role: WorkerRole,
+                          drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> RoleSwitch:
+        """Move `worker` (its router id, p0 or d1, or its actor name) into the `role` pool
+        while serving, on this event loop: `DisaggregatedBackend.switch_role`, which says
+        what it waits for and refuses. No HTTP route calls it (an admin key would be
+        needed first: docs/security.md); a planner in this process does.
+        ValueError without pools to move between (colocated, or one in-process engine)."""
+        if not isinstance(self.backend, DisaggregatedBackend):
+            raise ValueError("role: workers change role only in the disaggregated mode")
+        return await self.backend.switch_role(self.backend.worker_id(worker), role, drain_timeout_s)
 
     def worker_handles(self) -> WorkerHandles:
         """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""

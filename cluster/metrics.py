@@ -313,6 +313,8 @@ _RELIABILITY_COUNTERS = (
     ("pdserve:token_stream_stale_deltas", "Token deltas of tries given up on (dropped)", "stream_stale"),
     ("pdserve:token_stream_forged", "Token-stream messages whose MAC did not check (dropped unread)", "stream_forged"),
     ("pdserve:token_stream_replayed", "Signed token-stream batches sent again (refused)", "stream_replayed"),
+    ("pdserve:role_switch_failures", "Role switches that failed (the worker kept, or went back to, its role)",
+     "role_switch_failures"),
 )
 
 
@@ -326,7 +328,8 @@ class _ReliabilityCollector:
         r = self._reliability()
         live = GaugeMetricFamily("pdserve:pool_workers_live", "Workers of the pool the gateway routes to now",
                                  labels=["pool"])
-        configured = GaugeMetricFamily("pdserve:pool_workers_configured", "Workers the pool is deployed with",
+        configured = GaugeMetricFamily("pdserve:pool_workers_configured",
+                                       "Workers in the pool: as deployed, then as role switches moved them",
                                        labels=["pool"])
         state = GaugeMetricFamily("pdserve:health_state",
                                   "1 for the state /health reports (ok, degraded: a pool short of workers, "
@@ -346,3 +349,9 @@ class _ReliabilityCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], getattr(r, field) if r is not None else 0)
             yield c
+        switches = CounterMetricFamily("pdserve:role_switches",
+                                       "Workers that changed role while serving, by the pool they joined",
+                                       labels=["to_pool"])
+        switches.add_metric(["prefill"], r.role_switches_to_prefill if r is not None else 0)
+        switches.add_metric(["decode"], r.role_switches_to_decode if r is not None else 0)
+        yield switches

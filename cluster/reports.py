@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pdserve.cluster.router.policy import WorkerRole
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.stats import EngineSnapshot
 
@@ -15,6 +16,7 @@ class WorkerInfo:
     num_kv_blocks: int
     max_model_len: int
     kv_address: str | None = None  # a decode worker's KV receiver (where prefill workers send)
+    role: WorkerRole | None = None  # what it does now (None: a worker that cannot change role)
 
 
 @dataclass(frozen=True)
@@ -45,3 +47,22 @@ class LoadReport:
     # Which life of the worker process answered (its pid and start time): a new one
     # means the worker was restarted (the gateway counts restarts by it).
     incarnation: str = ""
+    # What the worker does now (None: a worker that cannot change role), and whether it is
+    # changing role: then it takes no new work, and a gateway routes nothing to it.
+    role: WorkerRole | None = None
+    switching: bool = False
+    role_epoch: int = 0  # the role switches this worker process has made (orders its reports' roles)
+
+
+@dataclass(frozen=True)
+class RoleSwitch:
+    """What a worker's role switch did (`WorkerService.switch_role`)."""
+
+    from_role: WorkerRole
+    to_role: WorkerRole
+    drained: int  # requests that finished here during the drain
+    migrated: int  # requests cut at the drain's deadline (the gateway moved them on)
+    duration_s: float
+    speculative: bool  # a decode role: whether it decodes speculatively (False: the engine has no draft)
+    incarnation: str = ""  # the worker process that switched
+    epoch: int = 0  # its role switches so far, this one included (`LoadReport.role_epoch`)

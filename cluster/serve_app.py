@@ -92,18 +92,21 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
     opts = share.options | {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
 
-    def make(actor_cls: Any, name: str, resources: dict[str, float] | None, *args: Any) -> Any:
+    def make(actor_cls: Any, name: str, resources: dict[str, float] | None, *args: Any, **kwargs: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                  **with_resources(opts, resources)).remote(
             cfg.engine, share.threads, *args, worker_name=name, exit_on_engine_death=True,
-            cluster_secret=cfg.cluster_secret)
+            cluster_secret=cfg.cluster_secret, **kwargs)
 
     if cfg.mode is ServingMode.DISAGGREGATED:
-        workers = [make(PrefillWorkerActor, n, cfg.prefill_resources, cfg.transport, cfg.transfer_timeout)
-                   for n in cfg.prefill_names()]
+        # Each worker gets the other role's settings too: it may be switched to it (cluster/role_switch.py).
+        workers = [make(PrefillWorkerActor, n, cfg.prefill_resources, cfg.transport, cfg.transfer_timeout,
+                        kv_host=cfg.kv_host, on_kv_failure=cfg.kv_failure_policy,
+                        prefill_timeout_s=cfg.prefill_timeout) for n in cfg.prefill_names()]
         workers += [make(DecodeWorkerActor, n, cfg.decode_resources, cfg.kv_host, cfg.transport,
-                         cfg.kv_failure_policy, cfg.prefill_timeout) for n in cfg.decode_names()]
+                         cfg.kv_failure_policy, cfg.prefill_timeout, transfer_timeout_s=cfg.transfer_timeout)
+                    for n in cfg.decode_names()]
     else:
         workers = [make(EngineWorkerActor, n, cfg.worker_resources) for n in cfg.worker_names()]
     ray.get([w.info.remote() for w in workers], timeout=timeout_s)

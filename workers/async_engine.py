@@ -53,6 +53,12 @@ class RequestAbortedError(RuntimeError):
     """Someone else aborted the request (the gateway, or the decode worker it served)."""
 
 
+class WorkerDrainingError(RuntimeError):
+    """This worker takes no more work of its role (it is changing role), or it cut the
+    request short at the end of its drain. Not the request's fault: the gateway moves
+    it to another worker from what its client already has (cluster/backend.py: RETRYABLE)."""
+
+
 @dataclass(eq=False)
 class Job:
     """One request in this worker: its lifecycle and where its outputs go."""
@@ -104,6 +110,8 @@ class AsyncEngine:
         # A gateway unreachable this long is gone: its requests here are aborted.
         self.gateway_gone_s = GATEWAY_GONE_S
         self.num_orphans_aborted = 0  # requests aborted because their gateway was gone
+        # Set while the worker drains (a role switch): why `open` refuses new requests.
+        self._refusing: str | None = None
         self._next_gone_check = 0.0  # engine thread: when to look at the gateway links again
         # The engine thread sets this itself: OpenMP's thread count is per thread, and a
         # new thread starts from OMP_NUM_THREADS (Ray sets it to 1 in every worker process),
@@ -186,6 +194,8 @@ class AsyncEngine:
         that one first (the gateway gave up on it); the same try twice is a ValueError."""
         if not self.healthy:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
+        if self._refusing is not None:
+            raise WorkerDrainingError(f"request {request_id}: {self._refusing}")
         old = self._jobs.get(request_id)
         if old is not None:
             if old.attempt >= attempt:
@@ -271,6 +281,24 @@ class AsyncEngine:
 
     def job(self, request_id: str) -> Job | None:
         return self._jobs.get(request_id)
+
+    # -- draining (a role switch) ---------------------------------------------------------
+
+    def refuse_new(self, reason: str | None) -> None:
+        """From now on `open` raises WorkerDrainingError(`reason`); None takes requests again.
+        Requests already here go on."""
+        self._refusing = reason
+
+    async def end_all(self, error: BaseException, timeout_s: float = 5.0) -> int:
+        """End every request here now (ABORTED, their callers hear `error`); how many.
+        Returns once the engine thread has run their exits (their blocks are free), or
+        after `timeout_s` (a stuck engine thread must not hold the caller)."""
+        jobs = self._live_jobs()
+        for job in jobs:
+            self.end(job, Exit.ABORTED, error)
+        with contextlib.suppress(TimeoutError, EngineDeadError):
+            await self.call(lambda e: None, timeout_s=timeout_s)
+        return len(jobs)
 
     async def call(self, fn: Callable[[LLMEngine], T], timeout_s: float = 30.0) -> T:
         """Run `fn(engine)` on the engine thread and return its result. EngineDeadError

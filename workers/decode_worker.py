@@ -11,7 +11,8 @@ here (workers/lifecycle.py):
     ROUTED -> QUEUED (no room to reserve now: it queues and prefills here)
     TRANSFERRING -> QUEUED (the prefill worker or the transfer failed: by default
          the prompt is recomputed here, `recompute`; with `fail`, or when the
-         client already has the first token, the request fails)
+         client already has the first token, the request fails; a prefill worker
+         that is changing role is no failure: the prompt is recomputed here whatever the policy)
     any state -> ABORTED | FAILED: the transfer is stopped, the prefill worker
          told, the blocks freed.
 
@@ -28,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError
+from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, WorkerDrainingError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest
 from pdserve.workers.lifecycle import Exit, RequestState
@@ -73,17 +74,19 @@ class DecodeWorker:
     def __init__(self, engine: LLMEngine, receiver: KVReceiver,
                  on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
                  transfer_recorder: TransferRecorder | None = None, worker_id: str = "decode",
-                 prefill_timeout_s: float | None = None) -> None:
+                 prefill_timeout_s: float | None = None, async_engine: AsyncEngine | None = None) -> None:
         """`transfer_recorder` hears of the transfers that fail here after the
         prefill worker saw them succeed (a failure it saw, it counted).
         `prefill_timeout_s`: the most a remote prefill and its transfer may take
-        before the failure policy applies (None: until the request's deadline)."""
+        before the failure policy applies (None: until the request's deadline).
+        `async_engine`: the engine's thread when the worker already has one (a
+        worker that changes role keeps its engine and thread)."""
         self.engine = engine
         self.receiver = receiver
         self.on_failure = on_failure
         self.prefill_timeout_s = prefill_timeout_s
         self.transfer_recorder = transfer_recorder
-        self.async_engine = AsyncEngine(engine, worker_id=worker_id)
+        self.async_engine = async_engine or AsyncEngine(engine, worker_id=worker_id)
         self.num_transfer_failures = 0
         # Reservations given up because their KV did not come within the remote
         # prefill's budget (`prefill_timeout_s`): the blocks' lease expired.
@@ -98,6 +101,11 @@ class DecodeWorker:
 
     def close(self) -> None:
         self.async_engine.close()
+        self.close_role()
+
+    def close_role(self) -> None:
+        """Close what the decode role holds (its wait threads), not the engine nor the
+        receiver (the caller's): for a worker that takes another role."""
         self._waits.shutdown(wait=False, cancel_futures=True)
 
     async def serve(self, req: ServeRequest) -> None:
@@ -138,14 +146,18 @@ class DecodeWorker:
             raise RequestTimeoutError(f"request {rid} passed its deadline here") from None
         if reservation is None:  # no room now: it queues and prefills here
             return lambda e: e.add_request(rid, prompt, req.params)
-        first = await self._remote_prefill(job, req, reservation, peer)
+        try:
+            first, peer_left = await self._remote_prefill(job, req, reservation, peer), False
+        except WorkerDrainingError:  # the prefill worker is changing role: no KV fault, the prompt is ours
+            first, peer_left = None, True
         if first is not None and await self._kv_arrived(job, reservation, len(prompt)):
             job.tokens_sent = 1 if first.published else 0
             return lambda e: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
         self._release(job)
         # (A recomputed first token could differ from the one the client already has.)
-        if self.on_failure is KVFailurePolicy.RECOMPUTE and not (first is not None and first.published):
+        recompute = self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left
+        if recompute and not (first is not None and first.published):
             return lambda e: self._recompute(e, job)
         error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
         await ae.end_and_wait(job, Exit.PEER_FAILED, error)
@@ -193,6 +205,8 @@ class DecodeWorker:
                 return None  # the remote prefill's own budget ran out: the policy decides
             await self.async_engine.end_and_wait(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {req.request_id} passed its deadline here") from None
+        except WorkerDrainingError:
+            raise  # not a failure: the caller recomputes whatever the policy
         except Exception:  # noqa: BLE001 - its transfer or the worker failed: the policy decides
             self._count_failure(None)
             return None

@@ -95,7 +95,8 @@ class PrefillWorker:
     def __init__(self, engine: LLMEngine, sender_for: Callable[[str], KVSender],
                  transfer_recorder: TransferRecorder | None = None, worker_id: str = "prefill",
                  transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-                 link_retire_s: float | None = LINK_RETIRE_S, secret: ClusterSecret | None = None) -> None:
+                 link_retire_s: float | None = LINK_RETIRE_S, secret: ClusterSecret | None = None,
+                 async_engine: AsyncEngine | None = None) -> None:
         """`sender_for(address)` makes a sender to a decode worker's receiver, once per
         link (again after a link was retired); this worker closes it.
         `transfer_recorder` hears of every handoff: its bytes and duration, and
@@ -104,7 +105,8 @@ class PrefillWorker:
         wait on its decode worker (a credit, the verdict) before the transfer fails.
         `link_retire_s`: how long an idle link's peer may stay unreachable before the
         link is closed (None: never). `secret` signs the first tokens it sends
-        to gateways (None: `auth.default_secret()`)."""
+        to gateways (None: `auth.default_secret()`). `async_engine`: the engine's thread when
+        the worker already has one (a worker that changes role keeps its engine and thread)."""
         self.transfer_recorder = transfer_recorder
         self.transfer_timeout_s = transfer_timeout_s
         self.link_retire_s = link_retire_s
@@ -114,7 +116,7 @@ class PrefillWorker:
         self._first_tokens = TokenStreamPublisher(f"{worker_id}-first", secret=secret)
         self._first_lock = threading.Lock()
         self._sender_for = sender_for
-        self.async_engine = AsyncEngine(engine, worker_id=worker_id)
+        self.async_engine = async_engine or AsyncEngine(engine, worker_id=worker_id)
         self.engine = engine
         self._device = engine.kv_caches[0][0].device
 
@@ -124,6 +126,11 @@ class PrefillWorker:
 
     def close(self) -> None:
         self.async_engine.close()
+        self.close_role()
+
+    def close_role(self) -> None:
+        """Close what the prefill role holds (its links, their threads and senders, the
+        first-token publisher), not the engine: for a worker that takes another role."""
         with self._links_lock:
             links = list(self._links.values())
         for link in links:

@@ -1,0 +1,279 @@
+"""Workers that change role (prefill <-> decode) while the cluster serves: real
+engines and ZeroMQ KV transport in one process, Ray handles replaced by
+`LocalActor` (as in test_disagg_backend.py). Every request finishes with the
+offline engine's greedy tokens, and no KV block stays used anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from factories import LocalActor, tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.actors import DecodeService, PrefillService, WorkerService
+from pdserve.cluster.disagg_backend import DisaggregatedBackend
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.router import Router, RoutingDecision, WorkerRole
+from pdserve.cluster.router.policy import RouterConfig
+from pdserve.workers.async_engine import WorkerDrainingError
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+BS = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+_services: list[WorkerService] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_services() -> Iterator[None]:
+    yield
+    while _services:
+        _services.pop().close()
+
+
+def cluster(model_dir: Path, num_prefill: int, num_decode: int, poll_s: float = 0.01,
+            **engine_args: Any) -> tuple[DisaggregatedBackend, dict[str, WorkerService]]:
+    """`num_prefill` + `num_decode` workers (p0.., d0..) behind one backend; every prompt is
+    handed off (no local prefill) while a prefill worker is there."""
+    base = EngineConfig(model=str(model_dir), max_model_len=1024, block_size=BS, max_num_batched_tokens=1024,
+                        num_kv_blocks=512, **engine_args)
+    services: dict[str, WorkerService] = {}
+    for i in range(num_prefill):
+        services[f"p{i}"] = PrefillService(base, 1, worker_name=f"p{i}", kv_host="127.0.0.1")
+    for i in range(num_decode):
+        services[f"d{i}"] = DecodeService(replace(base, num_kv_blocks=1024), 1, "127.0.0.1", worker_name=f"d{i}")
+    _services.extend(services.values())
+    actors = {k: LocalActor(v) for k, v in services.items()}
+    router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
+    backend = DisaggregatedBackend({k: a for k, a in actors.items() if k[0] == "p"},
+                                   {k: a for k, a in actors.items() if k[0] == "d"}, router, poll_s=poll_s)
+    return backend, services
+
+
+def prompts(n: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4000, (int(k),), generator=g).tolist()
+            for k in torch.randint(20, 160, (n,), generator=g)]
+
+
+def offline(model_dir: Path, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
+    llm = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=512, progress=False)
+    return [o.outputs[0].token_ids for o in llm.generate(ps, params)]
+
+
+class Load:
+    """Streams running through the backend: their tokens, and how many have any yet."""
+
+    def __init__(self, backend: DisaggregatedBackend, ps: list[list[int]], tag: str,
+                 params: SamplingParams = GREEDY) -> None:
+        self.tokens: list[list[int]] = [[] for _ in ps]
+        self.tasks = [asyncio.ensure_future(self._one(backend, f"{tag}{i}", p, i, params)) for i, p in enumerate(ps)]
+
+    async def _one(self, backend: DisaggregatedBackend, rid: str, prompt: list[int], i: int,
+                   params: SamplingParams) -> None:
+        async for out in backend.generate(rid, prompt, params, 60):
+            self.tokens[i] += out.outputs[0].token_ids
+
+    async def all_streaming(self) -> None:
+        """Until every stream has a token (each is under way)."""
+        await until(lambda: all(self.tokens))
+
+    async def done(self) -> list[list[int]]:
+        await asyncio.wait_for(asyncio.gather(*self.tasks), timeout=60)
+        return self.tokens
+
+
+async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until `check()`, failing the test past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s"
+        await asyncio.sleep(0.002)
+
+
+def slow_steps(service: WorkerService, seconds: float) -> None:
+    """Each engine step of `service` takes `seconds` more (its streams stay under way for a while)."""
+    step = service.engine.step
+
+    def slow() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    service.engine.step = slow  # type: ignore[method-assign]
+
+
+def assert_no_block_used(services: dict[str, WorkerService]) -> None:
+    async def states() -> dict[str, Any]:
+        return {name: await s.drain_state() for name, s in services.items()}
+
+    for name, state in asyncio.run(states()).items():
+        assert state.drained, (name, state)
+
+
+def test_workers_switch_role_under_load_and_every_stream_matches_offline(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """2 prefill + 1 decode, 14 greedy streams under way: p1 becomes a decode worker,
+    then d0 (its pool has p1 now) a prefill worker, each draining what it holds; a
+    second wave runs on the new split. Every stream equals offline, every pool ends
+    with no block used. The engines speculate (n-gram) where they were built to: p1's
+    was built for prefill, so it decodes without, and says so."""
+    first, second = prompts(14, seed=1), prompts(6, seed=2)
+    backend, services = cluster(model_dir, 2, 1, speculative="ngram")
+    slow_steps(services["p1"], 0.01)
+    slow_steps(services["d0"], 0.002)
+
+    async def main() -> tuple[list[list[int]], list[list[int]], list[Any]]:
+        try:
+            load = Load(backend, first, "a")
+            await until(lambda: services["p1"].async_engine.num_in_flight > 0)  # it is prefilling
+            switches = [await backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=30)]
+            await load.all_streaming()
+            switches.append(await backend.switch_role("d0", WorkerRole.PREFILL, drain_timeout_s=30))
+            after = Load(backend, second, "b")
+            return await load.done(), await after.done(), switches
+        finally:
+            await backend.close()
+
+    with caplog.at_level(logging.WARNING, logger="pdserve.cluster.role_switch"):
+        got_first, got_second, switches = asyncio.run(main())
+    assert got_first == offline(model_dir, first)
+    assert got_second == offline(model_dir, second)
+    assert [(s.from_role, s.to_role, s.migrated) for s in switches] == \
+        [(WorkerRole.PREFILL, WorkerRole.DECODE, 0), (WorkerRole.DECODE, WorkerRole.PREFILL, 0)]
+    assert switches[0].drained > 0  # p1's prefills finished there
+    assert not switches[0].speculative and "p1 decodes without speculative decoding" in caplog.text
+    assert set(backend.prefill) == {"p0", "d0"} and set(backend.decode) == {"p1"}
+    assert services["p1"].engine.stats.generation_tokens > 0  # it decoded the second wave
+    assert services["d0"].switcher.num_switches == 1
+    r = backend.reliability()
+    assert (r.role_switches_to_decode, r.role_switches_to_prefill, r.role_switch_failures, r.migrations) == (1, 1, 0, 0)
+    assert_no_block_used(services)
+
+
+def test_the_router_learns_the_new_split_at_once(model_dir: Path) -> None:
+    """With polls 30 s apart, the requests routed right after a switch (through the
+    gateway's one awaitable call) already use the new split, and the router holds
+    nothing of the worker's old prefix cache. The gateway exports the switch and the
+    pools' sizes."""
+    backend, services = cluster(model_dir, 2, 1, poll_s=30)
+    gw = Gateway(backend, None, GatewayConfig(model_name="m", max_model_len=1024))
+    ps = prompts(6, seed=3)
+    decisions: list[RoutingDecision] = []
+    route = backend.router.route
+
+    def recording(*args: Any, **kwargs: Any) -> RoutingDecision:
+        decisions.append(route(*args, **kwargs))
+        return decisions[-1]
+
+    backend.router.route = recording  # type: ignore[method-assign]
+
+    async def main() -> tuple[list[list[int]], str]:
+        try:
+            await Load(backend, ps, "warm").done()  # every worker caches something
+            await backend._refresh()  # the router learns what (one poll)
+            assert backend.router.index.num_blocks("p1") > 0
+            switch = await gw.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=30)
+            assert switch.to_role is WorkerRole.DECODE and switch.migrated == 0
+            assert backend.router.index.num_blocks("p1") == 0
+            assert backend.router.loads["p1"].role is WorkerRole.DECODE and backend.router.loads["p1"].healthy
+            decisions.clear()
+            slow_steps(services["d0"], 0.002)  # d0 stays busy: the router must see p1's room to use it
+            got = await Load(backend, ps, "after").done()
+            return got, (await gw.metrics.exposition({})).decode()
+        finally:
+            await backend.close()
+
+    got, metrics = asyncio.run(main())
+    assert got == offline(model_dir, ps)
+    assert {d.prefill_worker for d in decisions} <= {"p0"}
+    assert "p1" in {d.decode_worker for d in decisions}
+    assert 'pdserve:role_switches_total{to_pool="decode"} 1.0' in metrics
+    assert 'pdserve:pool_workers_configured{pool="prefill"} 1.0' in metrics
+    assert 'pdserve:pool_workers_configured{pool="decode"} 2.0' in metrics
+    assert_no_block_used(services)
+
+
+def test_a_switch_that_would_empty_a_pool_is_refused(model_dir: Path) -> None:
+    """The backend refuses, changing nothing, a switch that would leave a pool with no
+    live worker, of a worker already in that pool or unknown, or of a worker already
+    switching; a worker refuses a call for the role it does not hold (retryable)."""
+    backend, services = cluster(model_dir, 2, 1)
+
+    async def main() -> None:
+        try:
+            await backend.start()
+            with pytest.raises(ValueError, match="decode pool would be left with no live worker"):
+                await backend.switch_role("d0", WorkerRole.PREFILL)
+            with pytest.raises(ValueError, match="a prefill worker already"):
+                await backend.switch_role("p0", WorkerRole.PREFILL)
+            with pytest.raises(ValueError, match="no worker 'x9'"):
+                await backend.switch_role("x9", WorkerRole.DECODE)
+            with pytest.raises(ValueError, match="prefill or decode"):
+                await backend.switch_role("p0", WorkerRole.BOTH)
+            first = asyncio.ensure_future(backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=5))
+            await asyncio.sleep(0)  # it has taken p1 out of its pool
+            with pytest.raises(ValueError, match="switch is under way"):
+                await backend.switch_role("p1", WorkerRole.DECODE)
+            await first
+            with pytest.raises(ValueError, match="prefill pool would be left with no live worker"):
+                await backend.switch_role("p0", WorkerRole.DECODE)
+            req = ServeRequest("r", (5, 6, 7), GREEDY, 10, None)
+            with pytest.raises(WorkerDrainingError, match="p1 is a decode worker"):
+                await services["p1"].prefill(None)  # type: ignore[arg-type]
+            with pytest.raises(WorkerDrainingError, match="p0 is a prefill worker"):
+                await services["p0"].serve(req)  # more than one token: a decode worker's
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+    assert set(backend.prefill) == {"p0"} and set(backend.decode) == {"d0", "p1"}
+    assert backend.reliability().role_switch_failures == 0
+
+
+def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_dir: Path) -> None:
+    """2 prefill + 2 decode, 12 greedy streams, slow workers, no time to drain. p1
+    becomes a decode worker while it prefills: the prompts it held are computed by
+    their decode workers instead. Then d0 becomes a prefill worker while it decodes:
+    the streams it held are cut and resumed on the decode pool from the tokens their
+    clients had. Every stream equals offline; no block stays used on any worker."""
+    ps = prompts(12, seed=4)
+    params = replace(GREEDY, max_tokens=96)
+    backend, services = cluster(model_dir, 2, 2)
+    slow_steps(services["p1"], 0.02)
+    for name in ("d0", "d1"):
+        slow_steps(services[name], 0.003)
+
+    async def main() -> tuple[list[list[int]], list[Any]]:
+        try:
+            load = Load(backend, ps, "m", params)
+            await until(lambda: services["p1"].async_engine.num_in_flight > 0)
+            switches = [await backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=0)]
+            await load.all_streaming()
+            switches.append(await backend.switch_role("d0", WorkerRole.PREFILL, drain_timeout_s=0))
+            return await load.done(), switches
+        finally:
+            await backend.close()
+
+    got, switches = asyncio.run(main())
+    assert got == offline(model_dir, ps, params)
+    assert all(s.migrated > 0 for s in switches), switches
+    r = backend.reliability()
+    assert r.migrations >= switches[1].migrated and r.exhausted == 0  # p1's prompts did not move: recomputed
+    assert set(backend.prefill) == {"p0", "d0"} and set(backend.decode) == {"d1", "p1"}
+    assert_no_block_used(services)
