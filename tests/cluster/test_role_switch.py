@@ -21,11 +21,15 @@ from pdserve import LLM, SamplingParams
 from pdserve.cluster.actors import DecodeService, PrefillService, WorkerService
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router, RoutingDecision, WorkerRole
 from pdserve.cluster.router.policy import RouterConfig
 from pdserve.workers.async_engine import WorkerDrainingError
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.decode_worker import KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.messages import KVEventBatch
+from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 BS = 16
@@ -48,6 +52,7 @@ def _close_services() -> Iterator[None]:
 
 
 def cluster(model_dir: Path, num_prefill: int, num_decode: int, poll_s: float = 0.01,
+            on_kv_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
             **engine_args: Any) -> tuple[DisaggregatedBackend, dict[str, WorkerService]]:
     """`num_prefill` + `num_decode` workers (p0.., d0..) behind one backend; every prompt is
     handed off (no local prefill) while a prefill worker is there."""
@@ -55,9 +60,11 @@ def cluster(model_dir: Path, num_prefill: int, num_decode: int, poll_s: float = 
                         num_kv_blocks=512, **engine_args)
     services: dict[str, WorkerService] = {}
     for i in range(num_prefill):
-        services[f"p{i}"] = PrefillService(base, 1, worker_name=f"p{i}", kv_host="127.0.0.1")
+        services[f"p{i}"] = PrefillService(base, 1, worker_name=f"p{i}", kv_host="127.0.0.1",
+                                           on_kv_failure=on_kv_failure)
     for i in range(num_decode):
-        services[f"d{i}"] = DecodeService(replace(base, num_kv_blocks=1024), 1, "127.0.0.1", worker_name=f"d{i}")
+        services[f"d{i}"] = DecodeService(replace(base, num_kv_blocks=1024), 1, "127.0.0.1",
+                                          on_kv_failure=on_kv_failure, worker_name=f"d{i}")
     _services.extend(services.values())
     actors = {k: LocalActor(v) for k, v in services.items()}
     router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
@@ -195,6 +202,7 @@ def test_the_router_learns_the_new_split_at_once(model_dir: Path) -> None:
             decisions.clear()
             slow_steps(services["d0"], 0.002)  # d0 stays busy: the router must see p1's room to use it
             got = await Load(backend, ps, "after").done()
+            assert b'pool="decode",worker="p1"' in await services["p1"].metrics()  # its own metrics say so too
             return got, (await gw.metrics.exposition({})).decode()
         finally:
             await backend.close()
@@ -249,12 +257,13 @@ def test_a_switch_that_would_empty_a_pool_is_refused(model_dir: Path) -> None:
 def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_dir: Path) -> None:
     """2 prefill + 2 decode, 12 greedy streams, slow workers, no time to drain. p1
     becomes a decode worker while it prefills: the prompts it held are computed by
-    their decode workers instead. Then d0 becomes a prefill worker while it decodes:
+    their decode workers instead (even with the `fail` policy: a worker changing role
+    is no KV failure). Then d0 becomes a prefill worker while it decodes:
     the streams it held are cut and resumed on the decode pool from the tokens their
     clients had. Every stream equals offline; no block stays used on any worker."""
     ps = prompts(12, seed=4)
     params = replace(GREEDY, max_tokens=96)
-    backend, services = cluster(model_dir, 2, 2)
+    backend, services = cluster(model_dir, 2, 2, on_kv_failure=KVFailurePolicy.FAIL)
     slow_steps(services["p1"], 0.02)
     for name in ("d0", "d1"):
         slow_steps(services[name], 0.003)
@@ -277,3 +286,60 @@ def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_
     assert r.migrations >= switches[1].migrated and r.exhausted == 0  # p1's prompts did not move: recomputed
     assert set(backend.prefill) == {"p0", "d0"} and set(backend.decode) == {"d1", "p1"}
     assert_no_block_used(services)
+
+
+class _Worker:
+    """A worker's load reports and switches, without an engine (what another gateway
+    or a restart does to it is set from the test)."""
+
+    def __init__(self, name: str, role: WorkerRole) -> None:
+        self.name, self.role, self.epoch, self.incarnation, self.seq = name, role, 0, "1", 0
+        self.fail = False  # the next switch fails (after the drain: the worker keeps its role)
+
+    async def load(self) -> LoadReport:
+        self.seq += 1
+        return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
+                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()), self.incarnation,
+                          self.role, False, self.epoch)
+
+    async def switch_role(self, role: WorkerRole, drain_timeout_s: float) -> RoleSwitch:
+        if self.fail:
+            raise RuntimeError("cannot bind the KV receiver")
+        old, self.role, self.epoch = self.role, role, self.epoch + 1
+        return RoleSwitch(old, role, 0, 0, 0.0, False, self.incarnation, self.epoch)
+
+
+def test_the_backend_follows_the_role_a_worker_reports() -> None:
+    """Another gateway switched a worker, Ray restarted one in the role it was created
+    with, or a switch failed: the backend puts the worker in the pool its reports
+    name (the newest role change it knows of wins), and routes to it there."""
+    p0, p1, d0 = _Worker("p0", WorkerRole.PREFILL), _Worker("p1", WorkerRole.PREFILL), _Worker("d0", WorkerRole.DECODE)
+    backend = DisaggregatedBackend({"p0": LocalActor(p0), "p1": LocalActor(p1)}, {"d0": LocalActor(d0)},
+                                   Router(RouterConfig(), BS))
+
+    def pools() -> tuple[set[str], set[str]]:
+        return set(backend.prefill), set(backend.decode)
+
+    async def main() -> None:
+        await backend._refresh()
+        p1.role, p1.epoch = WorkerRole.DECODE, 1  # another gateway switched it
+        await backend._refresh()
+        assert pools() == ({"p0"}, {"d0", "p1"}) and backend.router.loads["p1"].role is WorkerRole.DECODE
+        p1.role, p1.epoch, p1.incarnation = WorkerRole.PREFILL, 0, "2"  # restarted as it was created
+        await backend._refresh()
+        assert pools() == ({"p0", "p1"}, {"d0"}) and backend.events.restarted == 1
+        p1.fail = True
+        with pytest.raises(RuntimeError, match="cannot bind"):
+            await backend.switch_role("p1", WorkerRole.DECODE)
+        assert pools() == ({"p0", "p1"}, {"d0"}) and not backend.router.loads["p1"].healthy
+        await backend._refresh()  # it answers, still a prefill worker
+        assert backend.router.loads["p1"].healthy and backend.router.loads["p1"].role is WorkerRole.PREFILL
+        p1.fail = False
+        switch = await backend.switch_role("p1", WorkerRole.DECODE)
+        assert switch.epoch == 1 and pools() == ({"p0"}, {"d0", "p1"})
+        await backend._refresh()
+        assert pools() == ({"p0"}, {"d0", "p1"})
+
+    asyncio.run(main())
+    r = backend.reliability()
+    assert (r.role_switches_to_decode, r.role_switch_failures) == (1, 1)
