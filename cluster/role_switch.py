@@ -117,8 +117,14 @@ class RoleSwitcher:
                 if not await self._drained(time.monotonic() + _CUT_WAIT_S):
                     log.warning("worker %s: %d calls still under way after the cut; switching anyway",
                                 svc.name, self._active)
-            svc.role = await self._rebuild(old, to)
-            self.num_switches += 1
+            # Past this point the old role is closing: a cancelled caller must not leave the
+            # worker with no role, so the rebuild finishes whatever happens to the call.
+            rebuild = asyncio.ensure_future(self._rebuild(old, to))
+            try:
+                await asyncio.shield(rebuild)
+            except asyncio.CancelledError:
+                await asyncio.wait_for(rebuild, timeout=_RESET_WAIT_S + _CUT_WAIT_S)
+                raise
         finally:
             self.switching = False
             self.status = (svc.role.role, False, self.num_switches)
@@ -139,8 +145,9 @@ class RoleSwitcher:
             await asyncio.sleep(min(_DRAIN_POLL_S, left))
         return True
 
-    async def _rebuild(self, old: Role, to: WorkerRole) -> Role:
-        """Close the old role, free the engine's blocks, build `to` (or `old`'s again if that fails)."""
+    async def _rebuild(self, old: Role, to: WorkerRole) -> None:
+        """Close the old role, free the engine's blocks, take `to` (or `old`'s again, and
+        raise, if that fails)."""
         svc = self._svc
         await asyncio.to_thread(old.close)  # joins its link threads (each bounded): off the event loop
         metrics = WorkerMetrics(Pool(to.value), svc.name, svc.engine.config.num_speculative_tokens, svc.counts)
@@ -158,10 +165,11 @@ class RoleSwitcher:
             svc.worker_metrics = back
             svc.role = make_role(old.role, svc.ctx, back)
             raise
+        svc.role = role
+        self.num_switches += 1
         if to is WorkerRole.DECODE and not self._speculative(to) and svc.config.speculative is not None:
             log.warning("worker %s decodes without speculative decoding: its engine was built for prefill, "
                         "without %s speculation (outputs are exact either way)", svc.name, svc.config.speculative.value)
-        return role
 
     def _reset(self, e: LLMEngine, metrics: WorkerMetrics) -> int:
         """Engine thread: abort what is left, empty the prefix cache, observe steps with
