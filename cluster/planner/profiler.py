@@ -20,6 +20,8 @@ may specialise on a new token count).
 - transfer: profile_transfer.py.
 - speculation (when the engine drafts): a short greedy run of a text prompt;
   acceptance and tokens per decode row per step from the engine's counters.
+  The decode points are then the engine's real steps: up to
+  `spec_max_batch_size` rows (in the notes) they verify drafts.
 """
 
 from __future__ import annotations
@@ -154,14 +156,16 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
 
     load_before = os.getloadavg()  # other work on the machine moves the times: the reader should know
     prefill, decode, transfer, speculative = run_on_exiting_thread(measure, torch_threads, name="pdserve-profile")
+    notes: dict[str, Any] = {"grid": dataclasses.asdict(grid), "skipped": profiler.skipped, "spread": profiler.spread,
+                             "decode_warmup_steps": _DECODE_WARMUP_STEPS,
+                             "load_average": {"before": load_before, "after": os.getloadavg()}}
+    if speculative is not None:  # decode steps up to this batch verify drafts: they gain tokens_per_step each
+        notes["spec_max_batch_size"] = engine.config.spec_max_batch_size
     return Profile(machine=machine_info(str(engine.device)), model=model_info(engine, model_name),
                    engine=engine_shape(engine, torch_threads), transport=transport.value,
                    kv_bytes_per_token=kv_bytes_per_token(engine), prefill=tuple(prefill), decode=tuple(decode),
                    transfer=tuple(transfer), speculative=speculative,
-                   created=datetime.now(UTC).isoformat(timespec="seconds"),
-                   notes={"grid": dataclasses.asdict(grid), "skipped": profiler.skipped,
-                          "spread": profiler.spread, "decode_warmup_steps": _DECODE_WARMUP_STEPS,
-                          "load_average": {"before": load_before, "after": os.getloadavg()}})
+                   created=datetime.now(UTC).isoformat(timespec="seconds"), notes=notes)
 
 
 def model_info(engine: LLMEngine, name: str | None = None) -> dict[str, Any]:

@@ -124,5 +124,6 @@ def test_cli_quick_with_speculation_and_the_nccl_transport(model_dir: Path, tmp_
     assert len(p.prefill) == 4 and len(p.decode) == 6 and len(p.transfer) == 3
     assert p.speculative is not None and p.speculative.method == "ngram" and p.speculative.num_speculative_tokens == 4
     assert 0.0 <= p.speculative.acceptance_rate <= 1.0 and p.speculative.tokens_per_step >= 1.0
+    assert p.notes["spec_max_batch_size"] == 2  # the batches whose decode steps verify drafts
     printed = capsys.readouterr()
     assert "fitted: prefill_s" in printed.out and "[profile" in printed.err
