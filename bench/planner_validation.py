@@ -91,9 +91,10 @@ def measure(a: argparse.Namespace, config: str, rates: list[float], tmp: Path) -
         wait_healthy(url, server, 600)
         bench(a, url, rates[0], 20, a.seed + 1000, tmp / "warm.json")  # compile, caches: not measured
         out: dict[float, dict[str, Any]] = {}
-        for rate in rates:
+        for i, rate in enumerate(rates):
             print(f"[validate] {config}: {a.num_requests} requests at {rate} req/s ...", file=sys.stderr, flush=True)
-            out[rate] = bench(a, url, rate, a.num_requests, a.seed, tmp / f"{config}-{rate}.json")
+            # A seed per rate: the same prompts again would hit the prefix cache the last rate left.
+            out[rate] = bench(a, url, rate, a.num_requests, a.seed + i, tmp / f"{config}-{rate}.json")
         return out
     finally:
         with_group(server, signal.SIGINT)
@@ -112,7 +113,7 @@ def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
         pass
 
 
-def predict(a: argparse.Namespace, config: str, rate: float) -> dict[str, Any]:
+def predict(a: argparse.Namespace, config: str, rate: float, seed: int) -> dict[str, Any]:
     from pdserve.cluster.bench.config import BenchConfig
     from pdserve.cluster.planner.profile import Profile
     from pdserve.cluster.planner.sim_metrics import summary
@@ -122,7 +123,7 @@ def predict(a: argparse.Namespace, config: str, rate: float) -> dict[str, Any]:
     profile = Profile.load(a.profile)
     engine = engine_settings(profile)
     cfg = BenchConfig("http://sim/v1", input_len=a.input_len, output_len=a.output_len, num_requests=a.num_requests,
-                      seed=a.seed, range_ratio=0.0, ignore_eos=True)
+                      seed=seed, range_ratio=0.0, ignore_eos=True)
     requests = Workload.build(cfg, engine.block_size).at_rate(rate)
     dispatch = a.dispatch_ms / 1000
     if "P+" in config:
@@ -140,11 +141,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as d:
         for config in a.configs.split(","):
             measured = measure(a, config, rates, Path(d))
-            for rate in rates:
+            for i, rate in enumerate(rates):
                 rows.append({"config": config, "rate": rate, "measured": measured[rate],
-                             "predicted": predict(a, config, rate)})
+                             "predicted": predict(a, config, rate, a.seed + i)})
     print(f"# planner validation: {a.model}, {a.input_len} in / {a.output_len} out, {a.num_requests} requests per "
-          f"rate, Poisson arrivals, seed {a.seed}; profile {a.profile}; dispatch {a.dispatch_ms} ms")
+          f"rate, Poisson arrivals, seeds {a.seed}.. (one per rate); profile {a.profile}; dispatch {a.dispatch_ms} ms")
     print("command: python " + " ".join(sys.argv))
     print()
     print("| config | rate | TTFT p50 pred / meas ms | err | TTFT p90 pred / meas | err | TPOT p50 pred / meas ms | "

@@ -301,6 +301,17 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "(64 hex digits: openssl rand -hex 32); else PDSERVE_CLUSTER_SECRET, else a new one per "
                           "start (docs/security-data-plane.md)")
     _limit_arguments(srv)
+    srv.add_argument("--planner-profile", default=_SETTING, metavar="PATH",
+                     help="run the planner loop in the gateway on this profile (pdserve profile --out PATH): it "
+                          "re-plans the prefill:decode split on each window's traffic and recommends (a metric, a "
+                          "log line); disaggregated mode only")
+    srv.add_argument("--slo", nargs="+", default=_SETTING, metavar="KIND:MS",
+                     help="the planner's SLOs, e.g. --slo ttft:500 tpot:50 (milliseconds)")
+    srv.add_argument("--planner-interval", type=float, default=_SETTING,
+                     help="seconds of traffic per planner window (default 60)")
+    srv.add_argument("--autoscale-roles", action="store_true", default=_SETTING,
+                     help="let the planner move workers between the pools (a switch drains the worker; what it "
+                          "still holds at the deadline moves to other workers); default: recommend only")
     srv.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
                      help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
     srv.add_argument("--haproxy-stats-port", type=int, default=_SETTING,

@@ -121,6 +121,25 @@ class DisaggregatedBackend:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    def pool_split(self) -> tuple[int, int] | None:
+        """(prefill, decode) workers answering now; None while a worker changes role (the
+        planner loop plans on settled pools only)."""
+        if self._switching:
+            return None
+        return self._pool(self.prefill).live, self._pool(self.decode).live
+
+    def worker_to_move(self, role: WorkerRole) -> str | None:
+        """The live worker of the `role` pool with the least work in its last load report:
+        the cheapest to drain (None: no live worker there)."""
+        pool = self.prefill if role is WorkerRole.PREFILL else self.decode
+        live = [w for w, h in pool.items() if h is not None and w not in self._dead]
+
+        def work(wid: str) -> tuple[int, str]:
+            load = self.loads.get(wid)
+            return (load.snapshot.running + load.snapshot.waiting if load is not None else 0), wid
+
+        return min(live, key=work) if live else None
+
     def worker_handles(self) -> WorkerHandles:
         pools = [("prefill", self.prefill), ("decode", self.decode)]
         return {self.names.get(wid, wid): (pool, h) for pool, handles in pools for wid, h in handles.items()

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ray.exceptions import RayError
 
@@ -37,6 +37,9 @@ from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.cluster.planner.role_loop import PlannerSettings, RolePlannerLoop
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,6 +66,9 @@ class GatewayConfig:
     # /v1/models' `root` (vLLM's: the model path; `vllm bench serve` loads its tokenizer
     # from it when given no --model). None: the model name.
     model_root: str | None = None
+    # The planner loop (cluster/planner/role_loop.py): re-plans the prefill:decode split on
+    # the traffic of each window, and with `apply` moves workers. None: no planner.
+    planner: PlannerSettings | None = None
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -168,6 +174,34 @@ class Gateway:
         # not stall every stream on the replica. One thread: a fast tokenizer must not be
         # used from two at once.
         self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
+        self.planner: RolePlannerLoop | None = None
+        if config.planner is not None:
+            self.planner = self._planner_loop(config.planner)
+
+    def _planner_loop(self, settings: PlannerSettings) -> RolePlannerLoop:
+        from pdserve.cluster.planner.role_loop import RolePlannerLoop
+        from pdserve.cluster.planner.role_planner import Split
+
+        backend = self.backend
+        if not isinstance(backend, DisaggregatedBackend):
+            raise ValueError("planner: it sizes the prefill and decode pools; this gateway has none (colocated)")
+
+        def split() -> Split | None:
+            sizes = backend.pool_split()
+            return Split(*sizes) if sizes is not None and min(sizes) >= 1 else None
+
+        async def move(src: WorkerRole, dst: WorkerRole) -> RoleSwitch:
+            wid = backend.worker_to_move(src)
+            if wid is None:
+                raise ValueError(f"planner: no live {src.value} worker to move")
+            return await self.switch_role(wid, dst)
+
+        return RolePlannerLoop(settings, self.registry, split, move, metrics=self.metrics.planner)
+
+    def start_planner(self) -> None:
+        """Start the planner loop (if configured) on the running event loop: the app's startup."""
+        if self.planner is not None:
+            self.planner.start()
 
     # -- request preparation ---------------------------------------------------
 
@@ -270,6 +304,8 @@ class Gateway:
             yield item
 
     async def close(self) -> None:
+        if self.planner is not None:
+            await self.planner.close()
         await self.backend.close()
         self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 

@@ -41,6 +41,8 @@ TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0
                 40, 80)
 TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
+# Prompt and output lengths per finished request: 1-2-5 steps (vLLM's), up to 500k tokens.
+TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort")
 ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
 HEALTH_STATES = ("ok", "degraded", "unavailable")  # `Health.status`
@@ -76,6 +78,12 @@ class GatewayMetrics:
                                     "Time the request waited in its first worker's scheduler queue",
                                     buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        # Per finished request: the lengths the planner loop re-plans on (cluster/planner/traffic.py).
+        self.request_prompt_tokens = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per finished request",
+                                               buckets=TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("pdserve:request_generation_tokens",
+                                                   "Tokens sent per finished request", buckets=TOKEN_BUCKETS,
+                                                   registry=r)
         self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens sent to clients", registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests (per choice) by finish reason",
                                ["finished_reason"], registry=r)
@@ -86,6 +94,7 @@ class GatewayMetrics:
                                ["reason"], registry=r)
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
+        self.planner = PlannerMetrics(r)
         self.worker_up = Gauge("pdserve:worker_up", "1 if the last metrics fetch from the worker succeeded in time",
                                ["pool", "worker"], registry=r)
         for reason in FINISH_REASONS:
@@ -137,6 +146,41 @@ class GatewayMetrics:
         return generate_latest(_Families(list(merged.values())))
 
 
+PLANNER_DECISIONS = ("keep", "recommend", "applied", "failed", "skipped")
+
+
+class PlannerMetrics:
+    """What the planner loop (cluster/planner/role_loop.py) decided in its last window.
+    Exported whether a planner runs or not (zeros then), like every gateway family."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.recommended = Gauge("pdserve:planner_recommended_workers",
+                                 "Workers per pool the planner recommends for its last window's traffic",
+                                 ["pool"], registry=registry)
+        self.predicted = Gauge("pdserve:planner_predicted_slo_attainment",
+                               "Predicted SLO attainment of the last window's traffic on the current split and on "
+                               "the recommended one", ["split"], registry=registry)
+        self.observed = Gauge("pdserve:planner_observed_slo_attainment",
+                              "SLO attainment in the planner's last window, from the TTFT and TPOT histograms",
+                              registry=registry)
+        self.decisions = Counter("pdserve:planner_decisions", "Planner windows by outcome", ["decision"],
+                                 registry=registry)
+        for pool in ("prefill", "decode"):
+            self.recommended.labels(pool)
+        for split in ("current", "recommended"):
+            self.predicted.labels(split)
+        for d in PLANNER_DECISIONS:
+            self.decisions.labels(d)
+
+    def record(self, prefill: int, decode: int, current: float, recommended: float, observed: float | None) -> None:
+        self.recommended.labels("prefill").set(prefill)
+        self.recommended.labels("decode").set(decode)
+        self.predicted.labels("current").set(current)
+        self.predicted.labels("recommended").set(recommended)
+        if observed is not None:
+            self.observed.set(observed)
+
+
 class RequestMetrics:
     """One request's timeline at the gateway. Not thread-safe: the request's
     handler (one asyncio task) drives it. `close` runs on every exit."""
@@ -147,10 +191,12 @@ class RequestMetrics:
         self._first: float | None = None
         self._last = 0.0
         self._tokens = 0
+        self._prompt_tokens = 0
         self._admitted = self._queue_seen = self._closed = False
 
     def admitted(self, prompt_tokens: int) -> None:
         self._admitted = True
+        self._prompt_tokens = prompt_tokens
         self._m.in_flight.inc()
         self._m.queued.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
@@ -183,6 +229,9 @@ class RequestMetrics:
         m = self._m
         for reason in finish_reasons:
             m.success.labels(reason or "abort").inc()
+        if self._admitted:
+            m.request_prompt_tokens.observe(self._prompt_tokens)
+            m.request_generation_tokens.observe(self._tokens)
         if self._first is not None:
             m.e2e.observe(self._last - self.arrival)
             if self._tokens >= 2:

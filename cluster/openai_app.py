@@ -38,7 +38,9 @@ def build_app(gw: Gateway) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         # The backend starts on its first request (a disaggregated one waits for its
-        # workers' first load reports then); the app's shutdown closes it.
+        # workers' first load reports then); the app's shutdown closes it. The planner
+        # loop (if any) runs from startup: its first window starts then.
+        gw.start_planner()
         yield
         await gw.close()
 

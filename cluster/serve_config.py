@@ -51,6 +51,8 @@ SERVE_SETTINGS = {
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
     "metrics_api_key": "metrics_api_key",
+    "planner_profile": "planner_profile", "slo": "slo", "planner_interval": "planner_interval",
+    "autoscale_roles": "autoscale_roles",
     # What one request may ask for (cluster/limits.py): the same names as RequestLimits'.
     **{f.name: f.name for f in dataclasses.fields(RequestLimits)},
 }
@@ -131,6 +133,16 @@ class ServeConfig:
     max_body_bytes: int = RequestLimits.max_body_bytes
     body_timeout: float = RequestLimits.body_timeout
     write_timeout: float = RequestLimits.write_timeout
+    # The planner loop in the gateway (cluster/planner/role_loop.py): a profile from
+    # `pdserve profile` and the SLOs ("ttft:MS", "tpot:MS"); every `planner_interval`
+    # seconds it re-plans the split on the window's traffic and recommends (a metric, a
+    # log line), or with `autoscale_roles` moves a worker. Disaggregated mode only.
+    planner_profile: str | None = None
+    slo: tuple[str, ...] | None = None
+    planner_interval: float = 60.0
+    autoscale_roles: bool = False
+    # Made from the four above (the profile read on the machine that starts the cluster).
+    planner: Any = field(default=None, repr=False, compare=False, hash=False)
     # The data plane's key (workers/transfer/auth.py): PDSERVE_CLUSTER_SECRET, else made
     # here, once per cluster start; handed to every worker and the gateway; never shown.
     cluster_secret: ClusterSecret = field(default_factory=ClusterSecret.from_env_or_new, repr=False, compare=False)
@@ -176,6 +188,7 @@ class ServeConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host: must be a non-empty string, got {self.host!r}")
         object.__setattr__(self, "kv_host", check_kv_host(self.kv_host))
+        object.__setattr__(self, "planner", self._planner_settings())
         self._check_pool_resources()
         for name in ("haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port"):
             value = getattr(self, name)
@@ -189,6 +202,39 @@ class ServeConfig:
                 clash = [other for other, v in named[:i] if v == value]
                 if clash:
                     raise ValueError(f"{name}: {value} is also {clash[0]}; every port must differ")
+
+    def _planner_settings(self) -> Any:
+        """PlannerSettings, or None when no planner is asked for. ValueError naming the setting."""
+        if not isinstance(self.autoscale_roles, bool):  # YAML may give a string
+            raise ValueError(f"autoscale_roles: must be true or false, got {self.autoscale_roles!r}")
+        if self.planner_profile is None:
+            if self.autoscale_roles or self.slo is not None:
+                raise ValueError("planner_profile: the planner needs a profile (pdserve profile --out FILE) for "
+                                 f"{'autoscale_roles' if self.autoscale_roles else 'slo'}")
+            return None
+        if self.mode is not ServingMode.DISAGGREGATED:
+            raise ValueError("planner_profile: the planner sizes prefill and decode pools: disaggregated mode only")
+        if not self.slo:
+            raise ValueError("slo: the planner needs SLOs, e.g. ttft:500 tpot:50 (milliseconds)")
+        given: Any = self.slo  # YAML may give one string
+        slo_items = (given,) if isinstance(given, str) else tuple(given)
+        object.__setattr__(self, "slo", slo_items)
+        if isinstance(self.planner_interval, bool) or not isinstance(self.planner_interval, (int, float)) \
+                or not 0 < self.planner_interval < math.inf:
+            raise ValueError(f"planner_interval: must be a number of seconds > 0, got {self.planner_interval!r}")
+        from pdserve.cluster.bench.metrics import SLO
+        from pdserve.cluster.planner.profile import Profile
+        from pdserve.cluster.planner.role_loop import PlannerSettings
+
+        try:
+            slo = SLO.parse(list(slo_items))
+        except ValueError as e:
+            raise ValueError(f"slo: {e}") from None
+        try:
+            profile = Profile.load(self.planner_profile)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"planner_profile: {e}") from None
+        return PlannerSettings(profile, slo, interval_s=float(self.planner_interval), apply=self.autoscale_roles)
 
     def _check_pool_resources(self) -> None:
         pools = {"prefill_resources": ServingMode.DISAGGREGATED, "decode_resources": ServingMode.DISAGGREGATED,

@@ -19,9 +19,10 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.bench.metrics import SLO
+from pdserve.cluster.metrics import PlannerMetrics
 from pdserve.cluster.planner.profile import Profile
 from pdserve.cluster.planner.role_planner import DEFAULT_MARGIN, Recommendation, Split, recommend
 from pdserve.cluster.planner.simulator import engine_settings
@@ -29,8 +30,6 @@ from pdserve.cluster.planner.traffic import TrafficReader
 from pdserve.cluster.router.policy import WorkerRole
 
 log = logging.getLogger(__name__)
-
-DECISIONS = ("keep", "recommend", "applied", "failed", "skipped")
 
 
 @dataclass(frozen=True)
@@ -52,45 +51,19 @@ class PlannerSettings:
             raise ValueError(f"planner margin: must be in [0, 1), got {self.margin}")
 
 
-class PlannerMetrics:
-    """What the loop decided, for Prometheus (in the gateway's registry)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self.recommended = Gauge("pdserve:planner_recommended_workers",
-                                 "Workers per pool the planner recommends for the last window's traffic",
-                                 ["pool"], registry=registry)
-        self.predicted = Gauge("pdserve:planner_predicted_slo_attainment",
-                               "Predicted SLO attainment of each split for the last window's traffic",
-                               ["config"], registry=registry)
-        self.observed = Gauge("pdserve:planner_observed_slo_attainment",
-                              "SLO attainment in the last window, from the gateway's TTFT/TPOT histograms",
-                              registry=registry)
-        self.decisions = Counter("pdserve:planner_decisions", "Planner windows by outcome", ["decision"],
-                                 registry=registry)
-        for d in DECISIONS:
-            self.decisions.labels(d)
-
-    def record(self, rec: Recommendation) -> None:
-        self.recommended.labels("prefill").set(rec.best.prefill)
-        self.recommended.labels("decode").set(rec.best.decode)
-        for split, attainment in rec.predicted.items():
-            self.predicted.labels(split.label).set(attainment)
-        if rec.observed_attainment is not None:
-            self.observed.set(rec.observed_attainment)
-
-
 # (from, to) -> the switch's awaitable; the gateway picks which worker of `from` moves.
 Move = Callable[[WorkerRole, WorkerRole], Awaitable[object]]
 
 
 class RolePlannerLoop:
     def __init__(self, settings: PlannerSettings, registry: CollectorRegistry, split: Callable[[], Split | None],
-                 move: Move | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 move: Move | None = None, clock: Callable[[], float] = time.monotonic,
+                 metrics: PlannerMetrics | None = None) -> None:
         self.settings = settings
         self.costs = settings.profile.costs()
         self.engine = engine_settings(settings.profile)
         self.reader = TrafficReader(registry)
-        self.metrics = PlannerMetrics(registry)
+        self.metrics = metrics if metrics is not None else PlannerMetrics(registry)
         self.split = split  # the pools' sizes now (None: a pool is empty or changing)
         self.move = move
         self.clock = clock
@@ -130,7 +103,8 @@ class RolePlannerLoop:
         rec = await asyncio.to_thread(recommend, self.costs, self.engine, window, current, s.slo, s.margin,
                                       dispatch_s=s.dispatch_s)
         self.last = rec
-        self.metrics.record(rec)
+        self.metrics.record(rec.best.prefill, rec.best.decode, rec.predicted[rec.current], rec.predicted[rec.best],
+                            rec.observed_attainment)
         log.info("%s", rec.describe())
         if rec.move is None:
             self.metrics.decisions.labels("keep").inc()

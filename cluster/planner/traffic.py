@@ -26,6 +26,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.cluster.planner.sim_workload import SimRequest
 
+# The gateway's histograms (cluster/metrics.py).
 PROMPT_TOKENS = "pdserve:request_prompt_tokens"
 GENERATION_TOKENS = "pdserve:request_generation_tokens"
 TTFT = "pdserve:time_to_first_token_seconds"
@@ -160,7 +161,3 @@ class TrafficReader:
             return _delta(hist.get(name, ()), last.get(name))
 
         return TrafficWindow(now - last_t, d(PROMPT_TOKENS), d(GENERATION_TOKENS), d(TTFT), d(TPOT))
-
-
-# The per-request length histograms' buckets: 1-2-5 steps (vLLM's), up to 100k tokens.
-TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))

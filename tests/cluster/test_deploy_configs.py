@@ -35,6 +35,9 @@ ROOT = Path(__file__).resolve().parents[2]
 CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
 SERVE_YAML = ROOT / "deploy" / "serve.yaml"
 
+# A profile `pdserve profile` made (the planner settings load it where the cluster starts).
+PLANNER_PROFILE = str(Path(__file__).resolve().parents[2] / "bench" / "results" / "profile_smollm2_2026-11-27.json")
+
 
 @pytest.fixture(autouse=True)
 def no_network(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -288,12 +291,30 @@ def test_bad_mode_fails_before_any_ray_call(deploy_pkg: Any, monkeypatch: pytest
     ({"model": "/m", "worker_wait": -1}, "worker_wait"),
     ({"model": "/m", "served_model_name": []}, "served_model_name"),
     ({"model": "/m", "worker_wait": float("inf")}, "worker_wait"),
+    ({"model": "/m", "autoscale_roles": True}, "planner_profile"),
+    ({"model": "/m", "slo": ["ttft:500"]}, "planner_profile"),
+    ({"model": "/m", "planner_profile": "/nonexistent/profile.json", "slo": ["ttft:500"]}, "planner_profile"),
+    ({"model": "/m", "planner_profile": PLANNER_PROFILE}, "slo"),
+    ({"model": "/m", "planner_profile": PLANNER_PROFILE, "slo": ["ttfx:5"]}, "slo"),
+    ({"model": "/m", "planner_profile": PLANNER_PROFILE, "slo": "ttft:500", "planner_interval": 0}, "planner_interval"),
+    ({"model": "/m", "planner_profile": PLANNER_PROFILE, "slo": "ttft:500", "mode": "colocated"}, "planner_profile"),
+    ({"model": "/m", "autoscale_roles": "yes"}, "autoscale_roles"),
 ])
 def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[str, Any], field: str,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PDSERVE_TEST_UNSET_VARIABLE", raising=False)
     with pytest.raises(ValueError, match=rf"^{field}\b"):
         deploy_pkg.config_from_args(args)
+
+
+def test_the_planner_settings_become_the_gateway_s_planner(deploy_pkg: Any) -> None:
+    cfg = deploy_pkg.config_from_args({"model": "/m", "prefill": 1, "decode": 2, "planner_profile": PLANNER_PROFILE,
+                                       "slo": ["ttft:500", "tpot:50"], "planner_interval": 15,
+                                       "autoscale_roles": True})
+    assert cfg.planner.slo.ttft == 0.5 and cfg.planner.slo.tpot == 0.05
+    assert cfg.planner.interval_s == 15 and cfg.planner.apply
+    assert cfg.planner.profile.model["name"] == "SmolLM2-135M-Instruct"
+    assert serve_config({"model": "/m"}).planner is None
 
 
 def test_api_key_from_the_environment(deploy_pkg: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -343,3 +343,58 @@ def test_the_backend_follows_the_role_a_worker_reports() -> None:
     asyncio.run(main())
     r = backend.reliability()
     assert (r.role_switches_to_decode, r.role_switch_failures) == (1, 1)
+
+
+def test_the_planner_loop_moves_a_worker_when_the_traffic_shifts_to_long_prompts(model_dir: Path) -> None:
+    """--autoscale-roles: the gateway's planner loop sees a window of long prompts at a
+    rate one prefill worker cannot take (in the gateway's own histograms), predicts the
+    split that meets the SLOs (synthetic profile: 2P+1D), and moves the least busy
+    decode worker to prefill while streams run. The streams finish with the offline
+    tokens, and the backend routes on the new split."""
+    from pdserve.cluster.bench.metrics import SLO
+    from pdserve.cluster.planner.role_loop import PlannerSettings
+    from tests.cluster.planner.sim_factories import synthetic_profile
+
+    backend, services = cluster(model_dir, 1, 2)
+    settings = PlannerSettings(synthetic_profile(), SLO(ttft=0.2, tpot=0.02), interval_s=3600, min_requests=20,
+                               apply=True)
+    gw = Gateway(backend, None, GatewayConfig(model_name="m", max_model_len=1024, planner=settings))
+    assert gw.planner is not None
+    clock = [0.0]
+    gw.planner.clock = lambda: clock[0]
+    ps = prompts(12, seed=5)
+
+    async def main() -> list[list[int]]:
+        try:
+            assert gw.planner is not None
+            await backend.start()
+            gw.start_planner()  # the window starts now (clock 0)
+            for _ in range(1400):  # 20 s of long prompts at 70 req/s, as the gateway records them
+                gw.metrics.request_prompt_tokens.observe(1900)
+                gw.metrics.request_generation_tokens.observe(20)
+            load = Load(backend, ps, "a")
+            await load.all_streaming()
+            clock[0] = 20.0
+            rec = await gw.planner.tick()
+            assert rec is not None and rec.move == (WorkerRole.DECODE, WorkerRole.PREFILL)
+            assert backend.pool_split() == (2, 1)
+            return await load.done()
+        finally:
+            await gw.close()
+
+    assert asyncio.run(main()) == offline(model_dir, ps)
+    text = gw.registry
+    assert text.get_sample_value("pdserve:planner_decisions_total", {"decision": "applied"}) == 1
+    assert text.get_sample_value("pdserve:planner_recommended_workers", {"pool": "prefill"}) == 2
+    assert_no_block_used(services)
+
+
+def test_the_planner_needs_pools_to_size() -> None:
+    from pdserve.cluster.backend import ColocatedBackend
+    from pdserve.cluster.bench.metrics import SLO
+    from pdserve.cluster.planner.role_loop import PlannerSettings
+    from tests.cluster.planner.sim_factories import synthetic_profile
+
+    settings = PlannerSettings(synthetic_profile(), SLO(ttft=0.2))
+    with pytest.raises(ValueError, match="planner: it sizes the prefill and decode pools"):
+        Gateway(ColocatedBackend([object()]), None, GatewayConfig(model_name="m", max_model_len=1024, planner=settings))

@@ -11,13 +11,12 @@ from prometheus_client import CollectorRegistry, Histogram
 from sim_factories import synthetic_profile
 
 from pdserve.cluster.bench.metrics import SLO
-from pdserve.cluster.metrics import TPOT_BUCKETS, TTFT_BUCKETS
+from pdserve.cluster.metrics import TOKEN_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS
 from pdserve.cluster.planner.role_planner import Split, recommend
 from pdserve.cluster.planner.simulator import engine_settings
 from pdserve.cluster.planner.traffic import (
     GENERATION_TOKENS,
     PROMPT_TOKENS,
-    TOKEN_BUCKETS,
     TPOT,
     TTFT,
     TrafficReader,
@@ -170,7 +169,8 @@ def test_the_loop_moves_one_worker_per_window_toward_the_split_the_traffic_wants
     assert _sample(r, "pdserve:planner_decisions_total", {"decision": "skipped"}) == 1
     assert _sample(r, "pdserve:planner_decisions_total", {"decision": "keep"}) == 1
     assert _sample(r, "pdserve:planner_recommended_workers", {"pool": "prefill"}) == 2
-    assert _sample(r, "pdserve:planner_predicted_slo_attainment", {"config": "2P+1D"}) == pytest.approx(1.0)
+    assert _sample(r, "pdserve:planner_predicted_slo_attainment", {"split": "current"}) == pytest.approx(1.0)
+    assert _sample(r, "pdserve:planner_predicted_slo_attainment", {"split": "recommended"}) == pytest.approx(1.0)
 
 
 def test_without_autoscale_the_loop_only_recommends_and_a_failed_move_keeps_serving() -> None:

