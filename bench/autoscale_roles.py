@@ -134,13 +134,13 @@ def main() -> int:
     print("command: python " + " ".join(sys.argv))
     print()
     print("| phase | split at start | at end | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
-          "| SLO attainment |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
+          "| SLO attainment | failed |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
     for phase, start, stop, s in rows:
         att = (s.get("goodput") or {}).get("attainment")
         print(f"| {phase} | {start} | {stop} | {s['ttft_s']['median'] * 1000:.0f} | {s['ttft_s']['p90'] * 1000:.0f} | "
               f"{s['tpot_s']['median'] * 1000:.1f} | {s['tpot_s']['p90'] * 1000:.1f} | "
-              f"{'-' if att is None else f'{att:.0%}'} |")
+              f"{'-' if att is None else f'{att:.0%}'} | {s['failed']} |")
     print()
     decisions = {k: metric(metrics_text, "pdserve:planner_decisions_total", f'{{decision="{k}"}}')
                  for k in ("keep", "recommend", "applied", "failed", "skipped")}
