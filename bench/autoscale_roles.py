@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
+from served import PDSERVE, start, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -83,24 +81,12 @@ def main() -> int:
     rows: list[tuple[str, str, str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as d:
         log_path = Path(d) / "serve.log"
-        log = log_path.open("wb")
-        server = subprocess.Popen(
+        server = start(
             [PDSERVE, "serve", "--model", a.model, "--prefill", "1", "--decode", "2", "--port", str(a.port),
              "--planner-profile", a.profile, "--slo", *a.slo.split(), "--planner-interval", str(a.interval),
-             "--autoscale-roles"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--autoscale-roles"], log_path)
         try:
-            end = time.monotonic() + 600
-            while True:
-                if server.poll() is not None:
-                    raise SystemExit(f"the server exited ({server.returncode}):\n{log_path.read_text()[-3000:]}")
-                try:
-                    if get(f"{url}/health"):
-                        break
-                except OSError:
-                    pass
-                if time.monotonic() > end:
-                    raise SystemExit("the server was not healthy in 600 s")
-                time.sleep(1)
+            wait_healthy(url, server, log_path, 600)
             for phase, lengths, seed in (("short prompts", a.short, 1), ("long prompts, before", a.long, 2)):
                 before = split(url)
                 print(f"[autoscale] {phase} ({lengths}) at {a.rate} req/s on {before} ...", file=sys.stderr, flush=True)
@@ -118,15 +104,7 @@ def main() -> int:
             rows.append(("long prompts, after", after, split(url), s))
             metrics_text = get(f"{url}/metrics")
         finally:
-            try:
-                os.killpg(server.pid, signal.SIGINT)
-                server.wait(60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(server.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            log.close()
+            stop(server)
         planner_lines = [ln for ln in log_path.read_text(errors="replace").splitlines()
                          if "planner:" in ln or "role" in ln.lower() and "switch" in ln.lower()]
     print(f"# --autoscale-roles under a load shift: {a.model}, {a.rate} req/s, SLO {a.slo}, planner window "
@@ -136,9 +114,10 @@ def main() -> int:
     print("| phase | split at start | at end | TTFT p50 ms | TTFT p90 ms | TPOT p50 ms | TPOT p90 ms "
           "| SLO attainment | failed |")
     print("|---|---|---|---:|---:|---:|---:|---:|---:|")
-    for phase, start, stop, s in rows:
+    for phase, split_start, split_end, s in rows:
         att = (s.get("goodput") or {}).get("attainment")
-        print(f"| {phase} | {start} | {stop} | {s['ttft_s']['median'] * 1000:.0f} | {s['ttft_s']['p90'] * 1000:.0f} | "
+        print(f"| {phase} | {split_start} | {split_end} | {s['ttft_s']['median'] * 1000:.0f} | "
+              f"{s['ttft_s']['p90'] * 1000:.0f} | "
               f"{s['tpot_s']['median'] * 1000:.1f} | {s['tpot_s']['p90'] * 1000:.1f} | "
               f"{'-' if att is None else f'{att:.0%}'} | {s['failed']} |")
     print()

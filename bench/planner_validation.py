@@ -16,18 +16,15 @@ A configuration is `PxD`-style `1P+1D` (disaggregated) or `N` (N colocated worke
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import os
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
+from served import PDSERVE, start, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -49,25 +46,12 @@ def parse_args() -> argparse.Namespace:
 
 
 def serve_args(config: str) -> list[str]:
-    if "P+" in config:
-        p, d = config.upper().removesuffix("D").split("P+")
-        return ["--mode", "disaggregated", "--prefill", p, "--decode", d]
-    return ["--mode", "colocated", "--workers", config]
+    from pdserve.cluster.planner.planner import parse_shape
 
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], deadline_s: float) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited ({proc.returncode}) before it was healthy")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the server was not healthy within {deadline_s:.0f} s")
+    shape = parse_shape(config)
+    if shape.is_colocated:
+        return ["--mode", "colocated", "--workers", str(shape.num_colocated)]
+    return ["--mode", "disaggregated", "--prefill", str(shape.num_prefill), "--decode", str(shape.num_decode)]
 
 
 def bench(a: argparse.Namespace, url: str, rate: float, n: int, seed: int, out: Path) -> dict[str, Any]:
@@ -83,12 +67,12 @@ def bench(a: argparse.Namespace, url: str, rate: float, n: int, seed: int, out: 
 
 def measure(a: argparse.Namespace, config: str, rates: list[float], tmp: Path) -> dict[float, dict[str, Any]]:
     url = f"http://127.0.0.1:{a.port}"
-    log = (tmp / f"serve-{config}.log").open("wb")
-    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, *serve_args(config), "--port", str(a.port),
-                               *a.serve_arg], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    log = tmp / f"serve-{config}.log"
+    server = start([PDSERVE, "serve", "--model", a.model, *serve_args(config), "--port", str(a.port), *a.serve_arg],
+                   log)
     try:
         print(f"[validate] {config}: starting the server ...", file=sys.stderr, flush=True)
-        wait_healthy(url, server, 600)
+        wait_healthy(url, server, log, 600)
         bench(a, url, rates[0], 20, a.seed + 1000, tmp / "warm.json")  # compile, caches: not measured
         out: dict[float, dict[str, Any]] = {}
         for i, rate in enumerate(rates):
@@ -97,40 +81,23 @@ def measure(a: argparse.Namespace, config: str, rates: list[float], tmp: Path) -
             out[rate] = bench(a, url, rate, a.num_requests, a.seed + i, tmp / f"{config}-{rate}.json")
         return out
     finally:
-        with_group(server, signal.SIGINT)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            with_group(server, signal.SIGKILL)
-            server.wait(10)
-        log.close()
-
-
-def with_group(proc: subprocess.Popen[bytes], sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
+        stop(server)
 
 
 def predict(a: argparse.Namespace, config: str, rate: float, seed: int) -> dict[str, Any]:
     from pdserve.cluster.bench.config import BenchConfig
+    from pdserve.cluster.planner.planner import parse_shape
     from pdserve.cluster.planner.profile import Profile
     from pdserve.cluster.planner.sim_metrics import summary
     from pdserve.cluster.planner.sim_workload import Workload
-    from pdserve.cluster.planner.simulator import ClusterShape, engine_settings, simulate
+    from pdserve.cluster.planner.simulator import engine_settings, simulate
 
     profile = Profile.load(a.profile)
     engine = engine_settings(profile)
     cfg = BenchConfig("http://sim/v1", input_len=a.input_len, output_len=a.output_len, num_requests=a.num_requests,
                       seed=seed, range_ratio=0.0, ignore_eos=True)
     requests = Workload.build(cfg, engine.block_size).at_rate(rate)
-    dispatch = a.dispatch_ms / 1000
-    if "P+" in config:
-        p, d = config.upper().removesuffix("D").split("P+")
-        shape = ClusterShape.disaggregated(int(p), int(d), dispatch_s=dispatch)
-    else:
-        shape = ClusterShape.colocated(int(config), dispatch_s=dispatch)
+    shape = dataclasses.replace(parse_shape(config), dispatch_s=a.dispatch_ms / 1000)
     return summary(simulate(profile.costs(), engine, shape, requests))
 
 

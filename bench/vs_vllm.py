@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
+from served import PDSERVE, start, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,38 +51,6 @@ def model_dir(model: str) -> str:
     from pdserve.workers.model.resolve import resolve_model
 
     return str(resolve_model(model, progress=True))
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, deadline_s: float = 900) -> None:
-    end = time.monotonic() + deadline_s
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: the server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(2)
-    raise SystemExit(f"{url}: not healthy in {deadline_s:.0f} s")
-
-
-def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, **(env or {})})
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait in ((signal.SIGINT, 60), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-            proc.wait(wait)
-            return
-        except ProcessLookupError:
-            return
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path) -> dict[str, Any]:
