@@ -4,8 +4,8 @@ For each configuration, starts `pdserve serve`, warms it up, and runs `pdserve b
 at each rate (Poisson arrivals, exact lengths, EOS ignored); then simulates the very
 same requests (the bench's own workload builder, same flags and seed) through the
 profile, and prints predicted vs measured TTFT and TPOT p50/p90 with the error of
-each prediction. One server per configuration, killed (its process group) whatever
-happens.
+each prediction. One server per configuration, started with the profile's dtype, killed
+(its process group) whatever happens.
 
     python bench/planner_validation.py --profile bench/results/profile_tiny_....json \\
         --model tiny --configs 1P+1D,2 --rates 4,8,12 [--num-requests 150] [--out results.json]
@@ -54,6 +54,14 @@ def serve_args(config: str) -> list[str]:
     return ["--mode", "disaggregated", "--prefill", str(shape.num_prefill), "--decode", str(shape.num_decode)]
 
 
+def profile_dtype(path: str) -> str:
+    """The dtype the profile's steps were timed in: the served workers must compute in it too
+    (the server's CPU default may differ: bfloat16 where the CPU has it natively)."""
+    from pdserve.cluster.planner.profile import Profile
+
+    return str(Profile.load(path).engine.dtype)
+
+
 def bench(a: argparse.Namespace, url: str, rate: float, n: int, seed: int, out: Path) -> dict[str, Any]:
     cmd = [PDSERVE, "bench", "--base-url", f"{url}/v1", "--input-len", str(a.input_len), "--output-len",
            str(a.output_len), "--range-ratio", "0", "--num-requests", str(n), "--request-rate", str(rate),
@@ -68,8 +76,8 @@ def bench(a: argparse.Namespace, url: str, rate: float, n: int, seed: int, out: 
 def measure(a: argparse.Namespace, config: str, rates: list[float], tmp: Path) -> dict[float, dict[str, Any]]:
     url = f"http://127.0.0.1:{a.port}"
     log = tmp / f"serve-{config}.log"
-    server = start([PDSERVE, "serve", "--model", a.model, *serve_args(config), "--port", str(a.port), *a.serve_arg],
-                   log)
+    server = start([PDSERVE, "serve", "--model", a.model, *serve_args(config), "--dtype", profile_dtype(a.profile),
+                    "--port", str(a.port), *a.serve_arg], log)
     try:
         print(f"[validate] {config}: starting the server ...", file=sys.stderr, flush=True)
         wait_healthy(url, server, log, 600)
