@@ -3,12 +3,24 @@
 The models are the shapes these costs have, fitted by non-negative least squares:
 
     prefill step   a + b*new + c*new*(cached + new/2)      linear work plus causal attention
-    decode step    a + b*batch + c*batch*context            per-row work plus reading each row's KV
+    decode step    a + b*batch + c*S + q*S^2,  S = batch*context (the batch's KV tokens)
+                                                            per-row work plus reading each row's KV
     mixed step     prefill(new, cached) + decode(batch, ctx) - decode's fixed part (one step, one overhead)
     KV transfer    a + bytes / bandwidth
 
+The decode step's q*S^2: reading a KV byte costs more once the batch's KV outgrows the
+caches (the tiny model's profile on a 2-core Xeon: per row-token 0.26 us at batch 8 x
+2032 tokens, 0.5 us at batch 64-128; the linear fit put batch 128 x 2032 at 79 ms, 118
+measured). A convex term in S is the simplest shape with that property; NNLS leaves it
+at 0 where the points are linear (SmolLM2's profile).
+
 Non-negative coefficients keep every prediction monotone in the work, so a
 planner never sees a bigger batch get cheaper by fitting noise.
+
+`HostCPU`: on a CPU profile the workers share the machine's cores with CPU work the
+profile's step times leave out (the KV handoff's sender and receiver threads, the
+gateway, HAProxy and a local client streaming every token); the simulator charges it
+to the workers' steps when no core is idle (simulator.py, `_Cluster.charge`).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ from pdserve.cluster.planner.profile import Profile
 
 def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Non-negative least squares, weighted by relative error (a decode step of 5 ms
-    fitted 2 ms off is as useless as a prefill of 500 ms fitted 200 ms off). With 2-3
+    fitted 2 ms off is as useless as a prefill of 500 ms fitted 200 ms off). With 2-4
     coefficients every subset of free ones is tried: the best feasible fit is exact."""
     w = 1.0 / np.maximum(y, 1e-9)
     aw, yw = a * w[:, None], y * w
@@ -41,6 +53,50 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
     return best
 
 
+# CPU seconds per streamed token spent outside the workers on the serving host: the gateway
+# replica 0.17 ms, the bench client 0.12 ms, HAProxy 0.02 ms. Measured by
+# bench/serving_profile.py (each process's CPU time from /proc over a 10 s window inside
+# the load, divided by the tokens streamed in it: 31.1%, 21.7% and 4.0% of a core at
+# 1,829 tok/s; tiny model, Intel Xeon 2 cores, 2026-11-27, docs/serving-profile.md). Not
+# fitted to the planner's validation. A profile may carry its own (`serving_cpu_per_token_s`;
+# without the client when it runs on another host).
+DEFAULT_SERVING_CPU_PER_TOKEN_S = 0.31e-3
+
+
+@dataclass(frozen=True)
+class HostCPU:
+    """A CPU profile's host: what competes with the workers' engine threads for its cores.
+
+    `cores`: the profile machine's cores. `worker_threads`: torch threads per worker (the
+    cores one worker's step keeps busy). `serving_cpu_per_token_s`: CPU outside the workers
+    per streamed token. `transfer_cpu`: a KV handoff's threads are CPU work on both workers'
+    hosts — each end costs the profile's transfer time: the profile times sender and
+    receiver running side by side (profile_transfer.py), and py-spy put the decode worker's
+    receiver thread at ~2.9 ms CPU per 256-token tiny-model handoff served, where the
+    profile's transfer of 256 tokens takes 3.1 ms (docs/serving-profile.md); the sender's
+    side (gather, MAC, frames) is taken to cost the same."""
+
+    cores: int
+    worker_threads: int = 1
+    serving_cpu_per_token_s: float = DEFAULT_SERVING_CPU_PER_TOKEN_S
+    transfer_cpu: bool = True
+
+    def __post_init__(self) -> None:
+        if self.cores < 1 or self.worker_threads < 1 or not self.serving_cpu_per_token_s >= 0:
+            raise ValueError(f"host: cores and worker_threads must be >= 1, the per-token CPU >= 0: {self}")
+
+    @classmethod
+    def of(cls, p: Profile) -> HostCPU | None:
+        """The host of a profile measured on a CPU whose core count it recorded, else None
+        (a GPU's steps do not share the host's cores; the KV moves on copy engines and NICs)."""
+        cores = p.machine.get("cores")
+        if not str(p.engine.device).startswith("cpu") or not isinstance(cores, int) or cores < 1:
+            return None
+        per_token = p.serving_cpu_per_token_s
+        return cls(cores, max(1, p.engine.torch_threads),
+                   DEFAULT_SERVING_CPU_PER_TOKEN_S if per_token is None else per_token)
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds for any step, from a profile's fitted coefficients."""
@@ -50,11 +106,13 @@ class CostModel:
     transfer_coef: tuple[float, float]  # a, seconds per byte
     kv_bytes_per_token: int
     tokens_per_step: float = 1.0
+    decode_quad: float = 0.0  # q: seconds per (KV token in the batch)^2
+    host: HostCPU | None = None  # a CPU profile's host (None: the workers' steps are all the CPU there is)
 
     @classmethod
     def fit(cls, p: Profile) -> CostModel:
         pre = np.array([[1.0, q.new_tokens, q.new_tokens * (q.cached_tokens + q.new_tokens / 2)] for q in p.prefill])
-        dec = np.array([[1.0, q.batch, q.batch * q.context] for q in p.decode])
+        dec = np.array([[1.0, q.batch, q.batch * q.context, float(q.batch * q.context) ** 2] for q in p.decode])
         pc = _nnls(pre, np.array([q.seconds for q in p.prefill]))
         dc = _nnls(dec, np.array([q.seconds for q in p.decode]))
         if p.transfer:
@@ -64,7 +122,23 @@ class CostModel:
             tc = np.zeros(2)
         tps = p.speculative.tokens_per_step if p.speculative is not None else 1.0
         return cls((float(pc[0]), float(pc[1]), float(pc[2])), (float(dc[0]), float(dc[1]), float(dc[2])),
-                   (float(tc[0]), float(tc[1])), p.kv_bytes_per_token, tps)
+                   (float(tc[0]), float(tc[1])), p.kv_bytes_per_token, tps, float(dc[3]), HostCPU.of(p))
+
+    def _decode_var(self, rows: int, kv_tokens: float) -> float:
+        """The decode rows' part of a step: per row, and reading the batch's `kv_tokens` of KV."""
+        _, b, c = self.decode_coef
+        return b * rows + c * kv_tokens + self.decode_quad * kv_tokens * kv_tokens
+
+    def decode_growth(self, rows: int, kv_tokens: float, steps: int) -> float:
+        """How much longer each step of a decode-only segment gets than the one before: the
+        batch's KV grows `rows * tokens_per_step` a step. Exact when the model is linear in
+        the KV; with `decode_quad` the mean over the segment's `steps` (its first and last
+        step exact, the ones between a little long: the model is convex)."""
+        grow = rows * self.tokens_per_step
+        if self.decode_quad == 0.0 or steps <= 1:
+            return self.decode_coef[2] * grow + self.decode_quad * (2 * kv_tokens + grow) * grow
+        last = kv_tokens + (steps - 1) * grow
+        return (self._decode_var(rows, last) - self._decode_var(rows, kv_tokens)) / (steps - 1)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         a, b, c = self.prefill_coef
@@ -73,8 +147,7 @@ class CostModel:
     def decode_s(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
-        a, b, c = self.decode_coef
-        return a + b * batch + c * batch * context
+        return self.decode_coef[0] + self._decode_var(batch, batch * context)
 
     def mixed_s(self, new_tokens: int, cached_tokens: int, batch: int, context: float) -> float:
         """A colocated step: a prefill chunk and `batch` decode rows in one forward pass."""
@@ -92,13 +165,11 @@ class CostModel:
         if not chunks:
             if rows <= 0:
                 return 0.0
-            a, b, c = self.decode_coef
-            return a + b * rows + c * context_sum
+            return self.decode_coef[0] + self._decode_var(rows, context_sum)
         pa, pb, pc = self.prefill_coef
         t = pa + sum(pb * n + pc * n * (cached + n / 2) for n, cached in chunks)
         if rows > 0:
-            _, b, c = self.decode_coef
-            t += b * rows + c * context_sum
+            t += self._decode_var(rows, context_sum)
         return t
 
     def transfer_s(self, num_tokens: int) -> float:

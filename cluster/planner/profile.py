@@ -80,6 +80,10 @@ class Profile:
     decode: tuple[DecodePoint, ...]
     transfer: tuple[TransferPoint, ...]
     speculative: SpecProfile | None = None
+    # CPU seconds per streamed token outside the workers on the serving host (gateway,
+    # HAProxy, a local client): None takes costs.DEFAULT_SERVING_CPU_PER_TOKEN_S (measured,
+    # see there). Only a CPU profile's simulation uses it.
+    serving_cpu_per_token_s: float | None = None
     created: str = ""
     version: int = PROFILE_VERSION
     notes: dict[str, Any] = field(default_factory=dict)
@@ -109,7 +113,10 @@ class Profile:
                        prefill=tuple(PrefillPoint(**p) for p in d["prefill"]),
                        decode=tuple(DecodePoint(**p) for p in d["decode"]),
                        transfer=tuple(TransferPoint(**p) for p in d["transfer"]),
-                       speculative=SpecProfile(**spec) if spec else None, created=str(d.get("created", "")),
+                       speculative=SpecProfile(**spec) if spec else None,
+                       serving_cpu_per_token_s=(None if d.get("serving_cpu_per_token_s") is None
+                                                else float(d["serving_cpu_per_token_s"])),
+                       created=str(d.get("created", "")),
                        version=int(d.get("version", PROFILE_VERSION)), notes=dict(d.get("notes", {})))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a pdserve profile: {e}") from e

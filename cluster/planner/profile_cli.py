@@ -137,7 +137,8 @@ def print_profile(p: Profile) -> None:
     print(f"\nfitted: prefill_s = {a * 1e3:.3f} ms + {b * 1e6:.3f} us/new token "
           f"+ {c * 1e9:.4f} ns x new x (cached + new/2)")
     a, b, c = costs.decode_coef
-    print(f"        decode_s  = {a * 1e3:.3f} ms + {b * 1e6:.3f} us/row + {c * 1e9:.4f} ns x row x context")
+    print(f"        decode_s  = {a * 1e3:.3f} ms + {b * 1e6:.3f} us/row + {c * 1e9:.4f} ns x row x context"
+          f" + {costs.decode_quad * 1e15:.4f} fs x (row x context)^2")
     ta, tb = costs.transfer_coef
     bandwidth = f"{1 / tb / 1e9:.2f} GB/s" if tb > 0 else "unbounded"
     print(f"        transfer_s = {ta * 1e3:.3f} ms + bytes / {bandwidth}; {p.kv_bytes_per_token} KV bytes per token")

@@ -7,7 +7,10 @@ Each step, as the real scheduler does it (vLLM v1 style, one token budget):
      admitted one is preempted (blocks freed, recomputed later);
   2. then waiting ones, first come first served, while budget, `max_num_seqs` and
      blocks allow, each from its longest cached prefix.
-The step lasts `CostModel.step_s` of its chunks and rows.
+The step lasts `CostModel.step_s` of its chunks and rows, plus, on a CPU profile's host
+(`CostModel.host`), the CPU the cluster charges the worker for work outside the engines
+(`Hooks.stream_cpu`: streaming this step's tokens; `debt`: the worker's share of KV
+handoffs' threads, paid at the start of its next step).
 
 Speed: when a step has decode rows only and nothing waiting can start, the
 next steps are the same batch with contexts one step longer each, so the worker
@@ -85,9 +88,10 @@ class _Step:
     d: float
     growth: list[int]  # blocks each row was given for the whole segment (handed back if cut short)
     batch: _Rows | None = None  # a decode-only segment's rows as arrays
+    lead: float = 0.0  # CPU the worker owed (its `debt`), paid before the first step
 
     def elapsed(self, n: int) -> float:
-        return n * self.s0 + self.d * n * (n - 1) / 2
+        return (self.lead if n > 0 else 0.0) + n * self.s0 + self.d * n * (n - 1) / 2
 
     @property
     def end(self) -> float:
@@ -113,6 +117,12 @@ class Hooks:
     def finished(self, track: Track, t: float) -> None:
         """The request's last token reached the client at `t`."""
 
+    def stream_cpu(self, worker: SimWorker, per_step: float, steps: int) -> float:
+        """`worker` starts `steps` steps each streaming tokens that cost `per_step` CPU seconds
+        outside the engines: the part of each step's time the worker itself pays (0 when a
+        core is idle for it; the cluster charges the rest to the other busy workers)."""
+        return 0.0
+
 
 class SimWorker:
     def __init__(self, wid: str, role: WorkerRole, engine: EngineSettings, costs: CostModel, hooks: Hooks) -> None:
@@ -126,7 +136,13 @@ class SimWorker:
         self.version = 0  # bumps whenever the step in flight changes: older wake-ups are stale
         self.preemptions = 0
         self.busy_s = 0.0
+        self.debt = 0.0  # CPU seconds charged to this worker (host contention), paid by its next step
         self._kicked = False  # a start is due at the current instant
+
+    @property
+    def busy(self) -> bool:
+        """In a step, or with work that starts one now: its engine thread holds a core."""
+        return self.step is not None or bool(self.running) or bool(self.waiting)
 
     # -- what the router reads ------------------------------------------------------
 
@@ -212,11 +228,15 @@ class SimWorker:
             batch = _Rows.of(rows, self.engine)
             k = batch.steps(self.pool.free)
             growth = batch.growth(k)
-        d = self.costs.decode_coef[2] * len(rows) * self.engine.tokens_per_step if not chunks else 0.0
+        d = self.costs.decode_growth(len(rows), ctx, k) if not chunks else 0.0
+        host = self.costs.host
+        if host is not None and rows and host.serving_cpu_per_token_s > 0:
+            s0 += self.hooks.stream_cpu(self, host.serving_cpu_per_token_s * len(rows) * self.engine.tokens_per_step, k)
         for s, g in zip(rows, growth):
             if g:
                 self.pool.allocate(s.blocks, g)
-        self.step = _Step(t, rows, chunks, k, s0, d, growth, batch)
+        lead, self.debt = self.debt, 0.0
+        self.step = _Step(t, rows, chunks, k, s0, d, growth, batch, lead)
         self.hooks.wake(self, self.step.end)
 
     def _schedule(self) -> tuple[list[Seq], list[tuple[Seq, int]], bool]:
@@ -316,11 +336,12 @@ class SimWorker:
     @staticmethod
     def _steps_by(step: _Step, dt: float) -> int:
         """The fewest whole steps that reach `dt` into the segment (at least 1: the one running)."""
+        dt_steps = max(0.0, dt - step.lead)
         if step.d > 0:
             a, b = step.d / 2, step.s0 - step.d / 2
-            n = math.ceil((-b + math.sqrt(b * b + 4 * a * dt)) / (2 * a))
+            n = math.ceil((-b + math.sqrt(b * b + 4 * a * dt_steps)) / (2 * a))
         else:
-            n = math.ceil(dt / step.s0) if step.s0 > 0 else 1
+            n = math.ceil(dt_steps / step.s0) if step.s0 > 0 else 1
         n = max(1, n)
         for _ in range(3):  # float slack: settle on the exact boundary
             if n > 1 and step.elapsed(n - 1) >= dt:
@@ -345,7 +366,7 @@ class SimWorker:
         if step.rows:
             times: float | np.ndarray = end
             if step.k > 1:
-                times = step.start + np.cumsum(step.s0 + step.d * np.arange(step.k))
+                times = step.start + step.lead + np.cumsum(step.s0 + step.d * np.arange(step.k))
                 times[-1] = end  # the closed form's end, to the last bit: the sequence's `done`
             gained = step.k * e.tokens_per_step
             for s in step.rows:

@@ -21,6 +21,20 @@ The cluster, as the real one runs a request (cluster/disagg_backend.py, backend.
   Each worker is `SimWorker` (sim_engine.py): the scheduler's policy over a KV pool.
   The gateway refuses a request when `max_in_flight` are in flight (429).
 
+The host's cores, on a CPU profile (`CostModel.host`; a GPU profile's workers share
+nothing): the profile times each worker's steps alone, one engine thread per worker on
+cores of its own. Served, other CPU work runs on the same cores: each KV handoff's
+sender thread (on the prefill worker's host) and receiver thread (MAC check, scatter:
+on the decode worker's), each end costing the transfer's time, and the gateway,
+HAProxy and a local client, `serving_cpu_per_token_s` per streamed token. That work
+is free while a core is idle (fewer engine threads in a step than cores: the OS runs it
+there); otherwise it is taken from the engines in a step, shared equally among them, as
+a fair scheduler shares cores: a handoff's CPU becomes `debt` each busy worker pays at
+its next step's start, a step's token streaming lengthens that step (its worker's share)
+and the other busy workers' next steps (theirs). The cores are the profile machine's, or
+as many as the workers' engine threads when there are more (the cluster is taken to run
+on hosts like the profile's, with no core to spare).
+
 Left out: the router's lag behind KV events and load reports (it sees the workers as
 they are), the network between gateway and workers (but a fixed `dispatch_s`),
 transfer failures and retries, stop strings and EOS (every request yields its
@@ -169,6 +183,8 @@ class _Cluster(Hooks):
         self.link_free: dict[tuple[str, str], float] = {}
         self.rr_counter = 0
         self.plans: dict[str, int] = {}
+        host = costs.host
+        self.cores = max(host.cores, host.worker_threads * len(self.workers)) if host is not None else 0
 
     def push(self, t: float, kind: _Event, payload: object) -> None:
         self.counter += 1
@@ -200,7 +216,39 @@ class _Cluster(Hooks):
         link = (h.prefill.wid, h.decode.wid)
         end = max(t, self.link_free.get(link, 0.0)) + seconds
         self.link_free[link] = end
+        host = self.costs.host
+        if host is not None and host.transfer_cpu:
+            # the sender's and the receiver's threads, each busy for the transfer's time,
+            # charged as the send is queued (the cores' state then stands for the transfer's)
+            self.charge(2 * seconds)
         return end
+
+    def stream_cpu(self, worker: SimWorker, per_step: float, steps: int) -> float:
+        others = self._contended(worker)
+        if others is None:
+            return 0.0
+        share = per_step / (len(others) + 1)
+        for w in others:
+            w.debt += share * steps
+        return share
+
+    def charge(self, seconds: float) -> None:
+        """CPU work outside the engines (a KV handoff's thread): free if a core is idle,
+        else split among the workers holding the cores, paid at their next steps."""
+        busy = [w for w in self.workers if w.busy]
+        if not busy or self._idle_cores(len(busy)) >= 1:
+            return
+        for w in busy:
+            w.debt += seconds / len(busy)
+
+    def _contended(self, worker: SimWorker) -> list[SimWorker] | None:
+        """The other busy workers when `worker`'s step leaves no core idle, else None."""
+        others = [w for w in self.workers if w is not worker and w.busy]
+        return others if self._idle_cores(len(others) + 1) < 1 else None
+
+    def _idle_cores(self, busy_workers: int) -> int:
+        assert self.costs.host is not None
+        return self.cores - busy_workers * self.costs.host.worker_threads
 
     def finished(self, track: Track, t: float) -> None:
         track.done = t
