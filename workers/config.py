@@ -12,7 +12,7 @@ from pdserve.kernels.attention import AttentionBackend
 
 
 class DType(str, enum.Enum):
-    AUTO = "auto"  # float32 on CPU, the checkpoint's dtype on CUDA
+    AUTO = "auto"  # CPU: bfloat16 where native (AMX/AVX512-BF16), else float32; CUDA: the checkpoint's
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
@@ -41,7 +41,11 @@ class EngineConfig:
 
     model: str
     tokenizer: str | None = None
-    dtype: DType = DType.AUTO
+    # auto: bfloat16 on a CPU that computes it natively (AMX or AVX512-BF16, as vLLM's CPU build
+    # chooses), else float32; on CUDA the checkpoint's half dtype. PDSERVE_DTYPE sets the default
+    # (the test suite pins float32: its oracles are float32, and its outcome must not depend on
+    # which CPU the CI machine has).
+    dtype: DType = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_DTYPE", "auto"))  # type: ignore[assignment]
     device: str = "auto"  # auto: cuda if available, else cpu
     max_model_len: int | None = None  # None: the model's max positions
     block_size: int = 16

@@ -13,6 +13,7 @@ from pdserve.kernels import cpu_decode
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers import memory_plan
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
+from pdserve.workers.cpu_features import has_native_bf16
 from pdserve.workers.kv.cache import CPU_DEFAULT_KV_BYTES, DeviceMemory, bytes_per_block, kv_budget_bytes
 from pdserve.workers.memory_plan import CudaMemoryProbe, MemoryProbe
 from pdserve.workers.model.compiled import compile_forward
@@ -70,7 +71,9 @@ def resolve_model_dtype(dtype: DType, cfg: ModelConfig, device: torch.device) ->
     if dtype is not DType.AUTO:
         return resolve_dtype(dtype.value)
     if device.type == "cpu":
-        return torch.float32  # CPU half-precision matmuls are slow and the tiny model is small
+        # bfloat16 where the CPU computes it natively (as vLLM's CPU build does), else float32:
+        # emulated half precision is slower than float32 (workers/cpu_features.py).
+        return torch.bfloat16 if has_native_bf16() else torch.float32
     return resolve_dtype(cfg.torch_dtype) if cfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
 
 
