@@ -6,10 +6,12 @@ requests (its workload: random lengths fixed, Poisson arrivals, a seed per rate,
 measured per cell, with both errors. No server runs: a model change checked offline.
 
     python bench/planner_repredict.py   # the 2026-11-27 tiny and SmolLM2 runs
+    python bench/planner_repredict.py --run smollm2 PROFILE.json VALIDATION.txt   # another pair
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from pathlib import Path
 
@@ -28,13 +30,21 @@ CELLS = [("TTFT p50", "ttft_s", "median"), ("TTFT p90", "ttft_s", "p90"), ("TPOT
 
 
 def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run", nargs=3, action="append", metavar=("NAME", "PROFILE", "VALIDATION"),
+                   help=f"a profile and a saved validation table of a run named as in {sorted(RUNS)}")
+    a = p.parse_args()
+    pairs = ([(name, Path(prof), Path(val)) for name, prof, val in a.run] if a.run else
+             [(name, RESULTS / f"profile_{name}_2026-11-27.json", RESULTS / f"planner_validation_{name}_2026-11-27.txt")
+              for name in RUNS])
     print("| model | config | rate | " + " | ".join(f"{c} old / new / meas ms | err old -> new" for c, _, _ in CELLS)
           + " |")
     print("|---|---|---:|" + "---:|---:|" * len(CELLS))
-    for name, (n, inp, out, rates) in RUNS.items():
-        profile = Profile.load(RESULTS / f"profile_{name}_2026-11-27.json")
+    for name, profile_path, validation in pairs:
+        n, inp, out, rates = RUNS[name]
+        profile = Profile.load(profile_path)
         engine, costs = engine_settings(profile), profile.costs()
-        for line in (RESULTS / f"planner_validation_{name}_2026-11-27.txt").read_text().splitlines():
+        for line in validation.read_text().splitlines():
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if not line.startswith("| ") or len(cells) != 10 or not cells[1][:1].isdigit():
                 continue
