@@ -16,6 +16,7 @@ import math
 import pytest
 import torch
 
+from pdserve.workers import sampler
 from pdserve.workers.sampler import SamplingBatch, apply_top_k_top_p, sample
 
 V = 12
@@ -332,3 +333,15 @@ def test_top_k_alone_masks_like_the_sorted_path_ties_included() -> None:
         fast = apply_top_k_top_p(logits.clone(), k, None)
         assert torch.equal(fast, apply_top_k_top_p(logits.clone(), k, torch.ones(7)))
         assert ((fast > float("-inf")).sum(-1) >= k).all()
+
+
+def test_a_uniform_draw_of_zero_still_picks_a_rows_only_allowed_token(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race's Exp(1) draws are -log(U); U = 0 happens (one float32 draw in 2^24, ~2% of
+    SmolLM2 steps at batch 8). It must not make E infinite: p / inf = 0 everywhere would turn
+    a row with one allowed token (top-k 1, min-p, bans) into token 0."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.zero_())
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert sampler.exponential_race(probs, {1: torch.Generator().manual_seed(3)}).tolist() == [2, 3]
+    e = sampler.exp1_from_uniform(torch.tensor([0.0, 0.5, 1.0 - 2.0 ** -24]))
+    assert torch.isfinite(e).all() and (e > 0).all()
+    assert e[1].item() == pytest.approx(math.log(2.0))
