@@ -28,7 +28,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from served import PDSERVE, start, stop, wait_healthy
+from served import PDSERVE, profile_dtype, start, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,7 +84,7 @@ def main() -> int:
         server = start(
             [PDSERVE, "serve", "--model", a.model, "--prefill", "1", "--decode", "2", "--port", str(a.port),
              "--planner-profile", a.profile, "--slo", *a.slo.split(), "--planner-interval", str(a.interval),
-             "--autoscale-roles"], log_path)
+             "--autoscale-roles", "--dtype", profile_dtype(a.profile)], log_path)
         try:
             wait_healthy(url, server, log_path, 600)
             for phase, lengths, seed in (("short prompts", a.short, 1), ("long prompts, before", a.long, 2)):

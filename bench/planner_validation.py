@@ -24,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from served import PDSERVE, start, stop, wait_healthy
+from served import PDSERVE, profile_dtype, start, stop, wait_healthy
 
 
 def parse_args() -> argparse.Namespace:
@@ -52,14 +52,6 @@ def serve_args(config: str) -> list[str]:
     if shape.is_colocated:
         return ["--mode", "colocated", "--workers", str(shape.num_colocated)]
     return ["--mode", "disaggregated", "--prefill", str(shape.num_prefill), "--decode", str(shape.num_decode)]
-
-
-def profile_dtype(path: str) -> str:
-    """The dtype the profile's steps were timed in: the served workers must compute in it too
-    (the server's CPU default may differ: bfloat16 where the CPU has it natively)."""
-    from pdserve.cluster.planner.profile import Profile
-
-    return str(Profile.load(path).engine.dtype)
 
 
 def bench(a: argparse.Namespace, url: str, rate: float, n: int, seed: int, out: Path) -> dict[str, Any]:

@@ -51,3 +51,11 @@ def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> None:
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+def profile_dtype(path: str) -> str:
+    """The dtype a planner profile's steps were timed in: a server the planner predicts must
+    compute in it too (the server's CPU default may differ: bfloat16 where the CPU has it)."""
+    from pdserve.cluster.planner.profile import Profile
+
+    return str(Profile.load(path).engine.dtype)
