@@ -234,7 +234,26 @@ class ServeConfig:
             profile = Profile.load(self.planner_profile)
         except (OSError, ValueError) as e:
             raise ValueError(f"planner_profile: {e}") from None
+        served = self._served_dtype(profile.engine.device)
+        if served is not None and served != profile.engine.dtype:
+            raise ValueError(f"planner_profile: its steps were timed in {profile.engine.dtype}, but the workers would "
+                             f"compute in {served}, which changes every step's time: serve with --dtype "
+                             f"{profile.engine.dtype}, or profile with --dtype {served}")
         return PlannerSettings(profile, slo, interval_s=float(self.planner_interval), apply=self.autoscale_roles)
+
+    def _served_dtype(self, profile_device: str) -> str | None:
+        """The dtype the workers will compute in, where it can be told here: given, or `auto` on a
+        CPU like the one the profile was taken on (this node's flags stand for the workers'). None
+        for `auto` on a GPU (the checkpoint decides, on the worker)."""
+        from pdserve.workers.config import DType
+
+        if self.engine.dtype is not DType.AUTO:
+            return str(self.engine.dtype.value)
+        if profile_device != "cpu" or self.engine.device not in ("cpu", "auto"):
+            return None
+        from pdserve.workers.cpu_features import has_native_bf16
+
+        return "bfloat16" if has_native_bf16() else "float32"
 
     def _check_pool_resources(self) -> None:
         pools = {"prefill_resources": ServingMode.DISAGGREGATED, "decode_resources": ServingMode.DISAGGREGATED,

@@ -307,6 +307,24 @@ def test_bad_args_raise_value_error_naming_the_arg(deploy_pkg: Any, args: dict[s
         deploy_pkg.config_from_args(args)
 
 
+def test_a_profile_timed_in_another_dtype_than_the_workers_compute_in_is_refused(
+        deploy_pkg: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The saved profile is float32 on CPU: bfloat16 workers (given, or `auto` on a CPU with
+    native bfloat16) would run every step at another speed than the planner predicts."""
+    planned = {"model": "/m", "planner_profile": PLANNER_PROFILE, "slo": ["ttft:500"]}
+    with pytest.raises(ValueError, match=r"^planner_profile: .*float32.*bfloat16"):
+        deploy_pkg.config_from_args({**planned, "dtype": "bfloat16"})
+    monkeypatch.delenv("PDSERVE_DTYPE")  # the suite pins float32; `auto` is what users get
+    for native, ok in ((True, False), (False, True)):
+        monkeypatch.setattr("pdserve.workers.cpu_features.has_native_bf16", lambda native=native: native)
+        if ok:
+            assert deploy_pkg.config_from_args(planned).planner is not None
+        else:
+            with pytest.raises(ValueError, match=r"^planner_profile: .*--dtype float32"):
+                deploy_pkg.config_from_args(planned)
+    assert deploy_pkg.config_from_args({**planned, "dtype": "float32"}).planner is not None
+
+
 def test_the_planner_settings_become_the_gateway_s_planner(deploy_pkg: Any) -> None:
     cfg = deploy_pkg.config_from_args({"model": "/m", "prefill": 1, "decode": 2, "planner_profile": PLANNER_PROFILE,
                                        "slo": ["ttft:500", "tpot:50"], "planner_interval": 15,
