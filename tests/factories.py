@@ -147,3 +147,18 @@ def serve_gateway(gw: Any, log_level: str = "critical") -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(10)
+
+
+def capture_logits(llm: Any) -> list[Any]:
+    """Make `llm`'s model record a float32 copy of every logits tensor it computes (one per
+    step, in order) into the returned list, which the caller may clear between runs."""
+    captured: list[Any] = []
+    compute_logits = llm.engine.model.compute_logits
+
+    def capture(hidden: Any) -> Any:
+        logits = compute_logits(hidden)
+        captured.append(logits.float().clone())
+        return logits
+
+    llm.engine.model.compute_logits = capture
+    return captured

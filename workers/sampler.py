@@ -199,9 +199,6 @@ def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]
     return probs.div_(exp1_from_uniform(uniform)).argmax(dim=-1)
 
 
-_TINY = torch.finfo(torch.float32).tiny
-
-
 def exp1_from_uniform(u: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws from U[0, 1) ones, in place: -log(U). Why not `Tensor.exponential_`: on CPU
     it costs ~6 times as much (8 x 49,152 floats, 2 threads: 6.4 ms against 1.1 ms; a SmolLM2
@@ -209,7 +206,7 @@ def exp1_from_uniform(u: torch.Tensor) -> torch.Tensor:
     throughput; docs/serving-profile.md). U = 0 (one draw in 2^24) is raised to the smallest
     normal float, so E stays finite: a row whose only allowed token drew it still picks that
     token, where p / inf = 0 everywhere would make the argmax token 0."""
-    return u.clamp_(min=_TINY).log_().neg_()
+    return u.clamp_(min=torch.finfo(u.dtype).tiny).log_().neg_()
 
 
 def seeded_at(generator: torch.Generator, seed: int | None, position: int) -> torch.Generator:

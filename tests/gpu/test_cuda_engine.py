@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import capture_logits, tiny_spec
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
@@ -58,15 +58,7 @@ def test_bf16_prefill_logits_on_cuda_match_transformers(make_model: Callable[[Ti
     model_dir = make_model(GQA)
     llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512,
               progress=False)
-    captured: list[torch.Tensor] = []
-    compute_logits = llm.engine.model.compute_logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        captured.append(logits.float().clone())
-        return logits
-
-    llm.engine.model.compute_logits = capture  # type: ignore[method-assign]
+    captured = capture_logits(llm)
     hf = _hf(model_dir, torch.bfloat16)
     for prompt in _prompts(8, llm.engine.model_config.vocab_size, seed=2):
         captured.clear()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import capture_logits, tiny_spec
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
@@ -63,15 +63,7 @@ def test_bfloat16_logits_on_cpu_match_transformers_in_bfloat16(
     model_dir = make_model(GQA)
     llm = LLM(str(model_dir), dtype="bfloat16", num_kv_blocks=64, max_model_len=256, progress=False)
     assert llm.engine.dtype == torch.bfloat16
-    captured: list[torch.Tensor] = []
-    compute_logits = llm.engine.model.compute_logits
-
-    def capture(hidden: torch.Tensor) -> torch.Tensor:
-        logits = compute_logits(hidden)
-        captured.append(logits.float().clone())
-        return logits
-
-    llm.engine.model.compute_logits = capture  # type: ignore[method-assign]
+    captured = capture_logits(llm)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     steps = 8
     for prompt in _prompts(llm.engine.model_config.vocab_size):
