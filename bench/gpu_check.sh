@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# pdserve's one GPU check (issue 15): under 8 minutes on one H100/H200 (its step timeouts
-# add up to 475 s), from the repo root.
+# pdserve's one GPU check (issue 15): about 4.5 minutes on an H200 (243 s on 2026-11-27 before
+# step 3b; its step timeouts add up to 535 s), from the repo root.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine; results under $OUT (default ./gpu_out)
 #   bash bench/gpu_check.sh --dry-run  # on a CPU: every step with tiny shapes (CI runs this)
@@ -15,6 +15,8 @@
 #   3. bench/gpu_e2e.py: tiny-model step time, Llama-3-8B-shaped random bf16 decode at
 #      batch 1/8/32/64 with and without CUDA graphs against the bytes/HBM limit, and the
 #      long prompt chunked vs one pass;
+#  3b. bench/gpu_profile.py: the 8B shape's decode kernels under torch.profiler, time per family
+#      (GEMV, attention, norms...) against the bytes floor (tables in the log only);
 #   4. bench/gpu_summary.py: one table (gpu_check.txt, Markdown for docs/gpu.md) and gpu_check.json.
 # $OUT gets 8 files (all the device tool brings back): gpu_check.log, pytest_gpu.xml,
 # pytest_kernels.xml, kernels_gpu.json, kernels_gpu.txt, e2e.json, gpu_check.json, gpu_check.txt.
@@ -46,6 +48,8 @@ if [ "$DRY" = 1 ]; then
   run timeout 300 "$PY" bench/kernels_gpu.py --dry-run
   step "3. end to end (dry run)"
   run timeout 300 "$PY" bench/gpu_e2e.py --dry-run
+  step "3b. where a decode step's time goes (dry run)"
+  run timeout 120 env -u OUT "$PY" bench/gpu_profile.py --dry-run --batches 1,2 --steps 3
 else
   step "0. environment"
   run timeout 15 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm,clocks.max.mem --format=csv
@@ -72,6 +76,9 @@ EOF
   run timeout 95 "$PY" bench/kernels_gpu.py
   step "3. end to end"
   run timeout 150 "$PY" bench/gpu_e2e.py
+  # The profile's tables go to the log only (OUT unset): the device tool brings back 8 files.
+  step "3b. where a decode step's time goes: kernel time per family at batch 1, 8 and 64"
+  run timeout 60 env -u OUT "$PY" bench/gpu_profile.py --batches 1,8,64
 fi
 step "4. summary"
 run "$PY" bench/gpu_summary.py "$OUT" --seconds "$(( $(date +%s) - T0 ))"

@@ -167,7 +167,7 @@ class _Case:
         """The reference's prefill path in float64 -> [Nq_chunk, H, D]."""
         meta = AttentionMetadata(
             slot_mapping=self.slots.cpu(),
-            block_tables=self.tables,
+            block_tables=self.tables.cpu(),  # the reference runs on the CPU, its indices too
             seq_lens=self.seq_lens.cpu(),
             query_start_loc=self.rel_qsl,
             num_decode_seqs=0,  # every sequence takes the reference's prefill path
