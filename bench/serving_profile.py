@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--modes", default="disaggregated,colocated,colocated:2",
                    help="comma-separated; colocated:N = N colocated workers (colocated alone: one)")
     p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals at this rate (req/s), concurrency still capping them; default: closed loop")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline engine (served tables only)")
     p.add_argument("--requests", type=int, default=800, help="enough that the load outlasts 5 s + --window")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
@@ -200,11 +203,16 @@ def wait_closed(url: str, deadline_s: float) -> None:
     raise SystemExit(f"the server at {url} still answers {deadline_s:.0f} s after it was stopped")
 
 
-def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int, out: Path) -> list[str]:
+def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int, out: Path,
+              warm_up: bool = False) -> list[str]:
+    # The warm-up is a short closed loop whatever the measured load (at a low --request-rate
+    # 2 x concurrency requests would take minutes).
+    paced = ["--request-rate", str(a.request_rate)] if a.request_rate and not warm_up else []
+    concurrency = min(a.concurrency, 8) if warm_up else a.concurrency
     return [PDSERVE, "bench", "--base-url", url, "--input-len", str(a.input_len),
             "--output-len", str(a.output_len), "--range-ratio", "0", "--num-requests", str(n), "--max-concurrency",
-            str(a.concurrency), "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--result-json",
-            str(out)]
+            str(concurrency), "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--result-json",
+            str(out), *paced]
 
 
 def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[str, Any]:
@@ -218,7 +226,8 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
     try:
         print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
         wait_healthy(f"http://127.0.0.1:{a.port}", server, 600)
-        warm = subprocess.run(bench_cmd(a, url, tokenizer, 2 * a.concurrency, 100, tmp / "warm.json"),
+        warm = subprocess.run(bench_cmd(a, url, tokenizer, 2 * min(a.concurrency, 8), 100, tmp / "warm.json",
+                                        warm_up=True),
                               capture_output=True, text=True, timeout=600)
         if warm.returncode:
             raise SystemExit(f"the warm-up bench failed ({warm.returncode}):\n{warm.stderr[-2000:]}")
@@ -294,9 +303,13 @@ def main() -> int:
         for mode in a.modes.split(","):
             results[mode] = served(a, mode, tokenizer, Path(d))
     for threads in (1, 2):
+        if a.no_offline:
+            results[f"offline_{threads}t"] = float("nan")
+            continue
         print(f"[profile] offline engine, {threads} torch thread(s) ...", file=sys.stderr, flush=True)
         results[f"offline_{threads}t"] = offline(a, threads)
-    print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}, "
+    rate = f", Poisson {a.request_rate} req/s" if a.request_rate else ""
+    print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}{rate}, "
           f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_model()}, "
           f"{os.cpu_count()} cores\n")
     print("| mode | output tok/s | / offline 1 thread | / offline 2 threads | p50 TTFT ms | p50 TPOT ms | failed "

@@ -17,6 +17,11 @@ at 0 where the points are linear (SmolLM2's profile).
 Non-negative coefficients keep every prediction monotone in the work, so a
 planner never sees a bigger batch get cheaper by fitting noise.
 
+Inside the profile's grid the fit is then scaled by the measured/fitted ratio at the
+nearest points (cost_grid.py): the shapes above are right in kind but not in detail
+(SmolLM2's CPU decode step was fitted 28% short at batch 8), and the simulator's
+queues amplify a step's error.
+
 `HostCPU`: on a CPU profile the workers share the machine's cores with CPU work the
 profile's step times leave out (the KV handoff's sender and receiver threads, the
 gateway, HAProxy and a local client streaming every token); the simulator charges it
@@ -25,10 +30,12 @@ to the workers' steps when no core is idle (simulator.py, `_Cluster.charge`).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
+from pdserve.cluster.planner.cost_grid import Ratio2D
 from pdserve.cluster.planner.profile import Profile
 
 
@@ -108,6 +115,8 @@ class CostModel:
     tokens_per_step: float = 1.0
     decode_quad: float = 0.0  # q: seconds per (KV token in the batch)^2
     host: HostCPU | None = None  # a CPU profile's host (None: the workers' steps are all the CPU there is)
+    decode_ratio: Ratio2D | None = None  # measured / fitted decode step over (batch, context)
+    prefill_ratio: Ratio2D | None = None  # measured / fitted prefill over (new tokens, cached tokens + 1)
 
     @classmethod
     def fit(cls, p: Profile) -> CostModel:
@@ -121,13 +130,37 @@ class CostModel:
         else:
             tc = np.zeros(2)
         tps = p.speculative.tokens_per_step if p.speculative is not None else 1.0
-        return cls((float(pc[0]), float(pc[1]), float(pc[2])), (float(dc[0]), float(dc[1]), float(dc[2])),
-                   (float(tc[0]), float(tc[1])), p.kv_bytes_per_token, tps, float(dc[3]), HostCPU.of(p))
+        shape = cls((float(pc[0]), float(pc[1]), float(pc[2])), (float(dc[0]), float(dc[1]), float(dc[2])),
+                    (float(tc[0]), float(tc[1])), p.kv_bytes_per_token, tps, float(dc[3]), HostCPU.of(p))
+        decode_ratio = Ratio2D.of(((q.batch, q.context, q.seconds) for q in p.decode), shape.decode_s)
+        # over (new tokens, cached + 1): a column per cached prefix the profile measured
+        prefill_ratio = Ratio2D.of(((q.new_tokens, q.cached_tokens + 1, q.seconds) for q in p.prefill),
+                                   lambda new, cached1: shape.prefill_s(new, cached1 - 1))
+        return dataclasses.replace(shape, decode_ratio=decode_ratio, prefill_ratio=prefill_ratio)
+
+    @property
+    def fitted(self) -> CostModel:
+        """The fitted shapes alone, without the grid's correction (for their own errors)."""
+        return dataclasses.replace(self, decode_ratio=None, prefill_ratio=None)
+
+    def _decode_step(self, rows: int, kv_tokens: float) -> float:
+        """A decode-only step of `rows` rows reading `kv_tokens` of KV: the fixed part, per row,
+        and the KV read; the grid's ratio scales the whole step."""
+        a, b, c = self.decode_coef
+        t = a + b * rows + c * kv_tokens + self.decode_quad * kv_tokens * kv_tokens
+        if self.decode_ratio is None or rows <= 0:
+            return t
+        return t * self.decode_ratio.at(rows, kv_tokens / rows)
 
     def _decode_var(self, rows: int, kv_tokens: float) -> float:
-        """The decode rows' part of a step: per row, and reading the batch's `kv_tokens` of KV."""
-        _, b, c = self.decode_coef
-        return b * rows + c * kv_tokens + self.decode_quad * kv_tokens * kv_tokens
+        """The decode rows' part of a step that also prefills (whose fixed part it shares)."""
+        return max(0.0, self._decode_step(rows, kv_tokens) - self.decode_coef[0])
+
+    def _prefill_chunk(self, new_tokens: int, cached_tokens: int) -> float:
+        """One prompt's chunk in a step, the step's fixed part included."""
+        a, b, c = self.prefill_coef
+        t = a + b * new_tokens + c * new_tokens * (cached_tokens + new_tokens / 2)
+        return t * self.prefill_ratio.at(new_tokens, cached_tokens + 1) if self.prefill_ratio is not None else t
 
     def decode_growth(self, rows: int, kv_tokens: float, steps: int) -> float:
         """How much longer each step of a decode-only segment gets than the one before: the
@@ -135,19 +168,18 @@ class CostModel:
         the KV; with `decode_quad` the mean over the segment's `steps` (its first and last
         step exact, the ones between a little long: the model is convex)."""
         grow = rows * self.tokens_per_step
-        if self.decode_quad == 0.0 or steps <= 1:
+        if self.decode_ratio is None and (self.decode_quad == 0.0 or steps <= 1):
             return self.decode_coef[2] * grow + self.decode_quad * (2 * kv_tokens + grow) * grow
-        last = kv_tokens + (steps - 1) * grow
-        return (self._decode_var(rows, last) - self._decode_var(rows, kv_tokens)) / (steps - 1)
+        last = kv_tokens + max(1, steps - 1) * grow
+        return (self._decode_step(rows, last) - self._decode_step(rows, kv_tokens)) / max(1, steps - 1)
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
-        a, b, c = self.prefill_coef
-        return a + b * new_tokens + c * new_tokens * (cached_tokens + new_tokens / 2)
+        return self._prefill_chunk(new_tokens, cached_tokens)
 
     def decode_s(self, batch: int, context: float) -> float:
         if batch <= 0:
             return 0.0
-        return self.decode_coef[0] + self._decode_var(batch, batch * context)
+        return self._decode_step(batch, batch * context)
 
     def mixed_s(self, new_tokens: int, cached_tokens: int, batch: int, context: float) -> float:
         """A colocated step: a prefill chunk and `batch` decode rows in one forward pass."""
@@ -155,7 +187,7 @@ class CostModel:
             return self.prefill_s(new_tokens, cached_tokens)
         if new_tokens <= 0:
             return self.decode_s(batch, context)
-        return self.prefill_s(new_tokens, cached_tokens) + self.decode_s(batch, context) - self.decode_coef[0]
+        return self.prefill_s(new_tokens, cached_tokens) + self._decode_var(batch, batch * context)
 
     def step_s(self, chunks: list[tuple[int, int]], rows: int, context_sum: float) -> float:
         """One engine step: prefill `chunks` ((new, cached) tokens of each prompt) and `rows`
@@ -165,9 +197,9 @@ class CostModel:
         if not chunks:
             if rows <= 0:
                 return 0.0
-            return self.decode_coef[0] + self._decode_var(rows, context_sum)
-        pa, pb, pc = self.prefill_coef
-        t = pa + sum(pb * n + pc * n * (cached + n / 2) for n, cached in chunks)
+            return self._decode_step(rows, context_sum)
+        pa = self.prefill_coef[0]
+        t = pa + sum(self._prefill_chunk(n, cached) - pa for n, cached in chunks)
         if rows > 0:
             t += self._decode_var(rows, context_sum)
         return t

@@ -114,12 +114,14 @@ def build_planner(a: argparse.Namespace) -> Any:
 
 
 def _warn_fit(profile: Any) -> None:
-    """Say on stderr when a cost model misses a profile point by more than 20%: the times the
-    simulator predicts are no better than the fit."""
-    for kind, (err, where) in profile.costs().fit_errors(profile).items():
+    """Say on stderr when a profile point is more than 20% off its cost model's fitted shape.
+    The simulator follows the measured points (cost_grid.py), so such a point is either the
+    hardware's own curve or noise the simulator now repeats: worth a second profile."""
+    for kind, (err, where) in profile.costs().fitted.fit_errors(profile).items():
         if abs(err) > 0.2:
-            print(f"pdserve plan: warning: the {kind} cost model is {err:+.0%} off the profile at {where}",
-                  file=sys.stderr)
+            print(f"pdserve plan: warning: the {kind} cost model's fitted shape is {err:+.0%} off the profile at "
+                  f"{where}; the simulator follows the measured points there (if that point is noise, profile "
+                  "again)", file=sys.stderr)
 
 
 def _ms(v: float | None) -> str:

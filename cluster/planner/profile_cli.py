@@ -142,8 +142,9 @@ def print_profile(p: Profile) -> None:
     ta, tb = costs.transfer_coef
     bandwidth = f"{1 / tb / 1e9:.2f} GB/s" if tb > 0 else "unbounded"
     print(f"        transfer_s = {ta * 1e3:.3f} ms + bytes / {bandwidth}; {p.kv_bytes_per_token} KV bytes per token")
-    worst = costs.fit_errors(p)
-    print("worst fit: " + "; ".join(f"{k} {e * 100:+.0f}% at {where}" for k, (e, where) in worst.items()))
+    worst = costs.fitted.fit_errors(p)
+    print("worst fit of the shapes: " + "; ".join(f"{k} {e * 100:+.0f}% at {where}" for k, (e, where) in worst.items())
+          + " (the simulator scales them to the measured points: cluster/planner/cost_grid.py)")
 
 
 def _ints(text: str) -> tuple[int, ...]:

@@ -132,7 +132,7 @@ def test_plan_cli_warns_when_the_cost_models_fit_the_profile_badly(tmp_path: Pat
     path = tmp_path / "noisy.json"
     path.write_text(json.dumps(d))
     assert main(["plan", "--profile", str(path), *SLO_ARGS, "--rate", "2", "--config", "1", *WORKLOAD_ARGS]) == 0
-    assert "warning: the prefill cost model is" in capsys.readouterr().err
+    assert "warning: the prefill cost model's fitted shape is" in capsys.readouterr().err
 
 
 def test_plan_cli_needs_a_rate_or_a_number_of_workers(profile_path: str) -> None:
