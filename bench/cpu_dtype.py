@@ -1,7 +1,8 @@
 """What the CPU dtype and the sampler's noise cost (docs/engine.md "dtype", docs/serving-profile.md).
 
 Prints three tables: one linear layer in float32 and bfloat16 at SmolLM2's shapes; the
-sampler's Exp(1) noise for 8 x 49,152 draws (`Tensor.exponential_` against -log(U)); and
+sampler's draw for 8 x 49,152 probabilities (the exponential race's Exp(1) noise by
+`Tensor.exponential_` and by -log(U), against the CDF inversion it uses now); and
 the offline engine (`LLM.generate`, random 256-token prompts, 64 out, EOS ignored, after a
 warm-up on other prompts) per dtype and temperature, each run in a child process of its own.
 
@@ -67,6 +68,11 @@ def main() -> int:
     print("\n| Exp(1) noise, 8 x 49,152 | us |\n|---|---:|")
     print(f"| Tensor.exponential_ | {median_us(lambda: u.exponential_()):.0f} |")
     print(f"| -log(U), U from uniform_ | {median_us(lambda: u.uniform_().clamp_(min=1e-38).log_().neg_()):.0f} |")
+    from pdserve.workers.sampler import categorical  # the sampler's draw now: one uniform a row
+
+    probs = torch.randn(8, 49152).softmax(dim=-1)
+    print(f"| no noise: the CDF inverted at one uniform a row (sampler.categorical) | "
+          f"{median_us(lambda: categorical(probs, {})):.0f} |")
     print("\n| offline engine: dtype, temperature | output tok/s (runs) |\n|---|---|")
     for dtype, temp in (("float32", 0.0), ("bfloat16", 0.0), ("bfloat16", 1.0)):
         runs = []

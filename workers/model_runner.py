@@ -269,7 +269,8 @@ class ModelRunner:
         params = [r.params for r in reqs]
         temps = [p.temperature for p in params]
         # small_tensor, not torch.tensor(device=...): no stream sync before the sampled tokens' read-back.
-        batch = SamplingBatch(temperature=small_tensor(temps, torch.float32, self.device), all_greedy=not any(temps))
+        batch = SamplingBatch(temperature=small_tensor(temps, torch.float32, self.device), all_greedy=not any(temps),
+                              any_greedy=not all(temps))
         if not batch.all_greedy:
             if any(p.top_k for p in params):
                 top_k = [p.top_k or self.vocab_size for p in params]

@@ -335,13 +335,37 @@ def test_top_k_alone_masks_like_the_sorted_path_ties_included() -> None:
         assert ((fast > float("-inf")).sum(-1) >= k).all()
 
 
-def test_a_uniform_draw_of_zero_still_picks_a_rows_only_allowed_token(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The race's Exp(1) draws are -log(U); U = 0 happens (one float32 draw in 2^24, ~2% of
-    SmolLM2 steps at batch 8). It must not make E infinite: p / inf = 0 everywhere would turn
-    a row with one allowed token (top-k 1, min-p, bans) into token 0."""
-    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.zero_())
-    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
-    assert sampler.exponential_race(probs, {1: torch.Generator().manual_seed(3)}).tolist() == [2, 3]
-    e = sampler.exp1_from_uniform(torch.tensor([0.0, 0.5, 1.0 - 2.0 ** -24]))
-    assert torch.isfinite(e).all() and (e > 0).all()
-    assert e[1].item() == pytest.approx(math.log(2.0))
+@pytest.mark.parametrize("u", [0.0, 1.0])
+def test_a_uniform_draw_at_either_end_still_picks_an_allowed_token(u: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draw inverts the CDF at u x total. u = 0 happens (a float draw of zero), and u x
+    total can round up to the total: neither may pick a token of probability 0 (a row with
+    one allowed token after top-k 1, min-p or bans; zeros before and after it)."""
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(u))
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 0.3, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    got = sampler.categorical(probs, {1: torch.Generator().manual_seed(3)}).tolist()
+    assert got == [2, 3, 1, 0 if u == 0.0 else 2]
+
+
+def test_the_draw_leaves_its_probabilities_unchanged() -> None:
+    """sample_with_probs hands the same tensor to verification after drawing from it."""
+    probs = torch.rand(3, 50, dtype=torch.float64)
+    before = probs.clone()
+    sampler.categorical(probs, {})
+    assert torch.equal(probs, before)
+
+
+def test_the_cdf_is_summed_finely_enough_for_a_long_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A heavy first token, then 4,095 tokens of 1.4 float32 ulps (at 1.0) each: a CDF kept
+    in float32 rounds every boundary to an ulp, which moves the draw meant for the middle of
+    tail token 1,000 to a neighbour (torch's float32 cumsum: token 1,002 for 1,001). The
+    float64 sum puts it where the exact CDF does."""
+    tail = 4095
+    m = 1.4 * 2.0 ** -24
+    probs = torch.full((1, 1 + tail), m, dtype=torch.float32)
+    probs[0, 0] = 1.0 - tail * m
+    p64 = probs.double()
+    total = float(p64.sum())
+    j = 1000
+    u = (float(p64[0, 0]) + (j + 0.5) * float(p64[0, 1])) / total
+    monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(u))
+    assert sampler.categorical(probs, {}).tolist() == [1 + j]

@@ -10,8 +10,8 @@ then emit one more token: at the first rejection i, one drawn from
 norm(max(0, p_i - q_i)) (the target's argmax for greedy rows); after k
 acceptances, a bonus token from p_{k+1}.
 
-Randomness per row: k uniforms, then one exponential race over the vocabulary
-(sampler.exponential_race). A seeded row draws both from its own generator,
+Randomness per row: k uniforms, then one draw from the emitted token's distribution
+(sampler.categorical: one more uniform). A seeded row draws both from its own generator,
 so its tokens depend only on its seed, logits and drafts; with k = 0 it makes
 exactly the draws sampler.sample makes, and gets the same token.
 """
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
-from pdserve.workers.sampler import SamplingBatch, exponential_race, sampling_probs
+from pdserve.workers.sampler import SamplingBatch, categorical, sampling_probs
 
 
 class Verified(NamedTuple):
@@ -85,11 +85,11 @@ def verify(
     probs, total, random_accept = _random_accept(target_logits, drafts, num_drafts, batch, draft_probs)
     num_accepted = _leading_trues(torch.where(greedy_rows[:, None], accept, random_accept) & valid)
     # One token per row: from the residual at its first rejection, else the bonus from p.
-    last = _at_position(probs, num_accepted)  # [B, V], a copy: exponential_race writes into it
+    last = _at_position(probs, num_accepted)  # [B, V]
     residual = _residual(last, _at_position(total, num_accepted), drafts, num_accepted, draft_probs)
     last = torch.where((num_accepted < n_drafts)[:, None], residual, last)
     greedy_tokens = greedy_ids.gather(1, num_accepted[:, None])[:, 0]
-    return _emitted(drafts, num_accepted, torch.where(greedy_rows, greedy_tokens, exponential_race(last, generators)))
+    return _emitted(drafts, num_accepted, torch.where(greedy_rows, greedy_tokens, categorical(last, generators)))
 
 
 def _ban_and_bias(target_logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -145,7 +145,7 @@ def unflatten_logits(logits: torch.Tensor, num_drafts: Sequence[int]) -> torch.T
 
 def _target_probs(logits: torch.Tensor, batch: SamplingBatch, positions: int) -> torch.Tensor:
     """[B*(K+1), V] -> probs, each row processed with its sequence's settings
-    exactly as the sampler does before its race (unnormalised after min-p)."""
+    exactly as the sampler does before its draw (unnormalised after min-p)."""
 
     def per_position(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.repeat_interleave(positions)
