@@ -29,7 +29,7 @@ from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, Ro
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
-from pdserve.workers.config import EngineConfig
+from pdserve.workers.config import EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_threads import run_on_exiting_thread
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
@@ -167,7 +167,11 @@ class WorkerService(_Service):
         secret = _use_secret(cluster_secret)
         settings = settings or RoleSettings()
         self.config = config  # as given: a decode role decodes speculatively if the engine could
-        if role is WorkerRole.PREFILL:  # a prefill worker never decodes, so never drafts: no draft model to load
+        # A prefill worker drafts nothing until it switches to decode. An n-gram speculator costs
+        # nothing to hold, so it keeps one (and the memory plan and CUDA graphs that go with it):
+        # after a switch it decodes speculatively as a decode-born worker does. A draft model is a
+        # second model in its memory: not loaded for a worker born to prefill.
+        if role is WorkerRole.PREFILL and config.speculative is SpeculativeMethod.DRAFT:
             config = dataclasses.replace(config, speculative=None, draft_model=None)
         engine = _engine(config, torch_threads, record_events=True)
         super().__init__(Pool(role.value), engine, AsyncEngine(engine, worker_id=worker_name), worker_name,

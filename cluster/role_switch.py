@@ -16,8 +16,9 @@ The gateway's backend first stops routing to the worker (cluster/disagg_backend.
        events reach the router; the backend also forgets the worker's cache at
        once), a draft model's KV dropped: no block stays used
     5. build: the new role over the same engine (a decode role binds a new KV
-       receiver on the kv_host; it decodes speculatively only if the engine was
-       built with the draft, and says so when not: exact either way); its metrics
+       receiver on the kv_host; it decodes speculatively if the engine was built
+       with a speculator: n-gram always, a draft model only where it was born to
+       decode; it says so when not: exact either way); its metrics
        carry the new pool label
 
 The model stays loaded and the process lives on. One switch at a time; every
@@ -169,7 +170,7 @@ class RoleSwitcher:
         self.num_switches += 1
         if to is WorkerRole.DECODE and not self._speculative(to) and svc.config.speculative is not None:
             log.warning("worker %s decodes without speculative decoding: its engine was built for prefill, "
-                        "without %s speculation (outputs are exact either way)", svc.name, svc.config.speculative.value)
+                        "without the %s model (outputs are exact either way)", svc.name, svc.config.speculative.value)
 
     def _reset(self, e: LLMEngine, metrics: WorkerMetrics) -> int:
         """Engine thread: abort what is left, empty the prefix cache, observe steps with
