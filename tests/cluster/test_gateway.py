@@ -253,13 +253,23 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data:"))
         # leaving the block closes the connection mid-stream
-    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client gives up before the body comes
-        httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=0.05,
-                   json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "n": 4, "ignore_eos": True})
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (engine.num_in_flight or engine.engine.kv.pool.num_used
-                                           or _errors_499(url) < errors_before + 6):
-        time.sleep(0.05)
+    # Not streamed: the client gives up before the body comes. The request must outlast the
+    # gateway's disconnect poll (0.25 s): 4 x 240 tokens of the tiny model take ~0.3 s, and
+    # finished before the abort, so its steps are slowed to 5 ms here (~1.2 s in all).
+    def slow(_: object) -> None:
+        time.sleep(0.005)
+
+    engine.engine.step_observers.append(slow)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=0.05,
+                       json={"model": MODEL, "prompt": "a b c", "max_tokens": 240, "n": 4, "ignore_eos": True})
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (engine.num_in_flight or engine.engine.kv.pool.num_used
+                                               or _errors_499(url) < errors_before + 6):
+            time.sleep(0.05)
+    finally:
+        engine.engine.step_observers.remove(slow)
     assert engine.num_in_flight == 0 and engine.engine.kv.pool.num_used == 0
     # Aborted, not run to completion: far fewer than 9 x 240 tokens were made.
     assert engine.engine.stats.generation_tokens - generated_before < 1000
