@@ -68,7 +68,7 @@ class _Service:
             async_engine.on_dead = _exit_soon
 
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len)
+        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, dtype=_dtype_name(self.engine))
 
     async def abort(self, request_id: str, attempt: int | None = None) -> None:
         """End the request here (only its try `attempt` or an earlier one, when given)."""
@@ -195,7 +195,7 @@ class WorkerService(_Service):
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.role.kv_address,
-                          self.role.role)
+                          self.role.role, _dtype_name(self.engine))
 
     def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
         role, switching, epoch = self.switcher.status
@@ -304,6 +304,10 @@ def _exit_soon(error: BaseException) -> None:
     timer = threading.Timer(_EXIT_DELAY_S, os._exit, args=(_EXIT_CODE,))
     timer.daemon = True
     timer.start()
+
+
+def _dtype_name(engine: LLMEngine) -> str:
+    return str(engine.dtype).removeprefix("torch.")
 
 
 def _engine(config: EngineConfig, torch_threads: int, record_events: bool = False) -> LLMEngine:

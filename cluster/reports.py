@@ -17,6 +17,7 @@ class WorkerInfo:
     max_model_len: int
     kv_address: str | None = None  # a decode worker's KV receiver (where prefill workers send)
     role: WorkerRole | None = None  # what it does now (None: a worker that cannot change role)
+    dtype: str = ""  # what its engine computes in ("bfloat16": `--dtype auto` resolved on its device)
 
 
 @dataclass(frozen=True)

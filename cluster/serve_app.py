@@ -239,11 +239,12 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)
     init_ray(cfg)
     cfg = cfg.fit_to_cluster(cluster_gpus)
-    start_workers(cfg)
+    workers = start_workers(cfg)
+    dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
-          f"({cfg.mode.value}, {cfg.num_workers} workers)", flush=True)
+          f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype})", flush=True)
     if block:
         try:
             while True:

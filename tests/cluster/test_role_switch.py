@@ -401,3 +401,19 @@ def test_the_planner_needs_pools_to_size() -> None:
     settings = PlannerSettings(synthetic_profile(), SLO(ttft=0.2))
     with pytest.raises(ValueError, match="planner: it sizes the prefill and decode pools"):
         Gateway(ColocatedBackend([object()]), None, GatewayConfig(model_name="m", max_model_len=1024, planner=settings))
+
+
+def test_info_reports_the_role_and_the_dtype_the_engine_computes_in(model_dir: Path) -> None:
+    """What `pdserve serve`'s banner prints: the dtype as the worker resolved it (the tests'
+    PDSERVE_DTYPE is float32; `--dtype auto` resolves per device)."""
+    backend, services = cluster(model_dir, 1, 1)
+
+    async def main() -> list[Any]:
+        try:
+            return [await services[name].info() for name in ("p0", "d0")]
+        finally:
+            await backend.close()
+
+    p0, d0 = asyncio.run(main())
+    assert (p0.role, d0.role) == (WorkerRole.PREFILL, WorkerRole.DECODE)
+    assert p0.dtype == d0.dtype == "float32" == str(services["d0"].engine.dtype).removeprefix("torch.")
