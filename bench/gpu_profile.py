@@ -75,6 +75,8 @@ def profile_batch(llm: LLM, batch: int, prompt: int, steps: int) -> dict[str, An
         llm.generate(prompts, sp)
     finally:
         eng.step_observers.remove(observe)
+        if prof is not None and len(decode_steps) < steps:  # never stopped: stop it before raising
+            prof.__exit__(None, None, None)
     if prof is None or len(decode_steps) < steps:
         raise RuntimeError(f"batch {batch}: only {len(decode_steps)} whole-batch decode steps were seen")
     by_family: dict[str, float] = defaultdict(float)
