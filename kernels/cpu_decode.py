@@ -41,20 +41,45 @@ _SOURCE = r"""
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
 
-// A row of the cache as float32: itself when it is float32, else converted into `buf`.
+// One cache row of D values as float32 into `out`: a plain loop over the raw bits, which the
+// compiler turns into vector widening/shifts (bfloat16 is the top half of a float32).
 template <typename T>
-static inline const float* as_float(const T* row, float* buf, int64_t n) {
+static inline void to_float(const T* __restrict row, float* __restrict out, int64_t D) {
   if constexpr (std::is_same_v<T, float>) {
-    return row;
+    std::memcpy(out, row, D * sizeof(float));
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const uint16_t* bits = reinterpret_cast<const uint16_t*>(row);
+    for (int64_t d = 0; d < D; ++d) {
+      const uint32_t u = static_cast<uint32_t>(bits[d]) << 16;
+      float f;
+      std::memcpy(&f, &u, sizeof(f));
+      out[d] = f;
+    }
   } else {
-    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(row[i]);
-    return buf;
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(row[d]);
   }
+}
+
+// Ask the memory system for `bytes` from `p` onwards, one cache line at a time.
+static inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
+}
+
+static inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
+  float s = 0.f;  // -ffast-math: the compiler may split this into vector partial sums
+  for (int64_t d = 0; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+static inline void axpy(float p, const float* __restrict x, float* __restrict y, int64_t D) {
+  for (int64_t d = 0; d < D; ++d) y[d] += p * x[d];
 }
 
 template <typename T>
@@ -80,61 +105,70 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
   T* op = out.data_ptr<T>();
   const float s = static_cast<float>(scale);
   const int32_t* qsl = starts.data_ptr<int32_t>();
-  // One task per (sequence, KV head): the G query heads that share the head read its keys together.
-  at::parallel_for(0, n * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D), scores;
+  // Tasks: one per sequence, reading each of its blocks front to back for every KV head at once
+  // (a block's rows interleave the heads: per-head tasks read 2 of every 6 cache lines and the
+  // hardware prefetcher falls behind on a scattered pool), unless there are fewer sequences than
+  // threads, when each KV head of a sequence is a task of its own.
+  const int64_t split = n < at::get_num_threads() ? KVH : 1, per_task = KVH / split;
+  at::parallel_for(0, n * split, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), acc(H * D), kf(row), scores;
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, g = task % KVH;
+      const int64_t b = task / split, g0 = (task % split) * per_task;
+      const int64_t hq = per_task * G;  // query heads of this task: g0 * G onwards
       const int64_t first = qsl[b], rows = qsl[b + 1] - qsl[b], context = len[b] - rows;
-      for (int64_t r = 0; r < rows; ++r) {  // row r (one new token) sees keys [0, context + r]
+      const int32_t* btab = tab + b * max_blocks;
+      for (int64_t r = 0; r < rows; ++r) {
         const int64_t i = first + r, L = context + r + 1;
+        T* orow = op + (i * H + g0 * G) * D;
         if (L <= 0) {  // a padding row (seq_len 0): no keys, a zero output
-          for (int64_t h = 0; h < G; ++h)
-            for (int64_t d = 0; d < D; ++d) op[(i * H + g * G + h) * D + d] = static_cast<T>(0.f);
+          for (int64_t x = 0; x < hq * D; ++x) orow[x] = static_cast<T>(0.f);
           continue;
         }
-        for (int64_t h = 0; h < G; ++h)
-          for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<float>(qp[(i * H + g * G + h) * D + d]);
-        scores.assign(G * L, 0.f);
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t blk = tab[b * max_blocks + t / bs];
-          const T* kr = kcp + ((blk * bs + t % bs) * KVH + g) * D;
-          const float* kx = as_float(kr, kf.data(), D);
-          for (int64_t h = 0; h < G; ++h) {
-            // Eight partial sums: a vectorizable reduction.
-            float part[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-            const float* qh = qf.data() + h * D;
-            int64_t d = 0;
-            for (; d + 8 <= D; d += 8)
-              for (int64_t j = 0; j < 8; ++j) part[j] += qh[d + j] * kx[d + j];
-            float dot = 0.f;
-            for (; d < D; ++d) dot += qh[d] * kx[d];
-            dot += ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-            scores[h * L + t] = dot * s;
+        to_float(qp + (i * H + g0 * G) * D, qf.data(), hq * D);
+        for (int64_t x = 0; x < hq * D; ++x) qf[x] *= s;
+        scores.resize(hq * L);
+        const int64_t nblk = (L + bs - 1) / bs;
+        for (int64_t bi = 0; bi < nblk; ++bi) {
+          const int64_t t0 = bi * bs, m = std::min(bs, L - t0);
+          const T* base = kcp + static_cast<int64_t>(btab[bi]) * bs * row;
+          if (bi + 1 < nblk) {  // the next block is elsewhere in the pool: ask for it early
+            prefetch(kcp + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
+          }
+          for (int64_t j = 0; j < m; ++j) {
+            to_float(base + j * row + g0 * D, kf.data(), per_task * D);
+            for (int64_t g = 0; g < per_task; ++g)
+              for (int64_t h = 0; h < G; ++h) {
+                const int64_t qh = g * G + h;
+                scores[qh * L + t0 + j] = dot(qf.data() + qh * D, kf.data() + g * D, D);
+              }
           }
         }
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t h = 0; h < G; ++h) {
+        for (int64_t h = 0; h < hq; ++h) {
           float* sc = scores.data() + h * L;
-          float m = sc[0];  // no infinities anywhere: the build may assume finite math
-          for (int64_t t = 1; t < L; ++t) m = std::max(m, sc[t]);
+          float mx = sc[0];  // no infinities anywhere: the build may assume finite math
+          for (int64_t t = 1; t < L; ++t) mx = std::max(mx, sc[t]);
           float sum = 0.f;
-          for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - m); sum += sc[t]; }
+          for (int64_t t = 0; t < L; ++t) { sc[t] = std::exp(sc[t] - mx); sum += sc[t]; }
           const float inv = 1.f / sum;
           for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
         }
-        for (int64_t t = 0; t < L; ++t) {
-          const int64_t blk = tab[b * max_blocks + t / bs];
-          const T* vr = vcp + ((blk * bs + t % bs) * KVH + g) * D;
-          const float* vx = as_float(vr, kf.data(), D);
-          for (int64_t h = 0; h < G; ++h) {
-            const float p = scores[h * L + t];
-            float* ah = acc.data() + h * D;
-            for (int64_t d = 0; d < D; ++d) ah[d] += p * vx[d];
+        std::fill(acc.begin(), acc.begin() + hq * D, 0.f);
+        for (int64_t bi = 0; bi < nblk; ++bi) {
+          const int64_t t0 = bi * bs, m = std::min(bs, L - t0);
+          const T* base = vcp + static_cast<int64_t>(btab[bi]) * bs * row;
+          if (bi + 1 < nblk) {
+            prefetch(vcp + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
+          }
+          for (int64_t j = 0; j < m; ++j) {
+            to_float(base + j * row + g0 * D, kf.data(), per_task * D);
+            for (int64_t g = 0; g < per_task; ++g)
+              for (int64_t h = 0; h < G; ++h) {
+                const int64_t qh = g * G + h;
+                axpy(scores[qh * L + t0 + j], kf.data() + g * D, acc.data() + qh * D, D);
+              }
           }
         }
-        for (int64_t h = 0; h < G; ++h)
-          for (int64_t d = 0; d < D; ++d) op[(i * H + g * G + h) * D + d] = static_cast<T>(acc[h * D + d]);
+        for (int64_t x = 0; x < hq * D; ++x) orow[x] = static_cast<T>(acc[x]);
       }
     }
   });

@@ -49,6 +49,7 @@ from pdserve.cluster.planner.profile_transfer import kv_bytes_per_token, measure
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_threads import run_on_exiting_thread
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.stats import StepStats
 from pdserve.workers.transfer.base import Transport
@@ -174,7 +175,7 @@ def model_info(engine: LLMEngine, name: str | None = None) -> dict[str, Any]:
             "layers": mc.num_layers, "hidden_size": mc.hidden_size, "num_heads": mc.num_heads,
             "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "parameters": sum(p.numel() for p in engine.model.parameters())}
+            "parameters": num_parameters(engine.model)}
 
 
 def engine_shape(engine: LLMEngine, torch_threads: int) -> EngineShape:

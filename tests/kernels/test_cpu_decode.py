@@ -96,6 +96,27 @@ def test_the_op_matches_float64_attention_and_writes_the_new_kv(dtype: torch.dty
         assert torch.equal(cache, expected)
 
 
+@pytest.mark.parametrize("lens", [[300], [40, 300], [5, 16, 17, 300, 33]])
+def test_per_head_tasks_when_sequences_are_fewer_than_threads_give_the_same_result(lens: list[int]) -> None:
+    """The op splits a sequence's KV heads into tasks of their own when there are fewer sequences
+    than threads; whatever the split, every row matches float64 and the thread counts agree."""
+    dtype, heads, kv_heads, dim = torch.bfloat16, 9, 3, 64
+    outs = []
+    was = torch.get_num_threads()
+    try:
+        for threads in (1, 4):  # 4 > every batch here but the last: the split path
+            torch.set_num_threads(threads)
+            q, k, v, k_cache, v_cache, meta, full_k, full_v = decode_batch(lens, heads, kv_heads, dim, 16, dtype,
+                                                                           seed=7)
+            outs.append(cpu_decode.paged_decode(q, k, v, k_cache, v_cache, meta, dim ** -0.5))
+    finally:
+        torch.set_num_threads(was)
+    assert torch.equal(outs[0], outs[1])
+    for i in range(len(lens)):
+        want = oracle(q[i], full_k[i], full_v[i], dim ** -0.5).reshape(-1)
+        torch.testing.assert_close(outs[1][i].double(), want, rtol=TOL[dtype], atol=TOL[dtype])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verification_rows_see_their_own_prefix_only(dtype: torch.dtype) -> None:
     """A verification step: a decode row, then sequences with k+1 new tokens (one with no context

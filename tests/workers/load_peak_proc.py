@@ -32,6 +32,7 @@ from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model, resolve_dtype
+from pdserve.workers.model.packed_linear import packed_weights
 
 _FIELDS = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
 
@@ -72,7 +73,8 @@ def main() -> None:
     done.set()
     sampler.join()
     peak = max(peak, allocated())
-    print(json.dumps({"peak_growth": peak - base, "weights": sum(p.nbytes for p in model.parameters()),
+    print(json.dumps({"peak_growth": peak - base, "weights": sum(p.nbytes for p in model.parameters())
+                      + sum(w.nbytes for _, w in packed_weights(model)),
                       "dtype": str(next(model.parameters()).dtype)}))
 
 

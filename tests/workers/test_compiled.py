@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import capture_logits, tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.workers.model import compiled
+from pdserve.workers.model import compiled, packed_linear
 from pdserve.workers.model.compiled import CompiledForward
 from pdserve.workers.tiny.builder import TinyModelSpec
 
@@ -103,6 +103,31 @@ def test_compiled_verifies_drafts_exactly(model_dir: Path) -> None:
         got = outputs(fast, batch)
     assert fast.engine.stats.spec_drafts > 0
     assert_same(got, outputs(slow, batch))
+
+
+@needs_cxx
+@pytest.mark.skipif(not packed_linear.supported(torch.bfloat16, torch.device("cpu")),
+                    reason="oneDNN does not run bfloat16 on this CPU")
+def test_compiled_bfloat16_with_packed_weights_matches_eager(model_dir: Path) -> None:
+    """In bfloat16 the linears are oneDNN-packed (packed_linear.py) and the compiled graph calls
+    them through an opaque op: every step's logits agree with the eager engine's (teacher-forced
+    on its tokens, up to bfloat16 rounding), and nothing recompiles on a request's time."""
+    fast = make_llm(model_dir, eager=False, dtype="bfloat16")
+    slow = make_llm(model_dir, eager=True, dtype="bfloat16")
+    assert isinstance(fast.engine.model.lm_head, packed_linear.PackedLinear)
+    got, want = capture_logits(fast), capture_logits(slow)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt in prompts([70, 9], seed=3):
+        got.clear()
+        want.clear()
+        with torch.compiler.set_stance("fail_on_recompile"):
+            tokens = fast.generate([prompt], params)[0].outputs[0].token_ids
+        # The last compiled step (decoding over KV the compiled steps wrote) saw the context
+        # prompt + tokens[:-1]: an eager prefill of that context computes the same logits.
+        slow.generate([prompt + tokens[:-1]], SamplingParams(temperature=0.0, max_tokens=1))
+        assert len(got) == len(tokens) and len(want) == 1
+        rel = float((got[-1][0] - want[0][0]).norm() / want[0][0].norm())
+        assert rel < 3e-2, rel
 
 
 def test_a_compile_failure_leaves_an_eager_engine(model_dir: Path, monkeypatch: pytest.MonkeyPatch,

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pdserve.workers.model.config import RopeConfig, rope_inv_freq
+from pdserve.workers.model.packed_linear import linear
 
 
 class RMSNorm(nn.Module):
@@ -91,6 +92,6 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_proj.weight)
+        gate_up = linear(x, self.gate_up_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # type: ignore[no-untyped-call]
-        return F.linear(F.silu(gate).mul_(up), self.down_proj.weight)
+        return linear(F.silu(gate).mul_(up), self.down_proj)

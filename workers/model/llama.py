@@ -7,7 +7,6 @@ that q/k/v and gate/up are fused (fewer, larger matmuls): see loader.py.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.kernels.attention import AttentionBackend, paged_attention
@@ -15,6 +14,7 @@ from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.model.compiled import step_attention
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from pdserve.workers.model.packed_linear import linear
 
 
 class Attention(nn.Module):
@@ -36,7 +36,7 @@ class Attention(nn.Module):
         # __call__ has a fixed cost per call (hooks, dispatch) that adds up over
         # a CPU decode step's many small calls (docs/benchmarks-engine.md).
         t = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias)  # [T, q + 2 kv]
+        qkv = linear(x, self.qkv_proj)  # [T, q + 2 kv]
         # RoPE on q and k together: they are adjacent in the fused output.
         qk = rotary.apply(
             qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin
@@ -47,7 +47,7 @@ class Attention(nn.Module):
             out = step_attention(q, k, v, self.layer_idx, self.scale)
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
-        return F.linear(out, self.o_proj.weight)
+        return linear(out, self.o_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -115,4 +115,4 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        return linear(hidden, self.lm_head).float()

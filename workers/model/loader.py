@@ -16,6 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers.model import packed_linear
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 
@@ -87,8 +88,9 @@ def load_model(
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     model.model.rotary.build(device, dtype)
+    del params  # its references would keep each plain weight alive while _cpu_linears packs it
     if device.type == "cpu":
-        _column_major_linears(model)
+        _cpu_linears(model, dtype)
     if device.type == "cuda":
         # Blocks freed while loading (casts, the rotary tables' temporaries) would stay in
         # torch's cache and look used to mem_get_info when the KV pool is sized.
@@ -116,19 +118,23 @@ def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
                                                    device=device)
 
 
-def _column_major_linears(model: LlamaForCausalLM) -> None:
-    """Store each [out, in] weight as the transpose of a contiguous [in, out] matrix.
+def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
+    """Lay the linear weights out for the CPU's GEMMs. A tied lm_head gets its own copy
+    first, so the embedding keeps plain rows to gather.
 
-    On CPU, `x @ W.T` with W laid out this way runs the GEMM without a
-    transposed operand, which is much faster for the small-batch decode shapes
-    (docs/benchmarks-engine.md, "What helped": the measurement and its
-    machine). A tied lm_head gets its own copy, so the embedding keeps
-    row-major rows to gather.
+    bfloat16 (where oneDNN runs it): oneDNN-packed (packed_linear.py). Otherwise each
+    [out, in] weight is stored as the transpose of a contiguous [in, out] matrix: MKL's
+    float32 `x @ W.T` then runs without a transposed operand, much faster at the
+    small-batch decode shapes (docs/benchmarks-engine.md, "What helped"; the plain
+    layout measured faster than this one for bfloat16, docs/engine.md).
     """
     if model.config.tie_word_embeddings:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
+    if packed_linear.supported(dtype, torch.device("cpu")):
+        packed_linear.pack_linears(model)
+        return
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
+        if isinstance(module, torch.nn.Linear) and dtype is not torch.bfloat16:
             module.weight.data = module.weight.data.t().contiguous().t()
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pdserve.workers.model.packed_linear import packed_weights
 from pdserve.workers.transfer.auth import fingerprint_digest
 
 _SAMPLE_ELEMENTS = 16
@@ -40,8 +41,10 @@ def model_fingerprint(model_dir: str | None, tensors: Iterable[tuple[str, torch.
 
 
 def module_fingerprint(model_dir: str | None, module: torch.nn.Module) -> str:
-    """`model_fingerprint` of a loaded module's parameters and buffers."""
-    return model_fingerprint(model_dir, [*module.named_parameters(), *module.named_buffers()])
+    """`model_fingerprint` of a loaded module's parameters, buffers and packed weights (those
+    fingerprint as the plain weights they were: packing is a layout, not another model)."""
+    return model_fingerprint(model_dir, [*module.named_parameters(), *module.named_buffers(),
+                                         *packed_weights(module)])
 
 
 __all__ = ["model_fingerprint", "module_fingerprint"]

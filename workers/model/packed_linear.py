@@ -1,0 +1,127 @@
+"""Linear layers with oneDNN-prepacked weights, for bfloat16 on CPU.
+
+Why: a decode step's matmuls have a handful of rows (the batch) against weights
+that do not fit in cache; they are bound by how fast the GEMM streams the
+weights. PyTorch's `F.linear` on a plain bfloat16 [out, in] matrix streams them
+at 5-7 GB/s on one core of this project's test machine (column-major, what
+float32 keeps, slower still); reordered once into oneDNN's blocked layout the
+same GEMMs stream at 7-11 GB/s (SmolLM2-135M's linears at batch 8: 0.67x the
+plain layout's time on one core; docs/engine.md, "Prepacked weights and the
+decode attention op"). It is what Inductor's
+freezing pass and vLLM's CPU backend do. Float32 keeps its column-major plain
+layout (loader.py): MKL's packed float32 GEMM measured no better there.
+
+How: each packed layer's weight lives in a process-wide table under an integer
+handle. The compiled model calls the `pdserve::packed_linear` op with the
+handle, so the compiler sees an opaque op on a dense input (Inductor cannot
+take oneDNN's opaque tensors as graph inputs); eager code calls oneDNN
+directly. The plain weight is dropped once packed: no second copy of the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ENV = "PDSERVE_CPU_PACKED_LINEAR"  # "0" keeps the plain layout (an A/B switch)
+
+_weights: dict[int, torch.Tensor] = {}  # handle -> packed weight
+_handles = itertools.count()
+_lock = threading.Lock()
+
+
+def supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether weights of `dtype` on `device` are packed: bfloat16 on a CPU that oneDNN runs it on."""
+    return (device.type == "cpu" and dtype is torch.bfloat16 and os.environ.get(ENV, "1") != "0"
+            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
+            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+class PackedLinear(nn.Module):
+    """An nn.Linear whose weight is oneDNN-packed: call it through `linear(x, layer)`.
+
+    The packed weight is not a parameter (oneDNN's opaque tensors cannot be viewed,
+    moved or hashed like one); `dense_weight()` gives the plain matrix back."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.bias = layer.bias
+        # No batch-size hint: the packing then suits every row count a step has (1 to thousands).
+        packed = torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach().contiguous(), None)
+        with _lock:
+            self.handle = next(_handles)
+            _weights[self.handle] = packed
+        self.dtype = layer.weight.dtype
+        weakref.finalize(self, _weights.pop, self.handle, None)
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return _weights[self.handle]
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] weight in the plain layout (a new tensor)."""
+        return self.packed.to_dense()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias with W the packed weight under `handle`."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), _weights[handle], bias, "none", [], "")
+    return out
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """`layer(x)` for an nn.Linear or a PackedLinear, without nn.Module's per-call cost."""
+    if isinstance(layer, PackedLinear):
+        if torch.compiler.is_compiling():
+            compiled: torch.Tensor = torch.ops.pdserve.packed_linear(x, layer.handle, layer.out_features, layer.bias)
+            return compiled
+        out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), layer.packed, layer.bias, "none", [],
+                                                               "")
+        return out
+    assert isinstance(layer, nn.Linear)
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Replace every nn.Linear in `model` by a PackedLinear (their plain weights are freed);
+    returns how many. A weight shared by two modules must be untied first."""
+    # (parent, name) only: holding the layers themselves would keep every plain weight alive
+    # until the end, twice the model's memory at the peak instead of one layer more.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear)]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name)))
+    return len(targets)
+
+
+def packed_weights(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, plain weight) of every packed layer, named as the nn.Linear's weight was."""
+    for name, module in model.named_modules():
+        if isinstance(module, PackedLinear):
+            yield f"{name}.weight", module.dense_weight()
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Parameters of `model`, packed weights included."""
+    packed = sum(m.in_features * m.out_features for m in model.modules() if isinstance(m, PackedLinear))
+    return packed + sum(p.numel() for p in model.parameters())
+
+
+__all__ = ["PackedLinear", "linear", "num_parameters", "pack_linears", "packed_weights", "supported"]
