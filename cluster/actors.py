@@ -31,6 +31,7 @@ from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_threads import run_on_exiting_thread
+from pdserve.workers.cpu_turns import node_cores
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
@@ -315,7 +316,10 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
 
     # Workers share the node's cores: more threads than cores makes OpenMP
     # threads spin against each other (docs/benchmarks-engine.md). Set here too:
-    # the AsyncEngine's thread takes this thread's count.
+    # the AsyncEngine's thread takes this thread's count. Workers that take turns
+    # (workers/cpu_turns.py) each run on all of this node's cores, and no more.
+    if config.cpu_turns is not None:
+        torch_threads = max(1, min(torch_threads, node_cores()))
     torch.set_num_threads(torch_threads)
     # Built on a thread that exits: the engine thread is then this process's only
     # OpenMP master, and its workers spin instead of sleeping (workers/cpu_threads.py).

@@ -27,10 +27,18 @@ amounts count per actor, as Ray's do.
 **GPUs.** On a cluster with a GPU, each worker actor requires one (Ray sets its
 `CUDA_VISIBLE_DEVICES`; the engine's `cuda` is that GPU). `device: cuda` on a cluster
 without a GPU is an error, not CPU workers; `device: cpu` never asks for a GPU.
+
+**CPU cores.** Workers on a CPU cluster share its nodes' cores in one of two ways
+(`cpu_sharing`): `split` gives each worker an equal share of the threads, all running at
+once; `turns` gives every worker all of its node's cores and has the workers of a node
+take turns at them, step by step (workers/cpu_turns.py). `auto` (the default) takes turns
+where there are several workers: on a small node a split leaves the decode worker one
+core's bandwidth while the prefill worker idles (docs/serving-profile.md).
 """
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import math
 import socket
@@ -124,18 +132,28 @@ def check_resources(name: str, value: Any) -> dict[str, float] | None:
     return resources
 
 
+class CpuSharing(str, enum.Enum):
+    AUTO = "auto"  # turns when there are several workers, else the one worker has every core
+    TURNS = "turns"  # every worker all of its node's cores, one step at a time
+    SPLIT = "split"  # an equal share of the threads each, all at once
+
+
 @dataclass(frozen=True)
 class WorkerShare:
-    """What each worker actor asks Ray for, and the torch threads it runs."""
+    """What each worker actor asks Ray for, the torch threads it runs, and whether the
+    workers take turns at their node's cores (then `threads` is capped, on each worker,
+    by its own node's cores)."""
 
     options: dict[str, Any]  # num_gpus or num_cpus: Ray actor options
     threads: int
+    turns: bool = False
 
 
-def worker_share(device: str, num_workers: int, cluster: Mapping[str, float]) -> WorkerShare:
+def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
+                 sharing: CpuSharing = CpuSharing.AUTO) -> WorkerShare:
     """One GPU per worker on a cluster that has GPUs (`cluster`: `ray.cluster_resources()`),
-    else a share of its CPUs. ValueError, naming `device`, where the device asks for a GPU
-    that the cluster does not have."""
+    else a share of its CPUs, split or in turns (`sharing`). ValueError, naming `device`,
+    where the device asks for a GPU that the cluster does not have."""
     gpus = cluster.get("GPU", 0)
     if device.startswith("cuda"):
         if device not in ("cuda", "cuda:0"):
@@ -148,7 +166,8 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float]) ->
         return WorkerShare({"num_gpus": 1}, threads=1)
     cpus = max(1, int(cluster.get("CPU", 1)))
     per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
-    return WorkerShare({"num_cpus": per_cpu}, threads=max(1, cpus // num_workers))
+    turns = sharing is CpuSharing.TURNS or (sharing is CpuSharing.AUTO and num_workers > 1)
+    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else max(1, cpus // num_workers), turns=turns)
 
 
 def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -14,6 +15,7 @@ from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.workers.cpu_turns import turns_path
 
 if TYPE_CHECKING:
     from pdserve.cluster.gateway import GatewayConfig
@@ -86,7 +88,10 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     ValueError, before any actor starts, when `--device cuda` finds no GPU in the cluster."""
     from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
-    share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources())
+    share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing)
+    engine = cfg.engine
+    if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
+        engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))
     # A crashed worker (or one whose engine thread died: it exits) is restarted by
     # Ray under the same name and handle; the gateway re-admits it when it answers.
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
@@ -96,7 +101,7 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
         # The actor's name is also its `worker` label in the metrics.
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                  **with_resources(opts, resources)).remote(
-            cfg.engine, share.threads, *args, worker_name=name, exit_on_engine_death=True,
+            engine, share.threads, *args, worker_name=name, exit_on_engine_death=True,
             cluster_secret=cfg.cluster_secret, **kwargs)
 
     if cfg.mode is ServingMode.DISAGGREGATED:

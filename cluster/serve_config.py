@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.cluster.limits import RequestLimits
-from pdserve.cluster.placement import check_kv_host, check_resources
+from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.workers.config import EngineConfig, enum_member
 from pdserve.workers.decode_worker import KVFailurePolicy
@@ -52,14 +52,14 @@ SERVE_SETTINGS = {
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
     "metrics_api_key": "metrics_api_key",
     "planner_profile": "planner_profile", "slo": "slo", "planner_interval": "planner_interval",
-    "autoscale_roles": "autoscale_roles",
+    "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing",
     # What one request may ask for (cluster/limits.py): the same names as RequestLimits'.
     **{f.name: f.name for f in dataclasses.fields(RequestLimits)},
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
     "mode": ServingMode, "transport": Transport, "ingress": Ingress, "router_policy": RoutingPolicy,
-    "kv_failure_policy": KVFailurePolicy}
+    "kv_failure_policy": KVFailurePolicy, "cpu_sharing": CpuSharing}
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,8 @@ class ServeConfig:
     metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256
     transport: Transport = Transport.ZMQ
+    # How CPU workers share a node's cores (cluster/placement.py): auto, turns or split.
+    cpu_sharing: CpuSharing = CpuSharing.AUTO
     ingress: Ingress = Ingress.HAPROXY
     router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # The address every data-plane socket binds and advertises (decode workers' KV

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.workers.cpu_turns import CpuTurns
 from pdserve.workers.messages import FailReason
 from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.transfer.auth import RefusalCounts
@@ -76,6 +77,7 @@ class WorkerMetrics:
         self.counts = counts
         self.registry = CollectorRegistry()
         self._sample = EngineSnapshot()
+        self._turns: dict[str, float] = {}  # the engine's CPU turns (workers/cpu_turns.py), if it takes them
         self._positions = num_speculative_tokens
         labels = (self.pool.value, worker)
 
@@ -127,6 +129,8 @@ class WorkerMetrics:
     def sample(self, engine: LLMEngine) -> None:
         """Engine thread: refresh the counters and gauges `render` exports."""
         self._sample = engine.snapshot()
+        if isinstance(engine.cpu_turn, CpuTurns):
+            self._turns = engine.cpu_turn.stats()
 
     # -- output ----------------------------------------------------------------
 
@@ -175,6 +179,11 @@ class _EngineCollector:
         for i in range(max(o._positions, len(accepted))):
             per_pos.add_metric([*labels, str(i)], accepted[i] if i < len(accepted) else 0)
         yield per_pos
+
+        yield counter("pdserve:cpu_turn_wait_seconds", "Seconds the engine waited for its turn at the node's cores "
+                      "(CPU workers in turns; 0 otherwise)", o._turns.get("waited_s", 0.0))
+        yield counter("pdserve:cpu_turns_missed", "Engine steps run without their turn: none came within the "
+                      "deadline (a stuck worker on the node)", o._turns.get("missed", 0))
 
         c = o.counts()
         yield gauge("pdserve:num_requests_awaiting_kv",

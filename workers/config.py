@@ -81,6 +81,10 @@ class EngineConfig:
     enforce_eager: bool = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER") == "1")
     seed: int = 0
     progress: bool = False
+    # A lock file that engines sharing this machine's cores take turns with, each step's model
+    # work on all of them in its turn (workers/cpu_turns.py); None: no turns. Set by the
+    # cluster for CPU workers that share a node (cluster/placement.py), not by users.
+    cpu_turns: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -105,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"spec_token_cost: must be in (0, 1), got {self.spec_token_cost}")
         if type(self.spec_max_batch_size) is not int or self.spec_max_batch_size < 0:
             raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")
+        if self.cpu_turns is not None and (not isinstance(self.cpu_turns, str) or not self.cpu_turns):
+            raise ValueError(f"cpu_turns: must be a lock file's path or None, got {self.cpu_turns!r}")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.spec_ngram_max < self.spec_ngram_min:
@@ -114,7 +120,7 @@ class EngineConfig:
     @classmethod
     def settings(cls) -> frozenset[str]:
         """The fields a user sets (flags, YAML, `LLM(...)`); the rest are the workers' own."""
-        return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress"}
+        return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns"}
 
 
 def enum_member(name: str, kind: type[enum.Enum], value: Any) -> enum.Enum:

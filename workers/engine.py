@@ -14,8 +14,10 @@ they finish until `release`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 
 import torch
 from transformers import AutoTokenizer
@@ -23,6 +25,7 @@ from transformers import AutoTokenizer
 from pdserve.workers import cuda_graphs
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.cpu_turns import CpuTurns
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.handoff import Resume
 from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
@@ -89,6 +92,9 @@ class LLMEngine:
                                           self.max_model_len)
         self._eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
+        # Turns at the cores with the other engines on this machine (workers/cpu_turns.py), if any.
+        self.cpu_turn: AbstractContextManager[object] = (CpuTurns(config.cpu_turns) if config.cpu_turns
+                                                         else contextlib.nullcontext())
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
 
@@ -211,11 +217,12 @@ class LLMEngine:
         sched = self._schedule()
         if not sched.scheduled:
             return outputs
-        start = time.perf_counter()
-        result = self.runner.execute(sched.scheduled)
-        work = self._advance(sched)
-        outputs += self._postprocess(result)
-        self._after_step(sched, work, start)
+        with self.cpu_turn:  # the model's work (and the draft's, in _after_step) on all the cores
+            start = time.perf_counter()
+            result = self.runner.execute(sched.scheduled)
+            work = self._advance(sched)
+            outputs += self._postprocess(result)
+            self._after_step(sched, work, start)
         return outputs
 
     def _schedule(self) -> SchedulerOutput:

@@ -93,12 +93,12 @@ def default_torch_threads(device: str) -> int:
     """What each worker of the default `pdserve serve` runs with on this machine (cluster/placement.py)."""
     import torch
 
-    from pdserve.cluster.placement import worker_share
+    from pdserve.cluster.placement import CpuSharing, worker_share
     from pdserve.workers.engine_setup import resolve_device
 
     gpus = torch.cuda.device_count() if resolve_device(device).type == "cuda" else 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return worker_share(device, DEFAULT_SERVE_WORKERS, {"CPU": cpus, "GPU": gpus}).threads
+    return worker_share(device, DEFAULT_SERVE_WORKERS, {"CPU": cpus, "GPU": gpus}, CpuSharing.SPLIT).threads
 
 
 def _grid(a: argparse.Namespace) -> Grid:

@@ -45,7 +45,8 @@ WORKER_FAMILIES = [
     "pdserve:iteration_prefill_tokens", "pdserve:iteration_decode_batch_size", "pdserve:engine_step_duration_seconds",
     "pdserve:spec_decode_num_drafts", "pdserve:spec_decode_num_draft_tokens", "pdserve:spec_decode_num_accepted_tokens",
     "pdserve:spec_decode_num_accepted_tokens_per_pos", "pdserve:kv_transfer_bytes",
-    "pdserve:kv_transfer_duration_seconds", "pdserve:kv_transfer_failures",
+    "pdserve:kv_transfer_duration_seconds", "pdserve:kv_transfer_failures", "pdserve:cpu_turn_wait_seconds",
+    "pdserve:cpu_turns_missed",
 ]
 
 

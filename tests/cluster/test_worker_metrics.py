@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -305,3 +306,25 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
         d.close()
         for r in replacement:
             r.close()
+
+
+def test_cpu_turn_counters_equal_the_engines_turns(model_dir: Path, tmp_path: Path) -> None:
+    """An engine in turns (workers/cpu_turns.py) exports how long it waited for them."""
+    from pdserve.workers.cpu_turns import CpuTurns
+
+    path = str(tmp_path / "turns.lock")
+    llm = make_llm(model_dir, cpu_turns=path)
+    e = llm.engine
+    m = WorkerMetrics(Pool.DECODE, "d0")
+    other = CpuTurns(path)
+    other.__enter__()  # another worker's step: the engine's first step waits for it
+    timer = threading.Timer(0.2, other.__exit__, args=(None, None, None))
+    timer.start()
+    llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    timer.join()
+    m.sample(e)
+    s = scrape(m)
+    assert isinstance(e.cpu_turn, CpuTurns)
+    waited = value(s, "pdserve:cpu_turn_wait_seconds_total")
+    assert waited == pytest.approx(e.cpu_turn.waited_s) and waited >= 0.1
+    assert value(s, "pdserve:cpu_turns_missed_total") == 0

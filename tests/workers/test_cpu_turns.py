@@ -1,0 +1,172 @@
+"""Engines sharing a CPU node take turns at its cores (workers/cpu_turns.py): one at a time,
+a waiting engine gets the next turn, a dead holder frees the turn, a stuck one delays a
+step by at most the deadline, and the engine's step waits for its turn."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.placement import CpuSharing, worker_share
+from pdserve.workers import cpu_turns
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.cpu_turns import CpuTurns, turns_path
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+def test_turns_never_overlap(tmp_path: Path) -> None:
+    path = str(tmp_path / "turns.lock")
+    inside: list[int] = []
+    overlaps: list[int] = []
+
+    def worker(me: int) -> None:
+        turns = CpuTurns(path)
+        for _ in range(40):
+            with turns:
+                inside.append(me)
+                if len(inside) > 1:
+                    overlaps.append(me)
+                time.sleep(0.0005)
+                inside.remove(me)
+        turns.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    assert overlaps == []
+
+
+def test_a_waiting_engine_gets_the_next_turn(tmp_path: Path) -> None:
+    """A holder that steps back to back hands the turn to a waiter after its current
+    step, not after all of its steps."""
+    path = str(tmp_path / "turns.lock")
+    busy, waiter = CpuTurns(path), CpuTurns(path)
+    stop = threading.Event()
+    started = threading.Event()
+
+    def hog() -> None:
+        while not stop.is_set():
+            with busy:
+                started.set()
+                time.sleep(0.02)  # a 20 ms step
+
+    t = threading.Thread(target=hog)
+    t.start()
+    assert started.wait(5)
+    waits = []
+    for _ in range(5):
+        start = time.perf_counter()
+        with waiter:
+            waits.append(time.perf_counter() - start)
+        time.sleep(0.005)
+    stop.set()
+    t.join(timeout=5)
+    assert max(waits) < 0.1, waits  # within about one of the holder's steps (20 ms), never starved
+    assert busy.given >= 4 and waiter.missed == 0
+
+
+def test_a_killed_holder_frees_the_turn(tmp_path: Path) -> None:
+    path = str(tmp_path / "turns.lock")
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        turns = CpuTurns(path)
+        got = threading.Event()
+
+        def take() -> None:
+            with turns:
+                got.set()
+
+        t = threading.Thread(target=take)
+        t.start()
+        assert not got.wait(0.3)  # held by the other process
+        os.kill(holder.pid, signal.SIGKILL)
+        assert got.wait(5)
+        t.join(timeout=5)
+        assert turns.missed == 0
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+
+
+def test_a_stuck_holder_delays_a_step_by_the_deadline_at_most(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_turns, "ACQUIRE_DEADLINE_S", 0.2)
+    path = str(tmp_path / "turns.lock")
+    stuck, turns = CpuTurns(path), CpuTurns(path)
+    stuck.__enter__()
+    try:
+        start = time.perf_counter()
+        with turns:
+            pass
+        assert 0.2 <= time.perf_counter() - start < 2.0
+        assert turns.missed == 1
+    finally:
+        stuck.__exit__(None, None, None)
+    with turns:  # the turn is free again, and was never taken by the step that went without it
+        assert turns.missed == 1
+
+
+def test_an_engine_steps_only_in_its_turn(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path) -> None:
+    path = str(tmp_path / "turns.lock")
+    llm = LLM(str(make_model(tiny_spec())), cpu_turns=path, num_kv_blocks=32, max_model_len=128)
+    other = CpuTurns(path)
+    result: list[list[int]] = []
+    with other:  # another engine's step is running
+        t = threading.Thread(target=lambda: result.append(
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+            .outputs[0].token_ids))
+        t.start()
+        t.join(timeout=0.5)
+        assert t.is_alive() and not result  # waiting for the turn
+    t.join(timeout=30)
+    assert len(result) == 1 and len(result[0]) == 4
+    assert isinstance(llm.engine.cpu_turn, CpuTurns) and llm.engine.cpu_turn.turns >= 4
+
+
+def test_cpu_turns_is_a_path_or_none() -> None:
+    with pytest.raises(ValueError, match="cpu_turns"):
+        EngineConfig(model="m", cpu_turns="")
+    assert "cpu_turns" not in EngineConfig.settings()  # the cluster sets it, not a user
+
+
+def test_turns_paths_are_per_app() -> None:
+    a, b = turns_path("pdserve-8000", "/tmp"), turns_path("pdserve-8001", "/tmp")
+    assert a != b and a.startswith("/tmp/") and turns_path("../x y", "/tmp").startswith("/tmp/pdserve-cpu-turns-")
+
+
+@pytest.mark.parametrize(("sharing", "workers", "turns", "threads"), [
+    (CpuSharing.AUTO, 2, True, 8), (CpuSharing.AUTO, 1, False, 8), (CpuSharing.SPLIT, 2, False, 4),
+    (CpuSharing.TURNS, 1, True, 8), (CpuSharing.TURNS, 3, True, 8)])
+def test_cpu_workers_share_by_turns_or_split(sharing: CpuSharing, workers: int, turns: bool, threads: int) -> None:
+    share = worker_share("auto", workers, {"CPU": 8}, sharing)
+    assert (share.turns, share.threads) == (turns, threads)
+
+
+def test_gpu_workers_never_take_turns() -> None:
+    share = worker_share("auto", 2, {"CPU": 8, "GPU": 2}, CpuSharing.TURNS)
+    assert not share.turns and share.options == {"num_gpus": 1}
+
+
+def test_the_serve_setting_names_its_choices() -> None:
+    from pdserve.cluster.serve_config import ServeConfig
+
+    assert ServeConfig(EngineConfig(model="m"), cpu_sharing="split").cpu_sharing is CpuSharing.SPLIT  # type: ignore[arg-type]
+    assert ServeConfig(EngineConfig(model="m")).cpu_sharing is CpuSharing.AUTO
+    with pytest.raises(ValueError, match="cpu_sharing: must be one of auto, turns, split"):
+        ServeConfig(EngineConfig(model="m"), cpu_sharing="sometimes")  # type: ignore[arg-type]

@@ -1,0 +1,128 @@
+"""Workers that share a CPU node's cores take turns at them, each using all of them in its turn.
+
+Why: a prefill and a decode worker on one small CPU node each got half the cores. A decode
+step is bound by streaming the weights, which one core does at well under the node's
+bandwidth, and the decode worker idles no less while the prefill worker has no prompt: the
+default 1 prefill + 1 decode on two cores served at 0.65x of one engine on both
+(docs/serving-profile.md). Giving both workers every core instead made them fight: each
+model's OpenMP threads wait at barriers for a core the other process holds. Taking turns
+keeps the disaggregated shape (separate engines, KV handed over, each pool scaled and
+restarted on its own) while each forward runs alone on all the cores, as one colocated
+engine's does.
+
+How: an exclusive `flock` on a file that the workers of one serving app on one node share,
+held for each engine step's model work. The kernel drops a dead holder's lock, so a killed
+worker never wedges the others. Fairness: a worker that wants the turn holds a shared lock
+on a second file while it waits; a holder that finishes a step and sees a waiter gives it
+the turn (waits, bounded, until the waiter has taken it) before taking another. Every wait
+has a deadline: past it the step runs without the turn (logged), which is the old sharing
+at worst.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import time
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+ACQUIRE_DEADLINE_S = 30.0  # a step far longer than any step: the holder is stuck; go without the turn
+HANDOFF_DEADLINE_S = 0.05  # how long a holder waits for a waiter to take the turn it gave
+POLL_S = (0.0001, 0.001)  # first and longest sleep between tries
+
+
+class CpuTurns:
+    """A context manager: `with turns:` around a step's model work. Not thread-safe (one engine
+    thread uses it); `stats()` may be read from any thread."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._turn = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self._want = os.open(path + ".want", os.O_RDWR | os.O_CREAT, 0o600)
+        self._held = False
+        self.turns = 0
+        self.waited_s = 0.0  # time spent waiting for the turn, over all turns
+        self.given = 0  # turns handed to a waiting worker
+        self.missed = 0  # steps run without the turn (deadline passed)
+
+    def __enter__(self) -> CpuTurns:
+        start = time.perf_counter()
+        if not _try(self._turn, fcntl.LOCK_EX):
+            fcntl.flock(self._want, fcntl.LOCK_SH)  # tell the holder someone waits
+            try:
+                self._held = _poll(self._turn, fcntl.LOCK_EX, start + ACQUIRE_DEADLINE_S)
+            finally:
+                fcntl.flock(self._want, fcntl.LOCK_UN)
+            if not self._held:
+                self.missed += 1
+                log.warning("no CPU turn within %.0f s (%s): running this step without it", ACQUIRE_DEADLINE_S,
+                            self.path)
+        else:
+            self._held = True
+        self.waited_s += time.perf_counter() - start
+        self.turns += 1
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._held:
+            return
+        fcntl.flock(self._turn, fcntl.LOCK_UN)
+        self._held = False
+        if not _try(self._want, fcntl.LOCK_EX):  # a worker is waiting: let it in before our next step
+            self.given += 1
+            _poll(self._want, fcntl.LOCK_EX, time.perf_counter() + HANDOFF_DEADLINE_S)
+        fcntl.flock(self._want, fcntl.LOCK_UN)
+
+    def stats(self) -> dict[str, float]:
+        return {"turns": self.turns, "waited_s": self.waited_s, "given": self.given, "missed": self.missed}
+
+    def close(self) -> None:
+        for fd in (self._turn, self._want):
+            try:
+                os.close(fd)  # closing drops any lock this process holds on it
+            except OSError:
+                pass
+
+
+def _try(fd: int, kind: int) -> bool:
+    try:
+        fcntl.flock(fd, kind | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _poll(fd: int, kind: int, deadline: float) -> bool:
+    """Take the lock, trying with growing sleeps until `deadline`; whether it was taken."""
+    sleep = POLL_S[0]
+    while not _try(fd, kind):
+        if time.perf_counter() >= deadline:
+            return False
+        time.sleep(sleep)
+        sleep = min(POLL_S[1], sleep * 2)
+    return True
+
+
+def turns_path(app: str, directory: str | None = None) -> str:
+    """The lock file the workers of serving app `app` share on this node."""
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in app) or "app"
+    return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-turns-{safe}.lock")
+
+
+def node_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _runtime_dir() -> str:
+    for d in ("/dev/shm", os.environ.get("TMPDIR", "/tmp")):
+        if os.path.isdir(d) and os.access(d, os.W_OK):
+            return d
+    return "/tmp"
+
+
+__all__ = ["CpuTurns", "node_cores", "turns_path"]
