@@ -8,7 +8,9 @@ default 1 prefill + 1 decode on two cores served at 0.65x of one engine on both
 model's OpenMP threads wait at barriers for a core the other process holds. Taking turns
 keeps the disaggregated shape (separate engines, KV handed over, each pool scaled and
 restarted on its own) while each forward runs alone on all the cores, as one colocated
-engine's does.
+engine's does. Measured on 2 cores beside vLLM: 0.85x in turns, 0.82x split (once the
+decode step itself got faster), in separate sittings: no clear gain, so it is opt-in
+(`--cpu-sharing turns`; docs/serving-profile.md).
 
 How: an exclusive `flock` on a file that the workers of one serving app on one node share,
 held for each engine step's model work. The kernel drops a dead holder's lock, so a killed

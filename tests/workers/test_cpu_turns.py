@@ -151,7 +151,7 @@ def test_turns_paths_are_per_app() -> None:
 
 
 @pytest.mark.parametrize(("sharing", "workers", "turns", "threads"), [
-    (CpuSharing.AUTO, 2, True, 8), (CpuSharing.AUTO, 1, False, 8), (CpuSharing.SPLIT, 2, False, 4),
+    (CpuSharing.SPLIT, 2, False, 4), (CpuSharing.SPLIT, 1, False, 8), (CpuSharing.SPLIT, 3, False, 2),
     (CpuSharing.TURNS, 1, True, 8), (CpuSharing.TURNS, 3, True, 8)])
 def test_cpu_workers_share_by_turns_or_split(sharing: CpuSharing, workers: int, turns: bool, threads: int) -> None:
     share = worker_share("auto", workers, {"CPU": 8}, sharing)
@@ -166,7 +166,7 @@ def test_gpu_workers_never_take_turns() -> None:
 def test_the_serve_setting_names_its_choices() -> None:
     from pdserve.cluster.serve_config import ServeConfig
 
-    assert ServeConfig(EngineConfig(model="m"), cpu_sharing="split").cpu_sharing is CpuSharing.SPLIT  # type: ignore[arg-type]
-    assert ServeConfig(EngineConfig(model="m")).cpu_sharing is CpuSharing.AUTO
-    with pytest.raises(ValueError, match="cpu_sharing: must be one of auto, turns, split"):
+    assert ServeConfig(EngineConfig(model="m"), cpu_sharing="turns").cpu_sharing is CpuSharing.TURNS  # type: ignore[arg-type]
+    assert ServeConfig(EngineConfig(model="m")).cpu_sharing is CpuSharing.SPLIT
+    with pytest.raises(ValueError, match="cpu_sharing: must be one of split, turns"):
         ServeConfig(EngineConfig(model="m"), cpu_sharing="sometimes")  # type: ignore[arg-type]
