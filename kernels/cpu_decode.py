@@ -127,22 +127,21 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
         to_float(qp + (i * H + g0 * G) * D, qf.data(), hq * D);
         for (int64_t x = 0; x < hq * D; ++x) qf[x] *= s;
         scores.resize(hq * L);
-        const int64_t nblk = (L + bs - 1) / bs;
-        for (int64_t bi = 0; bi < nblk; ++bi) {
-          const int64_t t0 = bi * bs, m = std::min(bs, L - t0);
-          const T* base = kcp + static_cast<int64_t>(btab[bi]) * bs * row;
-          if (bi + 1 < nblk) {  // the next block is elsewhere in the pool: ask for it early
-            prefetch(kcp + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
+        // Each of the sequence's L rows of `cache`, as float32 in kf, this task's KV heads only: block
+        // by block (one table lookup each), the next block prefetched (it is elsewhere in the pool).
+        auto each_row = [&](const T* cache, auto&& use) {
+          for (int64_t t0 = 0, bi = 0; t0 < L; t0 += bs, ++bi) {
+            const T* base = cache + static_cast<int64_t>(btab[bi]) * bs * row;
+            if (t0 + bs < L) prefetch(cache + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
+            for (int64_t j = 0, m = std::min(bs, L - t0); j < m; ++j) {
+              to_float(base + j * row + g0 * D, kf.data(), per_task * D);
+              use(t0 + j);
+            }
           }
-          for (int64_t j = 0; j < m; ++j) {
-            to_float(base + j * row + g0 * D, kf.data(), per_task * D);
-            for (int64_t g = 0; g < per_task; ++g)
-              for (int64_t h = 0; h < G; ++h) {
-                const int64_t qh = g * G + h;
-                scores[qh * L + t0 + j] = dot(qf.data() + qh * D, kf.data() + g * D, D);
-              }
-          }
-        }
+        };
+        each_row(kcp, [&](int64_t t) {
+          for (int64_t qh = 0; qh < hq; ++qh) scores[qh * L + t] = dot(qf.data() + qh * D, kf.data() + qh / G * D, D);
+        });
         for (int64_t h = 0; h < hq; ++h) {
           float* sc = scores.data() + h * L;
           float mx = sc[0];  // no infinities anywhere: the build may assume finite math
@@ -153,21 +152,9 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
           for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
         }
         std::fill(acc.begin(), acc.begin() + hq * D, 0.f);
-        for (int64_t bi = 0; bi < nblk; ++bi) {
-          const int64_t t0 = bi * bs, m = std::min(bs, L - t0);
-          const T* base = vcp + static_cast<int64_t>(btab[bi]) * bs * row;
-          if (bi + 1 < nblk) {
-            prefetch(vcp + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
-          }
-          for (int64_t j = 0; j < m; ++j) {
-            to_float(base + j * row + g0 * D, kf.data(), per_task * D);
-            for (int64_t g = 0; g < per_task; ++g)
-              for (int64_t h = 0; h < G; ++h) {
-                const int64_t qh = g * G + h;
-                axpy(scores[qh * L + t0 + j], kf.data() + g * D, acc.data() + qh * D, D);
-              }
-          }
-        }
+        each_row(vcp, [&](int64_t t) {
+          for (int64_t qh = 0; qh < hq; ++qh) axpy(scores[qh * L + t], kf.data() + qh / G * D, acc.data() + qh * D, D);
+        });
         for (int64_t x = 0; x < hq * D; ++x) orow[x] = static_cast<T>(acc[x]);
       }
     }

@@ -53,11 +53,13 @@ class CpuTurns:
     def __enter__(self) -> CpuTurns:
         start = time.perf_counter()
         if not _try(self._turn, fcntl.LOCK_EX):
-            fcntl.flock(self._want, fcntl.LOCK_SH)  # tell the holder someone waits
+            # Tell the holder someone waits (a holder keeps `want` exclusive only while it hands over).
+            wants = _poll(self._want, fcntl.LOCK_SH, start + HANDOFF_DEADLINE_S)
             try:
                 self._held = _poll(self._turn, fcntl.LOCK_EX, start + ACQUIRE_DEADLINE_S)
             finally:
-                fcntl.flock(self._want, fcntl.LOCK_UN)
+                if wants:
+                    fcntl.flock(self._want, fcntl.LOCK_UN)
             if not self._held:
                 self.missed += 1
                 log.warning("no CPU turn within %.0f s (%s): running this step without it", ACQUIRE_DEADLINE_S,

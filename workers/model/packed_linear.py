@@ -59,7 +59,6 @@ class PackedLinear(nn.Module):
         with _lock:
             self.handle = next(_handles)
             _weights[self.handle] = packed
-        self.dtype = layer.weight.dtype
         weakref.finalize(self, _weights.pop, self.handle, None)
 
     @property
