@@ -214,11 +214,20 @@ COUNTERS = {
 }
 
 
+# The dtype of the server and of the oracle. The exact-text check needs outputs that do
+# not depend on which requests share a step: float32 on CPU gives that; bfloat16 (the
+# CPU default where the CPU has AVX512-BF16 or AMX) does not: on the Intel Xeon with AMX,
+# 5-9 of 16 greedy outputs of 96 tokens differed between batch 16 and batch 1 (compiled
+# or eager, packed linears or not), as vLLM's outputs do by default.
+EXACT_DTYPE = "float32"
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     """How the harness runs `pdserve serve` (flags beyond these go in `extra`)."""
 
     model: str
+    dtype: str = EXACT_DTYPE
     prefill: int = 1
     decode: int = 2
     ingress: str = "haproxy"
@@ -285,7 +294,8 @@ class Server:
         return [*pdserve_command(), "serve", "--model", o.model, "--prefill", str(o.prefill), "--decode",
                 str(o.decode), "--ingress", o.ingress, "--port", str(p.http), "--haproxy-metrics-port", str(p.metrics),
                 "--haproxy-stats-port", str(p.stats), "--haproxy-fallback-port", str(p.fallback),
-                "--max-model-len", str(o.max_model_len), "--request-timeout", f"{o.request_timeout:g}", *o.extra]
+                "--max-model-len", str(o.max_model_len), "--request-timeout", f"{o.request_timeout:g}",
+                "--dtype", o.dtype, *o.extra]
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -548,10 +558,11 @@ class Probe:
 
 
 def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: tuple[int, int] = (40, 120),
-                max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000)) -> list[Probe]:
+                max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000),
+                dtype: str = EXACT_DTYPE) -> list[Probe]:
     """`count` prompts of random token ids (lengths in `prompt_len`: over the router's
     16-token local-prefill threshold, so they are handed off) with their greedy
-    completions from the offline engine on the same model."""
+    completions from the offline engine on the same model, in `dtype` (the server's)."""
     import torch
 
     from pdserve import LLM, SamplingParams
@@ -561,7 +572,7 @@ def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: 
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(2, threads)))
     try:
-        llm = LLM(model, max_model_len=max_model_len, progress=False)
+        llm = LLM(model, max_model_len=max_model_len, dtype=dtype, progress=False)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     finally:
         torch.set_num_threads(threads)
@@ -895,7 +906,7 @@ class Harness:
         if name not in self.extra_probes:
             seed = 1000 + len(self.extra_probes)
             self.extra_probes[name] = make_probes(self.server.opts.model, count, seed, max_tokens, prompt_len,
-                                                  self.server.opts.max_model_len)
+                                                  self.server.opts.max_model_len, dtype=self.server.opts.dtype)
         return self.extra_probes[name]
 
     def take(self, n: int) -> int:
