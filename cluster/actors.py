@@ -317,8 +317,9 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
     # Workers share the node's cores: more threads than cores makes OpenMP
     # threads spin against each other (docs/benchmarks-engine.md). Set here too:
     # the AsyncEngine's thread takes this thread's count. Workers that take turns
-    # (workers/cpu_turns.py) each run on all of this node's cores, and no more.
-    if config.cpu_turns is not None:
+    # (workers/cpu_turns.py) each run on all of this node's cores, and no more; so
+    # does a lending worker's share (workers/cpu_lending.py).
+    if config.cpu_turns is not None or config.cpu_lending is not None:
         torch_threads = max(1, min(torch_threads, node_cores()))
     torch.set_num_threads(torch_threads)
     # Built on a thread that exits: the engine thread is then this process's only

@@ -252,8 +252,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "else one on all the CPU's cores)")
     srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
     srv.add_argument("--cpu-sharing", default=_SETTING,
-                     help="CPU workers on one node: split (default: an equal share of the cores each, all at "
-                          "once) or turns (each step on all the cores, one worker at a time)")
+                     help="CPU workers on one node: lend (default: an equal share of the cores each, but a "
+                          "step on all of them while the other workers are idle), split (the share, always) or "
+                          "turns (each step on all the cores, one worker at a time)")
     srv.add_argument("--ingress", default=_SETTING,
                      help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
                           "Ray only: a running cluster keeps the ingress it was started with)")

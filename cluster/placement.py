@@ -28,12 +28,14 @@ amounts count per actor, as Ray's do.
 `CUDA_VISIBLE_DEVICES`; the engine's `cuda` is that GPU). `device: cuda` on a cluster
 without a GPU is an error, not CPU workers; `device: cpu` never asks for a GPU.
 
-**CPU cores.** Workers on a CPU cluster share its nodes' cores in one of two ways
-(`cpu_sharing`): `split` (the default) gives each worker an equal share of the threads,
-all running at once; `turns` gives every worker all of its node's cores and has the
-workers of a node take turns at them, step by step (workers/cpu_turns.py). On a 2-core
-node turns served 0.85x of vLLM where split served 0.82x, each beside vLLM in its own
-sitting: no clear gain yet, so not the default (docs/serving-profile.md).
+**CPU cores.** Workers on a CPU cluster share its nodes' cores in one of three ways
+(`cpu_sharing`): `lend` (the default) is split while the node's workers all have work,
+and all the cores for a step of a worker whose neighbours are idle
+(workers/cpu_lending.py); `split` gives each worker an equal share of the threads, all
+running at once; `turns` gives every worker all of its node's cores and has the workers
+of a node take turns at them, step by step (workers/cpu_turns.py). On a 2-core node,
+beside vLLM, lend served 0.93-0.95x where split served 0.80-0.91x (alternating
+sittings), turns 0.85x (docs/serving-profile.md).
 """
 
 from __future__ import annotations
@@ -133,25 +135,27 @@ def check_resources(name: str, value: Any) -> dict[str, float] | None:
 
 
 class CpuSharing(str, enum.Enum):
-    SPLIT = "split"  # an equal share of the threads each, all at once (the default)
+    SPLIT = "split"  # an equal share of the threads each, all at once
     TURNS = "turns"  # every worker all of its node's cores, one step at a time
+    LEND = "lend"  # split, but all the node's cores for a step while the node's other workers are idle (default)
 
 
 @dataclass(frozen=True)
 class WorkerShare:
     """What each worker actor asks Ray for, the torch threads it runs, and whether the
     workers take turns at their node's cores (then `threads` is capped, on each worker,
-    by its own node's cores)."""
+    by its own node's cores) or lend them to each other (`threads` is the share)."""
 
     options: dict[str, Any]  # num_gpus or num_cpus: Ray actor options
     threads: int
     turns: bool = False
+    lend: bool = False
 
 
 def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
                  sharing: CpuSharing = CpuSharing.SPLIT) -> WorkerShare:
     """One GPU per worker on a cluster that has GPUs (`cluster`: `ray.cluster_resources()`),
-    else a share of its CPUs, split or in turns (`sharing`). ValueError, naming `device`,
+    else a share of its CPUs, split, in turns or lent (`sharing`). ValueError, naming `device`,
     where the device asks for a GPU that the cluster does not have."""
     gpus = cluster.get("GPU", 0)
     if device.startswith("cuda"):
@@ -166,7 +170,8 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     cpus = max(1, int(cluster.get("CPU", 1)))
     per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
     turns = sharing is CpuSharing.TURNS
-    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else max(1, cpus // num_workers), turns=turns)
+    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else max(1, cpus // num_workers), turns=turns,
+                       lend=sharing is CpuSharing.LEND)
 
 
 def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:

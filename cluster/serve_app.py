@@ -15,6 +15,7 @@ from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.workers.cpu_lending import lending_dir
 from pdserve.workers.cpu_turns import turns_path
 
 if TYPE_CHECKING:
@@ -92,6 +93,8 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))
+    elif share.lend:  # likewise one directory per app and node
+        engine = dataclasses.replace(engine, cpu_lending=lending_dir(f"{NAMESPACE}-{cfg.port}"))
     # A crashed worker (or one whose engine thread died: it exits) is restarted by
     # Ray under the same name and handle; the gateway re-admits it when it answers.
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.

@@ -87,8 +87,8 @@ class ServeConfig:
     metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256
     transport: Transport = Transport.ZMQ
-    # How CPU workers share a node's cores (cluster/placement.py): split or turns.
-    cpu_sharing: CpuSharing = CpuSharing.SPLIT
+    # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
+    cpu_sharing: CpuSharing = CpuSharing.LEND
     ingress: Ingress = Ingress.HAPROXY
     router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # The address every data-plane socket binds and advertises (decode workers' KV

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns
 from pdserve.workers.messages import FailReason
 from pdserve.workers.stats import EngineSnapshot
@@ -77,7 +78,8 @@ class WorkerMetrics:
         self.counts = counts
         self.registry = CollectorRegistry()
         self._sample = EngineSnapshot()
-        self._turns: dict[str, float] = {}  # the engine's CPU turns (workers/cpu_turns.py), if it takes them
+        # The engine's CPU turns or lending (workers/cpu_turns.py, cpu_lending.py), if it takes or lends.
+        self._turns: dict[str, float] = {}
         self._positions = num_speculative_tokens
         labels = (self.pool.value, worker)
 
@@ -129,7 +131,7 @@ class WorkerMetrics:
     def sample(self, engine: LLMEngine) -> None:
         """Engine thread: refresh the counters and gauges `render` exports."""
         self._sample = engine.snapshot()
-        if isinstance(engine.cpu_turn, CpuTurns):
+        if isinstance(engine.cpu_turn, CpuTurns | CpuLending):
             self._turns = engine.cpu_turn.stats()
 
     # -- output ----------------------------------------------------------------
@@ -181,9 +183,12 @@ class _EngineCollector:
         yield per_pos
 
         yield counter("pdserve:cpu_turn_wait_seconds", "Seconds the engine waited for its turn at the node's cores "
-                      "(CPU workers in turns; 0 otherwise)", o._turns.get("waited_s", 0.0))
-        yield counter("pdserve:cpu_turns_missed", "Engine steps run without their turn: none came within the "
-                      "deadline (a stuck worker on the node)", o._turns.get("missed", 0))
+                      "(CPU workers in turns), or for a neighbour's wide step to end (lending); 0 otherwise",
+                      o._turns.get("waited_s", 0.0))
+        yield counter("pdserve:cpu_turns_missed", "Engine steps run without their turn (or lock, lending): none came "
+                      "within the deadline (a stuck worker on the node)", o._turns.get("missed", 0))
+        yield counter("pdserve:cpu_wide_steps", "Engine steps run on all the node's cores while its other workers "
+                      "were idle (CPU workers lending; 0 otherwise)", o._turns.get("wide_steps", 0))
 
         c = o.counts()
         yield gauge("pdserve:num_requests_awaiting_kv",

@@ -418,6 +418,7 @@ class AsyncEngine:
     def _step(self) -> bool:
         """One engine step, its outputs delivered; whether it ran the model."""
         if not self.engine.has_unfinished_requests():
+            self.engine.cpu_idle()  # e.g. its last request was aborted between steps
             return False
         steps = self.engine.stats.steps
         for out in self.engine.step():

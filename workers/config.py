@@ -85,6 +85,10 @@ class EngineConfig:
     # work on all of them in its turn (workers/cpu_turns.py); None: no turns. Set by the
     # cluster for CPU workers that share a node (cluster/placement.py), not by users.
     cpu_turns: str | None = None
+    # A directory through which engines sharing this machine's cores lend them: each step
+    # on all of them while the others are idle, on this thread's share otherwise
+    # (workers/cpu_lending.py); None: no lending. Set by the cluster, like cpu_turns.
+    cpu_lending: str | None = None
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -111,6 +115,10 @@ class EngineConfig:
             raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")
         if self.cpu_turns is not None and (not isinstance(self.cpu_turns, str) or not self.cpu_turns):
             raise ValueError(f"cpu_turns: must be a lock file's path or None, got {self.cpu_turns!r}")
+        if self.cpu_lending is not None and (not isinstance(self.cpu_lending, str) or not self.cpu_lending):
+            raise ValueError(f"cpu_lending: must be a directory's path or None, got {self.cpu_lending!r}")
+        if self.cpu_turns is not None and self.cpu_lending is not None:
+            raise ValueError("cpu_turns, cpu_lending: an engine takes turns or lends, not both")
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.spec_ngram_max < self.spec_ngram_min:
@@ -120,7 +128,8 @@ class EngineConfig:
     @classmethod
     def settings(cls) -> frozenset[str]:
         """The fields a user sets (flags, YAML, `LLM(...)`); the rest are the workers' own."""
-        return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns"}
+        return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns",
+                                                                   "cpu_lending"}
 
 
 def enum_member(name: str, kind: type[enum.Enum], value: Any) -> enum.Enum:

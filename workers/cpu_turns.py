@@ -10,7 +10,8 @@ keeps the disaggregated shape (separate engines, KV handed over, each pool scale
 restarted on its own) while each forward runs alone on all the cores, as one colocated
 engine's does. Measured on 2 cores beside vLLM: 0.85x in turns, 0.82x split (once the
 decode step itself got faster), in separate sittings: no clear gain, so it is opt-in
-(`--cpu-sharing turns`; docs/serving-profile.md).
+(`--cpu-sharing turns`; docs/serving-profile.md); lending (workers/cpu_lending.py), the
+default, gained more.
 
 How: an exclusive `flock` on a file that the workers of one serving app on one node share,
 held for each engine step's model work. The kernel drops a dead holder's lock, so a killed
@@ -113,8 +114,11 @@ def _poll(fd: int, kind: int, deadline: float) -> bool:
 
 def turns_path(app: str, directory: str | None = None) -> str:
     """The lock file the workers of serving app `app` share on this node."""
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in app) or "app"
-    return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-turns-{safe}.lock")
+    return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-turns-{_safe_name(app)}.lock")
+
+
+def _safe_name(app: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in app) or "app"
 
 
 def node_cores() -> int:

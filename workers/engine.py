@@ -25,7 +25,8 @@ from transformers import AutoTokenizer
 from pdserve.workers import cuda_graphs
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.cpu_turns import CpuTurns
+from pdserve.workers.cpu_lending import CpuLending
+from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.handoff import Resume
 from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
@@ -82,19 +83,26 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
-        setup.compile_runner(config, self.runner, backend)
+        # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
+        threads = torch.get_num_threads()
+        lending = (CpuLending(config.cpu_lending, threads, node_cores(), self._has_steps_to_run)
+                   if config.cpu_lending and node_cores() > threads else None)  # else nothing to lend
+        self._lending = lending
+        thread_counts = lending.thread_counts if lending else (threads,)
+        setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
         self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
         self.spec = setup.make_speculator(config, draft, self.dtype, self.device, backend, self.num_kv_blocks,
-                                          self.max_model_len)
+                                          self.max_model_len, thread_counts)
         self._eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
-        # Turns at the cores with the other engines on this machine (workers/cpu_turns.py), if any.
+        # Turns at the cores with the other engines on this machine (workers/cpu_turns.py), or
+        # lending them (workers/cpu_lending.py), if any.
         self.cpu_turn: AbstractContextManager[object] = (CpuTurns(config.cpu_turns) if config.cpu_turns
-                                                         else contextlib.nullcontext())
+                                                         else lending or contextlib.nullcontext())
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
 
@@ -136,6 +144,16 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def _has_steps_to_run(self) -> bool:
+        """Requests a step can run now (not those waiting for their KV from a prefill worker)."""
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    def cpu_idle(self) -> None:
+        """Nothing to step: a lending engine leaves its node's cores to its neighbours
+        (workers/cpu_lending.py). Cheap; a no-op otherwise."""
+        if self._lending is not None:
+            self._lending.idle()
 
     # -- the handoff ----------------------------------------------------------
 
@@ -216,8 +234,9 @@ class LLMEngine:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         sched = self._schedule()
         if not sched.scheduled:
+            self.cpu_idle()
             return outputs
-        with self.cpu_turn:  # the model's work (and the draft's, in _after_step) on all the cores
+        with self.cpu_turn:  # the model's work (and the draft's, in _after_step), on the cores it may use
             start = time.perf_counter()
             result = self.runner.execute(sched.scheduled)
             work = self._advance(sched)

@@ -150,13 +150,16 @@ def _log_plan(config: EngineConfig, memory: DeviceMemory, per_block: int, blocks
                 f"{_gib(blocks * per_block)} ({blocks} blocks of {per_block} bytes)")
 
 
-def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend) -> None:
+def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend,
+                   thread_counts: tuple[int, ...] = ()) -> None:
     """Unless `enforce_eager`: run `runner`'s model through its compiled graph,
-    compiled and warmed up now (CPU; eager where that is not possible)."""
+    compiled and warmed up now (CPU; eager where that is not possible), for each of
+    `thread_counts` the engine steps at (default: this thread's)."""
     if config.enforce_eager:
         return
     forward = compile_forward(runner.model, backend, runner.kv_caches, config.block_size,
-                              config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg))
+                              config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg),
+                              thread_counts)
     if forward is not None:
         runner.forward = forward
 
@@ -171,7 +174,7 @@ def prepare_attention(config: EngineConfig, backend: AttentionBackend, device: t
 
 def make_speculator(config: EngineConfig, draft: LlamaForCausalLM | None, dtype: torch.dtype,
                     device: torch.device, backend: AttentionBackend, kv_blocks: int,
-                    max_model_len: int) -> Speculator | None:
+                    max_model_len: int, thread_counts: tuple[int, ...] = ()) -> Speculator | None:
     """The speculator `config.speculative` asks for (None: no speculative decoding);
     `draft`: the draft model `load_draft` loaded."""
     proposer: Proposer
@@ -181,7 +184,7 @@ def make_speculator(config: EngineConfig, draft: LlamaForCausalLM | None, dtype:
         assert draft is not None, "speculative='draft' without its model (load_draft)"
         proposer = DraftModelProposer(draft, dtype, device, kv_blocks, config.block_size, max_model_len,
                                       config.max_num_batched_tokens, config.max_num_seqs)
-        compile_runner(config, proposer.runner, backend)
+        compile_runner(config, proposer.runner, backend, thread_counts)
     else:
         return None
     return Speculator(config, proposer, max_model_len)

@@ -46,7 +46,7 @@ WORKER_FAMILIES = [
     "pdserve:spec_decode_num_drafts", "pdserve:spec_decode_num_draft_tokens", "pdserve:spec_decode_num_accepted_tokens",
     "pdserve:spec_decode_num_accepted_tokens_per_pos", "pdserve:kv_transfer_bytes",
     "pdserve:kv_transfer_duration_seconds", "pdserve:kv_transfer_failures", "pdserve:cpu_turn_wait_seconds",
-    "pdserve:cpu_turns_missed",
+    "pdserve:cpu_turns_missed", "pdserve:cpu_wide_steps",
 ]
 
 

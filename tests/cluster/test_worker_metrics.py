@@ -328,3 +328,28 @@ def test_cpu_turn_counters_equal_the_engines_turns(model_dir: Path, tmp_path: Pa
     waited = value(s, "pdserve:cpu_turn_wait_seconds_total")
     assert waited == pytest.approx(e.cpu_turn.waited_s) and waited >= 0.1
     assert value(s, "pdserve:cpu_turns_missed_total") == 0
+    assert value(s, "pdserve:cpu_wide_steps_total") == 0
+
+
+def test_cpu_wide_steps_count_the_engines_lent_steps(model_dir: Path, tmp_path: Path) -> None:
+    """A lending engine (workers/cpu_lending.py) exports its wide steps and its waits."""
+    from pdserve.workers.cpu_lending import CpuLending
+
+    torch_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        llm = make_llm(model_dir, cpu_lending=str(tmp_path / "lend"))
+    finally:
+        torch.set_num_threads(torch_threads)
+    e = llm.engine
+    m = WorkerMetrics(Pool.DECODE, "d0")
+    llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    m.sample(e)
+    s = scrape(m)
+    assert isinstance(e.cpu_turn, CpuLending)
+    stats = e.cpu_turn.stats()
+    assert stats["steps"] >= 3
+    assert value(s, "pdserve:cpu_wide_steps_total") == stats["wide_steps"] == (stats["steps"] if e.cpu_turn.wide > 1
+                                                                                 else 0)
+    assert value(s, "pdserve:cpu_turn_wait_seconds_total") == pytest.approx(stats["waited_s"])
+    e.cpu_turn.close()

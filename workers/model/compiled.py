@@ -137,15 +137,24 @@ def warm_up(forward: CompiledForward, kv_caches: KVCaches, block_size: int, max_
 
 
 def compile_forward(model: torch.nn.Module, backend: AttentionBackend, kv_caches: KVCaches, block_size: int,
-                    max_tokens: int, device: torch.device, say: Callable[[str], None]) -> Forward | None:
-    """The compiled forward, warmed up; None (and why, through `say`) when it
-    cannot be used: the caller then runs the model eagerly."""
+                    max_tokens: int, device: torch.device, say: Callable[[str], None],
+                    thread_counts: tuple[int, ...] = ()) -> Forward | None:
+    """The compiled forward, warmed up at each of `thread_counts` (default: this
+    thread's; dynamo specialises graphs on the thread count); None (and why, through
+    `say`) when it cannot be used: the caller then runs the model eagerly."""
     if device.type != "cpu":
         return None  # CUDA has its own path (the Triton kernels); compiling it is untested there
     say("compiling the model (torch.compile; a first start takes a while, later ones use the cache) ...")
     try:
         forward = CompiledForward(model, backend)
-        seconds = warm_up(forward, kv_caches, block_size, max_tokens, device)
+        threads = torch.get_num_threads()
+        seconds = 0.0
+        try:
+            for count in thread_counts or (threads,):
+                torch.set_num_threads(count)
+                seconds += warm_up(forward, kv_caches, block_size, max_tokens, device)
+        finally:
+            torch.set_num_threads(threads)
     except Exception as e:  # noqa: BLE001 - any compile failure leaves a working eager engine
         log.warning("torch.compile failed, running the model eagerly: %s: %s", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")

@@ -1,0 +1,298 @@
+"""Engines sharing a CPU node lend each other its cores (workers/cpu_lending.py): a step on
+all of them while the neighbours are idle, the share while they have work; a worker that
+turns busy waits for at most the wide step then running; a dead neighbour lends its cores;
+a stuck one delays a step by at most the deadline; an engine compiles for both thread
+counts at start and steps wide alone, with the tokens a plain engine on all the cores gives."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.placement import CpuSharing, worker_share
+from pdserve.workers import cpu_lending
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.cpu_lending import CpuLending, lending_dir
+from pdserve.workers.cpu_turns import node_cores
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+class Worker:
+    """A CpuLending whose 'has work' is a flag the test sets."""
+
+    def __init__(self, directory: Path, share: int = 1, wide: int = 2) -> None:
+        self.work = True
+        self.lending = CpuLending(str(directory), share, wide, lambda: self.work)
+
+    def step(self) -> int:
+        """One step: the thread count it ran at."""
+        with self.lending:
+            return torch.get_num_threads()
+
+
+@pytest.fixture
+def threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_alone_a_worker_steps_on_all_the_cores(tmp_path: Path, threads: None) -> None:
+    torch.set_num_threads(1)
+    a = Worker(tmp_path)
+    assert [a.step() for _ in range(3)] == [2, 2, 2]
+    assert torch.get_num_threads() == 1  # back to its share between steps
+    assert a.lending.stats() == {"steps": 3, "wide_steps": 3, "waited_s": pytest.approx(0, abs=0.5), "missed": 0}
+    assert a.lending.thread_counts == (1, 2)
+    a.lending.close()
+
+
+def test_workers_with_work_step_at_their_shares_and_idle_ones_lend(tmp_path: Path, threads: None) -> None:
+    a, b = Worker(tmp_path), Worker(tmp_path)
+    assert a.step() == 2  # b has not stepped: not busy yet
+    assert b.step() == 1  # a has work
+    assert a.step() == 1  # so has b
+    a.work = False
+    assert a.step() == 1  # b is busy; a's step ends with no work: a stops being busy
+    assert b.step() == 2 and b.step() == 2  # a lends its core
+    a.work = True
+    assert a.step() == 1 and b.step() == 1  # a has work again
+    assert b.lending.wide_steps == 2 and a.lending.wide_steps == 1
+    a.lending.close()
+    assert b.step() == 2  # a closed (its engine went away): its busy file is gone
+    b.lending.close()
+    assert not [n for n in os.listdir(tmp_path) if n.startswith("busy-")]
+
+
+def test_a_worker_turning_busy_waits_for_the_wide_step_then_both_share(tmp_path: Path, threads: None) -> None:
+    a, b = Worker(tmp_path), Worker(tmp_path)
+    ran: list[int] = []
+    a.lending.__enter__()  # a's wide step is running
+    assert torch.get_num_threads() == 2
+    t = threading.Thread(target=lambda: ran.append(b.step()))
+    t.start()
+    t.join(timeout=0.3)
+    assert t.is_alive() and not ran  # b waits for a's step: two models never fight for the cores
+    a.lending.__exit__(None, None, None)
+    t.join(timeout=5)
+    assert ran == [1]
+    assert a.step() == 1  # b has work now: a steps at its share
+    assert b.lending.waited_s >= 0.3 and b.lending.missed == 0
+    a.lending.close()
+    b.lending.close()
+
+
+def test_concurrent_steps_never_run_wide_beside_another_step(tmp_path: Path, threads: None) -> None:
+    inside: list[int] = []
+    overlaps: list[tuple[int, ...]] = []
+    guard = threading.Lock()
+
+    def run(me: int) -> None:
+        w = Worker(tmp_path)
+        for i in range(40):
+            w.work = i % 3 != 0  # now and then idle after a step
+            with w.lending:
+                n = torch.get_num_threads()
+                with guard:
+                    inside.append(n)
+                    if len(inside) > 1 and 2 in inside:
+                        overlaps.append(tuple(inside))
+                time.sleep(0.0005)
+                with guard:
+                    inside.remove(n)
+        w.lending.close()
+
+    workers = [threading.Thread(target=run, args=(i,)) for i in range(3)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in workers)
+    assert overlaps == []
+
+
+def _hold(path: Path, kind: str) -> subprocess.Popen[str]:
+    """Another process holding `path` locked (LOCK_EX) until killed."""
+    code = (f"import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            f"fcntl.flock(fd, fcntl.LOCK_{kind}); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_dead_neighbour_lends_its_cores(tmp_path: Path, threads: None) -> None:
+    a = Worker(tmp_path)
+    holder = _hold(tmp_path / "busy-999999-1", "EX")  # a neighbour with work, by its busy lock
+    try:
+        (tmp_path / "busy-999999-1").rename(tmp_path / f"busy-{holder.pid}-1")  # named by its pid
+        assert a.step() == 1
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert a.step() == 2
+        assert not (tmp_path / f"busy-{holder.pid}-1").exists()  # its file cleared on the way
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        a.lending.close()
+
+
+def test_a_killed_wide_stepper_frees_the_node(tmp_path: Path, threads: None) -> None:
+    a = Worker(tmp_path)
+    holder = _hold(tmp_path / "wide.lock", "EX")
+    try:
+        got = threading.Event()
+        t = threading.Thread(target=lambda: (a.step(), got.set()))
+        t.start()
+        assert not got.wait(0.3)
+        os.kill(holder.pid, signal.SIGKILL)
+        assert got.wait(5)
+        t.join(timeout=5)
+        assert a.lending.missed == 0
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        a.lending.close()
+
+
+def test_a_stuck_wide_stepper_delays_a_step_by_the_deadline_at_most(tmp_path: Path, threads: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_lending, "ACQUIRE_DEADLINE_S", 0.2)
+    stuck, a = Worker(tmp_path), Worker(tmp_path)
+    stuck.lending.__enter__()
+    try:
+        start = time.perf_counter()
+        assert a.step() == 1
+        assert 0.2 <= time.perf_counter() - start < 2.0
+        assert a.lending.missed == 1
+    finally:
+        stuck.lending.__exit__(None, None, None)
+    stuck.lending.close()
+    a.lending.close()
+
+
+def test_shares_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="share"):
+        CpuLending(str(tmp_path), 0, 2, lambda: True)
+    with pytest.raises(ValueError, match="share"):
+        CpuLending(str(tmp_path), 3, 2, lambda: True)
+
+
+@pytest.mark.slow
+def test_an_engine_compiles_both_counts_and_steps_wide_alone(make_model: Callable[[TinyModelSpec], Path],
+                                                             tmp_path: Path, threads: None) -> None:
+    if node_cores() < 2:
+        pytest.skip("needs 2 cores")
+    model = str(make_model(tiny_spec()))
+    kw = dict(num_kv_blocks=32, max_model_len=128, enforce_eager=False)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    torch.set_num_threads(node_cores())
+    plain = [o.outputs[0].token_ids for o in LLM(model, **kw).generate(prompts, params)]  # type: ignore[arg-type]
+    torch.set_num_threads(1)
+    llm = LLM(model, cpu_lending=str(tmp_path / "lend"), **kw)  # type: ignore[arg-type]
+    lending = llm.engine.cpu_turn
+    assert isinstance(lending, CpuLending) and lending.thread_counts == (1, node_cores())
+    graphs = dict(torch._dynamo.utils.counters["stats"])
+    lent = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert dict(torch._dynamo.utils.counters["stats"]) == graphs  # both counts compiled at start, none while serving
+    assert lent == plain  # alone, every step ran on all the cores: the same graphs and tokens
+    assert lending.steps > 0 and lending.wide_steps == lending.steps
+    neighbour = Worker(tmp_path / "lend")
+    neighbour.step()  # a neighbour with work
+    llm.generate(prompts, params)
+    assert lending.wide_steps < lending.steps and neighbour.lending.stats()["wide_steps"] == 1
+    neighbour.lending.close()
+    lending.close()
+
+
+def test_cpu_lending_is_a_path_or_none_and_not_with_turns() -> None:
+    with pytest.raises(ValueError, match="cpu_lending"):
+        EngineConfig(model="m", cpu_lending="")
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(model="m", cpu_lending="/tmp/x", cpu_turns="/tmp/y")
+    assert "cpu_lending" not in EngineConfig.settings()  # the cluster sets it, not a user
+
+
+def test_lending_dirs_are_per_app() -> None:
+    a, b = lending_dir("pdserve-8000", "/tmp"), lending_dir("pdserve-8001", "/tmp")
+    assert a != b and lending_dir("../x y", "/tmp").startswith("/tmp/pdserve-cpu-lending-")
+    assert "/" not in lending_dir("../x y", "/tmp")[len("/tmp/"):]
+
+
+def test_lending_workers_get_their_split_share() -> None:
+    share = worker_share("auto", 2, {"CPU": 8}, CpuSharing.LEND)
+    assert (share.lend, share.turns, share.threads) == (True, False, 4)
+    assert not worker_share("auto", 2, {"CPU": 8, "GPU": 2}, CpuSharing.LEND).lend
+
+
+def test_an_engine_left_with_nothing_to_step_lends_its_cores(make_model: Callable[[TinyModelSpec], Path],
+                                                             tmp_path: Path, threads: None) -> None:
+    """Its last request aborted between steps: the engine is not busy any more, though it
+    never ran another step to say so (the async loop calls `cpu_idle`, as `step` does)."""
+    torch.set_num_threads(1)
+    llm = LLM(str(make_model(tiny_spec())), cpu_lending=str(tmp_path), num_kv_blocks=32, max_model_len=128)
+    engine, neighbour = llm.engine, Worker(tmp_path)
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.step()
+    assert neighbour.step() == 1  # the engine has work
+    engine.abort("r")
+    assert neighbour.step() == 1  # still marked busy: it has not looked since
+    engine.cpu_idle()
+    assert neighbour.step() == 2
+    engine.add_request("s", [5, 6, 7, 8], SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    engine.step()
+    assert neighbour.step() == 1
+    engine.abort("s")
+    engine.step()  # nothing to schedule: idle too
+    assert neighbour.step() == 2
+    neighbour.lending.close()
+    assert isinstance(engine.cpu_turn, CpuLending)
+    engine.cpu_turn.close()
+
+
+def test_a_stopped_wide_stepper_delays_one_step_not_each(tmp_path: Path, threads: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour stopped (SIGSTOP) inside its wide step keeps the lock: one step waits the
+    deadline, the next ones only try, until the lock is free again."""
+    monkeypatch.setattr(cpu_lending, "ACQUIRE_DEADLINE_S", 0.2)
+    holder = _hold(tmp_path / "wide.lock", "EX")
+    a = Worker(tmp_path)
+    try:
+        start = time.perf_counter()
+        assert a.step() == 1
+        assert time.perf_counter() - start >= 0.2
+        start = time.perf_counter()
+        assert [a.step() for _ in range(5)] == [1] * 5
+        assert time.perf_counter() - start < 0.2  # no more waiting
+        assert a.lending.missed == 6
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        assert a.step() == 2 and a.lending.missed == 6  # free again: back to normal
+        a.work = False
+        assert a.step() == 2  # and a is idle after it
+        b = Worker(tmp_path)
+        b.lending.__enter__()  # a wide step of a neighbour that is not stuck: waited for again
+        assert torch.get_num_threads() == 2
+        timer = threading.Timer(0.1, b.lending.__exit__, args=(None, None, None))
+        timer.start()
+        a.work = True
+        start = time.perf_counter()
+        assert a.step() == 1 and a.lending.missed == 6
+        assert time.perf_counter() - start >= 0.05
+        timer.join()
+        b.lending.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        a.lending.close()
