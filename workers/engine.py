@@ -85,9 +85,9 @@ class LLMEngine:
                                   config.max_num_seqs, self.max_model_len, self.device)
         # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
         threads = torch.get_num_threads()
-        lending = (CpuLending(config.cpu_lending, threads, node_cores(), self._has_steps_to_run)
-                   if config.cpu_lending and node_cores() > threads else None)  # else nothing to lend
-        self._lending = lending
+        cores = node_cores()
+        lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
+                   if config.cpu_lending and cores > threads else None)  # else nothing to lend
         thread_counts = lending.thread_counts if lending else (threads,)
         setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
@@ -152,8 +152,8 @@ class LLMEngine:
     def cpu_idle(self) -> None:
         """Nothing to step: a lending engine leaves its node's cores to its neighbours
         (workers/cpu_lending.py). Cheap; a no-op otherwise."""
-        if self._lending is not None:
-            self._lending.idle()
+        if isinstance(self.cpu_turn, CpuLending):
+            self.cpu_turn.idle()
 
     # -- the handoff ----------------------------------------------------------
 
