@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
                 table.append((cfg.label() + mark, _report(static_check.decode_report, cfg, head_dim=head_dim,
                                                           group=group, max_q=rows, dtype=dtype, arch=args.arch)))
             _print_rows(f"paged decode, head dim {head_dim}, {rows} query row(s) per sequence", table)
-        pdefault = configs.prefill_config(triton_next_pow2(group), head_dim, 1 << 14, dtype)
+        pdefault = configs.prefill_config(triton_next_pow2(group), head_dim, 1 << 14, dtype, args.arch)
         table = []
         for cfg in configs.PREFILL_SWEEP:
             mark = " (default)" if cfg == pdefault else ""

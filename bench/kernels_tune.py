@@ -112,14 +112,14 @@ class Sweep:
 
     def prefill(self, lengths: list[int]) -> None:
         from pdserve.kernels import configs
-        from pdserve.kernels.triton_prefill import prefill_attention
+        from pdserve.kernels.triton_prefill import device_arch, prefill_attention
 
         r, p = self.run, self.run.p
         scale = p.head_dim ** -0.5
         group_pad = 1 << max(0, (p.heads // p.kv_heads - 1).bit_length())
         for s in lengths:
             shape = f"1x{s}"
-            default = configs.prefill_config(group_pad, p.head_dim, s, p.dtype)
+            default = configs.prefill_config(group_pad, p.head_dim, s, p.dtype, device_arch(r.p.device))
             sweep = list(dict.fromkeys([default, *configs.PREFILL_SWEEP]))
             table, kc, vc = r.paged([s], fill=False)
             q = r.randn(s, p.heads, p.head_dim)

@@ -63,11 +63,17 @@ def decode_config(head_dim: int, dtype: torch.dtype) -> DecodeConfig:
     return DecodeConfig(tile_n=64, num_warps=4, num_stages=3)
 
 
-def prefill_config(group_pad: int, head_dim: int, max_query_len: int, dtype: torch.dtype) -> PrefillConfig:
-    """The default prefill config for chunks of up to `max_query_len` tokens."""
+def prefill_config(group_pad: int, head_dim: int, max_query_len: int, dtype: torch.dtype,
+                   arch: int = 0) -> PrefillConfig:
+    """The default prefill config for chunks of up to `max_query_len` tokens on compute
+    capability `arch` (90 for sm_90; 0 when unknown: a config that fits every supported card)."""
     # 128 rows for real prefill chunks; fewer for short ones so padding rows stay few.
     block_m = min(128, max(16, _next_pow2(max(1, max_query_len) * group_pad)))
-    tile_n = 64
+    # Hopper's and datacenter Blackwell's 227 KiB of shared memory hold three stages of 128-token
+    # K and V tiles (161 KiB at head_dim 128); on an H200 that is 1.14x the 64-token tile at 1x4k
+    # and 1.26x at 1x16k (docs/kernels.md "GPU numbers"). Ampere, Ada and sm_120 (99-163 KiB per
+    # program) keep 64.
+    tile_n = 128 if arch // 10 in (9, 10) and block_m >= 128 else 64
     if head_dim > 128 or dtype == torch.float32:
         # fp32 tiles are twice the bytes and its 3-pass dot splits each operand in two:
         # smaller tiles keep registers and shared memory in budget.

@@ -21,6 +21,8 @@ scale * log2(e) folded into one multiply; accumulation is fp32.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -155,6 +157,19 @@ def _prefill_kernel(
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
+@functools.cache
+def _arch_of(index: int) -> int:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major * 10 + minor
+
+
+def device_arch(device: torch.device) -> int:
+    """The compute capability the default config is chosen for (0 off CUDA: the interpreter)."""
+    if device.type != "cuda":
+        return 0
+    return _arch_of(device.index if device.index is not None else torch.cuda.current_device())
+
+
 def dot_precision(dtype: torch.dtype, cuda: bool) -> str | None:
     """fp16/bf16: None (the setting only matters for fp32 operands). fp32 must match an
     fp32 reference (no plain TF32): on NVIDIA the 3-pass TF32 dot (~fp32 accuracy on
@@ -205,7 +220,7 @@ def prefill_attention(
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    cfg = config or prefill_config(group_pad, head_dim, max_query_len, q.dtype)
+    cfg = config or prefill_config(group_pad, head_dim, max_query_len, q.dtype, device_arch(q.device))
     if block_m or tile_n:
         bm = block_m or cfg.block_m
         cfg = PrefillConfig(bm, tile_n or cfg.tile_n, 8 if bm >= 128 else 4, cfg.num_stages)

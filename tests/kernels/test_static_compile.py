@@ -35,7 +35,7 @@ REQUESTS = (
     + [_prefill(c) for c in configs.PREFILL_SWEEP]
     + [_decode(DECODE_DEFAULT), _decode(replace(DECODE_DEFAULT, num_stages=2))]
     + [_decode(configs.decode_config(d, torch.bfloat16), d, rows) for d, rows in ((128, 5), (64, 1), (64, 5))]
-    + [_prefill(configs.prefill_config(4, d, 1 << 14, torch.bfloat16), d) for d in (64, 128)]
+    + [_prefill(configs.prefill_config(4, d, 1 << 14, torch.bfloat16, 90), d) for d in (64, 128)]
     + [replace(_decode(DECODE_DEFAULT), arch=a) for a in (80, 86, 89)]
     + [replace(_prefill(configs.prefill_config(4, 128, 1 << 14, torch.bfloat16)), arch=a) for a in (80, 86, 89)]
 )
@@ -81,7 +81,7 @@ def test_decode_default_verify_rows_and_head_dim_64(reports, head_dim, rows):
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_prefill_default_uses_wgmma(reports, head_dim):
-    report = reports[_prefill(configs.prefill_config(4, head_dim, 1 << 14, torch.bfloat16), head_dim)]
+    report = reports[_prefill(configs.prefill_config(4, head_dim, 1 << 14, torch.bfloat16, 90), head_dim)]
     _ok(report)
     assert report.wgmma > 0 and report.mma_sync == 0, report.row()
 
