@@ -11,6 +11,8 @@ client) and how busy the machine was, and, from the workers' own step histograms
 (scraped through the gateway's /metrics), each engine's steps per second, mean
 step time and the share of the window its engine thread spent stepping. The
 load must outlast the window (5 s + `--window`): the table says whether it did.
+Per thread of the workers and the gateway replica (/proc/<pid>/task/<tid>/schedstat):
+the share of the window it ran, waited in the run queue for a core, or slept.
 Then the offline engine (`LLM.generate`,
 the same prompts, `max_num_seqs` = concurrency, 1 and 2 torch threads) in this
 process, for the ratio served / offline.
@@ -88,6 +90,46 @@ def cpu_snapshot() -> tuple[dict[str, tuple[str, float]], float, float]:
         procs[pid] = (cmd, (int(fields[11]) + int(fields[12])) / HZ)  # utime + stime
     cpu = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
     return procs, sum(cpu) / HZ, (cpu[3] + cpu[4]) / HZ
+
+
+# Processes whose threads get their own table: where each thread's wall time went.
+THREAD_GROUPS = ("DecodeService", "PrefillService", "ColocatedService", "EngineService", "ServeReplica")
+
+
+def thread_snapshot(groups: tuple[str, ...] = THREAD_GROUPS) -> dict[tuple[str, str], tuple[str, str, int, int]]:
+    """{(pid, tid): (group, thread name, ns on a CPU, ns runnable but waiting for one)} from
+    /proc/<pid>/task/<tid>/schedstat, for the processes of `groups`."""
+    out: dict[tuple[str, str], tuple[str, str, int, int]] = {}
+    for pid, (cmd, _) in cpu_snapshot()[0].items():
+        group = group_of(cmd)
+        if group not in groups:
+            continue
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                name = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+                on_cpu, waiting, _ = (int(x) for x in Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split())
+            except (OSError, ValueError):
+                continue
+            out[(pid, tid)] = (group, name, on_cpu, waiting)
+    return out
+
+
+def thread_table(before: dict[tuple[str, str], tuple[str, str, int, int]],
+                 after: dict[tuple[str, str], tuple[str, str, int, int]], wall: float) -> list[dict[str, Any]]:
+    """Per thread that ran >= 1% of the window: % of the wall time on a CPU, waiting in the run
+    queue (wanted a core, none free) and off both (sleeping, blocked: a lock, the GIL, I/O)."""
+    rows = []
+    for key, (group, name, on1, wait1) in after.items():
+        _, _, on0, wait0 = before.get(key, (group, name, 0, 0))
+        on, wait = (on1 - on0) / 1e9 / wall * 100, (wait1 - wait0) / 1e9 / wall * 100
+        if on >= 1.0:
+            rows.append({"group": group, "pid": key[0], "thread": name, "on_cpu_pct": round(on, 1),
+                         "runqueue_pct": round(wait, 1), "off_pct": round(max(0.0, 100 - on - wait), 1)})
+    return sorted(rows, key=lambda r: (r["group"], -r["on_cpu_pct"]))
 
 
 def group_of(cmd: str) -> str:
@@ -240,9 +282,9 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         scraped0 = scrape(a.port)
         spies = [spy(pid, group, a.window, tmp / f"py-spy-{mode.replace(':', '-')}-{group}.txt")
                  for group in a.py_spy for pid in pids_of(group)]
-        before, t0 = cpu_snapshot(), time.monotonic()
+        threads0, before, t0 = thread_snapshot(), cpu_snapshot(), time.monotonic()
         time.sleep(a.window)
-        after, wall = cpu_snapshot(), time.monotonic() - t0
+        after, threads1, wall = cpu_snapshot(), thread_snapshot(), time.monotonic() - t0
         scraped1 = scrape(a.port)
         still_running = client.poll() is None
         if not still_running:  # the CPU and step shares would count idle time after the load
@@ -256,7 +298,7 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
             print(f"[profile] {mode}: py-spy of {out.stem}:\n{summarize_spy(out)}", file=sys.stderr, flush=True)
         metrics = json.loads(result.read_text())["runs"][0]["summary"]
         return {"cpu": cpu_table(before, after, wall), "window_inside_run": still_running, "bench": metrics,
-                "engine": engine_table(scraped0, scraped1, wall)}
+                "engine": engine_table(scraped0, scraped1, wall), "threads": thread_table(threads0, threads1, wall)}
     finally:
         stop(server)
         log.close()
@@ -338,6 +380,14 @@ def main() -> int:
         for worker, e in results[mode]["engine"].items():
             print(f"| {mode} | {worker} | {e['steps_per_s']} | {e['step_ms']} | {e['in_steps_pct']} | "
                   f"{e['decode_batch']} | {e['prefill_tokens_per_step']} |")
+    print("\nThreads of the workers and the gateway over the same window, % of the wall time: on a CPU, "
+          "runnable but waiting for a core (run queue), neither (sleeping or blocked: I/O, a lock, the GIL):\n")
+    print("| mode | process | thread | on CPU % | run queue % | off % |")
+    print("|---|---|---|---:|---:|---:|")
+    for mode in a.modes.split(","):
+        for t in results[mode]["threads"]:
+            print(f"| {mode} | {t['group']} {t['pid']} | {t['thread']} | {t['on_cpu_pct']} | {t['runqueue_pct']} | "
+                  f"{t['off_pct']} |")
     if a.out:
         a.out.write_text(json.dumps(results, indent=2))
     return 0
