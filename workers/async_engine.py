@@ -33,6 +33,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.token_stream import GATEWAY_GONE_S, StreamLostError, TokenStreamPublisher
 
 T = TypeVar("T")
@@ -382,6 +383,7 @@ class AsyncEngine:
             _on_loop(loop, _settle, fut, None, error)
 
     def _run(self) -> None:
+        name_os_thread("pd-engine")
         torch.set_num_threads(self.torch_threads)
         try:
             idle = True

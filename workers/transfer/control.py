@@ -100,6 +100,7 @@ from pdserve.workers.messages import (
     decode_as,
     encode,
 )
+from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.transfer import auth, frames
 from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts, SeqWindow
 from pdserve.workers.transfer.base import KVSender, TransferError
@@ -240,6 +241,7 @@ class ReceiverControl:
     # -- I/O thread --------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_os_thread("pd-kv-recv")
         poller = zmq.Poller()
         poller.register(self._wake_rx, zmq.POLLIN)
         poller.register(self._sock, zmq.POLLIN)

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.streams import CopyStream
 
@@ -114,6 +115,7 @@ class SendQueue:
             self._thread.join(_JOIN_S)
 
     def _run(self) -> None:
+        name_os_thread("pd-kv-send")
         with self._stream if self._stream is not None else contextlib.nullcontext():
             self._serve()
 
