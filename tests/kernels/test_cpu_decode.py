@@ -118,6 +118,20 @@ def test_per_head_tasks_when_sequences_are_fewer_than_threads_give_the_same_resu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 128])  # the head dims compiled as constants (16 keys' dots summed at once)
+@pytest.mark.parametrize("bs", [8, 32])  # blocks shorter and longer than those 16 keys
+def test_unrolled_head_dims_match_float64_at_other_block_sizes_and_with_verification_rows(
+        dtype: torch.dtype, dim: int, bs: int) -> None:
+    lens, rows = [1, 7, 8, 9, 33, 70, 200], [1, 1, 1, 1, 4, 1, 8]
+    q, k, v, k_cache, v_cache, meta, full_k, full_v = decode_batch(lens, 8, 2, dim, bs, dtype, seed=dim + bs,
+                                                                   rows=rows)
+    assert cpu_decode.usable(q, k_cache, meta)
+    scale = dim ** -0.5
+    out = cpu_decode.paged_decode(q, k, v, k_cache, v_cache, meta, scale)
+    assert_causal_rows(out, q, lens, rows, full_k, full_v, meta, scale, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verification_rows_see_their_own_prefix_only(dtype: torch.dtype) -> None:
     """A verification step: a decode row, then sequences with k+1 new tokens (one with no context
     before them); row j of a sequence sees its keys up to its own position."""
