@@ -5,7 +5,7 @@ largest difference of their outputs (relative to the largest output).
 Each shape gets 30 caches (a model's layers), called in turn, so a step's KV is not all in L2 as it
 would be if one cache were called again and again.
 
-    python bench/cpu_decode_op.py [--against HEAD~1] [--threads 1]
+    python bench/cpu_decode_op.py [--against HEAD~1] [--threads 1] [--dtype bfloat16|float32|float16]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pdserve.kernels import cpu_decode
 
 # (query heads, KV heads, head dim, sequences, context): SmolLM2-135M at batch 8 and 1, the tiny
 # model at batch 16, a Llama-3-8B layer at batch 8.
-SHAPES = ((9, 3, 64, 8, 260), (9, 3, 64, 8, 1000), (9, 3, 64, 1, 300), (4, 2, 64, 16, 300), (32, 8, 128, 8, 500))
+SHAPES = ((9, 3, 64, 8, 260), (9, 3, 64, 8, 1000), (9, 3, 64, 1, 300), (8, 2, 32, 16, 300), (32, 8, 128, 8, 500))
 LAYERS = 30
 
 
@@ -43,14 +43,14 @@ def build(source: str, tag: str) -> ModuleType:
     return module
 
 
-def layer(heads: int, kv_heads: int, dim: int, n: int, context: int, bs: int = 16) -> tuple[Any, ...]:
+def layer(heads: int, kv_heads: int, dim: int, n: int, context: int, bs: int = 16,
+          dtype: torch.dtype = torch.bfloat16) -> tuple[Any, ...]:
     per = (context + bs - 1) // bs
     blocks = 2 * n * per
     tables = torch.randperm(blocks)[: n * per].view(n, per).int()  # scattered over the pool
-    kc = torch.randn(blocks, bs, kv_heads, dim).bfloat16()
-    vc = torch.randn(blocks, bs, kv_heads, dim).bfloat16()
-    q, k, v = torch.randn(n, heads, dim).bfloat16(), torch.randn(n, kv_heads, dim).bfloat16(), \
-        torch.randn(n, kv_heads, dim).bfloat16()
+    kc = torch.randn(blocks, bs, kv_heads, dim).to(dtype)
+    vc = torch.randn(blocks, bs, kv_heads, dim).to(dtype)
+    q, k, v = (torch.randn(n, h, dim).to(dtype) for h in (heads, kv_heads, kv_heads))
     lens = torch.full((n,), context, dtype=torch.int32)
     slots = tables[:, (context - 1) // bs].long() * bs + (context - 1) % bs
     return q, k, v, kc, vc, slots, tables, lens, torch.arange(n + 1, dtype=torch.int32), dim ** -0.5
@@ -70,17 +70,19 @@ def main() -> None:
     p.add_argument("--against", default="HEAD~1", help="git revision whose op to compare with")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     ops = {a.against: build(source_at(a.against), "old"), "this checkout": build(cpu_decode._SOURCE, "new")}
-    print(f"\nbfloat16, {a.threads} thread(s), {LAYERS} layers' caches per shape, medians of {a.rounds} "
+    dtype = getattr(torch, a.dtype)
+    print(f"\n{a.dtype}, {a.threads} thread(s), {LAYERS} layers' caches per shape, medians of {a.rounds} "
           f"alternating rounds\n")
     print(f"| heads/KV/dim | seqs x context | {a.against} us | this checkout us | speed-up | GB/s (old/new) | "
           "max rel diff |")
     print("|---|---|---:|---:|---:|---|---:|")
     for heads, kvh, dim, n, context in SHAPES:
         torch.manual_seed(0)
-        layers = [layer(heads, kvh, dim, n, context) for _ in range(LAYERS)]
+        layers = [layer(heads, kvh, dim, n, context, dtype=dtype) for _ in range(LAYERS)]
         outs = [op.decode(*layers[0]).float() for op in ops.values()]
         diff = ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
         runs: dict[str, list[float]] = {k: [] for k in ops}
@@ -88,7 +90,7 @@ def main() -> None:
             for key, op in ops.items():
                 runs[key].append(time_calls(op, layers))
         old, new = (statistics.median(r) for r in runs.values())
-        kv = n * context * kvh * dim * 2 * 2  # K and V, bfloat16
+        kv = n * context * kvh * dim * 2 * dtype.itemsize  # K and V
         print(f"| {heads}/{kvh}/{dim} | {n} x {context} | {old:.0f} | {new:.0f} | {old / new:.2f}x | "
               f"{kv / old / 1e3:.1f} / {kv / new / 1e3:.1f} | {diff:.1e} |", flush=True)
 

@@ -75,7 +75,7 @@ static inline void prefetch(const void* p, int64_t bytes) {
   for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off);
 }
 
-// DC: the head dim when known at compile time (64, 128: loops fully unrolled into vector code),
+// DC: the head dim when known at compile time (32, 64, 128: loops fully unrolled into vector code),
 // else 0 and the runtime D.
 template <int DC>
 static inline float dot(const float* __restrict a, const float* __restrict b, int64_t D) {
@@ -200,23 +200,28 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
         for (int64_t x = 0; x < hq * D; ++x) qf[x] *= s;
         scores.resize(hq * L);
         // Block by block (one table lookup each; the next block prefetched: it is elsewhere in the
-        // pool): this task's KV heads of the block's rows as float32 in kf, then every query head's
-        // scores (QK) or weighted sum (PV) over those rows.
+        // pool): this task's KV heads of the block's rows as float32 (converted into kf unless the
+        // cache is float32), then every query head's scores (QK) or weighted sum (PV) over those rows.
         auto each_block = [&](const T* cache, auto&& use) {
           for (int64_t t0 = 0, bi = 0; t0 < L; t0 += bs, ++bi) {
             const T* base = cache + static_cast<int64_t>(btab[bi]) * bs * row;
             if (t0 + bs < L) prefetch(cache + static_cast<int64_t>(btab[bi + 1]) * bs * row, bs * row * sizeof(T));
             const int64_t m = std::min(bs, L - t0);
-            for (int64_t j = 0; j < m; ++j)
-              to_float(base + j * row + g0 * D, kf.data() + j * per_task * D, per_task * D);
-            use(t0, m);
+            if constexpr (std::is_same_v<T, float>) {  // float32 rows are read where they lie: no copy
+              use(t0, m, static_cast<const float*>(base + g0 * D), row);
+            } else {
+              for (int64_t j = 0; j < m; ++j)
+                to_float(base + j * row + g0 * D, kf.data() + j * per_task * D, per_task * D);
+              use(t0, m, static_cast<const float*>(kf.data()), per_task * D);
+            }
           }
         };
-        each_block(kcp, [&](int64_t t0, int64_t m) {  // KV head h serves query heads h * G .. h * G + G - 1
+        // KV head h serves query heads h * G .. h * G + G - 1; rows: the block's rows, `stride` floats apart
+        each_block(kcp, [&](int64_t t0, int64_t m, const float* rows, int64_t stride) {
           for (int64_t c = 0; c < m; c += 16)
             for (int64_t h = 0, qh = 0; h < per_task; ++h)
               for (int64_t g = 0; g < G; ++g, ++qh)
-                dots16<DC>(qf.data() + qh * D, kf.data() + c * per_task * D + h * D, per_task * D,
+                dots16<DC>(qf.data() + qh * D, rows + c * stride + h * D, stride,
                            std::min<int64_t>(16, m - c), scores.data() + qh * L + t0 + c, D);
         });
         for (int64_t h = 0; h < hq; ++h) {
@@ -229,10 +234,10 @@ static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, a
           for (int64_t t = 0; t < L; ++t) sc[t] *= inv;
         }
         std::fill(acc.begin(), acc.begin() + hq * D, 0.f);
-        each_block(vcp, [&](int64_t t0, int64_t m) {
+        each_block(vcp, [&](int64_t t0, int64_t m, const float* rows, int64_t stride) {
           for (int64_t h = 0, qh = 0; h < per_task; ++h)
             for (int64_t g = 0; g < G; ++g, ++qh)  // the block's rows summed in registers, then added once
-              wsum<DC>(scores.data() + qh * L + t0, kf.data() + h * D, per_task * D, m, acc.data() + qh * D, D);
+              wsum<DC>(scores.data() + qh * L + t0, rows + h * D, stride, m, acc.data() + qh * D, D);
         });
         for (int64_t x = 0; x < hq * D; ++x) orow[x] = static_cast<T>(acc[x]);
       }
@@ -251,6 +256,7 @@ at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, 
   auto out = at::empty_like(q);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "pdserve_cpu_decode", [&] {
     switch (q.size(2)) {  // the common head dims get loops unrolled at compile time
+      case 32: run<scalar_t, 32>(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale, out); break;
       case 64: run<scalar_t, 64>(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale, out); break;
       case 128: run<scalar_t, 128>(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale, out); break;
       default: run<scalar_t, 0>(q, k, v, k_cache, v_cache, slots, tables, lens, starts, scale, out);

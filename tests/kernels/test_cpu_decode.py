@@ -118,7 +118,7 @@ def test_per_head_tasks_when_sequences_are_fewer_than_threads_give_the_same_resu
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 128])  # the head dims compiled as constants (16 keys' dots summed at once)
+@pytest.mark.parametrize("dim", [32, 64, 128])  # the head dims compiled as constants (16 keys' dots summed at once)
 @pytest.mark.parametrize("bs", [8, 32])  # blocks shorter and longer than those 16 keys
 def test_unrolled_head_dims_match_float64_at_other_block_sizes_and_with_verification_rows(
         dtype: torch.dtype, dim: int, bs: int) -> None:
