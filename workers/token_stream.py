@@ -248,7 +248,7 @@ class StreamLostError(RuntimeError):
 class _Open:
     prompt_token_ids: list[int]
     life: Lifecycle
-    queue: asyncio.Queue[RequestOutput | _RpcDone] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | _RpcDone | _Expired] = field(default_factory=asyncio.Queue)
     next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
     held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
     attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
@@ -266,6 +266,10 @@ class _Open:
 @dataclass
 class _RpcDone:
     error: BaseException | None
+
+
+class _Expired:
+    """Queued by a request's deadline timer."""
 
 
 class TokenStreamCollector:
@@ -348,35 +352,50 @@ class TokenStreamCollector:
             life.end(exit)
 
     async def _ordered(self, request_id: str, entry: _Open) -> AsyncIterator[RequestOutput]:
-        """The entry's outputs until the final one (merged when the reader is behind)."""
+        """The entry's outputs until the final one (merged when the reader is behind).
+
+        The deadline is one timer per request that queues `_Expired` behind whatever
+        came before it, not a `wait_for` per delta (a task and a timer per token, a
+        good part of the gateway's time per token under load)."""
+        loop = asyncio.get_running_loop()
         done: _RpcDone | None = None
-        deadline = entry.life.deadline
-        while True:
-            try:
-                item = await asyncio.wait_for(entry.queue.get(), timeout=max(deadline - time.monotonic(), 0.0))
-            except TimeoutError:
-                if done is not None:
-                    raise StreamLostError(
-                        f"{request_id}: the worker finished but its last tokens never arrived") from None
-                raise TimeoutError(f"request {request_id} passed its deadline") from None
-            if isinstance(item, RequestOutput):
-                # Behind? Everything queued goes out as one delta.
-                while not item.finished and not entry.queue.empty():
-                    nxt = entry.queue.get_nowait()
-                    if isinstance(nxt, _RpcDone):
-                        done = nxt
-                        break
-                    item = merge_deltas(item, nxt)
-                yield item
-                if item.finished:
-                    return
-            else:
-                done = item
-            if done is not None:
-                if done.error is not None:
-                    raise done.error
-                # The worker is done: its last delta is at most a moment behind.
-                deadline = min(deadline, time.monotonic() + self.final_grace_s)
+        pending: _RpcDone | _Expired | None = None  # met while merging: handled after that delta
+        item: RequestOutput | _RpcDone | _Expired
+
+        def arm(deadline: float) -> asyncio.TimerHandle:
+            return loop.call_later(max(deadline - time.monotonic(), 0.0), entry.queue.put_nowait, _Expired())
+
+        timer = arm(entry.life.deadline)
+        try:
+            while True:
+                if pending is not None:
+                    item, pending = pending, None
+                else:
+                    item = await entry.queue.get()
+                if isinstance(item, RequestOutput):
+                    # Behind? Everything queued goes out as one delta.
+                    while not item.finished and not entry.queue.empty():
+                        nxt = entry.queue.get_nowait()
+                        if not isinstance(nxt, RequestOutput):
+                            pending = nxt
+                            break
+                        item = merge_deltas(item, nxt)
+                    yield item
+                    if item.finished:
+                        return
+                elif isinstance(item, _Expired):
+                    if done is not None:
+                        raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+                    raise TimeoutError(f"request {request_id} passed its deadline")
+                else:
+                    done = item
+                    if done.error is not None:
+                        raise done.error
+                    # The worker is done: its last delta is at most a moment behind.
+                    timer.cancel()
+                    timer = arm(min(entry.life.deadline, time.monotonic() + self.final_grace_s))
+        finally:
+            timer.cancel()
 
     async def watch(self, request_id: str, call: Awaitable[Any]) -> None:
         """Run one try's worker call and return once the try delivered every token:

@@ -3,6 +3,7 @@ a known message (never unpickling or evaluating anything)."""
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 from pathlib import Path
 
@@ -66,6 +67,15 @@ def test_lists_become_tuples_so_messages_are_immutable_and_hashable() -> None:
         h.layer = 3  # type: ignore[misc]
 
 
+def test_a_wire_value_in_another_accepted_shape_decodes_to_the_field_type() -> None:
+    """An int where a float is declared is a float once decoded, inside a nested record too; arrays are tuples."""
+    data = wire(7, 5, batch_fields(deltas=[delta_fields(1, cumulative_logprob=-1, logprobs=[[[7, 3], [0, -1.5]]])]))
+    (delta,) = decode(data).deltas  # type: ignore[attr-defined]
+    assert delta.cumulative_logprob == -1.0 and type(delta.cumulative_logprob) is float
+    assert delta.logprobs == (TokenLogprobs((7, 3), (0.0, -1.5)),) and type(delta.logprobs[0].logprobs[0]) is float
+    assert type(delta.token_ids) is tuple and type(delta.logprobs[0].token_ids) is tuple
+
+
 def test_event_batch_mirrors_kv_events() -> None:
     events = [KVEvent(KVEventKind.STORED, 11, 0), KVEvent(KVEventKind.STORED, 12, 11), KVEvent(KVEventKind.REMOVED, 11)]
     batch = decode(encode(KVEventBatch(worker_id="w", batch_seq=0, events=events)))
@@ -83,6 +93,23 @@ def header_fields(**over: object) -> dict[str, object]:
 
 
 HELLO = {"sender_id": "x", "checksums": [], "nonce": "", "fingerprint": ""}
+BATCH = EXAMPLES[-1]
+assert isinstance(BATCH, TokenDeltaBatch)
+
+
+def batch_fields(**over: object) -> dict[str, object]:
+    fields = {k: v for k, v in msgpack.unpackb(encode(BATCH))[2].items()}
+    fields.update(over)
+    return fields
+
+
+def delta_fields(i: int, **over: object) -> list[object]:
+    """Delta i of BATCH as its wire array, with some fields replaced."""
+    names = [f.name for f in dataclasses.fields(TokenDelta)]
+    values: list[object] = msgpack.unpackb(encode(BATCH))[2]["deltas"][i]
+    for name, value in over.items():
+        values[names.index(name)] = value
+    return values
 
 
 @pytest.mark.parametrize("data, match", [
@@ -112,6 +139,16 @@ HELLO = {"sender_id": "x", "checksums": [], "nonce": "", "fingerprint": ""}
                  "detail": "", "credits": 1}), "state: 'exploded' is not one of"),
     (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", -1, None]]}), "block_hash: expected a 64-bit"),
     (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", 1]]}), r"expected \[kind, block_hash"),
+    # Records nested in a message (a step's token deltas), read by per-class readers and checked field by field.
+    (wire(7, 5, batch_fields(deltas=5)), "deltas: expected a sequence"),
+    (wire(7, 5, batch_fields(deltas=[["r1", 0]])), "expected the 13 fields of TokenDelta as an array"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, token_ids=["5"])])), r"token_ids\[0\]: expected int, got str"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, offset=True)])), "offset: expected int, got bool"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, text=None)])), "text: expected str, got NoneType"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, logprobs=[["x"]])])), "expected the 2 fields of TokenLogprobs"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, logprobs=[[[7], [-0.25, -1.5]]])])), "1 token ids but 2 logprobs"),
+    (wire(7, 5, batch_fields(deltas=[delta_fields(1, logprobs=[[[7], ["-0.25"]]])])),
+     r"logprobs\[0\]: expected float, got str"),
     (msgpack.packb([1, 2, {**HELLO, "sender_id": msgpack.ExtType(42, b"x")}]),
      "sender_id: expected str, got ExtType"),
     (b"\x00" * (2 << 20), "message limit"),
