@@ -71,6 +71,9 @@ def parse_args() -> argparse.Namespace:
                    help="also sample this process group (e.g. ServeReplica, EngineService) with py-spy over the "
                         "window and print where its threads were (repeatable; it costs CPU: compare throughput "
                         "with a run without it)")
+    p.add_argument("--renice", action="append", default=[], metavar="GROUP=N",
+                   help="before the measured load, set every thread of this process group (e.g. ServeReplica, "
+                        "haproxy) to nice N (repeatable; an experiment in giving the engines the cores first)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -149,6 +152,19 @@ def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
     out: dict[str, float] = {g: round(v, 1) for g, v in share.most_common() if v >= 0.5}
     out["machine"] = round(((total1 - total0) - (idle1 - idle0)) / wall * 100, 1)
     return out
+
+
+def renice(group: str, nice: str) -> None:
+    """Every thread of every process of `group` to `nice` (nice is per thread on Linux)."""
+    count = 0
+    for pid in pids_of(group):
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), int(nice))
+                count += 1
+            except OSError:
+                continue  # the thread ended
+    print(f"[profile] {group}: {count} threads at nice {nice}", file=sys.stderr, flush=True)
 
 
 def pids_of(group: str) -> list[str]:
@@ -276,6 +292,8 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         print(f"[profile] {mode}: {a.requests} requests, CPU over {a.window:.0f} s of them ...", file=sys.stderr,
               flush=True)
         result = tmp / f"bench-{mode.replace(':', '-')}.json"
+        for spec in a.renice:
+            renice(*spec.split("="))
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         time.sleep(5)  # past the ramp-up

@@ -255,6 +255,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                      help="CPU workers on one node: lend (default: an equal share of the cores each, but a "
                           "step on all of them while the other workers are idle), split (the share, always) or "
                           "turns (each step on all the cores, one worker at a time)")
+    srv.add_argument("--control-plane-nice", type=int, default=_SETTING,
+                     help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
+                          "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")
     srv.add_argument("--ingress", default=_SETTING,
                      help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
                           "Ray only: a running cluster keeps the ingress it was started with)")

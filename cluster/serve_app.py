@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import serve
 
+from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
@@ -32,7 +33,11 @@ NAMESPACE = "pdserve"
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # Local Ray only: the gateway replica's drain on shutdown waits (30 s by
 # default) for load balancers on other nodes to stop sending; here there are none.
-LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
+# RAY_worker_niceness: Ray starts every worker process (the engines, the gateway replica, and
+# haproxy, which its manager actor starts) at nice 15 by default, behind its own daemons and any
+# other process on the node (a client, a benchmark); a serving node's workers are its point,
+# so they run at 0 and Ray's control plane goes behind them (cluster/background_priority.py).
+LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0"}
 
 
 def haproxy_env(cfg: ServeConfig) -> dict[str, str]:
@@ -240,7 +245,8 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     Before local Ray starts, an earlier run's orphaned HAProxy on one of this
     run's ports is stopped; any other process there is a PortInUseError. Returns `cfg`
     with what it decided (the colocated worker count)."""
-    if starts_local_ray():
+    local = starts_local_ray()
+    if local:
         check_ports(bound_ports(cfg))
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
@@ -251,6 +257,8 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+    if local:
+        deprioritize_background(cfg.control_plane_nice)
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype})", flush=True)
     if block:

@@ -52,7 +52,7 @@ SERVE_SETTINGS = {
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
     "metrics_api_key": "metrics_api_key",
     "planner_profile": "planner_profile", "slo": "slo", "planner_interval": "planner_interval",
-    "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing",
+    "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing", "control_plane_nice": "control_plane_nice",
     # What one request may ask for (cluster/limits.py): the same names as RequestLimits'.
     **{f.name: f.name for f in dataclasses.fields(RequestLimits)},
 }
@@ -89,6 +89,10 @@ class ServeConfig:
     transport: Transport = Transport.ZMQ
     # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
     cpu_sharing: CpuSharing = CpuSharing.LEND
+    # The nice value local Ray's and Serve's own processes run at, behind the engines
+    # (cluster/background_priority.py); 0 leaves them as they start. A cluster joined
+    # with RAY_ADDRESS is left alone.
+    control_plane_nice: int = 10
     ingress: Ingress = Ingress.HAPROXY
     router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # The address every data-plane socket binds and advertises (decode workers' KV
@@ -161,7 +165,8 @@ class ServeConfig:
                 object.__setattr__(self, name, enum_member(name, kind, value))
         for setting, name, least in (("prefill", "num_prefill", 1), ("decode", "num_decode", 1),
                                      ("max_in_flight", "max_in_flight", 1), ("port", "port", 1),
-                                     ("max_migrations", "max_migrations", 0), ("max_restarts", "max_restarts", -1)):
+                                     ("max_migrations", "max_migrations", 0), ("max_restarts", "max_restarts", -1),
+                                     ("control_plane_nice", "control_plane_nice", 0)):
             value = getattr(self, name)
             if type(value) is not int or value < least:
                 raise ValueError(f"{setting}: must be an integer >= {least}, got {value!r}")
@@ -181,6 +186,8 @@ class ServeConfig:
         if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) \
                 or not 0 <= self.worker_wait < math.inf:
             raise ValueError(f"worker_wait: must be a number of seconds >= 0, got {self.worker_wait!r}")
+        if self.control_plane_nice > 19:
+            raise ValueError(f"control_plane_nice: must be in 0..19, got {self.control_plane_nice}")
         if self.port > 65535:
             raise ValueError(f"port: must be in 1..65535, got {self.port}")
         for name in ("request_timeout", "prefill_timeout", "transfer_timeout"):
