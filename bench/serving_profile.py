@@ -48,6 +48,8 @@ GROUPS = ("DecodeService", "PrefillService", "ColocatedService", "EngineService"
           "HAProxyManager", "haproxy", "pdserve bench", "pdserve serve", "raylet", "gcs_server", "ServeController",
           "DashboardAgent", "RuntimeEnvAgent", "dashboard", "log_monitor", "monitor")
 HZ = os.sysconf("SC_CLK_TCK")
+# A busy neighbour (--hog): spins until killed, or until this script is gone whatever ended it.
+HOG = "import os\nparent = os.getppid()\nwhile os.getppid() == parent:\n    pass\n"
 PDSERVE = str(Path(sys.executable).parent / "pdserve")  # the console script beside this interpreter
 
 
@@ -74,6 +76,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--renice", action="append", default=[], metavar="GROUP=N",
                    help="before the measured load, set every thread of this process group (e.g. ServeReplica, "
                         "haproxy) to nice N (repeatable; an experiment in giving the engines the cores first)")
+    p.add_argument("--hog", type=int, default=0, metavar="N",
+                   help="N busy-looping processes at the default priority beside the server during the load "
+                        "(a neighbour on a shared node: a batch job, a log shipper)")
     p.add_argument("--out", type=Path, default=None)
     return p.parse_args()
 
@@ -294,6 +299,7 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         result = tmp / f"bench-{mode.replace(':', '-')}.json"
         for spec in a.renice:
             renice(*spec.split("="))
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(a.hog)]
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         time.sleep(5)  # past the ramp-up
@@ -308,7 +314,12 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         if not still_running:  # the CPU and step shares would count idle time after the load
             print(f"[profile] {mode}: the load ended inside the accounting window: its CPU and engine tables "
                   "are not steady-state (raise --requests or lower --window)", file=sys.stderr, flush=True)
-        client.wait(timeout=900)
+        try:
+            client.wait(timeout=900)
+        finally:
+            for hog in hogs:
+                hog.kill()
+                hog.wait()
         for proc, out in spies:
             proc.wait(timeout=60)
             if a.out is not None and out.exists():  # the raw samples, beside the results

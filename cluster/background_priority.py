@@ -8,9 +8,10 @@ control plane (GCS, log monitor, dashboard and agents, Serve's controller and Py
 at nice 10 here: they still get every idle moment but no longer preempt a step (an engine
 step is a chain of OpenMP fork-join regions: one thread preempted stalls all of it).
 Measured (docs/serving-profile.md): with one busy process at the default priority beside
-the server, the tiny model at concurrency 16 served 587 tok/s against 321 before; on an
-otherwise quiet node, no change beyond the noise (medians 1,122 and 1,164 tok/s). Ray's
-workers at 0 with its daemons left at 0 lost (947-966 tok/s).
+the server, the tiny model at concurrency 16 served a median 463 tok/s against 248 before
+(four alternating pairs, wide spread); on an otherwise quiet node, no change beyond the
+noise (medians 1,122 and 1,164 tok/s). Ray's workers at 0 with its daemons left at 0 lost
+(947-966 tok/s).
 
 Which: only processes this one started (its descendants: local Ray, never a cluster it
 joined) whose command line names one of BACKGROUND. Never a process that starts others
