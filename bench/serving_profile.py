@@ -160,15 +160,10 @@ def cpu_table(before: Any, after: Any, wall: float) -> dict[str, float]:
 
 
 def renice(group: str, nice: str) -> None:
-    """Every thread of every process of `group` to `nice` (nice is per thread on Linux)."""
-    count = 0
-    for pid in pids_of(group):
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), int(nice))
-                count += 1
-            except OSError:
-                continue  # the thread ended
+    """Every thread of every process of `group` to `nice`, up or down."""
+    from pdserve.cluster.background_priority import renice_threads
+
+    count = sum(renice_threads(int(pid), int(nice), only_raise=False) for pid in pids_of(group))
     print(f"[profile] {group}: {count} threads at nice {nice}", file=sys.stderr, flush=True)
 
 

@@ -68,8 +68,9 @@ def is_background(cmdline: str) -> bool:
     return any(marker in cmdline for marker in BACKGROUND)
 
 
-def renice_threads(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
-    """Every thread of `pid` (nice is per thread on Linux) to `nice`, never lower than it is;
+def renice_threads(pid: int, nice: int, proc: Path = Path("/proc"), only_raise: bool = True) -> int:
+    """Every thread of `pid` (nice is per thread on Linux) to `nice`, never lower than it is
+    unless `only_raise` is False (an experiment's, bench/serving_profile.py --renice);
     returns how many were set."""
     count = 0
     try:
@@ -78,7 +79,7 @@ def renice_threads(pid: int, nice: int, proc: Path = Path("/proc")) -> int:
         return 0  # it ended
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            if not only_raise or os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
                 count += 1
         except OSError:
