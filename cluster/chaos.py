@@ -295,7 +295,10 @@ class Server:
                 str(o.decode), "--ingress", o.ingress, "--port", str(p.http), "--haproxy-metrics-port", str(p.metrics),
                 "--haproxy-stats-port", str(p.stats), "--haproxy-fallback-port", str(p.fallback),
                 "--max-model-len", str(o.max_model_len), "--request-timeout", f"{o.request_timeout:g}",
-                "--dtype", o.dtype, *o.extra]
+                "--dtype", o.dtype,
+                # Lending, which `auto` gives any real model (cluster/placement.py), not the split
+                # that `auto` picks for the matrix's tiny model: the kills must meet the locks.
+                "--cpu-sharing", "lend", *o.extra]
 
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)

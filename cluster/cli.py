@@ -252,9 +252,10 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "else one on all the CPU's cores)")
     srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
     srv.add_argument("--cpu-sharing", default=_SETTING,
-                     help="CPU workers on one node: lend (default: an equal share of the cores each, but a "
-                          "step on all of them while the other workers are idle), split (the share, always) or "
-                          "turns (each step on all the cores, one worker at a time)")
+                     help="CPU workers on one node: auto (default: lend for a model of 32 MiB of weights or "
+                          "more, else split), lend (an equal share of the cores each, but a step on all of them "
+                          "while the other workers are idle), split (the share, always) or turns (each step on "
+                          "all the cores, one worker at a time)")
     srv.add_argument("--control-plane-nice", type=int, default=_SETTING,
                      help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
                           "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")

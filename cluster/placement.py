@@ -28,14 +28,17 @@ amounts count per actor, as Ray's do.
 `CUDA_VISIBLE_DEVICES`; the engine's `cuda` is that GPU). `device: cuda` on a cluster
 without a GPU is an error, not CPU workers; `device: cpu` never asks for a GPU.
 
-**CPU cores.** Workers on a CPU cluster share its nodes' cores in one of three ways
-(`cpu_sharing`): `lend` (the default) is split while the node's workers all have work,
-and all the cores for a step of a worker whose neighbours are idle
-(workers/cpu_lending.py); `split` gives each worker an equal share of the threads, all
-running at once; `turns` gives every worker all of its node's cores and has the workers
-of a node take turns at them, step by step (workers/cpu_turns.py). On a 2-core node,
-beside vLLM, lend served 0.93-0.95x where split served 0.80-0.91x (alternating
-sittings), turns 0.85x (docs/serving-profile.md).
+**CPU cores.** Workers on a CPU cluster share its nodes' cores in one of four ways
+(`cpu_sharing`): `lend` is split while the node's workers all have work, and all the
+cores for a step of a worker whose neighbours are idle (workers/cpu_lending.py); `auto`
+(the default) lends when the model's weights are at least `LEND_MIN_WEIGHT_BYTES` and
+splits otherwise: a small model's step is mostly Python, which a second core does not
+shorten, while its OpenMP threads spin on the core the gateway needs; `split` gives
+each worker an equal share of the threads, all running at once; `turns` gives every
+worker all of its node's cores and has the workers of a node take turns at them, step
+by step (workers/cpu_turns.py). On a 2-core node, beside vLLM, SmolLM2 served 0.93-0.95x
+lent where split served 0.80-0.91x (alternating sittings), turns 0.85x; the tiny model
+(~10 MB of weights) served faster split than lent (docs/serving-profile.md).
 """
 
 from __future__ import annotations
@@ -137,7 +140,15 @@ def check_resources(name: str, value: Any) -> dict[str, float] | None:
 class CpuSharing(str, enum.Enum):
     SPLIT = "split"  # an equal share of the threads each, all at once
     TURNS = "turns"  # every worker all of its node's cores, one step at a time
-    LEND = "lend"  # split, but all the node's cores for a step while the node's other workers are idle (default)
+    LEND = "lend"  # split, but all the node's cores for a step while the node's other workers are idle
+    AUTO = "auto"  # lend for a model of LEND_MIN_WEIGHT_BYTES or more, else split (the default)
+
+
+# A decode step at batch 12 on two threads against one (`python bench/step_threads.py --model
+# DIR --batch 12`, bfloat16, 2-core Xeon): 0.96x of the time for ~10 MB of weights (the tiny
+# model), 0.79x for ~53 MB, 0.68-0.73x for 160-270 MB. Below this size a second core buys a
+# step too little to pay for the core its OpenMP threads take from the serving plane.
+LEND_MIN_WEIGHT_BYTES = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -150,12 +161,14 @@ class WorkerShare:
     threads: int
     turns: bool = False
     lend: bool = False
+    lend_min_weight_bytes: int = 0  # lend only for a model this large (`auto`)
 
 
 def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
                  sharing: CpuSharing = CpuSharing.SPLIT) -> WorkerShare:
     """One GPU per worker on a cluster that has GPUs (`cluster`: `ray.cluster_resources()`),
-    else a share of its CPUs, split, in turns or lent (`sharing`). ValueError, naming `device`,
+    else a share of its CPUs, split, in turns or lent (`sharing`; `auto`: lent for a model
+    of `LEND_MIN_WEIGHT_BYTES` or more, which the engine checks once it has loaded it). ValueError, naming `device`,
     where the device asks for a GPU that the cluster does not have."""
     gpus = cluster.get("GPU", 0)
     if device.startswith("cuda"):
@@ -171,7 +184,8 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
     turns = sharing is CpuSharing.TURNS
     return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else max(1, cpus // num_workers), turns=turns,
-                       lend=sharing is CpuSharing.LEND)
+                       lend=sharing in (CpuSharing.LEND, CpuSharing.AUTO),
+                       lend_min_weight_bytes=LEND_MIN_WEIGHT_BYTES if sharing is CpuSharing.AUTO else 0)
 
 
 def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:

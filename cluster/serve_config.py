@@ -88,7 +88,7 @@ class ServeConfig:
     max_in_flight: int = 256
     transport: Transport = Transport.ZMQ
     # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
-    cpu_sharing: CpuSharing = CpuSharing.LEND
+    cpu_sharing: CpuSharing = CpuSharing.AUTO
     # The nice value local Ray's and Serve's own processes run at, behind the engines
     # (cluster/background_priority.py); 0 leaves them as they start. A cluster joined
     # with RAY_ADDRESS is left alone.

@@ -89,6 +89,10 @@ class EngineConfig:
     # on all of them while the others are idle, on this thread's share otherwise
     # (workers/cpu_lending.py); None: no lending. Set by the cluster, like cpu_turns.
     cpu_lending: str | None = None
+    # Lending engines step on all the cores only for a model whose weights take at least
+    # this many bytes (cluster/placement.py, `--cpu-sharing auto`); a smaller one keeps
+    # to its share, and still tells its neighbours when it is busy. Set by the cluster.
+    cpu_lending_min_weight_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -117,6 +121,9 @@ class EngineConfig:
             raise ValueError(f"cpu_turns: must be a lock file's path or None, got {self.cpu_turns!r}")
         if self.cpu_lending is not None and (not isinstance(self.cpu_lending, str) or not self.cpu_lending):
             raise ValueError(f"cpu_lending: must be a directory's path or None, got {self.cpu_lending!r}")
+        if type(self.cpu_lending_min_weight_bytes) is not int or self.cpu_lending_min_weight_bytes < 0:
+            raise ValueError("cpu_lending_min_weight_bytes: must be an integer >= 0, "
+                             f"got {self.cpu_lending_min_weight_bytes!r}")
         if self.cpu_turns is not None and self.cpu_lending is not None:
             raise ValueError("cpu_turns, cpu_lending: an engine takes turns or lends, not both")
         if not isinstance(self.enforce_eager, bool):
@@ -129,7 +136,7 @@ class EngineConfig:
     def settings(cls) -> frozenset[str]:
         """The fields a user sets (flags, YAML, `LLM(...)`); the rest are the workers' own."""
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns",
-                                                                   "cpu_lending"}
+                                                                   "cpu_lending", "cpu_lending_min_weight_bytes"}
 
 
 def enum_member(name: str, kind: type[enum.Enum], value: Any) -> enum.Enum:

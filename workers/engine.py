@@ -35,6 +35,7 @@ from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
+from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
@@ -86,7 +87,7 @@ class LLMEngine:
         # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
         threads = torch.get_num_threads()
         cores = node_cores()
-        lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
+        lending = (CpuLending(config.cpu_lending, threads, self._lend_up_to(threads, cores), self._has_steps_to_run)
                    if config.cpu_lending and cores > threads else None)  # else nothing to lend
         thread_counts = lending.thread_counts if lending else (threads,)
         setup.compile_runner(config, self.runner, backend, thread_counts)
@@ -105,6 +106,17 @@ class LLMEngine:
                                                          else lending or contextlib.nullcontext())
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
+
+    def _lend_up_to(self, share: int, cores: int) -> int:
+        """The threads a lending engine's step may take: all the node's `cores`, unless
+        the model is too small for a second core to pay (`cpu_lending_min_weight_bytes`)."""
+        weights = num_parameters(self.model) * self.dtype.itemsize
+        if weights >= self.config.cpu_lending_min_weight_bytes:
+            return cores
+        setup.log(self.config, f"weights {weights / 2**20:.1f} MiB, under the "
+                               f"{self.config.cpu_lending_min_weight_bytes / 2**20:.0f} MiB that lending needs: "
+                               f"stepping on this worker's {share} thread(s) only")
+        return share
 
     # -- requests -------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.placement import CpuSharing, worker_share
+from pdserve.cluster.placement import LEND_MIN_WEIGHT_BYTES, CpuSharing, worker_share
 from pdserve.workers import cpu_lending
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending, lending_dir
@@ -232,8 +232,49 @@ def test_lending_dirs_are_per_app() -> None:
 
 def test_lending_workers_get_their_split_share() -> None:
     share = worker_share("auto", 2, {"CPU": 8}, CpuSharing.LEND)
-    assert (share.lend, share.turns, share.threads) == (True, False, 4)
+    assert (share.lend, share.turns, share.threads, share.lend_min_weight_bytes) == (True, False, 4, 0)
     assert not worker_share("auto", 2, {"CPU": 8, "GPU": 2}, CpuSharing.LEND).lend
+
+
+def test_auto_sharing_lends_only_for_a_model_large_enough() -> None:
+    """`auto` (the default) is lending with a floor on the model's size, which the engine checks."""
+    share = worker_share("auto", 2, {"CPU": 8}, CpuSharing.AUTO)
+    assert (share.lend, share.threads, share.lend_min_weight_bytes) == (True, 4, LEND_MIN_WEIGHT_BYTES)
+    assert not worker_share("auto", 2, {"CPU": 8, "GPU": 2}, CpuSharing.AUTO).lend
+    with pytest.raises(ValueError, match="cpu_lending_min_weight_bytes"):
+        EngineConfig(model="m", cpu_lending_min_weight_bytes=-1)
+    assert "cpu_lending_min_weight_bytes" not in EngineConfig.settings()
+
+
+def test_an_engine_too_small_to_lend_keeps_its_share_and_says_when_busy(
+        make_model: Callable[[TinyModelSpec], Path], tmp_path: Path, threads: None) -> None:
+    """Under the floor an engine never steps wide (and compiles only its share), but still
+    holds its busy lock while it has work, so a neighbour that lends does not step over it."""
+    if node_cores() < 2:
+        pytest.skip("needs 2 cores")
+    torch.set_num_threads(1)
+    model = str(make_model(tiny_spec()))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    small = LLM(model, cpu_lending=str(tmp_path), cpu_lending_min_weight_bytes=1 << 40,  # type: ignore[arg-type]
+                num_kv_blocks=32, max_model_len=128)
+    lending = small.engine.cpu_turn
+    assert isinstance(lending, CpuLending) and lending.thread_counts == (1,)
+    small.generate([[5, 6, 7, 8]], params)
+    assert lending.steps > 0 and lending.wide_steps == 0  # alone, and still on its one thread
+    neighbour = Worker(tmp_path)
+    small.engine.add_request("r", [5, 6, 7, 8], params)
+    small.engine.step()
+    assert neighbour.step() == 1  # the small engine has work: its neighbour keeps to its share
+    small.engine.abort("r")
+    small.engine.step()
+    assert neighbour.step() == 2
+    neighbour.lending.close()
+    lending.close()
+    # At or over the floor it lends like `lend`.
+    big = LLM(model, cpu_lending=str(tmp_path / "b"), cpu_lending_min_weight_bytes=1,  # type: ignore[arg-type]
+              num_kv_blocks=32, max_model_len=128)
+    assert isinstance(big.engine.cpu_turn, CpuLending) and big.engine.cpu_turn.thread_counts == (1, node_cores())
+    big.engine.cpu_turn.close()
 
 
 def test_an_engine_left_with_nothing_to_step_lends_its_cores(make_model: Callable[[TinyModelSpec], Path],
