@@ -168,7 +168,9 @@ def renice(group: str, nice: str) -> None:
 
 
 def pids_of(group: str) -> list[str]:
-    return [pid for pid, (cmd, _) in cpu_snapshot()[0].items() if group_of(cmd) == group]
+    """The processes of `group`; not this script, whose own command line may name the group."""
+    me = str(os.getpid())
+    return [pid for pid, (cmd, _) in cpu_snapshot()[0].items() if group_of(cmd) == group and pid != me]
 
 
 def spy(pid: str, group: str, seconds: float, out: Path) -> tuple[subprocess.Popen[bytes], Path]:

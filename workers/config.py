@@ -89,9 +89,9 @@ class EngineConfig:
     # on all of them while the others are idle, on this thread's share otherwise
     # (workers/cpu_lending.py); None: no lending. Set by the cluster, like cpu_turns.
     cpu_lending: str | None = None
-    # Lending engines step on all the cores only for a model whose weights take at least
-    # this many bytes (cluster/placement.py, `--cpu-sharing auto`); a smaller one keeps
-    # to its share, and still tells its neighbours when it is busy. Set by the cluster.
+    # Engines lend only for a model whose weights take at least this many bytes
+    # (cluster/placement.py, `--cpu-sharing auto`); under it they step on their share,
+    # as split. Set by the cluster.
     cpu_lending_min_weight_bytes: int = 0
 
     def __post_init__(self) -> None:

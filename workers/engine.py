@@ -87,8 +87,8 @@ class LLMEngine:
         # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
         threads = torch.get_num_threads()
         cores = node_cores()
-        lending = (CpuLending(config.cpu_lending, threads, self._lend_up_to(threads, cores), self._has_steps_to_run)
-                   if config.cpu_lending and cores > threads else None)  # else nothing to lend
+        lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
+                   if config.cpu_lending and cores > threads and self._worth_lending() else None)
         thread_counts = lending.thread_counts if lending else (threads,)
         setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
@@ -107,16 +107,18 @@ class LLMEngine:
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
 
-    def _lend_up_to(self, share: int, cores: int) -> int:
-        """The threads a lending engine's step may take: all the node's `cores`, unless
-        the model is too small for a second core to pay (`cpu_lending_min_weight_bytes`)."""
+    def _worth_lending(self) -> bool:
+        """Whether a second core pays for this model's steps: its weights take at least
+        `cpu_lending_min_weight_bytes`. Every worker of an app loads the same model and
+        decides alike, so one under the floor takes no locks at all (they cost a few
+        percent of a small model's steps)."""
         weights = num_parameters(self.model) * self.dtype.itemsize
         if weights >= self.config.cpu_lending_min_weight_bytes:
-            return cores
+            return True
         setup.log(self.config, f"weights {weights / 2**20:.1f} MiB, under the "
                                f"{self.config.cpu_lending_min_weight_bytes / 2**20:.0f} MiB that lending needs: "
-                               f"stepping on this worker's {share} thread(s) only")
-        return share
+                               "stepping on this worker's share of the cores only")
+        return False
 
     # -- requests -------------------------------------------------------------
 
