@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
@@ -95,12 +96,26 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, max_logprobs]
 
 
+# numpy's argmax is vectorised; torch's CPU one is not: 10 rows of 4096 float32 logits took
+# 86-105 us in torch and 6.5 in numpy, of 49152 (SmolLM2's vocabulary) 1.2 ms and 72 us
+# (one thread, 2-core Xeon): a greedy step of a small model spent 3% of its time there.
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """The index of each row's largest value along the last dimension (int64): the first one
+    on ties and a NaN where a row has one, as torch.argmax gives."""
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
+        return torch.from_numpy(np.asarray(logits.numpy().argmax(axis=-1), dtype=np.int64))
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """logits: [N, V] float32 (modified in place)."""
     raw_logprobs = logits.log_softmax(dim=-1) if batch.max_logprobs >= 0 else None
     apply_logits_processors(logits, batch)
     if batch.all_greedy:
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax(logits)
     else:
         tokens = _sample_random(logits, batch)
     out = SamplerOutput(token_ids=tokens)
@@ -126,7 +141,7 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
 
 
 def _sample_random(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None  # before sampling_probs scales them
+    greedy_tokens = argmax(logits) if batch.any_greedy else None  # before sampling_probs scales them
     probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.top_k_max)
     random_tokens = categorical(probs, batch.generators or {})
     if greedy_tokens is None:
@@ -157,7 +172,7 @@ def sample_with_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     meaningless): what a speculative draft must hand to verification. No
     logprobs (`max_logprobs` is ignored)."""
     apply_logits_processors(logits, batch)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if batch.all_greedy:
         return greedy_tokens, None
     probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.top_k_max)

@@ -369,3 +369,19 @@ def test_the_cdf_is_summed_finely_enough_for_a_long_tail(monkeypatch: pytest.Mon
     u = (float(p64[0, 0]) + (j + 0.5) * float(p64[0, 1])) / total
     monkeypatch.setattr(torch.Tensor, "uniform_", lambda self, *a, **k: self.fill_(u))
     assert sampler.categorical(probs, {}).tolist() == [1 + j]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
+def test_argmax_is_torchs_on_ties_nans_infs_and_views(dtype: torch.dtype) -> None:
+    """The sampler's argmax (numpy's on CPU: torch's is unvectorised) picks what torch.argmax picks:
+    the first of tied maxima, a NaN where a row has one, any shape, strided views."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 5, 300, generator=g).to(dtype)
+    x[0, 0, 7] = x[0, 0, 250] = 100.0  # a tie: the first wins
+    x[1, 2] = float("-inf")  # a row of -inf: index 0
+    x[2, 1, 40] = x[2, 1, 90] = float("nan")  # NaN counts as the largest; the first one
+    x[3, 3, 299] = float("inf")
+    x[4, 4, :] = 1.0  # all equal
+    for view in (x, x[:, 1], x[..., ::3], x.transpose(0, 1), x[0, 0]):
+        got = sampler.argmax(view)
+        assert got.dtype == torch.int64 and torch.equal(got, view.argmax(dim=-1)), view.shape

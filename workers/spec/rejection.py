@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
-from pdserve.workers.sampler import SamplingBatch, categorical, sampling_probs
+from pdserve.workers.sampler import SamplingBatch, argmax, categorical, sampling_probs
 
 
 class Verified(NamedTuple):
@@ -74,7 +74,7 @@ def verify(
     drafts = draft_tokens.clamp(0, vocab - 1)  # padding may hold anything
     n_drafts = small_tensor(num_drafts, torch.int64, target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]
-    greedy_ids = target_logits.argmax(dim=-1)  # [B, K+1]
+    greedy_ids = argmax(target_logits)  # [B, K+1]
     accept = drafts == greedy_ids[:, :-1]
     if batch.all_greedy:
         num_accepted = _leading_trues(accept & valid)
