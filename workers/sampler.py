@@ -96,9 +96,8 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [N, max_logprobs]
 
 
-# numpy's argmax is vectorised; torch's CPU one is not: 10 rows of 4096 float32 logits took
-# 86-105 us in torch and 6.5 in numpy, of 49152 (SmolLM2's vocabulary) 1.2 ms and 72 us
-# (one thread, 2-core Xeon): a greedy step of a small model spent 3% of its time there.
+# numpy's argmax is vectorised; torch's CPU one is not: 14-19x slower over a step's logits at
+# 4096 and 49152 tokens (`python bench/argmax_cpu.py`, docs/serving-profile.md).
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 
