@@ -49,8 +49,13 @@ class _Step:
 _current = threading.local()  # .step: the _Step being run on this thread
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+# Defined with torch.library's low-level API rather than `torch.library.custom_op`, whose
+# per-call Python wrappers cost ~8 us more a call (bench/custom_op_cost.py; see packed_linear.py).
+_lib = torch.library.Library("pdserve", "FRAGMENT")  # kept alive by the module
+_lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
+
+
+def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     """paged_attention for layer `layer` of the step now running on this thread.
 
     It does write the step's K/V into the cache, but the cache is not an input
@@ -65,9 +70,19 @@ def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, step.backend)
 
 
-@step_attention.register_fake
+# One kernel for every device: the attention backend the step names picks the device's code.
+_lib.impl("paged_attention", _step_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("pdserve::paged_attention", lib=_lib)
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """The `pdserve::paged_attention` op: what the compiled model calls for attention."""
+    out: torch.Tensor = torch.ops.pdserve.paged_attention(q, k, v, layer, scale)
+    return out
 
 
 # forward(input_ids, positions, meta, kv_caches) -> hidden: what the runner calls.

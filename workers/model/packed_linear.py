@@ -73,14 +73,24 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-@torch.library.custom_op("pdserve::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+# The op is defined with torch.library's low-level API, not `torch.library.custom_op`: the
+# latter wraps each call in Python layers (an aliasing check, a dynamo-disable context)
+# that cost ~12 us a call against ~4 us for a plain kernel registration
+# (bench/custom_op_cost.py), and a decode step calls it four times a layer.
+_lib = torch.library.Library("pdserve", "FRAGMENT")  # kept alive by the module
+_lib.define("packed_linear(Tensor x, int handle, int out_features, Tensor? bias) -> Tensor")
+
+
+def _packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T + bias with W the packed weight under `handle`."""
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), _weights[handle], bias, "none", [], "")
     return out
 
 
-@packed_linear.register_fake
+_lib.impl("packed_linear", _packed_linear, "CPU")
+
+
+@torch.library.register_fake("pdserve::packed_linear", lib=_lib)
 def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
