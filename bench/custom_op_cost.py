@@ -1,7 +1,7 @@
 """What a compiled graph pays per call of a Python-implemented op: the same oneDNN linear called
 directly, through an op registered with `torch.library.custom_op` (how pdserve's ops were
 registered), and through the low-level `torch.library.Library` registration they use now
-(workers/model/packed_linear.py, compiled.py). A tiny bfloat16 matmul, so that the fixed costs
+(workers/model/torch_ops.py). A tiny bfloat16 matmul, so that the fixed costs
 show; one thread, inference mode, best of 5 repeats.
 
     python bench/custom_op_cost.py [--rows 2] [--features 16]

@@ -33,6 +33,7 @@ import torch
 
 from pdserve.kernels.attention import AttentionBackend, paged_attention
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.model import torch_ops
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,6 @@ class _Step:
 
 
 _current = threading.local()  # .step: the _Step being run on this thread
-
-
-# Defined with torch.library's low-level API rather than `torch.library.custom_op`, whose
-# per-call Python wrappers cost ~8 us more a call (bench/custom_op_cost.py; see packed_linear.py).
-_lib = torch.library.Library("pdserve", "FRAGMENT")  # kept alive by the module
-_lib.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor")
 
 
 def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
@@ -70,13 +65,13 @@ def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, step.backend)
 
 
-# One kernel for every device: the attention backend the step names picks the device's code.
-_lib.impl("paged_attention", _step_attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("pdserve::paged_attention", lib=_lib)
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _step_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+# One kernel for every device: the attention backend the step names picks the device's code.
+torch_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
+                 _step_attention, _step_attention_fake, "CompositeExplicitAutograd")
 
 
 def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:

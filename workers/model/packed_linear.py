@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.workers.model import torch_ops
+
 ENV = "PDSERVE_CPU_PACKED_LINEAR"  # "0" keeps the plain layout (an A/B switch)
 
 _weights: dict[int, torch.Tensor] = {}  # handle -> packed weight
@@ -73,26 +75,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
-# The op is defined with torch.library's low-level API, not `torch.library.custom_op`: the
-# latter wraps each call in Python layers (an aliasing check, a dynamo-disable context)
-# that cost ~12 us a call against ~4 us for a plain kernel registration
-# (bench/custom_op_cost.py), and a decode step calls it four times a layer.
-_lib = torch.library.Library("pdserve", "FRAGMENT")  # kept alive by the module
-_lib.define("packed_linear(Tensor x, int handle, int out_features, Tensor? bias) -> Tensor")
-
-
 def _packed_linear(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ W.T + bias with W the packed weight under `handle`."""
     out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x.contiguous(), _weights[handle], bias, "none", [], "")
     return out
 
 
-_lib.impl("packed_linear", _packed_linear, "CPU")
-
-
-@torch.library.register_fake("pdserve::packed_linear", lib=_lib)
-def _(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
+def _packed_linear_fake(x: torch.Tensor, handle: int, out_features: int, bias: torch.Tensor | None) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+torch_ops.define("packed_linear(Tensor x, int handle, int out_features, Tensor? bias) -> Tensor",
+                 _packed_linear, _packed_linear_fake, "CPU")
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
