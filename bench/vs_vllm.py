@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -61,17 +62,54 @@ def model_dir(model: str) -> str:
     return str(resolve_model(model, progress=True))
 
 
-def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path) -> dict[str, Any]:
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of a process and its live descendants: a server's whole tree
+    (pdserve's Ray daemons, workers and HAProxy; vLLM's API server and engine core)."""
+    import psutil
+
+    total = 0.0
+    root = psutil.Process(pid)
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system
+        except psutil.NoSuchProcess:
+            continue
+    return total
+
+
+def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path,
+          server: subprocess.Popen[bytes] | None = None) -> dict[str, Any]:
+    """One `vllm bench serve` run; its result, with the CPU seconds of the server's process tree
+    (`server_cpu_s`) and of the client's (`client_cpu_s`) over the load added. The load is the last
+    `duration` seconds before the client exits (it then only writes its result): both trees are
+    sampled every 0.2 s, so the client's start (importing vLLM, seconds of CPU) and the idle
+    server's background work meanwhile stay out."""
     vllm = str(Path(a.vllm_venv) / "bin" / "vllm")
     cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", mdir,
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
            str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
            "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out.parent), "--result-filename",
            out.name]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode:
-        raise SystemExit(f"vllm bench serve failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples: list[tuple[float, float, float]] = []  # (time, server CPU s, client CPU s)
+    deadline = time.monotonic() + 1800
+    while client.poll() is None and time.monotonic() < deadline:
+        samples.append((time.monotonic(), tree_cpu_s(server.pid) if server is not None else 0.0,
+                        tree_cpu_s(client.pid)))
+        time.sleep(0.2)
+    if client.poll() is None:
+        client.kill()
+    _, err = client.communicate(timeout=60)
+    if client.returncode:
+        raise SystemExit(f"vllm bench serve failed ({client.returncode}):\n{err[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
+    end = samples[-1][0]
+    start = end - result["duration"]
+    first = next((s for s in samples if s[0] >= start), samples[0])
+    result["server_cpu_s"] = samples[-1][1] - first[1] if server is not None else float("nan")
+    result["client_cpu_s"] = samples[-1][2] - first[2]
+    result["cpu_window_s"] = end - first[0]
     return result
 
 
@@ -97,9 +135,9 @@ def main() -> int:
             bench(argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency}), port, mdir, 999,
                   tmp / f"warm-{name}.json")
         for i in range(a.repeats):
-            for name, port in (("vllm", a.vllm_port), ("pdserve", a.pdserve_port)):
+            for (name, port), server in zip((("vllm", a.vllm_port), ("pdserve", a.pdserve_port)), servers):
                 print(f"[vs-vllm] run {i + 1}/{a.repeats}: {name} ...", file=sys.stderr, flush=True)
-                runs[name].append(bench(a, port, mdir, i, tmp / f"{name}-{i}.json"))
+                runs[name].append(bench(a, port, mdir, i, tmp / f"{name}-{i}.json", server))
     finally:
         for s in servers:
             stop(s)
@@ -107,16 +145,24 @@ def main() -> int:
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
 
+    for r in (r for rs in runs.values() for r in rs):  # CPU ms per output token and % of a core
+        tokens, secs = max(1, r["total_output_tokens"]), max(1e-9, r["duration"])
+        r["server_cpu_ms_per_token"] = 1000 * r["server_cpu_s"] / tokens
+        r["client_cpu_ms_per_token"] = 1000 * r["client_cpu_s"] / tokens
+        r["server_cpu_pct"] = 100 * r["server_cpu_s"] / max(secs, r["cpu_window_s"])
+
     print(f"# served, vLLM's bench client: {a.model}, random {a.input_len} in / {a.output_len} out, EOS ignored, "
           f"concurrency {a.concurrency}, {a.num_prompts} prompts, {a.repeats} alternating runs each (medians)")
     print("command: python " + " ".join(sys.argv))
     print()
-    print("| server | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms |")
-    print("|---|---|---:|---:|---:|")
+    print("| server | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms | server CPU ms/token | "
+          "server CPU % of a core | client CPU ms/token (in the load) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for name in ("vllm", "pdserve"):
         tps = ", ".join(f"{r['output_throughput']:.0f}" for r in runs[name])
         print(f"| {name} | {tps} | {med(name, 'output_throughput'):.0f} | {med(name, 'median_tpot_ms'):.1f} | "
-              f"{med(name, 'median_ttft_ms'):.0f} |")
+              f"{med(name, 'median_ttft_ms'):.0f} | {med(name, 'server_cpu_ms_per_token'):.2f} | "
+              f"{med(name, 'server_cpu_pct'):.0f} | {med(name, 'client_cpu_ms_per_token'):.2f} |")
     ratio = med("pdserve", "output_throughput") / med("vllm", "output_throughput")
     print(f"\npdserve / vLLM, output tok/s: {ratio:.2f}x")
     print(f"(logs and results: {tmp})")

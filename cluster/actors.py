@@ -69,7 +69,8 @@ class _Service:
             async_engine.on_dead = _exit_soon
 
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, dtype=_dtype_name(self.engine))
+        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, dtype=_dtype_name(self.engine),
+                          pid=os.getpid(), fixed_cpu_threads=_fixed_cpu_threads(self.engine, self.async_engine))
 
     async def abort(self, request_id: str, attempt: int | None = None) -> None:
         """End the request here (only its try `attempt` or an earlier one, when given)."""
@@ -196,7 +197,8 @@ class WorkerService(_Service):
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.role.kv_address,
-                          self.role.role, _dtype_name(self.engine))
+                          self.role.role, _dtype_name(self.engine), os.getpid(),
+                          _fixed_cpu_threads(self.engine, self.async_engine))
 
     def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
         role, switching, epoch = self.switcher.status
@@ -305,6 +307,11 @@ def _exit_soon(error: BaseException) -> None:
     timer = threading.Timer(_EXIT_DELAY_S, os._exit, args=(_EXIT_CODE,))
     timer.daemon = True
     timer.start()
+
+
+def _fixed_cpu_threads(engine: LLMEngine, async_engine: AsyncEngine) -> int:
+    """The engine's torch threads where they are a fixed share of a CPU node (cluster/cpu_pinning.py)."""
+    return async_engine.torch_threads if engine.device.type == "cpu" and not engine.shares_cores_by_step else 0
 
 
 def _dtype_name(engine: LLMEngine) -> str:

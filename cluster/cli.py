@@ -256,6 +256,10 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "more, else split), lend (an equal share of the cores each, but a step on all of them "
                           "while the other workers are idle), split (the share, always) or turns (each step on "
                           "all the cores, one worker at a time)")
+    srv.add_argument("--cpu-pinning", default=_SETTING,
+                     help="auto (default): on local Ray, a CPU decode worker with a fixed share of the cores "
+                          "(split sharing) runs on cores of its own, and the gateway, Ray, HAProxy and prefill "
+                          "workers on the others; off: every process on every core")
     srv.add_argument("--control-plane-nice", type=int, default=_SETTING,
                      help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
                           "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")

@@ -18,6 +18,10 @@ class WorkerInfo:
     kv_address: str | None = None  # a decode worker's KV receiver (where prefill workers send)
     role: WorkerRole | None = None  # what it does now (None: a worker that cannot change role)
     dtype: str = ""  # what its engine computes in ("bfloat16": `--dtype auto` resolved on its device)
+    pid: int = 0  # its process
+    # Torch threads of a CPU engine with a fixed share of the node's cores (split sharing);
+    # 0 on a GPU, or where its engines lend cores or take turns at them (they need them all).
+    fixed_cpu_threads: int = 0
 
 
 @dataclass(frozen=True)

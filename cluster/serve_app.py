@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -12,15 +13,19 @@ import ray
 from ray import serve
 
 from pdserve.cluster.background_priority import deprioritize_background
+from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
+from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
 from pdserve.workers.cpu_lending import lending_dir
 from pdserve.workers.cpu_turns import turns_path
 
 if TYPE_CHECKING:
     from pdserve.cluster.gateway import GatewayConfig
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
 
@@ -258,17 +263,50 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
     serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+    cores = node_cores()  # before any pinning narrows this process's own
+    # Only `pdserve serve`'s own process (block): a caller's process is not ours to pin.
+    pins = pin_decode_cores(cfg, cores) if local and block else None
     if local:
         deprioritize_background(cfg.control_plane_nice)
+    pinned = "" if pins is None else f"; decode workers on cores of their own, prefill on {sorted(pins.rest)}"
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
-          f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype})", flush=True)
+          f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
         try:
             while True:
-                time.sleep(3600)
+                time.sleep(REFRESH_S if local else 3600)
+                if local:  # a restarted worker, or one that changed role, gets its cores
+                    pins = pin_decode_cores(cfg, cores, pins)
         except KeyboardInterrupt:
             shutdown(cfg)
     return cfg  # with the worker count it decided
+
+
+def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | None = None,
+                     timeout_s: float = 30.0, root: int | None = None) -> Pins | None:
+    """On local Ray, each CPU decode worker with a fixed share of threads onto cores of its own,
+    and everything else this process started onto the others (cluster/cpu_pinning.py). `pinned`:
+    what the last call did (a worker that can no longer be pinned then gets every core back).
+    Returns what is pinned now; a worker that does not answer leaves things as they were.
+    `root`: the process whose tree is pinned (default: this one, which started local Ray)."""
+    if cfg.cpu_pinning is CpuPinning.OFF or cfg.mode is not ServingMode.DISAGGREGATED or cluster_gpus():
+        return None
+    try:
+        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in cfg.worker_names()]
+        infos: list[WorkerInfo] = ray.get([h.info.remote() for h in handles], timeout=timeout_s)
+    except Exception as e:  # noqa: BLE001 - a worker restarting: the next call tries again
+        log.debug("CPU pinning: workers did not answer (%r); pins left as they were", e)
+        return pinned
+    pins = plan(cores, [(i.pid, i.fixed_cpu_threads) for i in infos if i.role is WorkerRole.DECODE],
+                [i.pid for i in infos if i.role is WorkerRole.PREFILL])
+    if pins is not None:
+        apply(pins, root)
+        if pins != pinned:
+            log.info("CPU pinning: decode workers %s, prefill workers on cores %s",
+                     {pid: sorted(c) for pid, c in pins.decode.items()}, sorted(pins.rest))
+    elif pinned is not None:  # every worker back on every core
+        apply(Pins({}, cores, frozenset(pinned.cores()) | {i.pid for i in infos}), root)
+    return pins
 
 
 def shutdown(cfg: ServeConfig) -> None:

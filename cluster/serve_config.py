@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
@@ -52,14 +53,15 @@ SERVE_SETTINGS = {
     "worker_wait": "worker_wait", "served_model_name": "served_model_name",
     "metrics_api_key": "metrics_api_key",
     "planner_profile": "planner_profile", "slo": "slo", "planner_interval": "planner_interval",
-    "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing", "control_plane_nice": "control_plane_nice",
+    "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing", "cpu_pinning": "cpu_pinning",
+    "control_plane_nice": "control_plane_nice",
     # What one request may ask for (cluster/limits.py): the same names as RequestLimits'.
     **{f.name: f.name for f in dataclasses.fields(RequestLimits)},
 }
 ENGINE_SETTINGS = EngineConfig.settings()
 _ENUMS: dict[str, type[enum.Enum]] = {
     "mode": ServingMode, "transport": Transport, "ingress": Ingress, "router_policy": RoutingPolicy,
-    "kv_failure_policy": KVFailurePolicy, "cpu_sharing": CpuSharing}
+    "kv_failure_policy": KVFailurePolicy, "cpu_sharing": CpuSharing, "cpu_pinning": CpuPinning}
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,9 @@ class ServeConfig:
     transport: Transport = Transport.ZMQ
     # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
     cpu_sharing: CpuSharing = CpuSharing.AUTO
+    # Decode workers with a fixed share of a CPU node's cores on cores of their own, the
+    # serving plane and prefill workers on the others (cluster/cpu_pinning.py); local Ray only.
+    cpu_pinning: CpuPinning = CpuPinning.AUTO
     # The nice value local Ray's and Serve's own processes run at, behind the engines
     # (cluster/background_priority.py); 0 leaves them as they start. A cluster joined
     # with RAY_ADDRESS is left alone.

@@ -107,6 +107,11 @@ class LLMEngine:
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
 
+    @property
+    def shares_cores_by_step(self) -> bool:
+        """Whether this engine takes turns at its node's cores, or lends them, step by step."""
+        return not isinstance(self.cpu_turn, contextlib.nullcontext)
+
     def _worth_lending(self) -> bool:
         """Whether a second core pays for this model's steps: its weights take at least
         `cpu_lending_min_weight_bytes`. Every worker of an app loads the same model and

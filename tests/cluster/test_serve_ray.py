@@ -141,3 +141,48 @@ def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], 
     assert all(ld.used_blocks == 0 and ld.running == 0 and ld.waiting == 0 for ld in loads), loads
     # The hung-up streams were aborted, not run to their 200 tokens.
     assert sum(ld.generation_tokens for ld in loads) - generated_before < 50 * 200 // 2
+
+
+def test_the_decode_worker_gets_a_core_of_its_own_and_still_serves(cluster: tuple[str, str], model_dir: Path) -> None:
+    """cluster/cpu_pinning.py on live workers: `pdserve serve` pins the workers below it; here
+    those below this cluster's raylet, restored afterwards. The gateway is left on every core."""
+    url, mode = cluster
+    if mode != "disaggregated" or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("decode workers to pin, and two cores")
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.background_priority import descendants
+    from pdserve.cluster.cpu_pinning import Pins, apply
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.workers.config import EngineConfig
+
+    def cmdline(pid: int) -> str:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+    (raylet,) = [pid for pid in descendants(os.getpid()) if "/raylet " in cmdline(pid)]
+    cores = frozenset(os.sched_getaffinity(0))
+    cfg = ServeConfig(EngineConfig(model=str(model_dir)))
+    infos = {name: ray.get(ray.get_actor(name, namespace=serve_app.NAMESPACE).info.remote(), timeout=60)
+             for name in cfg.worker_names()}
+    decode = infos["pdserve-decode-0"]
+    assert decode.fixed_cpu_threads >= 1 and decode.pid in descendants(raylet)  # the tiny model splits
+    try:
+        pins = serve_app.pin_decode_cores(cfg, cores, root=raylet)
+        prefill = infos["pdserve-prefill-0"].pid
+        assert pins is not None and set(pins.decode) == {decode.pid} and pins.prefill == {prefill}
+        own, rest = pins.decode[decode.pid], pins.rest
+        assert len(own) == decode.fixed_cpu_threads and own.isdisjoint(rest) and own | rest == cores
+        for pid, want in ((decode.pid, own), (prefill, rest)):  # every thread of each
+            assert {frozenset(os.sched_getaffinity(int(t))) for t in os.listdir(f"/proc/{pid}/task")} == {want}
+        gateway = [pid for pid in descendants(raylet) if "ServeReplica" in cmdline(pid)]
+        assert gateway and all(os.sched_getaffinity(pid) == cores for pid in [*gateway, raylet])
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        r = c.completions.create(model=os.path.basename(str(model_dir)), prompt="def add(a, b):\n" * 8,
+                                 max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+        assert r.choices[0].finish_reason == "length"
+        # Off: nothing is pinned; a pinned tree gets every core back when it can no longer be pinned.
+        assert serve_app.pin_decode_cores(ServeConfig(EngineConfig(model="m"), cpu_pinning="off"),  # type: ignore[arg-type]
+                                          cores, root=raylet) is None
+    finally:
+        apply(Pins({}, cores, frozenset(p.pid for p in infos.values())), raylet)
+    assert os.sched_getaffinity(decode.pid) == os.sched_getaffinity(infos["pdserve-prefill-0"].pid) == cores
