@@ -2,7 +2,7 @@
 
 Each server runs in a session of its own, so `stop` reaches everything it
 started (Ray, HAProxy, workers) with one signal to the group; SIGINT first (a
-clean shutdown), SIGKILL after `grace_s`.
+clean shutdown), SIGTERM after `grace_s` (one that ignores SIGINT), SIGKILL last.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ PDSERVE = str(Path(sys.executable).parent / "pdserve")  # the console script bes
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:  # a background job's: the server would inherit it
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a handler, which exec resets to the default
     with log.open("wb") as out:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
                                 env={**os.environ, **(env or {})})
@@ -42,7 +44,9 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], log: Path, deadline_s:
 
 
 def stop(proc: subprocess.Popen[bytes], grace_s: float = 60) -> None:
-    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGKILL, 10.0)):
+    # SIGTERM after SIGINT: a server started from a background shell job ignores SIGINT (the
+    # shell sets it so, and children inherit it), and SIGKILL would orphan its Ray daemons.
+    for sig, wait in ((signal.SIGINT, grace_s), (signal.SIGTERM, 30.0), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
             proc.wait(wait)
