@@ -4,23 +4,24 @@ Why: on a small CPU node every process of the server (the prefill worker, the ga
 HAProxy, Ray's daemons) and the client share the cores with the decode worker, and each
 of them preempts a decode step: its tokens wait in the run queue. A decode step is the
 time between two tokens of every running request; a prefill is one request's first
-token. Measured on the 2-core test machine (tiny model, 1P+1D, vLLM's bench client at
-concurrency 16, three alternating rounds; docs/serving-profile.md): decode on core 1 and
-prefill on core 0 served 1717, 1562, 1589 tok/s against 1263, 1533, 1490 unpinned (TPOT
-p50 6.4-8.2 ms against 9.0-10.4, TTFT p50 about the same); with the serving plane also
-kept off the decode core, 1657, 1555, 1605 but TTFT p50 146-203 ms against 122-155.
+token. Measured on the 2-core test machine (`python bench/cpu_layouts.py`: tiny model, 1P+1D,
+vLLM's bench client at concurrency 16, layouts alternating, three rounds; 08:10 UTC
+2026-11-28): every process on every core 1054, 885, 940 tok/s (TPOT p50 14.2 ms); decode
+alone on core 1 1353, 1009, 1229 (10.2 ms); decode on core 1 and prefill on core 0 with the
+serving plane anywhere 1318, 957, 1078; both engines on core 1, the rest on core 0 988, 923,
+1215. Decode alone was the fastest in each round (docs/serving-profile.md).
 
 What: each decode worker whose engine has a fixed share of threads (split sharing: not
 lending cores or taking turns at them, which need every core) gets that many cores, from
-the top of the node's CPU list, and the prefill workers share the cores below: an engine
-step, a chain of OpenMP regions, never waits behind the other pool's. The serving plane
-(the gateway, HAProxy, Ray) is left on every core: it carries each token and its bursts
-are short. It needs at least one core left for the prefill workers, and it is redone
-every `REFRESH_S` seconds: a worker Ray restarted (it starts on every core), or one that
-changed role, gets its cores then.
+the top of the node's CPU list; every other process this one started (the prefill
+workers, the gateway, HAProxy, Ray's daemons) and this process get the cores below. It
+needs at least one core left for them, and it is redone every `REFRESH_S` seconds: a
+worker Ray restarted (it starts on the rest's cores, which its parent has), or one that
+changed role, gets its cores then. vLLM's CPU backend binds its engine the same way (its
+log on 2 cores: `core ids=[0]`, `reserved_cpus=[1]`).
 
-Only local Ray (every worker on this node, all started by this process); only workers,
-and never a process this one did not start. CPU affinity needs no privilege for one's own processes.
+Only local Ray (every worker on this node, all started by this process); never a process
+this one did not start. CPU affinity needs no privilege for one's own processes.
 """
 
 from __future__ import annotations
@@ -47,19 +48,13 @@ class CpuPinning(str, enum.Enum):
 @dataclass(frozen=True)
 class Pins:
     decode: Mapping[int, frozenset[int]]  # a decode worker's pid -> its cores
-    rest: frozenset[int]  # the prefill workers' cores
-    prefill: frozenset[int] = frozenset()  # their pids
-
-    def cores(self) -> dict[int, frozenset[int]]:
-        """Every pinned worker's pid -> its cores."""
-        return {**{pid: self.rest for pid in self.prefill}, **self.decode}
+    rest: frozenset[int]  # every other process's cores
 
 
-def plan(cores: Iterable[int], decode: Sequence[tuple[int, int]], prefill: Iterable[int] = ()) -> Pins | None:
-    """`decode`: (pid, torch threads) of each decode worker; `prefill`: the prefill workers'
-    pids. Each decode worker gets as many cores as threads, from the top of `cores`; the
-    prefill workers share the cores below. None when nothing is to be pinned, or when that
-    would leave the prefill workers no core."""
+def plan(cores: Iterable[int], decode: Sequence[tuple[int, int]]) -> Pins | None:
+    """`decode`: (pid, torch threads) of each decode worker to pin. Each gets as many cores as
+    threads, from the top of `cores`; the rest get the cores below. None when nothing is to be
+    pinned, or when that would leave the rest no core."""
     ordered = sorted(set(cores))
     need = sum(threads for _, threads in decode)
     if not decode or any(threads < 1 for _, threads in decode) or need >= len(ordered):
@@ -69,7 +64,7 @@ def plan(cores: Iterable[int], decode: Sequence[tuple[int, int]], prefill: Itera
     for pid, threads in decode:
         pins[pid] = frozenset(ordered[top - threads:top])
         top -= threads
-    return Pins(pins, frozenset(ordered[:top]), frozenset(prefill))
+    return Pins(pins, frozenset(ordered[:top]))
 
 
 def set_affinity(pid: int, cores: frozenset[int], proc: Path = Path("/proc")) -> bool:
@@ -89,10 +84,10 @@ def set_affinity(pid: int, cores: frozenset[int], proc: Path = Path("/proc")) ->
 
 
 def apply(pins: Pins, root: int | None = None, proc: Path = Path("/proc")) -> int:
-    """Every worker in `pins` that runs below `root` (this process) onto its cores; no other
-    process is touched. Returns how many were set."""
-    below = set(descendants(os.getpid() if root is None else root, proc))
-    return sum(set_affinity(pid, cores, proc) for pid, cores in pins.cores().items() if pid in below)
+    """Every decode worker onto its cores; `root` (this process) and every other process below
+    it onto the rest's. Returns how many processes were set."""
+    root = os.getpid() if root is None else root
+    return sum(set_affinity(pid, pins.decode.get(pid, pins.rest), proc) for pid in [root, *descendants(root, proc)])
 
 
 def node_cores() -> frozenset[int]:

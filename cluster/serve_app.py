@@ -268,7 +268,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     pins = pin_decode_cores(cfg, cores) if local and block else None
     if local:
         deprioritize_background(cfg.control_plane_nice)
-    pinned = "" if pins is None else f"; decode workers on cores of their own, prefill on {sorted(pins.rest)}"
+    pinned = "" if pins is None else f"; decode workers on cores of their own, the rest on {sorted(pins.rest)}"
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
@@ -286,7 +286,7 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
                      timeout_s: float = 30.0, root: int | None = None) -> Pins | None:
     """On local Ray, each CPU decode worker with a fixed share of threads onto cores of its own,
     and everything else this process started onto the others (cluster/cpu_pinning.py). `pinned`:
-    what the last call did (a worker that can no longer be pinned then gets every core back).
+    what the last call did (where nothing can be pinned now, everything gets every core back).
     Returns what is pinned now; a worker that does not answer leaves things as they were.
     `root`: the process whose tree is pinned (default: this one, which started local Ray)."""
     if cfg.cpu_pinning is CpuPinning.OFF or cfg.mode is not ServingMode.DISAGGREGATED or cluster_gpus():
@@ -297,15 +297,14 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
     except Exception as e:  # noqa: BLE001 - a worker restarting: the next call tries again
         log.debug("CPU pinning: workers did not answer (%r); pins left as they were", e)
         return pinned
-    pins = plan(cores, [(i.pid, i.fixed_cpu_threads) for i in infos if i.role is WorkerRole.DECODE],
-                [i.pid for i in infos if i.role is WorkerRole.PREFILL])
+    pins = plan(cores, [(i.pid, i.fixed_cpu_threads) for i in infos if i.role is WorkerRole.DECODE])
     if pins is not None:
         apply(pins, root)
         if pins != pinned:
-            log.info("CPU pinning: decode workers %s, prefill workers on cores %s",
+            log.info("CPU pinning: decode workers %s, everything else on cores %s",
                      {pid: sorted(c) for pid, c in pins.decode.items()}, sorted(pins.rest))
-    elif pinned is not None:  # every worker back on every core
-        apply(Pins({}, cores, frozenset(pinned.cores()) | {i.pid for i in infos}), root)
+    elif pinned is not None:  # everything back on every core
+        apply(Pins({}, cores), root)
     return pins
 
 

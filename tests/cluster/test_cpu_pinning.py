@@ -1,7 +1,7 @@
 """Decode workers on cores of their own (cluster/cpu_pinning.py): the plan gives each decode
-worker as many cores as threads from the top and the prefill workers what is below, or
-nothing when they would have no core; applying it moves every thread of the named workers
-below the root, and no other process."""
+worker as many cores as threads from the top and the rest what is below, or nothing when
+the rest would have no core; applying it moves every thread of the processes below the
+root, and nothing that is not below it."""
 
 from __future__ import annotations
 
@@ -30,25 +30,22 @@ time.sleep(30)
 
 
 def test_each_decode_worker_gets_its_threads_in_cores_from_the_top() -> None:
-    assert plan([0, 1], [(100, 1)], [200]) == Pins({100: frozenset({1})}, frozenset({0}), frozenset({200}))
-    pins = plan(range(8), [(100, 2), (101, 3)], [200, 201])
-    assert pins == Pins({100: frozenset({6, 7}), 101: frozenset({3, 4, 5})}, frozenset({0, 1, 2}),
-                        frozenset({200, 201}))
-    assert pins.cores() == {100: frozenset({6, 7}), 101: frozenset({3, 4, 5}), 200: frozenset({0, 1, 2}),
-                            201: frozenset({0, 1, 2})}
+    assert plan([0, 1], [(100, 1)]) == Pins({100: frozenset({1})}, frozenset({0}))
+    assert plan(range(8), [(100, 2), (101, 3)]) == Pins({100: frozenset({6, 7}), 101: frozenset({3, 4, 5})},
+                                                      frozenset({0, 1, 2}))
     # A container's cpuset need not be contiguous, nor given in order.
     assert plan([7, 2, 5, 0], [(100, 1)]) == Pins({100: frozenset({7})}, frozenset({0, 2, 5}))
 
 
 @pytest.mark.parametrize("cores, decode", [
-    ([0], [(100, 1)]),  # one core: nothing left for the prefill workers
+    ([0], [(100, 1)]),  # one core: nothing left for the rest
     ([0, 1], [(100, 2)]),  # the decode worker would take every core
     ([0, 1, 2], [(100, 1), (101, 2)]),
     ([0, 1], []),  # no decode worker to pin
     ([0, 1], [(100, 0)]),  # a worker without a fixed share (it lends cores or takes turns)
     ([0, 1, 2, 3], [(100, 1), (101, 0)]),
 ])
-def test_nothing_is_pinned_when_prefill_would_have_no_core_or_a_worker_needs_them_all(
+def test_nothing_is_pinned_when_the_rest_would_have_no_core_or_a_worker_needs_them_all(
         cores: list[int], decode: list[tuple[int, int]]) -> None:
     assert plan(cores, decode) is None
 
@@ -85,20 +82,18 @@ def _threads_on(pid: int) -> set[frozenset[int]]:
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
-def test_applying_moves_every_thread_of_the_workers_below_the_root_and_nothing_else(
+def test_applying_moves_every_thread_below_the_root_and_nothing_else(
         tree: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
     root, outsider = tree
     (grandchild,) = descendants(root.pid)
     everything = frozenset(os.sched_getaffinity(0))
     cores = sorted(everything)
-    before = {pid: _threads_on(pid) for pid in (root.pid, outsider.pid)}
-    # The grandchild plays the decode worker, the outsider (not below the root) a prefill worker.
-    pins = Pins({grandchild: frozenset(cores[-1:])}, frozenset(cores[:-1]), frozenset({outsider.pid}))
-    assert apply(pins, root.pid) == 1
+    before = _threads_on(outsider.pid)
+    # The grandchild plays the decode worker; the root (and its other thread) the rest.
+    pins = Pins({grandchild: frozenset(cores[-1:])}, frozenset(cores[:-1]))
+    assert apply(pins, root.pid) == 2
     assert _threads_on(grandchild) == {frozenset(cores[-1:])}
-    assert {pid: _threads_on(pid) for pid in (root.pid, outsider.pid)} == before  # no worker / not below
-    # Below the root now, with its two threads: the prefill worker's cores.
-    assert apply(pins, os.getpid()) == 2
-    assert _threads_on(outsider.pid) == {frozenset(cores[:-1])}
-    apply(Pins({}, everything, frozenset({grandchild, outsider.pid})), os.getpid())  # and back
-    assert _threads_on(grandchild) == _threads_on(outsider.pid) == {everything}
+    assert _threads_on(root.pid) == {frozenset(cores[:-1])}  # both of its threads
+    assert _threads_on(outsider.pid) == before  # not below the root
+    apply(Pins({}, everything), root.pid)  # and back
+    assert _threads_on(grandchild) == _threads_on(root.pid) == {everything}
