@@ -22,6 +22,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from served import PDSERVE, start, stop, wait_healthy
 from vs_vllm import bench, model_dir
@@ -73,7 +74,7 @@ def main() -> int:
     log = tmp / "pdserve.log"
     server = start([PDSERVE, "serve", "--model", mdir, "--port", str(a.port), "--cpu-pinning", "off",
                     "--cpu-sharing", "split"], log)
-    runs: dict[str, list[dict[str, object]]] = {name: [] for name in LAYOUTS}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
     try:
         wait_healthy(f"http://127.0.0.1:{a.port}", server, log)
         warm = argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency})
@@ -87,7 +88,7 @@ def main() -> int:
         stop(server)
 
     def med(layout: str, key: str) -> float:
-        return statistics.median(float(r[key]) for r in runs[layout])  # type: ignore[arg-type]
+        return statistics.median(float(r[key]) for r in runs[layout])
 
     print(f"# pdserve 1P+1D, {a.model}, random {a.input_len}/{a.output_len}, concurrency {a.concurrency}, "
           f"{a.num_prompts} prompts, vLLM's bench client; {len(cores)} cores, decode on {decode_threads}; "
@@ -96,8 +97,8 @@ def main() -> int:
     print("| layout | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms | server CPU ms/token |")
     print("|---|---|---:|---:|---:|---:|")
     for layout in LAYOUTS:
-        tps = ", ".join(f"{float(r['output_throughput']):.0f}" for r in runs[layout])  # type: ignore[arg-type]
-        cpu = statistics.median(1000 * float(r["server_cpu_s"]) / max(1, int(r["total_output_tokens"]))  # type: ignore[arg-type]
+        tps = ", ".join(f"{float(r['output_throughput']):.0f}" for r in runs[layout])
+        cpu = statistics.median(1000 * float(r["server_cpu_s"]) / max(1, int(r["total_output_tokens"]))
                                 for r in runs[layout])
         print(f"| {layout} | {tps} | {med(layout, 'output_throughput'):.0f} | {med(layout, 'median_tpot_ms'):.1f} | "
               f"{med(layout, 'median_ttft_ms'):.0f} | {cpu:.2f} |")

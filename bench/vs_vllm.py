@@ -62,14 +62,22 @@ def model_dir(model: str) -> str:
     return str(resolve_model(model, progress=True))
 
 
-def tree_cpu_s(pid: int) -> float:
+def tree_cpu_s(pid: int) -> float | None:
     """CPU seconds (user + system) of a process and its live descendants: a server's whole tree
-    (pdserve's Ray daemons, workers and HAProxy; vLLM's API server and engine core)."""
+    (pdserve's Ray daemons, workers and HAProxy; vLLM's API server and engine core). None once
+    the process itself has exited (a zombie's times are no longer readable)."""
     import psutil
 
-    total = 0.0
-    root = psutil.Process(pid)
-    for p in [root, *root.children(recursive=True)]:
+    try:
+        root = psutil.Process(pid)
+        t = root.cpu_times()
+        if root.status() == psutil.STATUS_ZOMBIE:
+            return None
+        total = t.user + t.system
+        children = root.children(recursive=True)
+    except psutil.NoSuchProcess:  # a zombie's too
+        return None
+    for p in children:
         try:
             t = p.cpu_times()
             total += t.user + t.system
@@ -91,19 +99,25 @@ def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path,
            str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
            "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out.parent), "--result-filename",
            out.name]
-    client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     samples: list[tuple[float, float, float]] = []  # (time, server CPU s, client CPU s)
-    deadline = time.monotonic() + 1800
-    while client.poll() is None and time.monotonic() < deadline:
-        samples.append((time.monotonic(), tree_cpu_s(server.pid) if server is not None else 0.0,
-                        tree_cpu_s(client.pid)))
-        time.sleep(0.2)
-    if client.poll() is None:
-        client.kill()
-    _, err = client.communicate(timeout=60)
+    err_path = out.with_suffix(".stderr")  # a file, not a pipe: its progress bars would fill a pipe unread
+    with err_path.open("w") as err:
+        client = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err)
+        deadline = time.monotonic() + 1800
+        while client.poll() is None and time.monotonic() < deadline:
+            server_cpu = tree_cpu_s(server.pid) if server is not None else 0.0
+            client_cpu = tree_cpu_s(client.pid)
+            if server_cpu is not None and client_cpu is not None:
+                samples.append((time.monotonic(), server_cpu, client_cpu))
+            time.sleep(0.2)
+        if client.poll() is None:
+            client.kill()
+        client.wait(timeout=60)
     if client.returncode:
-        raise SystemExit(f"vllm bench serve failed ({client.returncode}):\n{err[-3000:]}")
+        raise SystemExit(f"vllm bench serve failed ({client.returncode}):\n{err_path.read_text()[-3000:]}")
     result: dict[str, Any] = json.loads(out.read_text())
+    if not samples:  # it ended before the first sample
+        samples = [(time.monotonic(), float("nan"), float("nan"))]
     end = samples[-1][0]
     start = end - result["duration"]
     first = next((s for s in samples if s[0] >= start), samples[0])

@@ -27,15 +27,12 @@ this one did not start. CPU affinity needs no privilege for one's own processes.
 from __future__ import annotations
 
 import enum
-import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cluster.background_priority import descendants
-
-log = logging.getLogger(__name__)
 
 REFRESH_S = 15.0
 

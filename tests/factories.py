@@ -162,3 +162,39 @@ def capture_logits(llm: Any) -> list[Any]:
 
     llm.engine.model.compute_logits = capture
     return captured
+
+
+# A child that starts a second thread and, given a second argument, a grandchild showing it in
+# its command line; argv[1:] are what /proc/<pid>/cmdline shows (so a marker can be put there).
+_CHILD = """
+import subprocess, sys, threading, time
+threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+if len(sys.argv) > 2:  # a grandchild showing argv[2] (a marker kept out of this source: it is in every child's)
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", sys.argv[2]])
+print("ready", flush=True)
+time.sleep(30)
+"""
+
+
+def start_child(*argv: str) -> Any:
+    """A child process with two threads (and, given two arguments, a grandchild), once it is up."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, *argv], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def kill_tree(proc: Any) -> None:
+    """Kill a child from `start_child` and whatever it started, by pid."""
+    import os
+
+    from pdserve.cluster.background_priority import descendants
+
+    for pid in descendants(proc.pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    proc.kill()
+    proc.wait(timeout=10)
+

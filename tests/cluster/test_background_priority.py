@@ -12,30 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from factories import kill_tree, start_child
 
 from pdserve.cluster.background_priority import deprioritize_background, descendants, is_background, nice_of
 from pdserve.cluster.serve_config import ServeConfig
 from pdserve.workers.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
-
-# A child that starts a second thread and, when asked, a grandchild of its own; argv[1:] are
-# what /proc/<pid>/cmdline shows (so a marker like /gcs_server can be put there).
-CHILD = """
-import subprocess, sys, threading, time
-threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
-if len(sys.argv) > 2:  # a grandchild showing argv[2] (a marker kept out of this source: it is in every child's)
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)", sys.argv[2]])
-print("ready", flush=True)
-time.sleep(30)
-"""
-
-
-def _start(*argv: str) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, *argv], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-    return proc
-
 
 @pytest.fixture
 def procs() -> Iterator[list[subprocess.Popen[str]]]:
@@ -44,13 +27,7 @@ def procs() -> Iterator[list[subprocess.Popen[str]]]:
         yield started
     finally:
         for proc in started:  # the children, and any grandchild, by pid
-            for pid in descendants(proc.pid):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            proc.kill()
-            proc.wait(timeout=10)
+            kill_tree(proc)
 
 
 def _thread_nices(pid: int) -> list[int]:
@@ -60,9 +37,9 @@ def _thread_nices(pid: int) -> list[int]:
 def test_the_named_processes_below_us_go_behind_and_nothing_else(procs: list[subprocess.Popen[str]]) -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     target = min(19, base + 5)
-    gcs = _start("/ray/core/src/ray/gcs/gcs_server", "ray::DashboardAgent")  # a marker; its grandchild is one too
+    gcs = start_child("/ray/core/src/ray/gcs/gcs_server", "ray::DashboardAgent")  # a marker; its grandchild is one too
     procs.append(gcs)
-    plain = _start("ray::IDLE")  # a pooled worker Ray may turn into an engine: never
+    plain = start_child("ray::IDLE")  # a pooled worker Ray may turn into an engine: never
     procs.append(plain)
     for _ in range(100):  # the grandchild is up once it shows below the child
         grandchild = descendants(gcs.pid)
@@ -83,7 +60,7 @@ def test_the_named_processes_below_us_go_behind_and_nothing_else(procs: list[sub
 def test_zero_leaves_everything_and_a_process_not_below_us_is_never_touched(
         procs: list[subprocess.Popen[str]]) -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    gcs = _start("/gcs_server")
+    gcs = start_child("/gcs_server")
     procs.append(gcs)
     assert deprioritize_background(0) == [] and set(_thread_nices(gcs.pid)) == {base}
     # Below another root (as a cluster that `ray start` left running would be): not ours.

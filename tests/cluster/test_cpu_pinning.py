@@ -11,6 +11,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+from factories import kill_tree, start_child
 
 from pdserve.cluster.background_priority import descendants
 from pdserve.cluster.cpu_pinning import CpuPinning, Pins, apply, plan
@@ -18,16 +19,6 @@ from pdserve.cluster.serve_config import ServeConfig
 from pdserve.workers.config import EngineConfig
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc, sets CPU affinity")
-
-CHILD = """
-import subprocess, sys, threading, time
-threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
-if len(sys.argv) > 1:
-    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-print("ready", flush=True)
-time.sleep(30)
-"""
-
 
 def test_each_decode_worker_gets_its_threads_in_cores_from_the_top() -> None:
     assert plan([0, 1], [(100, 1)]) == Pins({100: frozenset({1})}, frozenset({0}))
@@ -60,21 +51,13 @@ def test_the_setting_is_auto_or_off() -> None:
 @pytest.fixture
 def tree() -> Iterator[tuple[subprocess.Popen[str], subprocess.Popen[str]]]:
     """Two children with a second thread each; the first with a grandchild."""
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, *extra], stdout=subprocess.PIPE, text=True)
-             for extra in (["grandchild"], [])]
+    procs: list[subprocess.Popen[str]] = []
     try:
-        for proc in procs:
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        procs += [start_child("child", "grandchild"), start_child("outsider")]
         yield procs[0], procs[1]
     finally:
         for proc in procs:
-            for pid in descendants(proc.pid):
-                try:
-                    os.kill(pid, 9)
-                except ProcessLookupError:
-                    pass
-            proc.kill()
-            proc.wait(timeout=10)
+            kill_tree(proc)
 
 
 def _threads_on(pid: int) -> set[frozenset[int]]:
