@@ -76,6 +76,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--renice", action="append", default=[], metavar="GROUP=N",
                    help="before the measured load, set every thread of this process group (e.g. ServeReplica, "
                         "haproxy) to nice N (repeatable; an experiment in giving the engines the cores first)")
+    p.add_argument("--isolate", default=None, metavar="GROUP",
+                   help="before the measured load, give this process group the last core alone and every other "
+                        "process of the server and the client the others (with --serve-arg=--cpu-pinning "
+                        "--serve-arg=off): py-spy's samples of a process that waits in a run queue land on "
+                        "whatever it was doing when preempted (after a socket write, mostly); alone on a core "
+                        "they show where its CPU goes")
     p.add_argument("--hog", type=int, default=0, metavar="N",
                    help="N busy-looping processes at the default priority beside the server during the load "
                         "(a neighbour on a shared node: a batch job, a log shipper)")
@@ -165,6 +171,23 @@ def renice(group: str, nice: str) -> None:
 
     count = sum(renice_threads(int(pid), int(nice), only_raise=False) for pid in pids_of(group))
     print(f"[profile] {group}: {count} threads at nice {nice}", file=sys.stderr, flush=True)
+
+
+def isolate(group: str, server: int) -> frozenset[int]:
+    """`group`'s processes alone on the last core, the rest of `server`'s tree on the others;
+    returns the others (for the client)."""
+    from pdserve.cluster.background_priority import descendants
+    from pdserve.cluster.cpu_pinning import node_cores, set_affinity
+
+    cores = sorted(node_cores())
+    if len(cores) < 2:
+        raise SystemExit("--isolate needs two cores or more")
+    alone, others = frozenset(cores[-1:]), frozenset(cores[:-1])
+    chosen = {int(pid) for pid in pids_of(group)}
+    for pid in [server, *descendants(server)]:
+        set_affinity(pid, alone if pid in chosen else others)
+    print(f"[profile] {group} ({sorted(chosen)}) alone on core {cores[-1]}", file=sys.stderr, flush=True)
+    return others
 
 
 def pids_of(group: str) -> list[str]:
@@ -296,9 +319,11 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         result = tmp / f"bench-{mode.replace(':', '-')}.json"
         for spec in a.renice:
             renice(*spec.split("="))
+        others = isolate(a.isolate, server.pid) if a.isolate else None
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(a.hog)]
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+                                  stderr=subprocess.DEVNULL,
+                                  preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
         time.sleep(5)  # past the ramp-up
         scraped0 = scrape(a.port)
         spies = [spy(pid, group, a.window, tmp / f"py-spy-{mode.replace(':', '-')}-{group}.txt")

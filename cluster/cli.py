@@ -288,6 +288,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--worker-wait", type=float, default=_SETTING,
                      help="seconds a request under way waits for a worker when none can take it (the only one "
                           "restarting) before it fails (default 10; 0: no wait)")
+    srv.add_argument("--load-poll-interval", type=float, default=_SETTING,
+                     help="seconds between the gateway's polls of each disaggregated worker's load and KV events "
+                          "(default 0.25; between polls the router charges what it routes to a worker)")
     srv.add_argument("--max-restarts", type=int, default=_SETTING,
                      help="times Ray restarts a crashed worker (default -1: always)")
     srv.add_argument("--kv-host", default=_SETTING,

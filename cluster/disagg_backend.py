@@ -75,7 +75,7 @@ class WorkerEvents:
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.05,
+    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.25,
                  stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:

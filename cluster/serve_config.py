@@ -50,7 +50,7 @@ SERVE_SETTINGS = {
     "worker_resources": "worker_resources", "gateway_resources": "gateway_resources",
     "request_timeout": "request_timeout", "prefill_timeout": "prefill_timeout",
     "transfer_timeout": "transfer_timeout", "max_migrations": "max_migrations", "max_restarts": "max_restarts",
-    "worker_wait": "worker_wait", "served_model_name": "served_model_name",
+    "worker_wait": "worker_wait", "load_poll_interval": "load_poll_interval", "served_model_name": "served_model_name",
     "metrics_api_key": "metrics_api_key",
     "planner_profile": "planner_profile", "slo": "slo", "planner_interval": "planner_interval",
     "autoscale_roles": "autoscale_roles", "cpu_sharing": "cpu_sharing", "cpu_pinning": "cpu_pinning",
@@ -128,6 +128,11 @@ class ServeConfig:
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.
     worker_wait: float = 10.0
+    # Seconds between the gateway's polls of each disaggregated worker's load and KV events.
+    # Each poll is a Ray call on both sides and a hop onto the worker's engine thread: at
+    # 0.05 s they cost the tiny model ~10% of its served throughput on two cores
+    # (docs/cluster.md). Between polls the router charges what it routes to the worker.
+    load_poll_interval: float = 0.25
     # Times Ray restarts a crashed worker (-1: always; 0: never).
     max_restarts: int = -1
     # The names the API answers to (vLLM's --served-model-name): responses carry the
@@ -191,6 +196,9 @@ class ServeConfig:
         if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) \
                 or not 0 <= self.worker_wait < math.inf:
             raise ValueError(f"worker_wait: must be a number of seconds >= 0, got {self.worker_wait!r}")
+        if isinstance(self.load_poll_interval, bool) or not isinstance(self.load_poll_interval, (int, float)) \
+                or not 0 < self.load_poll_interval <= 60:
+            raise ValueError(f"load_poll_interval: must be seconds in (0, 60], got {self.load_poll_interval!r}")
         if self.control_plane_nice > 19:
             raise ValueError(f"control_plane_nice: must be in 0..19, got {self.control_plane_nice}")
         if self.port > 65535:

@@ -409,14 +409,21 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
 
     argv = ["serve", "--model", "/m", "--prefill", "2", "--max-model-len", "2048", "--dtype", "bfloat16",
             "--kv-failure-policy", "fail", "--request-timeout", "120", "--prefill-timeout", "10",
-            "--no-prefix-caching"]
+            "--no-prefix-caching", "--load-poll-interval", "0.5"]
     from_flags = serve_config(_settings(build_parser().parse_args(argv)))
     from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill": 2, "max_model_len": 2048, "dtype": "bfloat16",
                                              "kv_failure_policy": "fail", "request_timeout": 120,
-                                             "prefill_timeout": 10, "enable_prefix_caching": False})
-    assert from_flags == from_yaml
+                                             "prefill_timeout": 10, "enable_prefix_caching": False,
+                                             "load_poll_interval": 0.5})
+    assert from_flags == from_yaml and from_flags.load_poll_interval == 0.5
     assert from_flags.engine.max_model_len == 2048 and not from_flags.engine.enable_prefix_caching
     assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"
+
+
+@pytest.mark.parametrize("interval", [0, -1, 61, float("nan"), True, "fast"])
+def test_a_load_poll_interval_out_of_range_is_refused(interval: Any) -> None:
+    with pytest.raises(ValueError, match="load_poll_interval"):
+        ServeConfig(EngineConfig("/m"), load_poll_interval=interval)
 
 
 def test_served_model_name_from_the_command_line_and_the_yaml(deploy_pkg: Any) -> None:
