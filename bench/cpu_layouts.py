@@ -10,6 +10,10 @@ Layouts, on a node of N cores (the decode worker's share is its torch threads, f
                   (what `--cpu-pinning auto` does)
   decode alone    decode on its cores, everything else on the others
   engines shared  both engines on the decode cores, everything else on the others
+  decode first    decode on its cores at nice -10 (needs CAP_SYS_NICE), everything else anywhere:
+                  the others take the decode cores only while the decode worker waits
+  others behind   decode on its cores, everything else anywhere at nice 10 or more (no privilege)
+  plane behind    decode on its cores, prefill on the others, the serving plane anywhere at nice 10
 
     python bench/cpu_layouts.py [--model tiny] [--rounds 3] [--concurrency 16] [--num-prompts 320]
 """
@@ -17,6 +21,7 @@ Layouts, on a node of N cores (the decode worker's share is its torch threads, f
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -30,7 +35,7 @@ from vs_vllm import bench, model_dir
 from pdserve.cluster.background_priority import descendants
 from pdserve.cluster.cpu_pinning import set_affinity
 
-LAYOUTS = ("unpinned", "engines apart", "decode alone", "engines shared")
+LAYOUTS = ("unpinned", "engines apart", "decode alone", "engines shared", "decode first", "others behind", "plane behind")
 
 
 def cmdline(pid: int) -> str:
@@ -40,8 +45,21 @@ def cmdline(pid: int) -> str:
         return ""
 
 
+_NICE: dict[int, int] = {}  # each thread's nice value before the first layout
+
+
+def renice(pid: int, nice: int | None) -> None:
+    """Every thread of `pid` to `nice`; None: back to its nice before the first layout."""
+    for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        try:
+            _NICE.setdefault(tid, os.getpriority(os.PRIO_PROCESS, tid))
+            os.setpriority(os.PRIO_PROCESS, tid, _NICE[tid] if nice is None else nice)
+        except OSError:
+            continue  # it ended
+
+
 def arrange(server: int, layout: str, cores: list[int], decode_threads: int) -> None:
-    """Set every process below `server` (and it) to its cores under `layout`."""
+    """Set every process below `server` (and it) to its cores and nice values under `layout`."""
     top, low = frozenset(cores[-decode_threads:]), frozenset(cores[:-decode_threads])
     every = frozenset(cores)
     for pid in [server, *descendants(server)]:
@@ -50,8 +68,18 @@ def arrange(server: int, layout: str, cores: list[int], decode_threads: int) -> 
         where = {"unpinned": {"decode": every, "prefill": every, "plane": every},
                  "engines apart": {"decode": top, "prefill": low, "plane": every},
                  "decode alone": {"decode": top, "prefill": low, "plane": low},
-                 "engines shared": {"decode": top, "prefill": top, "plane": low}}[layout][kind]
+                 "engines shared": {"decode": top, "prefill": top, "plane": low},
+                 "decode first": {"decode": top, "prefill": every, "plane": every},
+                 "others behind": {"decode": top, "prefill": every, "plane": every},
+                 "plane behind": {"decode": top, "prefill": low, "plane": every}}[layout][kind]
         set_affinity(pid, where)
+        with contextlib.suppress(OSError):
+            if layout == "decode first" and kind == "decode":
+                renice(pid, -10)
+            elif (layout == "others behind" and kind != "decode") or (layout == "plane behind" and kind == "plane"):
+                renice(pid, max(10, _NICE.get(pid, 0)))
+            else:
+                renice(pid, None)
 
 
 def main() -> int:
@@ -64,7 +92,13 @@ def main() -> int:
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--layouts", default=",".join(LAYOUTS[:4]),
+                   help="comma-separated, of the above (default: the first four)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` argument (repeatable)")
     a = p.parse_args()
+    layouts = [name.strip() for name in a.layouts.split(",")]
+    if unknown := set(layouts) - set(LAYOUTS):
+        raise SystemExit(f"--layouts: unknown {sorted(unknown)}; known: {', '.join(LAYOUTS)}")
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs at least two cores")
@@ -73,14 +107,14 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="cpu-layouts-"))
     log = tmp / "pdserve.log"
     server = start([PDSERVE, "serve", "--model", mdir, "--port", str(a.port), "--cpu-pinning", "off",
-                    "--cpu-sharing", "split"], log)
-    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in LAYOUTS}
+                    "--cpu-sharing", "split", *a.serve_arg], log)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in layouts}
     try:
         wait_healthy(f"http://127.0.0.1:{a.port}", server, log)
         warm = argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency})
         bench(warm, a.port, mdir, 999, tmp / "warm.json")
         for i in range(a.rounds):
-            for layout in LAYOUTS:
+            for layout in layouts:
                 print(f"[cpu-layouts] round {i + 1}/{a.rounds}: {layout} ...", file=sys.stderr, flush=True)
                 arrange(server.pid, layout, cores, decode_threads)
                 runs[layout].append(bench(a, a.port, mdir, i, tmp / f"{layout.replace(' ', '-')}-{i}.json", server))
@@ -96,7 +130,7 @@ def main() -> int:
     print("command: python " + " ".join(sys.argv) + "\n")
     print("| layout | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms | server CPU ms/token |")
     print("|---|---|---:|---:|---:|---:|")
-    for layout in LAYOUTS:
+    for layout in layouts:
         tps = ", ".join(f"{float(r['output_throughput']):.0f}" for r in runs[layout])
         cpu = statistics.median(1000 * float(r["server_cpu_s"]) / max(1, int(r["total_output_tokens"]))
                                 for r in runs[layout])

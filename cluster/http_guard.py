@@ -99,7 +99,8 @@ class Guard:
             await self.app(scope, receive, send)
             return
         rid = request_id(scope)
-        send = self._timed(send, rid)
+        watch = _WriteWatch(self.limits.write_timeout)
+        send = self._timed(send, rid, watch)
         try:
             self._check_key(scope)
             if scope.get("method") in _BODY_METHODS:
@@ -115,6 +116,8 @@ class Guard:
             await self.app(scope, receive, send)
         except* WriteTimeout:
             self.on_refused(RefusalReason.WRITE_TIMEOUT, None)  # the connection is closed with the response cut
+        finally:
+            watch.close()
 
     def _check_key(self, scope: Scope) -> None:
         wanted = self.keys.wanted(scope.get("path", ""))
@@ -153,20 +156,70 @@ class Guard:
             raise _Refusal(408, f"request body: not received within {self.limits.body_timeout:g} s",
                            "RequestTimeoutError", RefusalReason.BODY_TIMEOUT) from None
 
-    def _timed(self, send: Send, rid: str) -> Send:
-        timeout = self.limits.write_timeout
+    def _timed(self, send: Send, rid: str, watch: _WriteWatch) -> Send:
         header = (REQUEST_ID_HEADER.encode(), rid.encode())
 
         async def timed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), header]
+            watch.begin()
             try:
-                async with asyncio.timeout(timeout):
-                    await send(message)
-            except TimeoutError:
-                raise WriteTimeout from None
+                await send(message)
+            except asyncio.CancelledError:
+                if watch.expired():
+                    raise WriteTimeout from None
+                raise
+            finally:
+                watch.since = None
 
         return timed_send
+
+
+class _WriteWatch:
+    """The write timeout of one response: one timer while the response lives, not one per
+    write. A write almost never waits (the server's buffer takes it), and a stream makes one
+    per token: an `asyncio.timeout` around each cost a timer, a heap push and a cancel per
+    token. The timer looks at the write under way, if any; one that has waited
+    `timeout_s` has its task cancelled, which the write turns into WriteTimeout."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.since: float | None = None  # when the write under way began (loop time)
+        self._task: asyncio.Task[Any] | None = None  # the task writing (Starlette streams from a child task)
+        self._timer: asyncio.TimerHandle | None = None
+        self._fired = False
+
+    def begin(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.since = loop.time()
+        self._task = asyncio.current_task()
+        if self._timer is None:
+            self._timer = loop.call_at(self.since + self.timeout_s, self._check)
+
+    def _check(self) -> None:
+        loop = asyncio.get_running_loop()
+        since = self.since
+        if since is not None and loop.time() - since >= self.timeout_s and self._task is not None:
+            self._fired = True
+            self._task.cancel()
+            self._timer = None
+            return
+        # No write under way, or one still within its time: look again when it would be due.
+        self._timer = loop.call_at((since if since is not None else loop.time()) + self.timeout_s, self._check)
+
+    def expired(self) -> bool:
+        """Whether the cancellation came from this watch (taken back: the write raises instead)."""
+        if not self._fired:
+            return False
+        self._fired = False
+        if self._task is not None:
+            self._task.uncancel()
+        return True
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 def _header(scope: Scope, name: bytes) -> str:

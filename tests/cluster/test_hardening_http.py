@@ -149,6 +149,34 @@ def test_a_stream_client_that_stops_reading_is_dropped_and_frees_its_slot(tokeni
     assert refused(gw)["write_timeout"] == 1
 
 
+class _Slow(FakeBackend):
+    """Five tokens, `gap_s` apart: a stream that lasts longer than its writes."""
+
+    def __init__(self, gap_s: float) -> None:
+        self.gap_s = gap_s
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        for i in range(5):
+            await asyncio.sleep(self.gap_s)
+            yield RequestOutput(request_id, None, prompt,
+                                [CompletionOutput(0, "x", [7], finish_reason="length" if i == 4 else None)],
+                                finished=i == 4)
+
+
+def test_the_write_timeout_times_each_write_not_the_stream(tokenizer: Any) -> None:
+    """A client that reads every chunk at once is never dropped, however long its stream
+    takes between tokens (1.5 s here, three write timeouts)."""
+    gw = gateway(tokenizer, _Slow(gap_s=0.3), limits=RequestLimits(write_timeout=0.5))
+    with serve_gateway(gw) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", headers=KEY, timeout=10,
+                          json={**OK, "stream": True, "max_tokens": 5}) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200 and events[-1] == "data: [DONE]"
+    assert sum('"text": "x"' in e for e in events) == 5
+    assert refused(gw).get("write_timeout", 0) == 0
+
+
 class _Errors:
     """Errors a backend may raise, as the cluster's backends see them."""
 
