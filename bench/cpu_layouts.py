@@ -35,7 +35,8 @@ from vs_vllm import bench, model_dir
 from pdserve.cluster.background_priority import descendants
 from pdserve.cluster.cpu_pinning import set_affinity
 
-LAYOUTS = ("unpinned", "engines apart", "decode alone", "engines shared", "decode first", "others behind", "plane behind")
+LAYOUTS = ("unpinned", "engines apart", "decode alone", "engines shared",
+           "decode first", "others behind", "plane behind")
 
 
 def cmdline(pid: int) -> str:
