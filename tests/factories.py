@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -92,6 +93,17 @@ async def handoff_deltas(p: Any, d: Any, rid: str, prompt: list[int], params: An
         return [o async for o in collector.consume(rid, d.handoff(req, LocalPrefillPeer(p)))]
     finally:
         await collector.close()
+
+
+def sse_events(text: str) -> list[Any]:
+    """The JSON bodies of a streamed response's `data:` events, `[DONE]` left out."""
+    return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+
+
+def sse_error_code(text: str) -> int | None:
+    """The code of the in-band error event a stream ended with, if any."""
+    errors = [e["error"]["code"] for e in sse_events(text) if "error" in e]
+    return errors[-1] if errors else None
 
 
 class FakeBackend:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import FakeBackend, LocalActor, local_cluster, tiny_spec
+from factories import FakeBackend, LocalActor, local_cluster, sse_error_code, tiny_spec
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM
@@ -202,12 +202,12 @@ def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: A
             assert (await c.post("/v1/completions", json={**ok, "model": "gpt-4"}, headers=auth)).status_code == 404
             assert (await c.post("/v1/completions", json=ok, headers=auth)).status_code == 504  # not streamed
             r = await c.post("/v1/completions", json={**ok, "stream": True}, headers=auth)
-            assert r.status_code == 200 and '"code": 504' in r.text  # reported in-band
+            assert r.status_code == 200 and sse_error_code(r.text) == 504  # reported in-band
             gw.backend = FailingBackend(RuntimeError("worker died"))
             r = await c.post("/v1/chat/completions",
                              json={"model": MODEL, "messages": [{"role": "user", "content": "a"}], "stream": True},
                              headers=auth)
-            assert '"code": 500' in r.text
+            assert sse_error_code(r.text) == 500
             gw.backend = FailingBackend(NoHealthyWorkerError("decode"))
             r = await c.post("/v1/completions", json=ok, headers=auth)
             assert r.status_code == 503 and r.json()["error"]["code"] == 503
