@@ -100,7 +100,12 @@ class Guard:
             return
         rid = request_id(scope)
         watch = _WriteWatch(self.limits.write_timeout)
-        send = self._timed(send, rid, watch)
+        try:
+            await self._guarded(scope, receive, self._timed(send, rid, watch))
+        finally:
+            watch.close()  # on every exit: a refusal's error body armed it too
+
+    async def _guarded(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             self._check_key(scope)
             if scope.get("method") in _BODY_METHODS:
@@ -116,8 +121,6 @@ class Guard:
             await self.app(scope, receive, send)
         except* WriteTimeout:
             self.on_refused(RefusalReason.WRITE_TIMEOUT, None)  # the connection is closed with the response cut
-        finally:
-            watch.close()
 
     def _check_key(self, scope: Scope) -> None:
         wanted = self.keys.wanted(scope.get("path", ""))
@@ -179,8 +182,9 @@ class _WriteWatch:
     """The write timeout of one response: one timer while the response lives, not one per
     write. A write almost never waits (the server's buffer takes it), and a stream makes one
     per token: an `asyncio.timeout` around each cost a timer, a heap push and a cancel per
-    token. The timer looks at the write under way, if any; one that has waited
-    `timeout_s` has its task cancelled, which the write turns into WriteTimeout."""
+    token. The timer runs while a write may be under way (armed by a write, dropped when it
+    finds none); a write that has waited `timeout_s` has its task cancelled, which the write
+    turns into WriteTimeout."""
 
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
@@ -204,8 +208,10 @@ class _WriteWatch:
             self._task.cancel()
             self._timer = None
             return
-        # No write under way, or one still within its time: look again when it would be due.
-        self._timer = loop.call_at((since if since is not None else loop.time()) + self.timeout_s, self._check)
+        if since is None:  # no write under way: the next write arms the timer again
+            self._timer = None
+            return
+        self._timer = loop.call_at(since + self.timeout_s, self._check)  # within its time: look when it is due
 
     def expired(self) -> bool:
         """Whether the cancellation came from this watch (taken back: the write raises instead)."""

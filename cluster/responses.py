@@ -10,13 +10,14 @@ tokenization and the runs in gateway.py.
 from __future__ import annotations
 
 import asyncio
+import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from pydantic_core import to_json
+from pydantic_core import PydanticSerializationError, to_json
 
 from pdserve.cluster.gateway import Gateway, Work, client_error
 from pdserve.cluster.metrics import RequestMetrics
@@ -217,7 +218,11 @@ def sse_event(body: Json) -> str:
     # pydantic-core's serializer (FastAPI's own dependency) writes a chunk in under a
     # microsecond, the standard library's json.dumps in ~7: one chunk per token of every
     # stream. Infinities as json.dumps writes them (a logprob may be -inf).
-    return f"data: {to_json(body, inf_nan_mode='constants').decode()}\n\n"
+    try:
+        data = to_json(body, inf_nan_mode="constants").decode()
+    except PydanticSerializationError:  # what json.dumps escapes and it refuses (a lone surrogate)
+        data = json.dumps(body)
+    return f"data: {data}\n\n"
 
 
 @dataclass(frozen=True)

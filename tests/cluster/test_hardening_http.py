@@ -179,6 +179,26 @@ def test_the_write_timeout_times_each_write_not_the_stream(tokenizer: Any) -> No
     assert refused(gw).get("write_timeout", 0) == 0
 
 
+def test_no_write_timer_outlives_its_response(tokenizer: Any) -> None:
+    """Refused requests (a bad key: the guard writes the error) and served ones leave no
+    write-timeout timer behind on the event loop: a stream of bad keys must not pile them up."""
+    gw = gateway(tokenizer, Backend(), limits=RequestLimits(write_timeout=0.5))
+
+    def watch_timers() -> list[asyncio.TimerHandle]:
+        scheduled = asyncio.get_running_loop()._scheduled  # type: ignore[attr-defined]
+        return [h for h in scheduled if not h.cancelled() and "_WriteWatch" in repr(h)]
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
+            codes = [(await c.post("/v1/completions", json=OK, headers={"Authorization": "Bearer no"})).status_code
+                     for _ in range(5)]
+            codes.append((await c.post("/v1/completions", json={**OK, "stream": True}, headers=KEY)).status_code)
+            assert watch_timers() == []
+            return codes
+
+    assert asyncio.run(main()) == [401] * 5 + [200]
+
+
 class _Errors:
     """Errors a backend may raise, as the cluster's backends see them."""
 
