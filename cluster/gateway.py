@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -289,7 +289,7 @@ class Gateway:
 
     # -- generation ------------------------------------------------------------
 
-    async def run(self, rid: str, works: list[Work]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def run(self, rid: str, works: list[Work]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
         subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1,

@@ -10,6 +10,7 @@ tokenization and the runs in gateway.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
@@ -283,10 +284,13 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
         opening = render.opening(choices)
         if opening is not None:
             yield opening
-        async for i, out in gw.run(rid, works):
-            delta = accumulate_delta(choices[i], work_of(works, i), out)
-            rm.output(out)
-            yield render.delta(delta)
+        # Closed here, however the stream ends: a request whose client is gone is aborted
+        # on its workers now, not when the event loop finalizes the abandoned generator.
+        async with contextlib.aclosing(gw.run(rid, works)) as events:
+            async for i, out in events:
+                delta = accumulate_delta(choices[i], work_of(works, i), out)
+                rm.output(out)
+                yield render.delta(delta)
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
             yield render.chunk([], usage=usage_body(works, choices))
