@@ -249,7 +249,7 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--decode", type=int, default=_SETTING, help="decode workers (disaggregated; default 1)")
     srv.add_argument("--workers", type=int, default=_SETTING,
                      help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
-                          "else one on all the CPU's cores)")
+                          "else one on the CPU's cores; a small model's leaves one of them to the gateway)")
     srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
     srv.add_argument("--cpu-sharing", default=_SETTING,
                      help="CPU workers on one node: auto (default: lend for a model of 32 MiB of weights or "
@@ -257,9 +257,9 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "while the other workers are idle), split (the share, always) or turns (each step on "
                           "all the cores, one worker at a time)")
     srv.add_argument("--cpu-pinning", default=_SETTING,
-                     help="auto (default): on local Ray, a CPU decode worker with a fixed share of the cores "
-                          "(split sharing) runs on cores of its own, and the gateway, Ray, HAProxy and prefill "
-                          "workers on the others; off: every process on every core")
+                     help="auto (default): on local Ray, a CPU worker that decodes (decode or colocated) with a "
+                          "fixed share of the cores (split sharing) runs on cores of its own, and the gateway, Ray, "
+                          "HAProxy and prefill workers on the others; off: every process on every core")
     srv.add_argument("--control-plane-nice", type=int, default=_SETTING,
                      help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
                           "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")

@@ -11,10 +11,14 @@ alone on core 1 1353, 1009, 1229 (10.2 ms); decode on core 1 and prefill on core
 serving plane anywhere 1318, 957, 1078; both engines on core 1, the rest on core 0 988, 923,
 1215. Decode alone was the fastest in each round (docs/serving-profile.md).
 
-What: each decode worker whose engine has a fixed share of threads (split sharing: not
-lending cores or taking turns at them, which need every core) gets that many cores, from
-the top of the node's CPU list; every other process this one started (the prefill
-workers, the gateway, HAProxy, Ray's daemons) and this process get the cores below. It
+What: each worker that decodes (a decode worker, or a colocated one, which prefills and
+decodes in the same steps) and whose engine has a fixed share of threads (split sharing:
+not lending cores or taking turns at them, which need every core) gets that many cores,
+from the top of the node's CPU list; every other process this one started (the prefill
+workers, the gateway, HAProxy, Ray's daemons) and this process get the cores below. A
+colocated pool's share leaves one core to them (cluster/placement.py
+`COLOCATED_PLANE_CORES`): vLLM's layout, one engine on its core and the API server on the
+other. It
 needs at least one core left for them, and it is redone every `REFRESH_S` seconds: a
 worker Ray restarted (it starts on the rest's cores, which its parent has), or one that
 changed role, gets its cores then. vLLM's CPU backend binds its engine the same way (its
@@ -44,7 +48,7 @@ class CpuPinning(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Pins:
-    decode: Mapping[int, frozenset[int]]  # a decode worker's pid -> its cores
+    decode: Mapping[int, frozenset[int]]  # a decoding worker's pid -> its cores
     rest: frozenset[int]  # every other process's cores
 
 

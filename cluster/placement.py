@@ -150,6 +150,12 @@ class CpuSharing(str, enum.Enum):
 # step too little to pay for the core its OpenMP threads take from the serving plane.
 LEND_MIN_WEIGHT_BYTES = 32 << 20
 
+# Cores a colocated pool's split share leaves to the serving plane, as vLLM's CPU backend
+# reserves one for its API server. One colocated worker with every core (2 OpenMP threads)
+# against one thread on a core of its own, the gateway, HAProxy and Ray on the other: tiny
+# model served beside vLLM's CPU build, its client at concurrency 16 (docs/serving-profile.md).
+COLOCATED_PLANE_CORES = 1
+
 
 @dataclass(frozen=True)
 class WorkerShare:
@@ -165,11 +171,16 @@ class WorkerShare:
 
 
 def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
-                 sharing: CpuSharing = CpuSharing.SPLIT) -> WorkerShare:
+                 sharing: CpuSharing = CpuSharing.SPLIT, plane_cores: int = 0) -> WorkerShare:
     """One GPU per worker on a cluster that has GPUs (`cluster`: `ray.cluster_resources()`),
     else a share of its CPUs, split, in turns or lent (`sharing`; `auto`: lent for a model
     of `LEND_MIN_WEIGHT_BYTES` or more, which the engine checks once it has loaded it). ValueError, naming `device`,
-    where the device asks for a GPU that the cluster does not have."""
+    where the device asks for a GPU that the cluster does not have.
+
+    `plane_cores`: cores the split share leaves to the serving plane (the gateway, HAProxy,
+    Ray) where the node has more than that; each worker still gets one thread at least.
+    Colocated workers leave one (`COLOCATED_PLANE_CORES`); a lending worker still steps on
+    all the cores while its neighbours are idle, and turns take them all."""
     gpus = cluster.get("GPU", 0)
     if device.startswith("cuda"):
         if device not in ("cuda", "cuda:0"):
@@ -183,7 +194,8 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     cpus = max(1, int(cluster.get("CPU", 1)))
     per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
     turns = sharing is CpuSharing.TURNS
-    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else max(1, cpus // num_workers), turns=turns,
+    split = max(1, (cpus - plane_cores if cpus > plane_cores else cpus) // num_workers)
+    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else split, turns=turns,
                        lend=sharing in (CpuSharing.LEND, CpuSharing.AUTO),
                        lend_min_weight_bytes=LEND_MIN_WEIGHT_BYTES if sharing is CpuSharing.AUTO else 0)
 

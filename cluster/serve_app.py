@@ -15,7 +15,7 @@ from ray import serve
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
-from pdserve.cluster.placement import with_resources, worker_share
+from pdserve.cluster.placement import COLOCATED_PLANE_CORES, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
@@ -99,7 +99,9 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     ValueError, before any actor starts, when `--device cuda` finds no GPU in the cluster."""
     from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
-    share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing)
+    colocated = cfg.mode is ServingMode.COLOCATED
+    share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
+                         plane_cores=COLOCATED_PLANE_CORES if colocated else 0)
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))
@@ -268,7 +270,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     pins = pin_decode_cores(cfg, cores) if local and block else None
     if local:
         deprioritize_background(cfg.control_plane_nice)
-    pinned = "" if pins is None else f"; decode workers on cores of their own, the rest on {sorted(pins.rest)}"
+    pinned = "" if pins is None else f"; decoding workers on cores of their own, the rest on {sorted(pins.rest)}"
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
@@ -284,12 +286,13 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
 
 def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | None = None,
                      timeout_s: float = 30.0, root: int | None = None) -> Pins | None:
-    """On local Ray, each CPU decode worker with a fixed share of threads onto cores of its own,
-    and everything else this process started onto the others (cluster/cpu_pinning.py). `pinned`:
+    """On local Ray, each CPU worker that decodes (a decode worker, or any colocated one) with a
+    fixed share of threads onto cores of its own, and everything else this process started onto
+    the others (cluster/cpu_pinning.py). `pinned`:
     what the last call did (where nothing can be pinned now, everything gets every core back).
     Returns what is pinned now; a worker that does not answer leaves things as they were.
     `root`: the process whose tree is pinned (default: this one, which started local Ray)."""
-    if cfg.cpu_pinning is CpuPinning.OFF or cfg.mode is not ServingMode.DISAGGREGATED or cluster_gpus():
+    if cfg.cpu_pinning is CpuPinning.OFF or cluster_gpus():
         return None
     try:
         handles = [ray.get_actor(name, namespace=NAMESPACE) for name in cfg.worker_names()]
@@ -297,11 +300,12 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
     except Exception as e:  # noqa: BLE001 - a worker restarting: the next call tries again
         log.debug("CPU pinning: workers did not answer (%r); pins left as they were", e)
         return pinned
-    pins = plan(cores, [(i.pid, i.fixed_cpu_threads) for i in infos if i.role is WorkerRole.DECODE])
+    colocated = cfg.mode is ServingMode.COLOCATED
+    pins = plan(cores, [(i.pid, i.fixed_cpu_threads) for i in infos if colocated or i.role is WorkerRole.DECODE])
     if pins is not None:
         apply(pins, root)
         if pins != pinned:
-            log.info("CPU pinning: decode workers %s, everything else on cores %s",
+            log.info("CPU pinning: decoding workers %s, everything else on cores %s",
                      {pid: sorted(c) for pid, c in pins.decode.items()}, sorted(pins.rest))
     elif pinned is not None:  # everything back on every core
         apply(Pins({}, cores), root)

@@ -72,7 +72,8 @@ class ServeConfig:
     num_decode: int = 1
     # Colocated only: how many workers, each prefilling and decoding. None: what fits
     # the cluster, decided when it starts (`fit_to_cluster`): one per GPU, else one
-    # worker on every CPU core (two workers on one CPU would split its cores).
+    # worker on the CPU's cores (two workers on one CPU would split its cores); a small
+    # model's leaves one of them to the serving plane (cluster/placement.py).
     num_colocated: int | None = None
     host: str = "127.0.0.1"
     port: int = 8000
@@ -91,8 +92,9 @@ class ServeConfig:
     transport: Transport = Transport.ZMQ
     # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
     cpu_sharing: CpuSharing = CpuSharing.AUTO
-    # Decode workers with a fixed share of a CPU node's cores on cores of their own, the
-    # serving plane and prefill workers on the others (cluster/cpu_pinning.py); local Ray only.
+    # Workers that decode (decode or colocated) with a fixed share of a CPU node's cores on
+    # cores of their own, the serving plane and prefill workers on the others
+    # (cluster/cpu_pinning.py); local Ray only.
     cpu_pinning: CpuPinning = CpuPinning.AUTO
     # The nice value local Ray's and Serve's own processes run at, behind the engines
     # (cluster/background_priority.py); 0 leaves them as they start. A cluster joined

@@ -123,6 +123,25 @@ def test_each_worker_takes_one_gpu_on_a_gpu_cluster_else_a_cpu_share(
     assert (share.options, share.threads) == (options, threads)
 
 
+@pytest.mark.parametrize(("cpus", "workers", "sharing", "threads"), [
+    (2, 1, placement.CpuSharing.SPLIT, 1),  # one worker on a core, the gateway on the other (vLLM's layout)
+    (16, 1, placement.CpuSharing.SPLIT, 15),
+    (16, 2, placement.CpuSharing.AUTO, 7),
+    (1, 1, placement.CpuSharing.SPLIT, 1),  # nothing to leave: the one core is the worker's too
+    (2, 2, placement.CpuSharing.SPLIT, 1),  # a thread each at least
+    (4, 1, placement.CpuSharing.TURNS, 4),  # turns take every core
+])
+def test_a_colocated_share_leaves_the_serving_plane_a_core(
+        cpus: int, workers: int, sharing: placement.CpuSharing, threads: int) -> None:
+    share = placement.worker_share("cpu", workers, {"CPU": float(cpus)}, sharing,
+                                   plane_cores=placement.COLOCATED_PLANE_CORES)
+    assert share.threads == threads
+    assert placement.worker_share("cpu", workers, {"CPU": float(cpus)}, sharing).threads == (
+        cpus if sharing is placement.CpuSharing.TURNS else max(1, cpus // workers))  # disaggregated: as before
+    assert placement.worker_share("auto", workers, {"CPU": float(cpus), "GPU": 2.0},
+                                  plane_cores=placement.COLOCATED_PLANE_CORES).options == {"num_gpus": 1}
+
+
 @pytest.mark.parametrize(("device", "says"), [
     ("cuda", "device: cuda, but the Ray cluster has no GPU"),
     ("cuda:1", "device: cuda:1 names one GPU of a machine"),

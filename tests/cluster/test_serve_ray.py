@@ -143,16 +143,18 @@ def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], 
     assert sum(ld.generation_tokens for ld in loads) - generated_before < 50 * 200 // 2
 
 
-def test_the_decode_worker_gets_a_core_of_its_own_and_still_serves(cluster: tuple[str, str], model_dir: Path) -> None:
+def test_the_decoding_worker_gets_a_core_of_its_own_and_still_serves(cluster: tuple[str, str],
+                                                                     model_dir: Path) -> None:
     """cluster/cpu_pinning.py on live workers: `pdserve serve` pins its own tree; here the
-    tree below this cluster's raylet (its workers, the gateway), restored afterwards."""
+    tree below this cluster's raylet (its workers, the gateway), restored afterwards. The
+    decode worker of 1P+1D; the one colocated worker, whose share left the gateway a core."""
     url, mode = cluster
-    if mode != "disaggregated" or len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("decode workers to pin, and two cores")
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two cores")
     from pdserve.cluster import serve_app
     from pdserve.cluster.background_priority import descendants
     from pdserve.cluster.cpu_pinning import Pins, apply
-    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.cluster.serve_config import ServeConfig, ServingMode
     from pdserve.workers.config import EngineConfig
 
     def cmdline(pid: int) -> str:
@@ -161,11 +163,14 @@ def test_the_decode_worker_gets_a_core_of_its_own_and_still_serves(cluster: tupl
 
     (raylet,) = [pid for pid in descendants(os.getpid()) if "/raylet " in cmdline(pid)]
     cores = frozenset(os.sched_getaffinity(0))
-    cfg = ServeConfig(EngineConfig(model=str(model_dir)))
+    cfg = ServeConfig(EngineConfig(model=str(model_dir)), mode=ServingMode(mode))
+    cfg = cfg.fit_to_cluster(serve_app.cluster_gpus)
     infos = {name: ray.get(ray.get_actor(name, namespace=serve_app.NAMESPACE).info.remote(), timeout=60)
              for name in cfg.worker_names()}
-    decode = infos["pdserve-decode-0"]
-    assert decode.fixed_cpu_threads >= 1 and decode.pid in descendants(raylet)  # the tiny model splits
+    decode = infos["pdserve-decode-0" if mode == "disaggregated" else "pdserve-worker-0"]
+    # The tiny model splits; a colocated worker's share leaves a core to the rest.
+    assert 1 <= decode.fixed_cpu_threads <= len(cores) - (mode == "colocated") and decode.pid in descendants(raylet)
+    others = [info.pid for info in infos.values() if info.pid != decode.pid]
     try:
         pins = serve_app.pin_decode_cores(cfg, cores, root=raylet)
         assert pins is not None and set(pins.decode) == {decode.pid}
@@ -174,8 +179,7 @@ def test_the_decode_worker_gets_a_core_of_its_own_and_still_serves(cluster: tupl
         tids = os.listdir(f"/proc/{decode.pid}/task")
         assert {frozenset(os.sched_getaffinity(int(t))) for t in tids} == {own}  # every thread of it
         gateway = [pid for pid in descendants(raylet) if "ServeReplica" in cmdline(pid)]
-        prefill = infos["pdserve-prefill-0"].pid
-        assert gateway and all(os.sched_getaffinity(pid) == rest for pid in [*gateway, prefill, raylet])
+        assert gateway and all(os.sched_getaffinity(pid) == rest for pid in [*gateway, *others, raylet])
         c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         r = c.completions.create(model=os.path.basename(str(model_dir)), prompt="def add(a, b):\n" * 8,
                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
@@ -185,4 +189,4 @@ def test_the_decode_worker_gets_a_core_of_its_own_and_still_serves(cluster: tupl
                                           cores, root=raylet) is None
     finally:
         apply(Pins({}, cores), raylet)
-    assert os.sched_getaffinity(decode.pid) == os.sched_getaffinity(infos["pdserve-prefill-0"].pid) == cores
+    assert all(os.sched_getaffinity(pid) == cores for pid in [decode.pid, *others])
