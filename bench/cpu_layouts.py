@@ -14,6 +14,8 @@ Layouts, on a node of N cores (the decode worker's share is its torch threads, f
                   the others take the decode cores only while the decode worker waits
   others behind   decode on its cores, everything else anywhere at nice 10 or more (no privilege)
   plane behind    decode on its cores, prefill on the others, the serving plane anywhere at nice 10
+  gateway with decode  decode and the gateway replica on the decode cores, everything else on the others
+  gateway anywhere     decode on its cores, the gateway replica on every core, everything else on the others
 
     python bench/cpu_layouts.py [--model tiny] [--rounds 3] [--concurrency 16] [--num-prompts 320]
 """
@@ -36,7 +38,8 @@ from pdserve.cluster.background_priority import descendants
 from pdserve.cluster.cpu_pinning import set_affinity
 
 LAYOUTS = ("unpinned", "engines apart", "decode alone", "engines shared",
-           "decode first", "others behind", "plane behind")
+           "decode first", "others behind", "plane behind", "gateway with decode",
+           "gateway anywhere")
 
 
 def cmdline(pid: int) -> str:
@@ -65,19 +68,24 @@ def arrange(server: int, layout: str, cores: list[int], decode_threads: int) -> 
     every = frozenset(cores)
     for pid in [server, *descendants(server)]:
         cmd = cmdline(pid)
-        kind = "decode" if "DecodeService" in cmd else "prefill" if "PrefillService" in cmd else "plane"
-        where = {"unpinned": {"decode": every, "prefill": every, "plane": every},
+        kind = ("decode" if "DecodeService" in cmd else "prefill" if "PrefillService" in cmd
+                else "gateway" if "ServeReplica" in cmd else "plane")
+        table = {"unpinned": {"decode": every, "prefill": every, "plane": every},
                  "engines apart": {"decode": top, "prefill": low, "plane": every},
                  "decode alone": {"decode": top, "prefill": low, "plane": low},
                  "engines shared": {"decode": top, "prefill": top, "plane": low},
                  "decode first": {"decode": top, "prefill": every, "plane": every},
                  "others behind": {"decode": top, "prefill": every, "plane": every},
-                 "plane behind": {"decode": top, "prefill": low, "plane": every}}[layout][kind]
+                 "plane behind": {"decode": top, "prefill": low, "plane": every},
+                 "gateway with decode": {"decode": top, "prefill": low, "gateway": top, "plane": low},
+                 "gateway anywhere": {"decode": top, "prefill": low, "gateway": every, "plane": low}}[layout]
+        where = table.get(kind, table["plane"])  # the gateway goes with the serving plane unless said
         set_affinity(pid, where)
         with contextlib.suppress(OSError):
             if layout == "decode first" and kind == "decode":
                 renice(pid, -10)
-            elif (layout == "others behind" and kind != "decode") or (layout == "plane behind" and kind == "plane"):
+            elif ((layout == "others behind" and kind != "decode")
+                  or (layout == "plane behind" and kind in ("plane", "gateway"))):
                 renice(pid, max(10, _NICE.get(pid, 0)))
             else:
                 renice(pid, None)
