@@ -151,9 +151,10 @@ class CpuSharing(str, enum.Enum):
 LEND_MIN_WEIGHT_BYTES = 32 << 20
 
 # Cores a colocated pool's split share leaves to the serving plane, as vLLM's CPU backend
-# reserves one for its API server. One colocated worker with every core (2 OpenMP threads)
-# against one thread on a core of its own, the gateway, HAProxy and Ray on the other: tiny
-# model served beside vLLM's CPU build, its client at concurrency 16 (docs/serving-profile.md).
+# reserves one for its API server. One colocated worker of the tiny model with every core (2
+# OpenMP threads, unpinned) served 0.71x of vLLM's CPU build; on one thread, pinned to a core of
+# its own with the gateway, HAProxy and Ray on the other, 1.37x and 1.83x (2 cores, vLLM's
+# client at concurrency 16; docs/serving-profile.md).
 COLOCATED_PLANE_CORES = 1
 
 
@@ -168,6 +169,9 @@ class WorkerShare:
     turns: bool = False
     lend: bool = False
     lend_min_weight_bytes: int = 0  # lend only for a model this large (`auto`)
+    # A lending worker's threads when its model is under that floor: the split share, which
+    # may leave the serving plane cores (`plane_cores`); 0: `threads`.
+    split_threads: int = 0
 
 
 def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
@@ -178,9 +182,11 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     where the device asks for a GPU that the cluster does not have.
 
     `plane_cores`: cores the split share leaves to the serving plane (the gateway, HAProxy,
-    Ray) where the node has more than that; each worker still gets one thread at least.
-    Colocated workers leave one (`COLOCATED_PLANE_CORES`); a lending worker still steps on
-    all the cores while its neighbours are idle, and turns take them all."""
+    Ray) where the cluster has more than that; each worker still gets one thread at least
+    (floor division: several workers may leave more). Colocated workers leave one
+    (`COLOCATED_PLANE_CORES`). Lending workers keep the whole share (`threads`) and step on
+    the split one (`split_threads`) only when their model is under the lending floor; turns
+    take every core."""
     gpus = cluster.get("GPU", 0)
     if device.startswith("cuda"):
         if device not in ("cuda", "cuda:0"):
@@ -194,10 +200,12 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     cpus = max(1, int(cluster.get("CPU", 1)))
     per_cpu = max(0.01, min(1.0, (cpus - 1) / num_workers)) if cpus > 1 else 0.01
     turns = sharing is CpuSharing.TURNS
+    lend = sharing in (CpuSharing.LEND, CpuSharing.AUTO)
+    whole = max(1, cpus // num_workers)
     split = max(1, (cpus - plane_cores if cpus > plane_cores else cpus) // num_workers)
-    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else split, turns=turns,
-                       lend=sharing in (CpuSharing.LEND, CpuSharing.AUTO),
-                       lend_min_weight_bytes=LEND_MIN_WEIGHT_BYTES if sharing is CpuSharing.AUTO else 0)
+    return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else whole if lend else split, turns=turns,
+                       lend=lend, lend_min_weight_bytes=LEND_MIN_WEIGHT_BYTES if sharing is CpuSharing.AUTO else 0,
+                       split_threads=split if lend else 0)
 
 
 def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:

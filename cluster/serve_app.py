@@ -107,7 +107,8 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))
     elif share.lend:  # likewise one directory per app and node
         engine = dataclasses.replace(engine, cpu_lending=lending_dir(f"{NAMESPACE}-{cfg.port}"),
-                                     cpu_lending_min_weight_bytes=share.lend_min_weight_bytes)
+                                     cpu_lending_min_weight_bytes=share.lend_min_weight_bytes,
+                                     cpu_split_threads=share.split_threads)
     # A crashed worker (or one whose engine thread died: it exits) is restarted by
     # Ray under the same name and handle; the gateway re-admits it when it answers.
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.

@@ -118,7 +118,8 @@ class AsyncEngine:
         # new thread starts from OMP_NUM_THREADS (Ray sets it to 1 in every worker process),
         # not from what `torch.set_num_threads` set in the thread that built the engine.
         # Without this, a served worker ran its model on one core whatever it was given.
-        self.torch_threads = torch.get_num_threads()
+        # The count is the engine's share, which it compiled its graphs for.
+        self.torch_threads = engine.torch_threads
         self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD_NAME, daemon=True)
 
     # -- lifetime ---------------------------------------------------------------

@@ -93,6 +93,10 @@ class EngineConfig:
     # (cluster/placement.py, `--cpu-sharing auto`); under it they step on their share,
     # as split. Set by the cluster.
     cpu_lending_min_weight_bytes: int = 0
+    # The threads an engine configured to lend steps on when its model is under that floor
+    # (0: the threads it was given): a colocated pool's split share, which leaves the serving
+    # plane a core (cluster/placement.py). Set by the cluster.
+    cpu_split_threads: int = 0
 
     def __post_init__(self) -> None:
         for name, kind in _ENUMS.items():
@@ -124,6 +128,8 @@ class EngineConfig:
         if type(self.cpu_lending_min_weight_bytes) is not int or self.cpu_lending_min_weight_bytes < 0:
             raise ValueError("cpu_lending_min_weight_bytes: must be an integer >= 0, "
                              f"got {self.cpu_lending_min_weight_bytes!r}")
+        if type(self.cpu_split_threads) is not int or self.cpu_split_threads < 0:
+            raise ValueError(f"cpu_split_threads: must be an integer >= 0, got {self.cpu_split_threads!r}")
         if self.cpu_turns is not None and self.cpu_lending is not None:
             raise ValueError("cpu_turns, cpu_lending: an engine takes turns or lends, not both")
         if not isinstance(self.enforce_eager, bool):
@@ -136,7 +142,8 @@ class EngineConfig:
     def settings(cls) -> frozenset[str]:
         """The fields a user sets (flags, YAML, `LLM(...)`); the rest are the workers' own."""
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns",
-                                                                   "cpu_lending", "cpu_lending_min_weight_bytes"}
+                                                                   "cpu_lending", "cpu_lending_min_weight_bytes",
+                                                                   "cpu_split_threads"}
 
 
 def enum_member(name: str, kind: type[enum.Enum], value: Any) -> enum.Enum:

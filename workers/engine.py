@@ -87,9 +87,16 @@ class LLMEngine:
         # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
         threads = torch.get_num_threads()
         cores = node_cores()
+        worth_lending = bool(config.cpu_lending) and self._worth_lending()
+        if config.cpu_lending and not worth_lending and config.cpu_split_threads:
+            # A small model steps on the split share, which may leave the serving plane a core.
+            threads = config.cpu_split_threads
+            torch.set_num_threads(threads)
         lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
-                   if config.cpu_lending and cores > threads and self._worth_lending() else None)
+                   if config.cpu_lending and worth_lending and cores > threads else None)
         thread_counts = lending.thread_counts if lending else (threads,)
+        # The share this engine steps on (and compiled for); its engine thread sets it for itself.
+        self.torch_threads = threads
         setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
         self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))

@@ -123,21 +123,25 @@ def test_each_worker_takes_one_gpu_on_a_gpu_cluster_else_a_cpu_share(
     assert (share.options, share.threads) == (options, threads)
 
 
-@pytest.mark.parametrize(("cpus", "workers", "sharing", "threads"), [
-    (2, 1, placement.CpuSharing.SPLIT, 1),  # one worker on a core, the gateway on the other (vLLM's layout)
-    (16, 1, placement.CpuSharing.SPLIT, 15),
-    (16, 2, placement.CpuSharing.AUTO, 7),
-    (1, 1, placement.CpuSharing.SPLIT, 1),  # nothing to leave: the one core is the worker's too
-    (2, 2, placement.CpuSharing.SPLIT, 1),  # a thread each at least
-    (4, 1, placement.CpuSharing.TURNS, 4),  # turns take every core
+@pytest.mark.parametrize(("cpus", "workers", "sharing", "threads", "split_threads"), [
+    (2, 1, placement.CpuSharing.SPLIT, 1, 0),  # one worker on a core, the gateway on the other (vLLM's layout)
+    (16, 1, placement.CpuSharing.SPLIT, 15, 0),
+    (1, 1, placement.CpuSharing.SPLIT, 1, 0),  # nothing to leave: the one core is the worker's too
+    (2, 2, placement.CpuSharing.SPLIT, 1, 0),  # a thread each at least
+    (4, 1, placement.CpuSharing.TURNS, 4, 0),  # turns take every core
+    # Lending keeps the whole share; a model under the floor steps on the split one.
+    (2, 1, placement.CpuSharing.AUTO, 2, 1),
+    (16, 2, placement.CpuSharing.AUTO, 8, 7),
+    (4, 2, placement.CpuSharing.LEND, 2, 1),
 ])
 def test_a_colocated_share_leaves_the_serving_plane_a_core(
-        cpus: int, workers: int, sharing: placement.CpuSharing, threads: int) -> None:
+        cpus: int, workers: int, sharing: placement.CpuSharing, threads: int, split_threads: int) -> None:
     share = placement.worker_share("cpu", workers, {"CPU": float(cpus)}, sharing,
                                    plane_cores=placement.COLOCATED_PLANE_CORES)
-    assert share.threads == threads
-    assert placement.worker_share("cpu", workers, {"CPU": float(cpus)}, sharing).threads == (
-        cpus if sharing is placement.CpuSharing.TURNS else max(1, cpus // workers))  # disaggregated: as before
+    assert (share.threads, share.split_threads) == (threads, split_threads)
+    before = placement.worker_share("cpu", workers, {"CPU": float(cpus)}, sharing)  # disaggregated: as before
+    assert before.threads == (cpus if sharing is placement.CpuSharing.TURNS else max(1, cpus // workers))
+    assert before.split_threads in (0, before.threads)
     assert placement.worker_share("auto", workers, {"CPU": float(cpus), "GPU": 2.0},
                                   plane_cores=placement.COLOCATED_PLANE_CORES).options == {"num_gpus": 1}
 

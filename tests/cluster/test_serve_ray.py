@@ -149,9 +149,10 @@ def test_the_decoding_worker_gets_a_core_of_its_own_and_still_serves(cluster: tu
     tree below this cluster's raylet (its workers, the gateway), restored afterwards. The
     decode worker of 1P+1D; the one colocated worker, whose share left the gateway a core."""
     url, mode = cluster
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("two cores")
-    from pdserve.cluster import serve_app
+    from pdserve.cluster import placement, serve_app
+
+    if len(os.sched_getaffinity(0)) < 2 or serve_app.cluster_gpus():
+        pytest.skip("two cores, and CPU workers")
     from pdserve.cluster.background_priority import descendants
     from pdserve.cluster.cpu_pinning import Pins, apply
     from pdserve.cluster.serve_config import ServeConfig, ServingMode
@@ -169,7 +170,9 @@ def test_the_decoding_worker_gets_a_core_of_its_own_and_still_serves(cluster: tu
              for name in cfg.worker_names()}
     decode = infos["pdserve-decode-0" if mode == "disaggregated" else "pdserve-worker-0"]
     # The tiny model splits; a colocated worker's share leaves a core to the rest.
-    assert 1 <= decode.fixed_cpu_threads <= len(cores) - (mode == "colocated") and decode.pid in descendants(raylet)
+    share = placement.worker_share("cpu", cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
+                                   plane_cores=placement.COLOCATED_PLANE_CORES if mode == "colocated" else 0)
+    assert decode.fixed_cpu_threads == (share.split_threads or share.threads) and decode.pid in descendants(raylet)
     others = [info.pid for info in infos.values() if info.pid != decode.pid]
     try:
         pins = serve_app.pin_decode_cores(cfg, cores, root=raylet)
@@ -184,7 +187,7 @@ def test_the_decoding_worker_gets_a_core_of_its_own_and_still_serves(cluster: tu
         r = c.completions.create(model=os.path.basename(str(model_dir)), prompt="def add(a, b):\n" * 8,
                                  max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
         assert r.choices[0].finish_reason == "length"
-        # Off: nothing is pinned; a pinned tree gets every core back when it can no longer be pinned.
+        # Off: nothing is pinned.
         assert serve_app.pin_decode_cores(ServeConfig(EngineConfig(model="m"), cpu_pinning="off"),  # type: ignore[arg-type]
                                           cores, root=raylet) is None
     finally:

@@ -22,6 +22,7 @@ from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.placement import LEND_MIN_WEIGHT_BYTES, CpuSharing, worker_share
 from pdserve.workers import cpu_lending
+from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending, lending_dir
 from pdserve.workers.cpu_turns import node_cores
@@ -264,6 +265,30 @@ def test_an_engine_too_small_to_lend_steps_on_its_share(make_model: Callable[[Ti
               num_kv_blocks=32, max_model_len=128)
     assert isinstance(big.engine.cpu_turn, CpuLending) and big.engine.cpu_turn.thread_counts == (1, node_cores())
     big.engine.cpu_turn.close()
+
+
+def test_a_small_model_steps_on_the_split_share_a_big_one_on_all(make_model: Callable[[TinyModelSpec], Path],
+                                                                  tmp_path: Path, threads: None) -> None:
+    """A lone colocated worker is given every core to lend (`threads`) and a split share that
+    leaves the serving plane one (`cpu_split_threads`): under the lending floor it compiles and
+    steps on the split share (its engine thread too), over it on every core, with no locks."""
+    cores = node_cores()
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    model = str(make_model(tiny_spec()))
+    torch.set_num_threads(cores)
+    small = LLM(model, cpu_lending=str(tmp_path / "s"), cpu_lending_min_weight_bytes=1 << 40,  # type: ignore[arg-type]
+                cpu_split_threads=cores - 1, num_kv_blocks=32, max_model_len=128)
+    assert small.engine.torch_threads == cores - 1 and not small.engine.shares_cores_by_step
+    async_engine = AsyncEngine(small.engine)
+    assert async_engine.torch_threads == cores - 1
+    torch.set_num_threads(cores)
+    big = LLM(model, cpu_lending=str(tmp_path / "b"), cpu_lending_min_weight_bytes=1,  # type: ignore[arg-type]
+              cpu_split_threads=cores - 1, num_kv_blocks=32, max_model_len=128)
+    assert big.engine.torch_threads == cores and not big.engine.shares_cores_by_step  # alone: nothing to lend
+    with pytest.raises(ValueError, match="cpu_split_threads"):
+        EngineConfig(model="m", cpu_split_threads=-1)
+    assert "cpu_split_threads" not in EngineConfig.settings()
 
 
 def test_an_engine_left_with_nothing_to_step_lends_its_cores(make_model: Callable[[TinyModelSpec], Path],
