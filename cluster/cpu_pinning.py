@@ -16,10 +16,9 @@ decodes in the same steps) and whose engine has a fixed share of threads (split 
 not lending cores or taking turns at them, which need every core) gets that many cores,
 from the top of the node's CPU list; every other process this one started (the prefill
 workers, the gateway, HAProxy, Ray's daemons) and this process get the cores below. A
-colocated pool's share leaves one core to them (cluster/placement.py
+colocated pool of a small model leaves them one core (cluster/placement.py
 `COLOCATED_PLANE_CORES`): vLLM's layout, one engine on its core and the API server on the
-other. It
-needs at least one core left for them, and it is redone every `REFRESH_S` seconds: a
+other. It needs at least one core left for them, and it is redone every `REFRESH_S` seconds: a
 worker Ray restarted (it starts on the rest's cores, which its parent has), or one that
 changed role, gets its cores then. vLLM's CPU backend binds its engine the same way (its
 log on 2 cores: `core ids=[0]`, `reserved_cpus=[1]`).
