@@ -82,6 +82,9 @@ def parse_args() -> argparse.Namespace:
                         "--serve-arg=off): py-spy's samples of a process that waits in a run queue land on "
                         "whatever it was doing when preempted (after a socket write, mostly); alone on a core "
                         "they show where its CPU goes")
+    p.add_argument("--client-cores", default=None, metavar="LIST",
+                   help="run the bench client on these cores only (e.g. 0: off the engine's core, as a client on "
+                        "another machine would be; it still shares the serving plane's)")
     p.add_argument("--hog", type=int, default=0, metavar="N",
                    help="N busy-looping processes at the default priority beside the server during the load "
                         "(a neighbour on a shared node: a batch job, a log shipper)")
@@ -320,6 +323,8 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         for spec in a.renice:
             renice(*spec.split("="))
         others = isolate(a.isolate, server.pid) if a.isolate else None
+        if a.client_cores is not None:
+            others = frozenset(int(c) for c in a.client_cores.split(","))
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(a.hog)]
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL,

@@ -49,7 +49,15 @@ import zmq.asyncio
 from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.link_monitor import SMALL_FRAME_BYTES, LinkMonitor, apply_heartbeats, apply_limits
-from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
+from pdserve.workers.messages import (
+    MAX_MESSAGE_BYTES,
+    TokenDelta,
+    TokenDeltaBatch,
+    TokenLogprobs,
+    decode_as,
+    encode,
+    encode_token_deltas,
+)
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, merge_deltas
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -71,19 +79,40 @@ GATEWAY_GONE_S = 10.0
 RECEIVE_HWM = 1000
 
 
+# TokenDelta's fields in their wire order: `wire_delta` writes them in this order.
+_WIRE_FIELDS = ("request_id", "offset", "token_ids", "text", "finish_reason", "stop_token", "stop_string",
+                "num_cached_tokens", "cumulative_logprob", "logprobs", "queue_time_s", "prompt_logprobs", "attempt")
+assert tuple(f.name for f in dataclasses.fields(TokenDelta)) == _WIRE_FIELDS, "TokenDelta changed: mend wire_delta"
+
+
+def wire_delta(out: RequestOutput, offset: int, attempt: int = 0) -> list[Any]:
+    """A DELTA output's TokenDelta in its wire form (the array of its fields `encode`
+    writes), built straight from the output: the engine thread's per-token path (see
+    messages.encode_token_deltas for why); `to_delta` is its checked record."""
+    c = out.outputs[0]
+    stop = c.stop_reason
+    logprobs = None if c.logprobs is None else [[tuple(e), tuple(e.values())] for e in c.logprobs]
+    prompt_logprobs = None if out.prompt_logprobs is None else [
+        [tuple(e or ()), tuple((e or {}).values())] for e in out.prompt_logprobs]
+    return [out.request_id, offset, tuple(c.token_ids), c.text, c.finish_reason,
+            stop if isinstance(stop, int) else None, stop if isinstance(stop, str) else None,
+            out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"),
+            prompt_logprobs, attempt]
+
+
+def _delta_of(row: list[Any]) -> TokenDelta:
+    """The record `row` (a `wire_delta`) stands for (checked as it is built)."""
+    values = dict(zip(_WIRE_FIELDS, row, strict=True))
+    for name in ("logprobs", "prompt_logprobs"):
+        if values[name] is not None:
+            values[name] = tuple(TokenLogprobs(tuple(ids), tuple(lps)) for ids, lps in values[name])
+    return TokenDelta(**values)
+
+
 def to_delta(out: RequestOutput, offset: int, attempt: int = 0) -> TokenDelta:
     """`out` (a DELTA output) as the wire record; `offset`: output tokens before it;
     `attempt`: the request's try (ServeRequest.attempt)."""
-    c = out.outputs[0]
-    stop_token = c.stop_reason if isinstance(c.stop_reason, int) else None
-    stop_string = c.stop_reason if isinstance(c.stop_reason, str) else None
-    logprobs = None if c.logprobs is None else tuple(
-        TokenLogprobs(tuple(entry), tuple(entry.values())) for entry in c.logprobs)
-    prompt_logprobs = None if out.prompt_logprobs is None else tuple(
-        TokenLogprobs(tuple(entry or ()), tuple((entry or {}).values())) for entry in out.prompt_logprobs)
-    return TokenDelta(out.request_id, offset, tuple(c.token_ids), c.text, c.finish_reason, stop_token, stop_string,
-                      out.num_cached_tokens, c.cumulative_logprob, logprobs, out.metrics.get("queue_time_s"),
-                      prompt_logprobs, attempt)
+    return _delta_of(wire_delta(out, offset, attempt))
 
 
 def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
@@ -113,13 +142,13 @@ class TokenStreamPublisher:
         self._secret = auth.resolve(secret)
         self._sockets: dict[str, zmq.Socket[bytes]] = {}
         self._monitors: dict[str, LinkMonitor] = {}
-        self._pending: dict[str, list[TokenDelta]] = {}
+        self._pending: dict[str, list[list[Any]]] = {}  # per gateway, `wire_delta`s
         self._seq: dict[str, int] = {}
 
     def add(self, address: str, out: RequestOutput, offset: int, attempt: int = 0) -> None:
         """Buffer `out` (a DELTA output, `offset` output tokens into its request's
         try `attempt`) for `flush`."""
-        self._pending.setdefault(address, []).append(to_delta(out, offset, attempt))
+        self._pending.setdefault(address, []).append(wire_delta(out, offset, attempt))
 
     def flush(self) -> list[str]:
         """Send what `add` buffered, one message per gateway (more when one would
@@ -128,8 +157,14 @@ class TokenStreamPublisher:
         behind, or a delta too big even alone)."""
         lost: list[str] = []
         pending, self._pending = self._pending, {}
-        for address, deltas in pending.items():
-            batches, too_big = _split(self.worker_id, deltas)
+        for address, rows in pending.items():
+            seq = self._seq.get(address, 0)
+            body = encode_token_deltas(self.worker_id, seq, rows)
+            if len(body) <= MESSAGE_BUDGET:  # a step's deltas: one message
+                self._seq[address] = seq + 1
+                lost += self._send(address, body, [row[0] for row in rows])
+                continue
+            batches, too_big = _split(self.worker_id, [_delta_of(row) for row in rows])
             for d in too_big:
                 log.error("token delta of %s is over the %d-byte message limit even alone; dropping the request",
                           d.request_id, MAX_MESSAGE_BYTES)
@@ -138,13 +173,17 @@ class TokenStreamPublisher:
                 seq = self._seq.get(address, 0)
                 self._seq[address] = seq + 1
                 body = encode(TokenDeltaBatch(worker_id=self.worker_id, seq=seq, deltas=tuple(batch)))
-                try:
-                    self._socket(address).send_multipart([auth.token_tag(self._secret, address, body), body],
-                                                         zmq.NOBLOCK)
-                except zmq.Again:
-                    log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
-                    lost += [d.request_id for d in batch]
+                lost += self._send(address, body, [d.request_id for d in batch])
         return lost
+
+    def _send(self, address: str, body: bytes, request_ids: list[str]) -> list[str]:
+        """Sign and send one encoded batch; the ids it carried if the gateway is too far behind."""
+        try:
+            self._socket(address).send_multipart([auth.token_tag(self._secret, address, body), body], zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
+            return request_ids
+        return []
 
     def watch(self, address: str) -> None:
         """Connect to the gateway at `address` now (before any delta), so that one

@@ -15,7 +15,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, RequestState
-from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
+from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode, encode_token_deltas
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import (
@@ -24,6 +24,7 @@ from pdserve.workers.token_stream import (
     TokenStreamPublisher,
     from_delta,
     to_delta,
+    wire_delta,
 )
 from pdserve.workers.transfer import auth
 
@@ -49,6 +50,18 @@ def with_prompt_logprobs(out: RequestOutput) -> RequestOutput:
                                  output("c", [], "", "abort"), with_prompt_logprobs(output("d", [4], "w"))])
 def test_a_delta_survives_the_wire(out: RequestOutput) -> None:
     assert from_delta(to_delta(out, 3), [1, 2, 3]) == out
+
+
+@pytest.mark.parametrize("out", [output("a", [5, 6], "xy"), output("b", [9], "z", "stop", logprobs=True),
+                                 output("c", [], "", "abort"), with_prompt_logprobs(output("d", [4], "w")),
+                                 output("e", [3], "v", "length")])
+def test_the_engine_threads_wire_form_is_the_records_byte_for_byte(out: RequestOutput) -> None:
+    # The worker writes deltas straight in their wire form (no record per token); the gateway
+    # decodes them as TokenDeltas. Any drift between the two forms shows here.
+    out.metrics["queue_time_s"] = 0.25
+    out.outputs[0].stop_reason = "##" if out.request_id == "e" else out.outputs[0].stop_reason
+    slow = encode(TokenDeltaBatch(worker_id="w#1", seq=7, deltas=(to_delta(out, 3, 2), to_delta(out, 4))))
+    assert encode_token_deltas("w#1", 7, [wire_delta(out, 3, 2), wire_delta(out, 4)]) == slow
 
 
 async def _consume(collector: TokenStreamCollector, rid: str, start: object) -> list[RequestOutput]:
