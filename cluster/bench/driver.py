@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-import httpx
+import aiohttp
 
 from . import report
 from .arrivals import arrival_offsets, rescale_to_rate
@@ -91,12 +91,12 @@ class Session:
     async def _main(self) -> None:
         cfg = self.cfg
         rates: list[float | None] = list(cfg.sweep) if cfg.sweep else [None]
-        # enough pooled connections that no request waits inside httpx after its clock started
+        # enough pooled connections that no request waits inside the client after its clock started
         limit = max(1, cfg.max_concurrency or len(self._reqs))
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-        async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.request_timeout), headers=headers,
-                                     limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
-                                     trust_env=False) as client:
+        # Each request has its own deadline (client.send); the session's own total timeout is off.
+        async with aiohttp.ClientSession(headers=headers, connector=aiohttp.TCPConnector(limit=limit),
+                                         timeout=aiohttp.ClientTimeout(total=None), trust_env=False) as client:
             self.model = cfg.model or await first_model(client, cfg.base_url, min(cfg.request_timeout, 30.0))
             for i, rate in enumerate(rates):
                 if i:  # fresh prompts per rate: the last rate's would hit the server's prefix cache

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+import aiohttp
 from tqdm import tqdm
 
 from .client import RequestRecord, send
@@ -51,7 +51,7 @@ class Plan:
             raise ValueError(f"request timeout: must be > 0, got {self.timeout_s}")
 
 
-async def execute(plan: Plan, run: Run, client: httpx.AsyncClient, progress: bool = True) -> Run:
+async def execute(plan: Plan, run: Run, client: aiohttp.ClientSession, progress: bool = True) -> Run:
     sem = asyncio.Semaphore(plan.max_concurrency) if plan.max_concurrency else None
     bar = tqdm(total=len(plan.bodies), desc=f"rate {run.rate:g}/s", unit="req", disable=not progress,
                file=sys.stderr, leave=False)
