@@ -75,7 +75,10 @@ class ClusterShape:
     num_prefill: int = 0
     num_decode: int = 0
     num_colocated: int = 0
-    router: RouterConfig = field(default_factory=RouterConfig)
+    # Without conditional disaggregation (RouterConfig.max_prefill_backlog_tokens): the
+    # planner sizes the pools so that prefill workers keep up on their own; the decode
+    # workers' relief for a backlog is what serving does between its moves.
+    router: RouterConfig = field(default_factory=lambda: RouterConfig(max_prefill_backlog_tokens=0))
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     # Seconds from a request's send to its landing on the router (HTTP, tokenizing, the
     # gateway's hops): the profile times the workers only. It adds to every TTFT.
@@ -100,7 +103,8 @@ class ClusterShape:
     @classmethod
     def disaggregated(cls, p: int, d: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
                       max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
-        return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy), max_in_flight=max_in_flight,
+        return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy, max_prefill_backlog_tokens=0),
+                   max_in_flight=max_in_flight,
                    dispatch_s=dispatch_s)
 
     @property

@@ -62,6 +62,7 @@ class RouteReason(enum.Enum):
     COLD = "cold"  # no prefill worker caches any of the prompt; chosen by queue
     LOCAL_PREFILL = "local_prefill"  # the uncached part on the decode worker is short: it prefills itself
     NO_PREFILL_WORKER = "no_prefill_worker"  # no healthy prefill worker: decode prefills (degraded)
+    PREFILL_BACKLOG = "prefill_backlog"  # every prefill worker is further behind than the decode worker
     ROUND_ROBIN = "round_robin"
 
 
@@ -147,6 +148,10 @@ class RouterSnapshot:
     def uncached_tokens(self, worker_id: str) -> int:
         return self.prompt_tokens - self.cached_blocks(worker_id) * self.block_size
 
+    def load(self, worker_id: str) -> WorkerLoad:
+        (found,) = [load for load in self.loads if load.worker_id == worker_id]
+        return found
+
     def tie_rank(self, worker_id: str) -> tuple[int, str]:
         """Last sort key between otherwise equal workers (rendezvous hashing)."""
         if self.affinity_key is None:
@@ -185,13 +190,20 @@ class RouterConfig:
     # With no healthy prefill worker, let the decode worker prefill (slower ITL
     # for its batch) instead of failing the request.
     fallback_local_prefill: bool = True
+    # Conditional disaggregation (Dynamo's, on queue length): when the chosen prefill
+    # worker has at least this many prompt tokens queued and the decode worker has fewer
+    # (its own prefills, this prompt's included), the decode worker prefills. Why: where
+    # prefill workers are slower to reach than decode workers have room (a small node,
+    # a burst), waiting in their queue costs TTFT and starves the decode batch. 0: off.
+    max_prefill_backlog_tokens: int = 1024
 
     def __post_init__(self) -> None:
         if not isinstance(self.policy, RoutingPolicy):
             raise ValueError(f"policy: must be a RoutingPolicy, got {self.policy!r}")
         if not (math.isfinite(self.load_weight) and self.load_weight >= 0):
             raise ValueError(f"load_weight: must be a finite number >= 0, got {self.load_weight}")
-        for name in ("local_prefill_threshold_tokens", "decode_headroom_blocks", "decode_load_slack"):
+        for name in ("local_prefill_threshold_tokens", "decode_headroom_blocks", "decode_load_slack",
+                     "max_prefill_backlog_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}: must be an int >= 0, got {value!r}")
@@ -337,6 +349,10 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
         detail = f"{local_uncached} uncached tokens on {decode} < {config.local_prefill_threshold_tokens}"
     else:
         prefill, reason, detail, costs = _prefill_side(snapshot, config, rr_prefill, decode)
+        if prefill is not None and prefill != decode and _backlogged(snapshot, config, prefill, decode, local_uncached):
+            detail = (f"{prefill} has {snapshot.load(prefill).queued_prefill_tokens} prompt tokens queued, {decode} "
+                      f"{snapshot.load(decode).queued_prefill_tokens} + {local_uncached}: {decode} prefills")
+            prefill, reason = None, RouteReason.PREFILL_BACKLOG
     if prefill == decode:  # a colocated (BOTH) worker won both roles: nothing to transfer
         prefill, detail = None, f"{detail}; prefill worker is the decode worker"
     plan = Plan.LOCAL if prefill is None else Plan.PREFILL_ONLY if snapshot.max_tokens == 1 else Plan.HANDOFF
@@ -347,6 +363,16 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
         decode_cached_blocks=snapshot.cached_blocks(decode), prompt_tokens=snapshot.prompt_tokens,
         block_size=snapshot.block_size, costs=costs, next_rr_counter=rr_counter,
     )
+
+
+def _backlogged(snapshot: RouterSnapshot, config: RouterConfig, prefill: str, decode: str, uncached: int) -> bool:
+    """Whether the decode worker should prefill because `prefill` is further behind
+    (RouterConfig.max_prefill_backlog_tokens)."""
+    if not config.max_prefill_backlog_tokens:
+        return False
+    queued = snapshot.load(prefill).queued_prefill_tokens
+    return queued >= config.max_prefill_backlog_tokens and \
+        snapshot.load(decode).queued_prefill_tokens + uncached < queued
 
 
 def _prefill_side(

@@ -409,13 +409,14 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
 
     argv = ["serve", "--model", "/m", "--prefill", "2", "--max-model-len", "2048", "--dtype", "bfloat16",
             "--kv-failure-policy", "fail", "--request-timeout", "120", "--prefill-timeout", "10",
-            "--no-prefix-caching", "--load-poll-interval", "0.5"]
+            "--no-prefix-caching", "--load-poll-interval", "0.5", "--max-prefill-backlog-tokens", "0"]
     from_flags = serve_config(_settings(build_parser().parse_args(argv)))
     from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill": 2, "max_model_len": 2048, "dtype": "bfloat16",
                                              "kv_failure_policy": "fail", "request_timeout": 120,
                                              "prefill_timeout": 10, "enable_prefix_caching": False,
-                                             "load_poll_interval": 0.5})
+                                             "load_poll_interval": 0.5, "max_prefill_backlog_tokens": 0})
     assert from_flags == from_yaml and from_flags.load_poll_interval == 0.5
+    assert from_flags.max_prefill_backlog_tokens == 0
     assert from_flags.engine.max_model_len == 2048 and not from_flags.engine.enable_prefix_caching
     assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"
 
@@ -424,6 +425,12 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
 def test_a_load_poll_interval_out_of_range_is_refused(interval: Any) -> None:
     with pytest.raises(ValueError, match="load_poll_interval"):
         ServeConfig(EngineConfig("/m"), load_poll_interval=interval)
+
+
+@pytest.mark.parametrize("backlog", [-1, 1.5, True, "many"])
+def test_a_prefill_backlog_that_is_not_a_count_of_tokens_is_refused(backlog: Any) -> None:
+    with pytest.raises(ValueError, match="max_prefill_backlog_tokens"):
+        ServeConfig(EngineConfig("/m"), max_prefill_backlog_tokens=backlog)
 
 
 def test_served_model_name_from_the_command_line_and_the_yaml(deploy_pkg: Any) -> None:

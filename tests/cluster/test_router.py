@@ -189,7 +189,7 @@ def test_unhealthy_workers_are_never_chosen() -> None:
         prefill_load("p0", healthy=False), prefill_load("p1", queued_prefill_tokens=10**6),
         decode_load("d0", healthy=False), decode_load("d1", running_requests=50),
     )
-    decision = route(snap, RouterConfig())
+    decision = route(snap, RouterConfig(max_prefill_backlog_tokens=0))  # p1's queue alone would send it to d1
     assert (decision.prefill_worker, decision.decode_worker) == ("p1", "d1")
     assert all(c.worker_id != "p0" for c in decision.costs)
     p, d, _ = choose_round_robin(snap, 0)
@@ -327,6 +327,43 @@ def test_snapshot_and_load_are_validated() -> None:
 
 
 # ---- Router ---------------------------------------------------------------------
+
+@pytest.mark.parametrize(("p_queued", "d_queued", "threshold", "local"), [
+    (1024, 0, 1024, True),  # the prefill worker is a threshold behind; the decode worker is idle
+    (1023, 0, 1024, False),  # under the threshold: disaggregated as usual
+    (4096, 4096, 1024, False),  # the decode worker is as far behind: it would only trade places
+    (4096, 3840, 1024, False),  # its queue plus this prompt (256) is not below the prefill worker's
+    (4096, 3839, 1024, True),
+    (10**6, 0, 0, False),  # 0: off
+])
+def test_a_decode_worker_prefills_when_the_prefill_worker_is_further_behind(
+        p_queued: int, d_queued: int, threshold: int, local: bool) -> None:
+    snap = snapshot(256, {}, prefill_load("p0", queued_prefill_tokens=p_queued),
+                    decode_load("d0", queued_prefill_tokens=d_queued))
+    decision = route(snap, RouterConfig(max_prefill_backlog_tokens=threshold))
+    assert decision.local_prefill is local and decision.decode_worker == "d0"
+    if local:
+        assert decision.reason is RouteReason.PREFILL_BACKLOG and decision.prefill_worker is None
+        assert decision.transferred_blocks == 0 and "p0 has" in decision.detail
+    else:
+        assert decision.prefill_worker == "p0" and decision.plan is Plan.HANDOFF
+
+
+def test_a_backlog_is_shared_between_the_prefill_and_the_decode_worker_not_moved() -> None:
+    # A burst of 256-token prompts onto 1P+1D whose prefill worker is 2048 tokens behind:
+    # the router charges each prompt where it sent it, so the decode worker takes prompts
+    # until its own queue is as long, then they alternate.
+    router = Router(RouterConfig(max_prefill_backlog_tokens=1024), BS)
+    router.update_load(prefill_load("p0", queued_prefill_tokens=2048))
+    router.update_load(decode_load("d0"))
+    rng = random.Random(0)
+    plans = [router.route(f"r{i}", [rng.randrange(1, 30000) for _ in range(256)]).plan for i in range(12)]
+    assert plans[:7] == [Plan.LOCAL] * 7  # d0's queue 0, 256, ..., 1536, each plus the prompt, < 2048
+    assert plans[7:] == [Plan.HANDOFF, Plan.LOCAL] * 2 + [Plan.HANDOFF]
+    assert router.stats.decisions[RouteReason.PREFILL_BACKLOG] == plans.count(Plan.LOCAL)
+    p, d = router.loads["p0"].queued_prefill_tokens, router.loads["d0"].queued_prefill_tokens
+    assert (p, d) == (2048 + 3 * 256, 9 * 256)  # within two prompts of each other
+
 
 def make_router(**config: object) -> Router:
     router = Router(RouterConfig(**config), BS)  # type: ignore[arg-type]
