@@ -293,7 +293,8 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
                           "(default 0.25; between polls the router charges what it routes to a worker)")
     srv.add_argument("--max-prefill-backlog-tokens", type=int, default=_SETTING,
                      help="a decode worker prefills a prompt itself when the chosen prefill worker has this many "
-                          "prompt tokens queued and it has fewer (conditional disaggregation; default 1024; 0: off)")
+                          "prompt tokens queued and it has fewer (conditional disaggregation; default 1024 on "
+                          "CPUs, off on GPUs; 0: off)")
     srv.add_argument("--max-restarts", type=int, default=_SETTING,
                      help="times Ray restarts a crashed worker (default -1: always)")
     srv.add_argument("--kv-host", default=_SETTING,

@@ -217,8 +217,8 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     names.update({f"d{i}": n for i, n in enumerate(cfg.decode_names())})
     prefill = {f"p{i}": find_worker(n) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
-    router = Router(RouterConfig(policy=cfg.router_policy, max_prefill_backlog_tokens=cfg.max_prefill_backlog_tokens),
-                    cfg.engine.block_size)
+    backlog = cfg.prefill_backlog_tokens(cluster_gpus())
+    router = Router(RouterConfig(policy=cfg.router_policy, max_prefill_backlog_tokens=backlog), cfg.engine.block_size)
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_host, names=names,
                                 lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
                                 cluster_secret=cfg.cluster_secret, poll_s=cfg.load_poll_interval)

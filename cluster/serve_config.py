@@ -65,6 +65,10 @@ _ENUMS: dict[str, type[enum.Enum]] = {
     "kv_failure_policy": KVFailurePolicy, "cpu_sharing": CpuSharing, "cpu_pinning": CpuPinning}
 
 
+# The default prefill backlog past which a CPU cluster's decode worker prefills (ServeConfig).
+CPU_PREFILL_BACKLOG_TOKENS = 1024
+
+
 @dataclass(frozen=True)
 class ServeConfig:
     engine: EngineConfig  # every worker's (a prefill worker drops speculation: it never decodes)
@@ -138,9 +142,11 @@ class ServeConfig:
     load_poll_interval: float = 0.25
     # Conditional disaggregation (cluster/router/policy.py RouterConfig): a decode worker
     # prefills a prompt itself when the prefill worker the router picked has this many prompt
-    # tokens queued and it has fewer. On 2 CPU cores it took 1P+1D from 1578, 1481 to 1851,
-    # 2012 tok/s and halved TTFT (docs/serving-profile.md). 0: every prompt goes to a prefill worker.
-    max_prefill_backlog_tokens: int = 1024
+    # tokens queued and it has fewer. 0: every prompt goes to a prefill worker. None: 1024 on
+    # a CPU cluster (on 2 cores it took 1P+1D from 1578, 1481 to 1851, 2012 tok/s and halved
+    # TTFT; docs/serving-profile.md), off on GPUs, where a decode step is what disaggregation
+    # protects and the rule is not measured.
+    max_prefill_backlog_tokens: int | None = None
     # Times Ray restarts a crashed worker (-1: always; 0: never).
     max_restarts: int = -1
     # The names the API answers to (vLLM's --served-model-name): responses carry the
@@ -204,8 +210,8 @@ class ServeConfig:
         if isinstance(self.worker_wait, bool) or not isinstance(self.worker_wait, (int, float)) \
                 or not 0 <= self.worker_wait < math.inf:
             raise ValueError(f"worker_wait: must be a number of seconds >= 0, got {self.worker_wait!r}")
-        if isinstance(self.max_prefill_backlog_tokens, bool) or not isinstance(self.max_prefill_backlog_tokens, int) \
-                or self.max_prefill_backlog_tokens < 0:
+        backlog = self.max_prefill_backlog_tokens
+        if backlog is not None and (isinstance(backlog, bool) or not isinstance(backlog, int) or backlog < 0):
             raise ValueError("max_prefill_backlog_tokens: must be an int >= 0 (0: off), got "
                              f"{self.max_prefill_backlog_tokens!r}")
         if isinstance(self.load_poll_interval, bool) or not isinstance(self.load_poll_interval, (int, float)) \
@@ -322,6 +328,12 @@ class ServeConfig:
         if self.mode is ServingMode.DISAGGREGATED:
             return self.prefill_names() + self.decode_names()
         return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
+
+    def prefill_backlog_tokens(self, gpus: float) -> int:
+        """`max_prefill_backlog_tokens` on a cluster with `gpus` GPUs (None: the default there)."""
+        if self.max_prefill_backlog_tokens is not None:
+            return self.max_prefill_backlog_tokens
+        return 0 if gpus else CPU_PREFILL_BACKLOG_TOKENS
 
     def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
         """This config with the colocated worker count decided, where it was left to the

@@ -427,6 +427,13 @@ def test_a_load_poll_interval_out_of_range_is_refused(interval: Any) -> None:
         ServeConfig(EngineConfig("/m"), load_poll_interval=interval)
 
 
+def test_the_prefill_backlog_is_on_for_cpu_clusters_off_on_gpus_unless_given() -> None:
+    default = ServeConfig(EngineConfig("/m"))
+    assert default.prefill_backlog_tokens(gpus=0) == 1024 and default.prefill_backlog_tokens(gpus=8) == 0
+    given = ServeConfig(EngineConfig("/m"), max_prefill_backlog_tokens=4096)
+    assert given.prefill_backlog_tokens(gpus=0) == given.prefill_backlog_tokens(gpus=8) == 4096
+
+
 @pytest.mark.parametrize("backlog", [-1, 1.5, True, "many"])
 def test_a_prefill_backlog_that_is_not_a_count_of_tokens_is_refused(backlog: Any) -> None:
     with pytest.raises(ValueError, match="max_prefill_backlog_tokens"):
