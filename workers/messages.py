@@ -322,11 +322,16 @@ def encode(msg: Message) -> bytes:
     if type(msg) not in _REGISTRY.values():
         raise ValueError(f"encode: {type(msg).__name__} is not a registered message")
     body = {f.name: _to_wire(getattr(msg, f.name)) for f in _fields(type(msg)) if f.name != "version"}
+    return _pack(type(msg), body)
+
+
+def _pack(cls: type[Message], body: dict[str, Any]) -> bytes:
+    """`[type, version, fields]` as msgpack; ValueError for what msgpack cannot write."""
     try:
-        data: bytes = msgpack.packb([int(msg.TYPE), msg.version, body], use_bin_type=True)
+        data: bytes = msgpack.packb([int(cls.TYPE), _version_of(cls), body], use_bin_type=True)
         return data
     except (OverflowError, TypeError, ValueError) as e:
-        raise ValueError(f"encode {type(msg).__name__}: {e}") from e
+        raise ValueError(f"encode {cls.__name__}: {e}") from e
 
 
 def encode_token_deltas(worker_id: str, seq: int, rows: list[list[Any]]) -> bytes:
@@ -336,12 +341,7 @@ def encode_token_deltas(worker_id: str, seq: int, rows: list[list[Any]]) -> byte
     token, then walking it back to its wire form, cost ~16 us a token there (a tenth of a
     small model's decode step). The gateway still checks every field (`decode`): that is
     where a peer's bytes are met."""
-    try:
-        data: bytes = msgpack.packb([int(MessageType.TOKEN_DELTA_BATCH), _version_of(TokenDeltaBatch),
-                                     {"worker_id": worker_id, "seq": seq, "deltas": rows}], use_bin_type=True)
-        return data
-    except (OverflowError, TypeError, ValueError) as e:
-        raise ValueError(f"encode TokenDeltaBatch: {e}") from e
+    return _pack(TokenDeltaBatch, {"worker_id": worker_id, "seq": seq, "deltas": rows})
 
 
 def decode(data: bytes | bytearray | memoryview) -> Message:
