@@ -347,7 +347,13 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
         client = subprocess.Popen(bench_cmd(a, url, tokenizer, a.requests, 1, result), stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL,
                                   preexec_fn=None if others is None else lambda: os.sched_setaffinity(0, others))
-        load_started(a.port, scraped_idle, client, 120)
+        try:
+            load_started(a.port, scraped_idle, client, 120)
+        except SystemExit:  # no load: stop what this run started before the server goes
+            for proc in (client, *hogs):
+                proc.kill()
+                proc.wait()
+            raise
         time.sleep(3)  # past the ramp-up
         scraped0 = scrape(a.port)
         spies = [spy(pid, group, a.window, tmp / f"py-spy-{mode.replace(':', '-')}-{group}.txt")
