@@ -1,6 +1,6 @@
-"""oneDNN-packed linear layers (bfloat16 on CPU): the same matmul as the plain weight, in eager
-code and in a compiled graph, the plain weights freed, and a model that fingerprints and loads
-as the unpacked one does."""
+"""oneDNN-packed linear layers (float32, and bfloat16 where the CPU runs it): the same matmul as
+the plain weight, in eager code and in a compiled graph, the plain weights freed, and a model that
+fingerprints and loads as the unpacked one does."""
 
 from __future__ import annotations
 
@@ -20,15 +20,21 @@ from pdserve.workers.model.packed_linear import PackedLinear, linear, num_parame
 from pdserve.workers.tiny.builder import Arch
 from pdserve.workers.transfer.fingerprint import module_fingerprint
 
-pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.bfloat16, torch.device("cpu")),
-                                reason="oneDNN does not run bfloat16 on this CPU")
-
 BF16 = torch.bfloat16
+_NO_BF16 = pytest.mark.skipif(not packed_linear.supported(BF16, torch.device("cpu")),
+                              reason="oneDNN does not run bfloat16 on this CPU")
+DTYPES = [torch.float32, pytest.param(BF16, marks=_NO_BF16)]
+# Against float64: bfloat16 output is one rounding of a float32 accumulation (like F.linear's);
+# float32 differs from float64 by the accumulation's order only.
+TOL = {torch.float32: 1e-5, BF16: 1.6e-2}
+
+pytestmark = pytest.mark.skipif(not packed_linear.supported(torch.float32, torch.device("cpu")),
+                                reason="no oneDNN in this torch build")
 
 
-def _layer(inp: int, out: int, bias: bool, seed: int = 0) -> nn.Linear:
+def _layer(inp: int, out: int, bias: bool, seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Linear:
     torch.manual_seed(seed)
-    layer = nn.Linear(inp, out, bias=bias).to(BF16)
+    layer = nn.Linear(inp, out, bias=bias).to(dtype)
     layer.requires_grad_(False)
     return layer
 
@@ -38,41 +44,45 @@ def _float64(x: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
     return torch.nn.functional.linear(x.double(), layer.weight.double(), bias)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 8, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_packed_layer_computes_the_plain_matmul(rows: int, bias: bool) -> None:
-    plain = _layer(96, 200, bias)
+def test_a_packed_layer_computes_the_plain_matmul(rows: int, bias: bool, dtype: torch.dtype) -> None:
+    plain = _layer(96, 200, bias, dtype=dtype)
     packed = PackedLinear(plain)
     assert torch.equal(packed.dense_weight(), plain.weight)  # a layout, not other numbers
-    x = torch.randn(rows, 96).to(BF16)
+    x = torch.randn(rows, 96).to(dtype)
     out = linear(x, packed)
-    assert out.shape == (rows, 200) and out.dtype == BF16
-    want = _float64(x, plain)
-    # bfloat16 output: one rounding of a float32 accumulation, like F.linear's
-    torch.testing.assert_close(out.double(), want, rtol=1.6e-2, atol=1.6e-2)
-    torch.testing.assert_close(out, linear(x, plain), rtol=1.6e-2, atol=1.6e-2)
+    assert out.shape == (rows, 200) and out.dtype == dtype
+    tol = TOL[dtype]
+    torch.testing.assert_close(out.double(), _float64(x, plain), rtol=tol, atol=tol)
+    torch.testing.assert_close(out, linear(x, plain), rtol=tol, atol=tol)
 
 
-def test_a_strided_input_is_taken_as_its_values() -> None:
-    plain = _layer(64, 32, False)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_strided_input_is_taken_as_its_values(dtype: torch.dtype) -> None:
+    plain = _layer(64, 32, False, dtype=dtype)
     packed = PackedLinear(plain)
-    wide = torch.randn(5, 128).to(BF16)
+    wide = torch.randn(5, 128).to(dtype)
     x = wide[:, ::2]  # not contiguous
-    torch.testing.assert_close(linear(x, packed).double(), _float64(x, plain), rtol=1.6e-2, atol=1.6e-2)
+    tol = TOL[dtype]
+    torch.testing.assert_close(linear(x, packed).double(), _float64(x, plain), rtol=tol, atol=tol)
 
 
-def test_the_compiled_op_matches_eager_at_any_row_count() -> None:
-    plain = _layer(64, 48, True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_compiled_op_matches_eager_at_any_row_count(dtype: torch.dtype) -> None:
+    plain = _layer(64, 48, True, dtype=dtype)
     packed = PackedLinear(plain)
 
     def f(x: torch.Tensor) -> torch.Tensor:
         return linear(torch.nn.functional.silu(x), packed) * 2
 
     compiled = torch.compile(f, dynamic=True)
+    tol = TOL[dtype]
     with torch.inference_mode():
         for rows in (1, 3, 17):
-            x = torch.randn(rows, 64).to(BF16)
-            torch.testing.assert_close(compiled(x), f(x), rtol=1e-2, atol=1e-2)
+            x = torch.randn(rows, 64).to(dtype)
+            torch.testing.assert_close(compiled(x), f(x), rtol=tol, atol=tol)
 
 
 def test_packing_a_model_frees_its_plain_weights_and_keeps_its_parameter_count() -> None:
@@ -92,23 +102,24 @@ def test_a_packed_weight_is_released_with_its_layer() -> None:
     assert handle not in packed_linear._weights
 
 
-def test_a_loaded_bfloat16_model_is_packed_and_matches_the_plain_one(
-        make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Loaded on CPU in bfloat16, every linear is packed (the tied lm_head too, on its own copy),
-    the logits match the plain-layout model's within bfloat16 noise, and the fingerprint, what a
-    KV link compares, is the same: a packed worker takes a plain worker's KV."""
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_loaded_model_is_packed_and_matches_the_plain_one(
+        make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
+    """Loaded on CPU, every linear is packed (the tied lm_head too, on its own copy), the logits
+    match the plain-layout model's within the dtype's noise, and the fingerprint, what a KV link
+    compares, is the same: a packed worker takes a plain worker's KV."""
     # Qwen2: a tied head, and biases on q/k/v
     model_dir = make_model(tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2))
     cfg, cpu = ModelConfig.from_pretrained(str(model_dir)), torch.device("cpu")
-    packed = load_model(model_dir, cfg, BF16, cpu, AttentionBackend.TORCH, 64)
+    packed = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
     monkeypatch.setenv(packed_linear.ENV, "0")
-    plain = load_model(model_dir, cfg, BF16, cpu, AttentionBackend.TORCH, 64)
+    plain = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
     assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
     assert isinstance(plain.lm_head, nn.Linear) and cfg.tie_word_embeddings and cfg.attention_bias
     assert torch.equal(packed.lm_head.dense_weight(), packed.model.embed_tokens.weight)  # tied, kept apart
     assert module_fingerprint(str(model_dir), packed) == module_fingerprint(str(model_dir), plain)
-    hidden = torch.randn(6, 128).to(BF16)
+    hidden = torch.randn(6, 128).to(dtype)
     with torch.inference_mode():
         a, b = packed.compute_logits(hidden), plain.compute_logits(hidden)
     rel = float((a - b).norm() / b.norm())
-    assert rel < 1e-2, rel
+    assert rel < (1e-2 if dtype is BF16 else 1e-5), rel

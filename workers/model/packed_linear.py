@@ -1,15 +1,17 @@
-"""Linear layers with oneDNN-prepacked weights, for bfloat16 on CPU.
+"""Linear layers with oneDNN-prepacked weights, for float32 and bfloat16 on CPU.
 
 Why: a decode step's matmuls have a handful of rows (the batch) against weights
 that do not fit in cache; they are bound by how fast the GEMM streams the
 weights. PyTorch's `F.linear` on a plain bfloat16 [out, in] matrix streams them
-at 5-7 GB/s on one core of this project's test machine (column-major, what
-float32 keeps, slower still); reordered once into oneDNN's blocked layout the
-same GEMMs stream at 7-11 GB/s (SmolLM2-135M's linears at batch 8: 0.67x the
-plain layout's time on one core; docs/engine.md, "Prepacked weights and the
-decode attention op"). It is what Inductor's
-freezing pass and vLLM's CPU backend do. Float32 keeps its column-major plain
-layout (loader.py): MKL's packed float32 GEMM measured no better there.
+at 5-7 GB/s on one core of an Intel test machine; reordered once into oneDNN's
+blocked layout the same GEMMs stream at 7-11 GB/s (SmolLM2-135M's linears at
+batch 8: 0.67x the plain layout's time on one core; docs/engine.md, "Prepacked
+weights and the decode attention op"). In float32 on an AMD EPYC (Zen 3), MKL's
+GEMM on the column-major layout streamed 2-3 GB/s at 2-64 rows, oneDNN's packed
+one 1.6-3.7x faster; a SmolLM2 decode step at batch 8 took 0.67x the time on one
+thread, 0.47x on two. The price: a single row on a single thread, where MKL's
+column-major GEMV streams ~11 GB/s and oneDNN ~6 (that step 1.5x slower; level
+on two threads). It is what Inductor's freezing pass and vLLM's CPU backend do.
 
 How: each packed layer's weight lives in a process-wide table under an integer
 handle. The compiled model calls the `pdserve::packed_linear` op with the
@@ -40,10 +42,15 @@ _lock = threading.Lock()
 
 
 def supported(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether weights of `dtype` on `device` are packed: bfloat16 on a CPU that oneDNN runs it on."""
-    return (device.type == "cpu" and dtype is torch.bfloat16 and os.environ.get(ENV, "1") != "0"
-            and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
-            and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    """Whether weights of `dtype` on `device` are packed: float32, and bfloat16 on a CPU that
+    oneDNN runs it on."""
+    if device.type != "cpu" or os.environ.get(ENV, "1") == "0":
+        return False
+    if not torch.backends.mkldnn.is_available():  # type: ignore[no-untyped-call]
+        return False
+    if dtype is torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype is torch.float32
 
 
 class PackedLinear(nn.Module):
