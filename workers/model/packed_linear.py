@@ -7,11 +7,12 @@ at 5-7 GB/s on one core of an Intel test machine; reordered once into oneDNN's
 blocked layout the same GEMMs stream at 7-11 GB/s (SmolLM2-135M's linears at
 batch 8: 0.67x the plain layout's time on one core; docs/engine.md, "Prepacked
 weights and the decode attention op"). In float32 on an AMD EPYC (Zen 3), MKL's
-GEMM on the column-major layout streamed 2-3 GB/s at 2-64 rows, oneDNN's packed
-one 1.6-3.7x faster; a SmolLM2 decode step at batch 8 took 0.67x the time on one
-thread, 0.47x on two. The price: a single row on a single thread, where MKL's
-column-major GEMV streams ~11 GB/s and oneDNN ~6 (that step 1.5x slower; level
-on two threads). It is what Inductor's freezing pass and vLLM's CPU backend do.
+GEMM on the column-major layout streamed 1-2.5 GB/s at 4-64 rows, oneDNN's packed
+one 1.6-3.7x faster (level at 2 rows); a SmolLM2 decode step at batch 8 took 0.67x
+the time on one thread, 0.47x on two. The price: a single row, where MKL's
+column-major GEMV streams ~11 GB/s and oneDNN ~6 (SmolLM2's batch-1 step 1.5x slower
+on one thread, level on two; the tiny model's 1.3x slower on two). It is what
+Inductor's freezing pass and vLLM's CPU backend do.
 
 How: each packed layer's weight lives in a process-wide table under an integer
 handle. The compiled model calls the `pdserve::packed_linear` op with the
