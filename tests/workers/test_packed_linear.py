@@ -88,10 +88,21 @@ def test_the_compiled_op_matches_eager_at_any_row_count(dtype: torch.dtype) -> N
 def test_packing_a_model_frees_its_plain_weights_and_keeps_its_parameter_count() -> None:
     model = nn.Sequential(_layer(32, 64, True), nn.ReLU(), _layer(64, 16, False, seed=1))
     before = sum(p.numel() for p in model.parameters())
-    assert pack_linears(model) == 2
+    assert pack_linears(model, float32_min_bytes=0) == 2
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
     assert sum(p.numel() for p in model.parameters()) == 64  # the bias alone is left a parameter
     assert num_parameters(model) == before
+
+
+def test_small_float32_weights_stay_plain_and_bfloat16_is_packed_at_any_size() -> None:
+    """Below 1 MiB a float32 weight is faster unpacked (oneDNN's per-call cost); bfloat16's plain
+    layout has no fast GEMM, so every bfloat16 layer is packed."""
+    small, large = _layer(256, 1023, False), _layer(256, 1024, False)  # 1 MiB - 1 KiB, 1 MiB of float32
+    assert not packed_linear.worth_packing(small) and packed_linear.worth_packing(large)
+    assert packed_linear.worth_packing(_layer(16, 16, False, dtype=BF16))
+    model = nn.Sequential(small, large)
+    assert pack_linears(model) == 1
+    assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)
 
 
 def test_a_packed_weight_is_released_with_its_layer() -> None:
@@ -105,16 +116,19 @@ def test_a_packed_weight_is_released_with_its_layer() -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_loaded_model_is_packed_and_matches_the_plain_one(
         make_model: Callable[..., Path], monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype) -> None:
-    """Loaded on CPU, every linear is packed (the tied lm_head too, on its own copy), the logits
-    match the plain-layout model's within the dtype's noise, and the fingerprint, what a KV link
-    compares, is the same: a packed worker takes a plain worker's KV."""
+    """Loaded on CPU, every linear worth it is packed (the tied lm_head too, on its own copy;
+    float32 layers under 1 MiB stay plain), the logits match the plain-layout model's within the
+    dtype's noise, and the fingerprint, what a KV link compares, is the same: a packed worker
+    takes a plain worker's KV."""
     # Qwen2: a tied head, and biases on q/k/v
     model_dir = make_model(tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2))
     cfg, cpu = ModelConfig.from_pretrained(str(model_dir)), torch.device("cpu")
     packed = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
     monkeypatch.setenv(packed_linear.ENV, "0")
     plain = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
-    assert isinstance(packed.lm_head, PackedLinear) and isinstance(packed.model.layers[0].mlp.down_proj, PackedLinear)
+    down = packed.model.layers[0].mlp.down_proj
+    assert isinstance(packed.lm_head, PackedLinear)  # vocab x 128 float32: over 1 MiB
+    assert isinstance(down, PackedLinear if dtype is BF16 else nn.Linear)
     assert isinstance(plain.lm_head, nn.Linear) and cfg.tie_word_embeddings and cfg.attention_bias
     assert torch.equal(packed.lm_head.dense_weight(), packed.model.embed_tokens.weight)  # tied, kept apart
     assert module_fingerprint(str(model_dir), packed) == module_fingerprint(str(model_dir), plain)

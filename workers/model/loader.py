@@ -122,18 +122,18 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """Lay the linear weights out for the CPU's GEMMs. A tied lm_head gets its own copy
     first, so the embedding keeps plain rows to gather.
 
-    float32, and bfloat16 where oneDNN runs it: oneDNN-packed (packed_linear.py). Otherwise
-    (float16, or packing off: PDSERVE_CPU_PACKED_LINEAR=0) a float32 or float16 [out, in]
-    weight is stored as the transpose of a contiguous [in, out] matrix: MKL's `x @ W.T`
-    then runs without a transposed operand, much faster at the small-batch decode shapes
-    than the plain layout (docs/benchmarks-engine.md, "What helped"); bfloat16 keeps the
-    plain layout, which measured faster than this one for it (docs/engine.md).
+    float32 weights from 1 MiB, and bfloat16 where oneDNN runs it: oneDNN-packed
+    (packed_linear.py). Every other float32 or float16 [out, in] weight (and all of them with
+    packing off: PDSERVE_CPU_PACKED_LINEAR=0) is stored as the transpose of a contiguous
+    [in, out] matrix: MKL's `x @ W.T` then runs without a transposed operand, much faster at
+    the small-batch decode shapes than the plain layout (docs/benchmarks-engine.md, "What
+    helped"); bfloat16 keeps the plain layout, which measured faster than this one for it
+    (docs/engine.md).
     """
     if model.config.tie_word_embeddings:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
     if packed_linear.supported(dtype, torch.device("cpu")):
         packed_linear.pack_linears(model)
-        return
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and dtype is not torch.bfloat16:
             module.weight.data = module.weight.data.t().contiguous().t()

@@ -11,8 +11,15 @@ GEMM on the column-major layout streamed 1-2.5 GB/s at 4-64 rows, oneDNN's packe
 one 1.6-3.7x faster (level at 2 rows); a SmolLM2 decode step at batch 8 took 0.67x
 the time on one thread, 0.47x on two. The price: a single row, where MKL's
 column-major GEMV streams ~11 GB/s and oneDNN ~6 (SmolLM2's batch-1 step 1.5x slower
-on one thread, level on two; the tiny model's 1.3x slower on two). It is what
-Inductor's freezing pass and vLLM's CPU backend do.
+on one thread, level on two). It is what Inductor's freezing pass and vLLM's CPU
+backend do.
+
+Small float32 weights stay unpacked: PyTorch's call into oneDNN costs ~40 us however
+small the matmul (a 64 x 64 layer: 46 us packed, 8.5 plain, on the AMD EPYC), which the
+faster streaming repays only past ~1 MiB of weight (below it the plain layout won at
+1-16 rows on one and two threads; at 2 MiB and more packed won from 2 rows on;
+docs/engine.md). bfloat16 is packed whatever its size: its plain layout has no fast
+GEMM on these CPUs.
 
 How: each packed layer's weight lives in a process-wide table under an integer
 handle. The compiled model calls the `pdserve::packed_linear` op with the
@@ -36,6 +43,7 @@ from torch import nn
 from pdserve.workers.model import torch_ops
 
 ENV = "PDSERVE_CPU_PACKED_LINEAR"  # "0" keeps the plain layout (an A/B switch)
+FLOAT32_MIN_BYTES = 1 << 20  # a smaller float32 weight is faster unpacked (the module docstring)
 
 _weights: dict[int, torch.Tensor] = {}  # handle -> packed weight
 _handles = itertools.count()
@@ -110,13 +118,20 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
     return F.linear(x, layer.weight, layer.bias)
 
 
-def pack_linears(model: nn.Module) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear (their plain weights are freed);
-    returns how many. A weight shared by two modules must be untied first."""
+def worth_packing(layer: nn.Linear, float32_min_bytes: int | None = None) -> bool:
+    """Whether `layer` runs faster packed: bfloat16 always, float32 from `float32_min_bytes`
+    of weight (FLOAT32_MIN_BYTES when None)."""
+    weight, floor = layer.weight, FLOAT32_MIN_BYTES if float32_min_bytes is None else float32_min_bytes
+    return weight.dtype is not torch.float32 or weight.numel() * weight.element_size() >= floor
+
+
+def pack_linears(model: nn.Module, float32_min_bytes: int | None = None) -> int:
+    """Replace every nn.Linear in `model` worth packing by a PackedLinear (their plain weights
+    are freed); returns how many. A weight shared by two modules must be untied first."""
     # (parent, name) only: holding the layers themselves would keep every plain weight alive
     # until the end, twice the model's memory at the peak instead of one layer more.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear)]
+               if isinstance(child, nn.Linear) and worth_packing(child, float32_min_bytes)]
     for parent, name in targets:
         setattr(parent, name, PackedLinear(getattr(parent, name)))
     return len(targets)
@@ -135,4 +150,4 @@ def num_parameters(model: nn.Module) -> int:
     return packed + sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["PackedLinear", "linear", "num_parameters", "pack_linears", "packed_weights", "supported"]
+__all__ = ["PackedLinear", "linear", "num_parameters", "pack_linears", "packed_weights", "supported", "worth_packing"]
