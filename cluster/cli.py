@@ -243,102 +243,133 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 
 def _serve_arguments(srv: argparse.ArgumentParser) -> None:
-    """The arguments of `pdserve serve`."""
-    srv.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
-    srv.add_argument("--prefill", type=int, default=_SETTING, help="prefill workers (disaggregated; default 1)")
-    srv.add_argument("--decode", type=int, default=_SETTING, help="decode workers (disaggregated; default 1)")
-    srv.add_argument("--workers", type=int, default=_SETTING,
-                     help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
-                          "else one on the CPU's cores; a small model's leaves one of them to the gateway)")
-    srv.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
-    srv.add_argument("--cpu-sharing", default=_SETTING,
-                     help="CPU workers on one node: auto (default: lend for a model of 32 MiB of weights or "
-                          "more, else split), lend (an equal share of the cores each, but a step on all of them "
-                          "while the other workers are idle), split (the share, always) or turns (each step on "
-                          "all the cores, one worker at a time)")
-    srv.add_argument("--cpu-pinning", default=_SETTING,
-                     help="auto (default): on local Ray, a CPU worker that decodes (decode or colocated) with a "
-                          "fixed share of the cores (split sharing) runs on cores of its own, and the gateway, Ray, "
-                          "HAProxy and prefill workers on the others; off: every process on every core")
-    srv.add_argument("--control-plane-nice", type=int, default=_SETTING,
-                     help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
-                          "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")
-    srv.add_argument("--ingress", default=_SETTING,
-                     help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
-                          "Ray only: a running cluster keeps the ingress it was started with)")
-    srv.add_argument("--router-policy", default=_SETTING,
-                     help="how the gateway picks prefill workers: cache_aware (default) or round_robin")
-    srv.add_argument("--kv-failure-policy", default=_SETTING,
-                     help="when a request's KV does not arrive intact: recompute it on the decode worker "
-                          "(default) or fail the request")
-    srv.add_argument("--request-timeout", type=float, default=_SETTING,
-                     help="seconds a request may take, from its arrival (default 600)")
-    srv.add_argument("--prefill-timeout", type=float, default=_SETTING,
-                     help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
-                          "failure policy applies (default 120)")
-    srv.add_argument("--transfer-timeout", type=float, default=_SETTING,
-                     help="seconds a prefill worker waits on one KV link (a credit, the decode worker's verdict) "
-                          "before it gives the transfer up (default 30)")
-    srv.add_argument("--max-migrations", type=int, default=_SETTING,
-                     help="times a request moves to another worker when its worker dies, before it fails "
-                          "(default 2; 0: never)")
-    srv.add_argument("--served-model-name", nargs="+", default=_SETTING, metavar="NAME",
-                     help="the names the API answers to; responses report the first (default: the --model "
-                          "argument as given, and its basename)")
-    srv.add_argument("--worker-wait", type=float, default=_SETTING,
-                     help="seconds a request under way waits for a worker when none can take it (the only one "
-                          "restarting) before it fails (default 10; 0: no wait)")
-    srv.add_argument("--load-poll-interval", type=float, default=_SETTING,
-                     help="seconds between the gateway's polls of each disaggregated worker's load and KV events "
-                          "(default 0.25; between polls the router charges what it routes to a worker)")
-    srv.add_argument("--max-prefill-backlog-tokens", type=int, default=_SETTING,
-                     help="a decode worker prefills a prompt itself when the chosen prefill worker has this many "
-                          "prompt tokens queued and it has fewer (conditional disaggregation; default 1024 on "
-                          "CPUs, off on GPUs; 0: off)")
-    srv.add_argument("--max-restarts", type=int, default=_SETTING,
-                     help="times Ray restarts a crashed worker (default -1: always)")
-    srv.add_argument("--kv-host", default=_SETTING,
-                     help="the address every data-plane socket (decode workers' KV receivers, the gateway's token "
-                          "stream) binds and advertises, resolved on each node: auto (the node's Ray address) or an "
-                          "IPv4 address; default: auto when the Ray cluster has several nodes, else 127.0.0.1")
+    """The arguments of `pdserve serve`, in the groups its --help shows."""
+    _pool_arguments(srv)
+    _request_arguments(srv)
+    _http_arguments(srv)
+    _limit_arguments(srv)
+    _planner_arguments(srv)
+    _haproxy_arguments(srv)
+    _add_engine_args(srv)
+
+
+def _pool_arguments(srv: argparse.ArgumentParser) -> None:
+    """The workers: the pools, where they run, how they share a CPU, how KV moves between them."""
+    g = srv.add_argument_group("workers")
+    g.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
+    g.add_argument("--prefill", type=int, default=_SETTING, help="prefill workers (disaggregated; default 1)")
+    g.add_argument("--decode", type=int, default=_SETTING, help="decode workers (disaggregated; default 1)")
+    g.add_argument("--workers", type=int, default=_SETTING,
+                   help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
+                        "else one on the CPU's cores; a small model's leaves one of them to the gateway)")
+    g.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
+    g.add_argument("--cpu-sharing", default=_SETTING,
+                   help="CPU workers on one node: auto (default: lend for a model of 32 MiB of weights or "
+                        "more, else split), lend (an equal share of the cores each, but a step on all of them "
+                        "while the other workers are idle), split (the share, always) or turns (each step on "
+                        "all the cores, one worker at a time)")
+    g.add_argument("--cpu-pinning", default=_SETTING,
+                   help="auto (default): on local Ray, a CPU worker that decodes (decode or colocated) with a "
+                        "fixed share of the cores (split sharing) runs on cores of its own, and the gateway, Ray, "
+                        "HAProxy and prefill workers on the others; off: every process on every core")
+    g.add_argument("--control-plane-nice", type=int, default=_SETTING,
+                   help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
+                        "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")
+    g.add_argument("--max-restarts", type=int, default=_SETTING,
+                   help="times Ray restarts a crashed worker (default -1: always)")
+    g.add_argument("--kv-host", default=_SETTING,
+                   help="the address every data-plane socket (decode workers' KV receivers, the gateway's token "
+                        "stream) binds and advertises, resolved on each node: auto (the node's Ray address) or an "
+                        "IPv4 address; default: auto when the Ray cluster has several nodes, else 127.0.0.1")
     for pool, what in (("prefill", "prefill worker"), ("decode", "decode worker"),
                        ("worker", "colocated worker"), ("gateway", "gateway replica")):
-        srv.add_argument(f"--{pool}-resources", type=_json_mapping, default=_SETTING, metavar="JSON",
-                         help=f"Ray custom resources each {what} requires, to put it on the nodes started with them, "
-                              f"e.g. '{{\"{pool}_node\": 1}}' (default: any node)")
-    srv.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
-    srv.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
-    srv.add_argument("--api-key", default=None,
-                     help=f"the key clients send as `Authorization: Bearer KEY`; prefer --api-key-file or "
-                          f"{API_KEY_ENV}: a command line is visible to every user of the machine")
-    srv.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
-    srv.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
-                     help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
-                          "opens it too. Default: /metrics is open")
-    srv.add_argument("--cluster-secret-file", default=None, metavar="PATH",
-                     help="the key that authenticates KV and token-stream messages between workers and the gateway "
-                          "(64 hex digits: openssl rand -hex 32); else PDSERVE_CLUSTER_SECRET, else a new one per "
-                          "start (docs/security-data-plane.md)")
-    _limit_arguments(srv)
-    srv.add_argument("--planner-profile", default=_SETTING, metavar="PATH",
-                     help="run the planner loop in the gateway on this profile (pdserve profile --out PATH): it "
-                          "re-plans the prefill:decode split on each window's traffic and recommends (a metric, a "
-                          "log line); disaggregated mode only")
-    srv.add_argument("--slo", nargs="+", default=_SETTING, metavar="KIND:MS",
-                     help="the planner's SLOs, e.g. --slo ttft:500 tpot:50 (milliseconds)")
-    srv.add_argument("--planner-interval", type=float, default=_SETTING,
-                     help="seconds of traffic per planner window (default 60)")
-    srv.add_argument("--autoscale-roles", action="store_true", default=_SETTING,
-                     help="let the planner move workers between the pools (a switch drains the worker; what it "
-                          "still holds at the deadline moves to other workers); default: recommend only")
-    srv.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
-                     help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
-    srv.add_argument("--haproxy-stats-port", type=int, default=_SETTING,
-                     help="the HAProxy ingress's stats port (default 8404; local Ray only)")
-    srv.add_argument("--haproxy-fallback-port", type=int, default=_SETTING,
-                     help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
-                          "(default 8500; local Ray only)")
-    _add_engine_args(srv)
+        g.add_argument(f"--{pool}-resources", type=_json_mapping, default=_SETTING, metavar="JSON",
+                       help=f"Ray custom resources each {what} requires, to put it on the nodes started with them, "
+                            f"e.g. '{{\"{pool}_node\": 1}}' (default: any node)")
+
+
+def _request_arguments(srv: argparse.ArgumentParser) -> None:
+    """A request's path through the pools: routing, deadlines, what happens when a part fails."""
+    g = srv.add_argument_group("requests")
+    g.add_argument("--router-policy", default=_SETTING,
+                   help="how the gateway picks prefill workers: cache_aware (default) or round_robin")
+    g.add_argument("--kv-failure-policy", default=_SETTING,
+                   help="when a request's KV does not arrive intact: recompute it on the decode worker "
+                        "(default) or fail the request")
+    g.add_argument("--request-timeout", type=float, default=_SETTING,
+                   help="seconds a request may take, from its arrival (default 600)")
+    g.add_argument("--prefill-timeout", type=float, default=_SETTING,
+                   help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
+                        "failure policy applies (default 120)")
+    g.add_argument("--transfer-timeout", type=float, default=_SETTING,
+                   help="seconds a prefill worker waits on one KV link (a credit, the decode worker's verdict) "
+                        "before it gives the transfer up (default 30)")
+    g.add_argument("--max-migrations", type=int, default=_SETTING,
+                   help="times a request moves to another worker when its worker dies, before it fails "
+                        "(default 2; 0: never)")
+    g.add_argument("--worker-wait", type=float, default=_SETTING,
+                   help="seconds a request under way waits for a worker when none can take it (the only one "
+                        "restarting) before it fails (default 10; 0: no wait)")
+    g.add_argument("--load-poll-interval", type=float, default=_SETTING,
+                   help="seconds between the gateway's polls of each disaggregated worker's load and KV events "
+                        "(default 0.25; between polls the router charges what it routes to a worker)")
+    g.add_argument("--max-prefill-backlog-tokens", type=int, default=_SETTING,
+                   help="a decode worker prefills a prompt itself when the chosen prefill worker has this many "
+                        "prompt tokens queued and it has fewer (conditional disaggregation; default 1024 on "
+                        "CPUs, off on GPUs; 0: off)")
+
+
+
+def _http_arguments(srv: argparse.ArgumentParser) -> None:
+    """The HTTP endpoint, its names and keys; the data plane's secret."""
+    g = srv.add_argument_group("HTTP and keys")
+    g.add_argument("--ingress", default=_SETTING,
+                   help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
+                        "Ray only: a running cluster keeps the ingress it was started with)")
+    g.add_argument("--served-model-name", nargs="+", default=_SETTING, metavar="NAME",
+                   help="the names the API answers to; responses report the first (default: the --model "
+                        "argument as given, and its basename)")
+    g.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
+    g.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
+    g.add_argument("--api-key", default=None,
+                   help=f"the key clients send as `Authorization: Bearer KEY`; prefer --api-key-file or "
+                        f"{API_KEY_ENV}: a command line is visible to every user of the machine")
+    g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    g.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
+                   help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
+                        "opens it too. Default: /metrics is open")
+    g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
+                   help="the key that authenticates KV and token-stream messages between workers and the gateway "
+                        "(64 hex digits: openssl rand -hex 32); else PDSERVE_CLUSTER_SECRET, else a new one per "
+                        "start (docs/security-data-plane.md)")
+
+
+def _planner_arguments(srv: argparse.ArgumentParser) -> None:
+    """The planner loop (disaggregated mode)."""
+    g = srv.add_argument_group("planner")
+    g.add_argument("--planner-profile", default=_SETTING, metavar="PATH",
+                   help="run the planner loop in the gateway on this profile (pdserve profile --out PATH): it "
+                        "re-plans the prefill:decode split on each window's traffic and recommends (a metric, a "
+                        "log line); disaggregated mode only")
+    g.add_argument("--slo", nargs="+", default=_SETTING, metavar="KIND:MS",
+                   help="the planner's SLOs, e.g. --slo ttft:500 tpot:50 (milliseconds)")
+    g.add_argument("--planner-interval", type=float, default=_SETTING,
+                   help="seconds of traffic per planner window (default 60)")
+    g.add_argument("--autoscale-roles", action="store_true", default=_SETTING,
+                   help="let the planner move workers between the pools (a switch drains the worker; what it "
+                        "still holds at the deadline moves to other workers); default: recommend only")
+
+
+def _haproxy_arguments(srv: argparse.ArgumentParser) -> None:
+    """Local Ray's HAProxy ingress ports."""
+    g = srv.add_argument_group("HAProxy ingress (local Ray)")
+    g.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
+                   help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
+    g.add_argument("--haproxy-stats-port", type=int, default=_SETTING,
+                   help="the HAProxy ingress's stats port (default 8404; local Ray only)")
+    g.add_argument("--haproxy-fallback-port", type=int, default=_SETTING,
+                   help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
+                        "(default 8500; local Ray only)")
 
 
 def _json_mapping(text: str) -> dict[str, object]:
