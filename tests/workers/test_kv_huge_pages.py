@@ -1,16 +1,17 @@
-"""The CPU KV pool on transparent huge pages: the same zeroed tensor as torch.zeros, starting on a
-2 MiB boundary, and, where the kernel honours madvise (THP `enabled` is madvise or always), backed by
+"""The CPU KV pool on transparent huge pages: the same zeroed tensor as torch.zeros and, where the
+kernel honours madvise (THP `enabled` is madvise or always), backed by
 huge pages, which the attention op's scattered block reads need (docs/serving-profile.md)."""
 
 from __future__ import annotations
 
+import gc
 import re
 from pathlib import Path
 
 import pytest
 import torch
 
-from pdserve.workers.kv.cache import HUGE_PAGE, allocate_kv_caches, cpu_zeros_on_huge_pages
+from pdserve.workers.kv.cache import allocate_kv_caches, cpu_zeros_on_huge_pages
 from pdserve.workers.model.config import ModelConfig
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -39,13 +40,12 @@ def huge_kib_under(addr: int, length: int) -> int:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_it_is_a_zeroed_contiguous_tensor_of_the_shape_on_a_huge_page_boundary(dtype: torch.dtype) -> None:
+def test_it_is_a_zeroed_writable_contiguous_tensor_of_the_shape(dtype: torch.dtype) -> None:
     shape = (2, 2, 64, 16, 2, 32)  # 2 MiB in float32, 1 MiB in 16-bit types
     t = cpu_zeros_on_huge_pages(shape, dtype)
     assert t.shape == shape and t.dtype == dtype and t.is_contiguous()
     assert torch.equal(t, torch.zeros(shape, dtype=dtype))
-    if t.numel() * t.element_size() >= HUGE_PAGE:
-        assert t.data_ptr() % HUGE_PAGE == 0
+    gc.collect()  # the mapping lives as long as the tensor, with no other reference to it
     t[1, 1, -1] = 3  # writable to its last element: the view covers the whole shape
     assert float(t.sum()) == 3 * 16 * 2 * 32
 

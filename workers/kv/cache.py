@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import sys
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,6 @@ from pdserve.workers.model.config import ModelConfig
 CPU_DEFAULT_KV_BYTES = 4 << 30
 
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-_MADV_HUGEPAGE = 14  # <sys/mman.h>
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -41,34 +39,27 @@ def allocate_kv_caches(
 
 
 def cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed CPU tensor whose memory Linux is asked to back with 2 MiB pages (madvise
-    MADV_HUGEPAGE, before the first touch), for the pages of at least 2 MiB it spans.
+    """A zeroed CPU tensor in an anonymous mapping that Linux is asked to back with 2 MiB pages
+    (madvise MADV_HUGEPAGE, before the first touch).
 
     Why: a decode step reads each sequence's KV blocks scattered over the pool (4 GiB by default
     on a CPU), a 4 KiB page apart or more; with 4 KiB pages nearly every block read misses the TLB
-    (a core's TLB covers ~8 MiB). The CPU decode attention op took 0.83-0.95x of its time on a
-    4 GiB pool on huge pages (docs/serving-profile.md). Most distributions' default (`enabled` =
-    madvise) honours the advice; where it is `never`, or off Linux, the tensor is the same zeroed
-    tensor on small pages.
+    (a core's TLB covers ~8 MiB). The CPU decode attention op took 0.83-0.93x of its time on a
+    4 GiB pool on huge pages (`python bench/kv_huge_pages.py`, docs/serving-profile.md). Most
+    distributions' default (`enabled` = madvise) honours the advice; where it is `never`, or where
+    Python has no MADV_HUGEPAGE (off Linux), the mapping keeps small pages.
     """
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    if nbytes < HUGE_PAGE or not sys.platform.startswith("linux"):
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if nbytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)  # room to start on a 2 MiB boundary
-    start = -raw.data_ptr() % HUGE_PAGE
-    _madvise_huge(raw.data_ptr() + start, nbytes // HUGE_PAGE * HUGE_PAGE)
-    # The view keeps `raw`'s storage alive; zero_ is the first touch, so the faults come in huge pages.
-    return raw[start:start + nbytes].view(dtype).view(shape).zero_()
-
-
-def _madvise_huge(addr: int, length: int) -> None:
-    """Advice only: a kernel without transparent huge pages refuses it, and nothing else changes."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise(addr, length, _MADV_HUGEPAGE)
+    # Private and anonymous (mmap's default for -1 is shared memory, which THP's madvise does not
+    # cover); zero-filled; the tensor holds a reference to it.
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    # Touch every page now, as torch.zeros did: the whole pool is taken at start-up (a machine
+    # short of memory fails there, not mid-request), and the faults come in huge pages.
+    return torch.frombuffer(buf, dtype=dtype).view(shape).zero_()
 
 
 @dataclass(frozen=True)
