@@ -1,39 +1,50 @@
-"""Decode step time with float32 linears packed from different weight sizes (packed_linear.FLOAT32_MIN_BYTES).
+"""Decode step time with float32 linears packed from different weight sizes (packed_linear.FLOAT32_MIN_BYTES),
+and the unpacked ones on pdserve's own op (kernels/cpu_linear.py) or on MKL.
 
-One engine per floor in one process, alternating A B A B over `--repeats` rounds; the time per
+A variant is FLOOR (bytes; "auto": the shipped choice, packed_linear.float32_floor, which packs
+nothing when the model's float32 linears fit in the last-level cache), optionally with ":mkl" (the
+op off: PDSERVE_CPU_LINEAR_KERNEL=0 while that engine loads).
+One engine per variant in one process, alternating A B A B over `--repeats` rounds; the time per
 decode step is (t[prompt + 1 + K tokens] - t[prompt + 1 token]) / K, so prefill cancels out
 (as bench/engine_vs_transformers.py measures it). Prompts are random token ids, fresh per call.
 Medians and the ratio of each floor to the first.
 
-    python bench/pack_floor.py [--model DIR] [--floors 0 1048576 2097152] [--batches 1 16]
+    python bench/pack_floor.py [--model DIR] [--floors 1048576:mkl 1048576 auto] [--batches 1 16]
         [--context 300] [--steps 64] [--repeats 7]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import time
 
 from pdserve import LLM, SamplingParams
+from pdserve.kernels import cpu_linear
 from pdserve.workers.model import packed_linear
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="model directory (default: the embedded tiny model)")
-    p.add_argument("--floors", type=int, nargs="+", default=[0, 1 << 20, 2 << 20], help="bytes")
+    p.add_argument("--floors", nargs="+", default=["1048576:mkl", "1048576", "auto"],
+                   help="variants: bytes or auto, with :mkl for the unpacked linears on MKL")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--context", type=int, default=300)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--repeats", type=int, default=7)
     a = p.parse_args()
     per_seq = -(-(a.context + a.steps + 1) // 16)
-    engines: dict[int, LLM] = {}
+    engines: dict[str, LLM] = {}
+    auto = packed_linear.float32_floor
     for floor in a.floors:
         print(f"loading the engine with float32 linears packed from {floor} bytes ...", flush=True)
-        packed_linear.FLOAT32_MIN_BYTES = floor  # read when the model is laid out, at load
+        size, _, kind = floor.partition(":")
+        # both read when the model is laid out, at load
+        packed_linear.float32_floor = auto if size == "auto" else (lambda model, n=int(size): n)  # type: ignore[misc]
+        os.environ[cpu_linear.ENV] = "0" if kind == "mkl" else "1"
         engines[floor] = LLM(model=a.model, dtype="float32", progress=False, block_size=16,
                              max_num_seqs=max(a.batches), max_num_batched_tokens=2048,
                              num_kv_blocks=max(a.batches) * per_seq + 64)
@@ -49,11 +60,11 @@ def main() -> None:
     for llm in engines.values():  # warm-up: both graphs (many tokens, one token) at every batch
         for batch in a.batches:
             generate(llm, batch, 4)
-    print("\n| batch | " + " | ".join(f"floor {f} B ms/step" for f in a.floors) + " | "
+    print("\n| batch | " + " | ".join(f"{f} ms/step" for f in a.floors) + " | "
           + " | ".join(f"{f} / {a.floors[0]}" for f in a.floors[1:]) + " |")
     print("|---:|" + "---:|" * (2 * len(a.floors) - 1))
     for batch in a.batches:
-        runs: dict[int, list[float]] = {f: [] for f in a.floors}
+        runs: dict[str, list[float]] = {f: [] for f in a.floors}
         for rep in range(a.repeats):
             for floor, llm in engines.items():
                 first = generate(llm, batch, 1)

@@ -19,19 +19,13 @@ PDSERVE_CPU_DECODE_KERNEL=0 turns it off.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import threading
-import time
 from types import ModuleType
 
 import numpy as np
 import torch
 
+from pdserve.kernels.cpp_build import FLAGS, InlineOp
 from pdserve.kernels.metadata import AttentionMetadata
-
-log = logging.getLogger(__name__)
 
 ENV = "PDSERVE_CPU_DECODE_KERNEL"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -268,53 +262,20 @@ at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode, "paged decode attention (CPU)"); }
 """
 
-# -march=native: the dot products and exp vectorize for this machine's CPU (AVX2/AVX-512); -ffast-math
-# lets the compiler reorder the float sums and use the vector exp (the kernel has no NaN or infinity to
-# keep: its inputs are finite keys, queries and scores); -fopenmp: without it at::parallel_for, a header
-# template, compiles to a serial loop (the symbols resolve to the OpenMP runtime torch already loaded).
-# What the op gains over the reference and over its earlier versions: docs/engine.md ("the decode
-# attention op"); `python bench/cpu_decode_op.py --against REV` times it against another revision.
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-# The build's name carries a hash of the source, the flags and this CPU's features: an edited kernel
-# never loads an old build, and a cache shared by unlike machines never loads another CPU's build.
-_NAME = "pdserve_cpu_decode_" + hashlib.sha256((_SOURCE + " ".join(_FLAGS) + _cpu_flags()).encode()).hexdigest()[:12]
-_lock = threading.Lock()
-_module: ModuleType | None = None
-_tried = False
+# The build's flags (kernels/cpp_build.py says why each). What the op gains over the reference and
+# over its earlier versions: docs/engine.md ("the decode attention op"); `python
+# bench/cpu_decode_op.py --against REV` times it against another revision.
+_FLAGS = FLAGS
+_op = InlineOp("pdserve_cpu_decode", _SOURCE, ENV, "CPU decode attention op")
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1") != "0"
+    return _op.enabled()
 
 
 def load() -> ModuleType | None:
     """The built op, building it on first use; None if it cannot be built (or is turned off)."""
-    global _module, _tried
-    if _tried or not enabled():
-        return _module
-    with _lock:
-        if not _tried:
-            start = time.perf_counter()
-            try:
-                from torch.utils.cpp_extension import load_inline
-
-                _module = load_inline(_NAME, cpp_sources=_SOURCE, extra_cflags=_FLAGS,  # type: ignore[no-untyped-call]
-                                      verbose=False)
-                log.info("CPU decode attention op ready in %.1f s", time.perf_counter() - start)
-            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: the reference works
-                log.warning("CPU decode attention op unavailable (%s); using the PyTorch reference", e)
-            _tried = True
-    return _module
+    return _op.load()
 
 
 # Rows (new tokens) a sequence may have in a step the op takes: decode (1) and verifying k drafts (k + 1).

@@ -159,10 +159,9 @@ def test_the_op_agrees_with_the_reference_and_the_dispatch_takes_it() -> None:
 
 def test_turned_off_by_its_environment_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     q, k, v, k_cache, v_cache, meta, _, _ = decode_batch([9], 4, 2, 16, 4, torch.float32, seed=5)
+    assert cpu_decode.load() is not None  # built already in this process: the switch still holds
     monkeypatch.setenv(cpu_decode.ENV, "0")
-    assert not cpu_decode.enabled()
-    monkeypatch.setattr(cpu_decode, "_tried", False)  # as in a fresh process
-    monkeypatch.setattr(cpu_decode, "_module", None)
+    assert not cpu_decode.enabled() and cpu_decode.load() is None
     assert not cpu_decode.usable(q, k_cache, meta)
 
 

@@ -12,9 +12,12 @@ import torch
 from factories import tiny_spec
 from torch import nn
 
+from pdserve.kernels import cpu_linear
 from pdserve.kernels.attention import AttentionBackend
+from pdserve.workers.cpu_features import last_level_cache_bytes
 from pdserve.workers.model import packed_linear
 from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model
 from pdserve.workers.model.packed_linear import PackedLinear, linear, num_parameters, pack_linears
 from pdserve.workers.tiny.builder import Arch
@@ -105,6 +108,27 @@ def test_small_float32_weights_stay_plain_and_bfloat16_is_packed_at_any_size() -
     assert isinstance(model[0], nn.Linear) and isinstance(model[1], PackedLinear)
 
 
+def test_a_float32_model_held_in_cache_is_not_packed(make_model: Callable[..., Path]) -> None:
+    """float32 linears that all fit in the last-level cache stay unpacked, on pdserve's op
+    (packed_linear.float32_floor); larger than the cache, those from 1 MiB are packed; the op
+    turned off, the floor is 1 MiB whatever the cache."""
+    model_dir = make_model(tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2))
+    cfg, cpu = ModelConfig.from_pretrained(str(model_dir)), torch.device("cpu")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg, AttentionBackend.TORCH, 64)
+    weights = [m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear)]
+    assert max(weights) >= packed_linear.FLOAT32_MIN_BYTES  # the head: would be packed by size
+    held = packed_linear.float32_floor(model, cache_bytes=sum(weights))
+    if cpu_linear.load() is not None:
+        assert held > max(weights)
+    else:
+        assert held == packed_linear.FLOAT32_MIN_BYTES
+    assert packed_linear.float32_floor(model, cache_bytes=sum(weights) - 1) == packed_linear.FLOAT32_MIN_BYTES
+    loaded = load_model(model_dir, cfg, torch.float32, cpu, AttentionBackend.TORCH, 64)  # this CPU's cache
+    held_here = cpu_linear.load() is not None and sum(weights) <= last_level_cache_bytes()
+    assert isinstance(loaded.lm_head, PackedLinear) != held_here
+
+
 def test_a_packed_weight_is_released_with_its_layer() -> None:
     packed = PackedLinear(_layer(16, 16, False))
     handle = packed.handle
@@ -123,6 +147,7 @@ def test_a_loaded_model_is_packed_and_matches_the_plain_one(
     # Qwen2: a tied head, and biases on q/k/v
     model_dir = make_model(tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2))
     cfg, cpu = ModelConfig.from_pretrained(str(model_dir)), torch.device("cpu")
+    monkeypatch.setattr(packed_linear, "last_level_cache_bytes", lambda: 0)  # a model larger than the cache
     packed = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
     monkeypatch.setenv(packed_linear.ENV, "0")
     plain = load_model(model_dir, cfg, dtype, cpu, AttentionBackend.TORCH, 64)
@@ -137,3 +162,15 @@ def test_a_loaded_model_is_packed_and_matches_the_plain_one(
         a, b = packed.compute_logits(hidden), plain.compute_logits(hidden)
     rel = float((a - b).norm() / b.norm())
     assert rel < (1e-2 if dtype is BF16 else 1e-5), rel
+
+
+def test_the_last_level_cache_is_read_from_sysfs(tmp_path: Path) -> None:
+    """The largest level's size (K/M suffixes), whatever the order of the index directories; 0
+    where sysfs has no cache directory."""
+    for index, level, size in (("index0", "1", "32K"), ("index2", "2", "512K"), ("index3", "3", "32768K"),
+                               ("index10", "1", "64K")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "level").write_text(f"{level}\n")
+        (tmp_path / index / "size").write_text(f"{size}\n")
+    assert last_level_cache_bytes.__wrapped__(str(tmp_path)) == 32 << 20
+    assert last_level_cache_bytes.__wrapped__(str(tmp_path / "absent")) == 0

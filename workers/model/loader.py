@@ -122,21 +122,24 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     """Lay the linear weights out for the CPU's GEMMs. A tied lm_head gets its own copy
     first, so the embedding keeps plain rows to gather.
 
-    float32 weights from 1 MiB, and bfloat16 where oneDNN runs it: oneDNN-packed
-    (packed_linear.py). Every other float32 or float16 [out, in] weight (and all of them with
+    float32 weights from 1 MiB (none when the model's float32 linears all fit in the CPU's
+    last-level cache: packed_linear.float32_floor), and bfloat16 where oneDNN runs it:
+    oneDNN-packed (packed_linear.py). Every other float32 or float16 [out, in] weight (and all of them with
     packing off: PDSERVE_CPU_PACKED_LINEAR=0) is stored as the transpose of a contiguous
     [in, out] matrix: MKL's `x @ W.T` then runs without a transposed operand, much faster at
     the small-batch decode shapes than the plain layout (docs/benchmarks-engine.md, "What
     helped"); bfloat16 keeps the plain layout, which measured faster than this one for it
-    (docs/engine.md).
+    (docs/engine.md). The float32 ones among these run steps of up to 16 rows on pdserve's own
+    op (kernels/cpu_linear.py) where it builds, and MKL beyond.
     """
     if model.config.tie_word_embeddings:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)
     if packed_linear.supported(dtype, torch.device("cpu")):
-        packed_linear.pack_linears(model)
+        packed_linear.pack_linears(model, packed_linear.float32_floor(model))
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and dtype is not torch.bfloat16:
             module.weight.data = module.weight.data.t().contiguous().t()
+            packed_linear.use_cpu_linear_op(module)
 
 
 def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str, tensor: torch.Tensor) -> str:

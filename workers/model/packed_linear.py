@@ -41,10 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pdserve.kernels import cpu_linear
+from pdserve.workers.cpu_features import last_level_cache_bytes
 from pdserve.workers.model import torch_ops
 
 ENV = "PDSERVE_CPU_PACKED_LINEAR"  # "0" keeps the plain layout (an A/B switch)
 FLOAT32_MIN_BYTES = 1 << 20  # a smaller float32 weight is faster unpacked (the module docstring)
+CPU_LINEAR_OP = "pdserve_cpu_linear_op"  # an nn.Linear attribute: True where use_cpu_linear_op chose the op
 
 _weights: dict[int, torch.Tensor] = {}  # handle -> packed weight
 _handles = itertools.count()
@@ -116,7 +119,40 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
                                                                "")
         return out
     assert isinstance(layer, nn.Linear)
+    if getattr(layer, CPU_LINEAR_OP, False):  # few rows take our op, more MKL (use_cpu_linear_op)
+        if torch.compiler.is_compiling():
+            own: torch.Tensor = torch.ops.pdserve.cpu_linear(x, layer.weight.t(), layer.bias)
+            return own
+        return cpu_linear.linear(x, layer.weight.t(), layer.bias)
     return F.linear(x, layer.weight, layer.bias)
+
+
+def use_cpu_linear_op(layer: nn.Linear) -> bool:
+    """Mark `layer` to run through kernels/cpu_linear.py's op if it can (a float32 weight on
+    CPU stored as the transpose of a contiguous [in, out] matrix, the op built and not turned
+    off): decided once, at load, so a compiled graph and eager calls agree. Returns whether."""
+    use = cpu_linear.usable(layer.weight)
+    setattr(layer, CPU_LINEAR_OP, use)
+    return use
+
+
+def float32_floor(model: nn.Module, cache_bytes: int | None = None) -> int:
+    """The weight size from which `model`'s float32 linears are packed: FLOAT32_MIN_BYTES, or none
+    of them (a size above all) when pdserve's own op runs the unpacked ones (kernels/cpu_linear.py)
+    and all of them together fit in the last-level cache (`cache_bytes`; this CPU's by default).
+
+    Why: held in cache, the weights stream faster through the op than through oneDNN's packed GEMM
+    at every decode row count (the tiny model's linears at 1-16 rows, AMD EPYC: 0.4-0.8x of
+    oneDNN's time), and a prefill's rows go to MKL on the same layout. Streamed from memory,
+    oneDNN's contiguous blocks win from ~8 rows (SmolLM2-135M: 1.1-1.35x at 8-16 rows), so a
+    model larger than the cache keeps its packing. docs/engine.md has the figures."""
+    if cache_bytes is None:
+        cache_bytes = last_level_cache_bytes()
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.dtype is torch.float32]
+    total = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    if linears and total <= cache_bytes and cpu_linear.load() is not None:
+        return 1 + max(m.weight.numel() * m.weight.element_size() for m in linears)
+    return FLOAT32_MIN_BYTES
 
 
 def worth_packing(layer: nn.Linear, float32_min_bytes: int | None = None) -> bool:
@@ -151,4 +187,5 @@ def num_parameters(model: nn.Module) -> int:
     return packed + sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["PackedLinear", "linear", "num_parameters", "pack_linears", "packed_weights", "supported", "worth_packing"]
+__all__ = ["CPU_LINEAR_OP", "PackedLinear", "float32_floor", "linear", "num_parameters", "pack_linears",
+           "packed_weights", "supported", "use_cpu_linear_op", "worth_packing"]

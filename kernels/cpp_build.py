@@ -1,0 +1,76 @@
+"""Build a C++ op with torch.utils.cpp_extension the first time a process needs it.
+
+The CPU ops (kernels/cpu_decode.py, kernels/cpu_linear.py) are C++ sources compiled for this
+machine's CPU (a C++ compiler and ninja, as Inductor needs; ~20-60 s once, then cached under
+~/.cache/torch_extensions). Anything that stops the build leaves `load()` returning None, with one
+warning, and the caller on its PyTorch path. Each op has an environment switch that turns it off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+import time
+from types import ModuleType
+
+log = logging.getLogger(__name__)
+
+# -march=native: the vector loops compile for this machine's CPU (AVX2/AVX-512/NEON); -ffast-math
+# lets the compiler reorder float sums and contract multiply-adds (the ops keep no NaN or infinity
+# to honour: their inputs are finite); -fopenmp: without it at::parallel_for, a header template,
+# compiles to a serial loop (the symbols resolve to the OpenMP runtime torch already loaded).
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+class InlineOp:
+    """One C++ extension: built (or loaded from torch's cache) on the first `load()`.
+
+    The build's name carries a hash of the source, the flags and this CPU's features: an edited
+    kernel never loads an old build, and a cache shared by unlike machines never loads another
+    CPU's build."""
+
+    def __init__(self, stem: str, source: str, env: str, what: str) -> None:
+        self.source, self.env, self.what = source, env, what
+        digest = hashlib.sha256((source + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()[:12]
+        self.name = f"{stem}_{digest}"
+        self._lock = threading.Lock()
+        self._module: ModuleType | None = None
+        self._tried = False
+
+    def enabled(self) -> bool:
+        return os.environ.get(self.env, "1") != "0"
+
+    def load(self) -> ModuleType | None:
+        """The built module, building it on first use; None if it cannot be built (or is off:
+        the switch is read on every call, so turning it off takes effect after a build too)."""
+        if not self.enabled():
+            return None
+        if self._tried:
+            return self._module
+        with self._lock:
+            if not self._tried:
+                start = time.perf_counter()
+                log.info("preparing %s (a first build on this machine takes ~1 min)", self.what)
+                try:
+                    from torch.utils.cpp_extension import load_inline
+
+                    self._module = load_inline(self.name, cpp_sources=self.source,  # type: ignore[no-untyped-call]
+                                               extra_cflags=FLAGS, verbose=False)
+                    log.info("%s ready in %.1f s", self.what, time.perf_counter() - start)
+                except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: PyTorch's path works
+                    log.warning("%s unavailable (%s); using PyTorch's path", self.what, e)
+                self._tried = True
+        return self._module
+
+
+__all__ = ["FLAGS", "InlineOp"]
