@@ -5,11 +5,13 @@ linears are bound by how fast the GEMM streams the weights. PyTorch's float32 pa
 poorly at these shapes on the machines we test on: MKL's GEMM on an AMD EPYC (Zen 3) streamed the
 tiny model's small layers at ~2-4 GB/s (a 256 x 384 layer at one row: ~80 us for 393 KB, two
 threads), and PyTorch's call into oneDNN's packed GEMM costs ~40 us whatever the size. This op
-streams each [in, out] weight once per step: the output columns are cut into panels of 48 (six
-8-float vectors), split between the threads, and each panel's rows of the weight are read in
-order while two input rows at a time accumulate in registers (a 16-row batch re-reads the panel
-from L1/L2, not memory), with software prefetches for the strided rows: the first pass asks for
-rows 8 ahead, the second for the next panel. docs/engine.md ("A decode step's float32 linears") has the figures
+streams each [in, out] weight once per step. One or two rows: each thread takes a run of columns
+and reads the weight four rows at a time along them (sequential streams), adding into the outputs
+in place. Three to 16 rows: the output columns are cut into panels of 48 (six 8-float vectors),
+split between the threads, and each panel's rows of the weight are read in order while two input
+rows at a time accumulate in registers (a 16-row batch re-reads the panel from L1/L2, not memory),
+with software prefetches for the strided rows: the first pass asks for rows 8 ahead, the second for
+the next panel. docs/engine.md ("A decode step's float32 linears") has the figures
 (`python bench/cpu_linears.py --own`).
 
 It takes the layout the unpacked float32 linears already have (loader.py stores each weight as the
@@ -102,6 +104,44 @@ static void columns(const float* x, int64_t M, int64_t K, const float* w, int64_
   if (r < M) tile<1, NV, NONE>(x + r * K, K, w, N, b, y + r * N);
 }
 
+// One or two rows (batch-1 and batch-2 decode): y[r, n0:n1] = x[r, :] @ w[:, n0:n1] (+ bias), the
+// weight read four rows at a time along each row's columns (four sequential streams the hardware
+// prefetchers follow), the outputs accumulated in place (n1 - n0 floats a row: L1/L2).
+template <int MR>
+static void row_stream(const float* __restrict x, int64_t K, const float* __restrict w, int64_t N,
+                       const float* __restrict bias, float* __restrict y, int64_t n0, int64_t n1) {
+  for (int r = 0; r < MR; ++r)
+    for (int64_t n = n0; n < n1; ++n) y[r * N + n] = bias ? bias[n] : 0.f;
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    const float* w0 = w + k * N;
+    const float* w1 = w0 + N;
+    const float* w2 = w1 + N;
+    const float* w3 = w2 + N;
+    float xs[MR][4];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < 4; ++j) xs[r][j] = x[r * K + k + j];
+    int64_t n = n0;
+    for (; n + 8 <= n1; n += 8) {
+      const v8 a = load8(w0 + n), b = load8(w1 + n), c = load8(w2 + n), d = load8(w3 + n);
+      for (int r = 0; r < MR; ++r) {
+        v8 acc = load8(y + r * N + n);
+        acc += xs[r][0] * a;
+        acc += xs[r][1] * b;
+        acc += xs[r][2] * c;
+        acc += xs[r][3] * d;
+        store8(y + r * N + n, acc);
+      }
+    }
+    for (; n < n1; ++n)
+      for (int r = 0; r < MR; ++r)
+        y[r * N + n] += xs[r][0] * w0[n] + xs[r][1] * w1[n] + xs[r][2] * w2[n] + xs[r][3] * w3[n];
+  }
+  for (; k < K; ++k)
+    for (int r = 0; r < MR; ++r)
+      for (int64_t n = n0; n < n1; ++n) y[r * N + n] += x[r * K + k] * w[k * N + n];
+}
+
 // The last panel's columns past its whole vectors (N % 8 of them): plain dot products.
 static void scalar_columns(const float* x, int64_t M, int64_t K, const float* w, int64_t N, const float* bias,
                            float* y, int64_t n0, int64_t n1) {
@@ -136,6 +176,18 @@ static at::Tensor few_rows(const at::Tensor& x_in, const at::Tensor& wt, const c
   const float* xp = x.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (M <= 2) {  // threads take runs of 8 columns, at least ~64 KB of weight each
+    const int64_t groups = (N + 7) / 8;
+    at::parallel_for(0, groups, std::max<int64_t>(1, (64 << 10) / (K * 32)), [&](int64_t begin, int64_t end) {
+      const int64_t n0 = begin * 8, n1 = std::min(N, end * 8);
+      if (M == 1) {
+        row_stream<1>(xp, K, wp, N, bp, yp, n0, n1);
+      } else {
+        row_stream<2>(xp, K, wp, N, bp, yp, n0, n1);
+      }
+    });
+    return y;
+  }
   const int64_t panels = (N + PANEL - 1) / PANEL;
   // At least ~64 KB of weight a thread: waking a thread costs more than streaming less
   const int64_t grain = std::max<int64_t>(1, (64 << 10) / (K * PANEL * 4));
