@@ -18,7 +18,9 @@ Small float32 weights stay unpacked: PyTorch's call into oneDNN costs ~40 us how
 small the matmul (a 64 x 64 layer: 46 us packed, 8.5 plain, on the AMD EPYC), which the
 faster streaming repays only past ~1 MiB of weight (below it the plain layout won at
 nearly every row count from 1 to 16, on one and two threads, up to 4.6x at one row; at
-2 MiB and more packed won from 2 rows on; docs/engine.md). bfloat16 is packed whatever
+2 MiB and more packed won from 2 rows on; docs/engine.md); they run decode steps on pdserve's
+own op (kernels/cpu_linear.py), and a model whose float32 linears all fit in the last-level cache
+is not packed at all (`float32_floor`). bfloat16 is packed whatever
 its size: packed beat its plain layout on the Intel machine, and small bfloat16 weights
 were not measured apart.
 
