@@ -274,6 +274,8 @@ async def _run(case: Case, c: Cluster) -> list[RequestOutput] | BaseException:
 def _gate(case: Case, c: Cluster) -> Gate | None:
     """How the case holds its request in its state (None: its exit comes by itself)."""
     ae = c.owner(case.role).async_engine
+    if (case.role, case.state, case.exit) == ("prefill", S.PREFILLING, Exit.PEER_FAILED):
+        return _held_until_the_link_reports(case, c, ae)
     if case.exit in (Exit.REJECTED, Exit.PEER_FAILED) or case.exit is Exit.FINISHED and case.role == "prefill":
         if case.state is S.TRANSFERRING and case.role == "prefill":  # inside sender.finish
             return watch(lambda: _state(ae, case.id) is S.TRANSFERRING)
@@ -295,6 +297,26 @@ def _gate(case: Case, c: Cluster) -> Gate | None:
         def when() -> bool:
             return _state(ae, case.id) is case.state
     gate = Gate(when, fail=case.exit is Exit.ENGINE_FAILED)
+    ae.on_iteration = gate
+    return gate
+
+
+def _held_until_the_link_reports(case: Case, c: Cluster, ae: AsyncEngine) -> Gate:
+    """The link's thread reports the corrupt chunk while the engine thread prefills on: a fast
+    engine could finish the prompt first (TRANSFERRING). Hold the engine thread after a second
+    step in PREFILLING (the first chunk's blocks are on their way by then) until the report has
+    come; the thread then takes it before its next step."""
+    steps_seen = [0]
+
+    def reported() -> bool:
+        life, job = c.lives["prefill"].get(case.id), ae.job(case.id)
+        return life is not None and (life.ended or (job is not None and job.ending is not None))
+
+    def when() -> bool:
+        steps_seen[0] += _state(ae, case.id) is S.PREFILLING
+        return steps_seen[0] >= 2 or reported()
+
+    gate = Gate(when, ready=reported)
     ae.on_iteration = gate
     return gate
 

@@ -144,8 +144,9 @@ def float32_floor(model: nn.Module, cache_bytes: int | None = None) -> int:
     and all of them together fit in the last-level cache (`cache_bytes`; this CPU's by default).
 
     Why: held in cache, the weights stream faster through the op than through oneDNN's packed GEMM
-    at every decode row count (the tiny model's linears at 1-16 rows, AMD EPYC: 0.4-0.8x of
-    oneDNN's time), and a prefill's rows go to MKL on the same layout. Streamed from memory,
+    at every decode row count (the tiny model's linears at 1-16 rows, AMD EPYC: 0.60-0.83x of
+    oneDNN's time on two threads, 0.60-0.98x on one), and a prefill's rows go to MKL on the same
+    layout (1.16-1.24x oneDNN's time there: the price). Streamed from memory,
     oneDNN's contiguous blocks win from ~8 rows (SmolLM2-135M: 1.1-1.35x at 8-16 rows), so a
     model larger than the cache keeps its packing. docs/engine.md has the figures."""
     if cache_bytes is None:
