@@ -50,6 +50,11 @@ class InlineOp:
     def enabled(self) -> bool:
         return os.environ.get(self.env, "1") != "0"
 
+    def built(self) -> ModuleType | None:
+        """The module if a `load()` built it, whatever the switch says now: a layer that chose
+        the op at load keeps it (and a hot path reads no environment)."""
+        return self._module
+
     def load(self) -> ModuleType | None:
         """The built module, building it on first use; None if it cannot be built (or is off:
         the switch is read on every call, so turning it off takes effect after a build too)."""

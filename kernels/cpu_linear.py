@@ -266,8 +266,9 @@ def usable(weight: torch.Tensor) -> bool:
 
 def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ weight_t [in, out] (+ bias): the op's loops for up to MAX_ROWS rows, MKL
-    beyond. Callers check `usable` first; a compiled graph calls torch.ops.pdserve.cpu_linear."""
-    op = load()
+    beyond. Callers check `usable` first; a compiled graph calls torch.ops.pdserve.cpu_linear.
+    Decided at load: turning the switch off later does not take the op from a layer that has it."""
+    op = _op.built()
     assert op is not None, "cpu_linear.linear called without the op (check usable() first)"
     out: torch.Tensor = op.linear(x, weight_t, bias)
     return out

@@ -105,6 +105,9 @@ def test_a_loaded_float32_model_runs_its_unpacked_linears_on_the_op(make_model: 
         torch.testing.assert_close(packed_linear.linear(x, layer), torch.nn.functional.linear(x, layer.weight,
                                    layer.bias), rtol=TOL, atol=TOL)
     monkeypatch.setenv(cpu_linear.ENV, "0")
+    x = torch.randn(2, layers[0].in_features)  # a layer that chose the op at load keeps it
+    torch.testing.assert_close(packed_linear.linear(x, layers[0]), torch.nn.functional.linear(
+        x, layers[0].weight, layers[0].bias), rtol=TOL, atol=TOL)
     off = load_model(model_dir, cfg, torch.float32, cpu, AttentionBackend.TORCH, 64)
     assert not marked(off)
 
