@@ -12,7 +12,7 @@ core is busy / (busy + idle) while it runs at nice 0 (the default: 0.5 / 3.0 ms 
 serving plane took beside SmolLM2 in docs/serving-profile.md).
 
     python bench/neighbour_cost.py [--model DIR] [--threads 2] [--concurrency 16] [--requests 160]
-        [--busy-ms 0.5] [--idle-ms 3.0] [--neighbour-nice 19] [--rounds 5]
+        [--busy-ms 0.5] [--idle-ms 3.0] [--neighbour-nice 19[,10,idle]] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -32,8 +32,11 @@ from pdserve import LLM, SamplingParams
 # (whatever ended this script) or it is killed.
 NEIGHBOUR = """
 import os, sys, time
-busy, idle, nice = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
-os.nice(nice)
+busy, idle, nice = float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
+if nice == "idle":
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+else:
+    os.nice(int(nice))
 parent = os.getppid()
 while os.getppid() == parent:
     t = time.perf_counter()
@@ -53,7 +56,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--busy-ms", type=float, default=0.5)
     p.add_argument("--idle-ms", type=float, default=3.0)
-    p.add_argument("--neighbour-nice", type=int, default=19)
+    p.add_argument("--neighbour-nice", default="19",
+                   help="comma-separated priorities the neighbour runs at beside nice 0: nice values, or "
+                        "`idle` (SCHED_IDLE: it runs only on a core nothing else wants)")
     p.add_argument("--rounds", type=int, default=5)
     return p.parse_args()
 
@@ -72,13 +77,14 @@ def main() -> None:
     print(f"warming up ({a.threads} threads) ...", file=sys.stderr, flush=True)
     llm.generate(prompts(2 * a.concurrency), sp)
     share = a.busy_ms / (a.busy_ms + a.idle_ms)
-    sides = {"alone": None, f"neighbour at nice 0 ({share:.0%} of a core)": 0,
-             f"neighbour at nice {a.neighbour_nice}": a.neighbour_nice}
+    sides: dict[str, str | None] = {"alone": None, f"neighbour at nice 0 ({share:.0%} of a core)": "0"}
+    for nice in a.neighbour_nice.split(","):
+        sides["neighbour at SCHED_IDLE" if nice == "idle" else f"neighbour at nice {int(nice)}"] = nice
     runs: dict[str, list[float]] = {name: [] for name in sides}
     for rnd in range(a.rounds):
         for name, nice in sides.items():
             neighbour = None if nice is None else subprocess.Popen(
-                [sys.executable, "-c", NEIGHBOUR, str(a.busy_ms / 1e3), str(a.idle_ms / 1e3), str(nice)])
+                [sys.executable, "-c", NEIGHBOUR, str(a.busy_ms / 1e3), str(a.idle_ms / 1e3), nice])
             try:
                 batch = prompts(a.requests)
                 t = time.perf_counter()

@@ -14,11 +14,17 @@ load must outlast the window (its first engine steps, 3 s, then `--window`): the
 Per thread of the workers and the gateway replica (/proc/<pid>/task/<tid>/schedstat):
 the share of the window it ran, waited in the run queue for a core, or slept.
 Then the offline engine (`LLM.generate`,
-the same prompts, `max_num_seqs` = concurrency, 1 and 2 torch threads) in this
-process, for the ratio served / offline.
+the same prompts, `max_num_seqs` = concurrency, at each of `--offline-threads` torch
+threads) in a child process, for the ratio served / offline.
+
+`--rounds N` repeats all of it N times, served and offline alternating, and adds a table
+of each round's figures, their medians and the median of the rounds' ratios: on a noisy
+machine one served run and one offline run make a ratio that moves by a fifth from one
+sitting to the next. The other tables are the last round's.
 
     python bench/serving_profile.py [--model tiny] [--modes disaggregated,colocated,colocated:2]
-        [--concurrency 16] [--requests 800] [--window 10] [--out results.json]
+        [--concurrency 16] [--requests 800] [--window 10] [--rounds 1] [--offline-threads 1,2]
+        [--out results.json]
 
 py-spy is left out on purpose: sampling six processes at a useful rate takes
 a good part of a 2-core machine and changes what it measures (run it by hand
@@ -33,6 +39,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,6 +70,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals at this rate (req/s), concurrency still capping them; default: closed loop")
     p.add_argument("--no-offline", action="store_true", help="skip the offline engine (served tables only)")
+    p.add_argument("--offline-threads", default="1,2",
+                   help="the offline engine's torch thread counts (comma-separated)")
+    p.add_argument("--rounds", type=int, default=1, help="served and offline runs alternating this many times")
     p.add_argument("--requests", type=int, default=800, help="the load must outlast its start, 3 s and --window")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=64)
@@ -328,7 +338,12 @@ def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[
                               start_new_session=True)
     try:
         print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
-        wait_healthy(f"http://127.0.0.1:{a.port}", server, 600)
+        try:
+            wait_healthy(f"http://127.0.0.1:{a.port}", server, 600)
+        except (RuntimeError, TimeoutError) as e:
+            log.flush()
+            tail = Path(log.name).read_text(errors="replace")[-3000:]
+            raise SystemExit(f"[profile] {mode}: {e}; the server's log ends:\n{tail}") from e
         warm = subprocess.run(bench_cmd(a, url, tokenizer, 2 * min(a.concurrency, 8), 100, tmp / "warm.json",
                                         warm_up=True),
                               capture_output=True, text=True, timeout=600)
@@ -416,36 +431,80 @@ def cpu_model() -> str:
     return platform.machine()
 
 
+def one_round(a: argparse.Namespace, tokenizer: str, threads: list[int]) -> dict[str, Any]:
+    """Every mode served, then the offline engine at each thread count (nan: skipped)."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        for mode in a.modes.split(","):
+            results[mode] = served(a, mode, tokenizer, Path(d))
+    for t in threads:
+        if a.no_offline:
+            results[f"offline_{t}t"] = float("nan")
+            continue
+        print(f"[profile] offline engine, {t} torch thread(s) ...", file=sys.stderr, flush=True)
+        results[f"offline_{t}t"] = offline(a, t)
+    return results
+
+
+def rounds_table(a: argparse.Namespace, rounds: list[dict[str, Any]], threads: list[int]) -> None:
+    """Each round's served and offline tok/s, their medians, and the median of the rounds' ratios."""
+    modes = a.modes.split(",")
+    cols = [*modes, *(f"offline {t}t" for t in threads)]
+    ratios = [(m, t) for m in modes for t in threads]
+    print("\nRounds (served and offline alternating), output tok/s and served / offline:\n")
+    print("| round | " + " | ".join(cols) + " | " + " | ".join(f"{m} / offline {t}t" for m, t in ratios) + " |")
+    print("|---|" + "---:|" * (len(cols) + len(ratios)))
+
+    def row(r: dict[str, Any]) -> tuple[list[float], list[float]]:
+        tps = [r[m]["bench"]["output_token_throughput"] for m in modes] + [r[f"offline_{t}t"] for t in threads]
+        return tps, [r[m]["bench"]["output_token_throughput"] / r[f"offline_{t}t"] for m, t in ratios]
+
+    rows = [row(r) for r in rounds]
+    for i, (tps, rat) in enumerate(rows, 1):
+        print(f"| {i} | " + " | ".join(f"{v:.1f}" for v in tps) + " | " + " | ".join(f"{v:.2f}" for v in rat) + " |")
+    med = [statistics.median(col) for col in zip(*(tps for tps, _ in rows))]
+    med_r = [statistics.median(col) for col in zip(*(rat for _, rat in rows))]
+    print("| median | " + " | ".join(f"{v:.1f}" for v in med) + " | "
+          + " | ".join(f"**{v:.2f}**" for v in med_r) + " |")
+
+
 def main() -> int:
     a = parse_args()
     from pdserve.workers.model.resolve import resolve_model
 
     tokenizer = a.tokenizer or str(resolve_model(a.model))
-    results: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as d:
-        for mode in a.modes.split(","):
-            results[mode] = served(a, mode, tokenizer, Path(d))
-    for threads in (1, 2):
-        if a.no_offline:
-            results[f"offline_{threads}t"] = float("nan")
-            continue
-        print(f"[profile] offline engine, {threads} torch thread(s) ...", file=sys.stderr, flush=True)
-        results[f"offline_{threads}t"] = offline(a, threads)
+    threads = [int(t) for t in a.offline_threads.split(",")]
+    rounds = []
+    for i in range(a.rounds):
+        if a.rounds > 1:
+            print(f"[profile] round {i + 1}/{a.rounds}", file=sys.stderr, flush=True)
+        rounds.append(one_round(a, tokenizer, threads))
+        if a.rounds > 1:  # each round as it ends: a later round's failure keeps the earlier ones
+            r = rounds[-1]
+            print(f"[profile] round {i + 1}: " + ", ".join(
+                f"{k} {v['bench']['output_token_throughput'] if isinstance(v, dict) else v:.1f} tok/s"
+                for k, v in r.items()), file=sys.stderr, flush=True)
+            if a.out:
+                a.out.with_suffix(".rounds.json").write_text(json.dumps(rounds, indent=2))
+    results = rounds[-1]
     rate = f", Poisson {a.request_rate} req/s" if a.request_rate else ""
     print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}{rate}, "
           f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_model()}, "
           f"{os.cpu_count()} cores\n")
-    print("| mode | output tok/s | / offline 1 thread | / offline 2 threads | p50 TTFT ms | p50 TPOT ms | failed "
-          "| window inside the load |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| mode | output tok/s | " + " | ".join(f"/ offline {t} thread{'s' * (t > 1)}" for t in threads)
+          + " | p50 TTFT ms | p50 TPOT ms | failed | window inside the load |")
+    print("|---|---:|" + "---:|" * len(threads) + "---:|---:|---:|---|")
     for mode in a.modes.split(","):
         m = results[mode]["bench"]
         tps = m["output_token_throughput"]
-        print(f"| {mode} | {tps:.0f} | {tps / results['offline_1t']:.2f} | {tps / results['offline_2t']:.2f} | "
-              f"{m['ttft_s']['median'] * 1e3:.0f} | {m['tpot_s']['median'] * 1e3:.1f} | {m['failed']} | "
+        print(f"| {mode} | {tps:.0f} | " + " | ".join(f"{tps / results[f'offline_{t}t']:.2f}" for t in threads)
+              + f" | {m['ttft_s']['median'] * 1e3:.0f} | {m['tpot_s']['median'] * 1e3:.1f} | {m['failed']} | "
               f"{'yes' if results[mode]['window_inside_run'] else 'NO'} |")
-    print(f"| offline, 1 torch thread | {results['offline_1t']:.0f} | | | | | | |")
-    print(f"| offline, 2 torch threads | {results['offline_2t']:.0f} | | | | | | |")
+    for t in threads:
+        print(f"| offline, {t} torch thread{'s' * (t > 1)} | {results[f'offline_{t}t']:.0f} |"
+              + " |" * (len(threads) + 4))
+    if a.rounds > 1 and not a.no_offline:
+        rounds_table(a, rounds, threads)
     print("\nCPU during the run, % of one core (machine: busy % of all cores):\n")
     groups = sorted({g for mode in a.modes.split(",") for g in results[mode]["cpu"]},
                     key=lambda g: -max(results[m]["cpu"].get(g, 0.0) for m in a.modes.split(",")))
@@ -470,7 +529,7 @@ def main() -> int:
             print(f"| {mode} | {t['group']} {t['pid']} | {t['thread']} | {t['on_cpu_pct']} | {t['runqueue_pct']} | "
                   f"{t['off_pct']} |")
     if a.out:
-        a.out.write_text(json.dumps(results, indent=2))
+        a.out.write_text(json.dumps(results if a.rounds == 1 else {**results, "rounds": rounds}, indent=2))
     return 0
 
 

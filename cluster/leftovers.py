@@ -201,11 +201,26 @@ def check_ports(ports: Mapping[int, str], timeout_s: float = 5.0) -> list[int]:
                                "port %d (%s)", h.pid, port, h.command)
                 stop(h, timeout_s)
                 stopped.append(h.pid)
+            # The listener can outlive its holders for a moment (seen between two runs: no
+            # process held it any more, the kernel still listed it); wait for it to go
+            # before taking what is left for another user's process.
+            if _released(port, timeout_s):
+                break
         else:
             if listening_inodes(port):
                 raise PortInUseError(f"port {port} is still in use after stopping pids {stopped}; "
                                      f"move the port with {flag}")
     return stopped
+
+
+def _released(port: int, timeout_s: float) -> bool:
+    """Whether nothing listens on `port` any more, within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while listening_inodes(port):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def stop(holder: Holder, timeout_s: float = 5.0) -> None:

@@ -169,6 +169,37 @@ def test_an_orphaned_ray_serve_haproxy_is_stopped_and_the_port_freed(
         assert "orphaned" in record.getMessage()
 
 
+@pytest.mark.parametrize("linger_s, freed", [(0.3, True), (30.0, False)])
+def test_a_listener_that_outlives_the_stopped_orphan_is_waited_for(monkeypatch: pytest.MonkeyPatch,
+                                                                   linger_s: float, freed: bool) -> None:
+    """Seen between two benchmark runs: the orphan was gone, no process held the port,
+    and the kernel still listed the listener; the next run took it for another user's
+    process. A listener that goes within the timeout is waited for; one that stays is
+    still reported."""
+    config = os.path.join(haproxy_run_dir(os.getpid()), f"test-node-{os.getpid()}", "haproxy.cfg")
+    real_stop, real_inodes = leftovers.stop, leftovers.listening_inodes
+    stopped_at: list[float] = []
+
+    def stop(holder: leftovers.Holder, timeout_s: float = 5.0) -> None:
+        real_stop(holder, timeout_s)
+        stopped_at.append(time.monotonic())
+
+    def inodes(port: int) -> set[int]:
+        if stopped_at and time.monotonic() < stopped_at[0] + linger_s:
+            return {999_999_999}  # no process has this socket
+        return set(real_inodes(port))
+
+    monkeypatch.setattr(leftovers, "stop", stop)
+    monkeypatch.setattr(leftovers, "listening_inodes", inodes)
+    with fake_haproxy(config) as (pid, port, _):
+        if freed:
+            assert check_ports({port: "--port"}, timeout_s=2.0) == [pid]
+        else:
+            with pytest.raises(PortInUseError, match=f"port {port} is"):
+                check_ports({port: "--port"}, timeout_s=0.5)
+        assert not _alive(pid)
+
+
 def test_a_live_ray_serve_haproxy_is_not_touched() -> None:
     """An HAProxy whose parent is alive and a Ray worker (`ray::...`) belongs to a
     running Ray Serve: reported with the flag that moves the port, not stopped."""
