@@ -203,7 +203,8 @@ def check_ports(ports: Mapping[int, str], timeout_s: float = 5.0) -> list[int]:
                 stopped.append(h.pid)
             # The listener can outlive its holders for a moment (seen between two runs: no
             # process held it any more, the kernel still listed it); wait for it to go
-            # before taking what is left for another user's process.
+            # before taking what is left for another user's process. A holder that shows
+            # (an HAProxy draining after a reload) ends the wait: the next pass takes it.
             if _released(port, timeout_s):
                 break
         else:
@@ -214,10 +215,11 @@ def check_ports(ports: Mapping[int, str], timeout_s: float = 5.0) -> list[int]:
 
 
 def _released(port: int, timeout_s: float) -> bool:
-    """Whether nothing listens on `port` any more, within `timeout_s`."""
+    """Whether nothing listens on `port` any more, within `timeout_s`; False at once when
+    a process is seen holding it."""
     deadline = time.monotonic() + timeout_s
-    while listening_inodes(port):
-        if time.monotonic() >= deadline:
+    while inodes := listening_inodes(port):
+        if time.monotonic() >= deadline or socket_holders(inodes):
             return False
         time.sleep(0.05)
     return True
