@@ -51,7 +51,7 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # statistics (RAY_event_stats), Serve's cached metrics flushed 10 times a second in the
 # replica, its router and the proxy (1 s here; Ray exports metrics every 10 s), task events sent
 # to the GCS every second (5 s: the state API lags by that), the raylet's look for a needed
-# GC every 0.1 s (1 s). Together ~2% of a core of an idle 2-core node's ~16% (docs/serving-profile.md).
+# GC every 0.1 s (1 s). Together ~1.5% of a core of an idle 2-core node's ~15% (docs/serving-profile.md).
 LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
              "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",
