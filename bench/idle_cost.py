@@ -13,17 +13,13 @@ fills in what is not set, so a variant can put back Ray's own defaults.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from disagg_vs_colocated import stop, wait_healthy  # bench/ is on sys.path when run as a script
-from proc_cpu import cpu_snapshot, cpu_table
-
-PDSERVE = str(Path(sys.executable).parent / "pdserve")
+from proc_cpu import cpu_snapshot, cpu_table  # bench/ is on sys.path when run as a script
+from served import PDSERVE, start, stop, wait_healthy
 
 
 def parse_variant(text: str) -> tuple[str, dict[str, str]]:
@@ -36,22 +32,17 @@ def parse_variant(text: str) -> tuple[str, dict[str, str]]:
 
 
 def idle(a: argparse.Namespace, name: str, env: dict[str, str]) -> dict[str, float]:
-    """One server up, settled, then `--window` seconds of CPU accounting; the server stopped."""
-    log = Path(a.log_dir) / f"idle_cost_{name}.log"
-    cmd = [PDSERVE, "serve", "--model", a.model, "--mode", a.mode, "--port", str(a.port)]
-    with log.open("w") as out:
-        server = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                  env=os.environ | env)
+    """One server up, settled, then `--window` seconds of CPU accounting; the server stopped.
+    Groups under 0.5% of a core are left out of the table (proc_cpu.cpu_table)."""
+    log = Path(a.log_dir) / f"idle_cost_{name.replace(' ', '_')}.log"
+    print(f"[idle] {name}: starting the server ...", file=sys.stderr, flush=True)
+    server = start([PDSERVE, "serve", "--model", a.model, "--mode", a.mode, "--port", str(a.port)], log, env)
     try:
-        print(f"[idle] {name}: starting the server ...", file=sys.stderr, flush=True)
-        wait_healthy(f"http://127.0.0.1:{a.port}", server, 900)
+        wait_healthy(f"http://127.0.0.1:{a.port}", server, log)
         time.sleep(a.settle)  # the gateway's and workers' start-up work done
         before, t0 = cpu_snapshot(), time.monotonic()
         time.sleep(a.window)
         return cpu_table(before, cpu_snapshot(), time.monotonic() - t0)
-    except Exception:
-        print(log.read_text()[-3000:], file=sys.stderr)
-        raise
     finally:
         stop(server)
 
