@@ -61,7 +61,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="tiny")
     p.add_argument("--tokenizer", default=None, help="for the bench client (default: the model's directory)")
     p.add_argument("--modes", default="disaggregated,colocated,colocated:2",
-                   help="comma-separated; colocated:N = N colocated workers (colocated alone: one)")
+                   help="comma-separated; colocated:N = N colocated workers (colocated alone: one); "
+                        "MODE+FLAG=VALUE[+...] serves MODE with `--FLAG VALUE` (variants side by side)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--request-rate", type=float, default=None,
                    help="Poisson arrivals at this rate (req/s), concurrency still capping them; default: closed loop")
@@ -245,9 +246,11 @@ def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int
 def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{a.port}/v1"
     log = (tmp / f"serve-{mode.replace(':', '-')}.log").open("wb")
-    name, _, workers = mode.partition(":")  # colocated:N: N colocated workers
+    base, *variant = mode.split("+")  # colocated+control-plane-nice=19: `--control-plane-nice 19` too
+    name, _, workers = base.partition(":")  # colocated:N: N colocated workers
     sizes = ["--workers", workers] if workers else []
-    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode", name, *sizes,
+    extra = [part for flag in variant for part in (f"--{flag.partition('=')[0]}", flag.partition("=")[2])]
+    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode", name, *sizes, *extra,
                                "--port", str(a.port), *a.serve_arg], stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True)
     try:

@@ -4,14 +4,18 @@ Why: Ray starts every worker process (the engines, the gateway replica, haproxy)
 unless RAY_worker_niceness says otherwise, so on a shared CPU node its own daemons and any
 other process (a log shipper, a batch job, a client) took the cores from the engines first.
 `pdserve serve` starts local Ray with the workers at 0 (serve_app.LOCAL_ENV) and puts Ray's
-control plane (GCS, log monitor, dashboard and agents, Serve's controller and Python proxy)
-at nice 10 here: they still get every idle moment but no longer preempt a step (an engine
-step is a chain of OpenMP fork-join regions: one thread preempted stalls all of it).
-Measured (docs/serving-profile.md): with one busy process at the default priority beside
-the server, the tiny model at concurrency 16 served a median 463 tok/s against 248 before
-(four alternating pairs, wide spread); on an otherwise quiet node, no change beyond the
-noise (medians 1,122 and 1,164 tok/s). Ray's workers at 0 with its daemons left at 0 lost
-(947-966 tok/s).
+control plane (GCS, log monitor, dashboard and agents, Serve's controller, and Serve's Python
+proxy where HAProxy is the ingress) at nice 19 here: they still get every idle moment but no
+longer preempt a step (an engine step is a chain of OpenMP fork-join regions: one thread
+preempted stalls all of it, so a neighbour costs a two-thread engine more than its own share
+of a core). Measured (docs/serving-profile.md): with one busy process at the default priority
+beside the server, the tiny model at concurrency 16 served a median 463 tok/s against 248
+before (four alternating pairs, wide spread). Nice 19 rather than 10: beside the offline engine
+a neighbour taking 14% of a core cost SmolLM2 13% of its speed at nice 0 and nothing at 19, the
+tiny model 9% at nice 10 (bench/neighbour_cost.py); served (SmolLM2, one colocated worker, concurrency 8)
+the control plane at 19 instead of 10 took the engine from ~0.82x of the offline engine to
+~0.9x (bench/serving_profile.py, alternating rounds). The weight of nice 19 (15 against 1024)
+still leaves the control plane ~1.5% of each core when the engines keep both busy.
 
 Which: only processes this one started (its descendants: local Ray, never a cluster it
 joined) whose command line names one of BACKGROUND. Never a process that starts others
@@ -33,7 +37,10 @@ log = logging.getLogger(__name__)
 # Command-line markers of the processes to put behind the engines (ray::X is an actor's title).
 BACKGROUND = ("/gcs_server", "/log_monitor.py", "/dashboard/dashboard.py", "/autoscaler/_private/monitor.py",
               "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController", "ray::ProxyActor")
-DEFAULT_NICE = 10
+# Serve's Python proxy is HAProxy's fallback, off the requests' path, unless it is the ingress
+# itself (`--ingress proxy`): then it carries every token, as the gateway replica does.
+PYTHON_PROXY = "ray::ProxyActor"
+DEFAULT_NICE = 19
 
 
 def _parents(proc: Path) -> dict[int, int]:
@@ -64,7 +71,11 @@ def descendants(root: int, proc: Path = Path("/proc")) -> list[int]:
     return out
 
 
-def is_background(cmdline: str) -> bool:
+def is_background(cmdline: str, proxy_is_ingress: bool = False) -> bool:
+    """Whether `cmdline` is one of the control plane's processes; Serve's Python proxy is not when
+    it is the HTTP ingress (`proxy_is_ingress`)."""
+    if proxy_is_ingress and PYTHON_PROXY in cmdline:
+        return False
     return any(marker in cmdline for marker in BACKGROUND)
 
 
@@ -87,10 +98,10 @@ def renice_threads(pid: int, nice: int, proc: Path = Path("/proc"), only_raise: 
     return count
 
 
-def deprioritize_background(nice: int = DEFAULT_NICE, root: int | None = None,
-                            proc: Path = Path("/proc")) -> list[int]:
-    """Put the BACKGROUND processes below `root` (this process) at `nice`; returns their pids.
-    0 leaves everything as it is."""
+def deprioritize_background(nice: int = DEFAULT_NICE, root: int | None = None, proc: Path = Path("/proc"),
+                            proxy_is_ingress: bool = False) -> list[int]:
+    """Put the BACKGROUND processes below `root` (this process) at `nice` (Serve's Python proxy
+    not when it is the ingress: `proxy_is_ingress`); returns their pids. 0 leaves everything as it is."""
     if nice <= 0:
         return []
     done: list[int] = []
@@ -99,7 +110,7 @@ def deprioritize_background(nice: int = DEFAULT_NICE, root: int | None = None,
             cmdline = (proc / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if is_background(cmdline):
+        if is_background(cmdline, proxy_is_ingress):
             renice_threads(pid, nice, proc)
             done.append(pid)
     log.info("Ray's control plane at nice %d (%d processes)", nice, len(done))

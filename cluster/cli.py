@@ -274,7 +274,7 @@ def _pool_arguments(srv: argparse.ArgumentParser) -> None:
                         "HAProxy and prefill workers on the others; off: every process on every core")
     g.add_argument("--control-plane-nice", type=int, default=_SETTING,
                    help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
-                        "preempt a worker's step (default 10; 0: as they start; a joined cluster is left alone)")
+                        "preempt a worker's step (default 19; 0: as they start; a joined cluster is left alone)")
     g.add_argument("--max-restarts", type=int, default=_SETTING,
                    help="times Ray restarts a crashed worker (default -1: always)")
     g.add_argument("--kv-host", default=_SETTING,

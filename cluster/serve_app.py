@@ -284,7 +284,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     # Only `pdserve serve`'s own process (block): a caller's process is not ours to pin.
     pins = pin_decode_cores(cfg, cores) if local and block else None
     if local:
-        deprioritize_background(cfg.control_plane_nice)
+        deprioritize_background(cfg.control_plane_nice, proxy_is_ingress=cfg.ingress is Ingress.PROXY)
     pinned = "" if pins is None else f"; decoding workers on cores of their own, the rest on {sorted(pins.rest)}"
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.cluster.background_priority import DEFAULT_NICE
 from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
@@ -104,7 +105,7 @@ class ServeConfig:
     # The nice value local Ray's and Serve's own processes run at, behind the engines
     # (cluster/background_priority.py); 0 leaves them as they start. A cluster joined
     # with RAY_ADDRESS is left alone.
-    control_plane_nice: int = 10
+    control_plane_nice: int = DEFAULT_NICE
     ingress: Ingress = Ingress.HAPROXY
     router_policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE
     # The address every data-plane socket binds and advertises (decode workers' KV

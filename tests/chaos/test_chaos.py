@@ -73,16 +73,16 @@ def test_only_prefill_worker_killed(harness: object) -> None:
 
 
 def test_workers_restarted_after_the_kills_do_not_run_behind_the_control_plane(harness: object) -> None:
-    """Local Ray's control plane is at nice 10 (cluster/background_priority.py); the workers Ray
+    """Local Ray's control plane is at nice 19 (cluster/background_priority.py); the workers Ray
     restarted in the scenarios above, the gateway and haproxy at this process's own nice value
     (nice is inherited at fork: what starts them must not be moved)."""
-    from pdserve.cluster.background_priority import is_background, nice_of
+    from pdserve.cluster.background_priority import DEFAULT_NICE, is_background, nice_of
     from pdserve.cluster.chaos import Harness, cmdline
 
     assert isinstance(harness, Harness)
     base = os.getpriority(os.PRIO_PROCESS, 0)
     nices = {pid: (cmdline(pid), nice) for pid, nice in nice_of(harness.server.pids()).items()}
-    behind = {cmd.split()[0] for cmd, nice in nices.values() if is_background(cmd) and nice == min(19, max(base, 10))}
+    behind = {cmd.split()[0] for cmd, nice in nices.values() if is_background(cmd) and nice == max(base, DEFAULT_NICE)}
     assert any("gcs_server" in c for c in behind) and any("ServeController" in c for c in behind), nices
     serving = [(cmd, nice) for cmd, nice in nices.values()
                if cmd.startswith(("ray::DecodeService", "ray::PrefillService", "ray::ServeReplica"))

@@ -84,6 +84,20 @@ def test_what_counts_as_the_control_plane(cmdline: str, background: bool) -> Non
     assert is_background(cmdline) is background
 
 
+def test_the_python_proxy_stays_in_front_when_it_is_the_ingress(procs: list[subprocess.Popen[str]]) -> None:
+    """With `--ingress proxy` Serve's Python proxy carries every token: it keeps the engines'
+    priority; with HAProxy in front it is only the fallback and goes behind."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    proxy = start_child("ray::ProxyActor")
+    procs.append(proxy)
+    assert not is_background("ray::ProxyActor", proxy_is_ingress=True)
+    assert is_background("/ray/core/src/ray/gcs/gcs_server", proxy_is_ingress=True)
+    assert deprioritize_background(min(19, base + 5), proxy_is_ingress=True) == []
+    assert set(_thread_nices(proxy.pid)) == {base}
+    assert deprioritize_background(min(19, base + 5)) == [proxy.pid]
+    assert set(_thread_nices(proxy.pid)) == {min(19, base + 5)}
+
+
 @pytest.mark.parametrize("nice", [-1, 20])
 def test_the_setting_is_a_nice_value(nice: int, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="control_plane_nice"):
