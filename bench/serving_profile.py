@@ -243,16 +243,20 @@ def bench_cmd(a: argparse.Namespace, url: str, tokenizer: str, n: int, seed: int
             str(out), *paced]
 
 
+def serve_argv(a: argparse.Namespace, mode: str) -> list[str]:
+    """`pdserve serve` for one of --modes: colocated:N = N colocated workers;
+    colocated+control-plane-nice=19 adds `--control-plane-nice 19`."""
+    base, *variant = mode.split("+")
+    name, _, workers = base.partition(":")
+    sizes = ["--workers", workers] if workers else []
+    extra = [part for flag in variant for part in (f"--{flag.partition('=')[0]}", flag.partition("=")[2])]
+    return [PDSERVE, "serve", "--model", a.model, "--mode", name, *sizes, *extra, "--port", str(a.port), *a.serve_arg]
+
+
 def served(a: argparse.Namespace, mode: str, tokenizer: str, tmp: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{a.port}/v1"
     log = (tmp / f"serve-{mode.replace(':', '-')}.log").open("wb")
-    base, *variant = mode.split("+")  # colocated+control-plane-nice=19: `--control-plane-nice 19` too
-    name, _, workers = base.partition(":")  # colocated:N: N colocated workers
-    sizes = ["--workers", workers] if workers else []
-    extra = [part for flag in variant for part in (f"--{flag.partition('=')[0]}", flag.partition("=")[2])]
-    server = subprocess.Popen([PDSERVE, "serve", "--model", a.model, "--mode", name, *sizes, *extra,
-                               "--port", str(a.port), *a.serve_arg], stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(serve_argv(a, mode), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         print(f"[profile] {mode}: starting the server ...", file=sys.stderr, flush=True)
         try:

@@ -13,8 +13,8 @@ beside the server, the tiny model at concurrency 16 served a median 463 tok/s ag
 before (four alternating pairs, wide spread). Nice 19 rather than 10: beside the offline engine
 a neighbour taking 14% of a core cost SmolLM2 13% of its speed at nice 0 and nothing at 19, the
 tiny model 9% at nice 10 (bench/neighbour_cost.py); served (SmolLM2, one colocated worker, concurrency 8)
-the control plane at 19 instead of 10 took the engine from ~0.82x of the offline engine to
-~0.9x (bench/serving_profile.py, alternating rounds). The weight of nice 19 (15 against 1024)
+the control plane at 19 instead of 10 took the engine from 0.81x of the offline engine to
+0.92x (medians of three alternating rounds, bench/serving_profile.py). The weight of nice 19 (15 against 1024)
 still leaves the control plane ~1.5% of each core when the engines keep both busy.
 
 Which: only processes this one started (its descendants: local Ray, never a cluster it
@@ -35,11 +35,11 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 # Command-line markers of the processes to put behind the engines (ray::X is an actor's title).
-BACKGROUND = ("/gcs_server", "/log_monitor.py", "/dashboard/dashboard.py", "/autoscaler/_private/monitor.py",
-              "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController", "ray::ProxyActor")
 # Serve's Python proxy is HAProxy's fallback, off the requests' path, unless it is the ingress
 # itself (`--ingress proxy`): then it carries every token, as the gateway replica does.
 PYTHON_PROXY = "ray::ProxyActor"
+BACKGROUND = ("/gcs_server", "/log_monitor.py", "/dashboard/dashboard.py", "/autoscaler/_private/monitor.py",
+              "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController", PYTHON_PROXY)
 DEFAULT_NICE = 19
 
 
