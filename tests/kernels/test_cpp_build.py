@@ -1,0 +1,99 @@
+"""kernels/cpp_build.py: a build killed half-way does not make every later process wait for ever.
+
+torch's own build lock is a file made with O_EXCL and removed when its build ends; a process
+killed while building leaves it, and torch's next load of that op waits on it with no deadline
+(a worker restarted after such a kill would hang at start). The builds are faked here (they take
+minutes on a 2-core machine): what is tested is what happens around torch's call."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils import cpp_extension
+
+from pdserve.kernels import cpp_build
+from pdserve.kernels.cpp_build import InlineOp
+
+
+@pytest.fixture
+def build_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _fake_load_inline(calls: list[dict[str, Any]]) -> Any:
+    def load_inline(name: str, **kwargs: Any) -> types.ModuleType:
+        # torch waits while its lock file exists: the op must be free of it by now.
+        assert not os.path.exists(os.path.join(kwargs["build_directory"], "lock"))
+        calls.append({"name": name, **kwargs})
+        return types.ModuleType(name)
+    return load_inline
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_and_the_op_builds(build_root: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    op = InlineOp("pdserve_test_op", "int f() { return 1; }", "PDSERVE_TEST_OP", "a test op")
+    build_dir = Path(cpp_extension._get_build_directory(op.name, verbose=False))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "lock").touch()  # what a build killed half-way leaves
+    calls: list[dict[str, Any]] = []
+    monkeypatch.setattr(cpp_extension, "load_inline", _fake_load_inline(calls))
+    module = op.load()
+    assert module is not None and module.__name__ == op.name
+    assert len(calls) == 1 and calls[0]["build_directory"] == str(build_dir)
+    assert calls[0]["extra_cflags"] == cpp_build.FLAGS
+    assert build_dir.is_relative_to(build_root)
+
+
+def _hold(path: str, held: Any, release: Any) -> None:
+    with cpp_build._exclusive(path, 5.0):
+        held.set()
+        release.wait(10.0)
+
+
+def test_a_build_in_another_process_is_waited_for_up_to_the_deadline(tmp_path: Path) -> None:
+    """While a live process builds (holds the flock), another waits, and gives up at its deadline."""
+    path = str(tmp_path / "pdserve.flock")
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold, args=(path, held, release), daemon=True)
+    proc.start()
+    try:
+        assert held.wait(60.0)
+        start = time.monotonic()
+        with pytest.raises(TimeoutError), cpp_build._exclusive(path, 0.6):
+            pass
+        assert time.monotonic() - start >= 0.6
+        release.set()
+        proc.join(10.0)
+        with cpp_build._exclusive(path, 5.0):  # let go by its holder: taken at once
+            pass
+    finally:
+        release.set()
+        proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_killed_holder_lets_go(tmp_path: Path) -> None:
+    """The flock goes with its process: a builder killed while it holds it blocks no one."""
+    path = str(tmp_path / "pdserve.flock")
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+    proc = ctx.Process(target=_hold, args=(path, held, release), daemon=True)
+    proc.start()
+    try:
+        assert held.wait(60.0)
+        proc.kill()
+        proc.join(10.0)
+        with cpp_build._exclusive(path, 5.0):
+            pass
+    finally:
+        if proc.is_alive():
+            proc.kill()
