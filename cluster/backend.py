@@ -72,6 +72,7 @@ class Reliability:
     exhausted: int = 0  # requests that failed after their last allowed try
     stream_gaps: int = 0  # batches missing from a worker's token-stream sequence
     stream_stale: int = 0  # deltas of a try given up on (a migrated request's old worker)
+    stream_diverged: int = 0  # tries broken by a repeat of handed-on tokens that differed from them
     stream_forged: int = 0  # token-stream messages whose MAC did not check (dropped unread)
     stream_replayed: int = 0  # signed token-stream batches sent again (a number their publisher had used)
     workers_lost: int = 0  # workers that went from answering to not
@@ -211,6 +212,7 @@ class TokenStreams:
         return Reliability(health, s.migrations, s.resumed_tokens, s.exhausted,
                            stream_gaps=c.num_gaps if c is not None else 0,
                            stream_stale=c.num_stale if c is not None else 0,
+                           stream_diverged=c.num_diverged if c is not None else 0,
                            stream_forged=c.num_forged if c is not None else 0,
                            stream_replayed=c.num_replayed if c is not None else 0)
 

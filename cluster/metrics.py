@@ -360,6 +360,8 @@ _RELIABILITY_COUNTERS = (
     ("pdserve:token_stream_gaps", "Batches missing from a worker's token-stream sequence (its requests move on)",
      "stream_gaps"),
     ("pdserve:token_stream_stale_deltas", "Token deltas of tries given up on (dropped)", "stream_stale"),
+    ("pdserve:token_stream_diverged",
+     "Repeats of handed-on tokens that differed from them (each broke its try, which resumed)", "stream_diverged"),
     ("pdserve:token_stream_forged", "Token-stream messages whose MAC did not check (dropped unread)", "stream_forged"),
     ("pdserve:token_stream_replayed", "Signed token-stream batches sent again (refused)", "stream_replayed"),
     ("pdserve:role_switch_failures", "Role switches that failed (the worker kept, or went back to, its role)",

@@ -10,9 +10,9 @@ here (workers/lifecycle.py):
          to the gateway's token stream) -> FINISHED
     ROUTED -> QUEUED (no room to reserve now: it queues and prefills here)
     TRANSFERRING -> QUEUED (the prefill worker or the transfer failed: by default
-         the prompt is recomputed here, `recompute`; with `fail`, or when the
-         client already has the first token, the request fails; a prefill worker
-         that is changing role is no failure: the prompt is recomputed here whatever the policy)
+         the prompt is recomputed here, `recompute`; with `fail` the request fails;
+         a prefill worker that is changing role is no failure: the prompt is
+         recomputed here whatever the policy)
     any state -> ABORTED | FAILED: the transfer is stopped, the prefill worker
          told, the blocks freed.
 
@@ -155,9 +155,10 @@ class DecodeWorker:
             return lambda e: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
         self._release(job)
-        # (A recomputed first token could differ from the one the client already has.)
-        recompute = self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left
-        if recompute and not (first is not None and first.published):
+        # The client may have the first token already (the prefill worker publishes it when
+        # the prompt is done): the gateway drops the recomputed one if it matches, and moves
+        # the request on from what the client has if not (workers/token_stream.py).
+        if self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left:
             return lambda e: self._recompute(e, job)
         error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
         await ae.end_and_wait(job, Exit.PEER_FAILED, error)

@@ -5,8 +5,10 @@ first token, and hand that token back.
 A request's lifecycle here (workers/lifecycle.py):
 
     QUEUED -> PREFILLING (chunks computed; each full block's KV leaves as it is done)
-           -> TRANSFERRING (prompt done, first token sampled, blocks held until the
-              decode worker has verified every block)
+           -> TRANSFERRING (prompt done, first token sampled and published on the
+              gateway's token stream when nothing can take it back: no stop string
+              to cut its text, not the last token; blocks held until the decode
+              worker has verified every block)
               (the KV leaves from a thread per decode worker, `SendQueue`: the engine
               thread never waits on a peer, and a dead or hung one costs its own
               transfers `transfer_timeout_s` at most, or less when its link breaks;
@@ -16,9 +18,7 @@ A request's lifecycle here (workers/lifecycle.py):
               a link whose decode worker stays unreachable and that no transfer
               holds is retired after `LINK_RETIRE_S`: a restarted decode worker
               listens at a new address, and the old link would reconnect for ever)
-           -> FINISHED: blocks released; the first token is published on the
-              gateway's token stream when nothing can take it back (no stop string
-              to cut its text, not the last token), and returned to the decode worker
+           -> FINISHED: blocks released; the first token returned to the decode worker
     any state -> ABORTED (the decode worker or gateway aborted) | FAILED (deadline,
               transfer error): the sender aborts, the engine frees the blocks.
 
@@ -83,6 +83,7 @@ class _Transfer:
     next_block: int  # first block not sent yet (blocks the decode worker caches are skipped)
     output: RequestOutput | None = None  # the engine's final output: the first token
     first: FirstToken | None = None  # set when the transfer succeeded
+    published: bool = False  # the first token went to the gateway (when the prompt was done)
     failed: TransferError | None = None
     finishing: bool = False  # the end marker is queued: the verdict comes back through the link
 
@@ -234,15 +235,18 @@ class PrefillWorker:
             assert t.output is not None, "the prompt is done but its first token never came"
             t.job.life.advance(RequestState.TRANSFERRING)
             t.finishing = True
+            # The client has its first token now, not after the KV's verdict: the time
+            # the last layers and the verdict take is off its TTFT.
+            t.published = self._publish_first(t, t.output)
             t.link.submit(rid, lambda sender, wait_until: sender.finish(rid, wait_until), deadline,
                           lambda error: self._sent(t, error, last=True), t.over)
 
     def _sent(self, t: _Transfer, error: TransferError | None, last: bool) -> None:
         """The link's thread: a queued send is done. A failure ends the request (on
         the engine thread). The end marker's verdict answers at once, from here: the
-        first token goes to the gateway and to the decode worker without waiting for
-        the engine thread to finish a step; the job ends there after (its held
-        blocks go back to the prefix cache)."""
+        first token goes back to the decode worker without waiting for the engine
+        thread to finish a step; the job ends there after (its held blocks go back
+        to the prefix cache)."""
         if error is not None:
             t.failed = error
             self.async_engine.end(t.job, Exit.PEER_FAILED, error)
@@ -252,23 +256,33 @@ class PrefillWorker:
             self.async_engine.answer(t.job, done_notice(t.job.request_id))
             self.async_engine.post(lambda: self.async_engine.end_now(t.job, Exit.FINISHED))
 
-    def _first_token(self, t: _Transfer, out: RequestOutput) -> FirstToken:
-        """The reply to the decode worker; published to the gateway first when
-        nothing can take it back."""
+    def _publish_first(self, t: _Transfer, out: RequestOutput) -> bool:
+        """Engine thread, the prompt done: send the first token to the gateway when
+        nothing can take it back (no stop string to cut its text, not the request's
+        last token); whether it went. Should the KV not reach the decode worker, that
+        worker prefills the prompt itself: its first token, the same under greedy or a
+        seed, is dropped by the gateway as a repeat, and one that differs (an unseeded
+        draw) breaks the try, which resumes from what the client has (token_stream.py)."""
         c, params = out.outputs[0], t.order.request.params
-        published = (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
-                     and (params.max_tokens is None or params.max_tokens > 1))
-        if published:  # the request goes on: the client sees this token as it does every other
+        publish = (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
+                   and (params.max_tokens is None or params.max_tokens > 1))
+        if publish:  # the request goes on: the client sees this token as it does every other
             delta = dataclasses.replace(out, outputs=[dataclasses.replace(c, finish_reason=None, stop_reason=None)],
                                         finished=False)
             assert t.job.reply_to is not None
-            with self._first_lock:  # link threads share it; the engine thread has its own publisher
+            with self._first_lock:  # the engine thread has its own publisher for whole requests
                 self._first_tokens.add(t.job.reply_to, delta, 0, t.job.attempt)
                 self._first_tokens.flush()
+        return publish
+
+    @staticmethod
+    def _first_token(t: _Transfer, out: RequestOutput) -> FirstToken:
+        """The reply to the decode worker, once it verified the KV."""
+        c = out.outputs[0]
         return FirstToken(
             token_id=c.token_ids[0], logprobs=c.logprobs[0] if c.logprobs else None,
             prompt_logprobs=tuple(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
-            queue_time_s=out.metrics.get("queue_time_s"), published=published)
+            queue_time_s=out.metrics.get("queue_time_s"), published=t.published)
 
     def _abandon(self, t: _Transfer, exit: Exit) -> None:
         """Exit hook: a prefill that did not finish stops its transfer (the engine

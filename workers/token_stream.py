@@ -299,6 +299,7 @@ class _Open:
     # Set when the current try can no longer be trusted to deliver every token (a
     # batch from one of its senders went missing), or when its final delta passed.
     broken: asyncio.Event = field(default_factory=asyncio.Event)
+    diverged: bool = False  # the try re-sent handed-on tokens differently: nothing more of it is taken
     finished: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -341,6 +342,7 @@ class TokenStreamCollector:
         self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
         self.num_stale = 0  # deltas of a try given up on (a migrated request's old worker)
         self.num_gaps = 0  # batches missing from a worker's sequence (each breaks that worker's tries)
+        self.num_diverged = 0  # repeats of handed-on tokens that differ from them (each breaks its try)
         self.num_forged = 0  # messages whose tag did not check (no secret, another secret, altered, another stream)
         self.num_replayed = 0  # signed batches whose number their publisher had already used
         self.num_dropped = 0  # connections lost (a frame over the size limit drops one; so does a worker leaving)
@@ -473,6 +475,7 @@ class TokenStreamCollector:
         entry.held.clear()
         entry.senders.clear()
         entry.broken.clear()
+        entry.diverged = False
         resume = None
         if entry.token_ids:
             resume = Resume(tuple(entry.token_ids), entry.chars, entry.cumulative_logprob)
@@ -543,8 +546,8 @@ class TokenStreamCollector:
     def _accept(self, entry: _Open, d: TokenDelta) -> None:
         """Hand `d` on in offset order: one that overtook an earlier delta (another
         worker's) waits for it; a repeat of tokens already handed on is dropped, as
-        is a delta of a try given up on."""
-        if d.attempt != entry.attempt:
+        is a delta of a try given up on or of one that diverged."""
+        if d.attempt != entry.attempt or entry.diverged:
             self.num_stale += 1
             return
         if d.offset > entry.next_offset:
@@ -552,7 +555,7 @@ class TokenStreamCollector:
             entry.held.append((d.offset, from_delta(d, entry.prompt_token_ids)))
             return
         if d.offset < entry.next_offset:
-            log.warning("token stream: %s sent tokens %d.. again; dropped", d.request_id, d.offset)
+            self._repeat(entry, d)
             return
         self._pass(entry, from_delta(d, entry.prompt_token_ids))
         while True:  # the held deltas this one was waiting for, in the order they came
@@ -560,6 +563,23 @@ class TokenStreamCollector:
             if nxt is None:
                 return
             self._pass(entry, entry.held.pop(nxt)[1])
+
+    def _repeat(self, entry: _Open, d: TokenDelta) -> None:
+        """Tokens handed on already, sent again: a worker recomputed them (a prefill worker
+        published the first token, then died or lost its transfer, and the decode worker
+        prefilled the prompt itself). The same tokens are dropped; others (a fresh draw
+        of an unseeded sample) or more than were handed on would make the answer
+        inconsistent, so the try breaks and the request resumes, elsewhere, from what
+        the client has."""
+        end = d.offset + len(d.token_ids)
+        if end <= entry.next_offset and list(d.token_ids) == entry.token_ids[d.offset:end]:
+            log.info("token stream: %s sent tokens %d.. again; dropped", d.request_id, d.offset)
+            return
+        self.num_diverged += 1
+        entry.diverged = True
+        log.warning("token stream: %s sent tokens %d.. again, and they differ from those handed on; "
+                    "its try breaks", d.request_id, d.offset)
+        entry.broken.set()
 
     @staticmethod
     def _pass(entry: _Open, out: RequestOutput) -> None:

@@ -203,8 +203,10 @@ ROWS: list[tuple[str, list[Panel]]] = [
         Panel("Token stream gaps and stale deltas", "short", [
             Q(f"sum(increase(pdserve:token_stream_gaps_total{{{GW}}}[{RATE}]))", "gaps"),
             Q(f"sum(increase(pdserve:token_stream_stale_deltas_total{{{GW}}}[{RATE}]))", "stale deltas"),
+            Q(f"sum(increase(pdserve:token_stream_diverged_total{{{GW}}}[{RATE}]))", "diverged"),
         ], "Per interval, at the gateway: batches missing from a worker's token stream (their requests move on), "
-           "and deltas of tries given up on (dropped)."),
+           "deltas of tries given up on (dropped), and repeats of tokens the client has that differed from them "
+           "(a recompute after the first token went out: the try moves on)."),
         Panel("Requests aborted for a gateway gone", "short", [
             Q(f"sum by (worker) (increase(pdserve:orphan_requests_aborted_total{{{WK}}}[{RATE}]))", "{{worker}}")],
               "Per interval: requests a worker aborted because the gateway they stream to was gone."),

@@ -547,10 +547,11 @@ def test_reliability_metrics_follow_the_backends_counters() -> None:
         stats, collector = streams.stats, streams.collector
         truth = {"request_migrations": stats.migrations, "request_migration_resumed_tokens": stats.resumed_tokens,
                  "request_migrations_exhausted": stats.exhausted, "token_stream_gaps": collector.num_gaps,
-                 "token_stream_stale_deltas": collector.num_stale}
+                 "token_stream_stale_deltas": collector.num_stale, "token_stream_diverged": collector.num_diverged}
         # g moved once (2 tokens resumed); h moved twice (max_migrations) and ran out.
         assert truth == {"request_migrations": 3, "request_migration_resumed_tokens": 2,
-                         "request_migrations_exhausted": 1, "token_stream_gaps": 1, "token_stream_stale_deltas": 1}
+                         "request_migrations_exhausted": 1, "token_stream_gaps": 1, "token_stream_stale_deltas": 1,
+                         "token_stream_diverged": 0}
         for name, value in truth.items():
             assert sample(f, f"pdserve:{name}_total") == value, name
         await backend.close()
@@ -562,5 +563,5 @@ def test_reliability_metrics_follow_the_backends_counters() -> None:
     assert state(unavailable) == "unavailable" and pools(unavailable)["decode"] == (0, 2)
     assert sample(degraded, "pdserve:workers_lost_total") == 1
     for name in ("request_migrations", "request_migration_resumed_tokens", "request_migrations_exhausted",
-                 "token_stream_gaps", "token_stream_stale_deltas"):
+                 "token_stream_gaps", "token_stream_stale_deltas", "token_stream_diverged"):
         assert sample(ok, f"pdserve:{name}_total") == 0, name

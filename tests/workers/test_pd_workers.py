@@ -6,6 +6,7 @@ block is left allocated on either side."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -168,3 +169,36 @@ def test_reserved_blocks_are_released_when_their_kv_never_comes(model_dir: Path)
     assert d.num_leases_expired == 1
     assert_no_blocks(p, d)
     assert d.receiver.num_registered == 0
+
+
+def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Path) -> None:
+    """The prefill worker publishes the first token when the prompt is done, not once the
+    decode worker has verified the KV: with the end marker held back 3 s, the client has
+    token 0 well within those 3 s (before, it came after them), and the answer is the
+    offline one with no token twice."""
+    ps = prompts(2, 50, seed=8)
+    faults = Faults()
+    p, d = make_pair(model_dir, faults=faults)
+    d.prefill_timeout_s = 20.0  # the held end marker is no lease running out
+    asyncio.run(serve_one(p, d, "warm", ps[1], PARAMS))  # compiled and warm: the prefill takes milliseconds
+    faults.delay(3.0, end_marker=True)
+
+    async def run() -> tuple[list[int], float, float]:
+        collector = TokenStreamCollector()
+        try:
+            collector.open("e", ps[0], 20.0)
+            req = ServeRequest("e", tuple(ps[0]), PARAMS, 20.0, collector.address)
+            tokens: list[int] = []
+            start, first = time.monotonic(), 0.0
+            async for o in collector.consume("e", d.handoff(req, LocalPrefillPeer(p))):
+                first = first or time.monotonic() - start
+                tokens += o.outputs[0].token_ids
+            return tokens, first, time.monotonic() - start
+        finally:
+            await collector.close()
+
+    tokens, ttft, total = asyncio.run(run())
+    assert total >= 3.0 and ttft < 2.0
+    assert tokens == expected(model_dir, ps[:1], PARAMS)[0]
+    assert d.num_transfer_failures == 0
+    assert_no_blocks(p, d)

@@ -251,6 +251,37 @@ def test_a_lost_middle_delta_is_an_error_not_a_short_answer() -> None:
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("again", [[9], [5, 6]], ids=["another-token", "more-than-handed-on"])
+def test_a_repeat_that_differs_from_what_the_client_has_breaks_the_try(again: list[int]) -> None:
+    """The prefill worker published token 0 and lost its KV; the decode worker prefilled
+    the prompt itself and drew another first token (unseeded sampling). Passing on the
+    rest would answer inconsistently; dropping it silently too: the try breaks, and
+    the next one resumes from the token the client has."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("r", [1, 2], 10.0)
+        prefill, decode = TokenStreamPublisher("p"), TokenStreamPublisher("d")
+        call: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the decode worker's
+        try_ = asyncio.ensure_future(collector.watch("r", call))
+        prefill.add(collector.address, output("r", [5], "a"), 0)
+        prefill.flush()
+        await asyncio.sleep(0.2)
+        decode.add(collector.address, output("r", again, "z" * len(again)), 0)
+        decode.add(collector.address, output("r", [7], "c", "length"), len(again))
+        decode.flush()
+        with pytest.raises(StreamLostError):
+            await asyncio.wait_for(try_, 5.0)
+        assert collector.num_diverged == 1
+        retry = collector.next_attempt("r")
+        assert retry.resume is not None and retry.resume.token_ids == (5,) and retry.resume.text_chars == 1
+        for pub in (prefill, decode):
+            pub.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
 def test_engine_streams_to_a_collector_like_it_streams_to_a_caller(model_dir: Path) -> None:
     """The same requests, deltas through ZeroMQ, equal the offline outputs; the
     worker-side call returns only once the final delta is out."""
