@@ -7,10 +7,12 @@ minutes on a 2-core machine): what is tested is what happens around torch's call
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,15 +59,28 @@ def _hold(path: str, held: Any, release: Any) -> None:
         release.wait(10.0)
 
 
-def test_a_build_in_another_process_is_waited_for_up_to_the_deadline(tmp_path: Path) -> None:
-    """While a live process builds (holds the flock), another waits, and gives up at its deadline."""
-    path = str(tmp_path / "pdserve.flock")
+@contextlib.contextmanager
+def _holder(path: str) -> Iterator[tuple[Any, Any]]:
+    """Another process holding the flock at `path` (as a build would), until `release` (or killed)."""
     ctx = multiprocessing.get_context("fork")
     held, release = ctx.Event(), ctx.Event()
     proc = ctx.Process(target=_hold, args=(path, held, release), daemon=True)
     proc.start()
     try:
         assert held.wait(60.0)
+        yield proc, release
+    finally:
+        if proc.is_alive():  # (a killed process may have left the event's lock taken: not touched then)
+            release.set()
+            proc.join(5.0)
+        if proc.is_alive():
+            proc.kill()
+
+
+def test_a_build_in_another_process_is_waited_for_up_to_the_deadline(tmp_path: Path) -> None:
+    """While a live process builds (holds the flock), another waits, and gives up at its deadline."""
+    path = str(tmp_path / "pdserve.flock")
+    with _holder(path) as (proc, release):
         start = time.monotonic()
         with pytest.raises(TimeoutError), cpp_build._exclusive(path, 0.6):
             pass
@@ -74,26 +89,13 @@ def test_a_build_in_another_process_is_waited_for_up_to_the_deadline(tmp_path: P
         proc.join(10.0)
         with cpp_build._exclusive(path, 5.0):  # let go by its holder: taken at once
             pass
-    finally:
-        release.set()
-        proc.join(5.0)
-        if proc.is_alive():
-            proc.kill()
 
 
 def test_a_killed_holder_lets_go(tmp_path: Path) -> None:
     """The flock goes with its process: a builder killed while it holds it blocks no one."""
     path = str(tmp_path / "pdserve.flock")
-    ctx = multiprocessing.get_context("fork")
-    held, release = ctx.Event(), ctx.Event()
-    proc = ctx.Process(target=_hold, args=(path, held, release), daemon=True)
-    proc.start()
-    try:
-        assert held.wait(60.0)
+    with _holder(path) as (proc, _):
         proc.kill()
         proc.join(10.0)
         with cpp_build._exclusive(path, 5.0):
             pass
-    finally:
-        if proc.is_alive():
-            proc.kill()
