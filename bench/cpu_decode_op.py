@@ -15,13 +15,14 @@ import hashlib
 import statistics
 import subprocess
 import time
-from types import ModuleType
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
 from pdserve.kernels import cpu_decode
+from pdserve.kernels.cpp_build import InlineOp
 
 # (query heads, KV heads, head dim, sequences, context): SmolLM2-135M at batch 8 and 1, the tiny
 # model at batch 16, a Llama-3-8B layer at batch 8.
@@ -36,11 +37,23 @@ def source_at(rev: str) -> str:
     return text[start:text.index('"""', start)]
 
 
-def build(source: str, tag: str) -> ModuleType:
-    name = f"pdserve_cpu_decode_bench_{tag}_" + hashlib.sha256(source.encode()).hexdigest()[:10]
+Decode = Callable[..., torch.Tensor]
+
+
+def build(source: str, tag: str) -> Decode:
+    """The op of `source` as a function: a binding module's `decode` (revisions before the op was
+    registered with the dispatcher), or the registered op under a name of its own (two revisions'
+    `pdserve::cpu_decode` cannot both be registered in one process)."""
     print(f"building {tag} ...", flush=True)
-    module: ModuleType = load_inline(name, cpp_sources=source, extra_cflags=cpu_decode._FLAGS)  # type: ignore[no-untyped-call]
-    return module
+    if "PYBIND11_MODULE" in source:
+        name = f"pdserve_cpu_decode_bench_{tag}_" + hashlib.sha256(source.encode()).hexdigest()[:10]
+        module = load_inline(name, cpp_sources=source, extra_cflags=cpu_decode._FLAGS)  # type: ignore[no-untyped-call]
+        return module.decode  # type: ignore[no-any-return]
+    op_name = f"cpu_decode_bench_{tag}"
+    op = InlineOp(f"pdserve_{op_name}", source.replace('"cpu_decode', f'"{op_name}'), "PDSERVE_BENCH_OP",
+                  f"{tag} decode op", op_name).load()
+    assert op is not None, f"the {tag} op did not build (see the warning above)"
+    return op
 
 
 def layer(heads: int, kv_heads: int, dim: int, n: int, context: int, bs: int = 16,
@@ -56,12 +69,12 @@ def layer(heads: int, kv_heads: int, dim: int, n: int, context: int, bs: int = 1
     return q, k, v, kc, vc, slots, tables, lens, torch.arange(n + 1, dtype=torch.int32), dim ** -0.5
 
 
-def time_calls(op: ModuleType, layers: list[tuple[Any, ...]], calls: int = 120) -> float:
+def time_calls(op: Decode, layers: list[tuple[Any, ...]], calls: int = 120) -> float:
     for args in layers[:10]:
-        op.decode(*args)
+        op(*args)
     start = time.perf_counter()
     for i in range(calls):
-        op.decode(*layers[i % len(layers)])
+        op(*layers[i % len(layers)])
     return (time.perf_counter() - start) / calls * 1e6
 
 
@@ -83,7 +96,7 @@ def main() -> None:
     for heads, kvh, dim, n, context in SHAPES:
         torch.manual_seed(0)
         layers = [layer(heads, kvh, dim, n, context, dtype=dtype) for _ in range(LAYERS)]
-        outs = [op.decode(*layers[0]).float() for op in ops.values()]
+        outs = [op(*layers[0]).float() for op in ops.values()]
         diff = ((outs[1] - outs[0]).abs().max() / outs[0].abs().max()).item()
         runs: dict[str, list[float]] = {k: [] for k in ops}
         for _ in range(a.rounds):

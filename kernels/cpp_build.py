@@ -1,9 +1,13 @@
 """Build a C++ op with torch.utils.cpp_extension the first time a process needs it.
 
 The CPU ops (kernels/cpu_decode.py, kernels/cpu_linear.py) are C++ sources compiled for this
-machine's CPU (a C++ compiler and ninja, as Inductor needs; ~20-60 s once, then cached under
-~/.cache/torch_extensions). Anything that stops the build leaves `load()` returning None, with one
-warning, and the caller on its PyTorch path. Each op has an environment switch that turns it off.
+machine's CPU (a C++ compiler and ninja, as Inductor needs; a few seconds once, then cached under
+~/.cache/torch_extensions). Each registers one operator with the dispatcher from C++
+(TORCH_LIBRARY, `torch.ops.pdserve.<name>`) and includes only ATen's headers: no pybind11 module,
+whose torch/extension.h was 17 s of a 20 s build on a 2-core AMD EPYC (and ~11 minutes on a slow
+machine); a call through the dispatcher costs ~1 us more than through a binding. Anything that
+stops the build leaves `load()` returning None, with one warning, and the caller on its PyTorch
+path. Each op has an environment switch that turns it off.
 
 Builds are serialized across processes by an flock in the build folder, not only by torch's own
 `lock` file: torch makes that file with O_EXCL and removes it when its build ends, so a process
@@ -22,7 +26,9 @@ import os
 import threading
 import time
 from collections.abc import Iterator
-from types import ModuleType
+from pathlib import Path
+
+import torch
 
 log = logging.getLogger(__name__)
 
@@ -45,31 +51,35 @@ def _cpu_flags() -> str:
         return ""
 
 
+Op = torch._ops.OpOverload  # what `load()` hands out: call it like the C++ function
+
+
 class InlineOp:
-    """One C++ extension: built (or loaded from torch's cache) on the first `load()`.
+    """One C++ source defining the operator `pdserve::<op>`: built (or loaded from torch's cache)
+    on the first `load()`.
 
     The build's name carries a hash of the source, the flags and this CPU's features: an edited
     kernel never loads an old build, and a cache shared by unlike machines never loads another
     CPU's build."""
 
-    def __init__(self, stem: str, source: str, env: str, what: str) -> None:
-        self.source, self.env, self.what = source, env, what
+    def __init__(self, stem: str, source: str, env: str, what: str, op: str) -> None:
+        self.source, self.env, self.what, self.op = source, env, what, op
         digest = hashlib.sha256((source + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()[:12]
         self.name = f"{stem}_{digest}"
         self._lock = threading.Lock()
-        self._module: ModuleType | None = None
+        self._module: Op | None = None
         self._tried = False
 
     def enabled(self) -> bool:
         return os.environ.get(self.env, "1") != "0"
 
-    def built(self) -> ModuleType | None:
-        """The module if a `load()` built it, whatever the switch says now: a layer that chose
+    def built(self) -> Op | None:
+        """The operator if a `load()` built it, whatever the switch says now: a layer that chose
         the op at load keeps it (and a hot path reads no environment)."""
         return self._module
 
-    def load(self) -> ModuleType | None:
-        """The built module, building it on first use; None if it cannot be built (or is off:
+    def load(self) -> Op | None:
+        """The built operator, building it on first use; None if it cannot be built (or is off:
         the switch is read on every call, so turning it off takes effect after a build too)."""
         if not self.enabled():
             return None
@@ -78,7 +88,7 @@ class InlineOp:
         with self._lock:
             if not self._tried:
                 start = time.perf_counter()
-                log.info("preparing %s (a first build on this machine takes ~1 min)", self.what)
+                log.info("preparing %s (a first build takes seconds)", self.what)
                 try:
                     self._module = self._build()
                     log.info("%s ready in %.1f s", self.what, time.perf_counter() - start)
@@ -87,7 +97,7 @@ class InlineOp:
                 self._tried = True
         return self._module
 
-    def _build(self) -> ModuleType:
+    def _build(self) -> Op:
         from torch.utils import cpp_extension
 
         build_dir = cpp_extension._get_build_directory(self.name, verbose=False)  # torch's cache folder for it
@@ -97,9 +107,16 @@ class InlineOp:
             if os.path.exists(orphan):  # every builder holds the flock first: this one's process is gone
                 log.warning("%s: removing %s, left by a build that was killed", self.what, orphan)
                 os.remove(orphan)
-            module: ModuleType = cpp_extension.load_inline(  # type: ignore[no-untyped-call]
-                self.name, cpp_sources=self.source, extra_cflags=FLAGS, build_directory=build_dir, verbose=False)
-            return module
+            # Not load_inline: it puts torch/extension.h in front of the source. Rewritten only when
+            # it changed, so that torch's check of the sources finds the build up to date.
+            source = Path(build_dir) / "op.cpp"
+            if not source.exists() or source.read_text(encoding="utf-8") != self.source:
+                source.write_text(self.source, encoding="utf-8")
+            # is_python_module=False: the library is loaded into the process (torch.ops.load_library),
+            # which registers the op
+            cpp_extension.load(self.name, sources=[str(source)], extra_cflags=FLAGS, build_directory=build_dir,
+                               is_python_module=False, verbose=False)
+        return getattr(torch.ops.pdserve, self.op).default  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -122,4 +139,4 @@ def _exclusive(path: str, wait_s: float) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-__all__ = ["FLAGS", "InlineOp"]
+__all__ = ["FLAGS", "InlineOp", "Op"]

@@ -11,28 +11,32 @@ It is what vLLM's CPU backend does with its own C++ kernels; this one is small a
 Numerics: scores, softmax and the weighted sum in float32 whatever the cache dtype (as SDPA does on
 CPU), max-subtracted softmax. Compared with the reference in tests/kernels/test_cpu_decode.py.
 
-It is built with torch.utils.cpp_extension the first time a process needs it (a C++ compiler and
-ninja, as Inductor needs; ~1 minute once, then cached under ~/.cache/torch_extensions). Anything
+It is built with torch.utils.cpp_extension the first time a process needs it (kernels/cpp_build.py:
+a C++ compiler and ninja, as Inductor needs; seconds once, then cached under ~/.cache/torch_extensions). Anything
 that stops the build leaves `load()` returning None and the reference in use, with one warning.
 PDSERVE_CPU_DECODE_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 import torch
 
-from pdserve.kernels.cpp_build import FLAGS, InlineOp
+from pdserve.kernels.cpp_build import FLAGS, InlineOp, Op
 from pdserve.kernels.metadata import AttentionMetadata
 
 ENV = "PDSERVE_CPU_DECODE_KERNEL"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _SOURCE = r"""
-#include <torch/extension.h>
+// Headers of what is used only (ATen's tensor, parallel_for, the dispatch macro, the few
+// operators called, the op registry): torch/extension.h (pybind11 and all of libtorch's C++ API)
+// took 17 s of a 20 s build here, and minutes on a slow machine.
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -259,22 +263,28 @@ at::Tensor decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor k_cache, 
   return out.view({q.size(0), q.size(1) * q.size(2)});
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("decode", &decode, "paged decode attention (CPU)"); }
+// Registered with the dispatcher from C++ (no Python binding module to compile): called as
+// torch.ops.pdserve.cpu_decode. It writes the step's K/V into both caches.
+TORCH_LIBRARY_FRAGMENT(pdserve, m) {
+  m.def("cpu_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, "
+        "Tensor tables, Tensor lens, Tensor starts, float scale) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("cpu_decode", &decode); }
 """
 
 # The build's flags (kernels/cpp_build.py says why each). What the op gains over the reference and
 # over its earlier versions: docs/engine.md ("the decode attention op"); `python
 # bench/cpu_decode_op.py --against REV` times it against another revision.
 _FLAGS = FLAGS
-_op = InlineOp("pdserve_cpu_decode", _SOURCE, ENV, "CPU decode attention op")
+_op = InlineOp("pdserve_cpu_decode", _SOURCE, ENV, "CPU decode attention op", "cpu_decode")
 
 
 def enabled() -> bool:
     return _op.enabled()
 
 
-def load() -> ModuleType | None:
-    """The built op, building it on first use; None if it cannot be built (or is turned off)."""
+def load() -> Op | None:
+    """`torch.ops.pdserve.cpu_decode`, building it on first use; None if it cannot be built (or is turned off)."""
     return _op.load()
 
 
@@ -310,7 +320,7 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     op = load()
     assert op is not None, "decode_rows called without the op (check usable_for_decode_rows() first)"
     nd = meta.num_decode_seqs
-    out: torch.Tensor = op.decode(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.slot_mapping[:nd],
+    out: torch.Tensor = op(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.slot_mapping[:nd],
                                   meta.block_tables[:nd], meta.seq_lens[:nd], meta.query_start_loc[: nd + 1],
                                   float(scale))
     return out
@@ -323,6 +333,6 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     position): [T, H * D]. Callers check `usable` first."""
     op = load()
     assert op is not None, "paged_decode called without the op (check usable() first)"
-    out: torch.Tensor = op.decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+    out: torch.Tensor = op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
                                   meta.query_start_loc, float(scale))
     return out

@@ -28,18 +28,24 @@ Built on first use (kernels/cpp_build.py); PDSERVE_CPU_LINEAR_KERNEL=0 turns it 
 from __future__ import annotations
 
 import threading
-from types import ModuleType
 
 import torch
 
-from pdserve.kernels.cpp_build import InlineOp
+from pdserve.kernels.cpp_build import InlineOp, Op
 
 ENV = "PDSERVE_CPU_LINEAR_KERNEL"
 MAX_ROWS = 16  # beyond it MKL's blocked GEMM is compute-bound and ahead
 
 _SOURCE = r"""
-#include <torch/extension.h>
+// Headers of what is used only (ATen's tensor, parallel_for, the dispatch macro, the few
+// operators called, the op registry): torch/extension.h (pybind11 and all of libtorch's C++ API)
+// took 17 s of a 20 s build here, and minutes on a slow machine.
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -226,11 +232,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wt, const c10::optional
 // without a Python frame (a Python kernel cost ~18 us a call more; the op runs 12-150 times a step).
 TORCH_LIBRARY_FRAGMENT(pdserve, m) { m.def("cpu_linear(Tensor x, Tensor weight_t, Tensor? bias) -> Tensor"); }
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("cpu_linear", &linear); }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("linear", &linear, "x @ wt (+ bias), float32 (CPU)"); }
 """
 
-_op = InlineOp("pdserve_cpu_linear", _SOURCE.replace("@MAX_ROWS@", str(MAX_ROWS)), ENV, "CPU decode linear op")
+_op = InlineOp("pdserve_cpu_linear", _SOURCE.replace("@MAX_ROWS@", str(MAX_ROWS)), ENV, "CPU decode linear op",
+               "cpu_linear")
 _fake_lock = threading.Lock()
 _fake_registered = False
 
@@ -243,18 +248,17 @@ def enabled() -> bool:
     return _op.enabled()
 
 
-def load() -> ModuleType | None:
-    """The built op, building it on first use; None if it cannot be built (or is turned off).
-    Loading it defines `torch.ops.pdserve.cpu_linear` (C++), then its shape function for the
-    compiler (here)."""
+def load() -> Op | None:
+    """`torch.ops.pdserve.cpu_linear`, building it on first use; None if it cannot be built (or is
+    turned off). Loading it defines the op (C++), then its shape function for the compiler (here)."""
     global _fake_registered
-    module = _op.load()
-    if module is not None and not _fake_registered:
+    op = _op.load()
+    if op is not None and not _fake_registered:
         with _fake_lock:
             if not _fake_registered:
                 torch.library.register_fake("pdserve::cpu_linear", _fake)
                 _fake_registered = True
-    return module
+    return op
 
 
 def usable(weight: torch.Tensor) -> bool:
@@ -270,7 +274,7 @@ def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -
     Decided at load: turning the switch off later does not take the op from a layer that has it."""
     op = _op.built()
     assert op is not None, "cpu_linear.linear called without the op (check usable() first)"
-    out: torch.Tensor = op.linear(x, weight_t, bias)
+    out: torch.Tensor = op(x, weight_t, bias)
     return out
 
 

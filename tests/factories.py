@@ -22,6 +22,19 @@ def tiny_spec(arch: Arch | str = Arch.LLAMA, **kw: object) -> TinyModelSpec:
     return TinyModelSpec(**fields)  # type: ignore[arg-type]
 
 
+def slow_steps(engine: Any, seconds: float) -> Any:
+    """Each `engine.step()` (an LLMEngine) takes `seconds` more, so that its requests stay under way
+    for a known time whatever the machine's speed. Returns the undo."""
+    step = engine.step
+
+    def slow() -> Any:
+        time.sleep(seconds)
+        return step()
+
+    engine.step = slow
+    return lambda: vars(engine).pop("step", None)
+
+
 class LocalActor:
     """Stands in for a Ray actor handle over a plain service object in this process:
     `handle.method.remote(...)` behaves as with Ray (a task that runs even if

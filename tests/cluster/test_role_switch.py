@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from factories import LocalActor, tiny_spec
+from factories import LocalActor, slow_steps, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.actors import DecodeService, PrefillService, WorkerService
@@ -114,17 +114,6 @@ async def until(check: Callable[[], bool], timeout_s: float = 30.0) -> None:
         await asyncio.sleep(0.002)
 
 
-def slow_steps(service: WorkerService, seconds: float) -> None:
-    """Each engine step of `service` takes `seconds` more (its streams stay under way for a while)."""
-    step = service.engine.step
-
-    def slow() -> Any:
-        time.sleep(seconds)
-        return step()
-
-    service.engine.step = slow  # type: ignore[method-assign]
-
-
 def assert_no_block_used(services: dict[str, WorkerService]) -> None:
     async def states() -> dict[str, Any]:
         return {name: await s.drain_state() for name, s in services.items()}
@@ -143,8 +132,8 @@ def test_workers_switch_role_under_load_and_every_stream_matches_offline(
     # the second wave repeats itself, so the n-gram proposer finds drafts in it
     first, second = prompts(14, seed=1), prompts(6, seed=2)
     backend, services = cluster(model_dir, 2, 1, speculative="ngram")
-    slow_steps(services["p1"], 0.01)
-    slow_steps(services["d0"], 0.002)
+    slow_steps(services["p1"].engine, 0.01)
+    slow_steps(services["d0"].engine, 0.002)
 
     async def main() -> tuple[list[list[int]], list[list[int]], list[Any]]:
         try:
@@ -203,7 +192,7 @@ def test_the_router_learns_the_new_split_at_once(model_dir: Path) -> None:
             assert backend.router.index.num_blocks("p1") == 0
             assert backend.router.loads["p1"].role is WorkerRole.DECODE and backend.router.loads["p1"].healthy
             decisions.clear()
-            slow_steps(services["d0"], 0.002)  # d0 stays busy: the router must see p1's room to use it
+            slow_steps(services["d0"].engine, 0.002)  # d0 stays busy: the router must see p1's room to use it
             got = await Load(backend, ps, "after").done()
             assert b'pool="decode",worker="p1"' in await services["p1"].metrics()  # its own metrics say so too
             return got, (await gw.metrics.exposition({})).decode()
@@ -267,9 +256,9 @@ def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_
     ps = prompts(12, seed=4)
     params = replace(GREEDY, max_tokens=96)
     backend, services = cluster(model_dir, 2, 2, on_kv_failure=KVFailurePolicy.FAIL)
-    slow_steps(services["p1"], 0.02)
+    slow_steps(services["p1"].engine, 0.02)
     for name in ("d0", "d1"):
-        slow_steps(services[name], 0.003)
+        slow_steps(services[name].engine, 0.003)
 
     async def main() -> tuple[list[list[int]], list[Any]]:
         try:

@@ -206,7 +206,7 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
     is gone, and a KV link lost and resynced, each exported as its object counts it."""
     import time
 
-    from factories import LocalActor
+    from factories import LocalActor, slow_steps
 
     from pdserve.cluster.actors import DecodeService, PrefillService
     from pdserve.workers.async_engine import RequestAbortedError
@@ -220,8 +220,7 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
     d = DecodeService(base, 1, "127.0.0.1", worker_name="d0")
     d.worker.prefill_timeout_s = 0.5
     d.async_engine.gateway_gone_s = 0.3
-    # Looked at every 0.05 s, not 0.5: the orphan (900 tokens of a tiny model, ~1 s) must be
-    # caught while it runs, which 0.3 + 0.5 s did not always do on a fast machine.
+    # Looked at every 0.05 s, not 0.5: the orphan must be caught while it runs.
     monkeypatch.setattr(async_engine, "_GONE_CHECK_S", 0.05)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     prompt = list(range(5, 55))
@@ -267,9 +266,15 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
             with socket.socket() as sock:
                 sock.bind(("127.0.0.1", 0))
                 nowhere = f"tcp://127.0.0.1:{sock.getsockname()[1]}"
+            # 900 steps of 5 ms or more: under way for 4.5 s whatever the machine (a fast one ran
+            # 900 plain steps within the 0.3 s grace and the check that follows).
             long = SamplingParams(temperature=0.0, max_tokens=900, ignore_eos=True)
-            with pytest.raises((StreamLostError, RequestAbortedError), match="gateway is gone"):
-                await d.serve(ServeRequest("o", (5, 6, 7), long, 60.0, nowhere))
+            undo = slow_steps(d.engine, 0.005)
+            try:
+                with pytest.raises((StreamLostError, RequestAbortedError), match="gateway is gone"):
+                    await d.serve(ServeRequest("o", (5, 6, 7), long, 60.0, nowhere))
+            finally:
+                undo()
             s = scrape(d.worker_metrics)
             assert value(s, "pdserve:orphan_requests_aborted_total") == d.async_engine.num_orphans_aborted == 1
 

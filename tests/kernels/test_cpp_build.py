@@ -2,8 +2,8 @@
 
 torch's own build lock is a file made with O_EXCL and removed when its build ends; a process
 killed while building leaves it, and torch's next load of that op waits on it with no deadline
-(a worker restarted after such a kill would hang at start). The builds are faked here (they take
-minutes on a 2-core machine): what is tested is what happens around torch's call."""
+(a worker restarted after such a kill would hang at start). Builds are faked where what is tested is
+what happens around torch's call; one small op is built for real."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import contextlib
 import multiprocessing
 import os
 import time
-import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from torch.utils import cpp_extension
 
 from pdserve.kernels import cpp_build
@@ -29,28 +29,52 @@ def build_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path
 
 
-def _fake_load_inline(calls: list[dict[str, Any]]) -> Any:
-    def load_inline(name: str, **kwargs: Any) -> types.ModuleType:
+SOURCE = """#include <torch/library.h>
+static at::Tensor twice(const at::Tensor& x) { return x.mul(2); }
+TORCH_LIBRARY_FRAGMENT(pdserve, m) { m.def("test_twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("test_twice", &twice); }
+"""
+
+
+def _fake_load(calls: list[dict[str, Any]]) -> Any:
+    def load(name: str, **kwargs: Any) -> str:
         # torch waits while its lock file exists: the op must be free of it by now.
         assert not os.path.exists(os.path.join(kwargs["build_directory"], "lock"))
         calls.append({"name": name, **kwargs})
-        return types.ModuleType(name)
-    return load_inline
+        return name
+    return load
 
 
 def test_a_lock_left_by_a_killed_build_is_removed_and_the_op_builds(build_root: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    op = InlineOp("pdserve_test_op", "int f() { return 1; }", "PDSERVE_TEST_OP", "a test op")
+    # An op name that exists already (the fake build registers nothing): pdserve's own CPU op.
+    op = InlineOp("pdserve_test_op", SOURCE, "PDSERVE_TEST_OP", "a test op", "paged_attention")
     build_dir = Path(cpp_extension._get_build_directory(op.name, verbose=False))
     build_dir.mkdir(parents=True, exist_ok=True)
     (build_dir / "lock").touch()  # what a build killed half-way leaves
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(cpp_extension, "load_inline", _fake_load_inline(calls))
-    module = op.load()
-    assert module is not None and module.__name__ == op.name
+    monkeypatch.setattr(cpp_extension, "load", _fake_load(calls))
+    import pdserve.workers.model.compiled  # noqa: F401  # defines pdserve::paged_attention
+
+    assert op.load() is not None
     assert len(calls) == 1 and calls[0]["build_directory"] == str(build_dir)
-    assert calls[0]["extra_cflags"] == cpp_build.FLAGS
+    assert calls[0]["extra_cflags"] == cpp_build.FLAGS and not calls[0]["is_python_module"]
+    assert calls[0]["sources"] == [str(build_dir / "op.cpp")] and (build_dir / "op.cpp").read_text() == SOURCE
     assert build_dir.is_relative_to(build_root)
+
+
+def test_an_op_builds_registers_itself_and_is_found_in_the_cache_the_next_time(build_root: Path) -> None:
+    """A real build of a small op (its headers only: seconds), called through the dispatcher; a
+    second InlineOp of the same source (another process, a restart) loads the cached build."""
+    op = InlineOp("pdserve_test_op", SOURCE, "PDSERVE_TEST_OP", "a test op", "test_twice")
+    twice = op.load()
+    assert twice is not None, "the test op did not build (a C++ compiler and ninja are needed)"
+    x = torch.arange(4.0)
+    assert torch.equal(twice(x), 2 * x) and torch.equal(torch.ops.pdserve.test_twice(x), 2 * x)
+    library = next(Path(cpp_extension._get_build_directory(op.name, verbose=False)).glob("*.so"))
+    built_at = library.stat().st_mtime_ns
+    assert InlineOp("pdserve_test_op", SOURCE, "PDSERVE_TEST_OP", "a test op", "test_twice").load() is not None
+    assert library.stat().st_mtime_ns == built_at  # not rebuilt
 
 
 def _hold(path: str, held: Any, release: Any) -> None:
