@@ -8,8 +8,8 @@ chunks, and is judged the same way (`ScenarioResult.judge`): 0 wrong, 0 hung,
 0 lost while a survivor could serve, nothing held by any worker after the drain
 (KV blocks, KV registrations, requests; tasks and threads back to each worker's
 baseline), the pool back to size (a killed worker answering from a new process)
-and /health 200 "ok" within model load + 10 s of the fault, and every request
-after recovery ok.
+and /health 200 "ok" within 1.5 x model load + 10 s of the fault
+(`recovery_budget`), and every request after recovery ok.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pdserve.cluster.chaos import (
     loopback_ports,
     make_probes,
     pid_of,
+    recovery_budget,
     session_members,
 )
 from pdserve.cluster.reports import DrainState
@@ -317,7 +318,7 @@ def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
     res = ScenarioResult(key, title)
     server = h.server
     h.wait_ready()
-    res.budget_s = (server.startup_s or 60.0) + 10.0
+    res.budget_s = recovery_budget(server.startup_s or 60.0)
     load = _load(h)
     faults: list[Fault] = []
     h.view.close()  # a driver on a Ray whose GCS dies may be ended by Ray: leave first

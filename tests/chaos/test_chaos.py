@@ -11,7 +11,7 @@ model). bench/chaos.py runs the whole matrix; docs/reliability.md has its result
 
 After each: 0 wrong, 0 hung, 0 lost, nothing held by any worker after the drain
 (blocks, KV registrations, requests, tasks, threads), the pool back to size and
-/health 200 "ok" within model load + 10 s, and requests after recovery all ok.
+/health 200 "ok" within 1.5 x model load + 10 s, and requests after recovery all ok.
 """
 
 from __future__ import annotations
