@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeBehaviour, FakeServer
+from machine_speed import SLOWDOWN
 
 from pdserve.cluster.bench.client import Endpoint
 from pdserve.cluster.bench.config import BenchConfig
@@ -22,8 +23,11 @@ from pdserve.cluster.bench.workloads import WorkloadKind
 from pdserve.cluster.cli import main
 
 D1, D2 = 0.1, 0.02  # first token after D1, then a token every D2
+# The client's own delays (reading, parsing, scheduling its tasks) bound how far its figures may lie
+# from the server's delays: OVER on a machine of machine_speed.py's speed, more on a slower one.
+OVER = 0.001 * SLOWDOWN
 # a late first-chunk read (a busy shared CPU) shortens E2E - TTFT a little: TPOT may dip just under D2
-TPOT_LO, TPOT_HI = 0.9 * D2, D2 + 0.006
+TPOT_LO, TPOT_HI = D2 - 2 * OVER, D2 + 6 * OVER
 TIMED = FakeBehaviour(first_token_delay=D1, token_interval=D2)
 
 
@@ -40,9 +44,9 @@ def test_ttft_and_tpot_match_the_servers_delays(fake_server: FakeServer) -> None
     s = bench(fake_server, request_rate=50.0)
     recs = s.runs[0].records
     assert all(r.success for r in recs) and len(recs) == 12
-    assert D1 <= statistics.median(r.ttft for r in recs) <= D1 + 0.05
+    assert D1 <= statistics.median(r.ttft for r in recs) <= D1 + 50 * OVER
     assert TPOT_LO <= statistics.median(r.tpot for r in recs) <= TPOT_HI
-    assert D2 - 0.005 <= statistics.median(g for r in recs for g in r.itl) <= D2 + 0.01
+    assert D2 - 5 * OVER <= statistics.median(g for r in recs for g in r.itl) <= D2 + 10 * OVER
     assert all(r.output_tokens == 8 and len(r.itl) == 7 for r in recs)
     # what the server was asked: exact token-id prompts, exact output, streamed with usage
     for body in fake_server.bodies:
@@ -57,7 +61,7 @@ def test_multi_token_chunks_tpot_per_token_itl_per_chunk(fake_server: FakeServer
     recs = bench(fake_server, num_requests=4, output_len=9).runs[0].records
     assert all(r.success and r.output_tokens == 9 and r.chunks == 3 for r in recs)
     assert TPOT_LO <= statistics.median(r.tpot for r in recs) <= TPOT_HI
-    assert 4 * D2 <= statistics.median(g for r in recs for g in r.itl) <= 4 * D2 + 0.02
+    assert 4 * D2 <= statistics.median(g for r in recs for g in r.itl) <= 4 * D2 + 20 * OVER
 
 
 @pytest.mark.parametrize("fake_server", [FakeBehaviour(fail_every=3)], indirect=True)
@@ -75,7 +79,7 @@ def test_every_request_has_a_deadline(fake_server: FakeServer) -> None:
     s = bench(fake_server, num_requests=4, request_timeout=0.5)
     errors = sorted(r.error or "ok" for r in s.runs[0].records)
     assert errors[:2] == ["ok", "ok"] and all(e.startswith("timeout") for e in errors[2:])
-    assert s.runs[0].duration < 2.0
+    assert s.runs[0].duration < 0.5 + 1500 * OVER
 
 
 @pytest.mark.parametrize("fake_server", [TIMED], indirect=True)
@@ -85,7 +89,7 @@ def test_max_concurrency_queues_on_the_client_and_ttft_excludes_the_queue(fake_s
     for t, _ in spans:
         assert sum(a <= t + 1e-3 < b for a, b in spans) <= 2
     assert max(r.sent for r in recs) > 0.3  # the last pair waited for two before it
-    assert max(r.ttft for r in recs) < D1 + 0.06
+    assert max(r.ttft for r in recs) < D1 + 60 * OVER
 
 
 @pytest.mark.parametrize("fake_server", [FakeBehaviour(first_token_delay=0.01, token_interval=0.005)], indirect=True)
@@ -96,7 +100,7 @@ def test_trace_replay_sends_at_the_timestamps(fake_server: FakeServer, tmp_path:
     recs = bench(fake_server, workload=WorkloadKind.TRACE, trace=str(trace), block_size=16,
                  num_requests=None).runs[0].records
     assert [r.scheduled for r in recs] == pytest.approx([0.0, 0.2, 0.5])
-    assert all(abs(r.sent - r.scheduled) < 0.03 for r in recs)
+    assert all(abs(r.sent - r.scheduled) < 30 * OVER for r in recs)
     prompts = [b["prompt"] for b in fake_server.bodies]
     assert all(p[:16] == prompts[0][:16] for p in prompts) and all(len(p) == 20 for p in prompts)
 
