@@ -382,11 +382,11 @@ def rounds_table(a: argparse.Namespace, rounds: list[dict[str, Any]], threads: l
 
     rows = [row(r) for r in rounds]
     for i, (tps, rat) in enumerate(rows, 1):
-        print(f"| {i} | " + " | ".join(f"{v:.1f}" for v in tps) + " | " + " | ".join(f"{v:.2f}" for v in rat) + " |")
+        print(f"| {i} | " + " | ".join(f"{v:.1f}" for v in tps) + " | " + " | ".join(f"{v:.3f}" for v in rat) + " |")
     med = [statistics.median(col) for col in zip(*(tps for tps, _ in rows))]
     med_r = [statistics.median(col) for col in zip(*(rat for _, rat in rows))]
     print("| median | " + " | ".join(f"{v:.1f}" for v in med) + " | "
-          + " | ".join(f"**{v:.2f}**" for v in med_r) + " |")
+          + " | ".join(f"**{v:.3f}**" for v in med_r) + " |")  # three places: 0.849 is not 0.85
 
 
 def main() -> int:
