@@ -67,7 +67,7 @@ class InlineOp:
         digest = hashlib.sha256((source + " ".join(FLAGS) + _cpu_flags()).encode()).hexdigest()[:12]
         self.name = f"{stem}_{digest}"
         self._lock = threading.Lock()
-        self._module: Op | None = None
+        self._built: Op | None = None
         self._tried = False
 
     def enabled(self) -> bool:
@@ -76,7 +76,7 @@ class InlineOp:
     def built(self) -> Op | None:
         """The operator if a `load()` built it, whatever the switch says now: a layer that chose
         the op at load keeps it (and a hot path reads no environment)."""
-        return self._module
+        return self._built
 
     def load(self) -> Op | None:
         """The built operator, building it on first use; None if it cannot be built (or is off:
@@ -84,18 +84,18 @@ class InlineOp:
         if not self.enabled():
             return None
         if self._tried:
-            return self._module
+            return self._built
         with self._lock:
             if not self._tried:
                 start = time.perf_counter()
                 log.info("preparing %s (a first build takes seconds)", self.what)
                 try:
-                    self._module = self._build()
+                    self._built = self._build()
                     log.info("%s ready in %.1f s", self.what, time.perf_counter() - start)
                 except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a build error: PyTorch's path works
                     log.warning("%s unavailable (%s); using PyTorch's path", self.what, e)
                 self._tried = True
-        return self._module
+        return self._built
 
     def _build(self) -> Op:
         from torch.utils import cpp_extension

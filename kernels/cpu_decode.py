@@ -12,8 +12,9 @@ Numerics: scores, softmax and the weighted sum in float32 whatever the cache dty
 CPU), max-subtracted softmax. Compared with the reference in tests/kernels/test_cpu_decode.py.
 
 It is built with torch.utils.cpp_extension the first time a process needs it (kernels/cpp_build.py:
-a C++ compiler and ninja, as Inductor needs; seconds once, then cached under ~/.cache/torch_extensions). Anything
-that stops the build leaves `load()` returning None and the reference in use, with one warning.
+a C++ compiler and ninja, as Inductor needs; seconds once, then cached under
+~/.cache/torch_extensions). Anything that stops the build leaves `load()` returning None and the
+reference in use, with one warning.
 PDSERVE_CPU_DECODE_KERNEL=0 turns it off.
 """
 
@@ -29,9 +30,7 @@ ENV = "PDSERVE_CPU_DECODE_KERNEL"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _SOURCE = r"""
-// Headers of what is used only (ATen's tensor, parallel_for, the dispatch macro, the few
-// operators called, the op registry): torch/extension.h (pybind11 and all of libtorch's C++ API)
-// took 17 s of a 20 s build here, and minutes on a slow machine.
+// ATen's headers of what is used, not torch/extension.h (kernels/cpp_build.py says why).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -284,7 +283,8 @@ def enabled() -> bool:
 
 
 def load() -> Op | None:
-    """`torch.ops.pdserve.cpu_decode`, building it on first use; None if it cannot be built (or is turned off)."""
+    """`torch.ops.pdserve.cpu_decode`, building it on first use; None if it cannot be built (or is
+    turned off)."""
     return _op.load()
 
 
@@ -321,8 +321,7 @@ def decode_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
     assert op is not None, "decode_rows called without the op (check usable_for_decode_rows() first)"
     nd = meta.num_decode_seqs
     out: torch.Tensor = op(q[:nd], k[:nd], v[:nd], k_cache, v_cache, meta.slot_mapping[:nd],
-                                  meta.block_tables[:nd], meta.seq_lens[:nd], meta.query_start_loc[: nd + 1],
-                                  float(scale))
+                           meta.block_tables[:nd], meta.seq_lens[:nd], meta.query_start_loc[: nd + 1], float(scale))
     return out
 
 
@@ -334,5 +333,5 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: tor
     op = load()
     assert op is not None, "paged_decode called without the op (check usable() first)"
     out: torch.Tensor = op(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables, meta.seq_lens,
-                                  meta.query_start_loc, float(scale))
+                           meta.query_start_loc, float(scale))
     return out

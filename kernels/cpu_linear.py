@@ -37,9 +37,7 @@ ENV = "PDSERVE_CPU_LINEAR_KERNEL"
 MAX_ROWS = 16  # beyond it MKL's blocked GEMM is compute-bound and ahead
 
 _SOURCE = r"""
-// Headers of what is used only (ATen's tensor, parallel_for, the dispatch macro, the few
-// operators called, the op registry): torch/extension.h (pybind11 and all of libtorch's C++ API)
-// took 17 s of a 20 s build here, and minutes on a slow machine.
+// ATen's headers of what is used, not torch/extension.h (kernels/cpp_build.py says why).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>
