@@ -92,7 +92,8 @@ async def _one(app: Any, body: bytes) -> int:
         nonlocal chunks
         chunks += message["type"] == "http.response.body"
 
-    await asyncio.wait_for(app(scope, receive, send), timeout=60)
+    async with asyncio.timeout(60):
+        await app(scope, receive, send)
     return chunks
 
 

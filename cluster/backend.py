@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -99,7 +99,7 @@ class GenerationBackend(Protocol):
     def num_in_flight(self) -> int: ...
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 timeout_s: float) -> AsyncIterator[RequestOutput]:
+                 timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
         """DELTA outputs until the final one. ValueError for bad input;
         NoHealthyWorkerError when no worker can take it; TimeoutError at the
         deadline. Leaving early (cancellation) aborts the request on its workers."""
@@ -220,15 +220,16 @@ class TokenStreams:
         """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
         return ServeRequest(request_id, tuple(prompt), params, timeout_s, self.collector.address)
 
-    async def run(self, req: ServeRequest, place: Place) -> AsyncIterator[RequestOutput]:
+    async def run(self, req: ServeRequest, place: Place) -> AsyncGenerator[RequestOutput, None]:
         """Place `req` and yield its deltas from the stream until the final one. Any
         end but its finish aborts it where it runs then."""
         placement = await self._place(req, place, None, time.monotonic() + req.timeout_s)
         where = [placement]  # NoHealthyWorkerError before anything starts: above
         life = self.collector.open(req.request_id, list(req.prompt_token_ids), req.timeout_s)
         life.on_exit(lambda exit: None if exit is Exit.FINISHED else where[-1].abort(req.request_id))
-        async for out in self.collector.consume(req.request_id, self._tries(req, place, where)):
-            yield out
+        async with contextlib.aclosing(self.collector.consume(req.request_id, self._tries(req, place, where))) as outs:
+            async for out in outs:
+                yield out
 
     async def _tries(self, req: ServeRequest, place: Place, where: list[Placement]) -> None:
         failures = 0  # tries that ended in a failure (not a worker changing role)
@@ -327,11 +328,12 @@ class ColocatedBackend:
             self._finder = asyncio.create_task(self._find_missing())
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
         await self.start()
         req = self.streams.request(request_id, prompt, params, timeout_s)
-        async for out in self.streams.run(req, self._place):
-            yield out
+        async with contextlib.aclosing(self.streams.run(req, self._place)) as outs:
+            async for out in outs:
+                yield out
 
     async def _find_missing(self) -> None:
         assert self.lookup is not None
@@ -408,7 +410,7 @@ class LocalBackend:
         return self.engine.num_in_flight
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                 timeout_s: float) -> AsyncIterator[RequestOutput]:
+                 timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
         self.engine.start()  # on the first request, like the cluster's backends
         return self.engine.generate(request_id, prompt, params, timeout_s)
 

@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -162,11 +162,12 @@ class DisaggregatedBackend:
             self._ready = asyncio.Event()
             self._pollers = [asyncio.create_task(self._poll(wid, self._ready)) for wid in self._workers()]
         assert self._ready is not None
-        await asyncio.wait_for(self._ready.wait(), timeout=_FIRST_POLL_S)
+        async with asyncio.timeout(_FIRST_POLL_S):
+            await self._ready.wait()
 
     async def close(self) -> None:
         await self.streams.close()
-        self._closing = True  # Python 3.11's wait_for can swallow a cancel: the poll loops check this too
+        self._closing = True  # the poll loops check this too: a cancel that lands as a poll returns is not lost
         for task in self._pollers:
             task.cancel()
         for task in self._pollers:
@@ -175,13 +176,14 @@ class DisaggregatedBackend:
         self._pollers = []
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
-                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
         await self.start()
         req = self.streams.request(request_id, prompt, params, timeout_s)
         self._in_flight += 1
         try:
-            async for out in self.streams.run(req, self._place):
-                yield out
+            async with contextlib.aclosing(self.streams.run(req, self._place)) as outs:
+                async for out in outs:
+                    yield out
         finally:
             self._in_flight -= 1
 
@@ -265,8 +267,8 @@ class DisaggregatedBackend:
         self.router.update_load(WorkerLoad(wid, old, healthy=False))  # routed nothing from now on
         self.router.forget_cache(wid)
         try:
-            result: RoleSwitch = await asyncio.wait_for(handle.switch_role.remote(role, drain_timeout_s),
-                                                        timeout=drain_timeout_s + _SWITCH_GRACE_S)
+            async with asyncio.timeout(drain_timeout_s + _SWITCH_GRACE_S):
+                result: RoleSwitch = await handle.switch_role.remote(role, drain_timeout_s)
         except BaseException as e:
             self.events.switch_failures += 1
             src[wid] = handle  # where it was; its next poll says which role it holds (`_follow`)
@@ -328,7 +330,8 @@ class DisaggregatedBackend:
         try:
             if handle is None:
                 raise LookupError(f"worker {wid} not found")
-            report: LoadReport = await asyncio.wait_for(handle.load.remote(), timeout=_POLL_TIMEOUT_S)
+            async with asyncio.timeout(_POLL_TIMEOUT_S):
+                report: LoadReport = await handle.load.remote()
         except Exception:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
             self._lose(wid)
             return

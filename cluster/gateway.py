@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -296,12 +297,16 @@ class Gateway:
                                                    seed=None if w.params.seed is None else w.params.seed + j))
                 for w in works for j in range(w.params.n)]
         if len(subs) == 1:
-            async for out in self.backend.generate(rid, subs[0][0], subs[0][1], self.config.request_timeout_s):
-                yield 0, out
+            async with contextlib.aclosing(self.backend.generate(rid, subs[0][0], subs[0][1],
+                                                                 self.config.request_timeout_s)) as one:
+                async for out in one:
+                    yield 0, out
             return
-        async for item in _merge([self.backend.generate(f"{rid}-{i}", ids, sp, self.config.request_timeout_s)
-                                  for i, (ids, sp) in enumerate(subs)]):
-            yield item
+        async with contextlib.aclosing(_merge([self.backend.generate(f"{rid}-{i}", ids, sp,
+                                                                     self.config.request_timeout_s)
+                                               for i, (ids, sp) in enumerate(subs)])) as merged:
+            async for item in merged:
+                yield item
 
     async def close(self) -> None:
         if self.planner is not None:
@@ -329,13 +334,14 @@ class Gateway:
         return text
 
 
-async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException | None] = asyncio.Queue()
 
-    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+    async def pump(i: int, stream: AsyncGenerator[RequestOutput, None]) -> None:
         try:
-            async for out in stream:
-                await queue.put((i, out))
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    await queue.put((i, out))
         except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
             await queue.put(e)
         finally:

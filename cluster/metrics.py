@@ -286,7 +286,8 @@ class RequestCounter:
 
 async def _fetch(handle: Any, deadline_s: float) -> str | None:
     try:
-        data = await asyncio.wait_for(handle.metrics.remote(), timeout=deadline_s)
+        async with asyncio.timeout(deadline_s):
+            data = await handle.metrics.remote()
     except Exception as e:  # noqa: BLE001 - a dead, slow or broken worker is reported by worker_up
         log.debug("metrics fetch failed: %r", e)
         return None

@@ -262,9 +262,10 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
     choices = new_choices(works)
     rm.admitted(_prompt_tokens(works))
     try:
-        async for i, out in gw.run(rid, works):
-            rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
-            accumulate(choices[i], out, work_of(works, i).prompt_only)
+        async with contextlib.aclosing(gw.run(rid, works)) as events:  # its request aborted now if cut short
+            async for i, out in events:
+                rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
+                accumulate(choices[i], out, work_of(works, i).prompt_only)
         rm.succeeded(c.finish_reason for c in choices)
     except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
         raise client_error(e, rid) from None  # what the client may see; client_error logged the rest

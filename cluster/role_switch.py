@@ -124,7 +124,8 @@ class RoleSwitcher:
             try:
                 await asyncio.shield(rebuild)
             except asyncio.CancelledError:
-                await asyncio.wait_for(rebuild, timeout=_RESET_WAIT_S + _CUT_WAIT_S)
+                async with asyncio.timeout(_RESET_WAIT_S + _CUT_WAIT_S):
+                    await rebuild
                 raise
         finally:
             self.switching = False

@@ -22,7 +22,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -157,15 +157,16 @@ class AsyncEngine:
     # -- requests, for callers on the event loop ----------------------------------------
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       timeout_s: float = 600.0) -> AsyncIterator[RequestOutput]:
+                       timeout_s: float = 600.0) -> AsyncGenerator[RequestOutput, None]:
         """Run a request; yield its DELTA outputs until it finishes. Bad input raises
         ValueError before anything is queued; see `outputs` for the rest."""
         self.engine.validate(prompt, params)
         params = params.with_output_kind(RequestOutputKind.DELTA)
         job = self.open(request_id, timeout_s)
         self.begin(job, lambda e: e.add_request(request_id, prompt, params))
-        async for out in self.outputs(job):
-            yield out
+        async with contextlib.aclosing(self.outputs(job)) as outputs:
+            async for out in outputs:
+                yield out
 
     async def serve(self, req: ServeRequest) -> None:
         """Run a request with its deltas going to the gateway's token stream at
@@ -215,7 +216,7 @@ class AsyncEngine:
         engine (and may return a first output). A ValueError ends the job (REJECTED)."""
         self._commands.put(lambda: self._start(job, start))
 
-    async def outputs(self, job: Job) -> AsyncIterator[RequestOutput]:
+    async def outputs(self, job: Job) -> AsyncGenerator[RequestOutput, None]:
         """The job's outputs until the final one. Raises RequestTimeoutError at its
         deadline, the error that ended it otherwise; leaving early aborts it."""
         try:
@@ -323,13 +324,15 @@ class AsyncEngine:
         self._calls.add(pending)
         self._commands.put(run)
         try:
-            return await asyncio.wait_for(fut, timeout=timeout_s)
+            async with asyncio.timeout(timeout_s):
+                return await fut
         finally:
             self._calls.discard(pending)
 
     async def _next(self, job: Job) -> RequestOutput:
         try:
-            item = await asyncio.wait_for(job.inbox.get(), timeout=job.life.remaining())
+            async with asyncio.timeout(job.life.remaining()):
+                item = await job.inbox.get()
         except TimeoutError:
             self.end(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {job.request_id} passed its deadline here") from None

@@ -198,7 +198,8 @@ class DecodeWorker:
         try:
             # The prefill worker keeps its own deadline and says why it missed it;
             # a moment more than its budget lets that answer arrive.
-            return await asyncio.wait_for(peer.prefill(order), timeout=min(budget + _PEER_GRACE_S, remaining))
+            async with asyncio.timeout(min(budget + _PEER_GRACE_S, remaining)):
+                return await peer.prefill(order)
         except TimeoutError:
             if budget < remaining:
                 self.num_leases_expired += 1

@@ -39,7 +39,7 @@ import dataclasses
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -359,7 +359,7 @@ class TokenStreamCollector:
         self._open[request_id] = _Open(prompt_token_ids, life)
         return life
 
-    async def consume(self, request_id: str, start: Awaitable[Any]) -> AsyncIterator[RequestOutput]:
+    async def consume(self, request_id: str, start: Awaitable[Any]) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's DELTA outputs (it must be `open`), in order, until the
         final one. `start` is the RPC that runs the request on a worker (awaited
         here: its error is raised; its return means the final delta is on its way).
@@ -371,12 +371,13 @@ class TokenStreamCollector:
         life.move(RequestState.ROUTED)
         exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
         try:
-            async for out in self._ordered(request_id, entry):
-                if out.outputs[0].token_ids:
-                    life.advance(RequestState.DECODING)
-                if out.finished:
-                    exit = Exit.FINISHED
-                yield out
+            async with contextlib.aclosing(self._ordered(request_id, entry)) as ordered:
+                async for out in ordered:
+                    if out.outputs[0].token_ids:
+                        life.advance(RequestState.DECODING)
+                    if out.finished:
+                        exit = Exit.FINISHED
+                    yield out
         except TimeoutError:
             exit = Exit.DEADLINE
             raise
@@ -392,7 +393,7 @@ class TokenStreamCollector:
                 rpc.cancel()
             life.end(exit)
 
-    async def _ordered(self, request_id: str, entry: _Open) -> AsyncIterator[RequestOutput]:
+    async def _ordered(self, request_id: str, entry: _Open) -> AsyncGenerator[RequestOutput, None]:
         """The entry's outputs until the final one (merged when the reader is behind).
 
         The deadline is one timer per request that queues `_Expired` behind whatever

@@ -444,3 +444,34 @@ def test_a_caller_whose_event_loop_is_gone_does_not_take_the_engine_down(model_d
         assert ae.healthy and ae.num_in_flight == 0 and job.life.state is S.ABORTED
     finally:
         ae.close()
+
+
+def test_a_caller_cancelled_as_its_next_output_arrives_stays_cancelled(model_dir: Path) -> None:
+    """The gateway cancels a request's reader when its client leaves. If that cancel lands in
+    the loop turn in which the next delta arrives (tokens come every step, so under load it
+    often does), the reader must still end cancelled and the request aborted: Python 3.11's
+    `asyncio.wait_for` returned the delta instead, and the request ran to its last token."""
+    ae = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine).start()
+
+    async def main() -> tuple[bool, Job]:
+        job = ae.open("r", 30.0)  # only the reader here: no engine request, the deltas are ours
+        outputs = ae.outputs(job)
+        reader = asyncio.create_task(anext(outputs))
+        await asyncio.sleep(0.01)  # the reader waits for its next delta
+        job.inbox.put_nowait(_delta("r", [7], final=False))
+        reader.cancel()  # the same turn
+        with contextlib.suppress(asyncio.CancelledError):
+            await reader
+        cancelled = reader.cancelled()
+        await outputs.aclose()
+        return cancelled, job
+
+    try:
+        cancelled, job = asyncio.run(main())
+        deadline = time.monotonic() + 5
+        while ae.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cancelled, "the cancel was swallowed: the reader got the delta"
+        assert job.life.exit is Exit.ABORTED and ae.num_in_flight == 0
+    finally:
+        ae.close()
