@@ -1,7 +1,10 @@
 """Chaos harness: a real `pdserve serve`, streaming greedy load whose answers are
 known, faults on the pids of the processes it started, and the checks after each
 (issue 13; the scenarios are in chaos_scenarios.py, the matrix in bench/chaos.py,
-the CI subset in tests/chaos/).
+the CI subset in tests/chaos/). Its parts: what it reads of processes from /proc and
+the links it cuts (chaos_procs.py), the probes and the load (chaos_load.py), what
+the workers still hold afterwards (chaos_leaks.py); the server, the Ray view and one
+scenario's skeleton here.
 
 - `Server` starts `pdserve serve` as a subprocess in a session of its own (every
   Ray process it starts stays in that session, so the harness can tell them from
@@ -30,17 +33,10 @@ Linux only (/proc). Network: 127.0.0.1 only; `cut_links` uses `ss -K` (root).
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import dataclasses
-import enum
-import json
 import os
-import random
-import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -51,6 +47,16 @@ from typing import Any
 
 import httpx
 
+from pdserve.cluster.chaos_leaks import Leaks, Snapshot, counter_increase, extra_threads, leak_details, leaks
+from pdserve.cluster.chaos_load import EXACT_DTYPE, Load, Outcome, Probe, Result, make_probes
+from pdserve.cluster.chaos_procs import (
+    alive,
+    cmdline,
+    free_port,
+    process_start,
+    session_members,
+    session_of,
+)
 from pdserve.cluster.reports import DrainState
 
 NAMESPACE = "pdserve"  # cluster/serve_app.py's (not imported: that pulls Ray Serve into every user of this module)
@@ -60,142 +66,6 @@ FAULT_ENV = "PDSERVE_FAULT_INJECTION"
 # How long a worker's drain may take after the load: a gateway's orphans are
 # aborted GATEWAY_GONE_S (10 s) after its link went down, looked at every 0.5 s.
 DRAIN_TIMEOUT_S = 30.0
-
-
-# --- processes, from /proc ---------------------------------------------------------
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat's fields after the command name (state first), or None when gone."""
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not)."""
-    st = _stat(pid)
-    return st is not None and st[0] not in ("Z", "X")
-
-
-def stopped(pid: int) -> bool:
-    """Whether `pid` is stopped (SIGSTOP)."""
-    st = _stat(pid)
-    return st is not None and st[0] == "T"
-
-
-def session_of(pid: int) -> int | None:
-    st = _stat(pid)
-    return int(st[3]) if st is not None else None
-
-
-def session_members(sid: int) -> list[int]:
-    """Live processes of session `sid`."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            pid = int(entry.name)
-            st = _stat(pid)
-            if st is not None and int(st[3]) == sid and st[0] not in ("Z", "X"):
-                pids.append(pid)
-    return sorted(pids)
-
-
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return " ".join(a.decode(errors="replace") for a in f.read().split(b"\0") if a)
-    except OSError:
-        return ""
-
-
-def process_start(pid: int) -> float | None:
-    """When `pid` started (Unix time), or None when gone."""
-    st = _stat(pid)
-    if st is None:
-        return None
-    with open("/proc/stat", encoding="ascii") as f:
-        btime = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-    return btime + int(st[19]) / os.sysconf("SC_CLK_TCK")
-
-
-def _socket_inodes(pid: int) -> set[int]:
-    inodes = set()
-    with contextlib.suppress(OSError):
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    inodes.add(int(link[8:-1]))
-    return inodes
-
-
-def _tcp4() -> list[tuple[str, int, str, int, str, int]]:
-    """/proc/net/tcp rows: (local ip hex, local port, remote ip hex, remote port, state, inode)."""
-    rows = []
-    with open("/proc/net/tcp", encoding="ascii") as f:
-        for line in f.read().splitlines()[1:]:
-            fields = line.split()
-            (lip, lport), (rip, rport) = fields[1].split(":"), fields[2].split(":")
-            rows.append((lip, int(lport, 16), rip, int(rport, 16), fields[3], int(fields[9])))
-    return rows
-
-
-_LOOPBACK, _LISTEN, _ESTABLISHED = "0100007F", "0A", "01"
-
-
-def loopback_ports(pid: int) -> set[int]:
-    """The ports `pid` listens on at 127.0.0.1 (pdserve's own sockets: a decode worker's
-    KV receiver, a gateway's token-stream collector and HTTP server; Ray listens elsewhere)."""
-    mine = _socket_inodes(pid)
-    return {lport for lip, lport, _, _, st, ino in _tcp4() if st == _LISTEN and lip == _LOOPBACK and ino in mine}
-
-
-def links(client: int, server: int, ports: Iterable[int] | None = None) -> list[tuple[int, int]]:
-    """(client port, server port) of the TCP connections `client` opened to a
-    127.0.0.1 port `server` listens on (`ports`, when given, narrows them)."""
-    wanted = set(ports) if ports is not None else loopback_ports(server)
-    mine = _socket_inodes(client)
-    return sorted((lport, rport) for lip, lport, rip, rport, st, ino in _tcp4()
-                  if st == _ESTABLISHED and ino in mine and rip == _LOOPBACK and rport in wanted)
-
-
-def can_cut_links() -> bool:
-    """`ss -K` needs root and a kernel with INET_DIAG_DESTROY."""
-    return shutil.which("ss") is not None and os.geteuid() == 0
-
-
-def cut_links(conns: Sequence[tuple[int, int]]) -> int:
-    """Destroy these loopback TCP connections, both ends (`ss -K`: the sockets are
-    closed under their owners, as a dropped link would be). Returns how many of the
-    connections are gone afterwards."""
-    for lport, rport in conns:
-        flt = f"( sport = :{lport} and dport = :{rport} ) or ( sport = :{rport} and dport = :{lport} )"
-        subprocess.run(["ss", "-K", "-t", "state", "established", flt], capture_output=True, timeout=10, check=False)
-    live = {(lp, rp) for _, lp, _, rp, st, _ in _tcp4() if st == _ESTABLISHED}
-    return sum((lp, rp) not in live for lp, rp in conns)
-
-
-# Ports the harness hands to servers it starts later: below Linux's ephemeral range (32768-60999,
-# where the kernel picks ports for Ray's own listeners and every outgoing connection) and above
-# Ray's worker ports (10002-19999), so nothing can be given the port between this check and its use.
-_PORTS = range(20000, 32768)
-
-
-def free_port() -> int:
-    """A port free on every address of this machine (HAProxy binds 0.0.0.0; Ray listens on the
-    node's address), outside the ranges the kernel and Ray assign on their own."""
-    for _ in range(1000):
-        port = random.choice(_PORTS)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 # --- the server ---------------------------------------------------------------------
@@ -214,12 +84,6 @@ COUNTERS = {
 }
 
 
-# The dtype of the server and of the oracle. The exact-text check needs outputs that do
-# not depend on which requests share a step: float32 on CPU gives that; bfloat16 (the
-# CPU default where the CPU has AVX512-BF16 or AMX) does not: on the Intel Xeon with AMX,
-# 5-9 of 16 greedy outputs of 96 tokens differed between batch 16 and batch 1 (compiled
-# or eager, packed linears or not), as vLLM's outputs do by default.
-EXACT_DTYPE = "float32"
 
 
 @dataclass(frozen=True)
@@ -550,201 +414,6 @@ def born_at(state: DrainState) -> float:
     return int(state.incarnation.split("-")[1]) / 1e9
 
 
-# --- probes and their oracle ---------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Probe:
-    prompt: tuple[int, ...]
-    max_tokens: int
-    text: str  # the greedy completion, computed offline
-
-
-def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: tuple[int, int] = (40, 120),
-                max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000),
-                dtype: str = EXACT_DTYPE) -> list[Probe]:
-    """`count` prompts of random token ids (lengths in `prompt_len`: over the router's
-    16-token local-prefill threshold, so they are handed off) with their greedy
-    completions from the offline engine on the same model, in `dtype` (the server's)."""
-    import torch
-
-    from pdserve import LLM, SamplingParams
-
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(count)]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(2, threads)))
-    try:
-        llm = LLM(model, max_model_len=max_model_len, dtype=dtype, progress=False)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    finally:
-        torch.set_num_threads(threads)
-    return [Probe(tuple(p), max_tokens, o.outputs[0].text) for p, o in zip(prompts, outs)]
-
-
-# --- the load ------------------------------------------------------------------------
-
-
-class Outcome(str, enum.Enum):
-    OK = "ok"  # [DONE] after exactly the expected text, every token
-    WRONG = "wrong"  # [DONE] after other text, or fewer tokens
-    ERROR = "error"  # an HTTP error status, or one in-band error event
-    DROPPED = "dropped"  # the connection ended (or was refused) without [DONE] or an error
-    HUNG = "hung"  # a read waited past its deadline, or the request past its own
-    CLOSED = "closed"  # the client hung up on purpose (a disconnect burst)
-
-
-@dataclass
-class Result:
-    index: int
-    probe: int
-    outcome: Outcome
-    started: float  # time.monotonic()
-    ended: float
-    chunks: int = 0
-    status: int | None = None  # the HTTP status, or the code of the in-band error
-    detail: str = ""
-    first_chunk: float | None = None  # time.monotonic() of its first text chunk
-
-
-@dataclass
-class Load:
-    """N clients over `probes` (request i asks probe (offset + i) % len(probes))."""
-
-    probes: Sequence[Probe]
-    requests: int
-    concurrency: int
-    offset: int = 0
-    read_timeout_s: float = 30.0  # no byte for this long: hung
-    # A client whose request failed waits this long before its next (as a client
-    # that retries would): the load spans an outage instead of failing through it.
-    pause_after_error_s: float = 0.5
-    deadline_s: float = 90.0  # the whole request, from its send (> the server's --request-timeout)
-    # (h): these requests hang up at the first chunk after `hang_up` is set.
-    hang_up_if: Callable[[int], bool] | None = None
-    hang_up: asyncio.Event | None = None
-    # Extra streams started with the load and not checked against a probe (they are
-    # expected to be cut: (c)'s long streams, still running when the gateway dies).
-    long_streams: Sequence[Probe] = ()
-    chunks: int = 0  # text chunks streamed so far (each one token or more), all requests
-    on_chunk: Callable[[int], None] | None = None  # called with the running total
-    _loop: asyncio.AbstractEventLoop | None = None
-
-    def hang_up_now(self) -> None:
-        """Start the disconnect burst (from any thread)."""
-        if self.hang_up is not None and self._loop is not None:
-            self._loop.call_soon_threadsafe(self.hang_up.set)
-
-    async def run(self, url: str) -> list[Result]:
-        self._loop = asyncio.get_running_loop()
-        limits = httpx.Limits(max_connections=self.concurrency + len(self.long_streams) + 4)
-        timeout = httpx.Timeout(connect=5.0, read=self.read_timeout_s, write=5.0, pool=self.deadline_s)
-        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False) as client:
-            queue: asyncio.Queue[int] = asyncio.Queue()
-            for i in range(self.requests):
-                queue.put_nowait(i)
-            results: list[Result] = []
-
-            async def worker() -> None:
-                while True:
-                    try:
-                        i = queue.get_nowait()
-                    except asyncio.QueueEmpty:
-                        return
-                    p = (self.offset + i) % len(self.probes)
-                    res = await self.one(client, i, p, self.probes[p])
-                    results.append(res)
-                    if res.outcome in (Outcome.ERROR, Outcome.DROPPED):
-                        await asyncio.sleep(self.pause_after_error_s)
-
-            longs = [asyncio.create_task(self.one(client, -1 - j, -1, probe, check=False))
-                     for j, probe in enumerate(self.long_streams)]
-            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
-            results += await asyncio.gather(*longs)
-        return sorted(results, key=lambda r: r.index)
-
-    async def one(self, client: httpx.AsyncClient, index: int, p: int, probe: Probe, check: bool = True) -> Result:
-        body = {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0)
-        text: list[str] = []
-        finish: str | None = None
-        completion_tokens: int | None = None
-        done = False
-        try:
-            async with asyncio.timeout(self.deadline_s):
-                async with client.stream("POST", "/v1/completions", json=body) as r:
-                    res.status = r.status_code
-                    if r.status_code != 200:
-                        raw = await r.aread()
-                        res.outcome, res.detail = Outcome.ERROR, _error_text(raw)
-                        return res
-                    async for line in r.aiter_lines():
-                        if not line.startswith("data:"):
-                            continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
-                            done = True
-                            break
-                        event = json.loads(data)
-                        if "error" in event:
-                            err = event["error"]
-                            res.outcome, res.status = Outcome.ERROR, err.get("code")
-                            res.detail = f"{err.get('type')}: {err.get('message')}"
-                            return res
-                        if event.get("usage"):
-                            completion_tokens = event["usage"].get("completion_tokens")
-                        for choice in event.get("choices") or ():
-                            if choice.get("text"):
-                                text.append(choice["text"])
-                                res.chunks += 1
-                                self.chunks += 1
-                                if res.first_chunk is None:
-                                    res.first_chunk = time.monotonic()
-                                if self.on_chunk is not None:
-                                    self.on_chunk(self.chunks)
-                            finish = choice.get("finish_reason") or finish
-                        if (self.hang_up is not None and self.hang_up.is_set() and self.hang_up_if is not None
-                                and self.hang_up_if(index)):
-                            res.outcome = Outcome.CLOSED
-                            return res  # leaving the block closes the stream mid-way
-            if not done:
-                res.outcome, res.detail = Outcome.DROPPED, f"stream ended after {res.chunks} chunks without [DONE]"
-            elif not check:
-                res.outcome = Outcome.OK
-            else:
-                got = "".join(text)
-                if got == probe.text and finish == "length" and completion_tokens == probe.max_tokens:
-                    res.outcome = Outcome.OK
-                else:
-                    res.outcome = Outcome.WRONG
-                    res.detail = (f"{len(got)} chars (expected {len(probe.text)}), finish {finish}, "
-                                  f"{completion_tokens} tokens (expected {probe.max_tokens}); first difference at "
-                                  f"char {_first_difference(got, probe.text)}")
-        except (httpx.ReadTimeout, TimeoutError):
-            res.outcome = Outcome.HUNG
-            res.detail = f"no byte for {self.read_timeout_s:g} s, or past {self.deadline_s:g} s"
-        except (httpx.TransportError, httpx.StreamError) as e:
-            res.outcome, res.detail = Outcome.DROPPED, f"{type(e).__name__}: {e}"
-        except ValueError as e:  # a line that is not JSON: as bad as a wrong answer
-            res.outcome, res.detail = Outcome.WRONG, f"bad event: {e}"
-        finally:
-            res.ended = time.monotonic()
-        return res
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        err = json.loads(raw)["error"]
-        return f"{err.get('type')}: {err.get('message')}"
-    except (ValueError, KeyError, TypeError):
-        return raw[:200].decode(errors="replace")
-
-
-def _first_difference(a: str, b: str) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 # --- one scenario --------------------------------------------------------------------
 
 
@@ -759,31 +428,6 @@ class Fault:
     ended: float = 0.0  # recovery is timed from here (the kill, or the SIGCONT)
     note: str = ""
     in_flight: int | None = None  # requests on the target when it was struck (its jobs)
-
-
-@dataclass(frozen=True)
-class Leaks:
-    """What the workers still held after the drain (summed over workers); tasks and
-    threads are counted above each worker's baseline (measured before the fault)."""
-
-    requests: int = 0  # AsyncEngine jobs + engine requests
-    blocks: int = 0
-    registrations: int = 0
-    tasks: int = 0
-    threads: int = 0
-    unanswered: int = 0  # workers that did not answer drain_state
-
-    @property
-    def total(self) -> int:
-        return sum(dataclasses.astuple(self))
-
-    def __str__(self) -> str:
-        return ", ".join(f"{v} {k}" for k, v in dataclasses.asdict(self).items() if v) or "nothing"
-
-    def short(self) -> str:
-        extra = (f" +{self.requests} req" if self.requests else "") + \
-            (f" {self.unanswered} silent" if self.unanswered else "")
-        return f"{self.blocks}/{self.registrations}/{self.tasks}/{self.threads}{extra}"
 
 
 @dataclass
@@ -1108,72 +752,3 @@ class Harness:
             if leaks(before, now).total == 0 or time.monotonic() > deadline:
                 return now
             time.sleep(0.5)
-
-
-def counter_increase(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    """How much each counter grew (a counter that went down restarted from 0 with its
-    process: its value now is what it counted since)."""
-    out = {}
-    for name, value in after.items():
-        grew = value - before.get(name, 0.0)
-        out[name] = grew if grew >= 0 else value
-    return out
-
-
-# Threads made on demand up to a fixed number (not leaks): a decode worker's KV waits
-# (DecodeWorker._waits, 4 at most), an event loop's default executor, pyzmq's one
-# garbage-collector thread (started by the first zero-copy send over 64 KiB).
-BOUNDED_POOLS = re.compile(r"^(kv-wait_\d+|asyncio_\d+|ThreadPoolExecutor-\d+_\d+) \[|\[GarbageCollectorThread\]$")
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """Every worker's drain state and thread names (None: it did not answer)."""
-
-    states: dict[str, DrainState | None]
-    threads: dict[str, list[str] | None]
-
-
-def _thread_kinds(names: Iterable[str]) -> collections.Counter[str]:
-    """Thread names with their addresses' ports masked (a restarted peer listens on
-    another port), bounded pools left out."""
-    return collections.Counter(re.sub(r"tcp://\S+", "tcp://*", n) for n in names if not BOUNDED_POOLS.search(n))
-
-
-def extra_threads(before: list[str] | None, after: list[str] | None) -> list[str]:
-    """Threads in `after` beyond those in `before`, by kind (see _thread_kinds)."""
-    if before is None or after is None:
-        return []
-    return sorted((_thread_kinds(after) - _thread_kinds(before)).elements())
-
-
-def leaks(before: Snapshot, after: Snapshot) -> Leaks:
-    """What the workers hold in `after` (tasks and threads: beyond `before`; threads by
-    name where the workers told them, by count otherwise)."""
-    requests = blocks = regs = tasks = threads = silent = 0
-    for name, s in after.states.items():
-        if s is None:
-            silent += 1
-            continue
-        b = before.states.get(name)
-        requests += s.jobs + s.engine_requests
-        blocks += s.used_blocks
-        regs += s.kv_registrations
-        if b is not None:
-            tasks += max(0, s.tasks - b.tasks)
-            names_before, names_after = before.threads.get(name), after.threads.get(name)
-            if names_before is not None and names_after is not None:
-                threads += len(extra_threads(names_before, names_after))
-            else:
-                threads += max(0, s.threads - b.threads)
-    return Leaks(requests, blocks, regs, tasks, threads, silent)
-
-
-def leak_details(before: Snapshot, after: Snapshot) -> list[str]:
-    out = []
-    for name, s in after.states.items():
-        b = before.states.get(name)
-        extra = extra_threads(before.threads.get(name), after.threads.get(name))
-        out.append(f"{name}: {s}" + (f" (was {b.tasks} tasks, {b.threads} threads)" if s and b else "")
-                   + (f"; threads beyond the baseline: {extra}" if extra else ""))
-    return out

@@ -30,26 +30,16 @@ from pdserve.cluster.chaos import (
     DRAIN_TIMEOUT_S,
     Fault,
     Harness,
-    Load,
-    Outcome,
-    Probe,
     RayView,
-    Result,
     ScenarioResult,
     ServerOptions,
-    Snapshot,
     before_recovery,
-    can_cut_links,
-    cmdline,
-    cut_links,
-    leaks,
-    links,
-    loopback_ports,
-    make_probes,
     pid_of,
     recovery_budget,
-    session_members,
 )
+from pdserve.cluster.chaos_leaks import Snapshot, leaks
+from pdserve.cluster.chaos_load import Load, Outcome, Probe, Result, make_probes
+from pdserve.cluster.chaos_procs import can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
 
 REQUESTS = 48  # per scenario's load

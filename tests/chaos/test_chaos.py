@@ -34,7 +34,8 @@ SUBSET = ("a", "e", "f")
 
 @pytest.fixture(scope="module")
 def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from pdserve.cluster.chaos import Harness, make_probes
+    from pdserve.cluster.chaos import Harness
+    from pdserve.cluster.chaos_load import make_probes
     from pdserve.cluster.chaos_scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
 
     # test_serve_ray's model (made once per session): the scenarios' MODEL_SPEC.
@@ -77,7 +78,8 @@ def test_workers_restarted_after_the_kills_do_not_run_behind_the_control_plane(h
     restarted in the scenarios above, the gateway and haproxy at this process's own nice value
     (nice is inherited at fork: what starts them must not be moved)."""
     from pdserve.cluster.background_priority import DEFAULT_NICE, is_background, nice_of
-    from pdserve.cluster.chaos import Harness, cmdline
+    from pdserve.cluster.chaos import Harness
+    from pdserve.cluster.chaos_procs import cmdline
 
     assert isinstance(harness, Harness)
     base = os.getpriority(os.PRIO_PROCESS, 0)

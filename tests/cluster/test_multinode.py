@@ -43,7 +43,7 @@ import yaml
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.chaos import free_port
+from pdserve.cluster.chaos_procs import free_port
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 ray = pytest.importorskip("ray")

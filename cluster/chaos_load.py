@@ -1,0 +1,217 @@
+"""The chaos harness's load: probes (prompts whose greedy completions the offline
+engine computed: the oracle) and `Load`, concurrent streaming clients over them, each
+request ending as one `Outcome` (see chaos.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import httpx
+
+# The dtype of the server and of the oracle. The exact-text check needs outputs that do
+# not depend on which requests share a step: float32 on CPU gives that; bfloat16 (the
+# CPU default where the CPU has AVX512-BF16 or AMX) does not: on the Intel Xeon with AMX,
+# 5-9 of 16 greedy outputs of 96 tokens differed between batch 16 and batch 1 (compiled
+# or eager, packed linears or not), as vLLM's outputs do by default.
+EXACT_DTYPE = "float32"
+
+
+# --- probes and their oracle ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompt: tuple[int, ...]
+    max_tokens: int
+    text: str  # the greedy completion, computed offline
+
+
+def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: tuple[int, int] = (40, 120),
+                max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000),
+                dtype: str = EXACT_DTYPE) -> list[Probe]:
+    """`count` prompts of random token ids (lengths in `prompt_len`: over the router's
+    16-token local-prefill threshold, so they are handed off) with their greedy
+    completions from the offline engine on the same model, in `dtype` (the server's)."""
+    import torch
+
+    from pdserve import LLM, SamplingParams
+
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(count)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(2, threads)))
+    try:
+        llm = LLM(model, max_model_len=max_model_len, dtype=dtype, progress=False)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    finally:
+        torch.set_num_threads(threads)
+    return [Probe(tuple(p), max_tokens, o.outputs[0].text) for p, o in zip(prompts, outs)]
+
+
+# --- the load ------------------------------------------------------------------------
+
+
+class Outcome(str, enum.Enum):
+    OK = "ok"  # [DONE] after exactly the expected text, every token
+    WRONG = "wrong"  # [DONE] after other text, or fewer tokens
+    ERROR = "error"  # an HTTP error status, or one in-band error event
+    DROPPED = "dropped"  # the connection ended (or was refused) without [DONE] or an error
+    HUNG = "hung"  # a read waited past its deadline, or the request past its own
+    CLOSED = "closed"  # the client hung up on purpose (a disconnect burst)
+
+
+@dataclass
+class Result:
+    index: int
+    probe: int
+    outcome: Outcome
+    started: float  # time.monotonic()
+    ended: float
+    chunks: int = 0
+    status: int | None = None  # the HTTP status, or the code of the in-band error
+    detail: str = ""
+    first_chunk: float | None = None  # time.monotonic() of its first text chunk
+
+
+@dataclass
+class Load:
+    """N clients over `probes` (request i asks probe (offset + i) % len(probes))."""
+
+    probes: Sequence[Probe]
+    requests: int
+    concurrency: int
+    offset: int = 0
+    read_timeout_s: float = 30.0  # no byte for this long: hung
+    # A client whose request failed waits this long before its next (as a client
+    # that retries would): the load spans an outage instead of failing through it.
+    pause_after_error_s: float = 0.5
+    deadline_s: float = 90.0  # the whole request, from its send (> the server's --request-timeout)
+    # (h): these requests hang up at the first chunk after `hang_up` is set.
+    hang_up_if: Callable[[int], bool] | None = None
+    hang_up: asyncio.Event | None = None
+    # Extra streams started with the load and not checked against a probe (they are
+    # expected to be cut: (c)'s long streams, still running when the gateway dies).
+    long_streams: Sequence[Probe] = ()
+    chunks: int = 0  # text chunks streamed so far (each one token or more), all requests
+    on_chunk: Callable[[int], None] | None = None  # called with the running total
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def hang_up_now(self) -> None:
+        """Start the disconnect burst (from any thread)."""
+        if self.hang_up is not None and self._loop is not None:
+            self._loop.call_soon_threadsafe(self.hang_up.set)
+
+    async def run(self, url: str) -> list[Result]:
+        self._loop = asyncio.get_running_loop()
+        limits = httpx.Limits(max_connections=self.concurrency + len(self.long_streams) + 4)
+        timeout = httpx.Timeout(connect=5.0, read=self.read_timeout_s, write=5.0, pool=self.deadline_s)
+        async with httpx.AsyncClient(base_url=url, timeout=timeout, limits=limits, trust_env=False) as client:
+            queue: asyncio.Queue[int] = asyncio.Queue()
+            for i in range(self.requests):
+                queue.put_nowait(i)
+            results: list[Result] = []
+
+            async def worker() -> None:
+                while True:
+                    try:
+                        i = queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        return
+                    p = (self.offset + i) % len(self.probes)
+                    res = await self.one(client, i, p, self.probes[p])
+                    results.append(res)
+                    if res.outcome in (Outcome.ERROR, Outcome.DROPPED):
+                        await asyncio.sleep(self.pause_after_error_s)
+
+            longs = [asyncio.create_task(self.one(client, -1 - j, -1, probe, check=False))
+                     for j, probe in enumerate(self.long_streams)]
+            await asyncio.gather(*(worker() for _ in range(self.concurrency)))
+            results += await asyncio.gather(*longs)
+        return sorted(results, key=lambda r: r.index)
+
+    async def one(self, client: httpx.AsyncClient, index: int, p: int, probe: Probe, check: bool = True) -> Result:
+        body = {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0)
+        text: list[str] = []
+        finish: str | None = None
+        completion_tokens: int | None = None
+        done = False
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                async with client.stream("POST", "/v1/completions", json=body) as r:
+                    res.status = r.status_code
+                    if r.status_code != 200:
+                        raw = await r.aread()
+                        res.outcome, res.detail = Outcome.ERROR, _error_text(raw)
+                        return res
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data:"):
+                            continue
+                        data = line[5:].strip()
+                        if data == "[DONE]":
+                            done = True
+                            break
+                        event = json.loads(data)
+                        if "error" in event:
+                            err = event["error"]
+                            res.outcome, res.status = Outcome.ERROR, err.get("code")
+                            res.detail = f"{err.get('type')}: {err.get('message')}"
+                            return res
+                        if event.get("usage"):
+                            completion_tokens = event["usage"].get("completion_tokens")
+                        for choice in event.get("choices") or ():
+                            if choice.get("text"):
+                                text.append(choice["text"])
+                                res.chunks += 1
+                                self.chunks += 1
+                                if res.first_chunk is None:
+                                    res.first_chunk = time.monotonic()
+                                if self.on_chunk is not None:
+                                    self.on_chunk(self.chunks)
+                            finish = choice.get("finish_reason") or finish
+                        if (self.hang_up is not None and self.hang_up.is_set() and self.hang_up_if is not None
+                                and self.hang_up_if(index)):
+                            res.outcome = Outcome.CLOSED
+                            return res  # leaving the block closes the stream mid-way
+            if not done:
+                res.outcome, res.detail = Outcome.DROPPED, f"stream ended after {res.chunks} chunks without [DONE]"
+            elif not check:
+                res.outcome = Outcome.OK
+            else:
+                got = "".join(text)
+                if got == probe.text and finish == "length" and completion_tokens == probe.max_tokens:
+                    res.outcome = Outcome.OK
+                else:
+                    res.outcome = Outcome.WRONG
+                    res.detail = (f"{len(got)} chars (expected {len(probe.text)}), finish {finish}, "
+                                  f"{completion_tokens} tokens (expected {probe.max_tokens}); first difference at "
+                                  f"char {_first_difference(got, probe.text)}")
+        except (httpx.ReadTimeout, TimeoutError):
+            res.outcome = Outcome.HUNG
+            res.detail = f"no byte for {self.read_timeout_s:g} s, or past {self.deadline_s:g} s"
+        except (httpx.TransportError, httpx.StreamError) as e:
+            res.outcome, res.detail = Outcome.DROPPED, f"{type(e).__name__}: {e}"
+        except ValueError as e:  # a line that is not JSON: as bad as a wrong answer
+            res.outcome, res.detail = Outcome.WRONG, f"bad event: {e}"
+        finally:
+            res.ended = time.monotonic()
+        return res
+
+
+def _error_text(raw: bytes) -> str:
+    try:
+        err = json.loads(raw)["error"]
+        return f"{err.get('type')}: {err.get('message')}"
+    except (ValueError, KeyError, TypeError):
+        return raw[:200].decode(errors="replace")
+
+
+def _first_difference(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
