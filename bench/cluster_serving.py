@@ -140,10 +140,14 @@ def bench_http(model_dir: str, port: int, overhead_prompts: list[list[int]],
     import ray
 
     from pdserve.cluster import serve_app
+    from pdserve.cluster.leftovers import check_ports
     from pdserve.cluster.serve_config import serve_config
 
     results: dict[str, dict[str, float]] = {}
     cfg = serve_config({"model": model_dir, "port": port})
+    # What `serve_app.run` does before it starts local Ray, which it skips once Ray is up (here):
+    # an earlier run's orphaned HAProxy on these ports is stopped, anything else there is an error.
+    check_ports(serve_app.bound_ports(cfg))
     serve_app.init_ray(cfg, log_to_driver=False)
     try:
         serve_app.run(cfg, block=False)
