@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from factories import FakeBackend, serve_gateway, tiny_spec
+from factories import FakeBackend, serve_gateway, slow_steps, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.backend import LocalBackend
@@ -256,10 +256,7 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
     # The requests must outlast the gateway's disconnect poll (0.25 s) on any machine: 240 tokens
     # of the tiny model take ~0.1 s on a fast one, and finished before the abort, so the steps are
     # slowed to 5 ms here (240 tokens: ~1.2 s).
-    def slow(_: object) -> None:
-        time.sleep(0.005)
-
-    engine.engine.step_observers.append(slow)
+    undo = slow_steps(engine.engine, 0.005)
     try:
         for _ in range(5):
             with httpx.stream("POST", f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"},
@@ -277,7 +274,7 @@ def test_disconnected_stream_frees_its_blocks(server: tuple[str, AsyncEngine]) -
         _wait_idle(engine)  # not scraping /metrics meanwhile: the event loop's turns as in service
         _wait_idle(engine, until=lambda: _errors_499(url) >= errors_before + 6)
     finally:
-        engine.engine.step_observers.remove(slow)
+        undo()
     assert engine.num_in_flight == 0 and engine.engine.kv.pool.num_used == 0
     # Aborted, not run to completion: each part made well under half its 5 x 240 and 4 x 240
     # tokens (the gateway's poll notices the second client gone after ~0.25 s: ~50 steps).
