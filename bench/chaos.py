@@ -1,6 +1,6 @@
 """The chaos matrix of issue 13: real processes of a real `pdserve serve` killed,
 stopped, crashed or cut off under streaming greedy load, and what the cluster made
-of it (cluster/chaos_scenarios.py has the scenarios, cluster/chaos.py the harness;
+of it (tests/chaos/scenarios.py has the scenarios, tests/chaos/harness.py the harness;
 docs/reliability.md the results).
 
 Columns: requests of the scenario's load; ok (exactly the offline engine's greedy
@@ -27,7 +27,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdserve.cluster.chaos_scenarios import BY_KEY, MODEL_SPEC, SCENARIOS, counters_line, run_matrix, table
+# The harness is test tooling (tests/chaos/, the package `chaos`), not part of pdserve: tests/ goes first
+# on sys.path, as pytest's conftest puts it, ahead of this script's own folder (this file is chaos.py too).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from chaos.scenarios import BY_KEY, MODEL_SPEC, SCENARIOS, counters_line, run_matrix, table  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -34,9 +34,9 @@ SUBSET = ("a", "e", "f")
 
 @pytest.fixture(scope="module")
 def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from pdserve.cluster.chaos import Harness
-    from pdserve.cluster.chaos_load import make_probes
-    from pdserve.cluster.chaos_scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
+    from chaos.harness import Harness
+    from chaos.load import make_probes
+    from chaos.scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
 
     # test_serve_ray's model (made once per session): the scenarios' MODEL_SPEC.
     model = str(make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)))
@@ -51,8 +51,8 @@ def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytes
 
 
 def _check(harness: object, key: str) -> None:
-    from pdserve.cluster.chaos import Harness
-    from pdserve.cluster.chaos_scenarios import BY_KEY, table
+    from chaos.harness import Harness
+    from chaos.scenarios import BY_KEY, table
 
     assert isinstance(harness, Harness)
     result = BY_KEY[key].run(harness)
@@ -77,9 +77,9 @@ def test_workers_restarted_after_the_kills_do_not_run_behind_the_control_plane(h
     """Local Ray's control plane is at nice 19 (cluster/background_priority.py); the workers Ray
     restarted in the scenarios above, the gateway and haproxy at this process's own nice value
     (nice is inherited at fork: what starts them must not be moved)."""
+    from chaos.harness import Harness
+    from chaos.procs import cmdline
     from pdserve.cluster.background_priority import DEFAULT_NICE, is_background, nice_of
-    from pdserve.cluster.chaos import Harness
-    from pdserve.cluster.chaos_procs import cmdline
 
     assert isinstance(harness, Harness)
     base = os.getpriority(os.PRIO_PROCESS, 0)

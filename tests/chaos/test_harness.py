@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdserve.cluster.chaos import Fault, ScenarioResult, before_recovery
-from pdserve.cluster.chaos_leaks import Leaks, Snapshot, counter_increase, extra_threads, leaks
-from pdserve.cluster.chaos_load import Load, Outcome, Probe, Result
+from chaos.harness import Fault, ScenarioResult, before_recovery
+from chaos.leaks import Leaks, Snapshot, counter_increase, extra_threads, leaks
+from chaos.load import Load, Outcome, Probe, Result
 from pdserve.cluster.reports import DrainState
 
 PROBE = Probe((5, 6, 7), 3, "abc")

@@ -40,10 +40,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from chaos.procs import free_port
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.chaos_procs import free_port
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 ray = pytest.importorskip("ray")

@@ -1,6 +1,6 @@
 """The chaos harness's load: probes (prompts whose greedy completions the offline
 engine computed: the oracle) and `Load`, concurrent streaming clients over them, each
-request ending as one `Outcome` (see chaos.py)."""
+request ending as one `Outcome` (see harness.py)."""
 
 from __future__ import annotations
 

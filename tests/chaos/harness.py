@@ -1,10 +1,9 @@
 """Chaos harness: a real `pdserve serve`, streaming greedy load whose answers are
 known, faults on the pids of the processes it started, and the checks after each
-(issue 13; the scenarios are in chaos_scenarios.py, the matrix in bench/chaos.py,
-the CI subset in tests/chaos/). Its parts: what it reads of processes from /proc and
-the links it cuts (chaos_procs.py), the probes and the load (chaos_load.py), what
-the workers still hold afterwards (chaos_leaks.py); the server, the Ray view and one
-scenario's skeleton here.
+(issue 13; the scenarios are in scenarios.py, the matrix in bench/chaos.py, the CI
+subset in test_chaos.py). Its parts: what it reads of processes from /proc and the
+links it cuts (procs.py), the probes and the load (load.py), what the workers still
+hold afterwards (leaks.py); the server, the Ray view and one scenario's skeleton here.
 
 - `Server` starts `pdserve serve` as a subprocess in a session of its own (every
   Ray process it starts stays in that session, so the harness can tell them from
@@ -47,9 +46,9 @@ from typing import Any
 
 import httpx
 
-from pdserve.cluster.chaos_leaks import Leaks, Snapshot, counter_increase, extra_threads, leak_details, leaks
-from pdserve.cluster.chaos_load import EXACT_DTYPE, Load, Outcome, Probe, Result, make_probes
-from pdserve.cluster.chaos_procs import (
+from chaos.leaks import Leaks, Snapshot, counter_increase, extra_threads, leak_details, leaks
+from chaos.load import EXACT_DTYPE, Load, Outcome, Probe, Result, make_probes
+from chaos.procs import (
     alive,
     cmdline,
     free_port,

@@ -1,5 +1,5 @@
 """The chaos scenarios of issue 13 (a)-(i), each a function of a running `Harness`
-(cluster/chaos.py), and the matrix they make (bench/chaos.py prints it; tests/chaos
+(harness.py), and the matrix they make (bench/chaos.py prints it; test_chaos.py
 runs the CI subset).
 
 Every scenario runs streaming greedy load over fresh probe prompts, strikes a
@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.cluster.chaos import (
+from chaos.harness import (
     COUNTERS,
     DRAIN_TIMEOUT_S,
     Fault,
@@ -37,9 +37,9 @@ from pdserve.cluster.chaos import (
     pid_of,
     recovery_budget,
 )
-from pdserve.cluster.chaos_leaks import Snapshot, leaks
-from pdserve.cluster.chaos_load import Load, Outcome, Probe, Result, make_probes
-from pdserve.cluster.chaos_procs import can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
+from chaos.leaks import Snapshot, leaks
+from chaos.load import Load, Outcome, Probe, Result, make_probes
+from chaos.procs import can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
 
 REQUESTS = 48  # per scenario's load
