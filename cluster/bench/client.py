@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import NotRequired, TypedDict
 
 import aiohttp
 
@@ -38,6 +38,52 @@ class Endpoint(str, Enum):
     @property
     def path(self) -> str:
         return "/completions" if self is Endpoint.COMPLETIONS else "/chat/completions"
+
+
+class _StreamOptions(TypedDict):
+    include_usage: bool
+
+
+class _Message(TypedDict):
+    role: str
+    content: str
+
+
+class RequestBody(TypedDict):
+    """What the bench POSTs: a streamed completion (`prompt`) or chat completion (`messages`)."""
+
+    model: str
+    stream: bool
+    stream_options: _StreamOptions
+    temperature: float
+    messages: NotRequired[list[_Message]]
+    max_completion_tokens: NotRequired[int]
+    prompt: NotRequired[list[int] | str]
+    max_tokens: NotRequired[int]
+    ignore_eos: NotRequired[bool]
+
+
+# A streamed event as the server sends it: only the keys the bench reads; any of them may be missing.
+class _ChunkDelta(TypedDict, total=False):
+    role: str
+    content: str | None
+
+
+class _ChunkChoice(TypedDict, total=False):
+    text: str | None  # /v1/completions
+    delta: _ChunkDelta | None  # /v1/chat/completions
+    finish_reason: str | None
+
+
+class _ChunkUsage(TypedDict, total=False):
+    prompt_tokens: int | None
+    completion_tokens: int | None
+
+
+class StreamChunk(TypedDict, total=False):
+    choices: list[_ChunkChoice] | None
+    usage: _ChunkUsage | None
+    error: object
 
 
 @dataclass
@@ -68,9 +114,9 @@ class RequestRecord:
 
 
 def request_body(endpoint: Endpoint, model: str, prompt: list[int] | str, max_tokens: int, ignore_eos: bool,
-                 temperature: float = 0.0) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                            "temperature": temperature}
+                 temperature: float = 0.0) -> RequestBody:
+    body: RequestBody = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                         "temperature": temperature}
     if endpoint is Endpoint.CHAT:
         if not isinstance(prompt, str):
             raise ValueError("chat endpoint: needs text prompts (give --tokenizer)")
@@ -86,13 +132,13 @@ def request_body(endpoint: Endpoint, model: str, prompt: list[int] | str, max_to
     return body
 
 
-def _is_token_chunk(payload: dict[str, Any]) -> bool:
+def _is_token_chunk(payload: StreamChunk) -> bool:
     choices = payload.get("choices") or []
     if not choices:
         return False
     c = choices[0]
     delta = c.get("delta")
-    text = (delta or {}).get("content") if delta is not None else c.get("text")
+    text = delta.get("content") if delta is not None else c.get("text")
     if text:
         return True
     if delta is not None and "role" in delta:
@@ -112,7 +158,7 @@ def _error_message(body: bytes) -> str:
     return str(err)[:200]
 
 
-async def send(client: aiohttp.ClientSession, url: str, body: dict[str, Any], timeout_s: float,
+async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeout_s: float,
                rec: RequestRecord, t0: float) -> RequestRecord:
     """POST `body` to `url`, stream the reply into `rec`. Never raises but for cancellation
     (recorded as 'interrupted', then re-raised): every failure becomes `rec.error`."""
@@ -133,7 +179,7 @@ async def send(client: aiohttp.ClientSession, url: str, body: dict[str, Any], ti
                     if data == b"[DONE]":
                         done = True
                         break
-                    payload = json.loads(data)
+                    payload: StreamChunk = json.loads(data)
                     if "error" in payload:
                         rec.error = f"stream error: {_error_message(data)}"
                         return rec

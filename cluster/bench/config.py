@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any
 
 from .client import Endpoint
 from .metrics import SLO
@@ -68,14 +67,15 @@ class BenchConfig:
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max concurrency: must be >= 1, got {self.max_concurrency}")
 
-    def as_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
+    def as_json(self) -> dict[str, object]:
+        """Every field by name, as JSON writes it (the result file's `config`)."""
+        out: dict[str, object] = {}
         for f in fields(self):
-            v = getattr(self, f.name)
+            v: object = getattr(self, f.name)
             if isinstance(v, Enum):
                 v = v.value
             elif f.name == "slo":  # ms, as given on the command line
-                out["slo_ms"] = None if v is None else {k: s * 1000 for k, s in v.as_dict().items()}
+                out["slo_ms"] = None if self.slo is None else {k: s * 1000 for k, s in self.slo.as_dict().items()}
                 continue
             elif isinstance(v, TokenRange):
                 v = [v.lo, v.hi]

@@ -13,7 +13,7 @@ import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO
 
 import aiohttp
 
@@ -21,7 +21,7 @@ from . import report
 from .arrivals import arrival_offsets, rescale_to_rate
 from .client import first_model, request_body
 from .config import DEFAULT_NUM_REQUESTS, BenchConfig
-from .metrics import summarize
+from .metrics import Summary, summarize
 from .runner import Plan, Run, execute
 from .sweep import distserve_goodput
 from .workloads import BenchRequest, WorkloadKind, load_trace, random_requests, shared_prefix_requests, trace_requests
@@ -166,15 +166,16 @@ class Session:
         plot_cdf(d / "itl_cdf.png", "ITL", {k: [g for r in v for g in r.itl] for k, v in ok.items()}, None,
                  unit="gaps between chunks")
 
-    def _config_json(self) -> dict[str, Any]:
+    def _config_json(self) -> dict[str, object]:
         return {**self.cfg.as_json(), "model": self.model, "argv": sys.argv,
                 "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                             "python": platform.python_version()}}
 
 
-def _point(run: Run, s: dict[str, Any]) -> dict[str, Any]:
-    g = s["goodput"] or {}
-    return {"request_rate": run.rate, "attainment": g.get("attainment") or 0.0,
-            "attainment_by_slo": g.get("attainment_by_slo") or {}, "request_goodput": g.get("request_goodput"),
+def _point(run: Run, s: Summary) -> report.SweepPoint:
+    g = s["goodput"]
+    return {"request_rate": run.rate, "attainment": (g["attainment"] if g is not None else None) or 0.0,
+            "attainment_by_slo": g["attainment_by_slo"] if g is not None else {},
+            "request_goodput": g["request_goodput"] if g is not None else None,
             "completed": s["completed"], "failed": s["failed"], "interrupted": run.interrupted,
             "p99_ttft_s": s["ttft_s"]["p99"], "p99_tpot_s": s["tpot_s"]["p99"]}

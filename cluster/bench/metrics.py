@@ -19,13 +19,49 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from .client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
+
+# mean, median, std, min, max and p50/p90/p99 (PERCENTILES) of a latency; None when nothing was measured.
+Distribution = dict[str, float | None]
+
+
+class GoodputSummary(TypedDict):
+    """The SLO part of a run's summary."""
+
+    slo_s: dict[str, float]  # the targets given (ttft, tpot, e2e), seconds
+    good_requests: int  # successful requests that met every target
+    request_goodput: float | None  # good requests per second of run
+    attainment: float | None  # good requests / all requests
+    attainment_by_slo: dict[str, float | None]  # the same share per target
+
+
+class Summary(TypedDict):
+    """One run's numbers (`summarize`): what `pdserve bench` prints and its JSON keeps."""
+
+    duration_s: float
+    requests: int
+    completed: int
+    failed: int
+    failure_reasons: dict[str, int]  # reason -> requests, most common first
+    output_len_mismatch: int
+    total_input_tokens: int
+    total_output_tokens: int
+    request_throughput: float | None
+    input_token_throughput: float | None
+    output_token_throughput: float | None
+    total_token_throughput: float | None
+    mean_concurrency: float | None
+    ttft_s: Distribution
+    tpot_s: Distribution
+    itl_s: Distribution
+    e2e_s: Distribution
+    goodput: GoodputSummary | None  # None without SLOs
 
 
 @dataclass(frozen=True)
@@ -76,14 +112,14 @@ class SLO:
         return True
 
 
-def distribution(values: list[float]) -> dict[str, float | None]:
+def distribution(values: list[float]) -> Distribution:
     """mean, std, min, max, median and the PERCENTILES of `values` (None when empty)."""
     keys = ["mean", "median", "std", "min", "max", *(f"p{p}" for p in PERCENTILES)]
     if not values:
         return dict.fromkeys(keys)
     a = np.asarray(values, dtype=float)
-    out: dict[str, float | None] = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
-                                    "min": float(a.min()), "max": float(a.max())}
+    out: Distribution = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std()),
+                         "min": float(a.min()), "max": float(a.max())}
     for p in PERCENTILES:
         out[f"p{p}"] = float(np.percentile(a, p))
     return out
@@ -93,7 +129,7 @@ def failure_reasons(records: list[RequestRecord]) -> dict[str, int]:
     return dict(Counter(r.error or "unknown" for r in records if not r.success).most_common())
 
 
-def goodput(records: list[RequestRecord], duration: float, slo: SLO) -> dict[str, Any]:
+def goodput(records: list[RequestRecord], duration: float, slo: SLO) -> GoodputSummary:
     good = sum(slo.met_by(r) for r in records)
     n = len(records)
     per_slo = {k: (sum(slo.met_by(r, k) for r in records) / n if n else None) for k in slo.as_dict()}
@@ -102,7 +138,7 @@ def goodput(records: list[RequestRecord], duration: float, slo: SLO) -> dict[str
             "attainment": good / n if n else None, "attainment_by_slo": per_slo}
 
 
-def summarize(records: list[RequestRecord], duration: float, slo: SLO | None = None) -> dict[str, Any]:
+def summarize(records: list[RequestRecord], duration: float, slo: SLO | None = None) -> Summary:
     """The summary of one run; times in seconds, rates per second."""
     ok = [r for r in records if r.success]
     tin = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in ok)

@@ -3,28 +3,63 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TextIO, TypedDict
 
 from .client import RequestRecord
+from .metrics import Summary
 from .sweep import DistServeGoodput
 
 _LAT_COLS = ("mean", "median", "std", "min", "p90", "p99", "max")
 
 
-def record_dict(r: RequestRecord) -> dict[str, Any]:
-    d = asdict(r)
+class SweepPoint(TypedDict):
+    """One rate of a sweep: a row of the sweep table and a point of the attainment curve."""
+
+    request_rate: float
+    attainment: float  # 0.0 where nothing was measured
+    attainment_by_slo: dict[str, float | None]
+    request_goodput: float | None
+    completed: int
+    failed: int
+    interrupted: bool
+    p99_ttft_s: float | None
+    p99_tpot_s: float | None
+
+
+class BestRate(TypedDict):
+    rate: float | None  # requests/s
+    method: str  # a GoodputMethod's value
+    target_attainment: float
+
+
+class SweepJson(TypedDict):
+    points: list[SweepPoint]
+    distserve_goodput: BestRate
+
+
+class RunJson(TypedDict):
+    request_rate: float | str  # "inf": all at once
+    interrupted: bool
+    summary: Summary
+    requests: list[dict[str, object]]  # `record_dict` of each request
+
+
+def record_dict(r: RequestRecord) -> dict[str, object]:
+    """The record's fields by name (`asdict`), and its TPOT."""
+    d: dict[str, object] = asdict(r)
     d["tpot"] = r.tpot
     return d
 
 
-def run_dict(rate: float, interrupted: bool, summary: dict[str, Any], records: list[RequestRecord]) -> dict[str, Any]:
+def run_dict(rate: float, interrupted: bool, summary: Summary, records: list[RequestRecord]) -> RunJson:
     return {"request_rate": _num(rate), "interrupted": interrupted, "summary": summary,
             "requests": [record_dict(r) for r in records]}
 
 
-def sweep_dict(points: list[dict[str, Any]], best: DistServeGoodput) -> dict[str, Any]:
+def sweep_dict(points: list[SweepPoint], best: DistServeGoodput) -> SweepJson:
     return {"points": points, "distserve_goodput": {"rate": best.rate, "method": best.method.value,
                                                    "target_attainment": best.target}}
 
@@ -33,8 +68,7 @@ def _num(x: float) -> float | str:
     return x if x != float("inf") else "inf"  # JSON has no infinity
 
 
-def write_json(path: str | Path, config: dict[str, Any], runs: list[dict[str, Any]],
-               sweep: dict[str, Any] | None) -> None:
+def write_json(path: str | Path, config: Mapping[str, object], runs: list[RunJson], sweep: SweepJson | None) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"config": config, "runs": runs, "sweep": sweep}, indent=1, default=str) + "\n")
@@ -48,7 +82,7 @@ def _f(v: float | None, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def print_summary(title: str, s: dict[str, Any], out: TextIO) -> None:
+def print_summary(title: str, s: Summary, out: TextIO) -> None:
     w = 40
     lines = [f"{' ' + title + ' ':=^72}",
              f"{'Successful requests:':<{w}}{s['completed']}",
@@ -71,12 +105,12 @@ def print_summary(title: str, s: dict[str, Any], out: TextIO) -> None:
         lines += [f"{'Request goodput (req/s):':<{w}}{_f(g['request_goodput'])}  ({slo})",
                   f"{'SLO attainment:':<{w}}{_f(g['attainment'], '.1%')}  ({per})"]
     lines.append(f"{'latency (ms)':<12}" + "".join(f"{c:>10}" for c in _LAT_COLS))
-    for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
-        lines.append(f"{name:<12}" + "".join(f"{_ms(s[key][c]):>10}" for c in _LAT_COLS))
+    for name, dist in (("TTFT", s["ttft_s"]), ("TPOT", s["tpot_s"]), ("ITL", s["itl_s"]), ("E2E", s["e2e_s"])):
+        lines.append(f"{name:<12}" + "".join(f"{_ms(dist[c]):>10}" for c in _LAT_COLS))
     out.write("\n".join(lines) + "\n")
 
 
-def print_sweep(points: list[dict[str, Any]], best: DistServeGoodput, out: TextIO) -> None:
+def print_sweep(points: list[SweepPoint], best: DistServeGoodput, out: TextIO) -> None:
     lines = [f"{' rate sweep ':=^72}",
              f"{'rate/s':>8}{'attain':>9}{'goodput':>9}{'done':>6}{'fail':>6}{'p99 TTFT ms':>13}{'p99 TPOT ms':>13}"]
     for p in points:

@@ -13,12 +13,11 @@ import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 from tqdm import tqdm
 
-from .client import RequestRecord, send
+from .client import RequestBody, RequestRecord, send
 
 
 @dataclass
@@ -34,7 +33,7 @@ class Plan:
     """What one run sends: request i is `bodies[i]`, due `offsets[i]` seconds after the start."""
 
     url: str
-    bodies: list[dict[str, Any]]
+    bodies: list[RequestBody]
     input_lens: list[int]
     output_lens: list[int]
     offsets: list[float]
