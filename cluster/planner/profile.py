@@ -10,12 +10,75 @@ import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
 
 if TYPE_CHECKING:
     from pdserve.cluster.planner.costs import CostModel
 
 PROFILE_VERSION = 1
+
+
+class MachineInfo(TypedDict):
+    """What the numbers depend on (`machine_info`), for the reader of a profile."""
+
+    cpu: str
+    cores: int | None
+    device: str
+    python: str
+    torch: NotRequired[str]
+    gpu: NotRequired[str]  # a CUDA device's name
+
+
+class ModelInfo(TypedDict):
+    """The model profiled: where it was loaded from, what it is served as, its shape."""
+
+    path: str
+    name: str
+    architecture: str
+    layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    dtype: str
+    parameters: int
+
+
+class PointAt(TypedDict, total=False):
+    """Where a measured point is: a prefill point's new and cached tokens, a decode point's batch and context."""
+
+    new: int
+    cached: int
+    batch: int
+    context: int
+
+
+class Spread(PointAt):
+    """A measured point's noise: the min and max of its `n` repeats."""
+
+    kind: str  # prefill or decode
+    min: float
+    max: float
+    n: int
+
+
+class LoadAverage(TypedDict):
+    before: tuple[float, float, float]  # os.getloadavg() as the measurements started and ended
+    after: tuple[float, float, float]
+
+
+class ProfileNotes(TypedDict, total=False):
+    """How the profile was measured, for the reader (the simulator reads none of it)."""
+
+    grid: dict[str, object]  # the points asked for (profiler.Grid's fields)
+    skipped: list[str]  # points left out, and why
+    spread: list[Spread]
+    decode_warmup_steps: int
+    load_average: LoadAverage
+    spec_max_batch_size: int  # decode steps up to this batch verify drafts
+    command: str  # the command that measured it
+    seconds: float  # how long it took
 
 
 @dataclass(frozen=True)
@@ -71,8 +134,8 @@ class EngineShape:
 
 @dataclass(frozen=True)
 class Profile:
-    machine: dict[str, Any]
-    model: dict[str, Any]
+    machine: MachineInfo
+    model: ModelInfo
     engine: EngineShape
     transport: str
     kv_bytes_per_token: int
@@ -86,7 +149,7 @@ class Profile:
     serving_cpu_per_token_s: float | None = None
     created: str = ""
     version: int = PROFILE_VERSION
-    notes: dict[str, Any] = field(default_factory=dict)
+    notes: ProfileNotes = field(default_factory=ProfileNotes)
 
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:
@@ -101,14 +164,17 @@ class Profile:
 
     # -- JSON -----------------------------------------------------------------
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Profile:
+        """`d`: a profile file's JSON, as parsed (a ValueError if it is not one). Its machine,
+        model and notes are for the reader and taken as they are (an older file may lack a key)."""
         try:
             spec = d.get("speculative")
-            return cls(machine=dict(d["machine"]), model=dict(d["model"]), engine=EngineShape(**d["engine"]),
+            return cls(machine=cast(MachineInfo, dict(d["machine"])), model=cast(ModelInfo, dict(d["model"])),
+                       engine=EngineShape(**d["engine"]),
                        transport=str(d["transport"]), kv_bytes_per_token=int(d["kv_bytes_per_token"]),
                        prefill=tuple(PrefillPoint(**p) for p in d["prefill"]),
                        decode=tuple(DecodePoint(**p) for p in d["decode"]),
@@ -117,7 +183,8 @@ class Profile:
                        serving_cpu_per_token_s=(None if d.get("serving_cpu_per_token_s") is None
                                                 else float(d["serving_cpu_per_token_s"])),
                        created=str(d.get("created", "")),
-                       version=int(d.get("version", PROFILE_VERSION)), notes=dict(d.get("notes", {})))
+                       version=int(d.get("version", PROFILE_VERSION)),
+                       notes=cast(ProfileNotes, dict(d.get("notes", {}))))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a pdserve profile: {e}") from e
 
@@ -138,7 +205,7 @@ class Profile:
         return CostModel.fit(self)
 
 
-def machine_info(device: str) -> dict[str, Any]:
+def machine_info(device: str) -> MachineInfo:
     """What the numbers depend on, for the reader of a profile."""
     import os
 
@@ -150,7 +217,7 @@ def machine_info(device: str) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    info: dict[str, Any] = {"cpu": cpu, "cores": os.cpu_count(), "device": device, "python": platform.python_version()}
+    info: MachineInfo = {"cpu": cpu, "cores": os.cpu_count(), "device": device, "python": platform.python_version()}
     try:
         import torch
 

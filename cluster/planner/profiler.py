@@ -34,14 +34,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Unpack
 
 from pdserve.cluster.planner.profile import (
     DecodePoint,
     EngineShape,
+    ModelInfo,
+    PointAt,
     PrefillPoint,
     Profile,
+    ProfileNotes,
     SpecProfile,
+    Spread,
     TransferPoint,
     machine_info,
 )
@@ -157,9 +161,9 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
 
     load_before = os.getloadavg()  # other work on the machine moves the times: the reader should know
     prefill, decode, transfer, speculative = run_on_exiting_thread(measure, torch_threads, name="pdserve-profile")
-    notes: dict[str, Any] = {"grid": dataclasses.asdict(grid), "skipped": profiler.skipped, "spread": profiler.spread,
-                             "decode_warmup_steps": _DECODE_WARMUP_STEPS,
-                             "load_average": {"before": load_before, "after": os.getloadavg()}}
+    notes: ProfileNotes = {"grid": dataclasses.asdict(grid), "skipped": profiler.skipped, "spread": profiler.spread,
+                           "decode_warmup_steps": _DECODE_WARMUP_STEPS,
+                           "load_average": {"before": load_before, "after": os.getloadavg()}}
     if speculative is not None:  # decode steps up to this batch verify drafts: they gain tokens_per_step each
         notes["spec_max_batch_size"] = engine.config.spec_max_batch_size
     return Profile(machine=machine_info(str(engine.device)), model=model_info(engine, model_name),
@@ -169,7 +173,7 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
                    created=datetime.now(UTC).isoformat(timespec="seconds"), notes=notes)
 
 
-def model_info(engine: LLMEngine, name: str | None = None) -> dict[str, Any]:
+def model_info(engine: LLMEngine, name: str | None = None) -> ModelInfo:
     mc = engine.model_config
     return {"path": engine.model_dir, "name": name or engine.config.model, "architecture": mc.arch,
             "layers": mc.num_layers, "hidden_size": mc.hidden_size, "num_heads": mc.num_heads,
@@ -197,7 +201,7 @@ class _Profiler:
         self.last_step: StepStats | None = None
         engine.step_observers.append(self._observe)
         self.skipped: list[str] = []  # points left out, and why
-        self.spread: list[dict[str, Any]] = []  # per point: min and max of the repeats (noise, for the reader)
+        self.spread: list[Spread] = []  # per point: min and max of the repeats (noise, for the reader)
 
     def _observe(self, step: StepStats) -> None:
         self.last_step = step
@@ -353,7 +357,7 @@ class _Profiler:
         self.skipped.append(why)
         self.progress(f"skipped: {why}")
 
-    def _note(self, kind: str, times: list[float], **where: int) -> None:
+    def _note(self, kind: str, times: list[float], **where: Unpack[PointAt]) -> None:
         self.spread.append({"kind": kind, **where, "min": min(times), "max": max(times), "n": len(times)})
 
 

@@ -12,15 +12,30 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 
 from pdserve.cluster.bench.client import RequestRecord
-from pdserve.cluster.bench.metrics import SLO, summarize
+from pdserve.cluster.bench.metrics import SLO, Summary, summarize
 from pdserve.cluster.bench.sweep import DISTSERVE_TARGET
 from pdserve.cluster.planner.sim_engine import Track
 from pdserve.cluster.planner.simulator import SimResult
+
+
+class Simulated(TypedDict):
+    """What the simulator saw of a run, beside the bench's numbers."""
+
+    cluster: str  # the configuration's label
+    plans: dict[str, int]  # requests run under each plan
+    preemptions: int
+    worker_busy_s: dict[str, float]  # worker -> seconds it was computing
+    prefix_hit_rate: float  # cached / prompt tokens of the finished requests
+    events: int
+
+
+class SimSummary(Summary):
+    simulated: Simulated
 
 
 def record(track: Track) -> RequestRecord:
@@ -49,16 +64,15 @@ def records(result: SimResult) -> list[RequestRecord]:
     return [record(t) for t in result.tracks]
 
 
-def summary(result: SimResult, slo: SLO | None = None) -> dict[str, Any]:
+def summary(result: SimResult, slo: SLO | None = None) -> SimSummary:
     """The bench's summary of the simulated run (seconds; `ttft_s`, `tpot_s`, `itl_s`, ... with
     p50/p90/p99; `goodput` with SLO attainment when `slo` is given), plus what the simulator saw."""
     out = summarize(records(result), result.duration, slo)
     prompt = sum(t.req.prompt_len for t in result.tracks if t.done is not None)
-    out["simulated"] = {"cluster": result.cluster.label, "plans": dict(result.plans),
-                        "preemptions": result.preemptions, "worker_busy_s": dict(result.busy_s),
-                        "prefix_hit_rate": sum(t.cached_tokens for t in result.tracks if t.done is not None)
-                        / prompt if prompt else 0.0, "events": result.events}
-    return out
+    return {**out, "simulated": {"cluster": result.cluster.label, "plans": dict(result.plans),
+                                 "preemptions": result.preemptions, "worker_busy_s": dict(result.busy_s),
+                                 "prefix_hit_rate": sum(t.cached_tokens for t in result.tracks if t.done is not None)
+                                 / prompt if prompt else 0.0, "events": result.events}}
 
 
 @dataclass(frozen=True)
