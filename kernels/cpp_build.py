@@ -18,17 +18,16 @@ whoever holds it knows that a `lock` file left there is such an orphan, and remo
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+
+from pdserve.kernels.file_lock import exclusive
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,7 @@ class InlineOp:
 
         build_dir = cpp_extension._get_build_directory(self.name, verbose=False)  # torch's cache folder for it
         os.makedirs(build_dir, exist_ok=True)
-        with _exclusive(os.path.join(build_dir, "pdserve.flock"), BUILD_WAIT_S):
+        with exclusive(os.path.join(build_dir, "pdserve.flock"), BUILD_WAIT_S):
             orphan = os.path.join(build_dir, _BATON)
             if os.path.exists(orphan):  # every builder holds the flock first: this one's process is gone
                 log.warning("%s: removing %s, left by a build that was killed", self.what, orphan)
@@ -117,26 +116,6 @@ class InlineOp:
             cpp_extension.load(self.name, sources=[str(source)], extra_cflags=FLAGS, build_directory=build_dir,
                                is_python_module=False, verbose=False)
         return getattr(torch.ops.pdserve, self.op).default  # type: ignore[no-any-return]
-
-
-@contextlib.contextmanager
-def _exclusive(path: str, wait_s: float) -> Iterator[None]:
-    """Hold an flock on `path` (made if absent), waiting up to `wait_s` for another process to let
-    go (TimeoutError then)."""
-    with open(path, "a") as f:
-        deadline = time.monotonic() + wait_s
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"another process held {path} for over {wait_s:.0f} s") from None
-                time.sleep(0.5)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 __all__ = ["FLAGS", "InlineOp", "Op"]

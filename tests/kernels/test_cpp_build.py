@@ -21,6 +21,7 @@ from torch.utils import cpp_extension
 
 from pdserve.kernels import cpp_build
 from pdserve.kernels.cpp_build import InlineOp
+from pdserve.kernels.file_lock import exclusive
 
 
 @pytest.fixture
@@ -78,7 +79,7 @@ def test_an_op_builds_registers_itself_and_is_found_in_the_cache_the_next_time(b
 
 
 def _hold(path: str, held: Any, release: Any) -> None:
-    with cpp_build._exclusive(path, 5.0):
+    with exclusive(path, 5.0):
         held.set()
         release.wait(10.0)
 
@@ -106,12 +107,12 @@ def test_a_build_in_another_process_is_waited_for_up_to_the_deadline(tmp_path: P
     path = str(tmp_path / "pdserve.flock")
     with _holder(path) as (proc, release):
         start = time.monotonic()
-        with pytest.raises(TimeoutError), cpp_build._exclusive(path, 0.6):
+        with pytest.raises(TimeoutError), exclusive(path, 0.6):
             pass
         assert time.monotonic() - start >= 0.6
         release.set()
         proc.join(10.0)
-        with cpp_build._exclusive(path, 5.0):  # let go by its holder: taken at once
+        with exclusive(path, 5.0):  # let go by its holder: taken at once
             pass
 
 
@@ -121,5 +122,5 @@ def test_a_killed_holder_lets_go(tmp_path: Path) -> None:
     with _holder(path) as (proc, _):
         proc.kill()
         proc.join(10.0)
-        with cpp_build._exclusive(path, 5.0):
+        with exclusive(path, 5.0):
             pass

@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from pdserve.kernels.file_lock import exclusive
 from pdserve.workers.tiny.corpus import cache_dir
 
 TINY = "tiny"
@@ -62,18 +61,10 @@ def _locked(path: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """The conversion's lock, waited for at most `timeout_s` (a converter that hangs
     must not hang every worker that starts after it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + timeout_s
-    with open(path, "w") as f:
-        while True:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise ValueError(f"model: another process has been converting into {path.with_suffix('')} "
-                                     f"for over {timeout_s:.0f} s; remove {path} if none is") from None
-                time.sleep(0.2)
+    with contextlib.ExitStack() as held:
         try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            held.enter_context(exclusive(path, timeout_s))
+        except TimeoutError:
+            raise ValueError(f"model: another process has been converting into {path.with_suffix('')} "
+                             f"for over {timeout_s:.0f} s; remove {path} if none is") from None
+        yield
