@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,11 +27,12 @@ from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, W
 from pdserve.cluster.http_guard import Guard, Keys, request_id
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
-from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, error_body, now
+from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
 
 log = logging.getLogger(__name__)
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+T = TypeVar("T")
 
 
 def build_app(gw: Gateway) -> FastAPI:
@@ -114,14 +115,13 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         return Response(await gw.metrics.exposition(gw.worker_handles()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
-    async def models() -> dict[str, Any]:
+    async def models() -> ModelList:
         # vLLM's model card, one per served name: `vllm bench serve` with no --model
         # takes data[0]'s `id` as the model and its `root` as the tokenizer.
         created, cfg = now(), gw.config
         root = cfg.model_root if cfg.model_root is not None else cfg.model_name
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": created, "owned_by": "pdserve",
-                                            "root": root, "parent": None, "max_model_len": cfg.max_model_len}
-                                           for name in cfg.served_names]}
+        return ModelList(data=[ModelCard(id=name, created=created, root=root, max_model_len=cfg.max_model_len)
+                               for name in cfg.served_names])
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
@@ -208,7 +208,7 @@ class _AdmittedStream(StreamingResponse):
                 self._slot.release()
 
 
-async def _until_disconnect(request: Request, work: Awaitable[dict[str, Any]]) -> dict[str, Any]:
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     """Run `work`, cancelling it (which aborts the request) if the client goes away."""
     task = asyncio.ensure_future(work)
     try:

@@ -6,13 +6,16 @@ it (vLLM logs and ignores unknown fields; a client asking for JSON output or
 tool calls would then get free text with a 200): the OpenAI options it cannot
 do are modelled so the refusal is explicit, any other unknown field is
 refused too, except the few in `IGNORED_FIELDS` that change nothing.
+
+Response bodies and stream chunks are TypedDicts: responses.py builds them as
+plain dicts (a chunk per token: no model to validate on the way out).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -120,7 +123,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, object]] | None = None  # content parts: checked here (`check_supported`)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -144,11 +147,12 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     # OpenAI options pdserve cannot honour: modelled so that asking for them is a 400 naming
     # the field, while their "off" values (what some clients send by default) pass.
-    response_format: dict[str, Any] | None = Field(None, description='only {"type": "text"} (the default)')
-    tools: list[dict[str, Any]] | None = Field(None, description="not supported: only an empty list")
-    tool_choice: str | dict[str, Any] | None = Field(None, description='not supported: only "none"')
-    functions: list[dict[str, Any]] | None = Field(None, description="not supported: only an empty list")
-    function_call: str | dict[str, Any] | None = Field(None, description='not supported: only "none"')
+    # Their JSON is taken as it comes: only its "off" value is ever read.
+    response_format: dict[str, object] | None = Field(None, description='only {"type": "text"} (the default)')
+    tools: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
+    tool_choice: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
+    functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
+    function_call: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -177,7 +181,136 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def error_body(message: str, err_type: str, code: int, param: str | None = None) -> dict[str, Any]:
+# -- responses --------------------------------------------------------------------
+
+
+class ErrorObject(TypedDict):
+    message: str
+    type: str
+    param: str | None  # the request field at fault
+    code: int  # the HTTP status
+
+
+class ErrorBody(TypedDict):
+    error: ErrorObject
+
+
+class PromptTokensDetails(TypedDict):
+    cached_tokens: int
+
+
+class Usage(TypedDict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TextLogprobs(TypedDict):
+    """/v1/completions' logprobs, one entry per reported token (None: an echoed prompt's first token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # token text -> log-prob
+    text_offset: list[int]
+
+
+class TopLogprob(TypedDict):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(TypedDict):
+    """/v1/chat/completions' logprobs."""
+
+    content: list[TokenLogprob]
+
+
+Logprobs = TextLogprobs | ChatLogprobs
+
+
+class TextChoice(TypedDict):
+    """A /v1/completions choice: of a whole response, or of a chunk (then `text` is what it adds)."""
+
+    index: int
+    text: str
+    logprobs: Logprobs | None
+    finish_reason: str | None
+
+
+class AssistantMessage(TypedDict):
+    role: str
+    content: str
+
+
+class ChatChoice(TypedDict):
+    """A /v1/chat/completions choice of a whole response."""
+
+    index: int
+    message: AssistantMessage
+    logprobs: Logprobs | None
+    finish_reason: str | None
+
+
+class ChatDelta(TypedDict):
+    role: NotRequired[str]  # in a stream's opening chunk only
+    content: str
+
+
+class ChatChunkChoice(TypedDict):
+    """A /v1/chat/completions choice of a chunk."""
+
+    index: int
+    delta: ChatDelta
+    logprobs: NotRequired[Logprobs | None]  # not in the opening chunk
+    finish_reason: str | None
+
+
+class ResponseBody(TypedDict):
+    """A whole (not streamed) response."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[TextChoice | ChatChoice]
+    usage: Usage
+
+
+class ChunkBody(TypedDict):
+    """One event of a streamed response."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: list[TextChoice | ChatChunkChoice]
+    usage: NotRequired[Usage]  # the last chunk's, when the request asked for it (`include_usage`)
+
+
+class ModelCard(BaseModel):
+    """One served name in GET /v1/models, as vLLM describes it."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pdserve"
+    root: str  # vLLM's: the tokenizer's name or path
+    parent: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+def error_body(message: str, err_type: str, code: int, param: str | None = None) -> ErrorBody:
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -189,7 +322,7 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Usage:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

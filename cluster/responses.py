@@ -16,19 +16,33 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
 
 from pydantic_core import PydanticSerializationError, to_json
 
 from pdserve.cluster.gateway import Gateway, Work, client_error
 from pdserve.cluster.metrics import RequestMetrics
-from pdserve.cluster.protocol import error_body, now, usage
+from pdserve.cluster.protocol import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatLogprobs,
+    ChunkBody,
+    ErrorBody,
+    Logprobs,
+    ResponseBody,
+    TextChoice,
+    TextLogprobs,
+    TokenLogprob,
+    Usage,
+    error_body,
+    now,
+    usage,
+)
 from pdserve.workers.outputs import RequestOutput
 
 TokenStr = Callable[[int], str]
 # Per reported token, {token id: log-prob}; None for a prompt's first token (echo), which nothing predicts.
 Entries = list[dict[int, float] | None]
-Json = dict[str, Any]
 DONE = "data: [DONE]\n\n"
 
 
@@ -77,31 +91,31 @@ class WireShape(ABC):
     object_name: str  # of a whole response
     chunk_object: str  # of a streamed chunk
 
-    def opening(self, choices: list[Choice]) -> list[Json] | None:
+    def opening(self, choices: list[Choice]) -> list[TextChoice | ChatChunkChoice] | None:
         """The choices of a chunk sent before any token, where the format has one."""
         return None
 
     @abstractmethod
-    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json: ...
+    def choice(self, c: Choice, echo: str | None, logprobs: Logprobs | None) -> TextChoice | ChatChoice: ...
 
     @abstractmethod
-    def delta(self, d: Delta, logprobs: Json | None) -> Json: ...
+    def delta(self, d: Delta, logprobs: Logprobs | None) -> TextChoice | ChatChunkChoice: ...
 
     @abstractmethod
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json: ...
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Logprobs: ...
 
 
 class _CompletionShape(WireShape):
     id_prefix = "cmpl"
     object_name = chunk_object = "text_completion"
 
-    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json:
+    def choice(self, c: Choice, echo: str | None, logprobs: Logprobs | None) -> TextChoice:
         return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    def delta(self, d: Delta, logprobs: Json | None) -> Json:
+    def delta(self, d: Delta, logprobs: Logprobs | None) -> TextChoice:
         return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json:
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> TextLogprobs:
         return {
             "tokens": [token_str(t) for t in token_ids],
             "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
@@ -115,19 +129,19 @@ class _ChatShape(WireShape):
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def opening(self, choices: list[Choice]) -> list[Json] | None:
+    def opening(self, choices: list[Choice]) -> list[TextChoice | ChatChunkChoice] | None:
         return [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
                 for c in choices]
 
-    def choice(self, c: Choice, echo: str | None, logprobs: Json | None) -> Json:
-        return {"index": c.index, "message": {"role": "assistant", "content": c.text},
-                "logprobs": logprobs, "finish_reason": c.finish_reason}
+    def choice(self, c: Choice, echo: str | None, logprobs: Logprobs | None) -> ChatChoice:
+        message: AssistantMessage = {"role": "assistant", "content": c.text}
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
 
-    def delta(self, d: Delta, logprobs: Json | None) -> Json:
+    def delta(self, d: Delta, logprobs: Logprobs | None) -> ChatChunkChoice:
         return {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Json:
-        content = []
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> ChatLogprobs:
+        content: list[TokenLogprob] = []
         for tok, entry in zip(token_ids, entries):
             scores = entry or {}  # never None: a chat request does not echo its prompt
             top = sorted(scores.items(), key=lambda kv: -kv[1])
@@ -195,19 +209,19 @@ def _reported(work: Work, c: Choice) -> tuple[list[int], Entries]:
     return work.prompt_ids + c.token_ids, prompt + list(c.logprobs)
 
 
-def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> Json:
+def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> TextChoice | ChatChoice:
     shape = kind.shape
     logprobs = shape.logprobs(token_str, *_reported(work, c)) if work.params.logprobs is not None else None
     return shape.choice(c, work.echo, logprobs)
 
 
-def usage_body(works: list[Work], choices: list[Choice]) -> Json:
+def usage_body(works: list[Work], choices: list[Choice]) -> Usage:
     n = works[0].params.n
     return usage(sum(len(w.prompt_ids) for w in works), sum(len(c.token_ids) for c in choices),
                  sum(choices[p * n].cached_tokens for p in range(len(works))))
 
 
-def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choices: list[Choice]) -> Json:
+def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choices: list[Choice]) -> ResponseBody:
     return {
         "id": rid, "object": kind.shape.object_name, "created": now(), "model": gw.config.model_name,
         "choices": [final_choice(kind, gw.token_str, c, work_of(works, c.index)) for c in choices],
@@ -215,7 +229,7 @@ def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choic
     }
 
 
-def sse_event(body: Json) -> str:
+def sse_event(body: ChunkBody | ErrorBody) -> str:
     # pydantic-core's serializer (FastAPI's own dependency) writes a chunk in under a
     # microsecond, the standard library's json.dumps in ~7: one chunk per token of every
     # stream. Infinities as json.dumps writes them (a logprob may be -inf).
@@ -236,9 +250,12 @@ class ChunkRenderer:
     token_str: TokenStr
     created: int = field(default_factory=now)
 
-    def chunk(self, choices: list[Json], **extra: Any) -> str:
-        return sse_event({"id": self.rid, "object": self.kind.shape.chunk_object, "created": self.created,
-                          "model": self.model, "choices": choices, **extra})
+    def chunk(self, choices: list[TextChoice | ChatChunkChoice], usage: Usage | None = None) -> str:
+        body: ChunkBody = {"id": self.rid, "object": self.kind.shape.chunk_object, "created": self.created,
+                           "model": self.model, "choices": choices}
+        if usage is not None:
+            body["usage"] = usage
+        return sse_event(body)
 
     def opening(self, choices: list[Choice]) -> str | None:
         opening = self.kind.shape.opening(choices)
@@ -257,7 +274,8 @@ def _prompt_tokens(works: list[Work]) -> int:
     return sum(len(w.prompt_ids) for w in works)
 
 
-async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], rm: RequestMetrics) -> Json:
+async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work],
+                           rm: RequestMetrics) -> ResponseBody:
     """The whole response body; a failure raises an APIError (its handler counts it)."""
     choices = new_choices(works)
     rm.admitted(_prompt_tokens(works))
