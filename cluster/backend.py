@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol, TypedDict
 
 from ray.exceptions import RayActorError
 
@@ -26,6 +26,7 @@ from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
+from pdserve.cluster.worker_handle import WorkerHandle
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
@@ -43,6 +44,18 @@ class PoolState:
     total: int  # workers the deployment has
 
 
+class PoolBody(TypedDict):
+    live: int
+    total: int
+
+
+class HealthBody(TypedDict):
+    """GET /health's body."""
+
+    status: str  # ok, degraded or unavailable
+    pools: dict[str, PoolBody]
+
+
 @dataclass(frozen=True)
 class Health:
     """What /health reports: each pool's live workers, and whether a request can be served."""
@@ -56,7 +69,7 @@ class Health:
             return "unavailable"
         return "degraded" if any(p.live < p.total for p in self.pools.values()) else "ok"
 
-    def body(self) -> dict[str, Any]:
+    def body(self) -> HealthBody:
         return {"status": self.status,
                 "pools": {name: {"live": p.live, "total": p.total} for name, p in self.pools.items()}}
 
@@ -285,9 +298,9 @@ class ColocatedBackend:
     (not found when the gateway started) is asked of `lookup(name)` every
     `retry_dead_s` until it is found."""
 
-    def __init__(self, workers: list[Any | None], stream_host: str | None = "127.0.0.1", names: list[str] | None = None,
-                 max_migrations: int = 2, retry_dead_s: float = 5.0,
-                 lookup: Callable[[str], Any | None] | None = None,
+    def __init__(self, workers: list[WorkerHandle | None], stream_host: str | None = "127.0.0.1",
+                 names: list[str] | None = None, max_migrations: int = 2, retry_dead_s: float = 5.0,
+                 lookup: Callable[[str], WorkerHandle | None] | None = None,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
@@ -430,7 +443,7 @@ class LocalBackend:
         self.engine.close()
 
 
-def _abort(worker: Any, request_id: str, attempt: int) -> None:
+def _abort(worker: WorkerHandle | None, request_id: str, attempt: int) -> None:
     """Tell a worker to drop try `attempt` of a request; fire and forget (a dead one is already rid of it)."""
     if worker is not None:
         with contextlib.suppress(RayActorError):

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
-from typing import Any
 
 from pdserve.cluster.backend import (
     DEFAULT_WORKER_WAIT_S,
@@ -44,6 +43,7 @@ from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import Plan, RoutingDecision, WorkerLoad, WorkerRole
 from pdserve.cluster.router.router import RouterStats
+from pdserve.cluster.worker_handle import PoolWorkerHandle
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
@@ -74,10 +74,14 @@ class WorkerEvents:
     switch_failures: int = 0  # role switches that failed
 
 
+# A pool: router worker id -> actor handle, None while the worker is not found.
+Pool = dict[str, PoolWorkerHandle | None]
+
+
 class DisaggregatedBackend:
-    def __init__(self, prefill: dict[str, Any], decode: dict[str, Any], router: Router, poll_s: float = 0.25,
+    def __init__(self, prefill: Pool, decode: Pool, router: Router, poll_s: float = 0.25,
                  stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
-                 lookup: Callable[[str], Any | None] | None = None, max_migrations: int = 2,
+                 lookup: Callable[[str], PoolWorkerHandle | None] | None = None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker
         not found (yet): `lookup(name)` is asked for it again at each poll (a
@@ -98,7 +102,7 @@ class DisaggregatedBackend:
         self._polled: set[str] = set()
         self._answered: set[str] = set()  # workers that answered a poll at least once
         self._incarnation: dict[str, str] = {}  # the worker process that last answered
-        self._switching: dict[str, Any] = {}  # workers changing role: in no pool, routed nothing
+        self._switching: dict[str, PoolWorkerHandle] = {}  # workers changing role: in no pool, routed nothing
         # The latest role change each worker process is known to have made (its incarnation,
         # its count of switches): a report older than that one says nothing of its role.
         self._role_epoch: dict[str, tuple[str, int]] = {}
@@ -114,7 +118,7 @@ class DisaggregatedBackend:
         can_prefill = pools["prefill"].live > 0 or self.router.config.fallback_local_prefill or not self.prefill
         return Health(pools, serving=pools["decode"].live > 0 and can_prefill)
 
-    def _pool(self, workers: dict[str, Any]) -> PoolState:
+    def _pool(self, workers: Pool) -> PoolState:
         return PoolState(sum(w not in self._dead for w in workers), len(workers))
 
     @property
@@ -226,9 +230,9 @@ class DisaggregatedBackend:
             raise ValueError(f"worker: no worker named {worker!r}")
         return ids[0]
 
-    def handle_of(self, wid: str) -> Any:
+    def handle_of(self, wid: str) -> PoolWorkerHandle | None:
         """The worker's actor handle, whichever pool it is in (a try routed before a
-        switch still calls and aborts on it)."""
+        switch still calls and aborts on it); None while the worker is not found."""
         for pool in (self.prefill, self.decode, self._switching):
             if wid in pool:
                 return pool[wid]
@@ -354,7 +358,7 @@ class DisaggregatedBackend:
                                            running_requests=s.running, free_blocks=s.free_blocks,
                                            total_blocks=s.total_blocks))
 
-    async def _handle(self, wid: str) -> Any | None:
+    async def _handle(self, wid: str) -> PoolWorkerHandle | None:
         if wid in self._switching:
             return self._switching[wid]
         pool = self.prefill if wid in self.prefill else self.decode
@@ -381,21 +385,29 @@ class _Try:
     async def call(self, req: ServeRequest) -> None:
         b, d = self.backend, self.decision
         self.attempt = req.attempt
-        decode, p_id = b.handle_of(d.decode_worker), d.prefill_worker
+        decode, p_id = self._routed(d.decode_worker), d.prefill_worker
         try:
             if d.plan is Plan.LOCAL or p_id is None:
                 await decode.serve.remote(req)
             elif d.plan is Plan.HANDOFF:
-                await decode.handoff.remote(req, b.handle_of(p_id))
+                await decode.handoff.remote(req, self._routed(p_id))
             else:
                 try:
-                    await b.handle_of(p_id).serve.remote(req)
+                    await self._routed(p_id).serve.remote(req)
                 except WORKER_LOST:  # it is gone: the decode worker runs the request
                     b._lose(p_id)
                     await decode.serve.remote(req)
         except WORKER_LOST:
             self.lost = d.decode_worker
             raise
+
+    def _routed(self, wid: str) -> PoolWorkerHandle:
+        """The handle of a worker this try was routed to: found, as the router knows a
+        worker only once it has answered a poll."""
+        handle = self.backend.handle_of(wid)
+        if handle is None:
+            raise LookupError(f"worker {wid!r}: routed before it was found")
+        return handle
 
     def abort(self, request_id: str) -> None:
         b, d = self.backend, self.decision

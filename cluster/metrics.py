@@ -21,14 +21,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
+from pdserve.cluster.worker_handle import WorkerHandle
 from pdserve.cluster.worker_metrics import WithoutCreated
 from pdserve.workers.outputs import RequestOutput
 
@@ -48,8 +50,8 @@ ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
 HEALTH_STATES = ("ok", "degraded", "unavailable")  # `Health.status`
 WORKER_SCRAPE_DEADLINE_S = 2.0
 
-# Actor name -> (pool, actor handle with an async `metrics()` returning the exposition).
-WorkerHandles = Mapping[str, tuple[str, Any]]
+# Actor name -> (pool, actor handle): its `metrics()` returns the worker's exposition.
+WorkerHandles = Mapping[str, tuple[str, WorkerHandle]]
 
 
 class GatewayMetrics:
@@ -260,18 +262,18 @@ class RequestCounter:
     streamed bodies pass through untouched (Starlette's BaseHTTPMiddleware would
     relay every chunk through a queue)."""
 
-    def __init__(self, app: Any, counter: Counter, endpoints: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, counter: Counter, endpoints: frozenset[str]) -> None:
         self.app, self.counter, self.endpoints = app, counter, endpoints
         for endpoint in endpoints:  # series from the first scrape on
             counter.labels(endpoint, "200")
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         status = 500  # if the app fails before it starts a response
 
-        async def send_status(message: dict[str, Any]) -> None:
+        async def send_status(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
@@ -284,7 +286,7 @@ class RequestCounter:
             self.counter.labels(path if path in self.endpoints else "other", str(status)).inc()
 
 
-async def _fetch(handle: Any, deadline_s: float) -> str | None:
+async def _fetch(handle: WorkerHandle, deadline_s: float) -> str | None:
     try:
         async with asyncio.timeout(deadline_s):
             data = await handle.metrics.remote()

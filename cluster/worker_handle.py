@@ -1,0 +1,67 @@
+"""The gateway's typed view of a worker actor's handle.
+
+Ray's actor handles are untyped (mypy skips ray): a worker's method is called as
+`handle.method.remote(*args)`, which returns an awaitable ObjectRef. These
+Protocols name the methods the gateway calls (cluster/actors.py defines them),
+their arguments and what they return, so that each call site is checked. A Ray
+handle is taken for one as it is; a test's fake worker need only have the
+methods its test calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+
+if TYPE_CHECKING:
+    from pdserve.cluster.reports import LoadReport, RoleSwitch
+    from pdserve.cluster.router.policy import WorkerRole
+    from pdserve.workers.handoff import ServeRequest
+
+P = ParamSpec("P")
+R_co = TypeVar("R_co", covariant=True)
+
+
+class RemoteMethod(Protocol[P, R_co]):
+    """An actor method as a handle has it: `.remote(...)` sends the call; awaiting what
+    it returns waits for the result (and raises the actor's error, or its death)."""
+
+    def remote(self, *args: P.args, **kwargs: P.kwargs) -> Awaitable[R_co]: ...
+
+
+class WorkerHandle(Protocol):
+    """Any worker: a colocated one (actors.EngineService) or a pool's (`PoolWorkerHandle`)."""
+
+    @property
+    def serve(self) -> RemoteMethod[[ServeRequest], None]:
+        """Run the request here, its tokens on its `reply_to` stream."""
+        ...
+
+    @property
+    def abort(self) -> RemoteMethod[[str, int], None]:
+        """Drop try `attempt` of request `request_id` (fire and forget)."""
+        ...
+
+    @property
+    def load(self) -> RemoteMethod[[], LoadReport]:
+        """Its load and the KV events since the last report (the router's poll)."""
+        ...
+
+    @property
+    def metrics(self) -> RemoteMethod[[], bytes]:
+        """Its Prometheus exposition (merged into the gateway's /metrics)."""
+        ...
+
+
+class PoolWorkerHandle(WorkerHandle, Protocol):
+    """A prefill or decode worker (actors.WorkerService): it also hands requests off and changes role."""
+
+    @property
+    def handoff(self) -> RemoteMethod[[ServeRequest, PoolWorkerHandle], None]:
+        """Decode the request after the prefill worker given computes its prompt into blocks reserved here."""
+        ...
+
+    @property
+    def switch_role(self) -> RemoteMethod[[WorkerRole, float], RoleSwitch]:
+        """Drain for up to the timeout given, then become a worker of the role given."""
+        ...
