@@ -49,7 +49,7 @@ import math
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 AUTO = "auto"
 LOOPBACK = "127.0.0.1"
@@ -158,13 +158,23 @@ LEND_MIN_WEIGHT_BYTES = 32 << 20
 COLOCATED_PLANE_CORES = 1
 
 
+class ActorOptions(TypedDict, total=False):
+    """Ray actor options (`.options(**...)`): what an actor asks Ray for, and how Ray restarts it."""
+
+    num_cpus: float
+    num_gpus: float
+    resources: dict[str, float]  # custom resources (a pool's `*_resources`)
+    max_restarts: int
+    max_task_retries: int
+
+
 @dataclass(frozen=True)
 class WorkerShare:
     """What each worker actor asks Ray for, the torch threads it runs, and whether the
     workers take turns at their node's cores (then `threads` is capped, on each worker,
     by its own node's cores) or lend them to each other (`threads` is the share)."""
 
-    options: dict[str, Any]  # num_gpus or num_cpus: Ray actor options
+    options: ActorOptions  # num_gpus or num_cpus
     threads: int
     turns: bool = False
     lend: bool = False
@@ -208,6 +218,6 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
                        split_threads=split if lend else 0)
 
 
-def with_resources(options: Mapping[str, Any], resources: Mapping[str, float] | None) -> dict[str, Any]:
+def with_resources(options: ActorOptions, resources: Mapping[str, float] | None) -> ActorOptions:
     """Ray actor `options` that also require a pool's custom `resources` (None: none)."""
-    return {**options, "resources": dict(resources)} if resources else dict(options)
+    return {**options, "resources": dict(resources)} if resources else options.copy()
