@@ -28,6 +28,7 @@ from pdserve.cluster.role_switch import RoleSwitcher
 from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
+from pdserve.workers import fault_seam
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_threads import run_on_exiting_thread
@@ -112,17 +113,11 @@ class _Service:
         return WorkerCounts(orphans_aborted=self.async_engine.num_orphans_aborted)
 
     async def inject_fault(self, kind: str) -> None:
-        """Chaos tests: `engine_crash` makes the engine thread fail as a bug would.
-        Refused unless the worker was started with PDSERVE_FAULT_INJECTION=1."""
-        if os.environ.get("PDSERVE_FAULT_INJECTION") != "1":
-            raise PermissionError("fault injection is off (PDSERVE_FAULT_INJECTION=1 turns it on)")
-        if kind != "engine_crash":
-            raise ValueError(f"kind: unknown fault {kind!r} (known: engine_crash)")
-
-        def crash() -> None:
-            raise RuntimeError("injected engine-thread crash")
-
-        self.async_engine.post(crash)
+        """The test seam's way into a worker (workers/fault_seam.py; the chaos tests):
+        `engine_crash` makes the engine thread fail as a bug would. Refused
+        (PermissionError) unless the worker was started with PDSERVE_FAULT_INJECTION=1."""
+        if fault_seam.worker_fault(kind) is fault_seam.WorkerFault.ENGINE_CRASH:
+            self.async_engine.post(fault_seam.crash_engine)
 
     def close(self) -> None:
         """Stop the engine thread (requests in flight fail) and the transport."""

@@ -57,10 +57,10 @@ from chaos.procs import (
     session_of,
 )
 from pdserve.cluster.reports import DrainState
+from pdserve.workers.fault_seam import FAULT_INJECTION_ENV
 
 NAMESPACE = "pdserve"  # cluster/serve_app.py's (not imported: that pulls Ray Serve into every user of this module)
 GATEWAY_TITLE = "ray::ServeReplica:pdserve:pdserve-gateway"  # the gateway replica's process title
-FAULT_ENV = "PDSERVE_FAULT_INJECTION"
 
 # How long a worker's drain may take after the load: a gateway's orphans are
 # aborted GATEWAY_GONE_S (10 s) after its link went down, looked at every 0.5 s.
@@ -166,7 +166,7 @@ class Server:
     def start(self) -> None:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
-        env[FAULT_ENV] = "1"  # the Ray workers inherit it from the process that starts local Ray
+        env[FAULT_INJECTION_ENV] = "1"  # inject_fault on: the Ray workers inherit it from the process that starts Ray
         env.setdefault("RAY_AUTH_MODE", "token")  # local Ray's default, spelled out: RayView joins with it
         env.pop("RAY_ADDRESS", None)
         env["PYTHONUNBUFFERED"] = "1"

@@ -41,6 +41,7 @@ from chaos.leaks import Snapshot, leaks
 from chaos.load import Load, Outcome, Probe, Result, make_probes
 from chaos.procs import can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
+from pdserve.workers.fault_seam import WorkerFault
 
 REQUESTS = 48  # per scenario's load
 CONCURRENCY = 8
@@ -190,7 +191,7 @@ def engine_crash(h: Harness) -> ScenarioResult:
         seen = h.wait_for(_decodes(h), lambda s: s.jobs >= 2, timeout_s=5.0)
         name, state = seen if seen is not None else h.busiest(_decodes(h))
         t = time.monotonic()
-        h.view.call(name, "inject_fault", "engine_crash")
+        h.view.call(name, "inject_fault", WorkerFault.ENGINE_CRASH.value)
         jobs = state.jobs if state else None
         return Fault("inject_fault(engine_crash)", name, pid_of(state), t, t, f"{jobs} in flight on it", jobs)
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import zmq
 from factories import handoff_deltas, tiny_spec
+from faults import Faults
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve import LLM, SamplingParams
@@ -22,7 +23,6 @@ from pdserve.workers import async_engine
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 from pdserve.workers.transfer.recording import RecordingSender
 

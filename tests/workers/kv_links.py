@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from faults import Faults
 
 from pdserve.workers.messages import (
     ChecksumKind,
@@ -27,7 +28,6 @@ from pdserve.workers.messages import (
     encode,
 )
 from pdserve.workers.transfer import KVReceiver, KVSender, auth, frames
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
 try:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+from faults import Faults
 from kv_links import GROUP_TIMEOUT_S, eventually, make_cache, soon
 
 zmq = pytest.importorskip("zmq")
@@ -31,7 +32,6 @@ zmq = pytest.importorskip("zmq")
 from pdserve.workers import link_monitor  # noqa: E402
 from pdserve.workers.messages import FailReason, TransferState  # noqa: E402
 from pdserve.workers.transfer import TransferError, auth  # noqa: E402
-from pdserve.workers.transfer.faults import Faults  # noqa: E402
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender  # noqa: E402
 from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender  # noqa: E402
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from factories import LocalPrefillPeer, tiny_spec
+from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, Job, RequestAbortedError
@@ -32,7 +33,6 @@ from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector, TokenStreamPublisher
 from pdserve.workers.transfer.base import TransferError
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
 S = RequestState

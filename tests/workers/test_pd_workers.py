@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from factories import LocalPrefillPeer, handoff_deltas, tiny_spec
+from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
@@ -21,7 +22,6 @@ from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import TokenStreamCollector
 from pdserve.workers.transfer.base import TransferError
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from factories import handoff_deltas, tiny_spec
+from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

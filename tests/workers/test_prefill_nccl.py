@@ -15,12 +15,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from factories import handoff_deltas, tiny_spec
+from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.transfer.faults import Faults
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),

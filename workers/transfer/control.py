@@ -84,6 +84,7 @@ from typing import Any
 
 import zmq
 
+from pdserve.workers.fault_seam import FaultAction, TransferFaults
 from pdserve.workers.link_monitor import SMALL_FRAME_BYTES, LinkMonitor, apply_heartbeats, apply_limits
 from pdserve.workers.messages import (
     MAX_MESSAGE_BYTES,
@@ -104,7 +105,6 @@ from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.transfer import auth, frames
 from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts, SeqWindow
 from pdserve.workers.transfer.base import KVSender, TransferError
-from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import KVCaches
 from pdserve.workers.transfer.ledger import ReceiverLedger, SenderBook
 
@@ -114,7 +114,7 @@ DEFAULT_CREDITS = 8
 LINGER_MS = 200  # on close, how long queued aborts may take to leave
 JOIN_S = 2.0  # how long close() waits for the I/O thread
 CONNECT_BUDGET_S = 5.0  # how long a sender's wait may last while no connection to its receiver is up
-_IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a fault switch
+_IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a test's stall switch
 _BATCH = 64  # messages handled per loop turn before the outbox gets a look
 # Peers a receiver keeps a connection key for; past it the least recently heard from is forgotten (its
 # next message is refused, as a stranger's): only hellos that check make one, so this bounds replays.
@@ -406,8 +406,8 @@ class NetworkSender(KVSender):
     """
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None,
-                 faults: Faults | None, sender_id: str, checksums: Sequence[ChecksumKind], max_message_bytes: int,
-                 routing_id: bytes | None = None, connect_budget_s: float = CONNECT_BUDGET_S,
+                 faults: TransferFaults | None, sender_id: str, checksums: Sequence[ChecksumKind],
+                 max_message_bytes: int, routing_id: bytes | None = None, connect_budget_s: float = CONNECT_BUDGET_S,
                  secret: ClusterSecret | None = None, fingerprint: str = "") -> None:
         self._book = SenderBook(kv_caches)
         self._blocks_per_message = max(1, max_message_bytes // frames.frame_bytes(self._book.geometry, 1))
@@ -535,13 +535,16 @@ class NetworkSender(KVSender):
         """The receiver granted credits on a replacement connection: the link works again."""
 
     def _take_fault(self, header: KVTransferHeader) -> FaultAction | None:
-        """The fault a test injects into this message: DROP or CORRUPT for the caller; a DELAY is slept here."""
-        rule = self._faults.take(header) if self._faults is not None else None
-        if rule is None:
+        """The fault a test injects into this message (the test seam, workers/fault_seam.py; None
+        without one): DROP or CORRUPT for the caller to apply; a DELAY is slept here."""
+        if self._faults is None:
             return None
-        if rule.action is FaultAction.DELAY:
-            time.sleep(rule.delay_s)
-        return rule.action
+        fault = self._faults.on_send(header)
+        if fault is None:
+            return None
+        if fault.action is FaultAction.DELAY:
+            time.sleep(fault.delay_s)
+        return fault.action
 
     def _put_header(self, header: KVTransferHeader, tensor_frames: Sequence[Any] = ()) -> None:
         """Send `header` (and zero-copy frames after it) under the connection's MAC; spends a credit."""

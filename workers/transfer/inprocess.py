@@ -2,8 +2,9 @@
 
 It runs the real protocol minus the socket: messages are encoded and decoded,
 frames are the gathered bytes with their checksum, the receiver's ledger
-decides what is written. So a test of a failure path here (with `Faults`:
-drop, corrupt, delay) tests the same decisions the ZeroMQ backend makes.
+decides what is written. So a test of a failure path here (drop, corrupt,
+delay, through the test seam: workers/fault_seam.py) tests the same
+decisions the ZeroMQ backend makes.
 Delivery is synchronous (no credits needed: nothing is buffered), except for
 delayed messages, which a timer thread delivers later.
 """
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from pdserve.workers.fault_seam import FaultAction, TransferFaults, corrupted
 from pdserve.workers.messages import (
     ChecksumKind,
     FailReason,
@@ -28,7 +30,6 @@ from pdserve.workers.messages import (
 )
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.base import KVSender, TransferError
-from pdserve.workers.transfer.faults import FaultAction, Faults, corrupted
 from pdserve.workers.transfer.frames import KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, SenderBook
 
@@ -63,7 +64,7 @@ class InProcessReceiver(LedgerReceiver):
 class InProcessSender(KVSender):
     """Copies blocks of `kv_caches` into an `InProcessReceiver`'s cache through the real message path."""
 
-    def __init__(self, kv_caches: KVCaches, receiver: InProcessReceiver, faults: Faults | None = None,
+    def __init__(self, kv_caches: KVCaches, receiver: InProcessReceiver, faults: TransferFaults | None = None,
                  checksum: ChecksumKind = frames.CHECKSUMS[0]) -> None:
         self._book = SenderBook(kv_caches)
         self._checksum = checksum
@@ -132,14 +133,14 @@ class InProcessSender(KVSender):
     # -- helpers -------------------------------------------------------------------------
 
     def _transmit(self, header: KVTransferHeader, k_frame: np.ndarray, v_frame: np.ndarray) -> None:
-        rule = self._faults.take(header) if self._faults is not None else None
-        if rule is not None and rule.action is FaultAction.DROP:
+        fault = self._faults.on_send(header) if self._faults is not None else None  # the test seam
+        if fault is not None and fault.action is FaultAction.DROP:
             return
-        if rule is not None and rule.action is FaultAction.CORRUPT:
+        if fault is not None and fault.action is FaultAction.CORRUPT:
             k_frame = corrupted(k_frame)
         wire = encode(header)
-        if rule is not None and rule.action is FaultAction.DELAY:
-            timer = threading.Timer(rule.delay_s, self._deliver, (wire, k_frame, v_frame))
+        if fault is not None and fault.action is FaultAction.DELAY:
+            timer = threading.Timer(fault.delay_s, self._deliver, (wire, k_frame, v_frame))
             timer.daemon = True
             with self._cond:
                 self._timers.append(timer)

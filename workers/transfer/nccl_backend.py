@@ -132,6 +132,7 @@ import numpy as np
 import torch
 import zmq
 
+from pdserve.workers.fault_seam import FaultAction, TransferFaults
 from pdserve.workers.link_monitor import SMALL_FRAME_BYTES
 from pdserve.workers.messages import (
     MAX_MESSAGE_BYTES,
@@ -152,7 +153,6 @@ from pdserve.workers.transfer.control import (
     ReceiverControl,
     message_key,
 )
-from pdserve.workers.transfer.faults import FaultAction, Faults
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
 from pdserve.workers.transfer.nccl_channel import (
@@ -175,7 +175,7 @@ DEFAULT_GROUP_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a sender splits a layer's blocks into messages of at most this
 DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # a receiver refuses (breaks the pair on) a header claiming more
 DEFAULT_MAX_SENDERS = 64
-_PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a fault switch
+_PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a test's stall switch
 _SENDER_JOIN_S = 1.0
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
 _WILDCARD_HOSTS = {"", "*", "0.0.0.0", "::"}
@@ -230,7 +230,7 @@ class NcclKVReceiver(LedgerReceiver):
                  credits: int = DEFAULT_CREDITS, verify_checksums: bool = False,
                  group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S, max_message_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
                  max_senders: int = DEFAULT_MAX_SENDERS, gloo_hostname: str | None = None,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: TransferFaults | None = None,
                  secret: ClusterSecret | None = None, fingerprint: str = "") -> None:
         super().__init__(ReceiverLedger(kv_caches))
         self._backend = pick_backend(self._ledger.geometry, backend)
@@ -429,7 +429,7 @@ class NcclKVSender(NetworkSender):
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS, verify_checksums: bool = False,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                  gloo_hostname: str | None = None, sender_id: str = "",
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: TransferFaults | None = None,
                  connect_budget_s: float = CONNECT_BUDGET_S, secret: ClusterSecret | None = None,
                  fingerprint: str = "") -> None:
         host, port = parse_address(address)

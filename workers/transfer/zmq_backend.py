@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from pdserve.workers.fault_seam import FaultAction, TransferFaults, corrupted
 from pdserve.workers.messages import ChecksumKind, FailReason, KVTransferAck, KVTransferHeader, KVTransferHello
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
@@ -54,7 +55,6 @@ from pdserve.workers.transfer.control import (
     ReceiverControl,
     message_key,
 )
-from pdserve.workers.transfer.faults import FaultAction, Faults, corrupted
 from pdserve.workers.transfer.frames import KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
 
@@ -68,7 +68,7 @@ class ZmqKVReceiver(LedgerReceiver):
     ends name one, run the model of `fingerprint`."""
 
     def __init__(self, kv_caches: KVCaches, bind: str = "tcp://127.0.0.1:*", *, credits: int = DEFAULT_CREDITS,
-                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: Faults | None = None,
+                 context: zmq.Context[zmq.Socket[bytes]] | None = None, faults: TransferFaults | None = None,
                  secret: ClusterSecret | None = None, fingerprint: str = "",
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> None:
         super().__init__(ReceiverLedger(kv_caches))
@@ -139,7 +139,7 @@ class ZmqKVSender(NetworkSender):
     """Connects a DEALER to one receiver's `address` and sends blocks of `kv_caches` to it."""
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None = None,
-                 faults: Faults | None = None, sender_id: str = "",
+                 faults: TransferFaults | None = None, sender_id: str = "",
                  checksums: Sequence[ChecksumKind] = frames.CHECKSUMS,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
                  connect_budget_s: float = CONNECT_BUDGET_S, secret: ClusterSecret | None = None,

@@ -1,7 +1,8 @@
-"""Fault injection for tests of the failure paths; both backends take an optional `Faults`.
+"""`Faults`: the rule-based fault injector the tests hand to a KV transport, through the
+test seam (workers/fault_seam.py: `TransferFaults`); nothing in pdserve imports it.
 
-A sender consults `take(header)` for each message it is about to put on the
-wire and applies the first matching rule (each rule fires once):
+A sender asks `on_send(header)` for each message it is about to put on the wire, and
+applies the first matching rule (each rule fires once):
   * DROP: the message never leaves (its sequence number is used up, as on a lost link);
   * CORRUPT: one byte of the K frame is flipped after the checksum was taken;
   * DELAY: the message leaves `delay_s` later (in-process: delivered by a timer;
@@ -12,28 +13,19 @@ A receiver given the same object stops draining its socket while
 
 from __future__ import annotations
 
-import enum
 import threading
 from dataclasses import dataclass
 
-import numpy as np
-
+from pdserve.workers.fault_seam import FaultAction, MessageFault
 from pdserve.workers.messages import KVTransferHeader
-
-
-class FaultAction(enum.Enum):
-    DROP = "drop"
-    CORRUPT = "corrupt"
-    DELAY = "delay"
 
 
 @dataclass(frozen=True)
 class FaultRule:
-    action: FaultAction
+    fault: MessageFault
     request_id: str | None = None  # None matches any request
     layer: int | None = None  # None matches any layer; ignored for the end marker
     end_marker: bool = False  # match finish()'s end marker instead of a data message
-    delay_s: float = 0.0
 
     def matches(self, header: KVTransferHeader) -> bool:
         if self.end_marker != header.is_last:
@@ -44,7 +36,7 @@ class FaultRule:
 
 
 class Faults:
-    """Rules for a sender, and a stall switch for a receiver. Thread-safe."""
+    """Rules for a sender, and a stall switch for a receiver (a `TransferFaults`). Thread-safe."""
 
     def __init__(self) -> None:
         self._rules: list[FaultRule] = []
@@ -52,21 +44,21 @@ class Faults:
         self._stalled = threading.Event()
 
     def drop(self, *, request_id: str | None = None, layer: int | None = None, end_marker: bool = False) -> None:
-        self._add(FaultRule(FaultAction.DROP, request_id, layer, end_marker))
+        self._add(FaultRule(MessageFault(FaultAction.DROP), request_id, layer, end_marker))
 
     def corrupt(self, *, request_id: str | None = None, layer: int | None = None) -> None:
-        self._add(FaultRule(FaultAction.CORRUPT, request_id, layer))
+        self._add(FaultRule(MessageFault(FaultAction.CORRUPT), request_id, layer))
 
     def delay(self, seconds: float, *, request_id: str | None = None, layer: int | None = None,
               end_marker: bool = False) -> None:
-        self._add(FaultRule(FaultAction.DELAY, request_id, layer, end_marker, seconds))
+        self._add(FaultRule(MessageFault(FaultAction.DELAY, seconds), request_id, layer, end_marker))
 
-    def take(self, header: KVTransferHeader) -> FaultRule | None:
-        """The first rule matching `header`, removed so it fires once; None if none matches."""
+    def on_send(self, header: KVTransferHeader) -> MessageFault | None:
+        """The fault of the first rule matching `header`, the rule removed so it fires once; None if none matches."""
         with self._lock:
             for i, rule in enumerate(self._rules):
                 if rule.matches(header):
-                    return self._rules.pop(i)
+                    return self._rules.pop(i).fault
         return None
 
     def stall_receiver(self) -> None:
@@ -82,10 +74,3 @@ class Faults:
     def _add(self, rule: FaultRule) -> None:
         with self._lock:
             self._rules.append(rule)
-
-
-def corrupted(frame: np.ndarray) -> np.ndarray:
-    """A copy of a uint8 frame with one byte flipped (the original, a view of real data, is untouched)."""
-    bad: np.ndarray = frame.copy()
-    bad[len(bad) // 2] ^= 0xFF
-    return bad
