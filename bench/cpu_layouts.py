@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from served import PDSERVE, start, stop, wait_healthy
-from vs_vllm import bench, model_dir
+from vs_vllm import add_vllm_venv_arg, bench, model_dir, vllm_bin
 
 from pdserve.cluster.background_priority import descendants
 from pdserve.cluster.cpu_pinning import set_affinity
@@ -94,7 +94,7 @@ def arrange(server: int, layout: str, cores: list[int], decode_threads: int) -> 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny")
-    p.add_argument("--vllm-venv", default="/work/vllm-venv", help="where `vllm bench serve` is (the client only)")
+    add_vllm_venv_arg(p)  # the client only: `vllm bench serve`
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=320)
@@ -112,6 +112,7 @@ def main() -> int:
     if len(cores) < 2:
         raise SystemExit("needs at least two cores")
     decode_threads = max(1, len(cores) // 2)  # split sharing's share for 1P+1D
+    vllm_bin(a.vllm_venv)  # before a server starts: say now if the client is missing
     mdir = model_dir(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="cpu-layouts-"))
     log = tmp / "pdserve.log"

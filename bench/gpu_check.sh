@@ -2,8 +2,9 @@
 # pdserve's one GPU check (issue 15): about 4.5 minutes on an H200 (243 s on 2026-11-27 before
 # step 3b; its step timeouts add up to 535 s), from the repo root.
 #
-#   bash bench/gpu_check.sh            # on the GPU machine; results under $OUT (default ./gpu_out)
-#   bash bench/gpu_check.sh --dry-run  # on a CPU: every step with tiny shapes (CI runs this)
+#   bash bench/gpu_check.sh            # on the GPU machine; results under $OUT (default ./gpu_out, git-ignored)
+#   bash bench/gpu_check.sh --dry-run  # on a CPU: every step with tiny shapes (CI runs this); results
+#                                      # under $OUT (default: a new temporary directory, printed at the end)
 #
 # Steps (each under its own timeout, so one hang cannot eat the lease):
 #   0. the environment: card, versions, which optional packages the image lacks;
@@ -25,10 +26,12 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
-OUT=${OUT:-$PWD/gpu_out}
+if [ -z "${OUT:-}" ]; then
+  if [ "$DRY" = 1 ]; then OUT=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX"); else OUT=$PWD/gpu_out; fi
+fi
 mkdir -p "$OUT"
 export OUT PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-/tmp/pdserve-cache}
+export PDSERVE_CACHE_DIR=${PDSERVE_CACHE_DIR:-${TMPDIR:-/tmp}/pdserve-cache}
 PY=${PYTHON:-python3}
 LOG="$OUT/gpu_check.log"
 : > "$LOG"
@@ -84,4 +87,5 @@ step "4. summary"
 run "$PY" bench/gpu_summary.py "$OUT" --seconds "$(( $(date +%s) - T0 ))"
 status=$?
 ls -la "$OUT" | tee -a "$LOG"
+echo "results: $OUT" | tee -a "$LOG"
 exit "$status"

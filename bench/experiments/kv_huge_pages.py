@@ -4,7 +4,7 @@ in one process, the op called on every layer of each in turn, `--rounds` alterna
 per call (median) and the ratio. Each sequence's blocks are scattered over the whole pool, as a
 served worker's are after a while.
 
-    python bench/kv_huge_pages.py [--threads 2] [--rounds 9] [--pool-gib 4]
+    python bench/experiments/kv_huge_pages.py [--threads 2] [--rounds 9] [--pool-gib 4]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Greedy token choice on CPU: torch.argmax against the sampler's (numpy's) argmax over a step's
 logits, float32, one thread, best of 5 repeats (workers/sampler.py `argmax`).
 
-    python bench/argmax_cpu.py [--rows 10] [--vocab 4096 49152]
+    python bench/experiments/argmax_cpu.py [--rows 10] [--vocab 4096 49152]
 """
 import argparse
 import platform

@@ -9,7 +9,7 @@ decode step is (t[prompt + 1 + K tokens] - t[prompt + 1 token]) / K, so prefill 
 (as bench/engine_vs_transformers.py measures it). Prompts are random token ids, fresh per call.
 Medians and the ratio of each floor to the first.
 
-    python bench/pack_floor.py [--model DIR] [--floors 1048576:mkl 1048576 auto] [--batches 1 16]
+    python bench/experiments/pack_floor.py [--model DIR] [--floors 1048576:mkl 1048576 auto] [--batches 1 16]
         [--context 300] [--steps 64] [--repeats 7]
 """
 

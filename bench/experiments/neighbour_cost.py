@@ -9,9 +9,9 @@ Why: issue 17's bar compares a served worker with the offline engine on the same
 2-core node a served engine always has such a neighbour; this says how much of the gap the
 neighbour's CPU alone explains, with no HTTP, Ray or client in the way. Its CPU share of one
 core is busy / (busy + idle) while it runs at nice 0 (the default: 0.5 / 3.0 ms = 14%, what the
-serving plane took beside SmolLM2 in docs/serving-profile.md).
+serving plane took beside SmolLM2: docs/performance.md "Served against offline on two cores").
 
-    python bench/neighbour_cost.py [--model DIR] [--threads 2] [--concurrency 16] [--requests 160]
+    python bench/experiments/neighbour_cost.py [--model DIR] [--threads 2] [--concurrency 16] [--requests 160]
         [--busy-ms 0.5] [--idle-ms 3.0] [--neighbour-nice 19[,10,idle]] [--rounds 5]
 """
 

@@ -4,7 +4,7 @@ registered), and through the low-level `torch.library.Library` registration they
 (workers/model/torch_ops.py). A tiny bfloat16 matmul, so that the fixed costs
 show; one thread, inference mode, best of 5 repeats.
 
-    python bench/custom_op_cost.py [--rows 2] [--features 16]
+    python bench/experiments/custom_op_cost.py [--rows 2] [--features 16]
 """
 import argparse
 import platform

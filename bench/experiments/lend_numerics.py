@@ -2,7 +2,7 @@
 1 and 2 threads (a neighbour in a thread turns busy and idle every few steps), against a
 plain 1-thread engine on the same 48 random prompts (24 tokens each).
 
-    python bench/lend_numerics.py MODEL_DIR [ngram]
+    python bench/experiments/lend_numerics.py MODEL_DIR [ngram]
 """
 import random
 import sys

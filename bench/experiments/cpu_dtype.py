@@ -1,4 +1,5 @@
-"""What the CPU dtype and the sampler's noise cost (docs/engine.md "dtype", docs/serving-profile.md).
+"""What the CPU dtype and the sampler's noise cost (docs/engine.md "dtype"; docs/performance.md
+"The engine's CPU step").
 
 Prints three tables: one linear layer in float32 and bfloat16 at SmolLM2's shapes; the
 sampler's draw for 8 x 49,152 probabilities (the exponential race's Exp(1) noise by
@@ -6,7 +7,7 @@ sampler's draw for 8 x 49,152 probabilities (the exponential race's Exp(1) noise
 the offline engine (`LLM.generate`, random 256-token prompts, 64 out, EOS ignored, after a
 warm-up on other prompts) per dtype and temperature, each run in a child process of its own.
 
-    python bench/cpu_dtype.py --model <SmolLM2 dir> [--threads 2] [--batch 8] [--prompts 32] [--repeats 2]
+    python bench/experiments/cpu_dtype.py --model <SmolLM2 dir> [--threads 2] [--batch 8] [--prompts 32] [--repeats 2]
 """
 
 from __future__ import annotations
