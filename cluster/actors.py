@@ -317,7 +317,7 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
     import torch
 
     # Workers share the node's cores: more threads than cores makes OpenMP
-    # threads spin against each other (docs/benchmarks-engine.md). Set here too:
+    # threads spin against each other (docs/performance.md). Set here too:
     # the AsyncEngine's thread takes this thread's count. Workers that take turns
     # (workers/cpu_turns.py) each run on all of this node's cores, and no more; so
     # does a lending worker's share (workers/cpu_lending.py).

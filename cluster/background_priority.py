@@ -8,11 +8,11 @@ control plane (GCS, log monitor, dashboard and agents, Serve's controller, and S
 proxy where HAProxy is the ingress) at nice 19 here: they still get every idle moment but no
 longer preempt a step (an engine step is a chain of OpenMP fork-join regions: one thread
 preempted stalls all of it, so a neighbour costs a two-thread engine more than its own share
-of a core). Measured (docs/serving-profile.md): with one busy process at the default priority
+of a core). Measured (docs/performance.md): with one busy process at the default priority
 beside the server, the tiny model at concurrency 16 served a median 463 tok/s against 248
 before (four alternating pairs, wide spread). Nice 19 rather than 10: beside the offline engine
 a neighbour taking 14% of a core cost SmolLM2 13% of its speed at nice 0 and nothing at 19, the
-tiny model 9% at nice 10 (bench/neighbour_cost.py); served (SmolLM2, one colocated worker, concurrency 8)
+tiny model 9% at nice 10 (bench/experiments/neighbour_cost.py); served (SmolLM2, one colocated worker, concurrency 8)
 the control plane at 19 instead of 10 took the engine from 0.81x of the offline engine to
 0.92x (medians of three alternating rounds, bench/serving_profile.py). The weight of nice 19 (15 against 1024)
 still leaves the control plane ~1.5% of each core when the engines keep both busy.

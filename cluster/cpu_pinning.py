@@ -9,7 +9,7 @@ vLLM's bench client at concurrency 16, layouts alternating, three rounds; 08:10 
 2026-11-28): every process on every core 1054, 885, 940 tok/s (TPOT p50 14.2 ms); decode
 alone on core 1 1353, 1009, 1229 (10.2 ms); decode on core 1 and prefill on core 0 with the
 serving plane anywhere 1318, 957, 1078; both engines on core 1, the rest on core 0 988, 923,
-1215. Decode alone was the fastest in each round (docs/serving-profile.md).
+1215. Decode alone was the fastest in each round (docs/performance.md).
 
 What: each worker that decodes (a decode worker, or a colocated one, which prefills and
 decodes in the same steps) and whose engine has a fixed share of threads (split sharing:

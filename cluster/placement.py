@@ -38,7 +38,7 @@ each worker an equal share of the threads, all running at once; `turns` gives ev
 worker all of its node's cores and has the workers of a node take turns at them, step
 by step (workers/cpu_turns.py). On a 2-core node, beside vLLM, SmolLM2 served 0.93-0.95x
 lent where split served 0.80-0.91x (alternating sittings), turns 0.85x; the tiny model
-(~10 MB of weights) served faster split than lent (docs/serving-profile.md).
+(~10 MB of weights) served faster split than lent (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -154,7 +154,7 @@ LEND_MIN_WEIGHT_BYTES = 32 << 20
 # reserves one for its API server. One colocated worker of the tiny model with every core (2
 # OpenMP threads, unpinned) served 0.71x of vLLM's CPU build; on one thread, pinned to a core of
 # its own with the gateway, HAProxy and Ray on the other, 1.37x and 1.83x (2 cores, vLLM's
-# client at concurrency 16; docs/serving-profile.md).
+# client at concurrency 16; docs/performance.md).
 COLOCATED_PLANE_CORES = 1
 
 

@@ -32,7 +32,7 @@ NAMESPACE = "pdserve"
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
 # relaying every request and every streamed chunk over Ray, which takes a large
-# share of a small machine's CPU (docs/benchmarks-cluster.md). Ray reads these
+# share of a small machine's CPU (docs/performance.md). Ray reads these
 # when its processes start, so they must be in the environment of `ray start`
 # (or of the process whose ray.init starts local Ray).
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
@@ -44,14 +44,14 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # so they run at 0 and Ray's control plane goes behind them (cluster/background_priority.py).
 # RAY_SERVE_CONTROL_LOOP_INTERVAL_S: Serve's controller reconciles 10 times a second by default;
 # on an idle 2-core node that loop took 4.7% of a core and the GCS it talks to 2.0%; at 0.5 s,
-# 1.9% and 0.9% (docs/serving-profile.md). One gateway deployment that never autoscales
+# 1.9% and 0.9% (docs/performance.md). One gateway deployment that never autoscales
 # loses nothing but up to 0.4 s in noticing a dead replica (its health checks run every 10 s).
 # Bookkeeping every Ray process does on a timer, which a serving node pays for on its engines'
 # cores and nobody reads here (no dashboard, no Ray metrics of Serve's): per-handler event-loop
 # statistics (RAY_event_stats), Serve's cached metrics flushed 10 times a second in the
 # replica, its router and the proxy (1 s here; Ray exports metrics every 10 s), task events sent
 # to the GCS every second (5 s: the state API lags by that), the raylet's look for a needed
-# GC every 0.1 s (1 s). Together ~1.5% of a core of an idle 2-core node's ~15% (docs/serving-profile.md).
+# GC every 0.1 s (1 s). Together ~1.5% of a core of an idle 2-core node's ~15% (docs/performance.md).
 LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
              "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",

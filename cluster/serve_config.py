@@ -145,7 +145,7 @@ class ServeConfig:
     # prefills a prompt itself when the prefill worker the router picked has this many prompt
     # tokens queued and it has fewer. 0: every prompt goes to a prefill worker. None: 1024 on
     # a CPU cluster (on 2 cores it took 1P+1D from 1578, 1481 to 1851, 2012 tok/s and halved
-    # TTFT; docs/serving-profile.md), off on GPUs, where a decode step is what disaggregation
+    # TTFT; docs/performance.md), off on GPUs, where a decode step is what disaggregation
     # protects and the rule is not measured.
     max_prefill_backlog_tokens: int | None = None
     # Times Ray restarts a crashed worker (-1: always; 0: never).

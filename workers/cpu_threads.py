@@ -9,7 +9,7 @@ whenever another process has their core. A served worker built its engine
 (load, compile, warm-up: many parallel regions) on the actor's thread, then
 stepped it on the engine thread: two pools, 3 managed threads on 2 cores, and
 the engine thread's worker at 78% of a core where the offline engine's is at
-100% (docs/serving-profile.md). Built on a thread that exits, the first pool
+100% (docs/performance.md). Built on a thread that exits, the first pool
 goes with it.
 """
 

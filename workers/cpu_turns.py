@@ -4,13 +4,13 @@ Why: a prefill and a decode worker on one small CPU node each got half the cores
 step is bound by streaming the weights, which one core does at well under the node's
 bandwidth, and the decode worker idles no less while the prefill worker has no prompt: the
 default 1 prefill + 1 decode on two cores served at 0.65x of one engine on both
-(docs/serving-profile.md). Giving both workers every core instead made them fight: each
+(docs/performance.md). Giving both workers every core instead made them fight: each
 model's OpenMP threads wait at barriers for a core the other process holds. Taking turns
 keeps the disaggregated shape (separate engines, KV handed over, each pool scaled and
 restarted on its own) while each forward runs alone on all the cores, as one colocated
 engine's does. Measured on 2 cores beside vLLM: 0.85x in turns, 0.82x split (once the
 decode step itself got faster), in separate sittings: no clear gain, so it is opt-in
-(`--cpu-sharing turns`; docs/serving-profile.md); lending (workers/cpu_lending.py), the
+(`--cpu-sharing turns`; docs/performance.md); lending (workers/cpu_lending.py), the
 default, gained more.
 
 How: an exclusive `flock` on a file that the workers of one serving app on one node share,

@@ -74,7 +74,7 @@ class FailReason(str, enum.Enum):
 class ChecksumKind(str, enum.Enum):
     """How a data message's frames are checksummed; the receiver picks one the sender offered."""
 
-    CRC32 = "crc32"  # zlib: always there (the KV transfer benchmark in docs/benchmarks-cluster.md has its speed)
+    CRC32 = "crc32"  # zlib: always there (the KV transfer benchmark in docs/performance.md has its speed)
     XXH3_64 = "xxh3_64"  # the `xxhash` package, where installed: ~10x faster
     # Not checksummed: only where the sender offers it and the receiver does not ask for one (the NCCL
     # transport's default, docs/cluster.md: a host checksum costs a device-to-host copy per message).

@@ -97,7 +97,7 @@ class SamplerOutput:
 
 
 # numpy's argmax is vectorised; torch's CPU one is not: 14-19x slower over a step's logits at
-# 4096 and 49152 tokens (`python bench/argmax_cpu.py`, docs/serving-profile.md).
+# 4096 and 49152 tokens (`python bench/experiments/argmax_cpu.py`, docs/performance.md).
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
 
 

@@ -2,7 +2,7 @@
 
 Per-token RPCs cost more than the model on small batches: a Ray streaming item
 costs the worker and the caller a sizeable share of a small decode step's time
-(docs/benchmarks-cluster.md, "Where the time went"). So the worker's engine
+(docs/performance.md, "Where the CPU goes per token"). So the worker's engine
 thread buffers the DELTA outputs of a step and sends them as one
 `TokenDeltaBatch` (typed msgpack, no pickle) per gateway; the gateway's
 collector hands each delta to its request's queue.

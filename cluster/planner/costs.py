@@ -64,7 +64,7 @@ def _nnls(a: np.ndarray, y: np.ndarray) -> np.ndarray:
 # replica 0.17 ms, the bench client 0.12 ms, HAProxy 0.02 ms. Measured by
 # bench/serving_profile.py (each process's CPU time from /proc over a 10 s window inside
 # the load, divided by the tokens streamed in it: 31.1%, 21.7% and 4.0% of a core at
-# 1,829 tok/s; tiny model, Intel Xeon 2 cores, 2026-11-27, docs/serving-profile.md). Not
+# 1,829 tok/s; tiny model, Intel Xeon 2 cores, 2026-11-27, docs/performance.md). Not
 # fitted to the planner's validation. A profile may carry its own (`serving_cpu_per_token_s`;
 # without the client when it runs on another host).
 DEFAULT_SERVING_CPU_PER_TOKEN_S = 0.31e-3
@@ -80,7 +80,7 @@ class HostCPU:
     hosts — each end costs the profile's transfer time: the profile times sender and
     receiver running side by side (profile_transfer.py), and py-spy put the decode worker's
     receiver thread at ~2.9 ms CPU per 256-token tiny-model handoff served, where the
-    profile's transfer of 256 tokens takes 3.1 ms (docs/serving-profile.md); the sender's
+    profile's transfer of 256 tokens takes 3.1 ms (docs/performance.md); the sender's
     side (gather, MAC, frames) is taken to cost the same."""
 
     cores: int

@@ -1,6 +1,6 @@
 """The CPU KV pool on transparent huge pages: the same zeroed tensor as torch.zeros and, where the
 kernel honours madvise (THP `enabled` is madvise or always), backed by
-huge pages, which the attention op's scattered block reads need (docs/serving-profile.md)."""
+huge pages, which the attention op's scattered block reads need (docs/performance.md)."""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def cpu_zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch
     Why: a decode step reads each sequence's KV blocks scattered over the pool (4 GiB by default
     on a CPU), a 4 KiB page apart or more; with 4 KiB pages nearly every block read misses the TLB
     (a core's TLB covers ~8 MiB). The CPU decode attention op took 0.83-0.93x of its time on a
-    4 GiB pool on huge pages (`python bench/kv_huge_pages.py`, docs/serving-profile.md). Most
+    4 GiB pool on huge pages (`python bench/experiments/kv_huge_pages.py`, docs/performance.md). Most
     distributions' default (`enabled` = madvise) honours the advice; where it is `never`, or where
     Python has no MADV_HUGEPAGE (off Linux), the mapping keeps small pages.
     """

@@ -34,7 +34,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # Functional calls, not module calls, on the per-step path: nn.Module's
         # __call__ has a fixed cost per call (hooks, dispatch) that adds up over
-        # a CPU decode step's many small calls (docs/benchmarks-engine.md).
+        # a CPU decode step's many small calls (docs/performance.md).
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj)  # [T, q + 2 kv]
         # RoPE on q and k together: they are adjacent in the fused output.

@@ -127,8 +127,8 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     oneDNN-packed (packed_linear.py). Every other float32 or float16 [out, in] weight (and all of them with
     packing off: PDSERVE_CPU_PACKED_LINEAR=0) is stored as the transpose of a contiguous
     [in, out] matrix: MKL's `x @ W.T` then runs without a transposed operand, much faster at
-    the small-batch decode shapes than the plain layout (docs/benchmarks-engine.md, "What
-    helped"); bfloat16 keeps the plain layout, which measured faster than this one for it
+    the small-batch decode shapes than the plain layout (docs/performance.md, "The engine's
+    CPU step"); bfloat16 keeps the plain layout, which measured faster than this one for it
     (docs/engine.md). The float32 ones among these run steps of up to 16 rows on pdserve's own
     op (kernels/cpu_linear.py) where it builds, and MKL beyond.
     """

@@ -3,7 +3,7 @@ low-level API.
 
 Why not `torch.library.custom_op`: it wraps every call in Python layers (an aliasing
 check of the outputs, a dynamo-disable context) that cost 3-7 us a call more than a
-plain kernel registration (bench/custom_op_cost.py), and a compiled decode step calls
+plain kernel registration (bench/experiments/custom_op_cost.py), and a compiled decode step calls
 these ops four to five times a layer.
 """
 

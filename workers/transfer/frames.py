@@ -22,7 +22,7 @@ the system's libdeflate when it is there (`libdeflate.so.0`, PCLMUL-based;
 the same values as zlib.crc32), else by zlib. zlib's runs at about the speed
 of a loopback TCP copy, so it is a large share of a CPU-bound transfer;
 libdeflate's is several times faster (rates, command and machine: the KV
-transfer benchmark in docs/benchmarks-cluster.md). All of them release the GIL on big
+transfer benchmark in docs/performance.md). All of them release the GIL on big
 buffers.
 """
 
@@ -231,7 +231,7 @@ _CRC_CALL_MIN_BYTES = 4096  # below this the ctypes call costs more than zlib's 
 def crc32(data: object, value: int = 0) -> int:
     """`zlib.crc32(data, value)` (same values, same continuation), faster through libdeflate.
 
-    How much faster: the KV transfer benchmark in docs/benchmarks-cluster.md.
+    How much faster: the KV transfer benchmark in docs/performance.md.
     """
     buf = np.frombuffer(data, dtype=np.uint8)  # type: ignore[call-overload]  # no copy; any C-contiguous buffer
     if _libdeflate_crc32 is None or buf.nbytes < _CRC_CALL_MIN_BYTES:

@@ -18,8 +18,7 @@ agreed at hello) and only then copies them into its blocks: one copy, into
 the cache. `finish` sends `[header]` with `is_last` (the end marker). Why
 4 MiB: on loopback 2 MiB messages moved fewer bytes per second (per-message
 work on both ends), and 8 or 16 MiB no more (bench/kv_transfer.py; numbers:
-docs/benchmarks.md, "KV message size", and the KV transfer benchmark in
-docs/benchmarks-cluster.md).
+docs/performance.md, "KV transfer").
 
 Memory: each side holds at most `credits` messages of a peer,
 `credits x max_message_bytes` bytes (32 MiB by default). The receiver drops a
