@@ -53,8 +53,6 @@ def _settings(a: argparse.Namespace, serving: bool = False) -> dict[str, object]
     from pdserve.workers.model.resolve import TINY, resolve_model
 
     settings = {k: v for k, v in vars(a).items() if k in ENGINE_SETTINGS or k in SERVE_SETTINGS}
-    if "served_model_name" in settings:
-        settings["served_model_name"] = tuple(settings["served_model_name"])
     if "model" not in settings:
         from pdserve.workers.model.default_model import SMOLLM2, default_model
 

@@ -1,14 +1,43 @@
-"""Engine configuration: one frozen dataclass, validated where it is built."""
+"""Engine configuration: one frozen pydantic dataclass, validated where it is built.
+
+Configs here and in cluster/serve_config.py are declared with `CONFIG`: a field
+takes what its annotation says and nothing it would have to guess at (2 for an
+int, not "2", 2.0 or True; an int for a float; no NaN or infinity), an enum
+field its member or its value (flags and YAML give strings), and the bounds are
+the annotations' (`PositiveInt`, `Field(gt=0, le=1)`); a check across fields is
+one `model_validator`. A bad value raises a ValueError that starts with the
+setting's name (`named_errors`), not pydantic's ValidationError report.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import os
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, TypeVar
+
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    NonNegativeInt,
+    PositiveInt,
+    Strict,
+    ValidationError,
+    model_validator,
+)
+from pydantic.dataclasses import dataclass
+from pydantic_core import ErrorDetails
 
 from pdserve.kernels.attention import AttentionBackend
+
+CONFIG = ConfigDict(strict=True, allow_inf_nan=False, validate_default=True, arbitrary_types_allowed=True)
+# An enum setting: its member, or its value ("float16" for DType.FLOAT16).
+ByValue = Strict(False)
+NonEmpty = Annotated[str, Field(min_length=1)]
+NotBlank = Annotated[str, Field(pattern=r"\S")]  # more than white space
 
 
 class DType(str, enum.Enum):
@@ -23,12 +52,73 @@ class SpeculativeMethod(str, enum.Enum):
     DRAFT = "draft"  # a small model's drafts (`draft_model`)
 
 
-# Fields given as strings (flags, YAML, `LLM(dtype="float16")`) become these enums.
-_ENUMS: dict[str, type[enum.Enum]] = {
-    "dtype": DType, "speculative": SpeculativeMethod, "attention_backend": AttentionBackend}
+def _power_of_two(value: int) -> int:
+    if value & (value - 1):
+        raise ValueError(f"must be a power of two, got {value}")
+    return value
 
 
-@dataclass(frozen=True)
+def _env(name: str, default: str) -> Any:
+    """A default from the environment, validated as a value given (a bad one is named as the field's)."""
+    return os.environ.get(name, default)
+
+
+_T = TypeVar("_T")
+
+
+def named_errors(names: Mapping[str, str] | None = None) -> Callable[[type[_T]], type[_T]]:
+    """A class decorator for a pydantic dataclass: building it raises a ValueError whose every line
+    starts with a setting's name ("block_size: must be a power of two, got 24"), in place of the
+    ValidationError. `names`: field -> setting, where the setting is named otherwise. A field kept
+    out of the repr (a key) is kept out of its error too."""
+    setting = dict(names or {})
+
+    def decorate(cls: type[_T]) -> type[_T]:
+        validate = cls.__init__
+        hidden = {f.name for f in dataclasses.fields(cls) if not f.repr}  # type: ignore[arg-type]
+
+        @functools.wraps(validate)
+        def __init__(self: _T, *args: Any, **kwargs: Any) -> None:
+            try:
+                validate(self, *args, **kwargs)
+            except ValidationError as e:
+                raise ValueError("\n".join(_explain(error, setting, hidden) for error in e.errors())) from None
+
+        setattr(cls, "__init__", __init__)  # noqa: B010 - mypy does not let a method be assigned
+        return cls
+
+    return decorate
+
+
+# Pydantic's messages for the ways a value can fail its annotation, in the words errors here use.
+_WORDING = {
+    "int_type": "must be an integer", "float_type": "must be a number", "bool_type": "must be true or false",
+    "string_type": "must be a string", "tuple_type": "must be a list", "dict_type": "must be a mapping",
+    "enum": "must be one of {expected}", "finite_number": "must be a finite number",
+    "greater_than": "must be > {gt}", "greater_than_equal": "must be >= {ge}",
+    "less_than": "must be < {lt}", "less_than_equal": "must be <= {le}",
+    "string_too_short": "must not be empty", "too_short": "must not be empty",
+    "string_pattern_mismatch": "must not be blank",  # NotBlank's pattern, the one pattern here
+}
+
+
+def _explain(error: ErrorDetails, setting: Mapping[str, str], hidden: set[str]) -> str:
+    field = str(error["loc"][0]) if error["loc"] else None  # none: a check across fields, which names its own
+    if error["type"] == "value_error":  # a validator's own words (the value in them)
+        text = str(error.get("ctx", {}).get("error", error["msg"]))
+    else:
+        wording = _WORDING.get(error["type"])
+        text = wording.format(**error.get("ctx", {})) if wording else error["msg"]
+        if field not in hidden:
+            text += f", got {error['input']!r}"
+    if field is None:
+        return text
+    name = setting.get(field, field)
+    return text if text.startswith(f"{name}:") else f"{name}: {text}"
+
+
+@named_errors()
+@dataclass(frozen=True, config=CONFIG)
 class EngineConfig:
     """Everything `LLMEngine` needs. `model` is an HF-format directory.
 
@@ -39,31 +129,31 @@ class EngineConfig:
     (docs/engine.md, "Memory plan").
     """
 
-    model: str
+    model: NonEmpty
     tokenizer: str | None = None
     # auto: bfloat16 on a CPU that computes it natively (AMX or AVX512-BF16, as vLLM's CPU build
     # chooses), else float32; on CUDA the checkpoint's half dtype. PDSERVE_DTYPE sets the default
     # (the test suite pins float32: its oracles are float32, and its outcome must not depend on
     # which CPU the CI machine has).
-    dtype: DType = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_DTYPE", "auto"))  # type: ignore[assignment]
+    dtype: Annotated[DType, ByValue] = dataclasses.field(default_factory=lambda: _env("PDSERVE_DTYPE", "auto"))
     device: str = "auto"  # auto: cuda if available, else cpu
-    max_model_len: int | None = None  # None: the model's max positions
-    block_size: int = 16
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    gpu_memory_utilization: float = 0.9
+    max_model_len: PositiveInt | None = None  # None: the model's max positions
+    block_size: Annotated[PositiveInt, AfterValidator(_power_of_two)] = 16
+    max_num_seqs: PositiveInt = 128
+    max_num_batched_tokens: PositiveInt = 2048
+    num_kv_blocks: PositiveInt | None = None
+    kv_cache_memory: PositiveInt | None = None
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9
     enable_prefix_caching: bool = True
     record_kv_events: bool = False  # keep block stored/evicted events for a router to drain
-    attention_backend: AttentionBackend = AttentionBackend.AUTO
+    attention_backend: Annotated[AttentionBackend, ByValue] = AttentionBackend.AUTO
     # Speculative decoding: None (off), n-gram lookup or a draft model, up to
     # `num_speculative_tokens` per step, verified exactly by the target in one pass.
-    speculative: SpeculativeMethod | None = None
+    speculative: Annotated[SpeculativeMethod, ByValue] | None = None
     draft_model: str | None = None  # HF-format directory of the draft (speculative="draft"); same tokenizer
-    num_speculative_tokens: int = 4
-    spec_ngram_min: int = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
-    spec_ngram_max: int = 4  # longest suffix tried (vLLM: prompt_lookup_max)
+    num_speculative_tokens: PositiveInt = 4
+    spec_ngram_min: PositiveInt = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
+    spec_ngram_max: PositiveInt = 4  # longest suffix tried (vLLM: prompt_lookup_max)
     # Adaptive draft length: the i-th draft of a request is made only while its
     # chance of acceptance, (rolling acceptance rate)^i, is at least the token
     # cost: the price of a draft (extra verification time + proposing it)
@@ -72,8 +162,8 @@ class EngineConfig:
     # No drafts at all while more than `spec_max_batch_size` requests decode: a
     # big batch is compute-bound, so verification is no longer free
     # (docs/speculative.md has the measurements behind the default).
-    spec_token_cost: float | None = None
-    spec_max_batch_size: int = 2
+    spec_token_cost: Annotated[float, Field(gt=0, lt=1)] | None = None
+    spec_max_batch_size: NonNegativeInt = 2
     # vLLM's name: True runs the model op by op. False (default) compiles it with
     # torch.compile at start (CPU; workers/model/compiled.py). The environment
     # variable PDSERVE_ENFORCE_EAGER=1 flips the default (the test suite sets it:
@@ -84,59 +174,30 @@ class EngineConfig:
     # A lock file that engines sharing this machine's cores take turns with, each step's model
     # work on all of them in its turn (workers/cpu_turns.py); None: no turns. Set by the
     # cluster for CPU workers that share a node (cluster/placement.py), not by users.
-    cpu_turns: str | None = None
+    cpu_turns: NonEmpty | None = None
     # A directory through which engines sharing this machine's cores lend them: each step
     # on all of them while the others are idle, on this thread's share otherwise
     # (workers/cpu_lending.py); None: no lending. Set by the cluster, like cpu_turns.
-    cpu_lending: str | None = None
+    cpu_lending: NonEmpty | None = None
     # Engines lend only for a model whose weights take at least this many bytes
     # (cluster/placement.py, `--cpu-sharing auto`); under it they step on their share,
     # as split. Set by the cluster.
-    cpu_lending_min_weight_bytes: int = 0
+    cpu_lending_min_weight_bytes: NonNegativeInt = 0
     # The threads an engine configured to lend steps on when its model is under that floor
     # (0: the threads it was given): a colocated pool's split share, which leaves the serving
     # plane a core (cluster/placement.py). Set by the cluster.
-    cpu_split_threads: int = 0
+    cpu_split_threads: NonNegativeInt = 0
 
-    def __post_init__(self) -> None:
-        for name, kind in _ENUMS.items():
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, kind):
-                object.__setattr__(self, name, enum_member(name, kind, value))
-        if not isinstance(self.model, str) or not self.model:
-            raise ValueError(f"model: must be a non-empty path, got {self.model!r}")
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_speculative_tokens",
-                     "spec_ngram_min", "spec_ngram_max"):
-            _positive_int(name, getattr(self, name))
-        for name in ("max_model_len", "num_kv_blocks", "kv_cache_memory"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size: must be a power of two, got {self.block_size}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization: must be in (0, 1], got {self.gpu_memory_utilization}")
+    @model_validator(mode="after")
+    def _check_together(self) -> EngineConfig:
         if (self.speculative is SpeculativeMethod.DRAFT) != (self.draft_model is not None):
             raise ValueError("draft_model: give it exactly when speculative is draft")
-        if self.spec_token_cost is not None and not 0.0 < self.spec_token_cost < 1.0:
-            raise ValueError(f"spec_token_cost: must be in (0, 1), got {self.spec_token_cost}")
-        if type(self.spec_max_batch_size) is not int or self.spec_max_batch_size < 0:
-            raise ValueError(f"spec_max_batch_size: must be an integer >= 0, got {self.spec_max_batch_size!r}")
-        if self.cpu_turns is not None and (not isinstance(self.cpu_turns, str) or not self.cpu_turns):
-            raise ValueError(f"cpu_turns: must be a lock file's path or None, got {self.cpu_turns!r}")
-        if self.cpu_lending is not None and (not isinstance(self.cpu_lending, str) or not self.cpu_lending):
-            raise ValueError(f"cpu_lending: must be a directory's path or None, got {self.cpu_lending!r}")
-        if type(self.cpu_lending_min_weight_bytes) is not int or self.cpu_lending_min_weight_bytes < 0:
-            raise ValueError("cpu_lending_min_weight_bytes: must be an integer >= 0, "
-                             f"got {self.cpu_lending_min_weight_bytes!r}")
-        if type(self.cpu_split_threads) is not int or self.cpu_split_threads < 0:
-            raise ValueError(f"cpu_split_threads: must be an integer >= 0, got {self.cpu_split_threads!r}")
-        if self.cpu_turns is not None and self.cpu_lending is not None:
-            raise ValueError("cpu_turns, cpu_lending: an engine takes turns or lends, not both")
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager: must be true or false, got {self.enforce_eager!r}")
         if self.spec_ngram_max < self.spec_ngram_min:
             raise ValueError(f"spec_ngram_max: must be >= spec_ngram_min ({self.spec_ngram_min}), "
                              f"got {self.spec_ngram_max}")
+        if self.cpu_turns is not None and self.cpu_lending is not None:
+            raise ValueError("cpu_turns, cpu_lending: an engine takes turns or lends, not both")
+        return self
 
     @classmethod
     def settings(cls) -> frozenset[str]:
@@ -144,17 +205,3 @@ class EngineConfig:
         return frozenset(f.name for f in dataclasses.fields(cls)) - {"record_kv_events", "progress", "cpu_turns",
                                                                    "cpu_lending", "cpu_lending_min_weight_bytes",
                                                                    "cpu_split_threads"}
-
-
-def enum_member(name: str, kind: type[enum.Enum], value: Any) -> enum.Enum:
-    """`kind(value)`, or a ValueError naming the setting and its choices."""
-    try:
-        return kind(value)
-    except ValueError:
-        choices = ", ".join(str(m.value) for m in kind)
-        raise ValueError(f"{name}: must be one of {choices}, got {value!r}") from None
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if type(value) is not int or value <= 0:
-        raise ValueError(f"{name}: must be a positive integer, got {value!r}")

@@ -168,5 +168,5 @@ def test_the_serve_setting_names_its_choices() -> None:
 
     assert ServeConfig(EngineConfig(model="m"), cpu_sharing="turns").cpu_sharing is CpuSharing.TURNS  # type: ignore[arg-type]
     assert ServeConfig(EngineConfig(model="m")).cpu_sharing is CpuSharing.AUTO
-    with pytest.raises(ValueError, match="cpu_sharing: must be one of split, turns, lend, auto"):
+    with pytest.raises(ValueError, match="cpu_sharing: must be one of 'split', 'turns', 'lend' or 'auto'"):
         ServeConfig(EngineConfig(model="m"), cpu_sharing="sometimes")  # type: ignore[arg-type]
