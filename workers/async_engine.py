@@ -5,14 +5,17 @@ The engine is single-threaded by design; this class owns the thread that steps
 it and is the only code that touches it. A request here is a `Job`: its
 lifecycle (state, deadline, exit hooks), where its outputs go (the caller's
 queue, or a gateway's token stream), and what the worker's role does for it
-after each step (a prefill worker sends its KV). Jobs are opened on the event
-loop and live on the engine thread; every exit (finish, abort, caller gone,
-deadline, peer or engine failure) goes through `end_now` there: the lifecycle's
-exit hooks free the request's blocks (and whatever its role registered), and
-the caller's wait ends with the final output or an exception.
+after each step (`JobRole`: a prefill worker sends its KV). Jobs are opened on
+the event loop and live on the engine thread. The job's lifecycle is the engine
+request's own (`start(engine, life)` hands it over): the scheduler moves it as the
+request goes through the engine's queues, and nothing here moves it. Every exit
+(finish, abort, caller gone, deadline, peer or engine failure) goes through
+`end_now` on the engine thread: the lifecycle's exit hooks free the request's
+blocks (and whatever its role registered), and the caller's wait ends with the
+final output or an exception.
 
     open(...)  ->  begin(job, start)  ->  outputs(job) / finished(job)
-    (event loop)   (engine thread: start(engine) queues the request)
+    (event loop)   (engine thread: start(engine, job.life) queues the request)
 """
 
 from __future__ import annotations
@@ -24,20 +27,22 @@ import threading
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import ServeRequest
-from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
+from pdserve.workers.lifecycle import Exit, Lifecycle, LifecycleError, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.token_stream import GATEWAY_GONE_S, StreamLostError, TokenStreamPublisher
 
 T = TypeVar("T")
-Start = Callable[[LLMEngine], RequestOutput | None]
+# Puts a job's request into the engine (on the engine thread), handing it the job's
+# lifecycle; may return a first output.
+Start = Callable[[LLMEngine, Lifecycle], RequestOutput | None]
 ENGINE_THREAD_NAME = "pdserve-engine"
 _GONE_CHECK_S = 0.5  # how often the engine thread looks at its gateway links (seconds)
 
@@ -60,6 +65,17 @@ class WorkerDrainingError(RuntimeError):
     it to another worker from what its client already has (cluster/backend.py: RETRYABLE)."""
 
 
+class JobRole(Protocol):
+    """What a worker's role does for one of its jobs on the engine thread (a prefill
+    worker's KV handoff): it takes the job's outputs, which go neither to the caller
+    nor to a stream (the final one does not end the job: the role ends it), and it
+    acts after every step while the job lives."""
+
+    def take_output(self, out: RequestOutput) -> None: ...
+
+    def after_step(self, engine: LLMEngine) -> None: ...
+
+
 @dataclass(eq=False)
 class Job:
     """One request in this worker: its lifecycle and where its outputs go."""
@@ -74,12 +90,7 @@ class Job:
     # Engine thread: its request went into the engine. Until then, outputs under its
     # id are an earlier try's (still ending here after this one replaced it).
     started: bool = False
-    # Engine thread, after every step while the job lives (a prefill worker sends KV from it).
-    after_step: Callable[[LLMEngine], None] | None = None
-    # Engine thread: the role takes the job's outputs (a prefill worker); they go
-    # neither to the caller nor to a stream, and the final one does not end the
-    # job: the role ends it (once the request's KV is all sent).
-    on_output: Callable[[RequestOutput], None] | None = None
+    role: JobRole | None = None  # engine thread: takes its outputs and acts after each step
     # Set (any thread) when an exit was asked for: work still queued for the engine
     # thread (starting it, reserving its blocks) is skipped rather than done and undone.
     ending: Exit | None = None
@@ -163,7 +174,7 @@ class AsyncEngine:
         self.engine.validate(prompt, params)
         params = params.with_output_kind(RequestOutputKind.DELTA)
         job = self.open(request_id, timeout_s)
-        self.begin(job, lambda e: e.add_request(request_id, prompt, params))
+        self.begin(job, lambda e, life: e.add_request(request_id, prompt, params, life=life))
         async with contextlib.aclosing(self.outputs(job)) as outputs:
             async for out in outputs:
                 yield out
@@ -174,8 +185,8 @@ class AsyncEngine:
         params = req.params.with_output_kind(RequestOutputKind.DELTA)
         self.engine.validate(list(req.prompt_token_ids), params)
         job = self.open_stream(req)
-        self.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), params,
-                                                resume=req.resume))
+        self.begin(job, lambda e, life: e.add_request(req.request_id, list(req.prompt_token_ids), params,
+                                                      resume=req.resume, life=life))
         await self.finished(job)
 
     def open_stream(self, req: ServeRequest, state: RequestState = RequestState.QUEUED) -> Job:
@@ -212,8 +223,9 @@ class AsyncEngine:
         return job
 
     def begin(self, job: Job, start: Start) -> None:
-        """Run `start(engine)` on the engine thread: it puts the request into the
-        engine (and may return a first output). A ValueError ends the job (REJECTED)."""
+        """Run `start(engine, job.life)` on the engine thread: it puts the request into
+        the engine with the job's lifecycle (and may return a first output). A
+        ValueError ends the job (REJECTED)."""
         self._commands.put(lambda: self._start(job, start))
 
     async def outputs(self, job: Job) -> AsyncGenerator[RequestOutput, None]:
@@ -236,7 +248,7 @@ class AsyncEngine:
             self.end(job, Exit.ABORTED)  # nothing if it already ended
 
     async def finished(self, job: Job) -> RequestOutput:
-        """Wait for the job's final output: with `reply_to` (or `on_output`), the
+        """Wait for the job's final output: with `reply_to` (or a `role`), the
         notice that its last delta went out (that its role ended it). Same exits
         as `outputs`."""
         done = False
@@ -358,10 +370,12 @@ class AsyncEngine:
             return
         job.started = True
         try:
-            first = start(self.engine)
+            first = start(self.engine, job.life)
         except ValueError as e:
             self.end_now(job, Exit.REJECTED, e)
             return
+        if self.engine.lifecycle_of(job.request_id) not in (job.life, None):
+            raise LifecycleError(f"request {job.request_id}: started without its job's lifecycle")
         if first is not None:
             self._deliver(first)
 
@@ -404,8 +418,9 @@ class AsyncEngine:
                 # verified) goes out now, not after the step: a step can be long.
                 self._flush_remote()
                 idle = not self._step()
-                for job in [j for j in self._live_jobs() if j.after_step is not None]:
-                    job.after_step(self.engine)  # type: ignore[misc]  # checked just above
+                for job in self._live_jobs():
+                    if job.role is not None:
+                        job.role.after_step(self.engine)
                 self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
@@ -429,11 +444,6 @@ class AsyncEngine:
         steps = self.engine.stats.steps
         for out in self.engine.step():
             self._deliver(out)
-        for job in self._live_jobs():
-            if job.life.state is RequestState.QUEUED:
-                progress = self.engine.prefill_progress(job.request_id)
-                if progress is not None and progress[0] > 0:
-                    job.life.move(RequestState.PREFILLING)
         return self.engine.stats.steps != steps
 
     def _drain_commands(self, block: bool) -> None:
@@ -452,11 +462,9 @@ class AsyncEngine:
         job = self._jobs.get(out.request_id)
         if job is None or not job.started:
             return  # it ended here already (aborted, the caller left, a later try replaced it)
-        if job.on_output is not None:
-            job.on_output(out)
+        if job.role is not None:
+            job.role.take_output(out)
             return
-        if out.outputs[0].token_ids:
-            job.life.advance(RequestState.DECODING)
         if job.reply_to is None:
             _on_loop(job.loop, job.inbox.put_nowait, out)
             if out.finished:

@@ -26,15 +26,15 @@ import concurrent.futures
 import dataclasses
 import enum
 import time
-from collections.abc import Callable
 from typing import Protocol
 
-from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, WorkerDrainingError
+from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, Start, WorkerDrainingError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest
 from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.messages import TransferState
 from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.role_worker import RoleWorker
 from pdserve.workers.sampling_params import RequestOutputKind
 from pdserve.workers.transfer.base import FailReason, KVReceiver, TransferError
 from pdserve.workers.transfer.recording import TransferRecorder
@@ -63,14 +63,13 @@ class PrefillPeer(Protocol):
         ...
 
 
-Start = Callable[[LLMEngine], RequestOutput | None]
 _PEER_GRACE_S = 0.25
 # The prefill worker replies only once this receiver reported the KV verified, so
 # the wait for that verdict here is short; this bounds it all the same.
 _VERDICT_WAIT_S = 5.0
 
 
-class DecodeWorker:
+class DecodeWorker(RoleWorker):
     def __init__(self, engine: LLMEngine, receiver: KVReceiver,
                  on_failure: KVFailurePolicy = KVFailurePolicy.RECOMPUTE,
                  transfer_recorder: TransferRecorder | None = None, worker_id: str = "decode",
@@ -81,12 +80,11 @@ class DecodeWorker:
         before the failure policy applies (None: until the request's deadline).
         `async_engine`: the engine's thread when the worker already has one (a
         worker that changes role keeps its engine and thread)."""
-        self.engine = engine
+        super().__init__(engine, async_engine, worker_id)
         self.receiver = receiver
         self.on_failure = on_failure
         self.prefill_timeout_s = prefill_timeout_s
         self.transfer_recorder = transfer_recorder
-        self.async_engine = async_engine or AsyncEngine(engine, worker_id=worker_id)
         self.num_transfer_failures = 0
         # Reservations given up because their KV did not come within the remote
         # prefill's budget (`prefill_timeout_s`): the blocks' lease expired.
@@ -94,14 +92,6 @@ class DecodeWorker:
         # Its own threads for the receiver's blocking waits: the event loop's default
         # pool is shared with everything else in the process, and small.
         self._waits = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-wait")
-
-    def start(self) -> DecodeWorker:
-        self.async_engine.start()
-        return self
-
-    def close(self) -> None:
-        self.async_engine.close()
-        self.close_role()
 
     def close_role(self) -> None:
         """Close what the decode role holds (its wait threads), not the engine nor the
@@ -129,10 +119,6 @@ class DecodeWorker:
         ae.begin(job, start)
         await ae.finished(job)
 
-    def abort(self, request_id: str, attempt: int | None = None) -> None:
-        """Cancel wherever the request is: stop the transfer, tell the prefill worker, free the blocks."""
-        self.async_engine.abort(request_id, attempt)
-
     # -- the handoff, step by step ---------------------------------------------------
 
     async def _arrange(self, job: Job, req: ServeRequest, peer: PrefillPeer) -> Start:
@@ -145,35 +131,35 @@ class DecodeWorker:
             ae.end(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {rid} passed its deadline here") from None
         if reservation is None:  # no room now: it queues and prefills here
-            return lambda e: e.add_request(rid, prompt, req.params)
+            return lambda e, life: e.add_request(rid, prompt, req.params, life=life)
         try:
             first, peer_left = await self._remote_prefill(job, req, reservation, peer), False
         except WorkerDrainingError:  # the prefill worker is changing role: no KV fault, the prompt is ours
             first, peer_left = None, True
         if first is not None and await self._kv_arrived(job, reservation, len(prompt)):
             job.tokens_sent = 1 if first.published else 0
-            return lambda e: self._complete(e, job, first)
+            return lambda e, life: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
         self._release(job)
         # The client may have the first token already (the prefill worker publishes it when
         # the prompt is done): the gateway drops the recomputed one if it matches, and moves
         # the request on from what the client has if not (workers/token_stream.py).
         if self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left:
-            return lambda e: self._recompute(e, job)
+            return lambda e, life: self._recompute(e, job)
         error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
         await ae.end_and_wait(job, Exit.PEER_FAILED, error)
         raise error
 
     def _reserve(self, e: LLMEngine, job: Job, req: ServeRequest, peer: PrefillPeer) -> Reservation | None:
-        """Engine thread: blocks for the prompt, registered with the receiver; the
-        exit hooks that undo each (last added, first run)."""
+        """Engine thread: blocks for the prompt (the request moves to TRANSFERRING),
+        registered with the receiver; the exit hooks that undo each (last added,
+        first run)."""
         rid = req.request_id
         if job.ending is not None or job.life.ended:
             return None  # its exit is on the way: reserve nothing
-        plan = e.reserve(rid, list(req.prompt_token_ids), req.params)
+        plan = e.reserve(rid, list(req.prompt_token_ids), req.params, life=job.life)
         if plan is None:
-            job.life.move(RequestState.QUEUED)
-            return None
+            return None  # it stays ROUTED until it is added (and QUEUED) here
         blocks, cached = plan
         skip = cached // e.config.block_size
         if skip < len(blocks):
@@ -186,7 +172,6 @@ class DecodeWorker:
                     job.loop.call_soon_threadsafe(peer.abort, rid, job.attempt)
 
         job.life.on_exit(stop_peer)
-        job.life.move(RequestState.TRANSFERRING)
         return Reservation(tuple(blocks), cached)
 
     async def _remote_prefill(self, job: Job, req: ServeRequest, reservation: Reservation,
@@ -262,7 +247,6 @@ class DecodeWorker:
         prompt_logprobs = list(first.prompt_logprobs) if first.prompt_logprobs is not None else None
         out = e.complete_reservation(job.request_id, first.token_id, first.logprobs, prompt_logprobs,
                                      first.queue_time_s)
-        job.life.advance(RequestState.DECODING)
         if first.published and out is not None:
             return _without_first_token(out)
         return out
@@ -271,7 +255,6 @@ class DecodeWorker:
     def _recompute(e: LLMEngine, job: Job) -> None:
         """The KV did not come: prefill the prompt here (the reserved blocks are freed first)."""
         e.prefill_locally(job.request_id)
-        job.life.move(RequestState.QUEUED)
 
 
 def _without_first_token(out: RequestOutput) -> RequestOutput | None:

@@ -15,6 +15,7 @@ they finish until `release`.
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -33,13 +34,14 @@ from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_to
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent
+from pdserve.workers.lifecycle import Lifecycle, RequestState
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
 from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
-from pdserve.workers.request import Request, RequestStatus
+from pdserve.workers.request import FinishReason, Request
 from pdserve.workers.sampler import SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -135,7 +137,7 @@ class LLMEngine:
     # -- requests -------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    hold_kv: bool = False, resume: Resume | None = None) -> None:
+                    hold_kv: bool = False, resume: Resume | None = None, life: Lifecycle | None = None) -> None:
         """Queue a request. Raises ValueError (changing nothing) on bad input.
 
         `hold_kv` (prefill worker): when the request finishes, its blocks stay
@@ -143,8 +145,10 @@ class LLMEngine:
         `resume`: a request that another worker started and lost (it died); its
         output so far is taken as this one's, computed again with the prompt, and
         its outputs go on after it.
+        `life`: the worker's lifecycle of the request, which the scheduler moves from
+        here on and the worker ends (None: the engine's own, ended when it finishes).
         """
-        req = self._new_request(request_id, prompt, params, hold_kv)
+        req = self._new_request(request_id, prompt, params, hold_kv, life)
         if resume is not None:
             self._resume(req, resume)
         self.scheduler.add(req)
@@ -162,8 +166,8 @@ class LLMEngine:
             req = self.scheduler.requests.get(rid)
             if req is None:
                 continue
-            if not req.status.finished:
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+            if not req.finished:
+                self.scheduler.finish(req, FinishReason.ABORT)
                 if output:
                     self._aborted_outputs.append(self._output(req))
             self.scheduler.release(rid)
@@ -183,14 +187,17 @@ class LLMEngine:
 
     # -- the handoff ----------------------------------------------------------
 
-    def reserve(self, request_id: str, prompt: str | list[int],
-                params: SamplingParams | None = None) -> tuple[list[int], int] | None:
+    def reserve(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                life: Lifecycle | None = None) -> tuple[list[int], int] | None:
         """Decode worker: reserve blocks for a prompt whose KV a prefill worker
         will write. Returns (block ids covering the prompt, tokens this worker
         already caches: those blocks need no transfer), or None when the pool
         cannot hold it now (nothing changed). Then `complete_reservation`,
-        `prefill_locally` or `abort`."""
-        req = self._new_request(request_id, prompt, params, hold_kv=False)
+        `prefill_locally` or `abort`. `life` as in `add_request`: ROUTED, it moves
+        to TRANSFERRING once the blocks are reserved."""
+        own = life is None  # a reservation starts ROUTED, as a decode worker's request does
+        req = self._new_request(request_id, prompt, params, False,
+                                Lifecycle(request_id, math.inf, RequestState.ROUTED) if own else life, own)
         plan = self.scheduler.reserve_remote(req)
         if plan is None:
             self.stats.prompt_tokens -= req.num_prompt_tokens
@@ -213,8 +220,8 @@ class LLMEngine:
         req.queue_time_s = queue_time_s
         self.scheduler.complete_remote(req)
         self.stats.generation_tokens += 1
-        status = self._append(req, first_token, dict(first_logprobs or {}) if req.logprobs is not None else None)
-        return self._emit(req, status)
+        reason = self._append(req, first_token, dict(first_logprobs or {}) if req.logprobs is not None else None)
+        return self._emit(req, reason)
 
     def prefill_locally(self, request_id: str) -> None:
         """Decode worker: the KV transfer failed; recompute the prompt here instead."""
@@ -229,7 +236,12 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
-        return min(req.num_computed_tokens, req.num_prompt_tokens), req.status.finished
+        return min(req.num_computed_tokens, req.num_prompt_tokens), req.finished
+
+    def lifecycle_of(self, request_id: str) -> Lifecycle | None:
+        """The lifecycle of a live or held request (None: not here)."""
+        req = self.scheduler.requests.get(request_id)
+        return req.life if req is not None else None
 
     def blocks_of(self, request_id: str) -> list[int]:
         """The KV blocks a live or held request holds, in token order."""
@@ -332,22 +344,22 @@ class LLMEngine:
             req.spec_token_ids, req.spec_draft_probs = [], None
             accepted = len(r.tokens) - 1
             spec.verified(req, s.num_spec, accepted, self.stats)
-            status = None
+            reason = None
             for i, token in enumerate(r.tokens):
                 self.stats.generation_tokens += 1
-                status = self._append(req, token, r.logprobs[i] if r.logprobs is not None else None)
-                if status is not None:
+                reason = self._append(req, token, r.logprobs[i] if r.logprobs is not None else None)
+                if reason is not None:
                     break
-            if status is None:
+            if reason is None:
                 self.scheduler.advance(s, accepted)
-            if (o := self._emit(req, status)) is not None:
+            if (o := self._emit(req, reason)) is not None:
                 outputs.append(o)
         return outputs
 
     # -- one token, one output ----------------------------------------------------
 
-    def _append(self, req: Request, token: int, entry: LogprobEntry | None) -> RequestStatus | None:
-        """Add a generated token (and its logprobs entry); the status it ends the request with, if any."""
+    def _append(self, req: Request, token: int, entry: LogprobEntry | None) -> FinishReason | None:
+        """Add a generated token (and its logprobs entry); why it ends the request, if it does."""
         req.append_token(token)
         if req.logprobs is not None and entry is not None:
             req.logprobs.append(entry)
@@ -357,20 +369,20 @@ class LLMEngine:
         if may_stop:
             if token in req.stop_token_ids:
                 req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
-                return RequestStatus.FINISHED_STOPPED
+                return FinishReason.STOP
             if stop_str is not None:
                 req.stop_reason = stop_str
-                return RequestStatus.FINISHED_STOPPED
+                return FinishReason.STOP
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+            return FinishReason.LENGTH
         return None
 
-    def _emit(self, req: Request, status: RequestStatus | None) -> RequestOutput | None:
-        """The one place a request finishes: `status` ends it (its blocks are freed,
-        or held for a handoff) with its final output; otherwise its output, unless
-        it only wants the final one."""
-        if status is not None:
-            self.scheduler.finish(req, status)
+    def _emit(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
+        """After a step's tokens for `req`: the one place a request finishes. `reason`
+        ends it (its blocks are freed, or held for a handoff) with its final output;
+        otherwise its output, unless it only wants the final one."""
+        self.scheduler.took_token(req, reason)
+        if reason is not None:
             return self._output(req)
         if req.params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
@@ -389,23 +401,25 @@ class LLMEngine:
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids,
             cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+            logprobs=logprobs, finish_reason=req.finish_reason.value if req.finish_reason else None,
+            stop_reason=req.stop_reason,
         )
         metrics = {} if req.queue_time_s is None else {"queue_time_s": req.queue_time_s}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             finished=req.status.finished, num_cached_tokens=max(req.num_cached_tokens, 0),
+                             finished=req.finished, num_cached_tokens=max(req.num_cached_tokens, 0),
                              metrics=metrics, prompt_logprobs=prompt_logprobs)
 
     # -- admission ------------------------------------------------------------------
 
     def _new_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
-                     hold_kv: bool) -> Request:
+                     hold_kv: bool, life: Lifecycle | None, ends_in_engine: bool | None = None) -> Request:
         params = params or SamplingParams()
         if request_id in self.scheduler.requests:
             raise ValueError(f"request_id: {request_id!r} is already running")
         text, token_ids, max_tokens = self._prepare(prompt, params)
         req = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self._eos_token_ids,
-                      max_tokens=max_tokens, device=self.device, hold_kv=hold_kv)
+                      max_tokens=max_tokens, device=self.device, hold_kv=hold_kv, life=life,
+                      ends_in_engine=ends_in_engine)
         if params.detokenize or params.stop:
             assert isinstance(params.stop, list)  # SamplingParams normalises it
             req.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, token_ids, params.stop,

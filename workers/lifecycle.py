@@ -13,6 +13,12 @@ Each process walks the part that happens there (docs/lifecycle.md draws them):
     prefill worker     QUEUED -> PREFILLING -> TRANSFERRING (KV in flight, blocks held) -> end
     decode worker      ROUTED (reserving) -> TRANSFERRING (blocks reserved, KV arriving) -> DECODING -> end
                        ROUTED | TRANSFERRING -> QUEUED (no room, or the KV failed: prefill here) -> ...
+    any worker         PREFILLING | DECODING -> QUEUED (preempted: blocks freed, recomputed later) -> ...
+
+In a worker the lifecycle is the request's only state: the engine's `Request`
+carries it (`Request.life`) and the scheduler moves it as the request goes
+through the engine's queues (workers/scheduler.py is the one place a worker
+moves it); the worker's `AsyncEngine.end_now` ends it. The gateway moves its own.
 
 `move` is the only place a state changes, and it refuses a move the machine does
 not have. `end` is the only way out: it runs the request's exit hooks once, in
@@ -20,7 +26,7 @@ reverse order of registration (the resources they free were taken in order:
 engine blocks, then a transfer registration, then a peer's share), whatever the
 exit. Hooks must not raise and must not block: they post work, they do not wait
 for it; one that raises is logged, and the others still run. A `Lifecycle`
-is touched by one thread only (its owner's).
+is touched by one thread only (its owner's: a worker's engine thread).
 """
 
 from __future__ import annotations
@@ -51,12 +57,13 @@ class RequestState(enum.Enum):
 _TERMINAL = frozenset({RequestState.FINISHED, RequestState.ABORTED, RequestState.FAILED})
 _S = RequestState
 # The moves the machine has; any state may also end (see `Exit`).
+# PREFILLING | DECODING -> QUEUED is a preemption (the request recomputes what it had).
 NEXT: dict[RequestState, frozenset[RequestState]] = {
-    _S.QUEUED: frozenset({_S.ROUTED, _S.PREFILLING, _S.DECODING}),
+    _S.QUEUED: frozenset({_S.ROUTED, _S.PREFILLING}),
     _S.ROUTED: frozenset({_S.QUEUED, _S.TRANSFERRING, _S.DECODING}),
-    _S.PREFILLING: frozenset({_S.TRANSFERRING, _S.DECODING}),
+    _S.PREFILLING: frozenset({_S.TRANSFERRING, _S.DECODING, _S.QUEUED}),
     _S.TRANSFERRING: frozenset({_S.QUEUED, _S.DECODING}),
-    _S.DECODING: frozenset(),
+    _S.DECODING: frozenset({_S.QUEUED}),
     _S.FINISHED: frozenset(),
     _S.ABORTED: frozenset(),
     _S.FAILED: frozenset(),

@@ -1,13 +1,15 @@
-"""A request inside the engine: its tokens, progress, and lifecycle state."""
+"""A request inside the engine: its tokens, its progress, and its lifecycle."""
 
 from __future__ import annotations
 
 import enum
+import math
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -18,45 +20,35 @@ if TYPE_CHECKING:
 _CPU = torch.device("cpu")
 
 
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, prompt KV arriving from a prefill worker
-    RUNNING = "running"
-    PREEMPTED = "preempted"  # blocks freed; back in the waiting queue to recompute
-    FINISHED_STOPPED = "finished_stopped"
-    FINISHED_LENGTH = "finished_length"
-    FINISHED_ABORTED = "finished_aborted"
+class FinishReason(str, enum.Enum):
+    """Why the engine stopped generating for a request (the API's `finish_reason`).
+    Not a state: the request's state is its lifecycle (`Request.life`)."""
 
-    @property
-    def finished(self) -> bool:
-        return self in _FINISHED
-
-    @property
-    def finish_reason(self) -> str | None:
-        return _FINISH_REASON.get(self)
-
-
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
-_FINISH_REASON = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+    STOP = "stop"  # a stop token or string
+    LENGTH = "length"  # max_tokens, or the model's length
+    ABORT = "abort"  # aborted before either
 
 
 class Request:
     """Tokens are `prompt + outputs`; `num_computed_tokens` of them have KV in the cache.
 
     Everything the engine knows of one request lives here: its tokens and
-    progress, its scheduling status, its text (`detok`) and what of its output
-    has been handed out (`sent_*`), its drafts. The scheduler owns its status.
+    progress, its lifecycle (`life`: the one state it has in a worker), its text
+    (`detok`) and what of its output has been handed out (`sent_*`), its drafts.
+    The scheduler moves its lifecycle; nothing else in the engine does.
     """
 
     def __init__(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
         prompt: str | None = None, eos_token_ids: tuple[int, ...] = (), max_tokens: int,
-        device: torch.device = _CPU, hold_kv: bool = False,
+        device: torch.device = _CPU, hold_kv: bool = False, life: Lifecycle | None = None,
+        ends_in_engine: bool | None = None,
     ) -> None:
+        """`life`: the worker's lifecycle of this request (its `AsyncEngine` job's), which
+        the scheduler moves and the worker ends once the request has left (its last
+        delta sent, its KV handed over). None: the engine's own, with no deadline.
+        `ends_in_engine`: whether finishing in the engine ends `life` (default: when
+        it is the engine's own: offline use, tests)."""
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -67,7 +59,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set when first scheduled
         self.block_hashes: list[int] = []  # of every full block of all_token_ids (lazily extended)
-        self.status = RequestStatus.WAITING
+        self.life = life if life is not None else Lifecycle(request_id, math.inf)
+        self.ends_in_engine = life is None if ends_in_engine is None else ends_in_engine
+        self.finish_reason: FinishReason | None = None  # set once, when it finishes in the engine
         self.stop_reason: int | str | None = None
         self.stop_token_ids = frozenset(params.stop_token_ids or ()) | (
             frozenset() if params.ignore_eos else frozenset(eos_token_ids)
@@ -107,6 +101,11 @@ class Request:
         self.spec_acceptance = 1.0
         self.spec_idle_steps = 0
         self.token_buffer: TokenBuffer | None = None  # numpy mirror of all_token_ids for n-gram lookup
+
+    @property
+    def finished(self) -> bool:
+        """Whether it finished in the engine (a held prefill keeps its blocks after)."""
+        return self.finish_reason is not None
 
     @property
     def num_tokens(self) -> int:

@@ -10,6 +10,20 @@ Policy (vLLM v1 style, one token budget for prefill and decode alike):
 A request that ends keeps its blocks only if it holds its KV for a handoff
 (`hold_kv`, a prefill worker): it stays in `requests`, finished, until `release`.
 Nothing here touches tensors.
+
+This is the one place a request's state moves inside a worker: each queue change
+moves its lifecycle (`Request.life`, workers/lifecycle.py) with it, so the state a
+worker reports and the queue the request is in cannot disagree.
+
+    add                                      QUEUED (a decode worker's ROUTED -> QUEUED)
+    scheduled from the waiting queue         QUEUED -> PREFILLING (its known tokens to compute)
+    its first token here                     PREFILLING -> DECODING
+    preempted                                PREFILLING | DECODING -> QUEUED
+    reserve_remote / complete_remote         ROUTED -> TRANSFERRING -> DECODING (decode side)
+    prefill_locally                          TRANSFERRING -> QUEUED (the KV failed: recompute)
+    finish, holding its KV                   PREFILLING -> TRANSFERRING (prefill side, until `release`)
+    finish otherwise                         its worker ends it once the output has left; a
+                                             request the engine owns (offline) ends here
 """
 
 from __future__ import annotations
@@ -19,7 +33,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.workers.kv.cache_manager import KVCacheManager
-from pdserve.workers.request import Request, RequestStatus
+from pdserve.workers.lifecycle import Exit, RequestState
+from pdserve.workers.request import FinishReason, Request
+
+_S = RequestState
 
 
 @dataclass(frozen=True)
@@ -63,6 +80,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
+        if request.life.state is _S.ROUTED:  # a decode worker that could not reserve: it prefills here
+            request.life.move(_S.QUEUED)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -77,18 +96,19 @@ class Scheduler:
             return None
         req.num_cached_tokens = num_cached
         self.num_cached_prompt_tokens += num_cached
-        req.status = RequestStatus.WAITING_FOR_KV
+        req.life.move(_S.TRANSFERRING)
         self.requests[req.request_id] = req
         self.awaiting_kv[req.request_id] = req
         return list(self.kv.blocks_of(req.request_id)), num_cached
 
     def complete_remote(self, req: Request) -> None:
         """The prompt's KV has landed in the reserved blocks: the request joins the
-        queue ahead of new work (it already holds its blocks) to decode."""
+        queue ahead of new work (it already holds its blocks) to decode from the
+        prefill worker's first token (the caller appends it)."""
         del self.awaiting_kv[req.request_id]
         req.num_computed_tokens = req.num_prompt_tokens
         self.kv.cache_computed_blocks(req)
-        req.status = RequestStatus.WAITING
+        req.life.move(_S.DECODING)
         self.waiting.appendleft(req)
 
     def queued_prefill_tokens(self) -> int:
@@ -118,7 +138,7 @@ class Scheduler:
         del self.awaiting_kv[req.request_id]
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
+        req.life.move(_S.QUEUED)
         self.waiting.appendleft(req)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -163,7 +183,8 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
                 self.num_cached_prompt_tokens += num_cached
-            req.status = RequestStatus.RUNNING
+            if req.life.state is _S.QUEUED:  # not one whose KV came from a prefill worker (DECODING)
+                req.life.move(_S.PREFILLING)
             if req.queue_time_s is None:
                 req.queue_time_s = time.monotonic() - req.arrival_time
             self.running.append(req)
@@ -174,7 +195,7 @@ class Scheduler:
         self.kv.free(req)
         req.spec_token_ids, req.spec_draft_probs = [], None
         req.num_computed_tokens = 0
-        req.status = RequestStatus.PREEMPTED
+        req.life.move(_S.QUEUED)
         self.waiting.appendleft(req)
 
     def advance(self, scheduled: ScheduledRequest, num_accepted: int = 0) -> None:
@@ -186,18 +207,34 @@ class Scheduler:
         req.num_computed_tokens += scheduled.num_tokens - scheduled.num_spec + num_accepted
         self.kv.cache_computed_blocks(req)
 
-    def finish(self, req: Request, status: RequestStatus) -> None:
+    def took_token(self, req: Request, reason: FinishReason | None) -> None:
+        """Tokens were appended to `req` (sampled, verified, or a prefill worker's first):
+        it decodes on, or finishes with `reason`."""
+        if req.life.state is _S.PREFILLING and not req.hold_kv:
+            req.life.move(_S.DECODING)
+        if reason is not None:
+            self.finish(req, reason)
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
         """End a request in any state: its blocks go back to the pool at once,
-        unless it holds its KV for a handoff (`hold_kv`): then until `release`."""
-        if req.status.finished:
+        unless it holds its KV for a handoff (`hold_kv`): then until `release`.
+        Its worker ends its lifecycle once the output has left (or already did,
+        when this is that exit's abort); one the engine owns ends here."""
+        if req.finished:
             return
-        if req.status is RequestStatus.RUNNING:
-            self.running.remove(req)
-        elif req.status is RequestStatus.WAITING_FOR_KV:
+        if req.request_id in self.awaiting_kv:
             del self.awaiting_kv[req.request_id]
+        elif req in self.running:
+            self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        req.status = status
+        req.finish_reason = reason
+        if req.hold_kv and reason is not FinishReason.ABORT:
+            if req.life.state is _S.PREFILLING:
+                req.life.move(_S.TRANSFERRING)  # its KV is handed over from its held blocks
+            return
+        if req.ends_in_engine:
+            req.life.end(Exit.ABORTED if reason is FinishReason.ABORT else Exit.FINISHED)
         if not req.hold_kv:
             self.release(req.request_id)
 
@@ -205,6 +242,8 @@ class Scheduler:
         """Free the blocks of a finished request that held them (its KV is sent, or
         the handoff was abandoned). Unknown or live requests are left alone."""
         req = self.requests.get(request_id)
-        if req is not None and req.status.finished:
+        if req is not None and req.finished:
             self.kv.free(req)
             del self.requests[request_id]
+            if req.ends_in_engine:
+                req.life.end(Exit.ABORTED if req.finish_reason is FinishReason.ABORT else Exit.FINISHED)

@@ -343,7 +343,7 @@ async def _trigger(case: Case, c: Cluster, req: ServeRequest) -> None:
 async def _refused(ae: AsyncEngine, req: ServeRequest) -> None:
     """A request the engine refuses when it starts (a token id outside the vocabulary)."""
     job = ae.open(req.request_id, req.timeout_s, reply_to=req.reply_to)
-    ae.begin(job, lambda e: e.add_request(req.request_id, list(req.prompt_token_ids), req.params))
+    ae.begin(job, lambda e, life: e.add_request(req.request_id, list(req.prompt_token_ids), req.params, life=life))
     await ae.finished(job)
 
 

@@ -7,11 +7,13 @@ import random
 from collections import Counter
 
 from pdserve.workers.kv.cache_manager import KVCacheManager
-from pdserve.workers.request import Request, RequestStatus
+from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
+from pdserve.workers.request import FinishReason, Request
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 
 BS = 4  # block size
+S = RequestState
 
 
 def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32) -> Scheduler:
@@ -32,8 +34,7 @@ def step(sched: Scheduler) -> SchedulerOutput:
         sched.advance(s)
     for req in sampling:
         req.append_token(1000 + req.num_output_tokens)
-        if req.num_output_tokens >= req.max_tokens:
-            sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        sched.took_token(req, FinishReason.LENGTH if req.num_output_tokens >= req.max_tokens else None)
     check_blocks(sched)
     return out
 
@@ -47,11 +48,12 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     for s in out.scheduled:
         req = s.request
         assert s.num_tokens > 0
-        assert req.status is RequestStatus.RUNNING and req in sched.running
+        assert req.life.state in (S.PREFILLING, S.DECODING) and req in sched.running
         assert req.num_computed_tokens + s.num_tokens <= req.num_tokens
         assert len(sched.kv.blocks_of(req.request_id)) * BS >= req.num_computed_tokens + s.num_tokens, "no slots"
     for req in out.preempted:
-        assert req.status is RequestStatus.PREEMPTED and req.num_computed_tokens == 0
+        assert req.life.state is S.QUEUED and req.life.history[-2] in (S.PREFILLING, S.DECODING)
+        assert req.num_computed_tokens == 0
         assert sched.kv.blocks_of(req.request_id) == [] and req in sched.waiting
 
 
@@ -115,7 +117,7 @@ def test_only_the_last_prefill_chunk_samples() -> None:
         if samples[-1][1]:
             req.append_token(7)
             if req.num_output_tokens == 3:
-                sched.finish(req, RequestStatus.FINISHED_LENGTH)
+                sched.finish(req, FinishReason.LENGTH)
     assert samples == [(8, False), (8, False), (4, True), (1, True), (1, True)]
     assert all_blocks_free(sched)
 
@@ -145,7 +147,7 @@ def test_max_num_seqs_caps_running_requests() -> None:
         assert len(out.scheduled) <= 2
         max_running = max(max_running, len(sched.running))
     assert max_running == 2
-    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 3 for r in reqs)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3 for r in reqs)
 
 
 def test_admission_is_first_come_first_served() -> None:
@@ -193,7 +195,7 @@ def test_preempts_the_newest_running_request_and_resumes_it() -> None:
     first = next(i for i, o in enumerate(outs) if o.preempted)
     assert outs[first].preempted == [reqs[2]]
     assert "r2" not in scheduled_tokens(outs[first])
-    assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 6 for r in reqs)
     assert reqs[2].output_token_ids == [1000 + i for i in range(6)], "outputs survive the recompute"
     assert all_blocks_free(sched)
 
@@ -231,8 +233,8 @@ def test_random_workload_loses_no_request() -> None:
             sched.add(req)
         if reqs and rng.random() < 0.03:
             victim = rng.choice(reqs)
-            if not victim.status.finished:
-                sched.finish(victim, RequestStatus.FINISHED_ABORTED)
+            if not victim.finished:
+                sched.finish(victim, FinishReason.ABORT)
                 aborted.add(victim.request_id)
         if sched.has_unfinished():
             preemptions += len(step(sched).preempted)
@@ -240,9 +242,10 @@ def test_random_workload_loses_no_request() -> None:
     assert preemptions > 0, "the workload should exercise preemption"
     for r in reqs:
         if r.request_id in aborted:
-            assert r.status is RequestStatus.FINISHED_ABORTED
+            assert r.finish_reason is FinishReason.ABORT and r.life.exit is Exit.ABORTED
         else:
-            assert r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == r.max_tokens
+            assert r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == r.max_tokens
+            assert r.life.exit is Exit.FINISHED and r.life.history[-2] is S.DECODING
     assert all_blocks_free(sched)  # cached-evictable blocks count as free
 
 
@@ -256,18 +259,18 @@ def test_abort_frees_blocks_at_once_in_any_state() -> None:
     sched.add(running)
     sched.add(waiting)
     step(sched)
-    assert running.status is RequestStatus.RUNNING and waiting.status is RequestStatus.WAITING
+    assert running.life.state is S.DECODING and waiting.life.state is S.QUEUED
     assert sched.kv.pool.num_free == 8 - 3
 
-    sched.finish(waiting, RequestStatus.FINISHED_ABORTED)
+    sched.finish(waiting, FinishReason.ABORT)
     assert waiting not in sched.waiting and "waiting" not in sched.requests
-    sched.finish(running, RequestStatus.FINISHED_ABORTED)
+    sched.finish(running, FinishReason.ABORT)
     assert sched.kv.blocks_of("running") == [] and all_blocks_free(sched)
     assert not sched.has_unfinished() and not sched.schedule().scheduled
-    assert running.status is RequestStatus.FINISHED_ABORTED
+    assert running.finish_reason is FinishReason.ABORT and running.life.state is S.ABORTED
 
-    sched.finish(running, RequestStatus.FINISHED_LENGTH)  # finishing twice changes nothing
-    assert running.status is RequestStatus.FINISHED_ABORTED
+    sched.finish(running, FinishReason.LENGTH)  # finishing twice changes nothing
+    assert running.finish_reason is FinishReason.ABORT and running.life.state is S.ABORTED
 
 
 def test_abort_of_a_preempted_request() -> None:
@@ -278,11 +281,61 @@ def test_abort_of_a_preempted_request() -> None:
     sched.add(b)
     step(sched)
     assert step(sched).preempted == [b]
-    sched.finish(b, RequestStatus.FINISHED_ABORTED)
+    sched.finish(b, FinishReason.ABORT)
     assert b not in sched.waiting
     run_to_completion(sched)
     assert a.num_output_tokens == 8 and b.num_output_tokens == 1
     assert all_blocks_free(sched)
+
+
+def test_a_requests_state_moves_with_its_queue() -> None:
+    """A request's one state is its lifecycle, moved by the scheduler as the request
+    changes queue: a preempted request is QUEUED again and prefills again; a request
+    the engine owns ends when it finishes."""
+    sched = make_scheduler(num_blocks=5, max_num_seqs=2, budget=64)
+    a, b = make_request("a", 8, max_tokens=3), make_request("b", 8, max_tokens=3, first_token=100)
+    sched.add(a)
+    sched.add(b)
+    step(sched)
+    assert a.life.state is b.life.state is S.DECODING  # both sampled their first token
+    assert step(sched).preempted == [b] and b.life.state is S.QUEUED
+    run_to_completion(sched)
+    assert a.life.history == [S.QUEUED, S.PREFILLING, S.DECODING, S.FINISHED]
+    assert b.life.history == [S.QUEUED, S.PREFILLING, S.DECODING, S.QUEUED, S.PREFILLING, S.DECODING, S.FINISHED]
+
+
+def test_a_workers_requests_move_through_the_handoff_and_end_with_the_worker() -> None:
+    """A worker's lifecycle (its job's) is moved here through the handoff's states, and
+    ended by the worker, not here: the output has yet to leave the worker."""
+    sched = make_scheduler(budget=64)
+    life = Lifecycle("d", 10.0, S.ROUTED)
+    landed = Request("d", list(range(10)), SamplingParams(max_tokens=2), max_tokens=2, life=life)
+    assert sched.reserve_remote(landed) is not None and life.state is S.TRANSFERRING
+    sched.complete_remote(landed)
+    landed.append_token(5)
+    sched.took_token(landed, None)
+    assert life.state is S.DECODING
+    step(sched)
+    assert landed.finish_reason is FinishReason.LENGTH and not life.ended and "d" not in sched.requests
+    assert life.history == [S.ROUTED, S.TRANSFERRING, S.DECODING]
+
+    failed = Request("f", list(range(50, 60)), SamplingParams(max_tokens=1), max_tokens=1,
+                     life=Lifecycle("f", 10.0, S.ROUTED))
+    sched.reserve_remote(failed)
+    sched.prefill_locally(failed)  # its KV did not come: it prefills here
+    assert failed.life.history == [S.ROUTED, S.TRANSFERRING, S.QUEUED]
+
+    sched = make_scheduler(budget=64)
+    held = Request("p", list(range(100, 110)), SamplingParams(max_tokens=1), max_tokens=1, hold_kv=True,
+                   life=Lifecycle("p", 10.0))
+    sched.add(held)
+    [s] = sched.schedule().scheduled
+    sched.advance(s)
+    held.append_token(7)
+    sched.took_token(held, FinishReason.LENGTH)
+    assert held.life.history == [S.QUEUED, S.PREFILLING, S.TRANSFERRING] and sched.kv.blocks_of("p")
+    sched.release("p")  # its KV was sent
+    assert not sched.kv.blocks_of("p") and held.life.state is S.TRANSFERRING  # its worker ends it
 
 
 def test_prefix_cache_serves_a_repeated_prompt() -> None:
