@@ -324,10 +324,14 @@ class RayView:
 
     def __init__(self, address: str) -> None:
         import ray
+        import ray.cloudpickle
 
         self.ray, self.address = ray, address
         if ray.is_initialized():
             ray.shutdown()
+        # This module is test tooling, which the workers cannot import: what it sends them to run
+        # (`_thread_names`) travels by value, not as a reference to this module.
+        ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
         _token_auth()
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level="ERROR")
 
