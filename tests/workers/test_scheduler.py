@@ -4,7 +4,9 @@ chunk is "computed" and every sampling chunk yields one token. No tensors."""
 from __future__ import annotations
 
 import random
+import re
 from collections import Counter
+from pathlib import Path
 
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
@@ -349,3 +351,13 @@ def test_prefix_cache_serves_a_repeated_prompt() -> None:
     assert scheduled_tokens(out) == {"again": 1} and again.num_cached_tokens == 12
     assert sched.num_cached_prompt_tokens == 12
     assert all_blocks_free(sched)
+
+
+def test_only_the_scheduler_moves_a_request_in_a_worker() -> None:
+    """The one-writer rule that keeps a worker's two views of a request from drifting apart:
+    in workers/, a lifecycle moves in scheduler.py only (the gateway's collector, which
+    walks the gateway's own lifecycle, aside); exits go through `Lifecycle.end`."""
+    root = Path(__file__).resolve().parents[2] / "workers"
+    movers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
+              if re.search(r"\.(move|advance)\(\s*(RequestState|_S)\.", p.read_text())}
+    assert movers == {"scheduler.py", "token_stream.py"}, movers
