@@ -13,7 +13,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from typing import Annotated
+
+from pydantic import Field, PositiveInt
+from pydantic.dataclasses import dataclass
+
+from pdserve.workers.config import CONFIG, named_errors
+
+Seconds = Annotated[float, Field(gt=0)]
 
 
 class RefusalReason(str, enum.Enum):
@@ -30,28 +37,21 @@ class RefusalReason(str, enum.Enum):
     WRITE_TIMEOUT = "write_timeout"  # a client that stopped reading its response
 
 
-@dataclass(frozen=True)
+@named_errors()
+@dataclass(frozen=True, config=CONFIG)
 class RequestLimits:
     """Bounds on one request; each is a `pdserve serve` flag of the same name."""
 
-    max_n: int = 128  # choices per prompt (OpenAI's bound on n)
-    max_prompts: int = 64  # prompts in one /v1/completions request
-    max_stop: int = 64  # stop strings, and stop token ids, per request
-    max_stop_length: int = 1024  # characters in one stop string
-    max_messages: int = 1024  # chat messages per request
-    max_logit_bias: int = 1024  # logit_bias entries per request
-    max_cache_salt_length: int = 256
-    max_body_bytes: int = 16 << 20  # a request body; beyond it, 413 before it is parsed
-    body_timeout: float = 30.0  # seconds to receive a whole body once its headers are in (408 after)
-    write_timeout: float = 30.0  # seconds a response write may wait on a client that does not read
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 \
-                    or (f.type == "int" and not isinstance(value, int)):
-                kind = "an integer >= 1" if f.type == "int" else "a number of seconds > 0"
-                raise ValueError(f"{f.name}: must be {kind}, got {value!r}")
+    max_n: PositiveInt = 128  # choices per prompt (OpenAI's bound on n)
+    max_prompts: PositiveInt = 64  # prompts in one /v1/completions request
+    max_stop: PositiveInt = 64  # stop strings, and stop token ids, per request
+    max_stop_length: PositiveInt = 1024  # characters in one stop string
+    max_messages: PositiveInt = 1024  # chat messages per request
+    max_logit_bias: PositiveInt = 1024  # logit_bias entries per request
+    max_cache_salt_length: PositiveInt = 256
+    max_body_bytes: PositiveInt = 16 << 20  # a request body; beyond it, 413 before it is parsed
+    body_timeout: Seconds = 30.0  # seconds to receive a whole body once its headers are in (408 after)
+    write_timeout: Seconds = 30.0  # seconds a response write may wait on a client that does not read
 
 
 class Refused(ValueError):

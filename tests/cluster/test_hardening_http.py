@@ -311,7 +311,7 @@ def test_keys_come_from_files_or_the_environment_and_never_show(tmp_path: Path,
     with pytest.raises(ValueError, match="^api_key_file: .* is empty"):
         args = build_parser().parse_args(["serve", "--model", "tiny", "--api-key-file", str(key_file)])
         args.func(args)
-    with pytest.raises(ValueError, match="^max_n: must be an integer >= 1"):
+    with pytest.raises(ValueError, match="^max_n: must be > 0, got 0"):
         serve_config({"model": "tiny", "max_n": 0})
 
 
