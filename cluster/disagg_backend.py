@@ -75,11 +75,11 @@ class WorkerEvents:
 
 
 # A pool: router worker id -> actor handle, None while the worker is not found.
-Pool = dict[str, PoolWorkerHandle | None]
+PoolHandles = dict[str, PoolWorkerHandle | None]
 
 
 class DisaggregatedBackend:
-    def __init__(self, prefill: Pool, decode: Pool, router: Router, poll_s: float = 0.25,
+    def __init__(self, prefill: PoolHandles, decode: PoolHandles, router: Router, poll_s: float = 0.25,
                  stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], PoolWorkerHandle | None] | None = None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
@@ -118,7 +118,7 @@ class DisaggregatedBackend:
         can_prefill = pools["prefill"].live > 0 or self.router.config.fallback_local_prefill or not self.prefill
         return Health(pools, serving=pools["decode"].live > 0 and can_prefill)
 
-    def _pool(self, workers: Pool) -> PoolState:
+    def _pool(self, workers: PoolHandles) -> PoolState:
         return PoolState(sum(w not in self._dead for w in workers), len(workers))
 
     @property

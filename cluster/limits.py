@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Annotated
 
-from pydantic import Field, PositiveInt
+from pydantic import PositiveInt
 from pydantic.dataclasses import dataclass
 
-from pdserve.workers.config import CONFIG, named_errors
-
-Seconds = Annotated[float, Field(gt=0)]
+from pdserve.workers.config import CONFIG, Seconds, named_errors
 
 
 class RefusalReason(str, enum.Enum):

@@ -293,7 +293,7 @@ async def _fetch(handle: WorkerHandle, deadline_s: float) -> str | None:
     except Exception as e:  # noqa: BLE001 - a dead, slow or broken worker is reported by worker_up
         log.debug("metrics fetch failed: %r", e)
         return None
-    return data.decode() if isinstance(data, bytes) else str(data)
+    return data.decode()
 
 
 def _parse(worker: str, text: str) -> list[Metric] | None:

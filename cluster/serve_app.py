@@ -177,7 +177,7 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str) -> Gate
     names = cfg.served_names
     return GatewayConfig(model_name=names[0], aliases=names[1:], model_root=model_dir, max_model_len=max_model_len,
                          api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key, max_in_flight=cfg.max_in_flight,
-                         request_timeout_s=float(cfg.request_timeout), limits=cfg.limits,
+                         request_timeout_s=cfg.request_timeout, limits=cfg.limits,
                          vocab_size=_vocab_size(model_dir), planner=cfg.planner)
 
 

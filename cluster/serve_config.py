@@ -37,7 +37,7 @@ from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
-from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, named_errors
+from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.decode_worker import KVFailurePolicy
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
@@ -68,7 +68,6 @@ def _one_or_more(value: Any) -> Any:
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
-Seconds = Annotated[float, Field(gt=0)]
 # The API's model names: one or more, repeats dropped (order kept).
 Names = Annotated[tuple[NotBlank, ...], BeforeValidator(_one_or_more), Field(min_length=1),
                   AfterValidator(lambda names: tuple(dict.fromkeys(names)))]
@@ -159,16 +158,16 @@ class ServeConfig:
     # first. None: the model setting as given, and its basename (`served_names`).
     served_model_name: Names | None = None
     # Bounds on one request (cluster/limits.py has what each defends).
-    max_n: int = RequestLimits.max_n
-    max_prompts: int = RequestLimits.max_prompts
-    max_stop: int = RequestLimits.max_stop
-    max_stop_length: int = RequestLimits.max_stop_length
-    max_messages: int = RequestLimits.max_messages
-    max_logit_bias: int = RequestLimits.max_logit_bias
-    max_cache_salt_length: int = RequestLimits.max_cache_salt_length
-    max_body_bytes: int = RequestLimits.max_body_bytes
-    body_timeout: float = RequestLimits.body_timeout
-    write_timeout: float = RequestLimits.write_timeout
+    max_n: PositiveInt = RequestLimits.max_n
+    max_prompts: PositiveInt = RequestLimits.max_prompts
+    max_stop: PositiveInt = RequestLimits.max_stop
+    max_stop_length: PositiveInt = RequestLimits.max_stop_length
+    max_messages: PositiveInt = RequestLimits.max_messages
+    max_logit_bias: PositiveInt = RequestLimits.max_logit_bias
+    max_cache_salt_length: PositiveInt = RequestLimits.max_cache_salt_length
+    max_body_bytes: PositiveInt = RequestLimits.max_body_bytes
+    body_timeout: Seconds = RequestLimits.body_timeout
+    write_timeout: Seconds = RequestLimits.write_timeout
     # The planner loop in the gateway (cluster/planner/role_loop.py): a profile from
     # `pdserve profile` and the SLOs ("ttft:MS", "tpot:MS"); every `planner_interval`
     # seconds it re-plans the split on the window's traffic and recommends (a metric, a
@@ -257,7 +256,7 @@ class ServeConfig:
     def model(self) -> str:
         return self.engine.model
 
-    @property
+    @functools.cached_property
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
 

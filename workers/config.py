@@ -38,6 +38,7 @@ CONFIG = ConfigDict(strict=True, allow_inf_nan=False, validate_default=True, arb
 ByValue = Strict(False)
 NonEmpty = Annotated[str, Field(min_length=1)]
 NotBlank = Annotated[str, Field(pattern=r"\S")]  # more than white space
+Seconds = Annotated[float, Field(gt=0)]  # a timeout: finite (CONFIG), so every wait has a deadline
 
 
 class DType(str, enum.Enum):
