@@ -1,5 +1,6 @@
-"""Every relative Markdown link in docs/ and README.md names a file or folder that exists, and
-so does every doc they name in plain text (`docs/engine.md`).
+"""Every relative Markdown link in docs/ and the READMEs names a file or folder that exists, and
+so does every file of the repository they name in plain text (`docs/engine.md`,
+`workers/scheduler.py`, `bench/chaos.py`): a file that moved leaves no stale name behind.
 
 Links to the web (`http:`, `https:`, `mailto:`) and in-page anchors (`#section`) are not
 checked; a link's own anchor (`cluster.md#routing`) is dropped before the file is looked up.
@@ -14,15 +15,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md", ROOT / "bench" / "README.md",
+                                               ROOT / "deploy" / "README.md"]
 
 # [text](target) and [text](target "title"); images (![alt](target)) too.
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 FENCE = re.compile(r"^\s*(```|~~~)")
 INLINE_CODE = re.compile(r"`[^`]*`")
 EXTERNAL = ("http:", "https:", "mailto:", "ftp:")
-# A doc named in prose, as docs/<name>.md from the repository root.
-DOC_MENTION = re.compile(r"(?<![\w/.-])(docs/[\w.-]+\.md)\b")
+# A file named in prose, by its path from the repository root (a glob's `*` stops the match).
+DOC_MENTION = re.compile(r"(?<![\w/.*-])((?:docs|cluster|workers|kernels|bench|tests|deploy)/[\w./-]*[\w-]"
+                         r"\.(?:md|py|sh|yaml|toml|json))(?![\w*])")
 
 
 def relative_links(path: Path) -> list[tuple[int, str]]:
@@ -68,6 +71,9 @@ def test_the_checker_sees_links(tmp_path: Path) -> None:
                    "`[not](code.md)`\n```\n[nor](fenced.md)\n```\n![img](pic.png \"title\")\n",
                    encoding="utf-8")
     assert relative_links(doc) == [(1, "b.md#part"), (6, "pic.png")]
+    named = [m.group(1) for m in DOC_MENTION.finditer(
+        "docs/a.md, `workers/x/y.py`; tests/k/test_*.py, cluster/router/policy.route, bench/results/x.json.")]
+    assert named == ["docs/a.md", "workers/x/y.py", "bench/results/x.json"]
 
 
 @pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

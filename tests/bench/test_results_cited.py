@@ -5,7 +5,8 @@ exists. Git history keeps every other run.
 A doc names a file by its path (`bench/results/vs_vllm_tiny_zen5_2026-12-01.txt`), by a pattern
 (`bench/results/profile_*_2026-11-27.json`, `bench/results/vs_vllm_{tiny,smollm2}_zen5_2026-12-01.txt`),
 by a folder it lies in (`bench/results/disagg_vs_colocated/`), or by its bare file name after an
-earlier path (`bench/results/a.txt, b.txt`). Inline code and code blocks count: a command that reads
+earlier path in the same paragraph, in that path's folder (`bench/results/a.txt, b.txt`;
+`bench/results/gpu/x.txt and y.log` names gpu/y.log). Inline code and code blocks count: a command that reads
 a results file names it too.
 """
 
@@ -54,9 +55,21 @@ def matches(cited: str, files: list[str]) -> list[str]:
     return [f for f in files if f == cited or f.startswith(folder)]
 
 
+BARE = re.compile(r"[\w.+-]+\.\w+")
+
+
 def bare_names(text: str) -> set[str]:
-    """Every word that looks like a file name: what a doc names after an earlier full path."""
-    return set(re.findall(r"[\w.+-]+\.\w+", text))
+    """The files a text names by bare name: each word that looks like a file name, after a full
+    bench/results/ path in the same paragraph, taken in the folder of the nearest such path."""
+    named = set()
+    for paragraph in re.split(r"\n\s*\n", text):
+        spans = [(m.end(), m.group(1)) for m in CITED.finditer(paragraph)]
+        for word in BARE.finditer(paragraph):
+            before = [path for end, path in spans if end <= word.start()]
+            if before:
+                folder = before[-1] if before[-1].endswith("/") else before[-1].rpartition("/")[0] + "/"
+                named.add((folder + word.group()).lstrip("/"))
+    return named
 
 
 def test_every_result_file_is_cited_and_every_cited_path_exists() -> None:
@@ -70,8 +83,7 @@ def test_every_result_file_is_cited_and_every_cited_path_exists() -> None:
             if not found:
                 missing.append(f"{doc.relative_to(ROOT)}: {PREFIX}{path}")
             cited.update(found)
-        names = bare_names(text)
-        cited.update(f for f in files if Path(f).name in names)
+        cited.update(bare_names(text) & set(files))
     uncited = [PREFIX + f for f in files if f not in cited]
     assert not missing, "docs name bench/results/ paths that do not exist:\n" + "\n".join(missing)
     assert not uncited, ("files under bench/results/ that no doc names (delete them: git history keeps "
@@ -88,3 +100,8 @@ def test_the_checker_reads_citations() -> None:
     assert matches("profile_*_2026.json", files) == ["profile_t_2026.json"]
     assert matches("a_x2.txt", files) == []
     assert "b_2026-12-01.txt" in bare_names("bench/results/a.txt, b_2026-12-01.txt.")
+    # A bare name is taken in the folder of the path before it, in its paragraph only.
+    assert "gpu/y.log" in bare_names("bench/results/gpu/x.txt and y.log")
+    assert "y.log" not in bare_names("bench/results/gpu/x.txt and y.log")
+    assert "c.txt" not in bare_names("c.txt, then bench/results/a.txt")
+    assert "c.txt" not in bare_names("bench/results/a.txt\n\nc.txt")

@@ -3,8 +3,8 @@ chunk is "computed" and every sampling chunk yields one token. No tensors."""
 
 from __future__ import annotations
 
+import ast
 import random
-import re
 from collections import Counter
 from pathlib import Path
 
@@ -355,9 +355,27 @@ def test_prefix_cache_serves_a_repeated_prompt() -> None:
 
 def test_only_the_scheduler_moves_a_request_in_a_worker() -> None:
     """The one-writer rule that keeps a worker's two views of a request from drifting apart:
-    in workers/, a lifecycle moves in scheduler.py only (the gateway's collector, which
-    walks the gateway's own lifecycle, aside); exits go through `Lifecycle.end`."""
+    in workers/, a lifecycle is moved (`move`, `advance`) in scheduler.py only (the gateway's
+    collector, token_stream.py, walks the gateway's own), and nothing assigns its `state` or
+    `history` but lifecycle.py itself."""
     root = Path(__file__).resolve().parents[2] / "workers"
-    movers = {p.relative_to(root).as_posix() for p in root.rglob("*.py")
-              if re.search(r"\.(move|advance)\(\s*(RequestState|_S)\.", p.read_text())}
-    assert movers == {"scheduler.py", "token_stream.py"}, movers
+    movers, writers = set(), set()
+    for path in root.rglob("*.py"):
+        name = path.relative_to(root).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                    and node.func.attr in ("move", "advance") and _names_a_lifecycle(node.func.value):
+                movers.add(name)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            if any(isinstance(t, ast.Attribute) and t.attr in ("state", "history") and _names_a_lifecycle(t.value)
+                   for t in targets):
+                writers.add(name)
+    assert movers - {"lifecycle.py"} == {"scheduler.py", "token_stream.py"}, movers
+    assert writers <= {"lifecycle.py"}, writers
+
+
+def _names_a_lifecycle(node: ast.expr) -> bool:
+    """`life`, `x.life`, `self` (inside lifecycle.py): the expressions a lifecycle goes by here."""
+    return (isinstance(node, ast.Name) and node.id in ("life", "self")) or \
+        (isinstance(node, ast.Attribute) and node.attr == "life")
