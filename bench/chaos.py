@@ -21,11 +21,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from machine import cpu_name
 
 # The harness is test tooling (tests/chaos/, the package `chaos`), not part of pdserve: tests/ goes first
 # on sys.path, as pytest's conftest puts it, ahead of this script's own folder (this file is chaos.py too).
@@ -56,12 +57,7 @@ def keys(only: str) -> list[str]:
 
 
 def machine() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), platform.processor())
-    except OSError:
-        cpu = platform.processor()
-    return f"{cpu}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def main() -> int:

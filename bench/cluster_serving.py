@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,6 +25,7 @@ from dataclasses import dataclass, field
 
 import httpx
 import torch
+from machine import cpu_name
 
 
 @dataclass
@@ -188,8 +188,7 @@ def main() -> int:
     from pdserve.workers.tiny.builder import default_model_dir
 
     model_dir = str(default_model_dir(progress=True))
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     print(f"# pdserve cluster serving benchmark\ncommand: python {' '.join(sys.argv)}\n"
           f"machine: {cpu}, {os.cpu_count()} cores; torch {torch.__version__}\n", flush=True)
     overhead_prompts = prompts(a.requests, 128, seed=1)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import signal
 import subprocess
 import sys
@@ -27,6 +26,7 @@ import time
 from pathlib import Path
 
 import httpx
+from machine import cpu_name
 
 MODES = ("colocated", "disaggregated")
 
@@ -125,8 +125,7 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     results = {mode: run_mode(mode, a, out) for mode in a.modes.split(",")}
     text, rows = table(results)
     header = (f"# disaggregated vs colocated\ncommand: python {' '.join(sys.argv)}\n"

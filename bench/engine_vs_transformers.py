@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 import transformers
+from machine import cpu_name
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from pdserve import LLM, SamplingParams
@@ -320,8 +321,7 @@ BENCHES: dict[str, Callable[[Sequence[Side], Sizes, int], Table]] = {
 
 
 def machine_info(threads: int) -> dict[str, object]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown")
+    cpu = cpu_name()
     return {
         "command": shlex.join([Path(sys.executable).name, *sys.argv]), "cpu": cpu, "cores": os.cpu_count(),
         "torch": torch.__version__, "transformers": transformers.__version__, "threads": threads,

@@ -60,6 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import zmq
+from machine import cpu_name
 
 from pdserve.workers.messages import ChecksumKind
 from pdserve.workers.transfer import auth, frames
@@ -319,12 +320,7 @@ def _blake2b(key: bytes, kb: np.ndarray, vb: np.ndarray) -> bytes:
 
 
 def machine() -> str:
-    model = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    model = cpu_name()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return (f"{model}, {cores} cores; Linux {platform.release()}; Python {platform.python_version()}, "
             f"torch {torch.__version__}, pyzmq {zmq.__version__} (libzmq {zmq.zmq_version()}), "

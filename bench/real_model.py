@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Any
 
 import torch
 import transformers
+from machine import cpu_name
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pdserve import LLM, SamplingParams
@@ -160,12 +160,7 @@ def main() -> int:
             row["eager_tok_s"] = tokens / statistics.median(eager_s)
             row["eager_speedup"] = row["eager_tok_s"] / hf_rate
         rows.append(row)
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
+    cpu = cpu_name()
     print(f"# offline speed: pdserve vs transformers on {path.name}\n"
           f"command: python {' '.join(sys.argv)}\nmachine: {cpu}, {os.cpu_count()} cores, {a.threads} torch threads; "
           f"torch {torch.__version__}, transformers {transformers.__version__}\n"

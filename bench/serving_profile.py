@@ -37,7 +37,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -49,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from disagg_vs_colocated import stop, wait_healthy  # bench/ is on sys.path when run as a script
+from machine import cpu_name
 from proc_cpu import cpu_snapshot, cpu_table, pids_of, thread_snapshot, thread_table
 
 # A busy neighbour (--hog): spins until killed, or until this script is gone whatever ended it.
@@ -345,13 +345,6 @@ print({a.requests} * {a.output_len} / dt)
     return float(out.stdout.strip().splitlines()[-1])
 
 
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.machine()
-
-
 def one_round(a: argparse.Namespace, tokenizer: str, threads: list[int]) -> dict[str, Any]:
     """Every mode served, then the offline engine at each thread count (nan: skipped)."""
     results: dict[str, Any] = {}
@@ -410,7 +403,7 @@ def main() -> int:
     results = rounds[-1]
     rate = f", Poisson {a.request_rate} req/s" if a.request_rate else ""
     print(f"# served vs offline: {a.model}, {a.input_len} in / {a.output_len} out, concurrency {a.concurrency}{rate}, "
-          f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_model()}, "
+          f"{a.requests} requests\ncommand: python {' '.join(sys.argv)}\nmachine: {cpu_name()}, "
           f"{os.cpu_count()} cores\n")
     print("| mode | output tok/s | " + " | ".join(f"/ offline {t} thread{'s' * (t > 1)}" for t in threads)
           + " | p50 TTFT ms | p50 TPOT ms | failed | window inside the load |")

@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -35,6 +34,7 @@ import time
 from pathlib import Path
 
 import torch
+from machine import cpu_name
 
 from pdserve import LLM, SamplingParams
 
@@ -178,8 +178,7 @@ def main() -> int:
     a = parse_args()
     torch.set_num_threads(a.threads)
     model, draft = (a.model, a.draft_model) if a.model else default_pair()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-               platform.processor())
+    cpu = cpu_name()
     print(f"# speculative decoding vs none\ncommand: python {' '.join(sys.argv)}\nmodel: {model}\ndraft: {draft}\n"
           f"machine: {cpu}, {os.cpu_count()} cores, {a.threads} torch threads; torch {torch.__version__}\n", flush=True)
     common = dict(max_model_len=1024, progress=False)
