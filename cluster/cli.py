@@ -72,7 +72,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
 
     llm = LLM.from_config(engine_config(_settings(a), progress=True))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
-                            seed=a.seed, stop=a.stop or None, ignore_eos=a.ignore_eos,
+                            seed=getattr(a, "seed", None), stop=a.stop or None, ignore_eos=a.ignore_eos,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                             repetition_penalty=a.repetition_penalty)
     prompts = list(a.prompts)
@@ -233,7 +233,9 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--frequency-penalty", type=float, default=0.0)
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="> 1 discourages repeating prompt and output tokens")
-    gen.add_argument("--seed", type=int, default=None)
+    # A setting only when given (the engine's `seed`, 0 by default, takes no None), and the requests' seed too.
+    gen.add_argument("--seed", type=int, default=_SETTING,
+                     help="the engine's random seed (default 0) and the requests' sampling seed (default: none)")
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
