@@ -27,7 +27,7 @@ from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.cluster.worker_handle import WorkerHandle
-from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, WorkerDrainingError
+from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
@@ -83,6 +83,7 @@ class Reliability:
     migrations: int = 0  # tries started because the previous try's worker died or its stream broke
     resumed_tokens: int = 0  # output tokens those tries did not send again
     exhausted: int = 0  # requests that failed after their last allowed try
+    faulted: int = 0  # requests a worker's engine failed alone (never moved: the poison-pill rule)
     stream_gaps: int = 0  # batches missing from a worker's token-stream sequence
     stream_stale: int = 0  # deltas of a try given up on (a migrated request's old worker)
     stream_diverged: int = 0  # tries broken by a repeat of handed-on tokens that differed from them
@@ -182,6 +183,7 @@ class MigrationStats:
     migrations: int = 0  # tries started because the previous try's worker died
     resumed_tokens: int = 0  # output tokens those tries did not have to send again
     exhausted: int = 0  # requests that failed after their last allowed try
+    faulted: int = 0  # requests a worker's engine failed alone: not moved (the poison-pill rule)
 
 
 # How long a request that has a place to go waits for a worker while none can take
@@ -222,7 +224,7 @@ class TokenStreams:
         """Its counters now, with `health`; the collector's are 0 until a request made it
         (reading them does not make one)."""
         s, c = self.stats, self._collector
-        return Reliability(health, s.migrations, s.resumed_tokens, s.exhausted,
+        return Reliability(health, s.migrations, s.resumed_tokens, s.exhausted, s.faulted,
                            stream_gaps=c.num_gaps if c is not None else 0,
                            stream_stale=c.num_stale if c is not None else 0,
                            stream_diverged=c.num_diverged if c is not None else 0,
@@ -249,6 +251,11 @@ class TokenStreams:
         while True:
             try:
                 return await self.collector.watch(req.request_id, where[-1].call(req))
+            except RequestFaultError:
+                # Its own values or logits broke its row: another worker would fail it (or,
+                # had the fault ended that worker's engine, die of it) too. Never moved.
+                self.stats.faulted += 1
+                raise
             except RETRYABLE as e:
                 drained = isinstance(e, WorkerDrainingError)
                 failures += not drained

@@ -3,9 +3,11 @@
 It refuses what a request may not ask for (cluster/limits.py: the bounds;
 protocol.py: the fields pdserve does not honour; token ids outside the
 vocabulary) before the request costs anything, admits requests (a bound on
-engine requests in flight, 429 beyond it, taken at once), tokenizes prompts on
-its own thread (never on the event loop), checks sampling parameters against
-the context length, and runs a request's prompts x n
+engine requests in flight, 429 beyond it, taken at once), refuses a prompt
+surely too long for the context before tokenizing it (token ids by their count,
+text by its characters: prompt_bound.py), tokenizes in a pool of threads off
+the event loop where short prompts never queue behind long ones
+(tokenizer_pool.py), checks sampling parameters against the context length, and runs a request's prompts x n
 samples on the backend as one interleaved stream of DELTA outputs (cancelling
 it aborts them in the backend, which frees their KV blocks). HTTP routes live
 in openai_app.py, response bodies and SSE chunks in responses.py, what runs
@@ -18,13 +20,12 @@ the request id; a worker's traceback stays in the server log.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ray.exceptions import RayError
 
@@ -32,10 +33,13 @@ from pdserve.cluster.backend import GenerationBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
+from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
-from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
+from pdserve.cluster.tokenizer_pool import TokenizerPool
+from pdserve.workers.async_engine import RequestFaultError
+from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
@@ -54,7 +58,8 @@ class GatewayConfig:
     max_model_len: int
     # Keys are never in a repr: a config may be logged, or shown in an error.
     api_key: str | None = field(default=None, repr=False)
-    # The key GET /metrics wants (the API key is taken there too); None: /metrics is open.
+    # The key GET /metrics wants (the API key is taken there too); None: the API key alone
+    # opens it (open only when there is no API key either).
     metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256  # admission bound: beyond it, 429 with Retry-After
     request_timeout_s: float = 600.0
@@ -103,10 +108,15 @@ def client_error(e: BaseException, rid: str) -> APIError:
         cause = getattr(e, "cause", None)  # a RayTaskError's exception, raised on the worker
         if isinstance(cause, ValueError) and not isinstance(cause, RayError):
             return bad_request(cause)  # the worker refused the input: its first line says why
+        if isinstance(cause, RequestFaultError):
+            return fault_error(rid)
         return APIError(500, f"internal error (request id {rid}): a worker failed; the server log has the details",
                         "InternalServerError")
     if isinstance(e, ValueError):
         return bad_request(e)
+    if isinstance(e, RequestFaultError):
+        log.error("request %s: %s", rid, e)
+        return fault_error(rid)
     if isinstance(e, TimeoutError):
         return APIError(504, "the request did not finish within its deadline", "Timeout")
     if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
@@ -115,6 +125,14 @@ def client_error(e: BaseException, rid: str) -> APIError:
                         headers=RETRY_AFTER)
     log.error("request %s failed", rid, exc_info=e)
     return APIError(500, f"internal error (request id {rid}): the server log has the details", "InternalServerError")
+
+
+def fault_error(rid: str) -> APIError:
+    """A request the engine failed alone (workers/row_faults.py): the worker and the other
+    requests are fine; this one is not retried anywhere (the poison-pill rule)."""
+    return APIError(500, f"request {rid} failed in the engine: its sampling produced no valid token or raised; "
+                         "the other requests were not affected, and retrying it as it is will fail again",
+                    "InternalServerError")
 
 
 def bad_request(e: ValueError) -> APIError:
@@ -164,17 +182,20 @@ class Admission:
 
 
 class Gateway:
-    def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig) -> None:
+    def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig,
+                 pool: TokenizerPool | None = None) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
         self.metrics = GatewayMetrics(backend.router_stats, backend.reliability)
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
         self.admitted = 0  # engine requests admitted and not released
         self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
-        # Tokenizing and chat templates run here, off the event loop: a long prompt must
-        # not stall every stream on the replica. One thread: a fast tokenizer must not be
-        # used from two at once.
-        self._tokenizer_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pdserve-tokenizer")
+        # Tokenizing and chat templates run in the pool, off the event loop: a long prompt
+        # must not stall every stream on the replica, nor the short prompts behind it.
+        self.pool = pool if pool is not None else TokenizerPool()
+        # None: the tokenizer folds characters (or is not an HF one): prompts are measured by tokenizing.
+        self.char_bound: CharBound | None = (char_bound(tokenizer, config.max_model_len)
+                                             if tokenizer is not None else None)
         self.planner: RolePlannerLoop | None = None
         if config.planner is not None:
             self.planner = self._planner_loop(config.planner)
@@ -216,12 +237,29 @@ class Gateway:
         pdserve does not honour, a bound, a token id outside the vocabulary."""
         self.check_model(body.model)
         try:
+            self._check_length(body)
             body.check_supported()
             body.check_limits(self.config.limits)
             if self.vocab_size is not None:
                 self._check_vocab(body)
         except ValueError as e:
             raise bad_request(e) from None
+
+    def _check_length(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """A prompt surely too long for the context, refused before it costs anything:
+        token ids by their count (the refusal tokenizing would end in), text by its
+        characters (`CharBound`; nothing when the tokenizer has no such bound)."""
+        bound = self.char_bound
+        if isinstance(body, ChatCompletionRequest):
+            if bound is not None:
+                bound.check("messages", sum(len(m.text()) for m in body.messages))
+            return
+        for p in _batch(body.prompt):
+            if isinstance(p, str):
+                if bound is not None:
+                    bound.check("prompt", len(p))
+            elif p:
+                max_new_tokens(len(p), None, self.config.max_model_len)
 
     def _check_vocab(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """Prompt and stop token ids (logit_bias: `params`, once its keys are parsed)."""
@@ -235,9 +273,9 @@ class Gateway:
                 if not isinstance(p, str) and p:
                     check_token_ids(p, vocab)
 
-    async def off_loop(self, fn: Callable[[], T]) -> T:
-        """`fn()` on the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+    async def off_loop(self, body: CompletionRequest | ChatCompletionRequest, fn: Callable[[], T]) -> T:
+        """`fn()`, the tokenizer work of `body`, in the pool's lane for its size."""
+        return await self.pool.run(prompt_chars(body), fn)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if not prompt:
@@ -249,15 +287,17 @@ class Gateway:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
         batch of either) as (token ids, text when given as text). Blocking: call it
         through `off_loop`."""
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            one = prompt if isinstance(prompt, str) else None
-            return [(self.tokenize(prompt), one)]  # type: ignore[arg-type]
-        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in prompt]
+        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in _batch(prompt)]
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
         messages = [{"role": m.role, "content": _unicode("messages", m.text())} for m in req.messages]
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if self.char_bound is not None:  # the template's own text counts too
+            try:
+                self.char_bound.check("messages", len(text))
+            except ValueError as e:
+                raise bad_request(e) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
@@ -267,7 +307,7 @@ class Gateway:
         try:
             params = make(max_new_tokens(len(prompt_ids), max_tokens, self.config.max_model_len))
             if self.vocab_size is not None:
-                check_logit_bias(params, self.vocab_size)
+                check_request(params, self.vocab_size, self.config.max_logprobs)
         except ValueError as e:
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
@@ -312,7 +352,7 @@ class Gateway:
         if self.planner is not None:
             await self.planner.close()
         await self.backend.close()
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
     async def switch_role(self, worker: str, role: WorkerRole,
                           drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> RoleSwitch:
@@ -332,6 +372,23 @@ class Gateway:
     def token_str(self, token_id: int) -> str:
         text: str = self.tokenizer.decode([token_id])
         return text
+
+
+def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The prompts of a completions request's `prompt` (OpenAI: one text or token-id
+    list, or a batch of either)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt or isinstance(prompt[0], int):
+        return [cast(list[int], prompt)]
+    return list(prompt)
+
+
+def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """What tokenizing `body` costs, roughly: its text's characters, one per token id."""
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(m.text()) for m in body.messages)
+    return sum(len(p) for p in _batch(body.prompt))
 
 
 async def _merge(streams: list[AsyncGenerator[RequestOutput, None]]) -> AsyncGenerator[tuple[int, RequestOutput], None]:

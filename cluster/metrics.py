@@ -9,7 +9,9 @@ from its `Reliability`. Each scrape also fetches every worker's exposition
 (`metrics()` on its actor) concurrently under one deadline, merges the samples of
 each family across workers, and renders them with the gateway's own families as
 one exposition (one HELP/TYPE per family). `pdserve:worker_up` says which
-fetches made it.
+fetches made it. Parsing the workers' texts and rendering run on a thread, off
+the event loop: their cost grows with the workers, and on the loop it would
+delay every stream's next token by as much.
 
 Names, labels and buckets are the metric contract that deploy/'s rules and
 dashboard are written against: do not rename.
@@ -136,16 +138,14 @@ class GatewayMetrics:
     async def _exposition(self, workers: WorkerHandles, deadline_s: float) -> bytes:
         names = list(workers)
         texts = await asyncio.gather(*(_fetch(workers[n][1], deadline_s) for n in names))
-        worker_families: list[Iterable[Metric]] = []
-        for name, text in zip(names, texts):
-            parsed = _parse(name, text) if text is not None else None
-            self.worker_up.labels(workers[name][0], name).set(0 if parsed is None else 1)
-            if parsed is not None:
-                worker_families.append(parsed)
-        merged: dict[str, Metric] = {}
-        for families in [WithoutCreated(self.registry).collect(), *worker_families]:
-            _merge_into(merged, families)
-        return generate_latest(_Families(list(merged.values())))
+        parsed = await asyncio.to_thread(lambda: [_parse(n, t) if t is not None else None
+                                                  for n, t in zip(names, texts)])
+        for name, families in zip(names, parsed):
+            self.worker_up.labels(workers[name][0], name).set(0 if families is None else 1)
+        # Collected here, on the loop: the router and reliability collectors read the
+        # backend's state, which only the loop changes. The families are copies.
+        own = list(WithoutCreated(self.registry).collect())
+        return await asyncio.to_thread(_render, [own, *(f for f in parsed if f is not None)])
 
 
 PLANNER_DECISIONS = ("keep", "recommend", "applied", "failed", "skipped")
@@ -304,6 +304,14 @@ def _parse(worker: str, text: str) -> list[Metric] | None:
         return None
 
 
+def _render(sources: list[list[Metric]]) -> bytes:
+    """The families of every source merged by name, as one text exposition."""
+    merged: dict[str, Metric] = {}
+    for families in sources:
+        _merge_into(merged, families)
+    return generate_latest(_Families(list(merged.values())))
+
+
 def _merge_into(merged: dict[str, Metric], families: Iterable[Metric]) -> None:
     """Add `families`' samples to `merged`, one family per name."""
     for fam in families:
@@ -357,6 +365,8 @@ _RELIABILITY_COUNTERS = (
     ("pdserve:request_migration_resumed_tokens",
      "Output tokens that migrated tries did not send again (the client had them)", "resumed_tokens"),
     ("pdserve:request_migrations_exhausted", "Requests that failed after their last allowed try", "exhausted"),
+    ("pdserve:requests_faulted", "Requests a worker's engine failed alone (their values or logits broke their row; "
+     "never moved to another worker)", "faulted"),
     ("pdserve:workers_lost", "Workers that went from answering to not (a call or a poll failed)", "workers_lost"),
     ("pdserve:workers_readmitted", "Lost workers that answered again", "workers_readmitted"),
     ("pdserve:workers_restarted", "Workers that answered from a new process (restarted)", "workers_restarted"),

@@ -31,6 +31,7 @@ from typing import Any, Protocol, TypeVar
 
 import torch
 
+from pdserve.workers import row_faults
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, LifecycleError, RequestState
@@ -49,6 +50,13 @@ _GONE_CHECK_S = 0.5  # how often the engine thread looks at its gateway links (s
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; every in-flight request fails with this."""
+
+
+class RequestFaultError(RuntimeError):
+    """The engine failed this request alone: its values or logits broke its row of a
+    step (workers/row_faults.py), and the batch went on without it. Not the worker's
+    failure: the gateway does not move it to another worker (it would only fail there
+    too: the poison-pill rule)."""
 
 
 class RequestTimeoutError(TimeoutError):
@@ -374,6 +382,9 @@ class AsyncEngine:
         except ValueError as e:
             self.end_now(job, Exit.REJECTED, e)
             return
+        except Exception as e:  # noqa: BLE001 - one request's input must not end the engine thread
+            self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id}: {row_faults.describe(e)}"))
+            return
         if self.engine.lifecycle_of(job.request_id) not in (job.life, None):
             raise LifecycleError(f"request {job.request_id}: started without its job's lifecycle")
         if first is not None:
@@ -420,7 +431,7 @@ class AsyncEngine:
                 idle = not self._step()
                 for job in self._live_jobs():
                     if job.role is not None:
-                        job.role.after_step(self.engine)
+                        self._after_step(job, job.role)
                 self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
@@ -446,6 +457,12 @@ class AsyncEngine:
             self._deliver(out)
         return self.engine.stats.steps != steps
 
+    def _after_step(self, job: Job, role: JobRole) -> None:
+        try:
+            role.after_step(self.engine)
+        except Exception as e:  # noqa: BLE001 - one request's handoff must not end the engine thread
+            self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id}: {row_faults.describe(e)}"))
+
     def _drain_commands(self, block: bool) -> None:
         try:
             cmd = self._commands.get(timeout=self._idle_wait_s * 50) if block else self._commands.get_nowait()
@@ -462,6 +479,9 @@ class AsyncEngine:
         job = self._jobs.get(out.request_id)
         if job is None or not job.started:
             return  # it ended here already (aborted, the caller left, a later try replaced it)
+        if out.error is not None:  # the engine failed it alone; its blocks are free already
+            self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id} failed: {out.error}"))
+            return
         if job.role is not None:
             job.role.take_output(out)
             return

@@ -15,22 +15,24 @@ they finish until `release`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
+from typing import Literal
 
 import torch
 from transformers import AutoTokenizer
 
-from pdserve.workers import cuda_graphs
+from pdserve.workers import cuda_graphs, row_faults
 from pdserve.workers import engine_setup as setup
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.handoff import Resume
-from pdserve.workers.inputs import check_logit_bias, check_token_ids, max_new_tokens
+from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent
@@ -42,7 +44,7 @@ from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import FinishReason, Request
-from pdserve.workers.sampler import SamplerOutput
+from pdserve.workers.sampler import NO_TOKEN, SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
@@ -51,6 +53,9 @@ from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
 __all__ = ["EngineStats", "LLMEngine", "StepStats"]
 
 LogprobEntry = dict[int, float]
+
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -109,6 +114,8 @@ class LLMEngine:
                                           self.max_model_len, thread_counts)
         self._eos_token_ids = self._eos_ids()
         self._aborted_outputs: list[RequestOutput] = []
+        self._fault_outputs: list[RequestOutput] = []  # this step's requests failed alone (`_fault`)
+        self._fault_streak = 0  # steps in a row in which every scheduled request was failed alone
         # Turns at the cores with the other engines on this machine (workers/cpu_turns.py), or
         # lending them (workers/cpu_lending.py), if any.
         self.cpu_turn: AbstractContextManager[object] = (CpuTurns(config.cpu_turns) if config.cpu_turns
@@ -276,11 +283,42 @@ class LLMEngine:
             return outputs
         with self.cpu_turn:  # the model's work (and the draft's, in _after_step), on the cores it may use
             start = time.perf_counter()
-            result = self.runner.execute(sched.scheduled)
+            result = self._execute(sched)
             work = self._advance(sched)
             outputs += self._postprocess(result)
             self._after_step(sched, work, start)
+        outputs += self._fault_outputs
+        self._fault_streak = self._fault_streak + 1 if self._fault_outputs and not sched.scheduled else 0
+        self._fault_outputs = []
         return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
+        """Run the step. If it raises, the rows that fail alone are their requests'
+        faults (workers/row_faults.py): those are failed and dropped from `sched`, and
+        the rest run. A fault no row explains, or one more step of nothing but faults
+        than MAX_FAULT_STREAK allows, is the engine's: it raises."""
+        try:
+            return self.runner.execute(sched.scheduled)
+        except Exception as error:
+            if self._fault_streak >= row_faults.MAX_FAULT_STREAK:
+                raise
+            for s, e in row_faults.isolate(self.runner.execute, sched.scheduled, error):
+                self._fault(s.request, row_faults.describe(e))
+            sched.scheduled = [s for s in sched.scheduled if not s.request.finished]
+            if not sched.scheduled:
+                return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.int64)))
+            return self.runner.execute(sched.scheduled)
+
+    def _fault(self, req: Request, why: str) -> None:
+        """Fail `req` alone: its blocks are freed now, and its final output carries `why`
+        (its worker turns that into the request's error; it is not migrated)."""
+        log.warning("request %s failed in this engine's step: %s", req.request_id, why)
+        self.stats.request_faults += 1
+        self.scheduler.finish(req, FinishReason.ABORT)
+        self.scheduler.release(req.request_id)
+        out = self._output(req)
+        out.error = why
+        self._fault_outputs.append(out)
 
     def _schedule(self) -> SchedulerOutput:
         sched = self.scheduler.schedule()
@@ -326,9 +364,24 @@ class LLMEngine:
         self.stats.generation_tokens += len(tokens)
         outputs = []
         for req, token, entry in zip(reqs, tokens, entries):
-            if (o := self._emit(req, self._append(req, token, entry))) is not None:
+            if (reason := self._append_checked(req, token, entry)) is False:
+                continue
+            if (o := self._emit(req, reason)) is not None:
                 outputs.append(o)
         return outputs
+
+    def _append_checked(self, req: Request, token: int,
+                        entry: LogprobEntry | None) -> FinishReason | None | Literal[False]:
+        """`_append`, or False once `req` is failed alone: its row had no valid token
+        (NO_TOKEN: its logits were NaN or infinite), or appending raised."""
+        if token == NO_TOKEN or not 0 <= token < self.runner.vocab_size:
+            self._fault(req, "its logits had no finite choice (NaN or infinite values)")
+            return False
+        try:
+            return self._append(req, token, entry)
+        except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
+            self._fault(req, row_faults.describe(e))
+            return False
 
     def _append_verified(self, results: list[SpecResult]) -> list[RequestOutput]:
         """Append what verification emitted (up to a stop), and count as computed
@@ -344,12 +397,14 @@ class LLMEngine:
             req.spec_token_ids, req.spec_draft_probs = [], None
             accepted = len(r.tokens) - 1
             spec.verified(req, s.num_spec, accepted, self.stats)
-            reason = None
+            reason: FinishReason | None | Literal[False] = None
             for i, token in enumerate(r.tokens):
                 self.stats.generation_tokens += 1
-                reason = self._append(req, token, r.logprobs[i] if r.logprobs is not None else None)
+                reason = self._append_checked(req, token, r.logprobs[i] if r.logprobs is not None else None)
                 if reason is not None:
                     break
+            if reason is False:
+                continue
             if reason is None:
                 self.scheduler.advance(s, accepted)
             if (o := self._emit(req, reason)) is not None:
@@ -457,7 +512,7 @@ class LLMEngine:
             text, token_ids = prompt, list(self.tokenizer.encode(prompt))
         else:
             text, token_ids = None, check_token_ids(prompt, self.model_config.vocab_size)
-        check_logit_bias(params, self.model_config.vocab_size)
+        check_request(params, self.model_config.vocab_size)
         return text, token_ids, max_new_tokens(len(token_ids), params.max_tokens, self.max_model_len)
 
     def _awaiting_kv(self, request_id: str) -> Request:

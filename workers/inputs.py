@@ -75,6 +75,25 @@ def max_new_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len
     return max_tokens if max_tokens is not None else max_model_len - n
 
 
-def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+# The most top log-probs a request may ask for per token (vLLM's default `max_logprobs`).
+MAX_LOGPROBS = 20
+
+
+def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+    """What of `params` depends on the model: every token id it names in the vocabulary,
+    top_k no wider than it, logprobs within `max_logprobs`. With SamplingParams' own
+    checks, the one gate between a request's values and the engine thread: the gateway
+    runs it before admitting a request (a 400) and the engine before adding one (a
+    ValueError), so no value reaches the sampler that it cannot take."""
+    if params.top_k > vocab_size:
+        raise ValueError(f"top_k: must be -1 or 0 (disabled) or in [1, {vocab_size}] (the vocabulary), "
+                         f"got {params.top_k}")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary [0, {vocab_size})")
+    if any(t >= vocab_size for t in params.stop_token_ids or ()):
+        raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
+    most = min(max_logprobs, vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):
+        value = getattr(params, name)
+        if value is not None and value > most:
+            raise ValueError(f"{name}: at most {most}, got {value}")

@@ -79,6 +79,7 @@ class Exit(enum.Enum):
     PEER_FAILED = "peer_failed"  # a worker or transfer it depended on failed, and nothing could recover it
     REJECTED = "rejected"  # bad input, refused before it started
     ENGINE_FAILED = "engine_failed"  # this worker's engine died
+    FAULT = "fault"  # its own values or logits broke its row of a step: failed alone, the batch went on
 
     @property
     def state(self) -> RequestState:

@@ -34,6 +34,9 @@ class RequestOutput:
     # first). In every cumulative output; in the first of a DELTA stream only, or, over
     # the token stream, in consecutive slices in its first outputs (concatenate them).
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Set (with finished and finish_reason "abort") when the engine failed this request
+    # alone: its values or logits broke its row of a step (workers/row_faults.py).
+    error: str | None = None
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:

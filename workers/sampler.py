@@ -88,9 +88,13 @@ class SamplingBatch:
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax to take, known on the host)
 
 
+# A row's token when its row had no valid one (see `checked`): the engine fails that request alone.
+NO_TOKEN = -1
+
+
 @dataclass
 class SamplerOutput:
-    token_ids: torch.Tensor  # [N] int64
+    token_ids: torch.Tensor  # [N] int64; NO_TOKEN where a row had no valid token
     sampled_logprob: torch.Tensor | None = None  # [N] raw log-prob of the sampled token
     top_ids: torch.Tensor | None = None  # [N, max_logprobs]
     top_logprobs: torch.Tensor | None = None  # [N, max_logprobs]
@@ -117,12 +121,26 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = argmax(logits)
     else:
         tokens = _sample_random(logits, batch)
+    tokens, safe = checked(tokens, logits)
     out = SamplerOutput(token_ids=tokens)
     if raw_logprobs is not None:
-        out.sampled_logprob = raw_logprobs.gather(1, tokens[:, None])[:, 0]
+        out.sampled_logprob = raw_logprobs.gather(1, safe[:, None])[:, 0]
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
     return out
+
+
+def checked(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tokens` with NO_TOKEN where a row's pick is not a real choice, and the same ids
+    clamped into the vocabulary (safe to index with). Not a real choice: an id outside
+    the vocabulary (what a draw from a NaN distribution gives) or one whose (processed)
+    logit is not finite (a row that was all -inf, NaN or overflowed). One gather and
+    two elementwise ops over [N], no host sync: a request whose values or logits break
+    its row is failed alone by the engine, not by an index error in the next step."""
+    vocab = logits.shape[-1]
+    safe = tokens.clamp(0, vocab - 1)
+    ok = (tokens == safe) & torch.isfinite(logits.gather(1, safe[:, None])[:, 0])
+    return torch.where(ok, tokens, torch.full_like(tokens, NO_TOKEN)), safe
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -173,11 +191,11 @@ def sample_with_probs(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch
     apply_logits_processors(logits, batch)
     greedy_tokens = argmax(logits)
     if batch.all_greedy:
-        return greedy_tokens, None
+        return checked(greedy_tokens, logits)[0], None
     probs = sampling_probs(logits, batch.temperature, batch.top_k, batch.top_p, batch.min_p, batch.top_k_max)
     probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     random_tokens = categorical(probs, batch.generators or {})
-    return torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), probs
+    return checked(torch.where(batch.temperature == 0.0, greedy_tokens, random_tokens), logits)[0], probs
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None,

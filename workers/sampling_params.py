@@ -7,6 +7,15 @@ import enum
 import math
 from dataclasses import dataclass
 
+# Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits divided by a denormal
+# temperature overflow to +-inf, and a softmax of them is NaN.
+GREEDY_BELOW = 1e-5
+# What every integer field must fit: the engine packs seeds and token ids into int64 tensors.
+_INT64 = (-(2**63), 2**64)
+# A repetition penalty divides or multiplies logits: bounded so that with the greedy floor
+# above and the largest penalties and biases, a logit stays far from float32's range.
+REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+
 
 class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"  # every step: all tokens and text so far
@@ -18,7 +27,7 @@ class RequestOutputKind(enum.Enum):
 class SamplingParams:
     """How to pick tokens and when to stop (the fields vLLM users know).
 
-    temperature 0 means greedy. top_k 0 (or -1) and top_p 1 disable those
+    temperature 0 (or below 1e-5, as vLLM) means greedy. top_k 0 (or -1) and top_p 1 disable those
     filters. `seed` makes a request's samples reproducible whatever else is in
     the batch. `logprobs=N` returns the N most likely tokens' log-probabilities
     (of the raw model distribution) at each step, plus the sampled token's.
@@ -74,6 +83,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", [int(t) for t in (self.stop_token_ids or [])])
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
         self._validate()
 
@@ -81,37 +92,34 @@ class SamplingParams:
         return self if self.output_kind is kind else dataclasses.replace(self, output_kind=kind)
 
     def _validate(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n: must be an integer >= 1, got {self.n!r}")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            raise ValueError(f"temperature: must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
+        """Every value in a range the engine can take whatever the model: what depends on the
+        model (the vocabulary, its context) is `inputs.check_request`'s."""
+        _integer("n", self.n, 1)
+        _number("temperature", self.temperature, 0.0, math.inf, "must be a finite number >= 0")
+        if not 0.0 < _number("top_p", self.top_p, 0.0, 1.0, "must be in (0, 1]"):
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k: must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p: must be in [0, 1], got {self.min_p}")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens: must be an integer >= 1, got {self.max_tokens!r}")
-        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+        _integer("top_k", self.top_k, 0, _INT64[1], "must be 0 or -1 (disabled) or a positive integer")
+        _number("min_p", self.min_p, 0.0, 1.0, "must be in [0, 1]")
+        if self.max_tokens is not None:
+            _integer("max_tokens", self.max_tokens, 1)
+        _integer("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens: must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            raise ValueError(f"logprobs: must be a non-negative integer, got {self.logprobs!r}")
-        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int) or self.prompt_logprobs < 0):
-            raise ValueError(f"prompt_logprobs: must be a non-negative integer, got {self.prompt_logprobs!r}")
+        if self.logprobs is not None:
+            _integer("logprobs", self.logprobs, 0, hint="must be a non-negative integer")
+        if self.prompt_logprobs is not None:
+            _integer("prompt_logprobs", self.prompt_logprobs, 0, hint="must be a non-negative integer")
         assert isinstance(self.stop, list) and self.stop_token_ids is not None  # normalised above
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
-        if any(t < 0 for t in self.stop_token_ids):
+        if any(not 0 <= t < _INT64[1] for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be >= 0")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed: must be an integer, got {self.seed!r}")
+        if self.seed is not None:
+            _integer("seed", self.seed, _INT64[0], _INT64[1], f"must be an integer in [{_INT64[0]}, {_INT64[1]})")
         for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:  # also rejects NaN
-                raise ValueError(f"{name}: must be in [-2, 2], got {value}")
-        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
-            raise ValueError(f"repetition_penalty: must be > 0 (1 = off), got {self.repetition_penalty}")
+            _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
+        low, high = REPETITION_PENALTY_RANGE
+        _number("repetition_penalty", self.repetition_penalty, low, high, f"must be in [{low:g}, {high:g}] (1 = off)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {self.cache_salt!r}")
 
@@ -128,7 +136,7 @@ class SamplingParams:
                 token = int(key)
             except (TypeError, ValueError):
                 raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
-            if token < 0:
+            if not 0 <= token < _INT64[1]:
                 raise ValueError(f"logit_bias: token id {token} must be >= 0")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
                 raise ValueError(f"logit_bias: bias of token {token} must be a number in [-100, 100], got {value!r}")
@@ -147,3 +155,18 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _integer(name: str, value: object, low: int, high: int | None = None, hint: str | None = None) -> int:
+    """`value` if it is an integer (not a bool) in [low, high); else a ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value >= high):
+        raise ValueError(f"{name}: {hint or f'must be an integer >= {low}'}, got {value!r}")
+    return value
+
+
+def _number(name: str, value: object, low: float, high: float, hint: str) -> float:
+    """`value` if it is a finite number in [low, high] (NaN and the infinities are refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ValueError(f"{name}: {hint}, got {value!r}")
+    return float(value)

@@ -20,6 +20,7 @@ class EngineStats:
     prompt_tokens_computed: int = 0  # prompt tokens run through the model (recomputes included)
     generation_tokens: int = 0
     preemptions: int = 0
+    request_faults: int = 0  # requests failed alone: their values or logits broke their row of a step
     # Speculative decoding: verification passes, drafted tokens in them, drafts
     # the target accepted, and accepted counts by draft position (index 0: first draft).
     spec_drafts: int = 0

@@ -1,0 +1,170 @@
+"""A request cannot kill a worker (issue 46): whatever one request's values or logits do
+on the engine thread, the engine fails that request alone and the batch goes on.
+
+The bad values are slipped past SamplingParams' checks on purpose (frozen fields set
+after validation): what a bug in validation, or a NaN the model makes, would hand the
+engine. The oracle for the other requests is the same engine's output without the bad
+one: token for token the same."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.async_engine import AsyncEngine, RequestFaultError
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.row_faults import MAX_FAULT_STREAK, isolate
+from pdserve.workers.sampler import NO_TOKEN, SamplingBatch, checked, sample
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec())
+
+
+def _llm(model_dir: Path) -> LLM:
+    return LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, progress=False)
+
+
+def _slip(engine: LLMEngine, rid: str, values: dict[str, object]) -> None:
+    """Set `values` on a request's parameters once the engine has checked and taken it:
+    what a checking bug would let through."""
+    params = engine.scheduler.requests[rid].params
+    for name, value in values.items():
+        object.__setattr__(params, name, value)
+
+
+def _run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]],
+         slip: dict[str, dict[str, object]] | None = None) -> dict[str, RequestOutput]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    for rid, values in (slip or {}).items():
+        _slip(engine, rid, values)
+    finals: dict[str, RequestOutput] = {}
+    for _ in range(200):  # bounded: 12 tokens a request
+        if not engine.has_unfinished_requests():
+            break
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    return finals
+
+
+def _clean(model_dir: Path) -> dict[str, list[int]]:
+    finals = _run(_llm(model_dir).engine, {f"ok{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)})
+    return {rid: out.outputs[0].token_ids for rid, out in finals.items()}
+
+
+def test_checked_marks_rows_without_a_valid_token() -> None:
+    logits = torch.randn(4, 10)
+    logits[1] = float("nan")
+    logits[2] = float("-inf")
+    tokens = torch.tensor([3, 4, 0, 10])  # row 3: outside the vocabulary (a NaN draw's index)
+    out, safe = checked(tokens, logits)
+    assert out.tolist() == [3, NO_TOKEN, NO_TOKEN, NO_TOKEN]
+    assert safe.tolist() == [3, 4, 0, 9]
+
+
+def test_a_denormal_temperature_row_gets_no_token_and_the_others_sample() -> None:
+    """1e-40 divides logits to +-inf: softmax is NaN. That row alone gets NO_TOKEN."""
+    logits = torch.randn(3, 50) * 5
+    temperature = torch.tensor([0.0, 1e-40, 0.7])
+    out = sample(logits.clone(), SamplingBatch(temperature=temperature, all_greedy=False, max_logprobs=2))
+    tokens = out.token_ids.tolist()
+    assert tokens[0] == int(logits[0].argmax())
+    assert tokens[1] == NO_TOKEN
+    assert 0 <= tokens[2] < 50
+    assert out.sampled_logprob is not None and torch.isfinite(out.sampled_logprob[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("bad", [
+    {"top_k": 2**63},  # overflows the int64 tensor of the batch's top-k: the whole step raises
+    {"temperature": 1e-40},  # NaN distribution: a NO_TOKEN row
+], ids=["top_k_overflow", "denormal_temperature"])
+def test_a_bad_row_fails_alone_and_the_batch_keeps_its_tokens(model_dir: Path, bad: dict[str, object]) -> None:
+    want = _clean(model_dir)
+    engine = _llm(model_dir).engine
+    requests = {f"ok{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
+    requests["bad"] = ([20, 21, 22], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
+    finals = _run(engine, requests, {"bad": bad})
+    assert {rid: finals[rid].outputs[0].token_ids for rid in want} == want
+    assert all(finals[rid].error is None for rid in want)
+    failed = finals["bad"]
+    assert failed.finished and failed.outputs[0].finish_reason == "abort" and failed.error
+    assert engine.stats.request_faults == 1
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
+    # The engine goes on serving: a new request gets the clean output.
+    again = _run(engine, {"after": (PROMPTS[0], GREEDY)})
+    assert again["after"].outputs[0].token_ids == want["ok0"]
+
+
+def test_isolate_reraises_what_no_row_explains() -> None:
+    boom = RuntimeError("batch")
+
+    def every_row_fails(rows: list[int]) -> None:
+        raise RuntimeError(f"row {rows}")
+
+    with pytest.raises(RuntimeError, match="batch"):
+        isolate(every_row_fails, [1, 2, 3], boom)
+    with pytest.raises(RuntimeError, match="batch"):
+        isolate(lambda rows: None, [1, 2], boom)  # only the batch fails: not a row's fault
+
+    def odd_rows_fail(rows: list[int]) -> None:
+        if rows[0] % 2:
+            raise ValueError(f"row {rows[0]}")
+
+    assert [(r, str(e)) for r, e in isolate(odd_rows_fail, [1, 2, 3, 4], boom)] == [(1, "row 1"), (3, "row 3")]
+
+
+def test_an_engine_that_fails_every_step_stops_instead_of_failing_requests_forever(model_dir: Path,
+                                                                                   monkeypatch) -> None:
+    engine = _llm(model_dir).engine
+
+    def broken(*_: object, **__: object) -> None:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    faulted = 0
+    with pytest.raises(RuntimeError, match="device lost"):
+        for i in range(MAX_FAULT_STREAK + 1):
+            engine.add_request(f"r{i}", PROMPTS[0], GREEDY)
+            faulted += sum(out.error is not None for out in engine.step())
+    assert faulted == MAX_FAULT_STREAK
+
+
+def test_the_async_engine_raises_the_fault_to_its_caller_and_stays_healthy(model_dir: Path) -> None:
+    want = _clean(model_dir)
+    engine = AsyncEngine(_llm(model_dir).engine).start()
+
+    async def collect(rid: str, prompt: list[int], params: SamplingParams) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(rid, prompt, params):
+            if rid == "bad" and not tokens:  # in the engine now (its first token is out): slip the value in
+                await engine.call(lambda e: _slip(e, rid, {"top_k": 2**63}))
+            tokens += out.outputs[0].token_ids
+        return tokens
+
+    async def main() -> list[object]:
+        bad = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+        jobs = [collect(f"ok{i}", p, GREEDY) for i, p in enumerate(PROMPTS)] + [collect("bad", [20, 21], bad)]
+        return await asyncio.wait_for(asyncio.gather(*jobs, return_exceptions=True), 60)
+
+    try:
+        results = asyncio.run(main())
+        assert results[:3] == [want[f"ok{i}"] for i in range(3)]
+        assert isinstance(results[3], RequestFaultError), results[3]
+        assert engine.healthy and engine.num_in_flight == 0
+        assert asyncio.run(asyncio.wait_for(collect("after", PROMPTS[1], GREEDY), 60)) == want["ok1"]
+    finally:
+        engine.close()

@@ -1,0 +1,49 @@
+"""Pinning a failed step on the rows that caused it.
+
+A step runs every scheduled request's row together; one request's values (a
+parameter that slipped past the checks, a token its logits cannot produce) can
+make the whole step raise. Rather than let that end the engine thread and every
+request on the worker, the engine runs each row of the failed step alone: the
+rows that still fail are the requests' faults (each is failed alone, and not
+migrated: it would only fail the next worker too), the others run on. A step
+whose rows all succeed alone, or all fail, is the engine's fault, not a row's.
+
+Re-running a row is safe: a step writes each row's KV at slots the scheduler
+gave it, so running it again writes the same values, and a seeded row's draws
+depend on its seed and position only (sampler.seeded_at).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+Row = TypeVar("Row")
+
+# Steps in a row in which every scheduled request was failed as a fault: past this, the
+# engine is what is broken (a lost device, a corrupt cache), and it stops, so that
+# supervision restarts the worker instead of it failing every request one by one.
+MAX_FAULT_STREAK = 3
+
+
+def isolate(run: Callable[[list[Row]], object], rows: Sequence[Row],
+            error: Exception) -> list[tuple[Row, Exception]]:
+    """The rows of a step that failed with `error` that fail when run alone, each with
+    its error. Re-raises `error` when it cannot be pinned on some rows but not others."""
+    if len(rows) == 1:
+        return [(rows[0], error)]
+    bad: list[tuple[Row, Exception]] = []
+    for row in rows:
+        try:
+            run([row])
+        except Exception as e:  # noqa: BLE001 - this row's fault, reported as its failure
+            bad.append((row, e))
+    if not bad or len(bad) == len(rows):
+        raise error
+    return bad
+
+
+def describe(error: BaseException) -> str:
+    """One line for the request's error: the exception's type and first line, cut short."""
+    first = (str(error).splitlines() or [""])[0][:200]
+    return f"{type(error).__name__}: {first}" if first else type(error).__name__
