@@ -13,6 +13,13 @@ Any exit before the end (client gone, deadline, worker error) aborts the
 request on both workers, which frees its blocks on both sides. Worker loads and
 KV events reach the router from a poller every `poll_s`.
 
+A worker that hangs without dying (SIGSTOP, a step that never returns) fails
+nothing by itself: the stall watch (cluster/stall_watch.py) reads the polls, and
+a worker that holds work and makes no progress for `stall_timeout_s` is given up:
+out of routing, its tries fail with WorkerStalledError (the gateway moves them on
+from the tokens their clients have), and Ray restarts it (`ray.kill` with restart
+allowed). It is back in its pool once it answers a poll again.
+
 A worker changes pool while it serves (`switch_role`: cluster/role_switch.py has
 the worker's side): the router stops routing to it at once, the worker drains
 (what is left past the deadline moves to other workers and goes on there), and
@@ -25,7 +32,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator, Callable
+import time
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.backend import (
@@ -43,6 +51,7 @@ from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import Plan, RoutingDecision, WorkerLoad, WorkerRole
 from pdserve.cluster.router.router import RouterStats
+from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S, Stall, StallWatch, WorkerStalledError
 from pdserve.cluster.worker_handle import PoolWorkerHandle
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
@@ -72,22 +81,37 @@ class WorkerEvents:
     to_prefill: int = 0  # role switches that moved a worker into the prefill pool
     to_decode: int = 0  # ... into the decode pool
     switch_failures: int = 0  # role switches that failed
+    stalled: int = 0  # workers given up on by the stall watch (held work, made no progress)
 
 
 # A pool: router worker id -> actor handle, None while the worker is not found.
 PoolHandles = dict[str, PoolWorkerHandle | None]
+# How a stalled worker is restarted (given its handle): Ray's, `restart_actor`, by default.
+Restart = Callable[[PoolWorkerHandle], None]
+
+
+def restart_actor(handle: PoolWorkerHandle) -> None:
+    """Kill the actor's process, letting Ray restart it (`max_restarts`). It works on a
+    SIGSTOPped process too: the calls in flight on it failed ~6 s after the kill, and
+    the new process answered from then (Ray 2.60, a local cluster, by hand)."""
+    import ray
+
+    ray.kill(handle, no_restart=False)
 
 
 class DisaggregatedBackend:
     def __init__(self, prefill: PoolHandles, decode: PoolHandles, router: Router, poll_s: float = 0.25,
                  stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], PoolWorkerHandle | None] | None = None, max_migrations: int = 2,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None,
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, restart: Restart = restart_actor) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker
         not found (yet): `lookup(name)` is asked for it again at each poll (a
         gateway that starts while a worker is down). `names`: router worker id ->
         actor name (the `worker` label of its metrics; default the id). `cluster_secret`:
-        the workers' (their token streams are signed with it)."""
+        the workers' (their token streams are signed with it). `stall_timeout_s`: a worker
+        that holds work and makes no progress this long is given up and `restart`ed
+        (0: never)."""
         self.prefill, self.decode, self.router = prefill, decode, router
         self.names = names or {}
         self.lookup = lookup
@@ -108,6 +132,11 @@ class DisaggregatedBackend:
         self._role_epoch: dict[str, tuple[str, int]] = {}
         self._ready: asyncio.Event | None = None
         self._closing = False
+        self.stalls = StallWatch(stall_timeout_s) if stall_timeout_s else None
+        self._restart = restart
+        # Each worker's tries awaiting a call on it, with what fails them if the worker is given up.
+        self._tries_on: dict[str, dict[_Try, asyncio.Future[None]]] = {}
+        self._restarts: set[asyncio.Task[None]] = set()
 
     @property
     def healthy(self) -> bool:
@@ -165,6 +194,8 @@ class DisaggregatedBackend:
             self._closing = False
             self._ready = asyncio.Event()
             self._pollers = [asyncio.create_task(self._poll(wid, self._ready)) for wid in self._workers()]
+            if self.stalls is not None:
+                self._pollers.append(asyncio.create_task(self._watch_stalls(self.stalls)))
         assert self._ready is not None
         async with asyncio.timeout(_FIRST_POLL_S):
             await self._ready.wait()
@@ -178,6 +209,9 @@ class DisaggregatedBackend:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._pollers = []
+        for restart in list(self._restarts):
+            with contextlib.suppress(asyncio.CancelledError):
+                await restart
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
@@ -336,9 +370,13 @@ class DisaggregatedBackend:
                 raise LookupError(f"worker {wid} not found")
             async with asyncio.timeout(_POLL_TIMEOUT_S):
                 report: LoadReport = await handle.load.remote()
-        except Exception:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
+        except Exception as e:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
             self._lose(wid)
+            if self.stalls is not None and not isinstance(e, TimeoutError):
+                self.stalls.forget(wid, time.monotonic())  # it died (Ray restarts it): no hang to watch for
             return
+        if self.stalls is not None:
+            self.stalls.answered(wid, time.monotonic(), report.snapshot)
         if wid in self._dead:
             self._dead.discard(wid)  # it answers: routable again (a restarted worker, a hiccup)
             self.events.readmitted += wid in self._answered
@@ -372,6 +410,40 @@ class DisaggregatedBackend:
         self._event_seq[wid] = batch.batch_seq + 1
         self.router.on_kv_events(wid, batch.events)
 
+    # -- stalls ----------------------------------------------------------------------
+
+    async def _watch_stalls(self, watch: StallWatch) -> None:
+        """Every tick, give up the workers the stall watch says are stalled. Its own
+        task: a stopped worker's poll waits `_POLL_TIMEOUT_S` for an answer."""
+        tick = min(self.poll_s, watch.timeout_s / 4)
+        while not self._closing:
+            tries = {wid: len(on) for wid, on in self._tries_on.items()}
+            pools = [*self.prefill, *self.decode]  # not a switching worker: its drain has its own deadline
+            for stall in watch.check(time.monotonic(), tries, pools):
+                self._give_up(stall)
+            await asyncio.sleep(tick)
+
+    def _give_up(self, stall: Stall) -> None:
+        """Take the stalled worker for dead: out of routing, its tries moved on, restarted."""
+        wid = stall.worker
+        log.warning("worker %s stalled (%s): moving its requests and restarting it", wid, stall.reason)
+        self.events.stalled += 1
+        self._lose(wid)
+        for given_up in self._tries_on.get(wid, {}).values():
+            if not given_up.done():
+                given_up.set_exception(WorkerStalledError(f"worker {wid} stalled: {stall.reason}"))
+        handle = self.handle_of(wid)
+        if handle is not None:
+            task = asyncio.create_task(self._restart_worker(wid, handle))
+            self._restarts.add(task)
+            task.add_done_callback(self._restarts.discard)
+
+    async def _restart_worker(self, wid: str, handle: PoolWorkerHandle) -> None:
+        try:
+            await asyncio.to_thread(self._restart, handle)
+        except Exception:  # noqa: BLE001 - it stays out of routing until it answers; Ray may still restart it
+            log.exception("restarting stalled worker %s failed", wid)
+
 
 @dataclass(eq=False)
 class _Try:
@@ -385,21 +457,45 @@ class _Try:
     async def call(self, req: ServeRequest) -> None:
         b, d = self.backend, self.decision
         self.attempt = req.attempt
-        decode, p_id = self._routed(d.decode_worker), d.prefill_worker
+        w = d.decode_worker
+        decode, p_id = self._routed(w), d.prefill_worker
         try:
             if d.plan is Plan.LOCAL or p_id is None:
-                await decode.serve.remote(req)
+                await self._on(w, decode.serve.remote(req))
             elif d.plan is Plan.HANDOFF:
-                await decode.handoff.remote(req, self._routed(p_id))
+                await self._on(w, decode.handoff.remote(req, self._routed(p_id)))
             else:
                 try:
-                    await self._routed(p_id).serve.remote(req)
+                    await self._on(p_id, self._routed(p_id).serve.remote(req))
                 except WORKER_LOST:  # it is gone: the decode worker runs the request
                     b._lose(p_id)
-                    await decode.serve.remote(req)
+                    await self._on(w, decode.serve.remote(req))
         except WORKER_LOST:
-            self.lost = d.decode_worker
+            self.lost = w
             raise
+
+    async def _on(self, wid: str, call: Awaitable[None]) -> None:
+        """Await `call`, a call on worker `wid`, unless the stall watch gives that worker
+        up first: then WorkerStalledError (the call is left behind: the gateway's abort
+        and the stream's try numbers deal with whatever it still sends)."""
+        rpc = asyncio.ensure_future(call)
+        given_up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        on = self.backend._tries_on.setdefault(wid, {})
+        on[self] = given_up
+        try:
+            await asyncio.wait((rpc, given_up), return_when=asyncio.FIRST_COMPLETED)
+            if rpc.done():  # its own outcome first, even if the worker was given up meanwhile
+                return rpc.result()
+            return given_up.result()  # raises WorkerStalledError
+        finally:
+            on.pop(self, None)
+            if not on:
+                self.backend._tries_on.pop(wid, None)
+            for f in (rpc, given_up):
+                if not f.done():
+                    f.cancel()
+            if not given_up.cancelled():
+                given_up.exception()  # read: a give-up the call's own end overtook is not reported as lost
 
     def _routed(self, wid: str) -> PoolWorkerHandle:
         """The handle of a worker this try was routed to: found, as the router knows a

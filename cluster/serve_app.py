@@ -234,7 +234,8 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
     router = Router(RouterConfig(policy=cfg.router_policy, max_prefill_backlog_tokens=backlog), cfg.engine.block_size)
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_host, names=names,
                                 lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
-                                cluster_secret=cfg.cluster_secret, poll_s=cfg.load_poll_interval)
+                                cluster_secret=cfg.cluster_secret, poll_s=cfg.load_poll_interval,
+                                stall_timeout_s=cfg.stall_timeout)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

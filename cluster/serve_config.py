@@ -37,6 +37,7 @@ from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
+from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.decode_worker import KVFailurePolicy
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -145,6 +146,11 @@ class ServeConfig:
     # 0.05 s they cost the tiny model ~10% of its served throughput on two cores
     # (docs/cluster.md). Between polls the router charges what it routes to the worker.
     load_poll_interval: Annotated[float, Field(gt=0, le=60)] = 0.25
+    # Seconds a disaggregated worker may hold work without progress (no answer to the
+    # polls, or no token computed) before the gateway takes it for dead: its requests
+    # move on and Ray restarts it (cluster/stall_watch.py). A few times the slowest step
+    # expected; 0: never.
+    stall_timeout: Annotated[float, Field(ge=0)] = DEFAULT_STALL_TIMEOUT_S
     # Conditional disaggregation (cluster/router/policy.py RouterConfig): a decode worker
     # prefills a prompt itself when the prefill worker the router picked has this many prompt
     # tokens queued and it has fewer. 0: every prompt goes to a prefill worker. None: 1024 on

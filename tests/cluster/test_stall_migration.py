@@ -1,0 +1,170 @@
+"""A decode worker that hangs without dying, through the disaggregated coordinator: real
+worker services (real engines, ZeroMQ KV transport on loopback) in one process, Ray
+handles replaced by `LocalActor`. The hang is its engine thread blocked (what a
+SIGSTOP or a step that never returns makes of it): no token, no answer to the polls.
+A real process SIGSTOPped under `pdserve serve` is the chaos matrix's scenario (j)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from factories import LocalActor, tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.cluster.actors import DecodeService, PrefillService
+from pdserve.cluster.disagg_backend import DisaggregatedBackend
+from pdserve.cluster.router import Router
+from pdserve.cluster.router.policy import RouterConfig
+from pdserve.workers.config import EngineConfig
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+BS = 16
+STALL_S = 0.5  # the stall timeout under test
+HANG_S = 30.0  # how long a blocked engine thread stays blocked unless let go: past every request's deadline
+DEADLINE_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+
+
+_services: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_services() -> Iterator[None]:
+    yield
+    while _services:
+        _services.pop().close()
+
+
+def config(model_dir: Path) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), max_model_len=1024, block_size=BS, max_num_batched_tokens=1024,
+                        num_kv_blocks=512)
+
+
+class Hang:
+    """Blocks a worker's engine thread (`start`) until `release` or HANG_S."""
+
+    def __init__(self, service: Any) -> None:
+        self.service = service
+        self.gate = threading.Event()
+        self.released_at: float | None = None
+
+    def start(self) -> None:
+        self.service.async_engine.post(lambda: self.gate.wait(HANG_S))
+
+    def release(self) -> None:
+        self.released_at = time.monotonic()
+        self.gate.set()
+
+
+def cluster(model_dir: Path, restarted: list[Any]) -> tuple[DisaggregatedBackend, dict[str, Any]]:
+    base = config(model_dir)
+    services: dict[str, Any] = {"p0": PrefillService(base, 1)}
+    services.update({f"d{i}": DecodeService(base, 1, "127.0.0.1") for i in range(2)})
+    _services.extend(services.values())
+    actors = {k: LocalActor(v) for k, v in services.items()}
+    router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
+    backend = DisaggregatedBackend({"p0": actors["p0"]}, {"d0": actors["d0"], "d1": actors["d1"]}, router,
+                                   poll_s=0.01, stall_timeout_s=STALL_S, restart=restarted.append)
+    return backend, services | {f"actor:{k}": a for k, a in actors.items()}
+
+
+PROMPTS = [torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+           for n in (40, 90, 33, 150, 61, 77, 20, 45)]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+
+
+def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(model_dir: Path) -> None:
+    """8 greedy streams; the decode worker with the most of them hangs mid-stream. After
+    the stall timeout its tries move to the other worker from what their clients have,
+    and it is restarted (here: let go, as a SIGCONT would, so its stale tokens come in
+    too). Every output equals the offline one, no token lost or repeated; the worker
+    answers again and is back in its pool."""
+    restarted: list[Any] = []
+    backend, parts = cluster(model_dir, restarted)
+    hangs = {w: Hang(parts[w]) for w in ("d0", "d1")}
+    hung: list[str] = []
+    got: list[list[int]] = []
+    gaps: list[float] = []
+
+    def on_restart(handle: Any) -> None:
+        restarted.append(handle)
+        hangs[hung[0]].release()
+
+    backend._restart = on_restart
+
+    async def main() -> None:
+        received = [0]
+
+        async def one(i: int) -> list[int]:
+            tokens: list[int] = []
+            last = time.monotonic()
+            async for out in backend.generate(f"r{i}", PROMPTS[i], GREEDY, DEADLINE_S):
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                tokens += out.outputs[0].token_ids
+                received[0] += len(out.outputs[0].token_ids)
+                await asyncio.sleep(0.002)
+            return tokens
+
+        async def hang_one() -> None:
+            while received[0] < 60:
+                await asyncio.sleep(0.001)
+            busiest = max(("d0", "d1"), key=lambda w: len(backend._tries_on.get(w, {})))
+            hung.append(busiest)
+            hangs[busiest].start()
+
+        try:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+            await hang_one()
+            got.extend(await asyncio.gather(*tasks))
+            # Back in its pool: it answers a poll again and the router may route to it.
+            async with asyncio.timeout(10):
+                while hung[0] in backend._dead:
+                    await asyncio.sleep(0.01)
+        finally:
+            for h in hangs.values():
+                h.release()
+            await backend.close()
+
+    asyncio.run(main())
+    llm = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=512, progress=False)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    victim = hung[0]
+    assert backend.events.stalled == 1 and restarted == [backend.decode[victim]]
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.exhausted == 0
+    assert backend.events.readmitted == 1 and backend.router.loads[victim].healthy
+    assert max(gaps) < HANG_S / 2  # they moved on: nobody waited for the hang to end by itself
+    engine = parts[victim].engine
+    assert not engine.has_unfinished_requests()  # its old tries were aborted once it ran again
+
+
+def test_a_blocked_worker_with_no_work_is_left_alone(model_dir: Path) -> None:
+    """An engine thread busy for 4 stall timeouts (a compile, a long load) with no request
+    on it: not a stall; it is not restarted."""
+    restarted: list[Any] = []
+    backend, parts = cluster(model_dir, restarted)
+    hang = Hang(parts["d1"])
+
+    async def main() -> None:
+        try:
+            await backend.start()
+            hang.start()
+            await asyncio.sleep(4 * STALL_S)
+        finally:
+            hang.release()
+            await backend.close()
+
+    asyncio.run(main())
+    assert backend.events.stalled == 0 and restarted == []
