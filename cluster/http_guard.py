@@ -8,9 +8,9 @@ parses anything:
   names the request by it);
 * the key is checked from the headers alone, before the body is read: an
   unauthenticated client costs no parsing. /health is open; /metrics wants the
-  metrics key or the API key when a metrics key is set, and is open otherwise;
-  every other path (the API, /docs, /openapi.json) wants the API key when one
-  is set;
+  metrics key or the API key, whichever are set (open only when neither is: an
+  API key must not leave the workers' fan-out open to anyone); every other path
+  (the API, /docs, /openapi.json) wants the API key when one is set;
 * the body is read here, whole, under `max_body_bytes` (413, as soon as
   Content-Length or the bytes so far say so) and `body_timeout` (408: a client
   trickling its body in must not hold a connection and its buffer for ever),
@@ -62,7 +62,7 @@ class Keys:
         if path in OPEN_PATHS:
             return ()
         if path == METRICS_PATH:
-            return tuple(k for k in (self.metrics_api_key, self.api_key) if k) if self.metrics_api_key else ()
+            return tuple(k for k in (self.metrics_api_key, self.api_key) if k)
         return (self.api_key,) if self.api_key else ()
 
 

@@ -125,16 +125,17 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
 
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
-    # Each route: refuse what can be refused for free, take the admission slot (at
-    # once: no await between its check and its count), then tokenize off the event
-    # loop; the slot is held until the response is done.
+    # Each route: refuse what can be refused for free (a prompt too long for the
+    # context included: gw.check_request), take the admission slot (at once: no
+    # await between its check and its count), then tokenize in the gateway's pool,
+    # off the event loop; the slot is held until the response is done.
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
         gw.check_request(body)
         slot = gw.admit(body.num_prompts * body.n)
         try:
-            works = await gw.off_loop(lambda: _completion_works(gw, body))
+            works = await gw.off_loop(body, lambda: _completion_works(gw, body))
         except BaseException:
             slot.release()
             raise
@@ -150,7 +151,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
         slot = gw.admit(body.n)
         try:
-            prompt_ids = await gw.off_loop(lambda: gw.chat_prompt(body))
+            prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
             params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
         except BaseException:
             slot.release()
@@ -160,7 +161,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
 
 
 def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
-    """The request's prompts, tokenized and checked (blocking: on the tokenizer thread)."""
+    """The request's prompts, tokenized and checked (blocking: in the tokenizer pool)."""
     # echo + logprobs: the prompt's logprobs too; echo + max_tokens 0: the prompt alone
     # (one token is generated and dropped: a request always samples).
     prompt_lp = body.logprobs if body.echo else None

@@ -242,7 +242,7 @@ def _wait_idle(engine: AsyncEngine, until: Callable[[], bool] = lambda: True, ti
 
 
 def _errors_499(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=30).text
+    text = httpx.get(f"{url}/metrics", headers={"Authorization": "Bearer sekret"}, timeout=30).text
     line = next((ln for ln in text.splitlines() if ln.startswith('pdserve:request_errors_total{code="499"}')), None)
     return float(line.split()[-1]) if line else 0.0
 

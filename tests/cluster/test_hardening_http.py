@@ -276,7 +276,9 @@ def test_docs_and_metrics_behind_their_keys(tokenizer: Any) -> None:
     assert keyed == {"/docs": [401, 200, 401], "/openapi.json": [401, 200, 401], "/redoc": [401, 200, 401],
                      "/metrics": [401, 200, 200], "/health": [200, 200, 200], "/v1/models": [401, 200, 401],
                      "/nowhere": [401, 404, 401]}
-    assert asyncio.run(main(gateway(tokenizer)))["/metrics"] == [200, 200, 200]  # no metrics key: open
+    # No metrics key: the API key opens it (an API key never leaves it open); no key at all: open.
+    assert asyncio.run(main(gateway(tokenizer)))["/metrics"] == [401, 200, 401]
+    assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/metrics"] == [200, 200, 200]
     assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/docs"] == [200, 200, 200]  # no key at all
 
 
@@ -335,8 +337,8 @@ def test_overlapping_scrapes_ask_each_worker_once(tokenizer: Any) -> None:
 
     async def main() -> list[httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
-            together = await asyncio.gather(*(c.get("/metrics") for _ in range(10)))
-            return [*together, await c.get("/metrics")]
+            together = await asyncio.gather(*(c.get("/metrics", headers=KEY) for _ in range(10)))
+            return [*together, await c.get("/metrics", headers=KEY)]
 
     responses = asyncio.run(main())
     assert all(r.status_code == 200 and "pdserve:worker_up" in r.text for r in responses)

@@ -241,8 +241,9 @@ def test_huge_body_is_413_before_it_is_read(tokenizer: Any) -> None:
     assert_openai_error(declared, 413, None)
     assert_openai_error(streamed, 413, None)
     assert ok.status_code == 200 and refused(gw)["body_too_large"] == 2
-    errors = {s.labels["code"]: s.value for f in text_string_to_metric_families(
-        run(gw, lambda c: c.get("/metrics")).text) if f.name == "pdserve:request_errors" for s in f.samples}
+    scraped = run(gw, lambda c: c.get("/metrics", headers=KEY)).text
+    errors = {s.labels["code"]: s.value for f in text_string_to_metric_families(scraped)
+              if f.name == "pdserve:request_errors" for s in f.samples}
     assert errors["413"] == 2
 
 

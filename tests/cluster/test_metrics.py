@@ -215,7 +215,7 @@ def test_errors_are_counted_by_code_including_in_band_stream_errors(tokenizer: A
             r = await c.post("/v1/completions", json={**ok, "stream": True}, headers=auth)
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "ServiceUnavailableError"
-            return parse((await c.get("/metrics")).text)
+            return parse((await c.get("/metrics", headers=auth)).text)  # the API key opens /metrics
 
     f = asyncio.run(main())
     errors = {s.labels["code"]: s.value for s in f["pdserve:request_errors"].samples}

@@ -1,0 +1,121 @@
+"""The gateway tokenizes in a pool sized to the cores, in two lanes: a short prompt's
+tokenization never queues behind a long one's (cluster/tokenizer_pool.py). The long
+tokenizations here block on an event until the test releases them, so "behind" is
+decided by what completes, not by timing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from factories import FakeBackend, tiny_spec
+
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.openai_app import build_app
+from pdserve.cluster.tokenizer_pool import SHORT_CHARS, TokenizerPool, available_cores
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+MODEL = "tiny"
+WAIT_S = 10.0  # the most any step here waits
+
+
+class Backend(FakeBackend):
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> Any:
+        yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x", [7], finish_reason="length")],
+                            finished=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(make_model: Callable[[TinyModelSpec], Path]) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(make_model(tiny_spec()))
+
+
+def test_the_pool_has_a_lane_of_threads_per_core_for_each_size() -> None:
+    pool = TokenizerPool()
+    try:
+        assert pool.threads == available_cores()
+        assert pool.lane(SHORT_CHARS) is not pool.lane(SHORT_CHARS + 1)
+        single = TokenizerPool(1, 0)  # the old gateway: one thread, first come first served
+        assert single.lane(1) is single.lane(10**9)
+        single.shutdown()
+    finally:
+        pool.shutdown()
+    with pytest.raises(ValueError, match="^threads: must be >= 1"):
+        TokenizerPool(0)
+
+
+async def _short_done_while_long_blocked(pool: TokenizerPool) -> bool:
+    """A long job holds every long-lane thread; does a short job finish meanwhile?"""
+    release = threading.Event()
+    longs = [asyncio.ensure_future(pool.run(SHORT_CHARS + 1, lambda: release.wait(WAIT_S)))
+             for _ in range(pool.threads)]
+    short = asyncio.ensure_future(pool.run(10, lambda: "short"))
+    done, _ = await asyncio.wait({short}, timeout=0.5)  # only bounds the wait of the single-lane case
+    release.set()
+    await asyncio.gather(short, *longs)
+    return bool(done)
+
+
+def test_a_short_job_does_not_queue_behind_long_ones() -> None:
+    two_lanes, one_lane = TokenizerPool(2), TokenizerPool(1, 0)
+    try:
+        assert asyncio.run(_short_done_while_long_blocked(two_lanes))
+        assert not asyncio.run(_short_done_while_long_blocked(one_lane))  # what the lanes are for
+    finally:
+        two_lanes.shutdown()
+        one_lane.shutdown()
+
+
+class Blocking:
+    """The tokenizer with its long encodes held until `release` (short ones pass)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, tokenizer: Any) -> None:
+        self.release, self.long_started = threading.Event(), threading.Event()
+        real = tokenizer.encode
+
+        def encode(text: Any, *args: Any, **kwargs: Any) -> Any:
+            if isinstance(text, str) and len(text) > SHORT_CHARS:
+                self.long_started.set()
+                assert self.release.wait(WAIT_S), "the test never released the long prompt"
+            return real(text, *args, **kwargs)
+
+        monkeypatch.setattr(tokenizer, "encode", encode)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_short_request_is_served_while_a_long_one_tokenizes(tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+                                                              path: str) -> None:
+    gw = Gateway(Backend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=4096), TokenizerPool(1))
+    blocking = Blocking(monkeypatch, tokenizer)
+
+    def body(text: str) -> dict[str, Any]:
+        if path == "/v1/chat/completions":
+            return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+        return {"model": MODEL, "prompt": text, "max_tokens": 1}
+
+    async def main() -> tuple[httpx.Response, bool]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw",
+                                     timeout=WAIT_S) as c:
+            # Long, and under the bound (the tiny tokenizer: 41 characters a token at most).
+            long = asyncio.ensure_future(c.post(path, json=body("abcdefg " * (SHORT_CHARS // 7))))
+            assert await asyncio.to_thread(blocking.long_started.wait, WAIT_S)
+            short = await c.post(path, json=body("hi"))
+            still_tokenizing = not long.done()
+            blocking.release.set()
+            await long
+            return short, still_tokenizing
+
+    try:
+        short, still_tokenizing = asyncio.run(main())
+    finally:
+        gw.pool.shutdown()
+    assert short.status_code == 200 and still_tokenizing
