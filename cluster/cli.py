@@ -116,8 +116,16 @@ def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from pdserve.cluster.serve_app import run
+    from pdserve.cluster.shutdown import serve_in_own_session
+
+    # Ray starts in a session of the driver's own: SIGTERM/SIGINT to this process or its group is
+    # a clean stop, exit 0 (cluster/shutdown.py).
+    return serve_in_own_session(lambda: _serve(a))
+
+
+def _serve(a: argparse.Namespace) -> int:
     from pdserve.cluster.serve_config import serve_config
+    from pdserve.cluster.shutdown import run_until_stopped
 
     settings = _settings(a, serving=True)
     for name, env in (("api_key", API_KEY_ENV), ("metrics_api_key", METRICS_API_KEY_ENV)):
@@ -129,8 +137,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
         from pdserve.workers.transfer.auth import ClusterSecret
 
         cfg = dataclasses.replace(cfg, cluster_secret=ClusterSecret.from_file(a.cluster_secret_file))
-    run(cfg)
-    return 0
+    return run_until_stopped(cfg)
 
 
 API_KEY_ENV = "PDSERVE_API_KEY"
