@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from factories import LocalPrefillPeer, handoff_deltas, tiny_spec
 from faults import Faults
 
 from pdserve import LLM, SamplingParams
+from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.prefill_worker import PrefillWorker
@@ -201,4 +203,39 @@ def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Pat
     assert total >= 3.0 and ttft < 2.0
     assert tokens == expected(model_dir, ps[:1], PARAMS)[0]
     assert d.num_transfer_failures == 0
+    assert_no_blocks(p, d)
+
+
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_request_whose_row_breaks_fails_alone_on_either_worker(model_dir: Path, where: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """One request's row raises in every step that samples it (what a top_k past int64 did):
+    the others keep their tokens. On the decode worker it fails alone (RequestFaultError,
+    which the gateway never migrates); on the prefill worker its handoff is abandoned and
+    the decode worker computes it itself (the KV failure policy), so it is served whole."""
+    ps = prompts(3, 40, seed=7)
+    p, d = make_pair(model_dir)
+    runner = (p if where == "prefill" else d).engine.runner
+    real = runner._sampling_batch
+
+    def sampling_batch(reqs: list[Any]) -> Any:
+        if any(r.request_id == "bad" for r in reqs):
+            raise OverflowError("Overflow when unpacking long long")
+        return real(reqs)
+
+    monkeypatch.setattr(runner, "_sampling_batch", sampling_batch)
+
+    async def main() -> list[Any]:
+        jobs = [serve_one(p, d, f"r{i}", x, PARAMS) for i, x in enumerate(ps)] + [serve_one(p, d, "bad", ps[0], PARAMS)]
+        return list(await asyncio.gather(*jobs, return_exceptions=True))
+
+    results = asyncio.run(main())
+    want = expected(model_dir, ps, PARAMS)
+    assert results[:3] == want
+    if where == "decode":
+        assert isinstance(results[3], RequestFaultError), results[3]
+    else:
+        assert results[3] == want[0]
+    assert (p if where == "prefill" else d).engine.stats.request_faults == 1
+    assert p.async_engine.healthy and d.async_engine.healthy
     assert_no_blocks(p, d)
