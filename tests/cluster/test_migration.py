@@ -24,6 +24,7 @@ from pdserve.cluster.backend import ColocatedBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import NoHealthyWorkerError, RouterConfig
+from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.tiny.builder import TinyModelSpec
 
@@ -337,3 +338,32 @@ def test_a_worker_whose_engine_thread_dies_exits_to_be_restarted(model_dir: Path
     assert "refused" in proc.stdout and "still alive" not in proc.stdout
     assert proc.returncode == 70, proc.stderr[-2000:]
     assert "engine thread failed" in proc.stderr
+
+
+def test_a_request_that_breaks_its_row_is_not_moved_to_another_worker(model_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The poison-pill rule: a request whose row raises in every engine (what a top_k past
+    int64 did to a decode worker's engine thread) fails alone once, with RequestFaultError,
+    and is never moved to the other decode worker; the rest of the load is whole."""
+    backend, actors = disaggregated(model_dir)
+    for actor in actors.values():
+        runner = actor.service.engine.runner
+        monkeypatch.setattr(runner, "_sampling_batch", _raising_for("r3", runner._sampling_batch))
+    results = asyncio.run(stream_all(backend, [GREEDY] * len(PROMPTS)))
+    want = offline(model_dir, [GREEDY] * len(PROMPTS))
+    assert isinstance(results[3], RequestFaultError), results[3]
+    assert [r for i, r in enumerate(results) if i != 3] == [w for i, w in enumerate(want) if i != 3]
+    stats = backend.streams.stats
+    assert stats.faulted == 1 and stats.migrations == 0
+    faults = {name: a.service.engine.stats.request_faults for name, a in actors.items()}
+    assert faults["p0"] == 1 and faults["d0"] + faults["d1"] == 1, faults  # the decode worker computed it itself
+    assert all(a.service.engine.kv.pool.num_used == 0 for a in actors.values())
+
+
+def _raising_for(request_id: str, real: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    def sampling_batch(reqs: Any) -> Any:
+        if any(r.request_id == request_id for r in reqs):
+            raise OverflowError("Overflow when unpacking long long")
+        return real(reqs)
+
+    return sampling_batch
