@@ -10,10 +10,14 @@ one behind them. Here:
   releases the GIL while Rust cuts the text, so threads tokenize in parallel, and
   the event loop keeps streaming meanwhile. Chat templates (Jinja, Python) hold
   the GIL, but they only join strings;
-* two lanes, each as many threads as the gateway's cores: requests whose prompts
-  total at most `short_chars` characters take the short lane, the others the long
-  lane. However many long prompts queue, a short one waits for none of them: it
-  shares the cores with them (the OS slices the time) instead of queueing.
+* two lanes: requests whose prompts total at most `short_chars` characters take
+  the short lane (a thread per core), the others the long lane (a thread per core
+  but one: that core stays with the event loop and the short lane). However many
+  long prompts queue, a short one waits for none of them. With a thread per core
+  in the long lane too, four long prompts on two cores took the event loop's
+  share of the CPU and of the GIL: the short requests' p99 TTFT was 170-350 ms
+  against 10-24 ms with one core left (bench/tokenizer_starvation.py --long 0,
+  two runs each).
 
 One tokenizer object is shared by every thread: transformers reconfigures the Rust
 tokenizer (a mutable borrow, "Already borrowed" if another thread holds it) only
@@ -41,9 +45,9 @@ def available_cores() -> int:
 
 
 class TokenizerPool:
-    """Runs blocking tokenizer work off the event loop. `threads` per lane (default:
-    the cores); `short_chars` 0 makes one lane of `threads` threads (the bench's
-    single-thread baseline: `TokenizerPool(1, 0)`)."""
+    """Runs blocking tokenizer work off the event loop. `threads`: the cores it sizes
+    its lanes to (default: this process's); `short_chars` 0 makes one lane of
+    `threads` threads (the bench's single-thread baseline: `TokenizerPool(1, 0)`)."""
 
     def __init__(self, threads: int | None = None, short_chars: int = SHORT_CHARS) -> None:
         n = threads if threads is not None else available_cores()
@@ -52,7 +56,8 @@ class TokenizerPool:
         if short_chars < 0:
             raise ValueError(f"short_chars: must be >= 0, got {short_chars}")
         self.threads, self.short_chars = n, short_chars
-        self._long = ThreadPoolExecutor(n, thread_name_prefix="pdserve-tokenize-long")
+        self.long_threads = max(1, n - 1) if short_chars else n
+        self._long = ThreadPoolExecutor(self.long_threads, thread_name_prefix="pdserve-tokenize-long")
         self._short = ThreadPoolExecutor(n, thread_name_prefix="pdserve-tokenize") if short_chars else self._long
 
     def lane(self, size: int) -> ThreadPoolExecutor:

@@ -42,7 +42,7 @@ def tokenizer(make_model: Callable[[TinyModelSpec], Path]) -> Any:
 def test_the_pool_has_a_lane_of_threads_per_core_for_each_size() -> None:
     pool = TokenizerPool()
     try:
-        assert pool.threads == available_cores()
+        assert pool.threads == available_cores() and pool.long_threads == max(1, pool.threads - 1)
         assert pool.lane(SHORT_CHARS) is not pool.lane(SHORT_CHARS + 1)
         single = TokenizerPool(1, 0)  # the old gateway: one thread, first come first served
         assert single.lane(1) is single.lane(10**9)
@@ -57,7 +57,7 @@ async def _short_done_while_long_blocked(pool: TokenizerPool) -> bool:
     """A long job holds every long-lane thread; does a short job finish meanwhile?"""
     release = threading.Event()
     longs = [asyncio.ensure_future(pool.run(SHORT_CHARS + 1, lambda: release.wait(WAIT_S)))
-             for _ in range(pool.threads)]
+             for _ in range(pool.long_threads)]
     short = asyncio.ensure_future(pool.run(10, lambda: "short"))
     done, _ = await asyncio.wait({short}, timeout=0.5)  # only bounds the wait of the single-lane case
     release.set()
