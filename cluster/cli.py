@@ -372,7 +372,7 @@ def _planner_arguments(srv: argparse.ArgumentParser) -> None:
 
 
 def _haproxy_arguments(srv: argparse.ArgumentParser) -> None:
-    """Local Ray's HAProxy ingress ports."""
+    """Local Ray's HAProxy ingress: its ports and defences (cluster/ingress.py)."""
     g = srv.add_argument_group("HAProxy ingress (local Ray)")
     g.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
                    help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
@@ -381,6 +381,16 @@ def _haproxy_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--haproxy-fallback-port", type=int, default=_SETTING,
                    help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
                         "(default 8500; local Ray only)")
+    g.add_argument("--max-connections-per-client", type=int, default=_SETTING,
+                   help="connections at once from one client address; one more is refused (default 256)")
+    g.add_argument("--max-connections", type=int, default=_SETTING,
+                   help="connections at once in all (default 8192, less where the open-file limit cannot hold "
+                        "what HAProxy needs per connection)")
+    g.add_argument("--header-timeout", type=float, default=_SETTING,
+                   help="seconds a client has to send a request's headers and the start of its body, else 408 "
+                        "(default 10)")
+    g.add_argument("--keep-alive-timeout", type=float, default=_SETTING,
+                   help="seconds an idle connection stays open between requests (default 15)")
 
 
 def _json_mapping(text: str) -> dict[str, object]:

@@ -14,6 +14,8 @@ from ray import serve
 
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
+from pdserve.cluster.ingress import check_ray_template, knob_env, wrapper_env
+from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
@@ -64,9 +66,15 @@ def haproxy_env(cfg: ServeConfig) -> dict[str, str]:
     Python proxy that HAProxy falls back to) and the run's own
     directory (leftovers.haproxy_run_dir) for its config file and sockets, so two
     runs never share them (ray/serve/_private/constants.py reads these variables
-    when a Ray process starts; Ray adds a directory per node under the paths)."""
+    when a Ray process starts; Ray adds a directory per node under the paths).
+    That directory is made private here, and HAProxy hardened and restarted
+    quickly when it dies (cluster/ingress.py); IngressDirError or
+    IngressConfigError (a Ray whose config pdserve cannot harden) before Ray starts."""
     run_dir = haproxy_run_dir(cfg.port)
-    return {
+    settings = IngressSettings(max_connections_per_client=cfg.max_connections_per_client,
+                               header_timeout_s=cfg.header_timeout, keep_alive_timeout_s=cfg.keep_alive_timeout)
+    check_ray_template(settings)
+    return wrapper_env(run_dir, settings) | {
         "RAY_SERVE_HAPROXY_METRICS_PORT": str(cfg.haproxy_metrics_port),
         "RAY_SERVE_HAPROXY_STATS_PORT": str(cfg.haproxy_stats_port),
         "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": str(cfg.haproxy_fallback_port),
@@ -76,6 +84,12 @@ def haproxy_env(cfg: ServeConfig) -> dict[str, str]:
         "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": run_dir,
         "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": os.path.join(run_dir, "server-state"),
     }
+
+
+def haproxy_knobs(cfg: ServeConfig) -> dict[str, str]:
+    """Ray Serve's own HAProxy knobs, as `cfg` sets them (cluster/ingress.py): the cap
+    on connections in all, the client timeout, how soon a dead HAProxy is restarted."""
+    return knob_env(cfg.max_connections, cfg.request_timeout)
 
 
 def bound_ports(cfg: ServeConfig) -> dict[int, str]:
@@ -260,7 +274,7 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
             for key, value in LOCAL_ENV.items():
                 os.environ.setdefault(key, value)
             if cfg.ingress is Ingress.HAPROXY:
-                os.environ.update(haproxy_env(cfg))  # the flags', over any variable already set
+                os.environ.update(haproxy_env(cfg) | haproxy_knobs(cfg))  # the flags', over any variable already set
         ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 

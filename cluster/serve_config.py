@@ -94,6 +94,13 @@ class ServeConfig:
     haproxy_metrics_port: Port = 9101
     haproxy_stats_port: Port = 8404
     haproxy_fallback_port: Port = 8500
+    # The HAProxy ingress's defences (cluster/ingress.py, local Ray only): connections at
+    # once from one client address, and in all; seconds a client has for a request's
+    # headers (and the start of its body), and an idle connection between requests.
+    max_connections_per_client: PositiveInt = 256
+    max_connections: PositiveInt = 8192
+    header_timeout: Seconds = 10.0
+    keep_alive_timeout: Seconds = 15.0
     # Never in a repr (a config may be logged): `pdserve serve` reads them from a file
     # or the environment (PDSERVE_API_KEY, PDSERVE_METRICS_API_KEY), not from argv.
     api_key: NotBlank | None = field(default=None, repr=False)
@@ -209,6 +216,9 @@ class ServeConfig:
                 clash = [other for other, v in named[:i] if v == value]
                 if clash:
                     raise ValueError(f"{name}: {value} is also {clash[0]}; every port must differ")
+            if self.max_connections_per_client > self.max_connections:
+                raise ValueError(f"max_connections_per_client: {self.max_connections_per_client} is over "
+                                 f"max_connections ({self.max_connections})")
         self.planner  # noqa: B018 - made here, where the profile file is (then it travels with the config)
         return self
 

@@ -1,0 +1,164 @@
+"""The HAProxy ingress's defences, written into the config Ray Serve generates.
+
+Ray Serve renders haproxy.cfg from its template (ray/serve/_private/haproxy_templates.py)
+and offers knobs for some of it (maxconn, `timeout client`: cluster/ingress.py sets
+those), but none for these, which `harden` adds:
+
+- the admin socket `mode 600` (Ray writes `mode 666 level admin`: any local user
+  could drive the proxy); its directory is private too (cluster/ingress.py);
+- the stats and metrics listeners bound to the HTTP frontend's own address
+  (`--host`), not every interface;
+- `timeout http-request` (headers, and with `option http-buffer-request` the
+  start of the body, within so many seconds: a slow client cannot hold a
+  connection open by trickling them) and `timeout http-keep-alive` (an idle
+  connection between requests closes);
+- at most so many connections at once per client address (a stick table that
+  tracks `conn_cur` by source; one more is refused as it is accepted).
+
+Every change is made at an exact line of the template as Ray 2.60 renders it; a
+line that is not there exactly once is an `IngressConfigError` naming it, so a
+Ray whose template changed fails loudly at start instead of serving unhardened.
+
+Stdlib only: the wrapper that Ray starts in HAProxy's place (cluster/ingress.py)
+loads this file by path, rewrites the config, and execs the real HAProxy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fcntl
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+
+# The first line of a config `harden` has adjusted: a second pass leaves it as it is.
+MARKER = "# pdserve: hardened (cluster/ingress_config.py)"
+
+
+class IngressConfigError(ValueError):
+    """Ray Serve's HAProxy config is not what `harden` knows how to adjust (a ValueError:
+    `pdserve serve` exits with `pdserve: error: ...` before Ray starts)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class IngressSettings:
+    """What `harden` writes (ServeConfig's flags, cluster/serve_config.py)."""
+
+    max_connections_per_client: int = 256
+    header_timeout_s: float = 10.0
+    keep_alive_timeout_s: float = 15.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections_per_client < 1:
+            raise ValueError(f"max_connections_per_client: must be >= 1, got {self.max_connections_per_client}")
+        for name in ("header_timeout_s", "keep_alive_timeout_s"):
+            value = getattr(self, name)
+            if not 0 < value < 86400:
+                raise ValueError(f"{name}: must be > 0 and < 86400 s, got {value}")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> IngressSettings:
+        return cls(**json.loads(text))
+
+
+def _ms(seconds: float) -> str:
+    return f"{max(1, round(seconds * 1000))}ms"
+
+
+def _one(pattern: str, text: str, what: str) -> re.Match[str]:
+    found = list(re.finditer(pattern, text, flags=re.MULTILINE))
+    if len(found) != 1:
+        raise IngressConfigError(
+            f"Ray Serve's HAProxy config has {len(found)} of {what} (pattern {pattern!r}), not 1: its template "
+            "changed (a Ray other than 2.60?); pdserve cannot harden it. Use `--ingress proxy`, or a Ray version "
+            "pdserve supports")
+    return found[0]
+
+
+def _replace(text: str, match: re.Match[str], new: str) -> str:
+    return text[:match.start()] + new + text[match.end():]
+
+
+def harden(text: str, settings: IngressSettings) -> str:
+    """`text` (a haproxy.cfg Ray Serve rendered) with pdserve's defences; the same
+    text again when it already has them. IngressConfigError if a line it adjusts is
+    not there exactly once."""
+    if text.startswith(MARKER):
+        return text
+    # Admin socket: owner only (Ray's manager, this user, still reaches it).
+    m = _one(r"^(    stats socket \S+) mode 666 level admin expose-fd listeners$", text, "the admin socket line")
+    text = _replace(text, m, f"{m.group(1)} mode 600 level admin expose-fd listeners")
+    # The HTTP frontend's address, as Ray rendered it from `--host` ("*" for 0.0.0.0 and ::).
+    m = _one(r"^frontend http_frontend\n    bind (\S+):(\d+)$", text, "the HTTP frontend's bind line")
+    host = m.group(1)
+    cap = settings.max_connections_per_client
+    text = _replace(text, m, "\n".join([
+        m.group(0),
+        f"    # pdserve: at most {cap} connections at once per client address; one more is refused on accept",
+        "    stick-table type ipv6 size 100k expire 60s store conn_cur",
+        "    tcp-request connection track-sc0 src",
+        f"    tcp-request connection reject if {{ sc0_conn_cur gt {cap} }}"]))
+    m = _one(r"^frontend prometheus\n    bind :(\d+)$", text, "the metrics listener's bind line")
+    text = _replace(text, m, f"frontend prometheus\n    bind {host}:{m.group(1)}")
+    m = _one(r"^listen stats\n  bind \*:(\d+)$", text, "the stats listener's bind line")
+    text = _replace(text, m, f"listen stats\n  bind {host}:{m.group(1)}")
+    # Timeouts, in `defaults`: Ray renders no `timeout http-request` (no knob) and the
+    # keep-alive one from Serve's HTTPOptions, which also sets the replicas' own servers.
+    m = _one(r"^    timeout http-keep-alive \d+s$", text, "the `timeout http-keep-alive` line")
+    text = _replace(text, m, f"    timeout http-keep-alive {_ms(settings.keep_alive_timeout_s)}")
+    if re.search(r"^\s*timeout http-request ", text, flags=re.MULTILINE):
+        raise IngressConfigError("Ray Serve's HAProxy config already sets `timeout http-request`: its template "
+                                 "changed; pdserve cannot harden it")
+    m = _one(r"^    timeout client \d+s$", text, "the `timeout client` line")
+    text = _replace(text, m, "\n".join([
+        m.group(0),
+        "    # pdserve: a request's headers and the start of its body (a buffer's worth, or all of a",
+        "    # smaller one) within this, else 408: trickling them does not hold a connection",
+        f"    timeout http-request {_ms(settings.header_timeout_s)}",
+        "    option http-buffer-request"]))
+    return f"{MARKER}\n{text}"
+
+
+def harden_file(path: str, settings: IngressSettings) -> None:
+    """Rewrite the config at `path` in place, under the lock Ray's writer takes
+    (`<path>.lock`, ray/serve/_private/haproxy.py), so a reload never reads half of it."""
+    with open(path + ".lock", "a") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+            hardened = harden(text, settings)
+            if hardened != text:
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(hardened)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def config_paths(args: Sequence[str]) -> list[str]:
+    """The config files of an HAProxy command line (`-f <file>`)."""
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == "-f"]
+
+
+def wrapper_main(real_binary: str, settings_json: str, args: Sequence[str]) -> int:
+    """What the wrapper Ray starts as HAProxy runs: harden each `-f` config, then
+    become `real_binary` with the same arguments (the same pid, which Ray's manager
+    watches). Returns 1, with the reason on stderr (Ray reports it as HAProxy's
+    startup failure), when a config cannot be hardened."""
+    try:
+        settings = IngressSettings.from_json(settings_json)
+        for path in config_paths(args):
+            harden_file(path, settings)
+    except (IngressConfigError, OSError, ValueError) as e:
+        print(f"pdserve: the HAProxy ingress was not started: {e}", file=sys.stderr, flush=True)
+        return 1
+    try:
+        os.execv(real_binary, [real_binary, *args])  # replaces this process
+    except OSError as e:
+        print(f"pdserve: cannot run HAProxy {real_binary}: {e}", file=sys.stderr, flush=True)
+    return 127
