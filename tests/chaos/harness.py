@@ -445,6 +445,7 @@ class ScenarioResult:
     wrong: int = 0
     hung: int = 0
     lost: int = 0  # not ok, though a survivor could have served them (errors and drops not excused)
+    max_gap_s: float = 0.0  # the longest any request waited for a token (its first, or its next)
     leaks: Leaks = field(default_factory=Leaks)
     extra_threads: dict[str, list[str]] = field(default_factory=dict)  # per worker, beyond its baseline
     # COUNTERS' increase over the scenario (a gateway or worker that restarted starts its own from 0)
@@ -709,6 +710,7 @@ class Harness:
     def _count(self, res: ScenarioResult, results: list[Result], fault: Fault, recovered_at: float | None,
                excuse: Excuse) -> None:
         res.requests = len(results)
+        res.max_gap_s = max((r.max_gap_s for r in results), default=0.0)
         for r in results:
             o = r.outcome
             res.ok += o is Outcome.OK

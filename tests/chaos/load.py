@@ -77,6 +77,7 @@ class Result:
     status: int | None = None  # the HTTP status, or the code of the in-band error
     detail: str = ""
     first_chunk: float | None = None  # time.monotonic() of its first text chunk
+    max_gap_s: float = 0.0  # its longest wait for a text chunk: from its send to the first, then between two
 
 
 @dataclass
@@ -139,6 +140,7 @@ class Load:
         body = {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, "temperature": 0.0, "stream": True,
                 "ignore_eos": True, "stream_options": {"include_usage": True}}
         res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0)
+        last_chunk = res.started
         text: list[str] = []
         finish: str | None = None
         completion_tokens: int | None = None
@@ -171,6 +173,8 @@ class Load:
                                 text.append(choice["text"])
                                 res.chunks += 1
                                 self.chunks += 1
+                                now = time.monotonic()
+                                res.max_gap_s, last_chunk = max(res.max_gap_s, now - last_chunk), now
                                 if res.first_chunk is None:
                                     res.first_chunk = time.monotonic()
                                 if self.on_chunk is not None:

@@ -1,4 +1,4 @@
-"""The chaos scenarios of issue 13 (a)-(i), each a function of a running `Harness`
+"""The chaos scenarios of issue 13 (a)-(i) and issue 46 (j), each a function of a running `Harness`
 (harness.py), and the matrix they make (bench/chaos.py prints it; test_chaos.py
 runs the CI subset).
 
@@ -39,7 +39,7 @@ from chaos.harness import (
 )
 from chaos.leaks import Snapshot, leaks
 from chaos.load import Load, Outcome, Probe, Result, make_probes
-from chaos.procs import can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
+from chaos.procs import alive, can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
 from pdserve.workers.fault_seam import WorkerFault
 
@@ -164,14 +164,14 @@ def gateway_killed(h: Harness) -> ScenarioResult:
                        excuse=before_recovery, check=orphans)
 
 
-# --- (d) a decode worker stopped for 10 s, then continued --------------------------------
+# --- (d) a decode worker stopped for 5 s, then continued --------------------------------
 
-STOP_S = 10.0
+STOP_S = 5.0  # under the gateway's stall timeout (--stall-timeout, 10 s): a pause, not a hang
 
 
 def decode_stopped(h: Harness) -> ScenarioResult:
     def fault(_: Load) -> Fault:
-        f = h.kill_busiest(_decodes(h), signal.SIGSTOP, "SIGSTOP 10 s, SIGCONT")
+        f = h.kill_busiest(_decodes(h), signal.SIGSTOP, f"SIGSTOP {STOP_S:g} s, SIGCONT")
         try:
             time.sleep(STOP_S)
         finally:
@@ -180,7 +180,53 @@ def decode_stopped(h: Harness) -> ScenarioResult:
         f.ended = time.monotonic()
         return f
 
-    return h.run_fault("d", "decode worker SIGSTOP 10 s + SIGCONT", fault, _load(h), AT_CHUNKS, restarted=False)
+    def kept(res: ScenarioResult, before: dict[str, DrainState | None], after: dict[str, DrainState | None]) -> None:
+        target = res.fault.target if res.fault is not None else ""
+        b, a = before.get(target), after.get(target)
+        if b is not None and a is not None and a.incarnation != b.incarnation:
+            res.failures.append(f"{target} was restarted: a pause under the stall timeout must not be")
+
+    return h.run_fault("d", f"decode worker SIGSTOP {STOP_S:g} s + SIGCONT", fault, _load(h), AT_CHUNKS,
+                       restarted=False, check=kept)
+
+
+# --- (j) a decode worker stopped for 60 s: a hang ------------------------------------------
+
+HANG_S = 60.0
+TOKEN_WAIT_BAR_S = 15.0  # issue 46: no stream waits longer than this for a token
+
+
+def decode_hung(h: Harness) -> ScenarioResult:
+    """SIGSTOP the busiest decode worker for 60 s (SIGCONT then, if its process is still
+    there). Past the stall timeout (10 s) the gateway gives it up: its streams move to
+    the other decode worker and end with the offline text, none waiting more than 15 s
+    for a token; Ray restarts it (`ray.kill` ends even a stopped process, so the fault
+    ends when its process is gone), and it is back in the pool."""
+    def fault(_: Load) -> Fault:
+        f = h.kill_busiest(_decodes(h), signal.SIGSTOP, f"SIGSTOP (up to {HANG_S:g} s)")
+        assert f.pid is not None
+        while alive(f.pid) and time.monotonic() < f.started + HANG_S:
+            time.sleep(0.1)
+        if alive(f.pid):
+            h.server.send(f.pid, signal.SIGCONT)
+            f.note += f"; SIGCONT after {HANG_S:g} s"
+        else:
+            f.note += f"; its process was gone {time.monotonic() - f.started:.1f} s after the stop"
+        f.ended = time.monotonic()
+        return f
+
+    def waits(res: ScenarioResult, before: dict[str, DrainState | None], after: dict[str, DrainState | None]) -> None:
+        res.notes.append(f"the longest any request waited for a token: {res.max_gap_s:.1f} s")
+        if res.max_gap_s > TOKEN_WAIT_BAR_S:
+            res.failures.append(f"a request waited {res.max_gap_s:.1f} s for a token (bar {TOKEN_WAIT_BAR_S:g} s)")
+        target = res.fault.target if res.fault is not None else ""
+        b, a = before.get(target), after.get(target)
+        if a is not None and b is not None:
+            res.notes.append(f"{target} back in the pool " + ("from a new process (restarted)"
+                                                              if a.incarnation != b.incarnation else "(continued)"))
+
+    return h.run_fault("j", "decode worker SIGSTOP 60 s (hang)", fault, _load(h), AT_CHUNKS, check=waits,
+                       migrate=True)
 
 
 # --- (e) an engine-thread crash ------------------------------------------------------------
@@ -398,7 +444,7 @@ SCENARIOS = [
     Scenario("b1", "prefill worker SIGKILL mid-prefill", TWO_DECODE, prefill_killed_mid_prefill, AFTER),
     Scenario("b2", "prefill worker SIGKILL mid-transfer", TWO_DECODE, prefill_killed_mid_transfer, AFTER),
     Scenario("c", "gateway replica SIGKILL", TWO_DECODE, gateway_killed),
-    Scenario("d", "decode worker SIGSTOP 10 s + SIGCONT", TWO_DECODE, decode_stopped),
+    Scenario("d", f"decode worker SIGSTOP {STOP_S:g} s + SIGCONT", TWO_DECODE, decode_stopped),
     Scenario("e", "decode engine-thread crash (injected)", TWO_DECODE, engine_crash),
     Scenario("f", "only prefill worker SIGKILL", TWO_DECODE, only_prefill_killed),
     Scenario("g1", "KV link cut mid-transfer (ss -K)", TWO_DECODE, kv_link_cut, AFTER),
@@ -406,6 +452,7 @@ SCENARIOS = [
     Scenario("h", "disconnect burst + decode SIGKILL", TWO_DECODE, disconnect_burst),
     Scenario("i1", "pdserve serve SIGKILL, restarted", OWN, lambda h: server_killed(h, "SIGKILL")),
     Scenario("i2", "pdserve serve SIGTERM to its group, restarted", OWN, lambda h: server_killed(h, "SIGTERM")),
+    Scenario("j", "decode worker SIGSTOP 60 s (hang)", TWO_DECODE, decode_hung),
 ]
 BY_KEY = {s.key: s for s in SCENARIOS}
 
