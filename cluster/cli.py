@@ -116,11 +116,11 @@ def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from pdserve.cluster.shutdown import serve_in_own_session
+    from pdserve.cluster.shutdown import serve_in_own_group
 
-    # Ray starts in a session of the driver's own: SIGTERM/SIGINT to this process or its group is
-    # a clean stop, exit 0 (cluster/shutdown.py).
-    return serve_in_own_session(lambda: _serve(a))
+    # Ray starts in a process group of the driver's own: SIGTERM/SIGINT to this process or its
+    # group is a clean stop, exit 0 (cluster/shutdown.py).
+    return serve_in_own_group(lambda: _serve(a))
 
 
 def _serve(a: argparse.Namespace) -> int:

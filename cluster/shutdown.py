@@ -1,6 +1,7 @@
 """How `pdserve serve` stops: SIGTERM or SIGINT, to its process or to its process
-group (what systemd, Kubernetes and a terminal's Ctrl-C send), drains Serve,
-stops the workers, local Ray and the HAProxy ingress, logs one line and exits 0.
+group (what a service manager, a container's stop and a terminal's Ctrl-C send),
+lets the requests in flight finish, stops Serve, the workers, local Ray and the
+HAProxy ingress, logs one line and exits 0.
 
 Why two processes. Every process local Ray starts (the GCS, the raylet, its
 helpers, and through them the workers and HAProxy) would sit in the process
@@ -9,15 +10,21 @@ them all at once: the GCS and the raylet died under the driver, and the
 driver's own SIGTERM went to the handler Ray's core worker installs (a stack
 trace, then the process ends on the signal or an abort: exit 134). So `pdserve
 serve` forks before anything starts. The parent keeps the pid and the group the
-caller knows, and only waits; the child, the driver, starts a session of its
-own (setsid) and runs Ray, Serve and the workers there, out of reach of a
-signal to the caller's group. The parent turns a stop into one SIGINT to the
-driver: Python's KeyboardInterrupt, which `serve_app.run` answers by stopping
-Serve (its replicas drain) and the workers, and which Ray's handlers leave
-alone. The driver then stops local Ray. The parent bounds the whole stop
-(`STOP_DEADLINE_S`), then stops by pid whatever is left in the driver's session
-(a process there is ours: the session was made for this run), and logs the one
-line.
+caller knows, and only waits; the child, the driver, moves to a process group
+of its own (the session stays the caller's) and runs Ray, Serve and the workers
+there, out of reach of a signal to the caller's group. The parent turns a stop
+into one SIGINT to the driver (a signal Ray's handlers leave alone), which
+waits until the gateway has no request in flight (`DRAIN_S` at most; Serve's
+shutdown alone cut streams short), then raises the KeyboardInterrupt that
+`serve_app.run` answers by stopping Serve and the workers, and stops local Ray.
+The parent bounds the whole stop (`STOP_DEADLINE_S`), stops by pid whatever
+the driver left (it is the subreaper of its descendants: what outlives the
+driver becomes its child, not init's), and logs the one line.
+
+A service manager that signals every process of the service at once (systemd's
+default KillMode=control-group) reaches Ray's processes directly: give
+pdserve's unit KillMode=mixed (SIGTERM to the main process, SIGKILL to what is
+left after the timeout).
 """
 
 from __future__ import annotations
@@ -26,36 +33,44 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.cluster.serve_config import ServeConfig
 
-# A stop's bound, from the signal to the last process gone: Serve gives a replica 20 s to
-# drain by default, Ray's shutdown takes a few more; Kubernetes' default grace period is 30 s.
+# A stop's bound, from the signal to the last process gone: the drain (DRAIN_S), then Serve's and
+# Ray's shutdown (7 to 9 s on a 2-core machine under load); Kubernetes' default grace period is 30 s.
 STOP_DEADLINE_S = 28.0
-# What is still in the driver's session once it has exited gets this long after SIGTERM.
+# How long the requests in flight at a stop get to finish; what is left after it is cut.
+DRAIN_S = 10.0
+# What the driver left running once it has exited gets this long after SIGTERM.
 SWEEP_GRACE_S = 3.0
 _STOPS = {signal.SIGTERM, signal.SIGINT}
 _WAITED = {*_STOPS, signal.SIGCHLD}
 _PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
 
 
-def serve_in_own_session(serve: Callable[[], int]) -> int:
+def serve_in_own_group(serve: Callable[[], int]) -> int:
     """Run `serve` (which starts Ray and serves until a KeyboardInterrupt) in a child
-    process with a session of its own, and return the exit code for `pdserve serve`:
-    0 after a stop by SIGTERM or SIGINT that ended within the deadline."""
+    process with a process group of its own, and return the exit code for `pdserve
+    serve`: 0 after a stop by SIGTERM or SIGINT that ended within the deadline."""
     sys.stdout.flush()
     sys.stderr.flush()
     # Blocked from before the fork: a signal that comes before the parent waits is still seen.
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     parent = os.getpid()
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not inherited by the child
     child = os.fork()
     if child == 0:
-        os.setsid()
-        _stop_when_parent_dies(parent)
+        os.setpgid(0, 0)
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGINT)  # a parent killed outright still stops the driver cleanly
+        if os.getppid() != parent:  # it died before that took effect
+            os.kill(os.getpid(), signal.SIGINT)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # Ray's processes inherit the mask
         return serve()
     try:
@@ -64,19 +79,13 @@ def serve_in_own_session(serve: Callable[[], int]) -> int:
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
 
 
-def _stop_when_parent_dies(parent: int) -> None:
-    """A parent killed outright (SIGKILL) still stops the driver cleanly (Linux's
-    parent-death signal), instead of leaving Ray running in a session nobody holds."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGINT, 0, 0, 0)
-    if os.getppid() != parent:  # it died before prctl took effect
-        os.kill(os.getpid(), signal.SIGINT)
+def _prctl(option: int, value: int) -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
 def _supervise(child: int) -> int:
-    """Wait for the driver; pass a stop on to it, once; bound the stop; sweep its session."""
+    """Wait for the driver; pass a stop on to it, once; bound the stop; stop what it left."""
     stop: signal.Signals | None = None
     started = deadline = 0.0
     status: int | None = None
@@ -88,62 +97,71 @@ def _supervise(child: int) -> int:
             stop, started = signal.Signals(info.si_signo), time.monotonic()
             deadline = started + STOP_DEADLINE_S
             os.kill(child, signal.SIGINT)
-        status = _exit_status(child)
+        status = _reap(child)
         if status is None and stop is not None and time.monotonic() >= deadline:
-            killed = _sweep(child, grace_s=0.0) + _kill_and_reap(child)
+            killed = _sweep(grace_s=0.0)  # the driver among them
+            os.waitpid(child, 0)
             print(f"[pdserve] stop on {stop.name} took over {STOP_DEADLINE_S:g} s: killed {killed} process(es) "
                   "still running", file=sys.stderr, flush=True)
             return 1
-    left = _sweep(child, SWEEP_GRACE_S)
+    left = _sweep(SWEEP_GRACE_S)
     if stop is not None:
-        tail = "" if not left else f"; {left} process(es) left in its session stopped by pid"
-        print(f"[pdserve] stopped on {stop.name}: drained, workers, Ray and the ingress shut down in "
-              f"{time.monotonic() - started:.1f} s{tail}", file=sys.stderr, flush=True)
+        took = f"in {time.monotonic() - started:.1f} s"
+        tail = "" if not left else f"; {left} process(es) it left stopped by pid"
+        print(f"[pdserve] stopped on {stop.name}: drained, workers, Ray and the ingress shut down {took}{tail}"
+              if status == 0 else f"[pdserve] stop on {stop.name}: the server exited with {status} {took}{tail}",
+              file=sys.stderr, flush=True)
     return status
 
 
-def _exit_status(child: int) -> int | None:
-    """The driver's exit code as a shell reports it (128 + N for a signal), or None while it runs."""
-    pid, status = os.waitpid(child, os.WNOHANG)
-    if pid == 0:
-        return None
-    code = os.waitstatus_to_exitcode(status)
-    return code if code >= 0 else 128 - code
-
-
-def _kill_and_reap(child: int) -> int:
-    try:
-        os.kill(child, signal.SIGKILL)
-    except ProcessLookupError:
-        return 0
-    os.waitpid(child, 0)
-    return 1
+def _reap(child: int) -> int | None:
+    """Reap every child that has exited (orphans the parent adopted too); the driver's exit
+    code as a shell reports it (128 + N for a signal), or None while it runs."""
+    status = None
+    while True:
+        try:
+            pid, raw = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return status
+        if pid == 0:
+            return status
+        if pid == child:
+            code = os.waitstatus_to_exitcode(raw)
+            status = code if code >= 0 else 128 - code
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(session, start time in clock ticks) of a live `pid` from /proc; None when gone or a zombie."""
+    """(parent pid, start time in clock ticks) of a live `pid` from /proc; None when gone or a zombie."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()  # after the name: state, ppid, pgrp, session, ...
     except (OSError, IndexError):
         return None
-    return None if fields[0] in (b"Z", b"X") else (int(fields[3]), int(fields[19]))
+    return None if fields[0] in (b"Z", b"X") else (int(fields[1]), int(fields[19]))
 
 
-def session_members(sid: int) -> dict[int, int]:
-    """pid -> start time of every live process in session `sid`."""
-    members = {}
+def descendants(root: int) -> dict[int, int]:
+    """pid -> start time of every live descendant of `root`."""
+    table = {}
     for entry in os.listdir("/proc"):
         st = _stat(int(entry)) if entry.isdigit() else None
-        if st is not None and st[0] == sid:
-            members[int(entry)] = st[1]
-    return members
+        if st is not None:
+            table[int(entry)] = st
+    found: dict[int, int] = {}
+    todo = [root]
+    while todo:
+        parent = todo.pop()
+        for pid, (ppid, started) in table.items():
+            if ppid == parent and pid not in found:
+                found[pid] = started
+                todo.append(pid)
+    return found
 
 
-def _sweep(sid: int, grace_s: float) -> int:
-    """Stop what is left in the driver's session (an HAProxy Ray's shutdown did not reach):
-    SIGTERM, up to `grace_s` to go, then SIGKILL. Returns how many there were."""
-    left = session_members(sid)
+def _sweep(grace_s: float) -> int:
+    """Stop what is left under this process (an HAProxy Ray's shutdown did not reach): SIGTERM,
+    up to `grace_s` to go, then SIGKILL, each by pid. Returns how many there were."""
+    left = descendants(os.getpid())
     for pid, started in left.items():
         _signal(pid, started, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -168,12 +186,14 @@ def _signal(pid: int, started: int, sig: signal.Signals) -> None:
 
 
 def run_until_stopped(cfg: ServeConfig) -> int:
-    """The driver: serve `cfg` until a SIGINT (from the parent), then stop Serve, the
-    workers and local Ray, in that order. Returns 0."""
+    """The driver: serve `cfg` until a SIGINT (from the parent), then let the requests in
+    flight finish (`DRAIN_S` at most), stop Serve, the workers and local Ray, in that order.
+    Returns 0."""
     import ray
 
     from pdserve.cluster import serve_app
 
+    _drain_on_sigint(cfg)
     try:
         serve_app.run(cfg)  # on a KeyboardInterrupt while serving, it stops Serve and the workers
     except KeyboardInterrupt:  # one while starting: what has started is stopped
@@ -184,3 +204,55 @@ def run_until_stopped(cfg: ServeConfig) -> int:
                 print(f"[pdserve] stopping Serve while it started: {e!r}", file=sys.stderr, flush=True)
     ray.shutdown()
     return 0
+
+
+def _drain_on_sigint(cfg: ServeConfig) -> None:
+    """The first SIGINT starts the drain, off the main thread (which goes on serving); the drain
+    ends with a second SIGINT, the KeyboardInterrupt that stops. Serve's own shutdown does not
+    wait for them: a stream in flight was cut (85 of 300 tokens of the tiny model's)."""
+    draining = threading.Event()
+
+    def on_sigint(signum: int, frame: object) -> None:
+        if not draining.is_set():
+            draining.set()
+            threading.Thread(target=_drain, args=(cfg,), name="pdserve-drain", daemon=True).start()
+            return
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # one stop: a later signal must not cut it short
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+
+
+def _drain(cfg: ServeConfig) -> None:
+    """Wait until the gateway has no request in flight (seen twice, so that the last chunks
+    are written), DRAIN_S at most, then stop (SIGINT to this process)."""
+    deadline = time.monotonic() + DRAIN_S
+    idle, n = 0, None
+    while time.monotonic() < deadline and idle < 2:
+        n = in_flight(cfg)
+        idle = idle + 1 if not n else 0  # None (no gateway yet, or it does not answer): nothing to wait for
+        if n is None:
+            break
+        time.sleep(0.25)
+    if idle < 2 and n:
+        print(f"[pdserve] {n:g} request(s) still in flight after {DRAIN_S:g} s: stopping anyway", file=sys.stderr,
+              flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def in_flight(cfg: ServeConfig) -> float | None:
+    """The gateway's `pdserve:num_requests_in_flight` (admitted, not finished), or None when
+    it cannot be read."""
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
+    request = urllib.request.Request(f"http://{host}:{cfg.port}/metrics")
+    key = cfg.metrics_api_key or cfg.api_key
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=2.0) as r:  # noqa: S310 - our own server
+            text = r.read().decode("utf-8", "replace")
+    except (OSError, ValueError):
+        return None
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("pdserve:num_requests_in_flight")]
+    return sum(values) if values else None

@@ -261,7 +261,7 @@ def test_an_offline_command_runs_as_written(c: Command, in_tmp: Path, monkeypatc
         from pdserve.cluster import shutdown
 
         started = []
-        monkeypatch.setattr(shutdown, "serve_in_own_session", lambda serve: serve())
+        monkeypatch.setattr(shutdown, "serve_in_own_group", lambda serve: serve())
         monkeypatch.setattr(shutdown, "run_until_stopped", lambda cfg: started.append(cfg) or 0)
         run_pdserve(argv[1:])
         assert len(started) == 1 and started[0].model

@@ -8,15 +8,19 @@ its start time) among its descendants and every session they made (tests/served.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
-from served import Server, alive
-
-pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
+from served import Server, alive, tree
 
 STOP_TIMEOUT_S = 60.0  # past the stop's own bound (shutdown.STOP_DEADLINE_S), so that one is what fires
 
@@ -42,8 +46,39 @@ def assert_stopped_cleanly(server: Server, sig: signal.Signals) -> None:
     assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
 
 
+class Stream(threading.Thread):
+    """A streamed completion of MAX_TOKENS tokens; `started` once its first chunk is in."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.url, self.started = url, threading.Event()
+        self.finish_reason: str | None = None
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        body = {"model": "tiny", "prompt": "def add(a, b):", "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        try:
+            with httpx.stream("POST", f"{self.url}/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        self.started.set()
+                        self.finish_reason = json.loads(line[6:])["choices"][0]["finish_reason"] or self.finish_reason
+        except httpx.HTTPError as e:
+            self.error = e
+        finally:
+            self.started.set()
+
+
+# About 2 s of the tiny model's decoding (~300 tokens/s on a loaded 2-core machine): in flight
+# when the signal comes, done well within the drain's bound (shutdown.DRAIN_S).
+MAX_TOKENS = 600
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_a_signal_stops_the_server_cleanly(case: str, tmp_path: Path) -> None:
+    pytest.importorskip("ray")
     sig, to_group = CASES[case]
     server = Server(["--model", "tiny"], tmp_path / "stderr.txt")
     try:
@@ -51,7 +86,87 @@ def test_a_signal_stops_the_server_cleanly(case: str, tmp_path: Path) -> None:
         assert server.proc is not None
         # The driver, Ray's processes, the workers, HAProxy: the tree is seen.
         assert len(server.started) > 5, server.started
+        stream = Stream(server.url)
+        stream.start()
+        assert stream.started.wait(60) and stream.error is None, stream.error
+        assert stream.is_alive()  # in flight
         (os.killpg if to_group else os.kill)(server.proc.pid, sig)
         assert_stopped_cleanly(server, sig)
+        stream.join(10)
+        # The request in flight at the signal finished (a stop drains; it used to be cut short).
+        assert stream.error is None and stream.finish_reason == "length", (stream.error, stream.finish_reason)
     finally:
         server.kill()
+
+
+# -- the supervisor alone (cluster/shutdown.py), with a stand-in for the driver: seconds, no Ray -------------
+
+# A driver that starts a process of its own (as Ray's would be, in the driver's group) and,
+# told to stop, exits with EXIT, leaving that process behind, or ignores the stop (IGNORE).
+DRIVER = textwrap.dedent("""
+    import importlib.util, os, signal, subprocess, sys, time
+
+    # The module by its path: importing the pdserve package (torch) would take longer than the test.
+    spec = importlib.util.spec_from_file_location("shutdown", sys.argv[3])
+    shutdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shutdown)
+    shutdown.STOP_DEADLINE_S = 2.0
+    exit_code, ignore = int(sys.argv[1]), sys.argv[2] == "ignore"
+
+    def serve():
+        if ignore:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        helper = subprocess.Popen(["sleep", "60"])
+        print(helper.pid, flush=True)
+        try:
+            time.sleep(60 if exit_code == 0 or ignore else 1)
+        except KeyboardInterrupt:
+            pass
+        os._exit(exit_code)
+
+    sys.exit(shutdown.serve_in_own_group(serve))
+""")
+
+
+def supervised(exit_code: int, ignore: bool = False) -> tuple[subprocess.Popen[str], int]:
+    module = Path(__file__).resolve().parents[2] / "cluster" / "shutdown.py"
+    proc = subprocess.Popen([sys.executable, "-c", DRIVER, str(exit_code), "ignore" if ignore else "stop", str(module)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    helper = int(proc.stdout.readline())
+    return proc, helper
+
+
+def test_a_group_sigterm_reaches_the_parent_alone_and_what_the_driver_left_is_stopped() -> None:
+    proc, helper = supervised(0)
+    started = tree(proc.pid)
+    assert helper in started and len(started) == 3  # parent, driver, its process
+    # In a group of the driver's own, in the caller's session (where tests/chaos looks for them).
+    assert os.getpgid(helper) != proc.pid and os.getsid(helper) == proc.pid
+    os.killpg(proc.pid, signal.SIGTERM)
+    assert proc.wait(20) == 0
+    _, err = proc.communicate()
+    assert err.startswith("[pdserve] stopped on SIGTERM:") and "1 process(es) it left stopped by pid" in err, err
+    assert len(err.splitlines()) == 1
+    assert not alive(started)
+
+
+def test_a_driver_that_does_not_stop_is_killed_at_the_deadline() -> None:
+    proc, helper = supervised(0, ignore=True)
+    started = tree(proc.pid)
+    t = time.monotonic()
+    os.kill(proc.pid, signal.SIGINT)
+    assert proc.wait(20) == 1
+    assert 2.0 <= time.monotonic() - t
+    _, err = proc.communicate()
+    assert err.startswith("[pdserve] stop on SIGINT took over 2 s: killed 2 process(es)"), err
+    assert not alive(started)
+
+
+def test_a_driver_that_exits_on_its_own_gives_its_exit_code() -> None:
+    proc, helper = supervised(3)
+    left = {helper: tree(helper)[helper]}
+    assert proc.wait(20) == 3
+    _, err = proc.communicate()
+    assert err == ""  # no stop was asked for: no stop line
+    assert not alive(left)  # what it left is stopped all the same
