@@ -168,3 +168,62 @@ def test_a_blocked_worker_with_no_work_is_left_alone(model_dir: Path) -> None:
 
     asyncio.run(main())
     assert backend.events.stalled == 0 and restarted == []
+
+
+class FakeWorker:
+    """A pool worker whose load poll answers `report`, hangs (`hang`), or fails as a dead
+    Ray actor's call does (`dead`)."""
+
+    def __init__(self, name: str, running: int = 0) -> None:
+        self.name, self.running, self.seq = name, running, 0
+        self.hang = self.dead = False
+
+    @property
+    def load(self) -> Any:
+        worker = self
+
+        class Remote:
+            @staticmethod
+            async def remote() -> Any:
+                from ray.exceptions import ActorDiedError
+
+                from pdserve.cluster.reports import LoadReport
+                from pdserve.workers.messages import KVEventBatch
+                from pdserve.workers.stats import EngineSnapshot
+
+                if worker.dead:
+                    raise ActorDiedError()
+                if worker.hang:
+                    await asyncio.sleep(3600)
+                worker.seq += 1
+                snap = EngineSnapshot(running=worker.running, generation_tokens=worker.seq, total_blocks=64,
+                                      free_blocks=64)
+                return LoadReport(snap, KVEventBatch(worker_id=worker.name, batch_seq=worker.seq - 1, events=()),
+                                  "1-1")
+
+        return Remote()
+
+
+@pytest.mark.parametrize(("fault", "given_up"), [("hang", True), ("dead", False)])
+def test_a_silent_worker_is_given_up_but_a_dead_one_is_left_to_ray(fault: str, given_up: bool) -> None:
+    """Both stop answering with requests running at their last report. One whose poll
+    hangs is given up and restarted; one whose poll fails as a dead actor's does is Ray's
+    to restart (its load after a restart holds no request), so the watch leaves it."""
+    workers = {"p0": FakeWorker("p0"), "d0": FakeWorker("d0", running=3), "d1": FakeWorker("d1")}
+    restarted: list[Any] = []
+    backend = DisaggregatedBackend({"p0": workers["p0"]}, {"d0": workers["d0"], "d1": workers["d1"]},  # type: ignore[dict-item]
+                                   Router(RouterConfig(), BS), poll_s=0.01, stall_timeout_s=STALL_S,
+                                   restart=restarted.append)
+
+    async def main() -> None:
+        try:
+            await backend.start()
+            await asyncio.sleep(0.05)
+            setattr(workers["d0"], fault, True)
+            await asyncio.sleep(4 * STALL_S)
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+    assert restarted == ([workers["d0"]] if given_up else [])
+    assert backend.events.stalled == int(given_up) and "d0" in backend._dead
