@@ -51,7 +51,13 @@ from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import Plan, RoutingDecision, WorkerLoad, WorkerRole
 from pdserve.cluster.router.router import RouterStats
-from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S, Stall, StallWatch, WorkerStalledError
+from pdserve.cluster.stall_watch import (
+    DEFAULT_MAX_TICK_GAP_S,
+    DEFAULT_STALL_TIMEOUT_S,
+    Stall,
+    StallWatch,
+    WorkerStalledError,
+)
 from pdserve.cluster.worker_handle import PoolWorkerHandle
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
@@ -132,7 +138,11 @@ class DisaggregatedBackend:
         self._role_epoch: dict[str, tuple[str, int]] = {}
         self._ready: asyncio.Event | None = None
         self._closing = False
-        self.stalls = StallWatch(stall_timeout_s) if stall_timeout_s else None
+        # The watch ticks at least 4 times per timeout; a tick later than one more second
+        # than that means this loop was held up (not counted against the workers).
+        self._stall_tick = min(poll_s, stall_timeout_s / 4)
+        self.stalls = (StallWatch(stall_timeout_s, max_tick_gap_s=self._stall_tick + DEFAULT_MAX_TICK_GAP_S)
+                       if stall_timeout_s else None)
         self._restart = restart
         # Each worker's tries awaiting a call on it, with what fails them if the worker is given up.
         self._tries_on: dict[str, dict[_Try, asyncio.Future[None]]] = {}
@@ -415,13 +425,12 @@ class DisaggregatedBackend:
     async def _watch_stalls(self, watch: StallWatch) -> None:
         """Every tick, give up the workers the stall watch says are stalled. Its own
         task: a stopped worker's poll waits `_POLL_TIMEOUT_S` for an answer."""
-        tick = min(self.poll_s, watch.timeout_s / 4)
         while not self._closing:
             tries = {wid: len(on) for wid, on in self._tries_on.items()}
             pools = [*self.prefill, *self.decode]  # not a switching worker: its drain has its own deadline
             for stall in watch.check(time.monotonic(), tries, pools):
                 self._give_up(stall)
-            await asyncio.sleep(tick)
+            await asyncio.sleep(self._stall_tick)
 
     def _give_up(self, stall: Stall) -> None:
         """Take the stalled worker for dead: out of routing, its tries moved on, restarted."""
@@ -489,8 +498,8 @@ class _Try:
             return given_up.result()  # raises WorkerStalledError
         finally:
             on.pop(self, None)
-            if not on:
-                self.backend._tries_on.pop(wid, None)
+            if not on and self.backend._tries_on.get(wid) is on:
+                del self.backend._tries_on[wid]
             for f in (rpc, given_up):
                 if not f.done():
                     f.cancel()

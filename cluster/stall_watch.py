@@ -38,8 +38,8 @@ from pdserve.workers.stats import EngineSnapshot
 # chunk of prefill on a CPU); this is a few times that, and short enough that a stream
 # on a stopped worker waits well under 15 s for its next token (docs/reliability.md).
 DEFAULT_STALL_TIMEOUT_S = 10.0
-# Ticks further apart than this mean the gateway's loop was held up: the time between
-# them is not counted against any worker.
+# Ticks further apart than this (more than the interval the caller ticks at) mean the
+# gateway's loop was held up: the time between them is not counted against any worker.
 DEFAULT_MAX_TICK_GAP_S = 1.0
 
 

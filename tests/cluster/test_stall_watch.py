@@ -151,3 +151,14 @@ def test_the_flag_and_the_serve_yaml_set_the_same_stall_timeout(monkeypatch: pyt
     for bad in (-1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="stall_timeout"):
             ServeConfig(EngineConfig("/m"), stall_timeout=bad)
+
+
+def test_ticks_as_far_apart_as_the_gap_allows_still_find_a_stall() -> None:
+    """The caller ticks slowly (a long poll interval): its regular ticks are not pauses."""
+    watch = StallWatch(T, max_tick_gap_s=2.5 + 1.0)
+    watch.answered("d0", 0.0, report(running=2, generated=1))
+    fired = ticks(watch, 0.0, 20.0, tries={"d0": 2}, every=2.5)
+    assert fired and fired[0][0] == pytest.approx(12.5)
+    slow = StallWatch(T)  # a gap under the caller's own interval: every tick would look late
+    slow.answered("d0", 0.0, report(running=2, generated=1))
+    assert ticks(slow, 0.0, 60.0, tries={"d0": 2}, every=2.5) == []
