@@ -35,11 +35,17 @@ from types import TracebackType
 
 import torch
 
-from pdserve.workers.cpu_turns import ACQUIRE_DEADLINE_S, _poll, _runtime_dir, _safe_name, _try
+from pdserve.workers.cpu_turns import _poll, _runtime_dir, _safe_name, _try
 
 log = logging.getLogger(__name__)
 
 BUSY_DEADLINE_S = 1.0  # neighbours probe our busy lock for microseconds at a time
+# How long a step waits for a neighbour's wide step to end before it runs at its share without
+# the lock. Short: past it the cost is two steps sharing the cores (split, at worst), while a
+# neighbour SIGSTOPped in a wide step keeps its lock until it dies; at 30 s (as turns wait) the
+# decode worker that took the stopped one's streams waited with them (a 15.3 s gap in the
+# chaos matrix's (j), against issue 46's 15 s bar).
+ACQUIRE_DEADLINE_S = 2.0
 
 
 class CpuLending:
