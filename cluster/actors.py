@@ -114,10 +114,19 @@ class _Service:
 
     async def inject_fault(self, kind: str) -> None:
         """The test seam's way into a worker (workers/fault_seam.py; the chaos tests):
-        `engine_crash` makes the engine thread fail as a bug would. Refused
+        `engine_crash` makes the engine thread fail as a bug would, `poison_row` one running
+        request's row of every step (the engine fails that request alone). Refused
         (PermissionError) unless the worker was started with PDSERVE_FAULT_INJECTION=1."""
-        if fault_seam.worker_fault(kind) is fault_seam.WorkerFault.ENGINE_CRASH:
+        fault = fault_seam.worker_fault(kind)
+        if fault is fault_seam.WorkerFault.ENGINE_CRASH:
             self.async_engine.post(fault_seam.crash_engine)
+        elif fault is fault_seam.WorkerFault.POISON_ROW:
+            engine = self.engine
+
+            def poison() -> None:
+                fault_seam.poison_row(engine)
+
+            self.async_engine.post(poison)
 
     def close(self) -> None:
         """Stop the engine thread (requests in flight fail) and the transport."""

@@ -14,7 +14,8 @@ call, no lock), and a worker refuses `inject_fault`.
   nor acks it, as a slow decode worker would). The rule-based implementation
   the tests use, `Faults`, lives with them (tests/faults.py).
 - A worker process (cluster/actors.py): its actor method `inject_fault(kind)`
-  makes the engine thread fail as a bug would (`WorkerFault.ENGINE_CRASH`).
+  makes the engine thread fail as a bug would (`WorkerFault.ENGINE_CRASH`), or
+  one request's row of every step fail as a bad value would (`POISON_ROW`).
   `worker_fault` refuses it unless the process was started with
   PDSERVE_FAULT_INJECTION=1, which the chaos harness sets for the servers it
   starts and no deployment does.
@@ -25,7 +26,7 @@ from __future__ import annotations
 import enum
 import os
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -77,6 +78,8 @@ def corrupted(frame: np.ndarray) -> np.ndarray:
 
 class WorkerFault(enum.Enum):
     ENGINE_CRASH = "engine_crash"  # the engine thread raises: the worker exits (code 70) and Ray restarts it
+    # One running request's row raises in every step: the engine fails it alone (workers/row_faults.py).
+    POISON_ROW = "poison_row"
 
 
 def worker_fault(kind: str) -> WorkerFault:
@@ -95,3 +98,24 @@ def worker_fault(kind: str) -> WorkerFault:
 def crash_engine() -> None:
     """ENGINE_CRASH, run on the engine thread: it fails as a bug would."""
     raise RuntimeError("injected engine-thread crash")
+
+
+def poison_row(engine: Any) -> str | None:
+    """POISON_ROW, run on the engine thread (`engine`: its LLMEngine): from now on, building
+    the sampling inputs of any step that samples one of its running requests raises, as a
+    value past int64 did. Returns that request's id (None: nothing was running)."""
+    running = list(engine.scheduler.running)
+    if not running:
+        return None
+    # The one with the most tokens still to come: it is sure to be in a step after this one.
+    victim: str = max(running, key=lambda r: r.max_tokens - r.num_output_tokens).request_id
+    runner = engine.runner
+    real = runner._sampling_batch
+
+    def sampling_batch(reqs: list[Any]) -> Any:
+        if any(r.request_id == victim for r in reqs):
+            raise OverflowError(f"injected: the row of request {victim} cannot be built")
+        return real(reqs)
+
+    runner._sampling_batch = sampling_batch
+    return victim

@@ -80,6 +80,7 @@ COUNTERS = {
     "pdserve:kv_leases_expired": "KV leases expired",
     "pdserve:orphan_requests_aborted": "orphans aborted",
     "pdserve:workers_restarted": "workers restarted",
+    "pdserve:requests_faulted": "requests failed alone",
 }
 
 
