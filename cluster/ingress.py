@@ -8,8 +8,9 @@ serve` starts Ray with, and the private directory its files live in.
   (the HAProxy manager actor, which starts a new HAProxy) after 3 failed health
   checks in a row, 10 s apart by default, so a killed HAProxy left /health
   unanswered ~31 s; here they run every 0.5 s (as often as the controller loops
-  on local Ray: RAY_SERVE_CONTROL_LOOP_INTERVAL_S), and it answers within seconds
-  (docs/reliability.md).
+  on local Ray: RAY_SERVE_CONTROL_LOOP_INTERVAL_S). That is the fallback:
+  `pdserve serve` starts a dead HAProxy again itself, sooner
+  (cluster/ingress_watch.py; docs/reliability.md).
 - What Ray has no knob for (cluster/ingress_config.py): Ray starts the binary
   `RAY_SERVE_HAPROXY_BINARY_PATH` names, here a wrapper that hardens the config
   Ray just wrote and execs the real HAProxy (same pid, same arguments).

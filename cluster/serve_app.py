@@ -16,6 +16,7 @@ from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.ingress import check_ray_template, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
+from pdserve.cluster.ingress_watch import IngressWatch
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
@@ -304,12 +305,17 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
+        # A dead HAProxy started again in about a second, not after Ray replaces its manager.
+        watch = (IngressWatch(cfg.port, ray.get_runtime_context().get_node_id()).start()
+                 if local and cfg.ingress is Ingress.HAPROXY else None)
         try:
             while True:
                 time.sleep(REFRESH_S if local else 3600)
                 if local:  # a restarted worker, or one that changed role, gets its cores
                     pins = pin_decode_cores(cfg, cores, pins)
         except KeyboardInterrupt:
+            if watch is not None:
+                watch.stop()  # before Serve stops HAProxy, which it must not start again
             shutdown(cfg)
     return cfg  # with the worker count it decided
 
