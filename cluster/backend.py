@@ -92,6 +92,7 @@ class Reliability:
     workers_lost: int = 0  # workers that went from answering to not
     workers_readmitted: int = 0  # lost workers that answered again
     workers_restarted: int = 0  # workers that answered from a new process
+    workers_stalled: int = 0  # workers given up on by the stall watch (held work, made no progress)
     role_switches_to_prefill: int = 0  # workers moved from the decode pool to the prefill pool
     role_switches_to_decode: int = 0  # ... from the prefill pool to the decode pool
     role_switch_failures: int = 0  # switches that failed (the worker kept or went back to its role)

@@ -195,7 +195,8 @@ class DisaggregatedBackend:
         e = self.events
         return dataclasses.replace(self.streams.reliability(self.health()), workers_lost=e.lost,
                                    workers_readmitted=e.readmitted, workers_restarted=e.restarted,
-                                   role_switches_to_prefill=e.to_prefill, role_switches_to_decode=e.to_decode,
+                                   workers_stalled=e.stalled, role_switches_to_prefill=e.to_prefill,
+                                   role_switches_to_decode=e.to_decode,
                                    role_switch_failures=e.switch_failures)
 
     async def start(self) -> None:

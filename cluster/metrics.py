@@ -370,6 +370,8 @@ _RELIABILITY_COUNTERS = (
     ("pdserve:workers_lost", "Workers that went from answering to not (a call or a poll failed)", "workers_lost"),
     ("pdserve:workers_readmitted", "Lost workers that answered again", "workers_readmitted"),
     ("pdserve:workers_restarted", "Workers that answered from a new process (restarted)", "workers_restarted"),
+    ("pdserve:workers_stalled", "Workers given up on by the stall watch: they held work and made no progress "
+     "for --stall-timeout (their requests moved; restarted)", "workers_stalled"),
     ("pdserve:token_stream_gaps", "Batches missing from a worker's token-stream sequence (its requests move on)",
      "stream_gaps"),
     ("pdserve:token_stream_stale_deltas", "Token deltas of tries given up on (dropped)", "stream_stale"),
