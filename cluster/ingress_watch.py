@@ -3,32 +3,51 @@
 Ray Serve replaces a dead HAProxy by replacing its manager actor: 3 failed health
 checks (0.5 s apart here: cluster/ingress.py), then a new actor, a new worker
 process, its imports, HAProxy. On a loaded 2-core machine the new actor alone took
-7.4 s to start, and /health was back 6-11 s after a SIGKILL. This watch does not
-wait for that: a thread in the driver looks at the HTTP port every `interval_s`;
-when nothing has listened there for `grace_s` (HAProxy's reloads hand their
-listeners over, so a reload never leaves the port unbound), it asks the manager
-actor that is still alive (through Ray's `__ray_call__`) to start HAProxy the way
-Ray first did (`HAProxyApi.start`: config written, the wrapper, HAProxy), unless
-Ray's own handle says its HAProxy still runs. The manager's later health checks
-then pass and its reloads carry on from the new process; if the watch is too late
-or fails, Ray's own path still replaces the manager.
+7.4 s to start, and /health was back only 10.9 s after a SIGKILL once. This watch
+does not wait for that: a thread in the driver waits for the run's HAProxy
+processes to exit (pidfds: nothing to poll while they run); when one has, and
+`grace_s` later none of the run's is alive and listening on the HTTP port (a
+reload's new process takes over the listeners, so a reload is not a death), it
+asks the manager actor that is still alive (through Ray's `__ray_call__`) to start
+HAProxy the way Ray first did (`HAProxyApi.start`: config written, the wrapper,
+HAProxy), unless Ray's own handle says its HAProxy still runs. The manager's
+later health checks then pass and its reloads carry on from the new process; if
+the watch is too late or fails, Ray's own path still replaces the manager.
 
-Local Ray and Linux only (it reads /proc/net/tcp, as cluster/leftovers.py does).
+Local Ray and Linux only (pidfds, /proc).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import re
+import select
 import threading
-import time
+from collections.abc import Callable
 from typing import Any
 
-from pdserve.cluster.leftovers import listening_inodes
+from pdserve.cluster.leftovers import RUN_DIR_PREFIX
 
 log = logging.getLogger(__name__)
 
 SERVE_NAMESPACE = "serve"  # Ray Serve's own (ray/serve/_private/constants.py)
 PROXY_ACTOR_PREFIX = "SERVE_PROXY_ACTOR-"  # + the node id: the HAProxy manager's name there
+
+
+def listening(port: int) -> bool:
+    """Whether a TCP socket listens on `port` (any address, IPv4 or IPv6). One regex over
+    each table, not a parse of every line: under a flood of connections the tables have
+    thousands of lines, and this runs several times a second."""
+    pattern = re.compile(rf":{port:04X} [0-9A-F]+:0000 0A ")
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as f:
+                if pattern.search(f.read()):
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def restart_haproxy(manager: Any) -> bool:
@@ -42,13 +61,38 @@ def restart_haproxy(manager: Any) -> bool:
     return True
 
 
-class IngressWatch:
-    """The thread that restarts HAProxy when the HTTP port goes unbound (`start`, `stop`)."""
+def haproxies(port: int, proc: str = "/proc") -> list[int]:
+    """The HAProxy processes of the run on `port` (their config is in its directory,
+    leftovers.haproxy_run_dir), found by their command lines."""
+    mark = f"/{RUN_DIR_PREFIX}{port}/".encode()
+    found = []
+    for entry in os.scandir(proc):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{entry.name}/cmdline", "rb") as f:
+                args = f.read().split(b"\0")
+        except OSError:
+            continue
+        if args and os.path.basename(args[0]) == b"haproxy" and any(mark in a for a in args):
+            found.append(int(entry.name))
+    return found
 
-    def __init__(self, port: int, node_id: str, interval_s: float = 0.1, grace_s: float = 0.3,
-                 backoff_s: float = 3.0) -> None:
+
+class IngressWatch:
+    """The thread that restarts HAProxy when it has died (`start`, `stop`).
+
+    It costs nothing while HAProxy runs: it waits on a pidfd of each of the run's
+    HAProxy processes (Linux's process descriptors: readable when the process
+    exits). When one exits (a reload's old process does too, normally), it looks
+    again after `grace_s`: a HAProxy of the run alive and the port listened on is a
+    reload; neither is a death, and it restarts HAProxy."""
+
+    def __init__(self, port: int, node_id: str, grace_s: float = 0.3, backoff_s: float = 3.0,
+                 find: Callable[[int], list[int]] = haproxies) -> None:
         self.port, self.node_id = port, node_id
-        self.interval_s, self.grace_s, self.backoff_s = interval_s, grace_s, backoff_s
+        self.grace_s, self.backoff_s = grace_s, backoff_s
+        self.find = find
         self.restarts = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-ingress-watch", daemon=True)
@@ -62,19 +106,35 @@ class IngressWatch:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        unbound_since: float | None = None
-        while not self._stop.wait(self.interval_s):
-            if listening_inodes(self.port):
-                unbound_since = None
+        while not self._stop.is_set():
+            pids = self.find(self.port)
+            if pids and listening(self.port):
+                self._wait_for_an_exit(pids)
+                self._stop.wait(self.grace_s)  # a reload's new process takes over meanwhile
                 continue
-            now = time.monotonic()
-            unbound_since = unbound_since or now
-            if now - unbound_since < self.grace_s:
+            self._stop.wait(self.grace_s)
+            if self._stop.is_set() or (self.find(self.port) and listening(self.port)):
                 continue
             if self._restart():
                 self.restarts += 1
-            unbound_since = None
             self._stop.wait(self.backoff_s)  # HAProxy's start, or Ray's own replacement, takes this long
+
+    def _wait_for_an_exit(self, pids: list[int]) -> None:
+        """Until one of `pids` exits (or the watch stops)."""
+        fds = []
+        for pid in pids:
+            try:
+                fds.append(os.pidfd_open(pid))
+            except OSError:  # gone already
+                break
+        try:
+            while len(fds) == len(pids) and not self._stop.is_set():
+                ready, _, _ = select.select(fds, [], [], 1.0)
+                if ready:
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     def _restart(self) -> bool:
         import ray
