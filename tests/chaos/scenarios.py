@@ -164,6 +164,30 @@ def gateway_killed(h: Harness) -> ScenarioResult:
                        excuse=before_recovery, check=orphans)
 
 
+# --- (l) the ingress (HAProxy) killed ----------------------------------------------------
+
+INGRESS_BUDGET_S = 10.0  # issue 46: /health 200 again within 10 s of HAProxy's SIGKILL
+
+
+def ingress_killed(h: Harness) -> ScenarioResult:
+    """SIGKILL every HAProxy process of the server (by pid); `pdserve serve` starts
+    another (cluster/ingress_watch.py; Ray Serve's controller is the fallback). Every stream
+    through it is cut (dropped, excused, as are requests sent before /health answers
+    again); the gateway sees each client go and aborts its request, so the workers hold
+    nothing after (the drain check). Recovery within 10 s, not the model-load budget."""
+    def fault(_: Load) -> Fault:
+        pids = [pid for pid in h.server.pids() if os.path.basename(cmdline(pid).split(" ", 1)[0]) == "haproxy"]
+        if not pids:
+            raise RuntimeError("no HAProxy process")
+        t = time.monotonic()
+        for pid in pids:
+            h.server.send(pid, signal.SIGKILL)
+        return Fault("SIGKILL", "HAProxy ingress", pids[0], t, t, f"{len(pids)} process(es)")
+
+    return h.run_fault("l", "HAProxy ingress SIGKILL", fault, _load(h), AT_CHUNKS, excuse=before_recovery,
+                       budget_s=INGRESS_BUDGET_S)
+
+
 # --- (d) a decode worker stopped for 5 s, then continued --------------------------------
 
 STOP_S = 5.0  # under the gateway's stall timeout (--stall-timeout, 10 s): a pause, not a hang
@@ -444,6 +468,7 @@ SCENARIOS = [
     Scenario("b1", "prefill worker SIGKILL mid-prefill", TWO_DECODE, prefill_killed_mid_prefill, AFTER),
     Scenario("b2", "prefill worker SIGKILL mid-transfer", TWO_DECODE, prefill_killed_mid_transfer, AFTER),
     Scenario("c", "gateway replica SIGKILL", TWO_DECODE, gateway_killed),
+    Scenario("l", "HAProxy ingress SIGKILL", TWO_DECODE, ingress_killed),
     Scenario("d", f"decode worker SIGSTOP {STOP_S:g} s + SIGCONT", TWO_DECODE, decode_stopped),
     Scenario("e", "decode engine-thread crash (injected)", TWO_DECODE, engine_crash),
     Scenario("f", "only prefill worker SIGKILL", TWO_DECODE, only_prefill_killed),
