@@ -7,7 +7,9 @@ model). bench/chaos.py runs the whole matrix; docs/reliability.md has its result
 - (e) a decode worker's engine thread crashes (injected): the worker exits, Ray
   restarts it, its requests move;
 - (f) the only prefill worker SIGKILLed: handoffs recompute on their decode worker,
-  new requests are prefilled there until it is back.
+  new requests are prefilled there until it is back;
+- (k) one request's row fails in every step on a decode worker (injected): that
+  request alone ends with a clean error and is not moved; nothing restarts.
 
 After each: 0 wrong, 0 hung, 0 lost, nothing held by any worker after the drain
 (blocks, KV registrations, requests, tasks, threads), the pool back to size and
@@ -29,7 +31,7 @@ from pdserve.workers.tiny.builder import TinyModelSpec
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(sys.platform != "linux", reason="the harness reads /proc")]
 
-SUBSET = ("a", "e", "f")
+SUBSET = ("a", "e", "f", "k")
 
 
 @pytest.fixture(scope="module")
@@ -71,6 +73,10 @@ def test_engine_thread_crash(harness: object) -> None:
 
 def test_only_prefill_worker_killed(harness: object) -> None:
     _check(harness, "f")
+
+
+def test_one_requests_bad_row_fails_it_alone(harness: object) -> None:
+    _check(harness, "k")
 
 
 def test_workers_restarted_after_the_kills_do_not_run_behind_the_control_plane(harness: object) -> None:
