@@ -17,6 +17,10 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdserve.cluster.serve_config import ServeConfig
 
 _SETTING = argparse.SUPPRESS  # a flag's default: not given, not a setting
 
@@ -116,16 +120,19 @@ def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from pdserve.cluster.shutdown import serve_in_own_group
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.shutdown import run_until_stopped, serve_in_own_group
 
+    # What can be refused is refused here, before the fork (exit 2): a setting, a key, a port in use.
+    cfg = _serve_config(a)
+    serve_app.preflight(cfg)
     # Ray starts in a process group of the driver's own: SIGTERM/SIGINT to this process or its
     # group is a clean stop, exit 0 (cluster/shutdown.py).
-    return serve_in_own_group(lambda: _serve(a))
+    return serve_in_own_group(lambda: run_until_stopped(cfg))
 
 
-def _serve(a: argparse.Namespace) -> int:
+def _serve_config(a: argparse.Namespace) -> ServeConfig:
     from pdserve.cluster.serve_config import serve_config
-    from pdserve.cluster.shutdown import run_until_stopped
 
     settings = _settings(a, serving=True)
     for name, env in (("api_key", API_KEY_ENV), ("metrics_api_key", METRICS_API_KEY_ENV)):
@@ -137,7 +144,7 @@ def _serve(a: argparse.Namespace) -> int:
         from pdserve.workers.transfer.auth import ClusterSecret
 
         cfg = dataclasses.replace(cfg, cluster_secret=ClusterSecret.from_file(a.cluster_secret_file))
-    return run_until_stopped(cfg)
+    return cfg
 
 
 API_KEY_ENV = "PDSERVE_API_KEY"

@@ -279,14 +279,22 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
         ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 
+def preflight(cfg: ServeConfig) -> bool:
+    """What can stop a start before anything starts: on local Ray (returned: whether it is),
+    an earlier run's orphaned HAProxy on one of this run's ports is stopped, and any other
+    process there is a PortInUseError."""
+    local = starts_local_ray()
+    if local:
+        check_ports(bound_ports(cfg))
+    return local
+
+
 def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     """Start local Ray (or join RAY_ADDRESS), the workers, and the HTTP gateway.
     Before local Ray starts, an earlier run's orphaned HAProxy on one of this
     run's ports is stopped; any other process there is a PortInUseError. Returns `cfg`
     with what it decided (the colocated worker count)."""
-    local = starts_local_ray()
-    if local:
-        check_ports(bound_ports(cfg))
+    local = preflight(cfg)
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)

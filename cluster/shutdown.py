@@ -35,9 +35,10 @@ import signal
 import sys
 import threading
 import time
+import traceback
 import urllib.request
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NoReturn
 
 if TYPE_CHECKING:
     from pdserve.cluster.serve_config import ServeConfig
@@ -64,19 +65,40 @@ def serve_in_own_group(serve: Callable[[], int]) -> int:
     # Blocked from before the fork: a signal that comes before the parent waits is still seen.
     old_mask = signal.pthread_sigmask(signal.SIG_BLOCK, _WAITED)
     parent = os.getpid()
+    # The caller's own children (a process that calls this in-process, as the tests do, may have
+    # some): never reaped, swept or waited for here.
+    theirs = frozenset(descendants(parent))
     _prctl(_PR_SET_CHILD_SUBREAPER, 1)  # not inherited by the child
     child = os.fork()
     if child == 0:
+        _run_driver(serve, parent, old_mask)  # never returns: the child must not go back into the caller's code
+    try:
+        return _supervise(child, theirs)
+    finally:
+        _prctl(_PR_SET_CHILD_SUBREAPER, 0)
+        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+
+
+def _run_driver(serve: Callable[[], int], parent: int, old_mask: Iterable[int]) -> NoReturn:
+    """The child: its own process group, `serve()`, then `os._exit` with its code (a ValueError,
+    a bad setting or a port in use, is reported as the CLI reports one: exit 2)."""
+    code = 1
+    try:
         os.setpgid(0, 0)
         _prctl(_PR_SET_PDEATHSIG, signal.SIGINT)  # a parent killed outright still stops the driver cleanly
         if os.getppid() != parent:  # it died before that took effect
             os.kill(os.getpid(), signal.SIGINT)
         signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # Ray's processes inherit the mask
-        return serve()
-    try:
-        return _supervise(child)
+        code = serve()
+    except ValueError as e:
+        print(f"pdserve: error: {e}", file=sys.stderr)
+        code = 2
+    except BaseException:  # noqa: BLE001 - reported, then the process ends: nothing may unwind into the caller
+        traceback.print_exc()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -84,8 +106,9 @@ def _prctl(option: int, value: int) -> None:
         ctypes.CDLL(None, use_errno=True).prctl(option, value, 0, 0, 0)
 
 
-def _supervise(child: int) -> int:
-    """Wait for the driver; pass a stop on to it, once; bound the stop; stop what it left."""
+def _supervise(child: int, theirs: frozenset[int] = frozenset()) -> int:
+    """Wait for the driver; pass a stop on to it, once; bound the stop; stop what it left
+    (never the caller's own children, `theirs`)."""
     stop: signal.Signals | None = None
     started = deadline = 0.0
     status: int | None = None
@@ -97,14 +120,14 @@ def _supervise(child: int) -> int:
             stop, started = signal.Signals(info.si_signo), time.monotonic()
             deadline = started + STOP_DEADLINE_S
             os.kill(child, signal.SIGINT)
-        status = _reap(child)
+        status = _reap(child, theirs)
         if status is None and stop is not None and time.monotonic() >= deadline:
-            killed = _sweep(grace_s=0.0)  # the driver among them
+            killed = _sweep(0.0, theirs)  # the driver among them
             os.waitpid(child, 0)
             print(f"[pdserve] stop on {stop.name} took over {STOP_DEADLINE_S:g} s: killed {killed} process(es) "
                   "still running", file=sys.stderr, flush=True)
             return 1
-    left = _sweep(SWEEP_GRACE_S)
+    left = _sweep(SWEEP_GRACE_S, theirs)
     if stop is not None:
         took = f"in {time.monotonic() - started:.1f} s"
         tail = "" if not left else f"; {left} process(es) it left stopped by pid"
@@ -114,20 +137,37 @@ def _supervise(child: int) -> int:
     return status
 
 
-def _reap(child: int) -> int | None:
-    """Reap every child that has exited (orphans the parent adopted too); the driver's exit
-    code as a shell reports it (128 + N for a signal), or None while it runs."""
+def _reap(child: int, theirs: frozenset[int] = frozenset()) -> int | None:
+    """Reap the driver and every orphan of its tree this process adopted, each by pid (the
+    caller's own children, `theirs`, are left to the caller); the driver's exit code as a
+    shell reports it (128 + N for a signal), or None while it runs."""
     status = None
-    while True:
+    me = os.getpid()
+    ours = [pid for pid in _children(me) if pid not in theirs]
+    for pid in {child, *ours}:
         try:
-            pid, raw = os.waitpid(-1, os.WNOHANG)
+            done, raw = os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
-            return status
-        if pid == 0:
-            return status
-        if pid == child:
+            continue
+        if done == child:
             code = os.waitstatus_to_exitcode(raw)
             status = code if code >= 0 else 128 - code
+    return status
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (zombies included: they are what there is to reap)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
@@ -158,10 +198,14 @@ def descendants(root: int) -> dict[int, int]:
     return found
 
 
-def _sweep(grace_s: float) -> int:
-    """Stop what is left under this process (an HAProxy Ray's shutdown did not reach): SIGTERM,
-    up to `grace_s` to go, then SIGKILL, each by pid. Returns how many there were."""
-    left = descendants(os.getpid())
+def _sweep(grace_s: float, theirs: frozenset[int] = frozenset()) -> int:
+    """Stop what is left under this process (an HAProxy Ray's shutdown did not reach), but for
+    the caller's own children and their trees (`theirs`): SIGTERM, up to `grace_s` to go, then
+    SIGKILL, each by pid. Returns how many there were."""
+    spared = set(theirs)
+    for pid in theirs:
+        spared |= descendants(pid).keys()
+    left = {pid: started for pid, started in descendants(os.getpid()).items() if pid not in spared}
     for pid, started in left.items():
         _signal(pid, started, signal.SIGTERM)
     deadline = time.monotonic() + grace_s

@@ -170,3 +170,31 @@ def test_a_driver_that_exits_on_its_own_gives_its_exit_code() -> None:
     _, err = proc.communicate()
     assert err == ""  # no stop was asked for: no stop line
     assert not alive(left)  # what it left is stopped all the same
+
+
+# A caller with a child of its own calls the supervisor in-process (as tests call `cli.main`):
+# the driver fails at once; the caller goes on once (the forked driver never returns into its
+# code), with the CLI's exit code 2, and its own child is neither reaped nor stopped.
+CALLER = textwrap.dedent("""
+    import importlib.util, subprocess, sys
+
+    spec = importlib.util.spec_from_file_location("shutdown", sys.argv[1])
+    shutdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shutdown)
+    mine = subprocess.Popen(["sleep", "60"])
+
+    def serve():
+        raise ValueError("port 1: in use")
+
+    code = shutdown.serve_in_own_group(serve)
+    print(f"after {code} {mine.poll()}", flush=True)
+    mine.kill()
+""")
+
+
+def test_a_caller_in_process_goes_on_once_and_keeps_its_own_children() -> None:
+    module = Path(__file__).resolve().parents[2] / "cluster" / "shutdown.py"
+    proc = subprocess.run([sys.executable, "-c", CALLER, str(module)], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["after 2 None"], proc.stdout
+    assert proc.stderr.strip() == "pdserve: error: port 1: in use", proc.stderr
