@@ -31,6 +31,7 @@ from ray.exceptions import RayError
 
 from pdserve.cluster.backend import GenerationBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
+from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
@@ -196,6 +197,10 @@ class Gateway:
         # None: the tokenizer folds characters (or is not an HF one): prompts are measured by tokenizing.
         self.char_bound: CharBound | None = (char_bound(tokenizer, config.max_model_len)
                                              if tokenizer is not None else None)
+        # True once `pdserve serve` began to stop (cluster/drain_flag.py): no new request, the
+        # ones in flight finish. `drain_watch` (set by whoever builds the app) tells it.
+        self.draining = False
+        self.drain_watch: DrainWatch | None = None
         self.planner: RolePlannerLoop | None = None
         if config.planner is not None:
             self.planner = self._planner_loop(config.planner)
@@ -221,9 +226,18 @@ class Gateway:
         return RolePlannerLoop(settings, self.registry, split, move, metrics=self.metrics.planner)
 
     def start_planner(self) -> None:
-        """Start the planner loop (if configured) on the running event loop: the app's startup."""
+        """Start the planner loop and the drain watch (each if there is one) on the running
+        event loop: the app's startup."""
         if self.planner is not None:
             self.planner.start()
+        if self.drain_watch is not None:
+            self.drain_watch.start()
+
+    def drain(self) -> None:
+        """Take no new request from now on (503 with Retry-After); those in flight go on."""
+        if not self.draining:
+            log.info("the server is stopping: no new requests; %d in flight finish", self.admitted)
+            self.draining = True
 
     # -- request preparation ---------------------------------------------------
 
@@ -320,6 +334,9 @@ class Gateway:
         once (no await between the check and the count), or 429; 503 while no
         worker can serve. A call bigger than the whole bound still runs when
         nothing else does (the bounds on n and prompts keep it finite)."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry later", "ServiceUnavailableError",
+                           headers=RETRY_AFTER, reason=RefusalReason.UNAVAILABLE)
         if self.admitted > 0 and self.admitted + num_requests > self.config.max_in_flight:
             raise APIError(429, "server is at capacity; retry later", "RateLimitError", headers=RETRY_AFTER,
                            reason=RefusalReason.CAPACITY)
@@ -349,6 +366,8 @@ class Gateway:
                 yield item
 
     async def close(self) -> None:
+        if self.drain_watch is not None:
+            await self.drain_watch.close()
         if self.planner is not None:
             await self.planner.close()
         await self.backend.close()

@@ -103,8 +103,11 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     @app.get("/health")
     async def health() -> Response:
         """200 while a request can be served (the body says "degraded" when a pool
-        is short of workers); 503 only when none can."""
+        is short of workers); 503 when none can, or while the server stops ("draining")."""
         h = gw.backend.health()
+        if gw.draining:  # a load balancer stops sending it requests
+            body = error_body("the server is shutting down", "ServiceUnavailableError", 503)
+            return JSONResponse({**body, **h.body(), "status": "draining"}, 503, headers=RETRY_AFTER)
         if not h.serving:
             body = error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503)
             return JSONResponse({**body, **h.body()}, 503, headers=RETRY_AFTER)

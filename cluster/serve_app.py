@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import serve
 
+from pdserve.cluster import drain_flag
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
+from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.ingress import check_ray_template, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
@@ -181,7 +183,9 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait,
                                      cluster_secret=cfg.cluster_secret))
-    return build_app(Gateway(backend, tokenizer, gw_cfg))
+    gateway = Gateway(backend, tokenizer, gw_cfg)
+    gateway.drain_watch = DrainWatch(cfg.port, gateway.drain)  # a stop's drain: no new requests
+    return build_app(gateway)
 
 
 def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str) -> GatewayConfig:
@@ -299,6 +303,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
         print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)
     init_ray(cfg)
+    drain_flag.lower_flag(cfg.port)  # an earlier run's stop, on a Ray cluster that outlived it
     cfg = cfg.fit_to_cluster(cluster_gpus)
     workers = start_workers(cfg)
     dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it

@@ -268,9 +268,16 @@ def _drain_on_sigint(cfg: ServeConfig) -> None:
 
 
 def _drain(cfg: ServeConfig) -> None:
-    """Wait until the gateway has no request in flight (seen twice, so that the last chunks
-    are written), DRAIN_S at most, then stop (SIGINT to this process)."""
+    """Tell the gateway to take no new request (cluster/drain_flag.py), wait until it has
+    none in flight (seen twice, so that the last chunks are written), DRAIN_S at most, then
+    stop (SIGINT to this process)."""
+    from pdserve.cluster import drain_flag
+
     deadline = time.monotonic() + DRAIN_S
+    try:
+        drain_flag.raise_flag(cfg.port)
+    except Exception as e:  # noqa: BLE001 - Ray not up yet, or its GCS gone: the drain waits all the same
+        print(f"[pdserve] telling the gateway to stop taking requests failed: {e!r}", file=sys.stderr, flush=True)
     idle, n = 0, None
     while time.monotonic() < deadline and idle < 2:
         n = in_flight(cfg)

@@ -332,6 +332,48 @@ def test_admission_bound_gives_429_with_retry_after(model_dir: Path) -> None:
     assert [r.status_code for r in ok] == [200, 200, 200]
 
 
+def test_a_stopping_gateway_finishes_what_it_has_and_takes_nothing_new(model_dir: Path) -> None:
+    """`pdserve serve`'s stop raises the drain flag (cluster/drain_flag.py; a flag here stands
+    in for Ray's key-value store): the request in flight runs to its end, a new one gets 503
+    with Retry-After, and /health says "draining" (503) so a load balancer looks elsewhere."""
+    import asyncio
+    import threading
+
+    from transformers import AutoTokenizer
+
+    from pdserve.cluster.drain_flag import DrainWatch
+
+    gw = Gateway(_SlowBackend(), AutoTokenizer.from_pretrained(model_dir),
+                 GatewayConfig(model_name=MODEL, max_model_len=256, max_in_flight=8))
+    flag = threading.Event()
+    gw.drain_watch = DrainWatch(8000, gw.drain, poll_s=0.01, read=lambda port: flag.is_set())
+    app = build_app(gw)
+
+    async def main() -> tuple[httpx.Response, ...]:
+        gw.start_planner()  # what the app's startup does (ASGITransport runs no lifespan)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 10}
+            healthy = await c.get("/health")
+            running = asyncio.create_task(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.15)  # admitted and generating
+            flag.set()
+            await asyncio.sleep(0.1)  # the watch has read it
+            refused = await c.post("/v1/completions", json=body)
+            health = await c.get("/health")
+            done = await running
+        await gw.close()
+        return healthy, refused, health, done
+
+    healthy, refused, health, done = asyncio.run(main())
+    assert healthy.status_code == 200
+    assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+    assert "shutting down" in refused.json()["error"]["message"]
+    assert health.status_code == 503 and health.json()["status"] == "draining"
+    assert done.status_code == 200 and done.json()["choices"][0]["text"] == "x" * 10
+    assert gw.admitted == 0
+
+
 def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -> None:
     import asyncio
 
