@@ -223,3 +223,13 @@ def kill_tree(proc: Any) -> None:
     proc.kill()
     proc.wait(timeout=10)
 
+
+
+def serve_in_process(monkeypatch: Any) -> None:
+    """`pdserve serve` through `cli.main` without its fork (cluster/shutdown.py): what the
+    driver would run (`serve_app.run`, which such tests replace) runs in this process, and
+    its errors and output reach the test."""
+    from pdserve.cluster import serve_app, shutdown
+
+    monkeypatch.setattr(shutdown, "serve_in_own_group", lambda serve: serve())
+    monkeypatch.setattr(shutdown, "run_until_stopped", lambda cfg: (serve_app.run(cfg), 0)[1])

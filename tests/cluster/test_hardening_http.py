@@ -17,7 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
-from factories import FakeBackend, serve_gateway, sse_error_code, tiny_spec
+from factories import FakeBackend, serve_gateway, serve_in_process, sse_error_code, tiny_spec
 from ray.exceptions import RayActorError, RayTaskError
 
 from pdserve.cluster.gateway import Gateway, GatewayConfig
@@ -289,6 +289,7 @@ def test_keys_come_from_files_or_the_environment_and_never_show(tmp_path: Path,
     from pdserve.cluster.serve_config import serve_config
 
     seen: list[Any] = []
+    serve_in_process(monkeypatch)
     monkeypatch.setattr("pdserve.cluster.serve_app.run", lambda cfg: seen.append(cfg))
     key_file = tmp_path / "key"
     key_file.write_text("sk-from-file-0123\n")

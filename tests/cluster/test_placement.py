@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
+from factories import serve_in_process
 
 from pdserve.cluster import cli, placement, serve_app
 from pdserve.cluster.serve_config import serve_config
@@ -44,6 +45,7 @@ def test_an_unknown_kv_bind_host_setting_is_refused_by_name() -> None:
 def test_kv_host_flag_reaches_the_config_and_a_bad_one_exits_2(monkeypatch: pytest.MonkeyPatch,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     ran: list[Any] = []
+    serve_in_process(monkeypatch)
     monkeypatch.setattr(serve_app, "run", ran.append)
     assert cli.main(["serve", "--model", "/nonexistent/m", "--kv-host", "auto",
                      "--decode-resources", '{"decode_node": 1}']) == 0
@@ -164,6 +166,7 @@ def test_pdserve_serve_with_cuda_on_a_cpu_cluster_fails_before_any_worker_starts
     def no_actor(*a: Any, **k: Any) -> None:
         raise AssertionError("a worker actor was made")
 
+    serve_in_process(monkeypatch)
     monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
     monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
     monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 16.0, "memory": 1e10})
