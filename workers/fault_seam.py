@@ -100,22 +100,21 @@ def crash_engine() -> None:
     raise RuntimeError("injected engine-thread crash")
 
 
-def poison_row(engine: Any) -> str | None:
-    """POISON_ROW, run on the engine thread (`engine`: its LLMEngine): from now on, building
-    the sampling inputs of any step that samples one of its running requests raises, as a
-    value past int64 did. Returns that request's id (None: nothing was running)."""
-    running = list(engine.scheduler.running)
-    if not running:
-        return None
-    # The one with the most tokens still to come: it is sure to be in a step after this one.
-    victim: str = max(running, key=lambda r: r.max_tokens - r.num_output_tokens).request_id
+def poison_row(engine: Any) -> None:
+    """POISON_ROW, run on the engine thread (`engine`: its LLMEngine): from the next step that
+    samples any request, one of that step's requests (the one with the most tokens still to
+    come) is the victim, and building the sampling inputs of any step with it raises, as a
+    value past int64 did. Chosen in a step, not now: a worker whose requests are all waiting
+    (for their KV, or to be prefilled here) has none running to choose from."""
     runner = engine.runner
     real = runner._sampling_batch
+    victim: list[str] = []
 
     def sampling_batch(reqs: list[Any]) -> Any:
-        if any(r.request_id == victim for r in reqs):
-            raise OverflowError(f"injected: the row of request {victim} cannot be built")
+        if not victim and reqs:
+            victim.append(max(reqs, key=lambda r: r.max_tokens - r.num_output_tokens).request_id)
+        if victim and any(r.request_id == victim[0] for r in reqs):
+            raise OverflowError(f"injected: the row of request {victim[0]} cannot be built")
         return real(reqs)
 
     runner._sampling_batch = sampling_batch
-    return victim
