@@ -26,13 +26,14 @@ from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
+from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.cluster.worker_handle import WorkerHandle
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
-from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector
+from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer.auth import ClusterSecret
 
 log = logging.getLogger(__name__)

@@ -96,8 +96,8 @@ async def handoff_deltas(p: Any, d: Any, rid: str, prompt: list[int], params: An
                          timeout_s: float = 10.0) -> list[Any]:
     """One request handed off from prefill worker `p` to decode worker `d` (both
     in this process), as the gateway sees it: the deltas on its token stream."""
+    from pdserve.cluster.token_collector import TokenStreamCollector
     from pdserve.workers.handoff import ServeRequest
-    from pdserve.workers.token_stream import TokenStreamCollector
 
     collector = TokenStreamCollector()
     try:

@@ -143,7 +143,7 @@ class DecodeWorker(RoleWorker):
         self._release(job)
         # The client may have the first token already (the prefill worker publishes it when
         # the prompt is done): the gateway drops the recomputed one if it matches, and moves
-        # the request on from what the client has if not (workers/token_stream.py).
+        # the request on from what the client has if not (cluster/token_collector.py).
         if self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left:
             return lambda e, life: self._recompute(e, job)
         error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")

@@ -136,7 +136,7 @@ class PrefillHandoff:
         the KV not reach the decode worker, that worker prefills the prompt itself: its
         first token, the same under greedy or a seed, is dropped by the gateway as a
         repeat, and one that differs (an unseeded draw) breaks the try, which resumes
-        from what the client has (token_stream.py)."""
+        from what the client has (cluster/token_collector.py)."""
         c, params = out.outputs[0], self.order.request.params
         publish = (c.finish_reason == "length" and len(c.token_ids) == 1 and not params.stop
                    and (params.max_tokens is None or params.max_tokens > 1))

@@ -209,10 +209,11 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
     from factories import LocalActor, slow_steps
 
     from pdserve.cluster.actors import DecodeService, PrefillService
+    from pdserve.cluster.token_collector import TokenStreamCollector
     from pdserve.workers.async_engine import RequestAbortedError
     from pdserve.workers.config import EngineConfig
     from pdserve.workers.handoff import ServeRequest
-    from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector
+    from pdserve.workers.token_stream import StreamLostError
     from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver
 
     base = EngineConfig(model=str(model_dir), max_model_len=1024, num_kv_blocks=128, block_size=BS)

@@ -19,6 +19,7 @@ from kv_links import RawPeer, eventually, make_cache, soon
 
 zmq = pytest.importorskip("zmq")
 
+from pdserve.cluster.token_collector import TokenStreamCollector  # noqa: E402
 from pdserve.workers.messages import (  # noqa: E402
     ChecksumKind,
     FailReason,
@@ -32,7 +33,7 @@ from pdserve.workers.messages import (  # noqa: E402
     encode,
 )
 from pdserve.workers.outputs import CompletionOutput, RequestOutput  # noqa: E402
-from pdserve.workers.token_stream import TokenStreamCollector, TokenStreamPublisher  # noqa: E402
+from pdserve.workers.token_stream import TokenStreamPublisher  # noqa: E402
 from pdserve.workers.transfer import TransferError, auth, frames  # noqa: E402
 from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender  # noqa: E402
 

@@ -19,11 +19,11 @@ import pytest
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
 from pdserve.workers.messages import TransferState
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.token_stream import TokenStreamCollector
 from pdserve.workers.transfer import TransferError
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 

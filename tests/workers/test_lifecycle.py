@@ -24,6 +24,7 @@ from factories import LocalPrefillPeer, tiny_spec
 from faults import Faults
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, Job, RequestAbortedError
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
@@ -31,7 +32,7 @@ from pdserve.workers.lifecycle import NEXT, Exit, Lifecycle, LifecycleError, Req
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.token_stream import StreamLostError, TokenStreamCollector, TokenStreamPublisher
+from pdserve.workers.token_stream import StreamLostError, TokenStreamPublisher
 from pdserve.workers.transfer.base import TransferError
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 

@@ -17,12 +17,12 @@ from factories import LocalPrefillPeer, handoff_deltas, tiny_spec
 from faults import Faults
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.token_stream import TokenStreamCollector
 from pdserve.workers.transfer.base import TransferError
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 

@@ -129,9 +129,9 @@ def test_a_later_try_replaces_the_earlier_one_and_late_aborts_spare_it(model_dir
     late, leaves try 1 alone; the same try twice is refused."""
     import asyncio
 
+    from pdserve.cluster.token_collector import TokenStreamCollector
     from pdserve.workers.async_engine import AsyncEngine, RequestAbortedError
     from pdserve.workers.handoff import ServeRequest
-    from pdserve.workers.token_stream import TokenStreamCollector
 
     # Long enough that try 0 is still running when its duplicate and try 1 come (40 tokens
     # of the tiny model could be over in the 0.05 s the test waited).

@@ -356,8 +356,8 @@ def test_prefix_cache_serves_a_repeated_prompt() -> None:
 def test_only_the_scheduler_moves_a_request_in_a_worker() -> None:
     """The one-writer rule that keeps a worker's two views of a request from drifting apart:
     in workers/, a lifecycle is moved (`move`, `advance`) in scheduler.py only (the gateway's
-    collector, token_stream.py, walks the gateway's own), and nothing assigns its `state` or
-    `history` but lifecycle.py itself."""
+    collector, cluster/token_collector.py, walks the gateway's own), and nothing assigns its
+    `state` or `history` but lifecycle.py itself."""
     root = Path(__file__).resolve().parents[2] / "workers"
     movers, writers = set(), set()
     for path in root.rglob("*.py"):
@@ -371,7 +371,7 @@ def test_only_the_scheduler_moves_a_request_in_a_worker() -> None:
             if any(isinstance(t, ast.Attribute) and t.attr in ("state", "history") and _names_a_lifecycle(t.value)
                    for t in targets):
                 writers.add(name)
-    assert movers - {"lifecycle.py"} == {"scheduler.py", "token_stream.py"}, movers
+    assert movers - {"lifecycle.py"} == {"scheduler.py"}, movers
     assert writers <= {"lifecycle.py"}, writers
 
 

@@ -12,6 +12,7 @@ import zmq
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, RequestState
@@ -20,7 +21,6 @@ from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import (
     StreamLostError,
-    TokenStreamCollector,
     TokenStreamPublisher,
     from_delta,
     to_delta,

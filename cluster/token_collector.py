@@ -1,0 +1,367 @@
+"""The gateway's side of the token stream: one PULL socket that takes every
+worker's signed `TokenDeltaBatch`es (workers/token_stream.py has the wire format
+and the worker's publisher) and hands each delta to its request, in order.
+
+Each open request has a queue its reader (`consume`) drains, and a record of
+what was handed on, which is where a migrated request's next try resumes
+(`next_attempt`). Deltas of a try given up on are dropped; a batch missing from
+a worker's numbering, or a worker that re-sends handed-on tokens differently,
+breaks the tries it serves (`watch` raises StreamLostError; the backend moves
+the request on).
+
+Authentication (workers/transfer/auth.py): a message whose tag does not check is
+dropped unread (`num_forged`), as is one whose number its publisher already used
+(`num_replayed`). The PULL socket refuses frames over the message limit
+(ZMQ_MAXMSGSIZE: the connection is dropped, `num_dropped`) and queues a bounded
+number per connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from pdserve.workers.handoff import Resume
+from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
+from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
+from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, decode_as
+from pdserve.workers.outputs import RequestOutput, merge_deltas
+from pdserve.workers.token_stream import StreamLostError, from_delta
+from pdserve.workers.transfer import auth
+from pdserve.workers.transfer.auth import ClusterSecret
+
+log = logging.getLogger(__name__)
+
+# Messages the gateway's PULL queues per worker connection before it stops
+# reading that connection (then the worker's SEND_HWM fills, and it gives up on
+# that gateway's requests): bounded, so no peer can make the gateway hold more.
+RECEIVE_HWM = 1000
+
+
+@dataclass(frozen=True)
+class Retry:
+    """Where a request's next try starts (`TokenStreamCollector.next_attempt`)."""
+
+    attempt: int
+    resume: Resume | None  # what the client already has (None: nothing yet, start over)
+    remaining_s: float  # of the request's deadline
+
+
+@dataclass(eq=False)
+class _Open:
+    prompt_token_ids: list[int]
+    life: Lifecycle
+    queue: asyncio.Queue[RequestOutput | _RpcDone | _Expired] = field(default_factory=asyncio.Queue)
+    next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
+    held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
+    attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
+    # What was handed on (what the client has, or will as it reads): where a migrated try resumes.
+    token_ids: list[int] = field(default_factory=list)
+    chars: int = 0
+    cumulative_logprob: float | None = None
+    senders: set[str] = field(default_factory=set)  # the workers that sent this try's deltas
+    # Set when the current try can no longer be trusted to deliver every token (a
+    # batch from one of its senders went missing), or when its final delta passed.
+    broken: asyncio.Event = field(default_factory=asyncio.Event)
+    diverged: bool = False  # the try re-sent handed-on tokens differently: nothing more of it is taken
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass
+class _RpcDone:
+    error: BaseException | None
+
+
+class _Expired:
+    """Queued by a request's deadline timer."""
+
+
+class TokenStreamCollector:
+    """Gateway side: one PULL socket, a reader task, a queue per open request.
+    Create and use it on one event loop.
+
+    Each open request has its gateway-side `Lifecycle`: QUEUED when opened,
+    ROUTED once its worker call starts, DECODING from its first token, then
+    FINISHED at its final delta, FAILED on an error or the deadline, ABORTED
+    when its reader goes away. The caller hangs its exit hooks on it (the
+    backend aborts the request on its workers).
+
+    It takes only batches signed with `secret` (None: `auth.default_secret()`)
+    for its own address, each publisher's numbers rising (module docstring)."""
+
+    def __init__(self, bind_host: str = "127.0.0.1", final_grace_s: float = 5.0,
+                 secret: ClusterSecret | None = None) -> None:
+        self._ctx = zmq.asyncio.Context.instance()
+        self._secret = auth.resolve(secret)
+        self._sock = self._ctx.socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        apply_limits(self._sock, max_frame_bytes=MAX_MESSAGE_BYTES, rcvhwm=RECEIVE_HWM)
+        apply_heartbeats(self._sock)  # a dead worker's connection is dropped, not kept for ever
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
+        self.address = f"tcp://{bind_host}:{port}"
+        self.final_grace_s = final_grace_s
+        self._open: dict[str, _Open] = {}
+        self.num_rejected = 0  # messages that were not a valid TokenDeltaBatch
+        self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
+        self.num_stale = 0  # deltas of a try given up on (a migrated request's old worker)
+        self.num_gaps = 0  # batches missing from a worker's sequence (each breaks that worker's tries)
+        self.num_diverged = 0  # repeats of handed-on tokens that differ from them (each breaks its try)
+        self.num_forged = 0  # messages whose tag did not check (no secret, another secret, altered, another stream)
+        self.num_replayed = 0  # signed batches whose number their publisher had already used
+        self.num_dropped = 0  # connections lost (a frame over the size limit drops one; so does a worker leaving)
+        self._next_seq: dict[str, int] = {}  # worker id -> the batch number it should send next
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._watcher = asyncio.get_running_loop().create_task(self._watch_drops())
+
+    def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
+        """Start collecting `request_id`'s deltas, before any worker can send one;
+        returns its lifecycle here. `consume` reads them and closes it."""
+        if request_id in self._open:
+            raise ValueError(f"request_id: {request_id!r} is already streaming")
+        life = Lifecycle.start(request_id, timeout_s)
+        self._open[request_id] = _Open(prompt_token_ids, life)
+        return life
+
+    async def consume(self, request_id: str, start: Awaitable[Any]) -> AsyncGenerator[RequestOutput, None]:
+        """Yield the request's DELTA outputs (it must be `open`), in order, until the
+        final one. `start` is the RPC that runs the request on a worker (awaited
+        here: its error is raised; its return means the final delta is on its way).
+        However this ends, the request's lifecycle ends with it."""
+        entry = self._open[request_id]
+        life = entry.life
+        rpc = asyncio.ensure_future(start)
+        rpc.add_done_callback(lambda f: entry.queue.put_nowait(_RpcDone(None if f.cancelled() else f.exception())))
+        life.move(RequestState.ROUTED)
+        exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
+        try:
+            async with contextlib.aclosing(self._ordered(request_id, entry)) as ordered:
+                async for out in ordered:
+                    if out.outputs[0].token_ids:
+                        life.advance(RequestState.DECODING)
+                    if out.finished:
+                        exit = Exit.FINISHED
+                    yield out
+        except TimeoutError:
+            exit = Exit.DEADLINE
+            raise
+        except ValueError:  # the worker refused the request
+            exit = Exit.REJECTED
+            raise
+        except Exception:
+            exit = Exit.PEER_FAILED
+            raise
+        finally:
+            self._open.pop(request_id, None)
+            if not rpc.done():
+                rpc.cancel()
+            life.end(exit)
+
+    async def _ordered(self, request_id: str, entry: _Open) -> AsyncGenerator[RequestOutput, None]:
+        """The entry's outputs until the final one (merged when the reader is behind).
+
+        The deadline is one timer per request that queues `_Expired` behind whatever
+        came before it, not a `wait_for` per delta (a task and a timer per token, a
+        good part of the gateway's time per token under load)."""
+        loop = asyncio.get_running_loop()
+        done: _RpcDone | None = None
+        pending: _RpcDone | _Expired | None = None  # met while merging: handled after that delta
+        item: RequestOutput | _RpcDone | _Expired
+
+        def arm(deadline: float) -> asyncio.TimerHandle:
+            return loop.call_later(max(deadline - time.monotonic(), 0.0), entry.queue.put_nowait, _Expired())
+
+        timer = arm(entry.life.deadline)
+        try:
+            while True:
+                if pending is not None:
+                    item, pending = pending, None
+                else:
+                    item = await entry.queue.get()
+                if isinstance(item, RequestOutput):
+                    # Behind? Everything queued goes out as one delta.
+                    while not item.finished and not entry.queue.empty():
+                        nxt = entry.queue.get_nowait()
+                        if not isinstance(nxt, RequestOutput):
+                            pending = nxt
+                            break
+                        item = merge_deltas(item, nxt)
+                    yield item
+                    if item.finished:
+                        return
+                elif isinstance(item, _Expired):
+                    if done is not None:
+                        raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+                    raise TimeoutError(f"request {request_id} passed its deadline")
+                else:
+                    done = item
+                    if done.error is not None:
+                        raise done.error
+                    # The worker is done: its last delta is at most a moment behind.
+                    timer.cancel()
+                    timer = arm(min(entry.life.deadline, time.monotonic() + self.final_grace_s))
+        finally:
+            timer.cancel()
+
+    async def watch(self, request_id: str, call: Awaitable[Any]) -> None:
+        """Run one try's worker call and return once the try delivered every token:
+        the call returned and the final delta was handed on. Raises the call's error,
+        or StreamLostError when the try's stream broke (a batch from one of its
+        workers went missing: its held deltas may never come) or its final delta did
+        not follow the call's return within `final_grace_s`."""
+        entry = self._open[request_id]
+        rpc = asyncio.ensure_future(call)
+        broken = asyncio.ensure_future(entry.broken.wait())
+        try:
+            await asyncio.wait({rpc, broken}, return_when=asyncio.FIRST_COMPLETED)
+            if not rpc.done():
+                raise StreamLostError(f"{request_id}: a batch of its tokens was lost on the way")
+            rpc.result()
+            # The worker is done: its last delta is at most a moment behind.
+            finished = asyncio.ensure_future(entry.finished.wait())
+            try:
+                await asyncio.wait({finished, broken}, timeout=self.final_grace_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                finished.cancel()
+            if not entry.finished.is_set():
+                raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+        finally:
+            for task in (rpc, broken):
+                if not task.done():
+                    task.cancel()
+
+    def next_attempt(self, request_id: str) -> Retry:
+        """Give up on the request's current try (its worker died): from now on only
+        deltas of the next try are taken (late ones of the old try are dropped, as
+        are any it sent out of order). The answer says where the next try starts."""
+        entry = self._open[request_id]
+        entry.attempt += 1
+        entry.held.clear()
+        entry.senders.clear()
+        entry.broken.clear()
+        entry.diverged = False
+        resume = None
+        if entry.token_ids:
+            resume = Resume(tuple(entry.token_ids), entry.chars, entry.cumulative_logprob)
+        return Retry(entry.attempt, resume, entry.life.remaining())
+
+    async def close(self) -> None:
+        for task in (self._reader, self._watcher):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        self._monitor.close(linger=0)
+        self._sock.close(linger=0)
+
+    async def _watch_drops(self) -> None:
+        while True:
+            await self._monitor.recv_multipart()
+            self.num_dropped += 1
+
+    async def _read(self) -> None:
+        while True:
+            parts = await self._sock.recv_multipart(copy=True)
+            if len(parts) != 2 or not auth.token_check(self._secret, self.address, parts[0], parts[1]):
+                self.num_forged += 1
+                if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
+                    log.warning("token stream: dropped a message whose MAC does not check (%d so far): a peer "
+                                "without the cluster secret, or another one", self.num_forged)
+                continue
+            try:
+                batch = decode_as(parts[1], TokenDeltaBatch)
+            except ValueError as e:
+                self.num_rejected += 1
+                log.warning("token stream: dropped a bad message: %s", e)
+                continue
+            if not self._check_sequence(batch):
+                continue
+            for d in batch.deltas:
+                entry = self._open.get(d.request_id)
+                if entry is not None:  # else: late deltas of a request that ended here
+                    if d.attempt == entry.attempt:
+                        entry.senders.add(batch.worker_id)
+                    self._accept(entry, d)
+
+    def _check_sequence(self, batch: TokenDeltaBatch) -> bool:
+        """Whether to take the batch. Batches of one publisher come numbered from 0
+        and in order (one connection each); a number already seen is a replay,
+        refused. A missing number means lost deltas of requests we cannot name, so
+        every try that publisher sends to is broken (they move on from what was
+        handed on; nothing short is passed off as complete)."""
+        wid = batch.worker_id
+        expected = self._next_seq.get(wid, 0)
+        if batch.seq < expected:
+            self.num_replayed += 1
+            log.warning("token stream: refused batch %d from %s again (replayed)", batch.seq, wid)
+            return False
+        self._next_seq[wid] = batch.seq + 1
+        if batch.seq == expected:
+            return True
+        self.num_gaps += 1
+        log.warning("token stream: batches %d..%d from %s are missing; its requests move on",
+                    expected, batch.seq - 1, wid)
+        for entry in self._open.values():
+            if wid in entry.senders:
+                entry.broken.set()
+        return True
+
+    def _accept(self, entry: _Open, d: TokenDelta) -> None:
+        """Hand `d` on in offset order: one that overtook an earlier delta (another
+        worker's) waits for it; a repeat of tokens already handed on is dropped, as
+        is a delta of a try given up on or of one that diverged."""
+        if d.attempt != entry.attempt or entry.diverged:
+            self.num_stale += 1
+            return
+        if d.offset > entry.next_offset:
+            self.num_out_of_order += 1
+            entry.held.append((d.offset, from_delta(d, entry.prompt_token_ids)))
+            return
+        if d.offset < entry.next_offset:
+            self._repeat(entry, d)
+            return
+        self._pass(entry, from_delta(d, entry.prompt_token_ids))
+        while True:  # the held deltas this one was waiting for, in the order they came
+            nxt = next((i for i, (offset, _) in enumerate(entry.held) if offset == entry.next_offset), None)
+            if nxt is None:
+                return
+            self._pass(entry, entry.held.pop(nxt)[1])
+
+    def _repeat(self, entry: _Open, d: TokenDelta) -> None:
+        """Tokens handed on already, sent again: a worker recomputed them (a prefill worker
+        published the first token, then died or lost its transfer, and the decode worker
+        prefilled the prompt itself). The same tokens are dropped; others (a fresh draw
+        of an unseeded sample) or more than were handed on would make the answer
+        inconsistent, so the try breaks and the request resumes, elsewhere, from what
+        the client has."""
+        end = d.offset + len(d.token_ids)
+        if end <= entry.next_offset and list(d.token_ids) == entry.token_ids[d.offset:end]:
+            log.info("token stream: %s sent tokens %d.. again; dropped", d.request_id, d.offset)
+            return
+        self.num_diverged += 1
+        entry.diverged = True
+        log.warning("token stream: %s sent tokens %d.. again, and they differ from those handed on; "
+                    "its try breaks", d.request_id, d.offset)
+        entry.broken.set()
+
+    @staticmethod
+    def _pass(entry: _Open, out: RequestOutput) -> None:
+        entry.queue.put_nowait(out)
+        if out.finished:
+            entry.finished.set()
+        c = out.outputs[0]
+        entry.next_offset += len(c.token_ids)
+        entry.token_ids += c.token_ids
+        entry.chars += len(c.text)
+        if c.cumulative_logprob is not None:
+            entry.cumulative_logprob = c.cumulative_logprob
