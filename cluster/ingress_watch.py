@@ -94,6 +94,13 @@ class IngressWatch:
         self.grace_s, self.backoff_s = grace_s, backoff_s
         self.find = find
         self.restarts = 0
+        # The manager actor's handle, looked up once (and again after a failed call: Ray
+        # replaced the manager). A lookup goes through the GCS, which runs at nice 19 behind
+        # the engines (cluster/background_priority.py): under load it took seconds, and a
+        # restart later than Serve's 3 failed health checks (1.5 s) races Ray's replacement
+        # manager for HAProxy's ports ("Address already in use"; both lose). A call on the
+        # handle goes to the actor directly.
+        self._manager: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-ingress-watch", daemon=True)
 
@@ -101,11 +108,26 @@ class IngressWatch:
         self._thread.start()
         return self
 
+    def manager(self) -> Any:
+        """The HAProxy manager actor's handle (cached)."""
+        if self._manager is None:
+            import ray
+
+            self._manager = ray.get_actor(PROXY_ACTOR_PREFIX + self.node_id, namespace=SERVE_NAMESPACE)
+        return self._manager
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        import ray
+
+        if ray.is_initialized():  # never started here: ray.get_actor would start a Ray
+            try:
+                self.manager()  # while HAProxy runs: a death then costs no lookup
+            except Exception:  # noqa: BLE001 - not up yet: looked up when needed
+                log.debug("pdserve: HAProxy manager not found yet", exc_info=True)
         while not self._stop.is_set():
             pids = self.find(self.port)
             if pids and listening(self.port):
@@ -140,9 +162,9 @@ class IngressWatch:
         import ray
 
         try:
-            manager = ray.get_actor(PROXY_ACTOR_PREFIX + self.node_id, namespace=SERVE_NAMESPACE)
-            started = bool(ray.get(manager.__ray_call__.remote(restart_haproxy), timeout=5))
+            started = bool(ray.get(self.manager().__ray_call__.remote(restart_haproxy), timeout=5))
         except Exception as e:  # noqa: BLE001 - a manager being replaced by Ray: Ray's path goes on
+            self._manager = None  # its replacement is looked up next time
             log.warning("pdserve: nothing listens on port %d and the HAProxy manager did not answer (%r); "
                         "Ray Serve replaces it", self.port, e)
             return False
