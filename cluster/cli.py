@@ -416,8 +416,11 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
     from pdserve.cluster.limits import RequestLimits as L
 
     srv.add_argument("--max-in-flight", type=int, default=_SETTING,
-                     help="engine requests the gateway admits at once (a call counts its prompts x n); 429 with "
-                          "Retry-After beyond (default 256)")
+                     help="engine requests the gateway admits at once, all its replicas together (a call counts "
+                          "its prompts x n); 429 with Retry-After beyond (default 256)")
+    srv.add_argument("--gateway-replicas", type=int, default=_SETTING,
+                     help="gateway replicas, each a whole gateway; HAProxy spreads connections over them "
+                          "(default: one per 4 GPU workers on a GPU cluster, one on a CPU-only one)")
     for flag, kind, help_ in (
         ("--max-n", int, f"samples per prompt (n; default {L.max_n})"),
         ("--max-prompts", int, f"prompts in one /v1/completions request (default {L.max_prompts})"),

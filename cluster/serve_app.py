@@ -29,6 +29,7 @@ from pdserve.workers.cpu_turns import turns_path
 
 if TYPE_CHECKING:
     from pdserve.cluster.gateway import GatewayConfig
+    from pdserve.cluster.planner.role_loop import PlannerSettings
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +178,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     info = _any_worker_info(cfg)
     model_dir = str(resolve_model(cfg.model))  # a GGUF or `tiny`: the directory it was made into
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    gw_cfg = gateway_config(cfg, info.max_model_len, model_dir)
+    rank = replica_rank()
+    gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
@@ -188,16 +190,37 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     return build_app(gateway)
 
 
-def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str) -> GatewayConfig:
-    """The gateway's settings: the API answers to `cfg.served_names` and reports the
-    first; /v1/models' `root` is `model_dir`, where a client finds the tokenizer."""
+def replica_rank() -> int:
+    """This gateway replica's rank among the deployment's (0 .. replicas - 1; Serve keeps
+    the ranks dense and gives a restarted replica its predecessor's), 0 outside Serve."""
+    try:
+        rank = serve.get_replica_context().rank
+    except Exception:  # noqa: BLE001 - not in a replica (a test building the app in-process)
+        return 0
+    return int(getattr(rank, "rank", rank))
+
+
+def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: int = 0) -> GatewayConfig:
+    """The settings of gateway replica `rank`: the API answers to `cfg.served_names` and
+    reports the first; /v1/models' `root` is `model_dir`, where a client finds the
+    tokenizer; it admits its share of `max_in_flight`. The planner runs in replica 0
+    only: two planners would move the same workers."""
     from pdserve.cluster.gateway import GatewayConfig
 
     names = cfg.served_names
     return GatewayConfig(model_name=names[0], aliases=names[1:], model_root=model_dir, max_model_len=max_model_len,
-                         api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key, max_in_flight=cfg.max_in_flight,
-                         request_timeout_s=cfg.request_timeout, limits=cfg.limits,
-                         vocab_size=_vocab_size(model_dir), planner=cfg.planner)
+                         api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key,
+                         max_in_flight=cfg.admission_share(rank), request_timeout_s=cfg.request_timeout,
+                         limits=cfg.limits, vocab_size=_vocab_size(model_dir),
+                         planner=_replica_planner(cfg, rank))
+
+
+def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:
+    """Replica 0's planner, which sees 1 / replicas of the traffic; None elsewhere."""
+    if cfg.planner is None or rank != 0:
+        return None
+    settings: PlannerSettings = dataclasses.replace(cfg.planner, replicas=cfg.gateway_replicas or 1)
+    return settings
 
 
 def _vocab_size(model_dir: str) -> int | None:
@@ -259,9 +282,10 @@ def _disaggregated_backend(cfg: ServeConfig) -> Any:
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:
     ingress = serve.ingress(lambda: build_gateway_app(cfg))()
-    deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=1,
+    replicas = cfg.gateway_replicas or 1
+    deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=replicas,
                                   ray_actor_options=with_resources({"num_cpus": 0.01}, cfg.gateway_resources),
-                                  max_ongoing_requests=cfg.max_in_flight * 2)
+                                  max_ongoing_requests=cfg.admission_share(0) * 2)
     return deployment.bind()
 
 

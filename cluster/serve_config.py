@@ -57,6 +57,12 @@ class Ingress(str, enum.Enum):
 # The default prefill backlog past which a CPU cluster's decode worker prefills (ServeConfig).
 CPU_PREFILL_BACKLOG_TOKENS = 1024
 
+# GPU workers per gateway replica when the count is left to the cluster. One replica carries
+# ~20k streamed tokens a second at the issue-47 bar (50 us of CPU a token); one H200 decodes
+# the Llama-3-8B shape at ~9k tok/s at batch 64 (docs/gpu.md): a replica per ~2-4 GPUs, 4 while
+# most of a GPU's tokens go to long outputs that stream well under its peak.
+GPUS_PER_GATEWAY = 4
+
 # The ServeConfig fields whose setting (flag, YAML arg) has another name: `--prefill N`.
 _SETTING_NAMES = {"num_prefill": "prefill", "num_decode": "decode", "num_colocated": "workers"}
 
@@ -106,7 +112,14 @@ class ServeConfig:
     api_key: NotBlank | None = field(default=None, repr=False)
     # The key GET /metrics wants (besides the API key); None: /metrics is open.
     metrics_api_key: NotBlank | None = field(default=None, repr=False)
+    # Engine requests admitted at once by the whole gateway tier: each replica admits its
+    # share (`admission_share`), so N replicas bound it as one did.
     max_in_flight: PositiveInt = 256
+    # Gateway replicas, each a whole gateway (HAProxy spreads connections over them: leastconn).
+    # None: decided when the cluster starts (`fit_to_cluster`): one per GPUS_PER_GATEWAY GPU
+    # workers on a GPU cluster, where one replica carries fewer tokens than a few GPUs make;
+    # one on a CPU-only cluster, whose engines make fewer tokens than one replica carries.
+    gateway_replicas: PositiveInt | None = None
     transport: Annotated[Transport, ByValue] = Transport.ZMQ
     # How CPU workers share a node's cores (cluster/placement.py): split, turns or lend.
     cpu_sharing: Annotated[CpuSharing, ByValue] = CpuSharing.AUTO
@@ -219,6 +232,9 @@ class ServeConfig:
             if self.max_connections_per_client > self.max_connections:
                 raise ValueError(f"max_connections_per_client: {self.max_connections_per_client} is over "
                                  f"max_connections ({self.max_connections})")
+        if self.gateway_replicas is not None and self.gateway_replicas > self.max_in_flight:
+            raise ValueError(f"gateway_replicas: {self.gateway_replicas} replicas cannot share max_in_flight "
+                             f"{self.max_in_flight} (each admits at least one request)")
         self.planner  # noqa: B018 - made here, where the profile file is (then it travels with the config)
         return self
 
@@ -301,11 +317,30 @@ class ServeConfig:
         return 0 if gpus else CPU_PREFILL_BACKLOG_TOKENS
 
     def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
-        """This config with the colocated worker count decided, where it was left to the
-        cluster: one worker per GPU (`cluster_gpus()`, asked only then), or one on a CPU-only cluster."""
-        if self.mode is not ServingMode.COLOCATED or self.num_colocated is not None:
-            return self
-        return dataclasses.replace(self, num_colocated=max(1, int(cluster_gpus())))
+        """This config with what was left to the cluster decided (`cluster_gpus()` is asked
+        only then): colocated workers, one per GPU, or one on a CPU-only cluster; gateway
+        replicas, one per GPUS_PER_GATEWAY GPU workers, or one on a CPU-only cluster."""
+        fitted = self
+        gpus: float | None = None
+        if self.mode is ServingMode.COLOCATED and self.num_colocated is None:
+            gpus = cluster_gpus()
+            fitted = dataclasses.replace(fitted, num_colocated=max(1, int(gpus)))
+        if self.gateway_replicas is None:
+            gpus = cluster_gpus() if gpus is None else gpus
+            gpu_workers = min(fitted.num_workers, int(gpus))
+            replicas = max(1, min(-(-gpu_workers // GPUS_PER_GATEWAY), fitted.max_in_flight))
+            fitted = dataclasses.replace(fitted, gateway_replicas=replicas)
+        return fitted
+
+    def admission_share(self, rank: int) -> int:
+        """The engine requests gateway replica `rank` admits at once: `max_in_flight` split
+        over the replicas (the first take one more each until it is spent), so that the
+        tier admits `max_in_flight` in all. HAProxy spreads connections by least connections,
+        so each replica sees about its share of the load."""
+        n = self.gateway_replicas or 1
+        if not 0 <= rank < n:
+            raise ValueError(f"rank: a replica of {n} is 0..{n - 1}, got {rank}")
+        return self.max_in_flight // n + (rank < self.max_in_flight % n)
 
     def prefill_names(self) -> list[str]:
         return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -41,8 +42,14 @@ class PlannerSettings:
     margin: float = DEFAULT_MARGIN
     apply: bool = False  # --autoscale-roles: switch roles, not only recommend
     dispatch_s: float = 0.0
+    # The share of the tier's traffic this gateway sees is 1 / `replicas` (HAProxy spreads
+    # connections evenly over the replicas; the planner runs in one of them): its window's
+    # rate is scaled back up by this many.
+    replicas: int = 1
 
     def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError(f"replicas: must be >= 1, got {self.replicas}")
         if not self.interval_s > 0:
             raise ValueError(f"planner_interval_s: must be > 0, got {self.interval_s}")
         if self.min_requests < 1:
@@ -95,6 +102,8 @@ class RolePlannerLoop:
         """One window: plan, export, and move a worker when asked to. The recommendation, or
         None when the window was skipped (too few requests, or pools in flux)."""
         window = self.reader.take(self.clock())
+        if window is not None and self.settings.replicas > 1:
+            window = dataclasses.replace(window, seconds=window.seconds / self.settings.replicas)
         current = self.split()
         if window is None or current is None or window.requests < self.settings.min_requests:
             self.metrics.decisions.labels("skipped").inc()

@@ -247,11 +247,12 @@ def test_builder_returns_the_gateway_application_under_serves_own_call(
     monkeypatch.setattr(deploy_pkg, "_ensure_ray", lambda *a: None)
     monkeypatch.setattr(deploy_pkg, "_wait_for_gpus", lambda *a: None)
     monkeypatch.setattr(deploy_pkg, "_replace_workers", started.append)
+    monkeypatch.setattr(deploy_pkg, "cluster_gpus", lambda: 8.0)  # what the YAML's cluster has
     app_cfg = pdserve_app_config()
     application = call_user_app_builder_with_args_if_necessary(import_attr(app_cfg["import_path"]), app_cfg["args"])
     assert isinstance(application, ray.serve.Application)
     (parsed,) = started
-    assert parsed.config == deploy_pkg.config_from_args(app_cfg["args"])
+    assert parsed.config == deploy_pkg.config_from_args(app_cfg["args"]).fit_to_cluster(lambda: 8.0)
 
 
 def test_bad_mode_raises_value_error_naming_mode(deploy_pkg: Any) -> None:
@@ -364,7 +365,7 @@ def test_metrics_key_from_a_file_apart_from_the_api_key(deploy_pkg: Any, tmp_pat
 
 
 def test_colocated_worker_count_is_given_or_fits_the_cluster(deploy_pkg: Any) -> None:
-    given = serve_config({"model": "/m", "mode": "colocated", "workers": 3})
+    given = serve_config({"model": "/m", "mode": "colocated", "workers": 3, "gateway_replicas": 1})
     assert given.fit_to_cluster(lambda: pytest.fail("the cluster is not asked")) is given
     left = deploy_pkg.config_from_args({"model": "/m", "mode": "colocated"})
     assert left.num_colocated is None
@@ -372,8 +373,37 @@ def test_colocated_worker_count_is_given_or_fits_the_cluster(deploy_pkg: Any) ->
         left.worker_names()  # nothing may start before the count is decided
     assert left.fit_to_cluster(lambda: 0).worker_names() == ["pdserve-worker-0"]  # CPU: one on every core
     assert left.fit_to_cluster(lambda: 4.0).worker_names() == [f"pdserve-worker-{i}" for i in range(4)]
-    disagg = serve_config({"model": "/m"})
+    disagg = serve_config({"model": "/m", "gateway_replicas": 2})
     assert disagg.fit_to_cluster(lambda: pytest.fail("the cluster is not asked")) is disagg
+
+
+@pytest.mark.parametrize(("settings", "gpus", "replicas"), [
+    ({"mode": "colocated"}, 0, 1),  # a CPU machine: one
+    ({"mode": "colocated"}, 4, 1),  # four GPU workers per replica
+    ({"mode": "colocated"}, 8, 2),
+    ({"mode": "colocated"}, 9, 3),
+    ({"prefill": 3, "decode": 5}, 8, 2),
+    ({"prefill": 3, "decode": 5}, 2, 1),  # workers beyond the GPUs are CPU ones
+    ({"prefill": 3, "decode": 5}, 0, 1),
+    ({"mode": "colocated", "max_in_flight": 2}, 64, 2),  # each replica admits one at least
+])
+def test_gateway_replicas_left_to_the_cluster_are_one_per_four_gpu_workers(
+        settings: dict[str, Any], gpus: float, replicas: int) -> None:
+    assert serve_config({"model": "/m", **settings}).fit_to_cluster(lambda: gpus).gateway_replicas == replicas
+
+
+@pytest.mark.parametrize(("max_in_flight", "replicas"), [(256, 1), (256, 3), (7, 7), (10, 4)])
+def test_replicas_admit_max_in_flight_in_all(max_in_flight: int, replicas: int) -> None:
+    cfg = serve_config({"model": "/m", "max_in_flight": max_in_flight, "gateway_replicas": replicas})
+    shares = [cfg.admission_share(r) for r in range(replicas)]
+    assert sum(shares) == max_in_flight and max(shares) - min(shares) <= 1 and min(shares) >= 1
+    with pytest.raises(ValueError, match="^rank"):
+        cfg.admission_share(replicas)
+
+
+def test_more_replicas_than_max_in_flight_is_refused() -> None:
+    with pytest.raises(ValueError, match="^gateway_replicas"):
+        serve_config({"model": "/m", "max_in_flight": 2, "gateway_replicas": 3})
 
 
 def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:
