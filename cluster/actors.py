@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import itertools
 import logging
 import os
 import threading
@@ -36,6 +35,7 @@ from pdserve.workers.cpu_turns import node_cores
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.kv.event_log import EventCursor
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.stats import EngineSnapshot
@@ -64,7 +64,6 @@ class _Service:
         self.engine, self.async_engine = engine, async_engine
         self.worker_metrics = WorkerMetrics(pool, worker_name, engine.config.num_speculative_tokens, self.counts)
         self.worker_metrics.attach(engine)
-        self._event_seq = itertools.count()
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         if exit_on_engine_death:
             async_engine.on_dead = _exit_soon
@@ -77,12 +76,17 @@ class _Service:
         """End the request here (only its try `attempt` or an earlier one, when given)."""
         self.async_engine.abort(request_id, attempt)
 
-    async def load(self) -> LoadReport:
-        """The engine's load, and its prefix-cache events since the last call (engine thread)."""
+    async def load(self, since: EventCursor | None = None) -> LoadReport:
+        """The engine's load, and its prefix-cache events from `since` on (the cursor the
+        caller's last report gave it; None: a new caller), or a snapshot of its prefix
+        cache where those events are no longer kept (workers/kv/event_log.py). Reads
+        consume nothing: any number of gateways poll alike. Both on the engine thread,
+        so the snapshot stands exactly at its seq."""
+        if since is not None and not isinstance(since, EventCursor):
+            raise ValueError(f"since: an EventCursor or None, got {type(since).__name__}")
+
         def report(e: LLMEngine) -> LoadReport:
-            events = KVEventBatch(worker_id=self.name, batch_seq=next(self._event_seq),
-                                  events=tuple(e.take_kv_events()))
-            return self._report(e.snapshot(), events)
+            return self._report(e.snapshot(), KVEventBatch.of(self.name, e.kv.pool.read_events(since)))
 
         return await self.async_engine.call(report)
 

@@ -127,7 +127,6 @@ class DisaggregatedBackend:
         self.events = WorkerEvents()
         self._in_flight = 0
         self._dead: set[str] = set()  # taken for alive until a call or a poll fails (`generate` awaits the first poll)
-        self._event_seq: dict[str, int] = {}  # the next KV event batch each worker should send
         self._pollers: list[asyncio.Task[None]] = []
         self._polled: set[str] = set()
         self._answered: set[str] = set()  # workers that answered a poll at least once
@@ -380,7 +379,7 @@ class DisaggregatedBackend:
             if handle is None:
                 raise LookupError(f"worker {wid} not found")
             async with asyncio.timeout(_POLL_TIMEOUT_S):
-                report: LoadReport = await handle.load.remote()
+                report: LoadReport = await handle.load.remote(self.router.kv_cursor(wid))
         except Exception as e:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
             self._lose(wid)
             if self.stalls is not None and not isinstance(e, TimeoutError):
@@ -416,10 +415,10 @@ class DisaggregatedBackend:
         return pool[wid]
 
     def _apply_events(self, wid: str, batch: KVEventBatch) -> None:
-        if batch.batch_seq != self._event_seq.get(wid, 0):
-            self.router.forget_cache(wid)  # a batch was lost (or the worker restarted): relearn what it caches
-        self._event_seq[wid] = batch.batch_seq + 1
-        self.router.on_kv_events(wid, batch.events)
+        """The worker answered from the cursor the router gave (or with a snapshot, where
+        its log no longer holds that, or it restarted): nothing is drained, so every
+        gateway replica polling it ends with the same view (workers/kv/event_log.py)."""
+        self.router.on_kv_batch(wid, batch)
 
     # -- stalls ----------------------------------------------------------------------
 

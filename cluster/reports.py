@@ -1,6 +1,7 @@
 """What workers tell the gateway: who they are (`WorkerInfo`, once) and how
 loaded they are, with what entered and left their prefix caches (`LoadReport`,
-on every poll). Frozen and typed: the gateway reads fields, not dict keys."""
+on every poll; reading one consumes nothing, so gateway replicas all see the
+same). Frozen and typed: the gateway reads fields, not dict keys."""
 
 from __future__ import annotations
 
@@ -46,8 +47,9 @@ class DrainState:
 @dataclass(frozen=True)
 class LoadReport:
     snapshot: EngineSnapshot  # taken on the worker's engine thread
-    # Prefix-cache events since the previous report, numbered per worker: a gap in
-    # `batch_seq` means a report was lost, and the router's view of that worker is stale.
+    # Prefix-cache events from the cursor the caller sent, or a snapshot of the cache
+    # (workers/kv/event_log.py): every caller sees every event. The rest of a report is
+    # state and cumulative counters, so it too reads alike for any number of callers.
     events: KVEventBatch
     # Which life of the worker process answered (its pid and start time): a new one
     # means the worker was restarted (the gateway counts restarts by it).

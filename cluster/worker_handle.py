@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from pdserve.cluster.reports import LoadReport, RoleSwitch
     from pdserve.cluster.router.policy import WorkerRole
     from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.kv.event_log import EventCursor
 
 P = ParamSpec("P")
 R_co = TypeVar("R_co", covariant=True)
@@ -43,8 +44,9 @@ class WorkerHandle(Protocol):
         ...
 
     @property
-    def load(self) -> RemoteMethod[[], LoadReport]:
-        """Its load and the KV events since the last report (the router's poll)."""
+    def load(self) -> RemoteMethod[[EventCursor | None], LoadReport]:
+        """Its load and its KV events from the cursor given (None: a snapshot of its
+        prefix cache), the router's poll; reading consumes nothing."""
         ...
 
     @property

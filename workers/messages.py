@@ -33,6 +33,7 @@ from typing import Any, ClassVar, TypeVar
 
 import msgpack
 
+from pdserve.workers.kv.event_log import EventCursor, EventSlice
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 
 # Control messages are small; a bigger one is garbage or an attack, and
@@ -238,17 +239,44 @@ class KVTransferAbort(Message):
 @_register(MessageType.KV_EVENT_BATCH)
 @dataclass(frozen=True, kw_only=True)
 class KVEventBatch(Message):
-    """Worker → router: what entered and left a worker's prefix cache, in order.
+    """Worker → router: what entered and left a worker's prefix cache, in order, read
+    from the worker's numbered event log (`pdserve.workers.kv.event_log`) from where
+    the reader stood. Reading consumes nothing: every reader sees every event.
 
-    Mirrors `pdserve.workers.kv.events.KVEvent`; on the wire each event is
-    `[kind, block_hash, parent_hash or nil]`. `batch_seq` counts batches per
-    worker so a router can see a lost batch and ask for a resync.
+    Either the log's events [first_seq, next_seq), or (`snapshot`) every block the
+    worker caches, as STORED events, at next_seq (first_seq == next_seq): the reader
+    replaces what it knew of the worker with them. Either way it reads on from
+    `cursor`. Events mirror `pdserve.workers.kv.events.KVEvent`; on the wire each is
+    `[kind, block_hash, parent_hash or nil]`.
     """
 
     worker_id: str
-    batch_seq: int
+    log_id: str  # which log the seqs count in ("": a worker that keeps none, and answers snapshots)
+    first_seq: int
+    next_seq: int
+    snapshot: bool
     events: tuple[KVEvent, ...]
-    version: int = 1
+    version: int = 2
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _require(0 <= self.first_seq <= self.next_seq, f"KVEventBatch: seqs {self.first_seq}..{self.next_seq}")
+        if self.snapshot:
+            _require(self.first_seq == self.next_seq and all(e.kind is KVEventKind.STORED for e in self.events),
+                     "KVEventBatch: a snapshot is STORED events at one seq")
+        else:
+            _require(self.next_seq - self.first_seq == len(self.events),
+                     f"KVEventBatch: {len(self.events)} events for seqs {self.first_seq}..{self.next_seq}")
+
+    @property
+    def cursor(self) -> EventCursor:
+        """Where the reader stands once it applied this batch (its next `load(since=...)`)."""
+        return EventCursor(self.log_id, self.next_seq)
+
+    @classmethod
+    def of(cls, worker_id: str, read: EventSlice) -> KVEventBatch:
+        return cls(worker_id=worker_id, log_id=read.log_id, first_seq=read.first_seq, next_seq=read.next_seq,
+                   snapshot=read.snapshot, events=read.events)
 
 
 class Record:

@@ -12,6 +12,9 @@ Staleness. The view is only as fresh as the events that reach it:
   * a lost STORED, or an entry dropped here by the cap or the TTL while the
     worker still holds it, is a *missed hit*: the prefix is recomputed
     elsewhere. Also only a cost.
+Events are not lost in transit: a router reads each worker's numbered event log
+from its own cursor, and takes a snapshot where the log no longer holds it
+(`workers/kv/event_log.py`), so every gateway replica ends with the same view.
 The per-worker cap bounds memory whatever events are lost: past it the least
 recently stored/used entry goes (the worker's own pool evicts LRU too, so this
 tends to drop what the worker dropped). The optional TTL bounds how long a
@@ -101,6 +104,16 @@ class PrefixIndex:
         """Forget everything the worker held (it left, or restarted empty)."""
         for h in self._blocks.pop(worker_id, ()):
             self._unhold(worker_id, h)
+
+    def replace_worker(self, worker_id: str, snapshot: Iterable[KVEvent]) -> None:
+        """What the worker holds is `snapshot` (STORED events, least recently used
+        first) and nothing else: a snapshot of its cache, read from its event log."""
+        self.remove_worker(worker_id)
+        self.apply_events(worker_id, snapshot)
+
+    def blocks(self, worker_id: str) -> frozenset[int]:
+        """The block hashes held for the worker (past the TTL too, until expired)."""
+        return frozenset(self._blocks.get(worker_id, ()))
 
     def expire(self) -> None:
         """Drop entries past the TTL on every worker (`match` already ignores them;

@@ -22,8 +22,10 @@ from pdserve.cluster.router.policy import (
     WorkerLoad,
     route,
 )
+from pdserve.workers.kv.event_log import EventCursor
 from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.kv.hashing import extend_block_hashes
+from pdserve.workers.messages import KVEventBatch
 
 
 @dataclass
@@ -44,10 +46,12 @@ class RouterStats:
 class Router:
     """Routes requests to (prefill, decode) workers.
 
-    Callers feed it each worker's KV events (`on_kv_events`, in emission order)
-    and load reports (`update_load`, the latest replaces the previous), and
-    call `forget_cache` when they lost a worker's events (a lost report, a
-    restart). `route` never blocks
+    Callers feed it each worker's KV events (`on_kv_batch`: what the worker's
+    `load(since=kv_cursor(worker))` returned; or `on_kv_events`, in emission
+    order) and load reports (`update_load`, the latest replaces the previous),
+    and call `forget_cache` when what a worker caches is unknown (it emptied its
+    cache, changed role): that also drops its cursor, so the next poll brings a
+    snapshot. `route` never blocks
     and raises `NoHealthyWorkerError` when no worker can take the request.
 
     Between load reports, `route` adds the request it just placed to the
@@ -64,17 +68,36 @@ class Router:
         self.loads: dict[str, WorkerLoad] = {}
         self.stats = RouterStats()
         self._rr_counter = 0
+        # Where the index stands in each worker's event log: kept with the index, so
+        # whatever forgets a worker's cache also makes the next poll ask for a snapshot.
+        self._kv_cursors: dict[str, EventCursor] = {}
 
     def on_kv_events(self, worker_id: str, events: Iterable[KVEvent]) -> None:
         self.index.apply_events(worker_id, events)
+
+    def kv_cursor(self, worker_id: str) -> EventCursor | None:
+        """What to ask the worker's `load` for: its events from here (None: a snapshot)."""
+        return self._kv_cursors.get(worker_id)
+
+    def on_kv_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+        """Apply a worker's events read from its log (a snapshot replaces what the index
+        held for it) and stand at the batch's cursor. A late reply (two polls of one
+        worker in flight) moves the cursor back: the next poll replays from there,
+        and the events, being set updates in order, end in the worker's state again."""
+        if batch.snapshot:
+            self.index.replace_worker(worker_id, batch.events)
+        else:
+            self.index.apply_events(worker_id, batch.events)
+        self._kv_cursors[worker_id] = batch.cursor
 
     def update_load(self, load: WorkerLoad) -> None:
         self.loads[load.worker_id] = load
 
     def forget_cache(self, worker_id: str) -> None:
-        """What the worker caches is unknown now (its events were lost): forget it;
-        its next events build it up again."""
+        """What the worker caches is unknown now: forget it; the next poll asks for a
+        snapshot (`kv_cursor` is None), which rebuilds it."""
         self.index.remove_worker(worker_id)
+        self._kv_cursors.pop(worker_id, None)
 
     def snapshot(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
                  cache_salt: str | None = None) -> tuple[RouterSnapshot, list[int]]:

@@ -248,7 +248,7 @@ class _FlakyWorker:
         self.name, self.down, self.seq, self.incarnation = name, False, 0, "1"
         self.garbled = False  # the next report is not a LoadReport (a bug, a version skew)
 
-    async def load(self) -> LoadReport:
+    async def load(self, since: object = None) -> LoadReport:
         if self.down:
             raise RuntimeError(f"{self.name} is down")
         if self.garbled:
@@ -256,7 +256,8 @@ class _FlakyWorker:
             return "not a report"  # type: ignore[return-value]
         self.seq += 1
         return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
-                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()), self.incarnation)
+                          KVEventBatch(worker_id=self.name, log_id="", first_seq=0, next_seq=0,
+                                       snapshot=True, events=()), self.incarnation)
 
 
 def test_a_worker_that_answers_again_is_routed_to_again() -> None:

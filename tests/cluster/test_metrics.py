@@ -422,7 +422,7 @@ class _PolledWorker:
     def __init__(self, name: str) -> None:
         self.name, self.down, self.seq, self.incarnation = name, False, 0, "1"
 
-    async def load(self) -> Any:
+    async def load(self, since: object = None) -> Any:
         from pdserve.cluster.reports import LoadReport
         from pdserve.workers.messages import KVEventBatch
         from pdserve.workers.stats import EngineSnapshot
@@ -431,7 +431,8 @@ class _PolledWorker:
             raise RuntimeError(f"{self.name} is down")
         self.seq += 1
         return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
-                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()), self.incarnation)
+                          KVEventBatch(worker_id=self.name, log_id="", first_seq=0, next_seq=0,
+                                       snapshot=True, events=()), self.incarnation)
 
 
 class _Pushing:

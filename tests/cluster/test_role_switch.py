@@ -288,10 +288,11 @@ class _Worker:
         self.name, self.role, self.epoch, self.incarnation, self.seq = name, role, 0, "1", 0
         self.fail = False  # the next switch fails (after the drain: the worker keeps its role)
 
-    async def load(self) -> LoadReport:
+    async def load(self, since: object = None) -> LoadReport:
         self.seq += 1
         return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
-                          KVEventBatch(worker_id=self.name, batch_seq=self.seq - 1, events=()), self.incarnation,
+                          KVEventBatch(worker_id=self.name, log_id="", first_seq=0, next_seq=0,
+                                       snapshot=True, events=()), self.incarnation,
                           self.role, False, self.epoch)
 
     async def switch_role(self, role: WorkerRole, drain_timeout_s: float) -> RoleSwitch:

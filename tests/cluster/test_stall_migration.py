@@ -184,7 +184,7 @@ class FakeWorker:
 
         class Remote:
             @staticmethod
-            async def remote() -> Any:
+            async def remote(since: object = None) -> Any:
                 from ray.exceptions import ActorDiedError
 
                 from pdserve.cluster.reports import LoadReport
@@ -198,7 +198,8 @@ class FakeWorker:
                 worker.seq += 1
                 snap = EngineSnapshot(running=worker.running, generation_tokens=worker.seq, total_blocks=64,
                                       free_blocks=64)
-                return LoadReport(snap, KVEventBatch(worker_id=worker.name, batch_seq=worker.seq - 1, events=()),
+                return LoadReport(snap, KVEventBatch(worker_id=worker.name, log_id="", first_seq=0, next_seq=0,
+                                                     snapshot=True, events=()),
                                   "1-1")
 
         return Remote()

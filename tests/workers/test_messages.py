@@ -42,8 +42,10 @@ EXAMPLES: list[Message] = [
     KVTransferAck(request_id="r1", transfer_id=7, seq=3, state=TransferState.FAILED, reason=FailReason.CHECKSUM,
                   detail="crc32 mismatch"),
     KVTransferAbort(request_id="r1", transfer_id=7, reason="client went away"),
-    KVEventBatch(worker_id="prefill-0", batch_seq=4, events=(
+    KVEventBatch(worker_id="prefill-0", log_id="ab12", first_seq=4, next_seq=6, snapshot=False, events=(
         KVEvent(KVEventKind.STORED, (1 << 64) - 1, 0), KVEvent(KVEventKind.REMOVED, 12345))),
+    KVEventBatch(worker_id="prefill-0", log_id="ab12", first_seq=9, next_seq=9, snapshot=True, events=(
+        KVEvent(KVEventKind.STORED, 7, None),)),
     TokenDeltaBatch(worker_id="decode-0", seq=9, deltas=(
         TokenDelta("r1", 0, (5, 6), "ab", None, None, None, 16, None, None),
         TokenDelta("r2", 4, (7,), "c", "stop", 7, None, 0, -0.25, (TokenLogprobs((7, 3), (-0.25, -1.5)),)))),
@@ -78,7 +80,8 @@ def test_a_wire_value_in_another_accepted_shape_decodes_to_the_field_type() -> N
 
 def test_event_batch_mirrors_kv_events() -> None:
     events = [KVEvent(KVEventKind.STORED, 11, 0), KVEvent(KVEventKind.STORED, 12, 11), KVEvent(KVEventKind.REMOVED, 11)]
-    batch = decode(encode(KVEventBatch(worker_id="w", batch_seq=0, events=events)))
+    batch = decode(encode(KVEventBatch(worker_id="w", log_id="", first_seq=0, next_seq=3, snapshot=False,
+                                       events=events)))
     assert isinstance(batch, KVEventBatch) and list(batch.events) == events
 
 
@@ -99,6 +102,14 @@ assert isinstance(BATCH, TokenDeltaBatch)
 
 def batch_fields(**over: object) -> dict[str, object]:
     fields = {k: v for k, v in msgpack.unpackb(encode(BATCH))[2].items()}
+    fields.update(over)
+    return fields
+
+
+def event_fields(**over: object) -> dict[str, object]:
+    """A KVEventBatch's wire fields (one event, seqs 0..1), some replaced."""
+    fields: dict[str, object] = {"worker_id": "w", "log_id": "", "first_seq": 0, "next_seq": 1, "snapshot": False,
+                                 "events": [["stored", 1, None]]}
     fields.update(over)
     return fields
 
@@ -137,8 +148,13 @@ def delta_fields(i: int, **over: object) -> list[object]:
     (wire(3, 1, header_fields(dtype=b"float16")), "dtype: expected str, got bytes"),
     (wire(4, 1, {"request_id": "r", "transfer_id": 1, "seq": 0, "state": "exploded", "reason": None,
                  "detail": "", "credits": 1}), "state: 'exploded' is not one of"),
-    (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", -1, None]]}), "block_hash: expected a 64-bit"),
-    (wire(6, 1, {"worker_id": "w", "batch_seq": 0, "events": [["stored", 1]]}), r"expected \[kind, block_hash"),
+    (wire(6, 2, event_fields(events=[["stored", -1, None]])), "block_hash: expected a 64-bit"),
+    (wire(6, 2, event_fields(events=[["stored", 1]])), r"expected \[kind, block_hash"),
+    (wire(6, 1, event_fields()), "version 1 is not supported"),
+    (wire(6, 2, event_fields(next_seq=2)), r"1 events for seqs 0\.\.2"),
+    (wire(6, 2, event_fields(first_seq=3)), r"seqs 3\.\.1"),
+    (wire(6, 2, event_fields(snapshot=True)), "a snapshot is STORED events at one seq"),
+    (wire(6, 2, event_fields(snapshot=True, next_seq=0, events=[["removed", 1, None]])), "a snapshot is STORED"),
     # Records nested in a message (a step's token deltas), read by per-class readers and checked field by field.
     (wire(7, 5, batch_fields(deltas=5)), "deltas: expected a sequence"),
     (wire(7, 5, batch_fields(deltas=[["r1", 0]])), "expected the 13 fields of TokenDelta as an array"),

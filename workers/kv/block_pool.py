@@ -6,6 +6,10 @@ A block is in one of three places:
   * free but cached: ref count 0, still holding a full block reusable by hash.
 Allocation takes empty blocks first, then evicts cached ones least recently
 used first, so the cache keeps as much as the pool allows.
+
+What enters and leaves the cache is numbered in a bounded event log
+(`workers/kv/event_log.py`, when recording): routers read it from a cursor
+(`read_events`), or take a snapshot of what is cached when they cannot.
 """
 
 from __future__ import annotations
@@ -13,23 +17,26 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
+from pdserve.workers.kv.event_log import DEFAULT_CAPACITY, EventCursor, EventSlice, KVEventLog
 from pdserve.workers.kv.events import KVEvent, KVEventKind
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, record_events: bool = False,
+                 event_log_size: int = DEFAULT_CAPACITY) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be > 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
+        self.parent_hash: list[int | None] = [None] * num_blocks  # of a cached block (its events carry it)
         self.cached: dict[int, int] = {}  # block hash -> block id
         self._empty: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
-        # Only recorded when someone drains them (a router), else they would pile up.
-        self.record_events = record_events
-        self.events: list[KVEvent] = []
+        # Recorded for a router (the log is bounded: nobody need drain it).
+        self.event_log = KVEventLog(event_log_size) if record_events else None
+        self._taken = 0  # where `take_events` stands in the log
 
     @property
     def num_free(self) -> int:
@@ -84,9 +91,10 @@ class BlockPool:
         if block_hash in self.cached:
             return  # another block already holds the same content; keep that one
         self.block_hash[block] = block_hash
+        self.parent_hash[block] = parent_hash
         self.cached[block_hash] = block
-        if self.record_events:
-            self.events.append(KVEvent(KVEventKind.STORED, block_hash, parent_hash))
+        if self.event_log is not None:
+            self.event_log.append(KVEvent(KVEventKind.STORED, block_hash, parent_hash))
 
     def reset_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after weights change)."""
@@ -95,14 +103,43 @@ class BlockPool:
             self._uncache(block)
             self._empty.append(block)
 
+    def cached_blocks(self) -> tuple[KVEvent, ...]:
+        """Every cached block as the STORED event that announced it: unreferenced ones
+        first, least recently used first (the order this pool evicts them), then the
+        referenced ones. A router that applies them in order keeps the same LRU order."""
+        evictable = (self._stored(block) for block in self._evictable)
+        referenced = (self._stored(block) for block in self.cached.values() if self.ref_counts[block] > 0)
+        return (*evictable, *referenced)
+
+    def read_events(self, since: EventCursor | None) -> EventSlice:
+        """The events after `since` if the log holds them all, else a snapshot
+        (`cached_blocks`) at the log's current seq. A pool that records no events
+        always answers a snapshot (log id "", seq 0)."""
+        if self.event_log is None:
+            return EventSlice("", 0, 0, self.cached_blocks(), snapshot=True)
+        return self.event_log.since(since) or self.event_log.snapshot(self.cached_blocks())
+
     def take_events(self) -> list[KVEvent]:
-        events, self.events = self.events, []
-        return events
+        """The events since the previous call, for a reader in this process (tests, the
+        profiler). Past the log's size the oldest are gone; a reader that must see every
+        change reads with a cursor (`read_events`), which then gives it a snapshot."""
+        if self.event_log is None:
+            return []
+        log = self.event_log
+        got = log.since(EventCursor(log.log_id, max(self._taken, log.first_seq)))
+        self._taken = log.next_seq
+        return list(got.events) if got is not None else []
 
     def _uncache(self, block: int) -> None:
         block_hash = self.block_hash[block]
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
-            if self.record_events:
-                self.events.append(KVEvent(KVEventKind.REMOVED, block_hash))
+            self.parent_hash[block] = None
+            if self.event_log is not None:
+                self.event_log.append(KVEvent(KVEventKind.REMOVED, block_hash))
+
+    def _stored(self, block: int) -> KVEvent:
+        block_hash = self.block_hash[block]
+        assert block_hash is not None, f"KV block {block} is not cached"
+        return KVEvent(KVEventKind.STORED, block_hash, self.parent_hash[block])
