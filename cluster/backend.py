@@ -195,9 +195,11 @@ _WAIT_POLL_S = 0.1
 
 
 class TokenStreams:
-    """The gateway's token-stream collector (workers/token_stream.py), made on
+    """The gateway's token-stream collector (cluster/token_collector.py), made on
     first use in the event loop that serves requests, and the loop that runs a
-    request's tries: when a try's worker dies, the next try starts on another
+    request's tries (`run` owns a request from its placing to its last delta; the
+    collector's `watch` says how each try ended, and its deadline is the request's
+    one deadline): when a try's worker dies, the next try starts on another
     worker from what the client already has (`Resume`), at most `max_migrations`
     times. A try that finds no worker to take it waits up to `worker_wait_s` (and
     never past the request's deadline) for one to come back: the client of a

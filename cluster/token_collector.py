@@ -2,9 +2,12 @@
 worker's signed `TokenDeltaBatch`es (workers/token_stream.py has the wire format
 and the worker's publisher) and hands each delta to its request, in order.
 
-Each open request has a queue its reader (`consume`) drains, and a record of
-what was handed on, which is where a migrated request's next try resumes
-(`next_attempt`). Deltas of a try given up on are dropped; a batch missing from
+A request here: `open` (its lifecycle, with the request's deadline), then
+`consume` (its deltas, in order, to the client) while the backend's tries run it,
+each awaited through `watch`: the one place that decides how a try ended (its
+call's error, a broken stream, a final delta that never came, the deadline). The
+backend turns that end into the request's end or a next try, from what was handed
+on (`next_attempt`). Deltas of a try given up on are dropped; a batch missing from
 a worker's numbering, or a worker that re-sends handed-on tokens differently,
 breaks the tries it serves (`watch` raises StreamLostError; the backend moves
 the request on).
@@ -21,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +61,7 @@ class Retry:
 class _Open:
     prompt_token_ids: list[int]
     life: Lifecycle
-    queue: asyncio.Queue[RequestOutput | _RpcDone | _Expired] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[RequestOutput | _RpcDone] = field(default_factory=asyncio.Queue)
     next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
     held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
     attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
@@ -77,11 +79,9 @@ class _Open:
 
 @dataclass
 class _RpcDone:
+    """Queued when the request's tries ended: with their error, or None once every token was handed on."""
+
     error: BaseException | None
-
-
-class _Expired:
-    """Queued by a request's deadline timer."""
 
 
 class TokenStreamCollector:
@@ -131,14 +131,16 @@ class TokenStreamCollector:
         self._open[request_id] = _Open(prompt_token_ids, life)
         return life
 
-    async def consume(self, request_id: str, start: Awaitable[Any]) -> AsyncGenerator[RequestOutput, None]:
+    async def consume(self, request_id: str, tries: Awaitable[Any]) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's DELTA outputs (it must be `open`), in order, until the
-        final one. `start` is the RPC that runs the request on a worker (awaited
-        here: its error is raised; its return means the final delta is on its way).
-        However this ends, the request's lifecycle ends with it."""
+        final one. `tries` runs the request on its workers and returns only once every
+        token was handed on: it awaits each try through `watch` (the backend's retry
+        loop; a lone try is `watch(request_id, call)`). Its error ends the stream, after
+        the deltas that came before it. However this ends, the request's lifecycle
+        ends with it."""
         entry = self._open[request_id]
         life = entry.life
-        rpc = asyncio.ensure_future(start)
+        rpc = asyncio.ensure_future(tries)
         rpc.add_done_callback(lambda f: entry.queue.put_nowait(_RpcDone(None if f.cancelled() else f.exception())))
         life.move(RequestState.ROUTED)
         exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
@@ -165,75 +167,66 @@ class TokenStreamCollector:
                 rpc.cancel()
             life.end(exit)
 
-    async def _ordered(self, request_id: str, entry: _Open) -> AsyncGenerator[RequestOutput, None]:
-        """The entry's outputs until the final one (merged when the reader is behind).
-
-        The deadline is one timer per request that queues `_Expired` behind whatever
-        came before it, not a `wait_for` per delta (a task and a timer per token, a
-        good part of the gateway's time per token under load)."""
-        loop = asyncio.get_running_loop()
-        done: _RpcDone | None = None
-        pending: _RpcDone | _Expired | None = None  # met while merging: handled after that delta
-        item: RequestOutput | _RpcDone | _Expired
-
-        def arm(deadline: float) -> asyncio.TimerHandle:
-            return loop.call_later(max(deadline - time.monotonic(), 0.0), entry.queue.put_nowait, _Expired())
-
-        timer = arm(entry.life.deadline)
-        try:
-            while True:
-                if pending is not None:
-                    item, pending = pending, None
-                else:
-                    item = await entry.queue.get()
-                if isinstance(item, RequestOutput):
-                    # Behind? Everything queued goes out as one delta.
-                    while not item.finished and not entry.queue.empty():
-                        nxt = entry.queue.get_nowait()
-                        if not isinstance(nxt, RequestOutput):
-                            pending = nxt
-                            break
-                        item = merge_deltas(item, nxt)
-                    yield item
-                    if item.finished:
-                        return
-                elif isinstance(item, _Expired):
-                    if done is not None:
-                        raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
-                    raise TimeoutError(f"request {request_id} passed its deadline")
-                else:
-                    done = item
-                    if done.error is not None:
-                        raise done.error
-                    # The worker is done: its last delta is at most a moment behind.
-                    timer.cancel()
-                    timer = arm(min(entry.life.deadline, time.monotonic() + self.final_grace_s))
-        finally:
-            timer.cancel()
+    @staticmethod
+    async def _ordered(request_id: str, entry: _Open) -> AsyncGenerator[RequestOutput, None]:
+        """The entry's outputs until the final one (merged when the reader is behind),
+        then the tries' error if they failed. No timer here: `watch` bounds each try by
+        the request's deadline, so the tries end (and say so on the queue) by then."""
+        pending: _RpcDone | None = None  # met while merging: handled after that delta
+        item: RequestOutput | _RpcDone
+        while True:
+            if pending is not None:
+                item, pending = pending, None
+            else:
+                item = await entry.queue.get()
+            if isinstance(item, RequestOutput):
+                # Behind? Everything queued goes out as one delta.
+                while not item.finished and not entry.queue.empty():
+                    nxt = entry.queue.get_nowait()
+                    if not isinstance(nxt, RequestOutput):
+                        pending = nxt
+                        break
+                    item = merge_deltas(item, nxt)
+                yield item
+                if item.finished:
+                    return
+            elif item.error is not None:
+                raise item.error
+            else:  # `tries` broke its contract: it returned before the final delta was handed on
+                raise RuntimeError(f"{request_id}: its tries returned before its final delta (await them via watch)")
 
     async def watch(self, request_id: str, call: Awaitable[Any]) -> None:
         """Run one try's worker call and return once the try delivered every token:
-        the call returned and the final delta was handed on. Raises the call's error,
-        or StreamLostError when the try's stream broke (a batch from one of its
-        workers went missing: its held deltas may never come) or its final delta did
-        not follow the call's return within `final_grace_s`."""
+        the call returned and the final delta was handed on. The one place a try's
+        end is decided: it raises the call's error; StreamLostError when the try's
+        stream broke (a batch from one of its workers went missing: its held deltas
+        may never come) or its final delta did not follow the call's return within
+        `final_grace_s`; TimeoutError once the request's deadline passed (a try
+        never outlives its request: this is the request's one deadline timer)."""
         entry = self._open[request_id]
+        life = entry.life
         rpc = asyncio.ensure_future(call)
         broken = asyncio.ensure_future(entry.broken.wait())
         try:
-            await asyncio.wait({rpc, broken}, return_when=asyncio.FIRST_COMPLETED)
-            if not rpc.done():
+            await asyncio.wait({rpc, broken}, timeout=life.remaining(), return_when=asyncio.FIRST_COMPLETED)
+            if rpc.done():
+                rpc.result()  # its own outcome first, even if the stream broke meanwhile
+            elif broken.done():
                 raise StreamLostError(f"{request_id}: a batch of its tokens was lost on the way")
-            rpc.result()
-            # The worker is done: its last delta is at most a moment behind.
+            else:
+                raise TimeoutError(f"request {request_id} passed its deadline")
+            # The worker is done: its last delta is at most a moment behind (but not past the deadline).
+            grace = min(self.final_grace_s, life.remaining())
             finished = asyncio.ensure_future(entry.finished.wait())
             try:
-                await asyncio.wait({finished, broken}, timeout=self.final_grace_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({finished, broken}, timeout=grace, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 finished.cancel()
-            if not entry.finished.is_set():
+            if entry.finished.is_set():
+                return
+            if broken.done() or grace >= self.final_grace_s:
                 raise StreamLostError(f"{request_id}: the worker finished but its last tokens never arrived")
+            raise TimeoutError(f"request {request_id} passed its deadline")
         finally:
             for task in (rpc, broken):
                 if not task.done():

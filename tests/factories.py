@@ -103,7 +103,7 @@ async def handoff_deltas(p: Any, d: Any, rid: str, prompt: list[int], params: An
     try:
         collector.open(rid, prompt, timeout_s)
         req = ServeRequest(rid, tuple(prompt), params, timeout_s, collector.address)
-        return [o async for o in collector.consume(rid, d.handoff(req, LocalPrefillPeer(p)))]
+        return [o async for o in collector.consume(rid, collector.watch(rid, d.handoff(req, LocalPrefillPeer(p))))]
     finally:
         await collector.close()
 

@@ -246,7 +246,7 @@ def test_services_export_their_fault_counters(model_dir: Path, monkeypatch: pyte
         collector = TokenStreamCollector()
 
         async def outputs(rid: str, call: Awaitable[object]) -> list[object]:
-            return [o async for o in collector.consume(rid, call)]
+            return [o async for o in collector.consume(rid, collector.watch(rid, call))]
 
         try:
             # 1. A handoff whose prefill worker is silent: awaiting KV, then its lease expires.

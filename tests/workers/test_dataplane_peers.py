@@ -206,7 +206,7 @@ def _delta(request_id: str, offset: int, tokens: tuple[int, ...], text: str, fin
 async def _collect(collector: TokenStreamCollector, request_id: str) -> list[RequestOutput]:
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     done.set_result(None)
-    return [out async for out in collector.consume(request_id, done)]
+    return [out async for out in collector.consume(request_id, collector.watch(request_id, done))]
 
 
 def _push(address: str) -> Any:

@@ -351,7 +351,7 @@ async def _refused(ae: AsyncEngine, req: ServeRequest) -> None:
 async def _client(collector: TokenStreamCollector, req: ServeRequest, call: Any) -> Any:
     """The client's side: every delta to the final one, or the error that ended it."""
     try:
-        return [o async for o in collector.consume(req.request_id, call)]
+        return [o async for o in collector.consume(req.request_id, collector.watch(req.request_id, call))]
     except Exception as e:  # noqa: BLE001 - the terminal event under test
         return e
 
@@ -386,7 +386,7 @@ def test_the_gateways_lifecycle_ends_with_its_stream(state: RequestState, exit: 
         aborted: list[Exit] = []
         life.on_exit(lambda e: aborted.append(e) if e is not Exit.FINISHED else None)
         worker_done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        stream = collector.consume("r", worker_done)
+        stream = collector.consume("r", collector.watch("r", worker_done))
         error: BaseException | None = None
         try:
             if state is S.DECODING:

@@ -162,7 +162,7 @@ def test_reserved_blocks_are_released_when_their_kv_never_comes(model_dir: Path)
         try:
             collector.open("l", ps[0], 10.0)
             req = ServeRequest("l", tuple(ps[0]), PARAMS, 10.0, collector.address)
-            outs = [o async for o in collector.consume("l", d.handoff(req, Silent(p)))]
+            outs = [o async for o in collector.consume("l", collector.watch("l", d.handoff(req, Silent(p))))]
             return [t for o in outs for t in o.outputs[0].token_ids]
         finally:
             await collector.close()
@@ -192,7 +192,7 @@ def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Pat
             req = ServeRequest("e", tuple(ps[0]), PARAMS, 20.0, collector.address)
             tokens: list[int] = []
             start, first = time.monotonic(), 0.0
-            async for o in collector.consume("e", d.handoff(req, LocalPrefillPeer(p))):
+            async for o in collector.consume("e", collector.watch("e", d.handoff(req, LocalPrefillPeer(p)))):
                 first = first or time.monotonic() - start
                 tokens += o.outputs[0].token_ids
             return tokens, first, time.monotonic() - start

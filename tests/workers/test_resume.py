@@ -146,7 +146,7 @@ def test_a_later_try_replaces_the_earlier_one_and_late_aborts_spare_it(model_dir
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         async def read() -> list[int]:
-            return [t async for o in collector.consume("r", done) for t in o.outputs[0].token_ids]
+            return [t async for o in collector.consume("r", collector.watch("r", done)) for t in o.outputs[0].token_ids]
 
         def try_(attempt: int, resume: Resume | None = None) -> asyncio.Future[None]:
             req = ServeRequest("r", tuple(prompt), params, 30.0, collector.address, attempt=attempt, resume=resume)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -64,8 +64,9 @@ def test_the_engine_threads_wire_form_is_the_records_byte_for_byte(out: RequestO
     assert encode_token_deltas("w#1", 7, [wire_delta(out, 3, 2), wire_delta(out, 4)]) == slow
 
 
-async def _consume(collector: TokenStreamCollector, rid: str, start: object) -> list[RequestOutput]:
-    return [o async for o in collector.consume(rid, start)]  # type: ignore[arg-type]
+async def _consume(collector: TokenStreamCollector, rid: str, call: Awaitable[object]) -> list[RequestOutput]:
+    """The request's deltas as the gateway reads a lone try of it (no retries)."""
+    return [o async for o in collector.consume(rid, collector.watch(rid, call))]
 
 
 def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests() -> None:
