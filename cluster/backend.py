@@ -27,7 +27,7 @@ from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.cluster.token_collector import TokenStreamCollector
-from pdserve.cluster.worker_handle import WorkerHandle
+from pdserve.cluster.worker_handle import WorkerHandle, abort_try
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit
@@ -380,6 +380,20 @@ class ColocatedBackend:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
         return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)))
 
+    async def serve_on(self, index: int, req: ServeRequest) -> None:
+        """Run `req` on worker `index` (one `_place` chose: found and live), counted in
+        flight there while it runs; a worker that answers is alive (again)."""
+        self._in_flight[index] += 1
+        try:
+            await self.workers[index].serve.remote(req)  # type: ignore[union-attr]  # only found ones are placed
+            self._dead.pop(index, None)
+        finally:
+            self._in_flight[index] -= 1
+
+    def abort_on(self, index: int, request_id: str, attempt: int) -> None:
+        """Tell worker `index` to drop try `attempt` of a request (fire and forget)."""
+        abort_try(self.workers[index], request_id, attempt)
+
     async def close(self) -> None:
         if self._finder is not None:
             self._finder.cancel()
@@ -398,20 +412,15 @@ class _OnWorker:
     attempt: int = 0
 
     async def call(self, req: ServeRequest) -> None:
-        b, i = self.backend, self.index
         self.attempt = req.attempt
-        b._in_flight[i] += 1
         try:
-            await b.workers[i].serve.remote(req)  # type: ignore[union-attr]  # only live (found) ones are placed
-            b._dead.pop(i, None)  # it answered: alive (again)
+            await self.backend.serve_on(self.index, req)
         except WORKER_LOST:
             self.lost = True
             raise
-        finally:
-            b._in_flight[i] -= 1
 
     def abort(self, request_id: str) -> None:
-        _abort(self.backend.workers[self.index], request_id, self.attempt)
+        self.backend.abort_on(self.index, request_id, self.attempt)
 
 
 class LocalBackend:
@@ -453,9 +462,3 @@ class LocalBackend:
     async def close(self) -> None:
         self.engine.close()
 
-
-def _abort(worker: WorkerHandle | None, request_id: str, attempt: int) -> None:
-    """Tell a worker to drop try `attempt` of a request; fire and forget (a dead one is already rid of it)."""
-    if worker is not None:
-        with contextlib.suppress(RayActorError):
-            worker.abort.remote(request_id, attempt)

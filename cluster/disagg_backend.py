@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.backend import (
@@ -44,7 +44,6 @@ from pdserve.cluster.backend import (
     PoolState,
     Reliability,
     TokenStreams,
-    _abort,
 )
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.reports import LoadReport, RoleSwitch
@@ -58,7 +57,8 @@ from pdserve.cluster.stall_watch import (
     StallWatch,
     WorkerStalledError,
 )
-from pdserve.cluster.worker_handle import PoolWorkerHandle
+from pdserve.cluster.worker_calls import WorkerCalls
+from pdserve.cluster.worker_handle import PoolWorkerHandle, abort_try
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import RequestOutput
@@ -143,8 +143,8 @@ class DisaggregatedBackend:
         self.stalls = (StallWatch(stall_timeout_s, max_tick_gap_s=self._stall_tick + DEFAULT_MAX_TICK_GAP_S)
                        if stall_timeout_s else None)
         self._restart = restart
-        # Each worker's tries awaiting a call on it, with what fails them if the worker is given up.
-        self._tries_on: dict[str, dict[_Try, asyncio.Future[None]]] = {}
+        # Each worker's calls in flight from this gateway's tries (what the stall watch counts and fails).
+        self.calls = WorkerCalls()
         self._restarts: set[asyncio.Task[None]] = set()
 
     @property
@@ -247,7 +247,7 @@ class DisaggregatedBackend:
         decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt)
         if req.resume is not None and decision.plan is not Plan.LOCAL:
             decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
-        return _Try(self, decision)
+        return _Try(decision, self.handle_of, self.calls, self._lose)
 
     def _lose(self, wid: str) -> None:
         """`wid` failed a call or a poll: out of routing until it answers a poll again."""
@@ -426,7 +426,7 @@ class DisaggregatedBackend:
         """Every tick, give up the workers the stall watch says are stalled. Its own
         task: a stopped worker's poll waits `_POLL_TIMEOUT_S` for an answer."""
         while not self._closing:
-            tries = {wid: len(on) for wid, on in self._tries_on.items()}
+            tries = self.calls.counts()
             pools = [*self.prefill, *self.decode]  # not a switching worker: its drain has its own deadline
             for stall in watch.check(time.monotonic(), tries, pools):
                 self._give_up(stall)
@@ -438,9 +438,7 @@ class DisaggregatedBackend:
         log.warning("worker %s stalled (%s): moving its requests and restarting it", wid, stall.reason)
         self.events.stalled += 1
         self._lose(wid)
-        for given_up in self._tries_on.get(wid, {}).values():
-            if not given_up.done():
-                given_up.set_exception(WorkerStalledError(f"worker {wid} stalled: {stall.reason}"))
+        self.calls.give_up(wid, lambda: WorkerStalledError(f"worker {wid} stalled: {stall.reason}"))
         handle = self.handle_of(wid)
         if handle is not None:
             task = asyncio.create_task(self._restart_worker(wid, handle))
@@ -456,66 +454,48 @@ class DisaggregatedBackend:
 
 @dataclass(eq=False)
 class _Try:
-    """One try of a request, by its routing decision: the one call that runs it."""
+    """One try of a request, by its routing decision: the one call that runs it. What it
+    needs of the backend is handed to it: the workers' handles, the calls in flight (the
+    stall watch fails those of a worker it gives up), and how to take a worker out of
+    routing (a prefill worker found dead on the way)."""
 
-    backend: DisaggregatedBackend
     decision: RoutingDecision
+    handle_of: Callable[[str], PoolWorkerHandle | None]
+    calls: WorkerCalls
+    lose: Callable[[str], None]
     lost: str | None = None  # the worker whose death ended this try
     attempt: int = 0
 
     async def call(self, req: ServeRequest) -> None:
-        b, d = self.backend, self.decision
+        d = self.decision
         self.attempt = req.attempt
         w = d.decode_worker
         decode, p_id = self._routed(w), d.prefill_worker
         try:
             if d.plan is Plan.LOCAL or p_id is None:
-                await self._on(w, decode.serve.remote(req))
+                await self.calls.run(w, decode.serve.remote(req))
             elif d.plan is Plan.HANDOFF:
-                await self._on(w, decode.handoff.remote(req, self._routed(p_id)))
+                await self.calls.run(w, decode.handoff.remote(req, self._routed(p_id)))
             else:
                 try:
-                    await self._on(p_id, self._routed(p_id).serve.remote(req))
+                    await self.calls.run(p_id, self._routed(p_id).serve.remote(req))
                 except WORKER_LOST:  # it is gone: the decode worker runs the request
-                    b._lose(p_id)
-                    await self._on(w, decode.serve.remote(req))
+                    self.lose(p_id)
+                    await self.calls.run(w, decode.serve.remote(req))
         except WORKER_LOST:
             self.lost = w
             raise
 
-    async def _on(self, wid: str, call: Awaitable[None]) -> None:
-        """Await `call`, a call on worker `wid`, unless the stall watch gives that worker
-        up first: then WorkerStalledError (the call is left behind: the gateway's abort
-        and the stream's try numbers deal with whatever it still sends)."""
-        rpc = asyncio.ensure_future(call)
-        given_up: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        on = self.backend._tries_on.setdefault(wid, {})
-        on[self] = given_up
-        try:
-            await asyncio.wait((rpc, given_up), return_when=asyncio.FIRST_COMPLETED)
-            if rpc.done():  # its own outcome first, even if the worker was given up meanwhile
-                return rpc.result()
-            return given_up.result()  # raises WorkerStalledError
-        finally:
-            on.pop(self, None)
-            if not on and self.backend._tries_on.get(wid) is on:
-                del self.backend._tries_on[wid]
-            for f in (rpc, given_up):
-                if not f.done():
-                    f.cancel()
-            if not given_up.cancelled():
-                given_up.exception()  # read: a give-up the call's own end overtook is not reported as lost
-
     def _routed(self, wid: str) -> PoolWorkerHandle:
         """The handle of a worker this try was routed to: found, as the router knows a
         worker only once it has answered a poll."""
-        handle = self.backend.handle_of(wid)
+        handle = self.handle_of(wid)
         if handle is None:
             raise LookupError(f"worker {wid!r}: routed before it was found")
         return handle
 
     def abort(self, request_id: str) -> None:
-        b, d = self.backend, self.decision
-        _abort(b.handle_of(d.decode_worker), request_id, self.attempt)
+        d = self.decision
+        abort_try(self.handle_of(d.decode_worker), request_id, self.attempt)
         if d.prefill_worker is not None:
-            _abort(b.handle_of(d.prefill_worker), request_id, self.attempt)
+            abort_try(self.handle_of(d.prefill_worker), request_id, self.attempt)

@@ -10,13 +10,16 @@ methods its test calls.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
+
+from ray.exceptions import RayActorError
 
 if TYPE_CHECKING:
     from pdserve.cluster.reports import LoadReport, RoleSwitch
     from pdserve.cluster.router.policy import WorkerRole
-    from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
     from pdserve.workers.kv.event_log import EventCursor
 
 P = ParamSpec("P")
@@ -55,11 +58,26 @@ class WorkerHandle(Protocol):
         ...
 
 
-class PoolWorkerHandle(WorkerHandle, Protocol):
-    """A prefill or decode worker (actors.WorkerService): it also hands requests off and changes role."""
+class PrefillHandle(Protocol):
+    """A prefill worker as a decode worker calls it in a handoff (actors.RayPrefillPeer)."""
 
     @property
-    def handoff(self) -> RemoteMethod[[ServeRequest, PoolWorkerHandle], None]:
+    def prefill(self) -> RemoteMethod[[PrefillOrder], FirstToken]:
+        """Compute the order's prompt into the decode worker's reserved blocks; its first token."""
+        ...
+
+    @property
+    def abort(self) -> RemoteMethod[[str, int], None]:
+        """Drop try `attempt` of request `request_id` (fire and forget)."""
+        ...
+
+
+class PoolWorkerHandle(WorkerHandle, PrefillHandle, Protocol):
+    """A prefill or decode worker (actors.WorkerService): it also hands requests off, prefills
+    for another worker's handoff, and changes role."""
+
+    @property
+    def handoff(self) -> RemoteMethod[[ServeRequest, PrefillHandle], None]:
         """Decode the request after the prefill worker given computes its prompt into blocks reserved here."""
         ...
 
@@ -67,3 +85,11 @@ class PoolWorkerHandle(WorkerHandle, Protocol):
     def switch_role(self) -> RemoteMethod[[WorkerRole, float], RoleSwitch]:
         """Drain for up to the timeout given, then become a worker of the role given."""
         ...
+
+
+def abort_try(worker: WorkerHandle | PrefillHandle | None, request_id: str, attempt: int) -> None:
+    """Tell a worker to drop try `attempt` of a request; fire and forget (a dead one is
+    already rid of it; None: a worker not found, which holds nothing)."""
+    if worker is not None:
+        with contextlib.suppress(RayActorError):
+            worker.abort.remote(request_id, attempt)

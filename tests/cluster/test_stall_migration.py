@@ -121,7 +121,7 @@ def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(mod
         async def hang_one() -> None:
             while received[0] < 60:
                 await asyncio.sleep(0.001)
-            busiest = max(("d0", "d1"), key=lambda w: len(backend._tries_on.get(w, {})))
+            busiest = max(("d0", "d1"), key=lambda w: backend.calls.counts().get(w, 0))
             hung.append(busiest)
             hangs[busiest].start()
 
