@@ -17,7 +17,6 @@ import logging
 import os
 import threading
 import time
-from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
@@ -26,6 +25,7 @@ from pdserve.cluster.reports import DrainState, LoadReport, RoleSwitch, WorkerIn
 from pdserve.cluster.role_switch import RoleSwitcher
 from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
 from pdserve.cluster.router.policy import WorkerRole
+from pdserve.cluster.worker_handle import PrefillHandle
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers import fault_seam
 from pdserve.workers.async_engine import AsyncEngine
@@ -235,7 +235,7 @@ class WorkerService(_Service):
         async with self.switcher.call(wants) as role:
             await role.worker.serve(req)
 
-    async def handoff(self, req: ServeRequest, prefill: Any) -> None:
+    async def handoff(self, req: ServeRequest, prefill: PrefillHandle) -> None:
         """`req` prefilled by the prefill worker `prefill` (an actor handle), decoded here."""
         async with self.switcher.call(WorkerRole.DECODE) as role:
             assert isinstance(role, DecodeRole)
@@ -284,7 +284,7 @@ class DecodeService(WorkerService):
 class RayPrefillPeer:
     """A prefill worker's actor handle as a decode worker's `PrefillPeer`."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: PrefillHandle) -> None:
         self._handle = handle
 
     async def prefill(self, order: PrefillOrder) -> FirstToken:
