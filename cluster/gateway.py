@@ -76,6 +76,9 @@ class GatewayConfig:
     # The planner loop (cluster/planner/role_loop.py): re-plans the prefill:decode split on
     # the traffic of each window, and with `apply` moves workers. None: no planner.
     planner: PlannerSettings | None = None
+    # This replica's rank among the gateway's Serve replicas (serve_app.replica_rank): every
+    # response names it (x-pdserve-replica), so a client behind HAProxy can tell who served it.
+    replica: int = 0
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -87,6 +90,8 @@ class GatewayConfig:
             raise ValueError(f"max_in_flight: must be >= 1, got {self.max_in_flight}")
         if self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
+        if self.replica < 0:
+            raise ValueError(f"replica: must be >= 0, got {self.replica}")
 
 
 class APIError(Exception):

@@ -212,7 +212,7 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key,
                          max_in_flight=cfg.admission_share(rank), request_timeout_s=cfg.request_timeout,
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
-                         planner=_replica_planner(cfg, rank))
+                         planner=_replica_planner(cfg, rank), replica=rank)
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

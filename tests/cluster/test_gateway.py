@@ -402,3 +402,31 @@ def test_a_request_can_turn_speculation_off() -> None:
     on = CompletionRequest(prompt="hi").sampling_params(4, None)
     off = CompletionRequest(prompt="hi", speculative=False).sampling_params(4, None)
     assert on.speculative and not off.speculative
+
+
+def test_every_response_names_its_gateway_replica(model_dir: Path) -> None:
+    """x-pdserve-replica: the replica's rank on every response (a stream, /health, a 404,
+    a refusal by the guard): behind HAProxy, how a client tells which replica served it."""
+    import asyncio
+
+    from transformers import AutoTokenizer
+
+    gw = Gateway(_SlowBackend(), AutoTokenizer.from_pretrained(model_dir),
+                 GatewayConfig(model_name=MODEL, max_model_len=256, replica=3, api_key="k"))
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=build_app(gw))
+        async with httpx.AsyncClient(transport=transport, base_url="http://gw") as c:
+            auth = {"Authorization": "Bearer k"}
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "stream": True}
+            async with c.stream("POST", "/v1/completions", json=body, headers=auth) as s:
+                events = [line async for line in s.aiter_lines() if line.startswith("data:")]
+            assert events[-1] == "data: [DONE]"
+            return [s, await c.get("/health"), await c.get("/nowhere", headers=auth),
+                    await c.post("/v1/completions", json=body)]
+
+    responses = asyncio.run(main())
+    assert [r.status_code for r in responses] == [200, 200, 404, 401]
+    assert [r.headers.get("x-pdserve-replica") for r in responses] == ["3"] * 4
+    with pytest.raises(ValueError, match="replica"):
+        GatewayConfig(model_name=MODEL, max_model_len=256, replica=-1)
