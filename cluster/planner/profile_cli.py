@@ -15,7 +15,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.cli import _SETTING, _add_engine_args, _settings
+from pdserve.cluster.cli import UNSET, add_engine_args, settings_from_flags
 
 if TYPE_CHECKING:
     from pdserve.cluster.planner.profile import Profile
@@ -37,7 +37,7 @@ DEFAULT_SERVE_WORKERS = 2  # `pdserve serve` with no flags: one prefill and one 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="profile.json", help="where to write the profile (default profile.json)")
     p.add_argument("--quick", action="store_true", help="a small grid and 3 repeats: tests, a first look")
-    p.add_argument("--transport", default=_SETTING,
+    p.add_argument("--transport", default=UNSET,
                    help="the KV transport to time: zmq (default) or nccl (its gloo path when the cache is on the CPU)")
     p.add_argument("--torch-threads", type=int, default=None,
                    help="intra-op threads of the engine (default: what each worker of the default `pdserve serve` "
@@ -54,7 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=None, help="timed decode steps per point (default 5)")
     p.add_argument("--max-step-s", type=float, default=None,
                    help="at a context, stop growing the decode batch once a step takes longer (default 2)")
-    _add_engine_args(p)
+    add_engine_args(p)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -69,7 +69,7 @@ def run(a: argparse.Namespace) -> int:
         print(f"[profile {time.monotonic() - started:7.1f}s] {msg}", file=sys.stderr, flush=True)
 
     # The settings `pdserve serve` would take, through the same checks: the workers' EngineConfig.
-    serve = serve_config(_settings(a, serving=True))  # serving: the default model's served name, too
+    serve = serve_config(settings_from_flags(a, serving=True))  # serving: the default model's served name, too
     config = dataclasses.replace(serve.engine, progress=True)
     threads = a.torch_threads if a.torch_threads is not None else default_torch_threads(config.device)
     if threads < 1:

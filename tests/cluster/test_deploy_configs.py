@@ -435,12 +435,12 @@ def test_broken_serve_yaml_fails_the_schema() -> None:
 
 def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> None:
     """One mapping: `pdserve serve`'s flags and the Serve YAML's args, by the same names."""
-    from pdserve.cluster.cli import _settings, build_parser
+    from pdserve.cluster.cli import build_parser, settings_from_flags
 
     argv = ["serve", "--model", "/m", "--prefill", "2", "--max-model-len", "2048", "--dtype", "bfloat16",
             "--kv-failure-policy", "fail", "--request-timeout", "120", "--prefill-timeout", "10",
             "--no-prefix-caching", "--load-poll-interval", "0.5", "--max-prefill-backlog-tokens", "0"]
-    from_flags = serve_config(_settings(build_parser().parse_args(argv)))
+    from_flags = serve_config(settings_from_flags(build_parser().parse_args(argv)))
     from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill": 2, "max_model_len": 2048, "dtype": "bfloat16",
                                              "kv_failure_policy": "fail", "request_timeout": 120,
                                              "prefill_timeout": 10, "enable_prefix_caching": False,
@@ -472,10 +472,10 @@ def test_a_prefill_backlog_that_is_not_a_count_of_tokens_is_refused(backlog: Any
 
 def test_served_model_name_from_the_command_line_and_the_yaml(deploy_pkg: Any) -> None:
     """vLLM's --served-model-name NAME [NAME ...]; the YAML takes a list or one name."""
-    from pdserve.cluster.cli import _settings, build_parser
+    from pdserve.cluster.cli import build_parser, settings_from_flags
 
     argv = ["serve", "--model", "/models/llama/", "--served-model-name", "llama", "org/llama"]
-    from_flags = serve_config(_settings(build_parser().parse_args(argv)))
+    from_flags = serve_config(settings_from_flags(build_parser().parse_args(argv)))
     yaml_args = {"model": "/models/llama/", "served_model_name": ["llama", "org/llama"]}
     assert from_flags == deploy_pkg.config_from_args(yaml_args)
     assert from_flags.served_names == ("llama", "org/llama")

@@ -240,10 +240,10 @@ MOVED = ["--port", "18000", "--haproxy-metrics-port", "19101", "--haproxy-stats-
 
 
 def _cfg(argv: list[str]) -> Any:
-    from pdserve.cluster.cli import _settings, build_parser
+    from pdserve.cluster.cli import build_parser, settings_from_flags
     from pdserve.cluster.serve_config import serve_config
 
-    return serve_config(_settings(build_parser().parse_args(["serve", "--model", "/m", *argv])))
+    return serve_config(settings_from_flags(build_parser().parse_args(["serve", "--model", "/m", *argv])))
 
 
 def test_the_flags_move_every_port_and_the_haproxy_files() -> None:

@@ -138,13 +138,14 @@ def test_the_flag_and_the_serve_yaml_set_the_same_stall_timeout(monkeypatch: pyt
     import importlib
     from pathlib import Path
 
-    from pdserve.cluster.cli import _settings, build_parser
+    from pdserve.cluster.cli import build_parser, settings_from_flags
     from pdserve.cluster.serve_config import ServeConfig, serve_config
     from pdserve.workers.config import EngineConfig
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
     deploy = importlib.import_module("deploy.pdserve_app")
-    from_flags = serve_config(_settings(build_parser().parse_args(["serve", "--model", "/m", "--stall-timeout", "3"])))
+    argv = ["serve", "--model", "/m", "--stall-timeout", "3"]
+    from_flags = serve_config(settings_from_flags(build_parser().parse_args(argv)))
     assert from_flags == deploy.config_from_args({"model": "/m", "stall_timeout": 3})
     assert from_flags.stall_timeout == 3.0
     assert ServeConfig(EngineConfig("/m")).stall_timeout == 10.0  # the default the README gives
