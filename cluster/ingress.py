@@ -7,10 +7,15 @@ serve` starts Ray with, and the private directory its files live in.
   `RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S`: Serve's controller restarts its proxy
   (the HAProxy manager actor, which starts a new HAProxy) after 3 failed health
   checks in a row, 10 s apart by default, so a killed HAProxy left /health
-  unanswered ~31 s; here they run every 0.5 s (as often as the controller loops
-  on local Ray: RAY_SERVE_CONTROL_LOOP_INTERVAL_S). That is the fallback:
+  unanswered ~31 s; here they run every 1.5 s. That is the fallback:
   `pdserve serve` starts a dead HAProxy again itself, sooner
-  (cluster/ingress_watch.py; docs/reliability.md).
+  (cluster/ingress_watch.py; docs/reliability.md). The two must not race: a
+  replacement manager started while the watch's HAProxy comes up finds the ports
+  taken and fails, and Ray then kills the old manager with the watch's HAProxy
+  (/health back only after 16 s in one run, never in others). Under 32 streams on 2
+  cores the watch's restart reached the manager 2.8-3.4 s after the kill (the
+  actor call is slow on a saturated node); at 0.5 s apart Ray's 3 failures came
+  first.
 - What Ray has no knob for (cluster/ingress_config.py): Ray starts the binary
   `RAY_SERVE_HAPROXY_BINARY_PATH` names, here a wrapper that hardens the config
   Ray just wrote and execs the real HAProxy (same pid, same arguments).
@@ -33,7 +38,7 @@ from pdserve.cluster.ingress_config import IngressConfigError, IngressSettings
 
 WRAPPER_NAME = "pdserve-haproxy-wrapper"
 # Serve's controller's period between health checks of its proxy (3 failures in a row restart it).
-PROXY_HEALTH_CHECK_PERIOD_S = 0.5
+PROXY_HEALTH_CHECK_PERIOD_S = 1.5
 # Seconds past the request deadline before HAProxy drops a silent client (`timeout client`).
 CLIENT_TIMEOUT_MARGIN_S = 60
 # HAProxy wants 2.5 descriptors per connection (two sockets, and a pipe per 4 connections for

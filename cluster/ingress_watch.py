@@ -1,7 +1,7 @@
 """A dead HAProxy restarted in about a second, by `pdserve serve`'s own process.
 
 Ray Serve replaces a dead HAProxy by replacing its manager actor: 3 failed health
-checks (0.5 s apart here: cluster/ingress.py), then a new actor, a new worker
+checks (1.5 s apart here: cluster/ingress.py), then a new actor, a new worker
 process, its imports, HAProxy. On a loaded 2-core machine the new actor alone took
 7.4 s to start, and /health was back only 10.9 s after a SIGKILL once. This watch
 does not wait for that: a thread in the driver waits for the run's HAProxy

@@ -137,14 +137,9 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, s: Stream) -> Non
                     s.first_at = s.first_at or time.monotonic()
 
 
-# Known open problem (issue 46): in this test's setup (32 streams of 1900 tokens, colocated), 4
-# of 5 runs on 2026-12-02 (the fresh-clone CI's among them) never got /health back: every new
-# HAProxy, the watch's and Ray's replacement managers' alike, failed to bind its three ports
-# ("Address already in use") though none was listening a moment before. By hand, and in the
-# chaos matrix's (l), the same kill recovered in 1.1-4.2 s. Not strict: a pass is reported
-# (XPASS), and the rest of the suite is not held up by it until the cause is found.
-@pytest.mark.xfail(strict=False, reason="HAProxy's ports stay taken after its SIGKILL under this test's load "
-                                        "(Address already in use); cause not found, see the comment")
+# Once failed in 4 of 7 runs: the watch's restart reached the HAProxy manager after Serve's 3
+# failed health checks (0.5 s apart then), and the watch's HAProxy and Ray's replacement manager's
+# fought for the ports ("Address already in use"); cluster/ingress.py has the fix and the figures.
 def test_haproxy_sigkilled_under_load_is_back_within_10s_and_workers_go_idle(tmp_path: Path) -> None:
     with serving(tmp_path) as (proc, url, log):
         wait_healthy(proc, url, log)
