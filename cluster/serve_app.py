@@ -28,6 +28,7 @@ from pdserve.workers.cpu_lending import lending_dir
 from pdserve.workers.cpu_turns import turns_path
 
 if TYPE_CHECKING:
+    from pdserve.cluster.disagg_backend import DisaggregatedBackend
     from pdserve.cluster.gateway import GatewayConfig
     from pdserve.cluster.planner.role_loop import PlannerSettings
 
@@ -237,7 +238,8 @@ def _vocab_size(model_dir: str) -> int | None:
 def find_worker(name: str) -> Any | None:
     """The named worker's handle, or None while Ray knows no such actor (it is being
     created, or it died for good): a gateway starts with the workers that exist and
-    asks again for the others."""
+    asks again for the others. Untyped, as Ray's handles are: the backends take it for
+    the Protocol of its kind (cluster/worker_handle.py)."""
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
@@ -263,7 +265,7 @@ def _any_worker_info(cfg: ServeConfig, timeout_s: float = 120.0) -> WorkerInfo:
         time.sleep(1.0)
 
 
-def _disaggregated_backend(cfg: ServeConfig) -> Any:
+def _disaggregated_backend(cfg: ServeConfig) -> DisaggregatedBackend:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
     from pdserve.cluster.router import Router
     from pdserve.cluster.router.policy import RouterConfig
