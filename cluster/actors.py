@@ -35,7 +35,7 @@ from pdserve.workers.cpu_turns import node_cores
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
-from pdserve.workers.kv.event_log import EventCursor
+from pdserve.workers.kv.event_log import EventCursor, EventSlice
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.stats import EngineSnapshot
@@ -85,10 +85,13 @@ class _Service:
         if since is not None and not isinstance(since, EventCursor):
             raise ValueError(f"since: an EventCursor or None, got {type(since).__name__}")
 
-        def report(e: LLMEngine) -> LoadReport:
-            return self._report(e.snapshot(), KVEventBatch.of(self.name, e.kv.pool.read_events(since)))
+        def read(e: LLMEngine) -> tuple[EngineSnapshot, EventSlice]:
+            return e.snapshot(), e.kv.pool.read_events(since)
 
-        return await self.async_engine.call(report)
+        # The message is built (and checked) here, not on the engine thread: a snapshot
+        # of a big cache takes a while to check.
+        snapshot, events = await self.async_engine.call(read)
+        return self._report(snapshot, KVEventBatch.of(self.name, events))
 
     def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
         return LoadReport(snapshot, events, self.incarnation)

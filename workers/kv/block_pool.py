@@ -30,7 +30,9 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.parent_hash: list[int | None] = [None] * num_blocks  # of a cached block (its events carry it)
+        # A cached block's STORED event, kept for snapshots: building 100k events at once
+        # would hold the engine thread ~0.3 s; referencing them costs a list copy.
+        self._stored_event: dict[int, KVEvent] = {}  # block id -> it
         self.cached: dict[int, int] = {}  # block hash -> block id
         self._empty: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
@@ -91,10 +93,10 @@ class BlockPool:
         if block_hash in self.cached:
             return  # another block already holds the same content; keep that one
         self.block_hash[block] = block_hash
-        self.parent_hash[block] = parent_hash
         self.cached[block_hash] = block
+        event = self._stored_event[block] = KVEvent(KVEventKind.STORED, block_hash, parent_hash)
         if self.event_log is not None:
-            self.event_log.append(KVEvent(KVEventKind.STORED, block_hash, parent_hash))
+            self.event_log.append(event)
 
     def reset_cache(self) -> None:
         """Forget every unreferenced cached block (e.g. after weights change)."""
@@ -107,9 +109,8 @@ class BlockPool:
         """Every cached block as the STORED event that announced it: unreferenced ones
         first, least recently used first (the order this pool evicts them), then the
         referenced ones. A router that applies them in order keeps the same LRU order."""
-        evictable = (self._stored(block) for block in self._evictable)
-        referenced = (self._stored(block) for block in self.cached.values() if self.ref_counts[block] > 0)
-        return (*evictable, *referenced)
+        stored, refs = self._stored_event, self.ref_counts
+        return (*[stored[b] for b in self._evictable], *[stored[b] for b in self.cached.values() if refs[b] > 0])
 
     def read_events(self, since: EventCursor | None) -> EventSlice:
         """The events after `since` if the log holds them all, else a snapshot
@@ -135,11 +136,6 @@ class BlockPool:
         if block_hash is not None:
             del self.cached[block_hash]
             self.block_hash[block] = None
-            self.parent_hash[block] = None
+            del self._stored_event[block]
             if self.event_log is not None:
                 self.event_log.append(KVEvent(KVEventKind.REMOVED, block_hash))
-
-    def _stored(self, block: int) -> KVEvent:
-        block_hash = self.block_hash[block]
-        assert block_hash is not None, f"KV block {block} is not cached"
-        return KVEvent(KVEventKind.STORED, block_hash, self.parent_hash[block])
