@@ -31,9 +31,13 @@ from pdserve.workers.kv.events import KVEvent
 
 # Events a worker keeps for readers that fell behind. A reader polls every 0.25 s; a
 # GPU worker that prefills ~50k tokens/s in 16-token blocks stores and evicts ~6k
-# blocks/s, so this covers a poll or two of it; a reader further behind takes a
-# snapshot (a few MB for a pool of ~100k blocks), which costs only time.
-DEFAULT_CAPACITY = 4096
+# blocks/s, so this covers ~3 s of that. A reader further behind takes a snapshot:
+# ~4 MB pickled for 100k cached blocks, which took ~0.4 s to pickle and as long to
+# read back on a loaded 2-core machine. The log must outlast that round trip with a
+# margin, or a reader behind would fall behind again by the time its snapshot is
+# applied, and live on snapshots. Its memory: ~140 bytes a REMOVED event (tracemalloc;
+# a STORED one is the pool's own), ~2.3 MB at most.
+DEFAULT_CAPACITY = 16384
 
 
 @dataclass(frozen=True)
