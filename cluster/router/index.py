@@ -38,8 +38,8 @@ class PrefixIndex:
     """Per-worker sets of cached block hashes with a reverse map; not thread-safe.
 
     The owner (the `Router`) calls `apply_events` with each worker's events in
-    the order the worker emitted them, and `remove_worker` when a worker leaves
-    or restarts (a restarted worker's cache is empty). `match` never blocks.
+    the order the worker emitted them, `replace_worker` with a snapshot of its
+    cache, and `remove_worker` when what it caches is unknown. `match` never blocks.
     """
 
     def __init__(
