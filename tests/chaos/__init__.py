@@ -9,7 +9,7 @@ workers/fault_seam.py). Its modules:
 - `procs`: what it reads of processes from /proc, and the links it cuts;
 - `load`: the probes (prompts with known greedy answers) and the streaming load;
 - `leaks`: what the workers still hold after the drain;
-- `scenarios`: the scenarios (a)-(i) and the matrix they make.
+- `scenarios`: the scenarios (a)-(m) and the matrix they make.
 
 The CI subset is test_chaos.py beside it; bench/chaos.py runs the whole matrix
 (it puts tests/ on sys.path, as pytest's conftest does, and imports `chaos`).

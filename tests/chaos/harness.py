@@ -60,7 +60,8 @@ from pdserve.cluster.reports import DrainState
 from pdserve.workers.fault_seam import FAULT_INJECTION_ENV
 
 NAMESPACE = "pdserve"  # cluster/serve_app.py's (not imported: that pulls Ray Serve into every user of this module)
-GATEWAY_TITLE = "ray::ServeReplica:pdserve:pdserve-gateway"  # the gateway replica's process title
+GATEWAY_DEPLOYMENT = "pdserve-gateway"  # cluster/serve_app.py's
+GATEWAY_TITLE = f"ray::ServeReplica:{NAMESPACE}:{GATEWAY_DEPLOYMENT}"  # a gateway replica's process title
 
 # How long a worker's drain may take after the load: a gateway's orphans are
 # aborted GATEWAY_GONE_S (10 s) after its link went down, looked at every 0.5 s.
@@ -244,8 +245,13 @@ class Server:
         """The server's processes whose command line starts with `title`."""
         return [pid for pid in self.pids() if cmdline(pid).startswith(title)]
 
+    def gateway_pids(self) -> list[int]:
+        """The gateway replicas' processes (one per --gateway-replicas)."""
+        return self.find(GATEWAY_TITLE)
+
     def gateway_pid(self) -> int | None:
-        found = self.find(GATEWAY_TITLE)
+        """The first gateway replica's process (the only one, unless --gateway-replicas)."""
+        found = self.gateway_pids()
         return found[0] if found else None
 
     def session_dir(self) -> Path | None:
@@ -379,6 +385,26 @@ class RayView:
                 out[name] = self.ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
         return out
 
+    def gateway_ranks(self, timeout_s: float = 10.0) -> dict[int, int]:
+        """pid -> Serve replica rank of each gateway replica that answers (asked in the
+        replica: the rank is what its responses' x-pdserve-replica says)."""
+        refs = []
+        for actor in self.ray.util.list_named_actors(all_namespaces=True):
+            if f"#{GATEWAY_DEPLOYMENT}#" in actor["name"]:
+                with contextlib.suppress(Exception):
+                    h = self.ray.get_actor(actor["name"], namespace=actor["namespace"])
+                    refs.append(h.__ray_call__.remote(_replica_rank))
+        out: dict[int, int] = {}
+        deadline = time.monotonic() + timeout_s
+        for ref in refs:
+            try:
+                pid, rank = self.ray.get(ref, timeout=max(0.01, deadline - time.monotonic()))
+                out[pid] = rank
+            except Exception:  # noqa: BLE001 - a replica dead or starting: not one that serves
+                with contextlib.suppress(Exception):
+                    self.ray.cancel(ref)
+        return out
+
     def call(self, name: str, method: str, *args: Any, timeout_s: float = 10.0) -> Any:
         h = self.handle(name)
         if h is None:
@@ -391,6 +417,13 @@ def _thread_names(_actor: object) -> list[str]:
     import threading
 
     return sorted(f"{t.name} [{type(t).__name__}]" for t in threading.enumerate())
+
+
+def _replica_rank(_actor: object) -> tuple[int, int]:
+    """(Runs in a gateway replica.) Its pid and its rank."""
+    from pdserve.cluster.serve_app import replica_rank
+
+    return os.getpid(), replica_rank()
 
 
 def _token_auth() -> None:
@@ -523,6 +556,9 @@ class Harness:
     log: Callable[[str], None] = print
     next_probe: int = 0
     extra_probes: dict[str, list[Probe]] = field(default_factory=dict)
+    # The last scenario's requests: its load's, and those after recovery (for its own checks).
+    load_results: list[Result] = field(default_factory=list)
+    after_results: list[Result] = field(default_factory=list)
 
     @classmethod
     def start(cls, opts: ServerOptions, log_dir: Path, probes: list[Probe], startup_timeout_s: float = 240.0,
@@ -632,7 +668,7 @@ class Harness:
     def run_fault(self, key: str, title: str, fault: Callable[[Load], Fault], load: Load, at_chunks: int,
                   restarted: bool = False, gateway_restart: bool = False, excuse: Excuse = never,
                   budget_s: float | None = None, after: int = 8, check: Check | None = None,
-                  migrate: bool = False) -> ScenarioResult:
+                  migrate: bool = False, ready: Callable[[], bool] | None = None) -> ScenarioResult:
         """The skeleton every scenario shares: baseline; `load` with `fault(load)` fired
         (in a thread) once `at_chunks` chunks streamed; the recovery watch from the
         fault's end (`restarted`: the fault's target must answer from a new process;
@@ -640,13 +676,14 @@ class Harness:
         leak checks; `after` requests that must all be ok. `excuse` says which
         non-ok requests had no survivor to serve them. `check(result, before, after)`
         adds the scenario's own checks. `migrate`: the target's requests in flight must
-        have moved (the gateway counted migrations)."""
+        have moved (the gateway counted migrations). `ready()`: the scenario's own sign
+        of recovery, which must hold too."""
         t0 = time.monotonic()
         res = ScenarioResult(key, title)
         self.wait_ready()
         before = self.snapshot()
         counters_before = self.server.counters()
-        gateway_before = self.server.gateway_pid()
+        gateway_before = frozenset(self.server.gateway_pids())
         budget = budget_s if budget_s is not None else recovery_budget(self.model_load_s)
         recovered: list[float] = []
         fault_box: list[Fault] = []
@@ -662,7 +699,7 @@ class Harness:
                 self.log(f"  [{key}] fault: {f.what} {f.target} (pid {f.pid}) {f.note}")
                 restarts = [f.target] if restarted else []
                 at = await asyncio.to_thread(self._watch_recovery, f, before.states, restarts, gateway_before,
-                                             gateway_restart, max(budget * 3, 60.0))
+                                             gateway_restart, max(budget * 3, 60.0), ready)
                 if at is not None:
                     recovered.append(at)
 
@@ -674,7 +711,7 @@ class Harness:
             await striker
             return results
 
-        results = asyncio.run(scenario())
+        results = self.load_results = asyncio.run(scenario())
         fault_ = fault_box[0]
         res.fault = fault_
         recovered_at = recovered[0] if recovered else None
@@ -698,8 +735,10 @@ class Harness:
         return res
 
     def after_recovery(self, res: ScenarioResult, n: int) -> None:
-        """`n` requests at once, after recovery: all must be ok (they reach the restarted worker too)."""
+        """`n` requests at once, after recovery: all must be ok (they reach the restarted worker
+        too); kept in `after_results` for the scenario's own checks."""
         post = self.load(Load(self.probes, requests=n, concurrency=n, offset=self.take(n)))
+        self.after_results = post
         res.after_total, res.after_ok = len(post), sum(r.outcome is Outcome.OK for r in post)
         for r in post:
             if r.outcome is not Outcome.OK:
@@ -729,10 +768,12 @@ class Harness:
                 res.notes.append(f"request {r.index}: {o.value} ({when} from the fault, {r.chunks} chunks) {r.detail}")
 
     def _watch_recovery(self, fault: Fault, before: dict[str, DrainState | None], restarts: Sequence[str],
-                        gateway_before: int | None, gateway_restart: bool, cap_s: float) -> float | None:
+                        gateway_before: frozenset[int], gateway_restart: bool, cap_s: float,
+                        ready: Callable[[], bool] | None = None) -> float | None:
         """time.monotonic() when the pool was back to size (every worker answering; those
-        in `restarts` from a new process; with `gateway_restart`, a new gateway replica)
-        and /health was 200 "ok"; None if not within `cap_s` of the fault's end."""
+        in `restarts` from a new process; as many gateway replicas as before, with
+        `gateway_restart` a new one among them), `ready()` held and /health was 200 "ok";
+        None if not within `cap_s` of the fault's end."""
         deadline = fault.ended + cap_s
         while time.monotonic() < deadline:
             states = self.view.states(self.names, timeout_s=2.0)
@@ -740,9 +781,9 @@ class Harness:
                 states[n] is not None and before[n] is not None
                 and states[n].incarnation != before[n].incarnation  # type: ignore[union-attr]
                 for n in restarts)
-            gw = self.server.gateway_pid()
-            gateway = gw is not None and (not gateway_restart or gw != gateway_before)
-            if workers and gateway:
+            gw = frozenset(self.server.gateway_pids())
+            gateway = len(gw) >= max(1, len(gateway_before)) and (not gateway_restart or not gw <= gateway_before)
+            if workers and gateway and (ready is None or ready()):
                 h = self.server.health(timeout_s=2.0)
                 if h is not None and h[0] == 200 and h[1].get("status") == "ok":
                     return time.monotonic()

@@ -1,6 +1,7 @@
 """The chaos harness's load: probes (prompts whose greedy completions the offline
 engine computed: the oracle) and `Load`, concurrent streaming clients over them, each
-request ending as one `Outcome` (see harness.py)."""
+request ending as one `Outcome` (see harness.py); `HealthWatch`, /health polled
+through a fault."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import asyncio
 import enum
 import json
 import random
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
@@ -20,6 +22,7 @@ import httpx
 # 5-9 of 16 greedy outputs of 96 tokens differed between batch 16 and batch 1 (compiled
 # or eager, packed linears or not), as vLLM's outputs do by default.
 EXACT_DTYPE = "float32"
+REPLICA_HEADER = "x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
 
 
 # --- probes and their oracle ---------------------------------------------------------
@@ -78,6 +81,7 @@ class Result:
     detail: str = ""
     first_chunk: float | None = None  # time.monotonic() of its first text chunk
     max_gap_s: float = 0.0  # its longest wait for a text chunk: from its send to the first, then between two
+    replica: str | None = None  # x-pdserve-replica: the gateway replica that answered (None: no answer came)
 
 
 @dataclass
@@ -101,6 +105,8 @@ class Load:
     long_streams: Sequence[Probe] = ()
     chunks: int = 0  # text chunks streamed so far (each one token or more), all requests
     on_chunk: Callable[[int], None] | None = None  # called with the running total
+    # The requests answered and not yet ended, by the gateway replica answering each (request index -> rank).
+    in_flight: dict[int, str | None] = field(default_factory=dict)
     _loop: asyncio.AbstractEventLoop | None = None
 
     def hang_up_now(self) -> None:
@@ -148,7 +154,8 @@ class Load:
         try:
             async with asyncio.timeout(self.deadline_s):
                 async with client.stream("POST", "/v1/completions", json=body) as r:
-                    res.status = r.status_code
+                    res.status, res.replica = r.status_code, r.headers.get(REPLICA_HEADER)
+                    self.in_flight[index] = res.replica
                     if r.status_code != 200:
                         raw = await r.aread()
                         res.outcome, res.detail = Outcome.ERROR, _error_text(raw)
@@ -206,7 +213,59 @@ class Load:
             res.outcome, res.detail = Outcome.WRONG, f"bad event: {e}"
         finally:
             res.ended = time.monotonic()
+            self.in_flight.pop(index, None)
         return res
+
+
+# --- /health, watched -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HealthSample:
+    at: float  # time.monotonic() of the send
+    status: int | None  # None: no answer (refused, reset, or past the timeout)
+    replica: str | None  # x-pdserve-replica of the answer
+    took_s: float
+    detail: str = ""
+
+
+class HealthWatch:
+    """GET /health every `every_s`, each on a connection of its own (as a load balancer's
+    probe: each is balanced anew over the gateway replicas), in a thread, from `start`
+    until `stop` or `max_s` after the start."""
+
+    def __init__(self, url: str, every_s: float = 0.1, timeout_s: float = 5.0, max_s: float = 600.0) -> None:
+        self.url, self.every_s, self.timeout_s, self.max_s = url, every_s, timeout_s, max_s
+        self.samples: list[HealthSample] = []
+        self._stop, self._first = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="health-watch", daemon=True)
+
+    def start(self, first_within_s: float = 10.0) -> HealthWatch:
+        """Start polling; return once the first answer (or failure) is in, or `first_within_s` passed."""
+        self._thread.start()
+        self._first.wait(first_within_s)
+        return self
+
+    def stop(self) -> list[HealthSample]:
+        self._stop.set()
+        self._thread.join(self.timeout_s + 1.0)
+        return list(self.samples)
+
+    def _run(self) -> None:
+        limits = httpx.Limits(max_keepalive_connections=0)
+        deadline = time.monotonic() + self.max_s
+        with httpx.Client(timeout=self.timeout_s, limits=limits, trust_env=False) as client:
+            while not self._stop.is_set() and time.monotonic() < deadline:
+                t = time.monotonic()
+                try:
+                    r = client.get(f"{self.url}/health")
+                    sample = HealthSample(t, r.status_code, r.headers.get(REPLICA_HEADER), time.monotonic() - t,
+                                          "" if r.status_code == 200 else r.text[:200])
+                except httpx.HTTPError as e:
+                    sample = HealthSample(t, None, None, time.monotonic() - t, f"{type(e).__name__}: {e}")
+                self.samples.append(sample)
+                self._first.set()
+                self._stop.wait(max(0.0, t + self.every_s - time.monotonic()))
 
 
 def _error_text(raw: bytes) -> str:

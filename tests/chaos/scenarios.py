@@ -1,6 +1,6 @@
-"""The chaos scenarios of issue 13 (a)-(i) and issue 46 (j), each a function of a running `Harness`
-(harness.py), and the matrix they make (bench/chaos.py prints it; test_chaos.py
-runs the CI subset).
+"""The chaos scenarios of issue 13 (a)-(i), issue 46 (j)-(l) and issue 47 (m), each a
+function of a running `Harness` (harness.py), and the matrix they make (bench/chaos.py
+prints it; test_chaos.py runs the CI subset).
 
 Every scenario runs streaming greedy load over fresh probe prompts, strikes a
 process the harness started (by pid) once the load has streamed `AT_CHUNKS`
@@ -21,6 +21,7 @@ import os
 import signal
 import subprocess
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from chaos.harness import (
     recovery_budget,
 )
 from chaos.leaks import Snapshot, leaks
-from chaos.load import Load, Outcome, Probe, Result, make_probes
+from chaos.load import HealthSample, HealthWatch, Load, Outcome, Probe, Result, make_probes
 from chaos.procs import alive, can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
 from pdserve.workers.fault_seam import WorkerFault
@@ -162,6 +163,124 @@ def gateway_killed(h: Harness) -> ScenarioResult:
                                   for i in range(ORPHANS)])
     return h.run_fault("c", "gateway replica SIGKILL", fault, load, AT_CHUNKS, gateway_restart=True,
                        excuse=before_recovery, check=orphans)
+
+
+# --- (m) one of two gateway replicas killed ------------------------------------------------
+
+REPLICA_CONCURRENCY = 16  # streams at once: several on each replica when one dies
+# Long streams beside the load, still running on the workers GATEWAY_GONE_S after the kill: the
+# dead replica's must be aborted there (orphans); the survivor's are hung up by their clients.
+REPLICA_ORPHANS = 6
+HEALTH_EVERY_S = 0.1
+HEALTH_LEAD_S = 0.5  # /health is watched from this long before the kill
+REPLICA_BUDGET_S = 30.0  # issue 47: the killed replica serves again "within seconds"
+
+
+@dataclass
+class _ReplicaKill:
+    """(m): which replica the fault killed (its rank, as responses name it) and when."""
+
+    rank: str | None = None
+    at: float = 0.0
+
+
+def replica_killed(h: Harness) -> ScenarioResult:
+    """Two gateway replicas (`--gateway-replicas 2`, HAProxy spreading connections over them);
+    SIGKILL the one with the most streams in flight (by pid; its rank asked in it). Every
+    stream is attributed to the replica that answered it (x-pdserve-replica). The dead
+    replica's streams are cut (dropped, excused); every other stream must complete exactly:
+    the survivor's, and those sent after the kill (HAProxy's `option redispatch` carries a
+    connection refused by the dead one to the live one). /health, polled every 0.1 s on a
+    fresh connection from just before the kill, must never be non-200. Long streams beside
+    the load: the dead replica's are still running on the workers when it dies, which must
+    abort them (their gateway is gone) and hold nothing after; the survivor's are hung up
+    by their clients after the kill. Serve starts another replica with the dead one's rank:
+    recovery is when it answers /health (within REPLICA_BUDGET_S), and it must serve some of
+    the requests after recovery."""
+    watch = HealthWatch(h.server.url, HEALTH_EVERY_S)
+    kill = _ReplicaKill()
+    orphan = Probe(tuple(range(100, 160)), ORPHAN_TOKENS, "")
+    load = _load(h, concurrency=REPLICA_CONCURRENCY, hang_up=asyncio.Event(),
+                 long_streams=[dataclasses.replace(orphan, prompt=(200 + i, *orphan.prompt))
+                               for i in range(REPLICA_ORPHANS)])
+    load.hang_up_if = lambda i: i < 0 and load.in_flight.get(i) != kill.rank
+    ranks = h.view.gateway_ranks()  # asked before the load: the answer takes seconds on a busy machine
+    if len(ranks) < 2:
+        raise RuntimeError(f"want 2 gateway replicas, found {ranks} (pid: rank)")
+
+    def fault(load: Load) -> Fault:
+        watch.start()
+        time.sleep(HEALTH_LEAD_S)
+        on = Counter(list(load.in_flight.values()))
+        rank = max(ranks.values(), key=lambda r: (on[str(r)], r))
+        pid = next(p for p, r in ranks.items() if r == rank)
+        kill.rank, kill.at = str(rank), time.monotonic()
+        h.server.send(pid, signal.SIGKILL)
+        load.hang_up_now()
+        in_flight = ", ".join(f"{on[str(r)]} on replica {r}" for r in sorted(ranks.values()))
+        return Fault("SIGKILL", f"gateway replica {rank}", pid, kill.at, kill.at,
+                     f"streams in flight (long ones too): {in_flight}", on[str(rank)])
+
+    def cut_with_it(r: Result, _fault: Fault, _recovered_at: float | None) -> bool:
+        """A request sent before the kill that the killed replica was answering (or that no
+        replica had answered yet: the live one would have by the end)."""
+        return r.outcome in (Outcome.DROPPED, Outcome.ERROR) and r.replica in (kill.rank, None) and r.started <= kill.at
+
+    def serves_again() -> bool:
+        """The dead replica's rank (a new process) answered /health after the kill."""
+        return kill.rank is not None and any(x.at > kill.at and x.replica == kill.rank for x in list(watch.samples))
+
+    def only_its_own(res: ScenarioResult, before: dict[str, DrainState | None],
+                     after: dict[str, DrainState | None]) -> None:
+        samples = watch.stop()
+        dead = kill.rank or "?"
+        _streams_by_replica(res, h.load_results, kill.at, dead)
+        _health_through(res, samples, kill.at, dead)
+        served = Counter(r.replica for r in h.after_results if r.outcome is Outcome.OK)
+        res.notes.append(f"after recovery, requests served by replica: {dict(sorted(served.items(), key=str))}")
+        if not served[dead]:
+            res.failures.append(f"the restarted replica {dead} served none of the {len(h.after_results)} "
+                                "requests after recovery")
+        aborted = sum(a.orphans_aborted - b.orphans_aborted for n, a in after.items()
+                      if a is not None and (b := before.get(n)) is not None and a.incarnation == b.incarnation)
+        res.notes.append(f"the workers counted {aborted} requests as orphans (orphans_aborted); the drain "
+                         "check: nothing left on any worker")
+
+    return h.run_fault("m", "one of two gateway replicas SIGKILL", fault, load, AT_CHUNKS, gateway_restart=True,
+                       excuse=cut_with_it, budget_s=REPLICA_BUDGET_S, check=only_its_own, ready=serves_again)
+
+
+def _streams_by_replica(res: ScenarioResult, results: list[Result], kill: float, dead: str) -> None:
+    """Notes the streams in flight at the kill by replica (the long ones apart); fails the
+    scenario when a replica had none of the load's (the kill then proved nothing)."""
+    at_kill = [r for r in results if r.started <= kill <= r.ended and r.replica is not None]
+    load = Counter(r.replica for r in at_kill if r.index >= 0)
+    longs = Counter(r.replica for r in at_kill if r.index < 0)
+    survivors = [r for r in at_kill if r.index >= 0 and r.replica != dead]
+    res.notes.append(f"streams in flight at the kill, by replica: {dict(sorted(load.items(), key=str))} "
+                     f"(long ones: {dict(sorted(longs.items(), key=str))}); of the survivor's "
+                     f"{len(survivors)}, {sum(r.outcome is Outcome.OK for r in survivors)} ok")
+    if not load[dead] or not survivors:
+        res.failures.append(f"streams in flight at the kill by replica {dict(load)}: want some on each "
+                            "(else the kill proved nothing)")
+
+
+def _health_through(res: ScenarioResult, samples: list[HealthSample], kill: float, dead: str) -> None:
+    """/health through the kill: every answer 200; when the dead replica's rank answered again."""
+    bad = [x for x in samples if x.status != 200]
+    back = next((x.at + x.took_s - kill for x in samples if x.at > kill and x.replica == dead), None)
+    slowest = max((x.took_s for x in samples), default=0.0)
+    res.notes.append(f"/health polled {len(samples)} times from {samples[0].at - kill:+.2f} s to "
+                     f"{samples[-1].at - kill:+.1f} s of the kill, slowest {slowest:.2f} s; {len(bad)} not 200"
+                     if samples else "/health: no sample")
+    for x in bad[:5]:
+        res.notes.append(f"/health sent at {x.at - kill:+.2f} s of the kill, {x.took_s:.2f} s: {x.status} {x.detail}")
+    if bad:
+        res.failures.append(f"/health not 200 {len(bad)} times (first at {bad[0].at - kill:+.2f} s of the kill)")
+    if back is None:
+        res.failures.append(f"replica {dead} never answered /health again")
+    else:
+        res.notes.append(f"replica {dead} (a new process) answered /health {back:.1f} s after the kill")
 
 
 # --- (l) the ingress (HAProxy) killed ----------------------------------------------------
@@ -485,6 +604,7 @@ def _describe(pids: list[int]) -> str:
 
 ONE_DECODE = "1p1d"
 TWO_DECODE = "1p2d"
+TWO_GATEWAYS = "1p2d2g"  # TWO_DECODE's workers behind two gateway replicas
 OWN = "own"  # a server of its own (killed)
 
 
@@ -504,6 +624,7 @@ SCENARIOS = [
     Scenario("b2", "prefill worker SIGKILL mid-transfer", TWO_DECODE, prefill_killed_mid_transfer, AFTER),
     Scenario("c", "gateway replica SIGKILL", TWO_DECODE, gateway_killed),
     Scenario("l", "HAProxy ingress SIGKILL", TWO_DECODE, ingress_killed),
+    Scenario("m", "one of two gateway replicas SIGKILL", TWO_GATEWAYS, replica_killed),
     Scenario("d", f"decode worker SIGSTOP {STOP_S:g} s + SIGCONT", TWO_DECODE, decode_stopped),
     Scenario("e", "decode engine-thread crash (injected)", TWO_DECODE, engine_crash),
     Scenario("f", "only prefill worker SIGKILL", TWO_DECODE, only_prefill_killed),
@@ -522,7 +643,8 @@ WARM_UP = 16
 
 
 def server_options(model: str, which: str) -> ServerOptions:
-    return ServerOptions(model, prefill=1, decode=1 if which == ONE_DECODE else 2)
+    extra = ("--gateway-replicas", "2") if which == TWO_GATEWAYS else ()
+    return ServerOptions(model, prefill=1, decode=1 if which == ONE_DECODE else 2, extra=extra)
 
 
 def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], None] = print,
@@ -530,7 +652,7 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
     """Run the scenarios `keys` (in SCENARIOS order), one harness per server kind."""
     chosen = [s for s in SCENARIOS if s.key in keys]
     results: list[ScenarioResult] = []
-    for which in (TWO_DECODE, ONE_DECODE, OWN):
+    for which in (TWO_DECODE, TWO_GATEWAYS, ONE_DECODE, OWN):
         group = [s for s in chosen if s.server == which]
         if not group:
             continue
@@ -540,7 +662,7 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
         for s in group if which == OWN else [None]:
             opts = server_options(model, which if which != OWN else TWO_DECODE)
             sub = log_dir / (which if s is None else f"own-{s.key}")
-            log(f"[{which}] starting pdserve serve ({opts.prefill}P+{opts.decode}D) ...")
+            log(f"[{which}] starting pdserve serve ({opts.prefill}P+{opts.decode}D {' '.join(opts.extra)}) ...")
             h = Harness.start(opts, sub, probes, log=log)
             try:
                 for sc in group if s is None else [s]:
