@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import os
 import queue
 import threading
@@ -40,6 +39,7 @@ FAKE_TOKEN_ID = 42
 FAKE_TEXT = " tok"
 MAX_MODEL_LEN = 4096  # what `info` reports: the gateway bounds prompts and max_tokens by it
 _IDLE_WAIT_S = 0.5  # the loop's wait for a command while nothing runs (then it checks for stop)
+_GONE_CHECK_S = 1.0  # how often the loop looks for gateways gone (a replica deleted between runs)
 
 
 @dataclass(eq=False)
@@ -101,9 +101,12 @@ class FakeEngine:
         self._publisher.watch(run.req.reply_to)
 
     def _run(self) -> None:
-        next_step = time.monotonic()
+        next_step = next_gone_check = time.monotonic()
         while not self._stop.is_set():
             self._drain_commands(block=not self._running)
+            if time.monotonic() >= next_gone_check:  # as the real engine loop: its socket closed, its requests ended
+                next_gone_check = time.monotonic() + _GONE_CHECK_S
+                self._end_requests_of(set(self._publisher.gone()))
             if not self._running:
                 next_step = time.monotonic()
                 continue
@@ -147,6 +150,10 @@ class FakeEngine:
         for rid in lost & set(self._running):
             self._running.pop(rid).done(RuntimeError(f"{rid}: its gateway stopped reading tokens"))
 
+    def _end_requests_of(self, gateways: set[str]) -> None:
+        for rid in [rid for rid, run in self._running.items() if run.req.reply_to in gateways]:
+            self._running.pop(rid).done(RuntimeError(f"{rid}: its gateway is gone"))
+
 
 class FakeWorker:
     """The actor: what the colocated gateway backend asks of a worker, answered by a `FakeEngine`."""
@@ -174,7 +181,10 @@ class FakeWorker:
             else:
                 ended.set_result(None)
 
-        self.engine.submit(req, lambda error: loop.call_soon_threadsafe(settle, error))
+        def done(error: BaseException | None) -> None:  # on the fake engine thread
+            loop.call_soon_threadsafe(settle, error)
+
+        self.engine.submit(req, done)
         try:
             async with asyncio.timeout(req.timeout_s):
                 await ended
@@ -206,12 +216,8 @@ class FakeWorker:
 
 
 def _no_events(worker_id: str) -> KVEventBatch:
-    """An empty cache-event batch, in the form this tree's KVEventBatch has: a numbered
-    batch, or (since the event log) an empty snapshot, which a reader takes as "caches nothing"."""
-    if "log_id" in {f.name for f in dataclasses.fields(KVEventBatch)}:
-        return KVEventBatch(worker_id=worker_id, log_id="", first_seq=0, next_seq=0,  # type: ignore[call-arg]
-                            snapshot=True, events=())
-    return KVEventBatch(worker_id=worker_id, batch_seq=0, events=())  # type: ignore[call-arg]
+    """An empty snapshot of the prefix cache: a worker that keeps no event log ("") and caches nothing."""
+    return KVEventBatch(worker_id=worker_id, log_id="", first_seq=0, next_seq=0, snapshot=True, events=())
 
 
 FakeWorkerActor = ray.remote(FakeWorker)

@@ -4,6 +4,7 @@ streams through the real gateway exactly what the fakes made."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -20,7 +21,7 @@ from pdserve.workers.sampling_params import SamplingParams
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
-from fake_worker import FAKE_TEXT, FakeEngine  # noqa: E402 - bench/ is not a package
+from fake_worker import FAKE_TEXT, FakeEngine, FakeWorker  # noqa: E402 - bench/ is not a package
 
 
 def test_fake_engine_sends_each_running_request_a_token_a_step() -> None:
@@ -57,6 +58,36 @@ def test_fake_engine_sends_each_running_request_a_token_a_step() -> None:
         assert [d.offset for d in deltas] == list(range(8))
         assert "".join(d.text for d in deltas) == FAKE_TEXT * 8
         assert [d.finish_reason for d in deltas] == [None] * 7 + ["length"]
+
+
+def test_fake_worker_abort_ends_its_call_and_reports_idle() -> None:
+    """What the gateway calls besides serve: abort ends the call (and the tokens); load, drain_state
+    and metrics answer as an idle worker's."""
+    pull = zmq.Context.instance().socket(zmq.PULL)
+    pull.setsockopt(zmq.LINGER, 0)
+    address = f"tcp://127.0.0.1:{pull.bind_to_random_port('tcp://127.0.0.1')}"
+    worker = FakeWorker("fake", step_ms=5)
+
+    async def run() -> BaseException | None:
+        call = asyncio.ensure_future(worker.serve(ServeRequest("r", (1,), SamplingParams(max_tokens=10_000), 30.0,
+                                                               address)))
+        await asyncio.sleep(0.2)
+        assert (await worker.drain_state()).jobs == 1
+        await worker.abort("r", 0)
+        try:
+            await asyncio.wait_for(call, 10)
+        except RuntimeError as e:
+            return e
+        return None
+
+    try:
+        assert "aborted" in str(asyncio.run(run()))
+        assert asyncio.run(worker.drain_state()).drained
+        assert asyncio.run(worker.load()).snapshot.running == 0 and asyncio.run(worker.metrics()) == b""
+        assert 0 < worker.engine.tokens < 10_000
+    finally:
+        worker.close()
+        pull.close()
 
 
 @pytest.mark.slow
