@@ -97,9 +97,14 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         print("end", flush=True)
         text, sample_tokens = await _one_text(session, url, body)
-    return {"wall_s": wall, "records": [dataclasses.asdict(r) | {"itl": len(r.itl)} for r in records],
+    return {"wall_s": wall, "records": [_without_itl(dataclasses.asdict(r)) for r in records],
             "warm_failed": sum(not r.success for r in warm), "sample_text": text,
             "tokens_received": sum(r.output_tokens for r in warm + records) + sample_tokens}
+
+
+def _without_itl(record: dict[str, Any]) -> dict[str, Any]:
+    """A record without its gaps between chunks (the JSON would hold every one)."""
+    return {k: v for k, v in record.items() if k != "itl"}
 
 
 async def _one_text(session: Any, url: str, body: Any) -> tuple[str, int]:
@@ -108,9 +113,9 @@ async def _one_text(session: Any, url: str, body: Any) -> tuple[str, int]:
     text, tokens = "", 0
     async with asyncio.timeout(_REQUEST_TIMEOUT_S), session.post(url, json=body) as r:
         async for line in r.content:
-            data = line.strip().removeprefix(b"data:").strip()
             if not line.startswith(b"data:"):
                 continue
+            data = line.removeprefix(b"data:").strip()
             if data == b"[DONE]":
                 return text, tokens
             event = json.loads(data)
