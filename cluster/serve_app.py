@@ -43,6 +43,13 @@ NAMESPACE = "pdserve"
 # when its processes start, so they must be in the environment of `ray start`
 # (or of the process whose ray.init starts local Ray).
 HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+# HAProxy sends a request to another gateway replica when the one it chose closed the connection
+# without a byte of response (empty-response), not only when the connection failed (Ray's
+# default). A SIGKILLed replica's sockets stay open while its process is torn down (0.2-0.8 s on 2
+# busy cores): what HAProxy sent it then, or had sent it just before, was lost, /health included
+# (docs/reliability.md, (m)). A response already begun (a stream) is never sent again; a request
+# that itself kills its replica would be tried on up to 3 (HAProxy's `retries`).
+HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 # Local Ray only: the gateway replica's drain on shutdown waits (30 s by
 # default) for load balancers on other nodes to stop sending; here there are none.
 # RAY_worker_niceness: Ray starts every worker process (the engines, the gateway replica, and
@@ -295,7 +302,7 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
     """ray.init (local Ray, or RAY_ADDRESS) with the environment `cfg.ingress` needs.
     A cluster that is already running keeps the ingress it was started with."""
     if cfg.ingress is Ingress.HAPROXY:
-        for key, value in HAPROXY_ENV.items():
+        for key, value in (HAPROXY_ENV | HAPROXY_RETRY_ENV).items():
             os.environ.setdefault(key, value)
     else:
         for key in HAPROXY_ENV:
