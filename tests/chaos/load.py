@@ -100,9 +100,10 @@ class Load:
     # (h): these requests hang up at the first chunk after `hang_up` is set.
     hang_up_if: Callable[[int], bool] | None = None
     hang_up: asyncio.Event | None = None
-    # Extra streams started with the load and not checked against a probe (they are
-    # expected to be cut: (c)'s long streams, still running when the gateway dies).
+    # Extra streams started with the load, not checked against a probe unless `check_long`
+    # ((c)'s are expected to be cut: still running when the gateway dies).
     long_streams: Sequence[Probe] = ()
+    check_long: bool = False  # hold the long streams to their probes' text too (probes with an oracle)
     chunks: int = 0  # text chunks streamed so far (each one token or more), all requests
     on_chunk: Callable[[int], None] | None = None  # called with the running total
     # The requests answered and not yet ended, by the gateway replica answering each (request index -> rank).
@@ -136,7 +137,7 @@ class Load:
                     if res.outcome in (Outcome.ERROR, Outcome.DROPPED):
                         await asyncio.sleep(self.pause_after_error_s)
 
-            longs = [asyncio.create_task(self.one(client, -1 - j, -1, probe, check=False))
+            longs = [asyncio.create_task(self.one(client, -1 - j, -1, probe, check=self.check_long))
                      for j, probe in enumerate(self.long_streams)]
             await asyncio.gather(*(worker() for _ in range(self.concurrency)))
             results += await asyncio.gather(*longs)
