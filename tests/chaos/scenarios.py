@@ -189,8 +189,8 @@ def replica_killed(h: Harness) -> ScenarioResult:
     SIGKILL the one with the most streams in flight (by pid; its rank asked in it). Every
     stream is attributed to the replica that answered it (x-pdserve-replica). The dead
     replica's streams are cut (dropped, excused); every other stream must complete exactly:
-    the survivor's, and those sent after the kill (HAProxy's `option redispatch` carries a
-    connection refused by the dead one to the live one). /health, polled every 0.1 s on a
+    the survivor's, and those sent after the kill (HAProxy sends one the dead replica refused,
+    or closed unanswered, to the live one: cluster/serve_app.py's HAPROXY_RETRY_ENV). /health, polled every 0.1 s on a
     fresh connection from before the load until the checks, must never be non-200. Long streams
     beside the load are surely mid-way on the server at the kill (the client's clock lags the
     server's on a busy machine: a short stream it still reads may be done there): the dead
@@ -242,8 +242,11 @@ def replica_killed(h: Harness) -> ScenarioResult:
                          "check: nothing left on any worker")
 
     watch.start()  # from before the load: a first answer can take seconds on a busy machine
-    return h.run_fault("m", "one of two gateway replicas SIGKILL", fault, load, AT_CHUNKS, gateway_restart=True,
-                       excuse=cut_with_it, budget_s=REPLICA_BUDGET_S, check=only_its_own, ready=serves_again)
+    try:
+        return h.run_fault("m", "one of two gateway replicas SIGKILL", fault, load, AT_CHUNKS, gateway_restart=True,
+                           excuse=cut_with_it, budget_s=REPLICA_BUDGET_S, check=only_its_own, ready=serves_again)
+    finally:
+        watch.stop()
 
 
 def _streams_by_replica(res: ScenarioResult, results: list[Result], kill: float, dead: str) -> None:
