@@ -661,7 +661,7 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
         for s in group if which == OWN else [None]:
             opts = server_options(model, which if which != OWN else TWO_DECODE)
             sub = log_dir / (which if s is None else f"own-{s.key}")
-            log(f"[{which}] starting pdserve serve ({opts.prefill}P+{opts.decode}D {' '.join(opts.extra)}) ...")
+            log(f"[{which}] starting pdserve serve ({' '.join([f'{opts.prefill}P+{opts.decode}D', *opts.extra])}) ...")
             h = Harness.start(opts, sub, probes, log=log)
             try:
                 for sc in group if s is None else [s]:
