@@ -34,8 +34,9 @@ import zmq.asyncio
 from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
-from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch, decode_as
+from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch
 from pdserve.workers.outputs import RequestOutput, merge_deltas
+from pdserve.workers.token_decode import decode_token_batch
 from pdserve.workers.token_stream import StreamLostError, from_delta
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -272,7 +273,7 @@ class TokenStreamCollector:
                                 "without the cluster secret, or another one", self.num_forged)
                 continue
             try:
-                batch = decode_as(parts[1], TokenDeltaBatch)
+                batch = decode_token_batch(parts[1])  # decode_as(..., TokenDeltaBatch), fast
             except ValueError as e:
                 self.num_rejected += 1
                 log.warning("token stream: dropped a bad message: %s", e)
