@@ -104,3 +104,17 @@ def test_a_usual_batch_takes_the_fast_path_and_equals_the_encoded_records() -> N
 def test_garbage_is_a_value_error(data: bytes) -> None:
     with pytest.raises(ValueError):
         decode_token_batch(data)
+
+
+USUAL = ["r1", 3, [5, 6], " x", None, None, None, 0, None, None, 0.25, None, 0]
+WRONG = [None, True, 1, -1, 2.5, "s", b"b", [1], ["s"], {"k": 1}]
+
+
+@pytest.mark.parametrize("field", range(len(USUAL)))
+def test_each_field_of_a_usual_delta_wrong_in_each_way_is_judged_as_the_generic_decode_judges(field: int) -> None:
+    for wrong in WRONG:
+        row = list(USUAL)
+        row[field] = wrong
+        data = msgpack.packb([int(MessageType.TOKEN_DELTA_BATCH), 5, {"worker_id": "w", "seq": 0, "deltas": [row]}])
+        assert _same(_outcome(decode_token_batch, data), _outcome(lambda d: decode_as(d, TokenDeltaBatch), data)), (
+            field, wrong)
