@@ -21,7 +21,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work
 from pdserve.cluster.http_guard import Guard, Keys, request_id
@@ -52,33 +52,13 @@ def build_app(gw: Gateway) -> FastAPI:
     # Added first, so inside the counter: the counter sees the guard's refusals too.
     app.add_middleware(Guard, keys=Keys(cfg.api_key, cfg.metrics_api_key), limits=cfg.limits,
                        on_refused=gw.metrics.refuse)
-    app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS)
-    app.add_middleware(ReplicaHeader, replica=cfg.replica)  # outermost: the guard's refusals are named too
+    # Outside the guard: its refusals are counted, and name the replica, too.
+    app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS,
+                       headers=((REPLICA_HEADER, str(cfg.replica).encode()),))
     _add_error_handlers(app, gw)
     _add_info_routes(app, gw)
     _add_generation_routes(app, gw)
     return app
-
-
-class ReplicaHeader:
-    """Names the gateway replica on every HTTP response: behind one port, HAProxy spreads
-    connections over the replicas, and a client (or the chaos harness) can then tell which
-    one served it. Pure ASGI: a streamed body passes through untouched."""
-
-    def __init__(self, app: ASGIApp, replica: int) -> None:
-        self.app, self.value = app, str(replica).encode()
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def named(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), (REPLICA_HEADER, self.value)]}
-            await send(message)
-
-        await self.app(scope, receive, named)
 
 
 def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
