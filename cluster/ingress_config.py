@@ -13,7 +13,9 @@ those), but none for these, which `harden` adds:
   connection open by trickling them) and `timeout http-keep-alive` (an idle
   connection between requests closes);
 - at most so many connections at once per client address (a stick table that
-  tracks `conn_cur` by source; one more is refused as it is accepted).
+  tracks `conn_cur` by source; one more is refused as it is accepted);
+- no retry of a POST a gateway replica closed without an answer (only GET and HEAD
+  are sent again: cluster/serve_app.py HAPROXY_RETRY_ENV).
 
 Every change is made at an exact line of the template as Ray 2.60 renders it; a
 line that is not there exactly once is an `IngressConfigError` naming it, so a
@@ -102,7 +104,11 @@ def harden(text: str, settings: IngressSettings) -> str:
         f"    # pdserve: at most {cap} connections at once per client address; one more is refused on accept",
         "    stick-table type ipv6 size 100k expire 60s store conn_cur",
         "    tcp-request connection track-sc0 src",
-        f"    tcp-request connection reject if {{ sc0_conn_cur gt {cap} }}"]))
+        f"    tcp-request connection reject if {{ sc0_conn_cur gt {cap} }}",
+        "    # pdserve: a request a dying gateway replica closed unanswered is sent to another",
+        "    # (retry-on empty-response, cluster/serve_app.py) only if it is a GET or HEAD: a POST may",
+        "    # be what killed the replica, and would then kill the next (the poison-pill rule)",
+        "    http-request disable-l7-retry if !METH_GET"]))
     m = _one(r"^frontend prometheus\n    bind :(\d+)$", text, "the metrics listener's bind line")
     text = _replace(text, m, f"frontend prometheus\n    bind {host}:{m.group(1)}")
     m = _one(r"^listen stats\n  bind \*:(\d+)$", text, "the stats listener's bind line")

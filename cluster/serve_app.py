@@ -47,8 +47,10 @@ HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED
 # without a byte of response (empty-response), not only when the connection failed (Ray's
 # default). A SIGKILLed replica's sockets stay open while its process is torn down (0.2-0.8 s on 2
 # busy cores): what HAProxy sent it then, or had sent it just before, was lost, /health included
-# (docs/reliability.md, (m)). A response already begun (a stream) is never sent again; a request
-# that itself kills its replica would be tried on up to 3 (HAProxy's `retries`).
+# (docs/reliability.md, (m)). A response already begun (a stream) is never sent again, nor is a
+# POST (cluster/ingress_config.py: `disable-l7-retry` unless GET or HEAD): a request that itself
+# killed its replica must not be tried on the next (the poison-pill rule); a POST in flight on a
+# dying replica fails with a 5xx, as a stream does.
 HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
 # Local Ray only: the gateway replica's drain on shutdown waits (30 s by
 # default) for load balancers on other nodes to stop sending; here there are none.

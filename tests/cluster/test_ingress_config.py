@@ -70,6 +70,7 @@ def test_rays_config_hardened_binds_socket_timeouts_and_per_client_cap(tmp_path:
     frontend = section(text, "frontend http_frontend")
     assert "    tcp-request connection track-sc0 src" in frontend.splitlines()
     assert "    tcp-request connection reject if { sc0_conn_cur gt 64 }" in frontend.splitlines()
+    assert "    http-request disable-l7-retry if !METH_GET" in frontend.splitlines()  # a POST is never re-sent
     assert harden(text, IngressSettings()) == text  # a second pass (a reload of the same file) changes nothing
 
 
