@@ -35,9 +35,9 @@ from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
 from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
 from pdserve.workers.messages import MAX_MESSAGE_BYTES, TokenDelta, TokenDeltaBatch
-from pdserve.workers.outputs import RequestOutput, merge_deltas
+from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.token_decode import decode_token_batch
-from pdserve.workers.token_stream import StreamLostError, from_delta
+from pdserve.workers.token_stream import StreamLostError, from_deltas
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
 
@@ -62,9 +62,10 @@ class Retry:
 class _Open:
     prompt_token_ids: list[int]
     life: Lifecycle
-    queue: asyncio.Queue[RequestOutput | _RpcDone] = field(default_factory=asyncio.Queue)
+    # Deltas in offset order; the reader builds one output of those it takes at once (from_deltas).
+    queue: asyncio.Queue[TokenDelta | _RpcDone] = field(default_factory=asyncio.Queue)
     next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
-    held: list[tuple[int, RequestOutput]] = field(default_factory=list)  # deltas that came early
+    held: list[TokenDelta] = field(default_factory=list)  # deltas that came early
     attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
     # What was handed on (what the client has, or will as it reads): where a migrated try resumes.
     token_ids: list[int] = field(default_factory=list)
@@ -174,22 +175,24 @@ class TokenStreamCollector:
         then the tries' error if they failed. No timer here: `watch` bounds each try by
         the request's deadline, so the tries end (and say so on the queue) by then."""
         pending: _RpcDone | None = None  # met while merging: handled after that delta
-        item: RequestOutput | _RpcDone
+        item: TokenDelta | _RpcDone
         while True:
             if pending is not None:
                 item, pending = pending, None
             else:
                 item = await entry.queue.get()
-            if isinstance(item, RequestOutput):
+            if isinstance(item, TokenDelta):
                 # Behind? Everything queued goes out as one delta.
-                while not item.finished and not entry.queue.empty():
+                deltas = [item]
+                while item.finish_reason is None and not entry.queue.empty():
                     nxt = entry.queue.get_nowait()
-                    if not isinstance(nxt, RequestOutput):
+                    if not isinstance(nxt, TokenDelta):
                         pending = nxt
                         break
-                    item = merge_deltas(item, nxt)
-                yield item
-                if item.finished:
+                    deltas.append(item := nxt)
+                out = from_deltas(deltas, entry.prompt_token_ids)
+                yield out
+                if out.finished:
                     return
             elif item.error is not None:
                 raise item.error
@@ -319,17 +322,17 @@ class TokenStreamCollector:
             return
         if d.offset > entry.next_offset:
             self.num_out_of_order += 1
-            entry.held.append((d.offset, from_delta(d, entry.prompt_token_ids)))
+            entry.held.append(d)
             return
         if d.offset < entry.next_offset:
             self._repeat(entry, d)
             return
-        self._pass(entry, from_delta(d, entry.prompt_token_ids))
+        self._pass(entry, d)
         while True:  # the held deltas this one was waiting for, in the order they came
-            nxt = next((i for i, (offset, _) in enumerate(entry.held) if offset == entry.next_offset), None)
+            nxt = next((i for i, h in enumerate(entry.held) if h.offset == entry.next_offset), None)
             if nxt is None:
                 return
-            self._pass(entry, entry.held.pop(nxt)[1])
+            self._pass(entry, entry.held.pop(nxt))
 
     def _repeat(self, entry: _Open, d: TokenDelta) -> None:
         """Tokens handed on already, sent again: a worker recomputed them (a prefill worker
@@ -349,13 +352,12 @@ class TokenStreamCollector:
         entry.broken.set()
 
     @staticmethod
-    def _pass(entry: _Open, out: RequestOutput) -> None:
-        entry.queue.put_nowait(out)
-        if out.finished:
+    def _pass(entry: _Open, d: TokenDelta) -> None:
+        entry.queue.put_nowait(d)
+        if d.finish_reason is not None:
             entry.finished.set()
-        c = out.outputs[0]
-        entry.next_offset += len(c.token_ids)
-        entry.token_ids += c.token_ids
-        entry.chars += len(c.text)
-        if c.cumulative_logprob is not None:
-            entry.cumulative_logprob = c.cumulative_logprob
+        entry.next_offset += len(d.token_ids)
+        entry.token_ids += d.token_ids
+        entry.chars += len(d.text)
+        if d.cumulative_logprob is not None:
+            entry.cumulative_logprob = d.cumulative_logprob

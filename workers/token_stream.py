@@ -37,6 +37,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -113,6 +114,30 @@ def from_delta(d: TokenDelta, prompt_token_ids: list[int]) -> RequestOutput:
         dict(zip(e.token_ids, e.logprobs)) if e.token_ids else None for e in d.prompt_logprobs]
     return RequestOutput(d.request_id, None, prompt_token_ids, [c], d.finish_reason is not None, d.num_cached_tokens,
                          metrics, prompt_logprobs)
+
+
+def from_deltas(ds: Sequence[TokenDelta], prompt_token_ids: list[int]) -> RequestOutput:
+    """One DELTA output for consecutive deltas of one request, built once: what
+    `merge_deltas` of their `from_delta`s makes. Why: a gateway that fell behind a
+    stream takes every delta queued for it at once, and building (then merging) an
+    output per token was most of what a token cost it there (docs/performance.md,
+    "The front door")."""
+    if len(ds) == 1:
+        return from_delta(ds[0], prompt_token_ids)
+    last = ds[-1]
+    logprobs: list[dict[int, float]] | None = None
+    if any(d.logprobs is not None for d in ds):
+        logprobs = [dict(zip(e.token_ids, e.logprobs)) for d in ds for e in d.logprobs or ()]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    if any(d.prompt_logprobs is not None for d in ds):
+        prompt_logprobs = [dict(zip(e.token_ids, e.logprobs)) if e.token_ids else None
+                           for d in ds for e in d.prompt_logprobs or ()]
+    stop = last.stop_token if last.stop_token is not None else last.stop_string
+    c = CompletionOutput(0, "".join(d.text for d in ds), [t for d in ds for t in d.token_ids],
+                         last.cumulative_logprob, logprobs, last.finish_reason, stop)
+    metrics = {} if last.queue_time_s is None else {"queue_time_s": last.queue_time_s}
+    return RequestOutput(last.request_id, None, prompt_token_ids, [c], last.finish_reason is not None,
+                         last.num_cached_tokens, metrics, prompt_logprobs)
 
 
 class TokenStreamPublisher:

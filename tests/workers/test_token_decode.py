@@ -1,10 +1,13 @@
-"""The gateway's fast TokenDeltaBatch decode (workers/token_decode.py) against its oracle,
-the generic `messages.decode_as`: over generated wire messages, valid ones in every shape
-and ones with one field wrong, the two accept the same messages and decode them equal, and
-refuse the same ones with a ValueError."""
+"""The gateway's fast paths for the token stream against their oracles: the TokenDeltaBatch
+decode (workers/token_decode.py) against the generic `messages.decode_as` (over generated wire
+messages, valid ones in every shape and ones with one field wrong, the two accept the same
+messages and decode them equal, and refuse the same ones with a ValueError), and one output of
+several deltas (`from_deltas`) against their outputs merged one by one."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -13,8 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.workers.messages import MessageType, TokenDelta, TokenDeltaBatch, decode_as, encode
+from pdserve.workers.messages import MessageType, TokenDelta, TokenDeltaBatch, TokenLogprobs, decode_as, encode
+from pdserve.workers.outputs import merge_deltas
 from pdserve.workers.token_decode import decode_token_batch
+from pdserve.workers.token_stream import from_delta, from_deltas
 
 # msgpack holds integers in [-2**63, 2**64): the extremes of that, and small ones.
 INT = st.one_of(st.integers(-(2**63), 2**64 - 1), st.sampled_from([-(2**63), 2**64 - 1, 0, 1]))
@@ -118,3 +123,23 @@ def test_each_field_of_a_usual_delta_wrong_in_each_way_is_judged_as_the_generic_
         data = msgpack.packb([int(MessageType.TOKEN_DELTA_BATCH), 5, {"worker_id": "w", "seq": 0, "deltas": [row]}])
         assert _same(_outcome(decode_token_batch, data), _outcome(lambda d: decode_as(d, TokenDeltaBatch), data)), (
             field, wrong)
+
+
+LOGPROB_ENTRIES = st.lists(st.builds(lambda i, j: TokenLogprobs((i, j), (-0.5, -1.5)), st.integers(0, 99),
+                                     st.integers(0, 99)), max_size=2)
+DELTAS = st.lists(st.builds(
+    TokenDelta, st.just("r"), st.integers(0, 9), st.lists(st.integers(0, 99), max_size=3).map(tuple),
+    st.text(max_size=3), st.none(), st.one_of(st.none(), st.integers(0, 9)), st.one_of(st.none(), st.text(max_size=2)),
+    st.integers(0, 9), st.one_of(st.none(), st.floats(-9, 0)), st.one_of(st.none(), LOGPROB_ENTRIES.map(tuple)),
+    st.one_of(st.none(), st.floats(0, 1)),
+    st.one_of(st.none(), st.lists(st.sampled_from([TokenLogprobs((), ()), TokenLogprobs((7,), (-1.0,))]),
+                                  max_size=2).map(tuple)),
+), min_size=1, max_size=5)
+
+
+@settings(max_examples=300, deadline=None)
+@given(DELTAS, st.sampled_from([None, "stop", "length"]))
+def test_one_output_of_many_deltas_is_their_outputs_merged(deltas: list[TokenDelta], finish: str | None) -> None:
+    deltas[-1] = dataclasses.replace(deltas[-1], finish_reason=finish)
+    want = functools.reduce(merge_deltas, (from_delta(d, [1, 2]) for d in deltas))
+    assert from_deltas(deltas, [1, 2]) == want
