@@ -233,13 +233,29 @@ def _answer(s: socket.socket, timeout_s: float) -> bytes:
     return got
 
 
+def _wait_for_tracked(admin_sock: Path, count: int, deadline_s: float = 10) -> None:
+    """Until HAProxy's per-client table counts `count` connections from 127.0.0.1."""
+    deadline = time.monotonic() + deadline_s
+    table = ""
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(admin_sock))
+            s.sendall(b"show table http_frontend\n")
+            table = _answer(s, 5).decode()
+        if re.search(rf"key=::ffff:127\.0\.0\.1 .*\bconn_cur={count}\b", table):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"HAProxy did not count {count} connections within {deadline_s} s:\n{table}")
+
+
 def _refused(port: int) -> bool:
     """Whether a request on a new connection from 127.0.0.1 gets no answer: the
     connection reset (as it is made, or on the request) or closed at once."""
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.sendall(b"GET /-/routes HTTP/1.1\r\nHost: x\r\n\r\n")
-            return _answer(s, 5) == b""
+            s.sendall(b"GET /-/routes HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            return _answer(s, 5) == b""  # an answer, then a close: not refused
     except (ConnectionResetError, BrokenPipeError):
         return True
 
@@ -255,7 +271,9 @@ def test_real_haproxy_caps_each_client_and_times_out_slow_headers(tmp_path: Path
             assert not _connects("127.0.0.2", port)
         with contextlib.ExitStack() as stack:
             held = [stack.enter_context(socket.create_connection(("127.0.0.1", http), timeout=5)) for _ in range(3)]
-            time.sleep(0.1)  # HAProxy has accepted and tracked them
+            # HAProxy (4 threads) has accepted and counted all three: on a loaded machine a fixed
+            # sleep was not enough, and the fourth was counted before one of them (CI, af04be5).
+            _wait_for_tracked(tmp_path / "admin.sock", 3)
             assert _refused(http)  # a fourth: closed on accept, with no answer
             # Another client address is not held back by this one's connections.
             other = stack.enter_context(socket.create_connection(("127.0.0.1", http), timeout=5,
