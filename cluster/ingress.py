@@ -7,15 +7,11 @@ serve` starts Ray with, and the private directory its files live in.
   `RAY_SERVE_PROXY_HEALTH_CHECK_PERIOD_S`: Serve's controller restarts its proxy
   (the HAProxy manager actor, which starts a new HAProxy) after 3 failed health
   checks in a row, 10 s apart by default, so a killed HAProxy left /health
-  unanswered ~31 s; here they run every 1.5 s. That is the fallback:
-  `pdserve serve` starts a dead HAProxy again itself, sooner
-  (cluster/ingress_watch.py; docs/reliability.md). The two must not race: a
-  replacement manager started while the watch's HAProxy comes up finds the ports
-  taken and fails, and Ray then kills the old manager with the watch's HAProxy
-  (/health back only after 16 s in one run, never in others). Under 32 streams on 2
-  cores the watch's restart reached the manager 2.8-3.4 s after the kill (the
-  actor call is slow on a saturated node); at 0.5 s apart Ray's 3 failures came
-  first.
+  unanswered ~31 s; here they run every 1.5 s. That is the fallback: the manager
+  itself starts a dead HAProxy again within a second (cluster/haproxy_guard.py;
+  docs/reliability.md). The two must not race: a replacement manager started while
+  the guard's HAProxy comes up would find the ports taken; at 0.5 s apart, Ray's 3
+  failures once came before a slow restart.
 - What Ray has no knob for (cluster/ingress_config.py): Ray starts the binary
   `RAY_SERVE_HAPROXY_BINARY_PATH` names, here a wrapper that hardens the config
   Ray just wrote and execs the real HAProxy (same pid, same arguments).

@@ -343,7 +343,17 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     workers = start_workers(cfg)
     dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+    # A dead HAProxy started again within a second by its manager (cluster/haproxy_guard.py), not
+    # after Ray replaces the manager: the guard goes in as soon as the manager exists, before the
+    # app is up (/health can answer 200 seconds before serve.run returns on a loaded machine).
+    watch = (IngressWatch(ray.get_runtime_context().get_node_id()).start()
+             if local and block and cfg.ingress is Ingress.HAPROXY else None)
+    try:
+        serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+    except BaseException:
+        if watch is not None:
+            watch.stop()
+        raise
     cores = node_cores()  # before any pinning narrows this process's own
     # Only `pdserve serve`'s own process (block): a caller's process is not ours to pin.
     pins = pin_decode_cores(cfg, cores) if local and block else None
@@ -353,9 +363,6 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
-        # A dead HAProxy started again in about a second, not after Ray replaces its manager.
-        watch = (IngressWatch(cfg.port, ray.get_runtime_context().get_node_id()).start()
-                 if local and cfg.ingress is Ingress.HAPROXY else None)
         try:
             while True:
                 time.sleep(REFRESH_S if local else 3600)
@@ -363,7 +370,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
                     pins = pin_decode_cores(cfg, cores, pins)
         except KeyboardInterrupt:
             if watch is not None:
-                watch.stop()  # before Serve stops HAProxy, which it must not start again
+                watch.stop()  # its calls would only find a manager shutting down
             shutdown(cfg)
     return cfg  # with the worker count it decided
 

@@ -289,7 +289,7 @@ INGRESS_BUDGET_S = 10.0  # issue 46: /health 200 again within 10 s of HAProxy's 
 
 def ingress_killed(h: Harness) -> ScenarioResult:
     """SIGKILL every HAProxy process of the server (by pid); `pdserve serve` starts
-    another (cluster/ingress_watch.py; Ray Serve's controller is the fallback). Every stream
+    another (cluster/haproxy_guard.py; Ray Serve's controller is the fallback). Every stream
     through it is cut (dropped, excused, as are requests sent before /health answers
     again); the gateway sees each client go and aborts its request, so the workers hold
     nothing after (the drain check). Recovery within 10 s, not the model-load budget."""

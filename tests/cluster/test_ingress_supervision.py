@@ -137,15 +137,6 @@ async def _stream(client: httpx.AsyncClient, url: str, i: int, s: Stream) -> Non
                     s.first_at = s.first_at or time.monotonic()
 
 
-# Known open problem (issue 46). It failed in 4 of 7 runs: the watch's restart reached the HAProxy
-# manager after Serve's 3 failed health checks (0.5 s apart then), and the watch's HAProxy and
-# Ray's replacement manager's fought for the ports ("Address already in use"). With the fix in
-# cluster/ingress.py (the manager's handle cached, checks 1.5 s apart) it passed 4 of 4 by hand
-# (4.2-4.7 s), then failed in the fresh-clone CI of 2026-12-02 (17.0 s): the watch's HAProxy,
-# started in the old manager, again found its three ports taken, and Ray replaced the manager.
-# Not strict until the holder of the ports is known.
-@pytest.mark.xfail(strict=False, reason="HAProxy's ports can still be taken when the watch restarts it under this "
-                                        "test's load (Address already in use); see the comment")
 def test_haproxy_sigkilled_under_load_is_back_within_10s_and_workers_go_idle(tmp_path: Path) -> None:
     with serving(tmp_path) as (proc, url, log):
         wait_healthy(proc, url, log)
