@@ -58,12 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per replica count; the table has their medians")
     p.add_argument("--step-ms", type=float, default=0.0, help="the fakes' step period (0: back to back)")
     p.add_argument("--workers", type=int, default=1, help="fake workers")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the gateway's --stream-interval: tokens a chunk gathers after the first")
     p.add_argument("--json", type=Path, default=None, help="every run's figures and records")
     p.add_argument("--client", default=None, help=argparse.SUPPRESS)  # the client process: the gateway's URL
     a = p.parse_args(argv)
-    for name in ("concurrency", "tokens", "requests", "repeats", "workers"):
+    for name in ("concurrency", "tokens", "requests", "repeats", "workers", "stream_interval"):
         if getattr(a, name) < 1:
-            p.error(f"--{name}: must be >= 1")
+            p.error(f"--{name.replace('_', '-')}: must be >= 1")
     return a
 
 
@@ -144,7 +146,10 @@ def serve_cfg(a: argparse.Namespace) -> Any:
 
     ports = {name: _free_port() for name in ("port", "haproxy_metrics_port", "haproxy_stats_port",
                                               "haproxy_fallback_port")}
-    return serve_config({"model": a.model, "mode": "colocated", "workers": a.workers, "cpu_pinning": "off", **ports})
+    settings = {"model": a.model, "mode": "colocated", "workers": a.workers, "cpu_pinning": "off", **ports}
+    if a.stream_interval != 1:  # only when asked: a ServeConfig from before the setting has no such field
+        settings["stream_interval"] = a.stream_interval
+    return serve_config(settings)
 
 
 def with_replicas(cfg: Any, n: int) -> Any:

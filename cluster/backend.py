@@ -208,7 +208,8 @@ class TokenStreams:
     not healthy."""
 
     def __init__(self, bind_host: str | None, max_migrations: int = 2,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, secret: ClusterSecret | None = None) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, secret: ClusterSecret | None = None,
+                 stream_interval: int = 1) -> None:
         # Where workers reach this gateway: the kv_host setting, resolved on this
         # node when the collector is made (cluster/placement.py).
         self.bind_host = bind_host
@@ -216,12 +217,14 @@ class TokenStreams:
         self.worker_wait_s = worker_wait_s
         self.stats = MigrationStats()
         self._secret = secret  # the cluster's: workers sign their tokens with it (None: auth.default_secret())
+        self.stream_interval = stream_interval  # the collector's: tokens a chunk gathers (--stream-interval)
         self._collector: TokenStreamCollector | None = None
 
     @property
     def collector(self) -> TokenStreamCollector:
         if self._collector is None:
-            self._collector = TokenStreamCollector(bind_host(self.bind_host), secret=self._secret)
+            self._collector = TokenStreamCollector(bind_host(self.bind_host), secret=self._secret,
+                                                   stream_interval=self.stream_interval)
         return self._collector
 
     def reliability(self, health: Health) -> Reliability:
@@ -312,14 +315,15 @@ class ColocatedBackend:
     def __init__(self, workers: list[WorkerHandle | None], stream_host: str | None = "127.0.0.1",
                  names: list[str] | None = None, max_migrations: int = 2, retry_dead_s: float = 5.0,
                  lookup: Callable[[str], WorkerHandle | None] | None = None,
-                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None) -> None:
+                 worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None,
+                 stream_interval: int = 1) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
             raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
         self.names = names or [f"worker-{i}" for i in range(len(workers))]
-        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret, stream_interval)
         self.retry_dead_s = retry_dead_s
         self.lookup = lookup
         self._in_flight = [0] * len(workers)

@@ -321,6 +321,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--max-migrations", type=int, default=UNSET,
                    help="times a request moves to another worker when its worker dies, before it fails "
                         "(default 2; 0: never)")
+    g.add_argument("--stream-interval", type=int, default=UNSET,
+                   help="output tokens a streamed chunk gathers after the first (default 1: each as it comes; "
+                        "more costs the gateway less CPU a token, and the stream comes in bursts)")
     g.add_argument("--worker-wait", type=float, default=UNSET,
                    help="seconds a request under way waits for a worker when none can take it (the only one "
                         "restarting) before it fails (default 10; 0: no wait)")

@@ -110,18 +110,19 @@ class DisaggregatedBackend:
                  stream_host: str | None = "127.0.0.1", names: dict[str, str] | None = None,
                  lookup: Callable[[str], PoolWorkerHandle | None] | None = None, max_migrations: int = 2,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None,
-                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, restart: Restart = restart_actor) -> None:
+                 stall_timeout_s: float = DEFAULT_STALL_TIMEOUT_S, restart: Restart = restart_actor,
+                 stream_interval: int = 1) -> None:
         """`prefill`/`decode`: router worker id -> actor handle, or None for a worker
         not found (yet): `lookup(name)` is asked for it again at each poll (a
         gateway that starts while a worker is down). `names`: router worker id ->
         actor name (the `worker` label of its metrics; default the id). `cluster_secret`:
         the workers' (their token streams are signed with it). `stall_timeout_s`: a worker
         that holds work and makes no progress this long is given up and `restart`ed
-        (0: never)."""
+        (0: never). `stream_interval`: tokens a streamed chunk gathers after the first (the collector's)."""
         self.prefill, self.decode, self.router = prefill, decode, router
         self.names = names or {}
         self.lookup = lookup
-        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret)
+        self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret, stream_interval)
         self.poll_s = poll_s
         self.loads: dict[str, LoadReport] = {}
         self.events = WorkerEvents()

@@ -194,7 +194,7 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait,
-                                     cluster_secret=cfg.cluster_secret))
+                                     cluster_secret=cfg.cluster_secret, stream_interval=cfg.stream_interval))
     gateway = Gateway(backend, tokenizer, gw_cfg)
     gateway.drain_watch = DrainWatch(cfg.port, gateway.drain)  # a stop's drain: no new requests
     return build_app(gateway)
@@ -288,7 +288,7 @@ def _disaggregated_backend(cfg: ServeConfig) -> DisaggregatedBackend:
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_host, names=names,
                                 lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
                                 cluster_secret=cfg.cluster_secret, poll_s=cfg.load_poll_interval,
-                                stall_timeout_s=cfg.stall_timeout)
+                                stall_timeout_s=cfg.stall_timeout, stream_interval=cfg.stream_interval)
 
 
 def gateway_app(cfg: ServeConfig) -> serve.Application:

@@ -157,6 +157,10 @@ class ServeConfig:
     # Times a request moves to another worker after its worker died, before it
     # fails with one clean error.
     max_migrations: NonNegativeInt = 2
+    # Output tokens a streamed chunk gathers after the first (vLLM's and SGLang's --stream-interval):
+    # fewer chunks cost the gateway less CPU a token (docs/performance.md), at the price of
+    # burstier streams. 1: every token as it comes (a reader that is behind gets what queued).
+    stream_interval: PositiveInt = 1
     # Seconds a request under way waits for a worker when none can take it (its
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.

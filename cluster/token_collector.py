@@ -100,7 +100,9 @@ class TokenStreamCollector:
     for its own address, each publisher's numbers rising (module docstring)."""
 
     def __init__(self, bind_host: str = "127.0.0.1", final_grace_s: float = 5.0,
-                 secret: ClusterSecret | None = None) -> None:
+                 secret: ClusterSecret | None = None, stream_interval: int = 1) -> None:
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval: {stream_interval} must be at least 1")
         self._ctx = zmq.asyncio.Context.instance()
         self._secret = auth.resolve(secret)
         self._sock = self._ctx.socket(zmq.PULL)
@@ -111,6 +113,11 @@ class TokenStreamCollector:
         port = self._sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self.final_grace_s = final_grace_s
+        # Output tokens a reader gathers before it yields (the first output and the final one go at
+        # once): each yield is a chunk on the client's connection, and a chunk costs the gateway
+        # more than a token (docs/performance.md, "The front door"). vLLM's and SGLang's
+        # --stream-interval; 1, the default, hands on whatever came.
+        self.stream_interval = stream_interval
         self._open: dict[str, _Open] = {}
         self.num_rejected = 0  # messages that were not a valid TokenDeltaBatch
         self.num_out_of_order = 0  # deltas that overtook an earlier one of their request
@@ -147,7 +154,7 @@ class TokenStreamCollector:
         life.move(RequestState.ROUTED)
         exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
         try:
-            async with contextlib.aclosing(self._ordered(request_id, entry)) as ordered:
+            async with contextlib.aclosing(self._ordered(request_id, entry, self.stream_interval)) as ordered:
                 async for out in ordered:
                     if out.outputs[0].token_ids:
                         life.advance(RequestState.DECODING)
@@ -170,26 +177,36 @@ class TokenStreamCollector:
             life.end(exit)
 
     @staticmethod
-    async def _ordered(request_id: str, entry: _Open) -> AsyncGenerator[RequestOutput, None]:
-        """The entry's outputs until the final one (merged when the reader is behind),
-        then the tries' error if they failed. No timer here: `watch` bounds each try by
-        the request's deadline, so the tries end (and say so on the queue) by then."""
+    async def _ordered(request_id: str, entry: _Open, interval: int = 1) -> AsyncGenerator[RequestOutput, None]:
+        """The entry's outputs until the final one, then the tries' error if they failed.
+        Each output merges what is queued (a reader that is behind), and after the first
+        waits until it has `interval` tokens, its final delta, or the tries' end. No timer
+        here: `watch` bounds each try by the request's deadline, so the tries end (and say
+        so on the queue) by then."""
         pending: _RpcDone | None = None  # met while merging: handled after that delta
         item: TokenDelta | _RpcDone
+        first = True
         while True:
             if pending is not None:
                 item, pending = pending, None
             else:
                 item = await entry.queue.get()
             if isinstance(item, TokenDelta):
-                # Behind? Everything queued goes out as one delta.
                 deltas = [item]
-                while item.finish_reason is None and not entry.queue.empty():
-                    nxt = entry.queue.get_nowait()
+                tokens = len(item.token_ids)
+                while item.finish_reason is None:
+                    if not entry.queue.empty():
+                        nxt = entry.queue.get_nowait()
+                    elif first or tokens >= interval:
+                        break
+                    else:
+                        nxt = await entry.queue.get()
                     if not isinstance(nxt, TokenDelta):
                         pending = nxt
                         break
                     deltas.append(item := nxt)
+                    tokens += len(nxt.token_ids)
+                first = False
                 out = from_deltas(deltas, entry.prompt_token_ids)
                 yield out
                 if out.finished:

@@ -221,3 +221,46 @@ def test_tries_that_return_before_the_final_delta_are_an_error_not_a_hang() -> N
         await collector.close()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("interval", "chunks"), [
+    (1, [[10], [11], [12], [13], [14], [15], [16], [17], [18], [19]]),  # each token as it comes
+    (4, [[10], [11, 12, 13, 14], [15, 16, 17, 18], [19]]),  # the first at once, then 4, the final one early
+    (64, [[10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]),
+])
+def test_a_stream_interval_gathers_tokens_into_fewer_chunks_and_loses_none(interval: int,
+                                                                          chunks: list[list[int]]) -> None:
+    """A worker sends one token a step; with --stream-interval N the reader yields the first
+    token at once (time to first token unchanged), then N at a time, and the final delta as
+    soon as it comes: the same tokens and text, in order, in fewer chunks."""
+
+    async def run() -> list[RequestOutput]:
+        collector = TokenStreamCollector(stream_interval=interval)
+        collector.open("r", [1, 2], 10.0)
+        worker = TokenStreamPublisher("w")
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        consumer = asyncio.ensure_future(_consume(collector, "r", done))
+        for i in range(10):
+            finish = "length" if i == 9 else None
+            if finish:
+                done.set_result(None)  # the worker's call returns as it sends its last token
+            worker.add(collector.address, output("r", [10 + i], chr(97 + i), finish), i)
+            worker.flush()
+            await asyncio.sleep(0.02)  # a step: the reader is never behind
+        outs = await asyncio.wait_for(consumer, 10)
+        worker.close()
+        await collector.close()
+        return outs
+
+    outs = asyncio.run(run())
+    assert [o.outputs[0].token_ids for o in outs] == chunks
+    assert "".join(o.outputs[0].text for o in outs) == "abcdefghij"
+    assert [o.finished for o in outs] == [False] * (len(chunks) - 1) + [True]
+
+
+def test_a_stream_interval_below_one_is_refused() -> None:
+    async def run() -> None:
+        with pytest.raises(ValueError, match="stream_interval"):
+            TokenStreamCollector(stream_interval=0)
+
+    asyncio.run(run())
