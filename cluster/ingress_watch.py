@@ -8,6 +8,9 @@ whose health checks fail: then the new one gets a guard within `check_s`). It
 also reports what the guard did, so an operator reads in `pdserve serve`'s output
 that HAProxy was restarted. The calls here are off the restart's path: a slow
 one (the node saturated, the GCS at nice 19) delays nothing but this report.
+
+Local Ray only (serve_app.run starts it there): the HAProxy of a cluster `pdserve
+serve` joined is that cluster's, restarted by Ray's own path.
 """
 
 from __future__ import annotations
