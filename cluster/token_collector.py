@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections import deque
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,8 +63,14 @@ class Retry:
 class _Open:
     prompt_token_ids: list[int]
     life: Lifecycle
-    # Deltas in offset order; the reader builds one output of those it takes at once (from_deltas).
-    queue: asyncio.Queue[TokenDelta | _RpcDone] = field(default_factory=asyncio.Queue)
+    # Deltas in offset order (then, once, the tries' end); the reader takes all of them at once
+    # and builds one output (from_deltas). It is woken only when what it waits for is here
+    # (`_put`): with --stream-interval N, once per N tokens, not once per token.
+    queue: deque[TokenDelta | _RpcDone] = field(default_factory=deque)
+    queued_tokens: int = 0  # output tokens in `queue`
+    ends_queued: bool = False  # `queue` holds a final delta or the tries' end
+    wake_at: int = 0  # the reader's wait ends at this many queued tokens (0: at any item)
+    waiter: asyncio.Future[None] | None = None  # the reader's wait, while it waits
     next_offset: int = 0  # output tokens handed on so far: the offset the next delta must have
     held: list[TokenDelta] = field(default_factory=list)  # deltas that came early
     attempt: int = 0  # the try whose deltas are taken (ServeRequest.attempt)
@@ -150,7 +157,7 @@ class TokenStreamCollector:
         entry = self._open[request_id]
         life = entry.life
         rpc = asyncio.ensure_future(tries)
-        rpc.add_done_callback(lambda f: entry.queue.put_nowait(_RpcDone(None if f.cancelled() else f.exception())))
+        rpc.add_done_callback(lambda f: _put(entry, _RpcDone(None if f.cancelled() else f.exception())))
         life.move(RequestState.ROUTED)
         exit = Exit.ABORTED  # unless it ends below: the reader went away (client gone)
         try:
@@ -183,38 +190,37 @@ class TokenStreamCollector:
         waits until it has `interval` tokens, its final delta, or the tries' end. No timer
         here: `watch` bounds each try by the request's deadline, so the tries end (and say
         so on the queue) by then."""
-        pending: _RpcDone | None = None  # met while merging: handled after that delta
-        item: TokenDelta | _RpcDone
-        first = True
+        wake_at = 0  # the first output goes at once
         while True:
-            if pending is not None:
-                item, pending = pending, None
-            else:
-                item = await entry.queue.get()
-            if isinstance(item, TokenDelta):
-                deltas = [item]
-                tokens = len(item.token_ids)
-                while item.finish_reason is None:
-                    if not entry.queue.empty():
-                        nxt = entry.queue.get_nowait()
-                    elif first or tokens >= interval:
-                        break
-                    else:
-                        nxt = await entry.queue.get()
-                    if not isinstance(nxt, TokenDelta):
-                        pending = nxt
-                        break
-                    deltas.append(item := nxt)
-                    tokens += len(nxt.token_ids)
-                first = False
-                out = from_deltas(deltas, entry.prompt_token_ids)
-                yield out
-                if out.finished:
-                    return
-            elif item.error is not None:
-                raise item.error
-            else:  # `tries` broke its contract: it returned before the final delta was handed on
+            while not (entry.ends_queued or (entry.queue and entry.queued_tokens >= wake_at)):
+                entry.wake_at = wake_at
+                entry.waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await entry.waiter
+                finally:
+                    entry.waiter = None
+            items = list(entry.queue)
+            entry.queue.clear()
+            entry.queued_tokens, entry.ends_queued, wake_at = 0, False, interval
+            deltas: list[TokenDelta] = []
+            for item in items:
+                if isinstance(item, TokenDelta):
+                    deltas.append(item)
+                    if item.finish_reason is None:
+                        continue
+                if deltas:
+                    out = from_deltas(deltas, entry.prompt_token_ids)
+                    deltas = []
+                    yield out
+                    if out.finished:
+                        return
+                assert isinstance(item, _RpcDone)
+                if item.error is not None:
+                    raise item.error
+                # `tries` broke its contract: it returned before the final delta was handed on
                 raise RuntimeError(f"{request_id}: its tries returned before its final delta (await them via watch)")
+            if deltas:
+                yield from_deltas(deltas, entry.prompt_token_ids)
 
     async def watch(self, request_id: str, call: Awaitable[Any]) -> None:
         """Run one try's worker call and return once the try delivered every token:
@@ -370,7 +376,7 @@ class TokenStreamCollector:
 
     @staticmethod
     def _pass(entry: _Open, d: TokenDelta) -> None:
-        entry.queue.put_nowait(d)
+        _put(entry, d)
         if d.finish_reason is not None:
             entry.finished.set()
         entry.next_offset += len(d.token_ids)
@@ -378,3 +384,15 @@ class TokenStreamCollector:
         entry.chars += len(d.text)
         if d.cumulative_logprob is not None:
             entry.cumulative_logprob = d.cumulative_logprob
+
+
+def _put(entry: _Open, item: TokenDelta | _RpcDone) -> None:
+    """Queue `item` for the entry's reader, and wake the reader if it now has what it waits for."""
+    entry.queue.append(item)
+    if isinstance(item, TokenDelta) and item.finish_reason is None:
+        entry.queued_tokens += len(item.token_ids)
+    else:
+        entry.ends_queued = True
+    w = entry.waiter
+    if w is not None and not w.done() and (entry.ends_queued or entry.queued_tokens >= entry.wake_at):
+        w.set_result(None)
