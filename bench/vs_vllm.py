@@ -18,6 +18,9 @@ and name it with `--vllm-venv DIR` or the environment variable PDSERVE_VLLM_VENV
     sed -i 's/^Name: .*/Name: vllm/; s/^Version: .*/Version: 0.32.0+cpu/' "$SP/vllm-0.32.0.dist-info/METADATA"
     python bench/vs_vllm.py --model tiny --concurrency 16 --num-prompts 320
     python bench/vs_vllm.py --model <SmolLM2 dir> --concurrency 8 --num-prompts 48
+    # issue 47's bar: one colocated worker, served / the offline engine (vLLM's server idle beside it)
+    python bench/vs_vllm.py --model tiny --concurrency 16 --num-prompts 320 --repeats 3 \
+        --pdserve-arg=--mode --pdserve-arg=colocated --offline-threads 2
 
 `--pdserve-arg` passes flags to `pdserve serve` (default: its defaults, 1 prefill
 + 1 decode worker). Both servers are killed (their process groups) whatever happens.
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from served import PDSERVE, start, stop, wait_healthy
+from serving_profile import offline
 
 
 def parse_args() -> argparse.Namespace:
@@ -55,6 +59,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pdserve-env", action="append", default=[], metavar="KEY=VALUE",
                    help="an environment variable for pdserve's processes (its Ray workers inherit it)")
     p.add_argument("--kv-cache-gb", default="4", help="VLLM_CPU_KVCACHE_SPACE")
+    p.add_argument("--servers", default="vllm,pdserve",
+                   help="which servers to start and load (comma-separated; `pdserve` alone: no vLLM server)")
+    p.add_argument("--offline-threads", default="",
+                   help="also run pdserve's offline engine (LLM.generate, the same workload, max_num_seqs = "
+                        "concurrency) at these torch thread counts (comma-separated), after the served runs, "
+                        "and print served / offline")
     return p.parse_args()
 
 
@@ -152,29 +162,40 @@ def main() -> int:
     mdir = model_dir(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="vs-vllm-"))
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": a.kv_cache_gb}
-    servers: list[subprocess.Popen[bytes]] = []
-    runs: dict[str, list[dict[str, Any]]] = {"vllm": [], "pdserve": []}
+    names = [n for n in ("vllm", "pdserve") if n in a.servers.split(",")]
+    if not names:
+        raise SystemExit(f"--servers {a.servers}: name vllm, pdserve or both")
+    ports = {"vllm": a.vllm_port, "pdserve": a.pdserve_port}
+    servers: dict[str, subprocess.Popen[bytes]] = {}
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     try:
         vlog, plog = tmp / "vllm.log", tmp / "pdserve.log"
-        print(f"[vs-vllm] starting vLLM on {mdir} ...", file=sys.stderr, flush=True)
-        servers.append(start([vllm, "serve", mdir, "--port", str(a.vllm_port),
-                              "--max-model-len", "2048", *a.vllm_arg], vlog, vllm_env))
-        wait_healthy(f"http://127.0.0.1:{a.vllm_port}", servers[-1], vlog)
-        print("[vs-vllm] starting pdserve ...", file=sys.stderr, flush=True)
-        pdserve_env = dict(kv.split("=", 1) for kv in a.pdserve_env)
-        servers.append(start([PDSERVE, "serve", "--model", mdir, "--port", str(a.pdserve_port), *a.pdserve_arg], plog,
-                             pdserve_env))
-        wait_healthy(f"http://127.0.0.1:{a.pdserve_port}", servers[-1], plog)
-        for name, port in (("vllm", a.vllm_port), ("pdserve", a.pdserve_port)):  # warm-up: compile, caches
-            bench(argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency}), port, mdir, 999,
+        if "vllm" in names:
+            print(f"[vs-vllm] starting vLLM on {mdir} ...", file=sys.stderr, flush=True)
+            servers["vllm"] = start([vllm, "serve", mdir, "--port", str(a.vllm_port),
+                                     "--max-model-len", "2048", *a.vllm_arg], vlog, vllm_env)
+            wait_healthy(f"http://127.0.0.1:{a.vllm_port}", servers["vllm"], vlog)
+        if "pdserve" in names:
+            print("[vs-vllm] starting pdserve ...", file=sys.stderr, flush=True)
+            pdserve_env = dict(kv.split("=", 1) for kv in a.pdserve_env)
+            servers["pdserve"] = start([PDSERVE, "serve", "--model", mdir, "--port", str(a.pdserve_port),
+                                        *a.pdserve_arg], plog, pdserve_env)
+            wait_healthy(f"http://127.0.0.1:{a.pdserve_port}", servers["pdserve"], plog)
+        for name in names:  # warm-up: compile, caches
+            bench(argparse.Namespace(**{**vars(a), "num_prompts": 2 * a.concurrency}), ports[name], mdir, 999,
                   tmp / f"warm-{name}.json")
         for i in range(a.repeats):
-            for (name, port), server in zip((("vllm", a.vllm_port), ("pdserve", a.pdserve_port)), servers):
+            for name in names:
                 print(f"[vs-vllm] run {i + 1}/{a.repeats}: {name} ...", file=sys.stderr, flush=True)
-                runs[name].append(bench(a, port, mdir, i, tmp / f"{name}-{i}.json", server))
+                runs[name].append(bench(a, ports[name], mdir, i, tmp / f"{name}-{i}.json", servers[name]))
     finally:
-        for s in servers:
+        for s in servers.values():
             stop(s)
+    offline_tps: dict[int, float] = {}
+    for t in (int(t) for t in a.offline_threads.split(",") if t):  # with the servers gone: the machine its own
+        print(f"[vs-vllm] offline engine, {t} torch thread(s) ...", file=sys.stderr, flush=True)
+        offline_tps[t] = offline(argparse.Namespace(model=mdir, concurrency=a.concurrency, input_len=a.input_len,
+                                                    output_len=a.output_len, requests=a.num_prompts), t)
 
     def med(name: str, key: str) -> float:
         return statistics.median(r[key] for r in runs[name])
@@ -192,13 +213,17 @@ def main() -> int:
     print("| server | output tok/s (runs) | median | TPOT p50 ms | TTFT p50 ms | server CPU ms/token | "
           "server CPU % of a core | client CPU ms/token (in the load) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for name in ("vllm", "pdserve"):
+    for name in names:
         tps = ", ".join(f"{r['output_throughput']:.0f}" for r in runs[name])
         print(f"| {name} | {tps} | {med(name, 'output_throughput'):.0f} | {med(name, 'median_tpot_ms'):.1f} | "
               f"{med(name, 'median_ttft_ms'):.0f} | {med(name, 'server_cpu_ms_per_token'):.2f} | "
               f"{med(name, 'server_cpu_pct'):.0f} | {med(name, 'client_cpu_ms_per_token'):.2f} |")
-    ratio = med("pdserve", "output_throughput") / med("vllm", "output_throughput")
-    print(f"\npdserve / vLLM, output tok/s: {ratio:.2f}x")
+    if len(names) == 2:
+        ratio = med("pdserve", "output_throughput") / med("vllm", "output_throughput")
+        print(f"\npdserve / vLLM, output tok/s: {ratio:.2f}x")
+    for t, tps in offline_tps.items():
+        print(f"\npdserve's offline engine, {t} torch thread{'s' * (t > 1)}: {tps:.0f} tok/s; served / offline: "
+              + ", ".join(f"{name} {med(name, 'output_throughput') / tps:.2f}x" for name in names))
     print(f"(logs and results: {tmp})")
     return 0
 
