@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
@@ -31,6 +32,7 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
+from pdserve.workers.grammar import GrammarCompiler
 from pdserve.workers.handoff import Resume
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.kv.cache import allocate_kv_caches
@@ -56,6 +58,11 @@ LogprobEntry = dict[int, float]
 
 
 log = logging.getLogger(__name__)
+
+# How long an engine with nothing else to run waits, per step, for a request's grammar to compile.
+GRAMMAR_POLL_S = 0.005
+# A grammar that takes longer to compile is refused (a 400), not left to stall its request.
+GRAMMAR_COMPILE_TIMEOUT_S = 10.0
 
 
 class LLMEngine:
@@ -116,6 +123,8 @@ class LLMEngine:
         self._aborted_outputs: list[RequestOutput] = []
         self._fault_outputs: list[RequestOutput] = []  # this step's requests failed alone (`_fault`)
         self._fault_streak = 0  # steps in a row in which every scheduled request was failed alone
+        self._grammars: GrammarCompiler | None = None  # made on the first constrained request
+        self._grammars_lock = threading.Lock()  # `validate` may run on another thread than the engine's
         # Turns at the cores with the other engines on this machine (workers/cpu_turns.py), or
         # lending them (workers/cpu_lending.py), if any.
         self.cpu_turn: AbstractContextManager[object] = (CpuTurns(config.cpu_turns) if config.cpu_turns
@@ -161,8 +170,23 @@ class LLMEngine:
         self.scheduler.add(req)
 
     def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
-        """Raise ValueError if add_request would reject this prompt and params."""
+        """Raise ValueError if add_request would reject this prompt and params. A grammar
+        (structured outputs) is compiled here, on the caller's thread (it is cached: the
+        engine thread then finds it ready), within GRAMMAR_COMPILE_TIMEOUT_S."""
         self._prepare(prompt, params)
+        if (spec := params.constraint) is not None:
+            try:
+                self._grammar_compiler().submit(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+            except TimeoutError:
+                raise ValueError(f"{spec.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s") from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler, made on first use (the tokenizer's vocabulary is
+        read then); any thread."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.runner.vocab_size, self._eos_token_ids)
+            return self._grammars
 
     def abort(self, request_ids: str | Iterable[str], output: bool = True) -> None:
         """Stop requests now, wherever they are (held ones included); their blocks
@@ -277,8 +301,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule -> run -> append what was sampled -> outputs (aborted requests' first)."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._grammars is not None:
+            self._check_grammars()
         sched = self._schedule()
         if not sched.scheduled:
+            outputs += self._fault_outputs  # requests whose grammar failed to compile
+            self._fault_outputs = []
+            self._wait_for_grammars()
             self.cpu_idle()
             return outputs
         with self.cpu_turn:  # the model's work (and the draft's, in _after_step), on the cores it may use
@@ -291,6 +320,24 @@ class LLMEngine:
         self._fault_streak = self._fault_streak + 1 if self._fault_outputs and not sched.scheduled else 0
         self._fault_outputs = []
         return outputs
+
+    def _check_grammars(self) -> None:
+        """Build the matchers of waiting requests whose grammar just compiled (they can be
+        scheduled from now on); fail alone those whose grammar did not compile."""
+        for req in [r for r in self.scheduler.waiting if not r.schedulable]:
+            assert req.grammar is not None
+            try:
+                req.grammar.ready(req.output_token_ids)
+            except ValueError as e:
+                self._fault(req, str(e))
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing could run: if a request waits for its grammar, wait a moment for it here
+        rather than spin through empty steps."""
+        pending = next((r.grammar for r in self.scheduler.waiting if r.grammar is not None and not r.schedulable),
+                       None)
+        if pending is not None:
+            pending.wait(GRAMMAR_POLL_S)
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         """Run the step. If it raises, the rows that fail alone are their requests'
@@ -416,6 +463,8 @@ class LLMEngine:
     def _append(self, req: Request, token: int, entry: LogprobEntry | None) -> FinishReason | None:
         """Add a generated token (and its logprobs entry); why it ends the request, if it does."""
         req.append_token(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)  # a token it refuses fails the request (raises)
         if req.logprobs is not None and entry is not None:
             req.logprobs.append(entry)
             req.cumulative_logprob += entry.get(token, 0.0)
@@ -428,6 +477,8 @@ class LLMEngine:
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return FinishReason.STOP
+        if req.grammar is not None and req.grammar.terminated:  # it allows nothing more (ignore_eos too)
+            return FinishReason.STOP
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
@@ -479,6 +530,8 @@ class LLMEngine:
             assert isinstance(params.stop, list)  # SamplingParams normalises it
             req.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, token_ids, params.stop,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
+        if (spec := params.constraint) is not None:
+            req.grammar = self._grammar_compiler().state(spec)
         self.stats.prompt_tokens += len(token_ids)
         if self.spec is not None:
             req.spec_acceptance = self.spec.acceptance  # until its own drafts say otherwise

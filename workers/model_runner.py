@@ -14,6 +14,7 @@ import torch
 
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers, small_tensor
+from pdserve.workers.grammar import fill_bitmask
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.compiled import Forward
 from pdserve.workers.model.llama import LlamaForCausalLM
@@ -294,6 +295,8 @@ class ModelRunner:
             batch.penalties = Penalties.build(
                 [(r.prompt_token_ids, r.output_token_ids, r.params.presence_penalty, r.params.frequency_penalty,
                   r.params.repetition_penalty) for r in reqs], self.vocab_size, self.device)
+        if any(r.grammar is not None for r in reqs):
+            batch.token_bitmask = fill_bitmask([r.grammar for r in reqs], self.vocab_size)
         batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch
 

@@ -14,6 +14,7 @@ from pdserve.workers.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pdserve.workers.detokenizer import IncrementalDetokenizer
+    from pdserve.workers.grammar import GrammarState
     from pdserve.workers.spec.ngram import TokenBuffer
 
 
@@ -101,11 +102,18 @@ class Request:
         self.spec_acceptance = 1.0
         self.spec_idle_steps = 0
         self.token_buffer: TokenBuffer | None = None  # numpy mirror of all_token_ids for n-gram lookup
+        # Its place in its grammar (structured outputs), or None: the engine sets it.
+        self.grammar: GrammarState | None = None
 
     @property
     def finished(self) -> bool:
         """Whether it finished in the engine (a held prefill keeps its blocks after)."""
         return self.finish_reason is not None
+
+    @property
+    def schedulable(self) -> bool:
+        """Whether a step may run it: not while its grammar is still compiling."""
+        return self.grammar is None or self.grammar.matcher is not None
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
+from pdserve.workers.grammar import apply_bitmask
 
 
 @dataclass
@@ -84,6 +85,8 @@ class SamplingBatch:
     banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) forbidden this step (min_tokens)
     logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (row, token ids, biases)
     penalties: Penalties | None = None
+    # [N, ceil(V / 32)] int32: the tokens each row's grammar allows (workers/grammar.py); None: no row has one
+    token_bitmask: torch.Tensor | None = None
     max_logprobs: int = -1  # >= 0: also return the top-N raw log-probs of every row
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax to take, known on the host)
 
@@ -151,7 +154,8 @@ def checked(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, t
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """What acts on the logits before the sampling distribution (vLLM's order): min_tokens
-    bans, logit bias, penalties. In place; greedy rows included."""
+    bans, logit bias, penalties, then the grammar's mask last, so that nothing after it
+    can give a refused token a finite logit. In place; greedy rows included."""
     if batch.banned:
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")
@@ -160,6 +164,8 @@ def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch
             logits[row, bias_ids] += bias
     if batch.penalties is not None:
         apply_penalties(logits, batch.penalties)
+    if batch.token_bitmask is not None:
+        apply_bitmask(logits, batch.token_bitmask)
     return logits
 
 

@@ -6,6 +6,9 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from typing import Any
+
+from pdserve.workers.structured_outputs import StructuredOutputs
 
 # Below this a temperature is greedy (vLLM's _SAMPLING_EPS): logits divided by a denormal
 # temperature overflow to +-inf, and a softmax of them is NaN.
@@ -74,6 +77,9 @@ class SamplingParams:
     # False: no speculative decoding for this request, even when the engine drafts for others.
     speculative: bool = True
     cache_salt: str | None = None
+    # What the output must match (a JSON schema, a regex, choices, a grammar): workers/grammar.py.
+    # A dict is taken as StructuredOutputs' fields.
+    structured_outputs: StructuredOutputs | dict[str, Any] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
@@ -86,6 +92,13 @@ class SamplingParams:
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise ValueError("structured_outputs: must be StructuredOutputs or an object of its fields")
         self._validate()
 
     def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
@@ -151,6 +164,13 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether anything but the sampling distribution's shape (temperature, top-k/p, min-p) acts on the logits."""
         return self.has_penalties or bool(self.logit_bias)
+
+    @property
+    def constraint(self) -> StructuredOutputs | None:
+        """`structured_outputs`, typed (__post_init__ made any dict one)."""
+        so = self.structured_outputs
+        assert so is None or isinstance(so, StructuredOutputs)
+        return so
 
     @property
     def greedy(self) -> bool:

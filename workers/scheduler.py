@@ -167,7 +167,11 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+            # In order, passing over requests whose grammar is still compiling (they wait, the rest go on).
+            at = next((i for i, r in enumerate(self.waiting) if r.schedulable), None)
+            if at is None:
+                break
+            req = self.waiting[at]
             cached_blocks: list[int]
             if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
                 cached_blocks, num_cached = [], req.num_computed_tokens
@@ -178,7 +182,7 @@ class Scheduler:
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached_blocks):
                 break
-            self.waiting.popleft()
+            del self.waiting[at]
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

@@ -73,8 +73,15 @@ def run_with_first(decode: LLMEngine, rid: str, first: int) -> list[int]:
         # decode side counts that first token as generated.
         SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.5,
                        frequency_penalty=0.7, presence_penalty=0.3, logit_bias={9: 2.0}),
+        # The prefill side samples the first token under the grammar; the decode side's matcher
+        # replays it (never accepts it twice) and goes on: the same tokens as one engine.
+        SamplingParams(temperature=0.0, max_tokens=80, structured_outputs={"json": {
+            "type": "object", "properties": {"a": {"type": "string", "maxLength": 5},
+                                             "b": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+            "required": ["a", "b"], "additionalProperties": False}}),
+        SamplingParams(temperature=0.9, seed=5, max_tokens=80, structured_outputs={"regex": r"[a-z]{2,6}-[0-9]{1,3}"}),
     ],
-    ids=["greedy", "seeded", "penalties"],
+    ids=["greedy", "seeded", "penalties", "json-schema", "regex-seeded"],
 )
 def test_handoff_equals_colocated(model_dir: Path, params: SamplingParams) -> None:
     g = torch.Generator().manual_seed(0)

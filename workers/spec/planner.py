@@ -113,10 +113,12 @@ class Speculator:
 
 
 def _may_draft(req: Request) -> bool:
-    """No drafts while the request is not at its last token, has opted out, or
-    sets a penalty (it depends on each position's history)."""
+    """No drafts while the request is not at its last token, has opted out, sets a
+    penalty (it depends on each position's history), or is constrained by a grammar
+    (verification does not mask the draft rows yet)."""
     p = req.params
-    return req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+            and req.grammar is None)
 
 
 def _min_tokens_room(req: Request) -> int:

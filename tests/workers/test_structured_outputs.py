@@ -1,0 +1,179 @@
+"""Structured outputs (workers/grammar.py): whatever the model, an output under a JSON
+schema, a regex, a choice or a grammar matches it. The tiny random model is the hard case:
+its logits are noise, so only the mask makes the output valid. Checked with `jsonschema`
+(the oracle) over 200 schemas generated from a fixed seed, greedy and sampled."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.handoff import Resume
+from pdserve.workers.structured_outputs import StructuredOutputs
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(scope="module")
+def llm(make_model: Callable[[TinyModelSpec], Path]) -> LLM:
+    path = make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+    return LLM(str(path), max_model_len=1024, max_num_seqs=64, progress=False)
+
+
+def schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
+    """A random object schema whose every instance is finite: strings, integers and arrays
+    bounded, no free whitespace, so a valid output always ends within max_tokens."""
+    props: dict[str, Any] = {}
+    for i in range(rng.randint(1, 4)):
+        kind = rng.choice(["string", "integer", "boolean", "enum", "array", "null"] + (["object"] if depth < 2 else []))
+        if kind == "string":
+            p: dict[str, Any] = {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+        elif kind == "integer":
+            low = rng.randint(-1000, 1000)
+            p = {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 5000)}
+        elif kind == "enum":
+            p = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 4))}
+        elif kind == "array":
+            p = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
+                 "minItems": 0, "maxItems": rng.randint(1, 3)}
+        elif kind == "object":
+            p = schema(rng, depth + 1)
+        else:
+            p = {"type": kind}
+        props[f"k{i}_{kind}"] = p
+    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
+def test_every_output_under_a_json_schema_is_valid(llm: LLM, temperature: float) -> None:
+    rng = random.Random(48)
+    schemas = [schema(rng) for _ in range(200)]
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=400, structured_outputs={"json": s})
+              for i, s in enumerate(schemas)]
+    outs = llm.generate([f"record {i}:" for i in range(len(schemas))], params)
+    for s, out in zip(schemas, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (s, c.text)
+        jsonschema.validate(json.loads(c.text), s)
+
+
+def test_unconstrained_rows_in_the_same_batch_are_unchanged(llm: LLM) -> None:
+    """The mask touches only its own row: a plain greedy request batched beside constrained
+    ones gives what it gives alone."""
+    plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["the plain one"], plain)[0].outputs[0].token_ids
+    constrained = SamplingParams(temperature=0.0, max_tokens=60, structured_outputs={"json_object": True})
+    mixed = llm.generate(["the plain one", "json please", "more json"], [plain, constrained, constrained])
+    assert mixed[0].outputs[0].token_ids == alone
+    for out in mixed[1:]:
+        if out.outputs[0].finish_reason == "stop":
+            assert isinstance(json.loads(out.outputs[0].text), dict)
+
+
+def test_choice_regex_and_grammar_hold(llm: LLM) -> None:
+    choices = ["yes", "no", "maybe so", "it's \"quoted\""]
+    outs = llm.generate([f"q{i}" for i in range(12)],
+                        SamplingParams(temperature=1.0, seed=1, max_tokens=20, structured_outputs={"choice": choices}))
+    assert all(o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop" for o in outs)
+
+    pattern = r"[0-9]{3}-[a-z]{2,4}"
+    outs = llm.generate([f"q{i}" for i in range(12)],
+                        SamplingParams(temperature=1.0, seed=2, max_tokens=20, structured_outputs={"regex": pattern}))
+    assert all(re.fullmatch(pattern, o.outputs[0].text) for o in outs), [o.outputs[0].text for o in outs]
+
+    ebnf = 'root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?'
+    outs = llm.generate([f"q{i}" for i in range(12)],
+                        SamplingParams(temperature=1.0, seed=3, max_tokens=60, structured_outputs={"grammar": ebnf}))
+    for o in outs:
+        if o.outputs[0].finish_reason == "stop":
+            assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", o.outputs[0].text), o.outputs[0].text
+
+
+def test_a_grammar_ends_the_request_even_with_ignore_eos(llm: LLM) -> None:
+    out = llm.generate(["pick"], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True,
+                                                structured_outputs={"choice": ["alpha", "beta"]}))[0]
+    assert out.outputs[0].text in ("alpha", "beta") and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(("spec", "field"), [
+    ({"json": '{"type": "objectx"}'}, "structured_outputs.json"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"regex": "(unclosed"}, "structured_outputs.regex"),
+    ({"grammar": "root ::= undefined_rule"}, "structured_outputs.grammar"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"json": {"type": "object"}, "regex": "a"}, "structured_outputs"),
+    ({"nonsense": 1}, "structured_outputs"),
+])
+def test_a_bad_spec_is_a_value_error_naming_its_field_and_runs_nothing(llm: LLM, spec: dict[str, Any],
+                                                                       field: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_a_resumed_request_replays_its_tokens_into_the_grammar(llm: LLM) -> None:
+    """Migration: another worker's output so far is taken as this one's, and the grammar
+    goes on from after it, as if the request had never moved (greedy: the same tokens)."""
+    spec = {"json": {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                                      "b": {"type": "integer", "minimum": 0, "maximum": 999}},
+                     "required": ["a", "b"], "additionalProperties": False}}
+    params = SamplingParams(temperature=0.0, max_tokens=100, structured_outputs=spec)
+    whole = llm.generate(["resume me"], params)[0].outputs[0]
+    assert whole.finish_reason == "stop"
+    cut = 4
+    head = Resume(tuple(whole.token_ids[:cut]), len(llm.engine.tokenizer.decode(whole.token_ids[:cut])), None)
+    eng = llm.engine
+    eng.add_request("resumed", llm.engine.tokenizer.encode("resume me"), params, resume=head)
+    rest: list[int] = []
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                rest = out.outputs[0].token_ids
+    assert rest == whole.token_ids
+
+
+def test_resumed_tokens_the_grammar_refuses_fail_the_request_alone(llm: LLM) -> None:
+    eng = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={"choice": ["yes", "no"]})
+    bad = llm.engine.tokenizer.encode("zzz")
+    eng.add_request("bad-resume", [5, 6, 7], params, resume=Resume(tuple(bad), len("zzz"), None))
+    errors = []
+    while eng.has_unfinished_requests():
+        errors += [out.error for out in eng.step() if out.finished and getattr(out, "error", None)]
+    assert errors and "does not match the grammar" in errors[0]
+
+
+def test_speculative_engine_keeps_constrained_requests_valid(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    path = make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+    spec_llm = LLM(str(path), max_model_len=512, progress=False, speculative="ngram", num_speculative_tokens=3)
+    plain_llm = LLM(str(path), max_model_len=512, progress=False)
+    so = {"json": {"type": "object", "properties": {"xs": {"type": "array", "items": {"enum": ["ab", "ab ab"]},
+                                                           "maxItems": 8}},
+                   "required": ["xs"], "additionalProperties": False}}
+    params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so)
+    prompts = ["ab ab ab ab ab ab", "xs xs xs"]
+    fast = spec_llm.generate(prompts, params)
+    plain = plain_llm.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in fast] == [o.outputs[0].token_ids for o in plain]
+    for o in fast:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), so["json"])
+
+
+def test_spec_shape_checks() -> None:
+    assert StructuredOutputs(json='{"type":  "object"}').key() == ("json", '{"type":"object"}')
+    assert StructuredOutputs(choice=["a", "b"]).key() == ("choice", '["a", "b"]')
+    with pytest.raises(ValueError, match="structured_outputs.choice"):
+        StructuredOutputs(choice="ab")
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs()

@@ -1,0 +1,176 @@
+"""Constrained decoding with xgrammar (what vLLM and SGLang use by default): a request's
+`StructuredOutputs` compiled once per worker (cached by its text, compiled on a thread of
+its own so a request waiting for its grammar never stalls the batch), a matcher per
+request that fills that request's row of the step's token bitmask, and the bitmask
+applied to the logits before sampling.
+
+A request's matcher state is its output tokens: a matcher is built when its grammar is
+ready and replays the tokens the request already has (a prefill worker's first token, a
+migrated request's output, a preempted request's), so every path that moves a request
+between workers carries the grammar's state exactly, with nothing but the tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+
+import torch
+import xgrammar as xgr
+from transformers import PreTrainedTokenizerBase
+
+from pdserve.workers.structured_outputs import StructuredOutputs
+
+log = logging.getLogger(__name__)
+
+# xgrammar (0.2.9) writes the characters of a string with a length bound (maxLength) as this
+# class, which lets a raw control character (U+0000-U+001F) through: JSON forbids those
+# unescaped, and a parser refuses the output. The class its unbounded strings use excludes them.
+_LOOSE_CHAR = r'[^\"\\\r\n]'
+_JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
+# Compiled grammars a worker keeps (xgrammar's own cache also keeps the compiled automata).
+CACHE_ENTRIES = 1024
+
+
+@dataclass
+class GrammarStats:
+    compiles: int = 0  # grammars compiled (cache misses)
+    cache_hits: int = 0
+    compile_s: float = 0.0  # total seconds spent compiling
+    constrained_requests: int = 0
+    mask_s: float = 0.0  # total seconds filling and applying bitmasks
+
+
+class GrammarCompiler:
+    """Compiles `StructuredOutputs` for one tokenizer and vocabulary (the model's: its
+    logits' width), caching the results. `compile` raises ValueError naming the field
+    when the backend refuses the spec; `submit` does it on the compile thread."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids) or None)
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._cache: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
+        self.stats = GrammarStats()
+
+    def submit(self, spec: StructuredOutputs) -> Future[xgr.CompiledGrammar]:
+        """The compiled grammar of `spec`, compiling it on the compile thread unless cached
+        (a cached one's future is already done)."""
+        key = spec.key()
+        with self._lock:
+            fut = self._cache.get(key)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self.stats.cache_hits += 1
+                return fut
+            if len(self._cache) >= CACHE_ENTRIES:
+                self._cache.pop(next(iter(self._cache)))
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[key] = fut
+            return fut
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        """Compile now (or take the cached result), on the caller's thread."""
+        return self.submit(spec).result()
+
+    def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        start = time.perf_counter()
+        kind, text = spec.key()
+        try:
+            if kind in ("json", "json_object"):  # json_object: an object (OpenAI's), not any JSON value
+                schema = text if kind == "json" else '{"type": "object"}'
+                ebnf = str(xgr.Grammar.from_json_schema(schema, any_whitespace=False))
+                compiled = self._compiler.compile_grammar(ebnf.replace(_LOOSE_CHAR, _JSON_CHAR))
+            elif kind == "regex":
+                compiled = self._compiler.compile_regex(text)
+            elif kind == "choice":
+                choices = " | ".join(json.dumps(c, ensure_ascii=False) for c in json.loads(text))
+                compiled = self._compiler.compile_grammar(f"root ::= {choices}")
+            elif kind == "grammar":
+                compiled = self._compiler.compile_grammar(text)
+            else:
+                compiled = self._compiler.compile_structural_tag(text)
+        except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) with the parser's words
+            raise ValueError(f"{spec.field}: {_reason(e)}") from None
+        self.stats.compiles += 1
+        self.stats.compile_s += time.perf_counter() - start
+        return compiled
+
+    def state(self, spec: StructuredOutputs) -> GrammarState:
+        self.stats.constrained_requests += 1
+        return GrammarState(spec, self.submit(spec))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _reason(e: BaseException) -> str:
+    """xgrammar's message without its time and C++ source location."""
+    text = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    return re.sub(r"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*", "", text)
+
+
+class GrammarState:
+    """One request's place in its grammar. Its matcher is built once the grammar is
+    compiled (`ready`), replaying the output the request has by then; after that every
+    appended token is accepted into it (`accept`)."""
+
+    def __init__(self, spec: StructuredOutputs, compiled: Future[xgr.CompiledGrammar]) -> None:
+        self.spec = spec
+        self._compiled = compiled
+        self.matcher: xgr.GrammarMatcher | None = None
+
+    def ready(self, output_token_ids: list[int]) -> bool:
+        """Whether the request can be scheduled: its grammar is compiled (its matcher is
+        then built, with `output_token_ids` accepted). Raises the compile's ValueError, or
+        one when the output so far does not match the grammar."""
+        if self.matcher is not None:
+            return True
+        if not self._compiled.done():
+            return False
+        matcher = xgr.GrammarMatcher(self._compiled.result())
+        for i, token in enumerate(output_token_ids):
+            if not matcher.accept_token(token):
+                raise ValueError(f"{self.spec.field}: output token {i} ({token}) does not match the grammar")
+        self.matcher = matcher
+        return True
+
+    def wait(self, timeout_s: float) -> None:
+        """Block until the grammar is compiled or `timeout_s` passed."""
+        wait_futures([self._compiled], timeout=timeout_s)
+
+    def accept(self, token: int) -> None:
+        """Advance past a token the request appended (before its matcher exists, nothing:
+        `ready` replays it). A token the grammar refuses is the request's fault."""
+        if self.matcher is not None and not self.matcher.accept_token(token):
+            raise ValueError(f"{self.spec.field}: token {token} does not match the grammar")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher is not None and self.matcher.is_terminated()
+
+
+def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
+    """[N, ceil(V / 32)] int32: row i allows what request i's grammar allows next (all
+    bits set for a request without one); None when no request has one."""
+    if all(s is None for s in states):
+        return None
+    bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # every bit set: all allowed
+    for i, s in enumerate(states):
+        if s is not None:
+            assert s.matcher is not None, "a constrained request was scheduled before its grammar was ready"
+            s.matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask
+
+
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Set to -inf, in place, the logits of tokens each row's grammar refuses."""
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True))

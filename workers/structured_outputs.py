@@ -1,0 +1,98 @@
+"""What a request's output must match (vLLM's `StructuredOutputsParams`): a JSON schema, any
+JSON object, a regular expression, one of a list of strings, an EBNF grammar or a structural
+tag. Checked for shape where it is built; whether the backend can compile it is the grammar
+compiler's (workers/grammar.py) to say, also before any token is generated."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+# The kinds, in the order vLLM's `structured_outputs` names them (one per request).
+KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
+# Bounds on what a client may send: a grammar is compiled into an automaton whose size
+# grows with its text, so a huge one is refused before it costs anything.
+MAX_SPEC_CHARS = 256 * 1024
+MAX_CHOICES = 1024
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Exactly one of the fields is set. `json`: a JSON schema (its text, or the parsed
+    object: kept as canonical text); `json_object`: any JSON object; `regex`, `choice`,
+    `grammar` (EBNF, xgrammar's dialect of GBNF) and `structural_tag` (its JSON text)."""
+
+    json: str | dict[str, Any] | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | list[str] | None = None
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    # The request field it came from, for errors (an OpenAI client's response_format); "": its own.
+    origin: str = ""
+
+    def __post_init__(self) -> None:
+        given = [k for k in KINDS if (getattr(self, k) is not None and k != "json_object") or
+                 (k == "json_object" and self.json_object)]
+        if len(given) != 1:
+            raise ValueError(f"structured_outputs: exactly one of {', '.join(KINDS)} must be given, "
+                             f"got {', '.join(given) or 'none'}")
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_outputs.json_object: must be a boolean, got {self.json_object!r}")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, _json_text(f"structured_outputs.{name}", value))
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name}: must be a non-empty string")
+        if self.choice is not None:
+            choice: object = self.choice  # a client's value: checked, whatever the annotation says
+            if not isinstance(choice, (list, tuple)) or not choice or not all(isinstance(c, str) for c in choice):
+                raise ValueError("structured_outputs.choice: must be a non-empty list of strings")
+            if len(choice) > MAX_CHOICES:
+                raise ValueError(f"structured_outputs.choice: at most {MAX_CHOICES} choices, got {len(choice)}")
+            object.__setattr__(self, "choice", tuple(choice))
+        size = len(self.key()[1])
+        if size > MAX_SPEC_CHARS:
+            raise ValueError(f"structured_outputs.{self.kind}: at most {MAX_SPEC_CHARS} characters, got {size}")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in KINDS if (k == "json_object" and self.json_object) or
+                    (k != "json_object" and getattr(self, k) is not None))
+
+    @property
+    def field(self) -> str:
+        """The request field an error names."""
+        return self.origin or f"structured_outputs.{self.kind}"
+
+    def key(self) -> tuple[str, str]:
+        """(kind, text): what the compiled grammar depends on, the compile cache's key."""
+        kind = self.kind
+        if kind == "json_object":
+            return kind, ""
+        if kind == "choice":
+            assert self.choice is not None
+            return kind, json.dumps(list(self.choice))
+        value = getattr(self, kind)
+        assert isinstance(value, str)
+        return kind, value
+
+
+def _json_text(name: str, value: object) -> str:
+    """Canonical JSON text of a schema given as text or as an object (the cache sees one
+    schema once, whatever its key order or spacing)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"{name}: not valid JSON: {e}") from None
+    if not isinstance(value, (dict, bool)):
+        raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False)  # key order kept: it is the output's
+    except ValueError as e:
+        raise ValueError(f"{name}: {e}") from None
