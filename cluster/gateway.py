@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import threading
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
@@ -40,6 +41,8 @@ from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.tokenizer_pool import TokenizerPool
 from pdserve.workers.async_engine import RequestFaultError
+from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
+from pdserve.workers.grammar import GrammarCompiler
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
@@ -196,6 +199,8 @@ class Gateway:
         self.requests_total = self.metrics.requests_total
         self.admitted = 0  # engine requests admitted and not released
         self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        self._grammars: GrammarCompiler | None = None  # structured outputs' compiler, made on first use
+        self._grammars_lock = threading.Lock()  # the tokenizer pool's threads share it
         # Tokenizing and chat templates run in the pool, off the event loop: a long prompt
         # must not stall every stream on the replica, nor the short prompts behind it.
         self.pool = pool if pool is not None else TokenizerPool()
@@ -318,6 +323,27 @@ class Gateway:
             except ValueError as e:
                 raise bad_request(e) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """A 400 naming the field when the request's structured output does not compile (or
+        not within the time limit), before any worker is touched. Blocking (the compiled
+        grammar is cached): call it through `off_loop`."""
+        spec = params.constraint
+        if spec is None:
+            return
+        with self._grammars_lock:
+            if self._grammars is None:
+                vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+                eos = () if self.tokenizer.eos_token_id is None else (int(self.tokenizer.eos_token_id),)
+                self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
+            grammars = self._grammars
+        try:
+            grammars.submit(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+        except TimeoutError:
+            raise bad_request(ValueError(f"{spec.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s")) \
+                from None
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
                make: Callable[[int], SamplingParams]) -> SamplingParams:

@@ -159,6 +159,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         try:
             prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
             params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
+            if params.constraint is not None:
+                await gw.off_loop(body, lambda: gw.check_grammar(params))
         except BaseException:
             slot.release()
             raise
@@ -178,6 +180,7 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
                            lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp))
         echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
         works.append(Work(ids, params, echo, prompt_only))
+    gw.check_grammar(works[0].params)  # one spec for every prompt of the request
     return works
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
 from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.structured_outputs import StructuredOutputs
 
 # Fields OpenAI clients may send that ask nothing of the model: accepted, not used.
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
@@ -62,6 +63,40 @@ class _SamplingFields(BaseModel):
                                    description="vLLM's: requests share prefix-cache blocks only with requests "
                                                "of the same salt (one per tenant keeps tenants apart)")
     user: str | None = Field(None, description="OpenAI's end-user id: accepted, not used")
+    response_format: dict[str, object] | None = Field(
+        None, description='{"type": "text"} (the default), {"type": "json_object"}, or {"type": "json_schema", '
+                          '"json_schema": {"name": ..., "schema": {...}, "strict": ...}}')
+    structured_outputs: dict[str, object] | None = Field(
+        None, description="vLLM's: exactly one of json (a schema), json_object, regex, choice, grammar (EBNF), "
+                          "structural_tag")
+
+    def constraint(self) -> StructuredOutputs | None:
+        """What the output must match, from `response_format` or `structured_outputs` (one of
+        them); a ValueError names the field at fault."""
+        rf = self.response_format
+        if rf is not None and rf != {"type": "text"}:
+            if self.structured_outputs is not None:
+                raise ValueError("response_format: give it or structured_outputs, not both")
+            kind = rf.get("type")
+            if kind == "json_object":
+                return StructuredOutputs(json_object=True, origin="response_format")
+            if kind != "json_schema":
+                raise ValueError(f'response_format: type must be "text", "json_object" or "json_schema", got {kind!r}')
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+                raise ValueError("response_format.json_schema: must be an object with a schema object")
+            try:  # no schema: any object (OpenAI's)
+                return StructuredOutputs(json=spec.get("schema", {"type": "object"}),
+                                         origin="response_format.json_schema.schema")
+            except ValueError as e:
+                raise ValueError(str(e).replace("structured_outputs.json", "response_format.json_schema.schema",
+                                                1)) from None
+        if self.structured_outputs is None:
+            return None
+        try:
+            return StructuredOutputs(**self.structured_outputs)  # type: ignore[arg-type]  # checked there
+        except TypeError as e:
+            raise ValueError(f"structured_outputs: {e}") from None
 
     def check_supported(self) -> None:
         """Refused (naming the field) for what pdserve would otherwise silently not do."""
@@ -90,7 +125,7 @@ class _SamplingFields(BaseModel):
             frequency_penalty=_or(self.frequency_penalty, 0.0),
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
-            speculative=self.speculative, cache_salt=self.cache_salt,
+            speculative=self.speculative, cache_salt=self.cache_salt, structured_outputs=self.constraint(),
         )
 
     @property
@@ -148,7 +183,6 @@ class ChatCompletionRequest(_SamplingFields):
     # OpenAI options pdserve cannot honour: modelled so that asking for them is a 400 naming
     # the field, while their "off" values (what some clients send by default) pass.
     # Their JSON is taken as it comes: only its "off" value is ever read.
-    response_format: dict[str, object] | None = Field(None, description='only {"type": "text"} (the default)')
     tools: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
     tool_choice: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
@@ -156,9 +190,6 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            raise Refused("response_format", 'pdserve generates free text only: {"type": "text"}',
-                          RefusalReason.UNSUPPORTED)
         for name in ("tools", "functions"):
             if getattr(self, name):
                 raise Refused(name, "pdserve does not call tools", RefusalReason.UNSUPPORTED)

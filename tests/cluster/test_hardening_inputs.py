@@ -95,7 +95,12 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT, "messages": CHAT["messages"] * 5}, "messages", "limit"),
     ("/v1/chat/completions", {**CHAT, "n": 10**6}, "n", "limit"),
     # Asked for, and not done: refused by name, not answered with free text.
-    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, "response_format", "unsupported"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "xml"}}, "response_format", "malformed"),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}}, "response_format.json_schema.schema", "malformed"),
+    ("/v1/completions", {**OK, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "malformed"),
+    ("/v1/completions", {**OK, "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
+     "structured_outputs", "malformed"),
     ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
      "unsupported"),
     ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported"),
