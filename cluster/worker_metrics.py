@@ -182,6 +182,15 @@ class _EngineCollector:
             per_pos.add_metric([*labels, str(i)], accepted[i] if i < len(accepted) else 0)
         yield per_pos
 
+        yield counter("pdserve:structured_output_requests", "Requests whose output a grammar constrains "
+                      "(a JSON schema, regex, choice or EBNF grammar)", s.constrained_requests)
+        yield counter("pdserve:grammar_compiles", "Grammars compiled (a request's was not cached)", s.grammar_compiles)
+        yield counter("pdserve:grammar_compile_seconds", "Seconds spent compiling grammars (on the compile thread)",
+                      s.grammar_compile_s)
+        yield counter("pdserve:grammar_cache_hits", "Constrained requests whose grammar was compiled already",
+                      s.grammar_cache_hits)
+        yield counter("pdserve:grammar_mask_seconds", "Seconds the engine thread spent filling and applying "
+                      "grammars' token bitmasks", s.grammar_mask_s)
         yield counter("pdserve:cpu_turn_wait_seconds", "Seconds the engine waited for its turn at the node's cores "
                       "(CPU workers in turns), or for a neighbour's wide step to end (lending); 0 otherwise",
                       o._turns.get("waited_s", 0.0))

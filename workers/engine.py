@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import AutoTokenizer
@@ -32,7 +32,7 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
-from pdserve.workers.grammar import GrammarCompiler
+from pdserve.workers.grammar import GrammarCompiler, GrammarStats
 from pdserve.workers.handoff import Resume
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.kv.cache import allocate_kv_caches
@@ -290,7 +290,13 @@ class LLMEngine:
             prompt_tokens_cached=sched.num_cached_prompt_tokens, prompt_tokens_computed=st.prompt_tokens_computed,
             generation_tokens=st.generation_tokens, preemptions=st.preemptions, spec_drafts=st.spec_drafts,
             spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,
-            spec_accepted_per_position=tuple(st.spec_accepted_per_position))
+            spec_accepted_per_position=tuple(st.spec_accepted_per_position),
+            grammar_mask_s=self.runner.grammar_mask_s, **self._grammar_counts())
+
+    def _grammar_counts(self) -> dict[str, Any]:
+        g = self._grammars.stats if self._grammars is not None else GrammarStats()
+        return {"constrained_requests": g.constrained_requests, "grammar_compiles": g.compiles,
+                "grammar_compile_s": g.compile_s, "grammar_cache_hits": g.cache_hits}
 
     def take_kv_events(self) -> list[KVEvent]:
         """Blocks that entered or left the prefix cache since the last call (`record_kv_events`)."""

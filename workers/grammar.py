@@ -41,10 +41,9 @@ CACHE_ENTRIES = 1024
 @dataclass
 class GrammarStats:
     compiles: int = 0  # grammars compiled (cache misses)
-    cache_hits: int = 0
-    compile_s: float = 0.0  # total seconds spent compiling
+    cache_hits: int = 0  # requests whose grammar was compiled already (counted where they are checked)
+    compile_s: float = 0.0  # seconds spent compiling
     constrained_requests: int = 0
-    mask_s: float = 0.0  # total seconds filling and applying bitmasks
 
 
 class GrammarCompiler:
@@ -62,14 +61,15 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
         self.stats = GrammarStats()
 
-    def submit(self, spec: StructuredOutputs) -> Future[xgr.CompiledGrammar]:
+    def submit(self, spec: StructuredOutputs, count: bool = True) -> Future[xgr.CompiledGrammar]:
         """The compiled grammar of `spec`, compiling it on the compile thread unless cached
-        (a cached one's future is already done)."""
+        (a cached one's future may be done already). `count`: a cached one is a cache hit
+        (once per request: where it is checked, not again where it is queued)."""
         key = spec.key()
         with self._lock:
             fut = self._cache.get(key)
             if fut is not None and not (fut.done() and fut.exception() is not None):
-                self.stats.cache_hits += 1
+                self.stats.cache_hits += count
                 return fut
             if len(self._cache) >= CACHE_ENTRIES:
                 self._cache.pop(next(iter(self._cache)))
@@ -106,7 +106,7 @@ class GrammarCompiler:
 
     def state(self, spec: StructuredOutputs) -> GrammarState:
         self.stats.constrained_requests += 1
-        return GrammarState(spec, self.submit(spec))
+        return GrammarState(spec, self.submit(spec, count=False))
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -153,6 +153,36 @@ class GrammarState:
         if self.matcher is not None and not self.matcher.accept_token(token):
             raise ValueError(f"{self.spec.field}: token {token} does not match the grammar")
 
+    def valid_drafts(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar accepts from here (it stops at the first it
+        refuses, and after one that completes it); the matcher is left where it was."""
+        assert self.matcher is not None, "drafting for a request whose grammar is not ready"
+        n = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            n += 1
+            if self.matcher.is_terminated():
+                break
+        self.matcher.rollback(n)
+        return n
+
+    def fill_along(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
+        """Rows row..row+len(drafts) of `bitmask`: what the grammar allows at each position of
+        a verification (here, then after each draft token); the matcher is left where it was.
+        The drafts are ones `valid_drafts` kept."""
+        assert self.matcher is not None, "verifying a request whose grammar is not ready"
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+        for i, token in enumerate(drafts):
+            if not self.matcher.accept_token(token):
+                raise ValueError(f"{self.spec.field}: draft token {token} does not match the grammar")
+            if self.matcher.is_terminated():  # nothing may follow: the position is masked out whole
+                bitmask[row + i + 1 :row + len(drafts) + 1] = 0
+                self.matcher.rollback(i + 1)
+                return
+            self.matcher.fill_next_token_bitmask(bitmask, row + i + 1)
+        self.matcher.rollback(len(drafts))
+
     @property
     def terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
@@ -168,6 +198,20 @@ def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Te
         if s is not None:
             assert s.matcher is not None, "a constrained request was scheduled before its grammar was ready"
             s.matcher.fill_next_token_bitmask(bitmask, i)
+    return bitmask
+
+
+def verify_bitmask(states: list[GrammarState | None], drafts: list[list[int]], vocab_size: int) -> torch.Tensor | None:
+    """[sum(len(d) + 1), ceil(V / 32)]: for verification's rows (each request's drafts and one
+    more position, in order), what each position's grammar allows; None when no request has one."""
+    if all(s is None for s in states):
+        return None
+    bitmask = xgr.allocate_token_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
+    row = 0
+    for s, d in zip(states, drafts):
+        if s is not None:
+            s.fill_along(bitmask, row, d)
+        row += len(d) + 1
     return bitmask
 
 

@@ -6,6 +6,7 @@ multi-token (prefill) chunks, which is the order AttentionMetadata promises.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -14,7 +15,7 @@ import torch
 
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers, small_tensor
-from pdserve.workers.grammar import fill_bitmask
+from pdserve.workers.grammar import apply_bitmask, fill_bitmask, verify_bitmask
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.compiled import Forward
 from pdserve.workers.model.llama import LlamaForCausalLM
@@ -89,6 +90,7 @@ class ModelRunner:
         self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         # Decode steps replayed from CUDA graphs (workers/cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
+        self.grammar_mask_s = 0.0  # seconds filling and applying grammars' token bitmasks
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
@@ -207,6 +209,15 @@ class ModelRunner:
         # Raw log-probs (before any processing, as the sampler reports them), read
         # before verify() touches the logits.
         raw = logits.log_softmax(dim=-1) if any(s.request.logprobs is not None for s in verifying) else None
+        # Each position of a constrained row is masked by its grammar advanced along the drafts
+        # before it: a draft the grammar refuses there has probability 0 and is rejected.
+        if any(s.request.grammar is not None for s in verifying):
+            start = time.perf_counter()
+            mask = verify_bitmask([s.request.grammar for s in verifying],
+                                  [s.request.spec_token_ids[: s.num_spec] for s in verifying], self.vocab_size)
+            assert mask is not None
+            apply_bitmask(logits, mask)
+            self.grammar_mask_s += time.perf_counter() - start
         out = verify(unflatten_logits(logits, num_drafts), drafts, num_drafts, batch,
                      _draft_probs(verifying, drafts, logits.shape[-1]))
         results, start = [], 0
@@ -296,7 +307,9 @@ class ModelRunner:
                 [(r.prompt_token_ids, r.output_token_ids, r.params.presence_penalty, r.params.frequency_penalty,
                   r.params.repetition_penalty) for r in reqs], self.vocab_size, self.device)
         if any(r.grammar is not None for r in reqs):
+            start = time.perf_counter()
             batch.token_bitmask = fill_bitmask([r.grammar for r in reqs], self.vocab_size)
+            self.grammar_mask_s += time.perf_counter() - start
         batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch
 

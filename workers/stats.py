@@ -27,6 +27,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    grammar_mask_s: float = 0.0  # seconds filling grammars' token bitmasks (structured outputs)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ class EngineSnapshot:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # Structured outputs (workers/grammar.py): requests, grammars compiled and the seconds it
+    # took, requests whose grammar was compiled already, seconds filling token bitmasks.
+    constrained_requests: int = 0
+    grammar_compiles: int = 0
+    grammar_compile_s: float = 0.0
+    grammar_cache_hits: int = 0
+    grammar_mask_s: float = 0.0
 
     @property
     def used_blocks(self) -> int:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 from factories import tiny_spec
+from spec_decode_helpers import FixedDrafts, prompts, sample_joint, target_dir, tv
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.handoff import Resume
@@ -177,3 +179,98 @@ def test_spec_shape_checks() -> None:
         StructuredOutputs(choice="ab")
     with pytest.raises(ValueError, match="exactly one"):
         StructuredOutputs()
+
+
+# -- with speculative decoding -------------------------------------------------------
+
+ABCDE = r"[a-e]{12}x"  # no end within 3 tokens (a token of these letters is at most 4 of them)
+
+
+def test_drafts_the_grammar_refuses_are_cut_and_output_equals_plain(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Drafts with tokens the grammar refuses (a drafter knows nothing of it): each draft is cut
+    at its first refused token, what is left is verified under the mask at every position, and
+    greedy output equals the engine without speculation."""
+    path = target_dir(make_model)
+    tok = LLM(str(path), max_model_len=256, progress=False).engine.tokenizer
+    letters = [i for t, i in tok.get_vocab().items() if t and set(t) <= set("abcde")]
+    junk = tok.encode(" zz!", add_special_tokens=False)
+    params = SamplingParams(temperature=0.0, max_tokens=12, structured_outputs={"regex": ABCDE})
+    plain = LLM(str(path), max_model_len=256, progress=False).generate(prompts(4), params)
+    spec = LLM(str(path), max_model_len=256, progress=False, speculative="ngram", num_speculative_tokens=3,
+               spec_max_batch_size=64, spec_token_cost=0.001)
+    spec.engine.spec.proposer = FixedDrafts([letters[0], junk[0], letters[1]])  # type: ignore[union-attr]
+    got = spec.generate(prompts(4), params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    st = spec.engine.stats
+    assert st.spec_draft_tokens > 0 and st.spec_draft_tokens == st.spec_drafts  # every draft cut to its 1 valid token
+    assert all(re.fullmatch(r"[a-e]{1,12}x?", o.outputs[0].text) for o in got)
+
+
+def test_sampling_with_speculation_under_a_grammar_keeps_the_targets_law(
+        make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joint law of the first 3 sampled tokens (temperature 0.8, top-k 4 of the tokens the
+    grammar allows at each position: 64 outcomes), drafts verified under the grammar's masks,
+    equals the exact one: float64 logits from transformers, masked by the grammar along each
+    prefix. The bound as in test_spec_decode; a verifier that accepts every draft (the negative
+    control) breaks it."""
+    import torch
+    import xgrammar as xgr
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = target_dir(make_model)
+    prompt = prompts()[1][:24]
+    params = SamplingParams(temperature=0.8, top_k=4, max_tokens=3, ignore_eos=True, detokenize=False,
+                            structured_outputs={"regex": ABCDE})
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
+    vocab = model.config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(str(path)), vocab_size=vocab)
+    grammar = xgr.GrammarCompiler(info).compile_regex(ABCDE)
+
+    def law(prefix: tuple[int, ...]) -> dict[int, float]:
+        matcher = xgr.GrammarMatcher(grammar)
+        assert all(matcher.accept_token(t) for t in prefix)
+        mask = xgr.allocate_token_bitmask(1, vocab)
+        matcher.fill_next_token_bitmask(mask, 0)
+        allowed = torch.tensor([(int(mask[0, i // 32]) >> (i % 32)) & 1 for i in range(vocab)], dtype=torch.bool)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1] / 0.8
+        top = logits.masked_fill(~allowed, float("-inf")).topk(4)
+        return dict(zip(top.indices.tolist(), top.values.softmax(-1).tolist()))
+
+    exact: dict[tuple[int, ...], float] = {(): 1.0}
+    for _ in range(3):
+        exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in law(seq).items()}
+    likely = max(exact, key=exact.get)  # type: ignore[arg-type]
+    drafts = [likely[1], likely[0]]
+    n = 20_000
+    bound = lambda m: 0.5 * (64 / m) ** 0.5 + (np.log(1e6) / (2 * m)) ** 0.5  # noqa: E731
+    got, engine = sample_joint(path, prompt, params, n, drafts)
+    assert engine.stats.spec_drafts > n // 2 and 0 < engine.stats.spec_accepted_tokens < engine.stats.spec_draft_tokens
+    assert tv(got, exact) < bound(n), tv(got, exact)
+
+    import pdserve.workers.model_runner as runner
+    from pdserve.workers.spec.rejection import Verified
+
+    def accept_all(logits, draft_tokens, num_drafts, batch, draft_probs=None):  # noqa: ANN001, ANN202
+        tokens = [draft_tokens[b, :k].tolist() + [int(logits[b, k].argmax())] for b, k in enumerate(num_drafts)]
+        return Verified(tokens, list(num_drafts))
+
+    monkeypatch.setattr(runner, "verify", accept_all)
+    m = 5_000
+    biased, _ = sample_joint(path, prompt, params, m, drafts)
+    assert tv(biased, exact) > bound(m), tv(biased, exact)
+
+
+def test_grammar_counts_reach_the_snapshot(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """What the worker's metrics export: requests, compiles (one per distinct spec), cache hits
+    (the rest), compile and mask seconds."""
+    llm = LLM(str(target_dir(make_model)), max_model_len=256, progress=False)
+    before = llm.engine.snapshot()
+    assert (before.constrained_requests, before.grammar_compiles, before.grammar_cache_hits) == (0, 0, 0)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"regex": r}) for r in
+              ("[a-e]{3}", "[a-e]{3}", "[0-9]{2}", "[a-e]{3}")]
+    llm.generate(["a", "b", "c", "d"], params)
+    snap = llm.engine.snapshot()
+    assert (snap.constrained_requests, snap.grammar_compiles, snap.grammar_cache_hits) == (4, 2, 2)
+    assert snap.grammar_compile_s > 0 and snap.grammar_mask_s > 0

@@ -72,6 +72,10 @@ class Speculator:
         drafts, probs = self.proposer.draft([r for r, _ in candidates], [k for _, k in candidates])
         self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
         for (req, _), d, sampled_from in zip(candidates, drafts, probs):
+            if req.grammar is not None and d:  # a draft ends at the first token its grammar refuses
+                keep = req.grammar.valid_drafts(d)
+                d = d[:keep]
+                sampled_from = None if sampled_from is None or not keep else sampled_from[:keep]
             req.spec_token_ids, req.spec_draft_probs = d, sampled_from
             if d:
                 req.spec_idle_steps = 0
@@ -113,12 +117,10 @@ class Speculator:
 
 
 def _may_draft(req: Request) -> bool:
-    """No drafts while the request is not at its last token, has opted out, sets a
-    penalty (it depends on each position's history), or is constrained by a grammar
-    (verification does not mask the draft rows yet)."""
+    """No drafts while the request is not at its last token, has opted out, or
+    sets a penalty (it depends on each position's history)."""
     p = req.params
-    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
-            and req.grammar is None)
+    return req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
 
 
 def _min_tokens_room(req: Request) -> int:
