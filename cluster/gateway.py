@@ -40,6 +40,7 @@ from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.tokenizer_pool import TokenizerPool
+from pdserve.cluster.tool_calls import ToolPlan, template_messages
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
@@ -173,6 +174,7 @@ class Work:
     params: SamplingParams
     echo: str | None = None
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
+    tools: ToolPlan | None = None  # a chat request's tools: its answers are parsed for calls
 
 
 class Admission:
@@ -315,8 +317,9 @@ class Gateway:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
-        messages = [{"role": m.role, "content": _unicode("messages", m.text())} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        messages = template_messages([m.template_dict(_unicode("messages", m.text())) for m in req.messages])
+        tools = req.tool_plan().template_tools
+        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))

@@ -23,7 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work
+from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work, bad_request
 from pdserve.cluster.http_guard import Guard, Keys, request_id
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
@@ -155,6 +155,10 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             num_logprobs = body.num_logprobs()
         except ValueError as e:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
+        try:
+            tools = body.tool_plan()
+        except ValueError as e:
+            raise bad_request(e) from None
         slot = gw.admit(body.n)
         try:
             prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
@@ -164,7 +168,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except BaseException:
             slot.release()
             raise
-        works = [Work(prompt_ids, params)]
+        works = [Work(prompt_ids, params, tools=tools)]
         return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot)
 
 

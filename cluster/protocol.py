@@ -20,11 +20,12 @@ from typing import Literal, NotRequired, TypedDict
 from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
+from pdserve.cluster.tool_calls import StreamedToolCall, ToolCall, ToolPlan
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
 
 # Fields OpenAI clients may send that ask nothing of the model: accepted, not used.
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier", "parallel_tool_calls"})
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
 
 
 def _or(value: float | None, default: float) -> float:
@@ -159,6 +160,18 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, object]] | None = None  # content parts: checked here (`check_supported`)
+    # An assistant's earlier tool calls, and a tool's answer to one: the chat template renders them.
+    tool_calls: list[dict[str, object]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def template_dict(self, text: str) -> dict[str, object]:
+        """The message as chat templates take it, with `text` as its content."""
+        out: dict[str, object] = {"role": self.role, "content": text}
+        for key in ("tool_calls", "tool_call_id", "name"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -180,22 +193,25 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # OpenAI options pdserve cannot honour: modelled so that asking for them is a 400 naming
-    # the field, while their "off" values (what some clients send by default) pass.
-    # Their JSON is taken as it comes: only its "off" value is ever read.
-    tools: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
-    tool_choice: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
+    tools: list[dict[str, object]] | None = Field(None, description='functions the model may call: '
+                                                 '[{"type": "function", "function": {"name", "description", '
+                                                 '"parameters"}}]')
+    tool_choice: str | dict[str, object] | None = Field(
+        None, description='"none", "auto" (the default with tools), "required", or '
+                          '{"type": "function", "function": {"name": ...}}; required and a named function are '
+                          "enforced by a grammar")
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call (required)")
+    # The deprecated function-calling fields: modelled so that asking for them is a 400 naming
+    # them, while their "off" values (what some clients send by default) pass.
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
     function_call: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "functions"):
-            if getattr(self, name):
-                raise Refused(name, "pdserve does not call tools", RefusalReason.UNSUPPORTED)
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none"):
-                raise Refused(name, 'pdserve does not call tools: only "none"', RefusalReason.UNSUPPORTED)
+        if self.functions:
+            raise Refused("functions", "deprecated: use tools", RefusalReason.UNSUPPORTED)
+        if self.function_call not in (None, "none"):
+            raise Refused("function_call", 'deprecated: use tool_choice (only "none" here)', RefusalReason.UNSUPPORTED)
         for m in self.messages:
             m.check_supported()
 
@@ -205,6 +221,20 @@ class ChatCompletionRequest(_SamplingFields):
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def tool_plan(self) -> ToolPlan:
+        """What `tools` and `tool_choice` ask (a ValueError names the field at fault)."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def constraint(self) -> StructuredOutputs | None:
+        """`response_format`/`structured_outputs`, or the grammar a required or named tool call
+        needs (not both)."""
+        own = super().constraint()
+        calls = self.tool_plan().constraint()
+        if calls is not None and own is not None:
+            raise ValueError('tool_choice: a required or named call cannot go with response_format or '
+                             'structured_outputs')
+        return own or calls
 
     def num_logprobs(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
@@ -276,7 +306,8 @@ class TextChoice(TypedDict):
 
 class AssistantMessage(TypedDict):
     role: str
-    content: str
+    content: str | None
+    tool_calls: NotRequired[list[ToolCall]]
 
 
 class ChatChoice(TypedDict):
@@ -290,7 +321,8 @@ class ChatChoice(TypedDict):
 
 class ChatDelta(TypedDict):
     role: NotRequired[str]  # in a stream's opening chunk only
-    content: str
+    content: NotRequired[str | None]
+    tool_calls: NotRequired[list[StreamedToolCall]]
 
 
 class ChatChunkChoice(TypedDict):

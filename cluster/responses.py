@@ -38,6 +38,7 @@ from pdserve.cluster.protocol import (
     now,
     usage,
 )
+from pdserve.cluster.tool_calls import StreamedToolCall
 from pdserve.workers.outputs import RequestOutput
 
 TokenStr = Callable[[int], str]
@@ -58,6 +59,9 @@ class Choice:
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     started: bool = False  # a chunk of it was streamed
+    # With tools: its text is streamed as content (True), or held back until it ends because
+    # it is (or may be) a tool call, sent then as `tool_calls` (False).
+    content: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,7 +216,40 @@ def _reported(work: Work, c: Choice) -> tuple[list[int], Entries]:
 def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> TextChoice | ChatChoice:
     shape = kind.shape
     logprobs = shape.logprobs(token_str, *_reported(work, c)) if work.params.logprobs is not None else None
+    if work.tools is not None and work.tools.active:
+        content, calls = work.tools.parse(c.text)
+        if calls:
+            message: AssistantMessage = {"role": "assistant", "content": content, "tool_calls": calls}
+            return {"index": c.index, "message": message, "logprobs": logprobs,
+                    "finish_reason": _calls_finish(c.finish_reason)}
     return shape.choice(c, work.echo, logprobs)
+
+
+def _calls_finish(reason: str | None) -> str | None:
+    """An answer that ends in tool calls finishes with "tool_calls" (OpenAI's), not "stop"."""
+    return "tool_calls" if reason == "stop" else reason
+
+
+def tool_chunk_choice(choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
+    """What a chat stream with tools sends for delta `d` of `choice`: its content as it comes
+    once the answer cannot be a tool call; otherwise nothing until it ends, then the calls
+    (or, if it was no call after all, the whole text as content). None: nothing to send yet."""
+    plan = work.tools
+    assert plan is not None
+    if not choice.content and plan.mode == "auto" and not plan.may_be_call(choice.text):
+        choice.content = True  # an answer in words: the held text goes now, the rest as it comes
+        return {"index": d.index, "delta": {"content": choice.text}, "logprobs": None, "finish_reason": d.finish_reason}
+    if choice.content:
+        return {"index": d.index, "delta": {"content": d.text}, "logprobs": None, "finish_reason": d.finish_reason}
+    if d.finish_reason is None:
+        return None
+    content, calls = plan.parse(choice.text)
+    if not calls:
+        return {"index": d.index, "delta": {"content": choice.text}, "logprobs": None,
+                "finish_reason": d.finish_reason}
+    streamed: list[StreamedToolCall] = [{"index": i, **c} for i, c in enumerate(calls)]
+    return {"index": d.index, "delta": {"content": content, "tool_calls": streamed}, "logprobs": None,
+            "finish_reason": _calls_finish(d.finish_reason)}
 
 
 def usage_body(works: list[Work], choices: list[Choice]) -> Usage:
@@ -307,8 +344,14 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
         # on its workers now, not when the event loop finalizes the abandoned generator.
         async with contextlib.aclosing(gw.run(rid, works)) as events:
             async for i, out in events:
-                delta = accumulate_delta(choices[i], work_of(works, i), out)
+                work = work_of(works, i)
+                delta = accumulate_delta(choices[i], work, out)
                 rm.output(out)
+                if work.tools is not None and work.tools.active:
+                    chunk = tool_chunk_choice(choices[i], work, delta)
+                    if chunk is not None:
+                        yield render.chunk([chunk])
+                    continue
                 yield render.delta(delta)
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:

@@ -101,9 +101,9 @@ HOSTILE = [
     ("/v1/completions", {**OK, "structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex", "malformed"),
     ("/v1/completions", {**OK, "structured_outputs": {"json": {"type": "object"}, "regex": "a"}},
      "structured_outputs", "malformed"),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "unsupported"),
-    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "unsupported"),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools",
+     "malformed"),
+    ("/v1/chat/completions", {**CHAT, "tool_choice": "auto"}, "tool_choice", "malformed"),  # no tools
     ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, "functions", "unsupported"),
     ("/v1/chat/completions", {**CHAT, "function_call": "auto"}, "function_call", "unsupported"),
     ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "unsupported"),

@@ -1,0 +1,199 @@
+"""Tool calls (OpenAI's `tools` and `tool_choice`): what a chat request's tools make of its
+output.
+
+- `"none"` (or no tools): free text.
+- a named function: the output is made (by a grammar: structured outputs) to be that
+  function's arguments, a JSON instance of its `parameters` schema; one call.
+- `"required"`: the output is made to be a JSON array of one or more `{"name", "parameters"}`
+  objects, each naming a tool and holding arguments of its schema (one item when
+  `parallel_tool_calls` is false). Even a small model returns valid calls.
+- `"auto"`: the model decides; its text is parsed for the tool-call formats of the families
+  pdserve loads: Hermes / Qwen2.5 (`<tool_call>{"name", "arguments"}</tool_call>`, any
+  number), Mistral (`[TOOL_CALLS][{"name", "arguments"}, ...]`) and Llama 3.x (the whole
+  answer one JSON object `{"name", "parameters"}`, after an optional `<|python_tag|>`).
+  Text that is none of these is the answer's content.
+
+The tools reach the model through its chat template (transformers' `apply_chat_template(tools=...)`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal, TypedDict
+
+from pdserve.workers.structured_outputs import StructuredOutputs
+
+Mode = Literal["none", "auto", "required", "named"]
+# What a streamed answer under "auto" may start with when it is a tool call: held back (not
+# streamed as content) while the text so far could be the start of one of these.
+CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
+
+
+class FunctionCall(TypedDict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(TypedDict):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class StreamedToolCall(ToolCall):
+    index: int
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """A chat request's tools and what its `tool_choice` asks of the output."""
+
+    mode: Mode
+    tools: tuple[dict[str, Any], ...]  # each tool's `function` object: name, description, parameters
+    name: str | None = None  # the named function (mode "named")
+    parallel: bool = True
+
+    @classmethod
+    def of(cls, tools: list[dict[str, object]] | None, tool_choice: str | dict[str, object] | None,
+           parallel: bool | None) -> ToolPlan:
+        """The plan of a request's fields; a ValueError names the field at fault."""
+        functions = tuple(_function(i, t) for i, t in enumerate(tools or ()))
+        names = [f["name"] for f in functions]
+        if len(set(names)) != len(names):
+            raise ValueError("tools: function names must be unique")
+        choice = "auto" if tool_choice is None and functions else (tool_choice or "none")
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if choice.get("type") != "function" or not isinstance(name, str):
+                raise ValueError('tool_choice: must be "none", "auto", "required" or '
+                                 '{"type": "function", "function": {"name": ...}}')
+            if name not in names:
+                raise ValueError(f"tool_choice: {name!r} is not one of the tools")
+            return cls("named", functions, name, parallel is not False)
+        if choice not in ("none", "auto", "required"):
+            raise ValueError(f'tool_choice: must be "none", "auto", "required" or a named function, got {choice!r}')
+        if choice != "none" and not functions:
+            raise ValueError(f'tool_choice: "{choice}" needs tools')
+        return cls(choice, functions, None, parallel is not False)  # type: ignore[arg-type]  # one of the three
+
+    @property
+    def active(self) -> bool:
+        """Whether tool calls may come back (the answer is parsed for them)."""
+        return self.mode != "none"
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (None: the prompt mentions none)."""
+        return [{"type": "function", "function": f} for f in self.tools] if self.active else None
+
+    def constraint(self) -> StructuredOutputs | None:
+        """The grammar that makes the output a valid call ("named", "required"); None otherwise."""
+        if self.mode == "named":
+            fn = next(f for f in self.tools if f["name"] == self.name)
+            return StructuredOutputs(json=fn.get("parameters") or {"type": "object"}, origin="tools")
+        if self.mode == "required":
+            items = [{"type": "object", "properties": {"name": {"const": f["name"]},
+                                                       "parameters": f.get("parameters") or {"type": "object"}},
+                      "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1,
+                                      "items": items[0] if len(items) == 1 else {"anyOf": items}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return StructuredOutputs(json=schema, origin="tools")
+        return None
+
+    def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
+        """(content, tool calls) of a whole answer. Under "named" and "required" the grammar
+        made `text` a call (a cut-short one, at max_tokens, stays content)."""
+        if self.mode == "named":
+            assert self.name is not None
+            return None, [_call(self.name, text)]
+        if self.mode == "required":
+            try:
+                items = json.loads(text)
+            except ValueError:
+                return text, []
+            return None, [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
+        if self.mode == "auto":
+            calls = parse_calls(text, {f["name"] for f in self.tools})
+            if calls is not None:
+                return calls
+        return text, []
+
+    def may_be_call(self, text: str) -> bool:
+        """Whether a streamed "auto" answer that begins with `text` may still be a tool call."""
+        head = text.lstrip()
+        return any(head.startswith(m) or m.startswith(head) for m in CALL_MARKERS)
+
+
+def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]] | None:
+    """The tool calls in a model's own format (module docstring), with the content before
+    them; None when `text` holds none that name a tool."""
+    stripped = text.strip()
+    found: list[tuple[object, object]] = []
+    content: str | None = None
+    if "<tool_call>" in stripped:  # Hermes, Qwen2.5
+        content = stripped[: stripped.index("<tool_call>")].strip() or None
+        for body in _HERMES.findall(stripped):
+            obj = _json(body)
+            if isinstance(obj, dict):
+                found.append((obj.get("name"), obj.get("arguments", obj.get("parameters", {}))))
+    elif "[TOOL_CALLS]" in stripped:  # Mistral
+        content = stripped[: stripped.index("[TOOL_CALLS]")].strip() or None
+        obj = _json(stripped.split("[TOOL_CALLS]", 1)[1])
+        for item in obj if isinstance(obj, list) else [obj]:
+            if isinstance(item, dict):
+                found.append((item.get("name"), item.get("arguments", item.get("parameters", {}))))
+    else:  # Llama 3.x: the whole answer is the call
+        obj = _json(stripped.removeprefix("<|python_tag|>"))
+        if isinstance(obj, dict) and "name" in obj:
+            found.append((obj.get("name"), obj.get("parameters", obj.get("arguments", {}))))
+    calls = [_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
+             for name, args in found if isinstance(name, str) and name in names]
+    return (content, calls) if calls else None
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI's messages as chat templates read them: an assistant's tool calls carry their
+    arguments as objects, not JSON text (what transformers' templates index into)."""
+    out = []
+    for m in messages:
+        calls = m.get("tool_calls")
+        if calls:
+            m = {**m, "tool_calls": [{**c, "function": {**c["function"],
+                                                        "arguments": _json(c["function"].get("arguments", "{}"))
+                                                        if isinstance(c["function"].get("arguments"), str)
+                                                        else c["function"].get("arguments")}}
+                                     for c in calls]}
+        out.append(m)
+    return out
+
+
+def _function(i: int, tool: dict[str, object]) -> dict[str, Any]:
+    fn = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(fn, dict):
+        raise ValueError(f'tools: tool {i} must be {{"type": "function", "function": {{"name": ...}}}}')
+    name = fn.get("name")
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
+        raise ValueError(f"tools: tool {i}'s name must be 1-64 letters, digits, '_', '.' or '-'")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")
+    return dict(fn)
+
+
+def _call(name: str, arguments: str) -> ToolCall:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def _json(text: str) -> object:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

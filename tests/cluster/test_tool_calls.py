@@ -1,0 +1,180 @@
+"""Tool calls (cluster/tool_calls.py) through the OpenAI client: `required` and a named function
+are enforced by a grammar, so even the tiny random model returns calls that parse and whose
+arguments validate against the tool's schema, whole and streamed; `auto` parses the model's own
+format (Hermes/Qwen2.5, Mistral, Llama 3.x); bad tool fields are 400s naming them."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from factories import FakeBackend, serve_gateway, tiny_spec
+
+from pdserve import LLM
+from pdserve.cluster.backend import LocalBackend
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.tool_calls import ToolPlan, parse_calls
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "get_weather", "description": "the weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "get_time", "parameters": TIME}},
+]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def url(make_model: Callable[[TinyModelSpec], Path]) -> Iterator[str]:
+    path = make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+    llm = LLM(str(path), max_model_len=1024, progress=False)
+    engine = AsyncEngine(llm.engine).start()
+    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=1024))
+    try:
+        with serve_gateway(gw) as base:
+            yield base
+    finally:
+        engine.close()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def check_calls(calls: list[Any], names: set[str]) -> None:
+    assert calls
+    for call in calls:
+        assert call.type == "function" and call.id and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_and_named_calls_parse_and_validate(url: str, stream: bool) -> None:
+    c = client(url)
+    for i in range(8):
+        for choice, names in (("required", {"get_weather", "get_time"}),
+                              ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+            kwargs: dict[str, Any] = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
+                                          max_tokens=300, temperature=1.0, seed=i)
+            if not stream:
+                resp = c.chat.completions.create(**kwargs)
+                assert resp.choices[0].finish_reason == "tool_calls", resp
+                check_calls(resp.choices[0].message.tool_calls or [], names)
+                continue
+            chunks = list(c.chat.completions.create(stream=True, **kwargs))
+            calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
+            assert [tc.index for tc in calls] == list(range(len(calls)))
+            check_calls(calls, names)
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+
+
+def test_parallel_tool_calls_false_makes_one_call(url: str) -> None:
+    resp = client(url).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                               parallel_tool_calls=False, max_tokens=300, temperature=1.0, seed=3)
+    assert len(resp.choices[0].message.tool_calls or []) == 1
+
+
+def test_tool_choice_none_and_auto_on_a_model_that_makes_no_calls_answer_in_text(url: str) -> None:
+    c = client(url)
+    for choice in ("none", "auto"):
+        resp = c.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice, max_tokens=8,
+                                         temperature=0)
+        assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ({"tools": [{"type": "retrieval"}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [TOOLS[0], TOOLS[0]]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+])
+def test_bad_tool_fields_are_400s_naming_them(url: str, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client(url).chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **body)
+    assert e.value.body["param"] == param  # type: ignore[index]
+
+
+# -- the model's own formats ("auto") -----------------------------------------------------
+
+
+@pytest.mark.parametrize(("text", "content", "calls"), [
+    ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>', None,
+     [("get_time", {"zone": "UTC"})]),
+    ('Let me look.\n<tool_call>{"name": "get_time", "arguments": {"zone": "A"}}</tool_call>\n'
+     '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>', "Let me look.",
+     [("get_time", {"zone": "A"}), ("get_weather", {"city": "Oslo", "unit": "c"})]),
+    ('[TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "B"}}]', None, [("get_time", {"zone": "B"})]),
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "C"}}', None, [("get_time", {"zone": "C"})]),
+    ('{"name": "get_weather", "parameters": {"city": "X", "unit": "f"}}', None,
+     [("get_weather", {"city": "X", "unit": "f"})]),
+])
+def test_the_families_formats_parse(text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    parsed = parse_calls(text, {"get_time", "get_weather"})
+    assert parsed is not None
+    got_content, got = parsed
+    assert got_content == content
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in got] == calls
+
+
+@pytest.mark.parametrize("text", ["The weather is fine.", '{"answer": 42}', '<tool_call>{"name": "rm_rf"}</tool_call>',
+                                  "[TOOL_CALLS] not json"])
+def test_text_that_calls_no_known_tool_is_content(text: str) -> None:
+    plan = ToolPlan.of(TOOLS, "auto", None)
+    assert plan.parse(text) == (text, [])
+
+
+class Scripted(FakeBackend):
+    """Streams a fixed answer a few characters a delta (a model's own tool-call format)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        pieces = [self.text[i:i + 3] for i in range(0, len(self.text), 3)]
+        for k, piece in enumerate(pieces):
+            last = k == len(pieces) - 1
+            yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, piece, [7], None, None,
+                                                                            "stop" if last else None)], last)
+
+
+@pytest.mark.parametrize(("text", "calls"), [
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', 1),
+    ("Sunny, 21 degrees.", 0),
+])
+def test_auto_streams_words_as_they_come_and_calls_whole(make_model: Callable[[TinyModelSpec], Path], text: str,
+                                                         calls: int) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2,
+                                                             init_std=0.05)))
+    gw = Gateway(Scripted(text), tok, GatewayConfig(model_name="tiny", max_model_len=1024))
+    with serve_gateway(gw) as base:
+        chunks = list(client(base).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True,
+                                                           max_tokens=100))
+    deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+    got = [tc for d in deltas for tc in d.tool_calls or []]
+    assert len(got) == calls
+    content = [d.content for d in deltas if d.content]
+    if calls:
+        assert got[0].function.name == "get_time" and json.loads(got[0].function.arguments) == {"zone": "UTC"}
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and not content
+    else:
+        assert "".join(content) == text and len(content) > 1  # streamed, not held to the end
+        assert chunks[-1].choices[0].finish_reason == "stop"
