@@ -32,7 +32,7 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from pdserve.workers import row_faults
-from pdserve.workers.engine import LLMEngine
+from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S, LLMEngine, too_slow
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, LifecycleError, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
@@ -179,7 +179,8 @@ class AsyncEngine:
                        timeout_s: float = 600.0) -> AsyncGenerator[RequestOutput, None]:
         """Run a request; yield its DELTA outputs until it finishes. Bad input raises
         ValueError before anything is queued; see `outputs` for the rest."""
-        self.engine.validate(prompt, params)
+        await self.grammar_ready(params)
+        self.engine.validate(prompt, params, grammar=False)
         params = params.with_output_kind(RequestOutputKind.DELTA)
         job = self.open(request_id, timeout_s)
         self.begin(job, lambda e, life: e.add_request(request_id, prompt, params, life=life))
@@ -191,11 +192,25 @@ class AsyncEngine:
         """Run a request with its deltas going to the gateway's token stream at
         `req.reply_to`; return once its final delta is sent. See `finished`."""
         params = req.params.with_output_kind(RequestOutputKind.DELTA)
-        self.engine.validate(list(req.prompt_token_ids), params)
+        await self.grammar_ready(params)
+        self.engine.validate(list(req.prompt_token_ids), params, grammar=False)
         job = self.open_stream(req)
         self.begin(job, lambda e, life: e.add_request(req.request_id, list(req.prompt_token_ids), params,
                                                       resume=req.resume, life=life))
         await self.finished(job)
+
+    async def grammar_ready(self, params: SamplingParams) -> None:
+        """Wait, off the event loop's thread, for the request's grammar to compile (cached:
+        at once); ValueError when it does not (naming the field), or not in time."""
+        fut = self.engine.grammar_future(params)
+        if fut is None:
+            return
+        try:
+            async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
+                # Shielded: a request given up on does not cancel a compile others may share.
+                await asyncio.shield(asyncio.wrap_future(fut))
+        except TimeoutError:
+            raise ValueError(too_slow(params)) from None
 
     def open_stream(self, req: ServeRequest, state: RequestState = RequestState.QUEUED) -> Job:
         """`open` a request whose deltas go to its gateway's token stream, after the

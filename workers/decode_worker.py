@@ -108,7 +108,8 @@ class DecodeWorker(RoleWorker):
         ended the request (ValueError for bad input), with every block freed."""
         params = req.params.with_output_kind(RequestOutputKind.DELTA)
         req = dataclasses.replace(req, params=params)
-        self.engine.validate(list(req.prompt_token_ids), params)
+        await self.async_engine.grammar_ready(params)
+        self.engine.validate(list(req.prompt_token_ids), params, grammar=False)
         ae = self.async_engine
         job = ae.open_stream(req, RequestState.ROUTED)
         try:

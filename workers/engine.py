@@ -20,6 +20,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -169,16 +170,23 @@ class LLMEngine:
             self._resume(req, resume)
         self.scheduler.add(req)
 
-    def validate(self, prompt: str | list[int], params: SamplingParams) -> None:
+    def validate(self, prompt: str | list[int], params: SamplingParams, grammar: bool = True) -> None:
         """Raise ValueError if add_request would reject this prompt and params. A grammar
         (structured outputs) is compiled here, on the caller's thread (it is cached: the
-        engine thread then finds it ready), within GRAMMAR_COMPILE_TIMEOUT_S."""
+        engine thread then finds it ready), within GRAMMAR_COMPILE_TIMEOUT_S; `grammar`
+        False: not (a caller on an event loop awaits `grammar_future` first)."""
         self._prepare(prompt, params)
-        if (spec := params.constraint) is not None:
+        if grammar and (fut := self.grammar_future(params)) is not None:
             try:
-                self._grammar_compiler().submit(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+                fut.result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
             except TimeoutError:
-                raise ValueError(f"{spec.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s") from None
+                raise ValueError(too_slow(params)) from None
+
+    def grammar_future(self, params: SamplingParams) -> Future[Any] | None:
+        """The compile of the request's grammar (cached, or started now on the compile
+        thread); None when it has none. Any thread."""
+        spec = params.constraint
+        return None if spec is None else self._grammar_compiler().submit(spec)
 
     def _grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler, made on first use (the tokenizer's vocabulary is
@@ -585,6 +593,12 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return tuple(sorted(ids))
+
+
+def too_slow(params: SamplingParams) -> str:
+    """The error of a grammar that did not compile within GRAMMAR_COMPILE_TIMEOUT_S."""
+    assert params.constraint is not None
+    return f"{params.constraint.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s"
 
 
 def _logprob_entries(out: SamplerOutput, tokens: list[int], top_n: list[int]) -> list[LogprobEntry | None]:

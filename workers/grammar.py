@@ -68,7 +68,7 @@ class GrammarCompiler:
         key = spec.key()
         with self._lock:
             fut = self._cache.get(key)
-            if fut is not None and not (fut.done() and fut.exception() is not None):
+            if fut is not None and not fut.cancelled() and not (fut.done() and fut.exception() is not None):
                 self.stats.cache_hits += count
                 return fut
             if len(self._cache) >= CACHE_ENTRIES:

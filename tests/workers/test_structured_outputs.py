@@ -6,7 +6,6 @@ its logits are noise, so only the mask makes the output valid. Checked with `jso
 from __future__ import annotations
 
 import json
-import random
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ from factories import tiny_spec
 from spec_decode_helpers import FixedDrafts, prompts, sample_joint, target_dir, tv
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster.bench.schemas import schemas as random_schemas
 from pdserve.workers.handoff import Resume
 from pdserve.workers.structured_outputs import StructuredOutputs
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -30,35 +30,10 @@ def llm(make_model: Callable[[TinyModelSpec], Path]) -> LLM:
     return LLM(str(path), max_model_len=1024, max_num_seqs=64, progress=False)
 
 
-def schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
-    """A random object schema whose every instance is finite: strings, integers and arrays
-    bounded, no free whitespace, so a valid output always ends within max_tokens."""
-    props: dict[str, Any] = {}
-    for i in range(rng.randint(1, 4)):
-        kind = rng.choice(["string", "integer", "boolean", "enum", "array", "null"] + (["object"] if depth < 2 else []))
-        if kind == "string":
-            p: dict[str, Any] = {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
-        elif kind == "integer":
-            low = rng.randint(-1000, 1000)
-            p = {"type": "integer", "minimum": low, "maximum": low + rng.randint(0, 5000)}
-        elif kind == "enum":
-            p = {"enum": rng.sample(["red", "green", "blue", "a b", "x\"y", "é"], rng.randint(1, 4))}
-        elif kind == "array":
-            p = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99},
-                 "minItems": 0, "maxItems": rng.randint(1, 3)}
-        elif kind == "object":
-            p = schema(rng, depth + 1)
-        else:
-            p = {"type": kind}
-        props[f"k{i}_{kind}"] = p
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
 def test_every_output_under_a_json_schema_is_valid(llm: LLM, temperature: float) -> None:
-    rng = random.Random(48)
-    schemas = [schema(rng) for _ in range(200)]
+    schemas = random_schemas(48, 200)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=400, structured_outputs={"json": s})
               for i, s in enumerate(schemas)]
     outs = llm.generate([f"record {i}:" for i in range(len(schemas))], params)
@@ -274,3 +249,29 @@ def test_grammar_counts_reach_the_snapshot(make_model: Callable[[TinyModelSpec],
     snap = llm.engine.snapshot()
     assert (snap.constrained_requests, snap.grammar_compiles, snap.grammar_cache_hits) == (4, 2, 2)
     assert snap.grammar_compile_s > 0 and snap.grammar_mask_s > 0
+
+
+def test_a_worker_compiles_off_its_event_loop_and_refuses_a_bad_spec(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """AsyncEngine (what a worker serves with) awaits the compile on the compile thread; a spec
+    that does not compile is the request's ValueError, naming its field, and nothing runs."""
+    import asyncio
+
+    from pdserve.workers.async_engine import AsyncEngine
+
+    engine = AsyncEngine(LLM(str(target_dir(make_model)), max_model_len=256, progress=False).engine).start()
+
+    async def run() -> str:
+        text = ""
+        async for out in engine.generate("ok", "x", SamplingParams(temperature=0.0, max_tokens=10,
+                                                                   structured_outputs={"choice": ["yes", "no"]})):
+            text += out.outputs[0].text
+        with pytest.raises(ValueError, match=re.escape("structured_outputs.regex")):
+            async for _ in engine.generate("bad", "x", SamplingParams(max_tokens=4, structured_outputs={"regex": "("})):
+                pass
+        return text
+
+    try:
+        assert asyncio.run(run()) in ("yes", "no")
+    finally:
+        engine.close()
