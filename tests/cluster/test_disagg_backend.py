@@ -93,6 +93,37 @@ def test_disaggregated_backend_greedy_equals_offline(model_dir: Path, transport:
     assert all(s.worker.engine.kv.pool.num_used == 0 for s in prefill.values())
 
 
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                           "tags": {"type": "array", "items": {"enum": ["ab", "cd ef"]}, "maxItems": 6},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["name", "tags", "n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("speculative", [None, "ngram"], ids=["plain", "ngram"])
+def test_a_grammar_holds_exactly_across_the_handoff(model_dir: Path, speculative: str | None) -> None:
+    """Structured outputs disaggregated: the prefill worker samples the first token under the
+    schema, the decode worker replays it into its own matcher (and drafts and verifies under
+    it): greedy tokens equal the offline engine's, and every answer validates."""
+    import json
+
+    import jsonschema
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(5, 4000, (n,), generator=g).tolist() for n in (40, 90, 33, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=200, structured_outputs={"json": RECORD})
+    spec: dict[str, object] = {"speculative": speculative, "spec_max_batch_size": 64} if speculative else {}
+    backend, prefill, decode = cluster(model_dir, RoutingPolicy.CACHE_AWARE, 256, num_prefill=1, **spec)
+    got = asyncio.run(run_all(backend, prompts, params))
+    offline = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=256, progress=False)
+    want = offline.generate(prompts, params)
+    assert got == [o.outputs[0].token_ids for o in want]
+    for o in want:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), RECORD)
+    assert sum(s.worker.engine.stats.prompt_tokens_computed for s in prefill.values()) > 0  # handed off
+    assert decode.worker.engine.kv.pool.num_used == 0
+
+
 @pytest.mark.parametrize(("mode", "proposer"), [("disaggregated", "ngram"), ("colocated", "ngram"),
                                                 ("disaggregated", "draft")])
 def test_speculating_workers_give_the_offline_greedy_tokens(model_dir: Path, mode: str, proposer: str,

@@ -175,6 +175,34 @@ def test_decode_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
     assert actors["d1"].service.receiver.num_registered == 0
 
 
+NAMED = {"type": "object", "properties": {"name": {"type": "string", "minLength": 12, "maxLength": 24},
+                                          "id": {"type": "integer", "minimum": 100000, "maximum": 999999}},
+         "required": ["name", "id"], "additionalProperties": False}
+
+
+def test_a_grammar_survives_the_death_of_its_decode_worker(model_dir: Path) -> None:
+    """Structured outputs across a migration: d0 dies mid-stream; each request goes on on d1,
+    whose matcher replays what the client has: the answers equal a fault-free run and validate."""
+    import json
+
+    import jsonschema
+
+    so = {"json": NAMED}
+    params = [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=so) if i % 2 else
+              SamplingParams(temperature=0.9, seed=5, max_tokens=120, structured_outputs=so)
+              for i in range(len(PROMPTS))]
+    backend, actors = disaggregated(model_dir)
+    got = asyncio.run(stream_all(backend, params, actors["d0"].kill, after_tokens=40))
+    want = offline(model_dir, params)
+    assert got == want
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.resumed_tokens > 0
+    tok = actors["p0"].service.engine.tokenizer
+    for tokens in want:
+        jsonschema.validate(json.loads(tok.decode(tokens, skip_special_tokens=True)), NAMED)
+    engine = actors["d1"].service.engine
+    assert not engine.has_unfinished_requests()
+
+
 def test_requests_fail_cleanly_once_every_decode_worker_is_gone(model_dir: Path) -> None:
     """No survivor, and none back within `worker_wait_s`: each request ends with one
     clean error (no hang, no Ray message)."""
