@@ -97,12 +97,22 @@ class GrammarCompiler:
             elif kind == "grammar":
                 compiled = self._compiler.compile_grammar(text)
             else:
-                compiled = self._compiler.compile_structural_tag(text)
+                compiled = self._structural_tag(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) with the parser's words
             raise ValueError(f"{spec.field}: {_reason(e)}") from None
         self.stats.compiles += 1
         self.stats.compile_s += time.perf_counter() - start
         return compiled
+
+    def _structural_tag(self, text: str) -> xgr.CompiledGrammar:
+        """xgrammar's structural tag (`{"type": "structural_tag", "format": ...}`), or the form vLLM
+        also takes, `{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`."""
+        tag = json.loads(text)
+        if isinstance(tag, dict) and "structures" in tag:
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s.get("schema", {})), end=s["end"])
+                     for s in tag["structures"]]
+            return self._compiler.compile_structural_tag(items, list(tag.get("triggers", [])))
+        return self._compiler.compile_structural_tag(text)
 
     def state(self, spec: StructuredOutputs) -> GrammarState:
         self.stats.constrained_requests += 1

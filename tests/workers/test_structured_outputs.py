@@ -5,6 +5,7 @@ its logits are noise, so only the mask makes the output valid. Checked with `jso
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -275,3 +276,34 @@ def test_a_worker_compiles_off_its_event_loop_and_refuses_a_bad_spec(
         assert asyncio.run(run()) in ("yes", "no")
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("form", ["structures", "format"])
+def test_a_structural_tag_constrains_what_follows_its_trigger(llm: LLM, form: str) -> None:
+    """Free text until a trigger; after it, the tag's begin, a JSON instance of its schema, its end
+    (vLLM's `structures` form and xgrammar's `format` form). The noise model would rarely write the
+    trigger itself: the output starts with it (a resumed request's tokens, replayed into the
+    grammar), and what follows must be the schema's JSON and the end tag."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a"], "additionalProperties": False}
+    tag: dict[str, Any] = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f"]}
+    if form == "format":
+        content = {"type": "json_schema", "json_schema": schema}
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+            {"type": "tag", "begin": "<f>", "content": content, "end": "</f>"}]}}
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=300, structured_outputs={"structural_tag": tag})
+    eng, tok = llm.engine, llm.engine.tokenizer
+    head = tok.encode("<f>", add_special_tokens=False)
+    for i in range(8):
+        eng.add_request(f"tag-{form}-{i}", tok.encode(f"p{i}"), dataclasses.replace(params, seed=i),
+                        resume=Resume(tuple(head), 3, None))
+    texts = []
+    while eng.has_unfinished_requests():
+        texts += [tok.decode(o.outputs[0].token_ids) for o in eng.step() if o.finished]
+    assert len(texts) == 8
+    # A tag's JSON may hold any whitespace (xgrammar's structural tags), which the noise model
+    # writes at length: most close within max_tokens, and every one that closes validates.
+    bodies = [m.group(1) for m in (re.match(r"<f>(.*?)</f>", t, re.S) for t in texts) if m is not None]
+    assert len(bodies) >= 4, texts
+    for body in bodies:
+        jsonschema.validate(json.loads(body), schema)
