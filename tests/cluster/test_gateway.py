@@ -480,3 +480,28 @@ def test_choice_and_regex_over_http(server: tuple[str, AsyncEngine]) -> None:
                                       temperature=0, response_format={"type": "json_object"})
     if resp2.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(resp2.choices[0].message.content or ""), dict)
+
+
+def test_the_openai_clients_parse_with_pydantic_models(server: tuple[str, AsyncEngine]) -> None:
+    """`chat.completions.parse(response_format=Model)`: the client sends the model's strict JSON
+    schema and parses the answer into it; the tiny random model's answers must parse, sampled."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Step(BaseModel):
+        explanation: str = Field(max_length=12)
+        output: int = Field(ge=-50, le=50)
+
+    class Reasoning(BaseModel):
+        steps: list[Step] = Field(max_length=3)
+        final: Literal["yes", "no"]
+        ok: bool
+
+    url, _ = server
+    c = client(url)
+    for seed in range(6):
+        resp = c.chat.completions.parse(model=MODEL, messages=[{"role": "user", "content": "think"}],
+                                        response_format=Reasoning, max_tokens=200, temperature=1.0, seed=seed)
+        assert resp.choices[0].finish_reason == "stop"
+        assert isinstance(resp.choices[0].message.parsed, Reasoning)
