@@ -69,7 +69,7 @@ def run(llm: LLM, a: argparse.Namespace, constrained: bool) -> tuple[float, floa
     dt = time.perf_counter() - t
     assert all(len(o.outputs[0].token_ids) == a.tokens for o in outs)
     if constrained:
-        assert all(o.outputs[0].text.startswith('{"text":"') for o in outs)
+        assert all(o.outputs[0].text.startswith('{"text": "') for o in outs)
     return len(prompts) * a.tokens / dt, (llm.engine.snapshot().grammar_mask_s - mask0) / dt
 
 

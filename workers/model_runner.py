@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from pdserve.workers.cuda_graphs import DecodeGraphs
 
 _SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
+# A step's grammar bitmasks: the sampled rows', and the verifying rows' (None: no grammar there).
+Masks = tuple[torch.Tensor | None, torch.Tensor | None]
 
 
 @dataclass
@@ -90,7 +92,7 @@ class ModelRunner:
         self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         # Decode steps replayed from CUDA graphs (workers/cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
-        self.grammar_mask_s = 0.0  # seconds filling and applying grammars' token bitmasks
+        self.grammar_mask_s = 0.0  # seconds filling grammars' token bitmasks
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
@@ -109,19 +111,39 @@ class ModelRunner:
             self.buf.end_step()
             raise
         sampled = step.sampled
+        # On a GPU the forward pass is only queued by now: the masks are filled while it runs.
+        masks = self._fill_masks(sampled, [s for s in ordered if s.num_spec])
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
             result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[step.logit_rows:])
         if step.logit_rows:
             logits = self.model.compute_logits(hidden[idx[: step.logit_rows]])
             # Rows: one per plain sampled request, then k+1 per verifying one.
+            plain_mask, verify_mask = masks
             if sampled and want_probs:
-                tokens, result.probs = sample_with_probs(logits[: len(sampled)], self._sampling_batch(sampled))
+                tokens, result.probs = sample_with_probs(logits[: len(sampled)],
+                                                         self._sampling_batch(sampled, plain_mask))
                 result.output = SamplerOutput(tokens)
             elif sampled:
-                result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled))
-            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):])
+                result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled, plain_mask))
+            result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):], verify_mask)
         return result
+
+    def _fill_masks(self, sampled: list[Request], verifying: list[ScheduledRequest]) -> Masks:
+        """The step's grammar bitmasks (structured outputs), for the sampled rows and the
+        verifying ones; (None, None) when no row has a grammar. Called once the forward pass
+        is queued: on a GPU it runs meanwhile. (On a CPU the pass is done by then; a thread
+        filling them beside it lost more to the OpenMP threads it preempted than it saved:
+        bench/structured.py, tiny, 2 cores.)"""
+        if not any(r.grammar is not None for r in sampled) and not any(s.request.grammar is not None
+                                                                       for s in verifying):
+            return None, None
+        start = time.perf_counter()
+        masks = (fill_bitmask([r.grammar for r in sampled], self.vocab_size),
+                 verify_bitmask([s.request.grammar for s in verifying],
+                                [s.request.spec_token_ids[: s.num_spec] for s in verifying], self.vocab_size))
+        self.grammar_mask_s += time.perf_counter() - start
+        return masks
 
     def _forward(self, step: HostStep) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote: replayed
@@ -196,7 +218,8 @@ class ModelRunner:
             at += count
         return out
 
-    def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor) -> list[SpecResult]:
+    def _verify(self, verifying: list[ScheduledRequest], logits: torch.Tensor,
+                mask: torch.Tensor | None = None) -> list[SpecResult]:
         """Exact verification (workers/spec/rejection.py): greedy rows keep drafts
         while they equal the target's argmax; sampled rows accept with
         probability min(1, p/q) (n-gram drafts: q one-hot) and resample from
@@ -205,19 +228,14 @@ class ModelRunner:
             return []
         num_drafts = [s.num_spec for s in verifying]
         drafts, _ = pad_drafts([s.request.spec_token_ids[: s.num_spec] for s in verifying], logits.device)
-        batch = self._sampling_batch([s.request for s in verifying])
+        batch = self._sampling_batch([s.request for s in verifying], None)
         # Raw log-probs (before any processing, as the sampler reports them), read
         # before verify() touches the logits.
         raw = logits.log_softmax(dim=-1) if any(s.request.logprobs is not None for s in verifying) else None
         # Each position of a constrained row is masked by its grammar advanced along the drafts
         # before it: a draft the grammar refuses there has probability 0 and is rejected.
-        if any(s.request.grammar is not None for s in verifying):
-            start = time.perf_counter()
-            mask = verify_bitmask([s.request.grammar for s in verifying],
-                                  [s.request.spec_token_ids[: s.num_spec] for s in verifying], self.vocab_size)
-            assert mask is not None
+        if mask is not None:
             apply_bitmask(logits, mask)
-            self.grammar_mask_s += time.perf_counter() - start
         out = verify(unflatten_logits(logits, num_drafts), drafts, num_drafts, batch,
                      _draft_probs(verifying, drafts, logits.shape[-1]))
         results, start = [], 0
@@ -277,7 +295,7 @@ class ModelRunner:
         return HostStep(num_tokens=t, num_seqs=len(ordered), num_decode=num_decode, logit_rows=rows,
                         sampled=sampled, max_rows=max_rows)
 
-    def _sampling_batch(self, reqs: list[Request]) -> SamplingBatch:
+    def _sampling_batch(self, reqs: list[Request], token_bitmask: torch.Tensor | None) -> SamplingBatch:
         params = [r.params for r in reqs]
         temps = [p.temperature for p in params]
         # small_tensor, not torch.tensor(device=...): no stream sync before the sampled tokens' read-back.
@@ -306,10 +324,7 @@ class ModelRunner:
             batch.penalties = Penalties.build(
                 [(r.prompt_token_ids, r.output_token_ids, r.params.presence_penalty, r.params.frequency_penalty,
                   r.params.repetition_penalty) for r in reqs], self.vocab_size, self.device)
-        if any(r.grammar is not None for r in reqs):
-            start = time.perf_counter()
-            batch.token_bitmask = fill_bitmask([r.grammar for r in reqs], self.vocab_size)
-            self.grammar_mask_s += time.perf_counter() - start
+        batch.token_bitmask = token_bitmask  # (the verify path masks its rows itself)
         batch.max_logprobs = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         return batch
 
