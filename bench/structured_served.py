@@ -43,7 +43,7 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="a model directory (default: pdserve serve's default model)")
-    p.add_argument("--schemas", type=int, default=200)
+    p.add_argument("--schemas", type=int, default=200, help="0: none")
     p.add_argument("--calls", type=int, default=100)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=400)
@@ -94,6 +94,8 @@ def main() -> int:
             return one
 
         for name, temperature in (("json_schema, greedy", 0.0), ("json_schema, sampled (t=1)", 1.0)):
+            if not a.schemas:
+                break
             print(f"[structured-served] {name} ...", file=sys.stderr, flush=True)
             rows.append((name, a.schemas, *count(a.schemas, a.concurrency, schema_answer(temperature))))
 
@@ -103,9 +105,13 @@ def main() -> int:
                     model=model, max_tokens=a.max_tokens, temperature=0.7, seed=i, tools=TOOLS, tool_choice=choice,
                     messages=[{"role": "user", "content": ["Weather in Paris?", "What time is it in Tokyo?"][i % 2]}])
                 calls = r.choices[0].message.tool_calls or []
-                return bool(calls) and all(c.function.name in names
-                                           and valid_json(c.function.arguments, SCHEMAS[c.function.name])
-                                           for c in calls)
+                ok = bool(calls) and all(c.function.name in names
+                                         and valid_json(c.function.arguments, SCHEMAS[c.function.name])
+                                         for c in calls)
+                if not ok:  # what came back instead, for the record
+                    print(f"[structured-served] {i}: {r.choices[0].finish_reason}: "
+                          f"{(r.choices[0].message.content or '')[:300]!r} {calls}", file=sys.stderr, flush=True)
+                return ok
             return one
 
         named = {"type": "function", "function": {"name": "get_weather"}}

@@ -178,3 +178,12 @@ def test_auto_streams_words_as_they_come_and_calls_whole(make_model: Callable[[T
     else:
         assert "".join(content) == text and len(content) > 1  # streamed, not held to the end
         assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_required_calls_are_bounded_so_an_answer_ends() -> None:
+    from pdserve.cluster.tool_calls import MAX_PARALLEL_CALLS
+
+    schema = ToolPlan.of(TOOLS, "required", None).constraint()
+    assert schema is not None and json.loads(schema.key()[1])["maxItems"] == MAX_PARALLEL_CALLS
+    one = ToolPlan.of(TOOLS, "required", False).constraint()
+    assert one is not None and json.loads(one.key()[1])["maxItems"] == 1
