@@ -307,3 +307,43 @@ def test_a_structural_tag_constrains_what_follows_its_trigger(llm: LLM, form: st
     assert len(bodies) >= 4, texts
     for body in bodies:
         jsonschema.validate(json.loads(body), schema)
+
+
+def test_a_preempted_request_keeps_its_grammar(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Preemption frees a request's blocks and recomputes its tokens later; its matcher stays
+    where its output is: the answers equal those of an engine with room, and validate."""
+    path = target_dir(make_model)
+    schema = {"type": "object", "properties": {"s": {"type": "string", "minLength": 40, "maxLength": 60}},
+              "required": ["s"], "additionalProperties": False}
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=100,
+                             structured_outputs={"json": schema}) for i in range(8)]
+    # Text prompts: random token ids can end in half a UTF-8 character, which the first output
+    # text would carry (the detokenizer's, not the grammar's).
+    prompts = [f"record {i}: " + "the quick brown fox " * (2 + i // 2) for i in range(8)]
+    roomy = LLM(str(path), max_model_len=192, progress=False).generate(prompts, params)
+    small = LLM(str(path), max_model_len=192, num_kv_blocks=16, progress=False)
+    tight = small.generate(prompts, params)
+    assert small.engine.stats.preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    for o in tight:
+        assert o.outputs[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+def test_a_grammar_that_does_not_compile_in_time_is_refused(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    import pdserve.workers.engine as engine_module
+    from pdserve.workers.grammar import GrammarCompiler
+
+    real = GrammarCompiler._compile
+
+    def slow(self: GrammarCompiler, spec: StructuredOutputs) -> Any:
+        time.sleep(0.5)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", slow)
+    monkeypatch.setattr(engine_module, "GRAMMAR_COMPILE_TIMEOUT_S", 0.05)
+    with pytest.raises(ValueError, match=r"structured_outputs.regex: did not compile within 0.05 s"):
+        llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"regex": "[q-z]{7}"}))
+    assert not llm.engine.has_unfinished_requests()
