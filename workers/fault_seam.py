@@ -110,11 +110,11 @@ def poison_row(engine: Any) -> None:
     real = runner._sampling_batch
     victim: list[str] = []
 
-    def sampling_batch(reqs: list[Any]) -> Any:
+    def sampling_batch(reqs: list[Any], token_bitmask: Any = None) -> Any:
         if not victim and reqs:
             victim.append(max(reqs, key=lambda r: r.max_tokens - r.num_output_tokens).request_id)
         if victim and any(r.request_id == victim[0] for r in reqs):
             raise OverflowError(f"injected: the row of request {victim[0]} cannot be built")
-        return real(reqs)
+        return real(reqs, token_bitmask)
 
     runner._sampling_batch = sampling_batch

@@ -388,10 +388,10 @@ def test_a_request_that_breaks_its_row_is_not_moved_to_another_worker(model_dir:
     assert all(a.service.engine.kv.pool.num_used == 0 for a in actors.values())
 
 
-def _raising_for(request_id: str, real: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    def sampling_batch(reqs: Any) -> Any:
+def _raising_for(request_id: str, real: Callable[..., Any]) -> Callable[..., Any]:
+    def sampling_batch(reqs: Any, *rest: Any) -> Any:
         if any(r.request_id == request_id for r in reqs):
             raise OverflowError("Overflow when unpacking long long")
-        return real(reqs)
+        return real(reqs, *rest)
 
     return sampling_batch

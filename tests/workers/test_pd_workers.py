@@ -218,10 +218,10 @@ def test_a_request_whose_row_breaks_fails_alone_on_either_worker(model_dir: Path
     runner = (p if where == "prefill" else d).engine.runner
     real = runner._sampling_batch
 
-    def sampling_batch(reqs: list[Any]) -> Any:
+    def sampling_batch(reqs: list[Any], *rest: Any) -> Any:
         if any(r.request_id == "bad" for r in reqs):
             raise OverflowError("Overflow when unpacking long long")
-        return real(reqs)
+        return real(reqs, *rest)
 
     monkeypatch.setattr(runner, "_sampling_batch", sampling_batch)
 
