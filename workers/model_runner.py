@@ -15,7 +15,7 @@ import torch
 
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers, small_tensor
-from pdserve.workers.grammar import apply_bitmask, fill_bitmask, verify_bitmask
+from pdserve.workers.grammar import GrammarState, apply_bitmask, fill_bitmask, verify_bitmask
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.compiled import Forward
 from pdserve.workers.model.llama import LlamaForCausalLM
@@ -28,8 +28,9 @@ if TYPE_CHECKING:
     from pdserve.workers.cuda_graphs import DecodeGraphs
 
 _SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
-# A step's grammar bitmasks: the sampled rows', and the verifying rows' (None: no grammar there).
-Masks = tuple[torch.Tensor | None, torch.Tensor | None]
+# A step's grammar work: the sampled rows' bitmask and the verifying rows' (None: no grammar
+# there), and the greedy sampled rows whose grammar checks the pick instead (row, grammar).
+Masks = tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, GrammarState]]]
 
 
 @dataclass
@@ -92,7 +93,10 @@ class ModelRunner:
         self.buf = InputBuffers(max_num_tokens, max_num_seqs, max_blocks, device)
         # Decode steps replayed from CUDA graphs (workers/cuda_graphs.py); None: every step eager.
         self.graphs: DecodeGraphs | None = None
-        self.grammar_mask_s = 0.0  # seconds filling grammars' token bitmasks
+        self.grammar_mask_s = 0.0  # seconds filling grammars' token bitmasks (and checking picks)
+        # Greedy constrained rows: the grammar checks the pick rather than masking ahead
+        # (`_fill_masks`); on a GPU the masks are filled while the forward pass runs instead.
+        self.check_picks = device.type == "cpu"
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
@@ -112,36 +116,51 @@ class ModelRunner:
             raise
         sampled = step.sampled
         # On a GPU the forward pass is only queued by now: the masks are filled while it runs.
-        masks = self._fill_masks(sampled, [s for s in ordered if s.num_spec])
+        masks = self._fill_masks(sampled, [s for s in ordered if s.num_spec], not want_probs)
         result = StepResult(sampled, SamplerOutput(torch.empty(0, dtype=torch.int64)))
         if prompt_rows:  # scored in slices: [rows, vocab] logits of a long chunk are large
             result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[step.logit_rows:])
         if step.logit_rows:
             logits = self.model.compute_logits(hidden[idx[: step.logit_rows]])
             # Rows: one per plain sampled request, then k+1 per verifying one.
-            plain_mask, verify_mask = masks
+            plain_mask, verify_mask, check_first = masks
             if sampled and want_probs:
                 tokens, result.probs = sample_with_probs(logits[: len(sampled)],
                                                          self._sampling_batch(sampled, plain_mask))
                 result.output = SamplerOutput(tokens)
             elif sampled:
-                result.output = sample(logits[: len(sampled)], self._sampling_batch(sampled, plain_mask))
+                batch = self._sampling_batch(sampled, plain_mask)
+                batch.check_first = check_first or None
+                result.output = sample(logits[: len(sampled)], batch)
+                self.grammar_mask_s += batch.check_s
             result.spec = self._verify([s for s in ordered if s.num_spec], logits[len(sampled):], verify_mask)
         return result
 
-    def _fill_masks(self, sampled: list[Request], verifying: list[ScheduledRequest]) -> Masks:
+    def _fill_masks(self, sampled: list[Request], verifying: list[ScheduledRequest], may_check: bool) -> Masks:
         """The step's grammar bitmasks (structured outputs), for the sampled rows and the
-        verifying ones; (None, None) when no row has a grammar. Called once the forward pass
-        is queued: on a GPU it runs meanwhile. (On a CPU the pass is done by then; a thread
-        filling them beside it lost more to the OpenMP threads it preempted than it saved:
-        bench/structured.py, tiny, 2 cores.)"""
+        verifying ones (None where no row has a grammar). Called once the forward pass is
+        queued: on a GPU it runs meanwhile. On a CPU the pass is done by then and nothing
+        hides the masks' cost (a thread filling them beside the pass lost more to the OpenMP
+        threads it preempted than it saved), so there a greedy row (`may_check`) is not masked
+        ahead: its grammar checks the model's pick, and masks only a row whose pick it refuses
+        (the same token: workers/sampler.py `_check_picks`). Masking ahead cost the tiny model
+        ~12% of its batch-16 step, ~190 us filling 16 rows and ~85 us applying them, mostly
+        cache misses after the forward pass (bench/structured.py, 2 cores)."""
         if not any(r.grammar is not None for r in sampled) and not any(s.request.grammar is not None
                                                                        for s in verifying):
-            return None, None
+            return None, None, []
         start = time.perf_counter()
-        masks = (fill_bitmask([r.grammar for r in sampled], self.vocab_size),
+        check_first: list[tuple[int, GrammarState]] = []
+        ahead = [r.grammar for r in sampled]
+        if may_check and self.check_picks:
+            check_first = [(i, g) for i, (r, g) in enumerate(zip(sampled, ahead))
+                           if g is not None and r.params.temperature == 0.0]
+            for i, _ in check_first:
+                ahead[i] = None
+        masks = (fill_bitmask(ahead, self.vocab_size),
                  verify_bitmask([s.request.grammar for s in verifying],
-                                [s.request.spec_token_ids[: s.num_spec] for s in verifying], self.vocab_size))
+                                [s.request.spec_token_ids[: s.num_spec] for s in verifying], self.vocab_size),
+                 check_first)
         self.grammar_mask_s += time.perf_counter() - start
         return masks
 

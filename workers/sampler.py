@@ -8,13 +8,14 @@ tokens independent of whatever else shares its batch.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
-from pdserve.workers.grammar import apply_bitmask
+from pdserve.workers.grammar import GrammarState, allocate_bitmask, apply_bitmask
 
 
 @dataclass
@@ -87,6 +88,10 @@ class SamplingBatch:
     penalties: Penalties | None = None
     # [N, ceil(V / 32)] int32: the tokens each row's grammar allows (workers/grammar.py); None: no row has one
     token_bitmask: torch.Tensor | None = None
+    # Greedy rows whose grammar checks the pick rather than masking ahead (row, grammar; CPU):
+    # the grammar accepts the token it allows (see `_check_picks`)
+    check_first: list[tuple[int, GrammarState]] | None = None
+    check_s: float = 0.0  # set by `sample`: seconds the check_first rows' grammars took
     max_logprobs: int = -1  # >= 0: also return the top-N raw log-probs of every row
     any_greedy: bool = True  # some row has temperature 0 (False: no greedy argmax to take, known on the host)
 
@@ -124,6 +129,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         tokens = argmax(logits)
     else:
         tokens = _sample_random(logits, batch)
+    if batch.check_first:
+        start = time.perf_counter()
+        tokens = _check_picks(logits, tokens, batch.check_first)
+        batch.check_s = time.perf_counter() - start
     tokens, safe = checked(tokens, logits)
     out = SamplerOutput(token_ids=tokens)
     if raw_logprobs is not None:
@@ -131,6 +140,29 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         if batch.max_logprobs > 0:
             out.top_logprobs, out.top_ids = raw_logprobs.topk(batch.max_logprobs, dim=-1)
     return out
+
+
+def _check_picks(logits: torch.Tensor, tokens: torch.Tensor, rows: list[tuple[int, GrammarState]]) -> torch.Tensor:
+    """Greedy rows checked by their grammar after the pick (llama.cpp's order): a pick it
+    allows it accepts; a row whose pick it refuses is masked (after every other processor,
+    as ahead) and picked again. The same token as masking first: the unmasked argmax, when
+    allowed, is the masked one too, ties and NaNs included (the first such index). A row
+    with nothing allowed left finite is refused by `checked` and failed alone."""
+    picks = tokens.tolist()
+    refused = [(row, grammar) for row, grammar in rows if not grammar.take(picks[row])]
+    if not refused:
+        return tokens
+    mask = allocate_bitmask(len(refused), logits.shape[-1])
+    for i, (_, grammar) in enumerate(refused):
+        grammar.fill(mask, i)
+    at = [row for row, _ in refused]
+    masked = logits[at]
+    apply_bitmask(masked, mask)
+    logits[at] = masked
+    for (row, grammar), pick in zip(refused, argmax(masked).tolist()):
+        picks[row] = pick
+        grammar.take(pick)  # refused only where nothing allowed is finite: `checked` fails the row
+    return torch.tensor(picks, dtype=torch.int64)
 
 
 def checked(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
