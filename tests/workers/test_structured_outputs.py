@@ -31,17 +31,35 @@ def llm(make_model: Callable[[TinyModelSpec], Path]) -> LLM:
     return LLM(str(path), max_model_len=1024, max_num_seqs=64, progress=False)
 
 
+@pytest.fixture(scope="module")
+def ngram_llm(make_model: Callable[[TinyModelSpec], Path]) -> LLM:
+    path = make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05))
+    return LLM(str(path), max_model_len=1024, max_num_seqs=64, progress=False, speculative="ngram",
+               num_speculative_tokens=3)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("speculative", [None, "ngram"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampled"])
-def test_every_output_under_a_json_schema_is_valid(llm: LLM, temperature: float) -> None:
+def test_every_output_under_a_json_schema_is_valid(llm: LLM, ngram_llm: LLM, temperature: float,
+                                                   speculative: str | None) -> None:
+    """With n-gram drafts as well (prompts that repeat the schema's words, so drafts are
+    proposed and some cut by the grammar); greedy, the same tokens as without drafts."""
     schemas = random_schemas(48, 200)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=400, structured_outputs={"json": s})
               for i, s in enumerate(schemas)]
-    outs = llm.generate([f"record {i}:" for i in range(len(schemas))], params)
+    prompts = [f"record {i}: " + json.dumps(s)[:200] for i, s in enumerate(schemas)]
+    drafted = ngram_llm.engine.stats.spec_draft_tokens
+    outs = (ngram_llm if speculative else llm).generate(prompts, params)
     for s, out in zip(schemas, outs):
         c = out.outputs[0]
         assert c.finish_reason == "stop", (s, c.text)
         jsonschema.validate(json.loads(c.text), s)
+    if speculative:
+        assert ngram_llm.engine.stats.spec_draft_tokens > drafted
+        if temperature == 0.0:
+            assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids
+                                                                for o in llm.generate(prompts, params)]
 
 
 def test_unconstrained_rows_in_the_same_batch_are_unchanged(llm: LLM) -> None:
