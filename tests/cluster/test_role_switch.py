@@ -122,13 +122,21 @@ def assert_no_block_used(services: dict[str, WorkerService]) -> None:
         assert state.drained, (name, state)
 
 
+# Structured outputs across the switches: the grammar's state goes with the request's tokens.
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "minLength": 30, "maxLength": 40},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["name", "n"], "additionalProperties": False}
+CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs={"json": RECORD})
+
+
+@pytest.mark.parametrize("params", [GREEDY, CONSTRAINED], ids=["greedy", "json-schema"])
 def test_workers_switch_role_under_load_and_every_stream_matches_offline(
-        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+        model_dir: Path, caplog: pytest.LogCaptureFixture, params: SamplingParams) -> None:
     """2 prefill + 1 decode, 14 greedy streams under way: p1 becomes a decode worker,
     then d0 (its pool has p1 now) a prefill worker, each draining what it holds; a
     second wave runs on the new split. Every stream equals offline, every pool ends
     with no block used. Every engine speculates (n-gram) when it decodes: p1, born to
-    prefill, too, once it switched."""
+    prefill, too, once it switched. The same under a JSON schema."""
     # the second wave repeats itself, so the n-gram proposer finds drafts in it
     first, second = prompts(14, seed=1), prompts(6, seed=2)
     backend, services = cluster(model_dir, 2, 1, speculative="ngram")
@@ -137,20 +145,20 @@ def test_workers_switch_role_under_load_and_every_stream_matches_offline(
 
     async def main() -> tuple[list[list[int]], list[list[int]], list[Any]]:
         try:
-            load = Load(backend, first, "a")
+            load = Load(backend, first, "a", params)
             await until(lambda: services["p1"].async_engine.num_in_flight > 0)  # it is prefilling
             switches = [await backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=30)]
             await load.all_streaming()
             switches.append(await backend.switch_role("d0", WorkerRole.PREFILL, drain_timeout_s=30))
-            after = Load(backend, second, "b")
+            after = Load(backend, second, "b", params)
             return await load.done(), await after.done(), switches
         finally:
             await backend.close()
 
     with caplog.at_level(logging.WARNING, logger="pdserve.cluster.role_switch"):
         got_first, got_second, switches = asyncio.run(main())
-    assert got_first == offline(model_dir, first)
-    assert got_second == offline(model_dir, second)
+    assert got_first == offline(model_dir, first, params)
+    assert got_second == offline(model_dir, second, params)
     assert [(s.from_role, s.to_role, s.migrated) for s in switches] == \
         [(WorkerRole.PREFILL, WorkerRole.DECODE, 0), (WorkerRole.DECODE, WorkerRole.PREFILL, 0)]
     assert switches[0].drained > 0  # p1's prefills finished there

@@ -122,16 +122,23 @@ def test_prompt_logprobs_cross_from_prefill_to_decode(model_dir: Path, fault: st
     assert_no_blocks(p, d)
 
 
+# A grammar across a recompute: the request's first token, sampled under it on the prefill
+# worker, is replayed into the decode worker's matcher, which goes on from there.
+CONSTRAINED = SamplingParams(temperature=0.0, max_tokens=60,
+                             structured_outputs={"regex": r"[a-z]{3,8}( [a-z]{2,6}){2,5}"})
+
+
+@pytest.mark.parametrize("params", [PARAMS, CONSTRAINED], ids=["plain", "regex"])
 @pytest.mark.parametrize("fault", ["drop", "corrupt"])
-def test_bad_kv_message_is_detected_and_recomputed(model_dir: Path, fault: str) -> None:
+def test_bad_kv_message_is_detected_and_recomputed(model_dir: Path, fault: str, params: SamplingParams) -> None:
     ps = prompts(1, 50, seed=5)
     faults = Faults()
     getattr(faults, fault)(layer=1)
     p, d = make_pair(model_dir, faults=faults)
 
-    tokens = asyncio.run(serve_one(p, d, "f", ps[0], PARAMS))
+    tokens = asyncio.run(serve_one(p, d, "f", ps[0], params))
     assert d.num_transfer_failures == 1
-    assert tokens == expected(model_dir, ps, PARAMS)[0]  # re-prefilled on the decode worker: still right
+    assert tokens == expected(model_dir, ps, params)[0]  # re-prefilled on the decode worker: still right
     assert_no_blocks(p, d)
 
 
