@@ -24,7 +24,7 @@ do_bench flushes L2 before every timed call and times with device events; the
 flush also keeps the GPU busy while the next launch is queued, so small
 kernels are timed without host launch gaps.
 
-    python3 bench/kernels_gpu.py [--dry-run] [--only norm,rope,cache,decode,prefill]
+    python3 bench/kernels_gpu.py [--dry-run] [--only norm,act,rope,cache,decode,prefill]
         [--rep MS] [--warmup MS] [--rounds N] [--decode-splits 1,4,16]
         [--tune [--tune-budget-s S]]
 
@@ -128,6 +128,9 @@ class Plan:
     # (seq_len incl. the chunk, chunk length): fresh prompts and chunks after a cached prefix
     prefill_check: tuple[tuple[int, int], ...] = ((1000, 1000), (700, 200), (300, 300), (129, 64))
     norm_shape: tuple[int, int] = (8192, 4096)
+    act_check_shape: tuple[int, int] = (67, 14336)
+    act_tokens: tuple[int, ...] = (1, 64, 8192)  # decode batch 1 and 64, a prefill chunk
+    act_inter: int = 14336  # Llama-3-8B's intermediate size
     norm_check_shape: tuple[int, int] = (257, 4096)
     rope_tokens: int = 8192
     rope_check_tokens: int = 129
@@ -149,7 +152,8 @@ def dry_plan() -> Plan:
         copy_bytes=8 << 20, matmul_n=128,
         decode_batches=(1, 2), decode_ctxs=(32, 80), decode_check_lens=(80, 37, 16, 1),
         prefill_shapes=((1, 64), (2, 48)), prefill_check=((70, 70), (50, 20), (33, 1)),
-        norm_shape=(16, 64), norm_check_shape=(5, 48), rope_tokens=8, rope_check_tokens=7,
+        norm_shape=(16, 64), norm_check_shape=(5, 48), act_check_shape=(5, 40), act_tokens=(1, 6), act_inter=48,
+        rope_tokens=8, rope_check_tokens=7,
         cache_tokens=24, bar_decode=(2, 80), bar_prefill_min_tokens=64,
     )
 
@@ -668,6 +672,34 @@ class Runner:
 
         return fn
 
+    # act (SiLU x mul) -----------------------------------------------------
+
+    def act(self) -> None:
+        silu_and_mul = _load("pdserve.kernels.triton_act", "silu_and_mul")
+        import torch.nn.functional as F
+
+        p = self.p
+        T, inter = p.act_check_shape
+        gate_up = self.randn(T, 2 * inter, scale=3.0)
+        out = silu_and_mul(gate_up)
+        self.sync()
+        g, u = gate_up[:, :inter].double(), gate_up[:, inter:].double()
+        self.compare("silu_mul", f"{T}x{inter}", out, g * torch.sigmoid(g) * u)
+        for T in p.act_tokens:
+            inter = p.act_inter
+            gate_up = self.randn(T, 2 * inter)
+
+            def torch_two_ops(x=gate_up, n=inter):  # layers.GatedMLP's eager path
+                gate, up = x.split(n, dim=-1)
+                return F.silu(gate).mul_(up)
+
+            ms = self.bench(lambda: silu_and_mul(gate_up))
+            ref_ms = self.bench(torch_two_ops)
+            moved = 3 * T * inter * _esize(p.dtype)
+            gbps = moved / (ms * 1e-3) / 1e9
+            self.perf(Perf("silu_mul", f"T={T} I={inter}", ms * 1e3, gbps, "GB/s", self.pct_bw(gbps),
+                           "torch eager", ref_ms * 1e3, ref_ms / ms))
+
     # rope ---------------------------------------------------------------
 
     def rope(self) -> None:
@@ -825,8 +857,8 @@ def _perf_line(r: Perf) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (Triton interpreter), float32")
-    ap.add_argument("--only", default="norm,rope,cache,decode,prefill",
-                    help="comma list of sections: norm,rope,cache,decode,prefill (the ceilings always run)")
+    ap.add_argument("--only", default="norm,act,rope,cache,decode,prefill",
+                    help="comma list of sections: norm,act,rope,cache,decode,prefill (the ceilings always run)")
     ap.add_argument("--rep", type=int, default=100, help="do_bench repetition time, ms")
     ap.add_argument("--warmup", type=int, default=25, help="do_bench warm-up time, ms")
     ap.add_argument("--rounds", type=int, default=2, help="A B rounds for prefill vs SDPA")
@@ -848,7 +880,7 @@ def main(argv: list[str] | None = None) -> int:
     sections = [s.strip() for s in args.only.split(",") if s.strip()]
     # The ceilings come first: every % below divides by them.
     run.guarded("ceilings", run.ceilings)
-    for name in ("norm", "rope", "cache", "decode", "prefill"):
+    for name in ("norm", "act", "rope", "cache", "decode", "prefill"):
         if name in sections:
             run.log(f"== {name}")
             run.guarded(name, getattr(run, name))

@@ -1,4 +1,4 @@
-"""Fused Triton ops (add + RMSNorm, RoPE) against their PyTorch references and the
+"""Fused Triton ops (add + RMSNorm, RoPE, SiLU x mul) against their PyTorch references and the
 model's own layers. Without a GPU these run in Triton's interpreter (conftest sets
 TRITON_INTERPRET=1): tiny shapes, float32 and float16 only (no bf16 there)."""
 
@@ -9,10 +9,11 @@ import torch
 
 from pdserve.kernels import triton_norm
 from pdserve.kernels.reference import rms_norm_ref, rope_ref
+from pdserve.kernels.triton_act import silu_and_mul
 from pdserve.kernels.triton_norm import fused_add_rms_norm
 from pdserve.kernels.triton_rope import apply_rope, rope_cos_sin
 from pdserve.workers.model.config import RopeConfig, rope_inv_freq
-from pdserve.workers.model.layers import RMSNorm, RotaryEmbedding
+from pdserve.workers.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LLAMA3 = RopeConfig(
@@ -217,3 +218,33 @@ def test_rope_validates_shapes() -> None:
     with pytest.raises(ValueError, match="positions"):
         apply_rope(x, pos[:1], cos, sin)
     assert apply_rope(x[:0], pos[:0], cos, sin).shape == (0, 3, 8)
+
+
+# ---------------------------------------------------------------- SiLU x mul
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("inter", [8, 48, 1500])
+def test_silu_and_mul_matches_the_layers_two_ops(dtype: torch.dtype, inter: int) -> None:
+    """Against torch's F.silu(gate).mul_(up), the layer's eager path (two roundings), and a
+    float64 oracle; rows strided (a slice of a wider buffer), widths that do not fill a block."""
+    wide = _randn(5, 2 * inter + 7, dtype=dtype, seed=inter) * 4
+    gate_up = wide[:, : 2 * inter]  # row stride 2I + 7
+    out = silu_and_mul(gate_up)
+    gate, up = gate_up.split(inter, dim=-1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(gate).mul(up), **TOL[dtype])
+    g64, u64 = gate.double(), up.double()
+    oracle = g64 * torch.sigmoid(g64) * u64
+    torch.testing.assert_close(out.double(), oracle, **LAYER_TOL[dtype])
+    assert out.shape == (5, inter) and out.dtype == dtype and out.is_contiguous()
+    assert silu_and_mul(gate_up[:0]).shape == (0, inter)
+    with pytest.raises(ValueError, match="2I"):
+        silu_and_mul(gate_up[:, :-1])
+
+
+def test_gated_mlp_with_the_kernel_matches_without() -> None:
+    torch.manual_seed(0)
+    plain, fused = GatedMLP(32, 40).to(DEVICE), GatedMLP(32, 40, use_triton=True).to(DEVICE)
+    fused.load_state_dict(plain.state_dict())
+    x = _randn(3, 4, 32, dtype=torch.float32, seed=9)  # [B, T, H]: leading dims kept
+    torch.testing.assert_close(fused(x), plain(x), **TOL[torch.float32])

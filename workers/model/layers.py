@@ -85,13 +85,19 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, use_triton: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.use_triton = use_triton  # silu x mul in one launch (kernels/triton_act.py), not two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)
+        if self.use_triton:
+            from pdserve.kernels.triton_act import silu_and_mul
+
+            return linear(silu_and_mul(gate_up.view(-1, 2 * self.intermediate_size)).view(*x.shape[:-1], -1),
+                          self.down_proj)
         gate, up = gate_up.split(self.intermediate_size, dim=-1)  # type: ignore[no-untyped-call]
         return linear(F.silu(gate).mul_(up), self.down_proj)
