@@ -131,6 +131,7 @@ class Plan:
     act_check_shape: tuple[int, int] = (67, 14336)
     act_tokens: tuple[int, ...] = (1, 64, 8192)  # decode batch 1 and 64, a prefill chunk
     act_inter: int = 14336  # Llama-3-8B's intermediate size
+    rope_kv_tokens: tuple[int, ...] = (1, 64, 8192)
     norm_check_shape: tuple[int, int] = (257, 4096)
     rope_tokens: int = 8192
     rope_check_tokens: int = 129
@@ -153,6 +154,7 @@ def dry_plan() -> Plan:
         decode_batches=(1, 2), decode_ctxs=(32, 80), decode_check_lens=(80, 37, 16, 1),
         prefill_shapes=((1, 64), (2, 48)), prefill_check=((70, 70), (50, 20), (33, 1)),
         norm_shape=(16, 64), norm_check_shape=(5, 48), act_check_shape=(5, 40), act_tokens=(1, 6), act_inter=48,
+        rope_kv_tokens=(1, 5),
         rope_tokens=8, rope_check_tokens=7,
         cache_tokens=24, bar_decode=(2, 80), bar_prefill_min_tokens=64,
     )
@@ -748,6 +750,42 @@ class Runner:
         gbps = moved / (ms * 1e-3) / 1e9
         self.perf(Perf("rope", f"T={T} heads={nqk} D={D} (strided)", ms * 1e3, gbps, "GB/s", self.pct_bw(gbps),
                        "torch eager", ref_ms * 1e3, ref_ms / ms))
+        self._rope_kv(cos, sin)
+
+    def _rope_kv(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """RoPE + the KV write in one launch (the Triton model's path) against the two kernels
+        it replaced: equal bit for bit, and timed at decode batch 1 and 64 and a prefill chunk."""
+        rope_and_write_kv = _load("pdserve.kernels.triton_rope_cache", "rope_and_write_kv")
+        apply_rope = _load("pdserve.kernels.triton_rope", "apply_rope")
+        write_kv = _load("pdserve.kernels.triton_cache", "write_kv")
+        p = self.p
+        H, KVH, D = p.heads, p.kv_heads, p.head_dim
+        for T in p.rope_kv_tokens:
+            num_blocks = -(-T // p.block_size) + 1
+            shape = (num_blocks, p.block_size, KVH, D)
+            caches = [torch.zeros(shape, dtype=p.dtype, device=p.device) for _ in range(4)]
+            qkv = self.randn(T, (H + 2 * KVH) * D)
+            positions = torch.arange(T, device=p.device) + 100
+            slots = self.randperm(num_blocks * p.block_size)[:T].to(p.device)
+
+            def two_kernels(kc=caches[0], vc=caches[1], qkv=qkv, positions=positions, slots=slots, T=T):
+                qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), positions, cos, sin)
+                write_kv(qk[:, H:], qkv[:, (H + KVH) * D:].view(T, KVH, D), kc, vc, slots)
+                return qk[:, :H]
+
+            def fused(kc=caches[2], vc=caches[3], qkv=qkv, positions=positions, slots=slots):
+                return rope_and_write_kv(qkv, H, KVH, positions, cos, sin, kc, vc, slots)
+
+            same = torch.equal(two_kernels(), fused()) and torch.equal(caches[0], caches[2]) and \
+                torch.equal(caches[1], caches[3])
+            self.r.checks.append(Check("rope_kv", f"T={T} vs rope + write_kv", 0.0, 0.0, "PASS" if same else "FAIL",
+                                       "" if same else "differs from the two kernels"))
+            ms = self.bench(fused)
+            ref_ms = self.bench(two_kernels)
+            moved = (T * (H + 2 * KVH) * D + T * H * D + 2 * T * KVH * D) * _esize(p.dtype)
+            gbps = moved / (ms * 1e-3) / 1e9
+            self.perf(Perf("rope_kv", f"T={T} H={H} KVH={KVH} D={D}", ms * 1e3, gbps, "GB/s", self.pct_bw(gbps),
+                           "rope + write_kv", ref_ms * 1e3, ref_ms / ms))
 
     # tune ---------------------------------------------------------------
 

@@ -1,5 +1,6 @@
-"""The Triton attention backend: KV write, paged decode for the single-token
-rows, flash prefill for the multi-token chunks, all in one output buffer."""
+"""The Triton attention backend: KV write (fused with RoPE when the model hands over
+its qkv output), paged decode for the single-token rows, flash prefill for the
+multi-token chunks, all in one output buffer."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.triton_cache import write_kv
 from pdserve.kernels.triton_decode import paged_decode_attention
 from pdserve.kernels.triton_prefill import prefill_attention
+from pdserve.kernels.triton_rope_cache import rope_and_write_kv
 
 
 def paged_attention(
@@ -18,6 +20,22 @@ def paged_attention(
 ) -> torch.Tensor:
     """Same contract as `reference.paged_attention`: [T, H, D] queries -> [T, H*D]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta, scale)
+
+
+def rope_paged_attention(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, positions: torch.Tensor, cos: torch.Tensor,
+    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+) -> torch.Tensor:
+    """`paged_attention` of the fused qkv projection's output before RoPE: the rotation and
+    the cache write in one launch (kernels/triton_rope_cache.py), then the attention."""
+    q = rope_and_write_kv(qkv, num_heads, num_kv_heads, positions, cos, sin, k_cache, v_cache, meta.slot_mapping)
+    return attend(q, k_cache, v_cache, meta, scale)
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+           scale: float) -> torch.Tensor:
+    """[T, H, D] queries over the paged cache, which holds this step's keys already -> [T, H*D]."""
     out = torch.empty_like(q)
     nd = meta.num_decode_seqs
     if nd:

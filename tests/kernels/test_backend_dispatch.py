@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -14,7 +15,22 @@ from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 
-def test_tiny_model_greedy_with_triton_equals_torch(make_model: Callable[[TinyModelSpec], Path]) -> None:
+def test_tiny_model_greedy_with_triton_equals_torch(make_model: Callable[[TinyModelSpec], Path],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Triton backend's model (its fused RoPE + KV write and SiLU x mul, counted) gives
+    the torch backend's greedy tokens."""
+    from pdserve.kernels import triton_act, triton_attention
+
+    calls = {"rope_kv": 0, "silu_mul": 0}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any) -> Any:
+            calls[name] += 1
+            return fn(*args)
+        return wrapper
+
+    monkeypatch.setattr(triton_attention, "rope_and_write_kv", counted("rope_kv", triton_attention.rope_and_write_kv))
+    monkeypatch.setattr(triton_act, "silu_and_mul", counted("silu_mul", triton_act.silu_and_mul))
     model_dir = make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05, rope_scaling="llama3"))
     g = torch.Generator().manual_seed(0)
     # Ragged prompts, one longer than a block, one shorter; a small token budget
@@ -29,6 +45,7 @@ def test_tiny_model_greedy_with_triton_equals_torch(make_model: Callable[[TinyMo
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert outs["triton"] == outs["torch"]
     assert len(set(outs["torch"][0])) > 1
+    assert calls["rope_kv"] > 0 and calls["silu_mul"] > 0
 
 
 def test_auto_backend_is_reference_on_cpu_and_triton_on_cuda() -> None:

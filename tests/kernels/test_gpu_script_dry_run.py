@@ -28,7 +28,7 @@ def test_dry_run_with_tune_sweep(tmp_path):
     report = json.loads((tmp_path / "kernels_gpu.json").read_text())
     assert not report["errors"], report["errors"]
     kernels = {c["kernel"] for c in report["checks"]}
-    assert {"decode", "prefill", "write_kv", "rms_norm", "rope", "silu_mul"} <= kernels
+    assert {"decode", "prefill", "write_kv", "rms_norm", "rope", "rope_kv", "silu_mul"} <= kernels
     assert all(c["status"] == "PASS" for c in report["checks"])
 
     rows = report["tuning"]

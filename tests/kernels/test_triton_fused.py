@@ -1,4 +1,4 @@
-"""Fused Triton ops (add + RMSNorm, RoPE, SiLU x mul) against their PyTorch references and the
+"""Fused Triton ops (add + RMSNorm, RoPE, RoPE + KV write, SiLU x mul) against their PyTorch references and the
 model's own layers. Without a GPU these run in Triton's interpreter (conftest sets
 TRITON_INTERPRET=1): tiny shapes, float32 and float16 only (no bf16 there)."""
 
@@ -10,8 +10,10 @@ import torch
 from pdserve.kernels import triton_norm
 from pdserve.kernels.reference import rms_norm_ref, rope_ref
 from pdserve.kernels.triton_act import silu_and_mul
+from pdserve.kernels.triton_cache import write_kv
 from pdserve.kernels.triton_norm import fused_add_rms_norm
 from pdserve.kernels.triton_rope import apply_rope, rope_cos_sin
+from pdserve.kernels.triton_rope_cache import rope_and_write_kv
 from pdserve.workers.model.config import RopeConfig, rope_inv_freq
 from pdserve.workers.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 
@@ -248,3 +250,49 @@ def test_gated_mlp_with_the_kernel_matches_without() -> None:
     fused.load_state_dict(plain.state_dict())
     x = _randn(3, 4, 32, dtype=torch.float32, seed=9)  # [B, T, H]: leading dims kept
     torch.testing.assert_close(fused(x), plain(x), **TOL[torch.float32])
+
+
+# ---------------------------------------------------------------- RoPE + KV write
+
+
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                    (torch.float32, torch.float16)])
+@pytest.mark.parametrize(("H", "KVH", "D"), [(4, 2, 16), (6, 3, 8), (2, 2, 32)])
+def test_rope_and_kv_write_equal_the_two_kernels(dtype: torch.dtype, cache_dtype: torch.dtype, H: int, KVH: int,
+                                                 D: int) -> None:
+    """Bit for bit what apply_rope on q and k then write_kv give: the queries, every written
+    slot, and nothing else in the caches (a slot of -1 writes nothing; the caches are strided
+    views of a bigger buffer, the qkv rows a strided slice)."""
+    T, P, blocks, bs = 9, 64, 6, 4
+    cos, sin = _tables(D, LLAMA3, P, dtype)
+    wide = _randn(T, (H + 2 * KVH) * D + 5, dtype=dtype, seed=H * D)
+    qkv = wide[:, : (H + 2 * KVH) * D]
+    positions = torch.randint(0, P, (T,), generator=_gen(H + D)).to(DEVICE)
+    slots = torch.randperm(blocks * bs, generator=_gen(D))[:T].to(DEVICE)
+    slots[[2, 7]] = -1
+
+    def caches() -> tuple[torch.Tensor, torch.Tensor]:
+        big = torch.full((2, blocks, bs, KVH + 1, D), float("nan"), dtype=cache_dtype, device=DEVICE)
+        return big[0, :, :, :KVH], big[1, :, :, :KVH]
+
+    want_kc, want_vc = caches()
+    qk = apply_rope(qkv[:, : (H + KVH) * D].view(T, H + KVH, D), positions, cos, sin)
+    write_kv(qk[:, H:], qkv[:, (H + KVH) * D:].view(T, KVH, D), want_kc, want_vc, slots)
+    got_kc, got_vc = caches()
+    q = rope_and_write_kv(qkv, H, KVH, positions, cos, sin, got_kc, got_vc, slots)
+    assert torch.equal(q, qk[:, :H])
+    assert torch.equal(got_kc.nan_to_num(7.0), want_kc.nan_to_num(7.0))
+    assert torch.equal(got_vc.nan_to_num(7.0), want_vc.nan_to_num(7.0))
+    assert int(got_kc.isnan().all(-1).all(-1).sum()) == blocks * bs - (T - 2)  # only the 7 real slots written
+
+
+def test_rope_and_kv_write_validates_shapes() -> None:
+    cos, sin = _tables(8, RopeConfig(), 16, torch.float32)
+    kc = torch.zeros(2, 4, 1, 8, device=DEVICE)
+    pos = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="qkv width"):
+        rope_and_write_kv(torch.zeros(3, 30, device=DEVICE), 2, 1, pos, cos, sin, kc, kc.clone(), pos)
+    with pytest.raises(ValueError, match="positions"):
+        rope_and_write_kv(torch.zeros(3, 32, device=DEVICE), 2, 1, pos[:2], cos, sin, kc, kc.clone(), pos)
+    assert rope_and_write_kv(torch.zeros(0, 32, device=DEVICE), 2, 1, pos[:0], cos, sin, kc, kc.clone(),
+                             pos[:0]).shape == (0, 2, 8)

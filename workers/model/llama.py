@@ -37,6 +37,13 @@ class Attention(nn.Module):
         # a CPU decode step's many small calls (docs/performance.md).
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj)  # [T, q + 2 kv]
+        if self.backend is AttentionBackend.TRITON and meta is not None and kv_cache is not None and rotary.use_triton:
+            from pdserve.kernels.triton_attention import rope_paged_attention  # imports triton: only when asked
+
+            # RoPE and the KV write in one launch; the roped keys go straight into the cache.
+            out = rope_paged_attention(qkv, self.num_heads, self.num_kv_heads, cos_sin[0], rotary.cos, rotary.sin,
+                                       kv_cache[0], kv_cache[1], meta, self.scale)
+            return linear(out, self.o_proj)
         # RoPE on q and k together: they are adjacent in the fused output.
         qk = rotary.apply(
             qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim), cos_sin
