@@ -1,7 +1,7 @@
-"""The worker services the cluster runs as Ray actors, and the actors themselves.
+"""The worker services the cluster runs as Ray actors (cluster/ray_actors.py makes them).
 
-Each service is a plain class over a Ray-free worker (tests drive them in one
-process); `ray.remote` at the bottom makes the actors. Nothing here decides
+Each service is a plain class over a Ray-free worker, importable without Ray (tests,
+and a lent GPU's served check, drive them in one process). Nothing here decides
 anything: routing is the router's, scheduling the engine's. What crosses Ray is
 typed: `ServeRequest`, `PrefillOrder` and `FirstToken` (workers/handoff.py),
 `WorkerInfo` and `LoadReport` (cluster/reports.py); tokens go to the gateway's
@@ -18,9 +18,7 @@ import os
 import threading
 import time
 
-import ray
-from ray.exceptions import RayActorError
-
+from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.reports import DrainState, LoadReport, RoleSwitch, WorkerInfo
 from pdserve.cluster.role_switch import RoleSwitcher
 from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
@@ -345,8 +343,3 @@ def _engine(config: EngineConfig, torch_threads: int, record_events: bool = Fals
     return run_on_exiting_thread(lambda: LLMEngine(dataclasses.replace(config, record_kv_events=record_events)),
                                  torch_threads)
 
-
-# The Ray actors: the plain services above, one process (and one GPU) each.
-EngineWorkerActor = ray.remote(EngineService)
-PrefillWorkerActor = ray.remote(PrefillService)  # a WorkerService that starts as prefill
-DecodeWorkerActor = ray.remote(DecodeService)  # ... as decode

@@ -20,10 +20,9 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
-from ray.exceptions import RayActorError
-
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.placement import bind_host
+from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.cluster.token_collector import TokenStreamCollector

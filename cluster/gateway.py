@@ -28,8 +28,6 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ray.exceptions import RayError
-
 from pdserve.cluster.backend import GenerationBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.drain_flag import DrainWatch
@@ -37,6 +35,7 @@ from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.tokenizer_pool import TokenizerPool

@@ -138,7 +138,7 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     """Create the named worker actors: one GPU each on a cluster with GPUs, a CPU share
     otherwise; each pool on the nodes that offer its resources (cluster/placement.py).
     ValueError, before any actor starts, when `--device cuda` finds no GPU in the cluster."""
-    from pdserve.cluster.actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
+    from pdserve.cluster.ray_actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
     colocated = cfg.mode is ServingMode.COLOCATED
     share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,

@@ -30,8 +30,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from ray.exceptions import RayActorError
-
+from pdserve.cluster.ray_errors import RayActorError
 from pdserve.workers.stats import EngineSnapshot
 
 # The default `--stall-timeout`. A worker's steps take milliseconds to a second (a full

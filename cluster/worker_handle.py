@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 
-from ray.exceptions import RayActorError
+from pdserve.cluster.ray_errors import RayActorError
 
 if TYPE_CHECKING:
     from pdserve.cluster.reports import LoadReport, RoleSwitch

@@ -161,7 +161,7 @@ def test_pdserve_serve_with_cuda_on_a_cpu_cluster_fails_before_any_worker_starts
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """The cluster is Ray's answer (`ray.cluster_resources()` of a CPU-only cluster): `pdserve serve
     --device cuda` exits 2 with the reason, and no worker actor is made."""
-    from pdserve.cluster import actors
+    from pdserve.cluster import ray_actors
 
     def no_actor(*a: Any, **k: Any) -> None:
         raise AssertionError("a worker actor was made")
@@ -171,7 +171,7 @@ def test_pdserve_serve_with_cuda_on_a_cpu_cluster_fails_before_any_worker_starts
     monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
     monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 16.0, "memory": 1e10})
     for name in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
-        monkeypatch.setattr(actors, name, type(name, (), {"options": staticmethod(no_actor)}))
+        monkeypatch.setattr(ray_actors, name, type(name, (), {"options": staticmethod(no_actor)}))
     code = cli.main(["serve", "--model", "/nonexistent/m", "--device", "cuda"])
     assert code == 2
     assert capsys.readouterr().err.startswith("pdserve: error: device: cuda, but the Ray cluster has no GPU")
