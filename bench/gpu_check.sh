@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # pdserve's one GPU check (issue 15): about 4.5 minutes on an H200 (243 s on 2026-11-27 before
-# step 3b; its step timeouts add up to 535 s), from the repo root.
+# step 3b; its step timeouts add up to 775 s with step 3c's), from the repo root.
 #
 #   bash bench/gpu_check.sh            # on the GPU machine; results under $OUT (default ./gpu_out, git-ignored)
 #   bash bench/gpu_check.sh --dry-run  # on a CPU: every step with tiny shapes (CI runs this); results
@@ -16,6 +16,9 @@
 #   3. bench/gpu_e2e.py: tiny-model step time, Llama-3-8B-shaped random bf16 decode at
 #      batch 1/8/32/64 with and without CUDA graphs against the bytes/HBM limit, and the
 #      long prompt chunked vs one pass;
+#  3c. bench/gpu_served.py: the gateway over HTTP in front of a prefill and a decode worker on the
+#      card, without Ray (served greedy = offline on the tiny model; the 8B shape at 64 streams:
+#      served tok/s, TTFT, TPOT against the engine's own rate); its results go into e2e.json;
 #  3b. bench/gpu_profile.py: the 8B shape's decode kernels under torch.profiler, time per family
 #      (GEMV, attention, norms...) against the bytes floor (tables in the log only);
 #   4. bench/gpu_summary.py: one table (gpu_check.txt, Markdown for docs/gpu.md) and gpu_check.json.
@@ -51,6 +54,8 @@ if [ "$DRY" = 1 ]; then
   run timeout 300 "$PY" bench/kernels_gpu.py --dry-run
   step "3. end to end (dry run)"
   run timeout 300 "$PY" bench/gpu_e2e.py --dry-run
+  step "3c. served over HTTP without Ray (dry run)"
+  run timeout 300 "$PY" bench/gpu_served.py --dry-run
   step "3b. where a decode step's time goes (dry run)"
   run timeout 120 env -u OUT "$PY" bench/gpu_profile.py --dry-run --batches 1,2 --steps 3
 else
@@ -79,6 +84,8 @@ EOF
   run timeout 95 "$PY" bench/kernels_gpu.py
   step "3. end to end"
   run timeout 150 "$PY" bench/gpu_e2e.py
+  step "3c. served over HTTP without Ray: 1P+1D on the card, the 8B shape at 64 streams"
+  run timeout 240 "$PY" bench/gpu_served.py
   # The profile's tables go to the log only (OUT unset): the device tool brings back 8 files.
   step "3b. where a decode step's time goes: kernel time per family at batch 1, 8 and 64"
   run timeout 60 env -u OUT "$PY" bench/gpu_profile.py --batches 1,8,64

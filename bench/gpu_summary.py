@@ -96,6 +96,17 @@ def summarise(out: Path, seconds: float | None) -> dict[str, Any]:
         if parity:
             row("prefill, one long step", f"{parity['prompt']} tokens in {parity['one_step_s'] * 1e3:.0f} ms, "
                 f"{parity['one_step_tflops']:.1f} TFLOP/s")
+    served = (e2e or {}).get("served")
+    if served is not None:  # bench/gpu_served.py (step 3c) adds its results to e2e.json
+        for c in served.get("checks", []):
+            row(f"served: {c['name']}", c["detail"], "holds", bool(c["ok"]))
+        for err in served.get("errors", []):
+            row(f"served: error in {err['section']}", err["traceback"].strip().splitlines()[-1], ok=False)
+        if sp := served.get("speed"):
+            row(f"served over HTTP, {sp['streams']} streams (1P+1D on the card, ZeroMQ)",
+                f"{sp['served_tok_s']:.0f} tok/s against the engine's {sp['engine_tok_s']:.0f}: "
+                f"{sp['ratio']:.2f}x; TTFT {sp['ttft_median_ms']:.0f} ms, TPOT {sp['tpot_median_ms']:.1f} ms",
+                ">= 0.85x", sp["ratio"] >= 0.85)
     failed = [r["what"] for r in rows if r["ok"] is False and not r["bar"].startswith((">=", "target"))]
     return {"device": device, "seconds": seconds, "rows": rows, "failed": failed}
 

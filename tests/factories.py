@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
+from pdserve.cluster.in_process import LocalActor, serve_gateway  # noqa: F401  (tests import them from here)
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec
 
 
@@ -33,28 +32,6 @@ def slow_steps(engine: Any, seconds: float) -> Any:
 
     engine.step = slow
     return lambda: vars(engine).pop("step", None)
-
-
-class LocalActor:
-    """Stands in for a Ray actor handle over a plain service object in this process:
-    `handle.method.remote(...)` behaves as with Ray (a task that runs even if
-    nobody awaits it). Lets the cluster's coordinator run in tests without Ray."""
-
-    def __init__(self, service: object) -> None:
-        self._service = service
-
-    def __getattr__(self, name: str) -> _LocalMethod:
-        return _LocalMethod(getattr(self._service, name))
-
-
-class _LocalMethod:
-    def __init__(self, fn: object) -> None:
-        self._fn = fn
-
-    def remote(self, *args: object) -> object:
-        import asyncio
-
-        return asyncio.ensure_future(self._fn(*args))  # type: ignore[operator]
 
 
 @contextlib.contextmanager
@@ -147,31 +124,6 @@ class FakeBackend:
 
     async def close(self) -> None:
         pass
-
-
-@contextlib.contextmanager
-def serve_gateway(gw: Any, log_level: str = "critical") -> Iterator[str]:
-    """Serve a Gateway's app with uvicorn on a free loopback port (a thread), yield its base URL,
-    and stop it whatever happens."""
-    import uvicorn
-
-    from pdserve.cluster.openai_app import build_app
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert srv.started, "uvicorn did not start within 20 s"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def capture_logits(llm: Any) -> list[Any]:

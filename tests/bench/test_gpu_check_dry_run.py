@@ -35,6 +35,12 @@ def test_gpu_check_dry_run_covers_every_step(tmp_path: Path) -> None:
     e2e = json.loads((out / "e2e.json").read_text())
     assert e2e["errors"] == [] and all(c["ok"] for c in e2e["checks"])
     assert {r["batch"] for r in e2e["llama"]} == {1, 2}
+    # step 3c: served over HTTP in one process, without Ray, its results inside e2e.json
+    served = e2e["served"]
+    assert served["errors"] == [] and served["checks"] and all(c["ok"] for c in served["checks"])
+    assert served["correctness"]["equal"] == served["correctness"]["of"] > 0
+    assert served["speed"]["served_tok_s"] > 0 and served["speed"]["engine_tok_s"] > 0
+    assert any(w.startswith("served over HTTP") for w in what)
     assert "| what | result | bar |" in (out / "gpu_check.txt").read_text()
 
 
