@@ -94,21 +94,25 @@ class Cluster:
         # whole card less what is in use when it starts, so the second one's share is counted on
         # top of the first's.
         self.decode = DecodeService(self.base, threads, "127.0.0.1", worker_name="d0")
-        second = dataclasses.replace(self.base, gpu_memory_utilization=min(1.0, 2 * self.memory_share))
-        self.prefill = PrefillService(second, threads, worker_name="p0", kv_host="127.0.0.1")
-        router = Router(RouterConfig(local_prefill_threshold_tokens=0), self.decode.engine.config.block_size)
-        backend = DisaggregatedBackend({"p0": LocalActor(self.prefill)}, {"d0": LocalActor(self.decode)}, router,
-                                       poll_s=0.01)
-        gw = Gateway(backend, self.prefill.engine.tokenizer,
-                     GatewayConfig(model_name="m", max_model_len=self.base.max_model_len, max_in_flight=4096,
-                                   request_timeout_s=600.0))
-        self.url = self.stack.enter_context(serve_gateway(gw, log_level="warning"))
+        self.stack.callback(self.decode.close)  # whatever fails after this, its engine thread stops
+        try:
+            second = dataclasses.replace(self.base, gpu_memory_utilization=min(1.0, 2 * self.memory_share))
+            self.prefill = PrefillService(second, threads, worker_name="p0", kv_host="127.0.0.1")
+            self.stack.callback(self.prefill.close)
+            router = Router(RouterConfig(local_prefill_threshold_tokens=0), self.decode.engine.config.block_size)
+            backend = DisaggregatedBackend({"p0": LocalActor(self.prefill)}, {"d0": LocalActor(self.decode)},
+                                           router, poll_s=0.01)
+            gw = Gateway(backend, self.prefill.engine.tokenizer,
+                         GatewayConfig(model_name="m", max_model_len=self.base.max_model_len, max_in_flight=4096,
+                                       request_timeout_s=600.0))
+            self.url = self.stack.enter_context(serve_gateway(gw, log_level="warning"))
+        except BaseException:
+            self.stack.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stack.close()
-        for service in (self.prefill, self.decode):
-            service.close()
+        self.stack.close()  # the gateway, then the prefill and the decode service
         del self.prefill, self.decode  # their weights and KV pools go back before the next engine plans
         gc.collect()
         if torch.cuda.is_available():

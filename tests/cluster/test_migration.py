@@ -139,16 +139,24 @@ async def stream_all(backend: Any, params: list[SamplingParams], kill: Callable[
             return tokens
 
     async def killer() -> None:
+        # Bounded: if the streams all end first, the fault never came, and the test fails
+        # on that (an error here) rather than waiting for the suite's timeout.
         while received[0] < after_tokens:
+            if all(t.done() for t in streams):
+                raise AssertionError(f"every stream ended with {received[0]} tokens, before the "
+                                     f"{after_tokens} the fault waited for")
             await asyncio.sleep(0.001)
         assert kill is not None
         kill()
 
-    tasks = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    streams = [asyncio.ensure_future(one(i)) for i in range(len(prompts))]
+    tasks = list(streams)
     if kill is not None:
         tasks.append(asyncio.ensure_future(killer()))
     try:
         results = await asyncio.gather(*tasks, return_exceptions=True)
+        if kill is not None and isinstance(results[-1], BaseException):
+            raise results[-1]
         return list(results[: len(prompts)])
     finally:
         await backend.close()
