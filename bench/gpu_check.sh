@@ -14,8 +14,8 @@
 #   2. bench/kernels_gpu.py: ceilings, bf16 kernel checks against float64, decode/prefill
 #      timings against the copy bandwidth and SDPA (cuDNN beside it);
 #   3. bench/gpu_e2e.py: tiny-model step time, Llama-3-8B-shaped random bf16 decode at
-#      batch 1/8/32/64 with and without CUDA graphs against the bytes/HBM limit, and the
-#      long prompt chunked vs one pass;
+#      batch 1/8/32/64 eager, with CUDA graphs, and with graphs and async scheduling, against the
+#      bytes/HBM limit, and the long prompt chunked vs one pass;
 #  3c. bench/gpu_served.py: the gateway over HTTP in front of a prefill and a decode worker on the
 #      card, without Ray (served greedy = offline on the tiny model; the 8B shape at 64 streams:
 #      served tok/s, TTFT, TPOT against the engine's own rate); its results go into e2e.json;
@@ -83,7 +83,7 @@ EOF
   step "2. kernels bench (no tuning sweep: bench/kernels_gpu.py --tune is its own run)"
   run timeout 95 "$PY" bench/kernels_gpu.py
   step "3. end to end"
-  run timeout 150 "$PY" bench/gpu_e2e.py
+  run timeout 200 "$PY" bench/gpu_e2e.py
   step "3c. served over HTTP without Ray: 1P+1D on the card, the 8B shape at 64 streams"
   run timeout 240 "$PY" bench/gpu_served.py
   # The profile's tables go to the log only (OUT unset): the device tool brings back 8 files.

@@ -463,14 +463,15 @@ class AsyncEngine:
         return list(self._jobs.values())
 
     def _step(self) -> bool:
-        """One engine step, its outputs delivered; whether it ran the model."""
+        """One engine step, its outputs delivered; whether it ran the model (or landed a step
+        in flight: async scheduling, whose outputs come a step late)."""
         if not self.engine.has_unfinished_requests():
             self.engine.cpu_idle()  # e.g. its last request was aborted between steps
             return False
-        steps = self.engine.stats.steps
+        steps, landed = self.engine.stats.steps, self.engine.in_flight
         for out in self.engine.step():
             self._deliver(out)
-        return self.engine.stats.steps != steps
+        return self.engine.stats.steps != steps or landed
 
     def _after_step(self, job: Job, role: JobRole) -> None:
         try:

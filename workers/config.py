@@ -170,6 +170,11 @@ class EngineConfig:
     # variable PDSERVE_ENFORCE_EAGER=1 flips the default (the test suite sets it:
     # compiling every tiny engine would cost more than the tests run).
     enforce_eager: bool = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER") == "1")
+    # vLLM's name: the next step is scheduled and its inputs staged while this one runs on the
+    # device; sampled token ids feed the next step on the device and reach the host one step
+    # later (workers/in_flight.py). None: on for CUDA, off on CPU (there the step is the host's
+    # own work: nothing to overlap). Greedy tokens are the same either way.
+    async_scheduling: bool | None = None
     seed: int = 0
     progress: bool = False
     # A lock file that engines sharing this machine's cores take turns with, each step's model

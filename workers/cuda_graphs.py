@@ -184,6 +184,7 @@ class DecodeGraphs:
         """Pad the step `_fill` wrote to `bucket`, copy it in, replay: hidden [num_tokens, hidden]."""
         assert bucket.graph is not None and step.num_seqs <= bucket.seqs and step.num_tokens <= bucket.tokens
         _stage(self.runner.buf, bucket.seqs, bucket.tokens, step.num_seqs, step.num_tokens)
+        self.runner.feed_inputs(self.runner.buf.input_ids.device[: step.num_tokens])
         self.runner.buf.end_step()  # fence the copies before the replay (ModelRunner._forward says why)
         bucket.graph.replay()
         bucket.replays += 1

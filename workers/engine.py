@@ -35,6 +35,7 @@ from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.grammar import GrammarCompiler, GrammarStats
 from pdserve.workers.handoff import Resume
+from pdserve.workers.in_flight import InFlight, TokenFeed, chains, launch_record
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
@@ -121,6 +122,14 @@ class LLMEngine:
         self.spec = setup.make_speculator(config, draft, self.dtype, self.device, backend, self.num_kv_blocks,
                                           self.max_model_len, thread_counts)
         self._eos_token_ids = self._eos_ids()
+        # Async scheduling (workers/in_flight.py): the step launched and not yet landed. Not with a
+        # speculator: every step's drafts come from the last one's accepted tokens on the host.
+        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
+                                 else self.device.type == "cuda") and self.spec is None
+        if config.async_scheduling and self.spec is not None:
+            setup.log(config, "async scheduling: off with speculative decoding (drafts need the host's tokens)")
+        self._in_flight: InFlight | None = None
+        self.overlapped_steps = 0  # steps launched while the one before was in flight
         self._aborted_outputs: list[RequestOutput] = []
         self._fault_outputs: list[RequestOutput] = []  # this step's requests failed alone (`_fault`)
         self._fault_streak = 0  # steps in a row in which every scheduled request was failed alone
@@ -210,9 +219,18 @@ class LLMEngine:
                 if output:
                     self._aborted_outputs.append(self._output(req))
             self.scheduler.release(rid)
+        if self._in_flight is not None and all(s.request.finished for s in self._in_flight.sched.scheduled):
+            # Nothing of it is wanted now: dropped unread (the device finishes it before any later
+            # step reuses its blocks), so that an engine with nothing left has nothing unfinished.
+            self._in_flight = None
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a step is launched and not landed: the next `step` returns its outputs."""
+        return self._in_flight is not None
 
     def _has_steps_to_run(self) -> bool:
         """Requests a step can run now (not those waiting for their KV from a prefill worker)."""
@@ -275,7 +293,10 @@ class LLMEngine:
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return None
-        return min(req.num_computed_tokens, req.num_prompt_tokens), req.finished
+        computed = req.num_computed_tokens
+        if self._in_flight is not None and (before := self._in_flight.computed_before.get(request_id)) is not None:
+            computed = min(computed, before)  # the step in flight has not written its KV yet
+        return min(computed, req.num_prompt_tokens), req.finished
 
     def lifecycle_of(self, request_id: str) -> Lifecycle | None:
         """The lifecycle of a live or held request (None: not here)."""
@@ -313,23 +334,36 @@ class LLMEngine:
     # -- the step ---------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule -> run -> append what was sampled -> outputs (aborted requests' first)."""
+        """Schedule -> run -> append what was sampled -> outputs (aborted requests' first).
+
+        With async scheduling a step returns the outputs of the step before it: it launches
+        the next one first (workers/in_flight.py), and `has_unfinished_requests` holds while
+        one is in flight."""
         outputs, self._aborted_outputs = self._aborted_outputs, []
+        if self._in_flight is not None and not self._in_flight.chainable:
+            outputs += self._land()  # the next step needs its tokens on the host
         if self._grammars is not None:
             self._check_grammars()
         sched = self._schedule()
         if not sched.scheduled:
+            if self._in_flight is not None:
+                outputs += self._land()
+            else:
+                self._wait_for_grammars()
+            self.cpu_idle()
             outputs += self._fault_outputs  # requests whose grammar failed to compile
             self._fault_outputs = []
-            self._wait_for_grammars()
-            self.cpu_idle()
             return outputs
         with self.cpu_turn:  # the model's work (and the draft's, in _after_step), on the cores it may use
             start = time.perf_counter()
-            result = self._execute(sched)
-            work = self._advance(sched)
-            outputs += self._postprocess(result)
-            self._after_step(sched, work, start)
+            before = self._in_flight
+            result = self._execute(sched, before.feed if before is not None else None)
+            if before is not None:
+                self.overlapped_steps += 1
+                outputs += self._land()  # while the device runs the step just launched
+            self._in_flight = self._launched(sched, result, start)
+            if not self.async_scheduling:
+                outputs += self._land()
         outputs += self._fault_outputs
         self._fault_streak = self._fault_streak + 1 if self._fault_outputs and not sched.scheduled else 0
         self._fault_outputs = []
@@ -353,22 +387,42 @@ class LLMEngine:
         if pending is not None:
             pending.wait(GRAMMAR_POLL_S)
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
-        """Run the step. If it raises, the rows that fail alone are their requests'
-        faults (workers/row_faults.py): those are failed and dropped from `sched`, and
-        the rest run. A fault no row explains, or one more step of nothing but faults
-        than MAX_FAULT_STREAK allows, is the engine's: it raises."""
+    def _execute(self, sched: SchedulerOutput, feed: TokenFeed | None) -> StepResult:
+        """Run the step (on a GPU: queue it). If it raises, the rows that fail alone are
+        their requests' faults (workers/row_faults.py): those are failed and dropped from
+        `sched`, and the rest run. A fault no row explains, or one more step of nothing but
+        faults than MAX_FAULT_STREAK allows, is the engine's: it raises."""
         try:
-            return self.runner.execute(sched.scheduled)
+            return self.runner.execute(sched.scheduled, feed=feed)
         except Exception as error:
             if self._fault_streak >= row_faults.MAX_FAULT_STREAK:
                 raise
-            for s, e in row_faults.isolate(self.runner.execute, sched.scheduled, error):
+            for s, e in row_faults.isolate(lambda rows: self.runner.execute(rows, feed=feed), sched.scheduled,
+                                           error):
                 self._fault(s.request, row_faults.describe(e))
             sched.scheduled = [s for s in sched.scheduled if not s.request.finished]
             if not sched.scheduled:
                 return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.int64)))
-            return self.runner.execute(sched.scheduled)
+            return self.runner.execute(sched.scheduled, feed=feed)
+
+    def _launched(self, sched: SchedulerOutput, result: StepResult, start: float) -> InFlight:
+        """Advance the step just queued (its rows of requests finished since it was scheduled
+        are dropped) and keep it in flight until `_land`."""
+        computed_before = ({s.request.request_id: s.request.num_computed_tokens for s in sched.scheduled}
+                           if self.async_scheduling else None)
+        work = self._advance(sched)
+        for req in result.sampled:
+            if not req.finished:
+                req.num_pending += 1  # its token is read when the step lands
+        return launch_record(sched, result, work, start, chains(result, self.spec is not None), computed_before)
+
+    def _land(self) -> list[RequestOutput]:
+        """The step in flight's tokens on the host: appended, checked, turned into outputs."""
+        flight, self._in_flight = self._in_flight, None
+        assert flight is not None
+        outputs = self._postprocess(flight.landed())
+        self._after_step(flight.sched, flight.work, flight.start)
+        return outputs
 
     def _fault(self, req: Request, why: str) -> None:
         """Fail `req` alone: its blocks are freed now, and its final output carries `why`
@@ -393,6 +447,8 @@ class LLMEngine:
         prefill_tokens = decode_seqs = 0
         for s in sched.scheduled:
             req = s.request
+            if req.finished:  # by the step that landed after this one was scheduled: its row is dropped
+                continue
             start = req.num_computed_tokens
             computed = max(0, min(start + s.num_tokens, req.num_prompt_tokens) - start)
             prefill_tokens += computed
@@ -422,9 +478,12 @@ class LLMEngine:
     def _append_samples(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         tokens = out.token_ids.tolist()
         entries = _logprob_entries(out, tokens, [r.params.logprobs or 0 for r in reqs])
-        self.stats.generation_tokens += len(tokens)
         outputs = []
         for req, token, entry in zip(reqs, tokens, entries):
+            if req.finished:  # since its step was launched (aborted, or a token of the step before)
+                continue
+            req.num_pending -= 1
+            self.stats.generation_tokens += 1
             if (reason := self._append_checked(req, token, entry)) is False:
                 continue
             if (o := self._emit(req, reason)) is not None:

@@ -26,6 +26,7 @@ from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 
 if TYPE_CHECKING:
     from pdserve.workers.cuda_graphs import DecodeGraphs
+    from pdserve.workers.in_flight import TokenFeed
 
 _SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
 # A step's grammar work: the sampled rows' bitmask and the verifying rows' (None: no grammar
@@ -97,16 +98,21 @@ class ModelRunner:
         # Greedy constrained rows: the grammar checks the pick rather than masking ahead
         # (`_fill_masks`); on a GPU the masks are filled while the forward pass runs instead.
         self.check_picks = device.type == "cpu"
+        # This step's pending input ids: (token positions, rows of the feed, the feed's tokens).
+        self._feed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False) -> StepResult:
+    def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False,
+                feed: TokenFeed | None = None) -> StepResult:
         """Run one step. `want_probs`: also return the normalised distribution each sampled
-        row was drawn from (a draft model's proposals need it for verification)."""
+        row was drawn from (a draft model's proposals need it for verification). `feed`: the
+        tokens of the step in flight, the input of each request whose last token is pending
+        (async scheduling, workers/in_flight.py)."""
         # Stable partition: decode rows first, as the attention metadata requires.
         ordered = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
         self.buf.begin_step()  # last step's copies have read the host buffers: they may be rewritten
         try:
-            step = self._fill(ordered)
+            step = self._fill(ordered, feed)
             prompt_rows = self._prompt_logprob_rows(ordered, step.logit_rows)
             total_rows = step.logit_rows + sum(n for _, _, n in prompt_rows)
             idx = self.buf.logits_indices.to_device(total_rows)
@@ -183,10 +189,22 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids, positions = b.input_ids.to_device(step.num_tokens), b.positions.to_device(step.num_tokens)
+        self.feed_inputs(input_ids)
         # The fence goes right after the step's last copy, not after the model: the next step then
         # waits only for these copies, and its host work overlaps this step's GPU work.
         b.end_step()
         return self.forward(input_ids, positions, meta, self.kv_caches)
+
+    def feed_inputs(self, input_ids: torch.Tensor) -> None:
+        """After the step's input ids reached the device: the ids of pending tokens, copied
+        there from the tokens the step in flight sampled (no host round trip). A row that had
+        no valid token (NO_TOKEN) feeds token 0: its request fails when that step lands, and
+        this row's output is dropped; an id out of range would fault the whole step."""
+        if self._feed is None:
+            return
+        dst, src, tokens = self._feed
+        self._feed = None
+        input_ids.index_copy_(0, dst, tokens.index_select(0, src).clamp(min=0))
 
     def _prompt_logprob_rows(self, ordered: list[ScheduledRequest], row0: int) -> list[tuple[Request, int, int]]:
         """Queue, after the sampling rows, a logits row for each scheduled position that
@@ -266,9 +284,12 @@ class ModelRunner:
             start += s.num_spec + 1
         return results
 
-    def _fill(self, ordered: list[ScheduledRequest]) -> HostStep:
-        """Write the step's inputs into the host buffers (nothing is copied yet)."""
+    def _fill(self, ordered: list[ScheduledRequest], feed: TokenFeed | None = None) -> HostStep:
+        """Write the step's inputs into the host buffers (nothing is copied yet); the ids of
+        pending tokens are left for `feed_inputs` to copy from `feed` on the device."""
         b = self.buf
+        fed_at: list[int] = []  # token positions whose ids come from `feed`
+        fed_from: list[int] = []  # ... from these rows of it
         ids, pos, slots, tables = b.input_ids.np, b.positions.np, b.slot_mapping.np, b.block_tables.np
         seq_lens, qsl, logit_idx = b.seq_lens.np, b.query_start_loc.np, b.logits_indices.np
         bs = self.block_size
@@ -288,7 +309,13 @@ class ModelRunner:
                 slots[t : t + n] = tables[i, p // bs].astype(np.int64) * bs + p % bs
             elif n == 1:
                 num_decode += 1
-                ids[t] = req.all_token_ids[start]
+                if req.num_pending:
+                    assert feed is not None, f"request {req.request_id}: its last token is in flight, no feed"
+                    ids[t] = 0
+                    fed_at.append(t)
+                    fed_from.append(feed.rows[id(req)])
+                else:
+                    ids[t] = req.all_token_ids[start]
                 pos[t] = start
                 slots[t] = blocks[start // bs] * bs + start % bs
             else:
@@ -311,6 +338,11 @@ class ModelRunner:
                 logit_idx[rows : rows + s.num_tokens] = np.arange(end - s.num_tokens, end)
                 rows += s.num_tokens
         max_rows = max((s.num_tokens for s in ordered), default=0)
+        self._feed = None
+        if fed_at:
+            assert feed is not None
+            self._feed = (small_tensor(fed_at, torch.int64, self.device),
+                          small_tensor(fed_from, torch.int64, self.device), feed.tokens)
         return HostStep(num_tokens=t, num_seqs=len(ordered), num_decode=num_decode, logit_rows=rows,
                         sampled=sampled, max_rows=max_rows)
 
@@ -328,10 +360,11 @@ class ModelRunner:
                 batch.top_p = small_tensor([p.top_p for p in params], torch.float32, self.device)
             if any(p.min_p > 0.0 for p in params):
                 batch.min_p = small_tensor([p.min_p for p in params], torch.float32, self.device)
-            batch.generators = {i: seeded_at(r.generator, r.params.seed, r.num_output_tokens)
+            # A pending token (async scheduling) is an output before this row's.
+            batch.generators = {i: seeded_at(r.generator, r.params.seed, r.num_output_tokens + r.num_pending)
                                 for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
-                  if r.stop_token_ids and r.num_output_tokens < r.params.min_tokens]
+                  if r.stop_token_ids and r.num_output_tokens + r.num_pending < r.params.min_tokens]
         batch.banned = banned or None
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:

@@ -104,6 +104,10 @@ class Request:
         self.token_buffer: TokenBuffer | None = None  # numpy mirror of all_token_ids for n-gram lookup
         # Its place in its grammar (structured outputs), or None: the engine sets it.
         self.grammar: GrammarState | None = None
+        # Sampled tokens not on the host yet (0 or 1): a step in flight sampled it (async
+        # scheduling, workers/in_flight.py). It counts in `num_tokens`, so the scheduler gives the
+        # request its next decode row, whose input comes from the device; not in the token lists.
+        self.num_pending = 0
 
     @property
     def finished(self) -> bool:
@@ -117,7 +121,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.all_token_ids)
+        """Its tokens, the one a step in flight sampled included (`num_pending`)."""
+        return len(self.all_token_ids) + self.num_pending
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -145,6 +145,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and req.num_output_tokens + req.num_pending >= req.max_tokens:
+                i += 1  # the token in flight is its last (async scheduling): no row for what follows
+                continue
             remaining = req.num_tokens - req.num_computed_tokens
             # A decoding request with drafts verifies them in the same pass.
             num_spec = min(len(req.spec_token_ids), budget - 1) if remaining == 1 else 0
@@ -167,8 +170,9 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            # In order, passing over requests whose grammar is still compiling (they wait, the rest go on).
-            at = next((i for i, r in enumerate(self.waiting) if r.schedulable), None)
+            # In order, passing over requests whose grammar is still compiling, or (preempted) whose last
+            # token is still in flight: they wait, the rest go on.
+            at = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending), None)
             if at is None:
                 break
             req = self.waiting[at]

@@ -138,12 +138,15 @@ def build_engine(config: EngineConfig, torch_threads: int) -> LLMEngine:
     """The engine as a worker builds it (cluster/actors.py `_engine`; not imported from
     there: that module imports Ray): on a thread that exits, so the thread that then
     steps it is the process's only OpenMP master (workers/cpu_threads.py). A worker
-    records KV events for the router; so does this one (drained at every point)."""
+    records KV events for the router; so does this one (drained at every point). Its steps are
+    synchronous: each `step()` is timed as one whole step (with async scheduling, the CUDA
+    default, a step returns the outputs of the one before, and the host's share of it
+    overlaps the next: these times are then an upper bound)."""
     import torch
 
     torch.set_num_threads(torch_threads)
-    return run_on_exiting_thread(lambda: LLMEngine(dataclasses.replace(config, record_kv_events=True)),
-                                 torch_threads)
+    config = dataclasses.replace(config, record_kv_events=True, async_scheduling=False)
+    return run_on_exiting_thread(lambda: LLMEngine(config), torch_threads)
 
 
 def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_threads: int,

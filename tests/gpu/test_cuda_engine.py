@@ -94,6 +94,33 @@ def test_cuda_graphs_change_no_greedy_token(make_model: Callable[[TinyModelSpec]
     assert outs[False] == outs[True]
 
 
+def test_async_scheduling_on_cuda_equals_the_synchronous_engine(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """The next step queued before this one's tokens reach the host (the CUDA default), with CUDA
+    graphs: float32 tokens, finish reasons and logprobs equal to the synchronous engine's, with
+    ragged max_tokens, stop tokens, seeded sampling and a penalised request beside the rest."""
+    model_dir = make_model(GQA)
+    results = {}
+    for overlap in (False, True):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=512, max_model_len=512,
+                  max_num_seqs=8, async_scheduling=overlap, progress=False)
+        assert llm.engine.async_scheduling is overlap
+        prompts = _prompts(8, llm.engine.model_config.vocab_size, seed=4)
+        params = [SamplingParams(temperature=0.0, max_tokens=8 + 5 * i, ignore_eos=True, logprobs=2) for i in range(5)]
+        params += [SamplingParams(temperature=0.8, seed=7, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=0.0, max_tokens=30, stop_token_ids=[5, 6, 7, 8, 9, 10, 11, 12]),
+                   SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.2)]
+        outs = llm.generate(prompts, params)
+        results[overlap] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs]
+        if overlap:
+            assert llm.engine.overlapped_steps > 0
+        del llm
+        torch.cuda.empty_cache()
+    for (tokens, reason, lps), (want_tokens, want_reason, want_lps) in zip(results[True], results[False]):
+        assert (tokens, reason) == (want_tokens, want_reason)
+        for entry, want in zip(lps or [], want_lps or []):
+            assert entry.keys() == want.keys() and all(abs(entry[t] - want[t]) < 1e-4 for t in want)
+
+
 def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyModelSpec], Path]) -> None:
     """A prompt of many chunks (the middle ones sample nothing, so no step ends on a read-back):
     the logits equal those of the same run with the device synchronised after every step, bit for

@@ -182,6 +182,20 @@ def test_replayed_decode_equals_eager_and_padding_writes_no_kv(model_dir: Path, 
         eng.step()
 
 
+def test_async_scheduling_feeds_replayed_steps_their_tokens_on_the_device(model_dir: Path) -> None:
+    """With async scheduling a replayed step's pending input ids are copied into the graph's
+    input buffer from the step before's sampled tokens (workers/in_flight.py): the same tokens
+    and log-probs as the eager synchronous engine."""
+    batch = prompts(3)
+    params = [dataclasses.replace(PARAMS, max_tokens=n) for n in (12, 6, 9)]
+    want = run(make_llm(model_dir), batch, params)
+    llm = make_llm(model_dir, async_scheduling=True)
+    graphs = with_graphs(llm)
+    assert_same(run(llm, batch, params), want)
+    assert sum(b.replays for b in graphs.decode) > 0
+    assert llm.engine.overlapped_steps > 0
+
+
 def test_steps_that_fit_no_bucket_run_eagerly(model_dir: Path) -> None:
     """A batch larger than the largest bucket, and steps mixing prefill with decode, run
     eagerly, and the output is the eager engine's."""

@@ -34,8 +34,8 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(tiny_spec())
 
 
-def _llm(model_dir: Path) -> LLM:
-    return LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, progress=False)
+def _llm(model_dir: Path, **kw: object) -> LLM:
+    return LLM(str(model_dir), dtype="float32", max_model_len=128, num_kv_blocks=64, progress=False, **kw)
 
 
 def _slip(engine: LLMEngine, rid: str, values: dict[str, object]) -> None:
@@ -93,9 +93,13 @@ def test_a_denormal_temperature_row_gets_no_token_and_the_others_sample() -> Non
     {"top_k": 2**63},  # overflows the int64 tensor of the batch's top-k: the whole step raises
     {"temperature": 1e-40},  # NaN distribution: a NO_TOKEN row
 ], ids=["top_k_overflow", "denormal_temperature"])
-def test_a_bad_row_fails_alone_and_the_batch_keeps_its_tokens(model_dir: Path, bad: dict[str, object]) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_bad_row_fails_alone_and_the_batch_keeps_its_tokens(model_dir: Path, bad: dict[str, object],
+                                                              async_scheduling: bool) -> None:
+    """Async scheduling too: the bad row's next step is already launched, fed a placeholder
+    for its missing token, when its NO_TOKEN lands; that row is dropped."""
     want = _clean(model_dir)
-    engine = _llm(model_dir).engine
+    engine = _llm(model_dir, async_scheduling=async_scheduling).engine
     requests = {f"ok{i}": (p, GREEDY) for i, p in enumerate(PROMPTS)}
     requests["bad"] = ([20, 21, 22], SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
     finals = _run(engine, requests, {"bad": bad})

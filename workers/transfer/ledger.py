@@ -60,6 +60,10 @@ class _Registration:
     end_seq: int | None = None  # from the end marker: how many data messages there were
     covered: list[set[int]] = field(default_factory=list)  # per expected layer: blocks written
     writes: list[Any] = field(default_factory=list)  # events after writes queued on a copy stream (`streams`)
+    # After the engine's work queued when the blocks were reserved (CUDA): a step in flight may
+    # still write a slot of a request it dropped into these blocks (async scheduling); the writes
+    # here wait for it on the device.
+    blocks_free: Any = None
 
     def progress(self) -> str:
         full = sum(len(c) == len(self.dst_block_ids) for c in self.covered)
@@ -104,7 +108,9 @@ class ReceiverLedger:
             if request_id in self._regs:
                 raise ValueError(f"request {request_id!r} is already registered")
             covered: list[set[int]] = [set() for _ in range(expected_layers)]
-            self._regs[request_id] = _Registration(ids, expected_layers, covered=covered)
+            # Engine thread: after the steps queued on its stream so far.
+            blocks_free = streams.record(self.geometry.device)
+            self._regs[request_id] = _Registration(ids, expected_layers, covered=covered, blocks_free=blocks_free)
 
     def status(self, request_id: str) -> TransferStatus:
         with self._cond:
@@ -190,6 +196,7 @@ class ReceiverLedger:
                            f"{header.checksum_kind.value} {crc:#x} != header's {header.checksum:#x}")
             elif data:
                 try:
+                    streams.wait_for(reg.blocks_free, self.geometry.device)
                     frames.scatter(self.kv_caches, self.geometry, header.layer, header.dst_block_ids, k_frame, v_frame)
                 except Exception as e:  # e.g. a device error mid-copy: the blocks hold a mix; the transfer is over
                     log.exception("KV receiver: writing %r layer %d failed", header.request_id, header.layer)

@@ -15,6 +15,9 @@ stream of their own (`CopyStream`, one per thread that copies) and are ordered b
   (`record(..., side_only=True)`) and, before it lets anyone see the transfer end (DONE, FAILED,
   aborted, released), waits on the host for those events only (`wait_done`, with a deadline): the
   decode engine then reads blocks whose writes are over, and blocks handed back are written by no one.
+  Before its first write the scatter waits (on the device) for an event the engine thread recorded
+  when it registered the blocks: with async scheduling a step still in flight may write one slot of
+  a request it dropped into a block freed and reserved since.
 
 On the CPU every function here does nothing and returns None: there is nothing to order.
 """
