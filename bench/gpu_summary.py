@@ -92,6 +92,11 @@ def summarise(out: Path, seconds: float | None) -> dict[str, Any]:
                 f"({r.get('pct_of_limit_copy', 0):.1f}% of copy)",
                 f">= {bar_pct:.0f}% of the limit" if bar_pct else "",
                 None if bar_pct is None else pct >= bar_pct)
+        for r in e2e.get("fp8_speedup", []):
+            bar = r["batch"] == 1
+            row(f"decode llama fp8 against bf16, batch {r['batch']}",
+                f"{r['fp8_tok_s']:.0f} against {r['bf16_tok_s']:.0f} tok/s: {r['ratio']:.2f}x",
+                ">= 1.6x" if bar else "", r["ratio"] >= 1.6 if bar else None)
         parity = e2e.get("chunked_prefill")
         if parity:
             row("prefill, one long step", f"{parity['prompt']} tokens in {parity['one_step_s'] * 1e3:.0f} ms, "

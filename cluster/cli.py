@@ -41,6 +41,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=UNSET)
     p.add_argument("--enforce-eager", action="store_true", default=UNSET,
                    help="run the model op by op (default on CPU: compiled with torch.compile at start)")
+    p.add_argument("--quantization", "-q", default=UNSET,
+                   help="fp8: the decoder's linear weights in e4m3 with per-channel scales, quantized at load "
+                        "(an fp8 checkpoint loads as fp8 without it)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=UNSET,
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")

@@ -16,7 +16,7 @@ import enum
 import functools
 import os
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     AfterValidator,
@@ -170,6 +170,10 @@ class EngineConfig:
     # variable PDSERVE_ENFORCE_EAGER=1 flips the default (the test suite sets it:
     # compiling every tiny engine would cost more than the tests run).
     enforce_eager: bool = dataclasses.field(default_factory=lambda: os.environ.get("PDSERVE_ENFORCE_EAGER") == "1")
+    # vLLM's name: "fp8" quantizes the decoder's linear weights to e4m3 with per-channel scales
+    # at load (workers/model/fp8.py); None: the checkpoint's own format (an fp8 checkpoint
+    # loads as fp8 either way).
+    quantization: Literal["fp8"] | None = None
     # vLLM's name: the next step is scheduled and its inputs staged while this one runs on the
     # device; sampled token ids feed the next step on the device and reach the host one step
     # later (workers/in_flight.py). None: on for CUDA, off on CPU (there the step is the host's

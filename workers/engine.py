@@ -85,8 +85,9 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        quantization = setup.resolve_quantization(config.quantization, self.model_config)
         self.model = load_model(model_dir, self.model_config, self.dtype, self.device, backend,
-                                self.max_model_len, progress=config.progress)
+                                self.max_model_len, progress=config.progress, quantization=quantization)
         # The draft's weights and its KV (per block) count before the pool is sized.
         draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len)
         memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)

@@ -77,6 +77,14 @@ def resolve_model_dtype(dtype: DType, cfg: ModelConfig, device: torch.device) ->
     return resolve_dtype(cfg.torch_dtype) if cfg.torch_dtype in ("float16", "bfloat16") else torch.bfloat16
 
 
+def resolve_quantization(requested: str | None, cfg: ModelConfig) -> str | None:
+    """The weight format the engine loads: the checkpoint's own when it is quantized (asking
+    for it again is fine), else what was asked for (None: the checkpoint's dtype)."""
+    if cfg.quantization is not None and requested not in (None, cfg.quantization):
+        raise ValueError(f"quantization: the checkpoint is {cfg.quantization}; it cannot load as {requested}")
+    return cfg.quantization or requested
+
+
 def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     limit = cfg.max_position_embeddings
     if cfg.sliding_window:

@@ -121,6 +121,40 @@ def test_async_scheduling_on_cuda_equals_the_synchronous_engine(make_model: Call
             assert entry.keys() == want.keys() and all(abs(entry[t] - want[t]) < 1e-4 for t in want)
 
 
+def test_fp8_linear_on_cuda_equals_the_emulated_product() -> None:
+    """torch._scaled_mm with row-wise scales (Hopper) against the CPU's emulation of the same
+    quantized values (workers/model/fp8.py), bf16 activations."""
+    from pdserve.workers.model import fp8
+
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no fp8 tensor cores on this card")
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 384, bias=False).requires_grad_(False)
+    q = fp8.Fp8Linear.from_linear(layer)
+    x = torch.randn(7, 512).to(torch.bfloat16)
+    emulated = fp8.fp8_linear(x.float(), q).float()  # CPU, float32
+    on_gpu = fp8.fp8_linear(x.cuda(), q.cuda()).float().cpu()
+    assert float((on_gpu - emulated).norm() / emulated.norm()) < 1e-2  # bf16 output rounding
+
+
+def test_fp8_weights_on_cuda_decode_within_fp8_noise(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """`quantization="fp8"` on a bf16 model: the decoder's weights take half the bytes, and the
+    logits stay within fp8 noise of bf16's."""
+    model_dir = make_model(GQA)
+    logits = {}
+    for quantization in (None, "fp8"):
+        llm = LLM(str(model_dir), device="cuda", dtype="bfloat16", num_kv_blocks=256, max_model_len=512,
+                  quantization=quantization, progress=False)
+        captured = capture_logits(llm)
+        for prompt in _prompts(4, llm.engine.model_config.vocab_size, seed=5):
+            llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        logits[quantization] = [c[0] for c in captured]
+        del llm
+        torch.cuda.empty_cache()
+    for want, got in zip(logits[None], logits["fp8"]):
+        assert float((got - want).norm() / want.norm()) < 0.15
+
+
 def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyModelSpec], Path]) -> None:
     """A prompt of many chunks (the middle ones sample nothing, so no step ends on a read-back):
     the logits equal those of the same run with the device synchronised after every step, bit for

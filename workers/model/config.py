@@ -64,6 +64,10 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # The checkpoint's weight format when it is quantized: "fp8" (e4m3 weights with scales:
+    # workers/model/fp8.py), else None; `fp8_block`: [rows, columns] of a block-scaled one.
+    quantization: str | None = None
+    fp8_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -134,7 +138,35 @@ class ModelConfig:
             bos_token_id=(gen or {}).get("bos_token_id", hf.get("bos_token_id")),
             eos_token_ids=eos,
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
+            **_quantization(hf.get("quantization_config")),
         )
+
+
+def _quantization(q: dict[str, Any] | None) -> dict[str, Any]:
+    """`quantization` and `fp8_block` from a checkpoint's `quantization_config`: fp8 weights as
+    vLLM writes them (`quant_method` "fp8", per-tensor scales or `weight_block_size`) or as
+    llm-compressor does ("compressed-tensors", 8-bit float weights per tensor, channel or
+    block). Anything else is refused by name rather than loaded wrong."""
+    if not q:
+        return {}
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config: fp8 format {q.get('fmt')!r} is not supported (e4m3 is)")
+        block = q.get("weight_block_size")
+        return {"quantization": "fp8", "fp8_block": (int(block[0]), int(block[1])) if block else None}
+    if method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        weights = [g.get("weights") or {} for g in groups]
+        if not weights or any(w.get("type") != "float" or w.get("num_bits") != 8 for w in weights):
+            raise ValueError("quantization_config: compressed-tensors other than 8-bit float weights is not supported")
+        blocks = {tuple(w["block_structure"]) for w in weights if w.get("strategy") == "block"}
+        if len(blocks) > 1:
+            raise ValueError(f"quantization_config: several block structures {sorted(blocks)}")
+        block = next(iter(blocks), None)
+        return {"quantization": "fp8", "fp8_block": (int(block[0]), int(block[1])) if block else None}
+    raise ValueError(f"quantization_config: quant_method {method!r} is not supported (fp8 and fp8 "
+                     "compressed-tensors are)")
 
 
 def _eos_ids(gen: dict[str, Any], hf: dict[str, Any]) -> tuple[int, ...]:

@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pdserve.kernels.attention import AttentionBackend
-from pdserve.workers.model import packed_linear
+from pdserve.workers.model import fp8, packed_linear
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 
@@ -31,6 +31,10 @@ _FUSED = {
 _PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 # Buffers some older checkpoints carry that we recompute.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
+# What fp8 checkpoints carry beside the weights and their scales that is not used: static
+# activation scales (activations are scaled per token: workers/model/fp8.py) and KV-cache scales.
+_FP8_IGNORED = re.compile(r"\.(input_scale|output_scale|k_scale|v_scale|q_scale|kv_scale)$")
+_FP8_SCALE = re.compile(r"\.weight_scale(_inv)?$")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -57,13 +61,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-    backend: AttentionBackend, max_positions: int, progress: bool = False,
+    backend: AttentionBackend, max_positions: int, progress: bool = False, quantization: str | None = None,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device, allocate its parameters empty in `dtype`
-    on `device`, fill them tensor by tensor from the checkpoint."""
+    on `device`, fill them tensor by tensor from the checkpoint. An fp8 checkpoint
+    (`cfg.quantization`) loads its e4m3 weights as they are; `quantization="fp8"` quantizes a
+    16/32-bit one's linear weights once loaded (workers/model/fp8.py)."""
     model_dir = Path(model_dir)
+    if quantization not in (None, "fp8"):
+        raise ValueError(f"quantization: must be fp8 or None, got {quantization!r}")
+    fp8_checkpoint = cfg.quantization == "fp8"
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, backend, max_positions)
+        if fp8_checkpoint:
+            _fp8_modules(model)
     _materialise(model, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     # parameter name -> shards still to load (fused parameters have several)
@@ -71,24 +82,38 @@ def load_model(
     files = checkpoint_files(model_dir)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
                disable=not progress, file=sys.stderr)
+    fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its e4m3 weight and scale, until both came
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
-                if _IGNORED.search(name):
+                if _IGNORED.search(name) or (fp8_checkpoint and _FP8_IGNORED.search(name)):
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
+                tensor = st.get_tensor(name)
+                if fp8_checkpoint and (_FP8_SCALE.search(name) or tensor.dtype == fp8.E4M3):
+                    layer, part = name.rsplit(".", 1)
+                    fp8_parts.setdefault(layer, {})["weight" if part == "weight" else "scale"] = tensor
+                    if len(fp8_parts[layer]) == 2:
+                        for target in _load_fp8(params, cfg, layer, fp8_parts.pop(layer)):
+                            missing[target] = missing.get(target, 1) - 1
+                    continue
                 # Cast on the host (one tensor's worth), then one copy to the device: no
                 # device memory beyond the parameter it lands in.
-                target = _load_one(params, cfg, name, st.get_tensor(name).to(dtype))
+                target = _load_one(params, cfg, name, tensor.to(dtype))
                 missing[target] = missing.get(target, 1) - 1
         bar.update(f.stat().st_size)
     bar.close()
+    if fp8_parts:
+        raise ValueError(f"model: fp8 checkpoint in {model_dir} has weights without scales (or scales without "
+                         f"weights): {sorted(fp8_parts)[:5]}")
     missing = {n: left for n, left in missing.items() if left > 0}
     if missing:
         raise ValueError(f"model: checkpoint in {model_dir} lacks weights for {sorted(missing)[:5]}")
     model.model.rotary.build(device, dtype)
-    del params  # its references would keep each plain weight alive while _cpu_linears packs it
+    del params  # its references would keep each plain weight alive while it is quantized or packed
+    if quantization == "fp8" and not fp8_checkpoint:
+        fp8.quantize_linears(model)
     if device.type == "cpu":
         _cpu_linears(model, dtype)
     if device.type == "cuda":
@@ -100,15 +125,17 @@ def load_model(
 
 def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
     """Replace every meta parameter and buffer with an uninitialised one of `dtype` (floating
-    point ones) on `device`: the one allocation of the weights. A parameter shared by two
+    point ones, but those a module keeps in a dtype of their own: fp8 weights and their
+    scales) on `device`: the one allocation of the weights. A parameter shared by two
     modules (tied embeddings) stays shared: it is allocated once."""
     done: dict[int, torch.nn.Parameter] = {}
     for module in model.modules():
+        own: dict[str, torch.dtype] = getattr(module, "own_dtypes", {})
         for key, param in module._parameters.items():
             if param is None:
                 continue
             if id(param) not in done:
-                kind = dtype if param.is_floating_point() else param.dtype
+                kind = own.get(key) or (dtype if param.is_floating_point() else param.dtype)
                 done[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                      requires_grad=False)
             module._parameters[key] = done[id(param)]
@@ -172,7 +199,32 @@ def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str
     return target
 
 
+def _fp8_modules(model: LlamaForCausalLM) -> None:
+    """(On the meta device.) The decoder's linear layers as Fp8Linear: an fp8 checkpoint's
+    weights land in them as they are."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear) and name in fp8.DECODER_LINEARS:
+                setattr(parent, name, fp8.Fp8Linear(child.in_features, child.out_features, child.bias is not None))
+
+
+def _load_fp8(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, layer: str,
+              parts: dict[str, torch.Tensor]) -> list[str]:
+    """One fp8 layer's weight and scale (per tensor, per channel or per block) into its (slice
+    of a fused) Fp8Linear as e4m3 rows and one scale per row; the parameter names it filled."""
+    weight, scale = parts["weight"], parts["scale"]
+    if weight.dtype != fp8.E4M3:
+        raise ValueError(f"model: {layer}.weight is {weight.dtype}, expected float8_e4m3fn in an fp8 checkpoint")
+    if scale.dim() == 2 and scale.shape[1] > 1:  # per block
+        if cfg.fp8_block is None:
+            raise ValueError(f"model: {layer} has block scales {tuple(scale.shape)} but the config no block size")
+        weight, rows = fp8.requantize_blocks(weight, scale, cfg.fp8_block)
+    else:
+        rows = fp8.row_scales(scale, weight.shape[0])
+    return [_load_one(params, cfg, f"{layer}.weight", weight), _load_one(params, cfg, f"{layer}.weight_scale", rows)]
+
+
 def _num_shards(param_name: str) -> int:
-    if param_name.endswith("qkv_proj.weight") or param_name.endswith("qkv_proj.bias"):
+    if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
         return 3
-    return 2 if param_name.endswith("gate_up_proj.weight") else 1
+    return 2 if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale")) else 1

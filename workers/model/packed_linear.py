@@ -46,6 +46,7 @@ from torch import nn
 from pdserve.kernels import cpu_linear
 from pdserve.workers.cpu_features import last_level_cache_bytes
 from pdserve.workers.model import torch_ops
+from pdserve.workers.model.fp8 import Fp8Linear, fp8_linear
 
 ENV = "PDSERVE_CPU_PACKED_LINEAR"  # "0" keeps the plain layout (an A/B switch)
 FLOAT32_MIN_BYTES = 1 << 20  # a smaller float32 weight is faster unpacked (the module docstring)
@@ -112,7 +113,9 @@ torch_ops.define("packed_linear(Tensor x, int handle, int out_features, Tensor? 
 
 
 def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
-    """`layer(x)` for an nn.Linear or a PackedLinear, without nn.Module's per-call cost."""
+    """`layer(x)` for an nn.Linear, a PackedLinear or an Fp8Linear, without nn.Module's per-call cost."""
+    if isinstance(layer, Fp8Linear):
+        return fp8_linear(x, layer)
     if isinstance(layer, PackedLinear):
         if torch.compiler.is_compiling():
             compiled: torch.Tensor = torch.ops.pdserve.packed_linear(x, layer.handle, layer.out_features, layer.bias)
