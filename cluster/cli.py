@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", "-q", default=UNSET,
                    help="fp8: the decoder's linear weights in e4m3 with per-channel scales, quantized at load "
                         "(an fp8 checkpoint loads as fp8 without it)")
+    p.add_argument("--kv-cache-dtype", default=UNSET,
+                   help="auto (default: the model's dtype) or fp8: K and V in e4m3, half the bytes of the cache "
+                        "and of KV transfers")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=UNSET,
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")

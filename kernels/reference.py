@@ -14,13 +14,36 @@ import torch.nn.functional as F
 
 from pdserve.kernels.metadata import AttentionMetadata
 
+# The fp8 KV cache's format (vLLM's `--kv-cache-dtype fp8`): e4m3, a float scale per layer for K
+# and one for V; the value stored is x / scale, clamped to the format's range (a cast past it is NaN).
+FP8_KV = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_KV).max)
+UNIT_SCALES = (1.0, 1.0)
+
+
+def to_cache(x: torch.Tensor, cache: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x` as the cache stores it: as it is, or quantized to the fp8 cache's scale."""
+    if cache.dtype != FP8_KV:
+        return x
+    return (x.float() * (1.0 / scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV)  # times the inverse: as the kernels
+
+
+def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cache contents in `dtype`: as they are, or an fp8 cache's dequantized."""
+    if x.dtype != FP8_KV:
+        return x
+    return x.to(dtype) * scale if scale != 1.0 else x.to(dtype)
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new keys/values [T, KVH, D] into their cache slots."""
+             slot_mapping: torch.Tensor, kv_scales: tuple[float, float] = UNIT_SCALES) -> None:
+    """Scatter new keys/values [T, KVH, D] into their cache slots (quantized in an fp8 cache)."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    for cache, x, scale in ((k_cache, k, kv_scales[0]), (v_cache, v, kv_scales[1])):
+        stored = to_cache(x, cache, scale)
+        if cache.dtype == FP8_KV:  # index_copy_ has no fp8 kernel on a CPU: copy the bytes
+            cache, stored = cache.view(torch.uint8), stored.view(torch.uint8)
+        cache.view(num_slots, *cache.shape[2:]).index_copy_(0, slot_mapping, stored)
 
 
 # decode(q, k, v, k_cache, v_cache, meta, scale) -> [num_decode_seqs, H * D]: the attention of a
@@ -38,34 +61,38 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     decode: DecodeRows | None = None,
+    kv_scales: tuple[float, float] = UNIT_SCALES,
 ) -> torch.Tensor:  # [T, H * D]
     """Write the new K/V into the cache, then attend causally over each sequence.
-    `decode`: what computes the one-token rows of a mixed step (default: this module's)."""
+    `decode`: what computes the one-token rows of a mixed step (default: this module's).
+    `kv_scales`: an fp8 cache's K and V scales (`to_cache`); attention reads what the cache
+    holds, dequantized (a chunk with no context attends its own K/V as computed)."""
     if meta.padded:  # padding rows (slot -1) write nothing
         keep = meta.slot_mapping >= 0
-        write_kv(k[keep], v[keep], k_cache, v_cache, meta.slot_mapping[keep])
+        write_kv(k[keep], v[keep], k_cache, v_cache, meta.slot_mapping[keep], kv_scales)
     else:
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, kv_scales)
     nd = meta.num_decode_seqs
     if nd == meta.num_seqs:  # pure decode step: no output buffer to assemble
-        return _decode(q, k_cache, v_cache, meta, scale)
+        return _decode(q, k_cache, v_cache, meta, scale, kv_scales)
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype, device=q.device)
     if nd:
         out[:nd] = (decode(q, k, v, k_cache, v_cache, meta, scale) if decode is not None
-                    else _decode(q[:nd], k_cache, v_cache, meta, scale))
+                    else _decode(q[:nd], k_cache, v_cache, meta, scale, kv_scales))
     qsl = meta.query_start_loc_np
     # Short chunks (verifying k+1 drafted tokens, small prefill tails) go in one
     # padded batch: one SDPA call per layer instead of one per sequence.
     short = [i for i in range(nd, meta.num_seqs) if qsl[i + 1] - qsl[i] <= _SHORT_CHUNK]
     if len(short) > 1:
-        _short_chunks(q, k_cache, v_cache, meta, short, scale, out)
+        _short_chunks(q, k_cache, v_cache, meta, short, scale, out, kv_scales)
     else:
         short = []
     for i in range(nd, meta.num_seqs):
         if short and i in short:
             continue
         start, end = int(qsl[i]), int(qsl[i + 1])
-        out[start:end] = _prefill_one(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, scale)
+        out[start:end] = _prefill_one(q[start:end], k[start:end], v[start:end], k_cache, v_cache, meta, i, scale,
+                                      kv_scales)
     return out
 
 
@@ -73,7 +100,8 @@ _SHORT_CHUNK = 32  # new tokens; longer chunks run one by one (padding would was
 
 
 def _short_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                  seqs: list[int], scale: float, out: torch.Tensor) -> None:
+                  seqs: list[int], scale: float, out: torch.Tensor,
+                  kv_scales: tuple[float, float] = UNIT_SCALES) -> None:
     """Several sequences with a few new tokens each (already in the cache):
     pad them to the longest, gather each one's blocks, one masked SDPA. Query j
     of sequence s sees keys [0, context_s + j]."""
@@ -90,8 +118,9 @@ def _short_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     length = max_blocks * meta.block_size
     blocks = meta.block_tables[idx.to(meta.block_tables.device), :max_blocks].reshape(-1).long()
     nb = k_cache.shape[0]
-    kk = k_cache.view(nb, -1).index_select(0, blocks).view(num, length, kv_heads, head_dim)
-    vv = v_cache.view(nb, -1).index_select(0, blocks).view(num, length, kv_heads, head_dim)
+    kk = from_cache(k_cache.view(nb, -1).index_select(0, blocks), q.dtype, kv_scales[0])
+    vv = from_cache(v_cache.view(nb, -1).index_select(0, blocks), q.dtype, kv_scales[1])
+    kk, vv = kk.view(num, length, kv_heads, head_dim), vv.view(num, length, kv_heads, head_dim)
     # Slots past a sequence's end (its padding blocks) may hold anything, NaN
     # included, and NaN * 0 is NaN: zero them rather than trust the mask alone.
     beyond = (torch.arange(length)[None, :] >= lens[:, None]).to(q.device)[:, :, None, None]
@@ -113,7 +142,7 @@ def _short_chunks(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            scale: float) -> torch.Tensor:
+            scale: float, kv_scales: tuple[float, float] = UNIT_SCALES) -> torch.Tensor:
     """One query per sequence: gather each sequence's blocks and run masked SDPA."""
     nd, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
@@ -134,8 +163,10 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
     # index_select over whole blocks (rows of a 2-D view) is the cheapest gather
     # on CPU. [nd * blocks, bs * KVH * D] -> [nd, KVH, L, D]
     num_blocks = k_cache.shape[0]
-    kk = k_cache.view(num_blocks, -1).index_select(0, blocks).view(nd, length, kv_heads, head_dim).transpose(1, 2)
-    vv = v_cache.view(num_blocks, -1).index_select(0, blocks).view(nd, length, kv_heads, head_dim).transpose(1, 2)
+    kk = from_cache(k_cache.view(num_blocks, -1).index_select(0, blocks), q.dtype, kv_scales[0])
+    vv = from_cache(v_cache.view(num_blocks, -1).index_select(0, blocks), q.dtype, kv_scales[1])
+    kk = kk.view(nd, length, kv_heads, head_dim).transpose(1, 2)
+    vv = vv.view(nd, length, kv_heads, head_dim).transpose(1, 2)
     # GQA: the query heads of one KV head form that head's "query length" axis.
     qq = q.view(nd, kv_heads, num_heads // kv_heads, head_dim)
     o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale)
@@ -144,21 +175,22 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta:
 
 def _prefill_one(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    meta: AttentionMetadata, i: int, scale: float,
+    meta: AttentionMetadata, i: int, scale: float, kv_scales: tuple[float, float] = UNIT_SCALES,
 ) -> torch.Tensor:
     n, num_heads, head_dim = q.shape
     seq_len = int(meta.seq_lens_np[i])
     context = seq_len - n
     qq = q.transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-    if context == 0:
-        # Nothing cached before this chunk: attend to the fresh K/V directly.
+    if context == 0 and k_cache.dtype != FP8_KV:
+        # Nothing cached before this chunk: attend to the fresh K/V directly (an fp8 cache's
+        # chunk reads what it stored, as the Triton kernel does, so both see the same values).
         kk, vv = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
     else:
         blocks = -(-seq_len // meta.block_size)
         table = meta.block_tables[i, :blocks].long()
-        kk = k_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
-        vv = v_cache[table].flatten(0, 1)[:seq_len].transpose(0, 1).unsqueeze(0)
+        kk = from_cache(k_cache[table].flatten(0, 1)[:seq_len], q.dtype, kv_scales[0]).transpose(0, 1).unsqueeze(0)
+        vv = from_cache(v_cache[table].flatten(0, 1)[:seq_len], q.dtype, kv_scales[1]).transpose(0, 1).unsqueeze(0)
         key_pos = torch.arange(seq_len, device=q.device)
         query_pos = torch.arange(context, seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]

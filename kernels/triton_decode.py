@@ -90,7 +90,8 @@ def _decode_stage1(
     stride_vb, stride_vt, stride_vh, stride_vd,
     stride_bts, stride_btb,
     stride_on, stride_oh, stride_od,
-    qk_scale,  # scale * log2(e)
+    qk_scale,  # scale * log2(e), times an fp8 cache's K scale
+    v_scale,  # an fp8 cache's V scale (1.0 otherwise)
     block_size,
     GROUP: tl.constexpr,
     MAX_Q: tl.constexpr,
@@ -144,10 +145,11 @@ def _decode_stage1(
         slot = (pos % block_size).to(tl.int64)
         k_off = block * stride_kb + slot * stride_kt + k_head
         v_off = block * stride_vb + slot * stride_vt + v_head
+        # (An fp8 cache's values widen to q's dtype here; their scales are applied outside the loop.)
         k = tl.load(k_ptr + k_off[None, :] + offs_d[:, None].to(tl.int64) * stride_kd,
-                    mask=in_seq[None, :], other=0.0)  # [D, TILE]
+                    mask=in_seq[None, :], other=0.0).to(q.dtype)  # [D, TILE]
         v = tl.load(v_ptr + v_off[:, None] + offs_d[None, :].to(tl.int64) * stride_vd,
-                    mask=in_seq[:, None], other=0.0)  # [TILE, D]
+                    mask=in_seq[:, None], other=0.0).to(q.dtype)  # [TILE, D]
 
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(pos[None, :] < limit[:, None], s, float("-inf"))
@@ -161,7 +163,7 @@ def _decode_stage1(
         m_i = m_new
 
     has_keys = l_i > 0.0
-    acc = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    acc = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         o_off = (q_start + q_row.to(tl.int64)) * stride_on + head.to(tl.int64) * stride_oh
         tl.store(out_ptr + o_off[:, None] + offs_d[None, :].to(tl.int64) * stride_od,
@@ -222,6 +224,7 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     *,
     config: DecodeConfig | None = None,  # launch config override (tuning, tests)
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's K and V scales
 ) -> torch.Tensor:
     """Attention of each sequence's new query rows over its paged KV cache.
 
@@ -242,8 +245,9 @@ def paged_decode_attention(
         raise ValueError(f"head_dim must be a power of two >= 16, got {head_dim}")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if q.dtype != k_cache.dtype or q.dtype != v_cache.dtype:
-        raise ValueError(f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"cache dtypes must be q's or float8_e4m3fn: q {q.dtype}, k_cache {k_cache.dtype}, "
+                         f"v_cache {v_cache.dtype}")
     if max_query_len < 1:
         raise ValueError(f"max_query_len must be >= 1, got {max_query_len}")
     group = num_heads // num_kv_heads
@@ -276,7 +280,7 @@ def paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
         out, ws_acc, ws_lse,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *block_tables.stride(), *out.stride(),
-        float(scale) * _LOG2E,
+        float(scale) * _LOG2E * float(kv_scales[0]), float(kv_scales[1]),
         block_size,
         GROUP=group, MAX_Q=max_query_len, BLOCK_M=block_m, HEAD_DIM=head_dim, TILE=cfg.tile_n,
         NUM_SPLITS=num_splits, DOT_PRECISION=dot_precision(q.dtype),

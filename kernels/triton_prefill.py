@@ -61,10 +61,11 @@ def _attend_tiles(
         blk = tl.load(bt_row_ptr + (pos // block_size).to(tl.int64) * stride_btb, mask=n_valid, other=0).to(tl.int64)
         off = (pos % block_size).to(tl.int64)
         kv_mask = n_valid[:, None] & d_mask[None, :]
+        # (An fp8 cache's values widen to q's dtype; the caller applies its scales.)
         k = tl.load(k_cache_ptr + blk[:, None] * stride_kcb + off[:, None] * stride_kcs + d64[None, :] * stride_kcd,
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
         v = tl.load(v_cache_ptr + blk[:, None] * stride_vcb + off[:, None] * stride_vcs + d64[None, :] * stride_vcd,
-                    mask=kv_mask, other=0.0)
+                    mask=kv_mask, other=0.0).to(q.dtype)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N], log2 units
         if MASKED:
@@ -90,7 +91,7 @@ def _prefill_kernel(
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
     stride_bts, stride_btb,
-    block_size, qk_scale,
+    block_size, qk_scale, v_scale,  # qk_scale: times an fp8 cache's K scale; v_scale: its V scale (else 1)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
@@ -152,7 +153,7 @@ def _prefill_kernel(
     )
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)  # padding rows: never stored, but keep them finite
-    o = acc / l_safe[:, None]
+    o = acc * (v_scale / l_safe)[:, None]
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d64[None, :] * stride_od,
              o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -193,6 +194,7 @@ def prefill_attention(
     config: PrefillConfig | None = None,  # launch config override (tuning)
     block_m: int | None = None,  # tile overrides of the default config (tests); powers of two, >= 16
     tile_n: int | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's K and V scales
 ) -> torch.Tensor:
     """Causal attention of each sequence's new rows over its paged keys. Returns `out` [Nq, H, D].
 
@@ -233,7 +235,7 @@ def prefill_attention(
         block_tables, seq_lens, query_start_loc,
         *q.stride(), *out.stride(), *k_cache.stride(), *v_cache.stride(),
         block_tables.stride(0), block_tables.stride(1),
-        k_cache.shape[1], float(scale) * _LOG2E,
+        k_cache.shape[1], float(scale) * _LOG2E * float(kv_scales[0]), float(kv_scales[1]),
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_Q=block_q, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n,

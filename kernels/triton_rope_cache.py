@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pdserve.kernels.triton_cache import to_e4m3
+
 
 @triton.jit
 def _rope_write_kv_kernel(
@@ -31,9 +33,9 @@ def _rope_write_kv_kernel(
     stride_cp, stride_cd, stride_sp, stride_sd,
     stride_kcb, stride_kcs, stride_kch, stride_kcd,
     stride_vcb, stride_vcs, stride_vch, stride_vcd,
-    block_size,
+    block_size, inv_k_scale, inv_v_scale,
     H: tl.constexpr, KVH: tl.constexpr, HALF: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KVH: tl.constexpr, BLOCK_HALF: tl.constexpr, FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     D: tl.constexpr = 2 * HALF
@@ -67,15 +69,20 @@ def _rope_write_kv_kernel(
         k1 = tl.load(src, mask=mk, other=0.0).to(tl.float32)
         k2 = tl.load(src + HALF, mask=mk, other=0.0).to(tl.float32)
         kc = k_cache_ptr + blk * stride_kcb + off * stride_kcs + hk64 * stride_kch + dd * stride_kcd
-        tl.store(kc, (k1 * cos - k2 * sin).to(qkv_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mk)
-        tl.store(kc + HALF * stride_kcd,
-                 (k2 * cos + k1 * sin).to(qkv_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty), mask=mk)
+        ka = (k1 * cos - k2 * sin).to(qkv_ptr.dtype.element_ty)
+        kb = (k2 * cos + k1 * sin).to(qkv_ptr.dtype.element_ty)
         # v: copied.
         src = row + (H + KVH + hk64) * D + dd
+        va = tl.load(src, mask=mk, other=0.0)
+        vb = tl.load(src + HALF, mask=mk, other=0.0)
+        if FP8:  # scaled, clamped and rounded as reference.to_cache (triton_cache.to_e4m3)
+            ka, kb = to_e4m3(ka, inv_k_scale), to_e4m3(kb, inv_k_scale)
+            va, vb = to_e4m3(va, inv_v_scale), to_e4m3(vb, inv_v_scale)
+        tl.store(kc, ka.to(k_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(kc + HALF * stride_kcd, kb.to(k_cache_ptr.dtype.element_ty), mask=mk)
         vc = v_cache_ptr + blk * stride_vcb + off * stride_vcs + hk64 * stride_vch + dd * stride_vcd
-        tl.store(vc, tl.load(src, mask=mk, other=0.0).to(v_cache_ptr.dtype.element_ty), mask=mk)
-        tl.store(vc + HALF * stride_vcd, tl.load(src + HALF, mask=mk, other=0.0).to(v_cache_ptr.dtype.element_ty),
-                 mask=mk)
+        tl.store(vc, va.to(v_cache_ptr.dtype.element_ty), mask=mk)
+        tl.store(vc + HALF * stride_vcd, vb.to(v_cache_ptr.dtype.element_ty), mask=mk)
 
 
 def rope_and_write_kv(
@@ -88,6 +95,7 @@ def rope_and_write_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, KVH, D], any strides
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] flat slot; -1 = no cache write
+    kv_scales: tuple[float, float] = (1.0, 1.0),  # an fp8 cache's K and V scales
 ) -> torch.Tensor:
     """The roped queries [T, H, D]; roped keys and the values written into their slots."""
     if qkv.dim() != 2:
@@ -119,9 +127,9 @@ def rope_and_write_kv(
         x.stride(0), q.stride(0), q.stride(1),
         cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *k_cache.stride(), *v_cache.stride(),
-        k_cache.shape[1],
+        k_cache.shape[1], 1.0 / kv_scales[0], 1.0 / kv_scales[1],
         H=num_heads, KVH=num_kv_heads, HALF=half,
-        BLOCK_H=block_h, BLOCK_KVH=block_kvh, BLOCK_HALF=block_half,
+        BLOCK_H=block_h, BLOCK_KVH=block_kvh, BLOCK_HALF=block_half, FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=max(1, min(8, block_h * block_half // 256)),
     )
     return q

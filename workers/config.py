@@ -174,6 +174,10 @@ class EngineConfig:
     # at load (workers/model/fp8.py); None: the checkpoint's own format (an fp8 checkpoint
     # loads as fp8 either way).
     quantization: Literal["fp8"] | None = None
+    # vLLM's name: "fp8" (or "fp8_e4m3") keeps K and V in e4m3, half the bytes of a 16-bit cache
+    # (and of a KV transfer), each layer's scaled by its checkpoint's k_scale/v_scale or 1.0;
+    # "auto": the model's dtype (docs/quantization.md).
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = "auto"
     # vLLM's name: the next step is scheduled and its inputs staged while this one runs on the
     # device; sampled token ids feed the next step on the device and reach the host one step
     # later (workers/in_flight.py). None: on for CUDA, off on CPU (there the step is the host's

@@ -94,7 +94,8 @@ class LLMEngine:
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(
             config, self.model_config, self.dtype, self.device, self.max_model_len,
             draft=draft.config if draft is not None else None, memory=memory)
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size, self.dtype,
+        self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size,
+                                            setup.kv_cache_dtype(config, self.dtype),
                                             self.device)
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  record_events=config.record_kv_events)

@@ -97,6 +97,11 @@ def resolve_max_model_len(requested: int | None, cfg: ModelConfig) -> int:
     return requested
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype) -> torch.dtype:
+    """The target's KV cache dtype: the model's (`auto`), or e4m3 (`fp8`, `fp8_e4m3`)."""
+    return torch.float8_e4m3fn if config.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
+
+
 def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
             max_model_len: int, *, draft: ModelConfig | None = None,
             memory: DeviceMemory | None = None) -> tuple[int, int]:
@@ -112,7 +117,8 @@ def plan_kv(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype, device: 
     is served instead, and said (vLLM refuses to start; a first run on a laptop
     or a checkpoint's 128k context on a small card should not)."""
     bs = config.block_size
-    per_block = bytes_per_block(cfg, bs, dtype) + (bytes_per_block(draft, bs, dtype) if draft is not None else 0)
+    per_block = (bytes_per_block(cfg, bs, kv_cache_dtype(config, dtype))
+                 + (bytes_per_block(draft, bs, dtype) if draft is not None else 0))
     if config.num_kv_blocks is not None:
         n = config.num_kv_blocks
     elif config.kv_cache_memory is not None:

@@ -155,6 +155,27 @@ def test_fp8_weights_on_cuda_decode_within_fp8_noise(make_model: Callable[[TinyM
         assert float((got - want).norm() / want.norm()) < 0.15
 
 
+def test_an_fp8_kv_cache_on_cuda_reads_as_the_reference(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """--kv-cache-dtype fp8 with the Triton kernels (the CUDA default) and with the PyTorch
+    reference over the same e4m3 cache: the same greedy tokens in float32; and within fp8 noise
+    of a float32 cache's logits."""
+    model_dir = make_model(GQA)
+    tokens, logits = {}, {}
+    for backend, kv in (("triton", "fp8"), ("torch", "fp8"), ("triton", "auto")):
+        llm = LLM(str(model_dir), device="cuda", dtype="float32", num_kv_blocks=256, max_model_len=512,
+                  attention_backend=backend, kv_cache_dtype=kv, progress=False)
+        captured = capture_logits(llm)
+        prompts = _prompts(4, llm.engine.model_config.vocab_size, seed=6)
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        tokens[(backend, kv)] = [o.outputs[0].token_ids for o in outs]
+        logits[(backend, kv)] = captured[0]
+        del llm
+        torch.cuda.empty_cache()
+    assert tokens[("triton", "fp8")] == tokens[("torch", "fp8")]
+    want, got = logits[("triton", "auto")], logits[("triton", "fp8")]
+    assert float((got - want).norm() / want.norm()) < 0.1
+
+
 def test_chunked_prefill_matches_a_synchronised_run(make_model: Callable[[TinyModelSpec], Path]) -> None:
     """A prompt of many chunks (the middle ones sample nothing, so no step ends on a read-back):
     the logits equal those of the same run with the device synchronised after every step, bit for

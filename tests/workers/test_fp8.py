@@ -229,3 +229,37 @@ def test_unsupported_or_broken_quantized_checkpoints_are_refused_by_name(model_d
         _llm(tmp_path / "broken")
     with pytest.raises(ValueError, match="quantization"):
         _llm(model_dir, quantization="int4")
+
+
+# -- the fp8 KV cache --------------------------------------------------------------------------------
+
+
+def test_an_fp8_kv_cache_holds_twice_the_blocks_and_decodes_within_fp8_noise(model_dir: Path) -> None:
+    budget = 1 << 20
+    plain = LLM(str(model_dir), dtype="float16", max_model_len=256, kv_cache_memory=budget, progress=False)
+    quant = LLM(str(model_dir), dtype="float16", max_model_len=256, kv_cache_memory=budget, kv_cache_dtype="fp8",
+                progress=False)
+    assert quant.engine.kv_caches[0][0].dtype is torch.float8_e4m3fn
+    assert quant.engine.num_kv_blocks == 2 * plain.engine.num_kv_blocks
+    prompts = _prompts(4, seed=3)
+    for want, got in zip(_logits(plain, prompts), _logits(quant, prompts)):
+        assert float((got - want).norm() / want.norm()) < 0.1
+    out = quant.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 12 for o in out)
+
+
+def test_a_checkpoints_kv_scales_reach_the_attention_layers(model_dir: Path, tmp_path: Path) -> None:
+    shutil.copytree(model_dir, tmp_path / "m")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.1.self_attn.v_scale"] = torch.tensor([4.0])
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    llm = _llm(tmp_path / "m", kv_cache_dtype="fp8")
+    layers = llm.engine.model.model.layers
+    assert layers[0].self_attn.kv_scales == (0.25, 1.0) and layers[1].self_attn.kv_scales == (1.0, 4.0)
+    out = llm.generate(_prompts(1), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(-1.0)
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    with pytest.raises(ValueError, match="k_scale"):
+        _llm(tmp_path / "m")

@@ -24,6 +24,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import TransferError
+from pdserve.workers.transfer.frames import CacheGeometry
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -45,10 +46,10 @@ def _close_workers() -> Iterator[None]:
 
 
 def make_pair(model_dir: Path, policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE, faults: Faults | None = None,
-              chunk: int = 32) -> tuple[PrefillWorker, DecodeWorker]:
+              chunk: int = 32, **engine_kw: Any) -> tuple[PrefillWorker, DecodeWorker]:
     def engine():  # noqa: ANN202
         return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=chunk,
-                   progress=False).engine
+                   progress=False, **engine_kw).engine
 
     p_engine, d_engine = engine(), engine()
     receiver = InProcessReceiver(d_engine.kv_caches)
@@ -70,8 +71,8 @@ def prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(5, 4000, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def expected(model_dir: Path, ps: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False)
+def expected(model_dir: Path, ps: list[list[int]], params: SamplingParams, **engine_kw: Any) -> list[list[int]]:
+    llm = LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False, **engine_kw)
     return [o.outputs[0].token_ids for o in llm.generate(ps, params)]
 
 
@@ -88,6 +89,23 @@ def test_disaggregated_greedy_equals_offline_with_chunked_streaming(model_dir: P
         return list(await asyncio.gather(*(serve_one(p, d, f"r{i}", x, PARAMS) for i, x in enumerate(ps))))
 
     assert asyncio.run(main()) == expected(model_dir, ps, PARAMS)
+    assert_no_blocks(p, d)
+
+
+def test_an_fp8_kv_cache_crosses_as_fp8_and_decodes_as_offline(model_dir: Path) -> None:
+    """--kv-cache-dtype fp8 on both workers: the blocks move as e4m3 bytes (one a value: half a
+    16-bit cache's), and greedy decoding over them equals the offline engine with the same cache."""
+    ps = prompts(3, 70, seed=7)
+    p, d = make_pair(model_dir, kv_cache_dtype="fp8")
+    geometry = CacheGeometry.of(p.engine.kv_caches)
+    assert geometry.dtype_name == "float8_e4m3fn" == CacheGeometry.of(d.engine.kv_caches).dtype_name
+    bs, heads, dim = geometry.block_shape
+    assert geometry.block_bytes == bs * heads * dim
+
+    async def main() -> list[list[int]]:
+        return list(await asyncio.gather(*(serve_one(p, d, f"r{i}", x, PARAMS) for i, x in enumerate(ps))))
+
+    assert asyncio.run(main()) == expected(model_dir, ps, PARAMS, kv_cache_dtype="fp8")
     assert_no_blocks(p, d)
 
 

@@ -50,7 +50,8 @@ class _Step:
 _current = threading.local()  # .step: the _Step being run on this thread
 
 
-def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                    k_scale: float, v_scale: float) -> torch.Tensor:
     """paged_attention for layer `layer` of the step now running on this thread.
 
     It does write the step's K/V into the cache, but the cache is not an input
@@ -62,21 +63,23 @@ def _step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: in
     if step is None:
         raise RuntimeError("pdserve::paged_attention called outside a model step")
     k_cache, v_cache = step.kv_caches[layer]
-    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, step.backend)
+    return paged_attention(q, k, v, k_cache, v_cache, step.meta, scale, step.backend, (k_scale, v_scale))
 
 
-def _step_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def _step_attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                         k_scale: float, v_scale: float) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
 # One kernel for every device: the attention backend the step names picks the device's code.
-torch_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale) -> Tensor",
-                 _step_attention, _step_attention_fake, "CompositeExplicitAutograd")
+torch_ops.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, float k_scale, "
+                 "float v_scale) -> Tensor", _step_attention, _step_attention_fake, "CompositeExplicitAutograd")
 
 
-def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+def step_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scale: float,
+                   kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """The `pdserve::paged_attention` op: what the compiled model calls for attention."""
-    out: torch.Tensor = torch.ops.pdserve.paged_attention(q, k, v, layer, scale)
+    out: torch.Tensor = torch.ops.pdserve.paged_attention(q, k, v, layer, scale, kv_scales[0], kv_scales[1])
     return out
 
 

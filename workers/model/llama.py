@@ -27,6 +27,9 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
+        # An fp8 KV cache's K and V scales (the stored value is x / scale): 1.0, or the
+        # checkpoint's calibrated `k_scale`/`v_scale` (workers/model/loader.py).
+        self.kv_scales = (1.0, 1.0)
 
     def forward(
         self, x: torch.Tensor, rotary: RotaryEmbedding, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -42,7 +45,7 @@ class Attention(nn.Module):
 
             # RoPE and the KV write in one launch; the roped keys go straight into the cache.
             out = rope_paged_attention(qkv, self.num_heads, self.num_kv_heads, cos_sin[0], rotary.cos, rotary.sin,
-                                       kv_cache[0], kv_cache[1], meta, self.scale)
+                                       kv_cache[0], kv_cache[1], meta, self.scale, self.kv_scales)
             return linear(out, self.o_proj)
         # RoPE on q and k together: they are adjacent in the fused output.
         qk = rotary.apply(
@@ -51,9 +54,9 @@ class Attention(nn.Module):
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         if meta is None or kv_cache is None:  # compiled: the step's cache and metadata are not graph inputs
-            out = step_attention(q, k, v, self.layer_idx, self.scale)
+            out = step_attention(q, k, v, self.layer_idx, self.scale, self.kv_scales)
         else:
-            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend)
+            out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend, self.kv_scales)
         return linear(out, self.o_proj)
 
 

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.model import fp8, packed_linear
 from pdserve.workers.model.config import ModelConfig
-from pdserve.workers.model.llama import LlamaForCausalLM
+from pdserve.workers.model.llama import DecoderLayer, LlamaForCausalLM
 
 # checkpoint projection -> (fused parameter, which shard of it)
 _FUSED = {
@@ -32,8 +32,10 @@ _PROJ = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 # Buffers some older checkpoints carry that we recompute.
 _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # What fp8 checkpoints carry beside the weights and their scales that is not used: static
-# activation scales (activations are scaled per token: workers/model/fp8.py) and KV-cache scales.
-_FP8_IGNORED = re.compile(r"\.(input_scale|output_scale|k_scale|v_scale|q_scale|kv_scale)$")
+# activation scales (activations are scaled per token: workers/model/fp8.py).
+_FP8_IGNORED = re.compile(r"\.(input_scale|output_scale|q_scale)$")
+# Calibrated fp8 KV-cache scales (vLLM's names): an fp8 KV cache stores K / k_scale, V / v_scale.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?([kv])_scale$")
 _FP8_SCALE = re.compile(r"\.weight_scale(_inv)?$")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -91,6 +93,9 @@ def load_model(
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 tensor = st.get_tensor(name)
+                if (kv := _KV_SCALE.match(name)) is not None:
+                    _set_kv_scale(model, int(kv.group(1)), kv.group(2), tensor)
+                    continue
                 if fp8_checkpoint and (_FP8_SCALE.search(name) or tensor.dtype == fp8.E4M3):
                     layer, part = name.rsplit(".", 1)
                     fp8_parts.setdefault(layer, {})["weight" if part == "weight" else "scale"] = tensor
@@ -197,6 +202,18 @@ def _load_one(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, name: str
     with torch.no_grad():
         dest.copy_(tensor)
     return target
+
+
+def _set_kv_scale(model: LlamaForCausalLM, layer: int, which: str, tensor: torch.Tensor) -> None:
+    """A checkpoint's calibrated K or V scale of an fp8 KV cache, for layer `layer`."""
+    if tensor.numel() != 1 or not 0 < float(tensor) < float("inf"):
+        raise ValueError(f"model: layer {layer}'s {which}_scale must be one positive number, got "
+                         f"{tuple(tensor.shape)}")
+    decoder = model.model.layers[layer]
+    assert isinstance(decoder, DecoderLayer)
+    attn = decoder.self_attn
+    k, v = attn.kv_scales
+    attn.kv_scales = (float(tensor), v) if which == "k" else (k, float(tensor))
 
 
 def _fp8_modules(model: LlamaForCausalLM) -> None:
