@@ -75,8 +75,8 @@ def record(device: torch.device, *, side_only: bool = False) -> Any:
 def wait_for(event: Any, device: torch.device) -> None:
     """Make this thread's current stream of `device` wait for `event` (on the device: the host goes on).
 
-    None: nothing to wait for."""
-    if event is not None:
+    None (or a CPU device): nothing to wait for."""
+    if event is not None and device.type == "cuda":
         torch.cuda.current_stream(device).wait_event(event)
 
 
