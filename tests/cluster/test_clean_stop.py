@@ -116,9 +116,11 @@ DRIVER = textwrap.dedent("""
     def serve():
         if ignore:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        helper = subprocess.Popen(["sleep", "60"])
-        print(helper.pid, flush=True)
+        # The pid is printed inside the try: the test stops it as soon as it reads the pid, and a
+        # stop that landed between the print and the try would end the driver with exit 1.
         try:
+            helper = subprocess.Popen(["sleep", "60"])
+            print(helper.pid, flush=True)
             time.sleep(60 if exit_code == 0 or ignore else 1)
         except KeyboardInterrupt:
             pass
@@ -144,8 +146,9 @@ def test_a_group_sigterm_reaches_the_parent_alone_and_what_the_driver_left_is_st
     # In a group of the driver's own, in the caller's session (where tests/chaos looks for them).
     assert os.getpgid(helper) != proc.pid and os.getsid(helper) == proc.pid
     os.killpg(proc.pid, signal.SIGTERM)
-    assert proc.wait(20) == 0
+    rc = proc.wait(20)
     _, err = proc.communicate()
+    assert rc == 0, err
     assert err.startswith("[pdserve] stopped on SIGTERM:") and "1 process(es) it left stopped by pid" in err, err
     assert len(err.splitlines()) == 1
     assert not alive(started)
