@@ -88,7 +88,10 @@ def _run_driver(serve: Callable[[], int], parent: int, old_mask: Iterable[int]) 
         _prctl(_PR_SET_PDEATHSIG, signal.SIGINT)  # a parent killed outright still stops the driver cleanly
         if os.getppid() != parent:  # it died before that took effect
             os.kill(os.getpid(), signal.SIGINT)
-        signal.pthread_sigmask(signal.SIG_SETMASK, old_mask)  # Ray's processes inherit the mask
+        # Ray's processes inherit the mask: the caller's, but never with a stop blocked. The
+        # supervisor stops the driver with SIGINT, and a caller that blocked it would leave the
+        # driver deaf until the stop's deadline (the test suite's process had, in CI, by then).
+        signal.pthread_sigmask(signal.SIG_SETMASK, set(old_mask) - _STOPS)
         code = serve()
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
