@@ -92,6 +92,10 @@ def _run_driver(serve: Callable[[], int], parent: int, old_mask: Iterable[int]) 
         # supervisor stops the driver with SIGINT, and a caller that blocked it would leave the
         # driver deaf until the stop's deadline (the test suite's process had, in CI, by then).
         signal.pthread_sigmask(signal.SIG_SETMASK, set(old_mask) - _STOPS)
+        # Likewise SIGINT must raise KeyboardInterrupt here: a process started in the background
+        # of a non-interactive shell (`pdserve serve &` in a script) inherits it ignored, and
+        # Python then installs no handler; the stop would run into its deadline.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         code = serve()
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
