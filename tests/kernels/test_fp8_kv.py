@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from test_reference import naive
 
 from pdserve.kernels import reference
 from pdserve.kernels.metadata import AttentionMetadata
@@ -15,18 +16,6 @@ from pdserve.kernels.reference import FP8_KV, from_cache, to_cache
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALES = (0.5, 2.0)
-
-
-def _naive(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int, scale: float) -> torch.Tensor:
-    n, heads, _ = q.shape
-    group = heads // keys.shape[1]
-    out = torch.empty(n, heads, q.shape[2], dtype=torch.float64)
-    for j in range(n):
-        visible = context + j + 1
-        for h in range(heads):
-            w = torch.softmax((keys[:visible, h // group] @ q[j, h]) * scale, dim=0)
-            out[j, h] = w @ values[:visible, h // group]
-    return out
 
 
 def _case(seed: int = 0) -> dict:
@@ -72,7 +61,7 @@ def _case(seed: int = 0) -> dict:
 def _check(case: dict, out: torch.Tensor, tol: float) -> None:
     assert torch.isfinite(out).all()
     for i, (c, n) in enumerate(case["seqs"]):
-        want = _naive(case["qs"][i].double(), *case["held"][i], c, case["scale"]).reshape(n, -1)
+        want = naive(case["qs"][i].double(), *case["held"][i], c, case["scale"]).reshape(n, -1)
         got = out[case["qsl"][i] : case["qsl"][i + 1]].double()
         torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
