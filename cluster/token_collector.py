@@ -27,10 +27,9 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import zmq
-import zmq.asyncio
 
 from pdserve.workers.handoff import Resume
 from pdserve.workers.lifecycle import Exit, Lifecycle, RequestState
@@ -48,6 +47,8 @@ log = logging.getLogger(__name__)
 # reading that connection (then the worker's SEND_HWM fills, and it gives up on
 # that gateway's requests): bounded, so no peer can make the gateway hold more.
 RECEIVE_HWM = 1000
+# Messages one wake of the loop's reader takes before it lets the loop run others.
+_DRAIN_BOUND = 64
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,11 @@ class TokenStreamCollector:
                  secret: ClusterSecret | None = None, stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval: {stream_interval} must be at least 1")
-        self._ctx = zmq.asyncio.Context.instance()
+        # A plain (not zmq.asyncio) socket drained from the loop's own reader on its FD: pyzmq's
+        # asyncio socket adds and removes that reader and makes a future for every message, which
+        # cost ~150 us of CPU more a message (a step) than draining here (docs/performance.md,
+        # "The front door").
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._secret = auth.resolve(secret)
         self._sock = self._ctx.socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -135,8 +140,12 @@ class TokenStreamCollector:
         self.num_replayed = 0  # signed batches whose number their publisher had already used
         self.num_dropped = 0  # connections lost (a frame over the size limit drops one; so does a worker leaving)
         self._next_seq: dict[str, int] = {}  # worker id -> the batch number it should send next
-        self._reader = asyncio.get_running_loop().create_task(self._read())
-        self._watcher = asyncio.get_running_loop().create_task(self._watch_drops())
+        self._loop = asyncio.get_running_loop()
+        self._fds = (self._sock.fileno(), self._monitor.fileno())
+        self._loop.add_reader(self._fds[0], self._drain)
+        self._loop.add_reader(self._fds[1], self._drain_monitor)
+        self._closed = False
+        self._loop.call_soon(self._drain)  # a ZeroMQ FD is edge-triggered: take what came before the reader
 
     def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
         """Start collecting `request_id`'s deltas, before any worker can send one;
@@ -275,43 +284,58 @@ class TokenStreamCollector:
         return Retry(entry.attempt, resume, entry.life.remaining())
 
     async def close(self) -> None:
-        for task in (self._reader, self._watcher):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._closed:
+            return
+        self._closed = True
+        for fd in self._fds:
+            self._loop.remove_reader(fd)
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         self._monitor.close(linger=0)
         self._sock.close(linger=0)
 
-    async def _watch_drops(self) -> None:
-        while True:
-            await self._monitor.recv_multipart()
+    def _drain_monitor(self) -> None:
+        """The monitor socket's events (each a dropped connection), drained as `_drain` drains."""
+        while not self._closed and _readable(self._monitor):
+            self._monitor.recv_multipart(zmq.NOBLOCK)
             self.num_dropped += 1
 
-    async def _read(self) -> None:
-        while True:
-            parts = await self._sock.recv_multipart(copy=True)
-            if len(parts) != 2 or not auth.token_check(self._secret, self.address, parts[0], parts[1]):
-                self.num_forged += 1
-                if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
-                    log.warning("token stream: dropped a message whose MAC does not check (%d so far): a peer "
-                                "without the cluster secret, or another one", self.num_forged)
-                continue
+    def _drain(self) -> None:
+        """Take every message queued on the socket, up to a bound a wake (then the rest on the
+        loop's next turn: a flood does not starve the readers). The FD is edge-triggered: it
+        signals only when the socket goes from nothing to read to something, so each wake drains
+        until ZMQ_EVENTS lacks POLLIN."""
+        for _ in range(_DRAIN_BOUND):
+            if self._closed or not _readable(self._sock):
+                return
             try:
-                batch = decode_token_batch(parts[1])  # decode_as(..., TokenDeltaBatch), fast
-            except ValueError as e:
-                self.num_rejected += 1
-                log.warning("token stream: dropped a bad message: %s", e)
-                continue
-            if not self._check_sequence(batch):
-                continue
-            for d in batch.deltas:
-                entry = self._open.get(d.request_id)
-                if entry is not None:  # else: late deltas of a request that ended here
-                    if d.attempt == entry.attempt:
-                        entry.senders.add(batch.worker_id)
-                    self._accept(entry, d)
+                parts = self._sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take(parts)
+        self._loop.call_soon(self._drain)
+
+    def _take(self, parts: list[bytes]) -> None:
+        if len(parts) != 2 or not auth.token_check(self._secret, self.address, parts[0], parts[1]):
+            self.num_forged += 1
+            if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
+                log.warning("token stream: dropped a message whose MAC does not check (%d so far): a peer "
+                            "without the cluster secret, or another one", self.num_forged)
+            return
+        try:
+            batch = decode_token_batch(parts[1])  # decode_as(..., TokenDeltaBatch), fast
+        except ValueError as e:
+            self.num_rejected += 1
+            log.warning("token stream: dropped a bad message: %s", e)
+            return
+        if not self._check_sequence(batch):
+            return
+        for d in batch.deltas:
+            entry = self._open.get(d.request_id)
+            if entry is not None:  # else: late deltas of a request that ended here
+                if d.attempt == entry.attempt:
+                    entry.senders.add(batch.worker_id)
+                self._accept(entry, d)
 
     def _check_sequence(self, batch: TokenDeltaBatch) -> bool:
         """Whether to take the batch. Batches of one publisher come numbered from 0
@@ -384,6 +408,11 @@ class TokenStreamCollector:
         entry.chars += len(d.text)
         if d.cumulative_logprob is not None:
             entry.cumulative_logprob = d.cumulative_logprob
+
+
+def _readable(sock: zmq.Socket[bytes]) -> bool:
+    """Whether `sock` has a whole message to read (ZMQ_EVENTS, not the FD: the FD only wakes)."""
+    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _put(entry: _Open, item: TokenDelta | _RpcDone) -> None:

@@ -92,6 +92,37 @@ def test_deltas_of_one_step_travel_as_one_message_and_reach_their_own_requests()
     asyncio.run(run())
 
 
+def test_a_burst_of_steps_larger_than_one_drain_all_arrive_in_order() -> None:
+    """The collector drains its socket from the loop's reader, a bounded number of messages a
+    wake (the FD is edge-triggered): 300 steps sent before the loop reads any of them, more
+    than one drain takes, all reach their request, in order, and the loop stays free between
+    drains (a timer set before the burst fires before the last step is read)."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        pub = TokenStreamPublisher("w0")
+        collector.open("a", [1, 2, 3], 10.0)
+        steps = 300
+        for k in range(steps):
+            pub.add(collector.address, output("a", [k], "t", "length" if k == steps - 1 else None), k)
+            assert pub.flush() == []
+        time.sleep(0.5)  # (blocking: every message is queued on the socket before the loop runs)
+        ticks: list[int] = []
+        asyncio.get_running_loop().call_soon(lambda: ticks.append(collector._open["a"].next_offset))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        got = await asyncio.wait_for(_consume(collector, "a", _set_after(done)), 10)
+        assert [t for o in got for t in o.outputs[0].token_ids] == list(range(steps)) and got[-1].finished
+        assert ticks and ticks[0] < steps  # the loop ran between drains
+        pub.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
+async def _set_after(done: asyncio.Future[None]) -> None:
+    done.set_result(None)
+
+
 def test_prompt_logprobs_over_the_message_limit_arrive_in_slices() -> None:
     """A long prompt's logprobs (top-20 for 8,000 tokens: several MiB) do not fit
     one message, which the receiver would refuse whole: they go in slices, in
