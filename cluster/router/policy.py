@@ -177,7 +177,7 @@ class RouterConfig:
     # (the TTFT estimate), but a miss costs more than its own compute: the
     # prefix now lives on two workers and evicts others. On the shared-prefix
     # routing test (tests/cluster/test_serve_routing.py), weights below 1
-    # computed fewer prompt tokens (runs: docs/performance.md, "Router load weight").
+    # computed fewer prompt tokens (runs: docs/cluster.md, "The load weight").
     load_weight: float = 0.5
     # Prefill on the decode worker, with no transfer, when fewer than this many
     # prompt tokens are uncached there. 0 turns it off (llm-d ships 8-16).
