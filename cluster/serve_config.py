@@ -375,6 +375,11 @@ def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
             if name in settings:
                 raise ValueError(f"{name}: disaggregated mode only; a colocated cluster takes workers "
                                  "(--workers N; default: one per GPU, else one)")
+    if int(settings.get("tensor_parallel_size", 1)) > 1:
+        # The offline engine splits a model over torch.distributed's ranks; a served worker
+        # does not start its ranks yet (issue 50).
+        raise ValueError("tensor_parallel_size: more than 1 is not served yet: the offline engine (LLM) takes it "
+                         "under torchrun; served workers are one device each")
     serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
     return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
 

@@ -183,6 +183,11 @@ class EngineConfig:
     # later (workers/in_flight.py). None: on for CUDA, off on CPU (there the step is the host's
     # own work: nothing to overlap). Greedy tokens are the same either way.
     async_scheduling: bool | None = None
+    # vLLM's name: the model's heads and MLP columns split over this many ranks, one process
+    # each, in step (workers/model/tensor_parallel.py). The offline engine takes the ranks of
+    # torch.distributed's default group (init_process_group first, e.g. under torchrun); every
+    # rank runs the same requests and returns the same outputs.
+    tensor_parallel_size: PositiveInt = 1
     seed: int = 0
     progress: bool = False
     # A lock file that engines sharing this machine's cores take turns with, each step's model

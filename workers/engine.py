@@ -45,6 +45,7 @@ from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
 from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
+from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
 from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import FinishReason, Request
@@ -78,7 +79,11 @@ class LLMEngine:
         # `model` may name a GGUF file or `tiny`: the directory it stands for (converted once, cached).
         model_dir = str(resolve_model(config.model, progress=config.progress))
         self.model_dir = model_dir
-        self.model_config = ModelConfig.from_pretrained(model_dir)
+        full_config = ModelConfig.from_pretrained(model_dir)
+        # This rank's shard of the model (the model itself with one rank): what the KV cache,
+        # the memory plan and the kernels see.
+        self.tp = TensorParallel.from_world(config.tensor_parallel_size)
+        self.model_config = shard_config(full_config, self.tp)
         self.dtype = setup.resolve_model_dtype(config.dtype, self.model_config, self.device)
         self.max_model_len = setup.resolve_max_model_len(config.max_model_len, self.model_config)
         backend = config.attention_backend.resolve(self.device)
@@ -86,8 +91,8 @@ class LLMEngine:
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
         quantization = setup.resolve_quantization(config.quantization, self.model_config)
-        self.model = load_model(model_dir, self.model_config, self.dtype, self.device, backend,
-                                self.max_model_len, progress=config.progress, quantization=quantization)
+        self.model = load_model(model_dir, full_config, self.dtype, self.device, backend,
+                                self.max_model_len, progress=config.progress, quantization=quantization, tp=self.tp)
         # The draft's weights and its KV (per block) count before the pool is sized.
         draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len)
         memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)

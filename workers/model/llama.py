@@ -15,6 +15,7 @@ from pdserve.workers.model.compiled import step_attention
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from pdserve.workers.model.packed_linear import linear
+from pdserve.workers.model.tensor_parallel import SINGLE, TensorParallel
 
 
 class Attention(nn.Module):
@@ -61,8 +62,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, layer_idx: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
+        self.tp = tp  # o_proj and down_proj are row-parallel: their outputs are summed over the ranks
         triton = backend is AttentionBackend.TRITON
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.self_attn = Attention(cfg, backend, layer_idx)
@@ -75,16 +78,19 @@ class DecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         h, residual = self.input_layernorm.forward(x, residual)
-        h = self.self_attn.forward(h, rotary, cos_sin, meta, kv_cache)
+        h = self.tp.all_reduce(self.self_attn.forward(h, rotary, cos_sin, meta, kv_cache))
         h, residual = self.post_attention_layernorm.forward(h, residual)
-        return self.mlp.forward(h), residual
+        return self.tp.all_reduce(self.mlp.forward(h)), residual
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int,
+                 tp: TensorParallel = SINGLE) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers)])
+        self.tp = tp
+        self.vocab_first, vocab_rows = tp.vocab_shard(cfg.vocab_size)  # this rank's rows of the vocabulary
+        self.embed_tokens = nn.Embedding(vocab_rows, cfg.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, backend, i, tp) for i in range(cfg.num_layers)])
         triton = backend is AttentionBackend.TRITON
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope, max_positions, triton)
@@ -93,7 +99,7 @@ class LlamaModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata | None,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos_sin = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -101,17 +107,32 @@ class LlamaModel(nn.Module):
             x, residual = layer.forward(x, residual, self.rotary, cos_sin, meta, kv_cache)
         return self.norm.forward(x, residual)[0]
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            x: torch.Tensor = self.embed_tokens(input_ids)
+            return x
+        # Vocab-parallel: a token outside this rank's rows embeds as zeros here; the sum over
+        # the ranks is its one row.
+        local = input_ids - self.vocab_first
+        outside = (local < 0) | (local >= self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(x)
+
 
 class LlamaForCausalLM(nn.Module):
     """forward(token ids, positions, metadata, caches) -> hidden [T, hidden];
-    compute_logits(hidden rows) -> float32 logits [N, vocab]."""
+    compute_logits(hidden rows) -> float32 logits [N, vocab].
+
+    With `tp` of more than one rank, `cfg` is this rank's shard of the model
+    (tensor_parallel.shard_config) and each forward runs in step with the other ranks'."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend = AttentionBackend.TORCH,
-                 max_positions: int = 2048) -> None:
+                 max_positions: int = 2048, tp: TensorParallel = SINGLE) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, max_positions)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tp = tp
+        self.model = LlamaModel(cfg, backend, max_positions, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, tp.vocab_shard(cfg.vocab_size)[1], bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -125,4 +146,4 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head).float()
+        return self.tp.gather_vocab(linear(hidden, self.lm_head).float(), self.config.vocab_size)

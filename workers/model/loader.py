@@ -19,6 +19,7 @@ from pdserve.kernels.attention import AttentionBackend
 from pdserve.workers.model import fp8, packed_linear
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import DecoderLayer, LlamaForCausalLM
+from pdserve.workers.model.tensor_parallel import SINGLE, TensorParallel, shard_config, shard_tensor
 
 # checkpoint projection -> (fused parameter, which shard of it)
 _FUSED = {
@@ -64,17 +65,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     backend: AttentionBackend, max_positions: int, progress: bool = False, quantization: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> LlamaForCausalLM:
     """Build the model on the meta device, allocate its parameters empty in `dtype`
     on `device`, fill them tensor by tensor from the checkpoint. An fp8 checkpoint
     (`cfg.quantization`) loads its e4m3 weights as they are; `quantization="fp8"` quantizes a
-    16/32-bit one's linear weights once loaded (workers/model/fp8.py)."""
+    16/32-bit one's linear weights once loaded (workers/model/fp8.py). With `tp` of more than one
+    rank, `cfg` is the whole model's and this rank loads its shard (workers/model/tensor_parallel.py)."""
     model_dir = Path(model_dir)
+    full_cfg, cfg = cfg, shard_config(cfg, tp)
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: must be fp8 or None, got {quantization!r}")
     fp8_checkpoint = cfg.quantization == "fp8"
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, backend, max_positions)
+        model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         if fp8_checkpoint:
             _fp8_modules(model)
     _materialise(model, dtype, device)
@@ -105,7 +109,7 @@ def load_model(
                     continue
                 # Cast on the host (one tensor's worth), then one copy to the device: no
                 # device memory beyond the parameter it lands in.
-                target = _load_one(params, cfg, name, tensor.to(dtype))
+                target = _load_one(params, cfg, name, shard_tensor(name, tensor, full_cfg, tp).to(dtype))
                 missing[target] = missing.get(target, 1) - 1
         bar.update(f.stat().st_size)
     bar.close()

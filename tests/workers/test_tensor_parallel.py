@@ -1,0 +1,180 @@
+"""Tensor parallelism (workers/model/tensor_parallel.py): a model split over ranks gives the
+tokens and logits of the whole model, on gloo across processes, and every rank the same."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import socket
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.tensor_parallel import TensorParallel, check_shardable, shard_config, shard_tensor
+from pdserve.workers.tiny.builder import Arch, TinyModelSpec
+
+CASES = {
+    "llama-gqa": tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2),
+    # Qwen2: q/k/v biases, tied embeddings (the one vocab-parallel matrix is both).
+    "qwen2-bias-tied": tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1),
+    # One KV head for two ranks: replicated. A vocabulary two ranks do not divide: padded.
+    "llama-one-kv-head-odd-vocab": tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=1,
+                                             vocab_size=1001),
+}
+_TIMEOUT_S = 240
+
+
+def _params() -> list[SamplingParams]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=5)
+    # Unseeded sampling: the ranks draw alike only because their logits and RNG states are the same.
+    drawn = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=24, ignore_eos=True)
+    return [greedy, greedy, drawn]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (7, 61, 33)]
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]] | None]]:
+    vocab = llm.engine.model_config.vocab_size
+    outs = llm.generate(_prompts(vocab), _params())
+    return [(list(o.outputs[0].token_ids),
+             [{t: float(lp) for t, lp in d.items()} for d in o.outputs[0].logprobs] if o.outputs[0].logprobs else None)
+            for o in outs]
+
+
+def _rank(rank: int, size: int, port: int, model_dir: str, results: Any, eager: bool) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size)
+    try:
+        llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+                  tensor_parallel_size=size, enforce_eager=eager)
+        compiled = llm.engine.runner.forward is not llm.engine.model
+        results.put((rank, (llm.engine.model_config.num_heads, llm.engine.model_config.num_kv_heads, compiled),
+                     _generate(llm)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def run_ranks(model_dir: Path, size: int, eager: bool = True) -> dict[int, tuple[tuple[int, int, bool], Any]]:
+    """Each rank's ((query heads, KV heads, compiled), outputs), the ranks in processes of their own."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, size, port, str(model_dir), results, eager), daemon=True)
+             for r in range(size)]
+    for p in procs:
+        p.start()
+    got: dict[int, tuple[tuple[int, int, bool], Any]] = {}
+    try:
+        for _ in range(size):
+            rank, shape, outs = results.get(timeout=_TIMEOUT_S)
+            got[rank] = (shape, outs)
+    except queue.Empty:
+        pytest.fail(f"tensor parallel: {size - len(got)} of {size} ranks returned nothing in {_TIMEOUT_S} s")
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    return got
+
+
+@pytest.mark.parametrize("case, eager", [(c, True) for c in CASES] + [("llama-gqa", False)])
+def test_two_ranks_give_the_whole_models_tokens_and_logprobs(case: str, eager: bool,
+                                                             make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Eager, and the compiled step (the all-reduces inside the graph)."""
+    model_dir = make_model(CASES[case])
+    whole = _generate(LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False))
+    ranks = run_ranks(model_dir, 2, eager)
+    cfg = ModelConfig.from_pretrained(model_dir)
+    for (heads, kv_heads, compiled), _ in ranks.values():
+        assert heads == cfg.num_heads // 2 and kv_heads == max(cfg.num_kv_heads // 2, 1) and compiled is not eager
+    assert ranks[0][1] == ranks[1][1]  # every rank the same outputs, the drawn request's too
+    for (tokens, lps), (want_tokens, want_lps) in list(zip(ranks[0][1], whole))[:2]:  # the greedy ones
+        assert tokens == want_tokens
+        assert lps is not None and want_lps is not None
+        for got_step, want_step in zip(lps, want_lps):
+            assert got_step.keys() == want_step.keys()
+            assert max(abs(got_step[t] - want_step[t]) for t in want_step) < 1e-4
+
+
+def test_shards_put_back_together_are_the_checkpoint() -> None:
+    """Column-parallel rows, row-parallel columns and vocab rows of every rank, concatenated,
+    are the whole tensor (KV heads: replicated, each rank the head its query heads read)."""
+    cfg = ModelConfig("llama", vocab_size=1001, hidden_size=16, intermediate_size=12, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6, max_position_embeddings=64,
+                      tie_word_embeddings=False, attention_bias=True)
+    full = {
+        "model.layers.0.self_attn.q_proj.weight": torch.randn(16, 16),
+        "model.layers.0.self_attn.q_proj.bias": torch.randn(16),
+        "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 16),
+        "model.layers.0.self_attn.o_proj.weight": torch.randn(16, 16),
+        "model.layers.0.mlp.up_proj.weight": torch.randn(12, 16),
+        "model.layers.0.mlp.down_proj.weight": torch.randn(16, 12),
+        "model.embed_tokens.weight": torch.randn(1001, 16),
+        "model.norm.weight": torch.randn(16),
+    }
+    for size in (2, 4):
+        tps = [TensorParallel(size, r) for r in range(size)]
+        for name, t in full.items():
+            parts = [shard_tensor(name, t, cfg, tp) for tp in tps]
+            if name == "model.norm.weight":  # replicated: each rank the whole
+                assert all(torch.equal(p, t) for p in parts)
+                continue
+            if name.endswith("k_proj.weight") and size == 4:  # 2 KV heads, 4 ranks: head r * 2 // 4
+                assert all(torch.equal(p, t[(r * 2 // 4) * 4 : (r * 2 // 4 + 1) * 4]) for r, p in enumerate(parts))
+                continue
+            dim = 1 if name.endswith(("o_proj.weight", "down_proj.weight")) else 0
+            joined = torch.cat(parts, dim=dim)
+            if name == "model.embed_tokens.weight":
+                assert joined.shape[0] == -(-1001 // size) * size and not joined[1001:].any()
+                joined = joined[:1001]
+            assert torch.equal(joined, t), name
+        local = shard_config(cfg, tps[0])
+        assert (local.num_heads, local.num_kv_heads, local.intermediate_size) == (4 // size, max(2 // size, 1),
+                                                                                  12 // size)
+
+
+@pytest.mark.parametrize("change, match", [({"num_heads": 6, "num_kv_heads": 2}, "attention heads"),
+                                           ({"num_heads": 8, "num_kv_heads": 8}, None),
+                                           ({"intermediate_size": 10}, "intermediate size"),
+                                           ({"quantization": "fp8"}, "fp8 checkpoint")])
+def test_a_model_that_does_not_split_is_refused_by_name(change: dict[str, Any], match: str | None) -> None:
+    fields: dict[str, Any] = dict(arch="llama", vocab_size=512, hidden_size=16, intermediate_size=12, num_layers=1,
+                                  num_heads=4, num_kv_heads=2, head_dim=4, rms_norm_eps=1e-6,
+                                  max_position_embeddings=64, tie_word_embeddings=False, attention_bias=False)
+    cfg = ModelConfig(**{**fields, **change})
+    if match is None:
+        check_shardable(cfg, 4)
+    else:
+        with pytest.raises(ValueError, match=match):
+            check_shardable(cfg, 4)
+
+
+def test_more_than_one_rank_without_a_process_group_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="init_process_group"):
+        TensorParallel.from_world(2)
+
+
+def test_a_served_cluster_refuses_tensor_parallelism_by_name() -> None:
+    from pdserve.cluster.serve_config import serve_config
+
+    with pytest.raises(ValueError, match="not served yet"):
+        serve_config({"model": "tiny", "tensor_parallel_size": 2})
