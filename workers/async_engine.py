@@ -158,6 +158,8 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout_s)
+        if not self._thread.is_alive():
+            self.engine.close()  # its tensor-parallel ranks, once no step can run
 
     def __enter__(self) -> AsyncEngine:
         return self.start()

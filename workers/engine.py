@@ -53,6 +53,7 @@ from pdserve.workers.sampler import NO_TOKEN, SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
+from pdserve.workers.tp_group import Plan, TPGroupError
 
 # Re-exported: callers knew them from here.
 __all__ = ["EngineStats", "LLMEngine", "StepStats"]
@@ -80,17 +81,22 @@ class LLMEngine:
         model_dir = str(resolve_model(config.model, progress=config.progress))
         self.model_dir = model_dir
         full_config = ModelConfig.from_pretrained(model_dir)
-        # This rank's shard of the model (the model itself with one rank): what the KV cache,
-        # the memory plan and the kernels see.
-        self.tp = TensorParallel.from_world(config.tensor_parallel_size)
-        self.model_config = shard_config(full_config, self.tp)
-        self.dtype = setup.resolve_model_dtype(config.dtype, self.model_config, self.device)
-        self.max_model_len = setup.resolve_max_model_len(config.max_model_len, self.model_config)
+        self.dtype = setup.resolve_model_dtype(config.dtype, full_config, self.device)
+        self.max_model_len = setup.resolve_max_model_len(config.max_model_len, full_config)
         backend = config.attention_backend.resolve(self.device)
+        quantization = setup.resolve_quantization(config.quantization, full_config)
+        # More than one rank: the ranks of a torchrun (each runs this engine), or this engine as
+        # rank 0 of processes it starts now, which load their shards while this one loads its own
+        # (workers/tp_group.py). The model here is this rank's shard: what the KV cache, the
+        # memory plan and the kernels see.
+        self.tp_group = setup.start_tp_group(config, full_config, model_dir, self.dtype, self.device, backend,
+                                             self.max_model_len, quantization)
+        self.tp = self.tp_group.tp if self.tp_group is not None else TensorParallel.from_world(
+            config.tensor_parallel_size)
+        self.model_config = shard_config(full_config, self.tp)
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
         self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
-        quantization = setup.resolve_quantization(config.quantization, self.model_config)
         self.model = load_model(model_dir, full_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress, quantization=quantization, tp=self.tp)
         # The draft's weights and its KV (per block) count before the pool is sized.
@@ -120,6 +126,10 @@ class LLMEngine:
         thread_counts = lending.thread_counts if lending else (threads,)
         # The share this engine steps on (and compiled for); its engine thread sets it for itself.
         self.torch_threads = threads
+        if self.tp_group is not None:
+            self.runner.tp_group = self.tp_group
+            self.tp_group.send_plan(Plan(self.num_kv_blocks, not config.enforce_eager and self.device.type == "cpu",
+                                         thread_counts))
         setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
         self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))
@@ -132,7 +142,7 @@ class LLMEngine:
         # Async scheduling (workers/in_flight.py): the step launched and not yet landed. Not with a
         # speculator: every step's drafts come from the last one's accepted tokens on the host.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda") and self.spec is None
+                                 else self.device.type == "cuda") and self.spec is None and self.tp_group is None
         if config.async_scheduling and self.spec is not None:
             setup.log(config, "async scheduling: off with speculative decoding (drafts need the host's tokens)")
         self._in_flight: InFlight | None = None
@@ -148,6 +158,12 @@ class LLMEngine:
                                                          else lending or contextlib.nullcontext())
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
+
+    def close(self) -> None:
+        """Stop this engine's other tensor-parallel ranks, if it started any (idempotent). Nothing
+        else here needs closing: the rest is memory."""
+        if self.tp_group is not None:
+            self.tp_group.close()
 
     @property
     def shares_cores_by_step(self) -> bool:
@@ -401,6 +417,8 @@ class LLMEngine:
         faults than MAX_FAULT_STREAK allows, is the engine's: it raises."""
         try:
             return self.runner.execute(sched.scheduled, feed=feed)
+        except TPGroupError:
+            raise  # no row of a tensor-parallel step can be run again alone
         except Exception as error:
             if self._fault_streak >= row_faults.MAX_FAULT_STREAK:
                 raise

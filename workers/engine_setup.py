@@ -21,11 +21,13 @@ from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import resolve_dtype
 from pdserve.workers.model.resolve import resolve_model
+from pdserve.workers.model.tensor_parallel import check_shardable
 from pdserve.workers.model_runner import ModelRunner
 from pdserve.workers.spec.draft import DraftModelProposer, load_draft_model
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
 from pdserve.workers.spec.proposer import Proposer
+from pdserve.workers.tp_group import FollowerSpec, TPGroup
 
 
 def resolve_device(name: str) -> torch.device:
@@ -162,6 +164,29 @@ def _log_plan(config: EngineConfig, memory: DeviceMemory, per_block: int, blocks
                 f"{_gib(memory.used_by_others)}, weights {_gib(memory.weights)}, activations "
                 f"{_gib(memory.activations)}, outside torch {_gib(memory.non_torch)}: KV cache "
                 f"{_gib(blocks * per_block)} ({blocks} blocks of {per_block} bytes)")
+
+
+def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype: torch.dtype,
+                   device: torch.device, backend: AttentionBackend, max_positions: int,
+                   quantization: str | None) -> TPGroup | None:
+    """With `tensor_parallel_size` > 1 and no torch.distributed group yet: start this engine's
+    other ranks (workers/tp_group.py); None otherwise (one rank, or a torchrun's ranks)."""
+    size = config.tensor_parallel_size
+    if size == 1 or torch.distributed.is_initialized():
+        return None
+    check_shardable(cfg, size)
+    if device.type != "cpu":
+        raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far; NCCL across GPUs is not "
+                         "built yet")
+    if config.cpu_lending or config.cpu_turns:
+        raise ValueError("tensor_parallel_size: more than 1 does not share cores by lending or turns")
+    log(config, f"starting {size - 1} tensor-parallel rank(s)")
+    spec = FollowerSpec(model_dir, _DTYPE_NAMES[dtype], str(device), backend.value, max_positions, quantization,
+                        config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed)
+    return TPGroup(size, spec)
+
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend,

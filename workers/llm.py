@@ -41,6 +41,10 @@ class LLM:
     def tokenizer(self) -> Any:  # transformers' tokenizer (untyped)
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's other tensor-parallel ranks, if any (`tensor_parallel_size` > 1)."""
+        self.engine.close()
+
     def generate(
         self, prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -23,12 +23,13 @@ from pdserve.workers.request import Request
 from pdserve.workers.sampler import Penalties, SamplerOutput, SamplingBatch, sample, sample_with_probs, seeded_at
 from pdserve.workers.scheduler import ScheduledRequest
 from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
+from pdserve.workers.tp_group import StepInputs, TPGroup, TPGroupError, host_block_tables
 
 if TYPE_CHECKING:
     from pdserve.workers.cuda_graphs import DecodeGraphs
     from pdserve.workers.in_flight import TokenFeed
 
-_SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
+SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
 # A step's grammar work: the sampled rows' bitmask and the verifying rows' (None: no grammar
 # there), and the greedy sampled rows whose grammar checks the pick instead (row, grammar).
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, list[tuple[int, GrammarState]]]
@@ -100,10 +101,29 @@ class ModelRunner:
         self.check_picks = device.type == "cpu"
         # This step's pending input ids: (token positions, rows of the feed, the feed's tokens).
         self._feed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # A tensor-parallel engine's other ranks (workers/tp_group.py), set by the engine: each
+        # step's inputs go to them before its forward.
+        self.tp_group: TPGroup | None = None
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False,
                 feed: TokenFeed | None = None) -> StepResult:
+        """Run one step (`_run_step`). With tensor-parallel ranks, a step that raises breaks the
+        group (TPGroupError, now and at every later step): the other ranks may be waiting in a
+        collective this rank never reached, so no row of it can be retried alone."""
+        group = self.tp_group
+        if group is None:
+            return self._run_step(scheduled, want_probs, feed)
+        if group.broken is not None:
+            raise TPGroupError(f"the tensor-parallel group is broken: {group.broken}")
+        try:
+            return self._run_step(scheduled, want_probs, feed)
+        except BaseException as e:
+            group.broken = e
+            raise TPGroupError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+
+    @torch.inference_mode()
+    def _run_step(self, scheduled: list[ScheduledRequest], want_probs: bool = False,
+                  feed: TokenFeed | None = None) -> StepResult:
         """Run one step. `want_probs`: also return the normalised distribution each sampled
         row was drawn from (a draft model's proposals need it for verification). `feed`: the
         tokens of the step in flight, the input of each request whose last token is pending
@@ -116,6 +136,8 @@ class ModelRunner:
             prompt_rows = self._prompt_logprob_rows(ordered, step.logit_rows)
             total_rows = step.logit_rows + sum(n for _, _, n in prompt_rows)
             idx = self.buf.logits_indices.to_device(total_rows)
+            if self.tp_group is not None:  # the other ranks run this step's forward and logits with us
+                self._send_step(step, total_rows, [n for _, _, n in prompt_rows])
             hidden = self._forward(step)  # fences the copies (end_step) before it queues the model
         except BaseException:
             self.buf.end_step()
@@ -169,6 +191,18 @@ class ModelRunner:
                  check_first)
         self.grammar_mask_s += time.perf_counter() - start
         return masks
+
+    def _send_step(self, step: HostStep, total_rows: int, prompt_counts: list[int]) -> None:
+        """The step's inputs, from the host buffers `_fill` wrote, to the other ranks. Their
+        compute_logits calls follow `logit_calls`, as this rank's do (execute, `_score_prompts`)."""
+        assert self.tp_group is not None and self._feed is None, "tensor parallelism runs synchronous steps"
+        b, t, n = self.buf, step.num_tokens, step.num_seqs
+        lens = b.seq_lens.np[:n]
+        self.tp_group.send_step(StepInputs(
+            b.input_ids.cpu[:t], b.positions.cpu[:t], b.slot_mapping.cpu[:t],
+            host_block_tables(b.block_tables.np, lens, self.block_size), b.seq_lens.cpu[:n],
+            b.query_start_loc.cpu[: n + 1], step.num_decode, b.logits_indices.cpu[:total_rows], step.logit_rows,
+            prompt_counts))
 
     def _forward(self, step: HostStep) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote: replayed
@@ -231,7 +265,7 @@ class ModelRunner:
     def _score_prompts(self, rows: list[tuple[Request, int, int]], hidden: torch.Tensor,
                        idx: torch.Tensor) -> list[PromptLogprobs]:
         """Log-probs of the queued prompt tokens; `idx` holds their hidden-state rows.
-        At most _SCORE_ROWS rows of logits at a time (a 128k vocabulary makes
+        At most SCORE_ROWS rows of logits at a time (a 128k vocabulary makes
         [rows, vocab] float32 half a GiB per 1,024 rows)."""
         out, at = [], 0
         for req, first, count in rows:
@@ -239,8 +273,8 @@ class ModelRunner:
             own: list[float] = []
             top_ids: list[list[int]] = []
             top_lp: list[list[float]] = []
-            for lo in range(0, count, _SCORE_ROWS):
-                hi = min(count, lo + _SCORE_ROWS)
+            for lo in range(0, count, SCORE_ROWS):
+                hi = min(count, lo + SCORE_ROWS)
                 lp = self.model.compute_logits(hidden[idx[at + lo : at + hi]]).float().log_softmax(dim=-1)
                 targets = torch.tensor(req.prompt_token_ids[first + lo : first + hi], device=lp.device)
                 own += lp.gather(1, targets[:, None])[:, 0].tolist()

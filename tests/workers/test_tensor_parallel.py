@@ -18,6 +18,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.tensor_parallel import TensorParallel, check_shardable, shard_config, shard_tensor
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec
+from pdserve.workers.tp_group import TPGroupError
 
 CASES = {
     "llama-gqa": tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2),
@@ -96,23 +97,98 @@ def run_ranks(model_dir: Path, size: int, eager: bool = True) -> dict[int, tuple
     return got
 
 
-@pytest.mark.parametrize("case, eager", [(c, True) for c in CASES] + [("llama-gqa", False)])
-def test_two_ranks_give_the_whole_models_tokens_and_logprobs(case: str, eager: bool,
-                                                             make_model: Callable[[TinyModelSpec], Path]) -> None:
-    """Eager, and the compiled step (the all-reduces inside the graph)."""
-    model_dir = make_model(CASES[case])
-    whole = _generate(LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False))
-    ranks = run_ranks(model_dir, 2, eager)
-    cfg = ModelConfig.from_pretrained(model_dir)
-    for (heads, kv_heads, compiled), _ in ranks.values():
-        assert heads == cfg.num_heads // 2 and kv_heads == max(cfg.num_kv_heads // 2, 1) and compiled is not eager
-    assert ranks[0][1] == ranks[1][1]  # every rank the same outputs, the drawn request's too
-    for (tokens, lps), (want_tokens, want_lps) in list(zip(ranks[0][1], whole))[:2]:  # the greedy ones
+def _check_parity(got: list[Any], whole: list[Any]) -> None:
+    """Greedy requests: the whole model's tokens, top-5 logprobs within 1e-4."""
+    for (tokens, lps), (want_tokens, want_lps) in list(zip(got, whole))[:2]:
         assert tokens == want_tokens
         assert lps is not None and want_lps is not None
         for got_step, want_step in zip(lps, want_lps):
             assert got_step.keys() == want_step.keys()
             assert max(abs(got_step[t] - want_step[t]) for t in want_step) < 1e-4
+
+
+def _whole(model_dir: Path, **kw: Any) -> list[Any]:
+    return _generate(LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False, **kw))
+
+
+@pytest.mark.parametrize("case, eager", [(c, True) for c in CASES] + [("llama-gqa", False)])
+def test_an_engine_with_two_ranks_gives_the_whole_models_tokens_and_logprobs(
+        case: str, eager: bool, make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """One process asks for two ranks; the engine starts the second and runs every step's forward
+    on both, eager and compiled (the all-reduces inside the graph, the warm-up mirrored)."""
+    model_dir = make_model(CASES[case])
+    whole = _whole(model_dir)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2, enforce_eager=eager)
+    try:
+        cfg = ModelConfig.from_pretrained(model_dir)
+        local = llm.engine.model_config
+        assert (local.num_heads, local.num_kv_heads) == (cfg.num_heads // 2, max(cfg.num_kv_heads // 2, 1))
+        assert (llm.engine.runner.forward is not llm.engine.model) is not eager
+        _check_parity(_generate(llm), whole)
+        group = llm.engine.tp_group
+        assert group is not None and group.messages == group.steps > 0  # one broadcast a step beyond the model's
+    finally:
+        llm.close()
+    assert all(p.poll() is not None for p in group.procs)  # the second rank is gone
+
+
+def test_torchrun_ranks_each_run_the_engine_and_agree(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Under torchrun (torch.distributed initialised by the caller) every rank runs the whole
+    engine on the same requests: the same outputs on each, the drawn request's too."""
+    model_dir = make_model(CASES["llama-gqa"])
+    ranks = run_ranks(model_dir, 2)
+    assert ranks[0][1] == ranks[1][1]
+    _check_parity(ranks[0][1], _whole(model_dir))
+
+
+def test_prompt_logprobs_and_ngram_speculation_across_ranks(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Prompt logprobs over more rows than one logits call takes, and n-gram drafts verified
+    (k+1 rows a request): the same calls on both ranks, the whole model's answers."""
+    model_dir = make_model(CASES["qwen2-bias-tied"])
+    prompt = [5, 9, 33, 70, 2, 41] * 50  # 300 tokens, repetitive: n-gram drafts are accepted
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, prompt_logprobs=2),
+              SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)]
+    prompts = [prompt, prompt[:40]]
+    spec = dict(speculative="ngram", num_speculative_tokens=3)
+    want = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=512, progress=False,
+               **spec).generate(prompts, params)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=512, progress=False,
+              tensor_parallel_size=2, **spec)
+    try:
+        got = llm.generate(prompts, params)
+        assert llm.engine.stats.spec_accepted_tokens > 0
+    finally:
+        llm.close()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+    assert got[0].prompt_logprobs is not None and want[0].prompt_logprobs is not None
+    assert len(got[0].prompt_logprobs) == len(prompt)
+    for g_pos, w_pos in zip(got[0].prompt_logprobs[1:], want[0].prompt_logprobs[1:]):
+        assert g_pos.keys() == w_pos.keys()
+        assert max(abs(_lp(g_pos[t]) - _lp(w_pos[t])) for t in w_pos) < 1e-4
+
+
+def _lp(x: Any) -> float:
+    return float(getattr(x, "logprob", x))
+
+
+def test_a_rank_that_dies_fails_the_engines_step_not_hangs_it(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    model_dir = make_model(CASES["llama-gqa"])
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2)
+    try:
+        group = llm.engine.tp_group
+        assert group is not None
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        group.procs[0].kill()
+        group.procs[0].wait(10)
+        with pytest.raises(TPGroupError, match="Connection closed by peer"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+        with pytest.raises(TPGroupError, match="broken"):  # and every step after
+            llm.generate([[5, 6]], SamplingParams(max_tokens=1))
+    finally:
+        llm.close()
 
 
 def test_shards_put_back_together_are_the_checkpoint() -> None:

@@ -1,0 +1,108 @@
+"""A tensor-parallel engine's rank 1..N-1 (workers/tp_group.py): its shard of the model and KV
+cache, and a loop that runs each forward pass rank 0 broadcasts, until rank 0 says stop or
+goes away.
+
+    python -m pdserve.workers.tp_follower '<json: spec, rank, size, init, parent>'
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.kv.cache import allocate_kv_caches
+from pdserve.workers.model.compiled import Forward, compile_forward
+from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.loader import load_model, resolve_dtype
+from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
+from pdserve.workers.tp_group import (
+    _IDLE_LIMIT,
+    HEADER,
+    INLINE,
+    FollowerSpec,
+    Op,
+    Plan,
+    logit_calls,
+    needs_second,
+    unpack_step,
+)
+
+log = logging.getLogger("pdserve.tp_follower")
+_PARENT_POLL_S = 1.0
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A follower outlives no engine: when rank 0's process is gone, so is this one (its next
+    broadcast would otherwise wait for ever)."""
+    while True:
+        time.sleep(_PARENT_POLL_S)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
+    tp = TensorParallel(size, rank)
+    device = torch.device(spec.device)
+    dtype = resolve_dtype(spec.dtype)
+    backend = AttentionBackend(spec.backend)
+    torch.manual_seed(spec.seed)
+    full = ModelConfig.from_pretrained(spec.model_dir)
+    model = load_model(spec.model_dir, full, dtype, device, backend, spec.max_positions,
+                       quantization=spec.quantization, tp=tp)
+    plan_msg = torch.zeros(HEADER, dtype=torch.int64)
+    dist.broadcast(plan_msg, 0)
+    plan = Plan.decode(plan_msg)
+    kv_dtype = torch.float8_e4m3fn if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
+    kv_caches = allocate_kv_caches(shard_config(full, tp), plan.num_kv_blocks, spec.block_size, kv_dtype, device)
+    forward: Forward = model
+    if plan.compile:  # the same warm-up as rank 0's: the same collectives, in the same order
+        compiled = compile_forward(model, backend, kv_caches, spec.block_size, spec.max_num_batched_tokens, device,
+                                   lambda msg: None, plan.thread_counts)
+        forward = compiled if compiled is not None else model
+    if plan.thread_counts:
+        torch.set_num_threads(plan.thread_counts[0])
+    from pdserve.workers.model_runner import SCORE_ROWS
+
+    first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
+    with torch.inference_mode():
+        while True:
+            dist.broadcast(first, 0)
+            if int(first[0]) == Op.STOP:
+                break
+            rest = None
+            if n := needs_second(first):
+                rest = torch.empty(n, dtype=torch.int64)
+                dist.broadcast(rest, 0)
+            s = unpack_step(first, rest)
+            meta = AttentionMetadata(
+                slot_mapping=s.slot_mapping.to(device), block_tables=s.block_tables.to(device),
+                seq_lens=s.seq_lens.to(device), query_start_loc=s.query_start_loc.to(device),
+                num_decode_seqs=s.num_decode, seq_lens_np=s.seq_lens.numpy(),
+                query_start_loc_np=s.query_start_loc.numpy(), block_size=spec.block_size)
+            hidden = forward(s.input_ids.to(device), s.positions.to(device), meta, kv_caches)
+            idx = s.logits_indices.to(device)
+            for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
+                model.compute_logits(hidden[idx[lo:hi]])
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    args = json.loads(sys.argv[1])
+    logging.basicConfig(level=logging.WARNING, format=f"tp rank {args['rank']}: %(message)s")
+    threading.Thread(target=_exit_with_parent, args=(int(args["parent"]),), daemon=True,
+                     name="tp-parent-watch").start()
+    run(FollowerSpec(**args["spec"]), int(args["rank"]), int(args["size"]), str(args["init"]))
+
+
+if __name__ == "__main__":
+    main()

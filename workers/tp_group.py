@@ -1,0 +1,246 @@
+"""A tensor-parallel engine's ranks: rank 0 is the engine (scheduler, sampler, everything the
+host does); ranks 1..N-1 are processes it starts (workers/tp_follower.py), each holding its
+shard of the model and of the KV cache. They run every forward pass rank 0 runs, on the step
+inputs rank 0 broadcasts, and take part in its collectives (the all-reduces of each layer, the
+logits' gather). The scheduler runs once; a follower never decides anything.
+
+One broadcast a step (`send_step`): a fixed-size int64 message holding a header and, when the
+step fits (decode steps of moderate batches), its inputs inline; a larger step sends its
+inputs in a second broadcast. Step inputs, not requests: a follower needs no tokenizer, no
+scheduler, no KV manager: the block tables say where every token's K and V go.
+
+The group is torch.distributed's default group (gloo on CPU): one tensor-parallel engine per
+process. When the caller initialised torch.distributed itself (torchrun), there are no followers:
+every rank runs a whole engine on the same requests (tensor_parallel.TensorParallel.from_world).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import weakref
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pdserve.workers.model.tensor_parallel import TensorParallel
+
+# int64 words of a step message: the header, then inline inputs.
+HEADER = 16
+INLINE = 4096
+# How long rank 0 waits for its followers to join; a collective's own limit is long, because a
+# follower waits in one (the next step's broadcast) for as long as the engine is idle.
+JOIN_TIMEOUT_S = 120.0
+_IDLE_LIMIT = datetime.timedelta(days=365)
+# The compute_logits calls of a step slice prompt-logprob rows by this many (model_runner's
+# _SCORE_ROWS): both sides derive the calls from `logit_calls`.
+
+
+class TPGroupError(RuntimeError):
+    """The tensor-parallel group cannot run another step (a rank is gone, or a step failed part
+    way, which may leave the ranks' collectives out of step): the engine is done, and its
+    worker is restarted whole."""
+
+
+class Op(IntEnum):
+    STOP = 0
+    STEP = 1
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """What a follower builds its shard from (plain data: it crosses a process start as JSON)."""
+
+    model_dir: str
+    dtype: str  # "float32", "float16", "bfloat16"
+    device: str
+    backend: str  # AttentionBackend value
+    max_positions: int
+    quantization: str | None
+    kv_cache_dtype: str
+    block_size: int
+    max_num_batched_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What rank 0 decided after loading: the KV pool, and whether (and at which thread
+    counts) the forward is compiled: the followers' warm-up runs the same collectives."""
+
+    num_kv_blocks: int
+    compile: bool
+    thread_counts: tuple[int, ...]
+
+    def encode(self) -> torch.Tensor:
+        words = [self.num_kv_blocks, int(self.compile), len(self.thread_counts), *self.thread_counts]
+        out = torch.zeros(HEADER, dtype=torch.int64)
+        out[: len(words)] = torch.tensor(words, dtype=torch.int64)
+        return out
+
+    @classmethod
+    def decode(cls, t: torch.Tensor) -> Plan:
+        w = t.tolist()
+        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[3 : 3 + int(w[2])]))
+
+
+@dataclass
+class StepInputs:
+    """A step's model inputs, as a follower rebuilds them."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [S, cols] int32 (cols: the blocks of the step's longest sequence)
+    seq_lens: torch.Tensor  # [S] int32
+    query_start_loc: torch.Tensor  # [S + 1] int32
+    num_decode: int
+    logits_indices: torch.Tensor  # [rows] int64: the hidden rows the step's logits read
+    logit_rows: int  # sampled and verified rows (the first of logits_indices)
+    prompt_counts: list[int]  # prompt-logprob rows per request, after them
+
+
+def logit_calls(logit_rows: int, prompt_counts: list[int], slice_rows: int) -> list[tuple[int, int]]:
+    """The step's compute_logits calls, in order, as [lo, hi) ranges of its logits rows: each
+    request's prompt-logprob rows in slices of `slice_rows`, then the sampled and verified rows.
+    Each call gathers the vocabulary over the ranks, so both sides make the same calls."""
+    calls, at = [], logit_rows
+    for count in prompt_counts:
+        calls += [(at + lo, at + min(count, lo + slice_rows)) for lo in range(0, count, slice_rows)]
+        at += count
+    if logit_rows:
+        calls.append((0, logit_rows))
+    return calls
+
+
+def pack_step(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the first message: header + inline inputs, the second or None)."""
+    t, n_seqs = s.input_ids.numel(), s.seq_lens.numel()
+    cols = s.block_tables.shape[1] if n_seqs else 0
+    parts = [s.input_ids, s.positions, s.slot_mapping, s.block_tables.reshape(-1), s.seq_lens, s.query_start_loc,
+             s.logits_indices, torch.tensor(s.prompt_counts, dtype=torch.int64)]
+    payload = torch.cat([p.to(torch.int64).reshape(-1) for p in parts])
+    header = [Op.STEP, t, n_seqs, cols, s.num_decode, s.logits_indices.numel(), s.logit_rows, len(s.prompt_counts),
+              payload.numel()]
+    first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
+    first[: len(header)] = torch.tensor(header, dtype=torch.int64)
+    if payload.numel() <= INLINE:
+        first[HEADER : HEADER + payload.numel()] = payload
+        return first, None
+    return first, payload
+
+
+def unpack_step(first: torch.Tensor, rest: torch.Tensor | None) -> StepInputs:
+    h = first[:HEADER].tolist()
+    t, n_seqs, cols, num_decode, rows, logit_rows, n_counts, n = (int(x) for x in h[1:9])
+    payload = first[HEADER : HEADER + n] if rest is None else rest
+    sizes = [t, t, t, n_seqs * cols, n_seqs, n_seqs + 1, rows, n_counts]
+    ids, pos, slots, tables, lens, qsl, idx, counts = torch.split(payload, sizes)
+    return StepInputs(ids.clone(), pos.clone(), slots.clone(), tables.reshape(n_seqs, cols).to(torch.int32),
+                      lens.to(torch.int32), qsl.to(torch.int32), num_decode, idx.clone(), logit_rows,
+                      [int(c) for c in counts])
+
+
+def needs_second(first: torch.Tensor) -> int:
+    """Words of the second message (0: none)."""
+    n = int(first[8])
+    return n if n > INLINE else 0
+
+
+class TPGroup:
+    """Rank 0's side: starts the followers, joins the group with them, then sends each step."""
+
+    def __init__(self, size: int, spec: FollowerSpec, say: object = None) -> None:
+        if dist.is_initialized():
+            raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process: "
+                             "one tensor-parallel engine per process (under torchrun every rank runs its own)")
+        port = _free_port()
+        init = f"tcp://127.0.0.1:{port}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for rank in range(1, size):
+            args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "init": init, "parent": os.getpid()})
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
+        try:
+            dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
+                                    timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+        except BaseException:
+            _stop(self.procs)
+            raise
+        self.tp = TensorParallel(size, 0)
+        self.broken: BaseException | None = None  # why the group can run no more steps
+        self.steps = 0
+        self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)
+        # Whether the followers are in their step loop (they took the plan): only then do they
+        # read a stop message; before it they are killed (an engine that failed to start).
+        self._state = {"planned": False}
+        self._finalizer = weakref.finalize(self, _close, self.procs, self._state)
+
+    def send_plan(self, plan: Plan) -> None:
+        dist.broadcast(plan.encode(), 0)
+        self._state["planned"] = True
+
+    def send_step(self, inputs: StepInputs) -> None:
+        first, rest = pack_step(inputs)
+        dist.broadcast(first, 0)
+        self.messages += 1
+        if rest is not None:
+            dist.broadcast(rest, 0)
+            self.messages += 1
+        self.steps += 1
+
+    def close(self) -> None:
+        """Stop the followers and leave the group (the process may start another group after)."""
+        self._finalizer()
+
+
+def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, bool]) -> None:
+    """Stop the followers: a stop message when they are in their step loop and all alive, else
+    (an engine that failed to start, a rank gone) kill them; then leave the group."""
+    try:
+        if dist.is_initialized():
+            try:
+                if state["planned"] and all(p.poll() is None for p in procs):
+                    dist.broadcast(torch.zeros(HEADER + INLINE, dtype=torch.int64), 0)  # Op.STOP
+                else:
+                    _kill(procs)
+            except RuntimeError:  # the group broke (a rank died mid-step): nothing to tell them
+                _kill(procs)
+            finally:
+                dist.destroy_process_group()
+    finally:
+        _stop(procs)
+
+
+def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def host_block_tables(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> torch.Tensor:
+    """The block-table columns the step's sequences use (the rest is padding a follower need not get)."""
+    cols = int(-(-int(seq_lens.max()) // block_size)) if len(seq_lens) else 0
+    return torch.from_numpy(np.ascontiguousarray(tables[: len(seq_lens), :cols]))
