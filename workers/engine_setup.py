@@ -182,8 +182,22 @@ def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype
         raise ValueError("tensor_parallel_size: more than 1 does not share cores by lending or turns")
     log(config, f"starting {size - 1} tensor-parallel rank(s)")
     spec = FollowerSpec(model_dir, _DTYPE_NAMES[dtype], str(device), backend.value, max_positions, quantization,
-                        config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed)
+                        config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed,
+                        shm_slot_bytes=_shm_slot_bytes(config, cfg, size))
     return TPGroup(size, spec)
+
+
+# The logits' gather goes through shared memory up to this many bytes a rank (a larger one, a
+# batch of many rows of a large vocabulary, through gloo): it bounds the shared file.
+_SHM_LOGITS_BYTES = 32 << 20
+
+
+def _shm_slot_bytes(config: EngineConfig, cfg: ModelConfig, size: int) -> int:
+    """A rank's slot in the shared-memory collectives: a step's hidden states (float32 at most),
+    or its logits' shard up to _SHM_LOGITS_BYTES."""
+    rows = max(256, config.max_num_seqs * (1 + config.num_speculative_tokens))
+    logits = min(rows * -(-cfg.vocab_size // size) * 4, _SHM_LOGITS_BYTES)
+    return -(-max(config.max_num_batched_tokens * cfg.hidden_size * 4, logits) // 64) * 64
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -23,6 +23,7 @@ from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.model.compiled import Forward, compile_forward
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model, resolve_dtype
+from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
 from pdserve.workers.tp_group import (
     _IDLE_LIMIT,
@@ -50,8 +51,11 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
+    shm = None
+    if spec.shm_path is not None:  # mapped before joining: rank 0 unlinks the file once all joined
+        shm = ShmCollectives(spec.shm_path, size, rank, spec.shm_slot_bytes)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
-    tp = TensorParallel(size, rank)
+    tp = TensorParallel(size, rank, shm=shm)
     device = torch.device(spec.device)
     dtype = resolve_dtype(spec.dtype)
     backend = AttentionBackend(spec.backend)

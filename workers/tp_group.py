@@ -16,6 +16,7 @@ every rank runs a whole engine on the same requests (tensor_parallel.TensorParal
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -30,6 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.workers.model import shm_collectives
+from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel
 
 # int64 words of a step message: the header, then inline inputs.
@@ -68,6 +71,8 @@ class FollowerSpec:
     block_size: int
     max_num_batched_tokens: int
     seed: int
+    shm_path: str | None = None  # the ranks' shared-memory collectives (None: gloo's)
+    shm_slot_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -163,6 +168,11 @@ class TPGroup:
                              "one tensor-parallel engine per process (under torchrun every rank runs its own)")
         port = _free_port()
         init = f"tcp://127.0.0.1:{port}"
+        shm = None
+        if spec.shm_slot_bytes and shm_collectives.supported():
+            path = shm_collectives.create(size, spec.shm_slot_bytes)
+            spec = dataclasses.replace(spec, shm_path=path)
+            shm = ShmCollectives(path, size, 0, spec.shm_slot_bytes)
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(1, size):
             args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "init": init, "parent": os.getpid()})
@@ -173,7 +183,13 @@ class TPGroup:
         except BaseException:
             _stop(self.procs)
             raise
-        self.tp = TensorParallel(size, 0)
+        finally:
+            if shm is not None:  # every rank mapped it before joining: no file outlives the ranks
+                shm.unlink()
+        if shm is not None:
+            procs = self.procs
+            shm.alive = lambda: all(p.poll() is None for p in procs)
+        self.tp = TensorParallel(size, 0, shm=shm)
         self.broken: BaseException | None = None  # why the group can run no more steps
         self.steps = 0
         self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)

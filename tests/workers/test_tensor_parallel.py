@@ -4,6 +4,7 @@ tokens and logits of the whole model, on gloo across processes, and every rank t
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue
 import socket
 from collections.abc import Callable
@@ -254,3 +255,46 @@ def test_a_served_cluster_refuses_tensor_parallelism_by_name() -> None:
 
     with pytest.raises(ValueError, match="not served yet"):
         serve_config({"model": "tiny", "tensor_parallel_size": 2})
+
+
+def test_shared_memory_collectives_sum_and_gather_alike_on_every_rank() -> None:
+    """Three ranks (threads here, one mapping each): the float64 sum, the same bits on every
+    rank, round after round (each reuses the slots); the shards side by side; a rank that never
+    comes fails the round at its deadline, naming it."""
+    import threading
+
+    from pdserve.workers.model import shm_collectives
+    from pdserve.workers.model.shm_collectives import ShmCollectiveError, ShmCollectives
+
+    size, slot = 3, 4096
+    path = shm_collectives.create(size, slot)
+    try:
+        ranks = [ShmCollectives(path, size, r, slot) for r in range(size)]
+        inputs = [[torch.randn(5, 7, generator=torch.Generator().manual_seed(10 * k + r)) for r in range(size)]
+                  for k in range(20)]
+        sums: dict[int, list[torch.Tensor]] = {r: [] for r in range(size)}
+        gathers: dict[int, torch.Tensor] = {}
+
+        def run(r: int) -> None:
+            for k in range(20):
+                sums[r].append(ranks[r].all_reduce(inputs[k][r].clone()))
+            gathers[r] = ranks[r].all_gather(torch.full((2, 3), float(r)))
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        for k in range(20):
+            want = sum(x.double() for x in inputs[k])
+            assert torch.allclose(sums[0][k].double(), want, atol=1e-5)
+            assert all(torch.equal(sums[r][k], sums[0][k]) for r in range(size))
+        assert all(torch.equal(gathers[r], torch.arange(3.0).repeat_interleave(3).expand(2, 9)) for r in range(size))
+        assert not ranks[0].fits(torch.zeros(slot // 4 + 1))
+
+        lonely = ShmCollectives(path, size, 0, slot, round_timeout_s=0.2)
+        lonely.round = ranks[0].round
+        with pytest.raises(ShmCollectiveError, match=r"rank\(s\) \[1, 2\]"):
+            lonely.all_reduce(torch.ones(4))
+    finally:
+        os.unlink(path)

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.shm_collectives import ShmCollectives
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class TensorParallel:
     size: int = 1
     rank: int = 0
     group: dist.ProcessGroup | None = None
+    # One node's CPU ranks reduce through shared memory (workers/model/shm_collectives.py); None: gloo/NCCL.
+    shm: ShmCollectives | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1 or not 0 <= self.rank < self.size:
@@ -58,6 +61,8 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place (each rank then holds the same values)."""
         if self.size > 1:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -65,6 +70,8 @@ class TensorParallel:
         """The full [N, vocab_size] logits from each rank's [N, V'] shard, on every rank."""
         if self.size == 1:
             return logits
+        if self.shm is not None and self.shm.fits(logits):
+            return self.shm.all_gather(logits.contiguous())[:, :vocab_size]
         parts = [torch.empty_like(logits) for _ in range(self.size)]
         dist.all_gather(parts, logits.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)[:, :vocab_size]

@@ -1,0 +1,93 @@
+"""A decode step's time with the model split over tensor-parallel ranks, beside one rank, in the
+offline engine (issue 50: "measured step overhead vs TP=1 on CPU"). For each `--tp` size, in
+turn per repeat: `batch` requests of `prompt` random tokens are prefilled, then the mean of
+`steps` pure decode steps is taken. Each TP rank steps on `--threads` threads (rank 0 here,
+the others in processes the engine starts), so TP=1 at 2 threads and TP=2 at 1 thread each use
+the same cores. Also prints the step-input broadcasts a step took beyond the model's own
+collectives (the all-reduces and the logits' gather).
+
+    python bench/tp_step.py [--model DIR] [--tp 1,2] [--threads 1] [--batch 8] [--prompt 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.model.resolve import TINY
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import cpu_name  # noqa: E402
+
+
+def step_ms(llm: LLM, batch: int, prompt: int, steps: int, tag: str) -> float:
+    engine, rng = llm.engine, random.Random(0)
+    vocab = engine.model_config.vocab_size
+    for i in range(batch):
+        engine.add_request(f"{tag}-{i}", [rng.randrange(5, vocab) for _ in range(prompt)],
+                           SamplingParams(max_tokens=steps + 4, temperature=0, ignore_eos=True))
+    while any(r.num_computed_tokens < len(r.prompt_token_ids) for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()  # the prefills
+    engine.step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    ms = (time.perf_counter() - start) / steps * 1e3
+    while engine.has_unfinished_requests():
+        engine.step()
+    return ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=TINY, help="model directory, or tiny (default)")
+    p.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
+    p.add_argument("--threads", default="2,1", help="torch threads a rank per --tp size, comma-separated")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--prompt", type=int, default=256)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="float32")
+    a = p.parse_args()
+    sizes = [int(x) for x in a.tp.split(",")]
+    threads = [int(x) for x in a.threads.split(",")]
+    if len(threads) != len(sizes):
+        p.error("--threads: one count per --tp size")
+    blocks = a.batch * (a.prompt + a.steps + 32) // 16 + 64
+    results: dict[int, list[float]] = {n: [] for n in sizes}
+    messages: dict[int, float] = {}
+    for rep in range(a.repeats):
+        for n, t in zip(sizes, threads):
+            print(f"repeat {rep + 1}/{a.repeats}: TP={n} at {t} thread(s) a rank ...", file=sys.stderr, flush=True)
+            torch.set_num_threads(t)
+            llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.batch, num_kv_blocks=blocks, tensor_parallel_size=n,
+                      enforce_eager=True)
+            try:
+                results[n].append(step_ms(llm, a.batch, a.prompt, a.steps, f"r{rep}"))
+                group = llm.engine.tp_group
+                if group is not None:
+                    messages[n] = group.messages / group.steps
+            finally:
+                llm.close()
+    print(f"machine: {cpu_name()}, {os.cpu_count()} cores; model {a.model}, {a.dtype}, eager; batch {a.batch}, "
+          f"prompt {a.prompt}, {a.steps} decode steps, {a.repeats} repeats (sizes alternating)")
+    base = statistics.median(results[sizes[0]])
+    print("\n| TP | threads a rank | decode step ms (median) | runs | vs TP=" + str(sizes[0])
+          + " | step-input broadcasts a step |")
+    print("|---:|---:|---:|---|---:|---:|")
+    for n, t in zip(sizes, threads):
+        med = statistics.median(results[n])
+        print(f"| {n} | {t} | {med:.2f} | {', '.join(f'{x:.2f}' for x in results[n])} | {med / base:.2f}x | "
+              f"{messages.get(n, 0):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
