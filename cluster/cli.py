@@ -50,6 +50,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=UNSET,
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=UNSET,
+                   help="split the model over this many ranks, processes the engine starts (CPU; `pdserve generate` "
+                        "only so far: docs/tensor-parallel.md)")
     p.add_argument("--speculative", default=UNSET,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
@@ -93,7 +96,10 @@ def _cmd_generate(a: argparse.Namespace) -> int:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
                                                      add_generation_prompt=True) for p in prompts]
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.close()  # its tensor-parallel ranks, if any
     elapsed = time.perf_counter() - start
     for prompt, out in zip(a.prompts, outs):
         c = out.outputs[0]

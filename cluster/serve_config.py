@@ -378,8 +378,8 @@ def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
     if int(settings.get("tensor_parallel_size", 1)) > 1:
         # The offline engine splits a model over torch.distributed's ranks; a served worker
         # does not start its ranks yet (issue 50).
-        raise ValueError("tensor_parallel_size: more than 1 is not served yet: the offline engine (LLM) takes it "
-                         "under torchrun; served workers are one device each")
+        raise ValueError("tensor_parallel_size: more than 1 is not served yet (served workers are one device "
+                         "each); the offline engine takes it: `pdserve generate -tp N`, LLM(tensor_parallel_size=N)")
     serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
     return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
 

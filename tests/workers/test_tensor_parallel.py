@@ -298,3 +298,16 @@ def test_shared_memory_collectives_sum_and_gather_alike_on_every_rank() -> None:
             lonely.all_reduce(torch.ones(4))
     finally:
         os.unlink(path)
+
+
+def test_pdserve_generate_with_two_ranks_prints_what_one_rank_prints(make_model: Callable[[TinyModelSpec], Path],
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from pdserve.cluster.cli import main
+
+    model_dir = make_model(CASES["llama-gqa"])
+    texts = []
+    for tp in ("1", "2"):
+        assert main(["generate", "Once upon a time", "--model", str(model_dir), "--dtype", "float32",
+                     "--max-tokens", "16", "-tp", tp]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and "16 tokens" in texts[0]
