@@ -145,7 +145,10 @@ class TokenStreamCollector:
         self._loop.add_reader(self._fds[0], self._drain)
         self._loop.add_reader(self._fds[1], self._drain_monitor)
         self._closed = False
-        self._loop.call_soon(self._drain)  # a ZeroMQ FD is edge-triggered: take what came before the reader
+        # A ZeroMQ FD is edge-triggered and signals only after ZMQ_EVENTS was read: take what came
+        # before the readers, and arm both FDs.
+        self._loop.call_soon(self._drain)
+        self._loop.call_soon(self._drain_monitor)
 
     def open(self, request_id: str, prompt_token_ids: list[int], timeout_s: float) -> Lifecycle:
         """Start collecting `request_id`'s deltas, before any worker can send one;

@@ -64,7 +64,7 @@ def test_prompt_logprobs_equal_transformers_through_chunked_prefill(model_dir: P
     """Also with the logits of the scored positions computed a few rows at a time."""
     import pdserve.workers.model_runner as runner
 
-    monkeypatch.setattr(runner, "_SCORE_ROWS", score_rows)
+    monkeypatch.setattr(runner, "SCORE_ROWS", score_rows)
     prompts = _prompts([45, 30, 70], seed=0)
     llm = _llm(model_dir, max_num_batched_tokens=32)  # the 70-token prompt takes three chunks
     params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, prompt_logprobs=3),
