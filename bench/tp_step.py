@@ -1,12 +1,12 @@
 """A decode step's time with the model split over tensor-parallel ranks, beside one rank, in the
 offline engine (issue 50: "measured step overhead vs TP=1 on CPU"). For each `--tp` size, in
 turn per repeat: `batch` requests of `prompt` random tokens are prefilled, then the mean of
-`steps` pure decode steps is taken. Each TP rank steps on `--threads` threads (rank 0 here,
-the others in processes the engine starts), so TP=1 at 2 threads and TP=2 at 1 thread each use
-the same cores. Also prints the step-input broadcasts a step took beyond the model's own
+`steps` pure decode steps is taken. The engine gets `--threads` threads in all and its ranks
+split them (rank 0 here, the others in processes the engine starts): TP=1 steps on 2 threads,
+TP=2 on 1 a rank, the same cores. Also prints the step-input broadcasts a step took beyond the model's own
 collectives (the all-reduces and the logits' gather).
 
-    python bench/tp_step.py [--model DIR] [--tp 1,2] [--threads 1] [--batch 8] [--prompt 256]
+    python bench/tp_step.py [--model DIR] [--tp 1,2] [--threads 2] [--batch 8] [--prompt 256]
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=TINY, help="model directory, or tiny (default)")
     p.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
-    p.add_argument("--threads", default="2,1", help="torch threads a rank per --tp size, comma-separated")
+    p.add_argument("--threads", type=int, default=2, help="the engine's threads, split among its ranks")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--prompt", type=int, default=256)
     p.add_argument("--steps", type=int, default=40)
@@ -58,16 +58,14 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     a = p.parse_args()
     sizes = [int(x) for x in a.tp.split(",")]
-    threads = [int(x) for x in a.threads.split(",")]
-    if len(threads) != len(sizes):
-        p.error("--threads: one count per --tp size")
+    threads = [max(1, a.threads // n) for n in sizes]  # a rank's share
     blocks = a.batch * (a.prompt + a.steps + 32) // 16 + 64
     results: dict[int, list[float]] = {n: [] for n in sizes}
     messages: dict[int, float] = {}
     for rep in range(a.repeats):
         for n, t in zip(sizes, threads):
             print(f"repeat {rep + 1}/{a.repeats}: TP={n} at {t} thread(s) a rank ...", file=sys.stderr, flush=True)
-            torch.set_num_threads(t)
+            torch.set_num_threads(a.threads)
             llm = LLM(a.model, dtype=a.dtype, max_num_seqs=a.batch, num_kv_blocks=blocks, tensor_parallel_size=n,
                       enforce_eager=True)
             try:

@@ -53,7 +53,7 @@ from pdserve.workers.sampler import NO_TOKEN, SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
-from pdserve.workers.tp_group import Plan, TPGroupError
+from pdserve.workers.tp_group import Plan, TPGroup, TPGroupError
 
 # Re-exported: callers knew them from here.
 __all__ = ["EngineStats", "LLMEngine", "StepStats"]
@@ -74,6 +74,16 @@ class LLMEngine:
     worker's `AsyncEngine` owns that thread)."""
 
     def __init__(self, config: EngineConfig) -> None:
+        self.tp_group: TPGroup | None = None
+        try:
+            self._build(config)
+        except BaseException:
+            # Ranks started for an engine that failed to start: stopped now, not when the
+            # traceback lets go of this object (a retry would find their group still up).
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.config = config
         self.device = setup.resolve_device(config.device)
         probe = setup.memory_probe(self.device)  # before anything is allocated on the device
@@ -124,6 +134,10 @@ class LLMEngine:
         lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
                    if config.cpu_lending and worth_lending and cores > threads else None)
         thread_counts = lending.thread_counts if lending else (threads,)
+        if self.tp_group is not None:  # the ranks split the engine's cores (each steps on its part)
+            threads = max(1, threads // self.tp_group.tp.size)
+            torch.set_num_threads(threads)
+            thread_counts = (threads,)
         # The share this engine steps on (and compiled for); its engine thread sets it for itself.
         self.torch_threads = threads
         if self.tp_group is not None:

@@ -27,7 +27,7 @@ from pdserve.workers.spec.draft import DraftModelProposer, load_draft_model
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
 from pdserve.workers.spec.proposer import Proposer
-from pdserve.workers.tp_group import FollowerSpec, TPGroup
+from pdserve.workers.tp_group import FollowerSpec, TPGroup, tp_group_running
 
 
 def resolve_device(name: str) -> torch.device:
@@ -172,7 +172,7 @@ def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype
     """With `tensor_parallel_size` > 1 and no torch.distributed group yet: start this engine's
     other ranks (workers/tp_group.py); None otherwise (one rank, or a torchrun's ranks)."""
     size = config.tensor_parallel_size
-    if size == 1 or torch.distributed.is_initialized():
+    if size == 1 or (torch.distributed.is_initialized() and not tp_group_running()):
         return None
     check_shardable(cfg, size)
     if device.type != "cpu":
@@ -183,7 +183,7 @@ def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype
     log(config, f"starting {size - 1} tensor-parallel rank(s)")
     spec = FollowerSpec(model_dir, _DTYPE_NAMES[dtype], str(device), backend.value, max_positions, quantization,
                         config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed,
-                        shm_slot_bytes=_shm_slot_bytes(config, cfg, size))
+                        shm_slot_bytes=_shm_slot_bytes(config, cfg, size, dtype))
     return TPGroup(size, spec)
 
 
@@ -192,12 +192,13 @@ def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype
 _SHM_LOGITS_BYTES = 32 << 20
 
 
-def _shm_slot_bytes(config: EngineConfig, cfg: ModelConfig, size: int) -> int:
-    """A rank's slot in the shared-memory collectives: a step's hidden states (float32 at most),
-    or its logits' shard up to _SHM_LOGITS_BYTES."""
+def _shm_slot_bytes(config: EngineConfig, cfg: ModelConfig, size: int, dtype: torch.dtype) -> int:
+    """A rank's slot in the shared-memory collectives: a step's hidden states (in `dtype`), or its
+    float32 logits' shard up to _SHM_LOGITS_BYTES."""
     rows = max(256, config.max_num_seqs * (1 + config.num_speculative_tokens))
     logits = min(rows * -(-cfg.vocab_size // size) * 4, _SHM_LOGITS_BYTES)
-    return -(-max(config.max_num_batched_tokens * cfg.hidden_size * 4, logits) // 64) * 64
+    hidden = config.max_num_batched_tokens * cfg.hidden_size * torch.finfo(dtype).bits // 8
+    return -(-max(hidden, logits) // 64) * 64
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -210,9 +211,11 @@ def compile_runner(config: EngineConfig, runner: ModelRunner, backend: Attention
     `thread_counts` the engine steps at (default: this thread's)."""
     if config.enforce_eager:
         return
+    # With tensor-parallel ranks a failed compile is the engine's failure, not a fallback to eager:
+    # the ranks' collectives must stay in step, and a rank's warm-up may have failed in one.
     forward = compile_forward(runner.model, backend, runner.kv_caches, config.block_size,
                               config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg),
-                              thread_counts)
+                              thread_counts, fallback=runner.tp_group is None)
     if forward is not None:
         runner.forward = forward
 

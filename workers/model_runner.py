@@ -118,7 +118,7 @@ class ModelRunner:
         try:
             return self._run_step(scheduled, want_probs, feed)
         except BaseException as e:
-            group.broken = e
+            group.mark_broken(e)
             raise TPGroupError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from pdserve.kernels import cpu_decode
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.kv.cache import allocate_kv_caches
@@ -68,15 +69,21 @@ def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
     plan = Plan.decode(plan_msg)
     kv_dtype = torch.float8_e4m3fn if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
     kv_caches = allocate_kv_caches(shard_config(full, tp), plan.num_kv_blocks, spec.block_size, kv_dtype, device)
+    if plan.thread_counts:
+        torch.set_num_threads(plan.thread_counts[0])
+    if device.type == "cpu" and backend is AttentionBackend.TORCH and cpu_decode.enabled():
+        cpu_decode.load()  # now, as rank 0 does, not in the first decode step (a first build takes ~20 s)
     forward: Forward = model
     if plan.compile:  # the same warm-up as rank 0's: the same collectives, in the same order
         compiled = compile_forward(model, backend, kv_caches, spec.block_size, spec.max_num_batched_tokens, device,
-                                   lambda msg: None, plan.thread_counts)
+                                   lambda msg: None, plan.thread_counts, fallback=False)
         forward = compiled if compiled is not None else model
-    if plan.thread_counts:
-        torch.set_num_threads(plan.thread_counts[0])
     from pdserve.workers.model_runner import SCORE_ROWS
 
+    # Persistent input tensors, made outside inference mode like rank 0's buffers and the warm-up's
+    # inputs: dynamo guards on the difference, and inference tensors would recompile the graphs.
+    ids_buf = torch.zeros(spec.max_num_batched_tokens, dtype=torch.int64, device=device)
+    pos_buf = torch.zeros(spec.max_num_batched_tokens, dtype=torch.int64, device=device)
     first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
     with torch.inference_mode():
         while True:
@@ -88,12 +95,16 @@ def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
                 rest = torch.empty(n, dtype=torch.int64)
                 dist.broadcast(rest, 0)
             s = unpack_step(first, rest)
+            t = s.input_ids.numel()
+            ids, pos = ids_buf[:t], pos_buf[:t]
+            ids.copy_(s.input_ids)
+            pos.copy_(s.positions)
             meta = AttentionMetadata(
                 slot_mapping=s.slot_mapping.to(device), block_tables=s.block_tables.to(device),
                 seq_lens=s.seq_lens.to(device), query_start_loc=s.query_start_loc.to(device),
                 num_decode_seqs=s.num_decode, seq_lens_np=s.seq_lens.numpy(),
                 query_start_loc_np=s.query_start_loc.numpy(), block_size=spec.block_size)
-            hidden = forward(s.input_ids.to(device), s.positions.to(device), meta, kv_caches)
+            hidden = forward(ids, pos, meta, kv_caches)
             idx = s.logits_indices.to(device)
             for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
                 model.compute_logits(hidden[idx[lo:hi]])

@@ -46,6 +46,14 @@ _IDLE_LIMIT = datetime.timedelta(days=365)
 # _SCORE_ROWS): both sides derive the calls from `logit_calls`.
 
 
+_running = {"group": False}  # whether a TPGroup of this process holds the default group
+
+
+def tp_group_running() -> bool:
+    """Whether torch.distributed's default group here is a TPGroup's (not a torchrun's)."""
+    return _running["group"]
+
+
 class TPGroupError(RuntimeError):
     """The tensor-parallel group cannot run another step (a rank is gone, or a step failed part
     way, which may leave the ranks' collectives out of step): the engine is done, and its
@@ -166,26 +174,32 @@ class TPGroup:
         if dist.is_initialized():
             raise ValueError("tensor_parallel_size: torch.distributed is already initialised in this process: "
                              "one tensor-parallel engine per process (under torchrun every rank runs its own)")
+        if tp_group_running():
+            raise ValueError("tensor_parallel_size: this process's tensor-parallel group is still up (close() the "
+                             "engine that started it first): one tensor-parallel engine per process")
         port = _free_port()
         init = f"tcp://127.0.0.1:{port}"
         shm = None
-        if spec.shm_slot_bytes and shm_collectives.supported():
-            path = shm_collectives.create(size, spec.shm_slot_bytes)
-            spec = dataclasses.replace(spec, shm_path=path)
-            shm = ShmCollectives(path, size, 0, spec.shm_slot_bytes)
         self.procs: list[subprocess.Popen[bytes]] = []
-        for rank in range(1, size):
-            args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "init": init, "parent": os.getpid()})
-            self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
+        path = shm_collectives.create(size, spec.shm_slot_bytes) if spec.shm_slot_bytes else None
         try:
+            if path is not None:
+                spec = dataclasses.replace(spec, shm_path=path)
+                shm = ShmCollectives(path, size, 0, spec.shm_slot_bytes)
+            for rank in range(1, size):
+                args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "init": init,
+                                   "parent": os.getpid()})
+                self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
             dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
                                     timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
         except BaseException:
+            _kill(self.procs)
             _stop(self.procs)
             raise
         finally:
-            if shm is not None:  # every rank mapped it before joining: no file outlives the ranks
-                shm.unlink()
+            if path is not None:  # every rank mapped it before joining (or failed): no file outlives the ranks
+                shm_collectives.unlink(path)
+        _running["group"] = True
         if shm is not None:
             procs = self.procs
             shm.alive = lambda: all(p.poll() is None for p in procs)
@@ -195,12 +209,17 @@ class TPGroup:
         self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)
         # Whether the followers are in their step loop (they took the plan): only then do they
         # read a stop message; before it they are killed (an engine that failed to start).
-        self._state = {"planned": False}
+        self._state = {"planned": False, "broken": False}
         self._finalizer = weakref.finalize(self, _close, self.procs, self._state)
 
     def send_plan(self, plan: Plan) -> None:
         dist.broadcast(plan.encode(), 0)
         self._state["planned"] = True
+
+    def mark_broken(self, error: BaseException) -> None:
+        """No more steps: a step failed part way (the followers may wait in a collective)."""
+        self.broken = error
+        self._state["broken"] = True
 
     def send_step(self, inputs: StepInputs) -> None:
         first, rest = pack_step(inputs)
@@ -222,7 +241,7 @@ def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, bool]) -> None
     try:
         if dist.is_initialized():
             try:
-                if state["planned"] and all(p.poll() is None for p in procs):
+                if state["planned"] and not state["broken"] and all(p.poll() is None for p in procs):
                     dist.broadcast(torch.zeros(HEADER + INLINE, dtype=torch.int64), 0)  # Op.STOP
                 else:
                     _kill(procs)
@@ -230,6 +249,7 @@ def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, bool]) -> None
                 _kill(procs)
             finally:
                 dist.destroy_process_group()
+                _running["group"] = False
     finally:
         _stop(procs)
 

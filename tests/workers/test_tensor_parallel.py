@@ -311,3 +311,58 @@ def test_pdserve_generate_with_two_ranks_prints_what_one_rank_prints(make_model:
                      "--max-tokens", "16", "-tp", tp]) == 0
         texts.append(capsys.readouterr().out)
     assert texts[0] == texts[1] and "16 tokens" in texts[0]
+
+
+def test_a_step_that_fails_part_way_breaks_the_group_and_close_kills_the_ranks(
+        make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 raises after the forward, before the logits' gather: rank 1 is left waiting in it.
+    The step fails as the group's, and close() kills rank 1 at once rather than telling it to stop."""
+    import time
+
+    model_dir = make_model(CASES["llama-gqa"])
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2)
+    group = llm.engine.tp_group
+    assert group is not None
+
+    def boom(*args: object) -> object:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(llm.engine.runner, "_fill_masks", boom)
+    try:
+        with pytest.raises(TPGroupError, match="injected"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+    finally:
+        start = time.monotonic()
+        llm.close()
+    assert time.monotonic() - start < 15 and all(p.poll() is not None for p in group.procs)
+
+
+def test_an_engine_that_fails_to_start_stops_its_ranks(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """The KV plan refuses (too few blocks for one sequence) after rank 1 started: it is stopped
+    and the group left, so the next engine starts its own."""
+    model_dir = make_model(CASES["llama-gqa"])
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(str(model_dir), dtype="float32", num_kv_blocks=1, max_model_len=256, progress=False,
+            tensor_parallel_size=2)
+    llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2)
+    try:
+        assert llm.engine.tp_group is not None and llm.engine.tp_group.tp.shm is not None
+        _check_parity(_generate(llm), _whole(model_dir))
+    finally:
+        llm.close()
+
+
+def test_no_room_in_dev_shm_means_gloo_not_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    from pdserve.workers.model import shm_collectives
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    before = set(os.listdir("/dev/shm"))
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    assert shm_collectives.create(2, 1 << 20) is None
+    assert set(os.listdir("/dev/shm")) == before  # nothing left behind

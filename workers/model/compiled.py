@@ -151,10 +151,11 @@ def warm_up(forward: CompiledForward, kv_caches: KVCaches, block_size: int, max_
 
 def compile_forward(model: torch.nn.Module, backend: AttentionBackend, kv_caches: KVCaches, block_size: int,
                     max_tokens: int, device: torch.device, say: Callable[[str], None],
-                    thread_counts: tuple[int, ...] = ()) -> Forward | None:
+                    thread_counts: tuple[int, ...] = (), fallback: bool = True) -> Forward | None:
     """The compiled forward, warmed up at each of `thread_counts` (default: this
     thread's; dynamo specialises graphs on the thread count); None (and why, through
-    `say`) when it cannot be used: the caller then runs the model eagerly."""
+    `say`) when it cannot be used: the caller then runs the model eagerly (`fallback`
+    False: a failure raises instead)."""
     if device.type != "cpu":
         return None  # CUDA has its own path (the Triton kernels); compiling it is untested there
     say("compiling the model (torch.compile; a first start takes a while, later ones use the cache) ...")
@@ -169,6 +170,8 @@ def compile_forward(model: torch.nn.Module, backend: AttentionBackend, kv_caches
         finally:
             torch.set_num_threads(threads)
     except Exception as e:  # noqa: BLE001 - any compile failure leaves a working eager engine
+        if not fallback:  # (tensor-parallel ranks: every rank compiled, or the engine fails)
+            raise
         log.warning("torch.compile failed, running the model eagerly: %s: %s", type(e).__name__,
                     str(e).splitlines()[0] if str(e) else "")
         say(f"torch.compile failed ({type(e).__name__}); running eagerly")

@@ -14,6 +14,7 @@ through gloo too (every rank decides alike: the shapes are the same on all).
 
 from __future__ import annotations
 
+import logging
 import os
 import platform
 import tempfile
@@ -23,10 +24,12 @@ from typing import Any, TypeVar, cast
 
 import torch
 
+log = logging.getLogger(__name__)
+
 # Spins between looks at the clock (and between yields of the core: a rank preempted by another
 # process must get to run), and how long a round waits for a rank before the group is broken.
 _SPINS = 2000
-_ROUND_TIMEOUT_S = 60.0
+_ROUND_TIMEOUT_S = 600.0  # long: ranks compile their warm-up steps side by side, not in step
 _FLAG_WORDS = 8  # a 64-byte line of int64 per rank: no two ranks' flags share a cache line
 
 
@@ -46,12 +49,32 @@ def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
 
 
-def create(size: int, slot_bytes: int) -> str:
-    """A zeroed shared file for `size` ranks' flags and slots; its path (rank 0 unlinks it)."""
+def create(size: int, slot_bytes: int) -> str | None:
+    """A zeroed shared file for `size` ranks' flags and slots, its pages reserved now; its path
+    (rank 0 unlinks it once every rank mapped it). None where shared memory cannot be used: not
+    x86-64, or a /dev/shm too small for it (a container's 64 MiB default): then gloo. Reserved,
+    not sparse: a page that had no room would kill the step that first touched it (SIGBUS)."""
+    if not supported():
+        return None
     fd, path = tempfile.mkstemp(prefix="pdserve-tp-", dir="/dev/shm")
-    os.ftruncate(fd, size * (_FLAG_WORDS * 8 + slot_bytes))
+    try:
+        os.posix_fallocate(fd, 0, size * (_FLAG_WORDS * 8 + slot_bytes))
+    except OSError as e:
+        log.warning("tensor parallel: no room for %d bytes in /dev/shm (%s): the ranks reduce through gloo",
+                    size * (_FLAG_WORDS * 8 + slot_bytes), e)
+        os.close(fd)
+        unlink(path)
+        return None
     os.close(fd)
     return path
+
+
+def unlink(path: str) -> None:
+    """Remove the file (its mappings stay valid)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class ShmCollectives:
@@ -118,9 +141,3 @@ class ShmCollectives:
                 why = "are gone" if now <= deadline else f"did not reach it in {self.round_timeout_s:g} s"
                 raise ShmCollectiveError(f"tensor parallel: rank(s) {late} of round {value} {why}")
 
-    def unlink(self) -> None:
-        """Remove the file (its mappings stay valid): once every rank mapped it."""
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass

@@ -15,7 +15,8 @@ Megatron's layout. Each rank holds:
 
 A rank's model is then the model of `shard_config`: every other part of the engine (the KV
 cache, the attention kernels, the memory plan) sees its own heads and nothing else changes.
-On a CPU the group is gloo's; on GPUs, NCCL's.
+The group: an engine's own ranks on one CPU node (workers/tp_group.py) reduce through shared
+memory, else gloo; a torchrun's, whatever it initialised (NCCL on GPUs: untested).
 """
 
 from __future__ import annotations
