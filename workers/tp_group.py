@@ -42,8 +42,6 @@ INLINE = 4096
 # follower waits in one (the next step's broadcast) for as long as the engine is idle.
 JOIN_TIMEOUT_S = 120.0
 _IDLE_LIMIT = datetime.timedelta(days=365)
-# The compute_logits calls of a step slice prompt-logprob rows by this many (model_runner's
-# _SCORE_ROWS): both sides derive the calls from `logit_calls`.
 
 
 _running = {"group": False}  # whether a TPGroup of this process holds the default group
