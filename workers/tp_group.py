@@ -131,21 +131,21 @@ def logit_calls(logit_rows: int, prompt_counts: list[int], slice_rows: int) -> l
     return calls
 
 
-def pack_step(s: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(the first message: header + inline inputs, the second or None)."""
+def pack_step(s: StepInputs, first: torch.Tensor) -> torch.Tensor | None:
+    """Write the first message (header + inline inputs) into `first` (HEADER + INLINE int64
+    words, reused every step); return the second message, or None when the inputs fit inline."""
     t, n_seqs = s.input_ids.numel(), s.seq_lens.numel()
     cols = s.block_tables.shape[1] if n_seqs else 0
-    parts = [s.input_ids, s.positions, s.slot_mapping, s.block_tables.reshape(-1), s.seq_lens, s.query_start_loc,
-             s.logits_indices, torch.tensor(s.prompt_counts, dtype=torch.int64)]
-    payload = torch.cat([p.to(torch.int64).reshape(-1) for p in parts])
-    header = [Op.STEP, t, n_seqs, cols, s.num_decode, s.logits_indices.numel(), s.logit_rows, len(s.prompt_counts),
-              payload.numel()]
-    first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
+    parts = [p.to(torch.int64).reshape(-1) for p in (
+        s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.seq_lens, s.query_start_loc, s.logits_indices,
+        torch.tensor(s.prompt_counts, dtype=torch.int64))]
+    n = sum(p.numel() for p in parts)
+    header = [Op.STEP, t, n_seqs, cols, s.num_decode, s.logits_indices.numel(), s.logit_rows, len(s.prompt_counts), n]
     first[: len(header)] = torch.tensor(header, dtype=torch.int64)
-    if payload.numel() <= INLINE:
-        first[HEADER : HEADER + payload.numel()] = payload
-        return first, None
-    return first, payload
+    if n <= INLINE:
+        torch.cat(parts, out=first[HEADER : HEADER + n])
+        return None
+    return torch.cat(parts)
 
 
 def unpack_step(first: torch.Tensor, rest: torch.Tensor | None) -> StepInputs:
@@ -202,6 +202,7 @@ class TPGroup:
             procs = self.procs
             shm.alive = lambda: all(p.poll() is None for p in procs)
         self.tp = TensorParallel(size, 0, shm=shm)
+        self._first = torch.zeros(HEADER + INLINE, dtype=torch.int64)  # each step's first message
         self.broken: BaseException | None = None  # why the group can run no more steps
         self.steps = 0
         self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)
@@ -220,8 +221,8 @@ class TPGroup:
         self._state["broken"] = True
 
     def send_step(self, inputs: StepInputs) -> None:
-        first, rest = pack_step(inputs)
-        dist.broadcast(first, 0)
+        rest = pack_step(inputs, self._first)
+        dist.broadcast(self._first, 0)
         self.messages += 1
         if rest is not None:
             dist.broadcast(rest, 0)

@@ -366,3 +366,29 @@ def test_no_room_in_dev_shm_means_gloo_not_a_crash(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(os, "posix_fallocate", full)
     assert shm_collectives.create(2, 1 << 20) is None
     assert set(os.listdir("/dev/shm")) == before  # nothing left behind
+
+
+@pytest.mark.parametrize("tokens", [8, 2000])
+def test_step_inputs_survive_their_messages_inline_or_in_two(tokens: int) -> None:
+    """A decode-sized step fits the first message; a 2,000-token prefill takes a second. What a
+    follower unpacks is what rank 0 packed, whatever an earlier, larger step left in the buffer."""
+    from pdserve.workers.tp_group import HEADER, INLINE, StepInputs, needs_second, pack_step, unpack_step
+
+    g = torch.Generator().manual_seed(tokens)
+    seqs = 4
+    step = StepInputs(torch.randint(0, 4096, (tokens,), generator=g), torch.arange(tokens),
+                      torch.randint(0, 9999, (tokens,), generator=g),
+                      torch.randint(0, 500, (seqs, 7), generator=g, dtype=torch.int32),
+                      torch.tensor([9, 40, 3, 101], dtype=torch.int32),
+                      torch.tensor([0, 1, 2, 3, tokens], dtype=torch.int32),
+                      2, torch.tensor([0, 1, tokens - 1]), 2, [1])
+    first = torch.full((HEADER + INLINE,), 77, dtype=torch.int64)  # left over from another step
+    rest = pack_step(step, first)
+    assert (rest is None) == (tokens == 8) and needs_second(first) == (0 if rest is None else rest.numel())
+    got = unpack_step(first, rest)
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc",
+                 "logits_indices"):
+        want, have = getattr(step, name), getattr(got, name)
+        assert have.dtype == (torch.int32 if want.dtype == torch.int32 else torch.int64), name
+        assert torch.equal(have, want), name
+    assert (got.num_decode, got.logit_rows, got.prompt_counts) == (2, 2, [1])
