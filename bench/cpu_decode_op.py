@@ -1,4 +1,4 @@
-"""The CPU decode attention op (kernels/cpu_decode.py) on one layer's call, against the op as it was
+"""The CPU decode attention op (pdserve/kernels/cpu_decode.py) on one layer's call, against the op as it was
 at another git revision, alternating: time per call, the KV bytes it reads per second, and the
 largest difference of their outputs (relative to the largest output).
 
@@ -31,8 +31,13 @@ LAYERS = 30
 
 
 def source_at(rev: str) -> str:
-    text = subprocess.run(["git", "show", f"{rev}:kernels/cpu_decode.py"], capture_output=True, text=True,
-                          check=True).stdout
+    for path in ("pdserve/kernels/cpu_decode.py", "kernels/cpu_decode.py"):  # before 2026-12-03: kernels/
+        got = subprocess.run(["git", "show", f"{rev}:{path}"], capture_output=True, text=True)
+        if got.returncode == 0:
+            text = got.stdout
+            break
+    else:
+        raise SystemExit(f"no cpu_decode.py at {rev}")
     start = text.index('_SOURCE = r"""') + len('_SOURCE = r"""')
     return text[start:text.index('"""', start)]
 

@@ -1,6 +1,6 @@
 """A model's linear layers on CPU, weight layouts side by side: plain [out, in], column-major
 (what pdserve keeps for float32 weights it does not pack), oneDNN-packed (packed_linear.py), and in
-float32 pdserve's own op on the column-major layout (kernels/cpu_linear.py; up to 16 rows).
+float32 pdserve's own op on the column-major layout (pdserve/kernels/cpu_linear.py; up to 16 rows).
 
 Every round times one pass over the model's linears per layout (`--layers` layers, each with weights
 of its own so a pass streams them as a decode step does, and the lm_head once), interleaved, so the

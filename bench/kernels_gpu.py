@@ -29,7 +29,7 @@ kernels are timed without host launch gaps.
         [--tune [--tune-budget-s S]]
 
 --tune: after the sections, every launch config of the attention sweeps
-(kernels/configs.py) on the bar shapes, each checked then timed, a table per
+(pdserve/kernels/configs.py) on the bar shapes, each checked then timed, a table per
 shape with the default marked (bench/kernels_tune.py).
 
 --dry-run: no GPU needed. Runs everything on the CPU with tiny shapes in
@@ -83,7 +83,8 @@ def _map_pdserve() -> str:
     except Exception:
         for name in [m for m in sys.modules if m == "pdserve" or m.startswith("pdserve.")]:
             del sys.modules[name]
-    for name, folder in (("pdserve", "pdserve"), ("pdserve.kernels", "kernels"), ("pdserve.workers", "workers")):
+    folders = (("pdserve", "pdserve"), ("pdserve.kernels", "pdserve/kernels"), ("pdserve.workers", "workers"))
+    for name, folder in folders:
         mod = types.ModuleType(name)
         mod.__path__ = [str(ROOT / folder)]
         mod.__package__ = name

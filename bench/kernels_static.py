@@ -1,7 +1,7 @@
 """What the attention kernels cost on an H100, read from a compile (no GPU needed).
 
 Compiles paged decode (stage 1) and prefill for sm_90 with Triton's bundled
-ptxas under every config of the tuning sweeps (kernels/configs.py) and the
+ptxas under every config of the tuning sweeps (pdserve/kernels/configs.py) and the
 defaults, and prints per config: registers, spilled bytes, shared memory,
 programs per SM and what bounds it, and how the KV loop's loads were lowered
 (`cp.async`: pipelined copies; `ld.global`: synchronous loads; `wgmma`:

@@ -1,5 +1,5 @@
 """The `--tune` section of bench/kernels_gpu.py: every launch config of the
-attention sweeps (kernels/configs.py) timed on the shapes of the bars.
+attention sweeps (pdserve/kernels/configs.py) timed on the shapes of the bars.
 
 Per shape, each config runs once and is checked against a reference (decode:
 float64 attention over the paged cache; prefill: SDPA flash, both bf16),

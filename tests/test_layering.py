@@ -1,6 +1,6 @@
 """Imports go one way, cluster -> workers -> kernels, and `ruff check .` (CI) enforces it.
 
-workers/ruff.toml and kernels/ruff.toml extend the root's ruff settings with banned imports
+workers/ruff.toml and pdserve/kernels/ruff.toml extend the root's ruff settings with banned imports
 (flake8-tidy-imports' banned-api, TID251: a banned module bans its submodules, `from pkg import
 module` and attribute access too) and no relative import from a parent package (TID252, which
 would get around the names). Here the rule runs on the real tree, and on a copy of its ruff
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("workers", "kernels")  # the folders with bans of their own (cluster/ may import anything)
+LAYERS = ("workers", "pdserve/kernels")  # the folders with bans of their own (cluster/ may import anything)
 
 
 def _ruff(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -31,7 +31,7 @@ def tree(tmp_path: Path) -> Path:
     """The repository's ruff settings in an empty tree of the same shape."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
     for layer in (*LAYERS, "cluster"):
-        (tmp_path / layer).mkdir()
+        (tmp_path / layer).mkdir(parents=True)
         (tmp_path / layer / "__init__.py").touch()
     for layer in LAYERS:
         shutil.copy(ROOT / layer / "ruff.toml", tmp_path / layer)
@@ -40,7 +40,7 @@ def tree(tmp_path: Path) -> Path:
 
 def test_the_tree_keeps_the_layering() -> None:
     """No upward import today; Ray, FastAPI and Prometheus stay in cluster/."""
-    run = _ruff(ROOT, "--select", "TID251,TID252", "cluster", "workers", "kernels")
+    run = _ruff(ROOT, "--select", "TID251,TID252", "cluster", "workers", "pdserve/kernels")
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -56,10 +56,10 @@ def test_the_tree_keeps_the_layering() -> None:
     ("workers", "import uvicorn", "`uvicorn` is banned"),
     ("workers", "from prometheus_client import Counter", "`prometheus_client` is banned"),
     ("workers", "from ..cluster import serve_config", "TID252"),
-    ("kernels", "from pdserve.workers.config import EngineConfig", "`pdserve.workers` is banned"),
-    ("kernels", "import pdserve.cluster.cli", "`pdserve.cluster` is banned"),
-    ("kernels", "import ray", "`ray` is banned"),
-    ("kernels", "from .. import workers", "TID252"),
+    ("pdserve/kernels", "from pdserve.workers.config import EngineConfig", "`pdserve.workers` is banned"),
+    ("pdserve/kernels", "import pdserve.cluster.cli", "`pdserve.cluster` is banned"),
+    ("pdserve/kernels", "import ray", "`ray` is banned"),
+    ("pdserve/kernels", "from .. import workers", "TID252"),
 ])
 def test_an_upward_import_fails_the_check(tree: Path, layer: str, source: str, says: str) -> None:
     planted = tree / layer / "planted.py"
@@ -86,6 +86,6 @@ def test_a_layer_keeps_the_root_settings_and_bans(layer: str) -> None:
     """A nested banned-api table replaces the root's: each layer repeats the root's bans."""
     root = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["ruff"]["lint"]
     nested = tomllib.loads((ROOT / layer / "ruff.toml").read_text())
-    assert nested["extend"] == "../pyproject.toml"
+    assert (ROOT / layer / nested["extend"]).resolve() == ROOT / "pyproject.toml"
     root_bans = root["flake8-tidy-imports"]["banned-api"]
     assert root_bans.items() <= nested["lint"]["flake8-tidy-imports"]["banned-api"].items()

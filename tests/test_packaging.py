@@ -29,11 +29,11 @@ def test_only_pdserve_at_top_level(wheel: zipfile.ZipFile) -> None:
     assert {t for t in tops if not t.endswith(".dist-info")} == {"pdserve"}
 
 
-@pytest.mark.parametrize("folder", ["kernels", "workers", "cluster"])
+@pytest.mark.parametrize("folder", ["pdserve/kernels", "workers", "cluster"])
 def test_every_source_package_is_in_the_wheel(wheel: zipfile.ZipFile, folder: str) -> None:
     names = set(wheel.namelist())
     for init in (ROOT / folder).rglob("__init__.py"):
-        dest = (Path("pdserve") / folder / init.relative_to(ROOT / folder)).as_posix()
+        dest = (Path("pdserve") / Path(folder).name / init.relative_to(ROOT / folder)).as_posix()
         assert dest in names, f"{init} is not packaged: add it to pyproject's packages"
 
 

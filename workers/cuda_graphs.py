@@ -28,7 +28,7 @@ seq_lens_np = the block tables' capacity, and `padded` set. So the Triton decode
 and workspace come from B, the prefill grid and BLOCK_M from Q, and the torch reference's
 gather width from the table width; the real lengths and offsets are read on the device. The
 torch reference's multi-token path plans from host lengths, so verify buckets need the
-Triton backend (CUDA) or, on CPU, the C++ decode op (kernels/cpu_decode.py).
+Triton backend (CUDA) or, on CPU, the C++ decode op (pdserve/kernels/cpu_decode.py).
 
 Selection (`select`): replay when every sequence has one new token and n fits the largest
 decode bucket, or (verify buckets) when every sequence has at most Q new tokens and n fits

@@ -1,4 +1,4 @@
-"""The CPU decode attention op (kernels/cpu_decode.py) on a KV pool on transparent huge pages
+"""The CPU decode attention op (pdserve/kernels/cpu_decode.py) on a KV pool on transparent huge pages
 (workers/kv/cache.py `cpu_zeros_on_huge_pages`) against the same pool on 4 KiB pages: both pools
 in one process, the op called on every layer of each in turn, `--rounds` alternating rounds; time
 per call (median) and the ratio. Each sequence's blocks are scattered over the whole pool, as a

@@ -1,5 +1,5 @@
 """Decode step time with float32 linears packed from different weight sizes (packed_linear.FLOAT32_MIN_BYTES),
-and the unpacked ones on pdserve's own op (kernels/cpu_linear.py) or on MKL.
+and the unpacked ones on pdserve's own op (pdserve/kernels/cpu_linear.py) or on MKL.
 
 A variant is FLOOR (bytes; "auto": the shipped choice, packed_linear.float32_floor, which packs
 nothing when the model's float32 linears fit in the last-level cache), optionally with ":mkl" (the

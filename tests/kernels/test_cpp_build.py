@@ -1,4 +1,4 @@
-"""kernels/cpp_build.py: a build killed half-way does not make every later process wait for ever.
+"""pdserve/kernels/cpp_build.py: a build killed half-way does not make every later process wait for ever.
 
 torch's own build lock is a file made with O_EXCL and removed when its build ends; a process
 killed while building leaves it, and torch's next load of that op waits on it with no deadline

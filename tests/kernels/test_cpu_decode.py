@@ -1,4 +1,4 @@
-"""The CPU decode attention op (kernels/cpu_decode.py) against plain float64 attention and the PyTorch
+"""The CPU decode attention op (pdserve/kernels/cpu_decode.py) against plain float64 attention and the PyTorch
 reference: scattered and shared-looking block tables, lengths off block boundaries, GQA groups of
 1-4, a padded block table whose padding points at poisoned blocks, float32/float16/bfloat16; and the
 cache write it does (the new K/V land in their slots, nothing else moves). Skips where the op cannot

@@ -1,4 +1,4 @@
-"""The CPU decode linear op (kernels/cpu_linear.py) against float64: every row count from none to
+"""The CPU decode linear op (pdserve/kernels/cpu_linear.py) against float64: every row count from none to
 past the op's limit (where MKL takes over inside it), widths that end mid-panel and mid-vector,
 odd input widths, with and without bias, in eager code and in a compiled graph whose row count
 varies; and which of a loaded model's layers take it. Skips where the op cannot be built."""

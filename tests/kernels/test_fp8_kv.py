@@ -1,5 +1,5 @@
 """The fp8 KV cache (`kv_cache_dtype="fp8"`): e4m3 K and V, each layer's scaled by its own
-k_scale / v_scale (kernels/reference.py `to_cache`). The oracle is float64 attention over what
+k_scale / v_scale (pdserve/kernels/reference.py `to_cache`). The oracle is float64 attention over what
 the cache holds, dequantized; the PyTorch reference and the Triton kernels (interpreter on a
 CPU) must both compute it, and the Triton writes must store the reference's bytes."""
 

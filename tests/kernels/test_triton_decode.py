@@ -1,4 +1,4 @@
-"""Triton paged decode attention (kernels/triton_decode.py) against the PyTorch reference.
+"""Triton paged decode attention (pdserve/kernels/triton_decode.py) against the PyTorch reference.
 
 Without a GPU these run in the Triton interpreter (tests/conftest.py sets
 TRITON_INTERPRET=1), so the shapes are tiny and there is no bf16. The oracle

@@ -90,7 +90,7 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.use_triton = use_triton  # silu x mul in one launch (kernels/triton_act.py), not two
+        self.use_triton = use_triton  # silu x mul in one launch (pdserve/kernels/triton_act.py), not two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_proj)

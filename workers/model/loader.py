@@ -166,7 +166,7 @@ def _cpu_linears(model: LlamaForCausalLM, dtype: torch.dtype) -> None:
     the small-batch decode shapes than the plain layout (docs/performance.md, "The engine's
     CPU step"); bfloat16 keeps the plain layout, which measured faster than this one for it
     (docs/engine.md). The float32 ones among these run steps of up to 16 rows on pdserve's own
-    op (kernels/cpu_linear.py) where it builds, and MKL beyond.
+    op (pdserve/kernels/cpu_linear.py) where it builds, and MKL beyond.
     """
     if model.config.tie_word_embeddings:
         model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone(), requires_grad=False)

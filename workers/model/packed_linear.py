@@ -19,7 +19,7 @@ small the matmul (a 64 x 64 layer: 46 us packed, 8.5 plain, on the AMD EPYC), wh
 faster streaming repays only past ~1 MiB of weight (below it the plain layout won at
 nearly every row count from 1 to 16, on one and two threads, up to 4.6x at one row; at
 2 MiB and more packed won from 2 rows on; docs/engine.md); they run decode steps on pdserve's
-own op (kernels/cpu_linear.py), and a model whose float32 linears all fit in the last-level cache
+own op (pdserve/kernels/cpu_linear.py), and a model whose float32 linears all fit in the last-level cache
 is not packed at all (`float32_floor`). bfloat16 is packed whatever
 its size: packed beat its plain layout on the Intel machine, and small bfloat16 weights
 were not measured apart.
@@ -133,7 +133,7 @@ def linear(x: torch.Tensor, layer: nn.Module) -> torch.Tensor:
 
 
 def use_cpu_linear_op(layer: nn.Linear) -> bool:
-    """Mark `layer` to run through kernels/cpu_linear.py's op if it can (a float32 weight on
+    """Mark `layer` to run through pdserve/kernels/cpu_linear.py's op if it can (a float32 weight on
     CPU stored as the transpose of a contiguous [in, out] matrix, the op built and not turned
     off): decided once, at load, so a compiled graph and eager calls agree. Returns whether."""
     use = cpu_linear.usable(layer.weight)
@@ -143,7 +143,7 @@ def use_cpu_linear_op(layer: nn.Linear) -> bool:
 
 def float32_floor(model: nn.Module, cache_bytes: int | None = None) -> int:
     """The weight size from which `model`'s float32 linears are packed: FLOAT32_MIN_BYTES, or none
-    of them (a size above all) when pdserve's own op runs the unpacked ones (kernels/cpu_linear.py)
+    of them (a size above all) when pdserve's own op runs the unpacked ones (pdserve/kernels/cpu_linear.py)
     and all of them together fit in the last-level cache (`cache_bytes`; this CPU's by default).
 
     Why: held in cache, the weights stream faster through the op than through oneDNN's packed GEMM

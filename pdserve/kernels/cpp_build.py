@@ -1,6 +1,6 @@
 """Build a C++ op with torch.utils.cpp_extension the first time a process needs it.
 
-The CPU ops (kernels/cpu_decode.py, kernels/cpu_linear.py) are C++ sources compiled for this
+The CPU ops (pdserve/kernels/cpu_decode.py, pdserve/kernels/cpu_linear.py) are C++ sources compiled for this
 machine's CPU (a C++ compiler and ninja, as Inductor needs; a few seconds once, then cached under
 ~/.cache/torch_extensions). Each registers one operator with the dispatcher from C++
 (TORCH_LIBRARY, `torch.ops.pdserve.<name>`) and includes only ATen's headers: no pybind11 module,

@@ -22,7 +22,7 @@ one call for every row count.
 Numerics: float32 products summed in input order per output (MKL's blocked sums differ from it
 by float32 rounding); tests/kernels/test_cpu_linear.py holds it to float64.
 
-Built on first use (kernels/cpp_build.py); PDSERVE_CPU_LINEAR_KERNEL=0 turns it off.
+Built on first use (pdserve/kernels/cpp_build.py); PDSERVE_CPU_LINEAR_KERNEL=0 turns it off.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ ENV = "PDSERVE_CPU_LINEAR_KERNEL"
 MAX_ROWS = 16  # beyond it MKL's blocked GEMM is compute-bound and ahead
 
 _SOURCE = r"""
-// ATen's headers of what is used, not torch/extension.h (kernels/cpp_build.py says why).
+// ATen's headers of what is used, not torch/extension.h (pdserve/kernels/cpp_build.py says why).
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/addmm.h>

@@ -2,7 +2,7 @@
 
 A config is what Triton cannot pick for itself: tile sizes, warps per
 program, and pipeline depth. The defaults were chosen from what a compile
-for sm_90 costs (kernels/static_check.py, `python bench/kernels_static.py`;
+for sm_90 costs (pdserve/kernels/static_check.py, `python bench/kernels_static.py`;
 table in docs/kernels.md), not from GPU timings: none were measured yet.
 `python bench/kernels_gpu.py --tune` times every config of the sweeps on a
 lent GPU and prints which one wins.

@@ -29,7 +29,7 @@ def rope_paged_attention(
     kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
     """`paged_attention` of the fused qkv projection's output before RoPE: the rotation and
-    the cache write in one launch (kernels/triton_rope_cache.py), then the attention."""
+    the cache write in one launch (pdserve/kernels/triton_rope_cache.py), then the attention."""
     q = rope_and_write_kv(qkv, num_heads, num_kv_heads, positions, cos, sin, k_cache, v_cache, meta.slot_mapping,
                           kv_scales)
     return attend(q, k_cache, v_cache, meta, scale, kv_scales)

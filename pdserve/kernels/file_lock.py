@@ -1,10 +1,10 @@
 """An flock that one process at a time holds, waited for up to a deadline.
 
-The C++ op builds (kernels/cpp_build.py) and the GGUF conversion of a model
+The C++ op builds (pdserve/kernels/cpp_build.py) and the GGUF conversion of a model
 (workers/model/resolve.py) each run once per machine while every process that
 starts at the same time waits for it. An flock, unlike a file made with O_EXCL,
 goes with the process that held it: a holder that was killed blocks no one.
-Here, in the lowest layer, so that kernels/ and workers/ both may import it.
+Here, in the lowest layer, so that pdserve/kernels/ and workers/ both may import it.
 """
 
 from __future__ import annotations

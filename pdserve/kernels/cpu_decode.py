@@ -1,6 +1,6 @@
 """Decode (and draft-verification) attention over the paged KV cache on CPU, as one C++ op.
 
-Why: the PyTorch reference (kernels/reference.py) runs a decode step's attention as some twenty
+Why: the PyTorch reference (pdserve/kernels/reference.py) runs a decode step's attention as some twenty
 small tensor calls per layer (the cache write, two block gathers into fresh buffers, a mask, SDPA,
 views). For a small model at small batch their Python dispatch costs more than their arithmetic
 (~92 us per layer at batch 1, of which ~35 us is the work), and at batch 16 the gathers copy every
@@ -11,7 +11,7 @@ It is what vLLM's CPU backend does with its own C++ kernels; this one is small a
 Numerics: scores, softmax and the weighted sum in float32 whatever the cache dtype (as SDPA does on
 CPU), max-subtracted softmax. Compared with the reference in tests/kernels/test_cpu_decode.py.
 
-It is built with torch.utils.cpp_extension the first time a process needs it (kernels/cpp_build.py:
+It is built with torch.utils.cpp_extension the first time a process needs it (pdserve/kernels/cpp_build.py:
 a C++ compiler and ninja, as Inductor needs; seconds once, then cached under
 ~/.cache/torch_extensions). Anything that stops the build leaves `load()` returning None and the
 reference in use, with one warning.
@@ -30,7 +30,7 @@ ENV = "PDSERVE_CPU_DECODE_KERNEL"
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _SOURCE = r"""
-// ATen's headers of what is used, not torch/extension.h (kernels/cpp_build.py says why).
+// ATen's headers of what is used, not torch/extension.h (pdserve/kernels/cpp_build.py says why).
 #include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -271,7 +271,7 @@ TORCH_LIBRARY_FRAGMENT(pdserve, m) {
 TORCH_LIBRARY_IMPL(pdserve, CPU, m) { m.impl("cpu_decode", &decode); }
 """
 
-# The build's flags (kernels/cpp_build.py says why each). What the op gains over the reference and
+# The build's flags (pdserve/kernels/cpp_build.py says why each). What the op gains over the reference and
 # over its earlier versions: docs/engine.md ("the decode attention op"); `python
 # bench/cpu_decode_op.py --against REV` times it against another revision.
 _FLAGS = FLAGS
