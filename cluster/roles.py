@@ -60,9 +60,10 @@ class PrefillRole:
         engine, secret = ctx.engine, ctx.secret
         sender_cls = sender_class(ctx.settings.transport)
         fingerprint = module_fingerprint(engine.model_dir, engine.model)
+        kv = engine.transfer_kv  # now: a worker whose KV cannot travel fails to take the role
 
         def sender_for(address: str) -> KVSender:  # the worker keeps one per link, and closes it
-            return sender_cls(engine.kv_caches, address, secret=secret, fingerprint=fingerprint)
+            return sender_cls(kv, address, secret=secret, fingerprint=fingerprint)
 
         self.worker = PrefillWorker(engine, sender_for, metrics, worker_id=ctx.worker_name,
                                     transfer_timeout_s=ctx.settings.transfer_timeout_s, secret=secret,
@@ -93,7 +94,7 @@ class DecodeRole:
     def __init__(self, ctx: RoleContext, metrics: WorkerMetrics) -> None:
         engine, s = ctx.engine, ctx.settings
         host = bind_host(s.kv_host)  # this node's address when prefill workers may be on other nodes
-        self.receiver = receiver_class(s.transport)(engine.kv_caches, bind=f"tcp://{host}:*", secret=ctx.secret,
+        self.receiver = receiver_class(s.transport)(engine.transfer_kv, bind=f"tcp://{host}:*", secret=ctx.secret,
                                                     fingerprint=module_fingerprint(engine.model_dir, engine.model))
         self.worker = DecodeWorker(engine, self.receiver, s.on_kv_failure, metrics, worker_id=ctx.worker_name,
                                    prefill_timeout_s=s.prefill_timeout_s, async_engine=ctx.async_engine)

@@ -54,6 +54,7 @@ from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
 from pdserve.workers.tp_group import Plan, TPGroup, TPGroupError
+from pdserve.workers.transfer.frames import KVCaches
 
 # Re-exported: callers knew them from here.
 __all__ = ["EngineStats", "LLMEngine", "StepStats"]
@@ -115,9 +116,13 @@ class LLMEngine:
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(
             config, self.model_config, self.dtype, self.device, self.max_model_len,
             draft=draft.config if draft is not None else None, memory=memory)
-        self.kv_caches = allocate_kv_caches(self.model_config, self.num_kv_blocks, config.block_size,
-                                            setup.kv_cache_dtype(config, self.dtype),
-                                            self.device)
+        kv_dtype = setup.kv_cache_dtype(config, self.dtype)
+        # A tensor-parallel engine's ranks keep their caches in one shared file, which its KV
+        # transfers read and write whole from here (workers/kv/shared_cache.py).
+        self._shared_kv = (self.tp_group.share_kv(full_config, self.num_kv_blocks, config.block_size, kv_dtype)
+                           if self.tp_group is not None and self.device.type == "cpu" else None)
+        self.kv_caches = (list(self._shared_kv.ranks[0]) if self._shared_kv is not None else allocate_kv_caches(
+            self.model_config, self.num_kv_blocks, config.block_size, kv_dtype, self.device))
         self.kv = KVCacheManager(self.num_kv_blocks, config.block_size, config.enable_prefix_caching,
                                  record_events=config.record_kv_events)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
@@ -143,7 +148,7 @@ class LLMEngine:
         if self.tp_group is not None:
             self.runner.tp_group = self.tp_group
             self.tp_group.send_plan(Plan(self.num_kv_blocks, not config.enforce_eager and self.device.type == "cpu",
-                                         thread_counts))
+                                         thread_counts, shared_kv=self._shared_kv is not None))
         setup.compile_runner(config, self.runner, backend, thread_counts)
         setup.prepare_attention(config, backend, self.device)
         self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))
@@ -172,6 +177,18 @@ class LLMEngine:
                                                          else lending or contextlib.nullcontext())
         setup.log(config, f"KV cache: {self.num_kv_blocks} blocks of {config.block_size} tokens; "
                           f"max_model_len {self.max_model_len}")
+
+    @property
+    def transfer_kv(self) -> KVCaches:
+        """The KV cache as KV transfers read and write it: the model's full heads (a tensor-parallel
+        engine's: every rank's part, workers/kv/shared_cache.py). ValueError where this engine's
+        ranks' caches are out of reach (private: /dev/shm had no room; a torchrun's ranks)."""
+        if self._shared_kv is not None:
+            return self._shared_kv
+        if self.tp.size > 1:
+            raise ValueError("KV transfer: this tensor-parallel engine's ranks keep private KV caches (no room in "
+                             "/dev/shm for shared ones, or ranks started by torchrun): it cannot send or take KV")
+        return self.kv_caches
 
     def close(self) -> None:
         """Stop this engine's other tensor-parallel ranks, if it started any (idempotent). Nothing

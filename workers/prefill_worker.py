@@ -142,7 +142,7 @@ class PrefillWorker(RoleWorker):
                 return link
             sender = self._sender_for(address)
             if self.transfer_recorder is not None:
-                sender = RecordingSender(sender, self.engine.kv_caches, self.transfer_recorder)
+                sender = RecordingSender(sender, self.engine.transfer_kv, self.transfer_recorder)
             link = SendQueue(sender, self.transfer_timeout_s, name=f"kv-send {address}",
                              retire_after_s=self.link_retire_s, on_retire=lambda q: self._retire(address, q),
                              stream=CopyStream(self._device))

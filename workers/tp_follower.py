@@ -20,6 +20,7 @@ import torch.distributed as dist
 from pdserve.kernels import cpu_decode
 from pdserve.kernels.attention import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.model.compiled import Forward, compile_forward
 from pdserve.workers.model.config import ModelConfig
@@ -68,7 +69,11 @@ def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
     dist.broadcast(plan_msg, 0)
     plan = Plan.decode(plan_msg)
     kv_dtype = torch.float8_e4m3fn if spec.kv_cache_dtype in ("fp8", "fp8_e4m3") else dtype
-    kv_caches = allocate_kv_caches(shard_config(full, tp), plan.num_kv_blocks, spec.block_size, kv_dtype, device)
+    if plan.shared_kv and spec.kv_path is not None:  # rank 0 reads and writes it for KV transfers
+        kv_caches = shared_cache.map_part(spec.kv_path, full, tp, plan.num_kv_blocks, spec.block_size, kv_dtype)
+        dist.barrier()  # mapped: rank 0 may remove the file
+    else:
+        kv_caches = allocate_kv_caches(shard_config(full, tp), plan.num_kv_blocks, spec.block_size, kv_dtype, device)
     if plan.thread_counts:
         torch.set_num_threads(plan.thread_counts[0])
     if device.type == "cpu" and backend is AttentionBackend.TORCH and cpu_decode.enabled():

@@ -31,7 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.workers.kv import shared_cache
+from pdserve.workers.kv.shared_cache import ShardedKV
 from pdserve.workers.model import shm_collectives
+from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel
 
@@ -79,6 +82,9 @@ class FollowerSpec:
     seed: int
     shm_path: str | None = None  # the ranks' shared-memory collectives (None: gloo's)
     shm_slot_bytes: int = 0
+    # Where the ranks' KV caches will lie (workers/kv/shared_cache.py), made by rank 0 once it
+    # sized the pool; the plan says whether it did.
+    kv_path: str | None = None
 
 
 @dataclass(frozen=True)
@@ -89,9 +95,11 @@ class Plan:
     num_kv_blocks: int
     compile: bool
     thread_counts: tuple[int, ...]
+    shared_kv: bool = False  # the KV caches lie in the spec's `kv_path` (else each rank's own)
 
     def encode(self) -> torch.Tensor:
-        words = [self.num_kv_blocks, int(self.compile), len(self.thread_counts), *self.thread_counts]
+        words = [self.num_kv_blocks, int(self.compile), int(self.shared_kv), len(self.thread_counts),
+                 *self.thread_counts]
         out = torch.zeros(HEADER, dtype=torch.int64)
         out[: len(words)] = torch.tensor(words, dtype=torch.int64)
         return out
@@ -99,7 +107,7 @@ class Plan:
     @classmethod
     def decode(cls, t: torch.Tensor) -> Plan:
         w = t.tolist()
-        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[3 : 3 + int(w[2])]))
+        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[4 : 4 + int(w[3])]), bool(w[2]))
 
 
 @dataclass
@@ -180,6 +188,8 @@ class TPGroup:
         shm = None
         self.procs: list[subprocess.Popen[bytes]] = []
         path = shm_collectives.create(size, spec.shm_slot_bytes) if spec.shm_slot_bytes else None
+        spec = dataclasses.replace(spec, kv_path=shared_cache.new_path() if shm_collectives.supported() else None)
+        self.spec = spec
         try:
             if path is not None:
                 spec = dataclasses.replace(spec, shm_path=path)
@@ -208,11 +218,30 @@ class TPGroup:
         self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)
         # Whether the followers are in their step loop (they took the plan): only then do they
         # read a stop message; before it they are killed (an engine that failed to start).
-        self._state = {"planned": False, "broken": False}
+        self._state: dict[str, object] = {"planned": False, "broken": False}
         self._finalizer = weakref.finalize(self, _close, self.procs, self._state)
 
+    def share_kv(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> ShardedKV | None:
+        """Every rank's KV cache in one shared file (workers/kv/shared_cache.py), rank 0's view of
+        them all; None where there is no room for it (then each rank allocates its own)."""
+        path = self.spec.kv_path
+        if path is None or not shared_cache.reserve(path, cfg, self.tp.size, num_blocks, block_size, dtype):
+            return None
+        self._state["kv_path"] = path  # removed once the followers mapped it, or at close
+        try:
+            return ShardedKV.map(path, cfg, self.tp.size, num_blocks, block_size, dtype)
+        except BaseException:
+            shm_collectives.unlink(path)
+            raise
+
     def send_plan(self, plan: Plan) -> None:
-        dist.broadcast(plan.encode(), 0)
+        try:
+            dist.broadcast(plan.encode(), 0)
+            if plan.shared_kv:
+                dist.barrier()  # every follower mapped the KV file: it can go (the mappings stay)
+        finally:
+            if self.spec.kv_path is not None:
+                shm_collectives.unlink(self.spec.kv_path)
         self._state["planned"] = True
 
     def mark_broken(self, error: BaseException) -> None:
@@ -234,9 +263,11 @@ class TPGroup:
         self._finalizer()
 
 
-def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, bool]) -> None:
+def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, object]) -> None:
     """Stop the followers: a stop message when they are in their step loop and all alive, else
     (an engine that failed to start, a rank gone) kill them; then leave the group."""
+    if isinstance(kv_path := state.get("kv_path"), str):  # an engine that failed before its plan went out
+        shm_collectives.unlink(kv_path)
     try:
         if dist.is_initialized():
             try:

@@ -52,21 +52,28 @@ def supported() -> bool:
 def create(size: int, slot_bytes: int) -> str | None:
     """A zeroed shared file for `size` ranks' flags and slots, its pages reserved now; its path
     (rank 0 unlinks it once every rank mapped it). None where shared memory cannot be used: not
-    x86-64, or a /dev/shm too small for it (a container's 64 MiB default): then gloo. Reserved,
-    not sparse: a page that had no room would kill the step that first touched it (SIGBUS)."""
+    x86-64, or a /dev/shm too small for it (a container's 64 MiB default): then gloo."""
     if not supported():
         return None
     fd, path = tempfile.mkstemp(prefix="pdserve-tp-", dir="/dev/shm")
-    try:
-        os.posix_fallocate(fd, 0, size * (_FLAG_WORDS * 8 + slot_bytes))
-    except OSError as e:
-        log.warning("tensor parallel: no room for %d bytes in /dev/shm (%s): the ranks reduce through gloo",
-                    size * (_FLAG_WORDS * 8 + slot_bytes), e)
-        os.close(fd)
-        unlink(path)
-        return None
     os.close(fd)
-    return path
+    return path if reserve(path, size * (_FLAG_WORDS * 8 + slot_bytes), "the ranks reduce through gloo") else None
+
+
+def reserve(path: str, nbytes: int, otherwise: str) -> bool:
+    """Give the file at `path` (created if missing) `nbytes` of zeroed pages now; False, the file
+    removed and a warning saying `otherwise`, when /dev/shm has no room for them. Reserved, not
+    sparse: a page that had no room would kill the process that first touched it (SIGBUS)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        log.warning("tensor parallel: no room for %d bytes in /dev/shm (%s): %s", nbytes, e, otherwise)
+        unlink(path)
+        return False
+    finally:
+        os.close(fd)
+    return True
 
 
 def unlink(path: str) -> None:

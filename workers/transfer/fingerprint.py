@@ -4,10 +4,15 @@ another model (another checkpoint, another fine-tune, another config of the same
 KV of the wrong model has the right shapes more often than not (two fine-tunes of one base, a model and
 its quantized copy): the cache geometry check cannot see it, and the decode worker would generate from
 it as if it were its own. The fingerprint is cheap, computed once when the worker starts: SHA-256 over
-the model directory's config.json, then, per tensor in name order, its name, shape and dtype, and 32
-bytes sampled at its start and at its middle (a different checkpoint differs there in practice; a
+the model directory's config.json (which fixes every tensor's shape), then, per tensor in name order,
+its name and dtype and its first 16 elements (a different checkpoint differs there in practice; a
 full hash of the weights would cost seconds per GB at every start). What it does not see: two
-checkpoints that agree on every sampled byte, or a tokenizer change (the gateway tokenizes).
+checkpoints that agree on every sampled element, or a tokenizer change (the gateway tokenizes).
+
+A tensor-parallel engine's fingerprint is its rank 0's, and equals the whole model's: rank 0's shard
+of every tensor starts where the tensor does (its first rows; a row-parallel weight's first row's
+first columns: at least 16 in any real model), and its shape is not hashed. So a prefill worker of
+two ranks and a decode worker of one agree (workers/kv/shared_cache.py).
 """
 
 from __future__ import annotations
@@ -32,11 +37,9 @@ def model_fingerprint(model_dir: str | None, tensors: Iterable[tuple[str, torch.
             parts.append(f.read())
     with torch.no_grad():
         for name, t in sorted(tensors, key=lambda item: item[0]):
-            parts.append(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-            flat = t.detach().reshape(-1)
-            mid = flat.numel() // 2
-            for piece in (flat[:_SAMPLE_ELEMENTS], flat[mid : mid + _SAMPLE_ELEMENTS]):
-                parts.append(piece.contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            parts.append(f"{name}|{t.dtype}".encode())
+            piece = t.detach().reshape(-1)[:_SAMPLE_ELEMENTS]
+            parts.append(piece.contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return fingerprint_digest(*parts)
 
 

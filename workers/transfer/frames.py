@@ -29,6 +29,7 @@ buffers.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pdserve.workers.kv.shared_cache import ShardedKV
 from pdserve.workers.messages import ChecksumKind, KVTransferHeader
 
 try:
@@ -43,7 +45,9 @@ try:
 except ImportError:  # optional: crc32 is always there
     xxhash = None
 
-KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V): [num_blocks, block_size, kv_heads, head_dim]
+# Per layer (K, V): [num_blocks, block_size, kv_heads, head_dim]; or a tensor-parallel engine's
+# ranks' caches, which move as the full model's heads (workers/kv/shared_cache.py).
+KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]] | ShardedKV
 
 # Only these names are accepted from a peer: a dtype string never reaches getattr(torch, ...).
 DTYPES: dict[str, torch.dtype] = {
@@ -68,6 +72,10 @@ class CacheGeometry:
 
     @staticmethod
     def of(kv_caches: KVCaches) -> CacheGeometry:
+        if isinstance(kv_caches, ShardedKV):
+            geometry = CacheGeometry.of(kv_caches.ranks[0])
+            nb, bs, h, d = kv_caches.block_shape()
+            return dataclasses.replace(geometry, block_shape=(bs, h, d))
         if not kv_caches:
             raise ValueError("kv_caches: empty")
         k0 = kv_caches[0][0]
@@ -113,6 +121,8 @@ def gather(kv_caches: KVCaches, layer: int, block_ids: Sequence[int],
     memory: a fresh 16 MB buffer per message costs ~4k page faults); None allocates one.
     The frames are flat uint8 views of it: K blocks then V blocks, each [n, bs, kv_heads, head_dim].
     """
+    if isinstance(kv_caches, ShardedKV):
+        return _gather_sharded(kv_caches, layer, block_ids, out)
     k, v = kv_caches[layer]
     n = len(block_ids)
     per = n * k[0].numel() * k.element_size()
@@ -123,12 +133,27 @@ def gather(kv_caches: KVCaches, layer: int, block_ids: Sequence[int],
     return out[:per].numpy(), out[per : 2 * per].numpy()
 
 
+def _gather_sharded(kv: ShardedKV, layer: int, block_ids: Sequence[int],
+                    out: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+    """`gather` of a tensor-parallel engine's ranks' caches: each frame holds the full heads."""
+    geometry = CacheGeometry.of(kv)
+    n, per = len(block_ids), len(block_ids) * geometry.block_bytes
+    if out is None:
+        out = torch.empty(2 * per, dtype=torch.uint8)
+    k_out, v_out = (out[i * per : (i + 1) * per].view(geometry.dtype).view(n, *geometry.block_shape) for i in (0, 1))
+    kv.gather_into(layer, block_ids, k_out, v_out)
+    return out[:per].numpy(), out[per : 2 * per].numpy()
+
+
 def cache_frames(kv_caches: KVCaches, layer: int, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:
     """K and V of `block_ids` of `layer` as flat uint8 views of the cache itself, or None when that
-    would need a copy (a device cache, or ids that are not consecutive: then `gather`).
+    would need a copy (a device cache, ids that are not consecutive, the ranks' caches of a
+    tensor-parallel engine: then `gather`).
 
     The views alias the cache: whoever sends them must not let the blocks change until they are sent.
     """
+    if isinstance(kv_caches, ShardedKV):
+        return None
     k, v = kv_caches[layer]
     if k.device.type != "cpu" or not _is_run(block_ids):
         return None
@@ -262,8 +287,14 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
     Device copies are queued on this thread's current stream and not waited for: the caller orders what
     reads the blocks (or reuses the frames) after them (the ledger, with `streams`).
     """
-    k, v = kv_caches[layer]
     ids = list(dst_block_ids)
+    if isinstance(kv_caches, ShardedKV):
+        bs, h, d = geometry.block_shape
+        k_src, v_src = (_frame_bytes(f).reshape(len(ids), bs, h, d * geometry.dtype.itemsize)
+                        for f in (k_frame, v_frame))
+        kv_caches.scatter_from(layer, ids, k_src, v_src)
+        return
+    k, v = kv_caches[layer]
     for cache, frame in ((k, k_frame), (v, v_frame)):
         if isinstance(frame, torch.Tensor) and frame.device.type == "cpu":
             frame = frame.numpy()
@@ -279,6 +310,14 @@ def scatter(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, dst_block_
         else:
             src = torch.frombuffer(frame, dtype=torch.uint8).view(geometry.dtype)
             _place(cache, ids, src.view(len(ids), *geometry.block_shape).to(cache.device))
+
+
+def _frame_bytes(frame: object) -> np.ndarray:
+    """A frame's bytes as a flat uint8 array (no copy of a host buffer; a device tensor is copied)."""
+    if isinstance(frame, torch.Tensor):
+        return frame.cpu().reshape(-1).view(torch.uint8).numpy()
+    out: np.ndarray = np.frombuffer(frame, dtype=np.uint8)  # type: ignore[call-overload]
+    return out
 
 
 def select_into(cache: torch.Tensor, block_ids: Sequence[int], dst: torch.Tensor) -> None:

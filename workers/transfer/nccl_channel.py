@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pdserve.workers.kv.shared_cache import ShardedKV
 from pdserve.workers.messages import KVTransferHeader
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
@@ -176,6 +177,10 @@ def gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: 
     `index_select(out=)` straight into staging (NCCL: on the device; gloo: into host memory)."""
     n = len(block_ids)
     per = frames.frame_bytes(geometry, n) // 2
+    if isinstance(kv_caches, ShardedKV):  # a tensor-parallel engine's ranks: full heads, interleaved
+        k, v = (staging[i * per : (i + 1) * per].view(geometry.dtype).view(n, *geometry.block_shape) for i in (0, 1))
+        kv_caches.gather_into(layer, block_ids, k, v)
+        return staging[: 2 * per]
     for i, cache in enumerate(kv_caches[layer]):
         dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
         frames.select_into(cache, block_ids, dst)

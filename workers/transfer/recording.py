@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pdserve.workers.transfer.base import KVSender, TransferError
-from pdserve.workers.transfer.frames import KVCaches
+from pdserve.workers.transfer.frames import CacheGeometry, KVCaches
 
 
 class TransferRecorder(Protocol):
@@ -46,8 +46,9 @@ class RecordingSender(KVSender):
     def __init__(self, inner: KVSender, kv_caches: KVCaches, recorder: TransferRecorder) -> None:
         self.inner = inner
         self.recorder = recorder
-        # K + V bytes of one block, per layer: [num_blocks, block_size, kv_heads, head_dim] each.
-        self._block_bytes = [k[0].numel() * k.element_size() + v[0].numel() * v.element_size() for k, v in kv_caches]
+        # K + V bytes of one block, per layer (every layer alike: CacheGeometry checks it).
+        geometry = CacheGeometry.of(kv_caches)
+        self._block_bytes = [2 * geometry.block_bytes] * geometry.num_layers
         self._lock = threading.Lock()
         self._open: dict[str, _Handoff] = {}
 
