@@ -68,7 +68,8 @@ class _Service:
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, dtype=_dtype_name(self.engine),
-                          pid=os.getpid(), fixed_cpu_threads=_fixed_cpu_threads(self.engine, self.async_engine))
+                          pid=os.getpid(), fixed_cpu_threads=_fixed_cpu_threads(self.engine, self.async_engine),
+                          tensor_parallel_size=self.engine.tp.size)
 
     async def abort(self, request_id: str, attempt: int | None = None) -> None:
         """End the request here (only its try `attempt` or an earlier one, when given)."""
@@ -205,9 +206,7 @@ class WorkerService(_Service):
         return self.role.receiver
 
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, self.role.kv_address,
-                          self.role.role, _dtype_name(self.engine), os.getpid(),
-                          _fixed_cpu_threads(self.engine, self.async_engine))
+        return dataclasses.replace(await super().info(), kv_address=self.role.kv_address, role=self.role.role)
 
     def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
         role, switching, epoch = self.switcher.status

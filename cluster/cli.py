@@ -51,8 +51,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=UNSET,
-                   help="split the model over this many ranks, processes the engine starts (CPU; `pdserve generate` "
-                        "only so far: docs/tensor-parallel.md)")
+                   help="split the model over this many ranks, processes each engine starts (CPU, gloo and shared "
+                        "memory, so far: docs/tensor-parallel.md); `serve` takes --prefill-tp/--decode-tp per pool")
     p.add_argument("--speculative", default=UNSET,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
@@ -288,6 +288,11 @@ def _pool_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--mode", default=UNSET, help="disaggregated (default) or colocated (the baseline)")
     g.add_argument("--prefill", type=int, default=UNSET, help="prefill workers (disaggregated; default 1)")
     g.add_argument("--decode", type=int, default=UNSET, help="decode workers (disaggregated; default 1)")
+    g.add_argument("--prefill-tp", type=int, default=UNSET,
+                   help="tensor-parallel ranks of each prefill worker (disaggregated; default: "
+                        "--tensor-parallel-size); KV crosses to decode workers of another size re-sharded by head")
+    g.add_argument("--decode-tp", type=int, default=UNSET,
+                   help="tensor-parallel ranks of each decode worker (disaggregated; default: --tensor-parallel-size)")
     g.add_argument("--workers", type=int, default=UNSET,
                    help="colocated workers, each prefilling and decoding (default: one per GPU in the cluster, "
                         "else one on the CPU's cores; a small model's leaves one of them to the gateway)")

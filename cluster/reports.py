@@ -23,6 +23,7 @@ class WorkerInfo:
     # Torch threads of a CPU engine with a fixed share of the node's cores (split sharing);
     # 0 on a GPU, or where its engines lend cores or take turns at them (they need them all).
     fixed_cpu_threads: int = 0
+    tensor_parallel_size: int = 1  # its engine's ranks (processes it started: workers/tp_group.py)
 
 
 @dataclass(frozen=True)

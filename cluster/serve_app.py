@@ -20,10 +20,11 @@ from pdserve.cluster.ingress import check_ray_template, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
-from pdserve.cluster.placement import COLOCATED_PLANE_CORES, with_resources, worker_share
+from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import lending_dir
 from pdserve.workers.cpu_turns import turns_path
 
@@ -155,25 +156,38 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
     opts = share.options | {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
 
-    def make(actor_cls: Any, name: str, resources: dict[str, float] | None, *args: Any, **kwargs: Any) -> Any:
+    def make(actor_cls: Any, name: str, pool: str, resources: dict[str, float] | None, *args: Any,
+             **kwargs: Any) -> Any:
         # The actor's name is also its `worker` label in the metrics.
+        pool_engine, threads = _pool_engine(engine, share, cfg.pool_tp(pool))
         return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
                                  **with_resources(opts, resources)).remote(
-            engine, share.threads, *args, worker_name=name, exit_on_engine_death=True,
+            pool_engine, threads, *args, worker_name=name, exit_on_engine_death=True,
             cluster_secret=cfg.cluster_secret, **kwargs)
 
     if cfg.mode is ServingMode.DISAGGREGATED:
         # Each worker gets the other role's settings too: it may be switched to it (cluster/role_switch.py).
-        workers = [make(PrefillWorkerActor, n, cfg.prefill_resources, cfg.transport, cfg.transfer_timeout,
+        workers = [make(PrefillWorkerActor, n, "prefill", cfg.prefill_resources, cfg.transport, cfg.transfer_timeout,
                         kv_host=cfg.kv_host, on_kv_failure=cfg.kv_failure_policy,
                         prefill_timeout_s=cfg.prefill_timeout) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, cfg.decode_resources, cfg.kv_host, cfg.transport,
+        workers += [make(DecodeWorkerActor, n, "decode", cfg.decode_resources, cfg.kv_host, cfg.transport,
                          cfg.kv_failure_policy, cfg.prefill_timeout, transfer_timeout_s=cfg.transfer_timeout)
                     for n in cfg.decode_names()]
     else:
-        workers = [make(EngineWorkerActor, n, cfg.worker_resources) for n in cfg.worker_names()]
+        workers = [make(EngineWorkerActor, n, "worker", cfg.worker_resources) for n in cfg.worker_names()]
     ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     return workers
+
+
+def _pool_engine(engine: EngineConfig, share: WorkerShare, tp: int) -> tuple[EngineConfig, int]:
+    """A pool's engine config and torch threads: its tensor-parallel size; a tensor-parallel
+    worker's ranks split the pool's share of the cores (they neither lend them nor take turns:
+    every rank steps at once), so it steps on the split share."""
+    if tp == 1:
+        return engine, share.threads
+    split = dataclasses.replace(engine, tensor_parallel_size=tp, cpu_turns=None, cpu_lending=None,
+                                cpu_lending_min_weight_bytes=0, cpu_split_threads=0)
+    return split, share.split_threads or share.threads
 
 
 def build_gateway_app(cfg: ServeConfig) -> Any:

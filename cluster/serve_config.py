@@ -139,6 +139,11 @@ class ServeConfig:
     # the node's Ray address; or an IPv4 address. Keep it on a private network.
     kv_host: Annotated[str | None, BeforeValidator(check_kv_host)] = None
     kv_failure_policy: Annotated[KVFailurePolicy, ByValue] = KVFailurePolicy.RECOMPUTE
+    # Tensor-parallel ranks of each prefill / decode worker (vLLM's --tensor-parallel-size per
+    # pool, SGLang's per-pool --tp); None: the engine's tensor_parallel_size. Disaggregated only.
+    # KV crosses between sizes re-sharded by head (workers/kv/shared_cache.py). CPU only so far.
+    prefill_tp: PositiveInt | None = None
+    decode_tp: PositiveInt | None = None
     # Ray custom resources each actor of a pool requires, to put the pool on the nodes
     # that offer them (cluster/placement.py); None: any node. Worker: colocated workers.
     prefill_resources: dict[str, float] | None = field(default=None, hash=False)
@@ -226,6 +231,16 @@ class ServeConfig:
         for name, mode in pools.items():
             if getattr(self, name) is not None and self.mode is not mode:
                 raise ValueError(f"{name}: {mode.value} mode only (this config is {self.mode.value})")
+        for name in ("prefill_tp", "decode_tp"):
+            if getattr(self, name) is not None and self.mode is not ServingMode.DISAGGREGATED:
+                raise ValueError(f"{name}: disaggregated mode only; a colocated worker takes tensor_parallel_size")
+        if max(self.pool_tp(pool) for pool in ("prefill", "decode")) > 1:
+            if self.cpu_sharing in (CpuSharing.TURNS, CpuSharing.LEND):
+                raise ValueError(f"cpu_sharing: {self.cpu_sharing.value} does not apply to tensor-parallel workers "
+                                 "(their ranks step on a split share of the cores): use split or auto")
+            if self.engine.device.startswith("cuda"):
+                raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far; NCCL across GPUs is "
+                                 "not built yet (docs/tensor-parallel.md)")
         if self.ingress is Ingress.HAPROXY:
             named = [(name, getattr(self, name)) for name in
                      ("port", "haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port")]
@@ -346,6 +361,11 @@ class ServeConfig:
             raise ValueError(f"rank: a replica of {n} is 0..{n - 1}, got {rank}")
         return self.max_in_flight // n + (rank < self.max_in_flight % n)
 
+    def pool_tp(self, pool: str) -> int:
+        """Tensor-parallel ranks of a worker of `pool` ("prefill", "decode" or "worker": colocated)."""
+        own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(pool)
+        return own if own is not None else self.engine.tensor_parallel_size
+
     def prefill_names(self) -> list[str]:
         return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]
 
@@ -375,11 +395,6 @@ def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
             if name in settings:
                 raise ValueError(f"{name}: disaggregated mode only; a colocated cluster takes workers "
                                  "(--workers N; default: one per GPU, else one)")
-    if int(settings.get("tensor_parallel_size", 1)) > 1:
-        # The offline engine splits a model over torch.distributed's ranks; a served worker
-        # does not start its ranks yet (issue 50).
-        raise ValueError("tensor_parallel_size: more than 1 is not served yet (served workers are one device "
-                         "each); the offline engine takes it: `pdserve generate -tp N`, LLM(tensor_parallel_size=N)")
     serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
     return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
 

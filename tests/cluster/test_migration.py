@@ -185,6 +185,37 @@ def test_decode_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
     assert actors["d1"].service.receiver.num_registered == 0
 
 
+def test_a_decode_worker_that_loses_a_tensor_parallel_rank_loses_nothing(model_dir: Path) -> None:
+    """d0 runs two tensor-parallel ranks (its KV re-sharded from a one-rank prefill worker); its
+    second rank's process is killed mid-stream: d0's next step fails, its engine dies and the
+    worker goes as a whole (under Ray its process exits, `_exit_soon`); each of its requests
+    goes on on d1 from what its client has. Outputs equal a fault-free run; nothing is left."""
+    base = config(model_dir)
+    services: dict[str, Any] = {"p0": PrefillService(base, 1),
+                                "d0": DecodeService(replace(base, tensor_parallel_size=2), 2, "127.0.0.1"),
+                                "d1": DecodeService(base, 1, "127.0.0.1")}
+    _services.extend(services.values())
+    actors = {k: MortalActor(v) for k, v in services.items()}
+    router = Router(RouterConfig(local_prefill_threshold_tokens=0), BS)
+    backend = DisaggregatedBackend({"p0": actors["p0"]}, {k: actors[k] for k in ("d0", "d1")}, router, poll_s=0.01)
+    rank = services["d0"].engine.tp_group.procs[0]
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+
+    def kill_rank() -> None:
+        loop = asyncio.get_running_loop()
+        services["d0"].async_engine.on_dead = lambda error: loop.call_soon_threadsafe(actors["d0"].kill)
+        rank.kill()  # a process this test's worker started, by its handle
+
+    got = asyncio.run(stream_all(backend, params, kill_rank, after_tokens=60))
+    assert rank.poll() is not None and services["d0"].async_engine.error is not None
+    assert got == offline(model_dir, params)
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.resumed_tokens > 0
+    for name in ("p0", "d1"):
+        engine = actors[name].service.engine
+        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert not engine.has_unfinished_requests()
+
+
 NAMED = {"type": "object", "properties": {"name": {"type": "string", "minLength": 12, "maxLength": 24},
                                           "id": {"type": "integer", "minimum": 100000, "maximum": 999999}},
          "required": ["name", "id"], "additionalProperties": False}

@@ -236,6 +236,7 @@ print(json.dumps({
     "nodes": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
     "prefill": actors.get("pdserve-prefill-0"), "decode": actors.get("pdserve-decode-0"), "gateway": gateway,
     "kv_address": ray.get(decode.info.remote()).kv_address,
+    "tp": [ray.get(w.info.remote()).tensor_parallel_size for w in (prefill, decode)],
     "prefill_computed": ray.get(prefill.load.remote()).snapshot.prompt_tokens_computed,
     "decode_computed": ray.get(decode.load.remote()).snapshot.prompt_tokens_computed,
 }))
@@ -261,7 +262,7 @@ def _wait_ready(url: str, alive: Callable[[], bool], log: Callable[[], str]) -> 
     raise AssertionError(f"no answer from {url} within {START_S} s:\n{log()}")
 
 
-def _check_served(url: str, model: str, expected: list[str], nodes: TwoNodes) -> None:
+def _check_served(url: str, model: str, expected: list[str], nodes: TwoNodes, tp: tuple[int, int] = (1, 1)) -> None:
     with httpx.Client(base_url=url, timeout=60) as client:
         for prompt, want in zip(PROMPTS, expected):
             r = client.post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": MAX_TOKENS,
@@ -274,6 +275,7 @@ def _check_served(url: str, model: str, expected: list[str], nodes: TwoNodes) ->
     # The decode worker's KV receiver listens on its node's address, which the prefill worker reached.
     assert seen["kv_address"].startswith(f"tcp://{nodes.node_ip}:")
     assert seen["prefill_computed"] > 60 and seen["decode_computed"] == 0, seen
+    assert tuple(seen["tp"]) == tp  # (prefill, decode) ranks: the KV crossed re-sharded when they differ
 
 
 def _log_tail(path: Path, nodes: TwoNodes) -> Callable[[], str]:
@@ -286,9 +288,12 @@ def _log_tail(path: Path, nodes: TwoNodes) -> Callable[[], str]:
 
 def test_pdserve_serve_puts_prefill_and_decode_on_two_nodes(two_nodes: TwoNodes, model_dir: Path,
                                                           expected: list[str]) -> None:
-    """`pdserve serve` joining the cluster (RAY_ADDRESS), kv_host left to pdserve."""
+    """`pdserve serve` joining the cluster (RAY_ADDRESS), kv_host left to pdserve; the prefill
+    worker runs two tensor-parallel ranks (`--prefill-tp 2`), the decode worker one: the KV
+    crosses nodes as the whole model's heads, and greedy output equals the one-rank engine's."""
     port = free_ports(1)[0]
     args = [str(BIN / "pdserve"), "serve", "--model", str(model_dir), "--port", str(port), "--enforce-eager",
+            "--prefill-tp", "2",
             *[a for name, value in POOLS.items() for a in (f"--{name.replace('_', '-')}", json.dumps(value))],
             *[a for name, value in ENGINE.items() for a in (f"--{name.replace('_', '-')}", str(value))]]
     log = two_nodes.run_dir / "pdserve.log"
@@ -298,7 +303,7 @@ def test_pdserve_serve_puts_prefill_and_decode_on_two_nodes(two_nodes: TwoNodes,
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_ready(url, lambda: proc.poll() is None, _log_tail(log, two_nodes))
-        _check_served(url, model_dir.name, expected, two_nodes)
+        _check_served(url, model_dir.name, expected, two_nodes, tp=(2, 1))
     finally:
         proc.send_signal(signal.SIGINT)  # pdserve serve stops its workers and Serve on Ctrl-C
         try:
