@@ -25,6 +25,7 @@ from pdserve.workers.tiny.builder import Arch, TinyModelSpec
 from pdserve.workers.transfer import frames
 from pdserve.workers.transfer.frames import CacheGeometry
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
+from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender
 from pdserve.workers.transfer.zmq_backend import ZmqKVReceiver, ZmqKVSender
 
 CASES = {
@@ -126,9 +127,11 @@ def _pair(model_dir: Path, p_tp: int, d_tp: int, transport: str, **kw: Any) -> t
     if transport == "inprocess":
         receiver = InProcessReceiver(d_engine.transfer_kv)
         sender: Any = InProcessSender(p_engine.transfer_kv, receiver)
-    else:
-        receiver = ZmqKVReceiver(d_engine.transfer_kv)
-        sender = ZmqKVSender(p_engine.transfer_kv, receiver.address)
+    else:  # a network transport: ZeroMQ, or the NCCL backend's pair groups (gloo on CPU caches)
+        receiver_cls, sender_cls = ((ZmqKVReceiver, ZmqKVSender) if transport == "zmq"
+                                    else (NcclKVReceiver, NcclKVSender))
+        receiver = receiver_cls(d_engine.transfer_kv)
+        sender = sender_cls(p_engine.transfer_kv, receiver.address)
         _live.extend([sender, receiver])
     decode = DecodeWorker(d_engine, receiver, KVFailurePolicy.FAIL, prefill_timeout_s=60.0)
     pair = PrefillWorker(p_engine, lambda addr: sender).start(), decode.start()
@@ -136,7 +139,7 @@ def _pair(model_dir: Path, p_tp: int, d_tp: int, transport: str, **kw: Any) -> t
     return pair
 
 
-@pytest.mark.parametrize("p_tp, d_tp, transport", [(2, 1, "zmq"), (1, 2, "zmq"), (2, 1, "inprocess")])
+@pytest.mark.parametrize("p_tp, d_tp, transport", [(2, 1, "zmq"), (1, 2, "zmq"), (2, 1, "inprocess"), (1, 2, "gloo")])
 def test_prefill_and_decode_of_different_tensor_parallel_sizes_decode_as_one_rank(
         model_dir: Path, p_tp: int, d_tp: int, transport: str) -> None:
     """P TP=p -> D TP=d over the transfer, n-gram speculation on the decode side: greedy tokens equal
