@@ -104,6 +104,7 @@ class LLMEngine:
                                              self.max_model_len, quantization)
         self.tp = self.tp_group.tp if self.tp_group is not None else TensorParallel.from_world(
             config.tensor_parallel_size)
+        self.full_model_config = full_config  # the whole model's (what a KV transfer moves, a profile reports)
         self.model_config = shard_config(full_config, self.tp)
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")

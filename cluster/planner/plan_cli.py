@@ -19,7 +19,8 @@ DESCRIPTION = """\
 Size the pools from SLOs: simulate every configuration (N colocated, or P prefill +
 D decode) on the workload through a profile from `pdserve profile`, and print those
 that meet the SLOs at a rate with the fewest workers (--rate), or every split of a
-number of workers with its goodput (--gpus).
+number of workers with its goodput (--gpus). With a profile per tensor-parallel size
+(--profile again), the counts are devices and pools of different sizes are compared.
 Example:
   pdserve plan --profile profile.json --slo ttft:500 tpot:50 --rate 4 \\
       --input-len 1024 --output-len 128 --num-requests 300
@@ -39,14 +40,18 @@ def _positive(kind: type) -> Any:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--profile", required=True, help="a profile JSON written by `pdserve profile`")
+    p.add_argument("--profile", required=True, action="append",
+                   help="a profile JSON written by `pdserve profile`; again for each tensor-parallel size to "
+                        "consider (`pdserve profile -tp N`): the counts are then devices, and every split of them "
+                        "into pools of these sizes is a candidate")
     p.add_argument("--slo", nargs="+", required=True, metavar="KEY:MS",
                    help="SLOs in ms, e.g. ttft:500 tpot:50 [e2e:MS] (the syntax of bench's --goodput)")
     q = p.add_mutually_exclusive_group(required=True)
     q.add_argument("--rate", type=_positive(float),
                    help="requests/s to serve: the configurations meeting the SLOs with the fewest workers")
     q.add_argument("--gpus", type=_positive(int), metavar="N",
-                   help="workers to use: the goodput of N colocated and of every P+D = N")
+                   help="workers to use (devices, with profiles of several tensor-parallel sizes): the goodput of "
+                        "N colocated and of every P+D = N")
     p.add_argument("--config", default=None, metavar="1P+1D|N",
                    help="with --rate: simulate this one configuration (P+D, or N colocated) and print the "
                         "summary `pdserve bench` prints, for comparing with a measured run")
@@ -94,23 +99,40 @@ def _bench_config(a: argparse.Namespace) -> Any:
 def build_planner(a: argparse.Namespace) -> Any:
     from pdserve.cluster.bench.metrics import SLO
     from pdserve.cluster.planner.planner import Planner
-    from pdserve.cluster.planner.profile import Profile
     from pdserve.cluster.planner.sim_workload import Workload
     from pdserve.cluster.planner.simulator import engine_settings
     from pdserve.cluster.router.policy import RoutingPolicy
 
-    try:
-        profile = Profile.load(a.profile)
-    except FileNotFoundError:
-        raise ValueError(f"profile {a.profile}: no such file") from None
-    except ValueError as e:
-        raise ValueError(f"profile {a.profile}: {e}") from None
-    _warn_fit(profile)
-    engine = engine_settings(profile, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                             num_kv_blocks=a.num_kv_blocks, block_size=a.kv_block_size)
+    profiles = [_load(path) for path in a.profile]
+    by_tp: dict[int, Any] = {}
+    for path, profile in zip(a.profile, profiles, strict=True):
+        size = profile.engine.tensor_parallel_size
+        if size in by_tp:
+            raise ValueError(f"profile {path}: a second profile of workers of {size} tensor-parallel rank(s); "
+                             "give one a size")
+        if profile.model.get("path") != profiles[0].model.get("path"):
+            raise ValueError(f"profile {path}: of model {profile.model.get('path')!r}, not the first profile's "
+                             f"{profiles[0].model.get('path')!r}")
+        _warn_fit(profile)
+        by_tp[size] = profile
+    pools = {size: (p.costs(), engine_settings(
+        p, max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+        num_kv_blocks=a.num_kv_blocks, block_size=a.kv_block_size)) for size, p in by_tp.items()}
+    costs, engine = pools[min(pools)]
     workload = Workload.build(_bench_config(a), engine.block_size)
-    return Planner(profile.costs(), engine, workload, SLO.parse(a.slo), a.attainment,
-                   RoutingPolicy(a.router_policy), a.max_in_flight, a.colocated, a.dispatch_ms / 1000)
+    return Planner(costs, engine, workload, SLO.parse(a.slo), a.attainment, RoutingPolicy(a.router_policy),
+                   a.max_in_flight, a.colocated, a.dispatch_ms / 1000, pools)
+
+
+def _load(path: str) -> Any:
+    from pdserve.cluster.planner.profile import Profile
+
+    try:
+        return Profile.load(path)
+    except FileNotFoundError:
+        raise ValueError(f"profile {path}: no such file") from None
+    except ValueError as e:
+        raise ValueError(f"profile {path}: {e}") from None
 
 
 def _warn_fit(profile: Any) -> None:
@@ -134,36 +156,44 @@ def _header(planner: Any, what: str) -> str:
            f"requests"
 
 
-_COLUMNS = f"{'config':<14}{'workers':>8}{'attain':>8}  {'TTFT p50':>9}{'p90':>9}{'p99':>9}  " \
-           f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}  (ms)"
+def _unit(planner: Any) -> str:
+    """What the counts are: workers, or devices once a pool's workers span several ranks."""
+    return "devices" if max(planner.sizes) > 1 else "workers"
+
+
+def _columns(unit: str) -> str:
+    return (f"{'config':<16}{unit:>8}{'attain':>8}  {'TTFT p50':>9}{'p90':>9}{'p99':>9}  "
+            f"{'TPOT p50':>9}{'p90':>8}{'p99':>8}  (ms)")
 
 
 def _row(e: Any, mark: str = "") -> str:
     t, p = e.ttft_s, e.tpot_s
-    return (f"{e.shape.label:<14}{e.shape.num_workers:>8}{e.attainment:>8.1%}  {_ms(t[0]):>9}{_ms(t[1]):>9}"
+    return (f"{e.shape.label:<16}{e.shape.devices:>8}{e.attainment:>8.1%}  {_ms(t[0]):>9}{_ms(t[1]):>9}"
             f"{_ms(t[2]):>9}  {_ms(p[0]):>9}{_ms(p[1]):>8}{_ms(p[2]):>8}  {mark}")
 
 
 def print_rate_plan(planner: Any, plan: Any, out: TextIO) -> None:
+    unit = _unit(planner)
     print(_header(planner, f"{plan.rate:g} req/s"), file=out)
-    print(_COLUMNS, file=out)
+    print(_columns(unit), file=out)
     best = {id(e) for e in plan.best}
     for e in plan.evaluated:
-        print(_row(e, "<- meets, fewest workers" if id(e) in best else ("meets" if e.meets else "")), file=out)
+        print(_row(e, f"<- meets, fewest {unit}" if id(e) in best else ("meets" if e.meets else "")), file=out)
     if plan.best:
         print(f"best: {plan.best[0].shape.label}", file=out)
     else:
-        n = max((e.shape.num_workers for e in plan.evaluated), default=0)
-        print(f"no configuration of up to {n} workers meets the SLOs at {plan.rate:g} req/s", file=out)
+        n = max((e.shape.devices for e in plan.evaluated), default=0)
+        print(f"no configuration of up to {n} {unit} meets the SLOs at {plan.rate:g} req/s", file=out)
 
 
 def print_goodputs(planner: Any, n: int, found: list[Any], out: TextIO) -> None:
-    print(_header(planner, f"{n} workers"), file=out)
-    print(f"{'goodput':>10}  " + _COLUMNS.replace("attain", "attain"), file=out)
+    unit = _unit(planner)
+    print(_header(planner, f"{n} {unit}"), file=out)
+    print(f"{'goodput':>10}  " + _columns(unit), file=out)
     for g in found:
         rate = "-" if g.rate is None else f"{g.rate:.3g}{'' if g.bounded else '+'}"
         if g.at_goodput is None:
-            print(f"{rate:>10}  {g.shape.label:<14}{g.shape.num_workers:>8}  misses the SLOs at every rate tried",
+            print(f"{rate:>10}  {g.shape.label:<16}{g.shape.devices:>8}  misses the SLOs at every rate tried",
                   file=out)
         else:
             print(f"{rate:>10}  " + _row(g.at_goodput), file=out)

@@ -9,13 +9,19 @@ Two questions, both answered by `simulate` on the bench's own workload:
   for_workers(n)   DistServe's goodput (the highest rate with attainment >= target) of
                    n colocated and of every P+D = n, best first.
 
+With profiles of workers of several tensor-parallel sizes (`pools`), a worker of N ranks
+counts N devices, and the counts above are devices: every split of n devices into
+prefill workers of one size and decode workers of another (the same or not), and into
+colocated workers of each size, is a candidate.
+
 Nothing here reads flags or prints: plan_cli.py does.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 from pdserve.cluster.bench.metrics import SLO
 from pdserve.cluster.bench.sweep import DISTSERVE_TARGET
@@ -44,9 +50,11 @@ class Evaluation:
         def ms(v: tuple[float | None, ...]) -> dict[str, float | None]:
             return {f"p{p}": None if x is None else x * 1000 for p, x in zip((50, 90, 99), v)}
 
-        return {"config": self.shape.label, "workers": self.shape.num_workers,
+        return {"config": self.shape.label, "workers": self.shape.num_workers, "devices": self.shape.devices,
                 "colocated": self.shape.num_colocated, "prefill": self.shape.num_prefill,
-                "decode": self.shape.num_decode, "rate": self.rate, "attainment": self.attainment,
+                "decode": self.shape.num_decode, "prefill_tp": self.shape.prefill_tp,
+                "decode_tp": self.shape.decode_tp, "colocated_tp": self.shape.colocated_tp, "rate": self.rate,
+                "attainment": self.attainment,
                 "ttft_ms": ms(self.ttft_s), "tpot_ms": ms(self.tpot_s), "meets": self.meets}
 
 
@@ -61,7 +69,8 @@ class Goodput:
     points: tuple[tuple[float, float], ...]  # (rate, attainment) simulated on the way
 
     def as_json(self) -> dict[str, object]:
-        return {"config": self.shape.label, "workers": self.shape.num_workers, "goodput_rps": self.rate,
+        return {"config": self.shape.label, "workers": self.shape.num_workers, "devices": self.shape.devices,
+                "goodput_rps": self.rate,
                 "bounded": self.bounded, "at_goodput": self.at_goodput.as_json() if self.at_goodput else None,
                 "points": [list(p) for p in self.points]}
 
@@ -92,12 +101,17 @@ def parse_shape(text: str, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
 
 
 def shapes(n: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
-           colocated: bool = True, dispatch_s: float = 0.0) -> list[ClusterShape]:
-    """Every way to run `n` workers: n colocated, and P prefill + D decode for each P+D = n."""
+           colocated: bool = True, dispatch_s: float = 0.0, sizes: tuple[int, ...] = (1,)) -> list[ClusterShape]:
+    """Every way to run `n` devices on workers of the tensor-parallel `sizes` (one rank each: `n`
+    workers): n / t colocated workers of t ranks, and P prefill workers of a ranks + D decode
+    workers of b ranks for each P * a + D * b = n."""
     if n < 1:
         raise ValueError(f"workers: must be >= 1, got {n}")
-    out = [ClusterShape.colocated(n, max_in_flight, dispatch_s)] if colocated else []
-    out += [ClusterShape.disaggregated(p, n - p, policy, max_in_flight, dispatch_s) for p in range(1, n)]
+    out = [ClusterShape.colocated(n // t, max_in_flight, dispatch_s, tp=t) for t in sizes if colocated and n % t == 0]
+    for a in sizes:
+        for b in sizes:
+            out += [ClusterShape.disaggregated(p, (n - p * a) // b, policy, max_in_flight, dispatch_s, a, b)
+                    for p in range(1, n) if n - p * a >= b and (n - p * a) % b == 0]
     return out
 
 
@@ -112,18 +126,25 @@ class Planner:
     max_in_flight: int = DEFAULT_MAX_IN_FLIGHT
     colocated: bool = True  # colocated configurations are candidates
     dispatch_s: float = 0.0  # ClusterShape.dispatch_s: the gateway's time per request
+    # A worker of each tensor-parallel size the planner may use: its profile's costs and engine
+    # (empty: `costs` and `engine`, one rank).
+    pools: Mapping[int, tuple[CostModel, EngineSettings]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0 < self.target <= 1:
             raise ValueError(f"attainment target: must be in (0, 1], got {self.target}")
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self.pools)) or (1,)
+
     def shapes(self, n: int) -> list[ClusterShape]:
-        return shapes(n, self.policy, self.max_in_flight, self.colocated, self.dispatch_s)
+        return shapes(n, self.policy, self.max_in_flight, self.colocated, self.dispatch_s, self.sizes)
 
     def evaluate(self, shape: ClusterShape, rate: float | None) -> Evaluation:
         """Simulate `shape` on the workload sent at `rate` (None: the workload's own timing)."""
         reqs = self.workload.at_rate(rate)
-        lat = Latencies.of(simulate(self.costs, self.engine, shape, reqs))
+        lat = Latencies.of(simulate(self.costs, self.engine, shape, reqs, self.pools))
         att = lat.attainment(self.slo)
 
         def pct(which: str) -> tuple[float | None, float | None, float | None]:
@@ -133,8 +154,9 @@ class Planner:
         return Evaluation(shape, shown, att, pct("ttft"), pct("tpot"), att >= self.target)
 
     def for_rate(self, rate: float | None, max_workers: int = DEFAULT_MAX_WORKERS) -> RatePlan:
-        """The configurations meeting the SLOs at `rate` with the fewest workers (none found up to
-        `max_workers`: `best` is empty, `evaluated` says how close each came)."""
+        """The configurations meeting the SLOs at `rate` with the fewest workers, or devices with
+        pools of several ranks a worker (none found up to `max_workers`: `best` is empty,
+        `evaluated` says how close each came)."""
         if max_workers < 1:
             raise ValueError(f"max workers: must be >= 1, got {max_workers}")
         evaluated: list[Evaluation] = []
@@ -153,7 +175,7 @@ class Planner:
         return Goodput(shape, search.rate, search.bounded, at, search.points)
 
     def for_workers(self, n: int, start: float | None = None) -> list[Goodput]:
-        """Every configuration of `n` workers with its goodput, the highest first."""
+        """Every configuration of `n` workers (devices) with its goodput, the highest first."""
         first = start if start is not None else self.start_rate(n)
         found = [self.goodput(s, first) for s in self.shapes(n)]
         return sorted(found, key=lambda g: -(g.rate or 0.0))

@@ -130,6 +130,8 @@ class EngineShape:
     dtype: str
     device: str
     enable_prefix_caching: bool = True
+    # The worker's ranks (devices): a profile of a TP=N worker plans it as one worker of N devices.
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

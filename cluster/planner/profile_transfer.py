@@ -37,8 +37,9 @@ LINK_READY_S = 30.0  # the NCCL/gloo pair's group forms within this, or the prof
 
 
 def kv_bytes_per_token(engine: LLMEngine) -> int:
-    """Bytes of K and V, every layer, one token: what a handoff moves per prompt token."""
-    return bytes_per_block(engine.model_config, engine.config.block_size, engine.dtype) // engine.config.block_size
+    """Bytes of K and V, every layer, one token: what a handoff moves per prompt token (every KV
+    head: a tensor-parallel worker's ranks send the whole model's)."""
+    return bytes_per_block(engine.full_model_config, engine.config.block_size, engine.dtype) // engine.config.block_size
 
 
 def transport_classes(transport: Transport) -> tuple[Callable[..., KVSender], Callable[..., KVReceiver]]:
@@ -64,10 +65,10 @@ def measure_transfer(engine: LLMEngine, transport: Transport, tokens: tuple[int,
     secret = ClusterSecret.generate()
     fingerprint = module_fingerprint(engine.model_dir, engine.model)
     sender_cls, receiver_cls = transport_classes(transport)
-    # The decode side's cache: the engine's geometry, a few blocks more than the largest handoff.
-    dst_caches = allocate_kv_caches(engine.model_config, most + 8, bs, engine.dtype, engine.device)
+    # The decode side's cache: a one-rank worker's of the model, a few blocks more than the largest handoff.
+    dst_caches = allocate_kv_caches(engine.full_model_config, most + 8, bs, engine.dtype, engine.device)
     receiver = receiver_cls(dst_caches, bind="tcp://127.0.0.1:*", secret=secret, fingerprint=fingerprint)
-    sender = sender_cls(engine.kv_caches, receiver.address, secret=secret, fingerprint=fingerprint)
+    sender = sender_cls(engine.transfer_kv, receiver.address, secret=secret, fingerprint=fingerprint)
     try:
         wait_ready = getattr(sender, "wait_ready", None)  # the NCCL/gloo pair forms its group first
         if wait_ready is not None and not wait_ready(LINK_READY_S):

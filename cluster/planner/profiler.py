@@ -177,12 +177,12 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
 
 
 def model_info(engine: LLMEngine, name: str | None = None) -> ModelInfo:
-    mc = engine.model_config
+    mc = engine.full_model_config  # the whole model, whatever its ranks hold
     return {"path": engine.model_dir, "name": name or engine.config.model, "architecture": mc.arch,
             "layers": mc.num_layers, "hidden_size": mc.hidden_size, "num_heads": mc.num_heads,
             "num_kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim, "vocab_size": mc.vocab_size,
             "dtype": str(engine.dtype).removeprefix("torch."),
-            "parameters": num_parameters(engine.model)}
+            "parameters": num_parameters(engine.model)}  # rank 0's shard's, of a tensor-parallel worker
 
 
 def engine_shape(engine: LLMEngine, torch_threads: int) -> EngineShape:
@@ -191,7 +191,7 @@ def engine_shape(engine: LLMEngine, torch_threads: int) -> EngineShape:
                        max_num_batched_tokens=cfg.max_num_batched_tokens, num_kv_blocks=engine.num_kv_blocks,
                        max_model_len=engine.max_model_len, torch_threads=torch_threads,
                        dtype=str(engine.dtype).removeprefix("torch."), device=str(engine.device),
-                       enable_prefix_caching=cfg.enable_prefix_caching)
+                       enable_prefix_caching=cfg.enable_prefix_caching, tensor_parallel_size=engine.tp.size)
 
 
 class _Profiler:

@@ -42,12 +42,18 @@ output_len).
 
 `simulate(costs, engine, cluster, requests)` runs one configuration on one list of
 requests and returns a `SimResult`.
+
+Tensor parallelism: a worker of N ranks is one worker of N devices, with the costs and
+engine settings of a profile measured at that size (`pools`: one per size the planner
+has; a pool's workers take theirs). The cluster-wide parts (the link between workers, a
+CPU host's cores) are the first profile's.
 """
 
 from __future__ import annotations
 
 import enum
 import heapq
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -83,6 +89,10 @@ class ClusterShape:
     # Seconds from a request's send to its landing on the router (HTTP, tokenizing, the
     # gateway's hops): the profile times the workers only. It adds to every TTFT.
     dispatch_s: float = 0.0
+    # Tensor-parallel ranks (devices) of each worker of a pool.
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    colocated_tp: int = 1
 
     def __post_init__(self) -> None:
         if min(self.num_prefill, self.num_decode, self.num_colocated) < 0:
@@ -95,17 +105,20 @@ class ClusterShape:
             raise ValueError(f"cluster: max_in_flight must be >= 1, got {self.max_in_flight}")
         if not 0 <= self.dispatch_s < float("inf"):
             raise ValueError(f"cluster: dispatch_s must be finite and >= 0, got {self.dispatch_s}")
+        if min(self.prefill_tp, self.decode_tp, self.colocated_tp) < 1:
+            raise ValueError(f"cluster: tensor-parallel sizes must be >= 1, got {self}")
 
     @classmethod
-    def colocated(cls, n: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
-        return cls(num_colocated=n, max_in_flight=max_in_flight, dispatch_s=dispatch_s)
+    def colocated(cls, n: int, max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0,
+                  tp: int = 1) -> ClusterShape:
+        return cls(num_colocated=n, max_in_flight=max_in_flight, dispatch_s=dispatch_s, colocated_tp=tp)
 
     @classmethod
     def disaggregated(cls, p: int, d: int, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
-                      max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0) -> ClusterShape:
+                      max_in_flight: int = DEFAULT_MAX_IN_FLIGHT, dispatch_s: float = 0.0,
+                      prefill_tp: int = 1, decode_tp: int = 1) -> ClusterShape:
         return cls(num_prefill=p, num_decode=d, router=RouterConfig(policy=policy, max_prefill_backlog_tokens=0),
-                   max_in_flight=max_in_flight,
-                   dispatch_s=dispatch_s)
+                   max_in_flight=max_in_flight, dispatch_s=dispatch_s, prefill_tp=prefill_tp, decode_tp=decode_tp)
 
     @property
     def is_colocated(self) -> bool:
@@ -116,8 +129,24 @@ class ClusterShape:
         return self.num_colocated or self.num_prefill + self.num_decode
 
     @property
+    def devices(self) -> int:
+        """The devices (tensor-parallel ranks) of every worker together."""
+        if self.is_colocated:
+            return self.num_colocated * self.colocated_tp
+        return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
+
+    @property
     def label(self) -> str:
-        return f"{self.num_colocated} colocated" if self.is_colocated else f"{self.num_prefill}P+{self.num_decode}D"
+        """'1P+2D', '2 colocated'; a pool of more than one rank a worker says so: '1P(tp2)+2D'."""
+        def tp(size: int) -> str:
+            return f"(tp{size})" if size > 1 else ""
+
+        if self.is_colocated:
+            return f"{self.num_colocated} colocated{tp(self.colocated_tp)}"
+        return f"{self.num_prefill}P{tp(self.prefill_tp)}+{self.num_decode}D{tp(self.decode_tp)}"
+
+    def tp_of(self, role: WorkerRole) -> int:
+        return {WorkerRole.PREFILL: self.prefill_tp, WorkerRole.DECODE: self.decode_tp}.get(role, self.colocated_tp)
 
 
 def engine_settings(profile: Profile, **overrides: int | float | bool | None) -> EngineSettings:
@@ -169,15 +198,27 @@ class _Handoff:
     sent: int  # prompt tokens whose KV the decode worker has or is being sent (its own cache first)
 
 
+Pools = Mapping[int, tuple[CostModel, EngineSettings]]  # tensor-parallel size -> its profile's costs and engine
+
+
 class _Cluster(Hooks):
-    def __init__(self, costs: CostModel, engine: EngineSettings, shape: ClusterShape) -> None:
+    def __init__(self, costs: CostModel, engine: EngineSettings, shape: ClusterShape, pools: Pools) -> None:
         self.costs, self.engine, self.shape = costs, engine, shape
         if shape.is_colocated:
             specs = [(f"worker-{i}", WorkerRole.BOTH) for i in range(shape.num_colocated)]
         else:
             specs = [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(shape.num_prefill)]
             specs += [(f"decode-{i}", WorkerRole.DECODE) for i in range(shape.num_decode)]
-        self.workers = [SimWorker(wid, role, engine, costs, self) for wid, role in specs]
+
+        def pool(role: WorkerRole) -> tuple[CostModel, EngineSettings]:
+            size = shape.tp_of(role)
+            if size in pools:
+                return pools[size]
+            if size == 1:
+                return costs, engine
+            raise ValueError(f"cluster {shape.label}: no profile of a worker of {size} tensor-parallel ranks")
+
+        self.workers = [SimWorker(wid, role, pool(role)[1], pool(role)[0], self) for wid, role in specs]
         self.by_id = {w.wid: w for w in self.workers}
         self.heap: list[tuple[float, int, int, object]] = []
         self.counter = 0
@@ -340,12 +381,14 @@ class _Cluster(Hooks):
 
 
 def simulate(costs: CostModel, engine: EngineSettings, cluster: ClusterShape,
-             requests: list[SimRequest]) -> SimResult:
+             requests: list[SimRequest], pools: Pools | None = None) -> SimResult:
     """Run `requests` (sent at their `arrival` times) through `cluster`; every request's track.
+    `pools`: the costs and engine of a worker of each tensor-parallel size (default: `costs` and
+    `engine` for one rank, the only size then).
 
     A request that never finishes (e.g. a prompt larger than a worker's KV pool) keeps
     `done` None and counts as failed."""
-    c = _Cluster(costs, engine, cluster)
+    c = _Cluster(costs, engine, cluster, pools or {})
     tracks = [Track(r) for r in requests]
     for r, tr in zip(requests, tracks):
         c.push(r.arrival + cluster.dispatch_s, _Event.ARRIVAL, tr)

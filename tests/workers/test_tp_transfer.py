@@ -174,3 +174,18 @@ def test_a_tensor_parallel_engine_without_shared_caches_refuses_to_transfer(
     assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="private KV caches"):
         _ = llm.engine.transfer_kv
+
+
+def test_a_profile_of_a_tensor_parallel_worker_is_of_the_whole_model(model_dir: Path) -> None:
+    """`pdserve profile -tp 2`'s parts: the engine shape says 2 ranks, the model is the whole
+    model (not rank 0's shard), and its KV handoffs move every head (bytes of a one-rank worker's)."""
+    from pdserve.cluster.planner.profile_transfer import kv_bytes_per_token, measure_transfer
+    from pdserve.cluster.planner.profiler import engine_shape, model_info
+    from pdserve.workers.transfer.base import Transport
+
+    one, two = _llm(model_dir, 1).engine, _llm(model_dir, 2).engine
+    assert engine_shape(two, 1).tensor_parallel_size == 2 and engine_shape(one, 1).tensor_parallel_size == 1
+    assert model_info(two) == model_info(one) | {"parameters": model_info(two)["parameters"]}
+    assert kv_bytes_per_token(two) == kv_bytes_per_token(one)
+    points = measure_transfer(two, Transport.ZMQ, (16, 64), 1, lambda msg: None)
+    assert [p.bytes for p in points] == [16 * kv_bytes_per_token(one), 64 * kv_bytes_per_token(one)]

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sim_factories import synthetic_profile
@@ -12,6 +14,7 @@ from sim_factories import synthetic_profile
 from pdserve.cluster.bench.config import BenchConfig
 from pdserve.cluster.bench.metrics import SLO
 from pdserve.cluster.cli import build_parser, main
+from pdserve.cluster.planner.plan_cli import build_planner
 from pdserve.cluster.planner.planner import Planner, parse_shape, shapes
 from pdserve.cluster.planner.sim_workload import Workload
 from pdserve.cluster.planner.simulator import engine_settings
@@ -151,3 +154,61 @@ def test_plan_table_to_a_stream() -> None:
     buf = io.StringIO()
     print_rate_plan(pl, pl.for_rate(2.0, max_workers=1), buf)
     assert "1 colocated" in buf.getvalue()
+
+
+def _tp2_profile(prefill_speedup: float = 3.0) -> Any:
+    """The synthetic profile as a worker of two ranks would measure it: prefill (compute-bound)
+    `prefill_speedup` times faster, decode as fast, twice the KV blocks."""
+    p = synthetic_profile()
+    return dataclasses.replace(
+        p, engine=dataclasses.replace(p.engine, tensor_parallel_size=2, num_kv_blocks=2 * p.engine.num_kv_blocks),
+        prefill=tuple(dataclasses.replace(q, seconds=q.seconds / prefill_speedup) for q in p.prefill))
+
+
+def _pools() -> dict[int, Any]:
+    return {size: (p.costs(), engine_settings(p)) for size, p in ((1, synthetic_profile()), (2, _tp2_profile()))}
+
+
+def test_with_two_tensor_parallel_sizes_every_split_of_the_devices_is_a_candidate() -> None:
+    """4 devices over workers of 1 or 2 ranks: each candidate uses all 4, every pool size pairing
+    is there, and with one size the candidates are the one-rank splits as before."""
+    found = shapes(4, sizes=(1, 2))
+    assert all(s.devices == 4 for s in found)
+    labels = [s.label for s in found]
+    assert len(labels) == len(set(labels))
+    assert {"4 colocated", "2 colocated(tp2)", "1P+3D", "2P+1D(tp2)", "1P(tp2)+2D", "1P(tp2)+1D(tp2)"} <= set(labels)
+    assert "1P(tp2)+1D" not in labels  # 3 devices
+    assert [s.label for s in shapes(4, sizes=(1,))] == [s.label for s in shapes(4)]
+    assert [s.label for s in shapes(3, sizes=(2,))] == []  # no split of 3 into workers of 2
+
+
+def test_a_pool_of_two_rank_workers_simulates_with_its_own_profile() -> None:
+    """1P(tp2)+1D beside 1P+1D at one rate: the prefill worker of two ranks (its profile 3x faster
+    at prefill) gives a lower TTFT; decode, the same one-rank worker in both, keeps its TPOT."""
+    base = planner(60)
+    pl = dataclasses.replace(base, pools=_pools())
+    one, two = (pl.evaluate(parse_shape("1P+1D"), 4.0),
+                pl.evaluate(dataclasses.replace(parse_shape("1P+1D"), prefill_tp=2), 4.0))
+    assert two.shape.devices == 3 and two.ttft_s[0] is not None and one.ttft_s[0] is not None
+    assert two.ttft_s[0] < 0.6 * one.ttft_s[0]
+    assert one.tpot_s[0] == pytest.approx(two.tpot_s[0], rel=0.1)
+    assert pl.evaluate(parse_shape("1P+1D"), 4.0) == base.evaluate(parse_shape("1P+1D"), 4.0)  # one rank: as before
+
+
+def test_plan_cli_plans_devices_from_a_profile_per_tensor_parallel_size(
+        tmp_path: Path, profile_path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    tp2 = tmp_path / "tp2.json"
+    _tp2_profile().save(tp2)
+    assert main(["plan", "--profile", profile_path, "--profile", str(tp2), *SLO_ARGS, "--gpus", "3", "--json",
+                 "--input-len", "512", "--output-len", "16", "--num-requests", "40"]) in (0, 1)
+    d = json.loads(capsys.readouterr().out)
+    configs = {c["config"]: c for c in d["candidates"]}
+    assert {"3 colocated", "1P+2D", "2P+1D", "1P(tp2)+1D", "1P+1D(tp2)"} == set(configs)
+    assert all(c["devices"] == 3 for c in d["candidates"])
+    main(["plan", "--profile", profile_path, "--profile", str(tp2), *SLO_ARGS, "--gpus", "3",
+          "--input-len", "512", "--output-len", "16", "--num-requests", "40"])
+    out = capsys.readouterr().out
+    assert "3 devices" in out and "1P(tp2)+1D" in out
+    with pytest.raises(ValueError, match="second profile"):
+        build_planner(build_parser().parse_args(["plan", "--profile", profile_path, "--profile", profile_path,
+                                                 *SLO_ARGS, "--gpus", "2"]))
