@@ -318,8 +318,11 @@ def _exit_soon(error: BaseException) -> None:
 
 
 def _fixed_cpu_threads(engine: LLMEngine, async_engine: AsyncEngine) -> int:
-    """The engine's torch threads where they are a fixed share of a CPU node (cluster/cpu_pinning.py)."""
-    return async_engine.torch_threads if engine.device.type == "cpu" and not engine.shares_cores_by_step else 0
+    """The engine's torch threads where they are a fixed share of a CPU node (cluster/cpu_pinning.py):
+    every rank's, for a tensor-parallel engine (each steps on its part of the share)."""
+    if engine.device.type != "cpu" or engine.shares_cores_by_step:
+        return 0
+    return async_engine.torch_threads * engine.tp.size
 
 
 def _dtype_name(engine: LLMEngine) -> str:

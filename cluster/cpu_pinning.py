@@ -84,10 +84,12 @@ def set_affinity(pid: int, cores: frozenset[int], proc: Path = Path("/proc")) ->
 
 
 def apply(pins: Pins, root: int | None = None, proc: Path = Path("/proc")) -> int:
-    """Every decode worker onto its cores; `root` (this process) and every other process below
-    it onto the rest's. Returns how many processes were set."""
+    """Every decode worker, and the processes it started (a tensor-parallel worker's other ranks:
+    workers/tp_group.py), onto its cores; `root` (this process) and every other process below it
+    onto the rest's. Returns how many processes were set."""
     root = os.getpid() if root is None else root
-    return sum(set_affinity(pid, pins.decode.get(pid, pins.rest), proc) for pid in [root, *descendants(root, proc)])
+    where = {pid: cores for worker, cores in pins.decode.items() for pid in (worker, *descendants(worker, proc))}
+    return sum(set_affinity(pid, where.get(pid, pins.rest), proc) for pid in [root, *descendants(root, proc)])
 
 
 def node_cores() -> frozenset[int]:

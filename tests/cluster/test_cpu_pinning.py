@@ -80,3 +80,21 @@ def test_applying_moves_every_thread_below_the_root_and_nothing_else(
     assert _threads_on(outsider.pid) == before  # not below the root
     apply(Pins({}, everything), root.pid)  # and back
     assert _threads_on(grandchild) == _threads_on(root.pid) == {everything}
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_decode_workers_own_processes_share_its_cores(
+        tree: tuple[subprocess.Popen[str], subprocess.Popen[str]]) -> None:
+    """A tensor-parallel decode worker's other ranks are processes it started: they step on its
+    cores, not on the rest's (where they would compete with the serving plane)."""
+    root, _ = tree
+    (rank,) = descendants(root.pid)
+    everything = frozenset(os.sched_getaffinity(0))
+    cores = sorted(everything)
+    # The child plays the decode worker (and the root apply walks from), the grandchild its second rank.
+    pins = Pins({root.pid: frozenset(cores[-1:])}, frozenset(cores[:-1]))
+    try:
+        assert apply(pins, root.pid) == 2
+        assert _threads_on(root.pid) == _threads_on(rank) == {frozenset(cores[-1:])}
+    finally:
+        apply(Pins({}, everything), root.pid)
