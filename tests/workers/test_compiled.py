@@ -106,6 +106,25 @@ def test_compiled_verifies_drafts_exactly(model_dir: Path) -> None:
 
 
 @needs_cxx
+def test_bfloat16_speculation_keeps_the_plain_engines_greedy_tokens(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Compiled, in bfloat16, at batch 1: an n-gram engine (verify steps of k + 1 rows) gives the
+    plain engine's (one-row steps) greedy tokens, as it does in float32. Before one-token steps
+    shared the many-token graph, its own graph's kernels rounded differently and near ties went
+    the other way (this model, `pdserve make-tiny-model`'s: all three prompts differed by the
+    60th token)."""
+    model_dir = make_model(TinyModelSpec())
+    spec = make_llm(model_dir, eager=False, dtype="bfloat16", speculative="ngram", num_speculative_tokens=4)
+    plain = make_llm(model_dir, eager=False, dtype="bfloat16")
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    for prompt in ([11, 12, 13, 14, 15] * 10, list(range(100, 160)), [7, 8, 9] * 20 + [40, 41]):
+        with torch.compiler.set_stance("fail_on_recompile"):
+            got = spec.generate([prompt], params)[0].outputs[0].token_ids
+        assert got == plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert spec.engine.stats.spec_accepted_tokens > 0
+
+
+@needs_cxx
 @pytest.mark.skipif(not packed_linear.supported(torch.bfloat16, torch.device("cpu")),
                     reason="oneDNN does not run bfloat16 on this CPU")
 def test_compiled_bfloat16_with_packed_weights_matches_eager(model_dir: Path) -> None:

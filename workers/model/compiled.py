@@ -12,7 +12,14 @@ and the step's metadata and caches reach that op through a per-thread step
 context instead of as graph inputs. The caches are therefore invisible to the
 compiler: no functionalization copies of a multi-GiB cache, and no recompiles
 when the batch's shape of blocks changes. Only the token count varies between
-graphs (dynamic), with 1 (batch-1 decode) getting its own specialised graph.
+graphs, and it is dynamic for every count, 1 included: dynamo would otherwise give
+a one-token step (batch-1 decode) a graph of its own, whose kernels round
+differently from the many-token graph's, so that in bfloat16 a speculative engine's
+verify step (k + 1 rows) and a plain engine's decode step (1 row) took different
+tokens on near ties. Traced "size-oblivious" (`backed_size_oblivious`: no 0/1
+specialisation), one graph computes a row the same way whatever the row count: the
+n-gram engine's greedy tokens equal the plain engine's in bfloat16 as in float32
+(tests/workers/test_compiled.py), at the same batch-1 speed (docs/speculative.md).
 
 Compilation happens at engine start (`warm_up`), not on a request's time: a
 first start costs tens of seconds on a small CPU, later ones read Inductor's
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.fx.experimental._config as fx_config
 
 from pdserve.kernels.attention import AttentionBackend, paged_attention
 from pdserve.kernels.metadata import AttentionMetadata
@@ -102,6 +110,8 @@ class CompiledForward:
         # fall back to eager after a few.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         self._compiled = torch.compile(self._graph, dynamic=True)
+        # Around every call, not only the warm-up's: a recompile happens inside a call.
+        self._size_oblivious = fx_config.patch(backed_size_oblivious=True)  # type: ignore[attr-defined]
 
     def _graph(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden: torch.Tensor = self.model(input_ids, positions, None, None)
@@ -111,7 +121,8 @@ class CompiledForward:
                  kv_caches: KVCaches) -> torch.Tensor:
         _current.step = _Step(meta, kv_caches, self.backend)
         try:
-            out: torch.Tensor = self._compiled(input_ids, positions)
+            with self._size_oblivious:
+                out: torch.Tensor = self._compiled(input_ids, positions)
             return out
         finally:
             _current.step = None

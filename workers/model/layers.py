@@ -65,11 +65,13 @@ class RotaryEmbedding(nn.Module):
         self.sin = torch.cat((-sin, sin), dim=-1).to(dtype)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-step input of `apply`: cos/sin rows shaped [T, 1, D] to broadcast
-        over heads, or (Triton) the positions themselves."""
+        """Per-step input of `apply`: cos/sin rows [T, D], or (Triton) the positions themselves.
+        No size-1 dimension: a compiled tensor-parallel forward breaks its graph at each all-reduce,
+        and a resumed graph takes these as inputs, every dimension dynamic (compiled.py: no 0/1
+        specialisation), where a dimension of 1 could not broadcast."""
         if self.use_triton:
             return positions, positions
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        return self.cos[positions], self.sin[positions]
 
     def apply(  # type: ignore[override]  # not nn.Module.apply(fn): this module is never walked with it
         self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
@@ -78,7 +80,7 @@ class RotaryEmbedding(nn.Module):
             from pdserve.kernels.triton_rope import apply_rope
 
             return apply_rope(x, cos_sin[0], self.cos, self.sin)
-        cos, sin = cos_sin  # x: [T, heads, D]
+        cos, sin = cos_sin[0].unsqueeze(1), cos_sin[1].unsqueeze(1)  # x: [T, heads, D]; these broadcast over heads
         return torch.addcmul(x * cos, x.roll(self.head_dim // 2, dims=-1), sin)
 
 
