@@ -159,12 +159,11 @@ class LLMEngine:
         self.spec = setup.make_speculator(config, draft, self.dtype, self.device, backend, self.num_kv_blocks,
                                           self.max_model_len, thread_counts)
         self._eos_token_ids = self._eos_ids()
-        # Async scheduling (workers/in_flight.py): the step launched and not yet landed. Not with a
-        # speculator: every step's drafts come from the last one's accepted tokens on the host.
+        # Async scheduling (workers/in_flight.py): the step launched and not yet landed. With a
+        # speculator only while it drafts nothing: drafts come from the last step's accepted tokens
+        # on the host.
         self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else self.device.type == "cuda") and self.spec is None and self.tp_group is None
-        if config.async_scheduling and self.spec is not None:
-            setup.log(config, "async scheduling: off with speculative decoding (drafts need the host's tokens)")
+                                 else self.device.type == "cuda") and self.tp_group is None
         self._in_flight: InFlight | None = None
         self.overlapped_steps = 0  # steps launched while the one before was in flight
         self._aborted_outputs: list[RequestOutput] = []
@@ -471,14 +470,15 @@ class LLMEngine:
         for req in result.sampled:
             if not req.finished:
                 req.num_pending += 1  # its token is read when the step lands
-        return launch_record(sched, result, work, start, chains(result, self.spec is not None), computed_before)
+        drafting = self.spec is not None and not self.spec.dormant(len(self.scheduler.running))
+        return launch_record(sched, result, work, start, chains(result, drafting), computed_before)
 
     def _land(self) -> list[RequestOutput]:
         """The step in flight's tokens on the host: appended, checked, turned into outputs."""
         flight, self._in_flight = self._in_flight, None
         assert flight is not None
         outputs = self._postprocess(flight.landed())
-        self._after_step(flight.sched, flight.work, flight.start)
+        self._after_step(flight.sched, flight.work, flight.start, overlapped=flight.chainable)
         return outputs
 
     def _fault(self, req: Request, why: str) -> None:
@@ -521,10 +521,11 @@ class LLMEngine:
             _record_prompt_logprobs(scored)
         return self._append_samples(result.sampled, result.output) + self._append_verified(result.spec)
 
-    def _after_step(self, sched: SchedulerOutput, work: StepStats, start: float) -> None:
-        """Speculation learns the step's cost and drafts for the next one; observers hear of it."""
+    def _after_step(self, sched: SchedulerOutput, work: StepStats, start: float, overlapped: bool = False) -> None:
+        """Speculation learns the step's cost (not from a step the next overlapped: its time is
+        not its own) and drafts for the next one; observers hear of it."""
         if self.spec is not None:
-            if work.prefill_tokens == 0:
+            if work.prefill_tokens == 0 and not overlapped:
                 self.spec.cost.observe_step(len(sched.scheduled), work.scheduled_tokens, time.perf_counter() - start)
             self.spec.propose(list(self.scheduler.running))
         if self.step_observers:

@@ -17,7 +17,11 @@ N+1 that is computed and dropped; a request whose last token N is known to be
 Only a step whose successor needs nothing of its tokens on the host chains: no drafts to
 verify (the next drafts come from the accepted tokens), no grammar (the next mask needs the
 grammar advanced by the token), no penalties (they count the output tokens). A step with
-any of those is landed before the next is scheduled, as the synchronous engine does.
+any of those is landed before the next is scheduled, as the synchronous engine does. With a
+speculator, a step chains only while it is dormant (more decoding requests than
+`spec_max_batch_size`, or drafts that do not pay): a request with a token in flight drafts
+nothing, so once the batch shrinks the step after lands first, and drafting resumes from
+the tokens on the host.
 """
 
 from __future__ import annotations
@@ -74,9 +78,10 @@ def launch_record(sched: SchedulerOutput, result: StepResult, work: StepStats, s
     return InFlight(sched, result, feed, work, start, chainable, computed_before, ready)
 
 
-def chains(result: StepResult, has_speculator: bool) -> bool:
-    """Whether the step after `result`'s may be launched before it lands (the module's docstring)."""
-    if has_speculator or result.spec:
+def chains(result: StepResult, drafting: bool) -> bool:
+    """Whether the step after `result`'s may be launched before it lands (the module's docstring);
+    `drafting`: the engine's speculator may draft for the next step."""
+    if drafting or result.spec:
         return False
     return all(r.grammar is None and not r.params.has_penalties for r in result.sampled)
 

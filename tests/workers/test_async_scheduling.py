@@ -181,16 +181,24 @@ def test_steps_that_need_their_tokens_on_the_host_land_first(model_dir: Path) ->
     assert overlapped["choice"].outputs[0].text in ("yes please", "no thanks")
 
 
-def test_speculative_decoding_runs_synchronously_with_the_same_tokens(model_dir: Path) -> None:
-    prompt = _prompts([8], seed=5)[0] * 6  # repetitive: the n-gram proposer finds drafts
+def test_speculation_overlaps_while_dormant_and_drafts_when_the_batch_shrinks(model_dir: Path) -> None:
+    """Four requests with the n-gram speculator, drafts only at 2 decoding requests or fewer:
+    while all four decode the speculator is dormant and the steps overlap; as they finish, the
+    step before the first draft lands first and the drafts come from the host's tokens. Tokens
+    equal the synchronous speculative engine's and the plain engine's, token for token."""
+    base = _prompts([8, 6, 9, 7], seed=5)
+    prompts = [p * 6 for p in base]  # repetitive: the n-gram proposer finds drafts
     requests: dict[str, tuple[list[int] | str, SamplingParams]] = {
-        "spec": (prompt, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))}
+        f"r{i}": (p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(prompts, (12, 20, 48, 56)))}
     plain = _run(_engine(model_dir, False), requests)
-    sync, overlapped, engine = _both(model_dir, requests, speculative="ngram", num_speculative_tokens=3)
+    spec = dict(speculative="ngram", num_speculative_tokens=3, spec_max_batch_size=2, spec_token_cost=0.01)
+    sync, overlapped, engine = _both(model_dir, requests, **spec)
     _same(plain, overlapped)
     _same(sync, overlapped)
-    assert not engine.async_scheduling and engine.overlapped_steps == 0
-    assert engine.stats.spec_drafts > 0
+    assert engine.async_scheduling and engine.overlapped_steps > 0
+    assert engine.stats.spec_drafts > 0 and engine.stats.spec_accepted_tokens > 0
+    _free(engine)
 
 
 def test_an_abort_mid_flight_frees_its_blocks_and_leaves_the_rest_unchanged(model_dir: Path) -> None:

@@ -44,6 +44,12 @@ class Speculator:
         # (starting every request at 1 made each one pay for a few rejected full drafts).
         self.acceptance = 1.0
 
+    def dormant(self, batch: int) -> bool:
+        """Whether no request drafts at this many decoding requests (a big batch is compute-bound,
+        or drafts do not pay at the measured price): then a step needs none of the last one's
+        tokens on the host, and async scheduling may launch it before they land."""
+        return batch > self.config.spec_max_batch_size or self.cost.wants_plain_step(batch)
+
     def propose(self, running: list[Request]) -> None:
         """Draft tokens for every decoding request that speculates, for the next step."""
         # Drafts not verified last step (no room for them, or a plain step) are stale:
@@ -52,7 +58,7 @@ class Speculator:
             req.spec_token_ids, req.spec_draft_probs = [], None
         self.proposer.retain({r.request_id for r in running})  # a draft model frees the KV of those that left
         batch = len(running)
-        if batch > self.config.spec_max_batch_size or self.cost.wants_plain_step(batch):
+        if self.dormant(batch):
             return
         price = self.cost.price(batch)
         # Until the price is measured, explore with one draft: at the prior price a
