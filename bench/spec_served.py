@@ -6,9 +6,9 @@ print a piece of code back with one name changed: what it writes is mostly in th
 Per request: decode tokens/s = (completion tokens - 1) / (last token - first token), so the
 prefill and the first token (not speculated) cancel out; medians over `--requests` after one
 warm-up request (whose first verify steps also teach the engine the price of a draft). Also
-whether each request's text equals the plain server's: in float32 it must; in bfloat16 a
-verify step's k+1-row matmuls round differently from a one-row step's, so a near tie can go
-the other way (as in any engine that does not make its kernels batch-invariant).
+whether each request's text equals the plain server's: in float32 it must; in bfloat16 too
+since the compiled forward has one graph for every row count (docs/speculative.md), but for
+oneDNN's one-row GEMM, which still rounds a few layers differently from 2-16 rows.
 
     python bench/spec_served.py --model DIR [--requests 5] [--max-tokens 200] [-- --dtype float32 ...]
 """
