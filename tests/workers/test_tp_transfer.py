@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from factories import handoff_deltas, tiny_spec
+from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
@@ -121,19 +122,21 @@ def test_a_tensor_parallel_engines_ranks_share_their_caches(model_dir: Path) -> 
     assert {f for f in os.listdir("/dev/shm") if f.startswith("pdserve-tpkv-")} == before
 
 
-def _pair(model_dir: Path, p_tp: int, d_tp: int, transport: str, **kw: Any) -> tuple[PrefillWorker, DecodeWorker]:
+def _pair(model_dir: Path, p_tp: int, d_tp: int, transport: str, faults: Faults | None = None,
+          policy: KVFailurePolicy = KVFailurePolicy.FAIL, **kw: Any) -> tuple[PrefillWorker, DecodeWorker]:
     p_engine, d_engine = _llm(model_dir, p_tp, **kw).engine, _llm(model_dir, d_tp, **kw).engine
     receiver: Any
     if transport == "inprocess":
         receiver = InProcessReceiver(d_engine.transfer_kv)
-        sender: Any = InProcessSender(p_engine.transfer_kv, receiver)
+        sender: Any = InProcessSender(p_engine.transfer_kv, receiver, faults)
     else:  # a network transport: ZeroMQ, or the NCCL backend's pair groups (gloo on CPU caches)
         receiver_cls, sender_cls = ((ZmqKVReceiver, ZmqKVSender) if transport == "zmq"
                                     else (NcclKVReceiver, NcclKVSender))
         receiver = receiver_cls(d_engine.transfer_kv)
         sender = sender_cls(p_engine.transfer_kv, receiver.address)
         _live.extend([sender, receiver])
-    decode = DecodeWorker(d_engine, receiver, KVFailurePolicy.FAIL, prefill_timeout_s=60.0)
+    # A lost message shows at the deadline: a few seconds leave time to recompute.
+    decode = DecodeWorker(d_engine, receiver, policy, prefill_timeout_s=60.0 if faults is None else 3.0)
     pair = PrefillWorker(p_engine, lambda addr: sender).start(), decode.start()
     _live[:0] = pair  # closed before their engines
     return pair
@@ -162,6 +165,25 @@ def test_prefill_and_decode_of_different_tensor_parallel_sizes_decode_as_one_ran
             for t, lp in b.items():
                 assert abs(float(a[t]) - float(lp)) < 1e-4
     assert d.engine.stats.spec_accepted_tokens > 0  # drafts were verified over the transferred KV
+    assert p.engine.kv.pool.num_used == 0 and d.engine.kv.pool.num_used == 0
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(2, 1), (1, 2)])
+@pytest.mark.parametrize("fault", ["drop", "corrupt"])
+def test_a_bad_kv_message_between_sizes_is_recomputed_as_one_request(model_dir: Path, p_tp: int, d_tp: int,
+                                                                      fault: str) -> None:
+    """One worker pair, one link, whatever the ranks: a dropped or corrupted layer of the full-head
+    frames fails the transfer as one, the decode worker (on all its ranks) prefills the prompt
+    itself, and its tokens are still one rank's; no block is left on either side."""
+    faults = Faults()
+    getattr(faults, fault)(layer=1)
+    prompt = _prompts(1000)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = _llm(model_dir, 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    p, d = _pair(model_dir, p_tp, d_tp, "inprocess", faults, KVFailurePolicy.RECOMPUTE)
+    got = asyncio.run(handoff_deltas(p, d, "f", prompt, params))
+    assert [t for out in got for t in out.outputs[0].token_ids] == want
+    assert d.num_transfer_failures == 1
     assert p.engine.kv.pool.num_used == 0 and d.engine.kv.pool.num_used == 0
 
 
