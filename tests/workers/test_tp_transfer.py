@@ -47,12 +47,13 @@ def _split(full: list[tuple[torch.Tensor, torch.Tensor]], size: int, kv_heads: i
 
 @pytest.mark.parametrize("size, kv_heads", [(2, 2), (2, 4), (2, 1), (4, 2)])
 @pytest.mark.parametrize("ids", [[3, 4, 5], [6, 1, 9]])
-def test_the_ranks_caches_move_as_the_whole_models_blocks(size: int, kv_heads: int, ids: list[int]) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn], ids=["fp32", "fp8"])
+def test_the_ranks_caches_move_as_the_whole_models_blocks(size: int, kv_heads: int, ids: list[int],
+                                                          dtype: torch.dtype) -> None:
     """gather over the ranks' caches gives the bytes gather over the whole cache gives; scatter of
-    those bytes writes each rank its heads (every copy of a replicated head)."""
+    those bytes writes each rank its heads (every copy of a replicated head); an fp8 cache too."""
     g = torch.Generator().manual_seed(size * 10 + kv_heads)
-    full = [(torch.randn(12, 4, kv_heads, 8, generator=g), torch.randn(12, 4, kv_heads, 8, generator=g))
-            for _ in range(3)]
+    full = [tuple(torch.randn(12, 4, kv_heads, 8, generator=g).to(dtype) for _ in "kv") for _ in range(3)]
     sharded = _split(full, size, kv_heads)
     geometry = CacheGeometry.of(sharded)
     assert geometry == CacheGeometry.of(full)
@@ -66,12 +67,15 @@ def test_the_ranks_caches_move_as_the_whole_models_blocks(size: int, kv_heads: i
     for layer in range(3):
         k_frame, v_frame = frames.gather(full, layer, ids)
         frames.scatter(empty, geometry, layer, ids, bytes(k_frame), bytes(v_frame))  # read-only, as received
+    def raw(t: torch.Tensor) -> torch.Tensor:  # bytes compare (fp8 has no equal or any on CPU)
+        return t.contiguous().view(torch.uint8)
+
     for r, (first, n) in enumerate(empty.heads):
         for layer, (k, v) in enumerate(empty.ranks[r]):
-            assert torch.equal(k[ids], full[layer][0][ids][:, :, first : first + n])
-            assert torch.equal(v[ids], full[layer][1][ids][:, :, first : first + n])
+            assert torch.equal(raw(k[ids]), raw(full[layer][0][ids][:, :, first : first + n]))
+            assert torch.equal(raw(v[ids]), raw(full[layer][1][ids][:, :, first : first + n]))
             others = [b for b in range(12) if b not in ids]
-            assert not k[others].any() and not v[others].any()
+            assert not raw(k[others]).any() and not raw(v[others]).any()
 
 
 @pytest.fixture(scope="module", params=list(CASES))
