@@ -210,15 +210,14 @@ class _Cluster(Hooks):
             specs = [(f"prefill-{i}", WorkerRole.PREFILL) for i in range(shape.num_prefill)]
             specs += [(f"decode-{i}", WorkerRole.DECODE) for i in range(shape.num_decode)]
 
-        def pool(role: WorkerRole) -> tuple[CostModel, EngineSettings]:
+        def worker(wid: str, role: WorkerRole) -> SimWorker:
             size = shape.tp_of(role)
-            if size in pools:
-                return pools[size]
-            if size == 1:
-                return costs, engine
-            raise ValueError(f"cluster {shape.label}: no profile of a worker of {size} tensor-parallel ranks")
+            if size not in pools and size != 1:
+                raise ValueError(f"cluster {shape.label}: no profile of a worker of {size} tensor-parallel ranks")
+            its_costs, its_engine = pools.get(size, (costs, engine))
+            return SimWorker(wid, role, its_engine, its_costs, self)
 
-        self.workers = [SimWorker(wid, role, pool(role)[1], pool(role)[0], self) for wid, role in specs]
+        self.workers = [worker(wid, role) for wid, role in specs]
         self.by_id = {w.wid: w for w in self.workers}
         self.heap: list[tuple[float, int, int, object]] = []
         self.counter = 0

@@ -62,10 +62,12 @@ def reserve(path: str, cfg: ModelConfig, size: int, num_blocks: int, block_size:
 
 
 def map_part(path: str, cfg: ModelConfig, tp: TensorParallel, num_blocks: int, block_size: int,
-             dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank `tp.rank`'s cache, as views of the shared file (mapped whole: address space, not memory)."""
+             dtype: torch.dtype, raw: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank `tp.rank`'s cache, as views of the shared file (`raw`: the file already mapped; else it is
+    mapped whole here: address space, not memory)."""
     part = part_bytes(cfg, tp, num_blocks, block_size, dtype)
-    raw = torch.from_file(path, shared=True, size=tp.size * part, dtype=torch.uint8)
+    if raw is None:
+        raw = torch.from_file(path, shared=True, size=tp.size * part, dtype=torch.uint8)
     shard = shard_config(cfg, tp)
     shape = (shard.num_layers, 2, num_blocks, block_size, shard.num_kv_heads, shard.head_dim)
     mine = raw[tp.rank * part : tp.rank * part + math.prod(shape) * dtype.itemsize]
@@ -87,12 +89,10 @@ class ShardedKV:
             dtype: torch.dtype) -> ShardedKV:
         """Every rank's part of the file at `path` (rank 0's view)."""
         ranks = [TensorParallel(size, r) for r in range(size)]
-        return cls(tuple(map_part(path, cfg, tp, num_blocks, block_size, dtype) for tp in ranks),
+        raw = torch.from_file(path, shared=True, size=size * part_bytes(cfg, ranks[0], num_blocks, block_size, dtype),
+                              dtype=torch.uint8)  # once: every rank's part is a view of it
+        return cls(tuple(map_part(path, cfg, tp, num_blocks, block_size, dtype, raw) for tp in ranks),
                    tuple(tp.kv_heads(cfg) for tp in ranks), cfg.num_kv_heads)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.ranks[0])
 
     def block_shape(self) -> tuple[int, int, int, int]:
         """(num_blocks, block_size, KV heads of the full model, head_dim)."""

@@ -177,9 +177,8 @@ def gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: 
     `index_select(out=)` straight into staging (NCCL: on the device; gloo: into host memory)."""
     n = len(block_ids)
     per = frames.frame_bytes(geometry, n) // 2
-    if isinstance(kv_caches, ShardedKV):  # a tensor-parallel engine's ranks: full heads, interleaved
-        k, v = (staging[i * per : (i + 1) * per].view(geometry.dtype).view(n, *geometry.block_shape) for i in (0, 1))
-        kv_caches.gather_into(layer, block_ids, k, v)
+    if isinstance(kv_caches, ShardedKV):  # a tensor-parallel engine's ranks (host memory): full heads, interleaved
+        frames.gather(kv_caches, layer, block_ids, out=staging)
         return staging[: 2 * per]
     for i, cache in enumerate(kv_caches[layer]):
         dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
