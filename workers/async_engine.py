@@ -151,8 +151,9 @@ class AsyncEngine:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Stop the engine thread; requests still in flight fail with EngineDeadError."""
-        if not self._thread.is_alive():
+        if not self._thread.is_alive():  # never started, or died (a broken tensor-parallel group): no step runs
             self._stop.set()
+            self.engine.close()
             return
         self._commands.put(lambda: self._fail_all(EngineDeadError("engine closed")))
         self._stop.set()

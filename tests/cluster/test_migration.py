@@ -214,6 +214,8 @@ def test_a_decode_worker_that_loses_a_tensor_parallel_rank_loses_nothing(model_d
         engine = actors[name].service.engine
         assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
         assert not engine.has_unfinished_requests()
+    # Closed with its engine thread dead, the worker still stopped its ranks and left their group.
+    assert not torch.distributed.is_initialized() and rank.poll() is not None
 
 
 NAMED = {"type": "object", "properties": {"name": {"type": "string", "minLength": 12, "maxLength": 24},
