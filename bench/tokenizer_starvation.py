@@ -167,7 +167,7 @@ def main() -> int:
     hf_logging.set_verbosity_error()  # "sequence longer than the model's maximum": the point here
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_model(a.model, progress=True)))
     cfg = GatewayConfig(model_name="m", max_model_len=a.max_model_len)
-    modes = {"old: 1 thread, no bound": Gateway(_Backend(), tokenizer, cfg, TokenizerPool(1, 0)),
+    modes = {"old: 1 thread, no bound": Gateway(_Backend(), tokenizer, cfg, TokenizerPool(1, 0, inline_chars=0)),
              "new: bound + 2 lanes": Gateway(_Backend(), tokenizer, cfg)}
     old, new = modes.values()
     old.char_bound = None

@@ -299,8 +299,9 @@ class Gateway:
                     check_token_ids(p, vocab)
 
     async def off_loop(self, body: CompletionRequest | ChatCompletionRequest, fn: Callable[[], T]) -> T:
-        """`fn()`, the tokenizer work of `body`, in the pool's lane for its size."""
-        return await self.pool.run(prompt_chars(body), fn)
+        """`fn()`, the tokenizer work of `body`, in the pool's lane for its size (on the
+        loop when short, unless it may compile a grammar: that takes long whatever the size)."""
+        return await self.pool.run(prompt_chars(body), fn, may_inline=not compiles_grammar(body))
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if not prompt:
@@ -434,6 +435,14 @@ def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | 
     if not prompt or isinstance(prompt[0], int):
         return [cast(list[int], prompt)]
     return list(prompt)
+
+
+def compiles_grammar(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Whether tokenizing `body` may compile a structured-output grammar (or render tools
+    into its template): work whose cost its prompt's length does not tell."""
+    if body.response_format is not None or body.structured_outputs is not None:
+        return True
+    return isinstance(body, ChatCompletionRequest) and bool(body.tools)
 
 
 def prompt_chars(body: CompletionRequest | ChatCompletionRequest) -> int:

@@ -19,6 +19,12 @@ one behind them. Here:
   against 10-24 ms with one core left (bench/tokenizer_starvation.py --long 0,
   two runs each).
 
+A short job runs on the event loop itself (`inline_chars`): handing it to a thread and
+back costs more than it does (the hop ~100 us of CPU, with the GIL passed twice and the
+loop woken; tokenizing "hello world" 15 us, 512 characters ~125 us, a short chat template
+and its encode 55-80 us: the Intel Xeon, 2026-12-03). Jobs that may take long whatever
+their size (compiling a grammar) never run inline: the caller says so.
+
 One tokenizer object is shared by every thread: transformers reconfigures the Rust
 tokenizer (a mutable borrow, "Already borrowed" if another thread holds it) only
 when truncation or padding change, and the gateway never asks for either.
@@ -37,6 +43,9 @@ T = TypeVar("T")
 # A request whose prompts total at most this many characters takes the short lane:
 # a few milliseconds of tokenizing (bench/tokenizer_starvation.py measures both lanes).
 SHORT_CHARS = 8192
+# ...and one of at most this many runs on the event loop (`TokenizerPool.run`): it
+# holds the loop ~125 us at most, less than the hop to a thread would cost it.
+INLINE_CHARS = 512
 
 
 def available_cores() -> int:
@@ -47,15 +56,19 @@ def available_cores() -> int:
 class TokenizerPool:
     """Runs blocking tokenizer work off the event loop. `threads`: the cores it sizes
     its lanes to (default: this process's); `short_chars` 0 makes one lane of
-    `threads` threads (the bench's single-thread baseline: `TokenizerPool(1, 0)`)."""
+    `threads` threads (the bench's single-thread baseline: `TokenizerPool(1, 0, inline_chars=0)`);
+    `inline_chars` 0 runs every job on a thread."""
 
-    def __init__(self, threads: int | None = None, short_chars: int = SHORT_CHARS) -> None:
+    def __init__(self, threads: int | None = None, short_chars: int = SHORT_CHARS,
+                 inline_chars: int = INLINE_CHARS) -> None:
         n = threads if threads is not None else available_cores()
         if n < 1:
             raise ValueError(f"threads: must be >= 1, got {n}")
         if short_chars < 0:
             raise ValueError(f"short_chars: must be >= 0, got {short_chars}")
-        self.threads, self.short_chars = n, short_chars
+        if inline_chars < 0:
+            raise ValueError(f"inline_chars: must be >= 0, got {inline_chars}")
+        self.threads, self.short_chars, self.inline_chars = n, short_chars, inline_chars
         self.long_threads = max(1, n - 1) if short_chars else n
         self._long = ThreadPoolExecutor(self.long_threads, thread_name_prefix="pdserve-tokenize-long")
         self._short = ThreadPoolExecutor(n, thread_name_prefix="pdserve-tokenize") if short_chars else self._long
@@ -64,8 +77,12 @@ class TokenizerPool:
         """The executor a job of `size` characters runs on."""
         return self._short if size <= self.short_chars else self._long
 
-    async def run(self, size: int, fn: Callable[[], T]) -> T:
-        """`fn()` on the lane for a request of `size` characters (text, plus one per token id)."""
+    async def run(self, size: int, fn: Callable[[], T], may_inline: bool = True) -> T:
+        """`fn()` for a request of `size` characters (text, plus one per token id): here on
+        the loop when it is that short and `may_inline` (False: `fn` may take long whatever
+        the size), else on the lane for its size."""
+        if may_inline and size <= self.inline_chars:
+            return fn()
         return await asyncio.get_running_loop().run_in_executor(self.lane(size), fn)
 
     def shutdown(self) -> None:

@@ -17,7 +17,7 @@ from factories import FakeBackend, tiny_spec
 
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
-from pdserve.cluster.tokenizer_pool import SHORT_CHARS, TokenizerPool, available_cores
+from pdserve.cluster.tokenizer_pool import INLINE_CHARS, SHORT_CHARS, TokenizerPool, available_cores
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -58,7 +58,7 @@ async def _short_done_while_long_blocked(pool: TokenizerPool) -> bool:
     release = threading.Event()
     longs = [asyncio.ensure_future(pool.run(SHORT_CHARS + 1, lambda: release.wait(WAIT_S)))
              for _ in range(pool.long_threads)]
-    short = asyncio.ensure_future(pool.run(10, lambda: "short"))
+    short = asyncio.ensure_future(pool.run(INLINE_CHARS + 1, lambda: "short"))  # short, but not run inline
     done, _ = await asyncio.wait({short}, timeout=0.5)  # only bounds the wait of the single-lane case
     release.set()
     await asyncio.gather(short, *longs)
@@ -119,3 +119,47 @@ def test_a_short_request_is_served_while_a_long_one_tokenizes(tokenizer: Any, mo
     finally:
         gw.pool.shutdown()
     assert short.status_code == 200 and still_tokenizing
+
+
+def test_a_short_job_runs_on_the_loop_and_a_long_or_grammar_one_on_a_thread() -> None:
+    """The hop to a thread costs more than a short tokenization: a short job runs on the
+    loop; a long one, or one told it may compile a grammar, runs on the pool's threads."""
+    pool = TokenizerPool(2)
+
+    async def where(size: int, may_inline: bool = True) -> str:
+        return await pool.run(size, lambda: threading.current_thread().name, may_inline)
+
+    async def main() -> tuple[str, str, str, str]:
+        return (await where(INLINE_CHARS), await where(INLINE_CHARS + 1), await where(10, may_inline=False),
+                threading.current_thread().name)
+
+    try:
+        short, long, grammar, loop = asyncio.run(main())
+        off = TokenizerPool(1, inline_chars=0)
+        try:
+            never = asyncio.run(off.run(1, lambda: threading.current_thread().name))
+        finally:
+            off.shutdown()
+    finally:
+        pool.shutdown()
+    assert short == loop
+    assert long != loop and long.startswith("pdserve-tokenize")
+    assert grammar != loop and grammar.startswith("pdserve-tokenize")
+    assert never.startswith("pdserve-tokenize")
+    with pytest.raises(ValueError, match="^inline_chars: must be >= 0"):
+        TokenizerPool(1, inline_chars=-1)
+
+
+@pytest.mark.parametrize("extra", [{"response_format": {"type": "json_object"}},
+                                   {"structured_outputs": {"regex": "[ab]+"}},
+                                   {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}])
+def test_a_request_that_may_compile_a_grammar_tokenizes_on_a_thread(tokenizer: Any, extra: dict[str, Any]) -> None:
+    from pdserve.cluster.gateway import compiles_grammar
+    from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+    assert not compiles_grammar(ChatCompletionRequest.model_validate(chat))
+    assert not compiles_grammar(CompletionRequest.model_validate({"model": MODEL, "prompt": "hi"}))
+    assert compiles_grammar(ChatCompletionRequest.model_validate({**chat, **extra}))
+    if "tools" not in extra:
+        assert compiles_grammar(CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", **extra}))
