@@ -18,7 +18,7 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
@@ -203,23 +203,63 @@ async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, i
     return JSONResponse(body)
 
 
-class _AdmittedStream(StreamingResponse):
+class _AdmittedStream(Response):
     """An SSE stream that holds its request's admission slot until it ends, however
     it ends: finished, the client gone, or dropped for not reading (the guard's
-    write timeout). Its events are closed then, which aborts a request still running."""
+    write timeout). Its events are closed then, which aborts a request still running.
+
+    Not Starlette's StreamingResponse: under an ASGI 2.3 server (uvicorn) that one runs
+    each stream in an anyio task group of two tasks to hear a disconnect, and encodes
+    each chunk again. Here the stream runs in the request's own task and one plain task
+    listens, cancelling it when the client goes (docs/performance.md, "The front door")."""
+
+    media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[str, None], slot: Admission) -> None:
-        super().__init__(events, media_type="text/event-stream")
+        self.status_code, self.background = 200, None
+        self.init_headers(None)
         self._events, self._slot = events, slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await _unless_disconnected(self._stream(send), receive)
         finally:
             try:
                 await self._events.aclose()
             finally:
                 self._slot.release()
+
+    async def _stream(self, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for event in self._events:
+            await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _unless_disconnected(work: Awaitable[None], receive: Receive) -> None:
+    """Run `work` in this task; when the client disconnects first, cancel it and return."""
+    me = asyncio.current_task()
+    assert me is not None
+    state = {"running": True, "gone": False}
+
+    async def listen() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if state["running"]:  # (no await between `work` ending and this flag: no late cancel)
+            state["gone"] = True
+            me.cancel()
+
+    listener = asyncio.ensure_future(listen())
+    try:
+        await work
+    except asyncio.CancelledError:
+        # Ours, and handled: the request's task goes on to its cleanup (unless someone
+        # else cancelled it too: then it stays cancelled).
+        if not state["gone"] or me.uncancel() > 0:
+            raise
+    finally:
+        state["running"] = False
+        listener.cancel()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
