@@ -192,7 +192,7 @@ class _WriteWatch:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.since: float | None = None  # when the write under way began (loop time)
-        self._task: asyncio.Task[Any] | None = None  # the task writing (Starlette streams from a child task)
+        self._task: asyncio.Task[Any] | None = None  # the task writing (the one its write was made from)
         self._timer: asyncio.TimerHandle | None = None
         self._fired = False
 
