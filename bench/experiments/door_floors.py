@@ -10,8 +10,12 @@ Two floors, each measured as the CPU of the receiving process divided by what it
   `--step-ms`, to `--concurrency` aiohttp streams from another process: a bare ASGI app, and
   FastAPI returning a StreamingResponse. Server CPU per chunk: the per-chunk floor of a gateway
   that writes one token a chunk through uvicorn.
+- `ray call` (`--ray-calls N`, 0 to skip): what one Ray actor call costs, the way the gateway
+  starts every request on its worker today (`serve.remote(ServeRequest)`): N calls, at most
+  `--concurrency` in flight, to an async actor that returns at once; CPU per call of the caller
+  (this process, its Ray threads included) and of the actor's process. A per-request floor.
 
-    python bench/experiments/door_floors.py [--rounds 2] [--step-ms 5]
+    python bench/experiments/door_floors.py [--rounds 2] [--step-ms 5] [--ray-calls 3000]
 """
 
 import argparse
@@ -252,6 +256,43 @@ def http_floor(kind: str, a: argparse.Namespace) -> tuple[float, float]:
     return cpu / chunks, chunks / wall
 
 
+def ray_call_floor(calls: int, concurrency: int) -> tuple[float, float]:
+    """Seconds of CPU a call: (caller, actor), over `calls` calls to a local actor."""
+    import ray
+
+    from pdserve.workers.handoff import ServeRequest
+    from pdserve.workers.sampling_params import SamplingParams
+
+    @ray.remote
+    class Sink:
+        async def serve(self, req: Any) -> None:
+            return None
+
+        def cpu_s(self) -> float:
+            t = os.times()
+            return t.user + t.system
+
+    sink = Sink.remote()  # type: ignore[attr-defined]
+    req = ServeRequest("cmpl-" + "0" * 32, tuple(range(20)), SamplingParams(max_tokens=64, ignore_eos=True), 600.0,
+                       "tcp://127.0.0.1:5555")
+
+    async def load() -> None:
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one() -> None:
+            async with gate:
+                await sink.serve.remote(req)
+
+        await asyncio.gather(*(one() for _ in range(calls)))
+
+    asyncio.run(load())  # warm-up
+    actor0, caller0 = ray.get(sink.cpu_s.remote()), time.process_time()
+    asyncio.run(load())
+    caller, actor = time.process_time() - caller0, ray.get(sink.cpu_s.remote()) - actor0
+    ray.kill(sink)
+    return caller / calls, actor / calls
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=2)
@@ -259,6 +300,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--requests", type=int, default=480)
+    p.add_argument("--ray-calls", type=int, default=3000, help="Ray actor calls a round (0: no Ray floor)")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -268,6 +310,7 @@ def main() -> None:
     print(f"machine: {cpu_name()}, {os.cpu_count()} cores; step {a.step_ms:g} ms, {a.rounds} rounds (alternating)")
     recv: dict[str, list[float]] = {}
     http: dict[str, list[tuple[float, float]]] = {}
+    calls: list[tuple[float, float]] = []
     for r in range(a.rounds):
         print(f"round {r + 1}/{a.rounds} ...", file=sys.stderr, flush=True)
         for name, v in receive_floors(a.step_ms / 1e3).items():
@@ -275,6 +318,14 @@ def main() -> None:
         for kind in ("bare ASGI", "fastapi"):
             cpu, rate = http_floor("fastapi" if kind == "fastapi" else "bare", a)
             http.setdefault(kind, []).append((cpu * 1e6, rate))
+    if a.ray_calls:  # after the others: Ray's threads and processes would be their neighbours
+        import ray
+
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="ERROR")
+        for _ in range(a.rounds):
+            caller, actor = ray_call_floor(a.ray_calls, a.concurrency)
+            calls.append((caller * 1e6, actor * 1e6))
+        ray.shutdown()
     print(f"\n| receive, one message every {a.step_ms:g} ms | us of CPU a message (median) | rounds |")
     print("|---|---:|---|")
     for name, vs in recv.items():
@@ -285,6 +336,13 @@ def main() -> None:
     for kind, vs in http.items():
         print(f"| {kind} | {statistics.median(c for c, _ in vs):.1f} | {statistics.median(r for _, r in vs):.0f} | "
               f"{', '.join(f'{c:.1f}' for c, _ in vs)} |")
+    if calls:
+        print(f"\n| a Ray actor call (a ServeRequest, c{a.concurrency}, {a.ray_calls} a round) | us of CPU a call "
+              "(median) | rounds |")
+        print("|---|---:|---|")
+        for i, who in enumerate(("the caller", "the actor")):
+            rounds = ", ".join(f"{c[i]:.0f}" for c in calls)
+            print(f"| {who} | {statistics.median(c[i] for c in calls):.0f} | {rounds} |")
 
 
 if __name__ == "__main__":
