@@ -163,3 +163,34 @@ def test_a_request_that_may_compile_a_grammar_tokenizes_on_a_thread(tokenizer: A
     assert compiles_grammar(ChatCompletionRequest.model_validate({**chat, **extra}))
     if "tools" not in extra:
         assert compiles_grammar(CompletionRequest.model_validate({"model": MODEL, "prompt": "hi", **extra}))
+
+
+@pytest.mark.parametrize(("path", "body", "inline"), [
+    ("/v1/completions", {"prompt": "hi"}, True),
+    ("/v1/completions", {"prompt": "abcdefg " * 80}, False),  # 640 characters
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    # Short texts, but a template over many messages costs what a long prompt does (~20 us a message).
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 40}, False),
+])
+def test_the_gateway_tokenizes_only_short_work_on_its_loop(tokenizer: Any, monkeypatch: pytest.MonkeyPatch, path: str,
+                                                          body: dict[str, Any], inline: bool) -> None:
+    gw = Gateway(Backend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=4096), TokenizerPool(2))
+    real, threads = tokenizer.encode, []
+
+    def encode(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+
+    async def main() -> tuple[httpx.Response, str]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw",
+                                     timeout=WAIT_S) as c:
+            return await c.post(path, json={"model": MODEL, "max_tokens": 1, **body}), threading.current_thread().name
+
+    try:
+        r, loop = asyncio.run(main())
+    finally:
+        gw.pool.shutdown()
+    assert r.status_code == 200, r.text
+    assert threads and all((t == loop) is inline for t in threads), (threads, loop)
