@@ -243,8 +243,11 @@ async def _unless_disconnected(work: Awaitable[None], receive: Receive) -> None:
     state = {"running": True, "gone": False}
 
     async def listen() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # noqa: BLE001 - a server that cannot say what the client does: taken as gone
+            log.warning("stream: the server's receive failed; taking the client as gone", exc_info=True)
         if state["running"]:  # (no await between `work` ending and this flag: no late cancel)
             state["gone"] = True
             me.cancel()
