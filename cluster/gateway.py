@@ -446,8 +446,8 @@ def compiles_grammar(body: CompletionRequest | ChatCompletionRequest) -> bool:
 
 
 # What a chat message adds to its template's text beyond its own (roles, markers: ~34 characters a
-# message in SmolLM2's), and about what rendering it costs: 512 one-character messages took 12 ms
-# to render and encode, which must not run on the event loop.
+# message in SmolLM2's), and about what rendering it costs: 513 one-character messages took 6 ms to
+# render and encode (bench/experiments/tokenize_inline.py), which must not run on the event loop.
 TEMPLATE_CHARS_PER_MESSAGE = 32
 
 

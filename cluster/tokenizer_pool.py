@@ -21,9 +21,9 @@ one behind them. Here:
 
 A short job runs on the event loop itself (`inline_chars`): handing it to a thread and
 back costs more than it does (the hop ~100 us of CPU, with the GIL passed twice and the
-loop woken; tokenizing "hello world" 15 us, 512 characters ~125 us, a short chat template
-and its encode 55-80 us: the Intel Xeon, 2026-12-03). Jobs that may take long whatever
-their size (compiling a grammar) never run inline: the caller says so.
+loop woken; tokenizing "hello world" 16 us, 512 characters ~125 us, a one-message chat's
+template and encode 75 us: bench/experiments/tokenize_inline.py, the Intel Xeon). Jobs that
+may take long whatever their size (compiling a grammar) never run inline: the caller says so.
 
 One tokenizer object is shared by every thread: transformers reconfigures the Rust
 tokenizer (a mutable borrow, "Already borrowed" if another thread holds it) only
