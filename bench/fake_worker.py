@@ -27,7 +27,9 @@ from typing import Any
 import ray
 
 from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
+from pdserve.cluster.worker_inbox import Outcomes, WorkerInbox
 from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.inbox_wire import StartTry
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.stats import EngineSnapshot
@@ -164,9 +166,19 @@ class FakeWorker:
         self.name = worker_name
         self.engine = FakeEngine(worker_name, step_ms / 1e3)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        # The real inbox (requests start there, as on a real worker), over this fake's `serve`.
+        self.inbox = WorkerInbox(self._run_try, self.engine.abort, auth.resolve(cluster_secret), "127.0.0.1",
+                                 self.incarnation)
 
     async def info(self) -> WorkerInfo:
-        return WorkerInfo(num_kv_blocks=1 << 20, max_model_len=MAX_MODEL_LEN, dtype="fake", pid=os.getpid())
+        return WorkerInfo(num_kv_blocks=1 << 20, max_model_len=MAX_MODEL_LEN, dtype="fake", pid=os.getpid(),
+                          inbox=self.inbox.open(), incarnation=self.incarnation)
+
+    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
+        return await self.inbox.outcomes(gateway, timeout_s)
+
+    async def _run_try(self, start: StartTry) -> None:
+        await self.serve(start.request)
 
     async def serve(self, req: ServeRequest) -> None:
         """Stream `req`'s tokens to its `reply_to`; return once its final delta is sent."""
@@ -211,6 +223,7 @@ class FakeWorker:
         return self.engine.steps, self.engine.tokens
 
     def close(self) -> None:
+        self.inbox.close()
         with contextlib.suppress(RuntimeError):
             self.engine.close()
 

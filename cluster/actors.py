@@ -18,12 +18,14 @@ import os
 import threading
 import time
 
+from pdserve.cluster.placement import bind_host
 from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.reports import DrainState, LoadReport, RoleSwitch, WorkerInfo
 from pdserve.cluster.role_switch import RoleSwitcher
 from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.worker_handle import PrefillHandle
+from pdserve.cluster.worker_inbox import Outcomes, WorkerInbox
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers import fault_seam
 from pdserve.workers.async_engine import AsyncEngine
@@ -33,6 +35,7 @@ from pdserve.workers.cpu_turns import node_cores
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.inbox_wire import StartTry
 from pdserve.workers.kv.event_log import EventCursor, EventSlice
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
@@ -57,19 +60,35 @@ class _Service:
     """What every worker service answers: its info, its load, its metrics, aborts."""
 
     def __init__(self, pool: Pool, engine: LLMEngine, async_engine: AsyncEngine, worker_name: str,
-                 exit_on_engine_death: bool) -> None:
+                 exit_on_engine_death: bool, secret: ClusterSecret, inbox_host: str | None) -> None:
         self.pool, self.name = pool, worker_name
         self.engine, self.async_engine = engine, async_engine
         self.worker_metrics = WorkerMetrics(pool, worker_name, engine.config.num_speculative_tokens, self.counts)
         self.worker_metrics.attach(engine)
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
+        # Where gateways start requests (cluster/worker_inbox.py): bound on the first call, on
+        # the actor's event loop; on this node's address for the kv_host setting.
+        self.inbox = WorkerInbox(self._run_try, async_engine.abort, secret, bind_host(inbox_host), self.incarnation)
         if exit_on_engine_death:
             async_engine.on_dead = _exit_soon
 
     async def info(self) -> WorkerInfo:
         return WorkerInfo(self.engine.num_kv_blocks, self.engine.max_model_len, dtype=_dtype_name(self.engine),
                           pid=os.getpid(), fixed_cpu_threads=_fixed_cpu_threads(self.engine, self.async_engine),
-                          tensor_parallel_size=self.engine.tp.size)
+                          tensor_parallel_size=self.engine.tp.size, inbox=self.inbox.open(),
+                          incarnation=self.incarnation)
+
+    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
+        """The tries of `gateway` that failed here since its last call (waits up to
+        `timeout_s` for one); Ray fails the call when this process dies."""
+        return await self.inbox.outcomes(gateway, timeout_s)
+
+    async def _run_try(self, start: StartTry) -> None:
+        """A try the inbox received (the request's Ray call, before: `serve`)."""
+        await self.serve(start.request)
+
+    async def serve(self, req: ServeRequest) -> None:
+        raise NotImplementedError
 
     async def abort(self, request_id: str, attempt: int | None = None) -> None:
         """End the request here (only its try `attempt` or an earlier one, when given)."""
@@ -136,6 +155,7 @@ class _Service:
 
     def close(self) -> None:
         """Stop the engine thread (requests in flight fail) and the transport."""
+        self.inbox.close()
         self.async_engine.close()
 
 
@@ -148,11 +168,12 @@ class EngineService(_Service):
     else a secret of this process's own, which no other process shares)."""
 
     def __init__(self, config: EngineConfig, torch_threads: int, worker_name: str = "worker",
-                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None) -> None:
-        _use_secret(cluster_secret)
+                 exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None,
+                 kv_host: str | None = "127.0.0.1") -> None:
+        secret = _use_secret(cluster_secret)
         engine = _engine(config, torch_threads)
         super().__init__(Pool.COLOCATED, engine, AsyncEngine(engine, worker_id=worker_name).start(), worker_name,
-                         exit_on_engine_death)
+                         exit_on_engine_death, secret, kv_host)
 
     async def serve(self, req: ServeRequest) -> None:
         """Run `req`; its tokens go to `req.reply_to`. Returns when it is over, raises its error."""
@@ -187,7 +208,7 @@ class WorkerService(_Service):
             config = dataclasses.replace(config, speculative=None, draft_model=None)
         engine = _engine(config, torch_threads, record_events=True)
         super().__init__(Pool(role.value), engine, AsyncEngine(engine, worker_id=worker_name), worker_name,
-                         exit_on_engine_death)
+                         exit_on_engine_death, secret, settings.kv_host)
         self.ctx = RoleContext(engine, self.async_engine, settings, secret, worker_name)
         self.role: Role = make_role(role, self.ctx, self.worker_metrics)
         self.switcher = RoleSwitcher(self)

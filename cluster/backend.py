@@ -26,6 +26,7 @@ from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.cluster.token_collector import TokenStreamCollector
+from pdserve.cluster.worker_channel import WorkerChannel
 from pdserve.cluster.worker_handle import WorkerHandle, abort_try
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
@@ -325,6 +326,10 @@ class ColocatedBackend:
         self.streams = TokenStreams(stream_host, max_migrations, worker_wait_s, cluster_secret, stream_interval)
         self.retry_dead_s = retry_dead_s
         self.lookup = lookup
+        self._secret = cluster_secret
+        # Each worker's inbox channel (cluster/worker_channel.py), made on its first request;
+        # dropped with the handle it was made for.
+        self._channels: list[tuple[WorkerHandle, WorkerChannel] | None] = [None] * len(workers)
         self._in_flight = [0] * len(workers)
         self._dead: dict[int, float] = {}  # worker -> when a call to it failed
         self._finder: asyncio.Task[None] | None = None
@@ -388,20 +393,36 @@ class ColocatedBackend:
         flight there while it runs; a worker that answers is alive (again)."""
         self._in_flight[index] += 1
         try:
-            await self.workers[index].serve.remote(req)  # type: ignore[union-attr]  # only found ones are placed
+            await self._channel(index).run(req, self.streams.collector.finished(req.request_id))
             self._dead.pop(index, None)
         finally:
             self._in_flight[index] -= 1
 
+    def _channel(self, index: int) -> WorkerChannel:
+        handle = self.workers[index]
+        assert handle is not None  # only found ones are placed
+        held = self._channels[index]
+        if held is None or held[0] is not handle:
+            held = self._channels[index] = (handle, WorkerChannel(handle, self.streams.collector.address,
+                                                                  self._secret))
+        return held[1]
+
     def abort_on(self, index: int, request_id: str, attempt: int) -> None:
-        """Tell worker `index` to drop try `attempt` of a request (fire and forget)."""
-        abort_try(self.workers[index], request_id, attempt)
+        """Tell worker `index` to drop try `attempt` of a request (fire and forget): on its
+        inbox, after the start; by a Ray call where the channel is down."""
+        held = self._channels[index]
+        if held is None or not held[1].abort(request_id, attempt):
+            abort_try(self.workers[index], request_id, attempt)
 
     async def close(self) -> None:
         if self._finder is not None:
             self._finder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._finder
+        for held in self._channels:
+            if held is not None:
+                await held[1].close()
+        self._channels = [None] * len(self.workers)
         await self.streams.close()
 
 

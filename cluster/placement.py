@@ -96,9 +96,12 @@ def bind_host(setting: str | None) -> str:
 
 
 def _ray_nodes() -> int:
-    """Live nodes in the Ray cluster this process is connected to (0 without Ray)."""
-    import ray
-
+    """Live nodes in the Ray cluster this process is connected to (0 without Ray, or where
+    Ray is not installed: a lent GPU machine runs the services in one process)."""
+    try:
+        import ray
+    except ImportError:
+        return 0
     if not ray.is_initialized():
         return 0
     return sum(1 for node in ray.nodes() if node.get("Alive"))

@@ -24,6 +24,8 @@ class WorkerInfo:
     # 0 on a GPU, or where its engines lend cores or take turns at them (they need them all).
     fixed_cpu_threads: int = 0
     tensor_parallel_size: int = 1  # its engine's ranks (processes it started: workers/tp_group.py)
+    inbox: str | None = None  # where gateways start its requests (cluster/worker_inbox.py)
+    incarnation: str = ""  # which life of the worker process answered
 
 
 @dataclass(frozen=True)

@@ -271,6 +271,11 @@ class TokenStreamCollector:
                 if not task.done():
                     task.cancel()
 
+    def finished(self, request_id: str) -> asyncio.Event:
+        """Set once the request's final delta was handed on (it must be `open`): a try
+        started on a worker's inbox is over then (cluster/worker_channel.py)."""
+        return self._open[request_id].finished
+
     def next_attempt(self, request_id: str) -> Retry:
         """Give up on the request's current try (its worker died): from now on only
         deltas of the next try are taken (late ones of the old try are dropped, as

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 from pdserve.cluster.ray_errors import RayActorError
 
 if TYPE_CHECKING:
-    from pdserve.cluster.reports import LoadReport, RoleSwitch
+    from pdserve.cluster.reports import LoadReport, RoleSwitch, WorkerInfo
+    from pdserve.cluster.worker_inbox import Outcomes
     from pdserve.cluster.router.policy import WorkerRole
     from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
     from pdserve.workers.kv.event_log import EventCursor
@@ -39,6 +40,17 @@ class WorkerHandle(Protocol):
     @property
     def serve(self) -> RemoteMethod[[ServeRequest], None]:
         """Run the request here, its tokens on its `reply_to` stream."""
+        ...
+
+    @property
+    def info(self) -> RemoteMethod[[], WorkerInfo]:
+        """What it is: its KV blocks, its role, its inbox (where gateways start requests)."""
+        ...
+
+    @property
+    def outcomes(self) -> RemoteMethod[[str, float], Outcomes]:
+        """The tries of the gateway given that failed there since its last call (a long
+        poll: it waits up to the seconds given for one)."""
         ...
 
     @property

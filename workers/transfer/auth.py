@@ -62,6 +62,7 @@ KV_TO_SENDER = b"pdserve/kv/r>s"
 STORE_REQUEST = b"pdserve/nccl-store/req"
 STORE_REPLY = b"pdserve/nccl-store/rep"
 TOKENS = b"pdserve/tokens"
+INBOX = b"pdserve/inbox"
 
 
 class ClusterSecret:
@@ -221,6 +222,16 @@ def token_tag(secret: ClusterSecret, address: str, body: Any) -> bytes:
 
 def token_check(secret: ClusterSecret, address: str, tag: Any, body: Any) -> bool:
     return _tag_checks(secret.key, TOKENS, 0, (address.encode(), body), bytes(memoryview(tag)))
+
+
+def inbox_tag(secret: ClusterSecret, address: str, body: Any) -> bytes:
+    """A worker inbox message's tag (cluster/worker_inbox.py): bound to the inbox it is for. Its
+    sender and number are in `body`: the inbox takes each sender's numbers rising only."""
+    return _tag(secret.key, INBOX, 0, (address.encode(), body))
+
+
+def inbox_check(secret: ClusterSecret, address: str, tag: Any, body: Any) -> bool:
+    return _tag_checks(secret.key, INBOX, 0, (address.encode(), body), bytes(memoryview(tag)))
 
 
 class SeqWindow:
