@@ -40,6 +40,7 @@ from pdserve.workers.kv.event_log import EventCursor, EventSlice
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.stats import EngineSnapshot
+from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import KVReceiver, Transport
@@ -169,7 +170,7 @@ class EngineService(_Service):
 
     def __init__(self, config: EngineConfig, torch_threads: int, worker_name: str = "worker",
                  exit_on_engine_death: bool = False, cluster_secret: ClusterSecret | None = None,
-                 kv_host: str | None = "127.0.0.1") -> None:
+                 kv_host: str | None = None) -> None:
         secret = _use_secret(cluster_secret)
         engine = _engine(config, torch_threads)
         super().__init__(Pool.COLOCATED, engine, AsyncEngine(engine, worker_id=worker_name).start(), worker_name,
@@ -212,6 +213,7 @@ class WorkerService(_Service):
         self.ctx = RoleContext(engine, self.async_engine, settings, secret, worker_name)
         self.role: Role = make_role(role, self.ctx, self.worker_metrics)
         self.switcher = RoleSwitcher(self)
+        self.peers: dict[str, PrefillHandle] = {}  # prefill workers by name (`meet`)
         self.async_engine.start()
 
     @property
@@ -255,6 +257,22 @@ class WorkerService(_Service):
             else WorkerRole.DECODE
         async with self.switcher.call(wants) as role:
             await role.worker.serve(req)
+
+    async def meet(self, name: str, handle: PrefillHandle) -> None:
+        """Keep a prefill worker's handle: a handoff started on the inbox names it (a
+        gateway introduces each prefill worker once per life of this worker)."""
+        if not isinstance(name, str) or not name:
+            raise ValueError("name: a prefill worker's name")
+        self.peers[name] = handle
+
+    async def _run_try(self, start: StartTry) -> None:
+        if start.prefill_worker is None:
+            await self.serve(start.request)
+            return
+        peer = self.peers.get(start.prefill_worker)
+        if peer is None:  # the gateway meets a worker before it names the peer: another life answered
+            raise StreamLostError(f"prefill worker {start.prefill_worker!r} is unknown here")
+        await self.handoff(start.request, peer)
 
     async def handoff(self, req: ServeRequest, prefill: PrefillHandle) -> None:
         """`req` prefilled by the prefill worker `prefill` (an actor handle), decoded here."""

@@ -58,6 +58,7 @@ from pdserve.cluster.stall_watch import (
     WorkerStalledError,
 )
 from pdserve.cluster.worker_calls import WorkerCalls
+from pdserve.cluster.worker_channel import WorkerChannel
 from pdserve.cluster.worker_handle import PoolWorkerHandle, abort_try
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
@@ -147,6 +148,10 @@ class DisaggregatedBackend:
         # Each worker's calls in flight from this gateway's tries (what the stall watch counts and fails).
         self.calls = WorkerCalls()
         self._restarts: set[asyncio.Task[None]] = set()
+        self._secret = cluster_secret
+        # Each worker's inbox channel (cluster/worker_channel.py), made on its first try; dropped
+        # with the handle it was made for.
+        self._channels: dict[str, tuple[PoolWorkerHandle, WorkerChannel]] = {}
 
     @property
     def healthy(self) -> bool:
@@ -212,6 +217,9 @@ class DisaggregatedBackend:
             await self._ready.wait()
 
     async def close(self) -> None:
+        for _, channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
         await self.streams.close()
         self._closing = True  # the poll loops check this too: a cancel that lands as a poll returns is not lost
         for task in self._pollers:
@@ -242,15 +250,37 @@ class DisaggregatedBackend:
         decode worker that goes on with it (no prefill worker: its first token is
         not the request's first)."""
         if isinstance(failed, _Try) and failed.lost is not None:
-            self._lose(failed.lost)
+            self.lose(failed.lost)
         prompt = list(req.prompt_token_ids) + list(req.resume.token_ids if req.resume is not None else ())
         max_tokens = None if req.params.max_tokens is None else req.params.max_tokens - req.offset
         decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt)
         if req.resume is not None and decision.plan is not Plan.LOCAL:
             decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
-        return _Try(decision, self.handle_of, self.calls, self._lose)
+        return _Try(decision, self, self.calls)
 
-    def _lose(self, wid: str) -> None:
+    def channel_of(self, wid: str) -> WorkerChannel:
+        """The inbox channel of worker `wid` (found: the router routes only to workers that answered)."""
+        handle = self.handle_of(wid)
+        if handle is None:
+            raise LookupError(f"worker {wid!r}: routed before it was found")
+        held = self._channels.get(wid)
+        if held is None or held[0] is not handle:
+            held = self._channels[wid] = (handle, WorkerChannel(handle, self.streams.collector.address,
+                                                                self._secret))
+        return held[1]
+
+    def finished(self, request_id: str) -> asyncio.Event:
+        """Set once the request's final delta was handed on (the collector's)."""
+        return self.streams.collector.finished(request_id)
+
+    def abort_on(self, wid: str, request_id: str, attempt: int) -> None:
+        """Tell worker `wid` to drop try `attempt` of a request (fire and forget): on its inbox,
+        after the start; by a Ray call where its channel is down or was never made."""
+        held = self._channels.get(wid)
+        if held is None or not held[1].abort(request_id, attempt):
+            abort_try(self.handle_of(wid), request_id, attempt)
+
+    def lose(self, wid: str) -> None:
         """`wid` failed a call or a poll: out of routing until it answers a poll again."""
         if wid not in self._dead:
             self._dead.add(wid)
@@ -323,7 +353,7 @@ class DisaggregatedBackend:
             src[wid] = handle  # where it was; its next poll says which role it holds (`_follow`)
             del self._switching[wid]
             if not isinstance(e, ValueError):
-                self._lose(wid)
+                self.lose(wid)
             raise
         del self._switching[wid]
         dst[wid] = handle
@@ -364,7 +394,7 @@ class DisaggregatedBackend:
                 await self._refresh_one(wid)
             except Exception:  # noqa: BLE001 - a bug in handling one report must not end the loop for good
                 log.exception("poll of worker %s failed", wid)
-                self._lose(wid)
+                self.lose(wid)
             self._polled.add(wid)
             if self._polled.issuperset(self._workers()):
                 ready.set()
@@ -382,7 +412,7 @@ class DisaggregatedBackend:
             async with asyncio.timeout(_POLL_TIMEOUT_S):
                 report: LoadReport = await handle.load.remote(self.router.kv_cursor(wid))
         except Exception as e:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
-            self._lose(wid)
+            self.lose(wid)
             if self.stalls is not None and not isinstance(e, TimeoutError):
                 self.stalls.forget(wid, time.monotonic())  # it died (Ray restarts it): no hang to watch for
             return
@@ -438,7 +468,7 @@ class DisaggregatedBackend:
         wid = stall.worker
         log.warning("worker %s stalled (%s): moving its requests and restarting it", wid, stall.reason)
         self.events.stalled += 1
-        self._lose(wid)
+        self.lose(wid)
         self.calls.give_up(wid, lambda: WorkerStalledError(f"worker {wid} stalled: {stall.reason}"))
         handle = self.handle_of(wid)
         if handle is not None:
@@ -455,34 +485,34 @@ class DisaggregatedBackend:
 
 @dataclass(eq=False)
 class _Try:
-    """One try of a request, by its routing decision: the one call that runs it. What it
-    needs of the backend is handed to it: the workers' handles, the calls in flight (the
-    stall watch fails those of a worker it gives up), and how to take a worker out of
-    routing (a prefill worker found dead on the way)."""
+    """One try of a request, by its routing decision: the start that runs it, on its worker's
+    inbox. The backend gives it the workers' channels, and `calls` is where the stall watch
+    fails the tries of a worker it gives up; a prefill worker found dead on the way is taken
+    out of routing (`lose`)."""
 
     decision: RoutingDecision
-    handle_of: Callable[[str], PoolWorkerHandle | None]
+    backend: DisaggregatedBackend
     calls: WorkerCalls
-    lose: Callable[[str], None]
     lost: str | None = None  # the worker whose death ended this try
     attempt: int = 0
 
     async def call(self, req: ServeRequest) -> None:
-        d = self.decision
+        d, b = self.decision, self.backend
         self.attempt = req.attempt
-        w = d.decode_worker
-        decode, p_id = self._routed(w), d.prefill_worker
+        w, p_id = d.decode_worker, d.prefill_worker
+        done = b.finished(req.request_id)
         try:
             if d.plan is Plan.LOCAL or p_id is None:
-                await self.calls.run(w, decode.serve.remote(req))
+                await self.calls.run(w, b.channel_of(w).run(req, done))
             elif d.plan is Plan.HANDOFF:
-                await self.calls.run(w, decode.handoff.remote(req, self._routed(p_id)))
+                peer = (p_id, self._routed(p_id))
+                await self.calls.run(w, b.channel_of(w).run(req, done, prefill=peer))
             else:
                 try:
-                    await self.calls.run(p_id, self._routed(p_id).serve.remote(req))
+                    await self.calls.run(p_id, b.channel_of(p_id).run(req, done))
                 except WORKER_LOST:  # it is gone: the decode worker runs the request
-                    self.lose(p_id)
-                    await self.calls.run(w, decode.serve.remote(req))
+                    b.lose(p_id)
+                    await self.calls.run(w, b.channel_of(w).run(req, done))
         except WORKER_LOST:
             self.lost = w
             raise
@@ -490,13 +520,13 @@ class _Try:
     def _routed(self, wid: str) -> PoolWorkerHandle:
         """The handle of a worker this try was routed to: found, as the router knows a
         worker only once it has answered a poll."""
-        handle = self.handle_of(wid)
+        handle = self.backend.handle_of(wid)
         if handle is None:
             raise LookupError(f"worker {wid!r}: routed before it was found")
         return handle
 
     def abort(self, request_id: str) -> None:
         d = self.decision
-        abort_try(self.handle_of(d.decode_worker), request_id, self.attempt)
+        self.backend.abort_on(d.decode_worker, request_id, self.attempt)
         if d.prefill_worker is not None:
-            abort_try(self.handle_of(d.prefill_worker), request_id, self.attempt)
+            self.backend.abort_on(d.prefill_worker, request_id, self.attempt)

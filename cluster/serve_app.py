@@ -174,7 +174,9 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
                          cfg.kv_failure_policy, cfg.prefill_timeout, transfer_timeout_s=cfg.transfer_timeout)
                     for n in cfg.decode_names()]
     else:
-        workers = [make(EngineWorkerActor, n, "worker", cfg.worker_resources) for n in cfg.worker_names()]
+        # Its inbox (where gateways start requests) binds on this node's address for the kv_host setting.
+        workers = [make(EngineWorkerActor, n, "worker", cfg.worker_resources, kv_host=cfg.kv_host)
+                   for n in cfg.worker_names()]
     ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     return workers
 

@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import zmq
 
@@ -32,7 +32,7 @@ from pdserve.workers.transfer.auth import ClusterSecret
 
 if TYPE_CHECKING:
     from pdserve.cluster.reports import WorkerInfo
-    from pdserve.cluster.worker_handle import RemoteMethod
+    from pdserve.cluster.worker_handle import PoolWorkerHandle, PrefillHandle, RemoteMethod
     from pdserve.cluster.worker_inbox import Outcomes
     from pdserve.workers.handoff import ServeRequest
 
@@ -69,24 +69,33 @@ class WorkerChannel:
         self._connecting: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
         self._tries: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self._met: set[str] = set()  # prefill workers this life of the worker was handed (`meet`)
         self._closed = False
 
     @property
     def connected(self) -> bool:
         return self._address is not None
 
-    async def run(self, req: ServeRequest, finished: asyncio.Event, prefill_worker: str | None = None) -> None:
+    async def run(self, req: ServeRequest, finished: asyncio.Event,
+                  prefill: tuple[str, PrefillHandle] | None = None) -> None:
         """Start `req` on the worker; return once `finished` is set (its final delta was
-        handed on), raise the try's error or the worker's death (RayActorError)."""
+        handed on), raise the try's error or the worker's death (RayActorError).
+        `prefill`: a handoff's prefill worker (its name and handle): the worker is
+        introduced to it once per life (`meet`), and the start names it."""
         if req.reply_to != self.gateway:  # the worker reports its failure to the reply_to's poll
             raise ValueError(f"reply_to: {req.reply_to!r} is not this channel's gateway {self.gateway!r}")
         await self._connect()
+        if prefill is not None and prefill[0] not in self._met:
+            # A decode worker cannot look a peer up by name without Ray (a lent GPU's served check
+            # runs without it): handed the handle once, it keeps it for this life.
+            await cast("PoolWorkerHandle", self.worker).meet.remote(prefill[0], prefill[1])
+            self._met.add(prefill[0])
         key = (req.request_id, req.attempt)
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._tries[key] = fut
         done: asyncio.Future[bool] = asyncio.ensure_future(finished.wait())
         try:
-            self._send(encode_start(self._sender, self._next_seq(), req, prefill_worker))
+            self._send(encode_start(self._sender, self._next_seq(), req, None if prefill is None else prefill[0]))
             await asyncio.wait((fut, done), return_when=asyncio.FIRST_COMPLETED)
             if not finished.is_set():
                 fut.result()
@@ -140,6 +149,7 @@ class WorkerChannel:
             apply_heartbeats(sock)
             sock.connect(info.inbox)
             self._sock, self._address = sock, info.inbox
+            self._met.clear()  # a new life knows no peer yet
             self._poller = asyncio.create_task(self._poll(info.incarnation))
         finally:
             self._connecting = None

@@ -18,8 +18,8 @@ from pdserve.cluster.ray_errors import RayActorError
 
 if TYPE_CHECKING:
     from pdserve.cluster.reports import LoadReport, RoleSwitch, WorkerInfo
-    from pdserve.cluster.worker_inbox import Outcomes
     from pdserve.cluster.router.policy import WorkerRole
+    from pdserve.cluster.worker_inbox import Outcomes
     from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
     from pdserve.workers.kv.event_log import EventCursor
 
@@ -91,6 +91,11 @@ class PoolWorkerHandle(WorkerHandle, PrefillHandle, Protocol):
     @property
     def handoff(self) -> RemoteMethod[[ServeRequest, PrefillHandle], None]:
         """Decode the request after the prefill worker given computes its prompt into blocks reserved here."""
+        ...
+
+    @property
+    def meet(self) -> RemoteMethod[[str, PrefillHandle], None]:
+        """Keep the prefill worker's handle under its name: a start on the inbox names it."""
         ...
 
     @property
