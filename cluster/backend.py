@@ -1,9 +1,11 @@
 """The gateway's view of its workers: a `GenerationBackend` runs a request and
 yields its DELTA outputs.
 
-Every backend runs a request the same way: one call starts it on a worker
-(`ServeRequest`, with this gateway's token stream as `reply_to`), and every
-token, the first included, comes back on that stream (`TokenStreams.run`).
+Every backend runs a request the same way: one message to a worker's inbox
+starts it (`ServeRequest`, with this gateway's token stream as `reply_to`:
+cluster/worker_channel.py), and every token, the first included, comes back on
+that stream (`TokenStreams.run`); its error, or the worker's death, on the
+channel's long poll.
 The request's gateway-side lifecycle ends with the stream; any end but its
 finish aborts it on its workers, which frees its blocks there.
 """

@@ -1,12 +1,13 @@
 """The typed records one request's way through the cluster is made of.
 
-    gateway --ServeRequest--> worker                    (one RPC: run it, stream its tokens to reply_to)
+    gateway --ServeRequest--> worker                    (its inbox: run it, stream its tokens to reply_to)
     decode worker --PrefillOrder--> prefill worker      (handoff: prefill into my reserved blocks)
     prefill worker --FirstToken--> decode worker        (the reply: the prompt's first output token)
 
 Every token reaches the gateway the same way: as `TokenDelta`s on its token
 stream (workers/token_stream.py), from whichever worker produced it. These
-records travel as Ray call arguments and results; they are frozen, so nothing
+records travel as Ray call arguments and results (a ServeRequest from the gateway
+as a signed msgpack message: workers/inbox_wire.py); they are frozen, so nothing
 downstream can change what the gateway decided.
 """
 

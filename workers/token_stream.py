@@ -7,9 +7,10 @@ thread buffers the DELTA outputs of a step and sends them as one
 `TokenDeltaBatch` (typed msgpack, no pickle) per gateway; the gateway's
 collector (cluster/token_collector.py) hands each delta to its request's queue.
 
-The control path stays on RPC: the gateway starts the request with a call that
-returns when the request is over (or raises its error), which is also how a
-dead worker is noticed. Deltas arrive here; the RPC's result only says "done".
+The control path is apart: the gateway starts a request with a message to the
+worker's inbox, and hears of its failure, or the worker's death, on one
+long-polling call per worker (cluster/worker_inbox.py). A request is done when
+its final delta arrives here.
 
 Every token of a request comes this way, the first included, though not always
 from one worker: after a handoff the prefill worker sends the first token and

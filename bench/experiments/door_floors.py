@@ -11,7 +11,8 @@ Two floors, each measured as the CPU of the receiving process divided by what it
   FastAPI returning a StreamingResponse. Server CPU per chunk: the per-chunk floor of a gateway
   that writes one token a chunk through uvicorn.
 - `ray call` (`--ray-calls N`, 0 to skip): what one Ray actor call costs, the way the gateway
-  starts every request on its worker today (`serve.remote(ServeRequest)`): N calls, at most
+  started every request on its worker until it used the workers' inboxes
+  (`serve.remote(ServeRequest)`; cluster/worker_inbox.py now): N calls, at most
   `--concurrency` in flight, to an async actor that returns at once; CPU per call of the caller
   (this process, its Ray threads included) and of the actor's process. A per-request floor.
 
