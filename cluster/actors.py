@@ -136,7 +136,9 @@ class _Service:
 
     def counts(self) -> WorkerCounts:
         """Its failure counters now (its metrics export them at each scrape)."""
-        return WorkerCounts(orphans_aborted=self.async_engine.num_orphans_aborted)
+        inbox: WorkerInbox | None = getattr(self, "inbox", None)  # the metrics ask before it exists
+        refused = (0, 0, 0) if inbox is None else (inbox.num_forged, inbox.num_replayed, inbox.num_rejected)
+        return WorkerCounts(orphans_aborted=self.async_engine.num_orphans_aborted, inbox_refused=refused)
 
     async def inject_fault(self, kind: str) -> None:
         """The test seam's way into a worker (workers/fault_seam.py; the chaos tests):

@@ -65,6 +65,8 @@ class WorkerCounts:
     # What its data-plane sockets refused from peers (workers/transfer/auth.py): decode from senders,
     # prefill from receivers.
     dataplane_refused: RefusalCounts = field(default_factory=RefusalCounts)
+    # What its request inbox refused (cluster/worker_inbox.py): forged, replayed, malformed.
+    inbox_refused: tuple[int, int, int] = (0, 0, 0)
 
 
 class WorkerMetrics:
@@ -220,6 +222,13 @@ class _EngineCollector:
                               ("dropped", r.dropped)):
             refused.add_metric([*labels, reason], value)
         yield refused
+        inbox = CounterMetricFamily("pdserve:inbox_refused",
+                                    "Request starts and aborts the worker's inbox refused, by reason: forged (no or "
+                                    "wrong MAC), replayed, malformed (signed, but no valid message)",
+                                    labels=(*LABELS, "reason"))
+        for reason, value in zip(("forged", "replayed", "malformed"), c.inbox_refused, strict=True):
+            inbox.add_metric([*labels, reason], value)
+        yield inbox
 
 
 class WithoutCreated:

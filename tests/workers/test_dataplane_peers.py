@@ -311,6 +311,15 @@ def test_workers_export_what_their_data_plane_refused() -> None:
         assert f'pdserve:dataplane_refused_total{{pool="decode",reason="{reason}",worker="d0"}} {value}.0' in text
 
 
+def test_workers_export_what_their_request_inbox_refused() -> None:
+    from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
+
+    counts = WorkerCounts(inbox_refused=(5, 2, 1))
+    text = WorkerMetrics(Pool.COLOCATED, "w0", counts=lambda: counts).render().decode()
+    for reason, value in (("forged", 5), ("replayed", 2), ("malformed", 1)):
+        assert f'pdserve:inbox_refused_total{{pool="colocated",reason="{reason}",worker="w0"}} {value}.0' in text
+
+
 def test_the_secret_never_shows_in_a_repr_and_travels_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     import pickle
 
