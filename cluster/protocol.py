@@ -155,20 +155,39 @@ class CompletionRequest(_SamplingFields):
                                     "(the server's --max-prompts)")
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str | dict[str, object] = "{}"  # OpenAI's is JSON text; an object is taken too
+
+
+class MessageToolCall(BaseModel):
+    """A tool call in an assistant message of the conversation (OpenAI's shape)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, object]] | None = None  # content parts: checked here (`check_supported`)
     # An assistant's earlier tool calls, and a tool's answer to one: the chat template renders them.
-    tool_calls: list[dict[str, object]] | None = None
+    tool_calls: list[MessageToolCall] | None = None
     tool_call_id: str | None = None
     name: str | None = None
 
     def template_dict(self, text: str) -> dict[str, object]:
         """The message as chat templates take it, with `text` as its content."""
         out: dict[str, object] = {"role": self.role, "content": text}
-        for key in ("tool_calls", "tool_call_id", "name"):
+        if self.tool_calls is not None:
+            out["tool_calls"] = [c.model_dump(exclude_none=True) for c in self.tool_calls]
+        for key in ("tool_call_id", "name"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out

@@ -18,7 +18,7 @@ from factories import FakeBackend, serve_gateway, tiny_spec
 from pdserve import LLM
 from pdserve.cluster.backend import LocalBackend
 from pdserve.cluster.gateway import Gateway, GatewayConfig
-from pdserve.cluster.tool_calls import ToolPlan, parse_calls
+from pdserve.cluster.tool_calls import ToolPlan, parse_calls, template_messages
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
@@ -108,6 +108,31 @@ def test_bad_tool_fields_are_400s_naming_them(url: str, body: dict[str, Any], pa
     with pytest.raises(openai.BadRequestError) as e:
         client(url).chat.completions.create(model="tiny", messages=ASK, max_tokens=4, **body)
     assert e.value.body["param"] == param  # type: ignore[index]
+
+
+CALLED = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+
+
+def test_a_conversation_with_earlier_tool_calls_is_served_and_a_misshaped_call_is_a_400(url: str) -> None:
+    turn = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALLED]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}]
+    resp = client(url).chat.completions.create(model="tiny", messages=turn, tools=TOOLS, max_tokens=4,
+                                               temperature=0)  # type: ignore[arg-type]
+    assert resp.choices[0].finish_reason == "length"
+    for bad in ({"id": "c"}, {"function": {"arguments": "{}"}}, {"function": "get_time"}, "call", None):
+        wrong = [*ASK, {"role": "assistant", "tool_calls": [bad]}]
+        with pytest.raises(openai.BadRequestError) as e:
+            client(url).chat.completions.create(model="tiny", messages=wrong, max_tokens=4)  # type: ignore[arg-type]
+        assert "messages" in str(e.value.body["param"]), e.value.body  # type: ignore[index]
+
+
+def test_templates_get_earlier_calls_arguments_as_objects() -> None:
+    from pdserve.cluster.protocol import ChatMessage
+
+    m = ChatMessage.model_validate({"role": "assistant", "tool_calls": [CALLED]})
+    (out,) = template_messages([m.template_dict("")])
+    assert out["tool_calls"] == [{"id": "call_1", "type": "function",
+                                  "function": {"name": "get_time", "arguments": {"zone": "UTC"}}}]
 
 
 # -- the model's own formats ("auto") -----------------------------------------------------
