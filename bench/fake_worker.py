@@ -174,8 +174,8 @@ class FakeWorker:
         return WorkerInfo(num_kv_blocks=1 << 20, max_model_len=MAX_MODEL_LEN, dtype="fake", pid=os.getpid(),
                           inbox=self.inbox.open(), incarnation=self.incarnation)
 
-    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
-        return await self.inbox.outcomes(gateway, timeout_s)
+    async def outcomes(self, gateway: str, after: int, timeout_s: float) -> Outcomes:
+        return await self.inbox.outcomes(gateway, after, timeout_s)
 
     async def _run_try(self, start: StartTry) -> None:
         await self.serve(start.request)

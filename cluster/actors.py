@@ -79,10 +79,10 @@ class _Service:
                           tensor_parallel_size=self.engine.tp.size, inbox=self.inbox.open(),
                           incarnation=self.incarnation)
 
-    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
-        """The tries of `gateway` that failed here since its last call (waits up to
-        `timeout_s` for one); Ray fails the call when this process dies."""
-        return await self.inbox.outcomes(gateway, timeout_s)
+    async def outcomes(self, gateway: str, after: int, timeout_s: float) -> Outcomes:
+        """What became of `gateway`'s tries here, reported after report `after` (a long poll:
+        cluster/worker_inbox.py); Ray fails the call when this process dies."""
+        return await self.inbox.outcomes(gateway, after, timeout_s)
 
     async def _run_try(self, start: StartTry) -> None:
         """A try the inbox received (the request's Ray call, before: `serve`)."""

@@ -404,7 +404,9 @@ class ColocatedBackend:
         handle = self.workers[index]
         assert handle is not None  # only found ones are placed
         held = self._channels[index]
-        if held is None or held[0] is not handle:
+        if held is None or held[0] is not handle or held[1].gateway != self.streams.collector.address:
+            if held is not None:
+                held[1].discard()  # a restarted worker's new handle: the old one's tries failed with it
             held = self._channels[index] = (handle, WorkerChannel(handle, self.streams.collector.address,
                                                                   self._secret))
         return held[1]

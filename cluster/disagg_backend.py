@@ -265,6 +265,8 @@ class DisaggregatedBackend:
             raise LookupError(f"worker {wid!r}: routed before it was found")
         held = self._channels.get(wid)
         if held is None or held[0] is not handle:
+            if held is not None:
+                held[1].discard()  # a restarted worker's new handle: the old one's tries failed with it
             held = self._channels[wid] = (handle, WorkerChannel(handle, self.streams.collector.address,
                                                                 self._secret))
         return held[1]

@@ -27,7 +27,7 @@ import logging
 from collections import deque
 from collections.abc import AsyncGenerator, Awaitable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import zmq
 
@@ -40,6 +40,7 @@ from pdserve.workers.token_decode import decode_token_batch
 from pdserve.workers.token_stream import StreamLostError, from_deltas
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
+from pdserve.workers.zmq_drain import drain, readable
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 # reading that connection (then the worker's SEND_HWM fills, and it gives up on
 # that gateway's requests): bounded, so no peer can make the gateway hold more.
 RECEIVE_HWM = 1000
-# Messages one wake of the loop's reader takes before it lets the loop run others.
-_DRAIN_BOUND = 64
 
 
 @dataclass(frozen=True)
@@ -304,27 +303,16 @@ class TokenStreamCollector:
 
     def _drain_monitor(self) -> None:
         """The monitor socket's events (each a dropped connection), drained as `_drain` drains."""
-        while not self._closed and _readable(self._monitor):
+        while not self._closed and readable(self._monitor):
             self._monitor.recv_multipart(zmq.NOBLOCK)
             self.num_dropped += 1
 
     def _drain(self) -> None:
-        """Take every message queued on the socket, up to a bound a wake (then the rest on the
-        loop's next turn: a flood does not starve the readers). The FD is edge-triggered: it
-        signals only when the socket goes from nothing to read to something, so each wake drains
-        until ZMQ_EVENTS lacks POLLIN."""
-        for _ in range(_DRAIN_BOUND):
-            if self._closed or not _readable(self._sock):
-                return
-            try:
-                parts = self._sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._take(parts)
-            except Exception:  # a bug here must not leave the socket undrained (its FD would not wake again)
-                log.exception("token stream: a message could not be handed on")
-        self._loop.call_soon(self._drain)
+        """Take every message queued on the socket (workers/zmq_drain.py)."""
+        drain(self._loop, self._sock_or_none, self._take, "token stream")
+
+    def _sock_or_none(self) -> zmq.Socket[bytes] | None:
+        return None if self._closed else self._sock
 
     def _take(self, parts: list[bytes]) -> None:
         if len(parts) != 2 or not auth.token_check(self._secret, self.address, parts[0], parts[1]):
@@ -419,11 +407,6 @@ class TokenStreamCollector:
         entry.chars += len(d.text)
         if d.cumulative_logprob is not None:
             entry.cumulative_logprob = d.cumulative_logprob
-
-
-def _readable(sock: zmq.Socket[bytes]) -> bool:
-    """Whether `sock` has a whole message to read (ZMQ_EVENTS, not the FD: the FD only wakes)."""
-    return bool(cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN)
 
 
 def _put(entry: _Open, item: TokenDelta | _RpcDone) -> None:

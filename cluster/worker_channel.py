@@ -1,11 +1,14 @@
 """A gateway's way to start requests on one worker: its inbox, and one long poll.
 
 `run(req, finished)` sends the try to the worker's inbox (cluster/worker_inbox.py) and
-returns when the collector saw its final delta (`finished`), or raises what ended it
-instead: the try's error, which the worker reports on the long poll, or RayActorError
-when the worker's process died (the poll fails, or another process answers it). That
-is what the Ray call per request said before, at a fraction of its CPU
-(workers/inbox_wire.py has the figures).
+returns when the collector saw its final delta (`finished`) or the worker reports the
+try done (the collector's `watch` then gives the final delta a grace), or raises what
+ended it instead: the try's error, which the worker reports on the long poll, or
+RayActorError when the worker's process died (the poll fails, or another process
+answers it). That is what the Ray call per request said before, at a fraction of its
+CPU (workers/inbox_wire.py has the figures). A start the worker never reports taking
+(lost on the way) fails its try with StreamLostError after `START_CONFIRM_S`, so the
+gateway moves it rather than wait for the request's deadline.
 
 The channel connects on first use: `info()` gives the inbox's address and the worker
 process's incarnation, and the poll starts. When the worker dies, every try on it fails
@@ -16,15 +19,20 @@ process's new inbox.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import zmq
 
 from pdserve.cluster.ray_errors import RayActorError
-from pdserve.workers.inbox_wire import encode_abort, encode_start
+from pdserve.cluster.worker_inbox import DONE, FAILED, STARTED, TryReport
+from pdserve.workers.async_engine import RequestAbortedError
+from pdserve.workers.inbox_wire import MAX_INBOX_MESSAGE_BYTES, encode_abort, encode_start
 from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
 from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
@@ -38,11 +46,17 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-POLL_S = 20.0  # how long one long poll waits on the worker for a failure
+# How long one long poll waits on the worker while none of this gateway's tries failed:
+# what it learnt meanwhile (tries taken, tries done) comes back at least this often.
+POLL_S = 5.0
 # The gateway's own deadline on a poll or an `info` call, beyond the worker's wait: a
 # saturated node answers late; one that never answers (stopped) is the stall watch's.
 _CALL_GRACE_S = 30.0
+# A start the worker has not reported taking this long after it was sent was lost (the
+# poll brings reports every POLL_S): its try fails with StreamLostError and moves.
+START_CONFIRM_S = 30.0
 SEND_HWM = 10_000  # starts and aborts queued for a worker not reading them: then tries fail
+_ABORTS_KEPT = 4096  # aborts remembered for a start not yet sent (it is then not sent)
 
 
 class InboxWorker(Protocol):
@@ -52,12 +66,21 @@ class InboxWorker(Protocol):
     def info(self) -> RemoteMethod[[], WorkerInfo]: ...
 
     @property
-    def outcomes(self) -> RemoteMethod[[str, float], Outcomes]: ...
+    def outcomes(self) -> RemoteMethod[[str, int, float], Outcomes]: ...
+
+
+@dataclass(eq=False)
+class _Try:
+    """A try sent on this channel: its outcome (`fut`), and whether the worker took it."""
+
+    fut: asyncio.Future[None]
+    sent_at: float
+    started: bool = False
 
 
 class WorkerChannel:
     """One gateway's channel to one worker. `gateway`: this gateway's token-stream
-    address (the worker keeps failures per gateway). Use it on one event loop."""
+    address (the worker keeps its reports per gateway). Use it on one event loop."""
 
     def __init__(self, worker: InboxWorker, gateway: str, secret: ClusterSecret | None = None) -> None:
         self.worker, self.gateway = worker, gateway
@@ -66,9 +89,14 @@ class WorkerChannel:
         self._seq = 0
         self._sock: zmq.Socket[bytes] | None = None
         self._address: str | None = None  # the inbox, while connected
+        self._tag_address = ""  # what the tags are bound to: the inbox and its process's life
+        self._life = 0  # counts connects and losses: what was learnt of one life is not the next's
         self._connecting: asyncio.Task[None] | None = None
         self._poller: asyncio.Task[None] | None = None
-        self._tries: dict[tuple[str, int], asyncio.Future[None]] = {}
+        self._tries: dict[tuple[str, int], _Try] = {}
+        self._unconfirmed: collections.deque[tuple[tuple[str, int], _Try]] = collections.deque()  # in sending order
+        self._acked = 0  # the last report of this life handled (the next poll acknowledges it)
+        self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._met: set[str] = set()  # prefill workers this life of the worker was handed (`meet`)
         self._closed = False
 
@@ -79,48 +107,73 @@ class WorkerChannel:
     async def run(self, req: ServeRequest, finished: asyncio.Event,
                   prefill: tuple[str, PrefillHandle] | None = None) -> None:
         """Start `req` on the worker; return once `finished` is set (its final delta was
-        handed on), raise the try's error or the worker's death (RayActorError).
-        `prefill`: a handoff's prefill worker (its name and handle): the worker is
-        introduced to it once per life (`meet`), and the start names it."""
+        handed on) or the worker reports the try done, raise the try's error or the
+        worker's death (RayActorError). `prefill`: a handoff's prefill worker (its name
+        and handle): the worker is introduced to it once per life (`meet`), and the start
+        names it."""
         if req.reply_to != self.gateway:  # the worker reports its failure to the reply_to's poll
             raise ValueError(f"reply_to: {req.reply_to!r} is not this channel's gateway {self.gateway!r}")
         await self._connect()
         if prefill is not None and prefill[0] not in self._met:
             # A decode worker cannot look a peer up by name without Ray (a lent GPU's served check
             # runs without it): handed the handle once, it keeps it for this life.
+            life = self._life
             await cast("PoolWorkerHandle", self.worker).meet.remote(prefill[0], prefill[1])
-            self._met.add(prefill[0])
+            if life == self._life:  # not a life that began meanwhile (it knows no peer)
+                self._met.add(prefill[0])
         key = (req.request_id, req.attempt)
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._tries[key] = fut
+        if key in self._aborted:  # aborted while it connected: an abort sent before its start ends nothing
+            raise RequestAbortedError(f"request {req.request_id} (try {req.attempt}) was aborted before it started")
+        body = encode_start(self._sender, self._next_seq(), req, None if prefill is None else prefill[0])
+        if len(body) > MAX_INBOX_MESSAGE_BYTES:  # the inbox would drop the connection, every try on it
+            raise ValueError(f"the request is {len(body)} bytes encoded: over the {MAX_INBOX_MESSAGE_BYTES} "
+                             "a worker takes")
+        t = _Try(asyncio.get_running_loop().create_future(), time.monotonic())
         done: asyncio.Future[bool] = asyncio.ensure_future(finished.wait())
         try:
-            self._send(encode_start(self._sender, self._next_seq(), req, None if prefill is None else prefill[0]))
-            await asyncio.wait((fut, done), return_when=asyncio.FIRST_COMPLETED)
+            self._send(body)
+            self._tries[key] = t
+            self._unconfirmed.append((key, t))
+            await asyncio.wait((t.fut, done), return_when=asyncio.FIRST_COMPLETED)
             if not finished.is_set():
-                fut.result()
+                t.fut.result()
         finally:
             done.cancel()
-            if self._tries.get(key) is fut:
+            if t.fut.done() and not t.fut.cancelled():
+                t.fut.exception()  # seen: the final delta won the race
+            if self._tries.get(key) is t:
                 del self._tries[key]
 
     def abort(self, request_id: str, attempt: int) -> bool:
-        """Send the worker an abort of the try (after its start, on the same socket); False
-        when not connected (the worker died: its tries with it)."""
+        """Send the worker an abort of the try (after its start, on the same socket; a start
+        not sent yet is not sent). False when it cannot go (not connected: the worker died,
+        its tries with it; or its inbox is full): then the caller tells the worker otherwise."""
+        self._aborted[(request_id, attempt)] = None
+        if len(self._aborted) > _ABORTS_KEPT:
+            self._aborted.popitem(last=False)
         if self._sock is None:
             return False
-        with contextlib.suppress(StreamLostError):
+        try:
             self._send(encode_abort(self._sender, self._next_seq(), request_id, attempt))
+        except (StreamLostError, RayActorError):
+            return False
         return True
 
-    async def close(self) -> None:
+    def discard(self) -> None:
+        """Stop at once (the worker's handle was replaced): the tries still on it fail as
+        on its death, and nothing more is sent or polled."""
         self._closed = True
         for task in (self._poller, self._connecting):
             if task is not None:
                 task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-        self._disconnect()
+        self._lost()
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._poller, self._connecting) if t is not None]
+        self.discard()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     # -- connecting -------------------------------------------------------------------------
 
@@ -130,6 +183,8 @@ class WorkerChannel:
                 raise RuntimeError("the gateway is closing")
             if self._connecting is None:
                 self._connecting = asyncio.create_task(self._open())
+                # Seen even when every caller left (their clients gone) before it ended.
+                self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
             # Shielded: one caller leaving (its client gone) does not stop the others' connect.
             await asyncio.shield(self._connecting)
 
@@ -149,7 +204,10 @@ class WorkerChannel:
             apply_heartbeats(sock)
             sock.connect(info.inbox)
             self._sock, self._address = sock, info.inbox
+            self._tag_address = f"{info.inbox}#{info.incarnation}"  # cluster/worker_inbox.py `tag_address`
+            self._life += 1
             self._met.clear()  # a new life knows no peer yet
+            self._acked = 0  # its reports are numbered from 1
             self._poller = asyncio.create_task(self._poll(info.incarnation))
         finally:
             self._connecting = None
@@ -162,35 +220,66 @@ class WorkerChannel:
     # -- the long poll ----------------------------------------------------------------------
 
     async def _poll(self, incarnation: str) -> None:
-        """Hand each reported failure to its try, until the worker dies (or another process
-        answers: the one the tries went to died between two polls)."""
-        while not self._closed:
-            try:
-                async with asyncio.timeout(POLL_S + _CALL_GRACE_S):
-                    out = await self.worker.outcomes.remote(self.gateway, POLL_S)
-            except TimeoutError:
-                log.warning("worker inbox %s: a poll went unanswered; polling again", self._address)
+        """Hand each report to its try, until the worker dies (or another process answers:
+        the one the tries went to died between two polls). However the loop ends, but for
+        the channel closing, the worker is taken for gone: no try waits on a poll that stopped."""
+        try:
+            while not self._closed:
+                try:
+                    async with asyncio.timeout(POLL_S + _CALL_GRACE_S):
+                        out = await self.worker.outcomes.remote(self.gateway, self._acked, POLL_S)
+                except TimeoutError:
+                    log.warning("worker inbox %s: a poll went unanswered; polling again", self._address)
+                    self._sweep()
+                    continue
+                except Exception as e:  # noqa: BLE001 - dead (RayActorError), or broken: its tries go elsewhere
+                    if not isinstance(e, RayActorError):
+                        log.error("worker inbox %s: its poll failed: %r", self._address, e)
+                    return
+                if out.incarnation != incarnation:
+                    return
+                self._apply(out.reports)
+                self._sweep()
+        except Exception:
+            log.exception("worker inbox %s: its poll broke", self._address)
+        finally:
+            if not self._closed:
+                self._lost()
+
+    def _apply(self, reports: tuple[TryReport, ...]) -> None:
+        for r in reports:
+            if r.seq <= self._acked:  # handled already (the answer to an earlier poll had it too)
                 continue
-            except Exception as e:  # noqa: BLE001 - dead (RayActorError), or broken: its tries go elsewhere
-                if not isinstance(e, RayActorError):
-                    log.error("worker inbox %s: its poll failed: %r", self._address, e)
-                self._lost()
-                return
-            if out.incarnation != incarnation:
-                self._lost()
-                return
-            for failed in out.failed:
-                fut = self._tries.get((failed.request_id, failed.attempt))
-                if fut is not None and not fut.done():
-                    fut.set_exception(failed.error())
+            self._acked = r.seq
+            t = self._tries.get((r.request_id, r.attempt))
+            if t is None or t.fut.done():
+                continue
+            if r.state == FAILED:
+                t.fut.set_exception(r.error())
+            elif r.state == DONE:
+                t.fut.set_result(None)  # the worker sent its final delta: `watch` gives it a grace
+            elif r.state == STARTED:
+                t.started = True
+
+    def _sweep(self) -> None:
+        """Fail the tries whose start the worker has not reported taking in `START_CONFIRM_S`."""
+        cutoff = time.monotonic() - START_CONFIRM_S
+        while self._unconfirmed and self._unconfirmed[0][1].sent_at < cutoff:
+            key, t = self._unconfirmed.popleft()
+            if not t.started and not t.fut.done() and self._tries.get(key) is t:
+                t.fut.set_exception(StreamLostError(
+                    f"worker inbox {self._address}: request {key[0]} (try {key[1]}) was not taken "
+                    f"in {START_CONFIRM_S:.0f} s (its start was lost)"))
 
     def _lost(self) -> None:
         """The worker process is gone: every try on it fails as a Ray call to it would."""
         self._disconnect()
         self._poller = None
-        for fut in self._tries.values():
-            if not fut.done():
-                fut.set_exception(RayActorError())
+        self._life += 1
+        self._unconfirmed.clear()
+        for t in self._tries.values():
+            if not t.fut.done():
+                t.fut.set_exception(RayActorError())
 
     def _next_seq(self) -> int:
         self._seq += 1
@@ -200,6 +289,6 @@ class WorkerChannel:
         if self._sock is None or self._address is None:
             raise RayActorError()  # lost between the connect and the send
         try:
-            self._sock.send_multipart([auth.inbox_tag(self._secret, self._address, body), body], zmq.NOBLOCK)
+            self._sock.send_multipart([auth.inbox_tag(self._secret, self._tag_address, body), body], zmq.NOBLOCK)
         except zmq.Again:
             raise StreamLostError("the worker's inbox is full (it reads nothing)") from None

@@ -48,9 +48,9 @@ class WorkerHandle(Protocol):
         ...
 
     @property
-    def outcomes(self) -> RemoteMethod[[str, float], Outcomes]:
-        """The tries of the gateway given that failed there since its last call (a long
-        poll: it waits up to the seconds given for one)."""
+    def outcomes(self) -> RemoteMethod[[str, int, float], Outcomes]:
+        """What became of the given gateway's tries there, reported after the report number
+        given (a long poll: it waits up to the seconds given while none failed)."""
         ...
 
     @property

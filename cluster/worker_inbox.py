@@ -3,17 +3,22 @@
     gateway (cluster/worker_channel.py)               worker (this module)
     StartTry / AbortTry   --PUSH, signed-->           PULL socket -> a task per try
     tokens, the final one included  <--token stream-- (workers/token_stream.py)
-    outcomes(gateway)     --one Ray call, long-poll-> the tries that failed here, and
-                                                      the worker's death (the call fails)
+    outcomes(gateway)     --one Ray call, long-poll-> what became of its tries here (taken,
+                                                      done, failed), and the worker's death
 
 A try's success is its final delta on the token stream; what is left for the control
 plane is a try's error and the worker's death, and one long-polling Ray call per
 (gateway, worker) carries both: it returns as soon as a try of that gateway failed here,
-and Ray fails it when the worker's process dies. A Ray call per request cost each side
-~0.5 ms of CPU (workers/inbox_wire.py).
+and Ray fails it when the worker's process dies. It also carries, at its own pace (at
+least every poll's wait), which tries the worker took and which it finished: a start
+lost on the way, or a final delta lost after it was sent, fails its try within seconds
+instead of at the request's deadline. Reports are numbered per gateway and dropped only
+once a poll acknowledges them (`after`), so a poll whose answer was lost (its caller gave
+up on it) loses nothing. A Ray call per request cost each side ~0.5 ms of CPU
+(workers/inbox_wire.py).
 
 The socket is one a peer can write to: every message carries a tag under the cluster
-secret bound to this inbox's address (`auth.inbox_tag`), each sender's numbers must
+secret bound to this inbox's address and process (`tag_address`), each sender's numbers must
 rise (a recorded message is refused when sent again), and frames over a bound drop
 the connection. A message that fails any of these is dropped unread and counted.
 """
@@ -28,7 +33,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import cast
 
 import zmq
 
@@ -39,21 +43,21 @@ from pdserve.workers.async_engine import (
     WorkerDrainingError,
 )
 from pdserve.workers.decode_worker import PeerFailedError
-from pdserve.workers.inbox_wire import AbortTry, StartTry, decode_inbox
+from pdserve.workers.inbox_wire import MAX_INBOX_MESSAGE_BYTES, AbortTry, StartTry, decode_inbox
 from pdserve.workers.link_monitor import apply_limits
 from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret, SeqWindow
+from pdserve.workers.zmq_drain import drain
 
 log = logging.getLogger(__name__)
 
-# A start message is a prompt and its parameters (a grammar spec at most 64k characters).
-MAX_INBOX_MESSAGE_BYTES = 4 << 20
-RECEIVE_HWM = 10_000  # messages queued per sender connection before it is read no more
-_DRAIN_BOUND = 64  # messages taken per wake before other callbacks run
-# Failures kept for a gateway until it polls them: one that never polls again (gone)
-# holds at most this many, and is forgotten after `_FORGET_S` without a poll.
-_MAX_KEPT = 4096
+RECEIVE_HWM = 1000  # messages queued per sender connection before it is read no more
+# Reports kept for a gateway until a poll acknowledges them: one that never polls again
+# (gone) holds at most this many, and is forgotten after `_FORGET_S` without a poll. A poll
+# returns early once `_WAKE_AT` are waiting, so a live gateway never comes near the bound.
+_MAX_KEPT = 65_536
+_WAKE_AT = 1024
 _FORGET_S = 600.0
 _MAX_SENDERS = 4096  # replay windows kept (a gateway replica's channel is one sender per worker life)
 
@@ -71,19 +75,26 @@ ERROR_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
 )
 
 
-@dataclass(frozen=True)
-class TryFailed:
-    """A try that ended here with an error (`kind`: ERROR_KINDS', or "error")."""
+STARTED, DONE, FAILED = "started", "done", "failed"
 
+
+@dataclass(frozen=True)
+class TryReport:
+    """What became of a try here: `state` STARTED (taken from the inbox), DONE (its final
+    delta sent) or FAILED (with the error's `kind`, ERROR_KINDS' or "error", and message).
+    `seq` numbers the reports of one gateway."""
+
+    seq: int
     request_id: str
     attempt: int
-    kind: str
-    message: str
+    state: str
+    kind: str = ""
+    message: str = ""
 
     @classmethod
-    def of(cls, request_id: str, attempt: int, error: BaseException) -> TryFailed:
+    def failed(cls, seq: int, request_id: str, attempt: int, error: BaseException) -> TryReport:
         kind = next((k for k, t in ERROR_KINDS if isinstance(error, t)), "error")
-        return cls(request_id, attempt, kind, str(error) or type(error).__name__)
+        return cls(seq, request_id, attempt, FAILED, kind, str(error) or type(error).__name__)
 
     def error(self) -> BaseException:
         """The exception the gateway raises for it (RuntimeError for a kind it does not know)."""
@@ -92,17 +103,19 @@ class TryFailed:
 
 @dataclass(frozen=True)
 class Outcomes:
-    """One long poll's answer: the worker process that answered, and the failed tries."""
+    """One long poll's answer: the worker process that answered, and the reports after
+    the one the poll acknowledged."""
 
     incarnation: str
-    failed: tuple[TryFailed, ...]
+    reports: tuple[TryReport, ...]
 
 
 @dataclass
 class _Kept:
-    failed: collections.deque[TryFailed]
+    reports: collections.deque[TryReport]
     wake: asyncio.Event
     polled_at: float
+    next_seq: int = 1
 
 
 Runner = Callable[[StartTry], Awaitable[None]]
@@ -121,11 +134,17 @@ class WorkerInbox:
         self._sock: zmq.Socket[bytes] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tasks: dict[str, tuple[int, asyncio.Task[None]]] = {}  # request id -> its try here
-        self._kept: dict[str, _Kept] = {}  # gateway (its token stream) -> failures not yet polled
+        self._kept: dict[str, _Kept] = {}  # gateway (its token stream) -> reports not yet acknowledged
         self._senders: collections.OrderedDict[str, SeqWindow] = collections.OrderedDict()
         self.num_forged = 0  # messages whose tag did not check
         self.num_replayed = 0  # messages with a number their sender had used
         self.num_rejected = 0  # signed messages that were not a valid inbox message
+
+    @property
+    def tag_address(self) -> str:
+        """What a message's tag is bound to: this inbox's address and this process's life (a
+        restarted worker that got the same port takes nothing meant for the last one)."""
+        return f"{self.address}#{self.incarnation}"
 
     def open(self) -> str:
         """Bind (once) and start reading on the running loop; the inbox's address."""
@@ -142,22 +161,23 @@ class WorkerInbox:
         self._loop.call_soon(self._drain)  # edge-triggered FD: arm it (see token_collector)
         return self.address
 
-    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
-        """The failures of `gateway`'s tries since its last poll; waits up to `timeout_s`
-        for one when there is none."""
-        if not isinstance(gateway, str) or not 0 <= timeout_s <= 300:
-            raise ValueError("outcomes: a gateway address and a timeout in [0, 300] s")
+    async def outcomes(self, gateway: str, after: int, timeout_s: float) -> Outcomes:
+        """`gateway`'s reports numbered above `after` (those up to it are dropped: the poll
+        acknowledges them); waits up to `timeout_s` while none is a failure (and fewer than
+        `_WAKE_AT` wait)."""
+        if not isinstance(gateway, str) or not isinstance(after, int) or not 0 <= timeout_s <= 300:
+            raise ValueError("outcomes: a gateway address, a report number and a timeout in [0, 300] s")
         kept = self._kept_for(gateway)
         kept.polled_at = time.monotonic()
-        if not kept.failed:
+        while kept.reports and kept.reports[0].seq <= after:
+            kept.reports.popleft()
+        if not any(r.state == FAILED for r in kept.reports) and len(kept.reports) < _WAKE_AT:
             kept.wake.clear()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(timeout_s):
                     await kept.wake.wait()
-        failed = tuple(kept.failed)
-        kept.failed.clear()
         kept.polled_at = time.monotonic()
-        return Outcomes(self.incarnation, failed)
+        return Outcomes(self.incarnation, tuple(kept.reports))  # all above `after`: the rest went
 
     @property
     def num_tries(self) -> int:
@@ -166,6 +186,9 @@ class WorkerInbox:
     def close(self) -> None:
         for _, task in self._tasks.values():
             task.cancel()
+        for kept in self._kept.values():
+            kept.wake.set()  # its polls answer now (the process is stopping)
+        self.address = None
         if self._sock is not None:
             if self._loop is not None and not self._loop.is_closed():
                 with contextlib.suppress(Exception):  # closing from another thread or a closed loop
@@ -176,25 +199,12 @@ class WorkerInbox:
     # -- reading --------------------------------------------------------------------------
 
     def _drain(self) -> None:
-        for _ in range(_DRAIN_BOUND):
-            sock = self._sock
-            # ZMQ_EVENTS, not the FD (which only wakes): is a whole message there?
-            if sock is None or not cast(int, sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                return
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._take(parts)
-            except Exception:  # a bug here must not leave the socket undrained (its FD would not wake again)
-                log.exception("inbox: a message could not be handled")
         assert self._loop is not None
-        self._loop.call_soon(self._drain)
+        drain(self._loop, lambda: self._sock, self._take, "inbox")
 
     def _take(self, parts: list[bytes]) -> None:
         assert self.address is not None
-        if len(parts) != 2 or not auth.inbox_check(self._secret, self.address, parts[0], parts[1]):
+        if len(parts) != 2 or not auth.inbox_check(self._secret, self.tag_address, parts[0], parts[1]):
             self.num_forged += 1
             if self.num_forged & (self.num_forged - 1) == 0:  # 1, 2, 4, ...: a flood does not flood the log
                 log.warning("inbox: dropped a message whose MAC does not check (%d so far)", self.num_forged)
@@ -224,6 +234,7 @@ class WorkerInbox:
 
     def _start(self, start: StartTry) -> None:
         req = start.request  # an earlier try still here is ended by the engine as this one opens
+        self._report(req.reply_to, req.request_id, req.attempt, STARTED)
         assert self._loop is not None
         task = self._loop.create_task(self._serve(start))
         self._tasks[req.request_id] = (req.attempt, task)
@@ -246,12 +257,18 @@ class WorkerInbox:
         except Exception as e:  # noqa: BLE001 - every failure goes to the gateway, as a Ray call's would
             if not isinstance(e, (ValueError, TimeoutError, RequestAbortedError, WorkerDrainingError)):
                 log.warning("request %s (try %d) failed here: %r", req.request_id, req.attempt, e)
-            self._fail(req.reply_to, TryFailed.of(req.request_id, req.attempt, e))
+            self._report(req.reply_to, req.request_id, req.attempt, FAILED, e)
+        else:
+            self._report(req.reply_to, req.request_id, req.attempt, DONE)
 
-    def _fail(self, gateway: str, failed: TryFailed) -> None:
+    def _report(self, gateway: str, request_id: str, attempt: int, state: str,
+                error: BaseException | None = None) -> None:
         kept = self._kept_for(gateway)
-        kept.failed.append(failed)
-        kept.wake.set()
+        seq, kept.next_seq = kept.next_seq, kept.next_seq + 1
+        kept.reports.append(TryReport(seq, request_id, attempt, state) if error is None
+                            else TryReport.failed(seq, request_id, attempt, error))
+        if error is not None or len(kept.reports) >= _WAKE_AT:
+            kept.wake.set()
 
     def _kept_for(self, gateway: str) -> _Kept:
         kept = self._kept.get(gateway)

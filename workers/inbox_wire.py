@@ -32,6 +32,8 @@ from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
 
 VERSION = 1
+# A start message is a prompt and its parameters (a grammar spec at most 64k characters).
+MAX_INBOX_MESSAGE_BYTES = 4 << 20
 _START, _ABORT = "start", "abort"
 _PARAM_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputs))

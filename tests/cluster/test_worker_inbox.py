@@ -13,12 +13,13 @@ import msgpack
 import pytest
 import zmq
 
+from pdserve.cluster import worker_channel
 from pdserve.cluster.in_process import LocalActor
 from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.worker_channel import WorkerChannel
-from pdserve.cluster.worker_inbox import Outcomes, TryFailed, WorkerInbox
-from pdserve.workers.async_engine import EngineDeadError, RequestFaultError, WorkerDrainingError
+from pdserve.cluster.worker_inbox import DONE, FAILED, STARTED, Outcomes, TryReport, WorkerInbox
+from pdserve.workers.async_engine import EngineDeadError, RequestAbortedError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import Resume, ServeRequest
 from pdserve.workers.inbox_wire import AbortTry, StartTry, decode_inbox, encode_abort, encode_start
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
@@ -101,7 +102,7 @@ def test_try_errors_come_back_as_their_types() -> None:
     for error in (ValueError("prompt: too long"), TimeoutError("late"), RequestFaultError("nan"),
                   EngineDeadError("dead"), WorkerDrainingError("switching"), StreamLostError("lost"),
                   KeyError("bug")):
-        back = TryFailed.of("r", 0, error).error()
+        back = TryReport.failed(1, "r", 0, error).error()
         assert type(back) is (RuntimeError if isinstance(error, KeyError) else type(error))
         assert str(back) == str(error)
 
@@ -129,8 +130,8 @@ class FakeService:
     async def info(self) -> WorkerInfo:
         return WorkerInfo(1, 1, inbox=self.inbox.open(), incarnation=self.incarnation)
 
-    async def outcomes(self, gateway: str, timeout_s: float) -> Outcomes:
-        return await self.inbox.outcomes(gateway, timeout_s)
+    async def outcomes(self, gateway: str, after: int, timeout_s: float) -> Outcomes:
+        return await self.inbox.outcomes(gateway, after, timeout_s)
 
 
 async def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
@@ -259,26 +260,29 @@ def test_forged_replayed_and_misaddressed_messages_start_nothing() -> None:
     async def main() -> None:
         svc = FakeService(runner)
         address = svc.inbox.open()
+        bound = svc.inbox.tag_address  # the inbox and its process's life
         body = encode_start("attacker-knows-the-format", 1, request())
         loop = asyncio.get_running_loop()
         other = ClusterSecret(b"o" * 32)
-        # Another secret; a tag for another inbox; no tag; then a good one, and the good one again.
-        await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(other, address, body), body])
+        # Another secret; a tag for another inbox; for this address's last life (a restarted worker
+        # on the same port); no tag; then a good one, and the good one again.
+        await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(other, bound, body), body])
         await loop.run_in_executor(None, _send_raw, address,
-                                   [auth.inbox_tag(SECRET, "tcp://127.0.0.1:1", body), body])
+                                   [auth.inbox_tag(SECRET, "tcp://127.0.0.1:1#" + svc.incarnation, body), body])
+        await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(SECRET, address + "#old", body), body])
         await loop.run_in_executor(None, _send_raw, address, [body])
         # The token stream's tag over the same bytes is no inbox tag either.
-        await loop.run_in_executor(None, _send_raw, address, [auth.token_tag(SECRET, address, body), body])
-        await _eventually(lambda: svc.inbox.num_forged == 4)
+        await loop.run_in_executor(None, _send_raw, address, [auth.token_tag(SECRET, bound, body), body])
+        await _eventually(lambda: svc.inbox.num_forged == 5)
         assert svc.started == []
-        good = [auth.inbox_tag(SECRET, address, body), body]
+        good = [auth.inbox_tag(SECRET, bound, body), body]
         await loop.run_in_executor(None, _send_raw, address, good)
         await _eventually(lambda: len(svc.started) == 1)
         await loop.run_in_executor(None, _send_raw, address, good)
         await _eventually(lambda: svc.inbox.num_replayed == 1)
         # Signed garbage is counted and dropped; the inbox goes on reading.
         junk = msgpack.packb([1, "start", "s", 5])
-        await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(SECRET, address, junk), junk])
+        await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(SECRET, bound, junk), junk])
         await _eventually(lambda: svc.inbox.num_rejected == 1)
         assert len(svc.started) == 1
         svc.inbox.close()
@@ -286,21 +290,262 @@ def test_forged_replayed_and_misaddressed_messages_start_nothing() -> None:
     asyncio.run(main())
 
 
-def test_a_gateway_that_never_polls_again_holds_a_bounded_number_of_failures() -> None:
+def test_a_gateway_that_never_polls_again_holds_a_bounded_number_of_reports(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.cluster import worker_inbox
+
+    monkeypatch.setattr(worker_inbox, "_MAX_KEPT", 100)
+
     async def runner(start: StartTry) -> None:
         raise ValueError("no")
 
     async def main() -> None:
-        from pdserve.cluster import worker_inbox
-
         svc = FakeService(runner)
         svc.inbox.open()
-        for i in range(worker_inbox._MAX_KEPT + 10):
+        for i in range(200):
             svc.inbox._start(StartTry("s", i + 1, request(rid=f"r{i}")))
         await _eventually(lambda: svc.inbox.num_tries == 0)
-        got = await svc.inbox.outcomes(request().reply_to, 0)
-        assert len(got.failed) == worker_inbox._MAX_KEPT
-        assert got.failed[-1].request_id == f"r{worker_inbox._MAX_KEPT + 9}"  # the newest are kept
+        got = await svc.inbox.outcomes(request().reply_to, 0, 0)
+        assert len(got.reports) == 100
+        assert got.reports[-1].request_id == "r199" and got.reports[-1].state == FAILED  # the newest are kept
         svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_reports_stay_until_a_poll_acknowledges_them() -> None:
+    """A poll whose answer was lost (its caller gave up on it) loses no failure: the next
+    poll, which acknowledges only what the gateway handled, gets it again."""
+
+    async def runner(start: StartTry) -> None:
+        if start.request.request_id == "bad":
+            raise ValueError("no")
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        svc.inbox.open()
+        svc.inbox._start(StartTry("s", 1, request(rid="ok")))
+        svc.inbox._start(StartTry("s", 2, request(rid="bad")))
+        await _eventually(lambda: svc.inbox.num_tries == 0)
+        lost = await svc.inbox.outcomes(GATEWAY, 0, 0)  # answered; never handled
+        again = await svc.inbox.outcomes(GATEWAY, 0, 0)
+        assert again == lost
+        states = {(r.request_id, r.state) for r in again.reports}
+        assert states == {("ok", STARTED), ("ok", DONE), ("bad", STARTED), ("bad", FAILED)}
+        last = again.reports[-1].seq
+        assert [r.seq for r in again.reports] == list(range(1, last + 1))
+        assert (await svc.inbox.outcomes(GATEWAY, last, 0)).reports == ()
+        # A failure wakes a waiting poll at once; taken and done tries wait for the poll's time.
+        waiting = asyncio.create_task(svc.inbox.outcomes(GATEWAY, last, 30))
+        await asyncio.sleep(0.05)
+        svc.inbox._start(StartTry("s", 3, request(rid="fine")))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        svc.inbox._start(StartTry("s", 4, request(rid="bad", attempt=1)))
+        got = await asyncio.wait_for(waiting, 5)
+        assert [(r.request_id, r.state) for r in got.reports][-1] == ("bad", FAILED)
+        svc.inbox.close()
+
+    asyncio.run(main())
+
+
+class _Flaky(LocalActor):
+    """A worker's handle whose first poll's answer is lost on the way (the call never returns)."""
+
+    def __init__(self, svc: FakeService) -> None:
+        super().__init__(svc)
+        self.svc, self.polls = svc, 0
+
+    def __getattr__(self, name: str) -> Any:
+        actor = self
+
+        class Method:
+            @staticmethod
+            def remote(*args: Any) -> Awaitable[Any]:
+                async def call() -> Any:
+                    got = await getattr(actor.svc, name)(*args)
+                    if name == "outcomes":
+                        actor.polls += 1
+                        if actor.polls == 1:
+                            await asyncio.sleep(3600)
+                    return got
+
+                return asyncio.ensure_future(call())
+
+        return Method()
+
+
+def _quick_polls(monkeypatch: pytest.MonkeyPatch, confirm_s: float = 30.0) -> None:
+    monkeypatch.setattr(worker_channel, "POLL_S", 0.1)
+    monkeypatch.setattr(worker_channel, "_CALL_GRACE_S", 0.3)
+    monkeypatch.setattr(worker_channel, "START_CONFIRM_S", confirm_s)
+
+
+def test_a_failure_whose_poll_was_lost_still_reaches_its_try(monkeypatch: pytest.MonkeyPatch) -> None:
+    _quick_polls(monkeypatch)
+
+    async def runner(start: StartTry) -> None:
+        raise ValueError("prompt: too long")
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        actor = _Flaky(svc)
+        channel = WorkerChannel(actor, GATEWAY, SECRET)
+        try:
+            with pytest.raises(ValueError, match="too long"):
+                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 10)
+            assert actor.polls >= 2  # it came on the poll after the lost one
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_try_the_worker_reports_done_returns_without_its_final_delta(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker sent its final delta; the collector's `watch` gives it a grace from here."""
+    _quick_polls(monkeypatch)
+
+    async def runner(start: StartTry) -> None:
+        return None
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_start_lost_on_the_way_fails_its_try_as_a_lost_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    _quick_polls(monkeypatch, confirm_s=0.5)
+
+    async def runner(start: StartTry) -> None:
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            finished = asyncio.Event()
+            taken = asyncio.create_task(channel.run(request(rid="taken"), finished))
+            await _eventually(lambda: len(svc.started) == 1)
+            sent = channel._send
+            monkeypatch.setattr(channel, "_send", lambda body: None)  # the start goes nowhere
+            with pytest.raises(StreamLostError, match="not taken"):
+                await asyncio.wait_for(channel.run(request(rid="lost"), asyncio.Event()), 10)
+            monkeypatch.setattr(channel, "_send", sent)
+            assert not taken.done()  # one the worker took runs on, however long
+            finished.set()
+            await asyncio.wait_for(taken, 5)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_an_abort_that_came_before_the_start_sends_no_start() -> None:
+    async def runner(start: StartTry) -> None:
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            assert not channel.abort("r1", 0)  # not connected: the caller also tells the worker by Ray
+            with pytest.raises(RequestAbortedError):
+                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
+            run = asyncio.create_task(channel.run(request(attempt=1), asyncio.Event()))  # its next try runs
+            await _eventually(lambda: len(svc.started) == 1)
+            run.cancel()
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_over_the_inbox_limit_is_a_value_error_and_the_channel_goes_on() -> None:
+    async def runner(start: StartTry) -> None:
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            huge = ServeRequest("big", tuple([70_000] * 1_000_000), SamplingParams(), 30.0, GATEWAY)
+            with pytest.raises(ValueError, match="over the"):
+                await asyncio.wait_for(channel.run(huge, asyncio.Event()), 5)
+            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 1)
+            run.cancel()
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_broken_poll_fails_the_tries_it_was_watching(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However the poll loop ends (here a bug: an answer it cannot read), no try waits on it."""
+    _quick_polls(monkeypatch)
+
+    async def runner(start: StartTry) -> None:
+        await asyncio.sleep(3600)
+
+    class Garbled(LocalActor):
+        def __init__(self, svc: FakeService) -> None:
+            super().__init__(svc)
+            self.svc = svc
+
+        def __getattr__(self, name: str) -> Any:
+            svc = self.svc
+
+            class Method:
+                @staticmethod
+                def remote(*args: Any) -> Awaitable[Any]:
+                    async def call() -> Any:
+                        got = await getattr(svc, name)(*args)
+                        return Outcomes(got.incarnation, (object(),)) if name == "outcomes" else got  # type: ignore[arg-type]
+
+                    return asyncio.ensure_future(call())
+
+            return Method()
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(Garbled(svc), GATEWAY, SECRET)
+        try:
+            with pytest.raises(RayActorError):
+                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_discarded_channel_fails_its_tries_and_sends_no_more() -> None:
+    async def runner(start: StartTry) -> None:
+        await asyncio.sleep(3600)
+
+    async def main() -> None:
+        svc = FakeService(runner)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 1)
+            channel.discard()
+            with pytest.raises(RayActorError):
+                await asyncio.wait_for(run, 5)
+            with pytest.raises(RuntimeError, match="closing"):
+                await channel.run(request(rid="r2"), asyncio.Event())
+        finally:
+            await channel.close()
+            svc.inbox.close()
 
     asyncio.run(main())
