@@ -384,10 +384,15 @@ class ColocatedBackend:
 
     def _place(self, req: ServeRequest, failed: Placement | None) -> Placement:
         if isinstance(failed, _OnWorker) and failed.lost:
+            if failed.index not in self._dead:
+                log.warning("worker %s lost (a try on it failed so): out of routing for %.0f s",
+                            self.names[failed.index], self.retry_dead_s)
             self._dead[failed.index] = time.monotonic()
         live = self._live()
         if not live:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
+        if isinstance(failed, _OnWorker):  # alive, but the try failed there: elsewhere if there is one
+            live = [j for j in live if j != failed.index] or live
         return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)))
 
     async def serve_on(self, index: int, req: ServeRequest) -> None:

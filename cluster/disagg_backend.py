@@ -249,11 +249,15 @@ class DisaggregatedBackend:
         that failed; one that resumes a stream computes prompt + output so far on the
         decode worker that goes on with it (no prefill worker: its first token is
         not the request's first)."""
-        if isinstance(failed, _Try) and failed.lost is not None:
-            self.lose(failed.lost)
+        avoid = None
+        if isinstance(failed, _Try):
+            if failed.lost is not None:
+                self.lose(failed.lost)
+            else:  # alive, but the try failed there (its stream lost, its start never taken): elsewhere
+                avoid = failed.ran_on
         prompt = list(req.prompt_token_ids) + list(req.resume.token_ids if req.resume is not None else ())
         max_tokens = None if req.params.max_tokens is None else req.params.max_tokens - req.offset
-        decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt)
+        decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt, avoid=avoid)
         if req.resume is not None and decision.plan is not Plan.LOCAL:
             decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
         return _Try(decision, self, self.calls)
@@ -518,6 +522,14 @@ class _Try:
         except WORKER_LOST:
             self.lost = w
             raise
+
+    @property
+    def ran_on(self) -> str:
+        """The worker whose inbox the try was started on (a prefill-only try's prefill worker)."""
+        d = self.decision
+        if d.plan is Plan.PREFILL_ONLY and d.prefill_worker is not None:
+            return d.prefill_worker
+        return d.decode_worker
 
     def _routed(self, wid: str) -> PoolWorkerHandle:
         """The handle of a worker this try was routed to: found, as the router knows a

@@ -113,10 +113,14 @@ class Router:
         return snap, hashes
 
     def route(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
-              cache_salt: str | None = None) -> RoutingDecision:
+              cache_salt: str | None = None, avoid: str | None = None) -> RoutingDecision:
+        """`avoid`: a worker the request's last try failed on (alive, but it lost the try):
+        routed around while another healthy worker can decode."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         snap, hashes = self.snapshot(prompt_token_ids, max_tokens, cache_salt)
+        if avoid is not None:
+            snap = _avoiding(snap, avoid)
         decision = route(snap, self.config, self._rr_counter)
         self._rr_counter = decision.next_rr_counter
         self._record(decision)
@@ -147,3 +151,11 @@ class Router:
         self.loads[decision.decode_worker] = dataclasses.replace(
             load, running_requests=load.running_requests + 1,
             free_blocks=max(0, load.free_blocks - new_blocks))
+
+
+def _avoiding(snap: RouterSnapshot, worker: str) -> RouterSnapshot:
+    """`snap` with `worker` taken for unhealthy, unless no other healthy worker can decode."""
+    if not any(load.healthy and load.role.can_decode and load.worker_id != worker for load in snap.loads):
+        return snap
+    loads = tuple(dataclasses.replace(load, healthy=False) if load.worker_id == worker else load for load in snap.loads)
+    return dataclasses.replace(snap, loads=loads)

@@ -19,6 +19,7 @@ from factories import LocalActor, tiny_spec
 from ray.exceptions import RayActorError
 
 from pdserve import LLM, SamplingParams
+from pdserve.cluster import worker_channel
 from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
 from pdserve.cluster.backend import ColocatedBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
@@ -325,6 +326,44 @@ def test_colocated_worker_death_mid_stream_loses_nothing(model_dir: Path) -> Non
     assert backend.health().status == "degraded"
     engine = workers[1].engine
     assert not engine.has_unfinished_requests()
+
+
+def test_starts_a_worker_never_takes_move_on_and_lose_nothing(model_dir: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker alive (its poll answers) whose inbox takes no start (lost on the way): each
+    try sent there fails as a lost stream once its start is not reported taken, and runs on
+    the other worker, token for token what the offline engine makes."""
+    monkeypatch.setattr(worker_channel, "POLL_S", 0.2)
+    monkeypatch.setattr(worker_channel, "START_CONFIRM_S", 1.0)
+    workers = [EngineService(config(model_dir), 1, worker_name=f"w{i}") for i in range(2)]
+    _services.extend(workers)
+    dropped: list[str] = []
+    monkeypatch.setattr(workers[0].inbox, "_start", lambda start: dropped.append(start.request.request_id))
+    backend = ColocatedBackend([MortalActor(w) for w in workers])
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+    got = asyncio.run(stream_all(backend, params))
+    assert got == offline(model_dir, params)
+    assert dropped and backend.streams.stats.migrations >= len(dropped)
+    assert not workers[0].engine.has_unfinished_requests() and not workers[1].engine.has_unfinished_requests()
+
+
+def test_handoffs_a_decode_worker_never_takes_move_on_and_lose_nothing(model_dir: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with disaggregated pools: d0's inbox takes no start; every try sent there
+    goes on on d1, routed around d0 (alive: it stays in routing for other requests)."""
+    monkeypatch.setattr(worker_channel, "POLL_S", 0.2)
+    monkeypatch.setattr(worker_channel, "START_CONFIRM_S", 1.0)
+    backend, actors = disaggregated(model_dir)
+    dropped: list[str] = []
+    monkeypatch.setattr(actors["d0"].service.inbox, "_start", lambda start: dropped.append(start.request.request_id))
+    params = [GREEDY if i % 2 else SEEDED for i in range(len(PROMPTS))]
+    got = asyncio.run(stream_all(backend, params))
+    assert got == offline(model_dir, params)
+    assert dropped and backend.streams.stats.migrations == len(dropped) and backend.events.lost == 0
+    for name in ("p0", "d0", "d1"):
+        engine = actors[name].service.engine
+        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert not engine.has_unfinished_requests()
 
 
 def test_health_stays_up_while_a_pool_role_can_be_served(model_dir: Path) -> None:

@@ -480,3 +480,16 @@ def test_simulation_with_unbounded_caches_round_robin_pays_each_prefix_twice() -
     # prefix: 1.5x here, so the 2x above comes from partitioning the working set.
     assert simulate(RoutingPolicy.CACHE_AWARE, kv_blocks=10_000) == 8192
     assert simulate(RoutingPolicy.ROUND_ROBIN, kv_blocks=10_000) == 8192 + 8 * 512 == 12288
+
+
+def test_a_retry_is_routed_around_the_worker_it_failed_on_while_another_can_decode() -> None:
+    router = Router(RouterConfig(local_prefill_threshold_tokens=1 << 20), BS)  # every prompt prefills locally
+    router.update_load(decode_load("d0"))
+    router.update_load(decode_load("d1", running_requests=5))  # busier: d0 wins unless avoided
+    prompt = list(range(100))
+    assert router.route("r", prompt).decode_worker == "d0"
+    assert router.route("r", prompt, avoid="d0").decode_worker == "d1"
+    assert router.route("r", prompt, avoid="d1").decode_worker == "d0"
+    router.update_load(decode_load("d1", healthy=False))
+    assert router.route("r", prompt, avoid="d0").decode_worker == "d0"  # the only one left
+    assert router.loads["d0"].healthy  # avoided for one request, not taken out of routing
