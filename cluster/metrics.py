@@ -266,7 +266,7 @@ class RequestCounter:
                  headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         # `headers`: what every response carries besides (the gateway replica's name), added here
         # because this wrapper sees every response start anyway: one wrapper fewer on each
-        # streamed chunk's way out (docs/performance.md, "The front door").
+        # streamed chunk's way out (docs/front-door.md).
         self.app, self.counter, self.endpoints, self.headers = app, counter, endpoints, list(headers)
         for endpoint in endpoints:  # series from the first scrape on
             counter.labels(endpoint, "200")

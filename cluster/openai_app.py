@@ -211,7 +211,7 @@ class _AdmittedStream(Response):
     Not Starlette's StreamingResponse: under an ASGI 2.3 server (uvicorn) that one runs
     each stream in an anyio task group of two tasks to hear a disconnect, and encodes
     each chunk again. Here the stream runs in the request's own task and one plain task
-    listens, cancelling it when the client goes (docs/performance.md, "The front door")."""
+    listens, cancelling it when the client goes (docs/front-door.md)."""
 
     media_type = "text/event-stream"
 

@@ -126,7 +126,7 @@ class TokenStreamCollector:
         self.final_grace_s = final_grace_s
         # Output tokens a reader gathers before it yields (the first output and the final one go at
         # once): each yield is a chunk on the client's connection, and a chunk costs the gateway
-        # more than a token (docs/performance.md, "The front door"). vLLM's and SGLang's
+        # more than a token (docs/front-door.md). vLLM's and SGLang's
         # --stream-interval; 1, the default, hands on whatever came.
         self.stream_interval = stream_interval
         self._open: dict[str, _Open] = {}
