@@ -15,7 +15,9 @@ those), but none for these, which `harden` adds:
 - at most so many connections at once per client address (a stick table that
   tracks `conn_cur` by source; one more is refused as it is accepted);
 - no retry of a POST a gateway replica closed without an answer (only GET and HEAD
-  are sent again: cluster/serve_app.py HAPROXY_RETRY_ENV).
+  are sent again: cluster/serve_app.py HAPROXY_RETRY_ENV);
+- Serve's own watch of each request's client and deadline off (the gateway keeps its
+  own): one task, one queue and one wait fewer a request in the replica.
 
 Every change is made at an exact line of the template as Ray 2.60 renders it; a
 line that is not there exactly once is an `IngressConfigError` naming it, so a
@@ -35,6 +37,10 @@ import re
 import sys
 from collections.abc import Sequence
 
+# Ray Serve's per-request headers (ray/serve/_private/constants.py): with the first "?1" and the
+# second <= 0, a replica's direct ingress runs the app in the request's own task, unwatched.
+DISCONNECT_DISABLED_HEADER = "x-request-disconnect-disabled"
+REQUEST_TIMEOUT_HEADER = "x-request-timeout-seconds"
 # The first line of a config `harden` has adjusted: a second pass leaves it as it is.
 MARKER = "# pdserve: hardened (cluster/ingress_config.py)"
 
@@ -108,7 +114,12 @@ def harden(text: str, settings: IngressSettings) -> str:
         "    # pdserve: a request a dying gateway replica closed unanswered is sent to another",
         "    # (retry-on empty-response, cluster/serve_app.py) only if it is a GET or HEAD: a POST may",
         "    # be what killed the replica, and would then kill the next (the poison-pill rule)",
-        "    http-request disable-l7-retry if !METH_GET"]))
+        "    http-request disable-l7-retry if !METH_GET",
+        "    # pdserve: the gateway watches each request's client and deadline itself (cluster/openai_app.py,",
+        "    # --request-timeout); Serve's second watch in the replica (a task, a receive queue and a",
+        "    # wait a request) is turned off, whatever the client sent",
+        f"    http-request set-header {DISCONNECT_DISABLED_HEADER} ?1",
+        f"    http-request set-header {REQUEST_TIMEOUT_HEADER} 0"]))
     m = _one(r"^frontend prometheus\n    bind :(\d+)$", text, "the metrics listener's bind line")
     text = _replace(text, m, f"frontend prometheus\n    bind {host}:{m.group(1)}")
     m = _one(r"^listen stats\n  bind \*:(\d+)$", text, "the stats listener's bind line")

@@ -71,6 +71,9 @@ def test_rays_config_hardened_binds_socket_timeouts_and_per_client_cap(tmp_path:
     assert "    tcp-request connection track-sc0 src" in frontend.splitlines()
     assert "    tcp-request connection reject if { sc0_conn_cur gt 64 }" in frontend.splitlines()
     assert "    http-request disable-l7-retry if !METH_GET" in frontend.splitlines()  # a POST is never re-sent
+    # Serve's second watch of each request off, whatever the client sent (the gateway watches its own).
+    assert "    http-request set-header x-request-disconnect-disabled ?1" in frontend.splitlines()
+    assert "    http-request set-header x-request-timeout-seconds 0" in frontend.splitlines()
     assert harden(text, IngressSettings()) == text  # a second pass (a reload of the same file) changes nothing
 
 
@@ -302,3 +305,12 @@ def test_real_haproxy_times_out_slow_headers_and_bodies(tmp_path: Path) -> None:
             body = stack.enter_context(socket.create_connection(("127.0.0.1", http), timeout=5))
             body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
             assert _answer(body, 10).startswith(b"HTTP/1.1 408")
+
+
+def test_the_per_request_headers_are_the_installed_serves_own() -> None:
+    from ray.serve._private import constants
+
+    from pdserve.cluster.ingress_config import DISCONNECT_DISABLED_HEADER, REQUEST_TIMEOUT_HEADER
+
+    assert constants.SERVE_HTTP_REQUEST_DISCONNECT_DISABLED_HEADER == DISCONNECT_DISABLED_HEADER
+    assert constants.SERVE_HTTP_REQUEST_TIMEOUT_S_HEADER == REQUEST_TIMEOUT_HEADER
