@@ -5,8 +5,9 @@ start nothing, and a try's end reaches the gateway however it ends."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -134,6 +135,23 @@ class FakeService:
         return await self.inbox.outcomes(gateway, after, timeout_s)
 
 
+async def hang(start: StartTry) -> None:
+    """A try that runs until its final delta ends it (here, until it is cancelled)."""
+    await asyncio.sleep(3600)
+
+
+@contextlib.asynccontextmanager
+async def channel_to(runner: Callable[[StartTry], Awaitable[None]]) -> AsyncIterator[tuple[FakeService, WorkerChannel]]:
+    """A worker running `runner` for each try, and a gateway's channel to it; both closed after."""
+    svc = FakeService(runner)
+    channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+    try:
+        yield svc, channel
+    finally:
+        await channel.close()
+        svc.inbox.close()
+
+
 async def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not check():
@@ -147,9 +165,7 @@ def test_a_try_ends_when_its_final_delta_came_or_with_its_error() -> None:
         await asyncio.sleep(3600)  # "running": its final delta is what ends it here
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             finished = asyncio.Event()
             ok = asyncio.create_task(channel.run(request(), finished))
             await _eventually(lambda: len(svc.started) == 1)
@@ -158,21 +174,15 @@ def test_a_try_ends_when_its_final_delta_came_or_with_its_error() -> None:
             await asyncio.wait_for(ok, 5)
             with pytest.raises(ValueError, match="longer than the model's context"):
                 await asyncio.wait_for(channel.run(request(rid="bad"), asyncio.Event()), 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
 
 def test_an_abort_follows_its_start_and_cancels_the_try() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             run = asyncio.create_task(channel.run(request(attempt=1), asyncio.Event()))
             await _eventually(lambda: channel.connected)
             assert channel.abort("r1", 1)  # sent at once after the start: never before it
@@ -180,16 +190,12 @@ def test_an_abort_follows_its_start_and_cancels_the_try() -> None:
             await _eventually(lambda: svc.inbox.num_tries == 0)
             assert [s.request.request_id for s in svc.started] in ([], ["r1"])  # cancelled before or as it ran
             run.cancel()
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
 
 def test_the_workers_death_fails_its_tries_and_the_next_one_finds_its_new_life() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     class Mortal(LocalActor):
         def __init__(self, svc: FakeService) -> None:
@@ -254,8 +260,7 @@ def _send_raw(address: str, parts: list[bytes]) -> None:
 
 
 def test_forged_replayed_and_misaddressed_messages_start_nothing() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
         svc = FakeService(runner)
@@ -409,13 +414,8 @@ def test_a_try_the_worker_reports_done_returns_without_its_final_delta(monkeypat
         return None
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
@@ -423,13 +423,10 @@ def test_a_try_the_worker_reports_done_returns_without_its_final_delta(monkeypat
 def test_a_start_lost_on_the_way_fails_its_try_as_a_lost_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     _quick_polls(monkeypatch, confirm_s=0.5)
 
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             finished = asyncio.Event()
             taken = asyncio.create_task(channel.run(request(rid="taken"), finished))
             await _eventually(lambda: len(svc.started) == 1)
@@ -441,51 +438,36 @@ def test_a_start_lost_on_the_way_fails_its_try_as_a_lost_stream(monkeypatch: pyt
             assert not taken.done()  # one the worker took runs on, however long
             finished.set()
             await asyncio.wait_for(taken, 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
 
 def test_an_abort_that_came_before_the_start_sends_no_start() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             assert not channel.abort("r1", 0)  # not connected: the caller also tells the worker by Ray
             with pytest.raises(RequestAbortedError):
                 await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
             run = asyncio.create_task(channel.run(request(attempt=1), asyncio.Event()))  # its next try runs
             await _eventually(lambda: len(svc.started) == 1)
             run.cancel()
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
 
 def test_a_request_over_the_inbox_limit_is_a_value_error_and_the_channel_goes_on() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             huge = ServeRequest("big", tuple([70_000] * 1_000_000), SamplingParams(), 30.0, GATEWAY)
             with pytest.raises(ValueError, match="over the"):
                 await asyncio.wait_for(channel.run(huge, asyncio.Event()), 5)
             run = asyncio.create_task(channel.run(request(), asyncio.Event()))
             await _eventually(lambda: len(svc.started) == 1)
             run.cancel()
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
@@ -494,8 +476,7 @@ def test_a_broken_poll_fails_the_tries_it_was_watching(monkeypatch: pytest.Monke
     """However the poll loop ends (here a bug: an answer it cannot read), no try waits on it."""
     _quick_polls(monkeypatch)
 
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     class Garbled(LocalActor):
         def __init__(self, svc: FakeService) -> None:
@@ -530,13 +511,10 @@ def test_a_broken_poll_fails_the_tries_it_was_watching(monkeypatch: pytest.Monke
 
 
 def test_a_discarded_channel_fails_its_tries_and_sends_no_more() -> None:
-    async def runner(start: StartTry) -> None:
-        await asyncio.sleep(3600)
+    runner = hang
 
     async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(runner) as (svc, channel):
             run = asyncio.create_task(channel.run(request(), asyncio.Event()))
             await _eventually(lambda: len(svc.started) == 1)
             channel.discard()
@@ -544,8 +522,5 @@ def test_a_discarded_channel_fails_its_tries_and_sends_no_more() -> None:
                 await asyncio.wait_for(run, 5)
             with pytest.raises(RuntimeError, match="closing"):
                 await channel.run(request(rid="r2"), asyncio.Event())
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
