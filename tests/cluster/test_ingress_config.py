@@ -128,6 +128,10 @@ def test_max_connections_fits_the_open_file_limit(monkeypatch: pytest.MonkeyPatc
 
 # --- the private directory ------------------------------------------------------------
 
+def test_haproxy_gets_half_the_nodes_cores_one_to_four() -> None:
+    assert [ingress.haproxy_threads(c) for c in (1, 2, 3, 4, 6, 8, 64)] == [1, 1, 1, 2, 3, 4, 4]
+
+
 def test_private_dir_is_made_0700_and_an_own_one_narrowed(tmp_path: Path) -> None:
     made = tmp_path / "run"
     private_dir(str(made))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -220,3 +221,29 @@ def test_local_rays_processes_start_with_the_serving_nodes_settings(cluster: tup
     assert set(found) == {"/raylet ", "/gcs_server ", "ray::ServeReplica"}, sorted(found)
     for marker, env in found.items():
         assert {k: env.get(k) for k in LOCAL_ENV} == {k: os.environ.get(k, v) for k, v in LOCAL_ENV.items()}, marker
+
+
+def test_local_haproxy_runs_as_many_threads_as_the_node_can_spare(cluster: tuple[str, str],
+                                                                  request: pytest.FixtureRequest) -> None:
+    """Ray's 4 HAProxy threads on a 2-core node preempt the gateway replica that feeds them
+    (cluster/ingress.py `haproxy_threads`): the HAProxy this run started reads the count
+    from its node's cores."""
+    from pdserve.cluster.background_priority import descendants
+    from pdserve.cluster.ingress import haproxy_threads, usable_cores
+
+    configs = []
+    for pid in descendants(os.getpid()):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [a.decode(errors="replace") for a in f.read().split(b"\0")]
+        except OSError:
+            continue
+        if argv and os.path.basename(argv[0]) == "haproxy" and "-f" in argv:
+            configs.append(Path(argv[argv.index("-f") + 1]).read_text())
+    if "-haproxy" not in request.node.callspec.id:
+        assert configs == []  # the Python proxy ingress
+        return
+    assert configs, "no HAProxy below this process"
+    for text in configs:
+        threads = re.search(r"^\s*nbthread (\d+)$", text, re.M)
+        assert threads is not None and int(threads.group(1)) == haproxy_threads(usable_cores())
