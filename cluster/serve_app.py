@@ -43,7 +43,8 @@ NAMESPACE = "pdserve"
 # share of a small machine's CPU (docs/performance.md). Ray reads these
 # when its processes start, so they must be in the environment of `ray start`
 # (or of the process whose ray.init starts local Ray).
-HAPROXY_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+HAPROXY_SWITCH = "RAY_SERVE_ENABLE_HA_PROXY"  # Serve's ingress: HAProxy (1) or its Python proxy (0)
+HAPROXY_ENV = {HAPROXY_SWITCH: "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # HAProxy sends a request to another gateway replica when the one it chose closed the connection
 # without a byte of response (empty-response), not only when the connection failed (Ray's
 # default). A SIGKILLed replica's sockets stay open while its process is torn down (0.2-0.8 s on 2
@@ -318,21 +319,28 @@ def gateway_app(cfg: ServeConfig) -> serve.Application:
 
 def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
     """ray.init (local Ray, or RAY_ADDRESS) with the environment `cfg.ingress` needs.
-    A cluster that is already running keeps the ingress it was started with."""
+    A cluster that is already running keeps the ingress it was started with, and where
+    this process's Ray is up already nothing changes (its environment is not touched:
+    a later Ray start in it, or a process it starts, would inherit what was set here).
+    On a local start `cfg.ingress` decides RAY_SERVE_ENABLE_HA_PROXY whatever the
+    environment says: a variable left exported must not swap the ingress the flag names."""
+    if ray.is_initialized():
+        return
+    local = not os.environ.get("RAY_ADDRESS") and "address" not in kwargs
     if cfg.ingress is Ingress.HAPROXY:
         for key, value in (HAPROXY_ENV | HAPROXY_RETRY_ENV).items():
             os.environ.setdefault(key, value)
     else:
         for key in HAPROXY_ENV:
             os.environ.setdefault(key, "0")
-    if not ray.is_initialized():
-        if not os.environ.get("RAY_ADDRESS") and "address" not in kwargs:
-            for key, value in LOCAL_ENV.items():
-                os.environ.setdefault(key, value)
-            if cfg.ingress is Ingress.HAPROXY:
-                os.environ.update(haproxy_env(cfg) | haproxy_knobs(cfg))  # the flags', over any variable already set
-                os.environ.setdefault("RAY_SERVE_HAPROXY_NBTHREAD", str(haproxy_threads(usable_cores())))
-        ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
+    if local:
+        os.environ[HAPROXY_SWITCH] = "1" if cfg.ingress is Ingress.HAPROXY else "0"
+        for key, value in LOCAL_ENV.items():
+            os.environ.setdefault(key, value)
+        if cfg.ingress is Ingress.HAPROXY:
+            os.environ.update(haproxy_env(cfg) | haproxy_knobs(cfg))  # the flags', over any variable already set
+            os.environ.setdefault("RAY_SERVE_HAPROXY_NBTHREAD", str(haproxy_threads(usable_cores())))
+    ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 
 def preflight(cfg: ServeConfig) -> bool:

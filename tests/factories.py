@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
-
-import pytest
 
 from pdserve.cluster.in_process import LocalActor, serve_gateway  # noqa: F401  (tests import them from here)
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec
@@ -43,10 +42,14 @@ def local_cluster(cfg: Any) -> Iterator[str]:
 
     from pdserve.cluster import serve_app
 
-    with pytest.MonkeyPatch.context() as env:
+    saved = dict(os.environ)
+    try:
         for key, value in serve_app.HAPROXY_ENV.items():
-            env.setenv(key, value if cfg.ingress == "haproxy" else "0")
+            os.environ[key] = value if cfg.ingress == "haproxy" else "0"
         serve_app.init_ray(cfg, num_cpus=2, log_to_driver=False)
+    finally:  # everything init_ray set too (LOCAL_ENV, the ingress's ports and paths)
+        os.environ.clear()
+        os.environ.update(saved)
     try:
         serve_app.run(cfg, block=False)
         yield f"http://127.0.0.1:{cfg.port}"
