@@ -165,11 +165,6 @@ def haproxy_threads(cores: int) -> int:
     return max(1, min(_MAX_HAPROXY_THREADS, cores // 2))
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its affinity; the count where there is none)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
 def knob_env(max_conn: int, request_timeout_s: float) -> dict[str, str]:
     """Ray Serve's own knobs: the cap on connections, the client timeout, and how
     soon a dead HAProxy is restarted."""

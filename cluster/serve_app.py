@@ -16,7 +16,7 @@ from pdserve.cluster import drain_flag
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.drain_flag import DrainWatch
-from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, usable_cores, wrapper_env
+from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
@@ -339,7 +339,7 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
             os.environ.setdefault(key, value)
         if cfg.ingress is Ingress.HAPROXY:
             os.environ.update(haproxy_env(cfg) | haproxy_knobs(cfg))  # the flags', over any variable already set
-            os.environ.setdefault("RAY_SERVE_HAPROXY_NBTHREAD", str(haproxy_threads(usable_cores())))
+            os.environ.setdefault("RAY_SERVE_HAPROXY_NBTHREAD", str(haproxy_threads(len(node_cores()))))
     ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from pdserve.cluster import serve_app
-from pdserve.cluster.ingress import haproxy_threads, usable_cores
+from pdserve.cluster.cpu_pinning import node_cores
+from pdserve.cluster.ingress import haproxy_threads
 from pdserve.cluster.leftovers import haproxy_run_dir
 from pdserve.cluster.serve_config import serve_config
 
@@ -65,7 +66,7 @@ def test_the_ingress_setting_wins_over_an_exported_switch_on_a_local_start(
     finally:
         shutil.rmtree(haproxy_run_dir(port), ignore_errors=True)
     assert seen[-1]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    assert seen[-1]["RAY_SERVE_HAPROXY_NBTHREAD"] == str(haproxy_threads(usable_cores()))
+    assert seen[-1]["RAY_SERVE_HAPROXY_NBTHREAD"] == str(haproxy_threads(len(node_cores())))
     assert seen[-1]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(haproxy_run_dir(port) + "/")
 
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"

@@ -229,7 +229,8 @@ def test_local_haproxy_runs_as_many_threads_as_the_node_can_spare(cluster: tuple
     (cluster/ingress.py `haproxy_threads`): the HAProxy this run started reads the count
     from its node's cores."""
     from pdserve.cluster.background_priority import descendants
-    from pdserve.cluster.ingress import haproxy_threads, usable_cores
+    from pdserve.cluster.cpu_pinning import node_cores
+    from pdserve.cluster.ingress import haproxy_threads
 
     configs = []
     for pid in descendants(os.getpid()):
@@ -246,4 +247,4 @@ def test_local_haproxy_runs_as_many_threads_as_the_node_can_spare(cluster: tuple
     assert configs, "no HAProxy below this process"
     for text in configs:
         threads = re.search(r"^\s*nbthread (\d+)$", text, re.M)
-        assert threads is not None and int(threads.group(1)) == haproxy_threads(usable_cores())
+        assert threads is not None and int(threads.group(1)) == haproxy_threads(len(node_cores()))
