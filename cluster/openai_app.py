@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import TypeVar
+import os
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,6 +36,23 @@ log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
 T = TypeVar("T")
+# FastAPI's own OpenTelemetry (0.165 and later), off: its checks of the global providers on every request.
+TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
+
+
+def telemetry_options(environ: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """FastAPI's `telemetry` argument: off unless the environment configures OpenTelemetry.
+    Why: from 0.165 FastAPI asks OpenTelemetry for its global providers on every request, even
+    where none is configured: ~18 us of a gateway's CPU a one-token request (~2%; alternating
+    door runs, docs/front-door.md). The gateway's figures are its Prometheus metrics. An
+    `OTEL_*` variable (what `opentelemetry-instrument` and the SDK read) or FastAPI's own
+    `FASTAPI_OTEL_AUTO_CONFIGURE` leaves FastAPI's default (on). Empty for a FastAPI
+    without the argument."""
+    if "telemetry" not in inspect.signature(FastAPI.__init__).parameters:
+        return {}
+    if environ.get("FASTAPI_OTEL_AUTO_CONFIGURE") or any(k.startswith("OTEL_") for k in environ):
+        return {}
+    return {"telemetry": dict(TELEMETRY_OFF)}
 
 
 def build_app(gw: Gateway) -> FastAPI:
@@ -47,7 +66,7 @@ def build_app(gw: Gateway) -> FastAPI:
         await gw.close()
 
     app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0",
-                  lifespan=lifespan)
+                  lifespan=lifespan, **telemetry_options())
     cfg = gw.config
     # Added first, so inside the counter: the counter sees the guard's refusals too.
     app.add_middleware(Guard, keys=Keys(cfg.api_key, cfg.metrics_api_key), limits=cfg.limits,
