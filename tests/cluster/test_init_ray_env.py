@@ -10,7 +10,6 @@ import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -35,17 +34,18 @@ def environ() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def _started(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
-    """ray.init replaced by a recorder of the environment it would have started Ray with."""
+def _local_start(monkeypatch: pytest.MonkeyPatch, ingress: str, port: int) -> dict[str, str]:
+    """The environment init_ray would start local Ray with (ray.init replaced by a recorder);
+    the run directory it made for HAProxy removed."""
     seen: list[dict[str, str]] = []
-
-    def init(**kwargs: Any) -> None:
-        seen.append(dict(os.environ))
-
     monkeypatch.setattr(serve_app.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(serve_app.ray, "init", init)
+    monkeypatch.setattr(serve_app.ray, "init", lambda **kwargs: seen.append(dict(os.environ)))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    return seen
+    try:
+        serve_app.init_ray(serve_config({"model": "tiny", "ingress": ingress, "port": port}))
+    finally:
+        shutil.rmtree(haproxy_run_dir(port), ignore_errors=True)
+    return seen[-1]
 
 
 def test_a_call_where_ray_is_up_changes_nothing(environ: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,28 +58,17 @@ def test_a_call_where_ray_is_up_changes_nothing(environ: None, monkeypatch: pyte
 
 def test_the_ingress_setting_wins_over_an_exported_switch_on_a_local_start(
         environ: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _started(monkeypatch)
     port = free_port()
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "0"
-    try:
-        serve_app.init_ray(serve_config({"model": "tiny", "ingress": "haproxy", "port": port}))
-    finally:
-        shutil.rmtree(haproxy_run_dir(port), ignore_errors=True)
-    assert seen[-1]["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
-    assert seen[-1]["RAY_SERVE_HAPROXY_NBTHREAD"] == str(haproxy_threads(len(node_cores())))
-    assert seen[-1]["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(haproxy_run_dir(port) + "/")
+    env = _local_start(monkeypatch, "haproxy", port)
+    assert env["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+    assert env["RAY_SERVE_HAPROXY_NBTHREAD"] == str(haproxy_threads(len(node_cores())))
+    assert env["RAY_SERVE_HAPROXY_CONFIG_FILE_LOC"].startswith(haproxy_run_dir(port) + "/")
 
     os.environ["RAY_SERVE_ENABLE_HA_PROXY"] = "1"
-    serve_app.init_ray(serve_config({"model": "tiny", "ingress": "proxy", "port": free_port()}))
-    assert seen[-1]["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert _local_start(monkeypatch, "proxy", free_port())["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
 
 
 def test_an_exported_haproxy_thread_count_is_kept(environ: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    seen = _started(monkeypatch)
-    port = free_port()
     os.environ["RAY_SERVE_HAPROXY_NBTHREAD"] = "3"
-    try:
-        serve_app.init_ray(serve_config({"model": "tiny", "ingress": "haproxy", "port": port}))
-    finally:
-        shutil.rmtree(haproxy_run_dir(port), ignore_errors=True)
-    assert seen[-1]["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
+    assert _local_start(monkeypatch, "haproxy", free_port())["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
