@@ -1,6 +1,7 @@
-"""A streamed response runs in its request's task while one task listens for the client's
-disconnect (cluster/openai_app.py `_unless_disconnected`): a disconnect cancels the stream and
-the request goes on to its cleanup; anyone else's cancel still cancels it."""
+"""A streamed response runs in a task of its own while the request's task waits for it and one
+task listens for the client's disconnect (cluster/openai_app.py `_unless_disconnected`): a
+disconnect cancels the stream and the request goes on to its cleanup; anyone else's cancel
+still cancels the request, and the stream with it; the stream's error is the request's."""
 
 from __future__ import annotations
 
@@ -58,20 +59,65 @@ def test_a_stream_that_ends_first_is_not_cancelled_later() -> None:
 
 
 def test_another_cancel_is_not_swallowed() -> None:
-    async def main() -> None:
-        gone = asyncio.Event()
+    async def main() -> bool:
+        gone, stream_cancelled = asyncio.Event(), False
+        request: asyncio.Task[None] | None = None
 
-        async def handler() -> None:
-            async def stream() -> None:
-                asyncio.current_task().cancel()  # type: ignore[union-attr]  # e.g. the server shutting down
-                gone.set()
+        async def stream() -> None:
+            nonlocal stream_cancelled
+            assert request is not None
+            request.cancel()  # the server cancels the request's task (shutting down) ...
+            gone.set()  # ... as the client leaves
+            try:
                 await asyncio.sleep(WAIT_S)
+            except asyncio.CancelledError:
+                stream_cancelled = True
+                raise
 
-            await _unless_disconnected(stream(), _receive(gone))
-
-        task = asyncio.ensure_future(handler())
+        request = asyncio.ensure_future(_unless_disconnected(stream(), _receive(gone)))
         with pytest.raises(asyncio.CancelledError):
             async with asyncio.timeout(WAIT_S / 2):
-                await task
+                await request
+        return stream_cancelled
 
-    asyncio.run(main())
+    assert asyncio.run(main())
+
+
+def test_a_cancelled_request_cancels_its_stream() -> None:
+    async def main() -> bool:
+        started, stream_cancelled = asyncio.Event(), False
+
+        async def stream() -> None:
+            nonlocal stream_cancelled
+            started.set()
+            try:
+                await asyncio.sleep(WAIT_S)
+            except asyncio.CancelledError:
+                stream_cancelled = True
+                raise
+
+        request = asyncio.ensure_future(_unless_disconnected(stream(), _receive(asyncio.Event())))
+        await started.wait()
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            async with asyncio.timeout(WAIT_S / 2):
+                await request
+        return stream_cancelled
+
+    assert asyncio.run(main())
+
+
+def test_the_streams_error_is_the_requests() -> None:
+    class WriteTimeout(Exception):
+        pass
+
+    async def main() -> None:
+        async def stream() -> None:
+            await asyncio.sleep(0)
+            raise WriteTimeout("the client stopped reading")
+
+        async with asyncio.timeout(WAIT_S / 2):
+            await _unless_disconnected(stream(), _receive(asyncio.Event()))
+
+    with pytest.raises(WriteTimeout):
+        asyncio.run(main())
