@@ -90,19 +90,23 @@ def test_fake_worker_abort_ends_its_call_and_reports_idle() -> None:
         pull.close()
 
 
+REQUESTS = 100
+
+
 @pytest.mark.slow
 def test_every_stream_gets_what_the_fakes_made(tmp_path: Path) -> None:
     out = tmp_path / "door.json"
+    # 100 requests: enough of the gateway's CPU (~0.1 s) that /proc's 10 ms ticks cannot read it as 0
     run = subprocess.run([sys.executable, str(BENCH / "door.py"), "--replicas", "1", "--repeats", "1",
-                          "--requests", "6", "--concurrency", "2", "--tokens", "8", "--step-ms", "1",
+                          "--requests", str(REQUESTS), "--concurrency", "2", "--tokens", "8", "--step-ms", "1",
                           "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "| 1 | 1 |" in run.stdout  # the table's row
     (r,) = json.loads(out.read_text())["runs"]
     assert r["gateway_processes"] == 1 and r["failed"] == 0
     assert all(rec["success"] and rec["output_tokens"] == 8 and 1 <= rec["chunks"] <= 8 for rec in r["records"])
-    assert r["tokens"] == 6 * 8 and len(r["records"]) == 6
+    assert r["tokens"] == REQUESTS * 8 and len(r["records"]) == REQUESTS
     assert r["sample_text"] == FAKE_TEXT * 8
     # the warm-up (2 x concurrency), the timed requests and the sample: every token sent, and no more
-    assert r["tokens_sent_by_fakes"] == r["tokens_received"] == (2 * 2 + 6 + 1) * 8
+    assert r["tokens_sent_by_fakes"] == r["tokens_received"] == (2 * 2 + REQUESTS + 1) * 8
     assert all(v >= 0 for v in r["cpu_s"].values()) and r["cpu_s"]["gateway"] > 0
