@@ -304,7 +304,7 @@ def print_table(a: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
     for n in dict.fromkeys(r["replicas"] for r in runs):
         mine = [figures(r) for r in runs if r["replicas"] == n]
         med = {c: statistics.median(f[c] for f in mine) for c in cols}
-        print(f"| {n} | {len(mine)} | " + " | ".join(_fmt(c, med[c]) for c in cols) + " |")
+        print(f"| {n} | {len(mine)} | " + " | ".join(fmt(c, med[c]) for c in cols) + " |")
     print("\nEach run (tokens/s, tokens/s per gateway core, machine busy %):\n")
     for r in runs:
         f = figures(r)
@@ -313,7 +313,8 @@ def print_table(a: argparse.Namespace, runs: list[dict[str, Any]]) -> None:
               f"{r['failed']} failed")
 
 
-def _fmt(col: str, v: float) -> str:
+def fmt(col: str, v: float) -> str:
+    """A figure as the tables print it (door_ab.py's too)."""
     return f"{v:.2f}" if col in ("gateway cores", "tokens/chunk") else f"{v:.1f}" if "us/" in col else f"{v:.0f}"
 
 

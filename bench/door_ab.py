@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from door import figures  # bench/ is on sys.path when run as a script
+from door import figures, fmt  # bench/ is on sys.path when run as a script
 from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -128,7 +128,7 @@ def table(names: tuple[str, str], results: Sequence[tuple[dict[str, float], dict
     lines = [f"| pair | {head} |", "|---:|" + "---:|" * (2 * len(COLUMNS))]
 
     def row(label: str, a: dict[str, float], b: dict[str, float]) -> str:
-        return f"| {label} | " + " | ".join(_fmt(c, side[c]) for c in COLUMNS for side in (a, b)) + " |"
+        return f"| {label} | " + " | ".join(fmt(c, side[c]) for c in COLUMNS for side in (a, b)) + " |"
 
     for i, (a, b) in enumerate(results, 1):
         lines.append(row(str(i), a, b))
@@ -139,10 +139,6 @@ def table(names: tuple[str, str], results: Sequence[tuple[dict[str, float], dict
     lower = sum(b["gateway us/token"] < a["gateway us/token"] for a, b in results)
     lines.append(f"\nB's gateway CPU a token lower than A's in {lower} of {len(results)} pairs.")
     return "\n".join(lines)
-
-
-def _fmt(col: str, v: float) -> str:
-    return f"{v:.2f}" if col == "tokens/chunk" else f"{v:.1f}" if "us/" in col else f"{v:.0f}"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,24 +25,28 @@ def _receive(disconnect: asyncio.Event, fail: bool = False) -> Any:
     return receive
 
 
+async def _wait_for_a_token(cancelled: list[bool]) -> None:
+    """What a stream does between tokens; True goes into `cancelled` when it is cancelled."""
+    try:
+        await asyncio.sleep(WAIT_S)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+
+
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_disconnect_cancels_the_stream_and_the_request_goes_on(fail: bool) -> None:
     async def main() -> tuple[bool, bool]:
-        gone, cancelled = asyncio.Event(), False
+        gone, cancelled = asyncio.Event(), list[bool]()
 
         async def stream() -> None:
-            nonlocal cancelled
             gone.set()  # the client leaves while the stream waits for its next token
-            try:
-                await asyncio.sleep(WAIT_S)
-            except asyncio.CancelledError:
-                cancelled = True
-                raise
+            await _wait_for_a_token(cancelled)
 
         async with asyncio.timeout(WAIT_S / 2):
             await _unless_disconnected(stream(), _receive(gone, fail))
         await asyncio.sleep(0)  # the request's task was not left cancelled: this await works
-        return cancelled, asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+        return cancelled == [True], asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
     cancelled, clean = asyncio.run(main())
     assert cancelled and clean
@@ -60,41 +64,31 @@ def test_a_stream_that_ends_first_is_not_cancelled_later() -> None:
 
 def test_another_cancel_is_not_swallowed() -> None:
     async def main() -> bool:
-        gone, stream_cancelled = asyncio.Event(), False
+        gone, stream_cancelled = asyncio.Event(), list[bool]()
         request: asyncio.Task[None] | None = None
 
         async def stream() -> None:
-            nonlocal stream_cancelled
             assert request is not None
             request.cancel()  # the server cancels the request's task (shutting down) ...
             gone.set()  # ... as the client leaves
-            try:
-                await asyncio.sleep(WAIT_S)
-            except asyncio.CancelledError:
-                stream_cancelled = True
-                raise
+            await _wait_for_a_token(stream_cancelled)
 
         request = asyncio.ensure_future(_unless_disconnected(stream(), _receive(gone)))
         with pytest.raises(asyncio.CancelledError):
             async with asyncio.timeout(WAIT_S / 2):
                 await request
-        return stream_cancelled
+        return stream_cancelled == [True]
 
     assert asyncio.run(main())
 
 
 def test_a_cancelled_request_cancels_its_stream() -> None:
     async def main() -> bool:
-        started, stream_cancelled = asyncio.Event(), False
+        started, stream_cancelled = asyncio.Event(), list[bool]()
 
         async def stream() -> None:
-            nonlocal stream_cancelled
             started.set()
-            try:
-                await asyncio.sleep(WAIT_S)
-            except asyncio.CancelledError:
-                stream_cancelled = True
-                raise
+            await _wait_for_a_token(stream_cancelled)
 
         request = asyncio.ensure_future(_unless_disconnected(stream(), _receive(asyncio.Event())))
         await started.wait()
@@ -102,7 +96,7 @@ def test_a_cancelled_request_cancels_its_stream() -> None:
         with pytest.raises(asyncio.CancelledError):
             async with asyncio.timeout(WAIT_S / 2):
                 await request
-        return stream_cancelled
+        return stream_cancelled == [True]
 
     assert asyncio.run(main())
 
