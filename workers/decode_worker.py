@@ -142,6 +142,10 @@ class DecodeWorker(RoleWorker):
             return lambda e, life: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
         self._release(job)
+        if job.life.ended or job.ending is not None:
+            # It ended meanwhile (the engine died, an abort): nothing starts, and `finished`
+            # raises the error that ended it, not a KV failure of the policy's.
+            return lambda e, life: None
         # The client may have the first token already (the prefill worker publishes it when
         # the prompt is done): the gateway drops the recomputed one if it matches, and moves
         # the request on from what the client has if not (cluster/token_collector.py).
@@ -211,6 +215,11 @@ class DecodeWorker(RoleWorker):
         try:
             deadline = min(job.life.deadline, time.monotonic() + _VERDICT_WAIT_S)
             status = await loop.run_in_executor(self._waits, self.receiver.wait, rid, deadline)
+        except KeyError:
+            # Its registration went with its exit: the job ended meanwhile (the engine died, an
+            # abort). Not a transfer failure: `_arrange` starts nothing, and the job's own error
+            # (a dead engine's, which moves the request elsewhere) is what its caller hears.
+            return False
         finally:
             self._release(job)
         if status.state is TransferState.DONE:

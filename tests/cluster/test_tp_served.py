@@ -46,7 +46,9 @@ class Stream(threading.Thread):
                 assert r.status_code == 200, r.read()
                 for line in r.iter_lines():
                     if line.startswith("data: {"):
-                        choice = json.loads(line[6:])["choices"][0]
+                        event = json.loads(line[6:])
+                        assert "choices" in event, event  # an error event says why
+                        choice = event["choices"][0]
                         self.text += choice["text"]
                         self.finish_reason = choice["finish_reason"] or self.finish_reason
                         self.started.set()

@@ -18,7 +18,7 @@ from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.token_collector import TokenStreamCollector
-from pdserve.workers.async_engine import RequestFaultError
+from pdserve.workers.async_engine import EngineDeadError, RequestFaultError
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.prefill_worker import PrefillWorker
@@ -196,6 +196,48 @@ def test_reserved_blocks_are_released_when_their_kv_never_comes(model_dir: Path)
     assert d.num_leases_expired == 1
     assert_no_blocks(p, d)
     assert d.receiver.num_registered == 0
+
+
+def test_a_decode_engine_that_dies_during_a_handoff_fails_its_request_as_dead(model_dir: Path) -> None:
+    """The decode worker's engine dies while the prefill worker works; the prefill's first
+    token comes back after the death freed the request's KV registration. The client hears
+    the dead engine (EngineDeadError, which the gateway moves elsewhere), not the missing
+    registration (a KeyError: an internal error that ended a served stream under a killed
+    tensor-parallel rank)."""
+    ps = prompts(1, 50, seed=9)
+    p, d = make_pair(model_dir)
+
+    def crash() -> None:
+        raise RuntimeError("the engine thread died (test)")
+
+    class KillsTheDecodeEngine(LocalPrefillPeer):
+        async def prefill(self, order):  # type: ignore[no-untyped-def]
+            first = await super().prefill(order)
+            d.async_engine.post(crash)
+            deadline = time.monotonic() + 10
+            while d.async_engine.healthy:
+                assert time.monotonic() < deadline, "the decode engine never died"
+                await asyncio.sleep(0.005)
+            return first
+
+    async def run() -> BaseException | None:
+        collector = TokenStreamCollector()
+        try:
+            collector.open("k", ps[0], 10.0)
+            req = ServeRequest("k", tuple(ps[0]), PARAMS, 10.0, collector.address)
+            call = collector.watch("k", d.handoff(req, KillsTheDecodeEngine(p)))
+            try:
+                [o async for o in collector.consume("k", call)]
+            except Exception as e:  # noqa: BLE001 - the error under test
+                return e
+            return None
+        finally:
+            await collector.close()
+
+    error = asyncio.run(run())
+    assert isinstance(error, EngineDeadError), repr(error)
+    assert d.receiver.num_registered == 0
+    assert d.engine.kv.pool.num_used == 0 and p.engine.kv.pool.num_used == 0
 
 
 def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Path) -> None:
