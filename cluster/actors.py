@@ -69,7 +69,8 @@ class _Service:
         self.incarnation = f"{os.getpid()}-{time.time_ns()}"
         # Where gateways start requests (cluster/worker_inbox.py): bound on the first call, on
         # the actor's event loop; on this node's address for the kv_host setting.
-        self.inbox = WorkerInbox(self._run_try, async_engine.abort, secret, bind_host(inbox_host), self.incarnation)
+        self.inbox = WorkerInbox(self._run_try, async_engine.abort, secret, bind_host(inbox_host), self.incarnation,
+                                 engine_error=lambda: async_engine.error)
         if exit_on_engine_death:
             async_engine.on_dead = _exit_soon
 

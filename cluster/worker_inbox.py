@@ -78,6 +78,21 @@ ERROR_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
 STARTED, DONE, FAILED = "started", "done", "failed"
 
 
+def error_kind(error: BaseException) -> str:
+    """Its ERROR_KINDS name; "error" for any other (the gateway raises a RuntimeError: a 500)."""
+    return next((k for k, t in ERROR_KINDS if isinstance(error, t)), "error")
+
+
+def blamed(error: Exception, engine_error: BaseException | None) -> Exception:
+    """What a try that failed here failed of. While this worker's engine is dead, an error of
+    no known kind is what the try tripped over on the way out (a KV registration the death
+    freed): the death is the cause, the client must not get a 500 for it, and the gateway
+    moves a request whose engine died."""
+    if engine_error is None or error_kind(error) != "error":
+        return error
+    return EngineDeadError(f"engine failed: {engine_error!r} (the try then raised {error!r})")
+
+
 @dataclass(frozen=True)
 class TryReport:
     """What became of a try here: `state` STARTED (taken from the inbox), DONE (its final
@@ -93,8 +108,7 @@ class TryReport:
 
     @classmethod
     def failed(cls, seq: int, request_id: str, attempt: int, error: BaseException) -> TryReport:
-        kind = next((k for k, t in ERROR_KINDS if isinstance(error, t)), "error")
-        return cls(seq, request_id, attempt, FAILED, kind, str(error) or type(error).__name__)
+        return cls(seq, request_id, attempt, FAILED, error_kind(error), str(error) or type(error).__name__)
 
     def error(self) -> BaseException:
         """The exception the gateway raises for it (RuntimeError for a kind it does not know)."""
@@ -127,8 +141,10 @@ class WorkerInbox:
     runs `run(start)` in a task of its own (an abort cancels it: one that has not begun
     never does); each abort also calls `abort(request_id, attempt)` (the engine's)."""
 
-    def __init__(self, run: Runner, abort: Aborter, secret: ClusterSecret, host: str, incarnation: str) -> None:
+    def __init__(self, run: Runner, abort: Aborter, secret: ClusterSecret, host: str, incarnation: str,
+                 engine_error: Callable[[], BaseException | None] = lambda: None) -> None:
         self._run, self._abort, self._secret = run, abort, secret
+        self._engine_error = engine_error  # what ended this worker's engine (None while it runs): `blamed`
         self.host, self.incarnation = host, incarnation
         self.address: str | None = None
         self._sock: zmq.Socket[bytes] | None = None
@@ -257,7 +273,7 @@ class WorkerInbox:
         except Exception as e:  # noqa: BLE001 - every failure goes to the gateway, as a Ray call's would
             if not isinstance(e, (ValueError, TimeoutError, RequestAbortedError, WorkerDrainingError)):
                 log.warning("request %s (try %d) failed here: %r", req.request_id, req.attempt, e)
-            self._report(req.reply_to, req.request_id, req.attempt, FAILED, e)
+            self._report(req.reply_to, req.request_id, req.attempt, FAILED, blamed(e, self._engine_error()))
         else:
             self._report(req.reply_to, req.request_id, req.attempt, DONE)
 

@@ -117,8 +117,9 @@ class FakeService:
         self.cancelled: list[str] = []
         self._runner = runner
         self.incarnation = os.urandom(4).hex()
+        self.engine_error: BaseException | None = None  # what ended its engine (a test sets it)
         self.inbox = WorkerInbox(self._run, lambda rid, a: self.aborted.append((rid, a)), secret, "127.0.0.1",
-                                 self.incarnation)
+                                 self.incarnation, engine_error=lambda: self.engine_error)
 
     async def _run(self, start: StartTry) -> None:
         self.started.append(start)
@@ -174,6 +175,31 @@ def test_a_try_ends_when_its_final_delta_came_or_with_its_error() -> None:
             await asyncio.wait_for(ok, 5)
             with pytest.raises(ValueError, match="longer than the model's context"):
                 await asyncio.wait_for(channel.run(request(rid="bad"), asyncio.Event()), 5)
+
+    asyncio.run(main())
+
+
+def test_a_try_that_trips_on_the_way_out_of_a_dead_engine_fails_of_the_death() -> None:
+    """An error of no known kind is a 500 for the client, unless the worker's engine is dead:
+    then what the try tripped over on the way out (a KV registration the death freed) is not
+    the cause, and the gateway gets EngineDeadError, which moves the request elsewhere."""
+    async def runner(start: StartTry) -> None:
+        raise KeyError(f"request {start.request.request_id!r} is not registered")
+
+    async def main() -> None:
+        async with channel_to(runner) as (svc, channel):
+            with pytest.raises(RuntimeError, match="is not registered"):  # a live engine: a bug, said as one
+                await asyncio.wait_for(channel.run(request(rid="a"), asyncio.Event()), 5)
+            svc.engine_error = RuntimeError("a tensor-parallel step failed")
+            with pytest.raises(EngineDeadError, match="tensor-parallel step failed.*is not registered"):
+                await asyncio.wait_for(channel.run(request(rid="b"), asyncio.Event()), 5)
+            svc.started.clear()
+
+            async def refused(start: StartTry) -> None:
+                raise ValueError("prompt: too long")
+            svc._runner = refused  # a known kind stays itself, dead engine or not
+            with pytest.raises(ValueError, match="too long"):
+                await asyncio.wait_for(channel.run(request(rid="c"), asyncio.Event()), 5)
 
     asyncio.run(main())
 

@@ -108,6 +108,7 @@ CASES = [
     Case("decode", S.TRANSFERRING, Exit.ABORTED, RequestAbortedError),
     Case("decode", S.TRANSFERRING, Exit.DEADLINE, TimeoutError),
     Case("decode", S.TRANSFERRING, Exit.PEER_FAILED, TransferError, fault="corrupt", policy=FAIL),
+    Case("decode", S.TRANSFERRING, Exit.ENGINE_FAILED, EngineDeadError),
     Case("decode", S.QUEUED, Exit.ABORTED, RequestAbortedError, fault="corrupt"),
     Case("decode", S.QUEUED, Exit.DEADLINE, TimeoutError, fault="corrupt"),
     Case("decode", S.DECODING, Exit.FINISHED, None),
@@ -333,12 +334,22 @@ async def _trigger(case: Case, c: Cluster, req: ServeRequest) -> None:
     if case.state is S.ROUTED:  # let the decode worker open it, behind the held thread
         while c.lives["decode"].get(req.request_id) is None:
             await asyncio.sleep(0.002)
+    if case.state is S.TRANSFERRING and case.exit is Exit.ENGINE_FAILED:  # while its prefill worker is held
+        ae = c.decode.async_engine
+        ae.post(_crash)
+        while ae.healthy:
+            await asyncio.sleep(0.002)
     if case.exit is Exit.ABORTED:  # the gateway's abort: both workers
         c.decode.abort(req.request_id)
         c.prefill.abort(req.request_id)
     elif case.exit is Exit.DEADLINE:  # held past it
         held = PREFILL_TIMEOUT_S if case.role == "prefill" else TIMEOUT_S
         await asyncio.sleep(held + 0.3)
+
+
+def _crash() -> None:
+    """Posted to an engine thread: it dies there, as a bug would end it."""
+    raise RuntimeError("the engine thread died (test)")
 
 
 async def _refused(ae: AsyncEngine, req: ServeRequest) -> None:
