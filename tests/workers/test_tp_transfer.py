@@ -35,6 +35,9 @@ CASES = {
     "qwen2-one-kv-head": tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=1, init_std=0.1),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
+# A request's deadline: ranks on gloo take seconds on two busy cores (10 s, the helper's default, ran
+# out in a CI run that shared the machine with another job).
+REQUEST_TIMEOUT_S = 60.0
 
 
 def _split(full: list[tuple[torch.Tensor, torch.Tensor]], size: int, kv_heads: int) -> ShardedKV:
@@ -158,7 +161,8 @@ def test_prefill_and_decode_of_different_tensor_parallel_sizes_decode_as_one_ran
     p, d = _pair(model_dir, p_tp, d_tp, transport, **spec)
 
     async def main() -> list[Any]:
-        return list(await asyncio.gather(*(handoff_deltas(p, d, f"r{i}", x, GREEDY) for i, x in enumerate(ps))))
+        return list(await asyncio.gather(*(handoff_deltas(p, d, f"r{i}", x, GREEDY, timeout_s=REQUEST_TIMEOUT_S)
+                                           for i, x in enumerate(ps))))
 
     got = asyncio.run(main())
     for deltas, want in zip(got, whole, strict=True):
@@ -185,7 +189,7 @@ def test_a_bad_kv_message_between_sizes_is_recomputed_as_one_request(model_dir: 
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = _llm(model_dir, 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     p, d = _pair(model_dir, p_tp, d_tp, "inprocess", faults, KVFailurePolicy.RECOMPUTE)
-    got = asyncio.run(handoff_deltas(p, d, "f", prompt, params))
+    got = asyncio.run(handoff_deltas(p, d, "f", prompt, params, timeout_s=REQUEST_TIMEOUT_S))
     assert [t for out in got for t in out.outputs[0].token_ids] == want
     assert d.num_transfer_failures == 1
     assert p.engine.kv.pool.num_used == 0 and d.engine.kv.pool.num_used == 0
