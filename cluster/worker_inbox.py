@@ -270,6 +270,16 @@ class WorkerInbox:
         req = start.request
         try:
             await self._run(start)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is None or task.cancelling():
+                raise  # an abort (or the inbox closing) cancelled it: no one waits for a report
+            # Cancelled from inside: work it awaited was (a role's wait threads shut down as the worker
+            # changed role). The try is over here, and its gateway must hear it now, not at its deadline:
+            # it moves on from what its client has.
+            log.warning("request %s (try %d): its work here was cancelled", req.request_id, req.attempt)
+            self._report(req.reply_to, req.request_id, req.attempt, FAILED,
+                         StreamLostError(f"request {req.request_id}: its work on the worker was cancelled"))
         except Exception as e:  # noqa: BLE001 - every failure goes to the gateway, as a Ray call's would
             if not isinstance(e, (ValueError, TimeoutError, RequestAbortedError, WorkerDrainingError)):
                 log.warning("request %s (try %d) failed here: %r", req.request_id, req.attempt, e)

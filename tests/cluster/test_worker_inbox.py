@@ -204,6 +204,24 @@ def test_a_try_that_trips_on_the_way_out_of_a_dead_engine_fails_of_the_death() -
     asyncio.run(main())
 
 
+def test_a_try_whose_work_was_cancelled_inside_the_worker_fails_at_once() -> None:
+    """Work a try awaited was cancelled inside the worker (a role's wait threads shut down as it
+    changed role): the try's task ends with CancelledError though no abort cancelled it. The
+    gateway hears at once (StreamLostError: the request moves on), not at the request's deadline."""
+    async def runner(start: StartTry) -> None:
+        loop = asyncio.get_running_loop()
+        waiting = loop.create_future()
+        loop.call_later(0.05, waiting.cancel)  # what `shutdown(cancel_futures=True)` does to a queued wait
+        await waiting
+
+    async def main() -> None:
+        async with channel_to(runner) as (_, channel):
+            with pytest.raises(StreamLostError, match="was cancelled"):
+                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
+
+    asyncio.run(main())
+
+
 def test_an_abort_follows_its_start_and_cancels_the_try() -> None:
     runner = hang
 
