@@ -246,6 +246,12 @@ class AsyncEngine:
                   attempt=attempt)
         job.life.on_exit(lambda exit: self._leave_engine(request_id, exit))
         self._jobs[request_id] = job
+        if self.error is not None:
+            # The engine died after the check above, and `_fail_all` may have walked the jobs
+            # before this one was in them: no one would end it. (It sets `error` first, so a job
+            # it did not see is one that sees `error` here.)
+            del self._jobs[request_id]
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         return job
 
     def begin(self, job: Job, start: Start) -> None:
@@ -361,6 +367,10 @@ class AsyncEngine:
 
         self._calls.add(pending)
         self._commands.put(run)
+        if self.error is not None:  # died since the check above: `run` may never run (as in `open`)
+            self._calls.discard(pending)
+            fut.cancel()  # a late settle of it finds it done
+            raise EngineDeadError(f"engine is not running: {self.error!r}")
         try:
             async with asyncio.timeout(timeout_s):
                 return await fut

@@ -487,3 +487,34 @@ def test_a_caller_cancelled_as_its_next_output_arrives_stays_cancelled(model_dir
         assert job.life.exit is Exit.ABORTED and ae.num_in_flight == 0
     finally:
         ae.close()
+
+
+# -- the engine dying between a check and a registration ------------------------------------
+
+
+def test_a_request_or_call_that_comes_as_the_engine_dies_hears_so_at_once(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`open` and `call` check that the engine runs, then register. Should it die between the
+    two, after `_fail_all` walked the jobs and calls, no one would end the job or answer the
+    call: each waited for its deadline (a 504, seconds to minutes later). Each raises
+    EngineDeadError instead. The window is held open here by a check that passed."""
+    ae = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine).start()
+    try:
+        ae.post(_crash)
+        deadline = time.monotonic() + 10
+        while ae.error is None or ae._thread.is_alive():
+            assert time.monotonic() < deadline, "the engine thread never died"
+            time.sleep(0.005)
+        monkeypatch.setattr(AsyncEngine, "healthy", property(lambda self: True))  # checked before the death
+
+        async def main() -> None:
+            with pytest.raises(EngineDeadError):
+                ae.open("late", 30.0)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(ae.call(lambda e: None, timeout_s=30.0), 5)
+
+        asyncio.run(main())
+        assert ae.num_in_flight == 0
+    finally:
+        monkeypatch.undo()
+        ae.close()
