@@ -68,6 +68,12 @@ class PrefillHandoff:
         self.published = False  # the first token went to the gateway (when the prompt was done)
         self.failed: TransferError | None = None
         self.finishing = False  # the end marker is queued: the verdict comes back through the link
+        # Engine thread: the blocks of each queued send, held (a reference each) until the send has
+        # read them. A request preempted meanwhile frees its own references; these keep its blocks
+        # from another request, whose KV the send would carry under a checksum of what it read.
+        self._pins: dict[int, list[int]] = {}
+        self._next_pin = 0
+        self._engine: LLMEngine | None = None
 
     def over(self) -> bool:
         """Whether queued sends of this request should be skipped (any thread)."""
@@ -101,6 +107,18 @@ class PrefillHandoff:
             self.link.submit(rid, lambda sender, wait_until: sender.finish(rid, wait_until), self.job.life.deadline,
                              lambda error: self.sent(error, last=True), self.over)
 
+    def unpin_all(self, _: Exit) -> None:
+        """Exit hook: the blocks of sends that never ran (skipped once the job ended) or whose
+        report has not come are let go. A send still reading them belongs to a transfer that is
+        over: the decode worker never gets its end marker, so it never decodes from them."""
+        for key in list(self._pins):
+            self._unpin(key)
+
+    def _unpin(self, key: int) -> None:
+        blocks = self._pins.pop(key, None)
+        if blocks and self._engine is not None:
+            self._engine.kv.pool.free(reversed(blocks))
+
     def abandon(self, exit: Exit) -> None:
         """Exit hook: a prefill that did not finish stops its transfer (the engine's
         hook, which runs after this one, frees the blocks)."""
@@ -123,12 +141,20 @@ class PrefillHandoff:
         written = streams.record(self._device)  # after this step's kernels (None on the CPU)
         device, num_layers = self._device, engine.model_config.num_layers
 
+        engine.kv.pool.touch(src_ids)  # held until the send has read them (`_pins`)
+        key, self._next_pin, self._engine = self._next_pin, self._next_pin + 1, engine
+        self._pins[key] = src_ids
+
         def send(sender: KVSender, wait_until: float) -> None:
             streams.wait_for(written, device)  # the link's stream: its gathers read these blocks after it
             for layer in range(num_layers):
                 sender.send(rid, layer, src_ids, dst_ids, wait_until)
 
-        self.link.submit(rid, send, self.job.life.deadline, lambda error: self.sent(error, last=False), self.over)
+        def done(error: TransferError | None) -> None:
+            self._ae.post(lambda: self._unpin(key))  # read (or failed): the blocks may go
+            self.sent(error, last=False)
+
+        self.link.submit(rid, send, self.job.life.deadline, done, self.over)
 
     def _publish_first(self, out: RequestOutput) -> bool:
         """Send the first token to the gateway when nothing can take it back (no stop

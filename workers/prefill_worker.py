@@ -117,6 +117,7 @@ class PrefillWorker(RoleWorker):
         handoff = PrefillHandoff(job, order, link, ae, self._first_tokens, self.transfer_recorder, self._device,
                                  self.engine.config.block_size)
         job.role = handoff
+        job.life.on_exit(handoff.unpin_all)  # after `abandon` (hooks run last added first)
         job.life.on_exit(handoff.abandon)
         job.life.on_exit(lambda _: link.release())
         ae.begin(job, lambda e, life: e.add_request(req.request_id, list(req.prompt_token_ids), params, hold_kv=True,

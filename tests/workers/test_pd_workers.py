@@ -6,6 +6,7 @@ block is left allocated on either side."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -238,6 +239,63 @@ def test_a_decode_engine_that_dies_during_a_handoff_fails_its_request_as_dead(mo
     assert isinstance(error, EngineDeadError), repr(error)
     assert d.receiver.num_registered == 0
     assert d.engine.kv.pool.num_used == 0 and p.engine.kv.pool.num_used == 0
+
+
+def test_blocks_queued_to_send_survive_a_preemption_of_their_request(model_dir: Path) -> None:
+    """A prefill worker's link sends a request's finished blocks after the step that wrote them,
+    on its own thread. If the request is preempted before the send reads them (KV pressure), its
+    blocks must not go to another request meanwhile: the send would carry that request's KV,
+    under a checksum of what it read, and the decode worker would decode from it (silently
+    wrong tokens). Here the link is held inside the request's first send, the request is
+    preempted, and every free block is taken and filled with garbage by "another request"
+    until the send has read: the answer is still the offline one."""
+    ps = prompts(1, 96, seed=10)  # three chunks of 32: the first chunk's blocks go while the rest computes
+    p, d = make_pair(model_dir)
+    sender = p._sender_for(d.receiver.address)  # the pair's one sender (make_pair's)
+    reached, go, read = threading.Event(), threading.Event(), threading.Event()
+    original = sender.send
+
+    def held_send(request_id: str, *args: Any) -> None:
+        if not reached.is_set():
+            reached.set()
+            assert go.wait(20), "the test never let the send go"
+            original(request_id, *args)
+            read.set()
+            return
+        original(request_id, *args)
+
+    sender.send = held_send
+    taken: list[int] = []
+
+    def preempt_and_take(e: Any) -> None:
+        req = e.scheduler.requests["a"]
+        e.scheduler.running.remove(req)
+        e.scheduler._preempt(req)  # what the scheduler does to its last running request under pressure
+        taken.extend(e.kv.pool.allocate(e.kv.pool.num_free))
+        index = torch.tensor(taken)
+        for k, v in e.kv_caches:
+            k[index] = 1000.0
+            v[index] = -1000.0
+
+    def give_back(e: Any) -> None:
+        e.kv.pool.free(reversed(taken))
+
+    async def run() -> list[int]:
+        serving = asyncio.ensure_future(serve_one(p, d, "a", ps[0], PARAMS))
+        deadline = time.monotonic() + 20
+        while not reached.is_set():
+            assert time.monotonic() < deadline and not serving.done(), "the first send never came"
+            await asyncio.sleep(0.002)
+        await p.async_engine.call(preempt_and_take)
+        go.set()
+        while not read.is_set():
+            await asyncio.sleep(0.002)
+        await p.async_engine.call(give_back)
+        return await asyncio.wait_for(serving, 30)
+
+    assert asyncio.run(run()) == expected(model_dir, ps, PARAMS)[0]
+    assert p.engine.stats.preemptions == 0  # the test preempted it, not the scheduler
+    assert_no_blocks(p, d)
 
 
 def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Path) -> None:
