@@ -8,23 +8,25 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
 from pathlib import Path
+
+from chaos.procs import free_port
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 START_TIMEOUT_S = 420.0  # a cold start on a 2-core machine other jobs kept busy took 133 s
 
 
 def free_ports(n: int) -> list[int]:
-    with ExitStack() as stack:
-        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
+    """`n` distinct ports free on every address of this machine, outside the ranges the kernel
+    and Ray hand out themselves (chaos/procs.py `free_port`): a port bind(0) found free could be
+    any connection's source port before a server binds it (HAProxy once found one taken in CI)."""
+    found: set[int] = set()
+    while len(found) < n:
+        found.add(free_port())
+    return sorted(found)
 
 
 def proc_table() -> dict[int, tuple[int, int, int]]:

@@ -40,8 +40,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from chaos.procs import free_port
 from factories import tiny_spec
+from served import free_ports
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -85,14 +85,6 @@ class TwoNodes:
     env: dict[str, str]  # for every process that joins the cluster
     run_dir: Path
 
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports free on every address of this machine, outside the ranges the kernel
-    and Ray hand out themselves (so none is taken between now and its use)."""
-    found: set[int] = set()
-    while len(found) < n:
-        found.add(free_port())
-    return sorted(found)
 
 
 def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
