@@ -289,6 +289,7 @@ def test_blocks_queued_to_send_survive_a_preemption_of_their_request(model_dir: 
         await p.async_engine.call(preempt_and_take)
         go.set()
         while not read.is_set():
+            assert time.monotonic() < deadline + 20, "the held send never read its blocks"
             await asyncio.sleep(0.002)
         await p.async_engine.call(give_back)
         return await asyncio.wait_for(serving, 30)
