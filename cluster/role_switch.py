@@ -148,30 +148,42 @@ class RoleSwitcher:
         return True
 
     async def _rebuild(self, old: Role, to: WorkerRole) -> None:
-        """Close the old role, free the engine's blocks, take `to` (or `old`'s again, and
-        raise, if that fails)."""
+        """Close the old role, free the engine's blocks, take `to`. If any of that fails,
+        take a new role of `old`'s kind and raise: `old` may be closed by then (a decode
+        role's wait threads shut down, a prefill role's links closed), and a worker left
+        holding it would fail every call it takes."""
         svc = self._svc
-        await asyncio.to_thread(old.close)  # joins its link threads (each bounded): off the event loop
         metrics = WorkerMetrics(Pool(to.value), svc.name, svc.engine.config.num_speculative_tokens, svc.counts)
-        used = await svc.async_engine.call(lambda e: self._reset(e, metrics), timeout_s=_RESET_WAIT_S)
-        if used:  # a bug: every request here ended, so no block can be referenced
-            log.error("worker %s: %d KV blocks still used after its requests ended", svc.name, used)
-        svc.worker_metrics = metrics
         try:
+            await asyncio.to_thread(old.close)  # joins its link threads (each bounded): off the event loop
+            used = await svc.async_engine.call(lambda e: self._reset(e, metrics), timeout_s=_RESET_WAIT_S)
+            if used:  # a bug: every request here ended, so no block can be referenced
+                log.error("worker %s: %d KV blocks still used after its requests ended", svc.name, used)
+            svc.worker_metrics = metrics
             role = make_role(to, svc.ctx, metrics)
         except Exception:
             log.exception("worker %s: cannot take the %s role; back to %s", svc.name, to.value, old.role.value)
-            back = WorkerMetrics(Pool(old.role.value), svc.name, svc.engine.config.num_speculative_tokens,
-                                 svc.counts)
-            await svc.async_engine.call(lambda e: self._swap_metrics(e, metrics, back), timeout_s=_RESET_WAIT_S)
-            svc.worker_metrics = back
-            svc.role = make_role(old.role, svc.ctx, back)
+            await self._take_back(old.role, metrics)
             raise
         svc.role = role
         self.num_switches += 1
         if to is WorkerRole.DECODE and not self._speculative(to) and svc.config.speculative is not None:
             log.warning("worker %s decodes without speculative decoding: its engine was built for prefill, "
                         "without the %s model (outputs are exact either way)", svc.name, svc.config.speculative.value)
+
+    async def _take_back(self, role: WorkerRole, tried: WorkerMetrics) -> None:
+        """A new role of kind `role` after a failed switch, with its pool's metrics. The
+        engine may be why the switch failed (dead, or stuck past the reset's deadline): then
+        its step observers stay as they are, and the worker serves what it can."""
+        svc = self._svc
+        back = WorkerMetrics(Pool(role.value), svc.name, svc.engine.config.num_speculative_tokens, svc.counts)
+        observed = (svc.worker_metrics, tried)
+        try:
+            await svc.async_engine.call(lambda e: self._swap_metrics(e, observed, back), timeout_s=_RESET_WAIT_S)
+            svc.worker_metrics = back
+        except Exception as e:  # noqa: BLE001 - the switch's own error is what the caller gets
+            log.warning("worker %s: its step metrics stay as they were (%r)", svc.name, e)
+        svc.role = make_role(role, svc.ctx, svc.worker_metrics)  # if this fails too, the caller gets that error
 
     def _reset(self, e: LLMEngine, metrics: WorkerMetrics) -> int:
         """Engine thread: abort what is left, empty the prefix cache, observe steps with
@@ -183,14 +195,16 @@ class RoleSwitcher:
         e.kv.pool.reset_cache()
         if e.spec is not None:
             e.spec.proposer.retain(set())  # a draft model's KV
-        self._swap_metrics(e, self._svc.worker_metrics, metrics)
+        self._swap_metrics(e, (self._svc.worker_metrics,), metrics)
         return e.kv.pool.num_used
 
     @staticmethod
-    def _swap_metrics(e: LLMEngine, old: WorkerMetrics, new: WorkerMetrics) -> None:
-        """Engine thread (it reads the observers at every step)."""
-        with contextlib.suppress(ValueError):
-            e.step_observers.remove(old.observe_step)
+    def _swap_metrics(e: LLMEngine, old: tuple[WorkerMetrics, ...], new: WorkerMetrics) -> None:
+        """Engine thread (it reads the observers at every step): `new` observes steps
+        instead of any of `old` that did."""
+        for m in old:
+            with contextlib.suppress(ValueError):
+                e.step_observers.remove(m.observe_step)
         new.attach(e)
 
     def _speculative(self, role: WorkerRole) -> bool:

@@ -288,6 +288,44 @@ def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_
     assert_no_block_used(services)
 
 
+@pytest.mark.parametrize("name", ["d0", "p0"])
+def test_a_switch_that_fails_once_the_old_role_is_closed_leaves_a_role_that_serves(model_dir: Path,
+                                                                                   name: str) -> None:
+    """The old role closed (a decode role's wait threads shut down, a prefill role's KV
+    links closed), then the switch failed. The worker takes a new role of the old kind:
+    what it is sent next is served, not failed by the closed role's parts. The `fail`
+    policy, so a prefill worker's failed transfer would fail its request."""
+    ps = prompts(4, seed=7)
+    backend, services = cluster(model_dir, 1, 1, on_kv_failure=KVFailurePolicy.FAIL)
+    svc = services[name]
+    old = svc.role
+
+    def close_then_fail() -> None:
+        type(old).close(old)
+        raise OSError("the KV socket would not close")
+
+    old.close = close_then_fail  # type: ignore[method-assign]
+
+    async def main() -> list[list[int]]:
+        try:
+            to = WorkerRole.PREFILL if name == "d0" else WorkerRole.DECODE
+            with pytest.raises(OSError, match="would not close"):
+                await svc.switch_role(to, drain_timeout_s=1.0)
+            got = await Load(backend, ps, "f").done()
+            assert svc.role is not old and svc.role.role is old.role
+            assert not svc.switcher.switching and svc.switcher.num_switches == 0
+            return got
+        finally:
+            await backend.close()
+
+    assert asyncio.run(main()) == offline(model_dir, ps)
+    r = backend.reliability()
+    assert r.migrations == 0 and r.exhausted == 0
+    assert services["p0"].engine.stats.prompt_tokens_computed == sum(map(len, ps))  # every prompt handed off
+    assert services["d0"].engine.stats.prompt_tokens_computed == 0
+    assert_no_block_used(services)
+
+
 class _Worker:
     """A worker's load reports and switches, without an engine (what another gateway
     or a restart does to it is set from the test)."""
