@@ -393,7 +393,8 @@ class ColocatedBackend:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
         if isinstance(failed, _OnWorker):  # alive, but the try failed there: elsewhere if there is one
             live = [j for j in live if j != failed.index] or live
-        return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)))
+        # Its try number from the start: an abort before `call` runs must name this try.
+        return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)), attempt=req.attempt)
 
     async def serve_on(self, index: int, req: ServeRequest) -> None:
         """Run `req` on worker `index` (one `_place` chose: found and live), counted in

@@ -260,7 +260,9 @@ class DisaggregatedBackend:
         decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt, avoid=avoid)
         if req.resume is not None and decision.plan is not Plan.LOCAL:
             decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
-        return _Try(decision, self, self.calls)
+        # Its try number from the start: an abort that comes before `call` runs (the client gone
+        # in the same turn) must name this try, or the worker ignores it and runs the try for no one.
+        return _Try(decision, self, self.calls, attempt=req.attempt)
 
     def channel_of(self, wid: str) -> WorkerChannel:
         """The inbox channel of worker `wid` (found: the router routes only to workers that answered)."""

@@ -79,6 +79,7 @@ class _Open:
     chars: int = 0
     cumulative_logprob: float | None = None
     senders: set[str] = field(default_factory=set)  # the workers that sent this try's deltas
+    gaps_seen: int = 0  # the collector's `num_gaps` when this try began
     # Set when the current try can no longer be trusted to deliver every token (a
     # batch from one of its senders went missing), or when its final delta passed.
     broken: asyncio.Event = field(default_factory=asyncio.Event)
@@ -155,7 +156,7 @@ class TokenStreamCollector:
         if request_id in self._open:
             raise ValueError(f"request_id: {request_id!r} is already streaming")
         life = Lifecycle.start(request_id, timeout_s)
-        self._open[request_id] = _Open(prompt_token_ids, life)
+        self._open[request_id] = _Open(prompt_token_ids, life, gaps_seen=self.num_gaps)
         return life
 
     async def consume(self, request_id: str, tries: Awaitable[Any]) -> AsyncGenerator[RequestOutput, None]:
@@ -247,9 +248,13 @@ class TokenStreamCollector:
         broken = asyncio.ensure_future(entry.broken.wait())
         try:
             await asyncio.wait({rpc, broken}, timeout=life.remaining(), return_when=asyncio.FIRST_COMPLETED)
+            if broken.done() and not rpc.done() and entry.finished.is_set():
+                # Broken after its final delta was handed on: nothing was lost, the try is over
+                # and its call returns in a moment. Moving it would run it again for no one.
+                await asyncio.wait({rpc}, timeout=life.remaining())
             if rpc.done():
                 rpc.result()  # its own outcome first, even if the stream broke meanwhile
-            elif broken.done():
+            elif broken.done() and not entry.finished.is_set():
                 raise StreamLostError(f"{request_id}: a batch of its tokens was lost on the way")
             else:
                 raise TimeoutError(f"request {request_id} passed its deadline")
@@ -283,6 +288,7 @@ class TokenStreamCollector:
         entry.attempt += 1
         entry.held.clear()
         entry.senders.clear()
+        entry.gaps_seen = self.num_gaps
         entry.broken.clear()
         entry.diverged = False
         resume = None
@@ -355,7 +361,11 @@ class TokenStreamCollector:
         log.warning("token stream: batches %d..%d from %s are missing; its requests move on",
                     expected, batch.seq - 1, wid)
         for entry in self._open.values():
-            if wid in entry.senders:
+            # A try that sent from `wid` before, or that holds deltas waiting for an earlier one:
+            # what it waits for may have been in the lost batches (the first delta a worker sends
+            # a try, as a prefill worker's one first token, names no sender before it is lost).
+            # A try whose final delta was handed on has lost nothing.
+            if not entry.finished.is_set() and (wid in entry.senders or entry.held):
                 entry.broken.set()
         return True
 
@@ -369,6 +379,10 @@ class TokenStreamCollector:
         if d.offset > entry.next_offset:
             self.num_out_of_order += 1
             entry.held.append(d)
+            if self.num_gaps != entry.gaps_seen:
+                # A batch went missing since this try began: the delta this one waits for may
+                # have been in it, and would never come (`_check_sequence`).
+                entry.broken.set()
             return
         if d.offset < entry.next_offset:
             self._repeat(entry, d)

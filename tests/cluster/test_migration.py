@@ -23,10 +23,14 @@ from pdserve.cluster import worker_channel
 from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
 from pdserve.cluster.backend import ColocatedBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
-from pdserve.cluster.router import Router
+from pdserve.cluster.reports import LoadReport
+from pdserve.cluster.router import Router, WorkerRole
 from pdserve.cluster.router.policy import NoHealthyWorkerError, RouterConfig
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.config import EngineConfig
+from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.messages import KVEventBatch
+from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 BS = 16
@@ -505,3 +509,42 @@ def _raising_for(request_id: str, real: Callable[..., Any]) -> Callable[..., Any
         return real(reqs, *rest)
 
     return sampling_batch
+
+
+class _Reporting:
+    """A worker that answers the backend's load polls (routing needs them) and nothing else."""
+
+    def __init__(self, name: str, role: WorkerRole) -> None:
+        self.name, self.role = name, role
+
+    async def load(self, since: object = None) -> LoadReport:
+        return LoadReport(EngineSnapshot(free_blocks=64, total_blocks=64),
+                          KVEventBatch(worker_id=self.name, log_id="", first_seq=0, next_seq=0, snapshot=True,
+                                       events=()), "1", self.role, False, 0)
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_a_placed_try_is_aborted_by_its_own_number_before_its_call_runs(mode: str) -> None:
+    """A migrated try is placed, and its client goes in the same turn, before the try's call
+    runs. The abort must name that try: a worker drops only the try an abort names (an
+    earlier try's abort ends nothing newer), and a start whose abort came first is never
+    sent (cluster/worker_channel.py). Named as try 0, the try would run to its end for no
+    one, holding its blocks."""
+    req = ServeRequest("r", (1, 2, 3), SamplingParams(max_tokens=4), 10.0, "tcp://127.0.0.1:1", attempt=2)
+    sent: list[tuple[object, str, int]] = []
+
+    async def place() -> Any:
+        if mode == "colocated":
+            backend: Any = ColocatedBackend([object(), object()])
+        else:
+            backend = DisaggregatedBackend({"p0": LocalActor(_Reporting("p0", WorkerRole.PREFILL))},
+                                           {"d0": LocalActor(_Reporting("d0", WorkerRole.DECODE))},
+                                           Router(RouterConfig(local_prefill_threshold_tokens=0), 16))
+            await backend._refresh()
+        backend.abort_on = lambda where, rid, attempt: sent.append((where, rid, attempt))
+        placement = backend._place(req, None)
+        placement.abort("r")
+        return placement
+
+    asyncio.run(place())
+    assert sent and all(attempt == 2 for _, _, attempt in sent), sent

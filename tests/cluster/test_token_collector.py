@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 
 import pytest
 import zmq
@@ -262,5 +262,94 @@ def test_a_stream_interval_below_one_is_refused() -> None:
     async def run() -> None:
         with pytest.raises(ValueError, match="stream_interval"):
             TokenStreamCollector(stream_interval=0)
+
+    asyncio.run(run())
+
+
+class _Workers:
+    """Signed batches as any worker would send them, each worker's numbered by the test
+    (a number skipped is a batch lost on the way)."""
+
+    def __init__(self, collector: TokenStreamCollector) -> None:
+        self.address = collector.address
+        self.sock = zmq.Context.instance().socket(zmq.PUSH)
+        self.sock.connect(collector.address)
+
+    def send(self, worker: str, seq: int, *deltas: TokenDelta) -> None:
+        body = encode(TokenDeltaBatch(worker_id=worker, seq=seq, deltas=deltas))
+        self.sock.send_multipart([auth.token_tag(auth.default_secret(), self.address, body), body])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+def _delta(rid: str, offset: int, token: int, finish: str | None = None) -> TokenDelta:
+    return TokenDelta(rid, offset, (token,), "t", finish, None, None, 0, None, None)
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"not reached in {timeout_s} s"
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.parametrize("gap_first", [False, True], ids=["held-then-gap", "gap-then-held"])
+def test_a_lost_batch_with_a_tries_first_delta_from_a_worker_breaks_the_try_at_once(gap_first: bool) -> None:
+    """After a handoff the prefill worker's one delta for a request (its first token) is
+    in a batch lost on the way, so the request names no sender there. The decode
+    worker's deltas wait for that token, which will never come. When the prefill
+    worker's next batch shows the gap (before or after those deltas arrive), the try
+    breaks at once, not when the decode worker has generated the whole answer."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("r", [1, 2], 30.0)
+        workers = _Workers(collector)
+        call: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # the decode worker at work
+        consumer = asyncio.ensure_future(_consume(collector, "r", call))
+        workers.send("p", 0, _delta("other", 0, 9))
+        await _until(lambda: collector._next_seq.get("p") == 1)
+        # p's batch 1, with r's first token, is lost.
+        if gap_first:
+            workers.send("p", 2, _delta("other", 1, 9))
+            await _until(lambda: collector.num_gaps == 1)
+        workers.send("d", 0, _delta("r", 1, 6))
+        workers.send("d", 1, _delta("r", 2, 7))
+        if not gap_first:
+            await _until(lambda: collector.num_out_of_order == 2)
+            workers.send("p", 2, _delta("other", 1, 9))
+        started = time.monotonic()
+        with pytest.raises(StreamLostError, match="lost on the way"):
+            await asyncio.wait_for(consumer, 5.0)
+        assert time.monotonic() - started < 2.0 and call.cancelled()  # given up before it returned
+        workers.close()
+        await collector.close()
+
+    asyncio.run(run())
+
+
+def test_a_gap_after_a_tries_final_delta_moves_nothing() -> None:
+    """A worker's batch went missing after it sent a request's final delta (the same drain
+    can take both): nothing of that request was lost, so its try's watch waits for the
+    call to return, as for any finished try. Raising StreamLostError would move it: the
+    backend would start it again on another worker for a client that has its answer
+    (its reader ends as finished and aborts nothing)."""
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        collector.open("r", [1, 2], 30.0)
+        workers = _Workers(collector)
+        call: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        watch = asyncio.ensure_future(collector.watch("r", call))  # the backend's tries: the reader apart
+        workers.send("w", 0, _delta("r", 0, 5), _delta("r", 1, 6, "length"))
+        workers.send("w", 2, _delta("other", 0, 9))  # batch 1 lost
+        await _until(lambda: collector.num_gaps == 1 and collector.finished("r").is_set())
+        await asyncio.sleep(0.05)
+        assert not watch.done(), watch
+        call.set_result(None)  # the worker's call returns after its final delta
+        await asyncio.wait_for(watch, 5.0)
+        workers.close()
+        await collector.close()
 
     asyncio.run(run())
