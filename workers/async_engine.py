@@ -458,7 +458,9 @@ class AsyncEngine:
                 self._flush_remote()
                 idle = not self._step()
                 for job in self._live_jobs():
-                    if job.role is not None:
+                    # Not before its start ran: until then what the engine holds under its id is
+                    # an earlier try's (as `_deliver` knows), and its role would act on that.
+                    if job.role is not None and job.started:
                         self._after_step(job, job.role)
                 self._flush_remote()
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it

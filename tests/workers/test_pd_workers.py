@@ -22,6 +22,7 @@ from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.async_engine import EngineDeadError, RequestFaultError
 from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
 from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.lifecycle import Exit
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.base import TransferError
@@ -365,3 +366,34 @@ def test_a_request_whose_row_breaks_fails_alone_on_either_worker(model_dir: Path
     assert (p if where == "prefill" else d).engine.stats.request_faults == 1
     assert p.async_engine.healthy and d.async_engine.healthy
     assert_no_blocks(p, d)
+
+
+def test_a_jobs_role_hears_of_steps_only_once_its_request_started(model_dir: Path) -> None:
+    """A later try of a request is opened (on the event loop) while the engine may still
+    hold the earlier try's request under the same id; its start is queued behind. Until
+    that start runs, the engine's state under the id is not this try's: a prefill role
+    acting on it would queue the earlier try's blocks as its own sends, or fail on an
+    output that is not its own."""
+    p, _ = make_pair(model_dir)
+    ae = p.async_engine
+
+    class Counting:
+        steps = 0
+
+        def take_output(self, out: Any) -> None:
+            pass
+
+        def after_step(self, engine: Any) -> None:
+            self.steps += 1
+
+    async def run() -> int:
+        job = ae.open("k", 10.0)
+        role = Counting()
+        job.role = role
+        for _ in range(3):  # each call wakes the engine thread for a round: a step, then its roles
+            await ae.call(lambda e: None, timeout_s=5.0)
+        ae.end(job, Exit.ABORTED)
+        await ae.call(lambda e: None, timeout_s=5.0)
+        return role.steps
+
+    assert asyncio.run(run()) == 0
