@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.lifecycle import Exit
 from pdserve.workers.prefill_handoff import FirstTokens, PrefillHandoff
 from pdserve.workers.role_worker import RoleWorker
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
@@ -113,13 +114,23 @@ class PrefillWorker(RoleWorker):
         params = _first_token_params(req.params)
         ae = self.async_engine
         job = ae.open_stream(req)
-        link = self.link_to(order.kv_address)  # held by this transfer until its exit hook is done with it
-        handoff = PrefillHandoff(job, order, link, ae, self._first_tokens, self.transfer_recorder, self._device,
-                                 self.engine.config.block_size)
-        job.role = handoff
-        job.life.on_exit(handoff.unpin_all)  # after `abandon` (hooks run last added first)
-        job.life.on_exit(handoff.abandon)
-        job.life.on_exit(lambda _: link.release())
+        held: SendQueue | None = None  # the link, until its release is the exit hook's
+        try:
+            link = held = self.link_to(order.kv_address)  # held by this transfer until its exit hook is done with it
+            handoff = PrefillHandoff(job, order, link, ae, self._first_tokens, self.transfer_recorder, self._device,
+                                     self.engine.config.block_size)
+            job.role = handoff
+            job.life.on_exit(handoff.unpin_all)  # after `abandon` (hooks run last added first)
+            job.life.on_exit(handoff.abandon)
+            job.life.on_exit(lambda _: link.release())
+            held = None
+        except BaseException:
+            # No link (a thread or socket it could not make), or the job ended meanwhile (its
+            # engine died: its hooks refused). Nothing else would end it, nor release the link.
+            if held is not None:
+                held.release()
+            ae.end(job, Exit.ABORTED)
+            raise
         ae.begin(job, lambda e, life: e.add_request(req.request_id, list(req.prompt_token_ids), params, hold_kv=True,
                                                     life=life))
         await ae.finished(job)

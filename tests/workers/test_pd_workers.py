@@ -397,3 +397,26 @@ def test_a_jobs_role_hears_of_steps_only_once_its_request_started(model_dir: Pat
         return role.steps
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_prefill_that_cannot_open_its_link_ends_its_request_there(model_dir: Path) -> None:
+    """The prefill worker cannot make the link to the decode worker (no thread or socket
+    left): its request ends there, as any failed prefill does, and the decode worker
+    computes the prompt itself (the `recompute` policy). Left open, the job would stay
+    in the prefill worker's engine with nothing to end it."""
+    ps = prompts(1, 40, seed=5)
+    p, d = make_pair(model_dir)
+
+    def no_link(address: str) -> Any:
+        raise OSError("can't start new thread")
+
+    p.link_to = no_link  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        got = await serve_one(p, d, "k", ps[0], PARAMS)
+        await p.async_engine.call(lambda e: None, timeout_s=5.0)  # its end has run on the engine thread
+        return got
+
+    assert asyncio.run(run()) == expected(model_dir, ps, PARAMS)[0]
+    assert p.async_engine.num_in_flight == 0 and d.num_transfer_failures == 1
+    assert_no_blocks(p, d)
