@@ -30,7 +30,7 @@ from typing import Protocol
 
 from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, Start, WorkerDrainingError
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest
+from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest, transfer_key
 from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.messages import TransferState
 from pdserve.workers.outputs import RequestOutput
@@ -159,7 +159,7 @@ class DecodeWorker(RoleWorker):
         """Engine thread: blocks for the prompt (the request moves to TRANSFERRING),
         registered with the receiver; the exit hooks that undo each (last added,
         first run)."""
-        rid = req.request_id
+        rid, key = req.request_id, req.transfer_key
         if job.ending is not None or job.life.ended:
             return None  # its exit is on the way: reserve nothing
         plan = e.reserve(rid, list(req.prompt_token_ids), req.params, life=job.life)
@@ -168,8 +168,8 @@ class DecodeWorker(RoleWorker):
         blocks, cached = plan
         skip = cached // e.config.block_size
         if skip < len(blocks):
-            self.receiver.register(rid, blocks[skip:], e.model_config.num_layers)
-            job.life.on_exit(lambda exit: self.receiver.release(rid))  # a pending transfer: aborted
+            self.receiver.register(key, blocks[skip:], e.model_config.num_layers)
+            job.life.on_exit(lambda exit: self.receiver.release(key))  # a pending transfer: aborted
 
         def stop_peer(exit: Exit) -> None:
             if exit is not Exit.FINISHED:
@@ -208,17 +208,15 @@ class DecodeWorker(RoleWorker):
         bs = self.engine.config.block_size
         if reservation.cached_tokens >= -(-num_prompt_tokens // bs) * bs:
             return True  # every block was cached here already: nothing was sent
-        rid = job.request_id
-        if self._superseded(job):
-            return False  # the registration under its id is a later try's now
         loop = asyncio.get_running_loop()
         try:
             deadline = min(job.life.deadline, time.monotonic() + _VERDICT_WAIT_S)
-            status = await loop.run_in_executor(self._waits, self.receiver.wait, rid, deadline)
+            status = await loop.run_in_executor(self._waits, self.receiver.wait, _key(job), deadline)
         except KeyError:
             # Its registration went with its exit: the job ended meanwhile (the engine died, an
-            # abort). Not a transfer failure: `_arrange` starts nothing, and the job's own error
-            # (a dead engine's, which moves the request elsewhere) is what its caller hears.
+            # abort, a later try of the request replaced it). Not a transfer failure: `_arrange`
+            # starts nothing, and the job's own error (a dead engine's, which moves the request
+            # elsewhere) is what its caller hears.
             return False
         finally:
             self._release(job)
@@ -227,21 +225,10 @@ class DecodeWorker(RoleWorker):
         self._count_failure(status.reason or FailReason.TIMEOUT)
         return False
 
-    def _superseded(self, job: Job) -> bool:
-        """Whether a later try of the request took its place here. Registrations are keyed by
-        request id, so a try must not touch one once a later try may have made its own.
-        (Event loop: tries open on it, so no later try can open between this and what the
-        caller does next.)"""
-        current = self.async_engine.job(job.request_id)
-        return current is not None and current is not job
-
     def _release(self, job: Job) -> None:
-        """Release `job`'s registration (a pending transfer: aborted), unless a later try
-        replaced it: then its own exit hook released it already, and what is registered
-        under the id is the later try's, whose blocks are live (releasing it would leave
-        that try waiting for KV that can no longer land)."""
-        if not self._superseded(job):
-            self.receiver.release(job.request_id)
+        """Release `job`'s registration (a pending transfer: aborted). Each try registers
+        under its own key (`transfer_key`), so this never touches a later try's."""
+        self.receiver.release(_key(job))
 
     def _count_failure(self, reason: FailReason | None) -> None:
         self.num_transfer_failures += 1
@@ -277,3 +264,7 @@ def _without_first_token(out: RequestOutput) -> RequestOutput | None:
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[],
                                                                  logprobs=[] if c.logprobs is not None else None)],
                                prompt_logprobs=None)
+
+
+def _key(job: Job) -> str:
+    return transfer_key(job.request_id, job.attempt)

@@ -65,6 +65,19 @@ class ServeRequest:
         """Output tokens the client has before this try's first delta."""
         return len(self.resume.token_ids) if self.resume is not None else 0
 
+    @property
+    def transfer_key(self) -> str:
+        """The id this try's KV transfer goes by on both workers: `transfer_key`."""
+        return transfer_key(self.request_id, self.attempt)
+
+
+def transfer_key(request_id: str, attempt: int) -> str:
+    """What a try's KV transfer is registered and sent under: each try of a request its own
+    (the gateway's request ids have no '@'). A later try on the same decode worker would
+    otherwise share the earlier one's id, and a late message or abort of the earlier try's
+    transfer would land on the later try's registration and fail it."""
+    return f"{request_id}@{attempt}"
+
 
 @dataclass(frozen=True)
 class Reservation:

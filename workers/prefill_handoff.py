@@ -103,8 +103,8 @@ class PrefillHandoff:
             # The client has its first token now, not after the KV's verdict: the time
             # the last layers and the verdict take is off its TTFT.
             self.published = self._publish_first(self.output)
-            rid = self.job.request_id
-            self.link.submit(rid, lambda sender, wait_until: sender.finish(rid, wait_until), self.job.life.deadline,
+            key = self.order.request.transfer_key
+            self.link.submit(key, lambda sender, wait_until: sender.finish(key, wait_until), self.job.life.deadline,
                              lambda error: self.sent(error, last=True), self.over)
 
     def unpin_all(self, _: Exit) -> None:
@@ -124,18 +124,18 @@ class PrefillHandoff:
         hook, which runs after this one, frees the blocks)."""
         if exit is Exit.FINISHED:
             return
-        rid = self.job.request_id
+        key = self.order.request.transfer_key
         # Through the link's thread (a send there may be waiting on the peer): the
         # sends still queued are skipped (`over`), the abort goes after the one running.
         reason = f"prefill ended early: {exit.value}"
-        self.link.submit(rid, lambda sender, _: sender.abort(rid, reason), self.job.life.deadline, lambda error: None)
+        self.link.submit(key, lambda sender, _: sender.abort(key, reason), self.job.life.deadline, lambda error: None)
         # The prompt was done and its KV still in flight at the deadline, and the
         # transport raised nothing (it would have counted it): a transfer timeout.
         if exit is Exit.DEADLINE and self.output is not None and self.failed is None and self._recorder:
             self._recorder.on_failure(FailReason.TIMEOUT.value)
 
     def _send_blocks(self, engine: LLMEngine, blocks: range) -> None:
-        rid = self.job.request_id
+        rid, transfer = self.job.request_id, self.order.request.transfer_key
         src, dst = engine.blocks_of(rid), self.order.reservation.block_ids
         src_ids, dst_ids = [src[i] for i in blocks], [dst[i] for i in blocks]
         written = streams.record(self._device)  # after this step's kernels (None on the CPU)
@@ -148,13 +148,13 @@ class PrefillHandoff:
         def send(sender: KVSender, wait_until: float) -> None:
             streams.wait_for(written, device)  # the link's stream: its gathers read these blocks after it
             for layer in range(num_layers):
-                sender.send(rid, layer, src_ids, dst_ids, wait_until)
+                sender.send(transfer, layer, src_ids, dst_ids, wait_until)
 
         def done(error: TransferError | None) -> None:
             self._ae.post(lambda: self._unpin(key))  # read (or failed): the blocks may go
             self.sent(error, last=False)
 
-        self.link.submit(rid, send, self.job.life.deadline, done, self.over)
+        self.link.submit(transfer, send, self.job.life.deadline, done, self.over)
 
     def _publish_first(self, out: RequestOutput) -> bool:
         """Send the first token to the gateway when nothing can take it back (no stop

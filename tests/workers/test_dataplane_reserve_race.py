@@ -21,7 +21,7 @@ from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.decode_worker import DecodeWorker
-from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest, transfer_key
 from pdserve.workers.messages import TransferState
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer import TransferError
@@ -80,13 +80,16 @@ async def _settled(d: DecodeWorker) -> None:
     await d.async_engine.call(lambda e: None, timeout_s=WAIT_S)  # every command queued before has run
 
 
-def _late_kv(d: DecodeWorker, request_id: str, blocks: list[int]) -> None:
-    """KV for `request_id` that arrives after it ended here (the prefill worker had not heard yet)."""
+def _late_kv(d: DecodeWorker, key: str, blocks: list[int], abort: bool = False) -> None:
+    """KV of the transfer `key` (a try's `transfer_key`) that arrives after the try ended here (the
+    prefill worker had not heard yet); with `abort`, then that transfer's abort."""
     sender = InProcessSender(d.engine.kv_caches, d.receiver)  # type: ignore[arg-type]
     try:
-        sender.send(request_id, 0, blocks, blocks, deadline=time.monotonic() + WAIT_S)
+        sender.send(key, 0, blocks, blocks, deadline=time.monotonic() + WAIT_S)
     except TransferError:
         pass  # refused: what must happen
+    if abort:
+        sender.abort(key, "the earlier try's prefill ended")
 
 
 def test_a_client_leaving_while_its_blocks_are_reserved_leaves_no_registration(worker: DecodeWorker) -> None:
@@ -112,7 +115,7 @@ def test_a_client_leaving_while_its_blocks_are_reserved_leaves_no_registration(w
 
         # Those blocks go to the next request; KV that comes late for the one that left is refused.
         before = [(k.clone(), v.clone()) for k, v in d.engine.kv_caches]
-        _late_kv(d, "gone", [0, 1])
+        _late_kv(d, transfer_key("gone", 0), [0, 1])
         assert all(k.equal(k0) and v.equal(v0) for (k, v), (k0, v0) in zip(d.engine.kv_caches, before))
         await collector.close()
 
@@ -121,7 +124,8 @@ def test_a_client_leaving_while_its_blocks_are_reserved_leaves_no_registration(w
 
 def test_a_later_try_keeps_its_registration_when_the_earlier_try_gives_up(worker: DecodeWorker) -> None:
     """Try 0's prefill fails after try 1 of the same request took over (same id, its own blocks): try 0
-    must not release what is registered under the id now, try 1's live registration."""
+    must not release try 1's live registration, and its transfer's late KV and abort (the prefill
+    worker had not heard yet) must not touch it: each try registers under its own key."""
     d, receiver = worker, worker.receiver
 
     async def main() -> None:
@@ -134,12 +138,14 @@ def test_a_later_try_keeps_its_registration_when_the_earlier_try_gives_up(worker
         try1 = asyncio.ensure_future(d.handoff(ServeRequest("r", prompt, PARAMS, WAIT_S, collector.address,
                                                             attempt=1), peer))
         await asyncio.wait_for(peer.called.wait(), WAIT_S)  # try 1 superseded it, reserved and registered
-        assert receiver.poll("r").state is TransferState.PENDING
+        key = transfer_key("r", 1)
+        assert receiver.poll(key).state is TransferState.PENDING
         peer.answers[0].set_exception(RuntimeError("try 0's prefill worker failed"))
         await asyncio.wait_for(asyncio.gather(try0, return_exceptions=True), WAIT_S)
         await _settled(d)
+        _late_kv(d, transfer_key("r", 0), list(peer.orders[0].reservation.block_ids[:1]), abort=True)
         # Try 1's registration is still there, for its blocks, which are still reserved.
-        assert receiver.poll("r").state is TransferState.PENDING
+        assert receiver.poll(key).state is TransferState.PENDING
         assert receiver.num_registered == 1 and d.engine.kv.pool.num_used > 0
         try1.cancel()
         await asyncio.gather(try1, return_exceptions=True)
