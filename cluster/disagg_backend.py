@@ -417,6 +417,7 @@ class DisaggregatedBackend:
         try:
             if handle is None:
                 raise LookupError(f"worker {wid} not found")
+            forgets = self.router.kv_forgets(wid)  # the view this poll's events go on from
             async with asyncio.timeout(_POLL_TIMEOUT_S):
                 report: LoadReport = await handle.load.remote(self.router.kv_cursor(wid))
         except Exception as e:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
@@ -434,7 +435,7 @@ class DisaggregatedBackend:
             self._incarnation[wid] = report.incarnation
             self.events.restarted += 1
         self.loads[wid] = report
-        self._apply_events(wid, report.events)
+        self._apply_events(wid, report.events, forgets)
         self._follow(wid, report)
         role = self._role(wid)
         if role is None:
@@ -453,11 +454,11 @@ class DisaggregatedBackend:
             pool[wid] = await asyncio.to_thread(self.lookup, self.names.get(wid, wid))
         return pool[wid]
 
-    def _apply_events(self, wid: str, batch: KVEventBatch) -> None:
+    def _apply_events(self, wid: str, batch: KVEventBatch, forgets: int) -> None:
         """The worker answered from the cursor the router gave (or with a snapshot, where
         its log no longer holds that, or it restarted): nothing is drained, so every
         gateway replica polling it ends with the same view (workers/kv/event_log.py)."""
-        self.router.on_kv_batch(wid, batch)
+        self.router.on_kv_batch(wid, batch, forgets)
 
     # -- stalls ----------------------------------------------------------------------
 

@@ -71,6 +71,7 @@ class Router:
         # Where the index stands in each worker's event log: kept with the index, so
         # whatever forgets a worker's cache also makes the next poll ask for a snapshot.
         self._kv_cursors: dict[str, EventCursor] = {}
+        self._forgets: dict[str, int] = {}  # per worker: how many times its cache was forgotten
 
     def on_kv_events(self, worker_id: str, events: Iterable[KVEvent]) -> None:
         self.index.apply_events(worker_id, events)
@@ -79,11 +80,22 @@ class Router:
         """What to ask the worker's `load` for: its events from here (None: a snapshot)."""
         return self._kv_cursors.get(worker_id)
 
-    def on_kv_batch(self, worker_id: str, batch: KVEventBatch) -> None:
+    def kv_forgets(self, worker_id: str) -> int:
+        """How many times the worker's cache was forgotten: read it when asking for a
+        batch, and hand it back with the answer (`on_kv_batch`)."""
+        return self._forgets.get(worker_id, 0)
+
+    def on_kv_batch(self, worker_id: str, batch: KVEventBatch, forgets: int | None = None) -> None:
         """Apply a worker's events read from its log (a snapshot replaces what the index
         held for it) and stand at the batch's cursor. A late reply (two polls of one
         worker in flight) moves the cursor back: the next poll replays from there,
-        and the events, being set updates in order, end in the worker's state again."""
+        and the events, being set updates in order, end in the worker's state again.
+        `forgets`: `kv_forgets` when the batch was asked for. Events asked for before the
+        cache was forgotten go on from a view no longer held: they are dropped, and the
+        next poll asks for a snapshot (applied, they would set a cursor over the emptied
+        view, and what the worker cached before them would never come back)."""
+        if not batch.snapshot and forgets is not None and forgets != self.kv_forgets(worker_id):
+            return
         if batch.snapshot:
             self.index.replace_worker(worker_id, batch.events)
         else:
@@ -98,6 +110,7 @@ class Router:
         snapshot (`kv_cursor` is None), which rebuilds it."""
         self.index.remove_worker(worker_id)
         self._kv_cursors.pop(worker_id, None)
+        self._forgets[worker_id] = self.kv_forgets(worker_id) + 1
 
     def snapshot(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
                  cache_salt: str | None = None) -> tuple[RouterSnapshot, list[int]]:

@@ -123,6 +123,31 @@ def test_a_router_that_forgot_a_cache_relearns_it_from_a_snapshot() -> None:
     assert reader.snapshots == 2 and reader.view == set(pool.cached)
 
 
+def test_events_asked_for_before_a_cache_was_forgotten_are_dropped() -> None:
+    """A poll is on its way (events from the router's cursor) when the gateway forgets the
+    worker's cache: a role switch starts, then fails, and the worker keeps its cache. The
+    answer's events go on from a view the router no longer holds: applied, they would set a
+    cursor over the emptied view, and the blocks cached before them would never come back.
+    Dropped, the next poll asks for a snapshot, and the view is the pool's again."""
+    pool = BlockPool(8, record_events=True)
+    traffic, reader = _Traffic(pool, 5), _Reader()
+    for _ in range(40):
+        traffic.step()
+    reader.poll(pool)
+    earlier = set(pool.cached)
+    for _ in range(3):
+        traffic.step()
+    asked = reader.router.kv_forgets(W)
+    late = KVEventBatch.of(W, pool.read_events(reader.router.kv_cursor(W)))  # the poll in flight
+    assert not late.snapshot
+    reader.router.forget_cache(W)  # the switch starts ...
+    reader.router.on_kv_batch(W, late, asked)  # ... and the answer comes
+    assert reader.router.kv_cursor(W) is None and reader.view == frozenset()
+    reader.poll(pool)
+    assert reader.snapshots == 2 and reader.view == set(pool.cached)
+    assert earlier & set(pool.cached), "the case needs blocks cached before the late answer"
+
+
 # -- real worker services, polled by gateway replicas ----------------------------------
 
 
