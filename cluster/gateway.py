@@ -28,6 +28,8 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from pdserve.cluster.backend import GenerationBackend, WorkerLostError
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.drain_flag import DrainWatch
@@ -182,6 +184,8 @@ class Admission:
     handler until its response is ready, then by a stream until it ends."""
 
     def __init__(self, gw: Gateway, num_requests: int) -> None:
+        if num_requests < 1:  # a share below 1 would lower the count others are admitted under
+            raise ValueError(f"num_requests: at least 1, got {num_requests}")
         self._gw, self.num_requests, self._held = gw, num_requests, True
         gw.admitted += num_requests
 
@@ -319,7 +323,15 @@ class Gateway:
         """Blocking: call it through `off_loop`."""
         messages = template_messages([m.template_dict(_unicode("messages", m.text())) for m in req.messages])
         tools = req.tool_plan().template_tools
-        text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                      add_generation_prompt=True)
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: the server's fault, not this request's
+        except TemplateError as e:
+            # The template refused these messages (`raise_exception`: roles that do not alternate,
+            # a system role it has none of, a field it needs): the client's to fix.
+            raise bad_request(ValueError(f"messages: the model's chat template refused them: {e}")) from None
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))

@@ -77,6 +77,10 @@ def check_stop(stop: str | Sequence[str] | None, stop_token_ids: Sequence[int] |
 
 
 def check_n(n: int, best_of: int | None, limits: RequestLimits) -> None:
+    # Before admission: a request's share of the admission bound is its prompts x n, so an n
+    # below 1 would take a negative share and let any number of requests past the bound.
+    if n < 1:
+        raise Refused("n", f"must be at least 1, got {n}", RefusalReason.MALFORMED)
     if n > limits.max_n:
         raise Refused("n", f"at most {limits.max_n}, got {n} (the server's --max-n)")
     # best_of > n asks the server to rank samples and return the best: pdserve does not.

@@ -84,6 +84,10 @@ LIMITS = RequestLimits(max_n=8, max_stop=4, max_stop_length=16, max_messages=4, 
 HOSTILE = [
     ("/v1/completions", {**OK, "n": 10**6}, "n", "limit"),
     ("/v1/completions", {**OK, "n": 9}, "n", "limit"),
+    # Below 1: refused before admission, where a negative share would let others past the bound.
+    ("/v1/completions", {**OK, "n": 0}, "n", "malformed"),
+    ("/v1/chat/completions", {**CHAT, "n": -10**6, "messages": [{"role": "user", "content": "x" * 600}]}, "n",
+     "malformed"),
     ("/v1/completions", {**OK, "best_of": 3}, "best_of", "unsupported"),
     ("/v1/completions", {**OK, "n": 2, "best_of": 1}, "best_of", "unsupported"),
     ("/v1/completions", {**OK, "stop": ["s"] * 10**5}, "stop", "limit"),
@@ -321,3 +325,50 @@ def test_tokenizing_does_not_stall_the_event_loop(tokenizer: Any) -> None:
 
     health_s, slow = run(gw, requests)
     assert health_s < 0.5 and slow.status_code == 200
+
+
+def test_n_below_one_is_refused_before_the_request_takes_a_share_of_the_bound(tokenizer: Any) -> None:
+    """A request's share of the admission bound is its prompts x n. With n below 1 the share
+    would be negative: while its long prompt was tokenized, the count others are admitted
+    under would sit far below the bound, and any number of them would pass."""
+    gw = gateway(tokenizer, EchoBackend(), limits=LIMITS)
+    shares: list[int] = []
+    admit = gw.admit
+
+    def counting(num_requests: int = 1) -> Any:
+        shares.append(num_requests)
+        return admit(num_requests)
+
+    gw.admit = counting  # type: ignore[method-assign]
+    body = {**CHAT, "n": -10**6, "messages": [{"role": "user", "content": "x" * 600}]}
+
+    async def request(c: httpx.AsyncClient) -> httpx.Response:
+        return await c.post("/v1/chat/completions", json=body, headers=KEY)
+
+    assert_openai_error(run(gw, request), 400, "n")
+    assert shares == [] and gw.admitted == 0
+    with pytest.raises(ValueError, match="num_requests"):
+        admit(-1)
+
+
+def test_messages_the_models_chat_template_refuses_are_a_400(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Many models' templates refuse what they cannot render (`raise_exception`: roles that
+    do not alternate, a system role the model has none of). That is the client's to fix:
+    a 400 naming `messages`, as vLLM answers, not a 500. The same conversation without the
+    system message is served."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_model(tiny_spec()))
+    tok.chat_template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                         "supported') }}{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    gw = gateway(tok)
+    system = {**CHAT, "messages": [{"role": "system", "content": "be brief"}, *CHAT["messages"]]}
+
+    async def requests(c: httpx.AsyncClient) -> tuple[httpx.Response, httpx.Response]:
+        return (await c.post("/v1/chat/completions", json=system, headers=KEY),
+                await c.post("/v1/chat/completions", json=CHAT, headers=KEY))
+
+    bad, good = run(gw, requests)
+    assert_openai_error(bad, 400, "messages")
+    assert "System role not supported" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and gw.admitted == 0
