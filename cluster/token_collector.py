@@ -80,8 +80,9 @@ class _Open:
     cumulative_logprob: float | None = None
     senders: set[str] = field(default_factory=set)  # the workers that sent this try's deltas
     gaps_seen: int = 0  # the collector's `num_gaps` when this try began
-    # Set when the current try can no longer be trusted to deliver every token (a
-    # batch from one of its senders went missing), or when its final delta passed.
+    # Set when the current try can no longer be trusted to deliver every token: a batch
+    # that may have held one of its deltas went missing, or it re-sent handed-on tokens
+    # differently. Once its final delta was handed on it means nothing (`watch`).
     broken: asyncio.Event = field(default_factory=asyncio.Event)
     diverged: bool = False  # the try re-sent handed-on tokens differently: nothing more of it is taken
     finished: asyncio.Event = field(default_factory=asyncio.Event)
