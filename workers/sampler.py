@@ -38,25 +38,36 @@ class Penalties:
         def column(values: list[float]) -> torch.Tensor:
             return small_tensor(values, torch.float32, device)[:, None]
 
-        counts = _bincount_rows([r[1] for r in rows], vocab_size, device)
+        # Only the rows that have a penalty count their tokens: a row without one comes out
+        # neutral whatever its counts (x 0, or a factor of 1), and counting every row's prompt
+        # made one penalized request cost the whole batch its longest prompt, every step.
+        counts = _bincount_rows([r[1] if r[2] or r[3] or r[4] != 1.0 else [] for r in rows], vocab_size, device)
         seen = None
         if any(r[4] != 1.0 for r in rows):
-            seen = (counts > 0) | (_bincount_rows([r[0] for r in rows], vocab_size, device) > 0)
+            prompts = _bincount_rows([r[0] if r[4] != 1.0 else [] for r in rows], vocab_size, device)
+            seen = (counts > 0) | (prompts > 0)
         assert counts.shape == (n, vocab_size)
         return cls(column([r[2] for r in rows]), column([r[3] for r in rows]), column([r[4] for r in rows]), counts,
                    seen)
 
 
 def _bincount_rows(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """[N, V] float32 counts of each row's tokens (one scatter, padded with a spare column)."""
-    width = max((len(t) for t in token_lists), default=0)
+    """[N, V] float32 counts of each row's tokens (one scatter over the rows that have any,
+    padded with a spare column: empty rows cost nothing, whatever the longest row)."""
     counts = torch.zeros(len(token_lists), vocab_size + 1, dtype=torch.float32, device=device)
-    if width:
-        padded = torch.full((len(token_lists), width), vocab_size, dtype=torch.int64)
-        for i, toks in enumerate(token_lists):
-            padded[i, : len(toks)] = torch.as_tensor(toks, dtype=torch.int64)
+    rows = [i for i, t in enumerate(token_lists) if t]
+    if rows:
+        width = max(len(token_lists[i]) for i in rows)
+        padded = torch.full((len(rows), width), vocab_size, dtype=torch.int64)
+        for j, i in enumerate(rows):
+            padded[j, : len(token_lists[i])] = torch.as_tensor(token_lists[i], dtype=torch.int64)
         padded = to_device_async(padded, device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+        ones = torch.ones_like(padded, dtype=torch.float32)
+        if len(rows) == len(token_lists):
+            counts.scatter_add_(1, padded, ones)
+        else:
+            which = to_device_async(torch.tensor(rows, dtype=torch.int64), device)[:, None].expand_as(padded)
+            counts.index_put_((which, padded), ones, accumulate=True)
     return counts[:, :vocab_size]
 
 

@@ -195,3 +195,21 @@ def test_logit_bias_requests_draft_and_verification_applies_the_bias(model_dir: 
     plain = [o.outputs[0].token_ids for o in _llm(model_dir).generate(
         prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))]
     assert plain != want, "the bias changed nothing: the test cannot tell"
+
+
+def test_rows_without_penalties_count_nothing_and_come_out_untouched() -> None:
+    """One penalized row beside rows with long prompts and none: the penalized row matches
+    the float64 definitions, the others are untouched, and their tokens are never counted
+    (counting every row's prompt made one penalized request cost the whole batch its longest
+    prompt, every step)."""
+    g = torch.Generator().manual_seed(3)
+    long = torch.randint(0, V, (5000,), generator=g).tolist()
+    hist = [(long, [1, 2, 3]), ([4, 5], [6, 6, 7]), (long, [])]
+    settings = [(0.0, 0.0, 1.0), (0.3, 0.5, 1.4), (0.0, 0.0, 1.0)]
+    logits = torch.randn(3, V, generator=g) * 3
+    pen = Penalties.build([(p, o, *s) for (p, o), s in zip(hist, settings)], V, torch.device("cpu"))
+    assert pen.output_counts[0].sum() == 0 and pen.output_counts[2].sum() == 0
+    assert pen.seen is not None and not pen.seen[0].any() and not pen.seen[2].any()
+    got = apply_penalties(logits.clone(), pen)
+    torch.testing.assert_close(got[1].double(), reference64(logits[1], *hist[1], *settings[1]), rtol=1e-6, atol=1e-6)
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[2], logits[2])
