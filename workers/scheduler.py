@@ -176,16 +176,21 @@ class Scheduler:
             if at is None:
                 break
             req = self.waiting[at]
-            cached_blocks: list[int]
-            if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
-                cached_blocks, num_cached = [], req.num_computed_tokens
-            elif req.prompt_logprobs is not None:  # every prompt position's logits are needed
-                cached_blocks, num_cached = [], 0
-            else:
-                cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+            cached_blocks, num_cached = self._cached(req)
             n = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, n, cached_blocks):
-                break
+                # One whose KV came from a prefill worker holds its blocks: it goes before a request
+                # that needs more blocks than are free (one just preempted), which would otherwise
+                # wait for ever on the blocks it holds.
+                at = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending
+                           and self.kv.blocks_of(r.request_id)), None)
+                if at is None:
+                    break
+                req = self.waiting[at]
+                cached_blocks, num_cached = self._cached(req)
+                n = min(req.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(req, n, cached_blocks):
+                    break
             del self.waiting[at]
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -198,6 +203,14 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _cached(self, req: Request) -> tuple[list[int], int]:
+        """What a waiting request starts from: (cached blocks to take, tokens they cover)."""
+        if self.kv.blocks_of(req.request_id):  # KV arrived from a prefill worker
+            return [], req.num_computed_tokens
+        if req.prompt_logprobs is not None:  # every prompt position's logits are needed
+            return [], 0
+        return self.kv.find_cached_prefix(req)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

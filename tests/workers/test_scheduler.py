@@ -60,11 +60,14 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
 
 
 def check_blocks(sched: Scheduler) -> None:
-    """Each block's ref count is the number of requests holding it; waiting ones hold none."""
-    holders = Counter(b for req in sched.running for b in sched.kv.blocks_of(req.request_id))
+    """Each block's ref count is the number of requests holding it; waiting ones hold none but
+    those whose KV came from a prefill worker (they hold their reserved blocks, as do those
+    whose KV is still on its way)."""
+    holding = [*sched.running, *sched.awaiting_kv.values(), *(r for r in sched.waiting if r.life.state is S.DECODING)]
+    holders = Counter(b for req in holding for b in sched.kv.blocks_of(req.request_id))
     pool = sched.kv.pool
     assert all(pool.ref_counts[b] == holders.get(b, 0) for b in range(pool.num_blocks))
-    assert all(sched.kv.blocks_of(r.request_id) == [] for r in sched.waiting)
+    assert all(sched.kv.blocks_of(r.request_id) == [] for r in sched.waiting if r.life.state is not S.DECODING)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:
@@ -379,3 +382,26 @@ def _names_a_lifecycle(node: ast.expr) -> bool:
     """`life`, `x.life`, `self` (inside lifecycle.py): the expressions a lifecycle goes by here."""
     return (isinstance(node, ast.Name) and node.id in ("life", "self")) or \
         (isinstance(node, ast.Attribute) and node.attr == "life")
+
+
+def test_a_request_whose_kv_landed_is_not_starved_by_a_preempted_one_that_needs_its_blocks() -> None:
+    """A decode worker's pool is full: a local request holds most of it and a handed-off one
+    holds the rest, its KV landed. The local one needs a block more and preempts itself; it
+    goes back to the queue's head, needing more blocks than are free while the handed-off one
+    holds its own. The handed-off request (it needs no new block to start) runs first, ends and
+    frees its blocks, and then the preempted one runs: both finish, no step stalls for good."""
+    sched = make_scheduler(num_blocks=10, max_num_seqs=4, budget=64)
+    local = make_request("local", 20, max_tokens=16)  # at most 36 tokens: 9 of the 10 blocks
+    sched.add(local)
+    while local.num_computed_tokens < 6 * BS:  # its computed tokens fill 6 blocks exactly
+        step(sched)
+    landed = Request("landed", list(range(500, 500 + 4 * BS - 1)), SamplingParams(max_tokens=2), max_tokens=2,
+                     life=Lifecycle("landed", 10.0, S.ROUTED))
+    assert sched.reserve_remote(landed) is not None and sched.kv.pool.num_free == 0
+    sched.complete_remote(landed)
+    landed.append_token(5)
+    sched.took_token(landed, None)
+    outs = [step(sched) for _ in range(40)]
+    assert any(local in o.preempted for o in outs)
+    assert landed.finish_reason is FinishReason.LENGTH and local.finish_reason is FinishReason.LENGTH
+    assert not sched.waiting and not sched.running
