@@ -273,6 +273,8 @@ class LLMEngine:
                 if output:
                     self._aborted_outputs.append(self._output(req))
             self.scheduler.release(rid)
+        if self.spec is not None:  # a draft model's KV of them: their ids may be reused at once
+            self.spec.proposer.retain({r.request_id for r in self.scheduler.running})
         if self._in_flight is not None and all(s.request.finished for s in self._in_flight.sched.scheduled):
             # Nothing of it is wanted now: dropped unread (the device finishes it before any later
             # step reuses its blocks), so that an engine with nothing left has nothing unfinished.

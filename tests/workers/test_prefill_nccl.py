@@ -19,6 +19,7 @@ from faults import Faults
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.decode_worker import DecodeWorker
+from pdserve.workers.handoff import transfer_key
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender
@@ -128,7 +129,7 @@ def test_a_decode_worker_slow_to_say_done_holds_neither_the_engine_thread_nor_ot
         slow_faults.resume_receiver()
     assert slow_tokens == want_slow and fast_tokens == want_fast  # exact KV: greedy output as colocated
     assert [d.num_transfer_failures for d in cluster.decoders] == [0, 0]
-    assert {rid for rid, _ in cluster.finishes} == {"r-slow", "r-fast"}
+    assert {rid for rid, _ in cluster.finishes} == {transfer_key("r-slow", 0), transfer_key("r-fast", 0)}
     assert all(thread.startswith("kv-send ") for _, thread in cluster.finishes)  # the links' threads
     assert cluster.blocks_in_use() == [0, 0, 0]
     assert sum(s.num_checksummed for s in cluster.senders) == 0  # the default: no host checksum

@@ -141,3 +141,38 @@ class _Caches:
     def __init__(self, kv: object, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int) -> None:
         self.kv, self.kv_caches = kv, kv_caches
         self.config = type("C", (), {"block_size": block_size})()
+
+
+def test_a_request_id_reused_after_an_abort_drafts_from_its_own_tokens(model_dir: Path, draft_dir: Path) -> None:
+    """A worker aborts a request without an output (its client was told already), and a later
+    try of the same request, resuming from fewer tokens than the first had, takes its id at
+    once. The draft model must not keep the first one's sequence: it would take that one's
+    tokens as the new one's, claim more computed than there is, and spin on the engine
+    thread. The new request's output equals the engine's without speculation."""
+    import threading
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompt = prompts()[0]
+    want = LLM(str(model_dir), max_model_len=512, progress=False).generate([prompt[:10]], params)[0].outputs[0]
+    engine = LLMEngine(EngineConfig(model=str(model_dir), max_model_len=512, speculative="draft",
+                                    draft_model=str(draft_dir), num_speculative_tokens=3,
+                                    spec_token_cost=0.001))  # keep drafting although it fails
+    engine.add_request("r", prompt, SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    for _ in range(8):
+        engine.step()
+    assert engine.stats.spec_drafts > 0, "the test needs the first request to have drafted"
+    engine.abort("r", output=False)
+    engine.add_request("r", prompt[:10], params)  # the same id, fewer tokens than the first had
+    got: list[int] = []
+
+    def run() -> None:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    got.extend(out.outputs[0].token_ids)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the engine thread spun: the draft model kept the aborted request's sequence"
+    assert got == want.token_ids

@@ -107,7 +107,9 @@ class DraftModelProposer:
             common = sh.base + _common_prefix(r.all_token_ids[sh.base:], req.all_token_ids[sh.base:],
                                               r.num_computed_tokens - sh.base)
             r.all_token_ids = list(req.all_token_ids)
-            r.num_computed_tokens = min(common, r.num_computed_tokens)
+            # At most all but the last token: the pass that computes it gives the first draft (a
+            # shadow left by an earlier request of the same id, were one kept, could claim more).
+            r.num_computed_tokens = min(common, r.num_computed_tokens, r.num_tokens - 1)
             sh.base = r.num_tokens
             # KV for every token after the first k drafts' positions.
             if not self.kv.allocate_slots(r, r.num_tokens - r.num_computed_tokens + k):
@@ -158,6 +160,8 @@ class DraftModelProposer:
                         rest.append(sh)
                 else:
                     rest.append(sh)
+            if not batch:  # nothing any of them can compute: no drafts for them (never a spin)
+                return
             self._run(batch, drafts, probs)
             pending = rest
 
