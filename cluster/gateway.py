@@ -304,8 +304,18 @@ class Gateway:
 
     async def off_loop(self, body: CompletionRequest | ChatCompletionRequest, fn: Callable[[], T]) -> T:
         """`fn()`, the tokenizer work of `body`, in the pool's lane for its size (on the
-        loop when short, unless it may compile a grammar: that takes long whatever the size)."""
-        return await self.pool.run(prompt_chars(body), fn, may_inline=not compiles_grammar(body))
+        loop when short, unless it may compile a grammar: that takes long whatever the size).
+        Within the request's deadline, queue included: past it a 504, and its admission slot
+        goes back (a job still queued is dropped; one running finishes unread)."""
+        deadline = asyncio.timeout(self.config.request_timeout_s)
+        try:
+            async with deadline:
+                return await self.pool.run(prompt_chars(body), fn, may_inline=not compiles_grammar(body))
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # `fn`'s own
+            raise APIError(504, "the request did not finish within its deadline (its prompt was still being "
+                                "tokenized)", "Timeout") from None
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         if not prompt:

@@ -194,3 +194,30 @@ def test_the_gateway_tokenizes_only_short_work_on_its_loop(tokenizer: Any, monke
         gw.pool.shutdown()
     assert r.status_code == 200, r.text
     assert threads and all((t == loop) is inline for t in threads), (threads, loop)
+
+
+def test_a_request_whose_tokenizing_outlasts_its_deadline_is_a_504_and_frees_its_slot(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tokenizing is part of the request's deadline, its wait in the lane's queue included:
+    past it the client gets a 504 (not a wait with no end), and its admission slot is free
+    again while the tokenizer is still busy."""
+    gw = Gateway(Backend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=4096, request_timeout_s=0.5),
+                 TokenizerPool(1))
+    blocking = Blocking(monkeypatch, tokenizer)
+
+    async def main() -> tuple[httpx.Response, float, int]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw",
+                                     timeout=WAIT_S) as c:
+            started = asyncio.get_running_loop().time()
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "abcdefg " * (SHORT_CHARS // 7),
+                                                      "max_tokens": 1})
+            took, admitted = asyncio.get_running_loop().time() - started, gw.admitted
+            blocking.release.set()
+            return r, took, admitted
+
+    try:
+        r, took, admitted = asyncio.run(main())
+    finally:
+        gw.pool.shutdown()
+    assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
+    assert took < 5.0 and admitted == 0 and blocking.long_started.is_set()
