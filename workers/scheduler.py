@@ -171,26 +171,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             # In order, passing over requests whose grammar is still compiling, or (preempted) whose last
-            # token is still in flight: they wait, the rest go on.
-            at = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending), None)
-            if at is None:
+            # token is still in flight: they wait, the rest go on. If the first does not fit, one whose KV
+            # came from a prefill worker goes instead: it holds its blocks, and a request ahead of it that
+            # needs more blocks than are free (one just preempted) would otherwise wait on them for ever.
+            ready = (i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending)
+            holding = (i for i, r in enumerate(self.waiting)
+                       if r.schedulable and not r.num_pending and self.kv.blocks_of(r.request_id))
+            admitted = self._admit(next(ready, None), budget) or self._admit(next(holding, None), budget)
+            if admitted is None:
                 break
+            at, n, num_cached = admitted
             req = self.waiting[at]
-            cached_blocks, num_cached = self._cached(req)
-            n = min(req.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(req, n, cached_blocks):
-                # One whose KV came from a prefill worker holds its blocks: it goes before a request
-                # that needs more blocks than are free (one just preempted), which would otherwise
-                # wait for ever on the blocks it holds.
-                at = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending
-                           and self.kv.blocks_of(r.request_id)), None)
-                if at is None:
-                    break
-                req = self.waiting[at]
-                cached_blocks, num_cached = self._cached(req)
-                n = min(req.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(req, n, cached_blocks):
-                    break
             del self.waiting[at]
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
@@ -203,6 +194,15 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _admit(self, at: int | None, budget: int) -> tuple[int, int, int] | None:
+        """Slots for the waiting request at `at`: (at, tokens scheduled, tokens cached), or None."""
+        if at is None:
+            return None
+        req = self.waiting[at]
+        cached_blocks, num_cached = self._cached(req)
+        n = min(req.num_tokens - num_cached, budget)
+        return (at, n, num_cached) if self.kv.allocate_slots(req, n, cached_blocks) else None
 
     def _cached(self, req: Request) -> tuple[list[int], int]:
         """What a waiting request starts from: (cached blocks to take, tokens they cover)."""
