@@ -9,6 +9,9 @@ from __future__ import annotations
 import json
 import re
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -77,7 +80,7 @@ def load_model(
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: must be fp8 or None, got {quantization!r}")
     fp8_checkpoint = cfg.quantization == "fp8"
-    with torch.device("meta"):
+    with torch.device("meta"), _uninitialised():
         model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         if fp8_checkpoint:
             _fp8_modules(model)
@@ -130,6 +133,31 @@ def load_model(
         # torch's cache and look used to mem_get_info when the KV pool is sized.
         torch.cuda.empty_cache()
     return model.eval()
+
+
+_INIT_LOCK = threading.Lock()
+_RANDOM_INIT = (torch.nn.Linear, torch.nn.Embedding)  # the modules the model builds that draw their weights
+
+
+@contextmanager
+def _uninitialised() -> Iterator[None]:
+    """Modules built here skip drawing their random weights. On the meta device the draw computes
+    nothing, yet it runs torch's Python reference of `normal_`/`uniform_`, whose first call
+    imports torch._dynamo: 1-2.5 s of every eager worker's start (the weights come from the
+    checkpoint anyway). The lock keeps two loaders in one process from restoring out of order."""
+    with _INIT_LOCK:
+        saved = [(cls, cls.__dict__["reset_parameters"]) for cls in _RANDOM_INIT]
+        try:
+            for cls, _ in saved:
+                cls.reset_parameters = _no_init  # type: ignore[method-assign]
+            yield
+        finally:
+            for cls, method in saved:
+                cls.reset_parameters = method  # type: ignore[method-assign]
+
+
+def _no_init(self: torch.nn.Module) -> None:
+    """A module's `reset_parameters` while it is built on the meta device (`_uninitialised`)."""
 
 
 def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -37,7 +37,9 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def _opaque(fn: F) -> F:
-    """`fn`, run as it is under torch.compile (a graph break), never traced."""
+    """`fn`, run as it is under torch.compile (a graph break), never traced. Called when a group
+    is made, not at import: `torch.compiler.disable` imports torch._dynamo (1.4-2.5 s), which every
+    process importing the model would pay, the gateway and the driver among them."""
     return cast(F, torch.compiler.disable(fn))  # type: ignore[no-untyped-call]
 
 
@@ -97,22 +99,22 @@ class ShmCollectives:
         self.flags = raw[: size * _FLAG_WORDS * 8].view(torch.int64).view(size, _FLAG_WORDS)
         self.data = raw[size * _FLAG_WORDS * 8 :].view(size, slot_bytes)
         self.round = 0
+        # Opaque to torch.compile (a graph break at each): their flags and spins are side effects
+        # on shared memory that a traced graph would fold or reorder.
+        self.all_reduce = _opaque(self._all_reduce)
+        self.all_gather = _opaque(self._all_gather)
 
     def fits(self, x: torch.Tensor) -> bool:
         return x.numel() * x.element_size() <= self.slot_bytes and x.device.type == "cpu"
 
-    # Opaque to torch.compile (a graph break at each): its flags and spins are side effects on
-    # shared memory that a traced graph would fold or reorder.
-    @_opaque
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place: slots added in rank order, the same bits on every rank."""
         slots = self._exchange(x)
         torch.sum(slots, dim=0, out=x.view(-1)) if x.is_contiguous() else x.copy_(slots.sum(0).view_as(x))
         self._done()
         return x
 
-    @_opaque
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+    def _all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' `x` side by side on the last dimension (the vocabulary's shards)."""
         slots = self._exchange(x)
         out = torch.cat([slots[r].view(x.shape) for r in range(self.size)], dim=-1)

@@ -27,20 +27,14 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from tokenizers import Tokenizer
-from transformers import (
-    AutoModelForCausalLM,
-    GenerationConfig,
-    LlamaConfig,
-    MistralConfig,
-    PretrainedConfig,
-    PreTrainedModel,
-    Qwen2Config,
-)
 from transformers.utils import logging as hf_logging
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 from . import tokenizer as tiny_tokenizer
 from .corpus import cache_dir
@@ -83,10 +77,10 @@ class Arch(str, Enum):
     MISTRAL = "mistral"
 
 
-_CONFIG_CLASSES: dict[Arch, type[PretrainedConfig]] = {
-    Arch.LLAMA: LlamaConfig,
-    Arch.QWEN2: Qwen2Config,
-    Arch.MISTRAL: MistralConfig,
+_CONFIG_CLASSES: dict[Arch, str] = {  # transformers' class names (imported when a model is built)
+    Arch.LLAMA: "LlamaConfig",
+    Arch.QWEN2: "Qwen2Config",
+    Arch.MISTRAL: "MistralConfig",
 }
 
 
@@ -240,10 +234,18 @@ def build_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, in
         # Qwen2 always has q/k/v biases (no config switch). No sliding window:
         # use_sliding_window=False makes transformers drop it anyway; say so.
         extra = dict(use_sliding_window=False, sliding_window=None)
-    return _CONFIG_CLASSES[spec.arch](**common, **extra)
+    # Imported here, as the model classes are below: transformers' configs and models cost 1.5-4 s
+    # to import (its modeling code imports torch._dynamo), which a process that only finds the
+    # model already built (every worker, every test, the gateway) should not pay.
+    import transformers
+
+    config_class: type[PretrainedConfig] = getattr(transformers, _CONFIG_CLASSES[spec.arch])
+    return config_class(**common, **extra)
 
 
 def _init_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedModel:
+    from transformers import AutoModelForCausalLM  # here: see build_config
+
     torch.manual_seed(spec.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     # HF init zeroes biases; Qwen2's q/k/v biases must be non-zero or a
@@ -267,6 +269,8 @@ def init_model(spec: TinyModelSpec, tok: Tokenizer) -> PreTrainedModel:
 
 def save_model_dir(model: PreTrainedModel, tok: Tokenizer, out: Path, progress: bool) -> None:
     """Write `model` (weights, config, generation config) and `tok` as an HF-format directory `out`."""
+    from transformers import GenerationConfig
+
     ids = tiny_tokenizer.special_token_ids(tok)
     model.generation_config = GenerationConfig(
         bos_token_id=ids["bos"], eos_token_id=[ids["eos"], ids["im_end"]], pad_token_id=ids["pad"]
