@@ -137,9 +137,38 @@ def cluster_gpus() -> float:
 
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
+    """`create_workers`, then wait until every one has built its engine (`wait_for_workers`)."""
+    return wait_for_workers(create_workers(cfg), timeout_s)
+
+
+def wait_for_workers(workers: list[Any], timeout_s: float = 300.0) -> list[Any]:
+    """`workers` once each has built its engine; GetTimeoutError past `timeout_s`. A worker that
+    refused its settings (a ValueError while building: a directory with no weights, a model it
+    cannot run) is a ValueError saying so, which the CLI reports in one line (exit 2)."""
+    try:
+        ray.get([w.info.remote() for w in workers], timeout=timeout_s)
+    except ray.exceptions.ActorDiedError as e:
+        refused = refusal(e)
+        if refused is None:
+            raise
+        raise ValueError(f"a worker could not start: {refused}") from e
+    return workers
+
+
+def refusal(error: ray.exceptions.ActorDiedError) -> str | None:
+    """The message of the ValueError that ended an actor's constructor; None for any other death.
+    Ray hands the driver only the constructor's traceback as text, ending with the error's line."""
+    if not error.actor_init_failed:
+        return None
+    last = (str(error).strip().splitlines() or [""])[-1]
+    return last.removeprefix("ValueError: ") if last.startswith("ValueError: ") else None
+
+
+def create_workers(cfg: ServeConfig) -> list[Any]:
     """Create the named worker actors: one GPU each on a cluster with GPUs, a CPU share
     otherwise; each pool on the nodes that offer its resources (cluster/placement.py).
-    ValueError, before any actor starts, when `--device cuda` finds no GPU in the cluster."""
+    They build their engines from now on: `wait_for_workers`. ValueError, before any
+    actor starts, when `--device cuda` finds no GPU in the cluster."""
     from pdserve.cluster.ray_actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
     colocated = cfg.mode is ServingMode.COLOCATED
@@ -178,7 +207,6 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
         # Its inbox (where gateways start requests) binds on this node's address for the kv_host setting.
         workers = [make(EngineWorkerActor, n, "worker", cfg.worker_resources, kv_host=cfg.kv_host)
                    for n in cfg.worker_names()]
-    ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     return workers
 
 
@@ -365,9 +393,12 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     init_ray(cfg)
     drain_flag.lower_flag(cfg.port)  # an earlier run's stop, on a Ray cluster that outlived it
     cfg = cfg.fit_to_cluster(cluster_gpus)
-    workers = start_workers(cfg)
-    dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
+    workers = create_workers(cfg)
+    # Serve's controller, proxy and HAProxy start while the workers load and compile their
+    # models (seconds of each start, minutes of a compile): the gateway app waits for them.
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
+    wait_for_workers(workers)
+    dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
     # A dead HAProxy started again within a second by its manager (cluster/haproxy_guard.py), not
     # after Ray replaces the manager: the guard goes in as soon as the manager exists, before the
     # app is up (/health can answer 200 seconds before serve.run returns on a loaded machine).

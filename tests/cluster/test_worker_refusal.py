@@ -1,0 +1,61 @@
+"""A worker that refuses its settings while it builds its engine (a directory with no weights, a
+model it cannot run) stops `pdserve serve` with that reason in one line (a ValueError: the CLI's
+`pdserve: error: ...`, exit 2), not a 70-line traceback of Ray's actor machinery. Any other
+death of a worker is raised as Ray gave it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from pdserve.cluster import serve_app  # noqa: E402 - after the skip: it imports Ray
+
+
+def died_in_constructor(last_line: str) -> Any:
+    """What `ray.get` raises for a call to an actor whose constructor raised: Ray's own
+    ActorDiedError, built from the constructor's task error as Ray builds it."""
+    task_error = ray.exceptions.RayTaskError(
+        "PrefillService.__init__", f"Traceback (most recent call last):\n  File \"engine.py\", line 1\n{last_line}",
+        RuntimeError(last_line))
+    return ray.exceptions.ActorDiedError.from_task_error(task_error)
+
+
+class Handle:
+    class info:  # noqa: N801 - an actor method's shape: `handle.info.remote()`
+        @staticmethod
+        def remote() -> str:
+            return "ref"
+
+
+def test_a_worker_that_refuses_its_model_stops_the_start_with_the_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    error = died_in_constructor("ValueError: model: no .safetensors weights in /models/x")
+
+    def get(refs: Any, timeout: float) -> None:
+        raise error
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    with pytest.raises(ValueError) as caught:
+        serve_app.wait_for_workers([Handle(), Handle()])
+    assert str(caught.value) == "a worker could not start: model: no .safetensors weights in /models/x"
+    assert caught.value.__cause__ is error
+
+
+@pytest.mark.parametrize("last_line", ["RuntimeError: CUDA error: out of memory", "MemoryError", ""])
+def test_any_other_death_is_raised_as_ray_gave_it(monkeypatch: pytest.MonkeyPatch, last_line: str) -> None:
+    error = died_in_constructor(last_line)
+
+    def get(refs: Any, timeout: float) -> None:
+        raise error
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    with pytest.raises(ray.exceptions.ActorDiedError) as caught:
+        serve_app.wait_for_workers([Handle()])
+    assert caught.value is error
+    assert serve_app.refusal(error) is None
+
+
+def test_a_death_after_the_constructor_is_not_a_refusal() -> None:
+    assert serve_app.refusal(ray.exceptions.ActorDiedError()) is None
