@@ -32,9 +32,9 @@ from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.config import EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_threads import run_on_exiting_thread
 from pdserve.workers.cpu_turns import node_cores
-from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy, PeerFailedError
+from pdserve.workers.decode_worker import DecodeWorker, PeerFailedError
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
+from pdserve.workers.handoff import FirstToken, KVFailurePolicy, PrefillOrder, ServeRequest
 from pdserve.workers.inbox_wire import StartTry
 from pdserve.workers.kv.event_log import EventCursor, EventSlice
 from pdserve.workers.messages import KVEventBatch

@@ -18,8 +18,9 @@ from pdserve.cluster.placement import bind_host
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.worker_metrics import Pool, WorkerCounts, WorkerMetrics
 from pdserve.workers.async_engine import AsyncEngine
-from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
+from pdserve.workers.decode_worker import DecodeWorker
 from pdserve.workers.engine import LLMEngine
+from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.prefill_worker import DEFAULT_TRANSFER_TIMEOUT_S, PrefillWorker
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret

@@ -25,8 +25,7 @@ from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.cpu_lending import lending_dir
-from pdserve.workers.cpu_turns import turns_path
+from pdserve.workers.cpu_turns import lending_dir, turns_path
 
 if TYPE_CHECKING:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend

@@ -39,7 +39,7 @@ from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
-from pdserve.workers.decode_worker import KVFailurePolicy
+from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
 

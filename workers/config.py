@@ -31,7 +31,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 from pydantic_core import ErrorDetails
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 
 CONFIG = ConfigDict(strict=True, allow_inf_nan=False, validate_default=True, arbitrary_types_allowed=True)
 # An enum setting: its member, or its value ("float16" for DType.FLOAT16).

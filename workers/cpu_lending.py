@@ -35,7 +35,7 @@ from types import TracebackType
 
 import torch
 
-from pdserve.workers.cpu_turns import _poll, _runtime_dir, _safe_name, _try
+from pdserve.workers.cpu_turns import _poll, _try, lending_dir
 
 log = logging.getLogger(__name__)
 
@@ -168,11 +168,6 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def lending_dir(app: str, directory: str | None = None) -> str:
-    """The directory the workers of serving app `app` share on this node."""
-    return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-lending-{_safe_name(app)}")
 
 
 __all__ = ["CpuLending", "lending_dir"]

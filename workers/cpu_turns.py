@@ -117,6 +117,12 @@ def turns_path(app: str, directory: str | None = None) -> str:
     return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-turns-{_safe_name(app)}.lock")
 
 
+def lending_dir(app: str, directory: str | None = None) -> str:
+    """The directory the workers of serving app `app` share on this node to lend cores
+    (workers/cpu_lending.py; here, beside `turns_path`, so that the driver naming it imports no torch)."""
+    return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-lending-{_safe_name(app)}")
+
+
 def _safe_name(app: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in app) or "app"
 

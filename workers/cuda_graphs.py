@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers
 

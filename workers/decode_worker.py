@@ -24,13 +24,19 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
-import enum
 import time
 from typing import Protocol
 
 from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, Start, WorkerDrainingError
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.handoff import FirstToken, PrefillOrder, Reservation, ServeRequest, transfer_key
+from pdserve.workers.handoff import (
+    FirstToken,
+    KVFailurePolicy,
+    PrefillOrder,
+    Reservation,
+    ServeRequest,
+    transfer_key,
+)
 from pdserve.workers.lifecycle import Exit, RequestState
 from pdserve.workers.messages import TransferState
 from pdserve.workers.outputs import RequestOutput
@@ -38,11 +44,6 @@ from pdserve.workers.role_worker import RoleWorker
 from pdserve.workers.sampling_params import RequestOutputKind
 from pdserve.workers.transfer.base import FailReason, KVReceiver, TransferError
 from pdserve.workers.transfer.recording import TransferRecorder
-
-
-class KVFailurePolicy(str, enum.Enum):
-    RECOMPUTE = "recompute"  # prefill the prompt here instead (the default)
-    FAIL = "fail"  # fail the request with a clear error
 
 
 class PeerFailedError(RuntimeError):

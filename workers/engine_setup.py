@@ -10,7 +10,7 @@ import sys
 import torch
 
 from pdserve.kernels import cpu_decode
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers import memory_plan
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_features import has_native_bf16

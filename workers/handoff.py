@@ -13,11 +13,21 @@ downstream can change what the gateway decided.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from pdserve.workers.sampling_params import SamplingParams
 
 LogprobEntry = dict[int, float]
+
+
+class KVFailurePolicy(str, enum.Enum):
+    """What a decode worker does when a prompt's KV does not come (the prefill worker failed,
+    the transfer broke or timed out). A setting: here, not in workers/decode_worker.py, so that
+    reading it imports no engine."""
+
+    RECOMPUTE = "recompute"  # prefill the prompt here instead (the default)
+    FAIL = "fail"  # fail the request with a clear error
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pdserve.kernels import cpu_decode
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.cache import allocate_kv_caches

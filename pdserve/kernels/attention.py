@@ -1,31 +1,12 @@
-"""The attention op the model calls, and the choice of backend behind it."""
+"""The attention op the model calls, on the backend chosen (kernels/backend_choice.py)."""
 
 from __future__ import annotations
-
-import enum
-import importlib.util
 
 import torch
 
 from pdserve.kernels import cpu_decode, reference
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
-
-
-class AttentionBackend(str, enum.Enum):
-    TORCH = "torch"
-    TRITON = "triton"
-    AUTO = "auto"
-
-    def resolve(self, device: torch.device) -> AttentionBackend:
-        """The concrete backend for `device`. auto: Triton on CUDA, the PyTorch reference on CPU
-        (where Triton only runs in its interpreter: correct, and very slow)."""
-        if self is AttentionBackend.AUTO:
-            if device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-                return AttentionBackend.TRITON
-            return AttentionBackend.TORCH
-        if self is AttentionBackend.TRITON and importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend: 'triton' needs the triton package")
-        return self
 
 
 def paged_attention(

@@ -26,8 +26,7 @@ from pdserve.cluster.router import Router, RoutingDecision, WorkerRole
 from pdserve.cluster.router.policy import RouterConfig
 from pdserve.workers.async_engine import WorkerDrainingError
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.decode_worker import KVFailurePolicy
-from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.handoff import KVFailurePolicy, ServeRequest
 from pdserve.workers.messages import KVEventBatch
 from pdserve.workers.stats import EngineSnapshot
 from pdserve.workers.tiny.builder import TinyModelSpec

@@ -13,7 +13,7 @@ from factories import capture_logits, tiny_spec
 from transformers import AutoModelForCausalLM
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.stats import StepStats
 from pdserve.workers.tiny.builder import Arch, TinyModelSpec
 

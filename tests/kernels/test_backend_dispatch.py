@@ -11,7 +11,7 @@ import torch
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 

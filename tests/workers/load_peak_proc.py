@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model, resolve_dtype

@@ -21,7 +21,7 @@ from spec_decode_helpers import prompts as repetitive_prompts
 
 from pdserve import LLM, SamplingParams
 from pdserve.kernels import cpu_decode
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers import cuda_graphs
 from pdserve.workers.cuda_graphs import DecodeGraphs, decode_buckets
 from pdserve.workers.model_runner import HostStep

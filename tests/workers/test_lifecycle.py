@@ -26,8 +26,8 @@ from faults import Faults
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, Job, RequestAbortedError
-from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
-from pdserve.workers.handoff import ServeRequest
+from pdserve.workers.decode_worker import DecodeWorker
+from pdserve.workers.handoff import KVFailurePolicy, ServeRequest
 from pdserve.workers.lifecycle import NEXT, Exit, Lifecycle, LifecycleError, RequestState
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.prefill_worker import PrefillWorker

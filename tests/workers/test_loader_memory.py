@@ -16,7 +16,7 @@ import torch
 from factories import tiny_spec
 from safetensors.torch import save_file
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
 from pdserve.workers.model.packed_linear import PackedLinear

@@ -13,7 +13,7 @@ from factories import tiny_spec
 from torch import nn
 
 from pdserve.kernels import cpu_linear
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.cpu_features import last_level_cache_bytes
 from pdserve.workers.model import packed_linear
 from pdserve.workers.model.config import ModelConfig

@@ -17,7 +17,8 @@ from factories import handoff_deltas, tiny_spec
 from faults import Faults
 
 from pdserve import LLM, SamplingParams
-from pdserve.workers.decode_worker import DecodeWorker, KVFailurePolicy
+from pdserve.workers.decode_worker import DecodeWorker
+from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.shared_cache import ShardedKV
 from pdserve.workers.model.tensor_parallel import TensorParallel

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 import torch.fx.experimental._config as fx_config
 
-from pdserve.kernels.attention import AttentionBackend, paged_attention
+from pdserve.kernels.attention import paged_attention
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.model import torch_ops
 

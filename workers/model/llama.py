@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pdserve.kernels.attention import AttentionBackend, paged_attention
+from pdserve.kernels.attention import paged_attention
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.model.compiled import step_attention
 from pdserve.workers.model.config import ModelConfig

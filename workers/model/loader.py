@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.model import fp8, packed_linear
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import DecoderLayer, LlamaForCausalLM

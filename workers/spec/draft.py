@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels.attention import AttentionBackend
+from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.model.config import ModelConfig
