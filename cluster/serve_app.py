@@ -69,10 +69,14 @@ HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"
 # replica, its router and the proxy (1 s here; Ray exports metrics every 10 s), task events sent
 # to the GCS every second (5 s: the state API lags by that), the raylet's look for a needed
 # GC every 0.1 s (1 s). Together ~1.5% of a core of an idle 2-core node's ~15% (docs/performance.md).
+# RAY_SERVE_HAPROXY_METRICS_ENABLED: HAProxy writes a syslog line per request that its manager
+# actor parses into Serve's request metrics, which pdserve's gateway counts already (its own
+# Prometheus families): ~85 us of CPU a request, over 6% of a one-token request's
+# (docs/front-door.md).
 LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
              "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
              "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",
-             "RAY_raylet_check_gc_period_milliseconds": "1000"}
+             "RAY_raylet_check_gc_period_milliseconds": "1000", "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0"}
 
 
 def haproxy_env(cfg: ServeConfig) -> dict[str, str]:

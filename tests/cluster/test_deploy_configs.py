@@ -94,16 +94,18 @@ def test_cluster_yaml_passes_the_ray_autoscaler_validator() -> None:
     assert "boto3" not in sys.modules, "validation must not load the AWS provider"
 
 
-def test_every_node_starts_ray_with_the_workers_at_the_nice_value_local_ray_gets() -> None:
+@pytest.mark.parametrize("variable", ["RAY_worker_niceness", "RAY_SERVE_HAPROXY_METRICS_ENABLED"])
+def test_every_node_starts_ray_as_local_ray_starts(variable: str) -> None:
     """Ray starts its workers (the engines, the gateway) at nice 15 unless told otherwise,
-    behind its own daemons: `pdserve serve` tells local Ray 0, and so must every node here."""
+    behind its own daemons, and has HAProxy log every request for Serve's metrics: `pdserve
+    serve` tells local Ray otherwise, and so must every node here."""
     from pdserve.cluster.serve_app import LOCAL_ENV
 
     config = prepared_cluster()
-    expected = f"RAY_worker_niceness={LOCAL_ENV['RAY_worker_niceness']}"
+    expected = f"{variable}={LOCAL_ENV[variable]}"
     for key in ("head_start_ray_commands", "worker_start_ray_commands"):
         (start,) = [c for c in config[key] if "ray start" in c]
-        assert expected in start.split(";")[1], f"{key}: {expected} must be exported before ray start"
+        assert expected in start.split(";")[1].split(), f"{key}: {expected} must be exported before ray start"
 
 
 def _drop_provider(c: dict[str, Any]) -> None:
