@@ -1,8 +1,8 @@
 """Constrained decoding with xgrammar (what vLLM and SGLang use by default): a request's
-`StructuredOutputs` compiled once per worker (cached by its text, compiled on a thread of
-its own so a request waiting for its grammar never stalls the batch), a matcher per
-request that fills that request's row of the step's token bitmask, and the bitmask
-applied to the logits before sampling.
+`StructuredOutputs` compiled once per worker (cached by its text, compiled on threads of
+their own so a request waiting for its grammar never stalls the batch, nor waits behind
+another request's slow grammar), a matcher per request that fills that request's row of
+the step's token bitmask, and the bitmask applied to the logits before sampling.
 
 A request's matcher state is its output tokens: a matcher is built when its grammar is
 ready and replays the tokens the request already has (a prefill worker's first token, a
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 import time
@@ -36,6 +37,13 @@ _LOOSE_CHAR = r'[^\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
 # Compiled grammars a worker keeps (xgrammar's own cache also keeps the compiled automata).
 CACHE_ENTRIES = 1024
+# Grammars compiled at once. One thread made every grammar wait behind the one before it: a
+# schema that takes seconds (3,000 properties: 4.9 s on a 2-core EPYC) held up a 5 ms one from
+# another client until it too ran into the compile deadline and was refused. A compile cannot be
+# cut short, so a few threads keep a few slow ones from holding up the rest (xgrammar compiles
+# outside the GIL: with two threads the small one took 5 ms beside the big one). vLLM sizes its
+# pool at half the cores; at least 4 here, whatever the machine.
+COMPILE_THREADS = max(4, (os.cpu_count() or 1) // 2)
 
 
 @dataclass
@@ -58,7 +66,7 @@ class GrammarCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._cache: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="pd-grammar")
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pd-grammar")
         self.stats = GrammarStats()
 
     def submit(self, spec: StructuredOutputs, count: bool = True) -> Future[xgr.CompiledGrammar]:
@@ -100,8 +108,9 @@ class GrammarCompiler:
                 compiled = self._structural_tag(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) with the parser's words
             raise ValueError(f"{spec.field}: {_reason(e)}") from None
-        self.stats.compiles += 1
-        self.stats.compile_s += time.perf_counter() - start
+        with self._lock:  # compiles end on several threads
+            self.stats.compiles += 1
+            self.stats.compile_s += time.perf_counter() - start
         return compiled
 
     def _structural_tag(self, text: str) -> xgr.CompiledGrammar:
@@ -115,7 +124,8 @@ class GrammarCompiler:
         return self._compiler.compile_structural_tag(text)
 
     def state(self, spec: StructuredOutputs) -> GrammarState:
-        self.stats.constrained_requests += 1
+        with self._lock:
+            self.stats.constrained_requests += 1
         return GrammarState(spec, self.submit(spec, count=False))
 
     def close(self) -> None:

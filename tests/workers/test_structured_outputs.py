@@ -365,3 +365,23 @@ def test_a_grammar_that_does_not_compile_in_time_is_refused(llm: LLM, monkeypatc
     with pytest.raises(ValueError, match=r"structured_outputs.regex: did not compile within 0.05 s"):
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs={"regex": "[q-z]{7}"}))
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_slow_grammar_does_not_hold_up_another_requests_grammar(llm: LLM) -> None:
+    """A schema that takes long to compile (one client's) does not delay another client's small
+    one: with one compile thread the small one waited the whole compile, and past the compile
+    deadline it was refused (a 400) though it compiles in milliseconds."""
+    from pdserve.workers.grammar import GrammarCompiler
+
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.runner.vocab_size, (0,))
+    width = 1500  # ~1-2 s to compile on a 2-core machine
+    big = {"type": "object", "required": [f"p{i}" for i in range(width)],
+           "properties": {f"p{i}": {"type": "string", "pattern": f"^[a-z]{{1,{5 + i % 7}}}[0-9]{{2,{3 + i % 5}}}$"}
+                          for i in range(width)}}
+    slow = compiler.submit(StructuredOutputs(json=big))
+    fast = compiler.submit(StructuredOutputs(json={"type": "object", "properties": {"a": {"type": "integer"}}}))
+    fast.result(timeout=60)
+    assert not slow.done(), "the small grammar waited for the big one"
+    slow.result(timeout=120)
+    assert compiler.stats.compiles == 2
