@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import re
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from pdserve.kernels.backend_choice import AttentionBackend
@@ -80,7 +79,7 @@ def load_model(
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: must be fp8 or None, got {quantization!r}")
     fp8_checkpoint = cfg.quantization == "fp8"
-    with torch.device("meta"), _uninitialised():
+    with torch.device("meta"), _NoDrawOnMeta():
         model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         if fp8_checkpoint:
             _fp8_modules(model)
@@ -135,29 +134,24 @@ def load_model(
     return model.eval()
 
 
-_INIT_LOCK = threading.Lock()
-_RANDOM_INIT = (torch.nn.Linear, torch.nn.Embedding)  # the modules the model builds that draw their weights
+class _NoDrawOnMeta(TorchFunctionMode):
+    """While modules are built on the meta device, their random init draws nothing. The draw
+    computes nothing there anyway, yet it runs torch's Python reference of `normal_`/`uniform_`,
+    whose first call imports torch._dynamo: 1-2.5 s of every eager worker's start (the weights
+    come from the checkpoint). A function mode is the building thread's alone: another
+    thread's modules draw as ever."""
 
+    _DRAWS = frozenset({torch.nn.init.normal_, torch.nn.init.uniform_, torch.nn.init.kaiming_uniform_,
+                        torch.nn.init.kaiming_normal_, torch.nn.init.xavier_uniform_, torch.nn.init.xavier_normal_,
+                        torch.nn.init.trunc_normal_, torch.Tensor.normal_, torch.Tensor.uniform_})
 
-@contextmanager
-def _uninitialised() -> Iterator[None]:
-    """Modules built here skip drawing their random weights. On the meta device the draw computes
-    nothing, yet it runs torch's Python reference of `normal_`/`uniform_`, whose first call
-    imports torch._dynamo: 1-2.5 s of every eager worker's start (the weights come from the
-    checkpoint anyway). The lock keeps two loaders in one process from restoring out of order."""
-    with _INIT_LOCK:
-        saved = [(cls, cls.__dict__["reset_parameters"]) for cls in _RANDOM_INIT]
-        try:
-            for cls, _ in saved:
-                cls.reset_parameters = _no_init  # type: ignore[method-assign]
-            yield
-        finally:
-            for cls, method in saved:
-                cls.reset_parameters = method  # type: ignore[method-assign]
-
-
-def _no_init(self: torch.nn.Module) -> None:
-    """A module's `reset_parameters` while it is built on the meta device (`_uninitialised`)."""
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes it by name
+        if func in self._DRAWS and isinstance(target, torch.Tensor) and target.is_meta:
+            return target
+        return func(*args, **kwargs)
 
 
 def _materialise(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
