@@ -141,21 +141,23 @@ def cluster_gpus() -> float:
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     """`create_workers`, then wait until every one has built its engine (`wait_for_workers`)."""
-    return wait_for_workers(create_workers(cfg), timeout_s)
+    workers = create_workers(cfg)
+    wait_for_workers(workers, timeout_s)
+    return workers
 
 
-def wait_for_workers(workers: list[Any], timeout_s: float = 300.0) -> list[Any]:
-    """`workers` once each has built its engine; GetTimeoutError past `timeout_s`. A worker that
-    refused its settings (a ValueError while building: a directory with no weights, a model it
-    cannot run) is a ValueError saying so, which the CLI reports in one line (exit 2)."""
+def wait_for_workers(workers: list[Any], timeout_s: float = 300.0) -> list[WorkerInfo]:
+    """Each worker's info once it has built its engine; GetTimeoutError past `timeout_s`. A worker
+    that refused its settings (a ValueError while building: a directory with no weights, a model
+    it cannot run) is a ValueError saying so, which the CLI reports in one line (exit 2)."""
     try:
-        ray.get([w.info.remote() for w in workers], timeout=timeout_s)
+        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in workers], timeout=timeout_s)
     except ray.exceptions.ActorDiedError as e:
         refused = refusal(e)
         if refused is None:
             raise
         raise ValueError(f"a worker could not start: {refused}") from e
-    return workers
+    return infos
 
 
 def refusal(error: ray.exceptions.ActorDiedError) -> str | None:
@@ -400,8 +402,7 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     # Serve's controller, proxy and HAProxy start while the workers load and compile their
     # models (seconds of each start, minutes of a compile): the gateway app waits for them.
     serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    wait_for_workers(workers)
-    dtype = ray.get(workers[0].info.remote(), timeout=60).dtype  # `--dtype auto` as the workers resolved it
+    dtype = wait_for_workers(workers)[0].dtype  # `--dtype auto` as the workers resolved it
     # A dead HAProxy started again within a second by its manager (cluster/haproxy_guard.py), not
     # after Ray replaces the manager: the guard goes in as soon as the manager exists, before the
     # app is up (/health can answer 200 seconds before serve.run returns on a loaded machine).

@@ -26,9 +26,9 @@ import json, sys
 import torch
 import pdserve.cluster.openai_app, pdserve.cluster.serve_app  # the gateway replica's and the driver's imports
 after_imports = sorted(m for m in ("torch._dynamo", "transformers.modeling_utils") if m in sys.modules)
-from pdserve.workers.llm import LLM
+from pdserve import LLM, SamplingParams
 llm = LLM("tiny", enforce_eager=True)
-out = llm.generate(["The quick brown fox"], __import__("pdserve").SamplingParams(max_tokens=4, temperature=0))
+out = llm.generate(["The quick brown fox"], SamplingParams(max_tokens=4, temperature=0))
 print(json.dumps({
     "after_imports": after_imports,
     "after_engine": sorted(m for m in ("torch._dynamo", "transformers.modeling_utils") if m in sys.modules),

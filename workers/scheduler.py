@@ -174,10 +174,10 @@ class Scheduler:
             # token is still in flight: they wait, the rest go on. If the first does not fit, one whose KV
             # came from a prefill worker goes instead: it holds its blocks, and a request ahead of it that
             # needs more blocks than are free (one just preempted) would otherwise wait on them for ever.
-            ready = (i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending)
-            holding = (i for i, r in enumerate(self.waiting)
-                       if r.schedulable and not r.num_pending and self.kv.blocks_of(r.request_id))
-            admitted = self._admit(next(ready, None), budget) or self._admit(next(holding, None), budget)
+            first = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending), None)
+            holding = (i for i, r in enumerate(self.waiting) if i != first and r.schedulable and not r.num_pending
+                       and self.kv.blocks_of(r.request_id))  # not the first again: it did not fit
+            admitted = self._admit(first, budget) or self._admit(next(holding, None), budget)
             if admitted is None:
                 break
             at, n, num_cached = admitted
