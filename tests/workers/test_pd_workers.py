@@ -281,13 +281,28 @@ def test_blocks_queued_to_send_survive_a_preemption_of_their_request(model_dir: 
     def give_back(e: Any) -> None:
         e.kv.pool.free(reversed(taken))
 
+    # The preemption happens on the engine thread before the step after the held send began: the
+    # request is still computing its later chunks then, however late the link thread or this
+    # test's loop get a core (in a loaded CI run the prefill had finished before the test's call).
+    preempted = threading.Event()
+    step = p.engine.step
+
+    def gated_step() -> Any:
+        req = p.engine.scheduler.requests.get("a")
+        if not preempted.is_set() and req is not None and req.num_computed_tokens > 0:
+            assert reached.wait(20), "the first send never came"
+            preempt_and_take(p.engine)
+            preempted.set()
+        return step()
+
+    p.engine.step = gated_step  # type: ignore[method-assign]
+
     async def run() -> list[int]:
         serving = asyncio.ensure_future(serve_one(p, d, "a", ps[0], PARAMS))
         deadline = time.monotonic() + 20
-        while not reached.is_set():
-            assert time.monotonic() < deadline and not serving.done(), "the first send never came"
+        while not preempted.is_set():
+            assert time.monotonic() < deadline and not serving.done(), "the request was never preempted"
             await asyncio.sleep(0.002)
-        await p.async_engine.call(preempt_and_take)
         go.set()
         while not read.is_set():
             assert time.monotonic() < deadline + 20, "the held send never read its blocks"
