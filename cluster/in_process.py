@@ -42,20 +42,24 @@ def serve_gateway(gw: Any, log_level: str = "critical", start_timeout_s: float =
 
     from pdserve.cluster.openai_app import build_app
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # Bound here and handed to uvicorn: a port probed free and bound later can be taken in between.
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
     srv = uvicorn.Server(uvicorn.Config(build_app(gw), host="127.0.0.1", port=port, log_level=log_level))
-    thread = threading.Thread(target=srv.run, daemon=True, name="pd-uvicorn")
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True, name="pd-uvicorn")
     thread.start()
     deadline = time.monotonic() + start_timeout_s
     while not srv.started and time.monotonic() < deadline:
         time.sleep(0.02)
     if not srv.started:
         srv.should_exit = True
+        thread.join(10)
+        sock.close()
         raise TimeoutError(f"uvicorn did not start within {start_timeout_s} s")
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         srv.should_exit = True
         thread.join(10)
+        sock.close()

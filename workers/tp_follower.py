@@ -2,7 +2,7 @@
 cache, and a loop that runs each forward pass rank 0 broadcasts, until rank 0 says stop or
 goes away.
 
-    python -m pdserve.workers.tp_follower '<json: spec, rank, size, init, parent>'
+    python -m pdserve.workers.tp_follower '<json: spec, rank, size, store_port, parent>'
 """
 
 from __future__ import annotations
@@ -52,11 +52,13 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
-def run(spec: FollowerSpec, rank: int, size: int, init: str) -> None:
+def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     shm = None
     if spec.shm_path is not None:  # mapped before joining: rank 0 unlinks the file once all joined
         shm = ShmCollectives(spec.shm_path, size, rank, spec.shm_slot_bytes)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
+    store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but exported behind is_available()
+        "127.0.0.1", store_port, size, is_master=False, timeout=_IDLE_LIMIT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
     tp = TensorParallel(size, rank, shm=shm)
     device = torch.device(spec.device)
     dtype = resolve_dtype(spec.dtype)
@@ -121,7 +123,7 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"tp rank {args['rank']}: %(message)s")
     threading.Thread(target=_exit_with_parent, args=(int(args["parent"]),), daemon=True,
                      name="tp-parent-watch").start()
-    run(FollowerSpec(**args["spec"]), int(args["rank"]), int(args["size"]), str(args["init"]))
+    run(FollowerSpec(**args["spec"]), int(args["rank"]), int(args["size"]), int(args["store_port"]))
 
 
 if __name__ == "__main__":

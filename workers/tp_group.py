@@ -20,7 +20,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import subprocess
 import sys
 import weakref
@@ -183,8 +182,11 @@ class TPGroup:
         if tp_group_running():
             raise ValueError("tensor_parallel_size: this process's tensor-parallel group is still up (close() the "
                              "engine that started it first): one tensor-parallel engine per process")
-        port = _free_port()
-        init = f"tcp://127.0.0.1:{port}"
+        # Rank 0's store listens on a port the kernel picks and holds from here on: a port probed
+        # free and bound later can be taken in between (another group, Serve, HAProxy starting).
+        timeout = datetime.timedelta(seconds=JOIN_TIMEOUT_S)
+        store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but exported behind is_available()
+            "127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
         shm = None
         self.procs: list[subprocess.Popen[bytes]] = []
         path = shm_collectives.create(size, spec.shm_slot_bytes) if spec.shm_slot_bytes else None
@@ -195,11 +197,10 @@ class TPGroup:
                 spec = dataclasses.replace(spec, shm_path=path)
                 shm = ShmCollectives(path, size, 0, spec.shm_slot_bytes)
             for rank in range(1, size):
-                args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "init": init,
+                args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "store_port": store.port,
                                    "parent": os.getpid()})
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
-            dist.init_process_group("gloo", init_method=init, rank=0, world_size=size,
-                                    timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S))
+            dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=timeout)
         except BaseException:
             _kill(self.procs)
             _stop(self.procs)
@@ -297,13 +298,6 @@ def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def host_block_tables(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> torch.Tensor:

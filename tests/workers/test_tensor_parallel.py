@@ -174,13 +174,34 @@ def _lp(x: Any) -> float:
     return float(getattr(x, "logprob", x))
 
 
-def test_a_rank_that_dies_fails_the_engines_step_not_hangs_it(make_model: Callable[[TinyModelSpec], Path]) -> None:
+def test_a_rank_that_dies_fails_the_engines_step_not_hangs_it(make_model: Callable[[TinyModelSpec], Path],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Also: the port the ranks meet on is held by rank 0 before any follower is told it (a
+    port probed free and bound later was once taken in between: EADDRINUSE, a refused start)."""
+    import json
+    import subprocess
+
+    from pdserve.workers import tp_group
+
+    taken: list[bool] = []
+    real_popen = subprocess.Popen  # the module is shared: patching it patches it everywhere
+
+    def popen(args: list[str], **kwargs: Any) -> subprocess.Popen[bytes]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", int(json.loads(args[-1])["store_port"])))
+                taken.append(False)
+            except OSError:
+                taken.append(True)
+        return real_popen(args, **kwargs)
+
+    monkeypatch.setattr(tp_group.subprocess, "Popen", popen)
     model_dir = make_model(CASES["llama-gqa"])
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
               tensor_parallel_size=2)
     try:
         group = llm.engine.tp_group
-        assert group is not None
+        assert group is not None and taken == [True]
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         group.procs[0].kill()
         group.procs[0].wait(10)
