@@ -51,7 +51,7 @@ from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.request import FinishReason, Request
 from pdserve.workers.sampler import NO_TOKEN, SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
-from pdserve.workers.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from pdserve.workers.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
 from pdserve.workers.tp_group import Plan, TPGroup, TPGroupError
 from pdserve.workers.transfer.frames import KVCaches
@@ -68,6 +68,8 @@ log = logging.getLogger(__name__)
 GRAMMAR_POLL_S = 0.005
 # A grammar that takes longer to compile is refused (a 400), not left to stall its request.
 GRAMMAR_COMPILE_TIMEOUT_S = 10.0
+# The engine's own request when it checks that it can still run a step (`_engine_runs`).
+_PROBE_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 class LLMEngine:
@@ -456,12 +458,25 @@ class LLMEngine:
             if self._fault_streak >= row_faults.MAX_FAULT_STREAK:
                 raise
             for s, e in row_faults.isolate(lambda rows: self.runner.execute(rows, feed=feed), sched.scheduled,
-                                           error):
+                                           error, self._engine_runs):
                 self._fault(s.request, row_faults.describe(e))
             sched.scheduled = [s for s in sched.scheduled if not s.request.finished]
             if not sched.scheduled:
                 return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.int64)))
             return self.runner.execute(sched.scheduled, feed=feed)
+
+    def _engine_runs(self) -> None:
+        """Raise unless the engine can run a step of its own: one token of a request no client
+        sent, in a block taken from the free ones and given back (it is never cached). Asked
+        when every row of a failed step failed alone too: the rows' faults, or the engine's."""
+        probe = Request("pdserve-engine-check", [0], _PROBE_PARAMS, max_tokens=1)
+        if not self.kv.allocate_slots(probe, 1):
+            raise RuntimeError("no free KV block to check the engine with")
+        try:
+            result = self.runner.execute([ScheduledRequest(probe, 1)])
+            result.output.token_ids.tolist()  # on a device: waits for the step, so its error is raised here
+        finally:
+            self.kv.free(probe)
 
     def _launched(self, sched: SchedulerOutput, result: StepResult, start: float) -> InFlight:
         """Advance the step just queued (its rows of requests finished since it was scheduled

@@ -6,7 +6,11 @@ make the whole step raise. Rather than let that end the engine thread and every
 request on the worker, the engine runs each row of the failed step alone: the
 rows that still fail are the requests' faults (each is failed alone, and not
 migrated: it would only fail the next worker too), the others run on. A step
-whose rows all succeed alone, or all fail, is the engine's fault, not a row's.
+whose rows all succeed alone is the engine's fault, not a row's. When every row
+fails alone (one bad request alone in its step, or two side by side), the
+engine is asked to run a request of its own (`engine_runs`): if it cannot, the
+fault is the engine's and the requests move on with the worker's restart; if it
+can, the rows are the faults.
 
 Re-running a row is safe: a step writes each row's KV at slots the scheduler
 gave it, so running it again writes the same values, and a seeded row's draws
@@ -26,20 +30,24 @@ Row = TypeVar("Row")
 MAX_FAULT_STREAK = 3
 
 
-def isolate(run: Callable[[list[Row]], object], rows: Sequence[Row],
-            error: Exception) -> list[tuple[Row, Exception]]:
+def isolate(run: Callable[[list[Row]], object], rows: Sequence[Row], error: Exception,
+            engine_runs: Callable[[], object]) -> list[tuple[Row, Exception]]:
     """The rows of a step that failed with `error` that fail when run alone, each with
-    its error. Re-raises `error` when it cannot be pinned on some rows but not others."""
-    if len(rows) == 1:
-        return [(rows[0], error)]
-    bad: list[tuple[Row, Exception]] = []
-    for row in rows:
+    its error. Re-raises `error` when it cannot be pinned on rows: none fails alone, or
+    all do and `engine_runs()` (a step of the engine's own) raises too."""
+    bad: list[tuple[Row, Exception]] = [(rows[0], error)] if len(rows) == 1 else []
+    for row in rows if len(rows) > 1 else ():
         try:
             run([row])
         except Exception as e:  # noqa: BLE001 - this row's fault, reported as its failure
             bad.append((row, e))
-    if not bad or len(bad) == len(rows):
+    if not bad:
         raise error
+    if len(bad) == len(rows):
+        try:
+            engine_runs()
+        except Exception as broken:  # noqa: BLE001 - reported as the step's error, with this as its cause
+            raise error from broken
     return bad
 
 

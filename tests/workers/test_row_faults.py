@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -120,32 +121,85 @@ def test_isolate_reraises_what_no_row_explains() -> None:
     def every_row_fails(rows: list[int]) -> None:
         raise RuntimeError(f"row {rows}")
 
+    def engine_broken() -> None:
+        raise RuntimeError("engine")
+
+    with pytest.raises(RuntimeError, match="batch") as raised:
+        isolate(every_row_fails, [1, 2, 3], boom, engine_broken)
+    assert str(raised.value.__cause__) == "engine"
     with pytest.raises(RuntimeError, match="batch"):
-        isolate(every_row_fails, [1, 2, 3], boom)
+        isolate(every_row_fails, [1], boom, engine_broken)
     with pytest.raises(RuntimeError, match="batch"):
-        isolate(lambda rows: None, [1, 2], boom)  # only the batch fails: not a row's fault
+        isolate(lambda rows: None, [1, 2], boom, engine_broken)  # only the batch fails: not a row's fault
+    # Every row fails alone and the engine runs a step of its own: the rows are the faults.
+    assert [r for r, _ in isolate(every_row_fails, [1, 2], boom, lambda: None)] == [1, 2]
+    assert isolate(every_row_fails, [7], boom, lambda: None) == [(7, boom)]
 
     def odd_rows_fail(rows: list[int]) -> None:
         if rows[0] % 2:
             raise ValueError(f"row {rows[0]}")
 
-    assert [(r, str(e)) for r, e in isolate(odd_rows_fail, [1, 2, 3, 4], boom)] == [(1, "row 1"), (3, "row 3")]
+    assert [(r, str(e)) for r, e in isolate(odd_rows_fail, [1, 2, 3, 4], boom, engine_broken)] == [(1, "row 1"),
+                                                                                                  (3, "row 3")]
 
 
-def test_an_engine_that_fails_every_step_stops_instead_of_failing_requests_forever(model_dir: Path,
-                                                                                   monkeypatch) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_two_bad_requests_alone_in_a_step_fail_and_the_engine_goes_on(model_dir: Path,
+                                                                      async_scheduling: bool) -> None:
+    """A pair of bad rows with nothing else in their steps: each fails alone, so the engine
+    checks itself with a step of its own, runs it, and fails the pair, not itself (a worker
+    once stopped here, and the pair, migrated, could stop the next one too)."""
+    want = _clean(model_dir)
+    engine = _llm(model_dir, async_scheduling=async_scheduling).engine
+    bad = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    finals = _run(engine, {"bad1": ([20, 21, 22], bad), "bad2": ([23, 24], bad)},
+                  {"bad1": {"top_k": 2**63}, "bad2": {"top_k": 2**63}})
+    assert set(finals) == {"bad1", "bad2"}
+    assert all(out.error and out.outputs[0].finish_reason == "abort" for out in finals.values())
+    assert engine.stats.request_faults == 2
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
+    again = _run(engine, {"after": (PROMPTS[0], GREEDY)})
+    assert again["after"].outputs[0].token_ids == want["ok0"]
+
+
+def test_an_engine_that_cannot_run_a_step_stops_and_fails_no_request(model_dir: Path, monkeypatch) -> None:
+    """A lost device: every step raises, its own check too. The engine stops at once (its
+    requests move on with the worker's restart) rather than failing them as faults."""
     engine = _llm(model_dir).engine
 
     def broken(*_: object, **__: object) -> None:
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(engine.runner, "execute", broken)
+    for n in (1, 2):  # one request alone in its step, then two
+        for i in range(n):
+            engine.add_request(f"r{n}{i}", PROMPTS[i], GREEDY)
+        with pytest.raises(RuntimeError, match="device lost"):
+            engine.step()
+        assert engine.stats.request_faults == 0
+
+
+def test_an_engine_that_fails_every_request_stops_instead_of_failing_them_forever(model_dir: Path,
+                                                                                  monkeypatch) -> None:
+    """Its own check runs, but every request's row fails: past MAX_FAULT_STREAK such steps the
+    engine is what is broken, and it stops."""
+    engine = _llm(model_dir).engine
+    real = engine.runner.execute
+
+    def clients_fail(rows: list[Any], **kw: object) -> object:
+        if any(not r.request.request_id.startswith("pdserve-") for r in rows):
+            raise RuntimeError("device half lost")
+        return real(rows, **kw)
+
+    monkeypatch.setattr(engine.runner, "execute", clients_fail)
     faulted = 0
-    with pytest.raises(RuntimeError, match="device lost"):
+    with pytest.raises(RuntimeError, match="device half lost"):
         for i in range(MAX_FAULT_STREAK + 1):
             engine.add_request(f"r{i}", PROMPTS[0], GREEDY)
             faulted += sum(out.error is not None for out in engine.step())
     assert faulted == MAX_FAULT_STREAK
+    # The engine's own checks gave their blocks back; the last step's request holds its own.
+    assert engine.kv.pool.num_used == len(engine.kv.blocks_of(f"r{MAX_FAULT_STREAK}")) == 1
 
 
 def test_the_async_engine_raises_the_fault_to_its_caller_and_stays_healthy(model_dir: Path) -> None:
