@@ -208,8 +208,10 @@ class FakeWorker:
         self.engine.abort(request_id, attempt)
 
     async def load(self, since: Any = None) -> LoadReport:
-        """An idle engine's report: its running count, and no prefix-cache events (it keeps no KV)."""
-        return LoadReport(EngineSnapshot(running=self.engine.num_running), _no_events(self.name), self.incarnation)
+        """Its running count and the tokens it made (the stall watch's progress), and no
+        prefix-cache events (it keeps no KV)."""
+        snapshot = EngineSnapshot(running=self.engine.num_running, generation_tokens=self.engine.tokens)
+        return LoadReport(snapshot, _no_events(self.name), self.incarnation)
 
     async def metrics(self) -> bytes:
         return b""

@@ -22,6 +22,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol, TypedDict
 
+from pdserve.cluster.colocated_watch import ColocatedWatch
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.placement import bind_host
 from pdserve.cluster.ray_errors import RayActorError
@@ -29,6 +30,7 @@ from pdserve.cluster.router.policy import NoHealthyWorkerError
 from pdserve.cluster.router.router import RouterStats
 from pdserve.cluster.token_collector import TokenStreamCollector
 from pdserve.cluster.worker_channel import WorkerChannel
+from pdserve.cluster.worker_events import Restart, restart_actor
 from pdserve.cluster.worker_handle import WorkerHandle, abort_try
 from pdserve.workers.async_engine import AsyncEngine, EngineDeadError, RequestFaultError, WorkerDrainingError
 from pdserve.workers.handoff import ServeRequest
@@ -312,13 +314,17 @@ class ColocatedBackend:
     A worker whose call failed is skipped for `retry_dead_s`, then tried again (Ray
     restarts it); its requests move to the others. A worker handle that is None
     (not found when the gateway started) is asked of `lookup(name)` every
-    `retry_dead_s` until it is found."""
+    `retry_dead_s` until it is found. With a `stall_timeout_s` (0: none), the
+    workers are polled (cluster/colocated_watch.py): one that holds work and makes
+    no progress that long is given up and `restart`ed, one whose poll fails as a
+    dead actor's call does is out of routing until it answers again."""
 
     def __init__(self, workers: list[WorkerHandle | None], stream_host: str | None = "127.0.0.1",
                  names: list[str] | None = None, max_migrations: int = 2, retry_dead_s: float = 5.0,
                  lookup: Callable[[str], WorkerHandle | None] | None = None,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, stall_timeout_s: float = 0.0, restart: Restart = restart_actor,
+                 poll_s: float | None = None) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
         if names is not None and len(names) != len(workers):
@@ -334,7 +340,10 @@ class ColocatedBackend:
         self._channels: list[tuple[WorkerHandle, WorkerChannel] | None] = [None] * len(workers)
         self._in_flight = [0] * len(workers)
         self._dead: dict[int, float] = {}  # worker -> when a call to it failed
+        self._down: set[int] = set()  # out of routing until a poll answers (the watch's)
         self._finder: asyncio.Task[None] | None = None
+        self._index = {name: i for i, name in enumerate(self.names)}
+        self.watch = ColocatedWatch(self, stall_timeout_s, restart, poll_s) if stall_timeout_s else None
 
     @property
     def healthy(self) -> bool:
@@ -355,11 +364,37 @@ class ColocatedBackend:
         return None
 
     def reliability(self) -> Reliability:
-        return self.streams.reliability(self.health())
+        r = self.streams.reliability(self.health())
+        if self.watch is None:
+            return r
+        e = self.watch.events
+        return dataclasses.replace(r, workers_lost=e.lost, workers_readmitted=e.readmitted,
+                                   workers_restarted=e.restarted, workers_stalled=e.stalled)
+
+    # -- what the watch asks (cluster/colocated_watch.py WatchedPool) ----------------------
+
+    def handles(self) -> dict[str, WorkerHandle | None]:
+        return dict(zip(self.names, self.workers))
+
+    def tries(self) -> dict[str, int]:
+        return {name: n for name, n in zip(self.names, self._in_flight) if n}
+
+    def down(self, name: str) -> None:
+        self._down.add(self._index[name])
+
+    def up(self, name: str) -> None:
+        self._down.discard(self._index[name])
+
+    def fail_tries(self, name: str, error: Callable[[], BaseException]) -> None:
+        held = self._channels[self._index[name]]
+        if held is not None:
+            held[1].fail_tries(error)
 
     async def start(self) -> None:
         if self._finder is None and self.lookup is not None and None in self.workers:
             self._finder = asyncio.create_task(self._find_missing())
+        if self.watch is not None:
+            self.watch.start()
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
@@ -380,7 +415,7 @@ class ColocatedBackend:
     def _live(self) -> list[int]:
         now = time.monotonic()
         return [i for i, w in enumerate(self.workers)
-                if w is not None and now - self._dead.get(i, -math.inf) >= self.retry_dead_s]
+                if w is not None and i not in self._down and now - self._dead.get(i, -math.inf) >= self.retry_dead_s]
 
     def _place(self, req: ServeRequest, failed: Placement | None) -> Placement:
         if isinstance(failed, _OnWorker) and failed.lost:
@@ -388,6 +423,8 @@ class ColocatedBackend:
                 log.warning("worker %s lost (a try on it failed so): out of routing for %.0f s",
                             self.names[failed.index], self.retry_dead_s)
             self._dead[failed.index] = time.monotonic()
+            if self.watch is not None:
+                self.watch.lost(self.names[failed.index])
         live = self._live()
         if not live:
             raise NoHealthyWorkerError("colocated")  # the gateway answers 503
@@ -429,6 +466,8 @@ class ColocatedBackend:
             self._finder.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._finder
+        if self.watch is not None:
+            await self.watch.close()
         for held in self._channels:
             if held is not None:
                 await held[1].close()

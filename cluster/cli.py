@@ -351,9 +351,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
                    help="seconds between the gateway's polls of each disaggregated worker's load and KV events "
                         "(default 0.25; between polls the router charges what it routes to a worker)")
     g.add_argument("--stall-timeout", type=float, default=UNSET,
-                   help="seconds a disaggregated worker may hold requests without progress (no answer to the "
-                        "polls, or no token computed) before the gateway takes it for dead: its requests move "
-                        "on and Ray restarts it (default 10; 0: never)")
+                   help="seconds a worker may hold requests without progress (no answer to the polls, or no "
+                        "token computed) before the gateway takes it for dead: its requests move on and Ray "
+                        "restarts it (default 10; 0: never)")
     g.add_argument("--max-prefill-backlog-tokens", type=int, default=UNSET,
                    help="a decode worker prefills a prompt itself when the chosen prefill worker has this many "
                         "prompt tokens queued and it has fewer (conditional disaggregation; default 1024 on "

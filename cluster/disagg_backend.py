@@ -59,6 +59,7 @@ from pdserve.cluster.stall_watch import (
 )
 from pdserve.cluster.worker_calls import WorkerCalls
 from pdserve.cluster.worker_channel import WorkerChannel
+from pdserve.cluster.worker_events import Restart, WorkerEvents, restart_actor
 from pdserve.cluster.worker_handle import PoolWorkerHandle, abort_try
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
@@ -78,32 +79,8 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 _SWITCH_GRACE_S = 30.0
 
 
-@dataclass
-class WorkerEvents:
-    """Counts of what the poller saw happen to workers (exported by the gateway)."""
-
-    lost: int = 0  # a worker went from answering to not (its call or its poll failed)
-    readmitted: int = 0  # a lost worker answered again (restarted, or a hiccup over)
-    restarted: int = 0  # a worker answered from a new process (Ray restarted it)
-    to_prefill: int = 0  # role switches that moved a worker into the prefill pool
-    to_decode: int = 0  # ... into the decode pool
-    switch_failures: int = 0  # role switches that failed
-    stalled: int = 0  # workers given up on by the stall watch (held work, made no progress)
-
-
 # A pool: router worker id -> actor handle, None while the worker is not found.
 PoolHandles = dict[str, PoolWorkerHandle | None]
-# How a stalled worker is restarted (given its handle): Ray's, `restart_actor`, by default.
-Restart = Callable[[PoolWorkerHandle], None]
-
-
-def restart_actor(handle: PoolWorkerHandle) -> None:
-    """Kill the actor's process, letting Ray restart it (`max_restarts`). It works on a
-    SIGSTOPped process too: the calls in flight on it failed ~6 s after the kill, and
-    the new process answered from then (Ray 2.60, a local cluster, by hand)."""
-    import ray
-
-    ray.kill(handle, no_restart=False)
 
 
 class DisaggregatedBackend:

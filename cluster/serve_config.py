@@ -175,10 +175,11 @@ class ServeConfig:
     # 0.05 s they cost the tiny model ~10% of its served throughput on two cores
     # (docs/cluster.md). Between polls the router charges what it routes to the worker.
     load_poll_interval: Annotated[float, Field(gt=0, le=60)] = 0.25
-    # Seconds a disaggregated worker may hold work without progress (no answer to the
-    # polls, or no token computed) before the gateway takes it for dead: its requests
-    # move on and Ray restarts it (cluster/stall_watch.py). A few times the slowest step
-    # expected; 0: never.
+    # Seconds a worker may hold work without progress (no answer to the polls, or no
+    # token computed) before the gateway takes it for dead: its requests move on and Ray
+    # restarts it (cluster/stall_watch.py; a colocated worker is polled ten times per
+    # timeout for it: cluster/colocated_watch.py). A few times the slowest step expected;
+    # 0: never.
     stall_timeout: Annotated[float, Field(ge=0)] = DEFAULT_STALL_TIMEOUT_S
     # Conditional disaggregation (cluster/router/policy.py RouterConfig): a decode worker
     # prefills a prompt itself when the prefill worker the router picked has this many prompt

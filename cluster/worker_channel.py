@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
@@ -158,6 +159,13 @@ class WorkerChannel:
         except (StreamLostError, RayActorError):
             return False
         return True
+
+    def fail_tries(self, error: Callable[[], BaseException]) -> None:
+        """Fail the tries on this channel now, each with a fresh `error()` (the worker was
+        given up without having died: cluster/colocated_watch.py). The channel stays open."""
+        for t in self._tries.values():
+            if not t.fut.done():
+                t.fut.set_exception(error())
 
     def discard(self) -> None:
         """Stop at once (the worker's handle was replaced): the tries still on it fail as

@@ -18,7 +18,8 @@ import torch
 from factories import LocalActor, tiny_spec
 
 from pdserve import LLM, SamplingParams
-from pdserve.cluster.actors import DecodeService, PrefillService
+from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
+from pdserve.cluster.backend import ColocatedBackend
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.router import Router
 from pdserve.cluster.router.policy import RouterConfig
@@ -148,6 +149,69 @@ def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(mod
     assert max(gaps) < HANG_S / 2  # they moved on: nobody waited for the hang to end by itself
     engine = parts[victim].engine
     assert not engine.has_unfinished_requests()  # its old tries were aborted once it ran again
+
+
+def test_a_hung_colocated_worker_is_given_up_and_its_streams_move(model_dir: Path) -> None:
+    """The same hang on one of two colocated workers (it had no stall watch: its streams
+    waited for their deadline): after the stall timeout its tries move to the other worker,
+    it is restarted (let go here), and once it answers a poll it is routable again; every
+    output equals the offline one."""
+    services = [EngineService(config(model_dir), 1, worker_name=f"w{i}") for i in range(2)]
+    _services.extend(services)
+    restarted: list[Any] = []
+    hung: list[int] = []
+    hangs = [Hang(s) for s in services]
+    actors = [LocalActor(s) for s in services]
+
+    def on_restart(handle: Any) -> None:
+        restarted.append(handle)
+        hangs[hung[0]].release()
+
+    backend = ColocatedBackend(actors, stall_timeout_s=STALL_S, restart=on_restart)  # type: ignore[arg-type]
+    assert backend.watch is not None
+    got: list[list[int]] = []
+    gaps: list[float] = []
+
+    async def main() -> None:
+        received = [0]
+
+        async def one(i: int) -> list[int]:
+            tokens: list[int] = []
+            last = time.monotonic()
+            async for out in backend.generate(f"r{i}", PROMPTS[i], GREEDY, DEADLINE_S):
+                now = time.monotonic()
+                gaps.append(now - last)
+                last = now
+                tokens += out.outputs[0].token_ids
+                received[0] += len(out.outputs[0].token_ids)
+                await asyncio.sleep(0.002)
+            return tokens
+
+        try:
+            tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+            while received[0] < 60:
+                await asyncio.sleep(0.001)
+            counts = backend.tries()
+            hung.append(max((0, 1), key=lambda i: counts.get(backend.names[i], 0)))
+            hangs[hung[0]].start()
+            got.extend(await asyncio.gather(*tasks))
+            async with asyncio.timeout(10):  # routable again once it answers a poll
+                while hung[0] not in backend._live():
+                    await asyncio.sleep(0.01)
+        finally:
+            for h in hangs:
+                h.release()
+            await backend.close()
+
+    asyncio.run(main())
+    llm = LLM(str(model_dir), max_model_len=1024, num_kv_blocks=512, progress=False)
+    assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert restarted == [actors[hung[0]]]
+    r = backend.reliability()
+    assert (r.workers_stalled, r.workers_lost, r.workers_readmitted) == (1, 1, 1)
+    assert backend.streams.stats.migrations >= 1 and backend.streams.stats.exhausted == 0
+    assert max(gaps) < HANG_S / 2  # they moved on: nobody waited for the hang to end by itself
+    assert not services[hung[0]].engine.has_unfinished_requests()  # its old tries were aborted once it ran again
 
 
 def test_a_blocked_worker_with_no_work_is_left_alone(model_dir: Path) -> None:
