@@ -95,6 +95,7 @@ class ServerOptions:
     dtype: str = EXACT_DTYPE
     prefill: int = 1
     decode: int = 2
+    colocated: int = 0  # > 0: `--mode colocated` with this many workers (prefill and decode unused)
     ingress: str = "haproxy"
     max_model_len: int = 2048
     # A request's deadline at the gateway: it bounds how long a request may take
@@ -103,13 +104,20 @@ class ServerOptions:
     extra: tuple[str, ...] = ()
 
     def worker_names(self) -> list[str]:
+        if self.colocated:
+            return [f"pdserve-worker-{i}" for i in range(self.colocated)]
         return self.prefill_names() + self.decode_names()
 
     def prefill_names(self) -> list[str]:
-        return [f"pdserve-prefill-{i}" for i in range(self.prefill)]
+        return [] if self.colocated else [f"pdserve-prefill-{i}" for i in range(self.prefill)]
 
     def decode_names(self) -> list[str]:
-        return [f"pdserve-decode-{i}" for i in range(self.decode)]
+        return [] if self.colocated else [f"pdserve-decode-{i}" for i in range(self.decode)]
+
+    def pool_args(self) -> list[str]:
+        if self.colocated:
+            return ["--mode", "colocated", "--workers", str(self.colocated)]
+        return ["--prefill", str(self.prefill), "--decode", str(self.decode)]
 
 
 @dataclass(frozen=True)
@@ -156,8 +164,8 @@ class Server:
 
     def command(self) -> list[str]:
         o, p = self.opts, self.ports
-        return [*pdserve_command(), "serve", "--model", o.model, "--prefill", str(o.prefill), "--decode",
-                str(o.decode), "--ingress", o.ingress, "--port", str(p.http), "--haproxy-metrics-port", str(p.metrics),
+        return [*pdserve_command(), "serve", "--model", o.model, *o.pool_args(),
+                "--ingress", o.ingress, "--port", str(p.http), "--haproxy-metrics-port", str(p.metrics),
                 "--haproxy-stats-port", str(p.stats), "--haproxy-fallback-port", str(p.fallback),
                 "--max-model-len", str(o.max_model_len), "--request-timeout", f"{o.request_timeout:g}",
                 "--dtype", o.dtype,

@@ -344,8 +344,17 @@ def decode_hung(h: Harness) -> ScenarioResult:
     the other decode worker and end with the offline text, none waiting more than 15 s
     for a token; Ray restarts it (`ray.kill` ends even a stopped process, so the fault
     ends when its process is gone), and it is back in the pool."""
+    return _hung(h, "j", "decode worker SIGSTOP 60 s (hang)", _decodes(h))
+
+
+def colocated_hung(h: Harness) -> ScenarioResult:
+    """(j) on a colocated cluster of two workers (cluster/colocated_watch.py)."""
+    return _hung(h, "n", "colocated worker SIGSTOP 60 s (hang)", h.server.opts.worker_names())
+
+
+def _hung(h: Harness, key: str, title: str, names: list[str]) -> ScenarioResult:
     def fault(_: Load) -> Fault:
-        f = h.kill_busiest(_decodes(h), signal.SIGSTOP, f"SIGSTOP (up to {HANG_S:g} s)")
+        f = h.kill_busiest(names, signal.SIGSTOP, f"SIGSTOP (up to {HANG_S:g} s)")
         assert f.pid is not None
         while alive(f.pid) and time.monotonic() < f.started + HANG_S:
             time.sleep(0.1)
@@ -367,8 +376,7 @@ def decode_hung(h: Harness) -> ScenarioResult:
             res.notes.append(f"{target} back in the pool " + ("from a new process (restarted)"
                                                               if a.incarnation != b.incarnation else "(continued)"))
 
-    return h.run_fault("j", "decode worker SIGSTOP 60 s (hang)", fault, _load(h), AT_CHUNKS, check=waits,
-                       migrate=True)
+    return h.run_fault(key, title, fault, _load(h), AT_CHUNKS, check=waits, migrate=True)
 
 
 # --- (e) an engine-thread crash ------------------------------------------------------------
@@ -604,6 +612,7 @@ def _describe(pids: list[int]) -> str:
 ONE_DECODE = "1p1d"
 TWO_DECODE = "1p2d"
 TWO_GATEWAYS = "1p2d2g"  # TWO_DECODE's workers behind two gateway replicas
+TWO_COLOCATED = "2c"  # `--mode colocated`, two workers
 OWN = "own"  # a server of its own (killed)
 
 
@@ -611,7 +620,7 @@ OWN = "own"  # a server of its own (killed)
 class Scenario:
     key: str
     title: str
-    server: str  # which harness runs it: TWO_DECODE, ONE_DECODE, OWN
+    server: str  # which harness runs it: TWO_DECODE, TWO_GATEWAYS, ONE_DECODE, TWO_COLOCATED, OWN
     run: Callable[[Harness], ScenarioResult]
     probes: int = REQUESTS + AFTER  # of the harness's main set
 
@@ -634,6 +643,7 @@ SCENARIOS = [
     Scenario("i2", "pdserve serve SIGTERM to its group, restarted", OWN, lambda h: server_killed(h, "SIGTERM")),
     Scenario("j", "decode worker SIGSTOP 60 s (hang)", TWO_DECODE, decode_hung),
     Scenario("k", "one request's row fails on a decode worker (injected)", TWO_DECODE, row_poisoned),
+    Scenario("n", "colocated worker SIGSTOP 60 s (hang)", TWO_COLOCATED, colocated_hung),
 ]
 BY_KEY = {s.key: s for s in SCENARIOS}
 
@@ -643,7 +653,8 @@ WARM_UP = 16
 
 def server_options(model: str, which: str) -> ServerOptions:
     extra = ("--gateway-replicas", "2") if which == TWO_GATEWAYS else ()
-    return ServerOptions(model, prefill=1, decode=1 if which == ONE_DECODE else 2, extra=extra)
+    return ServerOptions(model, prefill=1, decode=1 if which == ONE_DECODE else 2, extra=extra,
+                         colocated=2 if which == TWO_COLOCATED else 0)
 
 
 def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], None] = print,
@@ -651,7 +662,7 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
     """Run the scenarios `keys` (in SCENARIOS order), one harness per server kind."""
     chosen = [s for s in SCENARIOS if s.key in keys]
     results: list[ScenarioResult] = []
-    for which in (TWO_DECODE, TWO_GATEWAYS, ONE_DECODE, OWN):
+    for which in (TWO_DECODE, TWO_GATEWAYS, ONE_DECODE, TWO_COLOCATED, OWN):
         group = [s for s in chosen if s.server == which]
         if not group:
             continue
@@ -661,7 +672,8 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
         for s in group if which == OWN else [None]:
             opts = server_options(model, which if which != OWN else TWO_DECODE)
             sub = log_dir / (which if s is None else f"own-{s.key}")
-            log(f"[{which}] starting pdserve serve ({' '.join([f'{opts.prefill}P+{opts.decode}D', *opts.extra])}) ...")
+            pools = f"{opts.colocated} colocated" if opts.colocated else f"{opts.prefill}P+{opts.decode}D"
+            log(f"[{which}] starting pdserve serve ({' '.join([pools, *opts.extra])}) ...")
             h = Harness.start(opts, sub, probes, log=log)
             try:
                 for sc in group if s is None else [s]:
