@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -36,7 +36,7 @@ from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
-from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
@@ -156,7 +156,7 @@ def bad_request(e: ValueError) -> APIError:
     return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED)
 
 
-def _unicode(param: str, text: str) -> str:
+def unicode_text(param: str, text: str) -> str:
     """`text`, if it is Unicode a tokenizer can take (JSON may carry lone surrogates: "\\ud800")."""
     try:
         text.encode("utf-8")
@@ -307,10 +307,14 @@ class Gateway:
         loop when short, unless it may compile a grammar: that takes long whatever the size).
         Within the request's deadline, queue included: past it a 504, and its admission slot
         goes back (a job still queued is dropped; one running finishes unread)."""
+        return await self.in_pool(prompt_chars(body), fn, may_inline=not compiles_grammar(body))
+
+    async def in_pool(self, size: int, fn: Callable[[], T], may_inline: bool = True) -> T:
+        """`off_loop` for work of `size` characters (text, plus one per token id)."""
         deadline = asyncio.timeout(self.config.request_timeout_s)
         try:
             async with deadline:
-                return await self.pool.run(prompt_chars(body), fn, may_inline=not compiles_grammar(body))
+                return await self.pool.run(size, fn, may_inline=may_inline)
         except TimeoutError:
             if not deadline.expired():
                 raise  # `fn`'s own
@@ -321,7 +325,7 @@ class Gateway:
         if not prompt:
             raise APIError(400, "prompt: must not be empty", "BadRequestError", "prompt",
                            reason=RefusalReason.MALFORMED)
-        return list(self.tokenizer.encode(_unicode("prompt", prompt))) if isinstance(prompt, str) else list(prompt)
+        return list(self.tokenizer.encode(unicode_text("prompt", prompt))) if isinstance(prompt, str) else list(prompt)
 
     def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
@@ -331,23 +335,28 @@ class Gateway:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
-        messages = template_messages([m.template_dict(_unicode("messages", m.text())) for m in req.messages])
-        tools = req.tool_plan().template_tools
-        try:
-            text = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=True)
-        except TemplateSyntaxError:
-            raise  # the model's template is broken: the server's fault, not this request's
-        except TemplateError as e:
-            # The template refused these messages (`raise_exception`: roles that do not alternate,
-            # a system role it has none of, a field it needs): the client's to fix.
-            raise bad_request(ValueError(f"messages: the model's chat template refused them: {e}")) from None
+        text = self.chat_text(req.messages, req.tool_plan().template_tools)
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))
             except ValueError as e:
                 raise bad_request(e) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def chat_text(self, chat: Sequence[ChatMessage], tools: list[dict[str, object]] | None,
+                  add_generation_prompt: bool = True) -> str:
+        """The messages as the model's chat template renders them (a 400 for messages it
+        refuses). Blocking: call it through `off_loop`."""
+        messages = template_messages([m.template_dict(unicode_text("messages", m.text())) for m in chat])
+        try:
+            return str(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                          add_generation_prompt=add_generation_prompt))
+        except TemplateSyntaxError:
+            raise  # the model's template is broken: the server's fault, not this request's
+        except TemplateError as e:
+            # The template refused these messages (`raise_exception`: roles that do not alternate,
+            # a system role it has none of, a field it needs): the client's to fix.
+            raise bad_request(ValueError(f"messages: the model's chat template refused them: {e}")) from None
 
     def check_grammar(self, params: SamplingParams) -> None:
         """A 400 naming the field when the request's structured output does not compile (or

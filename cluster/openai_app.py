@@ -31,10 +31,13 @@ from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
+from pdserve.cluster.tokenize_routes import ENDPOINTS as TOKENIZER_ENDPOINTS
+from pdserve.cluster.tokenize_routes import add_tokenizer_routes
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
+                       *TOKENIZER_ENDPOINTS})
 T = TypeVar("T")
 # FastAPI's own OpenTelemetry (0.165 and later), off: its checks of the global providers on every request.
 TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
@@ -77,6 +80,7 @@ def build_app(gw: Gateway) -> FastAPI:
     _add_error_handlers(app, gw)
     _add_info_routes(app, gw)
     _add_generation_routes(app, gw)
+    add_tokenizer_routes(app, gw)
     return app
 
 

@@ -1,0 +1,105 @@
+"""vLLM's `/tokenize` and `/detokenize`: the served model's tokenizer, over HTTP.
+
+Clients count a prompt's tokens before they send it (against `max_model_len`, or to bill),
+and turn token ids from logprobs back into text, with the tokenizer the server uses (its
+chat template included), not a copy that may differ. The shapes are vLLM's:
+
+    POST /tokenize    {"model", "prompt", "add_special_tokens": true, "return_token_strs": false}
+                   or {"model", "messages", "tools", "add_generation_prompt": true,
+                       "add_special_tokens": false, "return_token_strs": false}
+                   -> {"count", "max_model_len", "tokens", "token_strs"}
+    POST /detokenize  {"model", "tokens"} -> {"prompt"}
+
+Nothing runs on a worker. The work goes to the gateway's tokenizer pool (off the event loop
+when long), within the request deadline; the body's size bounds it (the guard's limit). A
+text is tokenized whatever its length, as vLLM does: counting a prompt too long for the
+context is what the route is for. Any field not listed is refused with a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdserve.cluster.gateway import APIError, Gateway, bad_request, unicode_text
+from pdserve.cluster.limits import RefusalReason
+from pdserve.cluster.protocol import ChatMessage
+from pdserve.cluster.tool_calls import ToolPlan
+from pdserve.workers.inputs import check_token_ids
+
+ENDPOINTS = frozenset({"/tokenize", "/detokenize"})
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = Field(None, description="a text (give it or messages)")
+    messages: list[ChatMessage] | None = Field(None, min_length=1,
+                                               description="a chat, rendered by the model's chat template")
+    tools: list[dict[str, object]] | None = Field(None, description="with messages: rendered into the template")
+    add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn opening")
+    add_special_tokens: bool | None = Field(None, description="default: true with prompt, false with messages "
+                                                              "(the template writes its own)")
+    return_token_strs: bool = Field(False, description="also each token as the tokenizer spells it")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        gw.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give prompt or messages (one of them)", "BadRequestError",
+                           "prompt" if body.prompt is None else "messages", reason=RefusalReason.MALFORMED)
+        size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages or ())
+        ids = await gw.in_pool(size, lambda: _tokens(gw, body), may_inline=not body.tools)
+        strs = [str(t) for t in gw.tokenizer.convert_ids_to_tokens(ids)] if body.return_token_strs else None
+        return TokenizeResponse(count=len(ids), max_model_len=gw.config.max_model_len, tokens=ids, token_strs=strs)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        gw.check_model(body.model)
+        vocab = gw.vocab_size if gw.vocab_size is not None else len(gw.tokenizer)
+        if body.tokens:
+            try:
+                check_token_ids(body.tokens, vocab)
+            except ValueError as e:
+                raise bad_request(ValueError(str(e).replace("prompt:", "tokens:", 1))) from None
+        text = await gw.in_pool(len(body.tokens), lambda: str(gw.tokenizer.decode(body.tokens)))
+        return DetokenizeResponse(prompt=text)
+
+
+def _tokens(gw: Gateway, body: TokenizeRequest) -> list[int]:
+    """Blocking: in the tokenizer pool."""
+    tokenizer: Any = gw.tokenizer
+    if body.messages is None:
+        special = True if body.add_special_tokens is None else body.add_special_tokens
+        return list(tokenizer.encode(unicode_text("prompt", body.prompt or ""), add_special_tokens=special))
+    try:
+        for m in body.messages:
+            m.check_supported()
+        tools = ToolPlan.of(body.tools, None, None).template_tools
+    except ValueError as e:
+        raise bad_request(e) from None
+    text = gw.chat_text(body.messages, tools, body.add_generation_prompt)
+    return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))

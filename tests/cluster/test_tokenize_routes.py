@@ -1,0 +1,105 @@
+"""vLLM's /tokenize and /detokenize (cluster/tokenize_routes.py): the served model's own
+tokenizer over HTTP. The oracle is transformers' tokenizer loaded apart from the server's;
+the count a client gets is the prompt_tokens the server then charges for the same prompt."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from factories import tiny_spec
+from starlette.testclient import TestClient
+from transformers import AutoTokenizer
+
+from pdserve import LLM
+from pdserve.cluster.backend import LocalBackend
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.openai_app import build_app
+from pdserve.workers.async_engine import AsyncEngine
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+LEN = 64
+TEXT = "The quick brown fox jumps over the lazy dog, twice."
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a fox."}]
+
+
+@pytest.fixture(scope="module")
+def served(make_model: Callable[[TinyModelSpec], Path]) -> Iterator[tuple[TestClient, Any]]:
+    model_dir = make_model(tiny_spec())
+    llm = LLM(str(model_dir), max_model_len=LEN, num_kv_blocks=64, progress=False)
+    engine = AsyncEngine(llm.engine).start()
+    gw = Gateway(LocalBackend(engine), llm.tokenizer,
+                 GatewayConfig(model_name="tiny", max_model_len=LEN, max_in_flight=16, request_timeout_s=30))
+    try:
+        with TestClient(build_app(gw)) as client:
+            yield client, AutoTokenizer.from_pretrained(model_dir)
+    finally:
+        engine.close()
+
+
+def test_a_text_is_tokenized_as_transformers_does(served: tuple[TestClient, Any]) -> None:
+    client, oracle = served
+    body = client.post("/tokenize", json={"model": "tiny", "prompt": TEXT, "return_token_strs": True}).json()
+    want = oracle.encode(TEXT)
+    assert body == {"count": len(want), "max_model_len": LEN, "tokens": want,
+                    "token_strs": oracle.convert_ids_to_tokens(want)}
+    plain = client.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()
+    assert plain["tokens"] == oracle.encode(TEXT, add_special_tokens=False) and plain["token_strs"] is None
+    # Longer than the context: counted all the same (what a client asks before it trims).
+    long = client.post("/tokenize", json={"prompt": TEXT * 20}).json()
+    assert long["count"] == len(oracle.encode(TEXT * 20)) > LEN
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_a_chat_is_tokenized_through_the_models_template(served: tuple[TestClient, Any],
+                                                         add_generation_prompt: bool) -> None:
+    client, oracle = served
+    body = client.post("/tokenize", json={"messages": CHAT, "add_generation_prompt": add_generation_prompt}).json()
+    want = oracle.apply_chat_template(CHAT, tokenize=True, return_dict=False,
+                                      add_generation_prompt=add_generation_prompt)
+    assert body["tokens"] == list(want) and body["count"] == len(want)
+
+
+def test_the_count_is_what_a_completion_of_the_same_prompt_is_charged(served: tuple[TestClient, Any]) -> None:
+    client, _ = served
+    short = TEXT[:30]
+    count = client.post("/tokenize", json={"prompt": short}).json()["count"]
+    usage = client.post("/v1/completions", json={"prompt": short, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == count
+    count = client.post("/tokenize", json={"messages": CHAT}).json()["count"]
+    usage = client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1}).json()["usage"]
+    assert usage["prompt_tokens"] == count
+
+
+def test_detokenize_gives_back_the_text(served: tuple[TestClient, Any]) -> None:
+    client, oracle = served
+    ids = client.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"]
+    assert client.post("/detokenize", json={"model": "tiny", "tokens": ids}).json() == {"prompt": TEXT}
+    with_bos = oracle.encode(TEXT)
+    assert client.post("/detokenize", json={"tokens": with_bos}).json()["prompt"] == oracle.decode(with_bos)
+    assert client.post("/detokenize", json={"tokens": []}).json() == {"prompt": ""}
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), [
+    ("/tokenize", {"prompt": "a", "messages": CHAT}, 400, "messages"),
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "continue_final_message": True}, 400, "continue_final_message"),
+    ("/tokenize", '{"prompt": "a lone \\ud800"}', 400, "prompt"),  # JSON may carry it; UTF-8 cannot
+    ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400, "messages"),
+    ("/tokenize", {"model": "gpt-4", "prompt": "a"}, 404, "model"),
+    ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model"),
+])
+def test_bad_input_is_a_clear_error_naming_the_field(served: tuple[TestClient, Any], path: str,
+                                                      body: dict[str, Any] | str, status: int, param: str) -> None:
+    client, _ = served
+    r = (client.post(path, content=body, headers={"content-type": "application/json"}) if isinstance(body, str)
+         else client.post(path, json=body))
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == status, error
+    assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
