@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.reports import DrainState, LoadReport, WorkerInfo
+from pdserve.cluster.reports import DrainState, LoadReport, Progress, WorkerInfo
 from pdserve.cluster.worker_inbox import Outcomes, WorkerInbox
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.inbox_wire import StartTry
@@ -212,6 +212,10 @@ class FakeWorker:
         prefix-cache events (it keeps no KV)."""
         snapshot = EngineSnapshot(running=self.engine.num_running, generation_tokens=self.engine.tokens)
         return LoadReport(snapshot, _no_events(self.name), self.incarnation)
+
+    async def progress(self) -> Progress:
+        return Progress(EngineSnapshot(running=self.engine.num_running, generation_tokens=self.engine.tokens),
+                        self.incarnation)
 
     async def metrics(self) -> bytes:
         return b""

@@ -20,7 +20,7 @@ import time
 
 from pdserve.cluster.placement import bind_host
 from pdserve.cluster.ray_errors import RayActorError
-from pdserve.cluster.reports import DrainState, LoadReport, RoleSwitch, WorkerInfo
+from pdserve.cluster.reports import DrainState, LoadReport, Progress, RoleSwitch, WorkerInfo
 from pdserve.cluster.role_switch import RoleSwitcher
 from pdserve.cluster.roles import DecodeRole, PrefillRole, Role, RoleContext, RoleSettings, make_role
 from pdserve.cluster.router.policy import WorkerRole
@@ -112,6 +112,12 @@ class _Service:
         # of a big cache takes a while to check.
         snapshot, events = await self.async_engine.call(read)
         return self._report(snapshot, KVEventBatch.of(self.name, events))
+
+    async def progress(self) -> Progress:
+        """The engine's snapshot (on its engine thread, between two steps) and this process's
+        incarnation: `load` without the prefix cache."""
+        snapshot: EngineSnapshot = await self.async_engine.call(lambda e: e.snapshot())
+        return Progress(snapshot, self.incarnation)
 
     def _report(self, snapshot: EngineSnapshot, events: KVEventBatch) -> LoadReport:
         return LoadReport(snapshot, events, self.incarnation)

@@ -3,7 +3,8 @@ and the counts of workers lost, back and restarted, as the disaggregated backend
 
 A colocated worker that hangs without dying (SIGSTOP, a step that never returns) fails
 no call: its requests waited for their deadline. Each worker is now polled for its load
-(`load`, on its engine thread between two steps), ten times per stall timeout (1 s at the
+(`progress`: its engine's snapshot, taken between two steps, without the prefix cache
+`load` would bring), ten times per stall timeout (1 s at the
 default 10 s): nothing routes by the polls here, so they need not come as often as the
 disaggregated router's. A worker that holds work and answers nothing, or computes no
 token, for the stall timeout is given up: out of routing, its tries fail with
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pdserve.cluster.reports import LoadReport
+from pdserve.cluster.reports import Progress
 from pdserve.cluster.stall_watch import DEFAULT_MAX_TICK_GAP_S, Stall, StallWatch, WorkerStalledError
 from pdserve.cluster.worker_events import Restart, WorkerEvents
 from pdserve.cluster.worker_handle import WorkerHandle
@@ -69,6 +70,9 @@ class ColocatedWatch:
         self._answered: set[str] = set()  # answered a poll at least once
         self._lost: set[str] = set()  # answered once, then failed (until it answers again)
         self._incarnation: dict[str, str] = {}
+        # The process each given-up worker answered from last: until its kill lands it may
+        # still answer, and that is not the worker back (a new incarnation is).
+        self._given_up: dict[str, str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._restarts: set[asyncio.Task[None]] = set()
 
@@ -102,13 +106,18 @@ class ColocatedWatch:
     async def _poll_once(self, name: str, handle: WorkerHandle) -> None:
         try:
             async with asyncio.timeout(_POLL_TIMEOUT_S):
-                report: LoadReport = await handle.load.remote(None)
+                report: Progress = await handle.progress.remote()
         except TimeoutError:
             return  # silent: the stall watch counts it, if the worker holds work
         except Exception:  # noqa: BLE001 - dead or restarting (Ray's errors), or its engine failed
             self.stalls.forget(name, time.monotonic())  # no hang to watch for: Ray restarts it
             self.lost(name)
             return
+        doomed = self._given_up.get(name)
+        if doomed is not None:
+            if report.incarnation == doomed:
+                return
+            del self._given_up[name]
         self.stalls.answered(name, time.monotonic(), report.snapshot)
         if name in self._lost:
             self._lost.discard(name)
@@ -130,6 +139,8 @@ class ColocatedWatch:
         name = stall.worker
         log.warning("worker %s stalled (%s): moving its requests and restarting it", name, stall.reason)
         self.events.stalled += 1
+        if name in self._incarnation:
+            self._given_up[name] = self._incarnation[name]
         self.lost(name)
         self.pool.fail_tries(name, lambda: WorkerStalledError(f"worker {name} stalled: {stall.reason}"))
         handle = self.pool.handles().get(name)
@@ -141,5 +152,6 @@ class ColocatedWatch:
     async def _restart_worker(self, name: str, handle: WorkerHandle) -> None:
         try:
             await asyncio.to_thread(self._restart, handle)
-        except Exception:  # noqa: BLE001 - it stays out of routing until it answers; Ray may still restart it
+        except Exception:  # noqa: BLE001 - out of routing until it answers; Ray may still restart it
             log.exception("restarting stalled worker %s failed", name)
+            self._given_up.pop(name, None)  # not killed: its own process may recover and answer

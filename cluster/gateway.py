@@ -349,8 +349,9 @@ class Gateway:
         refuses). Blocking: call it through `off_loop`."""
         messages = template_messages([m.template_dict(unicode_text("messages", m.text())) for m in chat])
         try:
-            return str(self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                          add_generation_prompt=add_generation_prompt))
+            # Checked whole: tools, names and tool-call arguments reach the text too.
+            return unicode_text("messages", str(self.tokenizer.apply_chat_template(
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)))
         except TemplateSyntaxError:
             raise  # the model's template is broken: the server's fault, not this request's
         except TemplateError as e:

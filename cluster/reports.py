@@ -48,6 +48,16 @@ class DrainState:
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A worker's engine snapshot and incarnation, without its prefix cache: what the
+    colocated stall watch polls (cluster/colocated_watch.py), where nothing routes by the
+    cache and a pool that records no events would send all of it each time."""
+
+    snapshot: EngineSnapshot
+    incarnation: str
+
+
+@dataclass(frozen=True)
 class LoadReport:
     snapshot: EngineSnapshot  # taken on the worker's engine thread
     # Prefix-cache events from the cursor the caller sent, or a snapshot of the cache

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve.cluster.gateway import APIError, Gateway, bad_request, unicode_text
 from pdserve.cluster.limits import RefusalReason
@@ -57,7 +57,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int]
+    tokens: list[StrictInt]  # not true or 1.0 taken for an id
 
 
 class DetokenizeResponse(BaseModel):
@@ -72,8 +72,7 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
             raise APIError(400, "give prompt or messages (one of them)", "BadRequestError",
                            "prompt" if body.prompt is None else "messages", reason=RefusalReason.MALFORMED)
         size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages or ())
-        ids = await gw.in_pool(size, lambda: _tokens(gw, body), may_inline=not body.tools)
-        strs = [str(t) for t in gw.tokenizer.convert_ids_to_tokens(ids)] if body.return_token_strs else None
+        ids, strs = await gw.in_pool(size, lambda: _tokens(gw, body), may_inline=not body.tools)
         return TokenizeResponse(count=len(ids), max_model_len=gw.config.max_model_len, tokens=ids, token_strs=strs)
 
     @app.post("/detokenize")
@@ -89,17 +88,20 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
         return DetokenizeResponse(prompt=text)
 
 
-def _tokens(gw: Gateway, body: TokenizeRequest) -> list[int]:
-    """Blocking: in the tokenizer pool."""
+def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:
+    """The ids, and their strings if asked. Blocking: in the tokenizer pool."""
     tokenizer: Any = gw.tokenizer
     if body.messages is None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
-        return list(tokenizer.encode(unicode_text("prompt", body.prompt or ""), add_special_tokens=special))
-    try:
-        for m in body.messages:
-            m.check_supported()
-        tools = ToolPlan.of(body.tools, None, None).template_tools
-    except ValueError as e:
-        raise bad_request(e) from None
-    text = gw.chat_text(body.messages, tools, body.add_generation_prompt)
-    return list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+        ids = list(tokenizer.encode(unicode_text("prompt", body.prompt or ""), add_special_tokens=special))
+    else:
+        try:
+            for m in body.messages:
+                m.check_supported()
+            tools = ToolPlan.of(body.tools, None, None).template_tools
+        except ValueError as e:
+            raise bad_request(e) from None
+        text = gw.chat_text(body.messages, tools, body.add_generation_prompt)
+        ids = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
+    strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if body.return_token_strs else None
+    return ids, strs

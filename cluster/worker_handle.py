@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, ParamSpec, Protocol, TypeVar
 from pdserve.cluster.ray_errors import RayActorError
 
 if TYPE_CHECKING:
-    from pdserve.cluster.reports import LoadReport, RoleSwitch, WorkerInfo
+    from pdserve.cluster.reports import LoadReport, Progress, RoleSwitch, WorkerInfo
     from pdserve.cluster.router.policy import WorkerRole
     from pdserve.cluster.worker_inbox import Outcomes
     from pdserve.workers.handoff import FirstToken, PrefillOrder, ServeRequest
@@ -62,6 +62,11 @@ class WorkerHandle(Protocol):
     def load(self) -> RemoteMethod[[EventCursor | None], LoadReport]:
         """Its load and its KV events from the cursor given (None: a snapshot of its
         prefix cache), the router's poll; reading consumes nothing."""
+        ...
+
+    @property
+    def progress(self) -> RemoteMethod[[], Progress]:
+        """Its engine snapshot and incarnation, without its prefix cache (the colocated stall watch's poll)."""
         ...
 
     @property

@@ -471,7 +471,7 @@ class LLMEngine:
         when every row of a failed step failed alone too: the rows' faults, or the engine's."""
         probe = Request("pdserve-engine-check", [0], _PROBE_PARAMS, max_tokens=1)
         if not self.kv.allocate_slots(probe, 1):
-            raise RuntimeError("no free KV block to check the engine with")
+            raise row_faults.NoRoomToCheck("no free KV block to check the engine with")
         try:
             result = self.runner.execute([ScheduledRequest(probe, 1)])
             result.output.token_ids.tolist()  # on a device: waits for the step, so its error is raised here

@@ -164,7 +164,10 @@ def test_a_hung_colocated_worker_is_given_up_and_its_streams_move(model_dir: Pat
     actors = [LocalActor(s) for s in services]
 
     def on_restart(handle: Any) -> None:
+        """What Ray's restart looks like to the watch: answers from a new process. (Its old
+        one, let go here, is the new one too: the watch takes no answer from the old.)"""
         restarted.append(handle)
+        services[hung[0]].incarnation += "-restarted"
         hangs[hung[0]].release()
 
     backend = ColocatedBackend(actors, stall_timeout_s=STALL_S, restart=on_restart)  # type: ignore[arg-type]
@@ -208,10 +211,70 @@ def test_a_hung_colocated_worker_is_given_up_and_its_streams_move(model_dir: Pat
     assert got == [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert restarted == [actors[hung[0]]]
     r = backend.reliability()
-    assert (r.workers_stalled, r.workers_lost, r.workers_readmitted) == (1, 1, 1)
+    assert (r.workers_stalled, r.workers_lost, r.workers_readmitted, r.workers_restarted) == (1, 1, 1, 1)
     assert backend.streams.stats.migrations >= 1 and backend.streams.stats.exhausted == 0
     assert max(gaps) < HANG_S / 2  # they moved on: nobody waited for the hang to end by itself
     assert not services[hung[0]].engine.has_unfinished_requests()  # its old tries were aborted once it ran again
+
+
+def test_a_given_up_colocated_worker_is_not_readmitted_by_its_own_old_process() -> None:
+    """Given up while it still answers (no token computed): until Ray's kill lands, its old
+    process's answers do not put it back in routing; its new process's do."""
+    from pdserve.cluster.colocated_watch import ColocatedWatch
+    from pdserve.cluster.reports import Progress
+    from pdserve.workers.stats import EngineSnapshot
+
+    class Pool:
+        def __init__(self) -> None:
+            self.routable, self.failed = True, 0
+
+        def handles(self) -> dict[str, Any]:
+            return {"w0": worker}
+
+        def tries(self) -> dict[str, int]:
+            return {} if self.failed else {"w0": 1}  # failed tries leave
+
+        def down(self, name: str) -> None:
+            self.routable = False
+
+        def up(self, name: str) -> None:
+            self.routable = True
+
+        def fail_tries(self, name: str, error: Callable[[], BaseException]) -> None:
+            self.failed += 1
+
+    class Worker:
+        incarnation = "old"
+
+        @property
+        def progress(self) -> Any:
+            class Remote:
+                @staticmethod
+                async def remote() -> Progress:  # running, and never a token more
+                    return Progress(EngineSnapshot(running=1, generation_tokens=5), worker.incarnation)
+            return Remote()
+
+    worker, pool, restarted = Worker(), Pool(), []
+    watch = ColocatedWatch(pool, STALL_S, restarted.append, poll_s=0.01)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        watch.start()
+        try:
+            async with asyncio.timeout(10):
+                while not restarted:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(4 * STALL_S)  # the old process goes on answering
+            assert not pool.routable and watch.events.readmitted == 0 and watch.events.stalled == 1
+            worker.incarnation = "new"
+            async with asyncio.timeout(10):
+                while not pool.routable:
+                    await asyncio.sleep(0.01)
+        finally:
+            await watch.close()
+
+    asyncio.run(main())
+    assert pool.failed == 1 and restarted == [worker]
+    assert (watch.events.lost, watch.events.readmitted, watch.events.restarted) == (1, 1, 1)
 
 
 def test_a_blocked_worker_with_no_work_is_left_alone(model_dir: Path) -> None:

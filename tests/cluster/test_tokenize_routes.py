@@ -92,6 +92,7 @@ def test_detokenize_gives_back_the_text(served: tuple[TestClient, Any]) -> None:
     ("/detokenize", {"tokens": [1, 10**6]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [True, 1.0]}, 400, "tokens"),
     ("/detokenize", {"model": "gpt-4", "tokens": [1]}, 404, "model"),
 ])
 def test_bad_input_is_a_clear_error_naming_the_field(served: tuple[TestClient, Any], path: str,
@@ -103,3 +104,21 @@ def test_bad_input_is_a_clear_error_naming_the_field(served: tuple[TestClient, A
     error = r.json()["error"]
     assert error["param"] == param and error["code"] == status, error
     assert client.post("/tokenize", json={"prompt": "still here"}).status_code == 200
+
+
+def test_a_lone_surrogate_the_template_renders_from_any_field_is_a_400() -> None:
+    """Tools, names and tool-call arguments reach the rendered text unchecked by the content
+    check; the tokenizer would raise on it (a 500). The rendered text is checked whole."""
+    from pdserve.cluster.gateway import APIError
+    from pdserve.cluster.protocol import ChatMessage
+
+    class Template:
+        def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
+            return "".join(f"<{m['role']}:{m.get('name', '')}>{m['content']}" for m in messages)
+
+    gw = Gateway.__new__(Gateway)
+    gw.tokenizer = Template()
+    assert gw.chat_text([ChatMessage(role="user", content="hi", name="ann")], None) == "<user:ann>hi"
+    with pytest.raises(APIError) as e:
+        gw.chat_text([ChatMessage(role="user", content="hi", name="\udc00")], None)
+    assert e.value.status == 400 and e.value.param == "messages"

@@ -22,7 +22,7 @@ from pdserve import LLM, SamplingParams
 from pdserve.workers.async_engine import AsyncEngine, RequestFaultError
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput
-from pdserve.workers.row_faults import MAX_FAULT_STREAK, isolate
+from pdserve.workers.row_faults import MAX_FAULT_STREAK, MAX_JUDGED_ROWS, NoRoomToCheck, isolate
 from pdserve.workers.sampler import NO_TOKEN, SamplingBatch, checked, sample
 from pdserve.workers.tiny.builder import TinyModelSpec
 
@@ -125,7 +125,7 @@ def test_isolate_reraises_what_no_row_explains() -> None:
         raise RuntimeError("engine")
 
     with pytest.raises(RuntimeError, match="batch") as raised:
-        isolate(every_row_fails, [1, 2, 3], boom, engine_broken)
+        isolate(every_row_fails, [1, 2], boom, engine_broken)
     assert str(raised.value.__cause__) == "engine"
     with pytest.raises(RuntimeError, match="batch"):
         isolate(every_row_fails, [1], boom, engine_broken)
@@ -134,6 +134,17 @@ def test_isolate_reraises_what_no_row_explains() -> None:
     # Every row fails alone and the engine runs a step of its own: the rows are the faults.
     assert [r for r, _ in isolate(every_row_fails, [1, 2], boom, lambda: None)] == [1, 2]
     assert isolate(every_row_fails, [7], boom, lambda: None) == [(7, boom)]
+    # More than MAX_JUDGED_ROWS all failing alone: the engine's, whatever its own step does.
+    with pytest.raises(RuntimeError, match="batch"):
+        isolate(every_row_fails, list(range(MAX_JUDGED_ROWS + 1)), boom, lambda: None)
+
+    def no_room() -> None:
+        raise NoRoomToCheck("full")
+
+    # No room for its own step: one row alone is its fault, two are the engine's.
+    assert isolate(every_row_fails, [7], boom, no_room) == [(7, boom)]
+    with pytest.raises(RuntimeError, match="batch"):
+        isolate(every_row_fails, [1, 2], boom, no_room)
 
     def odd_rows_fail(rows: list[int]) -> None:
         if rows[0] % 2:
@@ -160,6 +171,20 @@ def test_two_bad_requests_alone_in_a_step_fail_and_the_engine_goes_on(model_dir:
     assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
     again = _run(engine, {"after": (PROMPTS[0], GREEDY)})
     assert again["after"].outputs[0].token_ids == want["ok0"]
+
+
+def test_a_bad_request_in_a_full_cache_fails_alone(model_dir: Path) -> None:
+    """Every block held by the one running request: the engine has no room for a step of its
+    own, and a row failing alone in a step of its own is its fault, as before the check."""
+    engine = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=4, progress=False).engine
+    bs = engine.config.block_size
+    prompt = [5 + i % 50 for i in range(4 * bs - 4)]
+    finals = _run(engine, {"bad": (prompt, SamplingParams(temperature=0.8, max_tokens=3, ignore_eos=True))},
+                  {"bad": {"top_k": 2**63}})
+    assert finals["bad"].error and engine.stats.request_faults == 1
+    assert engine.kv.pool.num_used == 0
+    again = _run(engine, {"after": (PROMPTS[0], GREEDY)})
+    assert again["after"].error is None and len(again["after"].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_an_engine_that_cannot_run_a_step_stops_and_fails_no_request(model_dir: Path, monkeypatch) -> None:
