@@ -24,7 +24,7 @@ from typing import Protocol
 
 from pdserve.cluster.reports import Progress
 from pdserve.cluster.stall_watch import DEFAULT_MAX_TICK_GAP_S, Stall, StallWatch, WorkerStalledError
-from pdserve.cluster.worker_events import Restart, WorkerEvents
+from pdserve.cluster.worker_events import Restart, WorkerEvents, restart_soon
 from pdserve.cluster.worker_handle import WorkerHandle
 
 log = logging.getLogger(__name__)
@@ -145,13 +145,5 @@ class ColocatedWatch:
         self.pool.fail_tries(name, lambda: WorkerStalledError(f"worker {name} stalled: {stall.reason}"))
         handle = self.pool.handles().get(name)
         if handle is not None:
-            task = asyncio.create_task(self._restart_worker(name, handle))
-            self._restarts.add(task)
-            task.add_done_callback(self._restarts.discard)
-
-    async def _restart_worker(self, name: str, handle: WorkerHandle) -> None:
-        try:
-            await asyncio.to_thread(self._restart, handle)
-        except Exception:  # noqa: BLE001 - out of routing until it answers; Ray may still restart it
-            log.exception("restarting stalled worker %s failed", name)
-            self._given_up.pop(name, None)  # not killed: its own process may recover and answer
+            # Not killed if the restart fails: its own process may recover and answer.
+            restart_soon(self._restart, name, handle, self._restarts, lambda: self._given_up.pop(name, None))

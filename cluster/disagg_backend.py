@@ -59,7 +59,7 @@ from pdserve.cluster.stall_watch import (
 )
 from pdserve.cluster.worker_calls import WorkerCalls
 from pdserve.cluster.worker_channel import WorkerChannel
-from pdserve.cluster.worker_events import Restart, WorkerEvents, restart_actor
+from pdserve.cluster.worker_events import Restart, WorkerEvents, restart_actor, restart_soon
 from pdserve.cluster.worker_handle import PoolWorkerHandle, abort_try
 from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.messages import KVEventBatch
@@ -458,15 +458,7 @@ class DisaggregatedBackend:
         self.calls.give_up(wid, lambda: WorkerStalledError(f"worker {wid} stalled: {stall.reason}"))
         handle = self.handle_of(wid)
         if handle is not None:
-            task = asyncio.create_task(self._restart_worker(wid, handle))
-            self._restarts.add(task)
-            task.add_done_callback(self._restarts.discard)
-
-    async def _restart_worker(self, wid: str, handle: PoolWorkerHandle) -> None:
-        try:
-            await asyncio.to_thread(self._restart, handle)
-        except Exception:  # noqa: BLE001 - it stays out of routing until it answers; Ray may still restart it
-            log.exception("restarting stalled worker %s failed", wid)
+            restart_soon(self._restart, wid, handle, self._restarts)
 
 
 @dataclass(eq=False)

@@ -7,10 +7,14 @@ colocated one's watch (cluster/colocated_watch.py). The gateway exports the coun
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.cluster.worker_handle import WorkerHandle
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -37,3 +41,20 @@ def restart_actor(handle: WorkerHandle) -> None:
     import ray
 
     ray.kill(handle, no_restart=False)
+
+
+def restart_soon(restart: Restart, name: str, handle: WorkerHandle, tasks: set[asyncio.Task[None]],
+                 failed: Callable[[], object] = lambda: None) -> None:
+    """`restart(handle)` in a thread (`ray.kill` blocks), its task kept in `tasks` until it
+    ends (the backend's close awaits them); `failed()` if it raised. A worker given up stays
+    out of routing until it answers again, restarted or not (Ray may still restart it)."""
+    async def run() -> None:
+        try:
+            await asyncio.to_thread(restart, handle)
+        except Exception:  # noqa: BLE001 - logged; the worker stays out of routing until it answers
+            log.exception("restarting stalled worker %s failed", name)
+            failed()
+
+    task = asyncio.create_task(run())
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)

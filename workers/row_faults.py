@@ -49,12 +49,15 @@ def isolate(run: Callable[[list[Row]], object], rows: Sequence[Row], error: Exce
     all do and there are more than MAX_JUDGED_ROWS of them, or `engine_runs()` (a step of
     the engine's own) raises too. Where the engine had no room for its step, one row alone
     is its own fault, two are the engine's (the rule before the engine checked itself)."""
-    bad: list[tuple[Row, Exception]] = [(rows[0], error)] if len(rows) == 1 else []
-    for row in rows if len(rows) > 1 else ():
-        try:
-            run([row])
-        except Exception as e:  # noqa: BLE001 - this row's fault, reported as its failure
-            bad.append((row, e))
+    bad: list[tuple[Row, Exception]] = []
+    if len(rows) == 1:  # it failed alone already
+        bad.append((rows[0], error))
+    else:
+        for row in rows:
+            try:
+                run([row])
+            except Exception as e:  # noqa: BLE001 - this row's fault, reported as its failure
+                bad.append((row, e))
     if not bad:
         raise error
     if len(bad) == len(rows):

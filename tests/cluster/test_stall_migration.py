@@ -85,6 +85,20 @@ PROMPTS = [torch.randint(5, 4000, (n,), generator=torch.Generator().manual_seed(
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
 
 
+async def stream(backend: Any, i: int, received: list[int], gaps: list[float]) -> list[int]:
+    """Prompt i's greedy tokens, read at a client's pace; each wait for a delta goes in `gaps`."""
+    tokens: list[int] = []
+    last = time.monotonic()
+    async for out in backend.generate(f"r{i}", PROMPTS[i], GREEDY, DEADLINE_S):
+        now = time.monotonic()
+        gaps.append(now - last)
+        last = now
+        tokens += out.outputs[0].token_ids
+        received[0] += len(out.outputs[0].token_ids)
+        await asyncio.sleep(0.002)
+    return tokens
+
+
 def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(model_dir: Path) -> None:
     """8 greedy streams; the decode worker with the most of them hangs mid-stream. After
     the stall timeout its tries move to the other worker from what their clients have,
@@ -107,18 +121,6 @@ def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(mod
     async def main() -> None:
         received = [0]
 
-        async def one(i: int) -> list[int]:
-            tokens: list[int] = []
-            last = time.monotonic()
-            async for out in backend.generate(f"r{i}", PROMPTS[i], GREEDY, DEADLINE_S):
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                tokens += out.outputs[0].token_ids
-                received[0] += len(out.outputs[0].token_ids)
-                await asyncio.sleep(0.002)
-            return tokens
-
         async def hang_one() -> None:
             while received[0] < 60:
                 await asyncio.sleep(0.001)
@@ -127,7 +129,7 @@ def test_a_hung_decode_worker_is_given_up_its_streams_move_and_equal_offline(mod
             hangs[busiest].start()
 
         try:
-            tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+            tasks = [asyncio.ensure_future(stream(backend, i, received, gaps)) for i in range(len(PROMPTS))]
             await hang_one()
             got.extend(await asyncio.gather(*tasks))
             # Back in its pool: it answers a poll again and the router may route to it.
@@ -178,20 +180,8 @@ def test_a_hung_colocated_worker_is_given_up_and_its_streams_move(model_dir: Pat
     async def main() -> None:
         received = [0]
 
-        async def one(i: int) -> list[int]:
-            tokens: list[int] = []
-            last = time.monotonic()
-            async for out in backend.generate(f"r{i}", PROMPTS[i], GREEDY, DEADLINE_S):
-                now = time.monotonic()
-                gaps.append(now - last)
-                last = now
-                tokens += out.outputs[0].token_ids
-                received[0] += len(out.outputs[0].token_ids)
-                await asyncio.sleep(0.002)
-            return tokens
-
         try:
-            tasks = [asyncio.ensure_future(one(i)) for i in range(len(PROMPTS))]
+            tasks = [asyncio.ensure_future(stream(backend, i, received, gaps)) for i in range(len(PROMPTS))]
             while received[0] < 60:
                 await asyncio.sleep(0.001)
             counts = backend.tries()
