@@ -93,6 +93,8 @@ class WorkerChannel:
         self._tag_address = ""  # what the tags are bound to: the inbox and its process's life
         self._life = 0  # counts connects and losses: what was learnt of one life is not the next's
         self._connecting: asyncio.Task[None] | None = None
+        # Set by `fail_tries` while a connect runs: what the tries waiting on it fail with.
+        self._connect_given_up: Callable[[], BaseException] | None = None
         self._poller: asyncio.Task[None] | None = None
         self._tries: dict[tuple[str, int], _Try] = {}
         self._unconfirmed: collections.deque[tuple[tuple[str, int], _Try]] = collections.deque()  # in sending order
@@ -162,10 +164,16 @@ class WorkerChannel:
 
     def fail_tries(self, error: Callable[[], BaseException]) -> None:
         """Fail the tries on this channel now, each with a fresh `error()` (the worker was
-        given up without having died: cluster/colocated_watch.py). The channel stays open."""
+        given up without having died: cluster/colocated_watch.py). The channel stays open.
+        Tries still waiting for the channel to connect fail too: the connect is stopped
+        (a stopped worker would hold them to its call deadline), and the next try connects
+        again."""
         for t in self._tries.values():
             if not t.fut.done():
                 t.fut.set_exception(error())
+        if self._connecting is not None and not self._connecting.done():
+            self._connect_given_up = error
+            self._connecting.cancel()
 
     def discard(self) -> None:
         """Stop at once (the worker's handle was replaced): the tries still on it fail as
@@ -190,11 +198,20 @@ class WorkerChannel:
             if self._closed:
                 raise RuntimeError("the gateway is closing")
             if self._connecting is None:
+                self._connect_given_up = None
                 self._connecting = asyncio.create_task(self._open())
                 # Seen even when every caller left (their clients gone) before it ended.
                 self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
-            # Shielded: one caller leaving (its client gone) does not stop the others' connect.
-            await asyncio.shield(self._connecting)
+            connecting = self._connecting
+            try:
+                # Shielded: one caller leaving (its client gone) does not stop the others' connect.
+                await asyncio.shield(connecting)
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                given_up = self._connect_given_up
+                if given_up is None or not connecting.cancelled() or (me is not None and me.cancelling()):
+                    raise  # this caller was cancelled, not the connect
+                raise given_up() from None
 
     async def _open(self) -> None:
         try:

@@ -568,3 +568,76 @@ def test_a_discarded_channel_fails_its_tries_and_sends_no_more() -> None:
                 await channel.run(request(rid="r2"), asyncio.Event())
 
     asyncio.run(main())
+
+
+class _Stopped(FakeService):
+    """A worker whose first `info` never answers (the process is stopped), the later ones do."""
+
+    def __init__(self, runner: Callable[[StartTry], Awaitable[None]]) -> None:
+        super().__init__(runner)
+        self.infos = 0
+
+    async def info(self) -> WorkerInfo:
+        self.infos += 1
+        if self.infos == 1:
+            await asyncio.sleep(3600)
+        return await super().info()
+
+
+def test_tries_waiting_for_a_stalled_workers_connect_fail_when_it_is_given_up() -> None:
+    """The stall watch gives a worker up while a try waits for the channel's connect (its
+    `info` call, to a stopped process): the try fails then with the watch's error, not at
+    the call's 30 s deadline; the next try connects again."""
+
+    async def main() -> None:
+        svc = _Stopped(hang)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(2)]
+            await _eventually(lambda: svc.infos == 1)
+            await asyncio.sleep(0.05)
+            assert not any(t.done() for t in waiting)
+            channel.fail_tries(lambda: StreamLostError("given up: stalled"))
+            for t in waiting:
+                with pytest.raises(StreamLostError, match="stalled"):
+                    await asyncio.wait_for(t, 2)
+            finished = asyncio.Event()
+            again = asyncio.create_task(channel.run(request(rid="r9"), finished))
+            await _eventually(lambda: len(svc.started) == 1)
+            finished.set()
+            await asyncio.wait_for(again, 5)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_caller_cancelled_while_connecting_leaves_the_others_connect_alone() -> None:
+    async def main() -> None:
+        gate = asyncio.Event()
+
+        class Slow(FakeService):
+            async def info(self) -> WorkerInfo:
+                await gate.wait()
+                return await super().info()
+
+        svc = Slow(hang)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            leaving = asyncio.create_task(channel.run(request(rid="gone"), asyncio.Event()))
+            finished = asyncio.Event()
+            staying = asyncio.create_task(channel.run(request(rid="stays"), finished))
+            await asyncio.sleep(0.05)
+            leaving.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await leaving
+            gate.set()
+            await _eventually(lambda: [s.request.request_id for s in svc.started] == ["stays"])
+            finished.set()
+            await asyncio.wait_for(staying, 5)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
