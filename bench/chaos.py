@@ -38,7 +38,7 @@ from chaos.scenarios import BY_KEY, MODEL_SPEC, SCENARIOS, counters_line, run_ma
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="",
-                    help="comma-separated scenario keys (a, a1, b, b1, ..., i2, j, k, l, m); default: all")
+                    help="comma-separated scenario keys (a, a1, b, b1, ..., i2, j, k, k2, l, m, n); default: all")
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--model", default=None, help="a model directory (default: a tiny model made in a temp dir)")
     ap.add_argument("--log-dir", default=None, help="where the servers' logs go (default: a temp dir)")

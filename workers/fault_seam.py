@@ -105,14 +105,18 @@ def poison_row(engine: Any) -> None:
     samples any request, one of that step's requests (the one with the most tokens still to
     come) is the victim, and building the sampling inputs of any step with it raises, as a
     value past int64 did. Chosen in a step, not now: a worker whose requests are all waiting
-    (for their KV, or to be prefilled here) has none running to choose from."""
+    (for their KV, or to be prefilled here) has none running to choose from. Injected again,
+    another request is the next victim (one not poisoned already)."""
     runner = engine.runner
     real = runner._sampling_batch
     victim: list[str] = []
+    poisoned: set[str] = runner.__dict__.setdefault("_poisoned_rows", set())
 
     def sampling_batch(reqs: list[Any], token_bitmask: Any = None) -> Any:
-        if not victim and reqs:
-            victim.append(max(reqs, key=lambda r: r.max_tokens - r.num_output_tokens).request_id)
+        healthy = [r for r in reqs if r.request_id not in poisoned]
+        if not victim and healthy:
+            victim.append(max(healthy, key=lambda r: r.max_tokens - r.num_output_tokens).request_id)
+            poisoned.add(victim[0])
         if victim and any(r.request_id == victim[0] for r in reqs):
             raise OverflowError(f"injected: the row of request {victim[0]} cannot be built")
         return real(reqs, token_bitmask)

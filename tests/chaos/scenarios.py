@@ -398,17 +398,18 @@ def engine_crash(h: Harness) -> ScenarioResult:
 # --- (k) one request's row poisoned on a decode worker ---------------------------------------
 
 
-def row_poisoned(h: Harness) -> ScenarioResult:
-    """A decode worker's engine is made to fail one running request's row in every step
+def row_poisoned(h: Harness, rows: int = 1) -> ScenarioResult:
+    """A decode worker's engine is made to fail `rows` running requests' rows in every step
     (`inject_fault(poison_row)`: what a top_k past int64 did to a worker at 9a2ece5).
-    That request alone ends, with a clean error (500, in its stream), and is not moved to
-    another worker (the poison-pill rule); every other request is whole, and no worker
-    restarts."""
+    Those requests alone end, with a clean error (500, in their streams), and are not moved
+    to another worker (the poison-pill rule); every other request is whole, and no worker
+    restarts (with two, the engine checks itself before it blames the rows)."""
     def fault(_: Load) -> Fault:
-        seen = h.wait_for(_decodes(h), lambda s: s.jobs >= 2, timeout_s=5.0)
+        seen = h.wait_for(_decodes(h), lambda s: s.jobs >= 2 * rows, timeout_s=5.0)
         name, state = seen if seen is not None else h.busiest(_decodes(h))
         t = time.monotonic()
-        h.view.call(name, "inject_fault", WorkerFault.POISON_ROW.value)
+        for _row in range(rows):
+            h.view.call(name, "inject_fault", WorkerFault.POISON_ROW.value)
         jobs = state.jobs if state else None
         return Fault("inject_fault(poison_row)", name, pid_of(state), t, t, f"{jobs} in flight on it", jobs)
 
@@ -418,16 +419,21 @@ def row_poisoned(h: Harness) -> ScenarioResult:
     def alone(res: ScenarioResult, before: dict[str, DrainState | None], after: dict[str, DrainState | None]) -> None:
         faulted = res.counters.get("pdserve:requests_faulted", 0)
         res.notes.append(f"requests failed alone: {faulted:g}; clean errors: {res.errors}")
-        if faulted != 1 or res.errors != 1:
-            res.failures.append(f"{faulted:g} requests failed alone and {res.errors} errors: want 1 and 1")
+        if faulted != rows or res.errors != rows:
+            res.failures.append(f"{faulted:g} requests failed alone and {res.errors} errors: want {rows} and {rows}")
         if res.counters.get("pdserve:request_migrations"):
             res.failures.append("a request moved: the poisoned one must not, and nothing else had to")
         if any(a is not None and (b := before.get(n)) is not None and a.incarnation != b.incarnation
                for n, a in after.items()):
             res.failures.append("a worker restarted: one bad row must not take its worker down")
 
-    return h.run_fault("k", "one request's row fails on a decode worker (injected)", fault, _load(h), AT_CHUNKS,
-                       excuse=the_poisoned, check=alone)
+    key, title = ("k", "one request's row fails on a decode worker (injected)") if rows == 1 else (
+        f"k{rows}", f"{rows} requests' rows fail on one decode worker (injected)")
+    return h.run_fault(key, title, fault, _load(h), AT_CHUNKS, excuse=the_poisoned, check=alone)
+
+
+def two_rows_poisoned(h: Harness) -> ScenarioResult:
+    return row_poisoned(h, rows=2)
 
 
 # --- (f) the only prefill worker killed ------------------------------------------------------
@@ -643,6 +649,7 @@ SCENARIOS = [
     Scenario("i2", "pdserve serve SIGTERM to its group, restarted", OWN, lambda h: server_killed(h, "SIGTERM")),
     Scenario("j", "decode worker SIGSTOP 60 s (hang)", TWO_DECODE, decode_hung),
     Scenario("k", "one request's row fails on a decode worker (injected)", TWO_DECODE, row_poisoned),
+    Scenario("k2", "2 requests' rows fail on one decode worker (injected)", TWO_DECODE, two_rows_poisoned),
     Scenario("n", "colocated worker SIGSTOP 60 s (hang)", TWO_COLOCATED, colocated_hung),
 ]
 BY_KEY = {s.key: s for s in SCENARIOS}

@@ -258,9 +258,11 @@ def test_the_async_engine_raises_the_fault_to_its_caller_and_stays_healthy(model
         engine.close()
 
 
-def test_the_poison_row_seam_fails_one_running_request_alone(model_dir: Path) -> None:
-    """What the chaos scenario (k) injects into a decode worker: from the next step, one of its
-    requests' row raises in every step; that request alone fails, the others are whole."""
+@pytest.mark.parametrize("rows", [1, 2])
+def test_the_poison_row_seam_fails_its_running_requests_alone(model_dir: Path, rows: int) -> None:
+    """What the chaos scenarios (k, k2) inject into a decode worker: from the next step, one of
+    its requests' row raises in every step, another one's too when injected twice; those
+    requests alone fail, the others are whole."""
     from pdserve.workers import fault_seam
 
     want = _clean(model_dir)
@@ -270,7 +272,8 @@ def test_the_poison_row_seam_fails_one_running_request_alone(model_dir: Path) ->
         tokens: list[int] = []
         async for out in engine.generate(rid, prompt, GREEDY):
             if rid == "ok0" and not tokens:
-                await engine.call(fault_seam.poison_row)
+                for _ in range(rows):
+                    await engine.call(fault_seam.poison_row)
             tokens += out.outputs[0].token_ids
         return tokens
 
@@ -283,5 +286,5 @@ def test_the_poison_row_seam_fails_one_running_request_alone(model_dir: Path) ->
     finally:
         engine.close()
     failed = [rid for rid, got in results.items() if isinstance(got, RequestFaultError)]
-    assert len(failed) == 1, results
+    assert len(failed) == rows, results
     assert all(got == want[rid] for rid, got in results.items() if rid not in failed)
