@@ -649,8 +649,16 @@ class LLMEngine:
             if req.sent_any:
                 prompt_logprobs = None  # they went with the first delta
             sent_tokens, sent_chars = req.sent_tokens, req.sent_chars
-            req.sent_tokens, req.sent_chars, req.sent_any = len(token_ids), len(text), True
-            token_ids, text = token_ids[sent_tokens:], text[sent_chars:]
+            upto = len(text)
+            detok = req.detok
+            if not req.finished and detok is not None and detok.stop and not detok.include_stop:
+                # A stop string may begin in the text not yet sent: what a delta hands out
+                # cannot be taken back, so its last characters wait until they cannot be
+                # the start of one (vLLM holds back the same: the longest stop string
+                # less one character). The tokens go now; their text follows.
+                upto = max(sent_chars, upto - (detok.max_stop_len - 1))
+            req.sent_tokens, req.sent_chars, req.sent_any = len(token_ids), upto, True
+            token_ids, text = token_ids[sent_tokens:], text[sent_chars:upto]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
         completion = CompletionOutput(
             index=0, text=text, token_ids=token_ids,

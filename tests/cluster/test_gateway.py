@@ -8,6 +8,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import jsonschema
@@ -72,6 +73,38 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     expected = offline.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     assert text == expected.outputs[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_stop_string_over_two_tokens_never_reaches_the_client_in_part(server: tuple[str, AsyncEngine],
+                                                                        offline: LLM, stream: bool) -> None:
+    """A ReAct agent's "\nObservation:" is several tokens: the part of it in an earlier token's
+    text must not have gone out by the time the later token shows it is a stop string. What
+    the client gets is the offline engine's text before the stop string, streamed or whole."""
+    url, _ = server
+    prompt = "def fibonacci(n):"
+    free = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ids = offline.generate([prompt], free)[0].outputs[0].token_ids
+    tok = offline.tokenizer
+    texts = [tok.decode(ids[: i + 1]) for i in range(len(ids))]
+    # Two characters either side of a boundary between two tokens' texts (each of 2 or more).
+    k = next(i for i in range(1, len(ids) - 1) if texts[i].startswith(texts[i - 1])
+             and len(texts[i]) - len(texts[i - 1]) >= 2 and len(texts[i - 1]) >= 2
+             and texts[i + 1].startswith(texts[i]))
+    stop = texts[k - 1][-2:] + texts[k][len(texts[k - 1]):][:2]
+    want = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]))[0]
+    assert want.outputs[0].finish_reason == "stop" and stop not in want.outputs[0].text
+    kwargs: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=30, temperature=0, stop=[stop],
+                                  extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client(url).completions.create(stream=True, **kwargs))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    else:
+        choice = client(url).completions.create(**kwargs).choices[0]
+        text, finish = choice.text, [choice.finish_reason]
+    assert text == want.outputs[0].text, f"stop {stop!r}"
+    assert finish == ["stop"]
 
 
 def test_batched_prompts_number_choices_prompt_major(server: tuple[str, AsyncEngine], offline: LLM) -> None:

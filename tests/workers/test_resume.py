@@ -109,6 +109,41 @@ def test_resume_with_a_stop_string_cut_at_its_first_characters(model_dir: Path) 
         assert rest[-1].outputs[0].stop_reason == stop
 
 
+def test_deltas_never_hand_out_the_start_of_a_stop_string(model_dir: Path) -> None:
+    """A stop string over two tokens' text: the first token's part of it must not go out
+    in a delta before the second shows it is a stop string (a delta cannot be taken back).
+    The deltas add up to what the request's final output says (the text before the stop
+    string), as OpenAI and vLLM answer, and every token still goes out as it comes."""
+    free = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    plain = deltas(engine(model_dir), PROMPT, free)
+    pieces = [o.outputs[0].text for o in plain]
+    full = "".join(pieces)
+    tried = 0
+    for k in range(1, len(pieces) - 1):
+        before = "".join(pieces[: k + 1])
+        stop = before[-2:] + pieces[k + 1][:2]  # two characters of token k's text, two of k+1's
+        if len(pieces[k]) < 2 or len(pieces[k + 1]) < 2 or full.find(stop) != len(before) - 2:
+            continue
+        params = dataclasses.replace(free, stop=[stop])
+        want = full[: full.find(stop)]
+        final = LLM(str(model_dir), max_model_len=512, num_kv_blocks=128, progress=False).generate(
+            [PROMPT], params)[0].outputs[0]
+        assert final.text == want and final.stop_reason == stop
+        got = deltas(engine(model_dir), PROMPT, params)
+        tokens, text, _ = flat(got)
+        assert text == want, f"stop {stop!r}: the deltas handed out {text!r}"
+        assert len(tokens) == k + 2 and got[-1].outputs[0].stop_reason == stop
+        # Held back is only what could start the stop string: never more than 3 characters.
+        sent = 0
+        for i, o in enumerate(got[:-1]):
+            sent += len(o.outputs[0].text)
+            assert sent >= len("".join(pieces[: i + 1])) - (len(stop) - 1)
+        tried += 1
+        if tried == 3:
+            break
+    assert tried, f"no two neighbouring tokens of two characters or more in {pieces!r}"
+
+
 def test_a_resume_that_cannot_be_right_is_refused(model_dir: Path) -> None:
     eng = engine(model_dir)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
