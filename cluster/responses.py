@@ -25,6 +25,7 @@ from pdserve.cluster.protocol import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
+    ChatDelta,
     ChatLogprobs,
     ChunkBody,
     ErrorBody,
@@ -62,6 +63,8 @@ class Choice:
     # With tools: its text is streamed as content (True), or held back until it ends because
     # it is (or may be) a tool call, sent then as `tool_calls` (False).
     content: bool = False
+    sent: int = 0  # with tools: characters of `text` streamed as content
+    held: tuple[list[int], Entries] | None = None  # with tools: logprobs of tokens not yet streamed
 
 
 @dataclass(frozen=True)
@@ -230,26 +233,43 @@ def _calls_finish(reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" else reason
 
 
-def tool_chunk_choice(choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
-    """What a chat stream with tools sends for delta `d` of `choice`: its content as it comes
-    once the answer cannot be a tool call; otherwise nothing until it ends, then the calls
-    (or, if it was no call after all, the whole text as content). None: nothing to send yet."""
+def tool_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
+    """What a chat stream with tools sends for delta `d` of `choice`. An answer that is (or
+    may still be) a tool call: nothing until it ends, then the calls (or, if it was no call
+    after all, its text as content). An "auto" answer in words: its content as it comes, up
+    to a call marker that may follow words (Hermes, Mistral: tool_calls.INLINE_MARKERS); from
+    there on it is held, as a call, to its end. Logprobs go with the chunk that sends their
+    tokens' text, or with the last. None: nothing to send yet."""
     plan = work.tools
     assert plan is not None
+    if d.scored is not None:
+        ids, entries = choice.held or ([], [])
+        choice.held = (ids + d.scored[0], entries + list(d.scored[1]))
     if not choice.content and plan.mode == "auto" and not plan.may_be_call(choice.text):
         choice.content = True  # an answer in words: the held text goes now, the rest as it comes
-        return {"index": d.index, "delta": {"content": choice.text}, "logprobs": None, "finish_reason": d.finish_reason}
-    if choice.content:
-        return {"index": d.index, "delta": {"content": d.text}, "logprobs": None, "finish_reason": d.finish_reason}
+    end = max(choice.sent, plan.words_end(choice.text, choice.sent)) if choice.content else 0
     if d.finish_reason is None:
-        return None
+        if not choice.content:
+            return None
+        piece, choice.sent = choice.text[choice.sent : end], end
+        return _tool_chunk(token_str, choice, d, {"content": piece}) if piece else None
     content, calls = plan.parse(choice.text)
     if not calls:
-        return {"index": d.index, "delta": {"content": choice.text}, "logprobs": None,
-                "finish_reason": d.finish_reason}
+        return _tool_chunk(token_str, choice, d, {"content": choice.text[choice.sent :]}, d.finish_reason)
     streamed: list[StreamedToolCall] = [{"index": i, **c} for i, c in enumerate(calls)]
-    return {"index": d.index, "delta": {"content": content, "tool_calls": streamed}, "logprobs": None,
-            "finish_reason": _calls_finish(d.finish_reason)}
+    # Streamed words go on to the call's marker; held from the start, the parse's content goes.
+    words = choice.text[choice.sent : end] if choice.content else content
+    return _tool_chunk(token_str, choice, d, {"content": words or None, "tool_calls": streamed},
+                       _calls_finish(d.finish_reason))
+
+
+def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,
+                finish_reason: str | None = None) -> ChatChunkChoice:
+    """One chunk of a stream with tools, with the logprobs of the tokens held so far."""
+    logprobs = None
+    if choice.held is not None:
+        logprobs, choice.held = _SHAPES[ApiKind.CHAT].logprobs(token_str, *choice.held), None
+    return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def usage_body(works: list[Work], choices: list[Choice]) -> Usage:
@@ -348,7 +368,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
                 delta = accumulate_delta(choices[i], work, out)
                 rm.output(out)
                 if work.tools is not None and work.tools.active:
-                    chunk = tool_chunk_choice(choices[i], work, delta)
+                    chunk = tool_chunk_choice(render.token_str, choices[i], work, delta)
                     if chunk is not None:
                         yield render.chunk([chunk])
                     continue

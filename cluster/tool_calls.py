@@ -31,6 +31,9 @@ Mode = Literal["none", "auto", "required", "named"]
 # What a streamed answer under "auto" may start with when it is a tool call: held back (not
 # streamed as content) while the text so far could be the start of one of these.
 CALL_MARKERS = ("<tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{")
+# The formats whose calls may follow words (Hermes, Qwen2.5 and Qwen3 after their thinking,
+# Mistral): a streamed answer in words is watched for these to its end.
+INLINE_MARKERS = ("<tool_call>", "[TOOL_CALLS]")
 # Calls one "required" answer may hold: the grammar's array ends by then. Unbounded, a small model
 # can repeat calls until max_tokens cuts the array short (SmolLM2: 2 of 100 answers did at 400
 # tokens, bench/structured_served.py), and a cut-short array is no call at all.
@@ -133,6 +136,20 @@ class ToolPlan:
         """Whether a streamed "auto" answer that begins with `text` may still be a tool call."""
         head = text.lstrip()
         return any(head.startswith(m) or m.startswith(head) for m in CALL_MARKERS)
+
+    @staticmethod
+    def words_end(text: str, start: int = 0) -> int:
+        """How much of a streamed "auto" answer in words is words for sure: up to the first
+        call marker in it (INLINE_MARKERS; none starts before `start`, what was judged words
+        already), else all but a last few characters that may be the start of one."""
+        found = [i for m in INLINE_MARKERS if (i := text.find(m, start)) >= 0]
+        if found:
+            return min(found)
+        longest = max(len(m) for m in INLINE_MARKERS) - 1
+        for k in range(min(longest, len(text) - start), 0, -1):
+            if any(m.startswith(text[-k:]) for m in INLINE_MARKERS):
+                return len(text) - k
+        return len(text)
 
 
 def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]] | None:

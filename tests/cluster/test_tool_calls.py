@@ -95,6 +95,23 @@ def test_tool_choice_none_and_auto_on_a_model_that_makes_no_calls_answer_in_text
         assert resp.choices[0].message.tool_calls is None and resp.choices[0].finish_reason == "length"
 
 
+def test_a_stream_with_tools_carries_the_logprobs_the_whole_answer_has(url: str) -> None:
+    """Tools make `auto` the default; a streamed answer in words still reports each token's
+    logprobs (they go with the chunk that sends the token's text), as the whole one does."""
+    c = client(url)
+    kwargs: dict[str, Any] = dict(model="tiny", messages=ASK, tools=TOOLS, max_tokens=12, temperature=0,
+                                  logprobs=True, top_logprobs=2)
+    whole = c.chat.completions.create(**kwargs).choices[0]
+    assert whole.message.tool_calls is None and whole.logprobs is not None and whole.logprobs.content
+    chunks = list(c.chat.completions.create(stream=True, **kwargs))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs is not None
+                for e in ch.choices[0].logprobs.content or []]
+    assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in whole.logprobs.content], abs=1e-4)
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs]
+                                                                     for e in whole.logprobs.content]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
     ({"tools": [{"type": "retrieval"}]}, "tools"),
@@ -179,12 +196,22 @@ class Scripted(FakeBackend):
                                                                             "stop" if last else None)], last)
 
 
-@pytest.mark.parametrize(("text", "calls"), [
-    ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', 1),
-    ("Sunny, 21 degrees.", 0),
-])
+HERMES_CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+@pytest.mark.parametrize(("text", "calls", "words"), [
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>', 1, ""),
+    ("Sunny, 21 degrees.", 0, "Sunny, 21 degrees."),
+    ("Is a < b? Then [TOOL maybe.", 0, "Is a < b? Then [TOOL maybe."),  # marker-like words are words
+    ("Let me check the time.\n" + HERMES_CALL, 1, "Let me check the time.\n"),  # Hermes after words
+    ("<think>\nThe user wants the time.\n</think>\n\n" + HERMES_CALL, 1,  # Qwen3 thinks first
+     "<think>\nThe user wants the time.\n</think>\n\n"),
+    ('Checking. [TOOL_CALLS][{"name": "get_time", "arguments": {"zone": "UTC"}}]', 1, "Checking. "),  # Mistral
+], ids=["call", "words", "marker-like-words", "words-then-hermes", "qwen3-think", "words-then-mistral"])
 def test_auto_streams_words_as_they_come_and_calls_whole(make_model: Callable[[TinyModelSpec], Path], text: str,
-                                                         calls: int) -> None:
+                                                         calls: int, words: str) -> None:
+    """Streamed, words go as they come, and a call after them still comes back as a call:
+    what the whole (non-streamed) answer says, as vLLM's streaming parsers do."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2,
@@ -193,15 +220,19 @@ def test_auto_streams_words_as_they_come_and_calls_whole(make_model: Callable[[T
     with serve_gateway(gw) as base:
         chunks = list(client(base).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, stream=True,
                                                            max_tokens=100))
+        whole = client(base).chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, max_tokens=100)
     deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
     got = [tc for d in deltas for tc in d.tool_calls or []]
-    assert len(got) == calls
+    assert len(got) == calls == len(whole.choices[0].message.tool_calls or [])
     content = [d.content for d in deltas if d.content]
+    assert "".join(content) == words
+    if words:
+        assert len(content) > 1  # streamed, not held to the end
     if calls:
         assert got[0].function.name == "get_time" and json.loads(got[0].function.arguments) == {"zone": "UTC"}
-        assert chunks[-1].choices[0].finish_reason == "tool_calls" and not content
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" == whole.choices[0].finish_reason
+        assert (whole.choices[0].message.content or "") == words.strip()
     else:
-        assert "".join(content) == text and len(content) > 1  # streamed, not held to the end
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
