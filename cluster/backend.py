@@ -282,9 +282,9 @@ class TokenStreams:
                 retry = self.collector.next_attempt(req.request_id)
                 req = dataclasses.replace(req, attempt=retry.attempt, resume=retry.resume,
                                           timeout_s=max(retry.remaining_s, 1e-3))
-                self.stats.migrations += 1
-                self.stats.resumed_tokens += req.offset
                 where.append(await self._place(req, place, where[-1], time.monotonic() + req.timeout_s))
+                self.stats.migrations += 1  # counted once it has somewhere to go
+                self.stats.resumed_tokens += req.offset
 
     async def _place(self, req: ServeRequest, place: Place, failed: Placement | None, deadline: float) -> Placement:
         """`place(req, failed)`, waiting while no worker can take it, up to `worker_wait_s`

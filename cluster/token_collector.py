@@ -253,6 +253,13 @@ class TokenStreamCollector:
                 # Broken after its final delta was handed on: nothing was lost, the try is over
                 # and its call returns in a moment. Moving it would run it again for no one.
                 await asyncio.wait({rpc}, timeout=life.remaining())
+            if entry.finished.is_set():
+                # Every token was handed on: the try delivered, whatever its call says (a worker
+                # that died, or was given up, just after its final delta). A next try would
+                # run for a request that is over, and nothing would stop it.
+                if rpc.done() and not rpc.cancelled():
+                    rpc.exception()  # seen
+                return
             if rpc.done():
                 rpc.result()  # its own outcome first, even if the stream broke meanwhile
             elif broken.done() and not entry.finished.is_set():

@@ -24,6 +24,7 @@ import contextlib
 import logging
 import os
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
@@ -93,8 +94,10 @@ class WorkerChannel:
         self._tag_address = ""  # what the tags are bound to: the inbox and its process's life
         self._life = 0  # counts connects and losses: what was learnt of one life is not the next's
         self._connecting: asyncio.Task[None] | None = None
-        # Set by `fail_tries` while a connect runs: what the tries waiting on it fail with.
-        self._connect_given_up: Callable[[], BaseException] | None = None
+        # A connect stopped by `fail_tries` or `discard`: what the tries waiting on it fail with
+        # (kept with that connect: a next one may start before they wake).
+        self._stopped_connects: weakref.WeakKeyDictionary[asyncio.Task[None], Callable[[], BaseException]] = (
+            weakref.WeakKeyDictionary())
         self._poller: asyncio.Task[None] | None = None
         self._tries: dict[tuple[str, int], _Try] = {}
         self._unconfirmed: collections.deque[tuple[tuple[str, int], _Try]] = collections.deque()  # in sending order
@@ -171,17 +174,15 @@ class WorkerChannel:
         for t in self._tries.values():
             if not t.fut.done():
                 t.fut.set_exception(error())
-        if self._connecting is not None and not self._connecting.done():
-            self._connect_given_up = error
-            self._connecting.cancel()
+        self._stop_connect(error)
 
     def discard(self) -> None:
         """Stop at once (the worker's handle was replaced): the tries still on it fail as
         on its death, and nothing more is sent or polled."""
         self._closed = True
-        for task in (self._poller, self._connecting):
-            if task is not None:
-                task.cancel()
+        if self._poller is not None:
+            self._poller.cancel()
+        self._stop_connect(RayActorError)
         self._lost()
 
     async def close(self) -> None:
@@ -198,7 +199,6 @@ class WorkerChannel:
             if self._closed:
                 raise RuntimeError("the gateway is closing")
             if self._connecting is None:
-                self._connect_given_up = None
                 self._connecting = asyncio.create_task(self._open())
                 # Seen even when every caller left (their clients gone) before it ended.
                 self._connecting.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -208,10 +208,16 @@ class WorkerChannel:
                 await asyncio.shield(connecting)
             except asyncio.CancelledError:
                 me = asyncio.current_task()
-                given_up = self._connect_given_up
-                if given_up is None or not connecting.cancelled() or (me is not None and me.cancelling()):
+                if not connecting.cancelled() or (me is not None and me.cancelling()):
                     raise  # this caller was cancelled, not the connect
-                raise given_up() from None
+                raise self._stopped_connects.get(connecting, RayActorError)() from None
+
+    def _stop_connect(self, error: Callable[[], BaseException]) -> None:
+        """Stop a connect under way; the tries waiting on it fail with `error()`."""
+        task = self._connecting
+        if task is not None and not task.done():
+            self._stopped_connects[task] = error
+            task.cancel()
 
     async def _open(self) -> None:
         try:

@@ -548,3 +548,89 @@ def test_a_placed_try_is_aborted_by_its_own_number_before_its_call_runs(mode: st
 
     asyncio.run(place())
     assert sent and all(attempt == 2 for _, _, attempt in sent), sent
+
+
+def _final_delta(rid: str, offset: int, tokens: tuple[int, ...], attempt: int, final: bool) -> Any:
+    from pdserve.workers.messages import TokenDelta
+
+    return TokenDelta(rid, offset, tokens, "x" * len(tokens), "length" if final else None, None, None, 0, None,
+                      None, None, None, attempt)
+
+
+def test_a_worker_lost_just_after_its_final_delta_starts_no_next_try() -> None:
+    """The worker's final delta is handed on in the same moment its call fails (the worker
+    died, or was given up, right after sending it): the client has every token, so the
+    request is over; a next try would run on another worker for no one (nothing aborts a
+    request that finished), holding its blocks to max_tokens or the deadline."""
+    from pdserve.cluster.backend import TokenStreams
+
+    started: list[int] = []
+
+    async def main() -> list[int]:
+        streams = TokenStreams("127.0.0.1")
+        coll = streams.collector
+
+        class Dies:
+            async def call(self, req: Any) -> None:
+                started.append(req.attempt)
+                entry = coll._open[req.request_id]
+                coll._accept(entry, _final_delta(req.request_id, 0, (1, 2), 0, False))
+                await asyncio.sleep(0.05)
+                loop = asyncio.get_running_loop()  # the reader hands the final delta on in this turn
+                loop.call_soon(coll._accept, entry, _final_delta(req.request_id, 2, (3,), 0, True))
+                raise RayActorError()
+
+            def abort(self, request_id: str) -> None:
+                pass
+
+        class Next(Dies):
+            async def call(self, req: Any) -> None:
+                started.append(req.attempt)  # (a channel's run returns at once: `finished` is set)
+
+        tries = iter([Dies(), Next()])
+        try:
+            req = streams.request("g", [7, 8], SamplingParams(max_tokens=3), 10.0)
+            tokens: list[int] = []
+            async for out in streams.run(req, lambda r, failed: next(tries)):
+                tokens += out.outputs[0].token_ids
+                await asyncio.sleep(0.2)  # the client takes a moment to read each chunk
+            await asyncio.sleep(0.1)
+            assert streams.stats.migrations == 0
+            return tokens
+        finally:
+            await streams.close()
+
+    assert asyncio.run(main()) == [1, 2, 3]
+    assert started == [0], "a try was started after the request finished"
+
+
+def test_a_move_that_finds_no_worker_is_not_counted_as_a_migration() -> None:
+    from pdserve.cluster.backend import TokenStreams
+
+    async def main() -> None:
+        streams = TokenStreams("127.0.0.1", worker_wait_s=0.2)
+        started: list[int] = []
+
+        class Dies:
+            async def call(self, req: Any) -> None:
+                started.append(req.attempt)
+                raise RayActorError()
+
+            def abort(self, request_id: str) -> None:
+                pass
+
+        def place(req: Any, failed: Any) -> Any:
+            if failed is None and not started:
+                return Dies()
+            raise NoHealthyWorkerError("colocated")
+
+        req = streams.request("g", [7, 8], SamplingParams(max_tokens=3), 10.0)
+        try:
+            with pytest.raises(NoHealthyWorkerError):
+                async for _ in streams.run(req, place):
+                    pass
+        finally:
+            await streams.close()
+        assert started == [0] and streams.stats.migrations == 0 and streams.stats.resumed_tokens == 0
+
+    asyncio.run(main())

@@ -641,3 +641,56 @@ def test_a_caller_cancelled_while_connecting_leaves_the_others_connect_alone() -
             svc.inbox.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_a_connect_begun_right_after_a_give_up_leaves_the_waiters_error(depth: int) -> None:
+    """A try starts connecting a loop turn or two after the give-up stopped the connect, before
+    the stopped connect's waiters woke: they still fail with the give-up's error (moved on by
+    the gateway), not with a bare cancellation (a 500 for their clients)."""
+
+    async def main() -> None:
+        svc = _Stopped(hang)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        loop = asyncio.get_running_loop()
+        late: list[asyncio.Task[None]] = []
+
+        def start(n: int) -> None:
+            if n:
+                loop.call_soon(start, n - 1)
+            else:
+                late.append(asyncio.create_task(channel.run(request(rid="late"), asyncio.Event())))
+
+        try:
+            waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(2)]
+            await _eventually(lambda: svc.infos == 1)
+            channel.fail_tries(lambda: StreamLostError("given up: stalled"))
+            loop.call_soon(start, depth)
+            for t in waiting:
+                with pytest.raises(StreamLostError, match="stalled"):
+                    await asyncio.wait_for(t, 2)
+        finally:
+            for t in late:
+                t.cancel()
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
+
+
+def test_a_channel_discarded_while_it_connects_fails_its_waiters_as_on_a_death() -> None:
+    async def main() -> None:
+        svc = _Stopped(hang)
+        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        try:
+            waiting = asyncio.create_task(channel.run(request(), asyncio.Event()))
+            await _eventually(lambda: svc.infos == 1)
+            channel.discard()
+            with pytest.raises(RayActorError):
+                await asyncio.wait_for(waiting, 2)
+            assert not waiting.cancelled()
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
