@@ -65,6 +65,7 @@ class Choice:
     content: bool = False
     sent: int = 0  # with tools: characters of `text` streamed as content
     held: tuple[list[int], Entries] | None = None  # with tools: logprobs of tokens not yet streamed
+    streamed_chars: int = 0  # characters its stream carried so far (echo included)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,8 @@ class Delta:
     text: str
     finish_reason: str | None
     scored: tuple[list[int], Entries] | None  # (tokens, their logprob entries) when logprobs were asked for
+    top_n: int = 0  # the top logprobs asked for a token (chat's `top_logprobs`)
+    offset: int = 0  # characters the choice's stream carried before this delta (completions' text_offset)
 
 
 class ApiKind(Enum):
@@ -109,7 +112,10 @@ class WireShape(ABC):
     def delta(self, d: Delta, logprobs: Logprobs | None) -> TextChoice | ChatChunkChoice: ...
 
     @abstractmethod
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> Logprobs: ...
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries, top_n: int,
+                 offset: int = 0) -> Logprobs:
+        """`entries`: the engine's, each the top `top_n` and the sampled token; `offset`: the
+        characters of the choice's text before the first token."""
 
 
 class _CompletionShape(WireShape):
@@ -122,12 +128,19 @@ class _CompletionShape(WireShape):
     def delta(self, d: Delta, logprobs: Logprobs | None) -> TextChoice:
         return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> TextLogprobs:
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries, top_n: int,
+                 offset: int = 0) -> TextLogprobs:
+        # The legacy shape keeps the sampled token among the top ones (vLLM's, and OpenAI's did).
+        tokens = [token_str(t) for t in token_ids]
+        offsets = []
+        for tok in tokens:  # each token's first character in the choice's text
+            offsets.append(offset)
+            offset += len(tok)
         return {
-            "tokens": [token_str(t) for t in token_ids],
+            "tokens": tokens,
             "token_logprobs": [None if e is None else e.get(t) for t, e in zip(token_ids, entries)],
             "top_logprobs": [None if e is None else {token_str(t): lp for t, lp in e.items()} for e in entries],
-            "text_offset": [],
+            "text_offset": offsets,
         }
 
 
@@ -147,14 +160,24 @@ class _ChatShape(WireShape):
     def delta(self, d: Delta, logprobs: Logprobs | None) -> ChatChunkChoice:
         return {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": d.finish_reason}
 
-    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries) -> ChatLogprobs:
+    def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries, top_n: int,
+                 offset: int = 0) -> ChatLogprobs:
         content: list[TokenLogprob] = []
         for tok, entry in zip(token_ids, entries):
             scores = entry or {}  # never None: a chat request does not echo its prompt
-            top = sorted(scores.items(), key=lambda kv: -kv[1])
-            content.append({"token": token_str(tok), "logprob": scores.get(tok, 0.0), "bytes": None,
-                            "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": None} for t, lp in top]})
+            # Exactly `top_logprobs` of them (none by default), as OpenAI and vLLM answer: the
+            # engine's entry adds the sampled token when it is not among them.
+            top = sorted(scores.items(), key=lambda kv: -kv[1])[:top_n]
+            text = token_str(tok)
+            content.append({"token": text, "logprob": scores.get(tok, 0.0), "bytes": _utf8(text),
+                            "top_logprobs": [{"token": (t_text := token_str(t)), "logprob": lp, "bytes": _utf8(t_text)}
+                                             for t, lp in top]})
         return {"content": content}
+
+
+def _utf8(text: str) -> list[int]:
+    """A token's `bytes`: its text's UTF-8 (a byte the token splits off a character shows as U+FFFD)."""
+    return list(text.encode("utf-8", errors="replace"))
 
 
 _SHAPES: dict[ApiKind, WireShape] = {ApiKind.COMPLETION: _CompletionShape(), ApiKind.CHAT: _ChatShape()}
@@ -202,7 +225,9 @@ def accumulate_delta(choice: Choice, work: Work, out: RequestOutput) -> Delta:
         new = out.prompt_logprobs
         ids, entries = work.prompt_ids[already : already + len(new)] + ids, list(new) + entries
     finish = choice.finish_reason if c.finish_reason is not None else None
-    return Delta(choice.index, text, finish, (ids, entries) if work.params.logprobs is not None else None)
+    offset, choice.streamed_chars = choice.streamed_chars, choice.streamed_chars + len(text)
+    return Delta(choice.index, text, finish, (ids, entries) if work.params.logprobs is not None else None,
+                 work.params.logprobs or 0, offset)
 
 
 # -- rendering -------------------------------------------------------------------
@@ -218,7 +243,8 @@ def _reported(work: Work, c: Choice) -> tuple[list[int], Entries]:
 
 def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> TextChoice | ChatChoice:
     shape = kind.shape
-    logprobs = shape.logprobs(token_str, *_reported(work, c)) if work.params.logprobs is not None else None
+    logprobs = shape.logprobs(token_str, *_reported(work, c), work.params.logprobs or 0) \
+        if work.params.logprobs is not None else None
     if work.tools is not None and work.tools.active:
         content, calls = work.tools.parse(c.text)
         if calls:
@@ -268,7 +294,7 @@ def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,
     """One chunk of a stream with tools, with the logprobs of the tokens held so far."""
     logprobs = None
     if choice.held is not None:
-        logprobs, choice.held = _SHAPES[ApiKind.CHAT].logprobs(token_str, *choice.held), None
+        logprobs, choice.held = _SHAPES[ApiKind.CHAT].logprobs(token_str, *choice.held, d.top_n), None
     return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
@@ -320,7 +346,7 @@ class ChunkRenderer:
 
     def delta(self, d: Delta) -> str:
         shape = self.kind.shape
-        logprobs = None if d.scored is None else shape.logprobs(self.token_str, *d.scored)
+        logprobs = None if d.scored is None else shape.logprobs(self.token_str, *d.scored, d.top_n, d.offset)
         return self.chunk([shape.delta(d, logprobs)])
 
 

@@ -174,9 +174,37 @@ def test_echo_with_logprobs_scores_the_prompt(server: tuple[str, AsyncEngine], o
     chunks = [ch.choices[0] for ch in stream if ch.choices]
     assert chunks[0].text.startswith(prompt)
     assert [x for ch in chunks for x in ch.logprobs.token_logprobs] == lp.token_logprobs
+    # text_offset: each reported token's first character in the choice's text, streamed or not.
+    starts = [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert lp.text_offset == starts
+    assert [x for ch in chunks for x in ch.logprobs.text_offset] == starts
     r = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+@pytest.mark.parametrize("top", [None, 0, 1, 3])
+def test_chat_logprobs_report_exactly_the_top_asked_for_with_bytes(server: tuple[str, AsyncEngine], top: int | None,
+                                                                  ) -> None:
+    """OpenAI's chat logprobs: `top_logprobs` entries per token, exactly as many as asked (none
+    without it), each token with its UTF-8 `bytes`; sampled (here at a high temperature) the
+    token itself is often not among them. Streamed the same."""
+    url, _ = server
+    kwargs: dict[str, Any] = dict(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                                  temperature=1.5, seed=3, logprobs=True)
+    if top is not None:
+        kwargs["top_logprobs"] = top
+    whole = client(url).chat.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(client(url).chat.completions.create(stream=True, **kwargs))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert whole is not None and len(whole.content) == 12
+    for entries in (whole.content, streamed):
+        assert [len(e.top_logprobs) for e in entries] == [top or 0] * 12
+        for e in entries:
+            assert e.bytes == list(e.token.encode("utf-8"))
+            assert all(t.bytes == list(t.token.encode("utf-8")) for t in e.top_logprobs)
+            lps = [t.logprob for t in e.top_logprobs]
+            assert lps == sorted(lps, reverse=True)
 
 
 def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
