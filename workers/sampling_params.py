@@ -100,6 +100,14 @@ class SamplingParams:
         elif self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
             raise ValueError("structured_outputs: must be StructuredOutputs or an object of its fields")
         self._validate()
+        if self.temperature == 0.0:
+            # Greedy takes the argmax: top-k, top-p and min-p mean nothing to it (vLLM resets them
+            # too). Left set, a greedy row batched with sampled ones had them cut its logits before
+            # its grammar's check masked what was left, and a cut that kept no allowed token
+            # failed the request.
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", 0)
+            object.__setattr__(self, "min_p", 0.0)
 
     def with_output_kind(self, kind: RequestOutputKind) -> SamplingParams:
         return self if self.output_kind is kind else dataclasses.replace(self, output_kind=kind)

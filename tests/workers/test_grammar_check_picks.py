@@ -145,3 +145,20 @@ def test_a_pick_taken_for_a_step_never_appended_does_not_move_the_grammar(llm: L
     moved = fresh()
     moved.accept(token)
     assert mask_of(state) == mask_of(moved) != start
+
+
+@pytest.mark.parametrize("cut", [{"top_k": 1}, {"top_p": 0.3}, {"min_p": 0.9}])
+def test_a_greedy_grammar_row_beside_a_sampled_one_ignores_its_top_k_top_p_min_p(llm: LLM,
+                                                                                  cut: dict[str, Any]) -> None:
+    """Greedy takes the argmax (vLLM resets top_k, top_p and min_p for it). Batched with a
+    sampled request, a greedy row with a grammar and a top_k/top_p cut was cut before its
+    grammar's check masked it, and a cut that left no allowed token failed the request."""
+    so = {"regex": "[0-9]{3}-[0-9]{3}"}
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=so, **cut)
+    sampled = SamplingParams(temperature=1.0, seed=3, max_tokens=20, ignore_eos=True)
+    alone = llm.generate(["hello world, my number is"], [SamplingParams(temperature=0.0, max_tokens=20,
+                                                                          structured_outputs=so)])[0].outputs[0]
+    both = llm.generate(["hello world, my number is", "the cat sat on"], [greedy, sampled])
+    got = both[0].outputs[0]
+    assert (got.text, got.finish_reason) == (alone.text, "stop")
+    assert len(both[1].outputs[0].token_ids) == 20
