@@ -617,9 +617,14 @@ class LLMEngine:
             req.logprobs.append(entry)
             req.cumulative_logprob += entry.get(token, 0.0)
         may_stop = req.num_output_tokens >= req.params.min_tokens
-        stop_str = req.detok.add(token, may_stop) if req.detok is not None else None
+        stop_token = may_stop and token in req.stop_token_ids
+        stop_str = None
+        if req.detok is not None and (not stop_token or req.params.include_stop_str_in_output):
+            # A stop token's (EOS's) text is left out of the output, as vLLM leaves it, unless
+            # include_stop_str_in_output; the token itself is among the output's tokens.
+            stop_str = req.detok.add(token, may_stop)
         if may_stop:
-            if token in req.stop_token_ids:
+            if stop_token:
                 req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
                 return FinishReason.STOP
             if stop_str is not None:

@@ -165,6 +165,12 @@ def test_stop_token_ids_and_min_tokens(model_dir: Path) -> None:
                                                 stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # Its text is not in the output (vLLM's), unless include_stop_str_in_output.
+    tok = llm.tokenizer
+    assert out.text == tok.decode(full.token_ids[:first]) != tok.decode(full.token_ids[: first + 1])
+    kept = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
+                                                 stop_token_ids=[stop_id], include_stop_str_in_output=True))[0]
+    assert kept.outputs[0].text == tok.decode(full.token_ids[: first + 1])
     # min_tokens forbids the stop token until that many tokens exist.
     out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                                                 stop_token_ids=[stop_id], min_tokens=first + 2))[0].outputs[0]
