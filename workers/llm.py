@@ -13,7 +13,7 @@ from tqdm import tqdm
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import is_one_prompt, prompt_of
-from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 
 # vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
@@ -62,29 +62,32 @@ class LLM:
         params = _broadcast_params(sampling_params, len(batch))
         for p, sp in zip(batch, params):
             self.engine.validate(p, sp)
-        order: dict[str, int] = {}
+        order: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
         for i, (p, sp) in enumerate(zip(batch, params)):
             for j in range(sp.n):
                 rid = f"{next(self._ids)}"
-                order[rid] = i
+                order[rid] = (i, j)
                 self.engine.add_request(rid, p, _child_params(sp, j))
         return self._run(order, len(batch), use_tqdm)
 
-    def _run(self, order: dict[str, int], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts
+        samples: list[dict[int, CompletionOutput]] = [{} for _ in range(num_prompts)]
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, file=sys.stderr)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if not out.finished:
                     continue
                 bar.update(1)
-                i = order[out.request_id]
+                i, j = order[out.request_id]
                 if results[i] is None:
                     results[i] = out
-                else:  # another of the n samples of the same prompt
-                    out.outputs[0].index = len(results[i].outputs)  # type: ignore[union-attr]
-                    results[i].outputs.extend(out.outputs)  # type: ignore[union-attr]
+                samples[i][j] = out.outputs[0]
         bar.close()
+        for r, got in zip(results, samples):
+            if r is not None:
+                # Sample j (seed + j when seeded) is index j, as vLLM numbers them, whichever finished first.
+                r.outputs = [dataclasses.replace(got[j], index=j) for j in sorted(got)]
         return [r for r in results if r is not None]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -204,6 +205,14 @@ def test_n_samples_per_prompt(model_dir: Path) -> None:
     assert [len(o.outputs) for o in outs] == [3, 3]
     assert sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
+    # Sample j is the request seeded seed + j, at index j (vLLM's numbering), whichever finishes
+    # first: here the last sample stops on its second token, before the others.
+    stop = dataclasses.replace(params, stop_token_ids=[outs[0].outputs[2].token_ids[1]])
+    got = llm.generate(random_prompts([10]), stop)[0].outputs
+    assert [c.index for c in got] == [0, 1, 2] and len(got[2].token_ids) == 2
+    for j, c in enumerate(got):
+        alone = llm.generate(random_prompts([10]), dataclasses.replace(stop, n=1, seed=5 + j))[0].outputs[0]
+        assert c.token_ids == alone.token_ids, f"sample {j}"
 
 
 def test_chunked_prefill_matches_one_shot_prefill(model_dir: Path) -> None:
