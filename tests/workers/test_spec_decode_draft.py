@@ -87,18 +87,33 @@ def test_sampled_drafts_of_a_draft_model_keep_the_targets_distribution(model_dir
 
 def test_the_target_as_its_own_sampling_draft_is_always_accepted(model_dir: Path) -> None:
     """q = p when the draft is the target: every sampled draft is accepted (an
-    argmax draft would be accepted only with probability p(argmax)). A seeded
-    request gives the same tokens alone and batched."""
+    argmax draft would be accepted only with probability p(argmax))."""
     ps = prompts(4)
     spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(model_dir),
                num_speculative_tokens=3, spec_max_batch_size=64, spec_token_cost=0.01)
-    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, ignore_eos=True, seed=3)
-    alone = spec.generate([ps[0]], params)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=40, ignore_eos=True)
+    spec.generate([ps[0]], params)
     st = spec.engine.stats
     assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens >= 0.98 * st.spec_draft_tokens
-    others = SamplingParams(temperature=0.7, max_tokens=40, ignore_eos=True)
-    batched = spec.generate(ps, [params, others, others, others])[0].outputs[0].token_ids
-    assert batched == alone
+
+
+@pytest.mark.parametrize("max_batch", [64, 2])
+def test_a_seeded_request_gives_the_same_tokens_alone_batched_and_without_speculation(
+        model_dir: Path, max_batch: int) -> None:
+    """A seed promises the same samples whatever else runs. How many drafts a request gets
+    depends on the batch (past `spec_max_batch_size` 2 here, none), and verification spends
+    a seeded row's draws otherwise than plain steps: so seeded sampled requests do not
+    speculate, and get the tokens of a run without speculation, alone or batched."""
+    ps = prompts(4)
+    spec = LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(model_dir),
+               num_speculative_tokens=3, spec_max_batch_size=max_batch, spec_token_cost=0.01)
+    plain = LLM(str(model_dir), max_model_len=512, progress=False)
+    params = SamplingParams(temperature=0.7, max_tokens=32, ignore_eos=True, seed=1234)
+    alone = spec.generate([ps[0]], params)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    batched = spec.generate([ps[1], ps[0], ps[2]], [others, params, others])[1].outputs[0].token_ids
+    want = plain.generate([ps[0]], params)[0].outputs[0].token_ids
+    assert alone == want and batched == want
 
 
 def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path,

@@ -123,10 +123,14 @@ class Speculator:
 
 
 def _may_draft(req: Request) -> bool:
-    """No drafts while the request is not at its last token, has opted out, or
-    sets a penalty (it depends on each position's history)."""
+    """No drafts while the request is not at its last token, has opted out, sets a
+    penalty (it depends on each position's history), or samples with a seed: verifying
+    drafts spends its seeded draws otherwise than plain steps do, and how many drafts a
+    request gets depends on the batch (its size, the measured price), so its tokens
+    would depend on what else runs, which a seed promises they do not."""
     p = req.params
-    return req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+            and (p.seed is None or p.temperature == 0.0))
 
 
 def _min_tokens_room(req: Request) -> int:
