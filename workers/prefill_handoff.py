@@ -108,8 +108,8 @@ class PrefillHandoff:
                              lambda error: self.sent(error, last=True), self.over)
 
     def unpin_all(self, _: Exit) -> None:
-        """Exit hook: the blocks of sends that never ran (skipped once the job ended) or whose
-        report has not come are let go. A send still reading them belongs to a transfer that is
+        """Exit hook: every send's blocks are let go. Finished, the transfer's verdict came, so
+        every byte was read. Otherwise a send still reading them belongs to a transfer that is
         over: the decode worker never gets its end marker, so it never decodes from them."""
         for key in list(self._pins):
             self._unpin(key)
@@ -151,7 +151,11 @@ class PrefillHandoff:
                 sender.send(transfer, layer, src_ids, dst_ids, wait_until)
 
         def done(error: TransferError | None) -> None:
-            self._ae.post(lambda: self._unpin(key))  # read (or failed): the blocks may go
+            # The send returned, but a backend may read the blocks until the transfer ends (NCCL
+            # gathers on its stream, ZeroMQ's I/O thread reads zero-copy frames: KVSender.send):
+            # they stay held until then (`unpin_all`, when the job ends), or go now if it failed.
+            if error is not None:
+                self._ae.post(lambda: self._unpin(key))
             self.sent(error, last=False)
 
         self.link.submit(transfer, send, self.job.life.deadline, done, self.over)

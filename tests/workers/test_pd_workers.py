@@ -315,6 +315,83 @@ def test_blocks_queued_to_send_survive_a_preemption_of_their_request(model_dir: 
     assert_no_blocks(p, d)
 
 
+class _LateReader:
+    """A KV sender as KVSender's contract allows: `send` only queues, the blocks are read at
+    `finish` (NCCL's gathers run later on their stream; ZeroMQ's I/O thread reads zero-copy
+    frames after the call)."""
+
+    def __init__(self, inner: InProcessSender) -> None:
+        self.inner, self.queued, self.lock = inner, {}, threading.Lock()
+
+    def send(self, transfer: str, layer: int, src: Any, dst: Any, deadline: float) -> None:
+        with self.lock:
+            self.queued.setdefault(transfer, []).append((layer, list(src), list(dst)))
+
+    def finish(self, transfer: str, deadline: float) -> Any:
+        with self.lock:
+            queued = self.queued.pop(transfer, [])
+        for layer, src, dst in queued:
+            self.inner.send(transfer, layer, src, dst, deadline)
+        return self.inner.finish(transfer, deadline)
+
+    def abort(self, transfer: str, reason: str) -> None:
+        with self.lock:
+            self.queued.pop(transfer, None)
+        self.inner.abort(transfer, reason)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def test_a_preempted_requests_sent_blocks_stay_held_until_its_transfer_ends(model_dir: Path) -> None:
+    """A send returned, but its backend reads the blocks later (until `finish`): if the request
+    is preempted meanwhile (KV pressure), its blocks must not go to another request before the
+    transfer ends, or the decode worker decodes from that request's KV. Here the request is
+    preempted once its first send returned, and every block that comes free is taken and
+    filled with garbage until its transfer ended: the answer is still the offline one."""
+    ps = prompts(1, 96, seed=10)  # three chunks of 32: the first chunk's blocks go while the rest computes
+    engines = [LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=32,
+                   progress=False).engine for _ in range(2)]
+    receiver = InProcessReceiver(engines[1].kv_caches)
+    sender = _LateReader(InProcessSender(engines[0].kv_caches, receiver))
+    d = DecodeWorker(engines[1], receiver, prefill_timeout_s=10.0).start()
+    p = PrefillWorker(engines[0], lambda addr: sender).start()  # type: ignore[arg-type,return-value]
+    _live.extend([p, d])
+    held: list[int] = []  # blocks "another request" holds (with garbage) until the end
+    preempted = threading.Event()
+    step = p.engine.step
+
+    seen = [0]  # steps begun since the first send returned
+
+    def gated_step() -> Any:
+        time.sleep(0.05)  # the link thread's send returns meanwhile
+        e = p.engine
+        req = e.scheduler.requests.get("a")
+        queued = next(iter(sender.queued.values()), [])
+        seen[0] += bool(queued)
+        # A step after the one that saw it: what the send's return posted to the engine thread has run.
+        if not preempted.is_set() and req is not None and req in e.scheduler.running and seen[0] >= 2:
+            first = set(queued[0][1])  # the blocks of the first send, not read yet
+            e.scheduler.running.remove(req)
+            e.scheduler._preempt(req)  # what the scheduler does to its last running request under pressure
+            taken = e.kv.pool.allocate(e.kv.pool.num_free)  # another request takes what came free
+            index = torch.tensor(taken)
+            for k, v in e.kv_caches:
+                k[index] = 1000.0
+                v[index] = -1000.0
+            held.extend(b for b in taken if b in first)
+            e.kv.pool.free(reversed([b for b in taken if b not in first]))
+            preempted.set()
+        return step()
+
+    p.engine.step = gated_step  # type: ignore[method-assign]
+    got = asyncio.run(asyncio.wait_for(serve_one(p, d, "a", ps[0], PARAMS), 60))
+    p.async_engine.post(lambda: p.engine.kv.pool.free(reversed(held)))
+    assert preempted.is_set()
+    assert got == expected(model_dir, ps, PARAMS)[0]
+    assert_no_blocks(p, d)
+
+
 def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Path) -> None:
     """The prefill worker publishes the first token when the prompt is done, not once the
     decode worker has verified the KV: with the end marker held back 3 s, the client has
