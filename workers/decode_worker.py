@@ -134,6 +134,11 @@ class DecodeWorker(RoleWorker):
             raise RequestTimeoutError(f"request {rid} passed its deadline here") from None
         if reservation is None:  # no room now: it queues and prefills here
             return lambda e, life: e.add_request(rid, prompt, req.params, life=life)
+        if _over(job):
+            # It ended while the blocks were reserved (an abort, the client gone): the prefill
+            # worker is not asked for a prompt nobody wants (its abort may have come first).
+            self._release(job)
+            return lambda e, life: None
         try:
             first, peer_left = await self._remote_prefill(job, req, reservation, peer), False
         except WorkerDrainingError:  # the prefill worker is changing role: no KV fault, the prompt is ours
@@ -143,7 +148,7 @@ class DecodeWorker(RoleWorker):
             return lambda e, life: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
         self._release(job)
-        if job.life.ended or job.ending is not None:
+        if _over(job):
             # It ended meanwhile (the engine died, an abort): nothing starts, and `finished`
             # raises the error that ended it, not a KV failure of the policy's.
             return lambda e, life: None
@@ -265,6 +270,11 @@ def _without_first_token(out: RequestOutput) -> RequestOutput | None:
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[],
                                                                  logprobs=[] if c.logprobs is not None else None)],
                                prompt_logprobs=None)
+
+
+def _over(job: Job) -> bool:
+    """Whether the job ended, or its end is on the way (an await may have seen it happen)."""
+    return job.life.ended or job.ending is not None
 
 
 def _key(job: Job) -> str:

@@ -392,6 +392,48 @@ def test_a_preempted_requests_sent_blocks_stay_held_until_its_transfer_ends(mode
     assert_no_blocks(p, d)
 
 
+def test_a_request_that_ends_as_its_blocks_are_reserved_sends_no_prefill_order(model_dir: Path) -> None:
+    """The gateway's abort lands just after the decode worker reserved the blocks: the prefill
+    worker is not asked to compute the prompt for no one (the abort meant for it may have come
+    before the order, where it found nothing to stop), and every block is free."""
+    p, d = make_pair(model_dir)
+    reserve = d._reserve
+
+    def reserve_then_aborted(e: Any, job: Any, req: ServeRequest, peer: Any) -> Any:
+        got = reserve(e, job, req, peer)
+        d.async_engine.abort(req.request_id)
+        return got
+
+    d._reserve = reserve_then_aborted  # type: ignore[method-assign]
+    orders: list[str] = []
+
+    class Peer(LocalPrefillPeer):
+        async def prefill(self, order: Any) -> Any:
+            orders.append(order.request.request_id)
+            return await super().prefill(order)
+
+    prompt = prompts(1, 70)[0]
+
+    async def run() -> BaseException | None:
+        collector = TokenStreamCollector()
+        try:
+            collector.open("x", prompt, 10.0)
+            try:
+                await d.handoff(ServeRequest("x", tuple(prompt), PARAMS, 10.0, collector.address), Peer(p))
+            except Exception as e:  # noqa: BLE001 - what the handoff ended with
+                return e
+            return None
+        finally:
+            await collector.close()
+
+    before = p.engine.stats.prompt_tokens_computed
+    error = asyncio.run(run())
+    assert error is not None and "abort" in type(error).__name__.lower(), repr(error)
+    assert orders == [] and p.engine.stats.prompt_tokens_computed == before
+    assert d.receiver.num_registered == 0
+    assert_no_blocks(p, d)
+
+
 def test_the_first_token_reaches_the_client_before_the_kv_verdict(model_dir: Path) -> None:
     """The prefill worker publishes the first token when the prompt is done, not once the
     decode worker has verified the KV: with the end marker held back 3 s, the client has
