@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 
 import torch
 
@@ -29,12 +30,14 @@ from pdserve.workers.engine import LLMEngine
 from pdserve.workers.handoff import FirstToken, PrefillOrder
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.outputs import RequestOutput
-from pdserve.workers.token_stream import TokenStreamPublisher
+from pdserve.workers.token_stream import GATEWAY_GONE_S, TokenStreamPublisher
 from pdserve.workers.transfer import streams
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import FailReason, KVSender, TransferError
 from pdserve.workers.transfer.recording import TransferRecorder
 from pdserve.workers.transfer.send_queue import SendQueue
+
+GONE_CHECK_S = 5.0  # how often the first tokens' publisher looks for gateways gone for good
 
 
 class FirstTokens:
@@ -44,11 +47,18 @@ class FirstTokens:
     def __init__(self, worker_id: str, secret: ClusterSecret | None) -> None:
         self._publisher = TokenStreamPublisher(f"{worker_id}-first", secret=secret)
         self._lock = threading.Lock()
+        self._next_gone_check = 0.0
 
     def send(self, address: str, delta: RequestOutput, attempt: int) -> None:
         with self._lock:
             self._publisher.add(address, delta, 0, attempt)
             self._publisher.flush()
+            now = time.monotonic()
+            if now >= self._next_gone_check:
+                # Every gateway that ever asked keeps a socket here: those gone for good (a
+                # replica replaced, its stream's port new) are closed, not reconnected for ever.
+                self._next_gone_check = now + GONE_CHECK_S
+                self._publisher.gone(GATEWAY_GONE_S)
 
     def close(self) -> None:
         with self._lock:

@@ -224,3 +224,29 @@ def test_a_worker_aborts_the_requests_of_a_gateway_that_is_gone(model_dir: Path)
         assert ae.num_orphans_aborted == 2 and ae.num_in_flight == 0
         assert ae.engine.kv.pool.num_used == 0 or ae.engine.config.enable_prefix_caching
         assert not ae.engine.has_unfinished_requests()
+
+
+def test_a_prefill_workers_first_token_sockets_to_gateways_gone_are_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each gateway a prefill worker sent a first token to kept a socket (and its reconnects)
+    for the worker's whole life: replaced replicas' token streams have new ports, so they
+    piled up. Those whose link stayed down past the grace are closed as first tokens go."""
+    import socket
+
+    from pdserve.workers import prefill_handoff
+
+    monkeypatch.setattr(prefill_handoff, "GATEWAY_GONE_S", 0.2)
+    monkeypatch.setattr(prefill_handoff, "GONE_CHECK_S", 0.0)
+    ports = []
+    for _ in range(3):
+        with socket.socket() as s:  # a port nothing listens on: a gateway gone
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    first = prefill_handoff.FirstTokens("p", None)
+    try:
+        for port in ports:
+            first.send(f"tcp://127.0.0.1:{port}", output("r", [5], "a"), 0)
+        time.sleep(0.4)
+        first.send(f"tcp://127.0.0.1:{ports[0]}", output("r2", [5], "a"), 0)  # the check runs as one goes
+        assert len(first._publisher._sockets) <= 1  # only the one just opened again
+    finally:
+        first.close()
