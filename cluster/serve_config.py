@@ -252,6 +252,13 @@ class ServeConfig:
             if self.max_connections_per_client > self.max_connections:
                 raise ValueError(f"max_connections_per_client: {self.max_connections_per_client} is over "
                                  f"max_connections ({self.max_connections})")
+        if 0 < self.stall_timeout < 4 * self.load_poll_interval:
+            # A disaggregated worker is heard from once a poll: polled this seldom, a busy
+            # worker would go unheard for the timeout on every cycle, be taken for hung,
+            # and be restarted again and again.
+            raise ValueError(f"load_poll_interval: {self.load_poll_interval:g} s leaves stall_timeout "
+                             f"({self.stall_timeout:g} s) under four polls; poll more often, or raise the "
+                             "stall timeout (0 turns the watch off)")
         if self.gateway_replicas is not None and self.gateway_replicas > self.max_in_flight:
             raise ValueError(f"gateway_replicas: {self.gateway_replicas} replicas cannot share max_in_flight "
                              f"{self.max_in_flight} (each admits at least one request)")

@@ -45,7 +45,16 @@ _BUILDER_ARGS = {"engine_args", "worker_timeout_s", "wait_for_gpus_s", *_KEY_ARG
 _ELSEWHERE = {"host": "http_options.host in the Serve config", "port": "http_options.port in the Serve config",
               "haproxy_metrics_port": "RAY_SERVE_HAPROXY_METRICS_PORT in the environment of `ray start`",
               "haproxy_stats_port": "RAY_SERVE_HAPROXY_STATS_PORT in the environment of `ray start`",
-              "haproxy_fallback_port": "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT in the environment of `ray start`"}
+              "haproxy_fallback_port": "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT in the environment of `ray start`",
+              "max_connections": "RAY_SERVE_HAPROXY_MAXCONN in the environment of `ray start`",
+              "ingress": "RAY_SERVE_ENABLE_HA_PROXY in the environment of `ray start`",
+              # What `pdserve serve` writes into the HAProxy it starts on local Ray (cluster/ingress.py).
+              **dict.fromkeys(("max_connections_per_client", "header_timeout", "keep_alive_timeout"),
+                              "nothing here: `pdserve serve` sets it in the HAProxy it starts on local Ray; "
+                              "a `ray start` cluster's HAProxy runs Ray Serve's own config"),
+              # What `pdserve serve` does to the processes of the local Ray it starts.
+              **dict.fromkeys(("cpu_pinning", "control_plane_nice"),
+                              "nothing here: `pdserve serve` applies it to the local Ray it starts")}
 
 _WORKER_NAME = re.compile(r"pdserve-(worker|prefill|decode)-\d+")
 
@@ -71,7 +80,8 @@ def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
         raise ValueError(f"args: must be a mapping, got {type(args).__name__}")
     for key in args:
         if key in _ELSEWHERE:
-            raise ValueError(f"{key}: not an application arg under Ray Serve; set {_ELSEWHERE[key]}")
+            raise ValueError(f"{key}: not an application arg under Ray Serve (it would be ignored); "
+                             f"set {_ELSEWHERE[key]}")
         if key not in SERVE_SETTINGS and key not in ENGINE_SETTINGS and key not in _BUILDER_ARGS:
             known = sorted({*SERVE_SETTINGS, *ENGINE_SETTINGS, *_BUILDER_ARGS})
             raise ValueError(f"{key}: unknown arg (known: {', '.join(known)})")

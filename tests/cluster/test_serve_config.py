@@ -73,3 +73,12 @@ def test_the_planner_is_made_where_the_config_is_and_travels_with_it(tmp_path: P
     there = pickle.loads(pickle.dumps(cfg))
     assert there == cfg and there.slo == ("ttft:500",)
     assert there.planner is not None and there.planner.interval_s == 15.0 and there.planner.slo.ttft == 0.5
+
+
+def test_a_poll_interval_the_stall_watch_would_mistake_for_a_hang_is_refused() -> None:
+    """A disaggregated worker is heard from once a poll: polled every 20 s with a 10 s stall
+    timeout, a busy healthy worker would be taken for hung and restarted on every cycle."""
+    with pytest.raises(ValueError, match=r"^load_poll_interval: 20 s leaves stall_timeout \(10 s\) under four polls"):
+        serve_config({"model": "/m", "load_poll_interval": 20.0})
+    assert serve_config({"model": "/m", "load_poll_interval": 20.0, "stall_timeout": 0}).stall_timeout == 0
+    assert serve_config({"model": "/m", "load_poll_interval": 2.0, "stall_timeout": 10}).load_poll_interval == 2.0
