@@ -99,6 +99,7 @@ class GatewayMetrics:
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
         self.planner = PlannerMetrics(r)
+        self._worker_series: set[tuple[str, str]] = set()  # the (pool, worker) label sets exported
         self.worker_up = Gauge("pdserve:worker_up", "1 if the last metrics fetch from the worker succeeded in time",
                                ["pool", "worker"], registry=r)
         for reason in FINISH_REASONS:
@@ -140,8 +141,15 @@ class GatewayMetrics:
         texts = await asyncio.gather(*(_fetch(workers[n][1], deadline_s) for n in names))
         parsed = await asyncio.to_thread(lambda: [_parse(n, t) if t is not None else None
                                                   for n, t in zip(names, texts)])
+        now = {(workers[name][0], name) for name in names}
         for name, families in zip(names, parsed):
             self.worker_up.labels(workers[name][0], name).set(0 if families is None else 1)
+        # A worker that left its pool (a role switch: the same name in the other pool, or not
+        # a worker for the moment) leaves no series behind: a stale 0 would hold the
+        # worker-down alert for as long as the gateway runs, a stale 1 count it twice.
+        for gone in self._worker_series - now:
+            self.worker_up.remove(*gone)
+        self._worker_series = now
         # Collected here, on the loop: the router and reliability collectors read the
         # backend's state, which only the loop changes. The families are copies.
         own = list(WithoutCreated(self.registry).collect())

@@ -566,3 +566,35 @@ def test_reliability_metrics_follow_the_backends_counters() -> None:
     for name in ("request_migrations", "request_migration_resumed_tokens", "request_migrations_exhausted",
                  "token_stream_gaps", "token_stream_stale_deltas", "token_stream_diverged"):
         assert sample(ok, f"pdserve:{name}_total") == 0, name
+
+
+def test_a_worker_that_switched_pools_leaves_no_stale_worker_up_series() -> None:
+    """A role switch moves a worker's name from one pool to the other (and, while it switches,
+    out of both). Its old series must go: a stale 0 would hold the critical worker-down alert
+    (`worker_up == 0`) for as long as the gateway runs, a stale 1 count it twice."""
+    from pdserve.cluster.metrics import GatewayMetrics
+
+    class Handle:
+        def __init__(self, pool: Pool, fail: bool) -> None:
+            async def remote() -> str:
+                if fail:
+                    raise RuntimeError("no answer")
+                return WorkerMetrics(pool, "pdserve-prefill-0").render()
+
+            self.metrics = type("M", (), {"remote": staticmethod(remote)})()
+
+    def up(text: bytes) -> dict[tuple[str, str], float]:
+        return {(s.labels["pool"], s.labels["worker"]): s.value for f in text_string_to_metric_families(text.decode())
+                for s in f.samples if s.name == "pdserve:worker_up"}
+
+    async def main() -> list[dict[tuple[str, str], float]]:
+        m = GatewayMetrics()
+        before = await m.exposition({"pdserve-prefill-0": ("prefill", Handle("prefill", fail=True))})
+        during = await m.exposition({})
+        after = await m.exposition({"pdserve-prefill-0": ("decode", Handle("decode", fail=False))})
+        return [up(before), up(during), up(after)]
+
+    before, during, after = asyncio.run(main())
+    assert before == {("prefill", "pdserve-prefill-0"): 0.0}
+    assert during == {}
+    assert after == {("decode", "pdserve-prefill-0"): 1.0}
