@@ -20,6 +20,7 @@ dashboard are written against: do not rename.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -191,16 +192,28 @@ class PlannerMetrics:
             self.observed.set(observed)
 
 
+@dataclasses.dataclass
+class _Timeline:
+    """One choice's tokens as they reach the client."""
+
+    first: float
+    last: float
+    tokens: int
+
+
 class RequestMetrics:
     """One request's timeline at the gateway. Not thread-safe: the request's
-    handler (one asyncio task) drives it. `close` runs on every exit."""
+    handler (one asyncio task) drives it. `close` runs on every exit.
+
+    Each choice (n > 1, several prompts) is timed on its own, as vLLM times each
+    of a request's n samples: TTFT, ITL, TPOT, end-to-end latency and generation
+    tokens per choice. Choices interleaved in one timeline would divide TPOT by n
+    and measure ITL from whichever choice spoke last."""
 
     def __init__(self, m: GatewayMetrics) -> None:
         self._m = m
         self.arrival = time.perf_counter()
-        self._first: float | None = None
-        self._last = 0.0
-        self._tokens = 0
+        self._choices: dict[int, _Timeline] = {}
         self._prompt_tokens = 0
         self._admitted = self._queue_seen = self._closed = False
 
@@ -211,8 +224,8 @@ class RequestMetrics:
         self._m.queued.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
 
-    def output(self, out: RequestOutput) -> None:
-        """`out`'s tokens are going to the client now (non-streaming: are ready to)."""
+    def output(self, out: RequestOutput, choice: int = 0) -> None:
+        """`out`'s tokens, of choice `choice`, are going to the client now (non-streaming: are ready to)."""
         m = self._m
         queue_s = out.metrics.get("queue_time_s")
         if queue_s is not None and not self._queue_seen:  # once per request: its first worker's queue
@@ -223,29 +236,34 @@ class RequestMetrics:
             return
         now = time.perf_counter()
         m.generation_tokens.inc(n)
-        if self._first is None:
-            self._first = now
+        c = self._choices.get(choice)
+        if c is None:
+            if not self._choices and self._admitted:
+                m.queued.dec()  # the request's first token
+            self._choices[choice] = _Timeline(now, now, n)
             m.ttft.observe(now - self.arrival)
-            if self._admitted:
-                m.queued.dec()
-        else:
-            gap = (now - self._last) / n
-            for _ in range(n):
-                m.itl.observe(gap)
-        self._last = now
-        self._tokens += n
+            return
+        gap = (now - c.last) / n
+        for _ in range(n):
+            m.itl.observe(gap)
+        c.last = now
+        c.tokens += n
 
     def succeeded(self, finish_reasons: Iterable[str | None]) -> None:
         m = self._m
-        for reason in finish_reasons:
+        reasons = list(finish_reasons)
+        for reason in reasons:
             m.success.labels(reason or "abort").inc()
         if self._admitted:
             m.request_prompt_tokens.observe(self._prompt_tokens)
-            m.request_generation_tokens.observe(self._tokens)
-        if self._first is not None:
-            m.e2e.observe(self._last - self.arrival)
-            if self._tokens >= 2:
-                m.tpot.observe((self._last - self._first) / (self._tokens - 1))
+            for _ in range(len(reasons) - len(self._choices)):  # choices that made no token
+                m.request_generation_tokens.observe(0)
+        for c in self._choices.values():
+            if self._admitted:
+                m.request_generation_tokens.observe(c.tokens)
+            m.e2e.observe(c.last - self.arrival)
+            if c.tokens >= 2:
+                m.tpot.observe((c.last - c.first) / (c.tokens - 1))
         self.close()
 
     def failed(self, status: int) -> None:
@@ -260,7 +278,7 @@ class RequestMetrics:
         self._closed = True
         if self._admitted:
             self._m.in_flight.dec()
-            if self._first is None:
+            if not self._choices:
                 self._m.queued.dec()
 
 

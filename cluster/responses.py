@@ -365,7 +365,7 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
     try:
         async with contextlib.aclosing(gw.run(rid, works)) as events:  # its request aborted now if cut short
             async for i, out in events:
-                rm.output(out)  # the client gets it with the body; timed as a stream would be (vLLM's way)
+                rm.output(out, i)  # the client gets it with the body; timed as a stream would be (vLLM's way)
                 accumulate(choices[i], out, work_of(works, i).prompt_only)
         rm.succeeded(c.finish_reason for c in choices)
     except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
@@ -392,7 +392,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
             async for i, out in events:
                 work = work_of(works, i)
                 delta = accumulate_delta(choices[i], work, out)
-                rm.output(out)
+                rm.output(out, i)
                 if work.tools is not None and work.tools.active:
                     chunk = tool_chunk_choice(render.token_str, choices[i], work, delta)
                     if chunk is not None:

@@ -598,3 +598,40 @@ def test_a_worker_that_switched_pools_leaves_no_stale_worker_up_series() -> None
     assert before == {("prefill", "pdserve-prefill-0"): 0.0}
     assert during == {}
     assert after == {("decode", "pdserve-prefill-0"): 1.0}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_each_of_n_choices_is_timed_on_its_own(make_model: Callable[[TinyModelSpec], Path], stream: bool) -> None:
+    """n = 4 choices, each 5 tokens 50 ms apart, interleaved: TPOT and ITL are each choice's
+    (~50 ms, as vLLM times each sample), not ~12 ms (the four choices' tokens in one line);
+    generation tokens and end-to-end latency are one sample per choice."""
+    from factories import serve_gateway
+    from transformers import AutoTokenizer
+
+    from pdserve.workers.outputs import CompletionOutput, RequestOutput
+
+    gap = 0.05
+
+    class Paced(FakeBackend):
+        async def generate(self, request_id: str, prompt: list[int], params: Any,
+                           timeout_s: float) -> AsyncIterator[RequestOutput]:
+            for k in range(5):
+                await asyncio.sleep(gap)
+                yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x", [7], None, None,
+                                                                                "length" if k == 4 else None)], k == 4)
+
+    tok = AutoTokenizer.from_pretrained(make_model(tiny_spec()))
+    gw = Gateway(Paced(), tok, GatewayConfig(model_name="tiny", max_model_len=256))
+    with serve_gateway(gw) as url:
+        r = httpx.post(url + "/v1/completions", timeout=30,
+                       json={"model": "tiny", "prompt": "hi", "max_tokens": 5, "n": 4, "stream": stream})
+        assert r.status_code == 200
+        text = httpx.get(url + "/metrics").text
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    tpot = got["pdserve:time_per_output_token_seconds_sum"] / got["pdserve:time_per_output_token_seconds_count"]
+    itl = got["pdserve:inter_token_latency_seconds_sum"] / got["pdserve:inter_token_latency_seconds_count"]
+    assert got["pdserve:time_per_output_token_seconds_count"] == 4 and tpot >= 0.8 * gap
+    assert got["pdserve:inter_token_latency_seconds_count"] == 16 and itl >= 0.8 * gap
+    assert got["pdserve:request_generation_tokens_count"] == 4 and got["pdserve:request_generation_tokens_sum"] == 20
+    assert got["pdserve:e2e_request_latency_seconds_count"] == 4
+    assert got["pdserve:time_to_first_token_seconds_count"] == 4
