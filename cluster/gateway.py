@@ -358,6 +358,9 @@ class Gateway:
             # The template refused these messages (`raise_exception`: roles that do not alternate,
             # a system role it has none of, a field it needs): the client's to fix.
             raise bad_request(ValueError(f"messages: the model's chat template refused them: {e}")) from None
+        except RecursionError:  # tools or tool-call arguments nested past the renderer's stack
+            raise bad_request(ValueError("messages: nested too deeply to render (tools, tool-call arguments)")) \
+                from None
 
     def check_grammar(self, params: SamplingParams) -> None:
         """A 400 naming the field when the request's structured output does not compile (or

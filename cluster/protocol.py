@@ -94,6 +94,8 @@ class _SamplingFields(BaseModel):
                                                 1)) from None
         if self.structured_outputs is None:
             return None
+        if "origin" in self.structured_outputs:  # the server's own note of where a spec came from
+            raise ValueError("structured_outputs: unexpected keyword argument 'origin'")
         try:
             return StructuredOutputs(**self.structured_outputs)  # type: ignore[arg-type]  # checked there
         except TypeError as e:
@@ -392,8 +394,24 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+MAX_PARAM_CHARS = 64  # an error's `param` names a field: a client's 200,000-character key is cut
+
+
 def error_body(message: str, err_type: str, code: int, param: str | None = None) -> ErrorBody:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    """OpenAI's error object. What a client sent may be in the message or the param (a model
+    name, a field's name): lone surrogates are escaped (UTF-8 cannot carry them: the response
+    would fail to encode, a 500) and a param is cut to MAX_PARAM_CHARS."""
+    if param is not None:
+        param = _utf8_safe(param if len(param) <= MAX_PARAM_CHARS else param[:MAX_PARAM_CHARS] + "...")
+    return {"error": {"message": _utf8_safe(message), "type": err_type, "param": param, "code": code}}
+
+
+def _utf8_safe(text: str) -> str:
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def new_id(prefix: str) -> str:

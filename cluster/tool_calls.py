@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal, TypedDict
 
-from pdserve.workers.structured_outputs import StructuredOutputs
+from pdserve.workers.structured_outputs import MAX_SCHEMA_DEPTH, StructuredOutputs
 
 Mode = Literal["none", "auto", "required", "named"]
 # What a streamed answer under "auto" may start with when it is a tool call: held back (not
@@ -123,7 +123,7 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             return None, [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
@@ -205,6 +205,8 @@ def _function(i: int, tool: dict[str, object]) -> dict[str, Any]:
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")
+    if _deeper_than(params, MAX_SCHEMA_DEPTH):  # a chat template renders it recursively
+        raise ValueError(f"tools: tool {i}'s parameters are nested more than {MAX_SCHEMA_DEPTH} deep")
     return dict(fn)
 
 
@@ -213,8 +215,20 @@ def _call(name: str, arguments: str) -> ToolCall:
             "function": {"name": name, "arguments": arguments}}
 
 
+def _deeper_than(value: object, limit: int) -> bool:
+    """Whether `value` has objects and arrays nested more than `limit` deep (no recursion)."""
+    todo: list[tuple[object, int]] = [(value, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if isinstance(node, (dict, list)):
+            if depth > limit:
+                return True
+            todo += [(v, depth + 1) for v in (node.values() if isinstance(node, dict) else node)]
+    return False
+
+
 def _json(text: str) -> object:
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no call
         return None

@@ -15,6 +15,11 @@ KINDS = ("json", "json_object", "regex", "choice", "grammar", "structural_tag")
 # grows with its text, so a huge one is refused before it costs anything.
 MAX_SPEC_CHARS = 256 * 1024
 MAX_CHOICES = 1024
+# A JSON schema's compile time grows much faster than its text: 1,000 optional properties
+# took xgrammar 1.7 s, 2,000 took 30 s, and a compile cannot be stopped (its thread is held
+# past the request's 400), so cheap schemas could hold every compile thread for minutes.
+MAX_SCHEMA_PROPERTIES = 1024  # in all the schema's objects (many tools' schemas under "required" add up)
+MAX_SCHEMA_DEPTH = 32  # objects and arrays inside each other
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,9 @@ class StructuredOutputs:
             object.__setattr__(self, "choice", tuple(choice))
         size = len(self.key()[1])
         if size > MAX_SPEC_CHARS:
-            raise ValueError(f"structured_outputs.{self.kind}: at most {MAX_SPEC_CHARS} characters, got {size}")
+            raise ValueError(f"{self.field}: at most {MAX_SPEC_CHARS} characters, got {size}")
+        if isinstance(self.json, str):  # (canonical text by now)
+            _check_schema_size(self.field, json.loads(self.json))
 
     @property
     def kind(self) -> str:
@@ -82,17 +89,39 @@ class StructuredOutputs:
         return kind, value
 
 
+def _check_schema_size(name: str, schema: object) -> None:
+    """A ValueError naming `name` when the schema has more properties, or deeper nesting,
+    than a compile can take in a bounded time (MAX_SCHEMA_PROPERTIES, MAX_SCHEMA_DEPTH)."""
+    properties = 0
+    todo: list[tuple[object, int]] = [(schema, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(f"{name}: nested more than {MAX_SCHEMA_DEPTH} deep")
+        if isinstance(node, dict):
+            props = node.get("properties")
+            if isinstance(props, dict):
+                properties += len(props)
+                if properties > MAX_SCHEMA_PROPERTIES:
+                    raise ValueError(f"{name}: more than {MAX_SCHEMA_PROPERTIES} properties in all")
+            todo += [(v, depth + 1) for v in node.values()]
+        elif isinstance(node, list):
+            todo += [(v, depth + 1) for v in node]
+
+
 def _json_text(name: str, value: object) -> str:
     """Canonical JSON text of a schema given as text or as an object (the cache sees one
     schema once, whatever its key order or spacing)."""
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"{name}: not valid JSON: {e}") from None
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"{name}: not valid JSON: {type(e).__name__}") from None
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
     try:
         return json.dumps(value, separators=(",", ":"), allow_nan=False)  # key order kept: it is the output's
+    except RecursionError:
+        raise ValueError(f"{name}: nested more than {MAX_SCHEMA_DEPTH} deep") from None
     except ValueError as e:
         raise ValueError(f"{name}: {e}") from None
