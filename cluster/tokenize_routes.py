@@ -30,6 +30,19 @@ from pdserve.cluster.tool_calls import ToolPlan
 from pdserve.workers.inputs import check_token_ids
 
 ENDPOINTS = frozenset({"/tokenize", "/detokenize"})
+# /tokenize counts texts longer than the context too, but not without end: a 4 MB text held
+# the tokenizer pool's long lane ~10 s (the prompts behind it waited) and answered 20 MB.
+# At most four contexts' worth of characters (the prompt bound's measure), and never over
+# MAX_TOKENIZE_CHARS (~2 s of tokenizing on two cores).
+MAX_TOKENIZE_CHARS = 1 << 20
+CONTEXTS_COUNTED = 4
+
+
+def max_tokenize_chars(gw: Gateway) -> int:
+    """The most characters a /tokenize text may have on this gateway."""
+    if gw.char_bound is None:
+        return MAX_TOKENIZE_CHARS
+    return min(MAX_TOKENIZE_CHARS, CONTEXTS_COUNTED * gw.char_bound.max_chars)
 
 
 class TokenizeRequest(BaseModel):
@@ -72,6 +85,10 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
             raise APIError(400, "give prompt or messages (one of them)", "BadRequestError",
                            "prompt" if body.prompt is None else "messages", reason=RefusalReason.MALFORMED)
         size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages or ())
+        most = max_tokenize_chars(gw)
+        if size > most:
+            raise APIError(400, f"at most {most} characters to tokenize, got {size}", "BadRequestError",
+                           "prompt" if body.prompt is not None else "messages", reason=RefusalReason.LIMIT)
         ids, strs = await gw.in_pool(size, lambda: _tokens(gw, body), may_inline=not body.tools)
         return TokenizeResponse(count=len(ids), max_model_len=gw.config.max_model_len, tokens=ids, token_strs=strs)
 

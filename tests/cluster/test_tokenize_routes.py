@@ -122,3 +122,24 @@ def test_a_lone_surrogate_the_template_renders_from_any_field_is_a_400() -> None
     with pytest.raises(APIError) as e:
         gw.chat_text([ChatMessage(role="user", content="hi", name="\udc00")], None)
     assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_a_text_beyond_four_contexts_is_refused_before_tokenizing(served: tuple[TestClient, Any]) -> None:
+    """Longer than the context is counted, but not without end: a 4 MB text held the tokenizer
+    pool's long lane ~10 s (the prompts behind it waited) for a 20 MB answer. Past four
+    contexts' worth of characters (the prompt bound's measure) it is a 400 naming the field,
+    at once, and the next request is served."""
+    from pdserve.cluster.prompt_bound import char_bound
+    from pdserve.cluster.tokenize_routes import CONTEXTS_COUNTED, MAX_TOKENIZE_CHARS
+
+    client, oracle = served
+    bound = char_bound(oracle, LEN)
+    assert bound is not None
+    most = min(MAX_TOKENIZE_CHARS, CONTEXTS_COUNTED * bound.max_chars)
+    r = client.post("/tokenize", json={"prompt": "a" * (most + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert f"at most {most} characters to tokenize" in r.json()["error"]["message"]
+    assert client.post("/tokenize", json={"prompt": "ab " * (most // 3)}).status_code == 200
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a" * 4_000_000}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert client.post("/tokenize", json={"prompt": TEXT}).status_code == 200
