@@ -142,9 +142,11 @@ async def hang(start: StartTry) -> None:
 
 
 @contextlib.asynccontextmanager
-async def channel_to(runner: Callable[[StartTry], Awaitable[None]]) -> AsyncIterator[tuple[FakeService, WorkerChannel]]:
-    """A worker running `runner` for each try, and a gateway's channel to it; both closed after."""
-    svc = FakeService(runner)
+async def channel_to(runner: Callable[[StartTry], Awaitable[None]] | FakeService,
+                     ) -> AsyncIterator[tuple[FakeService, WorkerChannel]]:
+    """A worker running `runner` for each try (or the service given), and a gateway's channel
+    to it; both closed after."""
+    svc = runner if isinstance(runner, FakeService) else FakeService(runner)
     channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
     try:
         yield svc, channel
@@ -590,11 +592,10 @@ def test_tries_waiting_for_a_stalled_workers_connect_fail_when_it_is_given_up() 
     the call's 30 s deadline; the next try connects again."""
 
     async def main() -> None:
-        svc = _Stopped(hang)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        stopped = _Stopped(hang)
+        async with channel_to(stopped) as (svc, channel):
             waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(2)]
-            await _eventually(lambda: svc.infos == 1)
+            await _eventually(lambda: stopped.infos == 1)
             await asyncio.sleep(0.05)
             assert not any(t.done() for t in waiting)
             channel.fail_tries(lambda: StreamLostError("given up: stalled"))
@@ -606,9 +607,6 @@ def test_tries_waiting_for_a_stalled_workers_connect_fail_when_it_is_given_up() 
             await _eventually(lambda: len(svc.started) == 1)
             finished.set()
             await asyncio.wait_for(again, 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
@@ -622,9 +620,7 @@ def test_a_caller_cancelled_while_connecting_leaves_the_others_connect_alone() -
                 await gate.wait()
                 return await super().info()
 
-        svc = Slow(hang)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        async with channel_to(Slow(hang)) as (svc, channel):
             leaving = asyncio.create_task(channel.run(request(rid="gone"), asyncio.Event()))
             finished = asyncio.Event()
             staying = asyncio.create_task(channel.run(request(rid="stays"), finished))
@@ -636,9 +632,6 @@ def test_a_caller_cancelled_while_connecting_leaves_the_others_connect_alone() -
             await _eventually(lambda: [s.request.request_id for s in svc.started] == ["stays"])
             finished.set()
             await asyncio.wait_for(staying, 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
 
@@ -650,47 +643,42 @@ def test_a_connect_begun_right_after_a_give_up_leaves_the_waiters_error(depth: i
     the gateway), not with a bare cancellation (a 500 for their clients)."""
 
     async def main() -> None:
-        svc = _Stopped(hang)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
+        stopped = _Stopped(hang)
         loop = asyncio.get_running_loop()
         late: list[asyncio.Task[None]] = []
+        async with channel_to(stopped) as (_, channel):
 
-        def start(n: int) -> None:
-            if n:
-                loop.call_soon(start, n - 1)
-            else:
-                late.append(asyncio.create_task(channel.run(request(rid="late"), asyncio.Event())))
+            def start(n: int) -> None:
+                if n:
+                    loop.call_soon(start, n - 1)
+                else:
+                    late.append(asyncio.create_task(channel.run(request(rid="late"), asyncio.Event())))
 
-        try:
-            waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(2)]
-            await _eventually(lambda: svc.infos == 1)
-            channel.fail_tries(lambda: StreamLostError("given up: stalled"))
-            loop.call_soon(start, depth)
-            for t in waiting:
-                with pytest.raises(StreamLostError, match="stalled"):
-                    await asyncio.wait_for(t, 2)
-        finally:
-            for t in late:
-                t.cancel()
-            await channel.close()
-            svc.inbox.close()
+            try:
+                waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event()))
+                           for i in range(2)]
+                await _eventually(lambda: stopped.infos == 1)
+                channel.fail_tries(lambda: StreamLostError("given up: stalled"))
+                loop.call_soon(start, depth)
+                for t in waiting:
+                    with pytest.raises(StreamLostError, match="stalled"):
+                        await asyncio.wait_for(t, 2)
+            finally:
+                for t in late:
+                    t.cancel()
 
     asyncio.run(main())
 
 
 def test_a_channel_discarded_while_it_connects_fails_its_waiters_as_on_a_death() -> None:
     async def main() -> None:
-        svc = _Stopped(hang)
-        channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-        try:
+        stopped = _Stopped(hang)
+        async with channel_to(stopped) as (_, channel):
             waiting = asyncio.create_task(channel.run(request(), asyncio.Event()))
-            await _eventually(lambda: svc.infos == 1)
+            await _eventually(lambda: stopped.infos == 1)
             channel.discard()
             with pytest.raises(RayActorError):
                 await asyncio.wait_for(waiting, 2)
             assert not waiting.cancelled()
-        finally:
-            await channel.close()
-            svc.inbox.close()
 
     asyncio.run(main())
