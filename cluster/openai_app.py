@@ -168,7 +168,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except BaseException:
             slot.release()
             raise
-        return await _respond(gw, request, ApiKind.COMPLETION, body.stream, body.include_usage, works, rm, slot)
+        return await _respond(gw, request, ApiKind.COMPLETION, body.stream, body.include_usage, works, rm, slot,
+                              body.continuous_usage)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -192,7 +193,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             slot.release()
             raise
         works = [Work(prompt_ids, params, tools=tools)]
-        return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot)
+        return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot,
+                              body.continuous_usage)
 
 
 def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
@@ -212,13 +214,13 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
 
 
 async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, include_usage: bool,
-                   works: list[Work], rm: RequestMetrics, slot: Admission) -> Response:
+                   works: list[Work], rm: RequestMetrics, slot: Admission, continuous_usage: bool) -> Response:
     """The response of admitted `works`; it releases `slot` when it is done."""
     rid = f"{kind.shape.id_prefix}-{request_id(request.scope)}"
     if stream:
         # Starlette cancels this generator when the client disconnects; the
         # backend's generate() then aborts the request and frees its blocks.
-        return _AdmittedStream(stream_response(gw, kind, rid, works, include_usage, rm), slot)
+        return _AdmittedStream(stream_response(gw, kind, rid, works, include_usage, rm, continuous_usage), slot)
     try:
         body = await _until_disconnect(request, collect_response(gw, kind, rid, works, rm))
     finally:

@@ -34,6 +34,8 @@ def _or(value: float | None, default: float) -> float:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(False, description="vLLM's: with include_usage, every chunk carries the "
+                                                            "usage so far")
 
 
 class _SamplingFields(BaseModel):
@@ -134,6 +136,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage so far in every chunk (vLLM's rule: only with include_usage)."""
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):

@@ -340,14 +340,14 @@ class ChunkRenderer:
             body["usage"] = usage
         return sse_event(body)
 
-    def opening(self, choices: list[Choice]) -> str | None:
+    def opening(self, choices: list[Choice], usage: Usage | None = None) -> str | None:
         opening = self.kind.shape.opening(choices)
-        return None if opening is None else self.chunk(opening)
+        return None if opening is None else self.chunk(opening, usage)
 
-    def delta(self, d: Delta) -> str:
+    def delta(self, d: Delta, usage: Usage | None = None) -> str:
         shape = self.kind.shape
         logprobs = None if d.scored is None else shape.logprobs(self.token_str, *d.scored, d.top_n, d.offset)
-        return self.chunk([shape.delta(d, logprobs)])
+        return self.chunk([shape.delta(d, logprobs)], usage)
 
 
 # -- a request's outputs to its response -------------------------------------------
@@ -376,14 +376,20 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
 
 
 async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], include_usage: bool,
-                          rm: RequestMetrics) -> AsyncGenerator[str, None]:
+                          rm: RequestMetrics, continuous_usage: bool = False) -> AsyncGenerator[str, None]:
     """The SSE events of a streamed response, `[DONE]` last. The status line is
-    sent by then, so a failure is an in-band error event, counted here."""
+    sent by then, so a failure is an in-band error event, counted here.
+    `continuous_usage`: every chunk carries the usage so far (vLLM's
+    `stream_options.continuous_usage_stats`)."""
     render = ChunkRenderer(kind, rid, gw.config.model_name, gw.token_str)
     choices = new_choices(works)
     rm.admitted(_prompt_tokens(works))
+
+    def so_far() -> Usage | None:
+        return usage_body(works, choices) if continuous_usage else None
+
     try:
-        opening = render.opening(choices)
+        opening = render.opening(choices, so_far())
         if opening is not None:
             yield opening
         # Closed here, however the stream ends: a request whose client is gone is aborted
@@ -396,9 +402,9 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
                 if work.tools is not None and work.tools.active:
                     chunk = tool_chunk_choice(render.token_str, choices[i], work, delta)
                     if chunk is not None:
-                        yield render.chunk([chunk])
+                        yield render.chunk([chunk], so_far())
                     continue
-                yield render.delta(delta)
+                yield render.delta(delta, so_far())
         rm.succeeded(c.finish_reason for c in choices)
         if include_usage:
             yield render.chunk([], usage=usage_body(works, choices))

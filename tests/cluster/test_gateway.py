@@ -75,6 +75,26 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
 
 
+def test_continuous_usage_counts_every_chunk_so_far(server: tuple[str, AsyncEngine]) -> None:
+    """vLLM's stream_options.continuous_usage_stats: each chunk carries the usage up to it (a
+    client billing a stream cut short still knows what it got); without include_usage, none."""
+    url, _ = server
+    msgs = [{"role": "user", "content": "Count to ten."}]
+    chunks = list(client(url).chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=12, temperature=0, stream=True, extra_body={"ignore_eos": True},
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is not None for c in chunks)
+    tokens = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert tokens[0] == 0 and tokens == sorted(tokens) and tokens[-1] == 12
+    assert len({c.usage.prompt_tokens for c in chunks if c.usage is not None}) == 1
+    with_content = [c for c in chunks if c.choices and c.choices[0].delta.content]
+    assert with_content and all(c.usage is not None and c.usage.completion_tokens > 0 for c in with_content)
+    plain = list(client(url).chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": False, "continuous_usage_stats": True}))  # type: ignore[typeddict-unknown-key]
+    assert all(c.usage is None for c in plain)
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_stop_string_over_two_tokens_never_reaches_the_client_in_part(server: tuple[str, AsyncEngine],
                                                                         offline: LLM, stream: bool) -> None:
