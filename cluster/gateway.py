@@ -384,14 +384,17 @@ class Gateway:
             raise bad_request(e) from None
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
-               make: Callable[[int], SamplingParams]) -> SamplingParams:
+               make: Callable[[int], SamplingParams], budget_field: str = "max_tokens") -> SamplingParams:
         """The checked parameters `make` builds for the completion's token budget
-        (`max_tokens`, or all the context the prompt leaves)."""
+        (`max_tokens`, or all the context the prompt leaves). `budget_field`: the
+        request's name for that budget, named in its errors."""
         try:
             params = make(max_new_tokens(len(prompt_ids), max_tokens, self.config.max_model_len))
             if self.vocab_size is not None:
                 check_request(params, self.vocab_size, self.config.max_logprobs)
         except ValueError as e:
+            if budget_field != "max_tokens" and str(e).startswith("max_tokens:"):
+                e = ValueError(budget_field + str(e).removeprefix("max_tokens"))
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs",

@@ -186,7 +186,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         slot = gw.admit(body.n)
         try:
             prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
-            params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs))
+            params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs),
+                               body.budget_field())
             if params.constraint is not None:
                 await gw.off_loop(body, lambda: gw.check_grammar(params))
         except BaseException:

@@ -250,6 +250,10 @@ class ChatCompletionRequest(_SamplingFields):
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def budget_field(self) -> str:
+        """The field `max_new_tokens` came from, for errors to name."""
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
     def tool_plan(self) -> ToolPlan:
         """What `tools` and `tool_choice` ask (a ValueError names the field at fault)."""
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)

@@ -240,6 +240,18 @@ def test_chat_stream_and_not(server: tuple[str, AsyncEngine]) -> None:
     assert text == full.choices[0].message.content and full.usage.completion_tokens == 12
 
 
+@pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
+@pytest.mark.parametrize("value", [0, 10**6])
+def test_a_bad_token_budget_is_named_as_the_client_gave_it(server: tuple[str, AsyncEngine], field: str,
+                                                             value: int) -> None:
+    """A client that sent max_completion_tokens (OpenAI's name) is told about that field."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer sekret"}, timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], field: value})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == field and err["message"].startswith(field + ":")
+
+
 def test_n_and_seed(server: tuple[str, AsyncEngine]) -> None:
     url, _ = server
     c = client(url)
