@@ -376,7 +376,7 @@ class Gateway:
                 self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
             grammars = self._grammars
         try:
-            grammars.submit(spec).result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+            grammars.wait(spec, GRAMMAR_COMPILE_TIMEOUT_S)
         except TimeoutError:
             raise bad_request(ValueError(f"{spec.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s")) \
                 from None

@@ -205,13 +205,10 @@ class AsyncEngine:
     async def grammar_ready(self, params: SamplingParams) -> None:
         """Wait, off the event loop's thread, for the request's grammar to compile (cached:
         at once); ValueError when it does not (naming the field), or not in time."""
-        fut = self.engine.grammar_future(params)
-        if fut is None:
+        if params.constraint is None:
             return
         try:
-            async with asyncio.timeout(GRAMMAR_COMPILE_TIMEOUT_S):
-                # Shielded: a request given up on does not cancel a compile others may share.
-                await asyncio.shield(asyncio.wrap_future(fut))
+            await self.engine.grammar_compiler().ready(params.constraint, GRAMMAR_COMPILE_TIMEOUT_S)
         except TimeoutError:
             raise ValueError(too_slow(params)) from None
 

@@ -20,7 +20,6 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
@@ -239,21 +238,16 @@ class LLMEngine:
         """Raise ValueError if add_request would reject this prompt and params. A grammar
         (structured outputs) is compiled here, on the caller's thread (it is cached: the
         engine thread then finds it ready), within GRAMMAR_COMPILE_TIMEOUT_S; `grammar`
-        False: not (a caller on an event loop awaits `grammar_future` first)."""
+        False: not (a caller on an event loop awaits the compiler's `ready` first)."""
         self._prepare(prompt, params)
-        if grammar and (fut := self.grammar_future(params)) is not None:
+        if grammar and params.constraint is not None:
             try:
-                fut.result(timeout=GRAMMAR_COMPILE_TIMEOUT_S)
+                self.grammar_compiler().wait(params.constraint, GRAMMAR_COMPILE_TIMEOUT_S)
             except TimeoutError:
                 raise ValueError(too_slow(params)) from None
 
-    def grammar_future(self, params: SamplingParams) -> Future[Any] | None:
-        """The compile of the request's grammar (cached, or started now on the compile
-        thread); None when it has none. Any thread."""
-        spec = params.constraint
-        return None if spec is None else self._grammar_compiler().submit(spec)
 
-    def _grammar_compiler(self) -> GrammarCompiler:
+    def grammar_compiler(self) -> GrammarCompiler:
         """The engine's grammar compiler, made on first use (the tokenizer's vocabulary is
         read then); any thread."""
         with self._grammars_lock:
@@ -692,7 +686,7 @@ class LLMEngine:
             req.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, token_ids, params.stop,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
         if (spec := params.constraint) is not None:
-            req.grammar = self._grammar_compiler().state(spec)
+            req.grammar = self.grammar_compiler().state(spec)
         self.stats.prompt_tokens += len(token_ids)
         if self.spec is not None:
             req.spec_acceptance = self.spec.acceptance  # until its own drafts say otherwise

@@ -12,13 +12,14 @@ between workers carries the grammar's state exactly, with nothing but the tokens
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import re
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
@@ -65,6 +66,13 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self._cache: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
+        # Callers waiting on a queued compile with a deadline (`wait`, `ready`), and the compiles a
+        # request in the engine holds (`state`): one that every waiter gave up on, and no request
+        # holds, leaves the queue. Without that, a client sending schemas that each take longer
+        # than the deadline queued compiles without bound, each refused request's still to run,
+        # and everyone's grammars waited behind them.
+        self._waiters: dict[tuple[str, str], int] = {}
+        self._held: set[Future[xgr.CompiledGrammar]] = set()
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="pd-grammar")
         self.stats = GrammarStats()
@@ -88,6 +96,50 @@ class GrammarCompiler:
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """Compile now (or take the cached result), on the caller's thread."""
         return self.submit(spec).result()
+
+    def wait(self, spec: StructuredOutputs, timeout_s: float) -> xgr.CompiledGrammar:
+        """The compiled grammar, within `timeout_s` (TimeoutError otherwise, and the compile
+        leaves the queue if it has not started and nobody else wants it); ValueError when the
+        backend refuses it. Blocking."""
+        key, fut = self._join(spec)
+        try:
+            return fut.result(timeout=timeout_s)
+        except CancelledError:  # the pool shut down under it
+            raise TimeoutError from None
+        finally:
+            self._leave(key, fut)
+
+    async def ready(self, spec: StructuredOutputs, timeout_s: float) -> None:
+        """`wait` for a caller on an event loop: the compile runs on the pool."""
+        key, fut = self._join(spec)
+        try:
+            async with asyncio.timeout(timeout_s):
+                # Shielded: this caller's cancellation is `_leave`'s to judge, not a cancel of
+                # a compile others may share.
+                await asyncio.shield(asyncio.wrap_future(fut))
+        except asyncio.CancelledError:
+            if not fut.cancelled():
+                raise  # this caller was cancelled
+            raise TimeoutError from None  # the pool shut down under it
+        finally:
+            self._leave(key, fut)
+
+    def _join(self, spec: StructuredOutputs) -> tuple[tuple[str, str], Future[xgr.CompiledGrammar]]:
+        key = spec.key()
+        fut = self.submit(spec)
+        with self._lock:
+            self._waiters[key] = self._waiters.get(key, 0) + 1
+        return key, fut
+
+    def _leave(self, key: tuple[str, str], fut: Future[xgr.CompiledGrammar]) -> None:
+        with self._lock:
+            left = self._waiters[key] - 1
+            if left:
+                self._waiters[key] = left
+                return
+            del self._waiters[key]
+            if fut not in self._held and self._cache.get(key) is fut and fut.cancel():
+                del self._cache[key]  # never started: gone from the pool's queue too
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         start = time.perf_counter()
@@ -124,9 +176,19 @@ class GrammarCompiler:
         return self._compiler.compile_structural_tag(text)
 
     def state(self, spec: StructuredOutputs) -> GrammarState:
+        fut = self.submit(spec, count=False)
         with self._lock:
             self.stats.constrained_requests += 1
-        return GrammarState(spec, self.submit(spec, count=False))
+            hold = not fut.done() and fut not in self._held
+            if hold:  # a request in the engine waits for it: never taken off the queue
+                self._held.add(fut)
+        if hold:
+            fut.add_done_callback(self._unhold)
+        return GrammarState(spec, fut)
+
+    def _unhold(self, fut: Future[xgr.CompiledGrammar]) -> None:
+        with self._lock:
+            self._held.discard(fut)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

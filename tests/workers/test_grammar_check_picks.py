@@ -121,7 +121,7 @@ def test_a_checked_pick_is_the_masked_argmax_with_ties_and_nans() -> None:
 
 
 def test_a_pick_taken_for_a_step_never_appended_does_not_move_the_grammar(llm: LLM) -> None:
-    compiler = llm.engine._grammar_compiler()
+    compiler = llm.engine.grammar_compiler()
     vocab = llm.engine.runner.vocab_size
 
     def fresh() -> GrammarState:

@@ -390,3 +390,41 @@ def test_a_slow_grammar_does_not_hold_up_another_requests_grammar(llm: LLM, monk
     assert not slow.done(), "the small grammar waited for the big one"
     slow.result(timeout=120)
     assert compiler.stats.compiles == 2
+
+
+def test_compiles_every_waiter_gave_up_on_leave_the_queue(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client sending schemas that each take longer than the compile deadline: each request is
+    refused, and its compile must not stay queued (they piled up without bound, and every later
+    grammar waited behind them). A compile a request in the engine holds is never dropped."""
+    import threading
+
+    from pdserve.workers import grammar as grammar_module
+    from pdserve.workers.grammar import GrammarCompiler
+
+    gate = threading.Event()
+    real = GrammarCompiler._compile
+    started: list[str] = []
+
+    def stuck(self: GrammarCompiler, spec: StructuredOutputs) -> Any:
+        started.append(spec.key()[1])
+        gate.wait(30)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", stuck)
+    compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.runner.vocab_size, (0,))
+    try:
+        threads = grammar_module.COMPILE_THREADS
+        specs = [StructuredOutputs(regex=f"[a-z]{{{i + 1}}}") for i in range(threads + 12)]
+        for spec in specs:  # the first `threads` run (stuck); the rest queue behind them
+            with pytest.raises(TimeoutError):
+                compiler.wait(spec, 0.01)
+        held = StructuredOutputs(regex="[0-9]{3}")
+        state = compiler.state(held)  # queued too, but a request holds it
+        gate.set()
+        assert state._compiled.result(timeout=30) is not None
+        compiler.wait(specs[-1], 30)  # given up on before: compiled afresh when asked again (queued last)
+        ran = [s.key()[1] for s in specs[:threads]] + [held.key()[1], specs[-1].key()[1]]
+        assert sorted(started) == sorted(ran), "compiles ran for requests already refused"
+    finally:
+        gate.set()
+        compiler.close()
