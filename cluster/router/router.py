@@ -87,19 +87,33 @@ class Router:
 
     def on_kv_batch(self, worker_id: str, batch: KVEventBatch, forgets: int | None = None) -> None:
         """Apply a worker's events read from its log (a snapshot replaces what the index
-        held for it) and stand at the batch's cursor. A late reply (two polls of one
-        worker in flight) moves the cursor back: the next poll replays from there,
-        and the events, being set updates in order, end in the worker's state again.
+        held for it) and stand at the batch's cursor. A batch is applied from where the
+        index stands, whatever order replies come in (two polls of one worker in flight):
+        the events it has applied already are skipped, a batch wholly behind it (or a
+        snapshot older than it) changes nothing, and one that starts past it is left for
+        the next poll, which asks from the index's cursor and so fills the gap. (Stood at a
+        late reply's cursor, the index went back; a reply to a poll sent meanwhile then
+        began past it, and the events in between were never read: a block the worker
+        evicted stayed a hit.)
         `forgets`: `kv_forgets` when the batch was asked for. Events asked for before the
         cache was forgotten go on from a view no longer held: they are dropped, and the
         next poll asks for a snapshot (applied, they would set a cursor over the emptied
         view, and what the worker cached before them would never come back)."""
         if not batch.snapshot and forgets is not None and forgets != self.kv_forgets(worker_id):
             return
+        at = self._kv_cursors.get(worker_id)
+        # Where the index stands in this batch's log (None: it holds no view of that log).
+        seq = at.seq if at is not None and at.log_id == batch.log_id else None
         if batch.snapshot:
+            if seq is not None and batch.next_seq < seq:
+                return
             self.index.replace_worker(worker_id, batch.events)
         else:
-            self.index.apply_events(worker_id, batch.events)
+            # Events continue a view of their log: with none held (a reply from before the
+            # worker's restart) there is nothing to apply them to.
+            if seq is None or batch.next_seq <= seq or batch.first_seq > seq:
+                return
+            self.index.apply_events(worker_id, batch.events[seq - batch.first_seq:])
         self._kv_cursors[worker_id] = batch.cursor
 
     def update_load(self, load: WorkerLoad) -> None:

@@ -123,6 +123,55 @@ def test_a_router_that_forgot_a_cache_relearns_it_from_a_snapshot() -> None:
     assert reader.snapshots == 2 and reader.view == set(pool.cached)
 
 
+def test_replies_in_any_order_leave_the_index_what_the_pool_caches() -> None:
+    """Polls of one worker in flight together (the poll loop and a role switch's refresh):
+    poll A's reply comes after B's, and C was asked from B's cursor. Stood at A's cursor,
+    the router went back, C's events began past it, and the events between were never read:
+    a block the worker evicted stayed a hit for good."""
+    pool, router = BlockPool(4, record_events=True), Router(RouterConfig(), BS)
+
+    def poll() -> KVEventBatch:
+        return KVEventBatch.of(W, pool.read_events(router.kv_cursor(W)))
+
+    router.on_kv_batch(W, poll(), router.kv_forgets(W))
+    forgets = router.kv_forgets(W)
+    (b0,) = pool.allocate(1)
+    pool.cache(b0, 111, None)  # STORED 111
+    reply_a = poll()  # delivered late
+    pool.free([b0])
+    pool.allocate(4)  # REMOVED 111
+    reply_b = poll()
+    router.on_kv_batch(W, reply_b, forgets)
+    assert router.index.blocks(W) == frozenset() == set(pool.cached)
+    reply_c = poll()  # asked from B's cursor
+    router.on_kv_batch(W, reply_a, forgets)
+    router.on_kv_batch(W, reply_c, forgets)
+    for _ in range(3):
+        router.on_kv_batch(W, poll(), router.kv_forgets(W))
+    assert router.index.blocks(W) == set(pool.cached), f"cursor {router.kv_cursor(W)}"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_shuffled_replies_converge_on_the_pool(seed: int) -> None:
+    """Replies to overlapping polls applied in a random order, then one poll: the index is the pool's."""
+    rng = random.Random(seed)
+    pool = BlockPool(8, record_events=True)
+    traffic, router = _Traffic(pool, seed), Router(RouterConfig(), BS)
+    router.on_kv_batch(W, KVEventBatch.of(W, pool.read_events(None)), 0)
+    for _ in range(30):
+        replies = []
+        for _ in range(rng.randint(1, 4)):
+            traffic.step()
+            replies.append(KVEventBatch.of(W, pool.read_events(router.kv_cursor(W))))
+            if rng.random() < 0.5:
+                router.on_kv_batch(W, replies.pop(rng.randrange(len(replies))), 0)
+        rng.shuffle(replies)
+        for r in replies:
+            router.on_kv_batch(W, r, 0)
+        router.on_kv_batch(W, KVEventBatch.of(W, pool.read_events(router.kv_cursor(W))), 0)
+        assert router.index.blocks(W) == set(pool.cached)
+
+
 def test_events_asked_for_before_a_cache_was_forgotten_are_dropped() -> None:
     """A poll is on its way (events from the router's cursor) when the gateway forgets the
     worker's cache: a role switch starts, then fails, and the worker keeps its cache. The
