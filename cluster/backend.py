@@ -324,9 +324,12 @@ class ColocatedBackend:
                  lookup: Callable[[str], WorkerHandle | None] | None = None,
                  worker_wait_s: float = DEFAULT_WORKER_WAIT_S, cluster_secret: ClusterSecret | None = None,
                  stream_interval: int = 1, stall_timeout_s: float = 0.0, restart: Restart = restart_actor,
-                 poll_s: float | None = None) -> None:
+                 poll_s: float | None = None, replica: tuple[int, int] = (0, 1)) -> None:
         if not workers:
             raise ValueError("workers: at least one worker is needed")
+        rank, replicas = replica
+        if not 0 <= rank < replicas:
+            raise ValueError(f"replica: rank {rank} of {replicas} replicas")
         if names is not None and len(names) != len(workers):
             raise ValueError(f"names: {len(names)} names for {len(workers)} workers")
         self.workers = workers
@@ -339,6 +342,11 @@ class ColocatedBackend:
         # dropped with the handle it was made for.
         self._channels: list[tuple[WorkerHandle, WorkerChannel] | None] = [None] * len(workers)
         self._in_flight = [0] * len(workers)
+        # Where this replica's ties between workers begin (`replica`: its rank of how many).
+        # A replica counts only its own requests in flight, so ties are the rule at low load:
+        # broken from worker 0 by every replica, each replica's requests went to the same
+        # first workers, and with N replicas most workers sat idle at low concurrency.
+        self._first = rank * len(workers) // replicas
         self._dead: dict[int, float] = {}  # worker -> when a call to it failed
         self._down: set[int] = set()  # out of routing until a poll answers (the watch's)
         self._finder: asyncio.Task[None] | None = None
@@ -431,7 +439,9 @@ class ColocatedBackend:
         if isinstance(failed, _OnWorker):  # alive, but the try failed there: elsewhere if there is one
             live = [j for j in live if j != failed.index] or live
         # Its try number from the start: an abort before `call` runs must name this try.
-        return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], j)), attempt=req.attempt)
+        n = len(self.workers)
+        return _OnWorker(self, min(live, key=lambda j: (self._in_flight[j], (j - self._first) % n)),
+                         attempt=req.attempt)
 
     async def serve_on(self, index: int, req: ServeRequest) -> None:
         """Run `req` on worker `index` (one `_place` chose: found and live), counted in

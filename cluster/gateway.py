@@ -404,8 +404,10 @@ class Gateway:
     def admit(self, num_requests: int = 1) -> Admission:
         """Room for `num_requests` engine requests (a call's prompts x n), taken at
         once (no await between the check and the count), or 429; 503 while no
-        worker can serve. A call bigger than the whole bound still runs when
-        nothing else does (the bounds on n and prompts keep it finite)."""
+        worker can serve. A call bigger than this replica's bound (its share of
+        `--max-in-flight`) still runs when nothing else does here (the bounds on n
+        and prompts keep it finite): with N replicas the tier may then hold up to N
+        such calls, over the tier's bound, rather than refuse a call for good."""
         if self.draining:
             raise APIError(503, "the server is shutting down; retry later", "ServiceUnavailableError",
                            headers=RETRY_AFTER, reason=RefusalReason.UNAVAILABLE)

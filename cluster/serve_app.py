@@ -245,7 +245,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait,
                                      cluster_secret=cfg.cluster_secret, stream_interval=cfg.stream_interval,
-                                     stall_timeout_s=cfg.stall_timeout))
+                                     stall_timeout_s=cfg.stall_timeout,
+                                     replica=(rank, cfg.gateway_replicas or 1)))
     gateway = Gateway(backend, tokenizer, gw_cfg)
     gateway.drain_watch = DrainWatch(cfg.port, gateway.drain)  # a stop's drain: no new requests
     return build_app(gateway)

@@ -7,6 +7,7 @@ one (Ray's processes are killed for real in tests/chaos)."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -634,3 +635,20 @@ def test_a_move_that_finds_no_worker_is_not_counted_as_a_migration() -> None:
         assert started == [0] and streams.stats.migrations == 0 and streams.stats.resumed_tokens == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 4])
+def test_gateway_replicas_spread_requests_over_every_colocated_worker(replicas: int) -> None:
+    """Each replica counts only its own requests in flight, so at low load every worker is a
+    tie: broken from worker 0 by every replica, two replicas' four requests each went to
+    workers 0-3 of 8, and the other four sat idle."""
+    workers = 8
+    backends = [ColocatedBackend([object() for _ in range(workers)], replica=(r, replicas)) for r in range(replicas)]
+    req = ServeRequest("r", (1, 2, 3), SamplingParams(max_tokens=8), 60.0, "tcp://127.0.0.1:1")
+    used: collections.Counter[int] = collections.Counter()
+    for i in range(workers):
+        backend = backends[i % replicas]
+        placed = backend._place(req, None)
+        backend._in_flight[placed.index] += 1  # as serve_on counts it while it runs
+        used[placed.index] += 1
+    assert sorted(used) == list(range(workers)), f"requests per worker {dict(used)}"
