@@ -219,8 +219,16 @@ class AsyncEngine:
         job.tokens_sent = req.offset
         if req.reply_to is not None:
             address = req.reply_to
-            self._commands.put(lambda: self._stream().watch(address))
+            self._commands.put(lambda: self._watch(job, address))
         return job
+
+    def _watch(self, job: Job, address: str) -> None:
+        """Engine thread: connect the job's gateway now. An address ZeroMQ refuses fails
+        this one request (it raised out of the command queue and ended the engine)."""
+        try:
+            self._stream().watch(address)
+        except Exception as e:  # noqa: BLE001 - zmq.ZMQError, chiefly; one request's, not the engine's
+            self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id}: reply_to {address!r}: {e}"))
 
     def open(self, request_id: str, timeout_s: float, state: RequestState = RequestState.QUEUED,
              reply_to: str | None = None, attempt: int = 0) -> Job:

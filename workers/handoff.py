@@ -14,6 +14,7 @@ downstream can change what the gateway decided.
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from pdserve.workers.sampling_params import SamplingParams
@@ -48,6 +49,18 @@ class Resume:
             raise ValueError(f"resume.text_chars: must be >= 0, got {self.text_chars}")
 
 
+# A TCP endpoint as ZeroMQ connects to it: a host name, an IPv4 address or a bracketed IPv6 one.
+_ENDPOINT = re.compile(r"tcp://(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+
+
+def check_endpoint(name: str, address: str) -> None:
+    """ValueError naming `name` unless `address` is tcp://host:port: a worker connects to
+    what a peer names (a gateway's token stream), and ZeroMQ raises at the connect."""
+    m = _ENDPOINT.fullmatch(address) if isinstance(address, str) else None
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        raise ValueError(f"{name}: must be tcp://host:port, got {str(address)[:64]!r}")
+
+
 @dataclass(frozen=True)
 class ServeRequest:
     """What a gateway asks a worker to run, and where its tokens go."""
@@ -69,6 +82,8 @@ class ServeRequest:
             raise ValueError(f"timeout_s: must be > 0, got {self.timeout_s}")
         if self.attempt < 0:
             raise ValueError(f"attempt: must be >= 0, got {self.attempt}")
+        if self.reply_to is not None:
+            check_endpoint("reply_to", self.reply_to)
 
     @property
     def offset(self) -> int:

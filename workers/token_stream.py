@@ -194,6 +194,9 @@ class TokenStreamPublisher:
         except zmq.Again:
             log.warning("token stream to %s is %d batches behind; dropping its requests", address, SEND_HWM)
             return request_ids
+        except zmq.ZMQError as e:  # an address ZeroMQ will not connect to: its requests, not the engine
+            log.error("token stream to %s: %s; dropping its requests", address, e)
+            return request_ids
         return []
 
     def watch(self, address: str) -> None:
@@ -229,8 +232,12 @@ class TokenStreamPublisher:
             apply_limits(sock, max_frame_bytes=SMALL_FRAME_BYTES, sndhwm=SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
             apply_heartbeats(sock)
+            try:
+                sock.connect(address)  # first: an address ZeroMQ refuses leaves nothing registered
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
             self._monitors[address] = LinkMonitor(sock)
-            sock.connect(address)
             self._sockets[address] = sock
         return sock
 

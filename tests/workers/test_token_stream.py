@@ -250,3 +250,46 @@ def test_a_prefill_workers_first_token_sockets_to_gateways_gone_are_closed(monke
         assert len(first._publisher._sockets) <= 1  # only the one just opened again
     finally:
         first.close()
+
+
+@pytest.mark.parametrize("reply_to", ["tcp://127.0.0.1:notaport", "tcp://127.0.0.1:0", "tcp://127.0.0.1:70000",
+                                      "ipc:///tmp/x", "127.0.0.1:5555", "tcp://host:5555/extra", ""])
+def test_a_reply_to_that_is_no_tcp_endpoint_is_refused(reply_to: str) -> None:
+    with pytest.raises(ValueError, match="reply_to: must be tcp://host:port"):
+        ServeRequest("r", (1, 2), SamplingParams(), 10.0, reply_to)
+
+
+def test_one_requests_reply_to_zeromq_refuses_fails_that_request_not_the_engine(model_dir: Path) -> None:
+    """A signed start whose reply_to ZeroMQ will not connect to (well formed, but "-bad-" is no
+    host name it takes) raised out of the engine thread's command queue: the engine died and
+    every request on the worker failed with it. Now that request fails; the next is served."""
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    async def run(ae: AsyncEngine) -> None:
+        with pytest.raises(Exception, match="reply_to 'tcp://-bad-:5555'"):
+            await asyncio.wait_for(ae.serve(ServeRequest("bad", (5, 6, 7), params, 30.0, "tcp://-bad-:5555")), 30)
+        collector = TokenStreamCollector()
+        try:
+            collector.open("good", [5, 6, 7], 30.0)
+            await asyncio.wait_for(ae.serve(ServeRequest("good", (5, 6, 7), params, 30.0, collector.address)), 30)
+        finally:
+            await collector.close()
+
+    ae = AsyncEngine(LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, progress=False).engine)
+    with ae:
+        asyncio.run(run(ae))
+        assert ae.healthy and ae.num_in_flight == 0 and not ae.engine.has_unfinished_requests()
+
+
+def test_a_publisher_that_could_not_connect_keeps_no_link() -> None:
+    from pdserve.workers.transfer.auth import ClusterSecret
+
+    pub = TokenStreamPublisher("w", secret=ClusterSecret.generate())
+    try:
+        with pytest.raises(Exception, match="Invalid argument"):
+            pub.watch("tcp://-bad-:5555")
+        assert pub.gone(grace_s=0.0) == []  # was a KeyError: a monitor without its socket
+        pub.add("tcp://-bad-:5555", output("a", [5], "x"), 0)
+        assert pub.flush() == ["a"]  # its request is lost, the publisher goes on
+    finally:
+        pub.close()
