@@ -27,6 +27,7 @@ from pdserve.workers.messages import (  # noqa: E402
     KVHelloRefusal,
     KVTransferAck,
     KVTransferHeader,
+    KVTransferHello,
     TokenDelta,
     TokenDeltaBatch,
     TransferState,
@@ -128,6 +129,51 @@ def test_a_replayed_kv_message_is_refused_on_its_own_connection_and_on_any_other
     finally:
         peer.close()
         other.close()
+        receiver.close()
+
+
+def test_replayed_hellos_from_strangers_do_not_cut_off_a_live_sender(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hello is sealed under a key every holder of the secret shares, so one recorded off the
+    wire checks again from any new connection, without the secret. Each made a session, and past
+    the receiver's bound the oldest was forgotten: replays pushed out a live prefill worker's key,
+    and every message of its later transfers was refused as forged. (The bounds are made small
+    here; the same happened at the real ones, 1,024 replays.)"""
+    from pdserve.workers.transfer import control
+
+    monkeypatch.setattr(control, "MAX_SESSIONS", 4)
+    monkeypatch.setattr(control, "MAX_HALF_OPEN", 4)
+    dst_kv, dst = make_cache(2, 8)
+    receiver = ZmqKVReceiver(dst_kv)
+    live = RawPeer(receiver.address)
+    strangers: list[Any] = []
+    try:
+        assert isinstance(live.hello(), KVCreditGrant)
+        receiver.register("before", [1], expected_layers=2)
+        k, v = os.urandom(BLOCK_BYTES), os.urandom(BLOCK_BYTES)
+        live.send(header("before", 0, 0, (1,), k, v), k, v)  # its first message: its key confirmed
+        assert isinstance(live.recv(), KVTransferAck)
+        recorder = RawPeer(receiver.address)
+        body = encode(KVTransferHello(sender_id="raw", checksums=("crc32",), nonce=recorder.nonce))
+        recorded = [auth.seal(auth.default_secret().derive(auth.KV_HELLO), auth.KV_HELLO, 1, [body]), body]
+        recorder.close()
+        for _ in range(16):  # one replay per new connection
+            s = zmq.Context.instance().socket(zmq.DEALER)
+            s.setsockopt(zmq.LINGER, 0)
+            s.connect(receiver.address)
+            s.send_multipart(recorded)
+            strangers.append(s)
+        assert all(s.poll(5000) for s in strangers)  # each answered: its hello was taken
+        receiver.register("after", [2], expected_layers=2)
+        k, v = os.urandom(BLOCK_BYTES), os.urandom(BLOCK_BYTES)
+        live.send(header("after", 0, 0, (2,), k, v), k, v)
+        live.send(header("after", 1, 1, (2,), k, v), k, v)
+        live.send(end_marker("after", 2))
+        assert receiver.wait("after", soon(5)).state is TransferState.DONE, receiver.refusals
+        assert receiver.refusals.forged == 0 and dst[1, 1, 2].numpy().tobytes() == v
+    finally:
+        for s in strangers:
+            s.close()
+        live.close()
         receiver.close()
 
 

@@ -117,8 +117,13 @@ CONNECT_BUDGET_S = 5.0  # how long a sender's wait may last while no connection 
 _IDLE_POLL_MS = 50  # the I/O thread's longest sleep: how soon it notices a test's stall switch
 _BATCH = 64  # messages handled per loop turn before the outbox gets a look
 # Peers a receiver keeps a connection key for; past it the least recently heard from is forgotten (its
-# next message is refused, as a stranger's): only hellos that check make one, so this bounds replays.
+# next message is refused, as a stranger's). A connection's key is kept first as half open, from its
+# hello, and confirmed by its first message sealed under it, which only the hello's maker can seal: a
+# hello is sealed under a key every holder of the secret shares, so one recorded off the wire checks
+# again from any connection. Replayed hellos only push out each other and half-open keys, never a
+# confirmed sender's (1,024 replays had evicted a live prefill worker's key, and its transfers failed).
 MAX_SESSIONS = 1024
+MAX_HALF_OPEN = 1024
 DEFAULT_MAX_FRAME_BYTES = 64 << 20  # a receiver's ZMQ_MAXMSGSIZE: K or V of one data message, at most
 _RECEIVER_HWM = 1000  # messages queued per connection; a sender keeps within its credits (+ a few aborts)
 _NO_AUTH = bytes(auth.AUTH_FRAME_BYTES)  # the auth frame of an unauthenticated notice
@@ -172,6 +177,7 @@ class ReceiverControl:
         self._store_key = self._secret.derive(auth.STORE_REQUEST)
         self.fingerprint = fingerprint
         self._sessions: collections.OrderedDict[bytes, _Session] = collections.OrderedDict()
+        self._half_open: collections.OrderedDict[bytes, _Session] = collections.OrderedDict()
         self._store_windows: collections.OrderedDict[bytes, SeqWindow] = collections.OrderedDict()
         self.refusals = RefusalCounts()
         ctx = context or zmq.Context.instance()
@@ -209,7 +215,7 @@ class ReceiverControl:
     def reply(self, peer: bytes, message: Message) -> None:
         """Send `message` to `peer` now, under its connection's key. I/O thread only; a vanished or
         stalled peer (or one we hold no key for) is logged, not waited for."""
-        session = self._sessions.get(peer)
+        session = self._sessions.get(peer) or self._half_open.get(peer)
         if session is None:
             log.info("KV receiver %s: no connection key for %r; %s not sent", self.address, peer,
                      type(message).__name__)
@@ -286,12 +292,20 @@ class ReceiverControl:
         tag, body = parts[1].buffer, parts[2:]
         buffers = [f.buffer for f in body]
         session = self._sessions.get(peer)
+        confirmed = session is not None
+        if session is None:
+            session = self._half_open.get(peer)
         if session is not None and (seq := auth.check(session.key, auth.KV_TO_RECEIVER, tag, buffers)) is not None:
             if not session.rx.fresh(seq):
                 self.refusals.replayed += 1
                 log.warning("KV receiver %s: refused a replayed message (#%d) from %r", self.address, seq, peer)
                 return None
             session.rx.take(seq)
+            if not confirmed:  # its first message under the hello's key: the hello was its maker's
+                del self._half_open[peer]
+                self._sessions[peer] = session
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
             self._sessions.move_to_end(peer)
             return self._dispatch(peer, body)
         if auth.check(self._hello_key, auth.KV_HELLO, tag, buffers) is not None:
@@ -348,10 +362,11 @@ class ReceiverControl:
             return
         if not self._on_hello(peer, hello, body[0]):
             return
-        self._sessions[peer] = _Session(key)
-        self._sessions.move_to_end(peer)
-        while len(self._sessions) > MAX_SESSIONS:
-            self._sessions.popitem(last=False)
+        self._sessions.pop(peer, None)  # a new hello on a connection starts it again
+        self._half_open[peer] = _Session(key)
+        self._half_open.move_to_end(peer)
+        while len(self._half_open) > MAX_HALF_OPEN:
+            self._half_open.popitem(last=False)
         checksum = frames.pick_checksum(hello.checksums, self.verify)
         self.reply(peer, KVCreditGrant(credits=self.credits, checksum=checksum, nonce=nonce))
 

@@ -100,7 +100,7 @@ class ZmqKVReceiver(LedgerReceiver):
     # -- I/O thread --------------------------------------------------------------------
 
     def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
-        self._in_flight[peer] = 0  # a new (or reconnected) sender starts with a full window
+        self._in_flight.pop(peer, None)  # a new (or reconnected) sender starts with a full window
         return True
 
     def _on_header(self, peer: bytes, header: KVTransferHeader, tensor_frames: list[zmq.Frame]) -> None:
@@ -127,7 +127,10 @@ class ZmqKVReceiver(LedgerReceiver):
         else:
             k = v = b""  # wrong frame count: the ledger sees the size mismatch (or nothing, for an end marker)
         ack = self._ledger.apply(header, k, v, peer=peer)
-        self._in_flight[peer] = in_flight - 1
+        if in_flight > 1:
+            self._in_flight[peer] = in_flight - 1
+        else:  # only peers with messages in hand are kept: a hello per connection adds none for good
+            del self._in_flight[peer]
         self._control.reply(peer, ack)
 
     def _stalled(self) -> bool:
