@@ -263,3 +263,45 @@ def test_a_checkpoints_kv_scales_reach_the_attention_layers(model_dir: Path, tmp
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
     with pytest.raises(ValueError, match="k_scale"):
         _llm(tmp_path / "m")
+
+
+@pytest.mark.parametrize("names", [("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+                                   ("self_attn.kv_scale", None)], ids=["output-scale", "kv-scale"])
+def test_kv_scales_in_an_fp8_checkpoints_other_layouts_reach_attention(model_dir: Path, tmp_path: Path,
+                                                                      names: tuple[str, str | None]) -> None:
+    """vLLM reads an fp8 checkpoint's calibrated KV scales from the K and V projections' output
+    scales too (and, in older ones, one kv_scale for both): they were dropped as unused
+    activation scales, and an fp8 KV cache ran at scale 1 with no word of it."""
+    _fp8_checkpoint(model_dir, tmp_path / "m", "fp8-tensor")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    k_name, v_name = names
+    tensors[f"model.layers.0.{k_name}"] = torch.tensor(4.0)
+    if v_name is not None:
+        tensors[f"model.layers.0.{v_name}"] = torch.tensor(0.5)
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    llm = _llm(tmp_path / "m", kv_cache_dtype="fp8")
+    layers = llm.engine.model.model.layers
+    assert layers[0].self_attn.kv_scales == ((4.0, 0.5) if v_name is not None else (4.0, 4.0))
+    assert layers[1].self_attn.kv_scales == (1.0, 1.0)
+
+
+def test_pools_of_other_tensor_parallel_sizes_quantized_at_load_share_a_fingerprint(model_dir: Path) -> None:
+    """`--quantization fp8 --prefill-tp 2 --decode-tp 1`: each rank quantizes its own shard, and a
+    row-parallel shard's rows (o_proj, down_proj: half the columns) get other scales and bytes
+    than the whole model's. Fingerprinted as they were, every KV hello between the pools was
+    refused as another model's. The unquantized model is still another model."""
+    from pdserve.kernels.backend_choice import AttentionBackend
+    from pdserve.workers.model.loader import load_model
+    from pdserve.workers.model.tensor_parallel import TensorParallel
+    from pdserve.workers.transfer.fingerprint import module_fingerprint
+
+    cfg = ModelConfig.from_pretrained(model_dir)
+
+    def fingerprint(tp: TensorParallel, quantization: str | None) -> str:
+        m = load_model(model_dir, cfg, torch.float32, torch.device("cpu"), AttentionBackend.TORCH, 256,
+                       quantization=quantization, tp=tp)
+        return module_fingerprint(str(model_dir), m)
+
+    whole = fingerprint(TensorParallel(), "fp8")
+    assert fingerprint(TensorParallel(2, 0), "fp8") == whole
+    assert fingerprint(TensorParallel(), None) != whole

@@ -25,12 +25,17 @@ not used: dynamic per-token scales fit each token's range at least as closely.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = float(torch.finfo(E4M3).max)  # 448
 _MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros with this scale, not NaN
+
+
+SOURCE_SAMPLE = 16  # elements of a quantized layer's source weight kept for the model fingerprint
 
 
 class Fp8Linear(nn.Module):
@@ -53,6 +58,11 @@ class Fp8Linear(nn.Module):
         nn.Module.__init__(q)
         q.in_features, q.out_features = layer.in_features, layer.out_features
         weight, scale = quantize(layer.weight.detach())
+        # What a model fingerprint samples of it (workers/transfer/fingerprint.py): the weight it was
+        # made from. Its e4m3 bytes and scales depend on the rows' extent, which a tensor-parallel
+        # rank's row-parallel shard (o_proj, down_proj: half the columns) does not share with the
+        # whole model's, so fingerprinted as they are, pools of other sizes refused each other's KV.
+        q.source_sample = layer.weight.detach().reshape(-1)[:SOURCE_SAMPLE].clone()
         q.weight = nn.Parameter(weight, requires_grad=False)
         q.weight_scale = nn.Parameter(scale, requires_grad=False)
         q.bias = layer.bias
@@ -63,6 +73,15 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+def quantized_sources(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(layer name, the first elements of the weight it was quantized from) of every layer
+    `quantize_linears` made (not an fp8 checkpoint's: those are loaded as they are)."""
+    for name, module in model.named_modules():
+        sample = getattr(module, "source_sample", None)
+        if isinstance(module, Fp8Linear) and sample is not None:
+            yield name, sample
 
 
 def quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

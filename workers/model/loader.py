@@ -38,7 +38,11 @@ _IGNORED = re.compile(r"rotary_emb\.inv_freq$")
 # activation scales (activations are scaled per token: workers/model/fp8.py).
 _FP8_IGNORED = re.compile(r"\.(input_scale|output_scale|q_scale)$")
 # Calibrated fp8 KV-cache scales (vLLM's names): an fp8 KV cache stores K / k_scale, V / v_scale.
-_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:k_proj\.|v_proj\.)?([kv])_scale$")
+# Where fp8 checkpoints keep them: `self_attn.k_scale`, `k_proj.k_scale`, the output scale of the
+# K and V projections (`k_proj.output_scale`, as vLLM maps it to k_scale), or, in older ones, one
+# `kv_scale` for both.
+_KV_SCALE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:(?:k_proj\.|v_proj\.)?([kv])_scale"
+                       r"|([kv])_proj\.output_scale|(kv)_scale)$")
 _FP8_SCALE = re.compile(r"\.weight_scale(_inv)?$")
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -94,14 +98,16 @@ def load_model(
     for f in files:
         with safe_open(str(f), framework="pt", device="cpu") as st:
             for name in st.keys():
+                if (kv := _KV_SCALE.match(name)) is not None:  # before the ignored: output_scale is one
+                    which = kv.group(2) or kv.group(3) or kv.group(4)
+                    for one in which:  # "kv": the same scale for both
+                        _set_kv_scale(model, int(kv.group(1)), one, st.get_tensor(name))
+                    continue
                 if _IGNORED.search(name) or (fp8_checkpoint and _FP8_IGNORED.search(name)):
                     continue
                 if name == "lm_head.weight" and cfg.tie_word_embeddings:
                     continue
                 tensor = st.get_tensor(name)
-                if (kv := _KV_SCALE.match(name)) is not None:
-                    _set_kv_scale(model, int(kv.group(1)), kv.group(2), tensor)
-                    continue
                 if fp8_checkpoint and (_FP8_SCALE.search(name) or tensor.dtype == fp8.E4M3):
                     layer, part = name.rsplit(".", 1)
                     fp8_parts.setdefault(layer, {})["weight" if part == "weight" else "scale"] = tensor

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 
 import torch
 
+from pdserve.workers.model import fp8
 from pdserve.workers.model.packed_linear import packed_weights
 from pdserve.workers.transfer.auth import fingerprint_digest
 
@@ -45,9 +46,15 @@ def model_fingerprint(model_dir: str | None, tensors: Iterable[tuple[str, torch.
 
 def module_fingerprint(model_dir: str | None, module: torch.nn.Module) -> str:
     """`model_fingerprint` of a loaded module's parameters, buffers and packed weights (those
-    fingerprint as the plain weights they were: packing is a layout, not another model)."""
-    return model_fingerprint(model_dir, [*module.named_parameters(), *module.named_buffers(),
-                                         *packed_weights(module)])
+    fingerprint as the plain weights they were: packing is a layout, not another model). A
+    layer quantized at load (`--quantization fp8`) fingerprints as the weight it was made from,
+    under a name of its own (the same checkpoint unquantized is another model's KV): its e4m3
+    bytes and scales differ between a tensor-parallel rank 0's shard and the whole model's."""
+    sources = dict(fp8.quantized_sources(module))
+    made = {f"{layer}.{p}" for layer in sources for p in ("weight", "weight_scale")}
+    tensors = [(n, t) for n, t in [*module.named_parameters(), *module.named_buffers(), *packed_weights(module)]
+               if n not in made]
+    return model_fingerprint(model_dir, [*tensors, *((f"{layer}.weight@fp8", s) for layer, s in sources.items())])
 
 
 __all__ = ["model_fingerprint", "module_fingerprint"]
