@@ -22,6 +22,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import weakref
 from dataclasses import asdict, dataclass
 from enum import IntEnum
@@ -210,8 +211,7 @@ class TPGroup:
                 shm_collectives.unlink(path)
         _running["group"] = True
         if shm is not None:
-            procs = self.procs
-            shm.alive = lambda: all(p.poll() is None for p in procs)
+            shm.alive = _Followers(self.procs).alive
         self.tp = TensorParallel(size, 0, shm=shm)
         self._first = torch.zeros(HEADER + INLINE, dtype=torch.int64)  # each step's first message
         self.broken: BaseException | None = None  # why the group can run no more steps
@@ -284,6 +284,48 @@ def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, object]) -> No
     finally:
         _stop(procs)
 
+
+
+# How long a follower may stay stopped (SIGSTOP, a debugger's stop) before rank 0's wait for it
+# fails the step: the collectives' own deadline is 10 minutes (ranks compile their warm-up steps
+# side by side), and every request on the worker waited that long for a stopped rank.
+STOPPED_GRACE_S = 10.0
+_STOP_CHECK_S = 1.0  # how often a wait reads the followers' states (a /proc read each)
+
+
+class _Followers:
+    """Whether the followers can still reach a collective: none exited, none stopped for
+    longer than STOPPED_GRACE_S. Called from the shared-memory collectives' waits."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self._stopped_since: dict[int, float] = {}
+        self._checked = 0.0
+
+    def alive(self) -> bool:
+        if any(p.poll() is not None for p in self.procs):
+            return False
+        now = time.monotonic()
+        if now - self._checked < _STOP_CHECK_S:
+            return True
+        self._checked = now
+        for p in self.procs:
+            if _stopped(p.pid):
+                if now - self._stopped_since.setdefault(p.pid, now) > STOPPED_GRACE_S:
+                    return False
+            else:
+                self._stopped_since.pop(p.pid, None)
+        return True
+
+
+def _stopped(pid: int) -> bool:
+    """Whether process `pid` is stopped (state T or t in /proc: a signal's stop or a tracer's)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:

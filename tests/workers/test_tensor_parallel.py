@@ -213,6 +213,37 @@ def test_a_rank_that_dies_fails_the_engines_step_not_hangs_it(make_model: Callab
         llm.close()
 
 
+def test_a_rank_that_is_stopped_fails_the_step_within_its_grace(make_model: Callable[[TinyModelSpec], Path],
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower stopped (SIGSTOP), not dead: rank 0 waited in the shared-memory all-reduce for
+    the collectives' 10-minute deadline, and every request on the worker with it."""
+    import os
+    import signal
+    import time
+
+    from pdserve.workers import tp_group
+
+    monkeypatch.setattr(tp_group, "STOPPED_GRACE_S", 1.0)
+    llm = LLM(str(make_model(CASES["llama-gqa"])), dtype="float32", num_kv_blocks=64, max_model_len=256,
+              progress=False, tensor_parallel_size=2)
+    group = llm.engine.tp_group
+    assert group is not None
+    follower = group.procs[0]
+    try:
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
+        if group.tp.shm is None:
+            pytest.skip("no shared-memory collectives here (gloo's own timeout applies)")
+        os.kill(follower.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(TPGroupError, match="are gone"):
+            llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
+        assert time.monotonic() - t0 < 30
+    finally:
+        os.kill(follower.pid, signal.SIGKILL)  # ours: stopped, it would not take a stop message
+        follower.wait(10)
+        llm.close()
+
+
 def test_shards_put_back_together_are_the_checkpoint() -> None:
     """Column-parallel rows, row-parallel columns and vocab rows of every rank, concatenated,
     are the whole tensor (KV heads: replicated, each rank the head its query heads read)."""
