@@ -584,6 +584,8 @@ class LLMEngine:
         for r in results:
             s, req = r.scheduled, r.scheduled.request
             req.spec_token_ids, req.spec_draft_probs = [], None
+            if req.finished:  # since its step was launched (aborted): its blocks are freed, its final sent
+                continue
             accepted = len(r.tokens) - 1
             spec.verified(req, s.num_spec, accepted, self.stats)
             reason: FinishReason | None | Literal[False] = None

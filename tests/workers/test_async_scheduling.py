@@ -222,6 +222,36 @@ def test_an_abort_mid_flight_frees_its_blocks_and_leaves_the_rest_unchanged(mode
     _free(engine)
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_an_abort_while_drafts_are_verified_frees_the_request_once(model_dir: Path, prefix_caching: bool) -> None:
+    """A verifying step is in flight between two `step()` calls, where a served engine runs its
+    aborts (a client gone, a deadline). Its tokens were then appended to the finished request:
+    with prefix caching a completed block's lookup of the freed blocks raised (a KeyError that
+    killed a served worker's engine thread), without it the request got a second final output."""
+    engine = _engine(model_dir, True, enable_prefix_caching=prefix_caching, speculative="ngram",
+                     num_speculative_tokens=3, spec_max_batch_size=8, spec_token_cost=0.01)
+    g = torch.Generator().manual_seed(5)
+    for i, n in enumerate((8, 6, 9)):  # repetitive prompts: the n-gram proposer drafts
+        engine.add_request(f"r{i}", torch.randint(5, 4000, (n,), generator=g).tolist() * 6,
+                           SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    aborted = None
+    finals: dict[str, list[str | None]] = {}
+    for _ in range(200):
+        if not engine.has_unfinished_requests():
+            break
+        flight = engine._in_flight
+        if aborted is None and flight is not None and flight.result.spec:
+            aborted = flight.result.spec[0].scheduled.request.request_id  # its drafts are being verified
+            engine.abort(aborted)
+        for out in engine.step():
+            if out.finished:
+                finals.setdefault(out.request_id, []).append(out.outputs[0].finish_reason)
+    assert aborted is not None, "no verifying step was caught in flight"
+    assert finals[aborted] == ["abort"] and all(len(f) == 1 for f in finals.values()), finals
+    assert engine.kv.pool.num_used == 0 or prefix_caching
+    assert not engine.has_unfinished_requests()
+
+
 def test_an_id_reused_at_once_after_a_silent_abort_is_a_new_request(model_dir: Path) -> None:
     """abort(output=False) lets the caller reuse the id at once, while the old request's row is
     still in flight: the new request's tokens are its own."""
