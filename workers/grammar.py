@@ -266,31 +266,41 @@ class GrammarState:
             self.matcher.rollback(1)
             self._ahead = None
 
-    def valid_drafts(self, drafts: list[int]) -> int:
+    def valid_drafts(self, drafts: list[int], keep_refused: bool = False) -> int:
         """How many leading `drafts` the grammar accepts from here (it stops at the first it
-        refuses, and after one that completes it); the matcher is left where it was."""
+        refuses, and after one that completes it); the matcher is left where it was.
+        `keep_refused`: count the first refused one too (drafts sampled from a draft model's q:
+        verification must reject it, p being 0 there, and draw from the residual; cut, its
+        position was drawn from p, and whether it was cut hung on the draft sampled, which
+        biased the output away from the target's law)."""
         assert self.matcher is not None, "drafting for a request whose grammar is not ready"
         self._settle()
-        n = 0
+        n, refused = 0, False
         for token in drafts:
             if not self.matcher.accept_token(token):
+                refused = True
                 break
             n += 1
             if self.matcher.is_terminated():
                 break
         self.matcher.rollback(n)
-        return n
+        return n + 1 if refused and keep_refused else n
 
     def fill_along(self, bitmask: torch.Tensor, row: int, drafts: list[int]) -> None:
         """Rows row..row+len(drafts) of `bitmask`: what the grammar allows at each position of
         a verification (here, then after each draft token); the matcher is left where it was.
-        The drafts are ones `valid_drafts` kept."""
+        The drafts are ones `valid_drafts` kept: valid, but for a sampled draft's last one,
+        which the grammar may refuse (verification rejects it there; no later row is read)."""
         assert self.matcher is not None, "verifying a request whose grammar is not ready"
         self._settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
         for i, token in enumerate(drafts):
             if not self.matcher.accept_token(token):
-                raise ValueError(f"{self.spec.field}: draft token {token} does not match the grammar")
+                if i != len(drafts) - 1:
+                    raise ValueError(f"{self.spec.field}: draft token {token} does not match the grammar")
+                bitmask[row + i + 1] = 0  # after a rejected draft: never read
+                self.matcher.rollback(i)
+                return
             if self.matcher.is_terminated():  # nothing may follow: the position is masked out whole
                 bitmask[row + i + 1 :row + len(drafts) + 1] = 0
                 self.matcher.rollback(i + 1)

@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import numpy as np
 import pytest
+import torch
 from factories import tiny_spec
 from spec_decode_helpers import FixedDrafts, prompts, sample_joint, target_dir, tv
 
@@ -348,6 +349,53 @@ def test_a_preempted_request_keeps_its_grammar(make_model: Callable[[TinyModelSp
     for o in tight:
         assert o.outputs[0].finish_reason == "stop"
         jsonschema.validate(json.loads(o.outputs[0].text), schema)
+
+
+class _SampledDrafts:
+    """A draft model's contract: one draft a request sampled from q, q handed to verification;
+    q is half on a token the grammar refuses, half on one it allows (a draft model samples
+    without the grammar)."""
+
+    def __init__(self, vocab: int, refused: int, valid: int) -> None:
+        self.q = torch.zeros(vocab)
+        self.q[refused] = self.q[valid] = 0.5
+        self.gen = torch.Generator().manual_seed(0)
+
+    def draft(self, requests: list[Any], ks: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        xs = torch.multinomial(self.q, len(requests), replacement=True, generator=self.gen).tolist()
+        return [[x] for x in xs], [self.q[None].clone() for _ in requests]
+
+    def retain(self, request_ids: set[str]) -> None:
+        pass
+
+
+def test_sampled_drafts_the_grammar_refuses_keep_the_targets_law(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """A draft sampled from q that the grammar refuses was cut, and its position drawn from p:
+    whether it was cut hung on the draft drawn, so the output left the target's law (with q
+    half on a refused token and half on an allowed one A, P(A) rose ~1.5x). Kept, verification
+    rejects it (p is 0 there) and draws from the residual, as with any rejected draft."""
+    import torch
+
+    path = target_dir(make_model)
+    n = 2000
+    plain = LLM(str(path), max_model_len=128, max_num_seqs=256, progress=False)
+    tok = plain.engine.tokenizer
+    bar = tok.convert_tokens_to_ids("|")  # the regex makes it first, and refuses it second
+    a, b = (tok.convert_tokens_to_ids(t) for t in ("ing", "the"))
+    assert tok.unk_token_id not in (a, b, bar) and a != b
+    prompt = [int(x) for x in torch.randint(5, 4000, (12,), generator=torch.Generator().manual_seed(3))]
+    params = SamplingParams(temperature=1.0, max_tokens=3, logit_bias={a: 6.5, b: 6.5},
+                            structured_outputs={"regex": r"\|[a-z]+"})
+    want = sum(o.outputs[0].token_ids[1] == a for o in plain.generate([prompt] * n, params)) / n
+    spec = LLM(str(path), max_model_len=128, max_num_seqs=256, progress=False, speculative="ngram",
+               num_speculative_tokens=1, spec_max_batch_size=256, spec_token_cost=0.001)
+    assert spec.engine.spec is not None
+    spec.engine.spec.proposer = _SampledDrafts(spec.engine.runner.vocab_size, bar, a)  # type: ignore[assignment]
+    outs = spec.generate([prompt] * n, params)
+    assert all(o.outputs[0].token_ids[0] == bar for o in outs)
+    got = sum(o.outputs[0].token_ids[1] == a for o in outs) / n
+    assert abs(got - want) < 0.06, f"P(A) {got:.3f} with sampled drafts, {want:.3f} without"  # ~5 sigma
+    assert spec.engine.stats.spec_drafts > n // 2  # refused drafts too go to verification
 
 
 def test_a_grammar_that_does_not_compile_in_time_is_refused(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -79,7 +79,8 @@ class Speculator:
         self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
         for (req, _), d, sampled_from in zip(candidates, drafts, probs):
             if req.grammar is not None and d:  # a draft ends at the first token its grammar refuses
-                keep = req.grammar.valid_drafts(d)
+                # (a sampled one just after it: verification must reject it, as the target's law needs)
+                keep = req.grammar.valid_drafts(d, keep_refused=sampled_from is not None)
                 d = d[:keep]
                 sampled_from = None if sampled_from is None or not keep else sampled_from[:keep]
             req.spec_token_ids, req.spec_draft_probs = d, sampled_from
