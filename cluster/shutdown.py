@@ -48,6 +48,7 @@ if TYPE_CHECKING:
 STOP_DEADLINE_S = 28.0
 # How long the requests in flight at a stop get to finish; what is left after it is cut.
 DRAIN_S = 10.0
+SCRAPE_TIMEOUT_S = 5.0  # one read of the gateway's in-flight count (below)
 # What the driver left running once it has exited gets this long after SIGTERM.
 SWEEP_GRACE_S = 3.0
 _STOPS = {signal.SIGTERM, signal.SIGINT}
@@ -285,15 +286,19 @@ def _drain(cfg: ServeConfig) -> None:
         drain_flag.raise_flag(cfg.port)
     except Exception as e:  # noqa: BLE001 - Ray not up yet, or its GCS gone: the drain waits all the same
         print(f"[pdserve] telling the gateway to stop taking requests failed: {e!r}", file=sys.stderr, flush=True)
-    idle, n = 0, None
+    idle, last = 0, None
     while time.monotonic() < deadline and idle < 2:
         n = in_flight(cfg)
-        idle = idle + 1 if not n else 0  # None (no gateway yet, or it does not answer): nothing to wait for
         if n is None:
-            break
+            if last is None:  # no gateway yet, or it never answered: nothing to wait for
+                break
+            idle = 0  # it answered before: a read that failed now says nothing; wait on, to the deadline
+        else:
+            last = n
+            idle = idle + 1 if not n else 0
         time.sleep(0.25)
-    if idle < 2 and n:
-        print(f"[pdserve] {n:g} request(s) still in flight after {DRAIN_S:g} s: stopping anyway", file=sys.stderr,
+    if idle < 2 and last:
+        print(f"[pdserve] {last:g} request(s) still in flight after {DRAIN_S:g} s: stopping anyway", file=sys.stderr,
               flush=True)
     os.kill(os.getpid(), signal.SIGINT)
 
@@ -307,7 +312,10 @@ def in_flight(cfg: ServeConfig) -> float | None:
     if key is not None:
         request.add_header("Authorization", f"Bearer {key}")
     try:
-        with urllib.request.urlopen(request, timeout=2.0) as r:  # noqa: S310 - our own server
+        # Longer than the gateway's wait for each worker's metrics (cluster/metrics.py
+        # WORKER_SCRAPE_DEADLINE_S, 2 s): with one worker slow to answer, every read at 2 s gave up,
+        # the drain ended at its first, and every open stream was cut.
+        with urllib.request.urlopen(request, timeout=SCRAPE_TIMEOUT_S) as r:  # noqa: S310 - our own server
             text = r.read().decode("utf-8", "replace")
     except (OSError, ValueError):
         return None

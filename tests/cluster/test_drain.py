@@ -1,0 +1,52 @@
+"""A stop's drain (cluster/shutdown.py `_drain`): the requests in flight get up to DRAIN_S to
+finish, read from the gateway's in-flight count; what the drain does when a read fails."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from types import SimpleNamespace
+
+import pytest
+
+from pdserve.cluster import drain_flag, shutdown
+
+
+def _drain(monkeypatch: pytest.MonkeyPatch, readings: Iterator[float | None]) -> float:
+    """Seconds from the drain's start to its stop signal, the gateway's count read from `readings`."""
+    monkeypatch.setattr(drain_flag, "raise_flag", lambda port: None)
+    monkeypatch.setattr(shutdown, "DRAIN_S", 2.0)
+    monkeypatch.setattr(shutdown, "in_flight", lambda cfg: next(readings))
+    stopped: list[float] = []
+    monkeypatch.setattr(shutdown.os, "kill", lambda pid, sig: stopped.append(time.monotonic()))
+    t0 = time.monotonic()
+    shutdown._drain(SimpleNamespace(port=1))  # type: ignore[arg-type]
+    assert len(stopped) == 1
+    return stopped[0] - t0
+
+
+def test_a_read_that_fails_after_one_that_counted_streams_does_not_end_the_drain(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A worker slow to answer its metrics made the gateway's /metrics slower than the drain's
+    read: the read failed, the drain took that for "no gateway" and stopped at once, cutting
+    every open stream instead of giving them DRAIN_S."""
+    def readings() -> Iterator[float | None]:
+        yield 3.0
+        while True:
+            yield None
+
+    assert _drain(monkeypatch, readings()) >= 1.9
+    assert "3 request(s) still in flight" in capsys.readouterr().err
+
+
+def test_the_drain_ends_once_nothing_is_in_flight_or_no_gateway_ever_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _drain(monkeypatch, iter([2.0, 1.0, 0.0, 0.0, 5.0])) < 1.5  # idle twice: done
+    assert _drain(monkeypatch, iter([None, 4.0])) < 0.5  # nothing to wait for
+
+
+
+def test_a_read_waits_longer_than_the_gateway_waits_for_a_workers_metrics() -> None:
+    from pdserve.cluster.metrics import WORKER_SCRAPE_DEADLINE_S
+
+    assert shutdown.SCRAPE_TIMEOUT_S > WORKER_SCRAPE_DEADLINE_S + 1
