@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
@@ -308,10 +309,16 @@ class DisaggregatedBackend:
         gateway's migration: the clients' streams go on); it joins the other pool, and
         the router learns its new role and load before this returns.
 
-        ValueError (nothing changed): a role other than prefill or decode, an unknown
-        worker or one in that pool already, a switch of it under way, or a pool it
-        would leave with no live worker. If the worker fails the switch or does not
-        answer in time, it stays out of routing until a poll says which role it holds."""
+        ValueError (nothing changed but the router's view of its cache, which its next
+        poll brings back): a role other than prefill or decode, a drain timeout that is no
+        finite number >= 0, an unknown worker or one in that pool already, a switch of it
+        under way (here or, as the worker answers, from another replica), or a pool it would
+        leave with no live worker; a refusal is no failed switch. If the worker fails the
+        switch or does not answer in time, it stays out of routing until a poll says which
+        role it holds."""
+        if not (isinstance(drain_timeout_s, (int, float)) and math.isfinite(drain_timeout_s)
+                and drain_timeout_s >= 0):
+            raise ValueError(f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s!r}")
         if role not in (WorkerRole.PREFILL, WorkerRole.DECODE):
             raise ValueError(f"role: a worker switches to prefill or decode, got {role.value}")
         if wid in self._switching:
@@ -334,10 +341,10 @@ class DisaggregatedBackend:
             async with asyncio.timeout(drain_timeout_s + _SWITCH_GRACE_S):
                 result: RoleSwitch = await handle.switch_role.remote(role, drain_timeout_s)
         except BaseException as e:
-            self.events.switch_failures += 1
             src[wid] = handle  # where it was; its next poll says which role it holds (`_follow`)
             del self._switching[wid]
-            if not isinstance(e, ValueError):
+            if not isinstance(e, ValueError):  # the worker refused it (ValueError): nothing failed
+                self.events.switch_failures += 1
                 self.lose(wid)
             raise
         del self._switching[wid]

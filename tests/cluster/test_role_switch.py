@@ -233,6 +233,10 @@ def test_a_switch_that_would_empty_a_pool_is_refused(model_dir: Path) -> None:
                 await backend.switch_role("x9", WorkerRole.DECODE)
             with pytest.raises(ValueError, match="prefill or decode"):
                 await backend.switch_role("p0", WorkerRole.BOTH)
+            for bad in (-1.0, float("nan"), float("inf")):  # refused here: it reached the worker, counted failed
+                with pytest.raises(ValueError, match="drain_timeout_s"):
+                    await backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=bad)
+            assert backend.router.loads["p1"].healthy
             first = asyncio.ensure_future(backend.switch_role("p1", WorkerRole.DECODE, drain_timeout_s=5))
             await asyncio.sleep(0)  # it has taken p1 out of its pool
             with pytest.raises(ValueError, match="switch is under way"):
@@ -251,6 +255,29 @@ def test_a_switch_that_would_empty_a_pool_is_refused(model_dir: Path) -> None:
     asyncio.run(main())
     assert set(backend.prefill) == {"p0"} and set(backend.decode) == {"d0", "p1"}
     assert backend.reliability().role_switch_failures == 0
+
+
+def test_a_switch_the_worker_refuses_is_no_failure(model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker refuses (another gateway replica is switching it): a ValueError, as the
+    backend's own refusals; it was counted as a failed switch, a false alert."""
+    backend, services = cluster(model_dir, 2, 1)
+
+    async def refuse(role: WorkerRole, drain_timeout_s: float) -> None:
+        raise ValueError("worker p1: a role switch is under way")
+
+    monkeypatch.setattr(services["p1"], "switch_role", refuse)
+
+    async def main() -> None:
+        try:
+            await backend.start()
+            with pytest.raises(ValueError, match="under way"):
+                await backend.switch_role("p1", WorkerRole.DECODE)
+            await backend._refresh()
+        finally:
+            await backend.close()
+
+    asyncio.run(main())
+    assert set(backend.prefill) == {"p0", "p1"} and backend.reliability().role_switch_failures == 0
 
 
 def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_dir: Path) -> None:
