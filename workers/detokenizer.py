@@ -19,7 +19,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool,
                  skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(ids=prompt_ids[-_CONTEXT_TOKENS:], skip_special_tokens=skip_special_tokens)
+        self.stream = DecodeStream(ids=_context(tokenizer, prompt_ids, skip_special_tokens),
+                                   skip_special_tokens=skip_special_tokens)
         self.text = ""
         self.stop = stop
         self.include_stop = include_stop
@@ -46,3 +47,19 @@ class IncrementalDetokenizer:
         end, idx, s = min(hits)
         self.text = self.text[:end] if self.include_stop else self.text[:idx]
         return s
+
+
+def _context(tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> list[int]:
+    """The prompt's last tokens to seed a DecodeStream with, ending where their text does not end
+    in U+FFFD. DecodeStream takes a context whose text ends so for a character still to be
+    completed, and hands the whole context's text out with the first generated token: a prompt
+    of token ids cut inside a character (random or truncated prompts, byte-level vocabularies),
+    or a text prompt ending in a literal U+FFFD, began its completion with the prompt's tail.
+    Such trailing tokens are left out (no context at all where nothing else is left)."""
+    end = len(prompt_ids)
+    while end > 0 and len(prompt_ids) - end < _CONTEXT_TOKENS:
+        ids = prompt_ids[max(0, end - _CONTEXT_TOKENS):end]
+        if not tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            return ids
+        end -= 1
+    return []

@@ -50,6 +50,24 @@ def test_one_token_at_a_time_reproduces_decode(tok: Tokenizer, text: str, prompt
     assert d.text == tok.decode(ids) == text
 
 
+@pytest.mark.parametrize("prompt_end", ["cut", "literal"], ids=["ids-cut-inside-a-character", "literal-U+FFFD"])
+@pytest.mark.parametrize("text", [" ok then", "🙂 and more"])
+def test_a_prompt_ending_in_an_unfinished_character_stays_out_of_the_text(tok: Tokenizer, prompt_end: str,
+                                                                          text: str) -> None:
+    """A prompt whose text ends in U+FFFD (token ids cut inside a character, or a literal one):
+    DecodeStream took the context for a character still to be completed and handed the whole
+    context's text out with the first generated token ('ay hi \ufffd ok then' for ' ok then')."""
+    emoji = tok.encode("🙂").ids
+    assert len(emoji) > 1
+    prompt = (tok.encode("Say hi ").ids + emoji[:-1] if prompt_end == "cut"
+              else tok.encode("Fix this byte: \ufffd").ids)
+    assert tok.decode(prompt).endswith("\ufffd")
+    gen = tok.encode(text).ids
+    d = IncrementalDetokenizer(tok, prompt, [], False, skip_special_tokens=True)
+    feed(d, gen)
+    assert d.text == tok.decode(gen) == text
+
+
 def test_multibyte_characters_are_split_across_tokens(tok: Tokenizer) -> None:
     """Guard for the test above: the tokenizer really splits these characters."""
     ids = tok.encode(TEXTS[0]).ids
