@@ -335,7 +335,8 @@ class Gateway:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
-        text = self.chat_text(req.messages, req.tool_plan().template_tools)
+        text = self.chat_text(req.messages, req.tool_plan().template_tools, req.add_generation_prompt,
+                              req.continue_final_message)
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))
@@ -344,14 +345,20 @@ class Gateway:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_text(self, chat: Sequence[ChatMessage], tools: list[dict[str, object]] | None,
-                  add_generation_prompt: bool = True) -> str:
+                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
         """The messages as the model's chat template renders them (a 400 for messages it
-        refuses). Blocking: call it through `off_loop`."""
+        refuses, or for a model with no template: a base model). Blocking: call it through
+        `off_loop`."""
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            # transformers raises a plain ValueError here: it was a 500.
+            raise bad_request(ValueError("messages: this model has no chat template (a base model); "
+                                         "send the text to /v1/completions"))
         messages = template_messages([m.template_dict(unicode_text("messages", m.text())) for m in chat])
         try:
             # Checked whole: tools, names and tool-call arguments reach the text too.
             return unicode_text("messages", str(self.tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt)))
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message)))
         except TemplateSyntaxError:
             raise  # the model's template is broken: the server's fault, not this request's
         except TemplateError as e:

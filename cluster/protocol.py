@@ -54,6 +54,9 @@ class _SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
+    skip_special_tokens: bool = Field(True, description="vLLM's: leave special tokens' text out of the output")
+    include_stop_str_in_output: bool = Field(False, description="vLLM's: the stop string (or stop token's text) "
+                                                                "ends the text")
     min_tokens: int = 0
     presence_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this for each token already generated")
     frequency_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this times each token's count so far")
@@ -131,6 +134,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=_or(self.repetition_penalty, 1.0),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
             speculative=self.speculative, cache_salt=self.cache_salt, structured_outputs=self.constraint(),
+            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property
@@ -215,6 +219,18 @@ class ChatMessage(BaseModel):
                               RefusalReason.UNSUPPORTED)
 
 
+def check_continuation(add_generation_prompt: bool, continue_final_message: bool,
+                       messages: list[ChatMessage] | None) -> None:
+    """vLLM's rules: the final message is continued, or a turn opened after it, not both; only
+    an assistant's is continued."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be true with add_generation_prompt true")
+    if messages and messages[-1].role != "assistant":
+        raise ValueError("continue_final_message: the last message must be the assistant's")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_tokens: int | None = Field(None, description="deprecated alias of max_completion_tokens")
@@ -229,6 +245,9 @@ class ChatCompletionRequest(_SamplingFields):
                           '{"type": "function", "function": {"name": ...}}; required and a named function are '
                           "enforced by a grammar")
     parallel_tool_calls: bool | None = Field(None, description="false: at most one call (required)")
+    add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="vLLM's: the last (assistant) message is left open, "
+                                                            "for the model to continue")
     # The deprecated function-calling fields: modelled so that asking for them is a 400 naming
     # them, while their "off" values (what some clients send by default) pass.
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
@@ -236,6 +255,7 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
+        check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
         if self.functions:
             raise Refused("functions", "deprecated: use tools", RefusalReason.UNSUPPORTED)
         if self.function_call not in (None, "none"):

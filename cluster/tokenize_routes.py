@@ -25,7 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from pdserve.cluster.gateway import APIError, Gateway, bad_request, unicode_text
 from pdserve.cluster.limits import RefusalReason
-from pdserve.cluster.protocol import ChatMessage
+from pdserve.cluster.protocol import ChatMessage, check_continuation
 from pdserve.cluster.tool_calls import ToolPlan
 from pdserve.workers.inputs import check_token_ids
 
@@ -54,6 +54,8 @@ class TokenizeRequest(BaseModel):
                                                description="a chat, rendered by the model's chat template")
     tools: list[dict[str, object]] | None = Field(None, description="with messages: rendered into the template")
     add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn opening")
+    continue_final_message: bool = Field(False, description="with messages: leave the last (assistant) message "
+                                                            "open, for the model to continue")
     add_special_tokens: bool | None = Field(None, description="default: true with prompt, false with messages "
                                                               "(the template writes its own)")
     return_token_strs: bool = Field(False, description="also each token as the tokenizer spells it")
@@ -109,16 +111,19 @@ def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | 
     """The ids, and their strings if asked. Blocking: in the tokenizer pool."""
     tokenizer: Any = gw.tokenizer
     if body.messages is None:
+        if body.continue_final_message:
+            raise bad_request(ValueError("continue_final_message: only with messages"))
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = list(tokenizer.encode(unicode_text("prompt", body.prompt or ""), add_special_tokens=special))
     else:
         try:
             for m in body.messages:
                 m.check_supported()
+            check_continuation(body.add_generation_prompt, body.continue_final_message, body.messages)
             tools = ToolPlan.of(body.tools, None, None).template_tools
         except ValueError as e:
             raise bad_request(e) from None
-        text = gw.chat_text(body.messages, tools, body.add_generation_prompt)
+        text = gw.chat_text(body.messages, tools, body.add_generation_prompt, body.continue_final_message)
         ids = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return ids, strs

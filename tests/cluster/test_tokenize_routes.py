@@ -73,6 +73,52 @@ def test_the_count_is_what_a_completion_of_the_same_prompt_is_charged(served: tu
     assert usage["prompt_tokens"] == count
 
 
+CONTINUED = [*CHAT, {"role": "assistant", "content": "The fox is"}]
+
+
+def test_a_final_assistant_message_is_continued_as_vllm_does(served: tuple[TestClient, Any]) -> None:
+    """vLLM's continue_final_message (with add_generation_prompt false): the prompt ends inside
+    the assistant's message, for the model to go on with it; on /tokenize and in a chat."""
+    client, oracle = served
+    flags = {"add_generation_prompt": False, "continue_final_message": True}
+    want = list(oracle.apply_chat_template(CONTINUED, tokenize=True, return_dict=False, **flags))
+    assert oracle.decode(want).endswith("The fox is")
+    body = client.post("/tokenize", json={"messages": CONTINUED, **flags}).json()
+    assert body["tokens"] == want
+    usage = client.post("/v1/chat/completions", json={"messages": CONTINUED, "max_tokens": 1, **flags}).json()["usage"]
+    assert usage["prompt_tokens"] == len(want)
+    for path in ("/tokenize", "/v1/chat/completions"):
+        both = client.post(path, json={"messages": CONTINUED, "continue_final_message": True})
+        user_last = client.post(path, json={"messages": CHAT, **flags})
+        for r in (both, user_last):
+            assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message", r.text
+
+
+def test_a_model_without_a_chat_template_answers_chat_with_a_400(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """A base model: transformers raises a plain ValueError, which was a 500 ("internal error")."""
+    from factories import FakeBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(make_model(tiny_spec()))
+    tokenizer.chat_template = None
+    gw = Gateway(FakeBackend(), tokenizer, GatewayConfig(model_name="tiny", max_model_len=LEN))
+    with TestClient(build_app(gw)) as client:
+        for path, body in (("/v1/chat/completions", {"messages": CHAT, "max_tokens": 1}),
+                           ("/tokenize", {"messages": CHAT})):
+            r = client.post(path, json=body)
+            assert r.status_code == 400 and "no chat template" in r.json()["error"]["message"], r.text
+
+
+def test_special_tokens_in_the_output_when_asked(served: tuple[TestClient, Any]) -> None:
+    """vLLM's skip_special_tokens (true by default): false keeps their text in the output."""
+    client, oracle = served
+    eos = oracle.eos_token_id
+    body = {"prompt": TEXT[:20], "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logit_bias": {str(eos): 100}}
+    skipped = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    kept = client.post("/v1/completions", json={**body, "skip_special_tokens": False}).json()["choices"][0]["text"]
+    assert skipped == "" and kept == oracle.decode([eos, eos])
+
+
 def test_detokenize_gives_back_the_text(served: tuple[TestClient, Any]) -> None:
     client, oracle = served
     ids = client.post("/tokenize", json={"prompt": TEXT, "add_special_tokens": False}).json()["tokens"]
@@ -113,6 +159,8 @@ def test_a_lone_surrogate_the_template_renders_from_any_field_is_a_400() -> None
     from pdserve.cluster.protocol import ChatMessage
 
     class Template:
+        chat_template = "a template"
+
         def apply_chat_template(self, messages: list[dict[str, Any]], **_: Any) -> str:
             return "".join(f"<{m['role']}:{m.get('name', '')}>{m['content']}" for m in messages)
 
