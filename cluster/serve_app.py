@@ -237,7 +237,9 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
 
     info = _any_worker_info(cfg)
     model_dir = str(resolve_model(cfg.model))  # a GGUF or `tiny`: the directory it was made into
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The workers' tokenizer (`--tokenizer`, else the model's): prompts encoded with one and outputs
+    # decoded with another would not agree.
+    tokenizer = AutoTokenizer.from_pretrained(cfg.engine.tokenizer or model_dir)
     rank = replica_rank()
     gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
     backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED

@@ -191,3 +191,39 @@ def test_a_text_beyond_four_contexts_is_refused_before_tokenizing(served: tuple[
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a" * 4_000_000}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     assert client.post("/tokenize", json={"prompt": TEXT}).status_code == 200
+
+
+def test_the_gateway_tokenizes_with_the_tokenizer_flag(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve serve --tokenizer DIR`: the workers decode with DIR's tokenizer; the gateway
+    loaded the model directory's, so a model directory with no tokenizer (the usual reason for
+    the flag) could not start its gateway, and two different ones would not agree."""
+    import asyncio
+    import shutil
+    import types
+
+    import httpx
+    from factories import FakeBackend
+
+    import pdserve.cluster.backend as backend_module
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import ServeConfig, ServingMode
+    from pdserve.workers.config import EngineConfig
+
+    model_dir = make_model(tiny_spec())
+    weights = tmp_path / "weights"
+    shutil.copytree(model_dir, weights)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (weights / f).unlink()
+    monkeypatch.setattr(serve_app, "_any_worker_info", lambda cfg, timeout_s=120.0: types.SimpleNamespace(
+        max_model_len=LEN))
+    monkeypatch.setattr(serve_app, "find_worker", lambda name: None)
+    monkeypatch.setattr(backend_module, "ColocatedBackend", lambda *a, **k: FakeBackend())
+    app = serve_app.build_gateway_app(ServeConfig(EngineConfig(model=str(weights), tokenizer=str(model_dir)),
+                                                  mode=ServingMode.COLOCATED, num_colocated=1))
+
+    async def tokenize() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.post("/tokenize", json={"prompt": TEXT})
+
+    assert asyncio.run(tokenize()).json()["tokens"] == AutoTokenizer.from_pretrained(model_dir).encode(TEXT)

@@ -82,3 +82,14 @@ def test_old_style_rope_keys_parse_like_new_ones() -> None:
 def test_unsupported_architecture_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelConfig.from_hf_dict({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+
+
+@pytest.mark.parametrize("act", ["gelu_pytorch_tanh", "relu"])
+def test_an_activation_other_than_silu_is_refused(act: str) -> None:
+    """The MLP is SiLU-gated whatever the config says: a config naming another loaded and ran wrong."""
+    base = dict(architectures=["LlamaForCausalLM"], vocab_size=1000, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                rms_norm_eps=1e-5)
+    assert ModelConfig.from_hf_dict({**base, "hidden_act": "silu"}) == ModelConfig.from_hf_dict(base)
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelConfig.from_hf_dict({**base, "hidden_act": act})

@@ -116,6 +116,9 @@ class ModelConfig:
         attention_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
         if hf.get("mlp_bias"):
             raise ValueError("model: mlp_bias=True is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act not in (None, "silu", "swish"):  # the MLP is SiLU-gated: another would load and run wrong
+            raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
         sliding = hf.get("sliding_window")
         if arch == "qwen2" and not hf.get("use_sliding_window", False):
             sliding = None
