@@ -362,6 +362,10 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--stream-interval", type=int, default=UNSET,
                    help="output tokens a streamed chunk gathers after the first (default 1: each as it comes; "
                         "more costs the gateway less CPU a token, and the stream comes in bursts)")
+    g.add_argument("--generation-config", choices=["auto", "vllm"], default=UNSET,
+                   help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_tokens) come from: auto (default), the model's "
+                        "generation_config.json, else vLLM's defaults; vllm, vLLM's defaults only")
     g.add_argument("--worker-wait", type=float, default=UNSET,
                    help="seconds a request under way waits for a worker when none can take it (the only one "
                         "restarting) before it fails (default 10; 0: no wait)")

@@ -84,6 +84,9 @@ class GatewayConfig:
     # This replica's rank among the gateway's Serve replicas (serve_app.replica_rank): every
     # response names it (x-pdserve-replica), so a client behind HAProxy can tell who served it.
     replica: int = 0
+    # The model's sampling defaults for fields a request leaves unset (its generation_config.json:
+    # workers/generation_defaults.py; {} with --generation-config vllm).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -395,6 +398,10 @@ class Gateway:
         """The checked parameters `make` builds for the completion's token budget
         (`max_tokens`, or all the context the prompt leaves). `budget_field`: the
         request's name for that budget, named in its errors."""
+        default_budget = self.config.sampling_defaults.get("max_tokens")
+        if max_tokens is None and default_budget is not None and len(prompt_ids) < self.config.max_model_len:
+            # The model's max_new_tokens, within what the context leaves (vLLM's rule).
+            max_tokens = min(int(default_budget), self.config.max_model_len - len(prompt_ids))
         try:
             params = make(max_new_tokens(len(prompt_ids), max_tokens, self.config.max_model_len))
             if self.vocab_size is not None:

@@ -186,7 +186,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         slot = gw.admit(body.n)
         try:
             prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
-            params = gw.params(prompt_ids, body.max_new_tokens(), lambda mt: body.sampling_params(mt, num_logprobs),
+            params = gw.params(prompt_ids, body.max_new_tokens(),
+                               lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
                                body.budget_field())
             if params.constraint is not None:
                 await gw.off_loop(body, lambda: gw.check_grammar(params))
@@ -207,7 +208,8 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
     works: list[Work] = []
     for ids, text in gw.prompts(body.prompt):
         params = gw.params(ids, 1 if prompt_only else body.max_tokens,
-                           lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp))
+                           lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp,
+                                                          defaults=gw.config.sampling_defaults))
         echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
         works.append(Work(ids, params, echo, prompt_only))
     gw.check_grammar(works[0].params)  # one spec for every prompt of the request

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolCall, ToolPlan
+from pdserve.workers.generation_defaults import pick
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
 
@@ -42,10 +43,13 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, to be refused by name (`check_supported`)
 
     model: str | None = None
-    temperature: float = Field(1.0, description="0 = greedy")
-    top_p: float = 1.0
-    top_k: int = Field(0, description="0 or -1 disables")
-    min_p: float = 0.0
+    # Unset sampling fields take the model's generation_config.json defaults (vLLM's
+    # --generation-config auto), else these: temperature 1, top_p 1, top_k 0, min_p 0,
+    # repetition_penalty 1 (workers/generation_defaults.py).
+    temperature: float | None = Field(None, description="0 = greedy (default: the model's, else 1)")
+    top_p: float | None = Field(None, description="default: the model's, else 1")
+    top_k: int | None = Field(None, description="0 or -1 disables (default: the model's, else 0)")
+    min_p: float | None = Field(None, description="default: the model's, else 0")
     seed: int | None = Field(None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -60,8 +64,9 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     presence_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this for each token already generated")
     frequency_penalty: float | None = Field(0.0, description="in [-2, 2]: minus this times each token's count so far")
-    repetition_penalty: float | None = Field(1.0, description="> 0, 1 = off: divides the logits of tokens already "
-                                                               "in the prompt or output (vLLM's extension)")
+    repetition_penalty: float | None = Field(None, description="> 0, 1 = off: divides the logits of tokens already "
+                                                                "in the prompt or output (vLLM's extension; "
+                                                                "default: the model's, else 1)")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
     speculative: bool = Field(True, description="false: no speculative decoding for this request "
                                                 "(when the server speculates)")
@@ -121,17 +126,20 @@ class _SamplingFields(BaseModel):
             raise Refused("cache_salt", f"at most {limits.max_cache_salt_length} characters")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
-        """Raises ValueError naming the bad parameter."""
+                        prompt_logprobs: int | None = None, defaults: dict[str, float] | None = None) -> SamplingParams:
+        """Raises ValueError naming the bad parameter. `defaults`: the model's sampling
+        defaults (workers/generation_defaults.py) for the fields the request leaves unset."""
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        d = defaults or {}
         return SamplingParams(
-            n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+            n=self.n, temperature=pick("temperature", self.temperature, d), top_p=pick("top_p", self.top_p, d),
+            top_k=int(pick("top_k", self.top_k, d)), min_p=pick("min_p", self.min_p, d),
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, logprobs=logprobs,
             prompt_logprobs=prompt_logprobs, presence_penalty=_or(self.presence_penalty, 0.0),
             frequency_penalty=_or(self.frequency_penalty, 0.0),
-            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            repetition_penalty=pick("repetition_penalty", self.repetition_penalty, d),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
             speculative=self.speculative, cache_salt=self.cache_salt, structured_outputs=self.constraint(),
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,

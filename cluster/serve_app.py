@@ -24,6 +24,7 @@ from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_r
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_turns import lending_dir, turns_path
 
@@ -276,7 +277,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key,
                          max_in_flight=cfg.admission_share(rank), request_timeout_s=cfg.request_timeout,
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
-                         planner=_replica_planner(cfg, rank), replica=rank)
+                         planner=_replica_planner(cfg, rank), replica=rank,
+                         sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config))
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

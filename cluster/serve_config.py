@@ -18,7 +18,7 @@ import functools
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -166,6 +166,9 @@ class ServeConfig:
     # fewer chunks cost the gateway less CPU a token (docs/performance.md), at the price of
     # burstier streams. 1: every token as it comes (a reader that is behind gets what queued).
     stream_interval: PositiveInt = 1
+    # Where a request's unset sampling fields come from (vLLM's --generation-config): "auto", the
+    # model's generation_config.json, else vLLM's defaults; "vllm", vLLM's defaults only.
+    generation_config: Literal["auto", "vllm"] = "auto"
     # Seconds a request under way waits for a worker when none can take it (its
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.

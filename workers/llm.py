@@ -10,6 +10,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import is_one_prompt, prompt_of
@@ -59,16 +60,31 @@ class LLM:
         ValueError naming `prompts` or `sampling_params`, and nothing runs.
         """
         batch = [prompt_of(p) for p in ([prompts] if is_one_prompt(prompts) else list(prompts))]
-        params = _broadcast_params(sampling_params, len(batch))
+        params = _broadcast_params(sampling_params if sampling_params is not None
+                                   else self.get_default_sampling_params(), len(batch))
+        children = []  # every sample's own parameters, made (and so checked: a child's seed) before any is queued
         for p, sp in zip(batch, params):
             self.engine.validate(p, sp)
+            children.append([_child_params(sp, j) for j in range(sp.n)])
         order: dict[str, tuple[int, int]] = {}  # request id -> (prompt, sample)
-        for i, (p, sp) in enumerate(zip(batch, params)):
-            for j in range(sp.n):
-                rid = f"{next(self._ids)}"
-                order[rid] = (i, j)
-                self.engine.add_request(rid, p, _child_params(sp, j))
-        return self._run(order, len(batch), use_tqdm)
+        try:
+            for i, (p, kids) in enumerate(zip(batch, children)):
+                for j, child in enumerate(kids):
+                    rid = f"{next(self._ids)}"
+                    order[rid] = (i, j)
+                    self.engine.add_request(rid, p, child)
+            return self._run(order, len(batch), use_tqdm)
+        except BaseException:
+            # Interrupted (Ctrl-C) or failed: what this call queued leaves the engine with its blocks;
+            # left there, the next call ran it too, and met outputs it did not know.
+            self.engine.abort(list(order), output=False)
+            raise
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's own defaults
+        (its generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens), as vLLM's LLM takes them; SamplingParams' defaults otherwise."""
+        return SamplingParams(**generation_defaults.read(self.engine.model_dir))  # type: ignore[arg-type]
 
     def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
         results: list[RequestOutput | None] = [None] * num_prompts
@@ -76,7 +92,7 @@ class LLM:
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, file=sys.stderr)
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
-                if not out.finished:
+                if not out.finished or out.request_id not in order:  # (not this call's: another caller's)
                     continue
                 bar.update(1)
                 i, j = order[out.request_id]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -118,6 +119,37 @@ def test_generate_validates_every_prompt_before_running_any(model_dir: Path) -> 
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([[5, 6, 7], ""], GREEDY)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_a_bad_samples_seed_queues_nothing(model_dir: Path) -> None:
+    """Sample j's seed is seed + j: past 2**64 for the last of n. It was found adding that sample,
+    with the prompts before it queued (they ran for no one and broke the next generate)."""
+    llm = make_llm(model_dir)
+    bad = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=4)  # valid on its own
+    with pytest.raises(ValueError, match="seed"):
+        llm.generate([[5, 6, 7], [8, 9, 10]], [GREEDY, bad])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+
+
+def test_an_interrupted_generate_leaves_nothing_behind(model_dir: Path) -> None:
+    """Ctrl-C in a notebook mid-generate: its requests stayed in the engine with their blocks,
+    and the next generate ran them too and failed on their outputs (a KeyError)."""
+    llm = make_llm(model_dir)
+    step, calls = llm.engine.step, [0]
+
+    def interrupted() -> list[Any]:
+        calls[0] += 1
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    llm.engine.step = interrupted  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(random_prompts([9, 7], seed=4), SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))
+    llm.engine.step = step  # type: ignore[method-assign]
+    out = llm.generate([[12, 13, 14]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
 
 
 def test_abort_frees_blocks_at_once(model_dir: Path) -> None:
