@@ -463,7 +463,10 @@ class LLMEngine:
         """Raise unless the engine can run a step of its own: one token of a request no client
         sent, in a block taken from the free ones and given back (it is never cached). Asked
         when every row of a failed step failed alone too: the rows' faults, or the engine's."""
-        probe = Request("pdserve-engine-check", [0], _PROBE_PARAMS, max_tokens=1)
+        rid = "pdserve-engine-check"
+        while rid in self.kv.req_blocks or rid in self.scheduler.requests:  # a client's may be named so
+            rid += "+"
+        probe = Request(rid, [0], _PROBE_PARAMS, max_tokens=1)
         if not self.kv.allocate_slots(probe, 1):
             raise row_faults.NoRoomToCheck("no free KV block to check the engine with")
         try:

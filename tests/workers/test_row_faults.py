@@ -288,3 +288,27 @@ def test_the_poison_row_seam_fails_its_running_requests_alone(model_dir: Path, r
     failed = [rid for rid, got in results.items() if isinstance(got, RequestFaultError)]
     assert len(failed) == rows, results
     assert all(got == want[rid] for rid, got in results.items() if rid not in failed)
+
+
+def test_the_engines_own_check_never_touches_a_request_named_like_it(model_dir: Path) -> None:
+    """After a step whose only row failed, the engine checks itself with a one-token request of
+    its own: under a fixed id, a client's (held) request of that name had its blocks freed by it."""
+    engine = _llm(model_dir).engine
+    greedy = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request("pdserve-engine-check", list(range(5, 45)), greedy, hold_kv=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    held = list(engine.blocks_of("pdserve-engine-check"))
+    assert held and engine.kv.pool.num_used == len(held)
+    execute = engine.runner.execute
+
+    def failing(rows: Any, **kw: Any) -> Any:
+        if any(s.request.request_id == "bad" for s in rows):
+            raise RuntimeError("a bad row")
+        return execute(rows, **kw)
+
+    engine.runner.execute = failing  # type: ignore[method-assign]
+    engine.add_request("bad", [7, 8, 9], greedy)
+    outs = [o for _ in range(3) for o in engine.step()]
+    assert any(o.request_id == "bad" and o.error for o in outs)
+    assert engine.blocks_of("pdserve-engine-check") == held and engine.kv.pool.num_used == len(held)
