@@ -21,18 +21,21 @@ import numpy as np
 def arrival_offsets(n: int, rate: float, burstiness: float = 1.0, seed: int = 0) -> list[float]:
     """Send times in seconds from the start of the run, non-decreasing, first at 0.
 
-    rate=inf sends everything at once (offsets all 0).
+    rate=inf sends everything at once (offsets all 0); burstiness=inf is evenly spaced
+    arrivals, 1/rate apart (vLLM's limit of ever more regular gaps).
     """
     if n < 0:
         raise ValueError(f"n: must be >= 0, got {n}")
     if not rate > 0:
         raise ValueError(f"request rate: must be > 0 (or inf), got {rate}")
-    if not burstiness > 0:
-        raise ValueError(f"burstiness: must be > 0, got {burstiness}")
+    if not burstiness > 0:  # (NaN too)
+        raise ValueError(f"burstiness: must be > 0 (or inf), got {burstiness}")
     if n == 0:
         return []
     if math.isinf(rate):
         return [0.0] * n
+    if math.isinf(burstiness):  # numpy's gamma of an infinite shape is NaN: every request went at once
+        return [i / rate for i in range(n)]
     rng = np.random.default_rng(seed)
     # The first request goes at t=0; the n-1 gaps after it are the process.
     gaps = rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n - 1)

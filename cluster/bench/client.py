@@ -132,6 +132,35 @@ def request_body(endpoint: Endpoint, model: str, prompt: list[int] | str, max_to
     return body
 
 
+def _event(data: bytes) -> StreamChunk:
+    """One event's JSON object; ValueError for anything else (whatever a server sends, the
+    run counts it as this request's failure: it does not end the run)."""
+    payload = json.loads(data)
+    if not isinstance(payload, dict):
+        raise ValueError(f"an event that is no JSON object: {data[:80]!r}")
+    choices = payload.get("choices")
+    if choices is not None and not (isinstance(choices, list) and all(isinstance(c, dict) for c in choices)):
+        raise ValueError("choices: not a list of objects")
+    return payload  # type: ignore[return-value]  # checked as far as this client reads it
+
+
+def _take_usage(rec: RequestRecord, usage: object) -> None:
+    """The server's token counts, where they are counts (a missing or null completion_tokens
+    leaves the count to the client, as vLLM's does: not 0 tokens)."""
+    if not isinstance(usage, dict):
+        raise ValueError("usage: not an object")
+    completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+    if isinstance(completion, int) and _count(completion):
+        rec.usage_reported = True
+        rec.output_tokens = completion
+    if isinstance(prompt, int) and _count(prompt):
+        rec.prompt_tokens = prompt
+
+
+def _count(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
 def _is_token_chunk(payload: StreamChunk) -> bool:
     choices = payload.get("choices") or []
     if not choices:
@@ -179,14 +208,12 @@ async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeo
                     if data == b"[DONE]":
                         done = True
                         break
-                    payload: StreamChunk = json.loads(data)
+                    payload = _event(data)
                     if "error" in payload:
                         rec.error = f"stream error: {_error_message(data)}"
                         return rec
                     if usage := payload.get("usage"):
-                        rec.usage_reported = True
-                        rec.output_tokens = int(usage.get("completion_tokens") or 0)
-                        rec.prompt_tokens = usage.get("prompt_tokens")
+                        _take_usage(rec, usage)
                     if _is_token_chunk(payload):
                         times.append(now)
                 if done:  # read the body's end, so that the connection goes back to the pool open
@@ -204,8 +231,8 @@ async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeo
             return _finish(rec, st, times, done)
         rec.error = f"{type(e).__name__}: {e}"[:200] or type(e).__name__
         return rec
-    except (ValueError, TypeError, AttributeError) as e:  # malformed event JSON
-        rec.error = f"bad stream event: {e}"[:200]
+    except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:  # a malformed event
+        rec.error = f"bad stream event: {type(e).__name__}: {e}"[:200]
         return rec
     return _finish(rec, st, times, done)
 

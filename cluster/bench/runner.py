@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ class Plan:
         n = len(self.bodies)
         if not len(self.input_lens) == len(self.output_lens) == len(self.offsets) == n:
             raise ValueError("plan: bodies, lengths and offsets must have the same length")
+        if not all(math.isfinite(t) and t >= 0 for t in self.offsets):  # NaN compares false: all sent at once
+            raise ValueError("plan: send times must be finite and >= 0")
         if self.max_concurrency is not None and self.max_concurrency < 1:
             raise ValueError(f"max concurrency: must be >= 1, got {self.max_concurrency}")
         if not self.timeout_s > 0:
@@ -68,6 +71,8 @@ async def execute(plan: Plan, run: Run, client: aiohttp.ClientSession, progress:
         except asyncio.CancelledError:
             rec.error = rec.error or "interrupted before sending (client queue)"
             raise
+        except Exception as e:  # noqa: BLE001 - one request's failure, whatever it is, not the run's end
+            rec.error, rec.success = f"client error: {type(e).__name__}: {e}"[:200], False
         bar.update(1)
 
     try:

@@ -79,8 +79,9 @@ def sample_lengths(rng: np.random.Generator, n: int, mean: int, range_ratio: flo
         raise ValueError(f"length: must be >= 1, got {mean}")
     if not 0 <= range_ratio < 1:
         raise ValueError(f"range ratio: must be in [0, 1), got {range_ratio}")
-    lo = max(1, math.floor(mean * (1 - range_ratio)))
-    hi = max(lo, math.ceil(mean * (1 + range_ratio)))
+    # Rounded first: 100 * 1.1 is 110.00000000000001 in floats, whose ceiling (111) is past the range.
+    lo = max(1, math.floor(round(mean * (1 - range_ratio), 9)))
+    hi = max(lo, math.ceil(round(mean * (1 + range_ratio), 9)))
     return [int(x) for x in rng.integers(lo, hi + 1, size=n)]
 
 

@@ -54,3 +54,19 @@ def test_rescale_keeps_the_shape_and_sets_the_mean_rate() -> None:
     assert out[0] == 0.0
     assert out[-1] == pytest.approx(1.0)
     assert np.diff(out) == pytest.approx(np.diff(ts) / 4.0)
+
+
+def test_infinite_burstiness_spaces_requests_evenly() -> None:
+    """vLLM's --burstiness inf: gaps of exactly 1/rate. numpy's gamma of an infinite shape is NaN,
+    and every request went out at t=0 under a table that said 2 req/s."""
+    assert arrival_offsets(5, 2.0, burstiness=math.inf) == [0.0, 0.5, 1.0, 1.5, 2.0]
+    with pytest.raises(ValueError, match="burstiness"):
+        arrival_offsets(5, 2.0, burstiness=math.nan)
+
+
+def test_a_plan_with_send_times_that_are_no_numbers_is_refused() -> None:
+    from pdserve.cluster.bench.runner import Plan
+
+    with pytest.raises(ValueError, match="send times"):
+        Plan("http://127.0.0.1:1/v1/completions", [{"prompt": "x"}] * 2, [1, 1], [1, 1], [0.0, math.nan],  # type: ignore[list-item]
+             None, 10.0)

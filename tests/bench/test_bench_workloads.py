@@ -47,6 +47,17 @@ def test_random_range_ratio_spans_the_symmetric_range() -> None:
     assert all(len(r.prompt_ids) == r.input_len for r in reqs)
 
 
+@pytest.mark.parametrize(("mean", "ratio"), [(100, 0.1), (100, 0.3), (10, 0.7)])
+def test_lengths_stay_within_the_documented_range(mean: int, ratio: float) -> None:
+    """100 * 1.1 is 110.00000000000001 in floats: its ceiling made 111-token prompts."""
+    import numpy as np
+
+    from pdserve.cluster.bench.workloads import sample_lengths
+
+    lengths = sample_lengths(np.random.default_rng(0), 2000, mean, ratio)
+    assert max(lengths) == round(mean * (1 + ratio)) and min(lengths) == max(1, round(mean * (1 - ratio)))
+
+
 def test_shared_prefix_groups_share_exactly_prefix_len_tokens() -> None:
     reqs = shared_prefix_requests(24, num_groups=4, prefix_len=64, input_len=100, output_len=8, range_ratio=0.0,
                                   tokens=TOKENS, seed=0)
