@@ -16,6 +16,7 @@ leaves a half-converted model where a reader would take it for a whole one.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -30,6 +31,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pdserve.workers.model.loader import resolve_dtype
+
+log = logging.getLogger(__name__)
 
 # GGUF `general.architecture` -> (HF architecture, model_type, Q/K rows interleaved by llama.cpp).
 # llama.cpp writes Mistral models as "llama" (the same layers; their sliding window, where
@@ -81,6 +84,10 @@ class GGUFModel:
             self.reader = gguf.GGUFReader(str(path))
         except Exception as e:  # noqa: BLE001 - the reader raises anything on a bad file
             raise ValueError(f"model: {path} is not a readable GGUF file: {e}") from None
+        shards = self.reader.fields.get("split.count")
+        if shards is not None and int(shards.contents()) > 1:
+            raise ValueError(f"model: {path.name} is one shard of a split GGUF ({int(shards.contents())} files); "
+                             "merge them first (llama-gguf-split --merge) and give the merged file")
         self.arch = str(self.field("general.architecture"))
         if self.arch not in ARCHITECTURES:
             raise ValueError(f"model: GGUF architecture {self.arch!r} in {path.name} is not supported "
@@ -141,6 +148,15 @@ class GGUFModel:
                 cfg[key] = int(f.contents())
         return cfg
 
+    def stop_token_ids(self) -> list[int]:
+        """eos, eot and eom (those the file names, each once): where llama.cpp stops."""
+        out: list[int] = []
+        for name in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            f = self.reader.fields.get(name)
+            if f is not None and int(f.contents()) not in out:
+                out.append(int(f.contents()))
+        return out
+
     def tensors(self, dtype: torch.dtype) -> Any:
         """(HF name, tensor in `dtype`) for every tensor, in file order, dequantized one at a time."""
         from gguf.quants import dequantize
@@ -195,8 +211,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32", progres
         _write_tokenizer(gguf_path, tmp)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         gen = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+        stops = model.stop_token_ids()
+        if len(stops) > 1:  # llama.cpp stops at each of eos, eot and eom: a chat's turn may end at eot
+            gen["eos_token_id"] = stops
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
         (tmp / "SOURCE").write_text(f"converted by pdserve from {gguf_path}\n")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp's 0700: a shared cache's other users could not read it
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
@@ -247,6 +269,32 @@ def _write_tokenizer(gguf_path: Path, out: Path) -> None:
         tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     except Exception as e:  # noqa: BLE001 - whatever the reader raises, the user needs the file named
         raise ValueError(f"model: could not read the tokenizer of {gguf_path.name}: {e}") from None
+    _set_pre_tokenizer(tok, gguf_path)
     # The serving stacks (and the tiny model, workers/tiny/tokenizer.py) keep the chat
     # template in tokenizer_config.json, not in transformers 5's separate .jinja file.
     tok.save_pretrained(str(out), save_jinja_files=False)
+
+
+# llama.cpp's pre-tokenizer types (`tokenizer.ggml.pre`) that split every digit on its own before
+# GPT-2's regex (llama-vocab.cpp: "\\p{N}", then GPT-2's), which transformers' GGUF reader does not
+# know: it fell back to GPT-2's regex alone, so SmolLM2 (the default model, pre "smollm") split
+# whitespace before digits unlike its own tokenizer ("x =   2024": 'ĠĠ', 'Ġ', '2' for 'ĠĠĠ', '2').
+_DIGITS_THEN_GPT2 = frozenset({"smollm", "starcoder", "refact", "command-r"})
+
+
+def _set_pre_tokenizer(tok: Any, gguf_path: Path) -> None:
+    """The original tokenizer's pre-tokenizer, where transformers' reader left GPT-2's in its place."""
+    import gguf
+    from tokenizers import pre_tokenizers
+    from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_PRE_TOKENIZER_SPLITS
+
+    field = gguf.GGUFReader(str(gguf_path)).fields.get("tokenizer.ggml.pre")
+    pre = str(field.contents()) if field is not None else "default"
+    if pre in _DIGITS_THEN_GPT2:
+        tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    elif pre not in GGUF_PRE_TOKENIZER_SPLITS and pre not in ("default", "gpt2"):
+        log.warning("%s: pre-tokenizer %r is not one pdserve or transformers knows; GPT-2's split is used, "
+                    "so some texts may tokenize unlike the original model's", gguf_path.name, pre)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import shutil
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,15 +45,26 @@ def resolve_model(model: str, progress: bool = False) -> Path:
         return out
     with _locked(out.with_name(out.name + ".lock")):
         if not done.is_file():  # another process may have converted it meanwhile
+            # A conversion killed hard (OOM, SIGKILL) left its temporary directory: only the lock's
+            # holder converts, so any there now is an orphan (float32 weights: GBs each).
+            for orphan in out.parent.glob(f".{out.name}.*"):
+                if orphan.is_dir():
+                    shutil.rmtree(orphan, ignore_errors=True)
             if progress:
                 print(f"[pdserve] converting {gguf} into {out} (once)", file=sys.stderr, flush=True)
             convert_gguf(gguf, out, progress=progress)
     return out
 
 
+# Changes what a conversion writes (2: the pre-tokenizers transformers' GGUF reader lacks): a model
+# converted before is converted again, not loaded as it was.
+CONVERTER_VERSION = 2
+
+
 def converted_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}".encode()
+                         ).hexdigest()[:12]
     return cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
 
 
