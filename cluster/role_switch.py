@@ -153,7 +153,8 @@ class RoleSwitcher:
         role's wait threads shut down, a prefill role's links closed), and a worker left
         holding it would fail every call it takes."""
         svc = self._svc
-        metrics = WorkerMetrics(Pool(to.value), svc.name, svc.engine.config.num_speculative_tokens, svc.counts)
+        metrics = WorkerMetrics(Pool(to.value), svc.name, svc.engine.config.num_speculative_tokens,
+                                svc.counts).carry(svc.worker_metrics)
         try:
             await asyncio.to_thread(old.close)  # joins its link threads (each bounded): off the event loop
             used = await svc.async_engine.call(lambda e: self._reset(e, metrics), timeout_s=_RESET_WAIT_S)
@@ -176,7 +177,8 @@ class RoleSwitcher:
         engine may be why the switch failed (dead, or stuck past the reset's deadline): then
         its step observers stay as they are, and the worker serves what it can."""
         svc = self._svc
-        back = WorkerMetrics(Pool(role.value), svc.name, svc.engine.config.num_speculative_tokens, svc.counts)
+        back = WorkerMetrics(Pool(role.value), svc.name, svc.engine.config.num_speculative_tokens,
+                             svc.counts).carry(svc.worker_metrics)
         observed = (svc.worker_metrics, tried)
         try:
             await svc.async_engine.call(lambda e: self._swap_metrics(e, observed, back), timeout_s=_RESET_WAIT_S)

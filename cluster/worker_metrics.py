@@ -130,6 +130,14 @@ class WorkerMetrics:
             child = self._failures[kind] = self._failures_family.labels(self.pool.value, self.worker, kind)
         child.inc()
 
+    def carry(self, before: WorkerMetrics) -> WorkerMetrics:
+        """Start from `before`'s last reading of the engine (a role switch's new registry): its
+        lifetime counters read 0 until the first sample otherwise, and a scrape in between (an
+        engine step longer than the sample's wait) made them fall to 0 and jump back, which
+        rate() counts as the engine's whole life happening at once."""
+        self._sample, self._turns = before._sample, dict(before._turns)
+        return self
+
     def sample(self, engine: LLMEngine) -> None:
         """Engine thread: refresh the counters and gauges `render` exports."""
         self._sample = engine.snapshot()

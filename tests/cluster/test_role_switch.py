@@ -280,6 +280,35 @@ def test_a_switch_the_worker_refuses_is_no_failure(model_dir: Path, monkeypatch:
     assert set(backend.prefill) == {"p0", "p1"} and backend.reliability().role_switch_failures == 0
 
 
+def test_a_switched_workers_lifetime_counters_go_on_from_where_they_were(model_dir: Path) -> None:
+    """The switch's new metrics registry started from a zero reading of the engine: a scrape
+    before its first sample (an engine step longer than the sample's wait) showed the engine's
+    lifetime counters at 0, then back at their totals, which rate() reads as a burst."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    backend, services = cluster(model_dir, 2, 1)
+
+    def lifetime(svc: Any) -> dict[str, float]:
+        names = ("pdserve:prefix_cache_queries_total", "pdserve:num_preemptions_total")
+        return {s.name: s.value for f in text_string_to_metric_families(svc.worker_metrics.render().decode())
+                for s in f.samples if s.name in names}
+
+    async def main() -> dict[str, float]:
+        try:
+            await Load(backend, prompts(6, seed=3), "warm").done()
+            svc = services["p1"]
+            await svc.async_engine.call(svc.worker_metrics.sample)
+            before = lifetime(svc)
+            await backend.switch_role("p1", WorkerRole.DECODE)
+            assert lifetime(svc) == before  # no sample taken since: the last reading goes on
+            return before
+        finally:
+            await backend.close()
+
+    before = asyncio.run(main())
+    assert before["pdserve:prefix_cache_queries_total"] > 0
+
+
 def test_past_the_drain_deadline_requests_move_on_and_still_match_offline(model_dir: Path) -> None:
     """2 prefill + 2 decode, 12 greedy streams, slow workers, no time to drain. p1
     becomes a decode worker while it prefills: the prompts it held are computed by
