@@ -84,6 +84,7 @@ class GatewayConfig:
     # This replica's rank among the gateway's Serve replicas (serve_app.replica_rank): every
     # response names it (x-pdserve-replica), so a client behind HAProxy can tell who served it.
     replica: int = 0
+    replicas: int = 1  # how many the deployment has (metrics: cluster/metrics_peers.py)
     # The model's sampling defaults for fields a request leaves unset (its generation_config.json:
     # workers/generation_defaults.py; {} with --generation-config vllm).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
@@ -202,7 +203,7 @@ class Gateway:
     def __init__(self, backend: GenerationBackend, tokenizer: Any, config: GatewayConfig,
                  pool: TokenizerPool | None = None) -> None:
         self.backend, self.tokenizer, self.config = backend, tokenizer, config
-        self.metrics = GatewayMetrics(backend.router_stats, backend.reliability)
+        self.metrics = GatewayMetrics(backend.router_stats, backend.reliability, config.replica, config.replicas)
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
         self.admitted = 0  # engine requests admitted and not released
@@ -250,6 +251,7 @@ class Gateway:
             self.planner.start()
         if self.drain_watch is not None:
             self.drain_watch.start()
+        self.metrics.start_publishing()
 
     def drain(self) -> None:
         """Take no new request from now on (503 with Retry-After); those in flight go on."""
@@ -454,6 +456,7 @@ class Gateway:
                 yield item
 
     async def close(self) -> None:
+        await self.metrics.close()
         if self.drain_watch is not None:
             await self.drain_watch.close()
         if self.planner is not None:

@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.cluster.limits import RefusalReason
+from pdserve.cluster.metrics_peers import PeerStore, labelled, publish_forever, read_peers
+from pdserve.cluster.metrics_peers import stop as stop_publisher
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
 from pdserve.cluster.worker_handle import WorkerHandle
 from pdserve.cluster.worker_metrics import WithoutCreated
@@ -64,7 +66,13 @@ class GatewayMetrics:
     pools and health nothing)."""
 
     def __init__(self, router_stats: Callable[[], RouterStats | None] = lambda: None,
-                 reliability: Callable[[], Reliability | None] = lambda: None) -> None:
+                 reliability: Callable[[], Reliability | None] = lambda: None, replica: int = 0,
+                 replicas: int = 1) -> None:
+        # This replica's rank of `replicas`: with more than one, its families carry a replica
+        # label and the others' come in through `peers` (cluster/metrics_peers.py).
+        self.replica, self.replicas = replica, replicas
+        self.peers: PeerStore | None = None
+        self._publisher: asyncio.Task[None] | None = None
         self.registry = r = CollectorRegistry()
         self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
                                       ["endpoint", "status"], registry=r)
@@ -151,10 +159,26 @@ class GatewayMetrics:
         for gone in self._worker_series - now:
             self.worker_up.remove(*gone)
         self._worker_series = now
-        # Collected here, on the loop: the router and reliability collectors read the
-        # backend's state, which only the loop changes. The families are copies.
+        own = self.own_families()
+        peers = [] if self.peers is None else await read_peers(self.peers, self.replica, self.replicas)
+        return await asyncio.to_thread(_render, [own, *peers, *(f for f in parsed if f is not None)])
+
+    def own_families(self) -> list[Metric]:
+        """This replica's families (labelled with its rank when it has peers). Collected here, on
+        the loop: the router and reliability collectors read the backend's state, which only the
+        loop changes. The families are copies."""
         own = list(WithoutCreated(self.registry).collect())
-        return await asyncio.to_thread(_render, [own, *(f for f in parsed if f is not None)])
+        return labelled(own, self.replica) if self.replicas > 1 else own
+
+    def start_publishing(self) -> None:
+        """With peers, publish this replica's families every PUBLISH_S (the app's startup)."""
+        if self.peers is not None and self._publisher is None:
+            self._publisher = asyncio.ensure_future(
+                publish_forever(self.peers, self.replica, lambda: _render([self.own_families()])))
+
+    async def close(self) -> None:
+        await stop_publisher(self._publisher)
+        self._publisher = None
 
 
 PLANNER_DECISIONS = ("keep", "recommend", "applied", "failed", "skipped")

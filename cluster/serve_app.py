@@ -20,6 +20,7 @@ from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_en
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
+from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
@@ -252,6 +253,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
                                      replica=(rank, cfg.gateway_replicas or 1)))
     gateway = Gateway(backend, tokenizer, gw_cfg)
     gateway.drain_watch = DrainWatch(cfg.port, gateway.drain)  # a stop's drain: no new requests
+    if gw_cfg.replicas > 1:  # each replica's metrics in every replica's /metrics (cluster/metrics_peers.py)
+        gateway.metrics.peers = RayKVStore()
     return build_app(gateway)
 
 
@@ -277,7 +280,7 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key,
                          max_in_flight=cfg.admission_share(rank), request_timeout_s=cfg.request_timeout,
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
-                         planner=_replica_planner(cfg, rank), replica=rank,
+                         planner=_replica_planner(cfg, rank), replica=rank, replicas=cfg.gateway_replicas or 1,
                          sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config))
 
 

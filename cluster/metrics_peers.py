@@ -1,0 +1,125 @@
+"""Every gateway replica's own metrics in any replica's /metrics.
+
+Prometheus scrapes the gateway through HAProxy, which sends each scrape to one replica. Each
+replica counts its own requests: without this, one series took its values from whichever
+replica a scrape reached, each drop between them read as a counter reset (rate() invented
+traffic, an alert fired on an event long past), or the dashboard saw one replica's share.
+With several replicas, each labels its gateway families `replica="<rank>"` and publishes them
+every PUBLISH_S to a store all replicas share (Ray's internal key-value store, in the GCS);
+a replica's /metrics is its own families, fresh, the others' last published ones (up to
+PUBLISH_S old; dropped past STALE_S: a replica gone for good leaves no frozen series), and
+the workers'. One replica alone changes nothing: no label, no store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+log = logging.getLogger(__name__)
+
+PUBLISH_S = 5.0  # how often a replica publishes its families
+STALE_S = 30.0  # a peer's families older than this are left out (it is gone, or cannot publish)
+REPLICA_LABEL = "replica"
+_NAMESPACE = "pdserve-gateway-metrics"
+
+
+class PeerStore(Protocol):
+    """Where replicas leave their families for each other (blocking calls: run off the loop)."""
+
+    def put(self, rank: int, payload: bytes) -> None: ...
+
+    def get(self, rank: int) -> bytes | None: ...
+
+
+class RayKVStore:
+    """Ray's internal key-value store: every replica of the deployment reaches the same GCS."""
+
+    def put(self, rank: int, payload: bytes) -> None:
+        from ray.experimental.internal_kv import _internal_kv_put
+
+        _internal_kv_put(f"replica-{rank}", payload, overwrite=True, namespace=_NAMESPACE)
+
+    def get(self, rank: int) -> bytes | None:
+        from ray.experimental.internal_kv import _internal_kv_get
+
+        value = _internal_kv_get(f"replica-{rank}", namespace=_NAMESPACE)
+        return value if isinstance(value, bytes) else None
+
+
+def labelled(families: Iterable[Metric], rank: int) -> list[Metric]:
+    """Copies of `families` whose every sample carries `replica="<rank>"`."""
+    out = []
+    for fam in families:
+        copy = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+        copy.samples = [s._replace(labels={**s.labels, REPLICA_LABEL: str(rank)}) for s in fam.samples]
+        out.append(copy)
+    return out
+
+
+def pack(text: bytes, now: float) -> bytes:
+    return f"{now!r}\n".encode() + text
+
+
+def unpack(payload: bytes, now: float) -> list[Metric] | None:
+    """A peer's families, or None when its payload is older than STALE_S or unreadable."""
+    head, _, text = payload.partition(b"\n")
+    try:
+        if now - float(head) > STALE_S:
+            return None
+        return list(text_string_to_metric_families(text.decode()))
+    except ValueError as e:
+        log.warning("a gateway replica's published metrics are unreadable (%s); left out", e)
+        return None
+
+
+async def read_peers(store: PeerStore, rank: int, replicas: int) -> list[list[Metric]]:
+    """The other replicas' fresh families (off the event loop: the store's calls block)."""
+    def read() -> list[list[Metric]]:
+        now = time.time()
+        out = []
+        for peer in range(replicas):
+            if peer == rank:
+                continue
+            try:
+                payload = store.get(peer)
+            except Exception as e:  # noqa: BLE001 - the GCS unreachable: this scrape has our own, and the workers'
+                log.warning("reading gateway replica %d's metrics failed: %r", peer, e)
+                continue
+            families = unpack(payload, now) if payload is not None else None
+            if families is not None:
+                out.append(families)
+        return out
+
+    return await asyncio.to_thread(read)
+
+
+async def publish_forever(store: PeerStore, rank: int, render: Callable[[], bytes]) -> None:
+    """Every PUBLISH_S, `render()` (this replica's labelled families) into the store."""
+    while True:
+        try:
+            text = render()
+            await asyncio.to_thread(store.put, rank, pack(text, time.time()))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the next round tries again; a scrape here still has ours
+            log.warning("publishing this gateway replica's metrics failed: %r", e)
+        await asyncio.sleep(PUBLISH_S)
+
+
+async def stop(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+__all__ = ["PUBLISH_S", "REPLICA_LABEL", "STALE_S", "PeerStore", "RayKVStore", "labelled", "pack",
+           "publish_forever", "read_peers", "stop", "unpack"]
