@@ -400,7 +400,8 @@ def _http_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
     g.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
                    help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
-                        "opens it too. Default: /metrics is open")
+                        "opens it too. Default: the API key, if one is set, opens /metrics; with no key at all "
+                        "it is open")
     g.add_argument("--cluster-secret-file", default=None, metavar="PATH",
                    help="the key that authenticates KV and token-stream messages between workers and the gateway "
                         "(64 hex digits: openssl rand -hex 32); else PDSERVE_CLUSTER_SECRET, else a new one per "

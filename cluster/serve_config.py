@@ -43,6 +43,11 @@ from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
 
+# Settings only the disaggregated pools read (their KV handoff, router and polls). A colocated
+# worker is watched by its own polls (cluster/colocated_watch.py: every stall_timeout / 10).
+_DISAGGREGATED_ONLY = ("router_policy", "kv_failure_policy", "transport", "prefill_timeout", "transfer_timeout",
+                       "max_prefill_backlog_tokens", "load_poll_interval")
+
 
 class ServingMode(str, enum.Enum):
     DISAGGREGATED = "disaggregated"  # prefill and decode pools
@@ -255,7 +260,13 @@ class ServeConfig:
             if self.max_connections_per_client > self.max_connections:
                 raise ValueError(f"max_connections_per_client: {self.max_connections_per_client} is over "
                                  f"max_connections ({self.max_connections})")
-        if 0 < self.stall_timeout < 4 * self.load_poll_interval:
+        if self.mode is ServingMode.COLOCATED:
+            # Settings of the disaggregated pools' handoff and routing: a colocated cluster has
+            # none of it, and took them without a word (the operator believed them in force).
+            for name in _DISAGGREGATED_ONLY:
+                if getattr(self, name) != _DEFAULTS[name]:
+                    raise ValueError(f"{name}: disaggregated mode only (this config is colocated)")
+        elif 0 < self.stall_timeout < 4 * self.load_poll_interval:
             # A disaggregated worker is heard from once a poll: polled this seldom, a busy
             # worker would go unheard for the timeout on every cycle, be taken for hung,
             # and be restarted again and again.
@@ -396,6 +407,9 @@ def default_served_names(model: str) -> tuple[str, ...]:
     answers to its basename, the name the directory is known by."""
     base = os.path.basename(model.rstrip("/")) or model
     return (model,) if base == model else (model, base)
+
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig) if f.name in _DISAGGREGATED_ONLY}
 
 
 def serve_config(settings: Mapping[str, Any]) -> ServeConfig:

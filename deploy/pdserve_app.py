@@ -26,6 +26,7 @@ Stop the app and its workers (they are detached actors and outlive the app):
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import sys
@@ -85,9 +86,9 @@ def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
         if key not in SERVE_SETTINGS and key not in ENGINE_SETTINGS and key not in _BUILDER_ARGS:
             known = sorted({*SERVE_SETTINGS, *ENGINE_SETTINGS, *_BUILDER_ARGS})
             raise ValueError(f"{key}: unknown arg (known: {', '.join(known)})")
-    if not args.get("model"):
-        raise ValueError("model: required (an HF-format model directory present on every node)")
     settings = {k: v for k, v in args.items() if k not in _BUILDER_ARGS} | _engine_args(args)
+    if not settings.get("model"):  # at the top level or under engine_args, as every engine setting
+        raise ValueError("model: required (an HF-format model directory present on every node)")
     for name in _KEYS:
         settings[name] = _key(args, name)
     cfg = serve_config(settings)  # its own checks raise ValueError("mode: ...") and so on
@@ -96,7 +97,8 @@ def parse_args(args: Mapping[str, Any] | None) -> DeployArgs:
     for key, least in (("worker_timeout_s", 1), ("wait_for_gpus_s", 0)):
         if key in args:
             value = args[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < least:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < least:  # (a NaN wait_for_gpus_s turned the GPU wait off: NaN > 0 is false)
                 raise ValueError(f"{key}: must be a number of seconds >= {least}, got {value!r}")
             extra[key] = float(value)
     return DeployArgs(config=cfg, **extra)
@@ -205,8 +207,10 @@ def _key(args: Mapping[str, Any], name: str) -> str | None:
 
 def _engine_args(args: Mapping[str, Any]) -> dict[str, Any]:
     """The engine settings under `engine_args:` (each may be given there or at the top level, not both)."""
-    nested = args.get("engine_args") or {}
-    if not isinstance(nested, Mapping):
+    nested = args.get("engine_args")
+    if nested is None:
+        nested = {}
+    if not isinstance(nested, Mapping):  # ([], 0, "" or false were taken for "none" without a word)
         raise ValueError(f"engine_args: must be a mapping, got {type(nested).__name__}")
     for key in nested:
         if key not in ENGINE_SETTINGS:

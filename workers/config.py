@@ -53,6 +53,15 @@ class SpeculativeMethod(str, enum.Enum):
     DRAFT = "draft"  # a small model's drafts (`draft_model`)
 
 
+def _device(value: str) -> str:
+    """auto, cpu, cuda or cuda:N: what torch.device takes here. Another string passed the config
+    and failed in the worker's start (a RuntimeError, after Ray was up)."""
+    kind, sep, index = value.partition(":")
+    if value in ("auto", "cpu") or (kind == "cuda" and (not sep or index.isdigit())):
+        return value
+    raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {value!r}")
+
+
 def _power_of_two(value: int) -> int:
     if value & (value - 1):
         raise ValueError(f"must be a power of two, got {value}")
@@ -130,14 +139,14 @@ class EngineConfig:
     (docs/engine.md, "Memory plan").
     """
 
-    model: NonEmpty
-    tokenizer: str | None = None
+    model: NotBlank
+    tokenizer: NotBlank | None = None  # None: the model directory's
     # auto: bfloat16 on a CPU that computes it natively (AMX or AVX512-BF16, as vLLM's CPU build
     # chooses), else float32; on CUDA the checkpoint's half dtype. PDSERVE_DTYPE sets the default
     # (the test suite pins float32: its oracles are float32, and its outcome must not depend on
     # which CPU the CI machine has).
     dtype: Annotated[DType, ByValue] = dataclasses.field(default_factory=lambda: _env("PDSERVE_DTYPE", "auto"))
-    device: str = "auto"  # auto: cuda if available, else cpu
+    device: Annotated[str, AfterValidator(_device)] = "auto"  # auto: cuda if available, else cpu
     max_model_len: PositiveInt | None = None  # None: the model's max positions
     block_size: Annotated[PositiveInt, AfterValidator(_power_of_two)] = 16
     max_num_seqs: PositiveInt = 128
@@ -151,7 +160,7 @@ class EngineConfig:
     # Speculative decoding: None (off), n-gram lookup or a draft model, up to
     # `num_speculative_tokens` per step, verified exactly by the target in one pass.
     speculative: Annotated[SpeculativeMethod, ByValue] | None = None
-    draft_model: str | None = None  # HF-format directory of the draft (speculative="draft"); same tokenizer
+    draft_model: NotBlank | None = None  # HF-format directory of the draft (speculative="draft"); same tokenizer
     num_speculative_tokens: PositiveInt = 4
     spec_ngram_min: PositiveInt = 1  # shortest suffix that may match (vLLM: prompt_lookup_min)
     spec_ngram_max: PositiveInt = 4  # longest suffix tried (vLLM: prompt_lookup_max)

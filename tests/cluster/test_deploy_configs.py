@@ -515,3 +515,44 @@ def test_every_engine_setting_the_yaml_takes_is_a_flag_of_pdserve_serve() -> Non
                  if any(o.dest == "stall_timeout" for o in a._actions))
     dests = {o.dest for o in serve._actions}
     assert ENGINE_SETTINGS - dests == set()
+
+
+@pytest.mark.parametrize(("setting", "value"), [
+    ("router_policy", "round_robin"), ("kv_failure_policy", "fail"), ("transport", "nccl"),
+    ("prefill_timeout", 5.0), ("transfer_timeout", 5.0), ("max_prefill_backlog_tokens", 5),
+    ("load_poll_interval", 5.0),
+])
+def test_a_colocated_cluster_refuses_the_disaggregated_pools_settings(setting: str, value: object) -> None:
+    """Accepted without a word, and read by nothing: the operator believed them in force."""
+    with pytest.raises(ValueError, match=setting):
+        serve_config({"model": "tiny", "mode": "colocated", "stall_timeout": 0, setting: value})
+
+
+def test_a_colocated_clusters_short_stall_timeout_is_not_held_to_the_load_polls() -> None:
+    """Colocated workers are polled every stall_timeout / 10, not every load_poll_interval:
+    0.5 s was refused for the disaggregated polls it does not have."""
+    assert serve_config({"model": "tiny", "mode": "colocated", "stall_timeout": 0.5}).stall_timeout == 0.5
+
+
+@pytest.mark.parametrize("args", [
+    {"worker_timeout_s": float("nan")}, {"worker_timeout_s": float("inf")},
+    {"wait_for_gpus_s": float("nan")}, {"wait_for_gpus_s": float("inf")},  # NaN turned the GPU wait off
+    {"engine_args": []}, {"engine_args": 0}, {"engine_args": ""}, {"engine_args": False},
+], ids=lambda a: f"{next(iter(a))}={next(iter(a.values()))!r}")
+def test_serve_yaml_builder_args_out_of_range_are_refused_by_name(deploy_pkg: Any, args: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=next(iter(args))):
+        deploy_pkg.parse_args({"model": "tiny", **args})
+
+
+def test_the_model_may_sit_under_engine_args_as_every_engine_setting(deploy_pkg: Any) -> None:
+    assert deploy_pkg.parse_args({"engine_args": {"model": "tiny", "max_model_len": 256}}).config.model == "tiny"
+
+
+@pytest.mark.parametrize("settings", [{"device": ""}, {"device": "gpu"}, {"device": "cuda:x"}, {"tokenizer": ""},
+                                      {"speculative": "draft", "draft_model": " "}, {"model": " "}])
+def test_engine_strings_that_name_nothing_are_refused_by_name(settings: dict[str, str]) -> None:
+    """They passed the config and failed later in a worker (a RuntimeError after Ray was up), or
+    were taken for "unset" (an empty tokenizer)."""
+    name = "draft_model" if "draft_model" in settings else next(iter(settings))
+    with pytest.raises(ValueError, match=name):
+        serve_config({"model": "tiny", **settings})
