@@ -135,7 +135,9 @@ def _supervise(child: int, theirs: frozenset[int] = frozenset()) -> int:
             print(f"[pdserve] stop on {stop.name} took over {STOP_DEADLINE_S:g} s: killed {killed} process(es) "
                   "still running", file=sys.stderr, flush=True)
             return 1
-    left = _sweep(SWEEP_GRACE_S, theirs)
+    # Within the stop's deadline, not after it: a kubelet's SIGKILL at its 30 s would cut the sweep short.
+    grace = SWEEP_GRACE_S if stop is None else min(SWEEP_GRACE_S, max(0.0, deadline - time.monotonic()))
+    left = _sweep(grace, theirs)
     if stop is not None:
         took = f"in {time.monotonic() - started:.1f} s"
         tail = "" if not left else f"; {left} process(es) it left stopped by pid"

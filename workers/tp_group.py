@@ -327,19 +327,28 @@ def _stopped(pid: int) -> bool:
         return False
     return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
 
+
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:
     for p in procs:
         if p.poll() is None:
             p.kill()
 
 
+STOP_WAIT_S = 10.0  # how long a group's followers get to exit, all together
+
+
 def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """Wait for the followers to exit within one shared STOP_WAIT_S (each its own 10 s, in turn:
+    three hung ones took 30 s, past a whole stop's budget), then kill what is left."""
+    deadline = time.monotonic() + STOP_WAIT_S
     for p in procs:
         try:
-            p.wait(10)
+            p.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(10)
+            pass
+    _kill(procs)
+    for p in procs:
+        p.wait(STOP_WAIT_S)  # killed: gone at once (a SIGKILLed process needs no turn)
 
 
 def host_block_tables(tables: np.ndarray, seq_lens: np.ndarray, block_size: int) -> torch.Tensor:

@@ -193,6 +193,48 @@ def test_a_driver_that_exits_on_its_own_gives_its_exit_code() -> None:
     assert not alive(left)  # what it left is stopped all the same
 
 
+# A driver whose shutdown ends just inside the deadline and leaves a process that ignores
+# SIGTERM (a Ray daemon, HAProxy under load): the sweep must fit in what is left of the deadline.
+SLOW_DRIVER = textwrap.dedent("""
+    import importlib.util, signal, subprocess, sys, time
+
+    spec = importlib.util.spec_from_file_location("shutdown", sys.argv[1])
+    shutdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shutdown)
+    shutdown.STOP_DEADLINE_S = 2.0
+
+    def serve():
+        helper = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                                   "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"])
+        try:
+            print(helper.pid, flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            time.sleep(1.8)  # Serve's and Ray's shutdown, just inside the deadline
+        return 0
+
+    sys.exit(shutdown.serve_in_own_group(serve))
+""")
+
+
+def test_the_whole_stop_ends_within_its_deadline() -> None:
+    """The sweep's grace came on top of the deadline: 2 s plus 3 (28 + 3 = 31 s for real, past
+    Kubernetes' 30 s grace, whose SIGKILL would orphan what the sweep had only signalled)."""
+    module = Path(__file__).resolve().parents[2] / "cluster" / "shutdown.py"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_DRIVER, str(module)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    helper = int(proc.stdout.readline())
+    started = tree(proc.pid)
+    t = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    proc.wait(20)
+    took = time.monotonic() - t
+    proc.communicate()
+    assert took < 2.6, f"the stop took {took:.1f} s against a 2 s deadline"
+    assert helper in started and not alive(started)
+
+
 # A caller with a child of its own calls the supervisor in-process (as tests call `cli.main`):
 # the driver fails at once; the caller goes on once (the forked driver never returns into its
 # code), with the CLI's exit code 2, and its own child is neither reaped nor stopped.

@@ -456,3 +456,49 @@ def test_step_inputs_survive_their_messages_inline_or_in_two(tokens: int) -> Non
         assert have.dtype == (torch.int32 if want.dtype == torch.int32 else torch.int64), name
         assert torch.equal(have, want), name
     assert (got.num_decode, got.logit_rows, got.prompt_counts) == (2, 2, [1])
+
+
+def test_closing_hung_followers_waits_once_for_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each follower that did not exit got its own wait, in turn: three hung ones took three
+    waits (30 s, past a whole stop's budget)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from pdserve.workers import tp_group
+
+    monkeypatch.setattr(tp_group, "STOP_WAIT_S", 1.0)
+    procs = [subprocess.Popen(["sleep", "300"]) for _ in range(3)]  # ours: stopped and killed by pid
+    try:
+        for p in procs:
+            os.kill(p.pid, signal.SIGSTOP)
+        start = time.monotonic()
+        tp_group._stop(procs)  # type: ignore[arg-type]
+        assert time.monotonic() - start < 2.0 and all(p.poll() is not None for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def test_shared_memory_files_of_a_rank_0_killed_outright_are_removed(tmp_path: Path) -> None:
+    """A rank 0 SIGKILLed (OOM, a worker's restart) unlinks nothing: its collectives' and KV
+    files (every rank's cache, GBs of RAM) stayed in /dev/shm until reboot. The next group's
+    start removes those whose maker is gone, and no other."""
+    import os
+    import subprocess
+
+    from pdserve.workers.model import shm_collectives
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    dead, alive = gone.pid, os.getpid()
+    names = [f"pdserve-tp-{dead}-abc", f"pdserve-tpkv-{dead}-0f0f", f"pdserve-tp-{alive}-xyz",
+             "pdserve-tp-oldname", "other-file"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = shm_collectives.sweep_orphans(str(tmp_path))
+    assert sorted(os.path.basename(p) for p in removed) == sorted(names[:2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

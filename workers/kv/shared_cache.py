@@ -57,6 +57,7 @@ def reserve(path: str, cfg: ModelConfig, size: int, num_blocks: int, block_size:
     """Create the file with room for every rank's part; False (a warning logged) where there is none."""
     if not shm_collectives.supported():
         return False
+    shm_collectives.sweep_orphans()
     nbytes = size * part_bytes(cfg, TensorParallel(size, 0), num_blocks, block_size, dtype)
     return shm_collectives.reserve(path, nbytes, "the ranks keep private KV caches (no KV transfer)")
 

@@ -14,6 +14,7 @@ through gloo too (every rank decides alike: the shapes are the same on all).
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import platform
@@ -57,9 +58,36 @@ def create(size: int, slot_bytes: int) -> str | None:
     x86-64, or a /dev/shm too small for it (a container's 64 MiB default): then gloo."""
     if not supported():
         return None
-    fd, path = tempfile.mkstemp(prefix="pdserve-tp-", dir="/dev/shm")
+    sweep_orphans()
+    fd, path = tempfile.mkstemp(prefix=f"pdserve-tp-{os.getpid()}-", dir="/dev/shm")
     os.close(fd)
     return path if reserve(path, size * (_FLAG_WORDS * 8 + slot_bytes), "the ranks reduce through gloo") else None
+
+
+def sweep_orphans(directory: str = "/dev/shm") -> list[str]:
+    """Remove the tensor-parallel files (collectives', KV caches') of groups whose rank 0 is gone:
+    each file's name carries its maker's pid, and a rank 0 killed outright (the OOM killer, a
+    worker's restart by `ray.kill`) unlinks nothing; a KV file holds every rank's cache, GBs of
+    RAM, until reboot. A pid reused since leaves its file (a live process: not ours to judge).
+    Returns the paths removed."""
+    removed = []
+    for path in glob.glob(os.path.join(directory, "pdserve-tp*-*")):
+        parts = os.path.basename(path).split("-")  # pdserve, tp or tpkv, pid, suffix
+        if len(parts) < 4 or parts[1] not in ("tp", "tpkv") or not parts[2].isdigit():
+            continue  # not ours, or named before the pid was in the name
+        try:
+            os.kill(int(parts[2]), 0)
+            continue  # its maker runs (or a process of someone else's has its pid)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        unlink(path)
+        removed.append(path)
+    if removed:
+        log.warning("tensor parallel: removed %d shared-memory file(s) of groups whose rank 0 is gone: %s",
+                    len(removed), removed)
+    return removed
 
 
 def reserve(path: str, nbytes: int, otherwise: str) -> bool:
