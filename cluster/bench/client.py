@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NotRequired, TypedDict
@@ -161,6 +161,17 @@ def _count(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _chunk_text(payload: StreamChunk) -> str:
+    """The text a chunk carries (a chat delta's content, or a completion's text), "" for none."""
+    choices = payload.get("choices") or []
+    if not choices:
+        return ""
+    c = choices[0]
+    delta = c.get("delta")
+    text = delta.get("content") if delta is not None else c.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _is_token_chunk(payload: StreamChunk) -> bool:
     choices = payload.get("choices") or []
     if not choices:
@@ -188,10 +199,13 @@ def _error_message(body: bytes) -> str:
 
 
 async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeout_s: float,
-               rec: RequestRecord, t0: float) -> RequestRecord:
+               rec: RequestRecord, t0: float, count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
     """POST `body` to `url`, stream the reply into `rec`. Never raises but for cancellation
-    (recorded as 'interrupted', then re-raised): every failure becomes `rec.error`."""
+    (recorded as 'interrupted', then re-raised): every failure becomes `rec.error`.
+    `count_tokens`: the output's tokens from its text when the server reports no usage
+    (vLLM's bench re-tokenizes so); without it, the token chunks are counted."""
     times: list[float] = []
+    texts: list[str] = []
     done = False
     st = time.perf_counter()
     rec.sent = st - t0
@@ -216,11 +230,12 @@ async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeo
                         _take_usage(rec, usage)
                     if _is_token_chunk(payload):
                         times.append(now)
+                        texts.append(_chunk_text(payload))
                 if done:  # read the body's end, so that the connection goes back to the pool open
                     await r.read()
     except TimeoutError:
         if done:  # the answer was whole; only the body's end was late
-            return _finish(rec, st, times, done)
+            return _finish(rec, st, times, done, texts, count_tokens)
         rec.error = f"timeout: no complete response within {timeout_s:g}s ({len(times)} token chunks received)"
         return rec
     except asyncio.CancelledError:
@@ -228,13 +243,13 @@ async def send(client: aiohttp.ClientSession, url: str, body: RequestBody, timeo
         raise
     except aiohttp.ClientError as e:
         if done:
-            return _finish(rec, st, times, done)
+            return _finish(rec, st, times, done, texts, count_tokens)
         rec.error = f"{type(e).__name__}: {e}"[:200] or type(e).__name__
         return rec
     except (ValueError, TypeError, AttributeError, KeyError, IndexError, RecursionError) as e:  # a malformed event
         rec.error = f"bad stream event: {type(e).__name__}: {e}"[:200]
         return rec
-    return _finish(rec, st, times, done)
+    return _finish(rec, st, times, done, texts, count_tokens)
 
 
 async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[float, bytes]]:
@@ -250,7 +265,8 @@ async def _lines(stream: aiohttp.StreamReader) -> AsyncIterator[tuple[float, byt
         yield time.perf_counter(), pending
 
 
-def _finish(rec: RequestRecord, st: float, times: list[float], done: bool) -> RequestRecord:
+def _finish(rec: RequestRecord, st: float, times: list[float], done: bool, texts: list[str] | None = None,
+            count_tokens: Callable[[str], int] | None = None) -> RequestRecord:
     rec.chunks = len(times)
     if not done:
         rec.error = f"stream ended before [DONE] ({len(times)} token chunks received)"
@@ -259,7 +275,7 @@ def _finish(rec: RequestRecord, st: float, times: list[float], done: bool) -> Re
         rec.error = "no token chunk received"
         return rec
     if not rec.usage_reported:
-        rec.output_tokens = len(times)
+        rec.output_tokens = len(times) if count_tokens is None or texts is None else count_tokens("".join(texts))
     rec.ttft = times[0] - st
     rec.e2e = times[-1] - st
     rec.itl = [b - a for a, b in zip(times, times[1:])]

@@ -11,6 +11,7 @@ import dataclasses
 import os
 import platform
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -105,11 +106,22 @@ class Session:
                           for p, r in zip(self._prompts, self._reqs)]
                 shown, offsets = schedule(cfg, self._reqs, rate)
                 plan = Plan(cfg.base_url + cfg.endpoint.path, bodies, [r.input_len for r in self._reqs],
-                            [r.output_len for r in self._reqs], offsets, cfg.max_concurrency, cfg.request_timeout)
+                            [r.output_len for r in self._reqs], offsets, cfg.max_concurrency, cfg.request_timeout,
+                            self._token_counter())
                 run = Run(shown)
                 self.runs.append(run)
                 await execute(plan, run, client, cfg.progress)
                 self._print_run(run)
+
+    def _token_counter(self) -> Callable[[str], int] | None:
+        """With --tokenizer, how many tokens a text is (vLLM's count of an output whose server sent
+        no usage); None without one (the client counts token chunks)."""
+        if self.cfg.tokenizer is None:
+            return None
+        from .prompts import load_tokenizer
+
+        tok = load_tokenizer(self.cfg.tokenizer)
+        return lambda text: len(tok.encode(text, add_special_tokens=False))
 
     def run(self) -> int:
         """Prepare, run every rate, report. Exit status: 0, 1 if no request succeeded, 130 on Ctrl-C."""

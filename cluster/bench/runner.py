@@ -13,6 +13,7 @@ import contextlib
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -40,6 +41,8 @@ class Plan:
     offsets: list[float]
     max_concurrency: int | None
     timeout_s: float
+    # An output's tokens from its text, for servers that report no usage (None: chunks counted).
+    count_tokens: Callable[[str], int] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.bodies)
@@ -67,7 +70,7 @@ async def execute(plan: Plan, run: Run, client: aiohttp.ClientSession, progress:
         run.records.append(rec)
         try:
             async with sem if sem is not None else contextlib.nullcontext():
-                await send(client, plan.url, plan.bodies[i], plan.timeout_s, rec, t0)
+                await send(client, plan.url, plan.bodies[i], plan.timeout_s, rec, t0, plan.count_tokens)
         except asyncio.CancelledError:
             rec.error = rec.error or "interrupted before sending (client queue)"
             raise

@@ -59,3 +59,23 @@ def test_counts_that_are_no_counts_are_not_taken() -> None:
                   b'{"completion_tokens": 1e400}'):  # the last an OverflowError that ended the run
         rec = _run([TOKEN, TOKEN, b'{"choices": [], "usage": ' + usage + b"}"])
         assert rec.success and rec.output_tokens == 2 and not rec.usage_reported, (usage, rec)
+
+
+def test_without_usage_a_token_counter_counts_the_outputs_text() -> None:
+    """A server that sends no usage and several tokens a chunk: counted by chunks, the output was
+    4 tokens for 8 (TPOT doubled, throughput halved); vLLM's bench re-tokenizes the text, and so
+    does this client when it has the tokenizer (`--tokenizer`)."""
+    two_words = json.dumps({"choices": [{"index": 0, "text": " a b", "finish_reason": None}]}).encode()
+
+    async def main() -> RequestRecord:
+        server, url = await _serve_events([two_words] * 4)
+        try:
+            async with aiohttp.ClientSession() as client:
+                rec = RequestRecord(0, input_len=3, output_len=8, scheduled=0.0)
+                return await send(client, url, {"prompt": "x"}, 10.0, rec, 0.0, lambda text: len(text.split()))
+        finally:
+            server.close()
+
+    rec = asyncio.run(main())
+    assert rec.success and rec.chunks == 4 and rec.output_tokens == 8
+    assert _run([two_words] * 4).output_tokens == 4  # no counter: the chunks, as documented
