@@ -34,6 +34,7 @@ from pdserve.workers.tp_group import (
     FollowerSpec,
     Op,
     Plan,
+    joining_key,
     logit_calls,
     needs_second,
     unpack_step,
@@ -58,6 +59,7 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
         shm = ShmCollectives(spec.shm_path, size, rank, spec.shm_slot_bytes)
     store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but exported behind is_available()
         "127.0.0.1", store_port, size, is_master=False, timeout=_IDLE_LIMIT)
+    store.set(joining_key(rank), "1")  # rank 0 waits for these, watching that each follower lives
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
     tp = TensorParallel(size, rank, shm=shm)
     device = torch.device(spec.device)

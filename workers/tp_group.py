@@ -26,6 +26,7 @@ import time
 import weakref
 from dataclasses import asdict, dataclass
 from enum import IntEnum
+from typing import Any
 
 import numpy as np
 import torch
@@ -201,6 +202,7 @@ class TPGroup:
                 args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "store_port": store.port,
                                    "parent": os.getpid()})
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
+            _wait_for_followers(store, self.procs)
             dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=timeout)
         except BaseException:
             _kill(self.procs)
@@ -326,6 +328,26 @@ def _stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
+
+
+def joining_key(rank: int) -> str:
+    """What follower `rank` sets in rank 0's store once it is up, before it joins the group."""
+    return f"pdserve/joining/{rank}"
+
+
+def _wait_for_followers(store: Any, procs: list[subprocess.Popen[bytes]]) -> None:
+    """Wait until every follower is up (its key in the store), for JOIN_TIMEOUT_S at most, and
+    fail at once if one exits first: a follower that died starting (OOM-killed importing torch,
+    a crash) left rank 0 in the group's rendezvous for the whole JOIN_TIMEOUT_S."""
+    deadline = time.monotonic() + JOIN_TIMEOUT_S
+    keys = [joining_key(rank) for rank in range(1, len(procs) + 1)]
+    while not store.check(keys):
+        for rank, p in enumerate(procs, start=1):
+            if p.poll() is not None:
+                raise RuntimeError(f"tensor parallel: rank {rank} exited with {p.returncode} before it joined")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tensor parallel: the followers did not start within {JOIN_TIMEOUT_S:g} s")
+        time.sleep(0.05)
 
 
 def _kill(procs: list[subprocess.Popen[bytes]]) -> None:

@@ -502,3 +502,28 @@ def test_shared_memory_files_of_a_rank_0_killed_outright_are_removed(tmp_path: P
     removed = shm_collectives.sweep_orphans(str(tmp_path))
     assert sorted(os.path.basename(p) for p in removed) == sorted(names[:2])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+
+
+def test_a_follower_that_dies_starting_fails_the_group_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower OOM-killed importing torch (or crashing) before it joined: rank 0 waited in the
+    group's rendezvous for the whole JOIN_TIMEOUT_S (120 s) before the worker's start failed."""
+    import subprocess
+    import time
+
+    from pdserve.workers import tp_group
+
+    real_popen = subprocess.Popen
+
+    class KilledAtStart(real_popen):  # type: ignore[misc, valid-type]  # the follower, ours, killed at once
+        def __init__(self, *a: Any, **k: Any) -> None:
+            super().__init__(*a, **k)
+            self.kill()
+
+    monkeypatch.setattr(tp_group.subprocess, "Popen", KilledAtStart)
+    spec = tp_group.FollowerSpec(model_dir="/nonexistent", dtype="float32", device="cpu", backend="torch",
+                                 max_positions=64, quantization=None, kv_cache_dtype="auto", block_size=16,
+                                 max_num_batched_tokens=64, seed=0, shm_slot_bytes=0)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited"):
+        tp_group.TPGroup(2, spec)
+    assert time.monotonic() - start < 10
