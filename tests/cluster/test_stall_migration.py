@@ -27,7 +27,7 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 BS = 16
-STALL_S = 0.5  # the stall timeout under test
+STALL_S = 1.0  # the stall timeout under test (0.5 s: a loaded 2-core CI machine paused healthy workers that long)
 HANG_S = 30.0  # how long a blocked engine thread stays blocked unless let go: past every request's deadline
 DEADLINE_S = 20.0
 
