@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NotRequired, TypedDict
+from typing import NotRequired, TypedDict, TypeGuard
 
 import aiohttp
 
@@ -150,14 +150,14 @@ def _take_usage(rec: RequestRecord, usage: object) -> None:
     if not isinstance(usage, dict):
         raise ValueError("usage: not an object")
     completion, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
-    if isinstance(completion, int) and _count(completion):
+    if _count(completion):
         rec.usage_reported = True
         rec.output_tokens = completion
-    if isinstance(prompt, int) and _count(prompt):
+    if _count(prompt):
         rec.prompt_tokens = prompt
 
 
-def _count(v: object) -> bool:
+def _count(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
