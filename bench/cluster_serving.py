@@ -137,8 +137,6 @@ def bench_engine(model_dir: str, overhead_prompts: list[list[int]]) -> dict[str,
 def bench_http(model_dir: str, port: int, overhead_prompts: list[list[int]],
                load_prompts: list[list[int]]) -> dict[str, dict[str, float]]:
     """Through HTTP on a local Ray cluster (`pdserve serve` defaults): concurrency 1, then the throughput load."""
-    import ray
-
     from pdserve.cluster import serve_app
     from pdserve.cluster.leftovers import check_ports
     from pdserve.cluster.serve_config import serve_config
@@ -164,7 +162,7 @@ def bench_http(model_dir: str, port: int, overhead_prompts: list[list[int]],
         results["http_c16"] = summary(*asyncio.run(over_http(load_prompts, 16, 64)))
     finally:
         serve_app.shutdown(cfg)
-        ray.shutdown()
+        serve_app.stop_ray(cfg)
     return results
 
 

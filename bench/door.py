@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
+    from pdserve.cluster import serve_app
+
     counts = [int(n) for n in a.replicas.split(",")]
     cfg = serve_cfg(a)
     runs: list[dict[str, Any]] = []
@@ -353,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ray.is_initialized():
             serve.shutdown()
-            ray.shutdown()
+            serve_app.stop_ray(cfg)
     print_table(a, runs)
     if a.json is not None:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "runs": runs}, indent=1))

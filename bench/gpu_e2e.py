@@ -24,9 +24,11 @@ when OUT is set; exits 1 when a check fails or a section raised.
 from __future__ import annotations
 
 import argparse
+import atexit
 import gc
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -379,10 +381,18 @@ def tiny_section(args: argparse.Namespace, device: torch.device, bws: dict[str, 
     compare_variants("tiny", traces, args.dry_run)
 
 
-def llama_section(args: argparse.Namespace, device: torch.device, bws: dict[str, float]) -> None:
+def shape_dir(shape: dict[str, Any]) -> Path:
+    """A model directory that holds only `shape` as its config.json (random_weights() draws the
+    weights at load), removed when this process exits (each run used to leave one in /tmp)."""
     model_dir = Path(tempfile.mkdtemp(prefix="llama-shape-"))
-    shape = DRY_LLAMA if args.dry_run else LLAMA3_8B
+    atexit.register(shutil.rmtree, model_dir, True)
     (model_dir / "config.json").write_text(json.dumps(shape))
+    return model_dir
+
+
+def llama_section(args: argparse.Namespace, device: torch.device, bws: dict[str, float]) -> None:
+    shape = DRY_LLAMA if args.dry_run else LLAMA3_8B
+    model_dir = shape_dir(shape)
     tokenizer = str(default_model_dir(progress=False))
     by_variant: dict[str, list[dict[str, Any]]] = {}
     traces: dict[str, dict[str, Any]] = {}

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -120,8 +119,7 @@ def main() -> int:
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     prompt = 24 if args.dry_run else args.prompt
     shape = e2e.DRY_LLAMA if args.dry_run else e2e.LLAMA3_8B
-    model_dir = Path(tempfile.mkdtemp(prefix="llama-shape-"))
-    (model_dir / "config.json").write_text(json.dumps(shape))
+    model_dir = e2e.shape_dir(shape)
     bw = e2e.copy_bandwidth(device, args.dry_run)
     with e2e.random_weights():
         llm = LLM(str(model_dir), tokenizer=str(default_model_dir(progress=False)), dtype=shape["torch_dtype"],

@@ -33,7 +33,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -47,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the lent GPU machine has pdserve's tree, not the package
 sys.path.insert(0, str(ROOT / "bench"))
 
-from gpu_e2e import DRY_LLAMA, LLAMA3_8B, random_weights  # noqa: E402
+from gpu_e2e import DRY_LLAMA, LLAMA3_8B, random_weights, shape_dir  # noqa: E402
 
 from pdserve import LLM, SamplingParams  # noqa: E402
 from pdserve.cluster.actors import DecodeService, PrefillService  # noqa: E402
@@ -179,8 +178,7 @@ def correctness(args: argparse.Namespace, device: str) -> None:
 
 def speed(args: argparse.Namespace, device: str) -> None:
     shape = DRY_LLAMA if args.dry_run else LLAMA3_8B
-    model_dir = Path(tempfile.mkdtemp(prefix="llama-shape-"))
-    (model_dir / "config.json").write_text(json.dumps(shape))
+    model_dir = shape_dir(shape)
     tokenizer = str(default_model_dir(progress=False))
     max_len = args.prompt_len + args.new_tokens + 16
     gen = torch.Generator().manual_seed(0)

@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import signal
+import stat
 import tempfile
 import time
 from collections.abc import Iterable, Mapping
@@ -67,6 +69,30 @@ def haproxy_run_dir(http_port: int) -> str:
     if len(base) > 30:
         base = "/tmp"
     return os.path.join(base, f"{RUN_DIR_PREFIX}{http_port}")
+
+
+def remove_run_dir(http_port: int, wait_s: float = 5.0) -> bool:
+    """Remove a stopped local run's HAProxy directory (haproxy_run_dir): each run on a
+    port of its own (the tests', the benchmarks') would otherwise leave one in /tmp.
+    Call it after local Ray stopped. Kept while anything still listens on the port
+    (waited for up to `wait_s`: HAProxy can outlive Ray's stop by a moment), since
+    another run's HAProxy may be using it; kept too unless it is this user's own
+    directory (not a link). Returns whether it is gone."""
+    path = haproxy_run_dir(http_port)
+    deadline = time.monotonic() + wait_s
+    while listening_inodes(http_port):
+        if time.monotonic() >= deadline:
+            logger.info("leaving %s: port %d is still in use", path, http_port)
+            return False
+        time.sleep(0.1)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return True
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return not os.path.lexists(path)
 
 
 def listening_inodes(port: int) -> set[int]:

@@ -19,7 +19,7 @@ from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
-from pdserve.cluster.leftovers import check_ports, haproxy_run_dir
+from pdserve.cluster.leftovers import check_ports, haproxy_run_dir, remove_run_dir
 from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
@@ -470,6 +470,14 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
     elif pinned is not None:  # everything back on every core
         apply(Pins({}, cores), root)
     return pins
+
+
+def stop_ray(cfg: ServeConfig) -> None:
+    """Stop this process's Ray (ray.shutdown: local Ray's processes end with it), then
+    remove the HAProxy directory a local run with `cfg`'s ingress made for its port."""
+    ray.shutdown()
+    if cfg.ingress is Ingress.HAPROXY:
+        remove_run_dir(cfg.port)
 
 
 def shutdown(cfg: ServeConfig) -> None:

@@ -256,7 +256,7 @@ def run_until_stopped(cfg: ServeConfig) -> int:
                 serve_app.shutdown(cfg)
             except Exception as e:  # noqa: BLE001 - Ray's shutdown below stops what this could not
                 print(f"[pdserve] stopping Serve while it started: {e!r}", file=sys.stderr, flush=True)
-    ray.shutdown()
+    serve_app.stop_ray(cfg)  # and the run's HAProxy directory
     return 0
 
 

@@ -38,8 +38,6 @@ def local_cluster(cfg: Any) -> Iterator[str]:
     """Serve `cfg` (a serve_app.ServeConfig) on local Ray with 2 CPUs, yield its base
     URL, and always tear it down. The ingress environment is set only while Ray's
     processes start (they read it then), so later tests do not see it."""
-    import ray
-
     from pdserve.cluster import serve_app
 
     saved = dict(os.environ)
@@ -55,7 +53,7 @@ def local_cluster(cfg: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{cfg.port}"
     finally:
         serve_app.shutdown(cfg)
-        ray.shutdown()
+        serve_app.stop_ray(cfg)
 
 
 class LocalPrefillPeer:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 from chaos.procs import free_port
 
+from pdserve.cluster.leftovers import remove_run_dir
+
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 START_TIMEOUT_S = 420.0  # a cold start on a 2-core machine other jobs kept busy took 133 s
 
@@ -70,6 +72,7 @@ class Server:
 
     def __init__(self, args: list[str], stderr_path: Path) -> None:
         port, metrics, stats, fallback = free_ports(4)
+        self.port = port
         self.url = f"http://127.0.0.1:{port}/v1"
         self.argv = [PDSERVE, "serve", *args, "--port", str(port), "--haproxy-metrics-port", str(metrics),
                      "--haproxy-stats-port", str(stats), "--haproxy-fallback-port", str(fallback)]
@@ -123,3 +126,5 @@ class Server:
         self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
+        if left:  # killed: its stop never removed its HAProxy directory
+            remove_run_dir(self.port)

@@ -22,6 +22,8 @@ import httpx
 import pytest
 from served import Server, alive, tree
 
+from pdserve.cluster.leftovers import haproxy_run_dir
+
 STOP_TIMEOUT_S = 60.0  # past the stop's own bound (shutdown.STOP_DEADLINE_S), so that one is what fires
 
 CASES = {
@@ -44,6 +46,8 @@ def assert_stopped_cleanly(server: Server, sig: signal.Signals) -> None:
         assert crash not in err and crash not in out, (crash, err[-3000:])
     left = alive(server.started)
     assert not left, {pid: Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left}
+    # Nor its HAProxy directory in /tmp (each run on a port of its own left one).
+    assert not os.path.lexists(haproxy_run_dir(server.port)), os.listdir(haproxy_run_dir(server.port))
 
 
 class Stream(threading.Thread):

@@ -14,11 +14,13 @@ import contextlib
 import importlib.util
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -146,6 +148,38 @@ def test_free_ports_pass() -> None:
     with plain_listener() as (proc, port):
         pass
     assert check_ports({port: "--port"}) == []
+
+
+def test_a_stopped_runs_haproxy_directory_goes_and_one_whose_port_is_in_use_stays() -> None:
+    """Each run on a port of its own left /tmp/pdserve-haproxy-<port> behind (hundreds a
+    day from the tests); the stop removes it, unless something still listens there."""
+    with plain_listener() as (_, port):
+        run_dir = haproxy_run_dir(port)
+        os.makedirs(os.path.join(run_dir, "node"), mode=0o700)
+        try:
+            with open(os.path.join(run_dir, "node", "haproxy.cfg"), "w") as f:
+                f.write("global\n")
+            assert not leftovers.remove_run_dir(port, wait_s=0.2)  # another run's HAProxy may use it
+            assert os.path.isdir(os.path.join(run_dir, "node"))
+        except BaseException:
+            shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+    assert leftovers.remove_run_dir(port)
+    assert not os.path.lexists(run_dir)
+    assert leftovers.remove_run_dir(port)  # nothing there: done
+
+
+def test_a_link_in_place_of_the_haproxy_directory_is_not_followed(tmp_path: Path) -> None:
+    with plain_listener() as (_, port):
+        pass
+    run_dir = haproxy_run_dir(port)
+    (tmp_path / "keep").write_text("x")
+    os.symlink(tmp_path, run_dir)
+    try:
+        assert not leftovers.remove_run_dir(port)
+        assert (tmp_path / "keep").read_text() == "x"
+    finally:
+        os.unlink(run_dir)
 
 
 # -- (b) an earlier run's orphaned HAProxy: stopped ---------------------------------------
