@@ -71,20 +71,24 @@ def haproxy_run_dir(http_port: int) -> str:
     return os.path.join(base, f"{RUN_DIR_PREFIX}{http_port}")
 
 
-def remove_run_dir(http_port: int, wait_s: float = 5.0) -> bool:
-    """Remove a stopped local run's HAProxy directory (haproxy_run_dir): each run on a
-    port of its own (the tests', the benchmarks') would otherwise leave one in /tmp.
-    Call it after local Ray stopped. Kept while anything still listens on the port
-    (waited for up to `wait_s`: HAProxy can outlive Ray's stop by a moment), since
-    another run's HAProxy may be using it; kept too unless it is this user's own
-    directory (not a link). Returns whether it is gone."""
-    path = haproxy_run_dir(http_port)
+def port_released(port: int, wait_s: float = 5.0) -> bool:
+    """Whether nothing listens on `port` (waited for up to `wait_s`: a stopped run's
+    HAProxy can outlive Ray's stop by a moment)."""
     deadline = time.monotonic() + wait_s
-    while listening_inodes(http_port):
+    while listening_inodes(port):
         if time.monotonic() >= deadline:
-            logger.info("leaving %s: port %d is still in use", path, http_port)
             return False
         time.sleep(0.1)
+    return True
+
+
+def remove_run_dir(http_port: int) -> bool:
+    """Remove a stopped local run's HAProxy directory (haproxy_run_dir): each run on a
+    port of its own (the tests', the benchmarks') would otherwise leave one in /tmp.
+    Call it once the run's port is released (`port_released`): while a run listens
+    there, its HAProxy may be using the directory. Only this user's own directory is
+    removed (never what a link points to). Returns whether it is gone."""
+    path = haproxy_run_dir(http_port)
     try:
         st = os.lstat(path)
     except FileNotFoundError:

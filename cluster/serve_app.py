@@ -19,7 +19,7 @@ from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
-from pdserve.cluster.leftovers import check_ports, haproxy_run_dir, remove_run_dir
+from pdserve.cluster.leftovers import check_ports, haproxy_run_dir, port_released, remove_run_dir
 from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
@@ -27,7 +27,7 @@ from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
 from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
-from pdserve.workers.cpu_turns import lending_dir, turns_path
+from pdserve.workers.cpu_turns import lending_dir, remove_node_files, turns_path
 
 if TYPE_CHECKING:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
@@ -473,11 +473,15 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
 
 
 def stop_ray(cfg: ServeConfig) -> None:
-    """Stop this process's Ray (ray.shutdown: local Ray's processes end with it), then
-    remove the HAProxy directory a local run with `cfg`'s ingress made for its port."""
+    """Stop this process's Ray (ray.shutdown: local Ray's processes end with it), then remove
+    the files the run kept on this machine for its port: the HAProxy directory, the CPU
+    workers' turns lock and lending directory. Left where the port is still in use
+    afterwards: another run's, named by the same port."""
     ray.shutdown()
-    if cfg.ingress is Ingress.HAPROXY:
-        remove_run_dir(cfg.port)
+    if port_released(cfg.port):
+        if cfg.ingress is Ingress.HAPROXY:
+            remove_run_dir(cfg.port)
+        remove_node_files(f"{NAMESPACE}-{cfg.port}")
 
 
 def shutdown(cfg: ServeConfig) -> None:

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from chaos.procs import free_port
 
-from pdserve.cluster.leftovers import remove_run_dir
+from pdserve.cluster.leftovers import port_released, remove_run_dir
+from pdserve.workers.cpu_turns import remove_node_files
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
 START_TIMEOUT_S = 420.0  # a cold start on a 2-core machine other jobs kept busy took 133 s
@@ -126,5 +127,6 @@ class Server:
         self.proc.wait(10)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
-        if left:  # killed: its stop never removed its HAProxy directory
+        if left and port_released(self.port):  # killed: its stop never removed its files
             remove_run_dir(self.port)
+            remove_node_files(f"pdserve-{self.port}")

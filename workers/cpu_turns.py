@@ -24,9 +24,11 @@ at worst.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import logging
 import os
+import shutil
 import time
 from types import TracebackType
 
@@ -121,6 +123,19 @@ def lending_dir(app: str, directory: str | None = None) -> str:
     """The directory the workers of serving app `app` share on this node to lend cores
     (workers/cpu_lending.py; here, beside `turns_path`, so that the driver naming it imports no torch)."""
     return os.path.join(directory or _runtime_dir(), f"pdserve-cpu-lending-{_safe_name(app)}")
+
+
+def remove_node_files(app: str, directory: str | None = None) -> None:
+    """Remove serving app `app`'s turns lock file and lending directory on this node, once
+    its workers here have stopped (each run on a port of its own left them in /dev/shm).
+    Never follows a link."""
+    turns = turns_path(app, directory)
+    with contextlib.suppress(FileNotFoundError):
+        if not os.path.islink(turns) and os.path.isfile(turns):
+            os.unlink(turns)
+    lending = lending_dir(app, directory)
+    if os.path.isdir(lending) and not os.path.islink(lending):
+        shutil.rmtree(lending, ignore_errors=True)
 
 
 def _safe_name(app: str) -> str:

@@ -150,23 +150,46 @@ def test_free_ports_pass() -> None:
     assert check_ports({port: "--port"}) == []
 
 
-def test_a_stopped_runs_haproxy_directory_goes_and_one_whose_port_is_in_use_stays() -> None:
-    """Each run on a port of its own left /tmp/pdserve-haproxy-<port> behind (hundreds a
-    day from the tests); the stop removes it, unless something still listens there."""
+def test_a_stopped_run_removes_its_files_unless_its_port_is_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each run on a port of its own left /tmp/pdserve-haproxy-<port> and its CPU workers'
+    /dev/shm files behind (hundreds a day from the tests); its stop removes them, unless
+    something still listens on the port (another run, whose files they are)."""
+    from pdserve.cluster import serve_app
+    from pdserve.workers.cpu_turns import lending_dir, turns_path
+
+    monkeypatch.setattr(serve_app.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(leftovers, "time", _FastClock())
     with plain_listener() as (_, port):
-        run_dir = haproxy_run_dir(port)
-        os.makedirs(os.path.join(run_dir, "node"), mode=0o700)
+        app = f"{serve_app.NAMESPACE}-{port}"
+        made = [haproxy_run_dir(port), lending_dir(app)]
         try:
-            with open(os.path.join(run_dir, "node", "haproxy.cfg"), "w") as f:
-                f.write("global\n")
-            assert not leftovers.remove_run_dir(port, wait_s=0.2)  # another run's HAProxy may use it
-            assert os.path.isdir(os.path.join(run_dir, "node"))
+            os.makedirs(os.path.join(made[0], "node"), mode=0o700)
+            os.makedirs(made[1], mode=0o700)
+            for f in (os.path.join(made[0], "node", "haproxy.cfg"), os.path.join(made[1], "busy-1"), turns_path(app)):
+                open(f, "w").close()
+            made.append(turns_path(app))
+            serve_app.stop_ray(_cfg(["--port", str(port)]))  # the port is in use: kept
+            assert all(os.path.exists(p) for p in made)
         except BaseException:
-            shutil.rmtree(run_dir, ignore_errors=True)
+            for p in made:
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.unlink(p)
             raise
-    assert leftovers.remove_run_dir(port)
-    assert not os.path.lexists(run_dir)
+    serve_app.stop_ray(_cfg(["--port", str(port)]))
+    assert not [p for p in made if os.path.lexists(p)]
     assert leftovers.remove_run_dir(port)  # nothing there: done
+
+
+class _FastClock:
+    """leftovers' `time` with sleeps that pass at once: a wait for a port runs out at once."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, s: float) -> None:
+        self.now += s
 
 
 def test_a_link_in_place_of_the_haproxy_directory_is_not_followed(tmp_path: Path) -> None:
