@@ -350,9 +350,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
                         "(default) or fail the request")
     g.add_argument("--request-timeout", type=float, default=UNSET,
                    help="seconds a request may take, from its arrival (default 600)")
-    g.add_argument("--prefill-timeout", type=float, default=UNSET,
+    g.add_argument("--prefill-timeout", type=_seconds_or_none, default=UNSET,
                    help="seconds a decode worker gives a remote prefill and its KV transfer before the KV "
-                        "failure policy applies (default 120)")
+                        "failure policy applies (default 120; none: the request's own deadline)")
     g.add_argument("--transfer-timeout", type=float, default=UNSET,
                    help="seconds a prefill worker waits on one KV link (a credit, the decode worker's verdict) "
                         "before it gives the transfer up (default 30)")
@@ -444,6 +444,11 @@ def _haproxy_arguments(srv: argparse.ArgumentParser) -> None:
                         "(default 10)")
     g.add_argument("--keep-alive-timeout", type=float, default=UNSET,
                    help="seconds an idle connection stays open between requests (default 15)")
+
+
+def _seconds_or_none(text: str) -> float | None:
+    """A number of seconds, or `none` (YAML's null): the setting's bound is left to another."""
+    return None if text.strip().lower() in ("none", "null") else float(text)
 
 
 def _json_mapping(text: str) -> dict[str, object]:

@@ -464,6 +464,19 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
     assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"
 
 
+def test_the_prefill_timeout_flag_says_none_as_the_yaml_says_null(deploy_pkg: Any) -> None:
+    """`prefill_timeout: null` in the YAML leaves a remote prefill to the request's deadline;
+    the flag said only numbers, so a command line could not ask for what the YAML can."""
+    from pdserve.cluster.cli import build_parser, settings_from_flags
+
+    argv = ["serve", "--model", "/m", "--prefill-timeout", "none"]
+    from_flags = serve_config(settings_from_flags(build_parser().parse_args(argv)))
+    from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill_timeout": None})
+    assert from_flags.prefill_timeout is None and from_flags == from_yaml
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--model", "/m", "--prefill-timeout", "soon"])
+
+
 @pytest.mark.parametrize("interval", [0, -1, 61, float("nan"), True, "fast"])
 def test_a_load_poll_interval_out_of_range_is_refused(interval: Any) -> None:
     with pytest.raises(ValueError, match="load_poll_interval"):
