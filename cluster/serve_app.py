@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 from ray import serve
 
-from pdserve.cluster import drain_flag
+from pdserve.cluster import drain_flag, port_lock
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.drain_flag import DrainWatch
@@ -387,11 +387,17 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
 
 def preflight(cfg: ServeConfig) -> bool:
     """What can stop a start before anything starts: on local Ray (returned: whether it is),
-    an earlier run's orphaned HAProxy on one of this run's ports is stopped, and any other
-    process there is a PortInUseError."""
+    another local run on this HTTP port, starting or serving (cluster/port_lock.py: held
+    from here to `stop_ray`), is a PortInUseError; an earlier run's orphaned HAProxy on
+    one of this run's ports is stopped, and any other process there is a PortInUseError."""
     local = starts_local_ray()
     if local:
-        check_ports(bound_ports(cfg))
+        port_lock.hold(cfg.port)
+        try:
+            check_ports(bound_ports(cfg))
+        except BaseException:
+            port_lock.release(cfg.port)
+            raise
     return local
 
 
@@ -482,6 +488,7 @@ def stop_ray(cfg: ServeConfig) -> None:
         if cfg.ingress is Ingress.HAPROXY:
             remove_run_dir(cfg.port)
         remove_node_files(f"{NAMESPACE}-{cfg.port}")
+    port_lock.release(cfg.port)
 
 
 def shutdown(cfg: ServeConfig) -> None:

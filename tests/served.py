@@ -5,6 +5,7 @@ descendants and every session they made, and whatever the test leaves is killed 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -16,6 +17,7 @@ from pathlib import Path
 from chaos.procs import free_port
 
 from pdserve.cluster.leftovers import port_released, remove_run_dir
+from pdserve.cluster.port_lock import lock_path
 from pdserve.workers.cpu_turns import remove_node_files
 
 PDSERVE = str(Path(sys.executable).with_name("pdserve"))
@@ -130,3 +132,5 @@ class Server:
         if left and port_released(self.port):  # killed: its stop never removed its files
             remove_run_dir(self.port)
             remove_node_files(f"pdserve-{self.port}")
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path(self.port))  # (no lock on it: its holder is dead)

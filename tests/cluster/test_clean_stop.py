@@ -23,6 +23,7 @@ import pytest
 from served import Server, alive, tree
 
 from pdserve.cluster.leftovers import haproxy_run_dir
+from pdserve.cluster.port_lock import lock_path
 from pdserve.workers.cpu_turns import lending_dir, turns_path
 
 STOP_TIMEOUT_S = 60.0  # past the stop's own bound (shutdown.STOP_DEADLINE_S), so that one is what fires
@@ -50,7 +51,8 @@ def assert_stopped_cleanly(server: Server, sig: signal.Signals) -> None:
     # Nor its files: the HAProxy directory in /tmp, the CPU workers' in /dev/shm (each run on a
     # port of its own left them).
     app = f"pdserve-{server.port}"
-    left_files = [p for p in (haproxy_run_dir(server.port), lending_dir(app), turns_path(app)) if os.path.lexists(p)]
+    left_files = [p for p in (haproxy_run_dir(server.port), lending_dir(app), turns_path(app), lock_path(server.port))
+                  if os.path.lexists(p)]
     assert not left_files, left_files
 
 

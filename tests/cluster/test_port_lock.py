@@ -1,0 +1,80 @@
+"""One local run per HTTP port (cluster/port_lock.py): a second run started on a port
+another run is starting or serving on fails at once, naming that run; a run that died
+(SIGKILL) blocks no one."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from chaos.procs import free_port
+
+from pdserve.cluster import port_lock
+from pdserve.cluster.leftovers import PortInUseError
+
+# Takes the lock for port argv[1] (in directory argv[2], or the default), says so, and waits.
+HOLDER = ("import sys, time\n"
+          "from pdserve.cluster import port_lock\n"
+          "port_lock.hold(int(sys.argv[1]), directory=sys.argv[2] if len(sys.argv) > 2 else None)\n"
+          "print('held', flush=True)\n"
+          "time.sleep(120)\n")
+
+
+def _holder(port: int, *directory: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(port), *directory], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+    return proc
+
+
+def _end(proc: subprocess.Popen[str], sig: int = signal.SIGKILL) -> None:
+    if proc.poll() is None:
+        os.kill(proc.pid, sig)
+    proc.wait(10)
+    if proc.stdout is not None:
+        proc.stdout.close()
+
+
+def test_a_second_run_on_a_held_port_is_refused_naming_the_first(tmp_path: Path) -> None:
+    first = _holder(8000, str(tmp_path))
+    try:
+        with pytest.raises(PortInUseError, match=rf"port 8000: another pdserve run \(pid {first.pid}\).*--port"):
+            port_lock.hold(8000, directory=str(tmp_path))
+        port_lock.hold(8001, directory=str(tmp_path))  # another port: its own lock
+        port_lock.release(8001)
+    finally:
+        _end(first)
+    # Killed outright: the kernel let its lock go; the file it left is taken over.
+    assert (tmp_path / "pdserve-port-8000.lock").exists()
+    port_lock.hold(8000, directory=str(tmp_path))
+    try:
+        assert (tmp_path / "pdserve-port-8000.lock").read_text() == f"{os.getpid()}\n"
+    finally:
+        port_lock.release(8000)
+    assert not (tmp_path / "pdserve-port-8000.lock").exists()
+
+
+def test_a_link_in_place_of_the_lock_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "target").write_text("keep")
+    os.symlink(tmp_path / "target", tmp_path / "pdserve-port-8002.lock")
+    with pytest.raises(PortInUseError, match="cannot take the run's lock"):
+        port_lock.hold(8002, directory=str(tmp_path))
+    assert (tmp_path / "target").read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_pdserve_serve_on_a_port_another_run_holds_fails_at_once() -> None:
+    """The whole CLI: exit 2 with one error line, before any Ray starts."""
+    port = free_port()
+    first = _holder(port)
+    try:
+        proc = subprocess.run([str(Path(sys.executable).with_name("pdserve")), "serve", "--model", "tiny",
+                               "--port", str(port)], capture_output=True, text=True, timeout=120)
+    finally:
+        _end(first)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"pdserve: error: port {port}: another pdserve run (pid {first.pid})" in proc.stderr
+    assert "Started a local Ray instance" not in proc.stderr + proc.stdout
