@@ -19,7 +19,9 @@ shutdown alone cut streams short), then raises the KeyboardInterrupt that
 `serve_app.run` answers by stopping Serve and the workers, and stops local Ray.
 The parent bounds the whole stop (`STOP_DEADLINE_S`), stops by pid whatever
 the driver left (it is the subreaper of its descendants: what outlives the
-driver becomes its child, not init's), and logs the one line.
+driver becomes its child, not init's), and logs the one line. A parent killed
+outright (SIGKILL, the OOM killer) sends the driver that SIGINT by its death
+(PR_SET_PDEATHSIG); the driver then bounds its own stop and stops what it left.
 
 A service manager that signals every process of the service at once (systemd's
 default KillMode=control-group) reaches Ray's processes directly: give
@@ -97,6 +99,8 @@ def _run_driver(serve: Callable[[], int], parent: int, old_mask: Iterable[int]) 
         # of a non-interactive shell (`pdserve serve &` in a script) inherits it ignored, and
         # Python then installs no handler; the stop would run into its deadline.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        threading.Thread(target=_bound_an_orphaned_stop, args=(parent,), name="pdserve-orphan-watch",
+                         daemon=True).start()
         code = serve()
     except ValueError as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
@@ -104,9 +108,26 @@ def _run_driver(serve: Callable[[], int], parent: int, old_mask: Iterable[int]) 
     except BaseException:  # noqa: BLE001 - reported, then the process ends: nothing may unwind into the caller
         traceback.print_exc()
     finally:
+        if os.getppid() != parent:  # the supervisor is gone: its sweep is this process's to do
+            _sweep_mine(SWEEP_GRACE_S)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _bound_an_orphaned_stop(parent: int) -> None:
+    """The driver's thread that stands in for a supervisor killed outright (SIGKILL, the OOM
+    killer): its death sends the driver the SIGINT that stops it (PR_SET_PDEATHSIG), but no
+    one bounded that stop or stopped what it left. Once the parent is gone (polled once a
+    second: a syscall), the stop gets STOP_DEADLINE_S; past it, everything of the driver's
+    is killed and the driver exits 1."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    time.sleep(STOP_DEADLINE_S)
+    print(f"[pdserve] the supervisor died and the stop took over {STOP_DEADLINE_S:g} s: killing what is left",
+          file=sys.stderr, flush=True)
+    _sweep_mine(0.0)
+    os._exit(1)
 
 
 def _prctl(option: int, value: int) -> None:
@@ -215,7 +236,29 @@ def _sweep(grace_s: float, theirs: frozenset[int] = frozenset()) -> int:
     spared = set(theirs)
     for pid in theirs:
         spared |= descendants(pid).keys()
-    left = {pid: started for pid, started in descendants(os.getpid()).items() if pid not in spared}
+    return _stop_all({pid: started for pid, started in descendants(os.getpid()).items() if pid not in spared},
+                     grace_s)
+
+
+def _sweep_mine(grace_s: float) -> int:
+    """The driver's own sweep, when no supervisor is left to do it: what it started (its
+    descendants, and what is left in its process group, whose parents died), as `_sweep`."""
+    me, group = os.getpid(), os.getpgid(0)
+    left = descendants(me)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != me and int(entry) not in left:
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    fields = f.read().rsplit(b")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if fields[0] not in (b"Z", b"X") and int(fields[2]) == group:
+                left[int(entry)] = int(fields[19])
+    return _stop_all(left, grace_s)
+
+
+def _stop_all(left: dict[int, int], grace_s: float) -> int:
+    """SIGTERM each of `left` (pid -> start time), up to `grace_s` for them to go, then SIGKILL."""
     for pid, started in left.items():
         _signal(pid, started, signal.SIGTERM)
     deadline = time.monotonic() + grace_s

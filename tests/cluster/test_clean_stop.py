@@ -203,6 +203,56 @@ def test_a_driver_that_exits_on_its_own_gives_its_exit_code() -> None:
     assert not alive(left)  # what it left is stopped all the same
 
 
+# A driver that starts a process of its own and returns when stopped (or, "ignore", never stops).
+ORPHANED_DRIVER = textwrap.dedent("""
+    import importlib.util, signal, subprocess, sys, time
+
+    spec = importlib.util.spec_from_file_location("shutdown", sys.argv[2])
+    shutdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shutdown)
+    shutdown.STOP_DEADLINE_S = 2.0
+    shutdown.SWEEP_GRACE_S = 1.0
+
+    def serve():
+        if sys.argv[1] == "ignore":
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        helper = subprocess.Popen(["sleep", "60"])
+        try:
+            print(helper.pid, flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+    sys.exit(shutdown.serve_in_own_group(serve))
+""")
+
+
+@pytest.mark.parametrize("driver", ["stops", "ignore"])
+def test_a_supervisor_killed_outright_leaves_nothing_running(driver: str) -> None:
+    """SIGKILL to `pdserve serve`'s own process (the OOM killer, `kill -9`): the driver hears it
+    (PR_SET_PDEATHSIG) and stops, but no one bounded that stop or swept what it left. The
+    driver does both now: what it started is stopped, and a stop that hangs ends at the deadline."""
+    module = Path(__file__).resolve().parents[2] / "cluster" / "shutdown.py"
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANED_DRIVER, driver, str(module)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout is not None
+    helper = int(proc.stdout.readline())
+    started = tree(proc.pid)
+    try:
+        assert helper in started and len(started) == 3  # the supervisor, the driver, its process
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 10  # the stop's 2 s, a second's poll, the sweep's grace
+        while alive(started) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(started), alive(started)
+    finally:
+        for pid in alive(started):
+            os.kill(pid, signal.SIGKILL)
+        proc.communicate()
+
+
 # A driver whose shutdown ends just inside the deadline and leaves a process that ignores
 # SIGTERM (a Ray daemon, HAProxy under load): the sweep must fit in what is left of the deadline.
 SLOW_DRIVER = textwrap.dedent("""
