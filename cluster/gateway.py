@@ -373,6 +373,11 @@ class Gateway:
         except RecursionError:  # tools or tool-call arguments nested past the renderer's stack
             raise bad_request(ValueError("messages: nested too deeply to render (tools, tool-call arguments)")) \
                 from None
+        except (TypeError, ValueError) as e:
+            # What the template does with the request's values failed: a null where it adds a
+            # string, a list where it iterates an object's items (vLLM: a 400 too).
+            raise bad_request(ValueError(f"messages: the model's chat template could not render them (or the "
+                                         f"tools): {type(e).__name__}: {e}"[:500])) from None
 
     def check_grammar(self, params: SamplingParams) -> None:
         """A 400 naming the field when the request's structured output does not compile (or

@@ -142,8 +142,12 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, d),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
             speculative=self.speculative, cache_salt=self.cache_salt, structured_outputs=self.constraint(),
-            skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skips_special_tokens(), include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def skips_special_tokens(self) -> bool:
+        """Whether the output leaves special tokens' text out (the request's own field)."""
+        return self.skip_special_tokens
 
     @property
     def include_usage(self) -> bool:
@@ -285,6 +289,12 @@ class ChatCompletionRequest(_SamplingFields):
     def tool_plan(self) -> ToolPlan:
         """What `tools` and `tool_choice` ask (a ValueError names the field at fault)."""
         return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def skips_special_tokens(self) -> bool:
+        """Not while "auto" tool calls are parsed from the text: a call's marker can be a special
+        token (Mistral's [TOOL_CALLS]), and left out it was no call (vLLM's and SGLang's tool
+        parsers turn skip_special_tokens off too)."""
+        return self.skip_special_tokens and self.tool_plan().mode != "auto"
 
     def constraint(self) -> StructuredOutputs | None:
         """`response_format`/`structured_outputs`, or the grammar a required or named tool call

@@ -105,9 +105,14 @@ class ToolPlan:
             fn = next(f for f in self.tools if f["name"] == self.name)
             return StructuredOutputs(json=fn.get("parameters") or {"type": "object"}, origin="tools")
         if self.mode == "required":
-            items = [{"type": "object", "properties": {"name": {"const": f["name"]},
-                                                       "parameters": f.get("parameters") or {"type": "object"}},
-                      "required": ["name", "parameters"], "additionalProperties": False} for f in self.tools]
+            # Each tool's schema moves under the array's items: its own references ("#/$defs/X",
+            # what pydantic writes for a nested model; "#/properties/...") must follow it there.
+            at = ["/items"] if len(self.tools) == 1 else [f"/items/anyOf/{i}" for i in range(len(self.tools))]
+            items = [{"type": "object", "properties": {
+                "name": {"const": f["name"]},
+                "parameters": _rebased(f.get("parameters") or {"type": "object"}, f"{where}/properties/parameters")},
+                "required": ["name", "parameters"], "additionalProperties": False}
+                for f, where in zip(self.tools, at, strict=True)]
             schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                       "items": items[0] if len(items) == 1 else {"anyOf": items}}
             schema["maxItems"] = MAX_PARALLEL_CALLS if self.parallel else 1
@@ -127,9 +132,11 @@ class ToolPlan:
                 return text, []
             return None, [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
-            calls = parse_calls(text, {f["name"] for f in self.tools})
-            if calls is not None:
-                return calls
+            found = parse_calls(text, {f["name"] for f in self.tools})
+            if found is not None:
+                content, calls = found
+                # parallel_tool_calls false: at most one call (OpenAI's contract; vLLM keeps the first)
+                return content, calls if self.parallel else calls[:1]
         return text, []
 
     def may_be_call(self, text: str) -> bool:
@@ -162,17 +169,19 @@ def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]]
         content = stripped[: stripped.index("<tool_call>")].strip() or None
         for body in _HERMES.findall(stripped):
             obj = _json(body)
-            if isinstance(obj, dict):
-                found.append((obj.get("name"), obj.get("arguments", obj.get("parameters", {}))))
+            if not isinstance(obj, dict):
+                return None  # a call that does not parse: the whole answer stays words (as vLLM's parser)
+            found.append((obj.get("name"), obj.get("arguments", obj.get("parameters", {}))))
     elif "[TOOL_CALLS]" in stripped:  # Mistral
         content = stripped[: stripped.index("[TOOL_CALLS]")].strip() or None
         obj = _json(stripped.split("[TOOL_CALLS]", 1)[1])
         for item in obj if isinstance(obj, list) else [obj]:
-            if isinstance(item, dict):
-                found.append((item.get("name"), item.get("arguments", item.get("parameters", {}))))
-    else:  # Llama 3.x: the whole answer is the call
+            if not isinstance(item, dict):
+                return None
+            found.append((item.get("name"), item.get("arguments", item.get("parameters", {}))))
+    else:  # Llama 3.x: the whole answer is the call, its arguments named (a JSON answer with a "name" is not one)
         obj = _json(stripped.removeprefix("<|python_tag|>"))
-        if isinstance(obj, dict) and "name" in obj:
+        if isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj):
             found.append((obj.get("name"), obj.get("parameters", obj.get("arguments", {}))))
     calls = [_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
              for name, args in found if isinstance(name, str) and name in names]
@@ -202,12 +211,39 @@ def _function(i: int, tool: dict[str, object]) -> dict[str, Any]:
     name = fn.get("name")
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-]{1,64}", name):
         raise ValueError(f"tools: tool {i}'s name must be 1-64 letters, digits, '_', '.' or '-'")
+    description = fn.get("description")
+    if description is not None and not isinstance(description, str):
+        raise ValueError(f"tools: tool {i}'s description must be a string")
     params = fn.get("parameters")
     if params is not None and not isinstance(params, dict):
         raise ValueError(f"tools: tool {i}'s parameters must be a JSON schema object")
+    if isinstance(params, dict) and not isinstance(params.get("properties", {}), dict):
+        raise ValueError(f"tools: tool {i}'s parameters.properties must be an object")  # templates iterate it
     if _deeper_than(params, MAX_SCHEMA_DEPTH):  # a chat template renders it recursively
         raise ValueError(f"tools: tool {i}'s parameters are nested more than {MAX_SCHEMA_DEPTH} deep")
     return dict(fn)
+
+
+# Keywords whose values are data, not schemas: a "$ref" key inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def _rebased(schema: Any, at: str) -> Any:
+    """`schema` with each local reference ("#", "#/...": a JSON pointer into it) pointing
+    to the same place once the schema sits at JSON pointer `at` of a larger one."""
+    if isinstance(schema, list):
+        return [_rebased(v, at) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = "#" + at + value[1:]
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key] = _rebased(value, at)
+    return out
 
 
 def _call(name: str, arguments: str) -> ToolCall:

@@ -516,7 +516,10 @@ class AsyncEngine:
         if job is None or not job.started:
             return  # it ended here already (aborted, the caller left, a later try replaced it)
         if out.error is not None:  # the engine failed it alone; its blocks are free already
-            self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id} failed: {out.error}"))
+            if out.error_refused:
+                self.end_now(job, Exit.REJECTED, ValueError(out.error))
+            else:
+                self.end_now(job, Exit.FAULT, RequestFaultError(f"request {job.request_id} failed: {out.error}"))
             return
         if job.role is not None:
             job.role.take_output(out)

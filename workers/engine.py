@@ -495,15 +495,16 @@ class LLMEngine:
         self._after_step(flight.sched, flight.work, flight.start, overlapped=flight.chainable)
         return outputs
 
-    def _fault(self, req: Request, why: str) -> None:
+    def _fault(self, req: Request, why: str, refused: bool = False) -> None:
         """Fail `req` alone: its blocks are freed now, and its final output carries `why`
-        (its worker turns that into the request's error; it is not migrated)."""
+        (its worker turns that into the request's error; it is not migrated). `refused`:
+        the request's own input is at fault (a ValueError for the caller: a 400)."""
         log.warning("request %s failed in this engine's step: %s", req.request_id, why)
         self.stats.request_faults += 1
         self.scheduler.finish(req, FinishReason.ABORT)
         self.scheduler.release(req.request_id)
         out = self._output(req)
-        out.error = why
+        out.error, out.error_refused = why, refused
         self._fault_outputs.append(out)
 
     def _schedule(self) -> SchedulerOutput:
@@ -567,7 +568,12 @@ class LLMEngine:
         """`_append`, or False once `req` is failed alone: its row had no valid token
         (NO_TOKEN: its logits were NaN or infinite), or appending raised."""
         if token == NO_TOKEN or not 0 <= token < self.runner.vocab_size:
-            self._fault(req, "its logits had no finite choice (NaN or infinite values)")
+            if req.grammar is not None and not req.grammar.allowed(self.runner.vocab_size).any():
+                # Its grammar allows nothing from here (a spec that cannot go on): the client's spec, a 400.
+                self._fault(req, f"{req.grammar.spec.field}: no output can match it past output token "
+                                 f"{req.num_output_tokens}", refused=True)
+            else:
+                self._fault(req, "its logits had no finite choice (NaN or infinite values)")
             return False
         try:
             return self._append(req, token, entry)

@@ -19,10 +19,12 @@ import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import xgrammar as xgr
 from transformers import PreTrainedTokenizerBase
@@ -160,6 +162,13 @@ class GrammarCompiler:
                 compiled = self._structural_tag(text)
         except Exception as e:  # noqa: BLE001 - xgrammar raises RuntimeError (and others) with the parser's words
             raise ValueError(f"{spec.field}: {_reason(e)}") from None
+        # A grammar that compiles but that nothing can match (an empty character class, a rule
+        # defined only by itself) left the request no first token: the engine failed it as a
+        # fault, a 500, for the client's own spec.
+        first = allocate_bitmask(1, self.vocab_size)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(first, 0)
+        if not bool(first.any()):
+            raise ValueError(f"{spec.field}: no output can match it")
         with self._lock:  # compiles end on several threads
             self.stats.compiles += 1
             self.stats.compile_s += time.perf_counter() - start
@@ -311,6 +320,19 @@ class GrammarState:
     @property
     def terminated(self) -> bool:
         return self.matcher is not None and self.matcher.is_terminated()
+
+    def allowed(self, vocab_size: int) -> np.ndarray:
+        """[vocab_size] bool: the tokens the grammar allows next (a row's mask, unpacked)."""
+        mask = allocate_bitmask(1, vocab_size)
+        self.fill(mask, 0)
+        return np.unpackbits(mask.numpy().view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+    def allows_only(self, token_ids: Iterable[int], vocab_size: int) -> bool:
+        """Whether nothing but `token_ids` may come next (a grammar at its end allows only the
+        stop tokens), or nothing at all."""
+        allowed = self.allowed(vocab_size)
+        allowed[[t for t in token_ids if 0 <= t < vocab_size]] = False
+        return not allowed.any()
 
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:

@@ -397,8 +397,11 @@ class ModelRunner:
             # A pending token (async scheduling) is an output before this row's.
             batch.generators = {i: seeded_at(r.generator, r.params.seed, r.num_output_tokens + r.num_pending)
                                 for i, r in enumerate(reqs) if r.generator is not None and r.params.temperature}
+        # min_tokens bans the stop tokens, but not where the request's grammar allows nothing else:
+        # the grammar's end wins (it ends the request), as a row with nothing left would fail.
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
-                  if r.stop_token_ids and r.num_output_tokens + r.num_pending < r.params.min_tokens]
+                  if r.stop_token_ids and r.num_output_tokens + r.num_pending < r.params.min_tokens
+                  and (r.grammar is None or not r.grammar.allows_only(r.stop_token_ids, self.vocab_size))]
         batch.banned = banned or None
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:

@@ -37,6 +37,7 @@ class RequestOutput:
     # Set (with finished and finish_reason "abort") when the engine failed this request
     # alone: its values or logits broke its row of a step (workers/row_faults.py).
     error: str | None = None
+    error_refused: bool = False  # the error is the request's own input's (a ValueError, not a fault)
 
 
 def merge_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
