@@ -307,7 +307,11 @@ class LLMEngine:
         own = life is None  # a reservation starts ROUTED, as a decode worker's request does
         req = self._new_request(request_id, prompt, params, False,
                                 Lifecycle(request_id, math.inf, RequestState.ROUTED) if own else life, own)
-        plan = self.scheduler.reserve_remote(req)
+        try:
+            plan = self.scheduler.reserve_remote(req)
+        except BaseException:
+            self.stats.prompt_tokens -= req.num_prompt_tokens
+            raise
         if plan is None:
             self.stats.prompt_tokens -= req.num_prompt_tokens
         return plan

@@ -120,10 +120,15 @@ class Lifecycle:
         """Seconds left before the deadline (0 once it passed)."""
         return max(0.0, self.deadline - time.monotonic())
 
-    def move(self, to: RequestState) -> None:
-        """Enter `to`, one of the moves the machine has from here (not an end: see `end`)."""
+    def check_move(self, to: RequestState) -> None:
+        """LifecycleError unless `move(to)` would be taken: for a caller that must take
+        something (blocks) only if the move will follow."""
         if to not in NEXT[self.state]:
             raise LifecycleError(f"request {self.request_id}: no move {self.state.value} -> {to.value}")
+
+    def move(self, to: RequestState) -> None:
+        """Enter `to`, one of the moves the machine has from here (not an end: see `end`)."""
+        self.check_move(to)
         self.state = to
         self.history.append(to)
 

@@ -91,6 +91,7 @@ class Scheduler:
         """Decode side of a handoff: reserve blocks for the whole prompt before its KV
         arrives, reusing this worker's prefix cache. Returns (block ids, tokens
         already cached here), or None (nothing changed) if the pool is short."""
+        req.life.check_move(_S.TRANSFERRING)  # before any block is taken: a refused move takes none
         cached_blocks, num_cached = self.kv.find_cached_prefix(req)
         if not self.kv.allocate_slots(req, req.num_tokens - num_cached, cached_blocks):
             return None

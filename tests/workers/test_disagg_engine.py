@@ -116,6 +116,21 @@ def test_reserve_fails_cleanly_when_the_pool_is_short(model_dir: Path) -> None:
     assert decode.kv.pool.num_used == 0 and not decode.has_unfinished_requests()
 
 
+def test_a_reservation_whose_request_cannot_move_takes_no_blocks(model_dir: Path) -> None:
+    """The move to TRANSFERRING came after the blocks were taken: a reservation it refused left
+    them held by no request (an abort found nothing to free)."""
+    from pdserve.workers.lifecycle import Lifecycle, LifecycleError, RequestState
+
+    decode = engine(model_dir)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    with pytest.raises(LifecycleError):
+        decode.reserve("x", list(range(5, 80)), params, Lifecycle("x", 60.0, RequestState.DECODING))
+    assert decode.kv.pool.num_used == 0
+    assert decode.reserve("x", list(range(5, 80)), params) is not None  # the id is free to use
+    decode.abort("x")
+    assert decode.kv.pool.num_used == 0
+
+
 def test_abort_frees_held_prefill_blocks(model_dir: Path) -> None:
     prefill = engine(model_dir)
     prefill.add_request("p", list(range(5, 60)), SamplingParams(temperature=0.0, max_tokens=1), hold_kv=True)
