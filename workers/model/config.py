@@ -112,16 +112,17 @@ class ModelConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
-        # Qwen2 always has q/k/v biases; Llama/Mistral only when the config says so.
-        attention_bias = arch == "qwen2" or bool(hf.get("attention_bias", False))
+        # Qwen2 always has q/k/v biases; Mistral none (transformers' ignores the key). Llama's
+        # attention_bias puts one on o_proj too, which this model has not: refused, not misloaded.
+        attention_bias = arch == "qwen2"
+        if arch == "llama" and hf.get("attention_bias"):
+            raise ValueError("model: attention_bias=True is not supported for llama (it biases o_proj too)")
         if hf.get("mlp_bias"):
             raise ValueError("model: mlp_bias=True is not supported")
         act = hf.get("hidden_act", "silu")
         if act not in (None, "silu", "swish"):  # the MLP is SiLU-gated: another would load and run wrong
             raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
-        sliding = hf.get("sliding_window")
-        if arch == "qwen2" and not hf.get("use_sliding_window", False):
-            sliding = None
+        sliding = _sliding_window(arch, hf)
         eos = _eos_ids(gen or {}, hf)
         return cls(
             arch=arch,
@@ -179,6 +180,21 @@ def _eos_ids(gen: dict[str, Any], hf: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(e) for e in eos) if isinstance(eos, list) else (int(eos),)
 
 
+def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
+    """The attention window as transformers applies it (None: every layer attends to all):
+    Llama has none whatever the config says; Mistral's defaults to 4096 when the key is
+    absent (an explicit null: none); Qwen2's only with `use_sliding_window`, 4096 by default,
+    and only where some layer slides (those from `max_window_layers` on)."""
+    if arch == "llama":
+        return None
+    if arch == "qwen2":
+        layers = int(hf["num_hidden_layers"])
+        if not hf.get("use_sliding_window", False) or int(hf.get("max_window_layers", 28)) >= layers:
+            return None
+    window = hf.get("sliding_window", 4096)
+    return int(window) if window else None
+
+
 def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     # transformers >= 5 writes `rope_parameters`; older checkpoints write
     # `rope_theta` plus an optional `rope_scaling` dict. Accept both.
@@ -189,17 +205,21 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
     if rope_type == "default":
         return RopeConfig(theta=theta)
+    if rope_type not in ("linear", "llama3"):
+        raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
+    if "factor" not in params:
+        raise ValueError(f"rope_scaling: a {rope_type} rope_scaling needs a factor")
     if rope_type == "linear":
         return RopeConfig(theta=theta, rope_type="linear", factor=float(params["factor"]))
-    if rope_type != "llama3":
-        raise ValueError(f"rope_scaling: unsupported rope_type {rope_type!r} (supported: default, linear, llama3)")
     return RopeConfig(
         theta=theta,
         rope_type="llama3",
         factor=float(params["factor"]),
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+        # transformers (5) defaults it to the model's max_position_embeddings
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings",
+                                                        hf.get("max_position_embeddings", 8192))),
     )
 
 

@@ -6,7 +6,9 @@ is the weights; on the host, one checkpoint tensor (and its cast) besides."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import re
 import sys
 from pathlib import Path
@@ -24,6 +26,8 @@ from pdserve.workers.model.llama import DecoderLayer, LlamaForCausalLM
 from pdserve.workers.model.tensor_parallel import SINGLE, TensorParallel, shard_config, shard_tensor
 
 # checkpoint projection -> (fused parameter, which shard of it)
+log = logging.getLogger(__name__)
+
 _FUSED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -68,6 +72,26 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def head_differs(files: list[Path], rows: int = 4096) -> bool:
+    """Whether the checkpoint holds an `lm_head.weight` that is not its embedding (compared
+    `rows` rows at a time: one row block of each in memory)."""
+    where: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in ("lm_head.weight", "model.embed_tokens.weight"):
+                if name in st.keys():
+                    where[name] = f
+    if len(where) < 2:
+        return False
+    with safe_open(str(where["lm_head.weight"]), framework="pt", device="cpu") as head_file, \
+            safe_open(str(where["model.embed_tokens.weight"]), framework="pt", device="cpu") as embed_file:
+        head, embed = head_file.get_slice("lm_head.weight"), embed_file.get_slice("model.embed_tokens.weight")
+        if head.get_shape() != embed.get_shape() or head.get_dtype() != embed.get_dtype():
+            return True
+        n = head.get_shape()[0]
+        return any(not torch.equal(head[i:i + rows], embed[i:i + rows]) for i in range(0, n, rows))
+
+
 def load_model(
     model_dir: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
     backend: AttentionBackend, max_positions: int, progress: bool = False, quantization: str | None = None,
@@ -79,6 +103,12 @@ def load_model(
     16/32-bit one's linear weights once loaded (workers/model/fp8.py). With `tp` of more than one
     rank, `cfg` is the whole model's and this rank loads its shard (workers/model/tensor_parallel.py)."""
     model_dir = Path(model_dir)
+    files = checkpoint_files(model_dir)
+    if cfg.tie_word_embeddings and head_differs(files):
+        # transformers does the same: a fine-tune that trained its head apart kept the tied config
+        log.warning("model: %s says tie_word_embeddings but its lm_head.weight differs from its embedding: "
+                    "loaded untied, as transformers loads it", model_dir)
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)
     full_cfg, cfg = cfg, shard_config(cfg, tp)
     if quantization not in (None, "fp8"):
         raise ValueError(f"quantization: must be fp8 or None, got {quantization!r}")
@@ -91,7 +121,6 @@ def load_model(
     params = dict(model.named_parameters(remove_duplicate=False))
     # parameter name -> shards still to load (fused parameters have several)
     missing = {n: _num_shards(n) for n in dict(model.named_parameters())}
-    files = checkpoint_files(model_dir)
     bar = tqdm(total=sum(f.stat().st_size for f in files), unit="B", unit_scale=True, desc="loading weights",
                disable=not progress, file=sys.stderr)
     fp8_parts: dict[str, dict[str, torch.Tensor]] = {}  # layer -> its e4m3 weight and scale, until both came
