@@ -118,11 +118,12 @@ class DraftModelProposer:
             shadows.append((sh, k))
         drafts: dict[str, list[int]] = {sh.request.request_id: [] for sh, _ in shadows}
         probs: dict[str, list[torch.Tensor]] = {}
-        self._catch_up([sh for sh, _ in shadows], drafts, probs)
+        stopped: set[str] = set()  # a draft that was no real choice (NaN logits): that request's drafts end
+        self._catch_up([sh for sh, _ in shadows], drafts, probs, stopped)
         for step in range(1, max((k for _, k in shadows), default=0)):
-            live = [sh for sh, k in shadows if k > step]
+            live = [sh for sh, k in shadows if k > step and sh.request.request_id not in stopped]
             if live:
-                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, probs)
+                self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, probs, stopped)
         tokens = [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
         return tokens, [torch.stack(probs[r.request_id][:len(t)]) if t and r.request_id in probs else None
                         for r, t in zip(requests, tokens)]
@@ -142,7 +143,7 @@ class DraftModelProposer:
         return len(self._shadows)
 
     def _catch_up(self, shadows: list[_Shadow], drafts: dict[str, list[int]],
-                  probs: dict[str, list[torch.Tensor]]) -> None:
+                  probs: dict[str, list[torch.Tensor]], stopped: set[str]) -> None:
         """Compute every shadow's missing KV, in passes of at most max_num_tokens;
         the pass that reaches a shadow's last token gives its first draft."""
         pending = list(shadows)
@@ -162,16 +163,22 @@ class DraftModelProposer:
                     rest.append(sh)
             if not batch:  # nothing any of them can compute: no drafts for them (never a spin)
                 return
-            self._run(batch, drafts, probs)
+            self._run(batch, drafts, probs, stopped)
             pending = rest
 
     def _run(self, batch: list[ScheduledRequest], drafts: dict[str, list[int]],
-             probs: dict[str, list[torch.Tensor]]) -> None:
+             probs: dict[str, list[torch.Tensor]], stopped: set[str]) -> None:
+        """One draft pass; a draft that is no real choice (NO_TOKEN: the draft's logits NaN, as
+        a draft overflowing in 16 bits makes them) is not kept, and its request drafts no more
+        this step: a broken draft costs drafts, never the target's output."""
         sampled = set()
         if batch:
             result = self.runner.execute(batch, want_probs=True)
             tokens = result.output.token_ids.tolist()
             for row, (req, token) in enumerate(zip(result.sampled, tokens)):
+                if not 0 <= token < self.config.vocab_size:
+                    stopped.add(req.request_id)
+                    continue
                 drafts[req.request_id].append(token)
                 sampled.add(req.request_id)
                 if result.probs is not None and req.params.temperature > 0.0:

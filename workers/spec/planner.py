@@ -8,6 +8,7 @@ engine-wide one new requests start from, and the acceptance counters.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from typing import Protocol
@@ -16,6 +17,8 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.request import Request
 from pdserve.workers.spec.cost import Price, SpecCostModel
 from pdserve.workers.spec.proposer import Proposer
+
+log = logging.getLogger(__name__)
 
 _EMA = 0.3  # weight of the newest verification in a request's rolling acceptance rate
 _GLOBAL_EMA = 0.05  # the same for the engine-wide rate new requests start from
@@ -75,7 +78,12 @@ class Speculator:
         if not candidates:
             return
         start = time.perf_counter()
-        drafts, probs = self.proposer.draft([r for r, _ in candidates], [k for _, k in candidates])
+        try:
+            drafts, probs = self.proposer.draft([r for r, _ in candidates], [k for _, k in candidates])
+        except Exception:  # noqa: BLE001 - drafts are a hint: a proposer that fails costs this step's drafts
+            log.warning("speculation: the proposer failed; this step goes on without drafts", exc_info=True)
+            self.proposer.retain(set())  # whatever state it kept for them may be half-updated
+            return
         self.cost.observe_propose(time.perf_counter() - start, sum(len(d) for d in drafts))
         for (req, _), d, sampled_from in zip(candidates, drafts, probs):
             if req.grammar is not None and d:  # a draft ends at the first token its grammar refuses

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
-from pdserve.workers.sampler import SamplingBatch, argmax, categorical, sampling_probs
+from pdserve.workers.sampler import NO_TOKEN, SamplingBatch, argmax, categorical, sampling_probs
 
 
 class Verified(NamedTuple):
@@ -75,10 +75,14 @@ def verify(
     n_drafts = small_tensor(num_drafts, torch.int64, target_logits.device)
     valid = torch.arange(positions - 1, device=target_logits.device) < n_drafts[:, None]  # [B, K]
     greedy_ids = argmax(target_logits)  # [B, K+1]
-    accept = drafts == greedy_ids[:, :-1]
+    # A position whose pick has no finite logit (NaN, or all -inf: a grammar with nothing left)
+    # accepts nothing, and the token emitted there is NO_TOKEN: the engine fails the request
+    # alone, as sampler.checked has it without drafts.
+    finite = torch.isfinite(target_logits.gather(2, greedy_ids[..., None])[..., 0])  # [B, K+1]
+    accept = (drafts == greedy_ids[:, :-1]) & finite[:, :-1]
     if batch.all_greedy:
         num_accepted = _leading_trues(accept & valid)
-        return _emitted(drafts, num_accepted, greedy_ids.gather(1, num_accepted[:, None])[:, 0])
+        return _emitted(target_logits, drafts, num_accepted, greedy_ids.gather(1, num_accepted[:, None])[:, 0])
 
     generators = batch.generators or {}
     greedy_rows = batch.temperature == 0.0
@@ -89,7 +93,8 @@ def verify(
     residual = _residual(last, _at_position(total, num_accepted), drafts, num_accepted, draft_probs)
     last = torch.where((num_accepted < n_drafts)[:, None], residual, last)
     greedy_tokens = greedy_ids.gather(1, num_accepted[:, None])[:, 0]
-    return _emitted(drafts, num_accepted, torch.where(greedy_rows, greedy_tokens, categorical(last, generators)))
+    return _emitted(target_logits, drafts, num_accepted,
+                    torch.where(greedy_rows, greedy_tokens, categorical(last, generators)))
 
 
 def _ban_and_bias(target_logits: torch.Tensor, batch: SamplingBatch) -> None:
@@ -202,7 +207,15 @@ def _leading_trues(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.int64).cumprod(dim=1).sum(dim=1)
 
 
-def _emitted(drafts: torch.Tensor, num_accepted: torch.Tensor, tokens: torch.Tensor) -> Verified:
+def _emitted(target_logits: torch.Tensor, drafts: torch.Tensor, num_accepted: torch.Tensor,
+             tokens: torch.Tensor) -> Verified:
+    """The rows' accepted drafts and their last tokens; NO_TOKEN for a last token that is not a
+    real choice (outside the vocabulary, or its processed logit not finite: sampler.checked)."""
+    vocab = target_logits.shape[-1]
+    safe = tokens.clamp(0, vocab - 1)
+    rows = torch.arange(len(tokens), device=tokens.device)
+    ok = (tokens == safe) & torch.isfinite(target_logits[rows, num_accepted, safe])
+    tokens = torch.where(ok, tokens, torch.full_like(tokens, NO_TOKEN))
     drafts_list, accepted, last = drafts.tolist(), num_accepted.tolist(), tokens.tolist()
     return Verified([d[:a] + [t] for d, a, t in zip(drafts_list, accepted, last)], accepted)
 
