@@ -34,10 +34,27 @@ class StructuredOutputs:
     choice: tuple[str, ...] | list[str] | None = None
     grammar: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    # vLLM's options beside the kind, taken so that a request written for vLLM runs: pdserve has
+    # one backend (no fallback to disable) and compiles JSON without free whitespace, so the two
+    # `disable_*` flags ask nothing it does not do already; the other two are xgrammar-less
+    # backends' in vLLM too, refused when they would change anything.
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
     # The request field it came from, for errors (an OpenAI client's response_format); "": its own.
     origin: str = ""
 
     def __post_init__(self) -> None:
+        for flag in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"structured_outputs.{flag}: must be a boolean, got {getattr(self, flag)!r}")
+        if self.disable_additional_properties:
+            raise ValueError("structured_outputs.disable_additional_properties: not supported (vLLM's guidance "
+                             "backend only); set additionalProperties: false in the schema")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern: not supported (JSON is generated without "
+                             "free whitespace)")
         given = [k for k in KINDS if (getattr(self, k) is not None and k != "json_object") or
                  (k == "json_object" and self.json_object)]
         if len(given) != 1:

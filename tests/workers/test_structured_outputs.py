@@ -111,6 +111,10 @@ def test_a_grammar_ends_the_request_even_with_ignore_eos(llm: LLM) -> None:
     ({"choice": []}, "structured_outputs.choice"),
     ({"json": {"type": "object"}, "regex": "a"}, "structured_outputs"),
     ({"nonsense": 1}, "structured_outputs"),
+    ({"json": {"type": "object"}, "whitespace_pattern": "[ ]?"}, "structured_outputs.whitespace_pattern"),
+    ({"json": {"type": "object"}, "disable_additional_properties": True},
+     "structured_outputs.disable_additional_properties"),
+    ({"json": {"type": "object"}, "disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace"),
 ])
 def test_a_bad_spec_is_a_value_error_naming_its_field_and_runs_nothing(llm: LLM, spec: dict[str, Any],
                                                                        field: str) -> None:
@@ -118,6 +122,17 @@ def test_a_bad_spec_is_a_value_error_naming_its_field_and_runs_nothing(llm: LLM,
         llm.generate(["x"], SamplingParams(max_tokens=4, structured_outputs=spec))
     assert not llm.engine.has_unfinished_requests()
     assert llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
+
+
+def test_vllms_options_that_ask_nothing_new_are_taken(llm: LLM) -> None:
+    """A request written for vLLM (`disable_any_whitespace`, `disable_fallback`) runs: pdserve's
+    JSON has no free whitespace and there is one backend. They were a 400 ('unexpected keyword')."""
+    spec = {"json": {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                     "required": ["a"], "additionalProperties": False}}
+    plain = llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=20, structured_outputs=spec))[0]
+    flagged = llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=20, structured_outputs={
+        **spec, "disable_any_whitespace": True, "disable_fallback": True}))[0]
+    assert flagged.outputs[0].text == plain.outputs[0].text and json.loads(flagged.outputs[0].text)["a"] in range(10)
 
 
 def test_a_resumed_request_replays_its_tokens_into_the_grammar(llm: LLM) -> None:
