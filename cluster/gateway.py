@@ -47,7 +47,7 @@ from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
-from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.sampling_params import SamplingParams, sample_seed
 
 if TYPE_CHECKING:
     from pdserve.cluster.planner.role_loop import PlannerSettings, RolePlannerLoop
@@ -445,8 +445,7 @@ class Gateway:
     async def run(self, rid: str, works: list[Work]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
-        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1,
-                                                   seed=None if w.params.seed is None else w.params.seed + j))
+        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=sample_seed(w.params.seed, j)))
                 for w in works for j in range(w.params.n)]
         if len(subs) == 1:
             async with contextlib.aclosing(self.backend.generate(rid, subs[0][0], subs[0][1],

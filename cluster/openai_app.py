@@ -95,14 +95,9 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
                             headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
         gw.metrics.refuse(RefusalReason.MALFORMED, 400)
-        # OpenAI clients expect 400 with the error object, not FastAPI's 422. The
-        # message names the field and the rule, never the input (it can be huge).
-        first = e.errors()[0] if e.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = loc[0] if loc else None
-        msg = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"[:500]
+        msg, param = _validation_message(e, request.headers.get("content-type"))
         return JSONResponse(error_body(msg, "BadRequestError", 400, param), status_code=400)
 
     @app.exception_handler(HTTPException)
@@ -123,6 +118,20 @@ def _add_error_handlers(app: FastAPI, gw: Gateway) -> None:
         gw.metrics.error(500)
         return JSONResponse(error_body(f"internal error (request id {rid}): the server log has the details",
                                        "InternalServerError", 500), status_code=500)
+
+
+def _validation_message(e: RequestValidationError, content_type: str | None) -> tuple[str, str | None]:
+    """(message, param) of a body FastAPI refused: OpenAI clients expect a 400 with the error
+    object, not FastAPI's 422. The message names the field and the rule, never the input (it can
+    be huge); `param` is a field's name or None (a JSON parser's position is no field)."""
+    first = e.errors()[0] if e.errors() else {}
+    if first.get("type") == "json_invalid":
+        return f"body: not valid JSON ({first.get('ctx', {}).get('error', 'decode error')})"[:500], None
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and "json" not in (content_type or "").lower():  # a JSON object sent as text/plain, or untyped
+        return f"body: Content-Type must be application/json, got {(content_type or 'none')[:100]!r}", None
+    param = loc[0] if loc and not loc[0].isdigit() else None
+    return f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"[:500], param
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:

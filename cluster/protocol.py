@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Literal, NotRequired, TypedDict
+from typing import Any, Literal, NotRequired, TypedDict
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolCall, ToolPlan
@@ -26,7 +26,9 @@ from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
 
 # Fields OpenAI clients may send that ask nothing of the model: accepted, not used.
-IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier"})
+IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier",
+                            # what OpenAI's clients send in place of `user` (deprecated for these)
+                            "safety_identifier", "prompt_cache_key", "prompt_cache_retention"})
 
 
 def _or(value: float | None, default: float) -> float:
@@ -41,6 +43,17 @@ class StreamOptions(BaseModel):
 
 class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")  # kept, to be refused by name (`check_supported`)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """A field sent as null takes its default: OpenAI types most fields "... or null" (stream,
+        n, echo, logprobs), vLLM's models take null for them, and typed clients send it. An
+        unknown field sent as null asks nothing either: it is dropped, not refused."""
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or (k in cls.model_fields and cls.model_fields[k].default is None)}
 
     model: str | None = None
     # Unset sampling fields take the model's generation_config.json defaults (vLLM's
@@ -220,7 +233,8 @@ class ChatMessage(BaseModel):
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(str(part.get("text", "")) for part in self.content)
+        # Parts joined by a newline, as vLLM renders them (its chat_utils: "\n".join(texts)).
+        return "\n".join(str(part.get("text", "")) for part in self.content)
 
     def check_supported(self) -> None:
         """Text parts only: an image or audio part would otherwise be dropped unseen."""

@@ -65,7 +65,9 @@ class Choice:
     content: bool = False
     sent: int = 0  # with tools: characters of `text` streamed as content
     held: tuple[list[int], Entries] | None = None  # with tools: logprobs of tokens not yet streamed
-    streamed_chars: int = 0  # characters its stream carried so far (echo included)
+    # Streamed with logprobs: characters of the tokens reported so far (the text_offset of the next:
+    # as a whole response counts them, not the text sent, which a stop string can hold back)
+    reported_chars: int = 0
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class Delta:
     finish_reason: str | None
     scored: tuple[list[int], Entries] | None  # (tokens, their logprob entries) when logprobs were asked for
     top_n: int = 0  # the top logprobs asked for a token (chat's `top_logprobs`)
-    offset: int = 0  # characters the choice's stream carried before this delta (completions' text_offset)
+    offset: int = 0  # completions' text_offset of this delta's first token
 
 
 class ApiKind(Enum):
@@ -209,7 +211,7 @@ def accumulate(choice: Choice, out: RequestOutput, prompt_only: bool = False) ->
     choice.cached_tokens = out.num_cached_tokens
 
 
-def accumulate_delta(choice: Choice, work: Work, out: RequestOutput) -> Delta:
+def accumulate_delta(choice: Choice, work: Work, out: RequestOutput, token_str: TokenStr) -> Delta:
     """`accumulate`, and what `out` adds to the stream: with echo, the prompt goes
     before the choice's first text, and its logprobs before the tokens' as they come."""
     c = out.outputs[0]
@@ -225,9 +227,11 @@ def accumulate_delta(choice: Choice, work: Work, out: RequestOutput) -> Delta:
         new = out.prompt_logprobs
         ids, entries = work.prompt_ids[already : already + len(new)] + ids, list(new) + entries
     finish = choice.finish_reason if c.finish_reason is not None else None
-    offset, choice.streamed_chars = choice.streamed_chars, choice.streamed_chars + len(text)
-    return Delta(choice.index, text, finish, (ids, entries) if work.params.logprobs is not None else None,
-                 work.params.logprobs or 0, offset)
+    if work.params.logprobs is None:
+        return Delta(choice.index, text, finish, None)
+    offset = choice.reported_chars
+    choice.reported_chars += sum(len(token_str(t)) for t in ids)
+    return Delta(choice.index, text, finish, (ids, entries), work.params.logprobs, offset)
 
 
 # -- rendering -------------------------------------------------------------------
@@ -397,7 +401,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
         async with contextlib.aclosing(gw.run(rid, works)) as events:
             async for i, out in events:
                 work = work_of(works, i)
-                delta = accumulate_delta(choices[i], work, out)
+                delta = accumulate_delta(choices[i], work, out, render.token_str)
                 rm.output(out, i)
                 if work.tools is not None and work.tools.active:
                     chunk = tool_chunk_choice(render.token_str, choices[i], work, delta)

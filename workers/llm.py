@@ -15,7 +15,7 @@ from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import is_one_prompt, prompt_of
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
-from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, sample_seed
 
 # vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
 # and pdserve's bare list of token ids, which vLLM >= 0.10 refuses (workers/inputs.py).
@@ -102,7 +102,7 @@ class LLM:
         bar.close()
         for r, got in zip(results, samples):
             if r is not None:
-                # Sample j (seed + j when seeded) is index j, as vLLM numbers them, whichever finished first.
+                # Sample j (seeded sample_seed(seed, j)) is index j, as vLLM numbers them, whichever finished first.
                 r.outputs = [dataclasses.replace(got[j], index=j) for j in sorted(got)]
         return [r for r in results if r is not None]
 
@@ -121,5 +121,4 @@ def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: i
 
 def _child_params(sp: SamplingParams, j: int) -> SamplingParams:
     """The j-th of n samples: final-only output, its own seed if the parent has one."""
-    seed = None if sp.seed is None else sp.seed + j
-    return dataclasses.replace(sp, n=1, seed=seed, output_kind=RequestOutputKind.FINAL_ONLY)
+    return dataclasses.replace(sp, n=1, seed=sample_seed(sp.seed, j), output_kind=RequestOutputKind.FINAL_ONLY)

@@ -16,6 +16,7 @@ import torch
 
 from pdserve.workers.buffers import small_tensor, to_device_async
 from pdserve.workers.grammar import GrammarState, allocate_bitmask, apply_bitmask
+from pdserve.workers.sampling_params import GOLDEN, mix64
 
 
 @dataclass
@@ -307,17 +308,8 @@ def seeded_at(generator: torch.Generator, seed: int | None, position: int) -> to
     many draws came before. So its tokens are the same wherever each was sampled
     (the prefill worker samples the first, a decode worker the rest; a migrated
     request goes on on another worker; a preempted one recomputes)."""
-    generator.manual_seed(_mix64((seed or 0) * _GOLDEN + position) & _SEED_MASK)
+    generator.manual_seed(mix64((seed or 0) * GOLDEN + position) & _SEED_MASK)
     return generator
 
 
-_GOLDEN = 0x9E3779B97F4A7C15
 _SEED_MASK = (1 << 63) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: nearby (seed, position) pairs get unrelated seeds."""
-    x &= (1 << 64) - 1
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
-    return x ^ (x >> 31)

@@ -26,6 +26,26 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"  # once, when the request finishes
 
 
+GOLDEN = 0x9E3779B97F4A7C15  # 2^64 / phi: spreads consecutive integers over 64 bits
+
+
+def mix64(x: int) -> int:
+    """splitmix64's finaliser: nearby inputs get unrelated 64-bit outputs."""
+    x &= (1 << 64) - 1
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def sample_seed(seed: int | None, j: int) -> int | None:
+    """The seed of sample j of a request seeded `seed` with n > 1: `seed` itself for sample 0 (n=1
+    results stay as they were), an unrelated one (in the signed 64-bit range) for the others. Not
+    seed + j: then seeds 7 and 8 with n=2 shared a sample, and a sweep over seeds repeated most of them."""
+    if seed is None or j == 0:
+        return seed
+    u = mix64((seed & ((1 << 64) - 1)) ^ mix64(j * GOLDEN))
+    return u - (1 << 64) if u >= 1 << 63 else u
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop (the fields vLLM users know).

@@ -12,6 +12,7 @@ import torch
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
+from pdserve.workers.sampling_params import sample_seed
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
@@ -121,14 +122,25 @@ def test_generate_validates_every_prompt_before_running_any(model_dir: Path) -> 
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_a_bad_samples_seed_queues_nothing(model_dir: Path) -> None:
-    """Sample j's seed is seed + j: past 2**64 for the last of n. It was found adding that sample,
-    with the prompts before it queued (they ran for no one and broke the next generate)."""
+def test_every_samples_seed_of_a_valid_seed_is_valid(model_dir: Path) -> None:
+    """Sample j's seed was seed + j: past 2**64 for the last of n, found only once the prompts
+    before it were queued. Each sample's seed is now a mix of (seed, j), in range for any seed."""
     llm = make_llm(model_dir)
-    bad = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=4)  # valid on its own
-    with pytest.raises(ValueError, match="seed"):
-        llm.generate([[5, 6, 7], [8, 9, 10]], [GREEDY, bad])
+    edge = SamplingParams(temperature=1.0, seed=2**64 - 1, n=2, max_tokens=4)  # valid on its own
+    outs = llm.generate([[5, 6, 7], [8, 9, 10]], [GREEDY, edge])
+    assert [len(o.outputs) for o in outs] == [1, 2]
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+
+
+def test_neighbouring_seeds_with_n_share_no_sample(model_dir: Path) -> None:
+    """With seed + j, seeds 7 and 8 at n=2 returned one sample twice (7's second, 8's first)."""
+    llm = make_llm(model_dir)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    seven, eight = (llm.generate(random_prompts([10]), dataclasses.replace(params, seed=s))[0].outputs for s in (7, 8))
+    texts = [c.token_ids for c in seven + eight]
+    assert len({tuple(t) for t in texts}) == 4, texts
+    assert sample_seed(7, 0) == 7 and sample_seed(None, 3) is None
+    assert all(-(2**63) <= (sample_seed(s, j) or 0) < 2**63 for s in (0, -(2**63), 2**64 - 1) for j in range(1, 5))
 
 
 def test_an_interrupted_generate_leaves_nothing_behind(model_dir: Path) -> None:
@@ -237,13 +249,13 @@ def test_n_samples_per_prompt(model_dir: Path) -> None:
     assert [len(o.outputs) for o in outs] == [3, 3]
     assert sorted(c.index for c in outs[0].outputs) == [0, 1, 2]
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
-    # Sample j is the request seeded seed + j, at index j (vLLM's numbering), whichever finishes
-    # first: here the last sample stops on its second token, before the others.
+    # Sample j is the request seeded sample_seed(seed, j), at index j (vLLM's numbering), whichever
+    # finishes first: here the last sample stops on its second token, before the others.
     stop = dataclasses.replace(params, stop_token_ids=[outs[0].outputs[2].token_ids[1]])
     got = llm.generate(random_prompts([10]), stop)[0].outputs
     assert [c.index for c in got] == [0, 1, 2] and len(got[2].token_ids) == 2
     for j, c in enumerate(got):
-        alone = llm.generate(random_prompts([10]), dataclasses.replace(stop, n=1, seed=5 + j))[0].outputs[0]
+        alone = llm.generate(random_prompts([10]), dataclasses.replace(stop, n=1, seed=sample_seed(5, j)))[0].outputs[0]
         assert c.token_ids == alone.token_ids, f"sample {j}"
 
 
