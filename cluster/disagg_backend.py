@@ -111,6 +111,8 @@ class DisaggregatedBackend:
         self._polled: set[str] = set()
         self._answered: set[str] = set()  # workers that answered a poll at least once
         self._incarnation: dict[str, str] = {}  # the worker process that last answered
+        self._polls_sent: dict[str, int] = {}  # per worker: polls sent (`_refresh_one`)
+        self._polls_applied: dict[str, int] = {}  # per worker: the newest poll whose reply was applied
         self._switching: dict[str, PoolWorkerHandle] = {}  # workers changing role: in no pool, routed nothing
         # The latest role change each worker process is known to have made (its incarnation,
         # its count of switches): a report older than that one says nothing of its role.
@@ -235,9 +237,8 @@ class DisaggregatedBackend:
                 avoid = failed.ran_on
         prompt = list(req.prompt_token_ids) + list(req.resume.token_ids if req.resume is not None else ())
         max_tokens = None if req.params.max_tokens is None else req.params.max_tokens - req.offset
-        decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt, avoid=avoid)
-        if req.resume is not None and decision.plan is not Plan.LOCAL:
-            decision = dataclasses.replace(decision, plan=Plan.LOCAL, prefill_worker=None)
+        decision = self.router.route(req.request_id, prompt, max_tokens, req.params.cache_salt, avoid=avoid,
+                                     local_only=req.resume is not None)
         # Its try number from the start: an abort that comes before `call` runs (the client gone
         # in the same turn) must name this try, or the worker ignores it and runs the try for no one.
         return _Try(decision, self, self.calls, attempt=req.attempt)
@@ -397,6 +398,10 @@ class DisaggregatedBackend:
         await asyncio.gather(*(self._refresh_one(wid) for wid in self._workers()))
 
     async def _refresh_one(self, wid: str) -> None:
+        # Polls of one worker are numbered as they are sent: with two in flight (the poll loop, a
+        # role switch's refresh) a reply older than one applied is dropped whole. Applied, a late
+        # snapshot of a worker's previous life replaced its new life's cache, load and incarnation.
+        sent = self._polls_sent[wid] = self._polls_sent.get(wid, 0) + 1
         handle = await self._handle(wid)
         try:
             if handle is None:
@@ -404,6 +409,9 @@ class DisaggregatedBackend:
             forgets = self.router.kv_forgets(wid)  # the view this poll's events go on from
             async with asyncio.timeout(_POLL_TIMEOUT_S):
                 report: LoadReport = await handle.load.remote(self.router.kv_cursor(wid))
+            if sent < self._polls_applied.get(wid, 0):
+                return
+            self._polls_applied[wid] = sent
         except Exception as e:  # noqa: BLE001 - dead, hung, restarting, or its engine failed: not routable
             self.lose(wid)
             if self.stalls is not None and not isinstance(e, TimeoutError):
@@ -426,8 +434,10 @@ class DisaggregatedBackend:
             return  # changing role here: routed nothing until the switch is over
         s = report.snapshot
         healthy = not report.switching  # another gateway is switching it
+        # Its requests: those running and those waiting (a decode worker's handoffs whose KV has not
+        # landed wait, as do queued prompts): counting the running alone, one holding 8 handoffs looked idle.
         self.router.update_load(WorkerLoad(wid, role, healthy=healthy, queued_prefill_tokens=s.queued_prefill_tokens,
-                                           running_requests=s.running, free_blocks=s.free_blocks,
+                                           running_requests=s.running + s.waiting, free_blocks=s.free_blocks,
                                            total_blocks=s.total_blocks))
 
     async def _handle(self, wid: str) -> PoolWorkerHandle | None:

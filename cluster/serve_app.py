@@ -244,7 +244,7 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(cfg.engine.tokenizer or model_dir)
     rank = replica_rank()
     gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
-    backend = (_disaggregated_backend(cfg) if cfg.mode is ServingMode.DISAGGREGATED
+    backend = (_disaggregated_backend(cfg, rank) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,
                                      lookup=find_worker, worker_wait_s=cfg.worker_wait,
@@ -333,7 +333,7 @@ def _any_worker_info(cfg: ServeConfig, timeout_s: float = 120.0) -> WorkerInfo:
         time.sleep(1.0)
 
 
-def _disaggregated_backend(cfg: ServeConfig) -> DisaggregatedBackend:
+def _disaggregated_backend(cfg: ServeConfig, rank: int = 0) -> DisaggregatedBackend:
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
     from pdserve.cluster.router import Router
     from pdserve.cluster.router.policy import RouterConfig
@@ -343,7 +343,8 @@ def _disaggregated_backend(cfg: ServeConfig) -> DisaggregatedBackend:
     prefill = {f"p{i}": find_worker(n) for i, n in enumerate(cfg.prefill_names())}
     decode = {f"d{i}": find_worker(n) for i, n in enumerate(cfg.decode_names())}
     backlog = cfg.prefill_backlog_tokens(cluster_gpus())
-    router = Router(RouterConfig(policy=cfg.router_policy, max_prefill_backlog_tokens=backlog), cfg.engine.block_size)
+    router = Router(RouterConfig(policy=cfg.router_policy, max_prefill_backlog_tokens=backlog), cfg.engine.block_size,
+                    replica=(rank, cfg.gateway_replicas or 1))
     return DisaggregatedBackend(prefill, decode, router, stream_host=cfg.kv_host, names=names,
                                 lookup=find_worker, max_migrations=cfg.max_migrations, worker_wait_s=cfg.worker_wait,
                                 cluster_secret=cfg.cluster_secret, poll_s=cfg.load_poll_interval,

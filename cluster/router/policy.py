@@ -64,6 +64,7 @@ class RouteReason(enum.Enum):
     NO_PREFILL_WORKER = "no_prefill_worker"  # no healthy prefill worker: decode prefills (degraded)
     PREFILL_BACKLOG = "prefill_backlog"  # every prefill worker is further behind than the decode worker
     ROUND_ROBIN = "round_robin"
+    RESUMED = "resumed"  # a migrated request goes on: the decode worker computes prompt + output so far
 
 
 class DecodeReason(enum.Enum):
@@ -119,6 +120,9 @@ class RouterSnapshot:
     # arrive, and different new prefixes spread over the workers.
     affinity_key: int | None = None
     max_tokens: int | None = None  # the request's (1: it ends at its first token)
+    # (rank, replicas) of the gateway replica routing: where it has no affinity key to go by, each
+    # replica breaks ties from a worker of its own (all from the first, they all picked it).
+    replica: tuple[int, int] = (0, 1)
 
     def __post_init__(self) -> None:
         if self.prompt_tokens <= 0:
@@ -155,7 +159,10 @@ class RouterSnapshot:
     def tie_rank(self, worker_id: str) -> tuple[int, str]:
         """Last sort key between otherwise equal workers (rendezvous hashing)."""
         if self.affinity_key is None:
-            return 0, worker_id
+            role = self.load(worker_id).role
+            peers = [load.worker_id for load in self.loads if load.role is role]
+            rank, replicas = self.replica
+            return (peers.index(worker_id) - rank * len(peers) // max(1, replicas)) % len(peers), worker_id
         digest = hashlib.blake2b(f"{self.affinity_key}:{worker_id}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little"), worker_id
 
@@ -326,11 +333,14 @@ def choose_round_robin(
     return p, decode[counter % len(decode)].worker_id, counter + 1
 
 
-def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -> RoutingDecision:
+def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0,
+          local_only: bool = False) -> RoutingDecision:
     """Pick the decode worker first, then decide whether it prefills locally
     (uncached part there below the threshold, or no healthy prefill worker and
     the fallback is on) or which prefill worker computes and sends the KV; a
     request that ends at its first token then runs on that prefill worker alone.
+    `local_only`: the decode worker computes it whatever the rest says (a resumed
+    try: its first token is not the request's first).
 
     Raises NoHealthyWorkerError when no decode worker is healthy, or no prefill
     worker is and `config.fallback_local_prefill` is off.
@@ -344,7 +354,9 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
     local_uncached = snapshot.uncached_tokens(decode)
     costs: tuple[PrefillCost, ...] = ()
     prefill: str | None
-    if local_uncached < config.local_prefill_threshold_tokens:
+    if local_only:
+        prefill, reason, detail = None, RouteReason.RESUMED, f"resumed on {decode}"
+    elif local_uncached < config.local_prefill_threshold_tokens:
         prefill, reason = None, RouteReason.LOCAL_PREFILL
         detail = f"{local_uncached} uncached tokens on {decode} < {config.local_prefill_threshold_tokens}"
     else:
@@ -355,7 +367,8 @@ def route(snapshot: RouterSnapshot, config: RouterConfig, rr_counter: int = 0) -
             prefill, reason = None, RouteReason.PREFILL_BACKLOG
     if prefill == decode:  # a colocated (BOTH) worker won both roles: nothing to transfer
         prefill, detail = None, f"{detail}; prefill worker is the decode worker"
-    plan = Plan.LOCAL if prefill is None else Plan.PREFILL_ONLY if snapshot.max_tokens == 1 else Plan.HANDOFF
+    plan = (Plan.LOCAL if prefill is None else Plan.PREFILL_ONLY if snapshot.max_tokens == 1 and not local_only
+            else Plan.HANDOFF)
     return RoutingDecision(
         prefill_worker=prefill, decode_worker=decode, plan=plan, reason=reason,
         decode_reason=decode_reason, detail=detail,

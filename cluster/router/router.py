@@ -59,7 +59,8 @@ class Router:
     looked idle in the last report; the next `update_load` overwrites that.
     """
 
-    def __init__(self, config: RouterConfig, block_size: int, index: PrefixIndex | None = None) -> None:
+    def __init__(self, config: RouterConfig, block_size: int, index: PrefixIndex | None = None,
+                 replica: tuple[int, int] = (0, 1)) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size: must be > 0, got {block_size}")
         self.config = config
@@ -67,7 +68,10 @@ class Router:
         self.index = index if index is not None else PrefixIndex()
         self.loads: dict[str, WorkerLoad] = {}
         self.stats = RouterStats()
-        self._rr_counter = 0
+        # (rank, replicas) of this gateway replica: its round robin starts, and its ties without an
+        # affinity key break, from a worker of its own (starting alike, the replicas all took the first).
+        self.replica = replica
+        self._rr_counter = replica[0]
         # Where the index stands in each worker's event log: kept with the index, so
         # whatever forgets a worker's cache also makes the next poll ask for a snapshot.
         self._kv_cursors: dict[str, EventCursor] = {}
@@ -135,20 +139,21 @@ class Router:
         snap = RouterSnapshot(
             prompt_tokens=len(prompt_token_ids), block_size=self.block_size,
             matched_blocks=self.index.match(hashes), loads=tuple(self.loads.values()),
-            affinity_key=hashes[0] if hashes else None, max_tokens=max_tokens,
+            affinity_key=hashes[0] if hashes else None, max_tokens=max_tokens, replica=self.replica,
         )
         return snap, hashes
 
     def route(self, request_id: str, prompt_token_ids: Sequence[int], max_tokens: int | None = None,
-              cache_salt: str | None = None, avoid: str | None = None) -> RoutingDecision:
+              cache_salt: str | None = None, avoid: str | None = None, local_only: bool = False) -> RoutingDecision:
         """`avoid`: a worker the request's last try failed on (alive, but it lost the try):
-        routed around while another healthy worker can decode."""
+        routed around while another healthy worker can decode. `local_only`: the decode worker
+        computes the prompt (a resumed try), charged and counted as such."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
         snap, hashes = self.snapshot(prompt_token_ids, max_tokens, cache_salt)
         if avoid is not None:
             snap = _avoiding(snap, avoid)
-        decision = route(snap, self.config, self._rr_counter)
+        decision = route(snap, self.config, self._rr_counter, local_only)
         self._rr_counter = decision.next_rr_counter
         self._record(decision)
         self._account(decision, hashes)
