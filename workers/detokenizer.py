@@ -7,8 +7,12 @@ only the new text of each generated token.
 
 from __future__ import annotations
 
+import logging
+
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
+
+log = logging.getLogger(__name__)
 
 # Enough prompt context for decoders whose output depends on the previous token
 # (SentencePiece leading spaces); more costs time for nothing.
@@ -19,27 +23,32 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str], include_stop: bool,
                  skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stream = DecodeStream(ids=_context(tokenizer, prompt_ids, skip_special_tokens),
                                    skip_special_tokens=skip_special_tokens)
         self.text = ""
         self.stop = stop
         self.include_stop = include_stop
         self.max_stop_len = max((len(s) for s in stop), default=0)
+        self._pending: list[int] = []  # tokens whose text the stream holds (a character not yet whole)
 
     def add(self, token_id: int, match_stop: bool = True) -> str | None:
         """Append a token's text; return the stop string it completed, if any
-        (the text is then cut at the stop string). `match_stop=False` (before
-        min_tokens is reached) appends without matching."""
-        chunk = self.stream.step(self.tokenizer, token_id)
+        (the text is then cut at the stop string). `match_stop=False` (min_tokens
+        not passed yet) appends without matching."""
+        chunk = self._step(token_id)
         if not chunk:
+            self._pending.append(token_id)
             return None
+        self._pending.clear()
         old_len = len(self.text)
         self.text += chunk
         if not self.stop or not match_stop:
             return None
-        # A stop string may straddle the old text and the new chunk.
-        search_from = max(0, old_len - self.max_stop_len + 1)
-        hits = [(idx + len(s), idx, s) for s in self.stop if (idx := self.text.find(s, search_from)) >= 0]
+        # A stop string may straddle the old text and the new chunk, but must end in the chunk: one
+        # completed before (while matching was off: min_tokens) is not found by a later token.
+        hits = [(idx + len(s), idx, s) for s in self.stop
+                if (idx := self.text.find(s, max(0, old_len - len(s) + 1))) >= 0]
         if not hits:
             return None
         # One chunk may complete several: the one that ends first stops generation
@@ -47,6 +56,27 @@ class IncrementalDetokenizer:
         end, idx, s = min(hits)
         self.text = self.text[:end] if self.include_stop else self.text[:idx]
         return s
+
+    def finish(self) -> None:
+        """The request ended (not on a stop string): the text of tokens still held for a
+        character never completed (max_tokens or a stop token cut inside it) goes out as the
+        tokenizer decodes it (U+FFFD), so the text is the decode of the output's tokens."""
+        if self._pending:
+            self.text += self.tokenizer.decode(self._pending, skip_special_tokens=self.skip_special_tokens)
+            self._pending.clear()
+
+    def _step(self, token_id: int) -> str | None:
+        try:
+            return self.stream.step(self.tokenizer, token_id)
+        except Exception as e:  # noqa: BLE001 - tokenizers raises a plain Exception for it
+            if "Invalid prefix" not in str(e):
+                raise
+            # A byte-fallback run (SentencePiece <0xNN> tokens: Llama 2, Mistral) that a later byte made
+            # decode otherwise ("\n" then an unfinished character: two U+FFFD): DecodeStream cannot go
+            # on. A new stream from this token, the text so far kept (vLLM's recovery).
+            log.info("detokenizer: a byte run decoded differently with token %d; the stream starts again", token_id)
+            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            return self.stream.step(self.tokenizer, token_id)
 
 
 def _context(tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> list[int]:

@@ -630,20 +630,29 @@ class LLMEngine:
         stop_str = None
         if req.detok is not None and (not stop_token or req.params.include_stop_str_in_output):
             # A stop token's (EOS's) text is left out of the output, as vLLM leaves it, unless
-            # include_stop_str_in_output; the token itself is among the output's tokens.
-            stop_str = req.detok.add(token, may_stop)
+            # include_stop_str_in_output; the token itself is among the output's tokens. Stop
+            # strings count once the output is past min_tokens (vLLM's rule: its stop tokens are
+            # banned for the first min_tokens, so neither ends the output before token min_tokens + 1).
+            stop_str = req.detok.add(token, req.num_output_tokens > req.params.min_tokens)
         if may_stop:
             if stop_token:
                 req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
-                return FinishReason.STOP
+                return self._ended(req, FinishReason.STOP)
             if stop_str is not None:
                 req.stop_reason = stop_str
                 return FinishReason.STOP
         if req.grammar is not None and req.grammar.terminated:  # it allows nothing more (ignore_eos too)
-            return FinishReason.STOP
+            return self._ended(req, FinishReason.STOP)
         if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
+            return self._ended(req, FinishReason.LENGTH)
         return None
+
+    @staticmethod
+    def _ended(req: Request, reason: FinishReason) -> FinishReason:
+        """`reason`, once the text of a character the end cut into is out (detokenizer `finish`)."""
+        if req.detok is not None:
+            req.detok.finish()
+        return reason
 
     def _emit(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
         """After a step's tokens for `req`: the one place a request finishes. `reason`
@@ -659,18 +668,20 @@ class LLMEngine:
     def _output(self, req: Request) -> RequestOutput:
         text = req.detok.text if req.detok is not None else ""
         token_ids, logprobs, prompt_logprobs = req.output_token_ids, req.logprobs, req.prompt_logprobs
+        detok = req.detok
+        # A stop string may begin in the text not yet shown: what an output shows cannot be taken
+        # back, so a running request's last characters wait until they cannot be the start of one
+        # (vLLM holds back the same, in cumulative outputs too: the longest stop string less one
+        # character). The tokens go now; their text follows.
+        hold = (detok.max_stop_len - 1 if not req.finished and detok is not None and detok.stop
+                and not detok.include_stop else 0)
+        if req.params.output_kind is RequestOutputKind.CUMULATIVE and hold:
+            text = text[:max(0, len(text) - hold)]
         if req.params.output_kind is RequestOutputKind.DELTA:
             if req.sent_any:
                 prompt_logprobs = None  # they went with the first delta
             sent_tokens, sent_chars = req.sent_tokens, req.sent_chars
-            upto = len(text)
-            detok = req.detok
-            if not req.finished and detok is not None and detok.stop and not detok.include_stop:
-                # A stop string may begin in the text not yet sent: what a delta hands out
-                # cannot be taken back, so its last characters wait until they cannot be
-                # the start of one (vLLM holds back the same: the longest stop string
-                # less one character). The tokens go now; their text follows.
-                upto = max(sent_chars, upto - (detok.max_stop_len - 1))
+            upto = max(sent_chars, len(text) - hold)
             req.sent_tokens, req.sent_chars, req.sent_any = len(token_ids), upto, True
             token_ids, text = token_ids[sent_tokens:], text[sent_chars:upto]
             logprobs = logprobs[sent_tokens:] if logprobs is not None else None
