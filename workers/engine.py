@@ -649,8 +649,10 @@ class LLMEngine:
 
     @staticmethod
     def _ended(req: Request, reason: FinishReason) -> FinishReason:
-        """`reason`, once the text of a character the end cut into is out (detokenizer `finish`)."""
-        if req.detok is not None:
+        """`reason`, once the text of a character the end cut into is out (detokenizer `finish`).
+        Not on a prefill worker's share of a handed-off request (`hold_kv`): its end is the first
+        token's, and the decode worker goes on with the character."""
+        if req.detok is not None and not req.hold_kv:
             req.detok.finish()
         return reason
 

@@ -241,3 +241,24 @@ def test_the_final_text_of_a_request_cut_inside_a_character_is_its_decode(llm: L
         assert out.text == tok.decode(ids[:cut])
         return
     pytest.skip("no output cut inside a character")
+
+
+def test_a_prefill_workers_first_token_cut_inside_a_character_leaves_it_to_the_decode_worker(llm: LLM) -> None:
+    """A handed-off request's share on the prefill worker ends at its first token (max_tokens 1,
+    `hold_kv`): that end is not the request's, so a character the first token begins is not
+    flushed as U+FFFD there (the decode worker completes it). Flushed, the served text gained a
+    character (chaos (a): 565 characters for 564). A request that does end there gets it."""
+    tok = llm.tokenizer.backend_tokenizer
+    partial = next(t for t in range(tok.get_vocab_size()) if tok.decode([t]) == "\ufffd")
+    params = SamplingParams(temperature=0.0, max_tokens=1, logit_bias={partial: 100.0})
+    eng = llm.engine
+    for rid, hold in (("held", True), ("ends", False)):
+        eng.add_request(rid, prompt_of(3), params, hold_kv=hold)
+    texts: dict[str, str] = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                assert out.outputs[0].token_ids == [partial]
+                texts[out.request_id] = out.outputs[0].text
+    eng.release("held")
+    assert texts == {"held": "", "ends": "\ufffd"}
