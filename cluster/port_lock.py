@@ -18,7 +18,7 @@ import tempfile
 
 from pdserve.cluster.leftovers import PortInUseError
 
-_HELD: dict[int, PortLock] = {}  # port -> the lock this process holds for it
+_HELD: dict[str, PortLock] = {}  # lock file -> the lock this process holds on it
 
 
 class PortLock:
@@ -64,11 +64,11 @@ def lock_path(port: int, directory: str | None = None) -> str:
 def hold(port: int, flag: str = "--port", directory: str | None = None) -> None:
     """Take this machine's lock for a local run on `port` (kept until `release`, or this
     process's end); PortInUseError naming the holder when another run has it."""
-    if port in _HELD:
-        return
     path = lock_path(port, directory)
+    if path in _HELD:
+        return
     try:
-        _HELD[port] = PortLock(path)
+        _HELD[path] = PortLock(path)
     except BlockingIOError:
         raise PortInUseError(f"port {port}: another pdserve run (pid {_holder(path)}) is starting or serving "
                              f"on it; stop that run, or move this one with {flag}") from None
@@ -77,8 +77,8 @@ def hold(port: int, flag: str = "--port", directory: str | None = None) -> None:
                              f"file, or move the port with {flag}") from None
 
 
-def release(port: int) -> None:
-    lock = _HELD.pop(port, None)
+def release(port: int, directory: str | None = None) -> None:
+    lock = _HELD.pop(lock_path(port, directory), None)
     if lock is not None:
         lock.release()
 

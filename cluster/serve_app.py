@@ -408,6 +408,17 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     run's ports is stopped; any other process there is a PortInUseError. Returns `cfg`
     with what it decided (the colocated worker count)."""
     local = preflight(cfg)
+    try:
+        return _start_and_serve(cfg, block, local)
+    except BaseException:
+        # A start that failed holds the port no more (a caller in process, a test or a library,
+        # would otherwise keep every later run off it until it exits).
+        port_lock.release(cfg.port)
+        raise
+
+
+def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
+    """`run` once its ports are checked (`local`: it starts local Ray)."""
     if cfg.api_key is None and cfg.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"[pdserve] warning: serving on {cfg.host} with no API key: anyone who can reach the port can use "
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)

@@ -44,7 +44,7 @@ def test_a_second_run_on_a_held_port_is_refused_naming_the_first(tmp_path: Path)
         with pytest.raises(PortInUseError, match=rf"port 8000: another pdserve run \(pid {first.pid}\).*--port"):
             port_lock.hold(8000, directory=str(tmp_path))
         port_lock.hold(8001, directory=str(tmp_path))  # another port: its own lock
-        port_lock.release(8001)
+        port_lock.release(8001, directory=str(tmp_path))
     finally:
         _end(first)
     # Killed outright: the kernel let its lock go; the file it left is taken over.
@@ -53,7 +53,7 @@ def test_a_second_run_on_a_held_port_is_refused_naming_the_first(tmp_path: Path)
     try:
         assert (tmp_path / "pdserve-port-8000.lock").read_text() == f"{os.getpid()}\n"
     finally:
-        port_lock.release(8000)
+        port_lock.release(8000, directory=str(tmp_path))
     assert not (tmp_path / "pdserve-port-8000.lock").exists()
 
 
@@ -78,3 +78,25 @@ def test_pdserve_serve_on_a_port_another_run_holds_fails_at_once() -> None:
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert f"pdserve: error: port {port}: another pdserve run (pid {first.pid})" in proc.stderr
     assert "Started a local Ray instance" not in proc.stderr + proc.stdout
+
+
+def test_a_start_that_fails_lets_go_of_its_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process (a test, a library), a start that failed after its check kept the port's lock
+    until the process ended: every later run on the port was refused (the suite's own did)."""
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
+
+    port = free_port()
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: True)
+    monkeypatch.setattr(serve_app, "check_ports", lambda ports: [])
+
+    def fails(*args: object) -> None:
+        assert port_lock.lock_path(port) in port_lock._HELD  # held while it starts
+        raise ValueError("model: no config.json")
+
+    monkeypatch.setattr(serve_app, "_start_and_serve", fails)
+    with pytest.raises(ValueError, match="config.json"):
+        serve_app.run(serve_config({"model": "/m", "port": port}))
+    assert port_lock.lock_path(port) not in port_lock._HELD
+    second = _holder(port)  # another process takes it at once
+    _end(second)
