@@ -254,7 +254,8 @@ class _AdmittedStream(Response):
 
     def __init__(self, events: AsyncGenerator[str, None], slot: Admission) -> None:
         self.status_code, self.background = 200, None
-        self.init_headers(None)
+        # As OpenAI's streams: no cache may keep (or a proxy hold back) an event stream.
+        self.init_headers({"cache-control": "no-cache"})
         self._events, self._slot = events, slot
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -119,7 +119,9 @@ class ModelRunner:
             return self._run_step(scheduled, want_probs, feed)
         except BaseException as e:
             group.mark_broken(e)
-            raise TPGroupError(f"a tensor-parallel step failed: {type(e).__name__}: {e}") from e
+            gone = group.gone()
+            why = f"rank(s) {gone} are gone ({type(e).__name__}: {e})" if gone else f"{type(e).__name__}: {e}"
+            raise TPGroupError(f"a tensor-parallel step failed: {why}") from e
 
     @torch.inference_mode()
     def _run_step(self, scheduled: list[ScheduledRequest], want_probs: bool = False,

@@ -19,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -66,6 +68,8 @@ class Op(IntEnum):
     STOP = 0
     STEP = 1
 
+
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class FollowerSpec:
@@ -214,6 +218,7 @@ class TPGroup:
         _running["group"] = True
         if shm is not None:
             shm.alive = _Followers(self.procs).alive
+        self._watch = _StoppedWatch(self.procs)
         self.tp = TensorParallel(size, 0, shm=shm)
         self._first = torch.zeros(HEADER + INLINE, dtype=torch.int64)  # each step's first message
         self.broken: BaseException | None = None  # why the group can run no more steps
@@ -221,7 +226,7 @@ class TPGroup:
         self.messages = 0  # broadcasts of step inputs (beyond the model's own collectives)
         # Whether the followers are in their step loop (they took the plan): only then do they
         # read a stop message; before it they are killed (an engine that failed to start).
-        self._state: dict[str, object] = {"planned": False, "broken": False}
+        self._state: dict[str, object] = {"planned": False, "broken": False, "watch": self._watch}
         self._finalizer = weakref.finalize(self, _close, self.procs, self._state)
 
     def share_kv(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> ShardedKV | None:
@@ -254,12 +259,20 @@ class TPGroup:
 
     def send_step(self, inputs: StepInputs) -> None:
         rest = pack_step(inputs, self._first)
-        dist.broadcast(self._first, 0)
-        self.messages += 1
-        if rest is not None:
-            dist.broadcast(rest, 0)
+        self._watch.since = time.monotonic()  # in gloo: a follower stopped meanwhile is the watch's
+        try:
+            dist.broadcast(self._first, 0)
             self.messages += 1
+            if rest is not None:
+                dist.broadcast(rest, 0)
+                self.messages += 1
+        finally:
+            self._watch.since = None
         self.steps += 1
+
+    def gone(self) -> list[int]:
+        """The ranks whose process exited (killed, crashed)."""
+        return [rank for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
 
     def close(self) -> None:
         """Stop the followers and leave the group (the process may start another group after)."""
@@ -269,6 +282,8 @@ class TPGroup:
 def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, object]) -> None:
     """Stop the followers: a stop message when they are in their step loop and all alive, else
     (an engine that failed to start, a rank gone) kill them; then leave the group."""
+    if isinstance(watch := state.get("watch"), _StoppedWatch):
+        watch.closed = True
     if isinstance(kv_path := state.get("kv_path"), str):  # an engine that failed before its plan went out
         shm_collectives.unlink(kv_path)
     try:
@@ -318,6 +333,32 @@ class _Followers:
             else:
                 self._stopped_since.pop(p.pid, None)
         return True
+
+
+class _StoppedWatch:
+    """A wait of rank 0 in gloo (a step's inputs broadcast) cannot be cut short from here, and a
+    stopped follower held it for the group's timeout (120 s), where the shared-memory waits give
+    up after STOPPED_GRACE_S. So while rank 0 is in gloo (`since`), a follower stopped past the
+    grace is killed: the wait fails at once, as a rank that is gone (the group is broken either
+    way). Checked once a second by a thread of its own (it holds no reference to the group)."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+        self.procs = procs
+        self.since: float | None = None  # when rank 0 entered its gloo wait (None: not in one)
+        self.closed = False
+        self._followers = _Followers(procs)
+        threading.Thread(target=self._run, name="pdserve-tp-stopped-watch", daemon=True).start()
+
+    def _run(self) -> None:
+        while not self.closed and any(p.poll() is None for p in self.procs):
+            time.sleep(_STOP_CHECK_S)
+            alive = self._followers.alive()  # (each call also times how long each has been stopped)
+            if self.since is not None and not alive:
+                for p in self.procs:
+                    if p.poll() is None and _stopped(p.pid):
+                        log.warning("tensor parallel: rank pid %d stopped for over %g s while rank 0 waits on it: "
+                                    "killed (the step fails)", p.pid, STOPPED_GRACE_S)
+                        p.kill()
 
 
 def _stopped(pid: int) -> bool:

@@ -151,3 +151,12 @@ def test_safety_identifier_alone_accepted(url: str) -> None:
         r = c.post("/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
                                               "safety_identifier": "user-123"})
     assert r.status_code == 200, r.text
+
+
+def test_a_stream_says_it_is_not_to_be_cached(url: str) -> None:
+    """OpenAI's streams carry `Cache-Control: no-cache`: a cache or proxy in front must neither
+    keep an event stream nor hold it back."""
+    with _client(url) as c:
+        r = c.post("/completions", json={"prompt": "hello", "max_tokens": 2, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert r.headers["cache-control"] == "no-cache"

@@ -213,10 +213,12 @@ def test_a_rank_that_dies_fails_the_engines_step_not_hangs_it(make_model: Callab
         llm.close()
 
 
+@pytest.mark.parametrize("when", ["between-steps", "as-inputs-go"])
 def test_a_rank_that_is_stopped_fails_the_step_within_its_grace(make_model: Callable[[TinyModelSpec], Path],
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 monkeypatch: pytest.MonkeyPatch, when: str) -> None:
     """A follower stopped (SIGSTOP), not dead: rank 0 waited in the shared-memory all-reduce for
-    the collectives' 10-minute deadline, and every request on the worker with it."""
+    the collectives' 10-minute deadline, and every request on the worker with it; or, stopped as
+    a step's inputs went out, in gloo's broadcast for the group's 120 s (CI caught that one)."""
     import os
     import signal
     import time
@@ -233,13 +235,22 @@ def test_a_rank_that_is_stopped_fails_the_step_within_its_grace(make_model: Call
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2))
         if group.tp.shm is None:
             pytest.skip("no shared-memory collectives here (gloo's own timeout applies)")
-        os.kill(follower.pid, signal.SIGSTOP)
+        if when == "between-steps":
+            os.kill(follower.pid, signal.SIGSTOP)
+        else:
+            send = group.send_step
+
+            def stop_then_send(inputs: object) -> None:
+                os.kill(follower.pid, signal.SIGSTOP)
+                send(inputs)  # type: ignore[arg-type]
+
+            monkeypatch.setattr(group, "send_step", stop_then_send)
         t0 = time.monotonic()
         with pytest.raises(TPGroupError, match="are gone"):
             llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, ignore_eos=True))
         assert time.monotonic() - t0 < 30
     finally:
-        os.kill(follower.pid, signal.SIGKILL)  # ours: stopped, it would not take a stop message
+        follower.kill()  # ours: stopped, it would not take a stop message (killed already: nothing)
         follower.wait(10)
         llm.close()
 
