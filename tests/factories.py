@@ -186,3 +186,22 @@ def serve_in_process(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(shutdown, "serve_in_own_group", lambda serve: serve())
     monkeypatch.setattr(shutdown, "run_until_stopped", lambda cfg: (serve_app.run(cfg), 0)[1])
+
+
+@contextlib.contextmanager
+def tiny_engine_url(model_dir: Any, max_model_len: int = 1024) -> Iterator[str]:
+    """The OpenAI app over an in-process engine of `model_dir` (no Ray), served on a free local
+    port: its base URL, the engine closed after."""
+    from pdserve import LLM
+    from pdserve.cluster.backend import LocalBackend
+    from pdserve.cluster.gateway import Gateway, GatewayConfig
+    from pdserve.workers.async_engine import AsyncEngine
+
+    llm = LLM(str(model_dir), max_model_len=max_model_len, progress=False)
+    engine = AsyncEngine(llm.engine).start()
+    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=max_model_len))
+    try:
+        with serve_gateway(gw) as base:
+            yield base
+    finally:
+        engine.close()

@@ -10,12 +10,9 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from factories import FakeBackend, serve_gateway, tiny_spec
+from factories import FakeBackend, serve_gateway, tiny_engine_url, tiny_spec
 
-from pdserve import LLM
-from pdserve.cluster.backend import LocalBackend
 from pdserve.cluster.gateway import Gateway, GatewayConfig
-from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -29,15 +26,8 @@ SPEC = dict(hidden_size=64, num_heads=4, num_kv_heads=2, init_std=0.05)
 
 @pytest.fixture(scope="module")
 def url(make_model: Callable[[TinyModelSpec], Path]) -> Iterator[str]:
-    path = make_model(tiny_spec(**SPEC))
-    llm = LLM(str(path), max_model_len=1024, progress=False)
-    engine = AsyncEngine(llm.engine).start()
-    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=1024))
-    try:
-        with serve_gateway(gw) as base:
-            yield base
-    finally:
-        engine.close()
+    with tiny_engine_url(make_model(tiny_spec(**SPEC))) as base:
+        yield base
 
 
 def client(url: str) -> openai.OpenAI:
