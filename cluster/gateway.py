@@ -88,6 +88,8 @@ class GatewayConfig:
     # The model's sampling defaults for fields a request leaves unset (its generation_config.json:
     # workers/generation_defaults.py; {} with --generation-config vllm).
     sampling_defaults: dict[str, float] = field(default_factory=dict)
+    # tool_choice "none" shows the model its tools unless this is set (vLLM's flag of the name).
+    exclude_tools_when_tool_choice_none: bool = False
 
     @property
     def served_names(self) -> tuple[str, ...]:
@@ -340,7 +342,9 @@ class Gateway:
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
-        text = self.chat_text(req.messages, req.tool_plan().template_tools, req.add_generation_prompt,
+        plan = req.tool_plan()
+        tools = plan.template_tools(exclude_if_none=self.config.exclude_tools_when_tool_choice_none)
+        text = self.chat_text(req.messages, tools, req.add_generation_prompt,
                               req.continue_final_message)
         if self.char_bound is not None:  # the template's own text counts too
             try:

@@ -39,7 +39,7 @@ from pdserve.cluster.protocol import (
     now,
     usage,
 )
-from pdserve.cluster.tool_calls import StreamedToolCall
+from pdserve.cluster.tool_calls import StreamedToolCall, ToolPlan
 from pdserve.workers.outputs import RequestOutput
 
 TokenStr = Callable[[int], str]
@@ -254,13 +254,15 @@ def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> T
         if calls:
             message: AssistantMessage = {"role": "assistant", "content": content, "tool_calls": calls}
             return {"index": c.index, "message": message, "logprobs": logprobs,
-                    "finish_reason": _calls_finish(c.finish_reason)}
+                    "finish_reason": _calls_finish(work.tools, c.finish_reason)}
     return shape.choice(c, work.echo, logprobs)
 
 
-def _calls_finish(reason: str | None) -> str | None:
-    """An answer that ends in tool calls finishes with "tool_calls" (OpenAI's), not "stop"."""
-    return "tool_calls" if reason == "stop" else reason
+def _calls_finish(plan: ToolPlan, reason: str | None) -> str | None:
+    """An answer that ends in tool calls the model chose to make ("auto", "required") finishes
+    with "tool_calls" (OpenAI's), not "stop". A call to a named function, which the request
+    forced, finishes with "stop": OpenAI's and vLLM's answer to `tool_choice: {"function": ...}`."""
+    return "tool_calls" if reason == "stop" and plan.mode != "named" else reason
 
 
 def tool_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
@@ -290,7 +292,7 @@ def tool_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delta)
     # Streamed words go on to the call's marker; held from the start, the parse's content goes.
     words = choice.text[choice.sent : end] if choice.content else content
     return _tool_chunk(token_str, choice, d, {"content": words or None, "tool_calls": streamed},
-                       _calls_finish(d.finish_reason))
+                       _calls_finish(plan, d.finish_reason))
 
 
 def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,

@@ -174,6 +174,9 @@ class ServeConfig:
     # Where a request's unset sampling fields come from (vLLM's --generation-config): "auto", the
     # model's generation_config.json, else vLLM's defaults; "vllm", vLLM's defaults only.
     generation_config: Literal["auto", "vllm"] = "auto"
+    # With tool_choice "none" the chat template still shows the model its tools (OpenAI's, and
+    # vLLM's default); True leaves them out (vLLM's --exclude-tools-when-tool-choice-none).
+    exclude_tools_when_tool_choice_none: bool = False
     # Seconds a request under way waits for a worker when none can take it (its
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.

@@ -120,7 +120,7 @@ def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | 
             for m in body.messages:
                 m.check_supported()
             check_continuation(body.add_generation_prompt, body.continue_final_message, body.messages)
-            tools = ToolPlan.of(body.tools, None, None).template_tools
+            tools = ToolPlan.of(body.tools, None, None).template_tools()
         except ValueError as e:
             raise bad_request(e) from None
         text = gw.chat_text(body.messages, tools, body.add_generation_prompt, body.continue_final_message)

@@ -94,10 +94,13 @@ class ToolPlan:
         """Whether tool calls may come back (the answer is parsed for them)."""
         return self.mode != "none"
 
-    @property
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as chat templates take them (None: the prompt mentions none)."""
-        return [{"type": "function", "function": f} for f in self.tools] if self.active else None
+    def template_tools(self, exclude_if_none: bool = False) -> list[dict[str, Any]] | None:
+        """The tools as chat templates take them (None: the prompt mentions none). Under
+        tool_choice "none" the model still sees them, as OpenAI's and vLLM's do (the answer is
+        not parsed for calls), unless `exclude_if_none` (vLLM's --exclude-tools-when-tool-choice-none)."""
+        if not self.tools or (exclude_if_none and not self.active):
+            return None
+        return [{"type": "function", "function": f} for f in self.tools]
 
     def constraint(self) -> StructuredOutputs | None:
         """The grammar that makes the output a valid call ("named", "required"); None otherwise."""

@@ -450,16 +450,17 @@ def test_the_command_line_and_the_yaml_make_the_same_config(deploy_pkg: Any) -> 
     argv = ["serve", "--model", "/m", "--prefill", "2", "--max-model-len", "2048", "--dtype", "bfloat16",
             "--kv-failure-policy", "fail", "--request-timeout", "120", "--prefill-timeout", "10",
             "--no-prefix-caching", "--load-poll-interval", "0.5", "--max-prefill-backlog-tokens", "0",
-            "--stream-interval", "8", "--prefill-tp", "2"]
+            "--stream-interval", "8", "--prefill-tp", "2", "--exclude-tools-when-tool-choice-none"]
     from_flags = serve_config(settings_from_flags(build_parser().parse_args(argv)))
     from_yaml = deploy_pkg.config_from_args({"model": "/m", "prefill": 2, "max_model_len": 2048, "dtype": "bfloat16",
                                              "kv_failure_policy": "fail", "request_timeout": 120,
                                              "prefill_timeout": 10, "enable_prefix_caching": False,
                                              "load_poll_interval": 0.5, "max_prefill_backlog_tokens": 0,
-                                             "stream_interval": 8, "prefill_tp": 2})
+                                             "stream_interval": 8, "prefill_tp": 2,
+                                             "exclude_tools_when_tool_choice_none": True})
     assert from_flags == from_yaml and from_flags.load_poll_interval == 0.5 and from_flags.stream_interval == 8
     assert (from_flags.pool_tp("prefill"), from_flags.pool_tp("decode")) == (2, 1)
-    assert from_flags.max_prefill_backlog_tokens == 0
+    assert from_flags.max_prefill_backlog_tokens == 0 and from_flags.exclude_tools_when_tool_choice_none
     assert from_flags.engine.max_model_len == 2048 and not from_flags.engine.enable_prefix_caching
     assert from_flags.prefill_timeout == 10 and from_flags.kv_failure_policy.value == "fail"
 

@@ -225,3 +225,44 @@ def test_a_malformed_hermes_call_is_not_silently_dropped() -> None:
             '<tool_call>{"name": "get_time", "arguments": {"zone": "CET"</tool_call>')
     content, calls = ToolPlan.of(TOOLS, "auto", None).parse(text)
     assert not calls or (content is not None and "CET" in content), (content, calls)
+
+
+class Prompts(Scripted):
+    """Scripted, and keeps each request's prompt ids."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text)
+        self.prompts: list[list[int]] = []
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        self.prompts.append(prompt)
+        async for out in super().generate(request_id, prompt, params, timeout_s):
+            yield out
+
+
+@pytest.mark.parametrize("exclude", [False, True], ids=["default", "excluded"])
+def test_tool_choice_none_still_shows_the_model_its_tools(tokenizer: Any, exclude: bool) -> None:
+    """OpenAI's `tool_choice: "none"` keeps the tools in the model's context and only forbids
+    calls; vLLM renders them too unless --exclude-tools-when-tool-choice-none. The oracle is the
+    template itself: the prompt is the template rendered with (or without) the tools."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = HERMES_LIKE
+    tools = [{"type": "function", "function": {**TOOLS[0]["function"], "description": "the time"}}]
+    backend = Prompts("<tool_call>not parsed</tool_call>")
+    gw = Gateway(backend, tok, GatewayConfig(model_name="tiny", max_model_len=1024,
+                                             exclude_tools_when_tool_choice_none=exclude))
+    with serve_gateway(gw) as base:
+        none = client(base).chat.completions.create(model="tiny", messages=ASK, tools=tools, tool_choice="none",
+                                                    max_tokens=20).choices[0]
+        client(base).chat.completions.create(model="tiny", messages=ASK, tools=tools, max_tokens=20)
+    shown = tok.apply_chat_template(ASK, tools=tools, tokenize=False, add_generation_prompt=True)
+    hidden = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True)
+    assert "get_time(" in shown and "get_time(" not in hidden
+    want = hidden if exclude else shown
+    assert backend.prompts[0] == tok.encode(want, add_special_tokens=False)
+    assert backend.prompts[1] == tok.encode(shown, add_special_tokens=False)  # auto: always shown
+    # Under none the answer is text, whatever it looks like.
+    assert none.message.tool_calls is None and none.message.content == "<tool_call>not parsed</tool_call>"

@@ -53,22 +53,24 @@ def check_calls(calls: list[Any], names: set[str]) -> None:
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_and_named_calls_parse_and_validate(url: str, stream: bool) -> None:
+    """Calls the model chose ("required") finish with "tool_calls"; a call the request named
+    finishes with "stop", as OpenAI's and vLLM's do."""
     c = client(url)
     for i in range(8):
-        for choice, names in (("required", {"get_weather", "get_time"}),
-                              ({"type": "function", "function": {"name": "get_time"}}, {"get_time"})):
+        for choice, names, end in (("required", {"get_weather", "get_time"}, "tool_calls"),
+                                   ({"type": "function", "function": {"name": "get_time"}}, {"get_time"}, "stop")):
             kwargs: dict[str, Any] = dict(model="tiny", messages=ASK, tools=TOOLS, tool_choice=choice,
                                           max_tokens=300, temperature=1.0, seed=i)
             if not stream:
                 resp = c.chat.completions.create(**kwargs)
-                assert resp.choices[0].finish_reason == "tool_calls", resp
+                assert resp.choices[0].finish_reason == end, resp
                 check_calls(resp.choices[0].message.tool_calls or [], names)
                 continue
             chunks = list(c.chat.completions.create(stream=True, **kwargs))
             calls = [tc for ch in chunks if ch.choices for tc in ch.choices[0].delta.tool_calls or []]
             assert [tc.index for tc in calls] == list(range(len(calls)))
             check_calls(calls, names)
-            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls"
+            assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == end
 
 
 def test_parallel_tool_calls_false_makes_one_call(url: str) -> None:
