@@ -268,7 +268,10 @@ class DisaggregatedBackend:
             abort_try(self.handle_of(wid), request_id, attempt)
 
     def lose(self, wid: str) -> None:
-        """`wid` failed a call or a poll: out of routing until it answers a poll again."""
+        """`wid` failed a call or a poll: out of routing until it answers a poll sent from now on."""
+        # A poll in flight was answered, if at all, before the loss: its reply would put a dead
+        # worker back into routing. Taking a number makes every poll sent so far an old one.
+        self._polls_applied[wid] = self._polls_sent[wid] = self._polls_sent.get(wid, 0) + 1
         if wid not in self._dead:
             self._dead.add(wid)
             self.events.lost += wid in self._answered

@@ -172,3 +172,51 @@ def test_cache_aware_replicas_break_ties_of_short_prompts_on_different_workers()
             router.update_load(load)
     picks = [r.route(f"r{i}", list(range(1, 11)), 16).decode_worker for i, r in enumerate(replicas)]
     assert set(picks) == {"d0", "d1"}, picks
+
+
+# -- 5. a poll answered before a worker was lost readmits it --------------------------------
+
+
+class _LateAnswer(_FakeWorker):
+    """A worker whose first poll is answered (healthy, idle) only when the test says: a reply
+    written before the worker died that reaches the gateway after a call found it gone."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name, WorkerRole.DECODE, _snap())
+        self.release = asyncio.Event()
+        self.calls = 0
+
+    async def load(self, since: object = None) -> LoadReport:
+        self.calls += 1
+        if self.calls == 1:
+            await self.release.wait()
+        return await super().load(since)
+
+
+def test_a_poll_sent_before_a_worker_was_lost_does_not_readmit_it() -> None:
+    """A call on d1 fails with the worker lost (`lose`) while a poll of it is in flight; the
+    poll's reply, written before the loss, came after it and put d1 back into routing: the
+    next requests were routed to a dead worker, each costing a migration. Replies to polls
+    sent before a loss are dropped now; a poll sent after it readmits the worker as before."""
+    late = _LateAnswer("d1")
+    backend = DisaggregatedBackend({"p0": LocalActor(_FakeWorker("p0", WorkerRole.PREFILL, _snap()))},
+                                   {"d0": LocalActor(_FakeWorker("d0", WorkerRole.DECODE, _snap())),
+                                    "d1": LocalActor(late)},
+                                   Router(RouterConfig(policy=RoutingPolicy.ROUND_ROBIN), BS), stall_timeout_s=0)
+
+    def decode_picks() -> set[str]:
+        return {backend.router.route(f"r{i}", list(range(1, 40)), 16).decode_worker for i in range(6)}
+
+    async def main() -> None:
+        await backend._refresh_one("p0")
+        await backend._refresh_one("d0")
+        in_flight = asyncio.ensure_future(backend._refresh_one("d1"))
+        await asyncio.sleep(0.01)
+        backend.lose("d1")  # a call on it failed: the worker is gone
+        late.release.set()
+        await in_flight
+        assert decode_picks() == {"d0"}
+        await backend._refresh_one("d1")  # a poll after the loss that it answers: back in routing
+        assert decode_picks() == {"d0", "d1"}
+
+    asyncio.run(main())
