@@ -37,7 +37,7 @@ from pdserve.workers.role_worker import RoleWorker
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.transfer.auth import ClusterSecret, RefusalCounts
 from pdserve.workers.transfer.base import KVSender
-from pdserve.workers.transfer.control import NetworkSender
+from pdserve.workers.transfer.network_sender import NetworkSender
 from pdserve.workers.transfer.recording import RecordingSender, TransferRecorder
 from pdserve.workers.transfer.send_queue import SendQueue
 from pdserve.workers.transfer.streams import CopyStream

@@ -149,7 +149,6 @@ from pdserve.workers.transfer.control import (
     CONNECT_BUDGET_S,
     DEFAULT_CREDITS,
     JOIN_S,
-    NetworkSender,
     ReceiverControl,
     message_key,
 )
@@ -167,6 +166,7 @@ from pdserve.workers.transfer.nccl_channel import (
     wire_bytes,
 )
 from pdserve.workers.transfer.nccl_store import STORE_MAGIC, LocalStore, StoreClient, StoreTable
+from pdserve.workers.transfer.network_sender import NetworkSender
 from pdserve.workers.transfer.streams import CopyStream
 
 log = logging.getLogger(__name__)

@@ -50,12 +50,12 @@ from pdserve.workers.transfer.control import (
     CONNECT_BUDGET_S,
     DEFAULT_CREDITS,
     DEFAULT_MAX_FRAME_BYTES,
-    NetworkSender,
     ReceiverControl,
     message_key,
 )
 from pdserve.workers.transfer.frames import KVCaches
 from pdserve.workers.transfer.ledger import LedgerReceiver, Notice, ReceiverLedger, refusal
+from pdserve.workers.transfer.network_sender import NetworkSender
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
 
