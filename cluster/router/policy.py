@@ -303,7 +303,9 @@ def choose_decode(
     need = snapshot.prompt_blocks + headroom_blocks
     fits = [load for load in healthy if load.free_blocks >= need]
     if not fits:
-        best = min(healthy, key=lambda load: (-load.free_blocks, load.running_requests, load.worker_id))
+        # Ties as below (`tie_rank`): by id, every gateway replica sent its overflow to the same worker.
+        best = min(healthy, key=lambda load: (-load.free_blocks, load.running_requests,
+                                              snapshot.tie_rank(load.worker_id)))
         return best.worker_id, DecodeReason.NO_ROOM
     floor = min(load.running_requests for load in fits)
     similar = [load for load in fits if load.running_requests <= floor + load_slack]

@@ -11,7 +11,7 @@ from pdserve import SamplingParams
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router
-from pdserve.cluster.router.policy import Plan, RouterConfig, RoutingPolicy, WorkerLoad, WorkerRole
+from pdserve.cluster.router.policy import DecodeReason, Plan, RouterConfig, RoutingPolicy, WorkerLoad, WorkerRole
 from pdserve.workers.handoff import Resume, ServeRequest
 from pdserve.workers.kv.block_pool import BlockPool
 from pdserve.workers.messages import KVEventBatch
@@ -220,3 +220,20 @@ def test_a_poll_sent_before_a_worker_was_lost_does_not_readmit_it() -> None:
         assert decode_picks() == {"d0", "d1"}
 
     asyncio.run(main())
+
+
+def test_replicas_spread_requests_no_decode_worker_has_room_for() -> None:
+    """With no decode worker room for the prompt (NO_ROOM), ties between equally full
+    workers went by id: every gateway replica sent its overflow to d0 while d1, as full,
+    got none. They break as the other decode ties do now (`tie_rank`)."""
+    config = RouterConfig(local_prefill_threshold_tokens=0)
+    loads = [WorkerLoad("p0", WorkerRole.PREFILL, free_blocks=100, total_blocks=100),
+             WorkerLoad("d0", WorkerRole.DECODE, free_blocks=0, total_blocks=100),
+             WorkerLoad("d1", WorkerRole.DECODE, free_blocks=0, total_blocks=100)]
+    replicas = [Router(config, BS, replica=(0, 2)), Router(config, BS, replica=(1, 2))]
+    for router in replicas:
+        for load in loads:
+            router.update_load(load)
+    picks = [r.route(f"r{i}", list(range(1, 11)), 16) for i, r in enumerate(replicas)]
+    assert all(p.decode_reason is DecodeReason.NO_ROOM for p in picks), [p.decode_reason for p in picks]
+    assert {p.decode_worker for p in picks} == {"d0", "d1"}, [p.decode_worker for p in picks]
