@@ -113,7 +113,8 @@ class LLMEngine:
         self.model = load_model(model_dir, full_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress, quantization=quantization, tp=self.tp)
         # The draft's weights and its KV (per block) count before the pool is sized.
-        draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len)
+        draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len,
+                                 self.tokenizer)
         memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(
             config, self.model_config, self.dtype, self.device, self.max_model_len,
@@ -158,7 +159,7 @@ class LLMEngine:
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
         self.spec = setup.make_speculator(config, draft, self.dtype, self.device, backend, self.num_kv_blocks,
-                                          self.max_model_len, thread_counts)
+                                          self.max_model_len, thread_counts, self.model_config.vocab_size)
         self._eos_token_ids = self._eos_ids()
         # Async scheduling (workers/in_flight.py): the step launched and not yet landed. With a
         # speculator only while it drafts nothing: drafts come from the last step's accepted tokens

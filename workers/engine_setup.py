@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import torch
 
@@ -49,13 +50,15 @@ def memory_probe(device: torch.device) -> MemoryProbe | None:
 
 
 def load_draft(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-               backend: AttentionBackend, max_positions: int) -> LlamaForCausalLM | None:
-    """The draft model (speculative="draft"), loaded before the KV pool is sized; else None."""
+               backend: AttentionBackend, max_positions: int, tokenizer: Any = None) -> LlamaForCausalLM | None:
+    """The draft model (speculative="draft"), loaded before the KV pool is sized; else None.
+    `tokenizer`: the target's, which the draft's must equal (spec/draft.py `check_draft_vocabulary`)."""
     if config.speculative is not SpeculativeMethod.DRAFT:
         return None
     log(config, f"loading draft model {config.draft_model}")
     draft_dir = str(resolve_model(str(config.draft_model), progress=config.progress))  # a GGUF too
-    return load_draft_model(draft_dir, target, dtype, device, backend, max_positions, progress=config.progress)
+    return load_draft_model(draft_dir, target, dtype, device, backend, max_positions, progress=config.progress,
+                            tokenizer=tokenizer)
 
 
 def measure_memory(config: EngineConfig, probe: MemoryProbe | None, model: LlamaForCausalLM,
@@ -230,16 +233,17 @@ def prepare_attention(config: EngineConfig, backend: AttentionBackend, device: t
 
 def make_speculator(config: EngineConfig, draft: LlamaForCausalLM | None, dtype: torch.dtype,
                     device: torch.device, backend: AttentionBackend, kv_blocks: int,
-                    max_model_len: int, thread_counts: tuple[int, ...] = ()) -> Speculator | None:
+                    max_model_len: int, thread_counts: tuple[int, ...] = (),
+                    vocab_size: int | None = None) -> Speculator | None:
     """The speculator `config.speculative` asks for (None: no speculative decoding);
-    `draft`: the draft model `load_draft` loaded."""
+    `draft`: the draft model `load_draft` loaded; `vocab_size`: the target's (its logits' width)."""
     proposer: Proposer
     if config.speculative is SpeculativeMethod.NGRAM:
         proposer = NgramProposer(config.spec_ngram_min, config.spec_ngram_max, config.num_speculative_tokens)
     elif config.speculative is SpeculativeMethod.DRAFT:
         assert draft is not None, "speculative='draft' without its model (load_draft)"
         proposer = DraftModelProposer(draft, dtype, device, kv_blocks, config.block_size, max_model_len,
-                                      config.max_num_batched_tokens, config.max_num_seqs)
+                                      config.max_num_batched_tokens, config.max_num_seqs, vocab_size)
         compile_runner(config, proposer.runner, backend, thread_counts)
     else:
         return None

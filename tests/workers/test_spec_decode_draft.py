@@ -119,7 +119,7 @@ def test_a_seeded_request_gives_the_same_tokens_alone_batched_and_without_specul
 def test_a_draft_with_another_vocabulary_is_refused(model_dir: Path,
                                                     make_model: Callable[[TinyModelSpec], Path]) -> None:
     other = make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, vocab_size=512))
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ValueError, match="draft_model: its (vocabulary|tokenizer)"):
         LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(other))
     with pytest.raises(ValueError, match="draft_model"):
         EngineConfig(model=str(model_dir), speculative="draft")
@@ -191,3 +191,73 @@ def test_a_request_id_reused_after_an_abort_drafts_from_its_own_tokens(model_dir
     thread.join(60)
     assert not thread.is_alive(), "the engine thread spun: the draft model kept the aborted request's sequence"
     assert got == want.token_ids
+
+
+def _copy_model(src: Path, out: Path) -> Path:
+    import shutil
+
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, out / f.name)
+    return out
+
+
+def test_a_draft_with_another_tokenizer_of_the_same_size_is_refused(model_dir: Path, draft_dir: Path,
+                                                                    tmp_path: Path) -> None:
+    """Same vocabulary size, other ids (two tokens swapped): taken, it would accept next to
+    nothing. The tokenizers are compared, as the sizes were."""
+    import json
+
+    other = _copy_model(draft_dir, tmp_path)
+    tok = json.loads((other / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = [t for t, i in sorted(vocab.items(), key=lambda kv: kv[1]) if len(t) > 2][:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(ValueError, match="draft_model: its tokenizer"):
+        LLM(str(model_dir), max_model_len=512, progress=False, speculative="draft", draft_model=str(other))
+
+
+@pytest.fixture(scope="module")
+def padded_target_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The target with 64 more vocabulary rows that no token uses (embedding and LM head
+    padded, as Qwen2.5's larger models are padded further than its smaller ones): the
+    unpadded target then is a draft of a smaller vocabulary with the same tokenizer."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    out = _copy_model(model_dir, tmp_path_factory.mktemp("padded-target"))
+    cfg = json.loads((out / "config.json").read_text())
+    size = cfg["vocab_size"]
+    cfg["vocab_size"] = size + 64
+    (out / "config.json").write_text(json.dumps(cfg))
+    for f in out.glob("*.safetensors"):
+        weights = load_file(f)
+        for k, v in weights.items():
+            if v.dim() == 2 and v.shape[0] == size:  # embed_tokens, lm_head: rows past the tokenizer's
+                weights[k] = torch.cat([v, torch.full((64, v.shape[1]), -0.5 * v.abs().max().item(), dtype=v.dtype)])
+        save_file(weights, f, metadata={"format": "pt"})
+    return out
+
+
+def test_a_draft_padded_less_than_its_target_is_taken_and_exact(model_dir: Path, padded_target_dir: Path) -> None:
+    """A draft whose vocabulary is the target's minus padding rows (the same tokenizer) was
+    refused; vLLM and llama.cpp take such pairs. Taken now: greedy output equals the target's
+    without speculation, drafts are accepted, and sampled drafts (their q padded with zeros
+    to the target's width) and a logit bias on a padding id run without a fault."""
+    ps = prompts(4)
+    plain = LLM(str(padded_target_dir), max_model_len=512, progress=False)
+    spec = LLM(str(padded_target_dir), max_model_len=512, progress=False, speculative="draft",
+               draft_model=str(model_dir), num_speculative_tokens=3, spec_max_batch_size=64, spec_token_cost=0.01)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in spec.generate(ps, greedy)] == \
+        [o.outputs[0].token_ids for o in plain.generate(ps, greedy)]
+    st = spec.engine.stats
+    assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens >= 0.5 * st.spec_draft_tokens
+    drafted = st.spec_draft_tokens
+    size = spec.engine.model_config.vocab_size - 64
+    sampled = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, logit_bias={size + 3: -5.0})
+    out = spec.generate(ps[:2], sampled)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in out)
+    assert spec.engine.stats.spec_draft_tokens > drafted  # sampled rows drafted too

@@ -27,8 +27,10 @@ how many the engine chose to make, never the output's distribution.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers.kv.cache import allocate_kv_caches
@@ -46,16 +48,19 @@ _GREEDY = SamplingParams(temperature=0.0, max_tokens=None)
 _SEED_SALT = 0x5DEECE66D  # the draft's stream differs from the request's own
 
 
-def _draft_params(p: SamplingParams) -> SamplingParams:
+def _draft_params(p: SamplingParams, vocab_size: int) -> SamplingParams:
     """How the draft picks for a request: the request's sampling distribution, nothing that
     only concerns output (stops, logprobs); greedy stays greedy. The cache salt goes along: the
-    draft's cache shares no blocks today (prefix caching off), and must not start to across salts."""
+    draft's cache shares no blocks today (prefix caching off), and must not start to across salts.
+    A logit bias on an id past the draft's vocabulary (a draft padded less than its target:
+    `check_draft_vocabulary`) is the target's alone."""
     if p.temperature == 0.0:
         return _GREEDY if p.cache_salt is None else SamplingParams(temperature=0.0, max_tokens=None,
                                                                   cache_salt=p.cache_salt)
     seed = None if p.seed is None else (p.seed ^ _SEED_SALT) % (1 << 63)
+    bias = p.logit_bias if p.logit_bias is None else {t: b for t, b in p.logit_bias.items() if t < vocab_size}
     return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
-                          max_tokens=None, logit_bias=p.logit_bias, cache_salt=p.cache_salt)
+                          max_tokens=None, logit_bias=bias, cache_salt=p.cache_salt)
 
 
 @dataclass
@@ -65,13 +70,43 @@ class _Shadow:
 
 
 def load_draft_model(model_dir: str, target: ModelConfig, dtype: torch.dtype, device: torch.device,
-                     backend: AttentionBackend, max_positions: int, progress: bool = False) -> LlamaForCausalLM:
-    """The draft's weights, loaded before the KV pool is sized: they count in the memory plan."""
+                     backend: AttentionBackend, max_positions: int, progress: bool = False,
+                     tokenizer: Any = None) -> LlamaForCausalLM:
+    """The draft's weights, loaded before the KV pool is sized: they count in the memory plan.
+    `tokenizer`: the target's (None: the vocabularies are compared by size alone)."""
     cfg = ModelConfig.from_pretrained(model_dir)
-    if cfg.vocab_size != target.vocab_size:
-        raise ValueError(f"draft_model: its vocabulary ({cfg.vocab_size}) differs from the target's "
-                         f"({target.vocab_size}); the draft must share the target's tokenizer")
+    check_draft_vocabulary(model_dir, cfg.vocab_size, target.vocab_size, tokenizer)
     return load_model(model_dir, cfg, dtype, device, backend, max_positions, progress=progress)
+
+
+def check_draft_vocabulary(model_dir: str, draft_size: int, target_size: int, tokenizer: Any) -> None:
+    """A draft must speak the target's tokens. Its tokenizer, where its directory has one, must
+    map every token to the target's id: a draft of the same vocabulary size with another
+    tokenizer would be taken and accept (almost) nothing. Its vocabulary may be smaller than the
+    target's when both cover the tokenizer and differ only in padding rows no token uses
+    (Qwen2.5 0.5B-7B pad to 151,936, 14B-72B to 152,064; vLLM takes such pairs too): the draft's
+    distribution is padded with zeros to the target's size. ValueError otherwise."""
+    draft_tokenizer = _tokenizer_in(model_dir) if tokenizer is not None else None
+    if draft_tokenizer is not None and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError("draft_model: its tokenizer maps tokens to other ids than the target's; "
+                         "the draft must share the target's tokenizer")
+    if draft_size == target_size:
+        return
+    if draft_tokenizer is not None and len(tokenizer) <= draft_size < target_size:
+        return
+    raise ValueError(f"draft_model: its vocabulary ({draft_size}) differs from the target's ({target_size}); "
+                     "the draft must share the target's tokenizer (a smaller vocabulary is taken when the "
+                     "draft's directory has the same tokenizer and the sizes differ by padding only)")
+
+
+def _tokenizer_in(model_dir: str) -> Any:
+    """The tokenizer in `model_dir`, or None if it has none that loads."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError, TypeError):
+        return None
 
 
 class DraftModelProposer:
@@ -79,8 +114,11 @@ class DraftModelProposer:
     blocks: as many as the target's, which the memory plan counts in its per-block cost."""
 
     def __init__(self, model: LlamaForCausalLM, dtype: torch.dtype, device: torch.device, num_blocks: int,
-                 block_size: int, max_model_len: int, max_num_tokens: int, max_num_seqs: int) -> None:
+                 block_size: int, max_model_len: int, max_num_tokens: int, max_num_seqs: int,
+                 target_vocab_size: int | None = None) -> None:
         self.config = model.config
+        # Verification takes q over the target's vocabulary: a draft padded less gets zeros past its own.
+        self.pad = (target_vocab_size or self.config.vocab_size) - self.config.vocab_size
         self.model = model
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.kv_caches = allocate_kv_caches(self.config, num_blocks, block_size, dtype, device)
@@ -99,7 +137,8 @@ class DraftModelProposer:
             sh = self._shadows.get(req.request_id)
             if sh is None:
                 sh = self._shadows[req.request_id] = _Shadow(
-                    Request(req.request_id, list(req.all_token_ids), _draft_params(req.params), max_tokens=1 << 30,
+                    Request(req.request_id, list(req.all_token_ids), _draft_params(req.params, self.config.vocab_size),
+                            max_tokens=1 << 30,
                             device=self.device))
             r = sh.request
             # The target's tokens are the truth. Its first `base` tokens were ours
@@ -125,8 +164,8 @@ class DraftModelProposer:
             if live:
                 self._run([ScheduledRequest(sh.request, 1) for sh in live], drafts, probs, stopped)
         tokens = [drafts.get(req.request_id, [])[:k] for req, k in zip(requests, ks)]
-        return tokens, [torch.stack(probs[r.request_id][:len(t)]) if t and r.request_id in probs else None
-                        for r, t in zip(requests, tokens)]
+        return tokens, [F.pad(torch.stack(probs[r.request_id][:len(t)]), (0, self.pad))
+                        if t and r.request_id in probs else None for r, t in zip(requests, tokens)]
 
     def retain(self, request_ids: set[str]) -> None:
         """Free the draft KV of every request not in `request_ids` (finished, aborted, preempted)."""
