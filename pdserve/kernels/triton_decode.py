@@ -268,6 +268,10 @@ def paged_decode_attention(
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     block_m = block_m_for(max_query_len, group)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        # The scales are an fp8 cache's only (reference.from_cache): a 16/32-bit cache holds K and V
+        # as they are, even when the checkpoint carried calibrated k_scale / v_scale.
+        kv_scales = (1.0, 1.0)
 
     if num_splits > 1:
         rows = num_seqs * max_query_len

@@ -222,6 +222,10 @@ def prefill_attention(
 
     group = num_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
+    if k_cache.dtype != torch.float8_e4m3fn:
+        # The scales are an fp8 cache's only (reference.from_cache): a 16/32-bit cache holds K and V
+        # as they are, even when the checkpoint carried calibrated k_scale / v_scale.
+        kv_scales = (1.0, 1.0)
     cfg = config or prefill_config(group_pad, head_dim, max_query_len, q.dtype, device_arch(q.device))
     if block_m or tile_n:
         bm = block_m or cfg.block_m
