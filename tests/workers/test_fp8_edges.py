@@ -6,6 +6,8 @@ engine loaded, and the unquantized engine's logits."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 from factories import tiny_spec
+from safetensors.torch import load_file, save_file
 
 from pdserve import LLM
 from pdserve.kernels import reference
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.model import fp8
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
@@ -90,3 +94,70 @@ def test_triton_attention_ignores_kv_scales_over_a_float_cache() -> None:
     got = triton_attention.paged_attention(case["q"], case["k"], case["v"], case["k_cache"].clone(),
                                            case["v_cache"].clone(), case["meta"], case["scale"], kv_scales=scales)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+# -- fp8 checkpoints ---------------------------------------------------------------------------------
+
+
+def _channel_checkpoint(src: Path, dst: Path, ignore: tuple[str, ...] = (),
+                        quantization_config: dict | None = None) -> dict[str, torch.Tensor]:
+    """Copy the float32 model at `src` to `dst` as an llm-compressor (compressed-tensors) fp8
+    checkpoint with per-channel scales, leaving the projections named in `ignore` (checkpoint
+    module names) in float32 as llm-compressor's `ignore` list does. Returns every projection
+    weight as it holds it, dequantized."""
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        proj = name.split(".")[-2] if name.endswith(".weight") else ""
+        stem = name[: -len(".weight")]
+        if proj not in PROJECTIONS or stem in ignore:
+            out[name] = t
+            held[name] = t.double()
+            continue
+        w = t.float()
+        scale = w.abs().amax(dim=1, keepdim=True) / fp8.E4M3_MAX
+        q = (w / scale).clamp(-448, 448).to(fp8.E4M3)
+        out[name], out[f"{stem}.weight_scale"] = q, scale
+        held[name] = (q.float() * scale).double()  # as the engine dequantizes: in float32
+    save_file(out, str(dst / "model.safetensors"))
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = quantization_config or {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", *ignore],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
+            "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(config))
+    return held
+
+
+def test_layers_an_fp8_checkpoint_ignores_load_unquantized(model_dir: Path, tmp_path: Path) -> None:
+    """llm-compressor's `ignore` (vLLM's `ignored_layers`) keeps some decoder projections in
+    16/32 bits besides the LM head (sensitive layers: a first layer's MLP, an attention block).
+    vLLM loads them as plain linears. They were loaded into e4m3 parameters with no scale and
+    the engine refused the checkpoint ("lacks weights for ...weight_scale")."""
+    ignore = ("model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj", "model.layers.1.self_attn.k_proj",
+              "model.layers.1.self_attn.v_proj")
+    held = _channel_checkpoint(model_dir, tmp_path / "m", ignore)
+    llm = _llm(tmp_path / "m")
+    layers = llm.engine.model.model.layers
+    down0, qkv1 = layers[0].mlp.down_proj, layers[1].self_attn.qkv_proj
+    assert not isinstance(down0, fp8.Fp8Linear) and not isinstance(qkv1, fp8.Fp8Linear)
+    assert isinstance(layers[1].mlp.down_proj, fp8.Fp8Linear)  # the others stay e4m3
+
+    def weight(m: torch.nn.Module) -> torch.Tensor:
+        if isinstance(m, fp8.Fp8Linear):
+            return fp8.dequantize(m.weight, m.weight_scale).double()
+        dense = getattr(m, "dense_weight", None)
+        return (dense() if dense is not None else m.weight).double()
+
+    torch.testing.assert_close(weight(down0), held["model.layers.0.mlp.down_proj.weight"], rtol=0, atol=0)
+    want_qkv = torch.cat([held[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    torch.testing.assert_close(weight(qkv1), want_qkv, rtol=0, atol=0)
+    torch.testing.assert_close(weight(layers[1].mlp.down_proj), held["model.layers.1.mlp.down_proj.weight"],
+                               rtol=1e-12, atol=1e-12)
+    # A fused layer must be all e4m3 or all not (vLLM refuses it too): a clear error at load.
+    _channel_checkpoint(model_dir, tmp_path / "mixed", ("model.layers.0.self_attn.q_proj",))
+    with pytest.raises(ValueError, match="some parts in e4m3"):
+        _llm(tmp_path / "mixed")

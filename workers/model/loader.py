@@ -116,7 +116,7 @@ def load_model(
     with torch.device("meta"), _NoDrawOnMeta():
         model = LlamaForCausalLM(cfg, backend, max_positions, tp)
         if fp8_checkpoint:
-            _fp8_modules(model)
+            _fp8_modules(model, _e4m3_layers(files))
     _materialise(model, dtype, device)
     params = dict(model.named_parameters(remove_duplicate=False))
     # parameter name -> shards still to load (fused parameters have several)
@@ -277,12 +277,34 @@ def _set_kv_scale(model: LlamaForCausalLM, layer: int, which: str, tensor: torch
     attn.kv_scales = (float(tensor), v) if which == "k" else (k, float(tensor))
 
 
-def _fp8_modules(model: LlamaForCausalLM) -> None:
-    """(On the meta device.) The decoder's linear layers as Fp8Linear: an fp8 checkpoint's
-    weights land in them as they are."""
-    for parent in list(model.modules()):
+def _e4m3_layers(files: list[Path]) -> set[str]:
+    """The (fused) module names whose weights an fp8 checkpoint holds in e4m3, read from the
+    files' headers. Not all of them are: the layers in its `ignore` / `ignored_layers` list stay
+    16/32-bit, and vLLM loads those as plain linears. A fused layer whose parts disagree
+    (q_proj e4m3, k_proj not) is refused, as vLLM refuses it."""
+    kinds: dict[str, set[bool]] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt", device="cpu") as st:
+            for name in st.keys():
+                if not name.endswith(".weight"):
+                    continue
+                layer = name[: -len(".weight")]
+                if (match := _PROJ.search(name)) is not None:
+                    layer = name.replace(match.group(0), f".{_FUSED[match.group(1)][0]}.")[: -len(".weight")]
+                kinds.setdefault(layer, set()).add(st.get_slice(name).get_dtype() == "F8_E4M3")
+    mixed = sorted(layer for layer, kind in kinds.items() if len(kind) > 1)
+    if mixed:
+        raise ValueError(f"model: fp8 checkpoint has fused layers with some parts in e4m3 and some not: {mixed[:5]}")
+    return {layer for layer, kind in kinds.items() if True in kind}
+
+
+def _fp8_modules(model: LlamaForCausalLM, e4m3: set[str]) -> None:
+    """(On the meta device.) The decoder's linear layers whose weights the checkpoint holds in
+    e4m3 (`e4m3`: module names) as Fp8Linear: an fp8 checkpoint's weights land in them as they are."""
+    for prefix, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, torch.nn.Linear) and name in fp8.DECODER_LINEARS:
+            if (isinstance(child, torch.nn.Linear) and name in fp8.DECODER_LINEARS
+                    and f"{prefix}.{name}" in e4m3):
                 setattr(parent, name, fp8.Fp8Linear(child.in_features, child.out_features, child.bias is not None))
 
 
