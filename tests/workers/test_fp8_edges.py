@@ -161,3 +161,40 @@ def test_layers_an_fp8_checkpoint_ignores_load_unquantized(model_dir: Path, tmp_
     _channel_checkpoint(model_dir, tmp_path / "mixed", ("model.layers.0.self_attn.q_proj",))
     with pytest.raises(ValueError, match="some parts in e4m3"):
         _llm(tmp_path / "mixed")
+
+
+def test_a_block_scaled_layer_one_block_wide_loads_its_blocks(model_dir: Path, tmp_path: Path) -> None:
+    """A block-scaled checkpoint (`weight_block_size` [bn, bk]) whose layer is no wider than one
+    block (in_features <= bk) has scales [ceil(out / bn), 1]: one column, like a per-channel
+    scale, but one per block of rows. They were read as per-channel and the load failed ("neither
+    per tensor nor per channel"). Oracle: the weights the checkpoint holds, dequantized per block."""
+    bn, bk = 32, 128  # the tiny model's hidden size is 128: q/k/v and gate/up are one block wide
+    shutil.copytree(model_dir, tmp_path / "m")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    out: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    for name, t in tensors.items():
+        proj = name.split(".")[-2] if name.endswith(".weight") else ""
+        if proj not in PROJECTIONS:
+            out[name] = t
+            continue
+        w = t.float()
+        rows, cols = -(-w.shape[0] // bn), -(-w.shape[1] // bk)
+        scale = torch.stack([torch.stack([w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk].abs().max()
+                                          for j in range(cols)]) for i in range(rows)]) / fp8.E4M3_MAX
+        full = scale.repeat_interleave(bn, 0)[: w.shape[0]].repeat_interleave(bk, 1)[:, : w.shape[1]]
+        q = (w / full).clamp(-448, 448).to(fp8.E4M3)
+        out[name], out[f"{name[: -len('.weight')]}.weight_scale_inv"] = q, scale
+        held[name] = q.double() * full.double()
+    save_file(out, str(tmp_path / "m" / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": [bn, bk]}
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    llm = _llm(tmp_path / "m")
+    attn = llm.engine.model.model.layers[0].self_attn
+    got = fp8.dequantize(attn.qkv_proj.weight, attn.qkv_proj.weight_scale).double()
+    want = torch.cat([held[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    # Quantized again per row (fp8.requantize_blocks): within e4m3 rounding of what it holds.
+    row_scale = attn.qkv_proj.weight_scale.double()[:, None]
+    assert ((got - want).abs() <= want.abs() * 2**-4 + row_scale * 2**-9 + 1e-12).all()

@@ -315,7 +315,12 @@ def _load_fp8(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, layer: st
     weight, scale = parts["weight"], parts["scale"]
     if weight.dtype != fp8.E4M3:
         raise ValueError(f"model: {layer}.weight is {weight.dtype}, expected float8_e4m3fn in an fp8 checkpoint")
-    if scale.dim() == 2 and scale.shape[1] > 1:  # per block
+    block = cfg.fp8_block
+    # A layer no wider than one block (in_features <= bk) has one column of block scales,
+    # [ceil(out / bn), 1]: per block all the same, not per channel (that would be [out, 1]).
+    one_wide = (block is not None and scale.dim() == 2
+                and tuple(scale.shape) == (-(-weight.shape[0] // block[0]), 1) and weight.shape[1] <= block[1])
+    if scale.dim() == 2 and (scale.shape[1] > 1 or one_wide):  # per block
         if cfg.fp8_block is None:
             raise ValueError(f"model: {layer} has block scales {tuple(scale.shape)} but the config no block size")
         weight, rows = fp8.requantize_blocks(weight, scale, cfg.fp8_block)
