@@ -198,3 +198,46 @@ def test_a_block_scaled_layer_one_block_wide_loads_its_blocks(model_dir: Path, t
     # Quantized again per row (fp8.requantize_blocks): within e4m3 rounding of what it holds.
     row_scale = attn.qkv_proj.weight_scale.double()[:, None]
     assert ((got - want).abs() <= want.abs() * 2**-4 + row_scale * 2**-9 + 1e-12).all()
+
+
+# -- KV handed from a prefill worker to a decode worker ----------------------------------------------
+
+
+def test_fp8_kv_sent_to_a_decode_worker_with_a_16_32_bit_cache_is_refused_not_read(model_dir: Path) -> None:
+    """A prefill worker with `kv_cache_dtype="fp8"` and a decode worker with the model's dtype:
+    the e4m3 bytes must not land in the float cache as if they were its own. With the recompute
+    policy the decode worker computes the prompt itself, so its tokens equal its own offline
+    engine's (the oracle); read as float32, the bytes would give other tokens or fail."""
+    import asyncio
+
+    from factories import handoff_deltas
+
+    from pdserve import SamplingParams
+    from pdserve.workers.decode_worker import DecodeWorker
+    from pdserve.workers.handoff import KVFailurePolicy
+    from pdserve.workers.prefill_worker import PrefillWorker
+    from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
+
+    def engine(**kw: object):  # noqa: ANN202
+        return LLM(str(model_dir), max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=32, progress=False,
+                   **kw).engine
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(5, 4000, (40,), generator=g).tolist()
+    p_engine, d_engine = engine(kv_cache_dtype="fp8"), engine()
+    receiver = InProcessReceiver(d_engine.kv_caches)
+    sender = InProcessSender(p_engine.kv_caches, receiver)
+    decode = DecodeWorker(d_engine, receiver, KVFailurePolicy.RECOMPUTE, prefill_timeout_s=2.0).start()
+    prefill = PrefillWorker(p_engine, lambda addr: sender).start()
+    try:
+        async def main() -> list[int]:
+            outs = await handoff_deltas(prefill, decode, "r0", prompt, params)
+            return [t for o in outs for t in o.outputs[0].token_ids]
+
+        got = asyncio.run(main())
+    finally:
+        prefill.close()
+        decode.close()
+    want = _llm(model_dir).generate([prompt], params)[0].outputs[0].token_ids
+    assert got == want
