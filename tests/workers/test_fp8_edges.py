@@ -96,6 +96,28 @@ def test_triton_attention_ignores_kv_scales_over_a_float_cache() -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+
+def test_a_calibrated_checkpoint_on_the_triton_backend_with_a_float_cache_decodes_as_torch(
+        model_dir: Path, tmp_path: Path) -> None:
+    """The engine-level face of the test above: a checkpoint carrying k_scale / v_scale (0.05,
+    as a calibrated fp8 checkpoint's), served with the model's dtype in the cache on the Triton
+    backend, must give the tokens the PyTorch backend gives for the same weights."""
+    pytest.importorskip("triton")
+    from pdserve import SamplingParams
+
+    shutil.copytree(model_dir, tmp_path / "m")
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    for i in range(SPEC.num_layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(0.05)
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor(0.05)
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9, 10, 11, 40, 41], [12, 13, 14]]
+    want = [o.outputs[0].token_ids for o in _llm(model_dir).generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in _llm(tmp_path / "m", attention_backend="triton").generate(prompts, params)]
+    assert got == want
+
+
 # -- fp8 checkpoints ---------------------------------------------------------------------------------
 
 
