@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,9 +106,12 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalised forms (frozen: through object.__setattr__, before anyone sees them).
-        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        stop = [self.stop] if isinstance(self.stop, str) else list(_sequence("stop", self.stop))
         object.__setattr__(self, "stop", stop)
-        object.__setattr__(self, "stop_token_ids", [int(t) for t in (self.stop_token_ids or [])])
+        object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
+        _flags(self, "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "detokenize", "speculative")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind: must be a RequestOutputKind, got {self.output_kind!r}")
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < GREEDY_BELOW:
@@ -173,9 +178,11 @@ class SamplingParams:
             raise ValueError("logit_bias: must be an object mapping token ids to biases")
         out: dict[int, float] = {}
         for key, value in bias.items():
+            # A token id, or its decimal text (JSON's keys): int() of a float or a bool key
+            # (5.5, True) was a silent token 5 or 1.
             try:
-                token = int(key)
-            except (TypeError, ValueError):
+                token = int(key) if isinstance(key, str) or _is_integer(key) else int("not an id")
+            except ValueError:
                 raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
             if not 0 <= token < _INT64[1]:
                 raise ValueError(f"logit_bias: token id {token} must be >= 0")
@@ -218,3 +225,35 @@ def _number(name: str, value: object, low: float, high: float, hint: str) -> flo
             or not low <= value <= high:
         raise ValueError(f"{name}: {hint}, got {value!r}")
     return float(value)
+
+
+# What was taken before as it came: int() of every stop token id (a TypeError for None or an
+# int, 1.7 a silent 1, "12" the ids 1 and 2), list() of `stop` (a TypeError for an int), and a
+# flag's truthiness (ignore_eos="no" ignored EOS). Wrong types are ValueErrors naming the field.
+
+
+def _is_integer(value: object) -> bool:
+    """An integer of any kind (Python's, numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _sequence(name: str, value: object) -> Iterable[object]:
+    """`value` as the list-like it must be (None: empty); not a string, bytes or a mapping."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name}: must be a list, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(name: str, value: object) -> list[int]:
+    ids = list(_sequence(name, value))
+    if not all(_is_integer(t) for t in ids):
+        raise ValueError(f"{name}: token ids must be integers, got {ids!r}"[:200])
+    return [int(t) for t in ids]  # type: ignore[call-overload]  # integers, checked above
+
+
+def _flags(params: SamplingParams, *names: str) -> None:
+    for name in names:
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name}: must be true or false, got {getattr(params, name)!r}")

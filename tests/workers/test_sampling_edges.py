@@ -1,0 +1,41 @@
+"""Sampling parameters past the happy path: what vLLM documents (its sampler's order of
+operations) and what a wrong value must give (a ValueError naming the field, never a
+TypeError nor a silent reading). Each test failed before its fix."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pdserve import SamplingParams
+from pdserve.workers.sampling_params import RequestOutputKind
+
+
+@pytest.mark.parametrize("field, value", [
+    ("stop_token_ids", [None]),  # was a TypeError from int(None)
+    ("stop_token_ids", 5),  # was a TypeError: 'int' object is not iterable
+    ("stop_token_ids", [1.7]),  # was silently token 1
+    ("stop_token_ids", [True]),  # was silently token 1
+    ("stop_token_ids", "12"),  # was silently the tokens 1 and 2
+    ("stop", 5),  # was a TypeError
+    ("logit_bias", {5.5: 1.0}),  # was silently token 5
+    ("logit_bias", {True: 1.0}),  # was silently token 1
+    ("ignore_eos", "no"),  # was taken as true: EOS ignored
+    ("include_stop_str_in_output", "no"),
+    ("skip_special_tokens", None),
+    ("detokenize", "false"),
+    ("speculative", "no"),
+    ("output_kind", "delta"),  # was kept, and matched no kind
+])
+def test_a_wrong_type_is_a_valueerror_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_right_types_still_pass() -> None:
+    kw: dict[str, object] = dict(stop_token_ids=(np.int64(7), 9), stop=("a", "b"),
+                                 logit_bias={"5": 1.0, np.int32(6): -2}, ignore_eos=True,
+                                 output_kind=RequestOutputKind.DELTA)
+    sp = SamplingParams(**kw)  # type: ignore[arg-type]  # numpy ids, tuples, JSON's string keys
+    assert sp.stop_token_ids == [7, 9] and type(sp.stop_token_ids[0]) is int
+    assert sp.stop == ["a", "b"] and sp.logit_bias == {5: 1.0, 6: -2.0}
