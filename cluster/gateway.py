@@ -405,10 +405,12 @@ class Gateway:
             raise bad_request(e) from None
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
-               make: Callable[[int], SamplingParams], budget_field: str = "max_tokens") -> SamplingParams:
+               make: Callable[[int], SamplingParams], budget_field: str = "max_tokens",
+               logprobs_field: str = "logprobs") -> SamplingParams:
         """The checked parameters `make` builds for the completion's token budget
-        (`max_tokens`, or all the context the prompt leaves). `budget_field`: the
-        request's name for that budget, named in its errors."""
+        (`max_tokens`, or all the context the prompt leaves). `budget_field`, `logprobs_field`:
+        the request's names for that budget and for the number of top logprobs (chat's
+        `top_logprobs`), named in its errors."""
         default_budget = self.config.sampling_defaults.get("max_tokens")
         if max_tokens is None and default_budget is not None and len(prompt_ids) < self.config.max_model_len:
             # The model's max_new_tokens, within what the context leaves (vLLM's rule).
@@ -418,12 +420,15 @@ class Gateway:
             if self.vocab_size is not None:
                 check_request(params, self.vocab_size, self.config.max_logprobs)
         except ValueError as e:
-            if budget_field != "max_tokens" and str(e).startswith("max_tokens:"):
-                e = ValueError(budget_field + str(e).removeprefix("max_tokens"))
+            # Named as the request names them: a chat request's top_logprobs of -1 or 21 was
+            # refused naming `logprobs`, a boolean there, which the client had set right.
+            for ours, theirs in (("max_tokens", budget_field), ("logprobs", logprobs_field)):
+                if theirs != ours and str(e).startswith(ours + ":"):
+                    e = ValueError(theirs + str(e).removeprefix(ours))
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise APIError(400, f"logprobs: at most {self.config.max_logprobs}", "BadRequestError", "logprobs",
-                           reason=RefusalReason.LIMIT)
+            raise APIError(400, f"{logprobs_field}: at most {self.config.max_logprobs}", "BadRequestError",
+                           logprobs_field, reason=RefusalReason.LIMIT)
         return params
 
     def admit(self, num_requests: int = 1) -> Admission:

@@ -197,7 +197,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
             params = gw.params(prompt_ids, body.max_new_tokens(),
                                lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
-                               body.budget_field())
+                               body.budget_field(), "top_logprobs")
             if params.constraint is not None:
                 await gw.off_loop(body, lambda: gw.check_grammar(params))
         except BaseException:

@@ -1,0 +1,44 @@
+"""How the OpenAI requests' sampling fields reach SamplingParams, past the happy path: a
+refusal is a 400 whose OpenAI error object names the field the client sent. Each test
+failed before its fix."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from factories import tiny_engine_url, tiny_spec
+
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.fixture(scope="module")
+def url(make_model: Callable[[TinyModelSpec], Path]) -> Iterator[str]:
+    with tiny_engine_url(make_model(tiny_spec(init_std=0.05)), max_model_len=128) as base:
+        yield base
+
+
+def _client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url + "/v1", timeout=60)
+
+
+@pytest.mark.parametrize("top_logprobs", [-1, 21])
+def test_a_bad_top_logprobs_is_named_top_logprobs(url: str, top_logprobs: int) -> None:
+    """Chat asks for N top logprobs with `top_logprobs` (`logprobs` is a boolean there): a bad N
+    was refused as "logprobs: ..." with param "logprobs", a field the client had set right."""
+    with _client(url) as c:
+        r = c.post("/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": top_logprobs})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs: "), err
+    assert err["code"] == 400 and err["type"] == "BadRequestError"
+
+
+def test_completions_still_name_logprobs(url: str) -> None:
+    with _client(url) as c:
+        r = c.post("/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
