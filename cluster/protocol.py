@@ -321,7 +321,8 @@ class ChatCompletionRequest(_SamplingFields):
         return own or calls
 
     def num_logprobs(self) -> int | None:
-        if self.top_logprobs is not None and not self.logprobs:
+        # vLLM's rule: asking for some (> 0) needs logprobs; 0 asks for none, and is taken without.
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None
 

@@ -42,3 +42,13 @@ def test_completions_still_name_logprobs(url: str) -> None:
     with _client(url) as c:
         r = c.post("/completions", json={"prompt": "hi", "max_tokens": 2, "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
+
+
+def test_top_logprobs_zero_without_logprobs_is_taken_as_vllm_takes_it(url: str) -> None:
+    """`top_logprobs: 0` asks for no alternatives: vLLM takes it without `logprobs`; pdserve
+    answered 400. Above 0 it still needs `logprobs: true`."""
+    with _client(url) as c:
+        zero = c.post("/chat/completions", json={**CHAT, "top_logprobs": 0})
+        some = c.post("/chat/completions", json={**CHAT, "top_logprobs": 2})
+    assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
+    assert some.status_code == 400 and some.json()["error"]["param"] == "top_logprobs", some.text
