@@ -1,0 +1,208 @@
+"""Async scheduling edge cases (workers/in_flight.py) the main file does not cover. The oracle is
+the synchronous engine, or a block-accounting invariant."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from factories import tiny_spec
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.engine import LLMEngine
+from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+
+Requests = dict[str, tuple[list[int] | str, SamplingParams]]
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(SPEC)
+
+
+def _engine(model_dir: Path, async_scheduling: bool, **kw: object) -> LLMEngine:
+    args: dict[str, object] = dict(dtype="float32", max_model_len=256, num_kv_blocks=128, progress=False,
+                                   async_scheduling=async_scheduling)
+    args.update(kw)
+    return LLM(str(model_dir), **args).engine
+
+
+def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(engine: LLMEngine, requests: Requests, add_at: dict[int, Requests] | None = None,
+         on_step: Callable[[LLMEngine, int], None] | None = None) -> dict[str, RequestOutput]:
+    """Every request's final output; `add_at[i]` added before step i."""
+    add_at = dict(add_at or {})
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    finals: dict[str, RequestOutput] = {}
+    for i in range(2000):
+        for rid, (prompt, params) in add_at.pop(i, {}).items():
+            engine.add_request(rid, prompt, params)
+        if not engine.has_unfinished_requests() and not add_at:
+            break
+        if on_step is not None:
+            on_step(engine, i)
+        for out in engine.step():
+            if out.finished:
+                assert out.request_id not in finals, f"{out.request_id} finished twice"
+                finals[out.request_id] = out
+    assert not engine.has_unfinished_requests() and not engine.in_flight
+    return finals
+
+
+def _summary(out: RequestOutput) -> tuple[object, ...]:
+    c = out.outputs[0]
+    return c.token_ids, c.text, c.finish_reason, c.stop_reason, out.num_cached_tokens, out.error is None
+
+
+def _same(sync: dict[str, RequestOutput], overlapped: dict[str, RequestOutput]) -> None:
+    assert sync.keys() == overlapped.keys()
+    for rid in sync:
+        assert _summary(overlapped[rid]) == _summary(sync[rid]), rid
+
+
+def _free(engine: LLMEngine) -> None:
+    assert engine.kv.pool.num_used == 0
+    assert not engine.kv.req_blocks
+    assert not engine.scheduler.requests
+
+
+def test_usage_and_cache_events_count_no_dropped_row(model_dir: Path) -> None:
+    prompts = _prompts([9, 21, 33, 14, 32, 16], seed=1)
+    free_run = _run(_engine(model_dir, False), {
+        f"p{i}": (p, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)) for i, p in enumerate(prompts)})
+    ids0, text1 = free_run["p0"].outputs[0].token_ids, free_run["p1"].outputs[0].text
+    stop_str = text1[len(text1) // 2 : len(text1) // 2 + 3]
+    requests: Requests = {
+        "stop_token": (prompts[0], SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ids0[11]])),
+        "stop_string": (prompts[1], SamplingParams(temperature=0.0, max_tokens=40, stop=[stop_str], logprobs=2)),
+        "len": (prompts[2], SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)),
+        "b32": (prompts[4], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)),
+        "b16": (prompts[5], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)),
+    }
+    got = {}
+    for overlap in (False, True):
+        engine = _engine(model_dir, overlap, record_kv_events=True)
+        finals = _run(engine, requests)
+        events = engine.take_kv_events()
+        got[overlap] = (finals, engine.stats.generation_tokens, engine.stats.prompt_tokens_computed,
+                        sorted((e.kind.value, e.block_hash) for e in events if e.kind.value == "stored"))
+        _free(engine)
+    _same(got[False][0], got[True][0])
+    assert got[True][1:] == got[False][1:]
+
+
+def test_prefix_hits_admitted_while_a_step_is_in_flight(model_dir: Path) -> None:
+    """Prompts that end at a block boundary (16, 32) and their copies admitted a step or two later,
+    while the first's step is in flight: the copies hit its cached blocks in both engines."""
+    a, b, c = _prompts([32, 16, 47], seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    first: Requests = {"a": (a, params), "b": (b, params), "c": (c, params)}
+    later: dict[int, Requests] = {1: {"a1": (a, params), "b1": (b, params)},
+                                  2: {"a2": (a + [7], params), "c1": (c, params)}, 5: {"c2": (c[:33], params)}}
+    sync = _run(_engine(model_dir, False), first, later)
+    engine = _engine(model_dir, True)
+    got = _run(engine, first, later)
+    _same(sync, got)
+    assert got["a1"].num_cached_tokens > 0
+    _free(engine)
+
+
+def test_n_samples_and_max_model_len(model_dir: Path) -> None:
+    prompts = _prompts([30, 45], seed=12)
+    outs = {}
+    for overlap in (False, True):
+        llm = LLM(str(model_dir), dtype="float32", max_model_len=64, num_kv_blocks=64, progress=False,
+                  async_scheduling=overlap)
+        res = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0.8, n=3, seed=5, max_tokens=None, ignore_eos=True, logprobs=1))
+        outs[overlap] = [[(c.token_ids, c.finish_reason, c.cumulative_logprob) for c in r.outputs] for r in res]
+        assert llm.engine.kv.pool.num_used == 0
+    assert outs[True] == outs[False]
+    assert all(len(c[0]) == 64 - len(p) for r, p in zip(outs[True], prompts) for c in r)
+
+
+def test_json_schema_grammar_beside_plain_requests(model_dir: Path) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    prompts = _prompts([12, 20, 28, 9], seed=13)
+    requests: Requests = {
+        "json": (prompts[0], SamplingParams(temperature=0.0, max_tokens=40, structured_outputs={"json": schema})),
+        "json_t": (prompts[1], SamplingParams(temperature=0.7, seed=3, max_tokens=40,
+                                              structured_outputs={"json": schema})),
+        "plain": (prompts[2], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)),
+        "pen_min": (prompts[3], SamplingParams(temperature=0.0, max_tokens=40, min_tokens=10, presence_penalty=0.5,
+                                               logprobs=2)),
+    }
+    sync = _run(_engine(model_dir, False), requests, {3: {"late_json": (prompts[2], requests["json"][1])}})
+    engine = _engine(model_dir, True)
+    got = _run(engine, requests, {3: {"late_json": (prompts[2], requests["json"][1])}})
+    _same(sync, got)
+    _free(engine)
+
+
+def test_prompt_logprobs_in_chunks_with_steps_in_flight(model_dir: Path) -> None:
+    prompts = _prompts([70, 40, 25], seed=14)
+    requests: Requests = {
+        "pl": (prompts[0], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, prompt_logprobs=2)),
+        "pl2": (prompts[1], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, prompt_logprobs=0)),
+        "plain": (prompts[2], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)),
+    }
+    sync = _run(_engine(model_dir, False, max_num_batched_tokens=32), requests)
+    engine = _engine(model_dir, True, max_num_batched_tokens=32)
+    got = _run(engine, requests)
+    _same(sync, got)
+    for rid in ("pl", "pl2"):
+        want_lp, got_lp = sync[rid].prompt_logprobs, got[rid].prompt_logprobs
+        assert want_lp is not None and got_lp is not None and len(want_lp) == len(got_lp)
+        for w, g in zip(want_lp, got_lp):
+            assert (w is None) == (g is None)
+            if w is not None and g is not None:
+                assert w.keys() == g.keys()
+    _free(engine)
+
+
+def test_draft_model_speculation_with_steps_in_flight(model_dir: Path,
+                                                      make_model: Callable[[TinyModelSpec], Path]) -> None:
+    draft = make_model(tiny_spec(num_layers=1, hidden_size=32, num_heads=2, num_kv_heads=1, init_std=0.05, seed=7))
+    base = _prompts([8, 6, 9, 7], seed=15)
+    requests: Requests = {
+        f"r{i}": (p * 4, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=1))
+        for i, (p, n) in enumerate(zip(base, (10, 18, 30, 40)))}
+    spec = dict(speculative="draft", draft_model=str(draft), num_speculative_tokens=3, spec_max_batch_size=2,
+                spec_token_cost=0.01)
+    sync = _run(_engine(model_dir, False, **spec), requests)
+    engine = _engine(model_dir, True, **spec)
+    got = _run(engine, requests)
+    _same(sync, got)
+    assert engine.overlapped_steps > 0 and engine.stats.spec_drafts > 0
+    _free(engine)
+    assert engine.spec is not None and getattr(engine.spec.proposer, "num_tracked", 0) == 0
+
+
+def test_tight_pool_preemption_with_stops_and_shared_prefixes(model_dir: Path) -> None:
+    shared = _prompts([32], seed=16)[0]
+    tails = _prompts([3, 9, 17, 1, 12, 5], seed=17)
+    free_run = _run(_engine(model_dir, False), {
+        f"p{i}": (shared + t, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        for i, t in enumerate(tails)})
+    requests: Requests = {}
+    for i, t in enumerate(tails):
+        ids = free_run[f"p{i}"].outputs[0].token_ids
+        requests[f"r{i}"] = (shared + t, SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[ids[5 + 4 * i]],
+                                                        logprobs=1))
+    sync = _run(_engine(model_dir, False, num_kv_blocks=24, max_model_len=96), requests)
+    engine = _engine(model_dir, True, num_kv_blocks=24, max_model_len=96)
+    got = _run(engine, requests)
+    _same(sync, got)
+    _free(engine)
+
