@@ -414,8 +414,8 @@ class LLMEngine:
         with self.cpu_turn:  # the model's work (and the draft's, in _after_step), on the cores it may use
             start = time.perf_counter()
             before = self._in_flight
-            result = self._execute(sched, before.feed if before is not None else None)
-            if before is not None:
+            result = self._execute(sched, before.feed if before is not None else None, outputs)
+            if self._in_flight is not None:  # (not when the step raised: `_execute` landed it then)
                 self.overlapped_steps += 1
                 outputs += self._land()  # while the device runs the step just launched
             self._in_flight = self._launched(sched, result, start)
@@ -444,18 +444,32 @@ class LLMEngine:
         if pending is not None:
             pending.wait(GRAMMAR_POLL_S)
 
-    def _execute(self, sched: SchedulerOutput, feed: TokenFeed | None) -> StepResult:
+    def _execute(self, sched: SchedulerOutput, feed: TokenFeed | None, landed: list[RequestOutput]) -> StepResult:
         """Run the step (on a GPU: queue it). If it raises, the rows that fail alone are
         their requests' faults (workers/row_faults.py): those are failed and dropped from
         `sched`, and the rest run. A fault no row explains, or one more step of nothing but
-        faults than MAX_FAULT_STREAK allows, is the engine's: it raises."""
+        faults than MAX_FAULT_STREAK allows, is the engine's: it raises. A step in flight
+        (async scheduling) is landed first, its outputs added to `landed`."""
         try:
             return self.runner.execute(sched.scheduled, feed=feed)
         except TPGroupError:
             raise  # no row of a tensor-parallel step can be run again alone
-        except Exception as error:
+        except Exception as first:
             if self._fault_streak >= row_faults.MAX_FAULT_STREAK:
                 raise
+            error = first
+            if self._in_flight is not None:
+                # Land the step in flight before judging rows, as the synchronous engine had: a
+                # request its tokens end (a stop token) has a row here it never needed, and must
+                # finish, not fail for that row; a request that fails keeps the token it sampled.
+                landed += self._land()
+                sched.scheduled = [s for s in sched.scheduled if not s.request.finished]
+                if not sched.scheduled:
+                    return StepResult([], SamplerOutput(torch.empty(0, dtype=torch.int64)))
+                try:  # the row that raised may have been one of those
+                    return self.runner.execute(sched.scheduled, feed=feed)
+                except Exception as again:  # noqa: BLE001 - judged row by row below
+                    error = again
             for s, e in row_faults.isolate(lambda rows: self.runner.execute(rows, feed=feed), sched.scheduled,
                                            error, self._engine_runs):
                 self._fault(s.request, row_faults.describe(e))

@@ -13,6 +13,8 @@ from factories import tiny_spec
 from pdserve import LLM, SamplingParams
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput
+from pdserve.workers.request import Request
+from pdserve.workers.sampler import SamplingBatch
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
@@ -206,3 +208,48 @@ def test_tight_pool_preemption_with_stops_and_shared_prefixes(model_dir: Path) -
     _same(sync, got)
     _free(engine)
 
+
+def _fail_rows_from(engine: LLMEngine, rid: str, position: int) -> None:
+    """Building the sampling inputs of any step with `rid`'s row for output token `position` or
+    later raises (a value past int64, as workers/fault_seam.py poisons a row): the same rows in
+    both engines, counted by the request's tokens, the one in flight included."""
+    runner = engine.runner
+    real = runner._sampling_batch
+
+    def sampling_batch(reqs: list[Request], token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
+        if any(r.request_id == rid and r.num_output_tokens + r.num_pending >= position for r in reqs):
+            raise OverflowError(f"injected: the row of request {rid} cannot be built")
+        return real(reqs, token_bitmask)
+
+    runner._sampling_batch = sampling_batch
+
+
+def test_a_row_that_fails_beside_a_step_in_flight_fails_as_in_the_sync_engine(model_dir: Path) -> None:
+    """The step launched while another is in flight raises, and the rows that fail alone are
+    failed. The step in flight lands first, as in the synchronous engine: a request it ends (a stop
+    token) finishes as it should, not failed for a row it never needed; a request that does fail
+    keeps the token it sampled there; the others keep their tokens."""
+    prompts = _prompts([11, 19, 27], seed=18)
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    free_run = _run(_engine(model_dir, False), {f"p{i}": (p, greedy) for i, p in enumerate(prompts)})
+    stop_at = free_run["p0"].outputs[0].token_ids[5]
+    requests: Requests = {
+        "stops": (prompts[0], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                                             stop_token_ids=[stop_at])),
+        "fails": (prompts[1], greedy),
+        "ok": (prompts[2], greedy),
+    }
+    got = {}
+    for overlap in (False, True):
+        engine = _engine(model_dir, overlap)
+        # `stops` ends at its 6th token: a row for a 7th raises; `fails`' 9th row raises.
+        n_stop = free_run["p0"].outputs[0].token_ids.index(stop_at) + 1
+        _fail_rows_from(engine, "stops", n_stop)
+        _fail_rows_from(engine, "fails", 8)
+        got[overlap] = (_run(engine, requests), engine.stats.generation_tokens, engine.stats.request_faults)
+        _free(engine)
+    sync, overlapped = got[False][0], got[True][0]
+    assert sync["stops"].error is None and sync["stops"].outputs[0].finish_reason == "stop"
+    assert sync["fails"].error is not None and len(sync["fails"].outputs[0].token_ids) == 8
+    _same(sync, overlapped)
+    assert got[True][1:] == got[False][1:]
