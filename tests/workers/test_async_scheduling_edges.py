@@ -3,6 +3,7 @@ the synchronous engine, or a block-accounting invariant."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 
@@ -253,3 +254,119 @@ def test_a_row_that_fails_beside_a_step_in_flight_fails_as_in_the_sync_engine(mo
     assert sync["fails"].error is not None and len(sync["fails"].outputs[0].token_ids) == 8
     _same(sync, overlapped)
     assert got[True][1:] == got[False][1:]
+
+
+def test_a_handoff_completed_while_the_decode_engine_has_a_step_in_flight(model_dir: Path) -> None:
+    """Disaggregated: an async prefill engine (hold_kv) samples the first tokens; an async decode
+    engine, decoding requests of its own, reserves blocks and completes the handoffs between its
+    steps while one is in flight. Every request's tokens equal one synchronous engine's."""
+    prompts = _prompts([40, 23, 70, 33, 17], seed=19)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(temperature=0.8, seed=4, max_tokens=24, ignore_eos=True, logprobs=1)
+    params = {"own0": greedy, "own1": seeded, "x0": greedy, "x1": seeded,
+              "x2": SamplingParams(temperature=0.0, max_tokens=1)}
+    prompt_of = dict(zip(params, prompts))
+    want = _run(_engine(model_dir, False), {rid: (prompt_of[rid], params[rid]) for rid in params})
+
+    prefill, decode = _engine(model_dir, True, max_num_batched_tokens=32), _engine(model_dir, True)
+    for rid in ("own0", "own1"):
+        decode.add_request(rid, prompt_of[rid], params[rid])
+    handed = ("x0", "x1", "x2")
+    for rid in handed:
+        prefill.add_request(rid, prompt_of[rid], _first_only(params[rid]), hold_kv=True)
+    firsts = {out.request_id: out for out in _drain(prefill)}
+    finals: dict[str, RequestOutput] = {}
+    for i in range(500):
+        if i in (2, 3, 4) and decode.in_flight:
+            rid = handed[i - 2]
+            plan = decode.reserve(rid, prompt_of[rid], params[rid])
+            assert plan is not None
+            dst, cached = plan
+            src, skip = prefill.blocks_of(rid), cached // prefill.config.block_size
+            for (pk, pv), (dk, dv) in zip(prefill.kv_caches, decode.kv_caches):
+                dk[torch.tensor(dst[skip:len(src)])] = pk[torch.tensor(src[skip:])]
+                dv[torch.tensor(dst[skip:len(src)])] = pv[torch.tensor(src[skip:])]
+            prefill.release(rid)
+            first = firsts[rid].outputs[0]
+            out = decode.complete_reservation(rid, first.token_ids[0],
+                                              first.logprobs[0] if first.logprobs else None)
+            if out is not None and out.finished:
+                finals[rid] = out
+        elif not decode.has_unfinished_requests():
+            break
+        for out in decode.step():
+            if out.finished:
+                assert out.request_id not in finals
+                finals[out.request_id] = out
+    assert finals.keys() == want.keys()
+    for rid in want:
+        assert finals[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+        assert finals[rid].outputs[0].finish_reason == want[rid].outputs[0].finish_reason, rid
+    assert prefill.kv.pool.num_used == 0
+    _free(decode)
+
+
+def _first_only(p: SamplingParams) -> SamplingParams:
+    """What a prefill worker samples: the first token."""
+    return dataclasses.replace(p, max_tokens=1, min_tokens=min(p.min_tokens, 1))
+
+
+def _drain(engine: LLMEngine) -> list[RequestOutput]:
+    outs = []
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        outs += [o for o in engine.step() if o.finished]
+    return outs
+
+
+def test_the_worker_thread_aborts_and_closes_with_a_step_in_flight(model_dir: Path) -> None:
+    """Clients that leave mid-stream (their request aborted on the engine thread while its next
+    token is in flight) free their blocks; the others stream the synchronous engine's tokens;
+    closing with a request still running fails it and leaves no block held by a live request."""
+    import asyncio
+
+    from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
+
+    prompts = _prompts([10, 44, 27, 31], seed=20)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want = _run(_engine(model_dir, False), {f"r{i}": (p, params) for i, p in enumerate(prompts)})
+    inner = _engine(model_dir, True)
+    engine = AsyncEngine(inner).start()
+
+    async def collect(rid: str, prompt: list[int], leave_after: int | None) -> list[int]:
+        tokens: list[int] = []
+        async for out in engine.generate(rid, prompt, params):
+            tokens += out.outputs[0].token_ids
+            if leave_after is not None and len(tokens) >= leave_after:
+                break
+        return tokens
+
+    async def main() -> list[list[int]]:
+        jobs = [collect("r0", prompts[0], None), collect("r1", prompts[1], 5), collect("r2", prompts[2], 12),
+                collect("r3", prompts[3], None)]
+        return await asyncio.wait_for(asyncio.gather(*jobs), timeout=60)
+
+    try:
+        got = asyncio.run(main())
+        assert got[0] == want["r0"].outputs[0].token_ids and got[3] == want["r3"].outputs[0].token_ids
+        assert got[1] == want["r1"].outputs[0].token_ids[: len(got[1])]
+        assert got[2] == want["r2"].outputs[0].token_ids[: len(got[2])]
+        assert asyncio.run(engine.call(lambda e: (e.kv.pool.num_used, e.in_flight, e.has_unfinished_requests()))) \
+            == (0, False, False)
+
+        async def last() -> list[int]:
+            return await collect("late", prompts[0], None)
+
+        async def close_mid() -> object:
+            task = asyncio.create_task(last())
+            await asyncio.sleep(0.05)
+            await asyncio.to_thread(engine.close)
+            return await asyncio.gather(task, return_exceptions=True)
+
+        result = asyncio.run(close_mid())
+        assert isinstance(result, list)
+        assert isinstance(result[0], (EngineDeadError, list)), result
+    finally:
+        engine.close()
+    assert not inner.kv.req_blocks or set(inner.kv.req_blocks) <= {"late"}
