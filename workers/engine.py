@@ -503,7 +503,12 @@ class LLMEngine:
         for req in result.sampled:
             if not req.finished:
                 req.num_pending += 1  # its token is read when the step lands
-        drafting = self.spec is not None and not self.spec.dormant(len(self.scheduler.running))
+        running = self.scheduler.running
+        # Drafts already made count too: the speculator drafted as the step before landed, for a
+        # batch that rows failed since may have shrunk to a dormant size (`_execute`). The next step
+        # verifies them, from a last token that must be on the host by then.
+        drafting = self.spec is not None and (not self.spec.dormant(len(running))
+                                              or any(r.spec_token_ids for r in running))
         return launch_record(sched, result, work, start, chains(result, drafting), computed_before)
 
     def _land(self) -> list[RequestOutput]:

@@ -16,6 +16,7 @@ from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.request import Request
 from pdserve.workers.sampler import SamplingBatch
+from pdserve.workers.scheduler import SchedulerOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
@@ -225,6 +226,19 @@ def _fail_rows_from(engine: LLMEngine, rid: str, position: int) -> None:
     runner._sampling_batch = sampling_batch
 
 
+def _fail_rows_while(engine: LLMEngine, rid: str, when: Callable[[], bool]) -> None:
+    """Building the sampling inputs of any step with `rid`'s row raises while `when()`."""
+    runner = engine.runner
+    real = runner._sampling_batch
+
+    def sampling_batch(reqs: list[Request], token_bitmask: torch.Tensor | None = None) -> SamplingBatch:
+        if when() and any(r.request_id == rid for r in reqs):
+            raise OverflowError(f"injected: the row of request {rid} cannot be built")
+        return real(reqs, token_bitmask)
+
+    runner._sampling_batch = sampling_batch
+
+
 def test_a_row_that_fails_beside_a_step_in_flight_fails_as_in_the_sync_engine(model_dir: Path) -> None:
     """The step launched while another is in flight raises, and the rows that fail alone are
     failed. The step in flight lands first, as in the synchronous engine: a request it ends (a stop
@@ -370,3 +384,46 @@ def test_the_worker_thread_aborts_and_closes_with_a_step_in_flight(model_dir: Pa
     finally:
         engine.close()
     assert not inner.kv.req_blocks or set(inner.kv.req_blocks) <= {"late"}
+
+
+def _no_drafts_without_their_last_token(engine: LLMEngine) -> None:
+    """Every step verifies drafts only after the request's last token is on the host: a verifying
+    row's input is that token, then the drafts (the row of a token in flight would take a draft's
+    place there)."""
+    real = engine.scheduler.schedule
+
+    def schedule() -> SchedulerOutput:
+        out = real()
+        for s in out.scheduled:
+            assert not (s.num_spec and s.request.num_pending), f"{s.request.request_id} verifies drafts mid-flight"
+        return out
+
+    engine.scheduler.schedule = schedule
+
+
+def test_drafts_made_as_a_failed_step_lands_its_predecessor_are_verified_from_the_host(model_dir: Path) -> None:
+    """The step in flight lands while the next one is judged row by row (it raised), and the
+    speculator drafts as it lands; the rows that fail then shrink the batch to a size at which the
+    speculator is dormant (the measured cost model wants a plain step at a batch it has not
+    measured). A step must not chain while a request holds drafts: the next one verifies them, and
+    a request whose token is in flight has no last token on the host to verify them from."""
+    base = _prompts([8, 6, 9, 7, 5], seed=21)
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    requests: Requests = {f"r{i}": (p * 4, greedy) for i, p in enumerate(base[:3])}
+    late: dict[int, Requests] = {6: {"late": (base[3] * 4, greedy)}}
+    spec: dict[str, object] = dict(speculative="ngram", num_speculative_tokens=3, spec_max_batch_size=8)
+    got = {}
+    for overlap in (False, True):
+        engine = _engine(model_dir, overlap, **spec)
+        assert engine.spec is not None
+        # Drafts only at 4 running requests (a batch the cost model measured), plain steps otherwise.
+        engine.spec.dormant = lambda batch: batch != 4
+        # From when `late` is admitted (the batch grows to 4), r2's rows raise.
+        scheduler = engine.scheduler
+        _fail_rows_while(engine, "r2", lambda: "late" in scheduler.requests)
+        _no_drafts_without_their_last_token(engine)
+        got[overlap] = _run(engine, requests, late)
+        _free(engine)
+    _same(got[False], got[True])
+    assert got[True]["r2"].error is not None
+    assert all(got[True][rid].error is None for rid in ("r0", "r1", "late"))
