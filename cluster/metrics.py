@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.cluster.limits import RefusalReason
-from pdserve.cluster.metrics_peers import PeerStore, labelled, publish_forever, read_peers
+from pdserve.cluster.metrics_peers import PeerStore, labelled, pack, publish_forever, read_peers
 from pdserve.cluster.metrics_peers import stop as stop_publisher
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
 from pdserve.cluster.worker_handle import WorkerHandle
@@ -73,6 +74,9 @@ class GatewayMetrics:
         self.replica, self.replicas = replica, replicas
         self.peers: PeerStore | None = None
         self._publisher: asyncio.Task[None] | None = None
+        # Puts to the store in the order their families were collected (see `_publish`).
+        self._collected = self._put_seq = 0
+        self._put_lock = threading.Lock()
         self.registry = r = CollectorRegistry()
         self.requests_total = Counter("pdserve:gateway_requests", "HTTP requests by endpoint and status",
                                       ["endpoint", "status"], registry=r)
@@ -159,8 +163,11 @@ class GatewayMetrics:
         for gone in self._worker_series - now:
             self.worker_up.remove(*gone)
         self._worker_series = now
-        own = self.own_families()
-        peers = [] if self.peers is None else await read_peers(self.peers, self.replica, self.replicas)
+        if self.peers is None:
+            own, peers = self.own_families(), []
+        else:
+            own = await self._publish()
+            peers = await read_peers(self.peers, self.replica, self.replicas)
         return await asyncio.to_thread(_render, [own, *peers, *(f for f in parsed if f is not None)])
 
     def own_families(self) -> list[Metric]:
@@ -170,11 +177,36 @@ class GatewayMetrics:
         own = list(WithoutCreated(self.registry).collect())
         return labelled(own, self.replica) if self.replicas > 1 else own
 
+    async def _publish(self) -> list[Metric]:
+        """Collect this replica's families and put them in the peers' store; returns them once
+        they are there. A scrape shows its replica's own families only after publishing them:
+        the next scrape, which HAProxy may send to another replica, reads them (or later ones)
+        from the store. Shown fresh but published up to PUBLISH_S later, replica k's counters
+        went back on every scrape that reached another replica after one that reached k (a
+        counter reset to rate(): the whole count again as a spike)."""
+        own = self.own_families()
+        self._collected += 1
+        seq = self._collected
+        try:
+            await asyncio.to_thread(self._put_in_order, seq, own)
+        except Exception as e:  # noqa: BLE001 - the GCS unreachable: this scrape still has our own
+            log.warning("publishing this gateway replica's metrics failed: %r", e)
+        return own
+
+    def _put_in_order(self, seq: int, own: list[Metric]) -> None:
+        """Put `own` (collected `seq`th) unless later families are in the store already: the
+        publisher's put and a scrape's may race, and the older must not overwrite the newer."""
+        assert self.peers is not None
+        with self._put_lock:
+            if seq <= self._put_seq:
+                return
+            self.peers.put(self.replica, pack(_render([own]), time.time()))
+            self._put_seq = seq
+
     def start_publishing(self) -> None:
         """With peers, publish this replica's families every PUBLISH_S (the app's startup)."""
         if self.peers is not None and self._publisher is None:
-            self._publisher = asyncio.ensure_future(
-                publish_forever(self.peers, self.replica, lambda: _render([self.own_families()])))
+            self._publisher = asyncio.ensure_future(publish_forever(self._publish))
 
     async def close(self) -> None:
         await stop_publisher(self._publisher)

@@ -6,7 +6,8 @@ replica a scrape reached, each drop between them read as a counter reset (rate()
 traffic, an alert fired on an event long past), or the dashboard saw one replica's share.
 With several replicas, each labels its gateway families `replica="<rank>"` and publishes them
 every PUBLISH_S to a store all replicas share (Ray's internal key-value store, in the GCS);
-a replica's /metrics is its own families, fresh, the others' last published ones (up to
+a replica's /metrics is its own families, fresh (and published before the scrape answers,
+so the next scrape, on any replica, reads no less), the others' last published ones (up to
 PUBLISH_S old; dropped past STALE_S: a replica gone for good leaves no frozen series), and
 the workers'. One replica alone changes nothing: no label, no store.
 """
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Protocol
 
 from prometheus_client.core import Metric
@@ -101,12 +102,12 @@ async def read_peers(store: PeerStore, rank: int, replicas: int) -> list[list[Me
     return await asyncio.to_thread(read)
 
 
-async def publish_forever(store: PeerStore, rank: int, render: Callable[[], bytes]) -> None:
-    """Every PUBLISH_S, `render()` (this replica's labelled families) into the store."""
+async def publish_forever(publish: Callable[[], Awaitable[object]]) -> None:
+    """Every PUBLISH_S, `publish()` (this replica's labelled families into the store: the
+    gateway's, which orders its puts with its scrapes')."""
     while True:
         try:
-            text = render()
-            await asyncio.to_thread(store.put, rank, pack(text, time.time()))
+            await publish()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - the next round tries again; a scrape here still has ours
