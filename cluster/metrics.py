@@ -96,7 +96,8 @@ class GatewayMetrics:
                                     buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         # Per finished request: the lengths the planner loop re-plans on (cluster/planner/traffic.py).
-        self.request_prompt_tokens = Histogram("pdserve:request_prompt_tokens", "Prompt tokens per finished request",
+        self.request_prompt_tokens = Histogram("pdserve:request_prompt_tokens",
+                                               "Prompt tokens per finished request (per choice)",
                                                buckets=TOKEN_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("pdserve:request_generation_tokens",
                                                    "Tokens sent per finished request", buckets=TOKEN_BUCKETS,
@@ -270,12 +271,14 @@ class RequestMetrics:
         self._m = m
         self.arrival = time.perf_counter()
         self._choices: dict[int, _Timeline] = {}
-        self._prompt_tokens = 0
+        self._choice_prompts: tuple[int, ...] = ()
         self._admitted = self._queue_seen = self._closed = False
 
-    def admitted(self, prompt_tokens: int) -> None:
+    def admitted(self, prompt_tokens: int, choice_prompts: Iterable[int] | None = None) -> None:
+        """`prompt_tokens` in all; `choice_prompts`: the prompt length of each choice, by index
+        (None: one choice of them all)."""
         self._admitted = True
-        self._prompt_tokens = prompt_tokens
+        self._choice_prompts = (prompt_tokens,) if choice_prompts is None else tuple(choice_prompts)
         self._m.in_flight.inc()
         self._m.queued.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
@@ -311,7 +314,12 @@ class RequestMetrics:
         for reason in reasons:
             m.success.labels(reason or "abort").inc()
         if self._admitted:
-            m.request_prompt_tokens.observe(self._prompt_tokens)
+            # One observation per choice, of its own prompt, as request_generation_tokens and
+            # request_success have: the planner pairs the two histograms' observations as one
+            # engine request each (cluster/planner/traffic.py), and took a request's prompts
+            # summed, observed once, for one request of their total length.
+            for prompt_tokens in self._choice_prompts:
+                m.request_prompt_tokens.observe(prompt_tokens)
             for _ in range(len(reasons) - len(self._choices)):  # choices that made no token
                 m.request_generation_tokens.observe(0)
         for c in self._choices.values():

@@ -363,11 +363,16 @@ def _prompt_tokens(works: list[Work]) -> int:
     return sum(len(w.prompt_ids) for w in works)
 
 
+def _choice_prompts(works: list[Work]) -> list[int]:
+    """Each choice's prompt length, by choice index (prompt p's sample j is choice p * n + j)."""
+    return [len(w.prompt_ids) for w in works for _ in range(w.params.n)]
+
+
 async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work],
                            rm: RequestMetrics) -> ResponseBody:
     """The whole response body; a failure raises an APIError (its handler counts it)."""
     choices = new_choices(works)
-    rm.admitted(_prompt_tokens(works))
+    rm.admitted(_prompt_tokens(works), _choice_prompts(works))
     try:
         async with contextlib.aclosing(gw.run(rid, works)) as events:  # its request aborted now if cut short
             async for i, out in events:
@@ -389,7 +394,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
     `stream_options.continuous_usage_stats`)."""
     render = ChunkRenderer(kind, rid, gw.config.model_name, gw.token_str)
     choices = new_choices(works)
-    rm.admitted(_prompt_tokens(works))
+    rm.admitted(_prompt_tokens(works), _choice_prompts(works))
 
     def so_far() -> Usage | None:
         return usage_body(works, choices) if continuous_usage else None
