@@ -185,8 +185,10 @@ def find_gguf(path: Path) -> Path | None:
     """The GGUF file `path` names: itself, or the one in a directory that has no
     safetensors; None for an HF directory. ValueError when it cannot tell which."""
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model: {path} is a file but not a .gguf one")
+        # By its magic, not only its name: Ollama keeps its GGUF files as blobs named
+        # sha256-<hash>, no suffix (vLLM takes a file by its magic too).
+        if path.suffix != ".gguf" and not _has_gguf_magic(path):
+            raise ValueError(f"model: {path} is a file but not a GGUF one (no .gguf suffix, no GGUF magic)")
         return path
     if not path.is_dir():
         raise ValueError(f"model: {path} does not exist")
@@ -197,6 +199,11 @@ def find_gguf(path: Path) -> Path | None:
         raise ValueError(f"model: {path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}); "
                          "name one of them")
     return ggufs[0]
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"GGUF"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, dtype: str = "float32", progress: bool = False) -> Path:

@@ -1,0 +1,133 @@
+"""GGUF loading at its edges: files as Ollama stores them, metadata that disagrees with the
+tensors, the conversion cache when a file changes under it, and the quantization types
+beyond those tests/workers/test_gguf.py runs end to end. The oracle is transformers' own
+GGUF loading (its dequantization is its own, apart from the `gguf` package's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from factories import tiny_spec
+from gguf_writer import train, write
+from safetensors.torch import load_file
+from test_gguf import QTYPES, write_gguf
+from tokenizers import Tokenizer
+
+from pdserve import LLM, SamplingParams
+from pdserve.workers.model.gguf import convert_gguf
+from pdserve.workers.model.resolve import resolve_model
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path / "cache"))
+
+
+@pytest.fixture(scope="module")
+def small() -> Tokenizer:
+    return train("gpt2", vocab_size=600)
+
+
+@pytest.fixture(scope="module")
+def llama(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(arch="llama", hidden_size=64, intermediate_size=128, init_std=0.05))
+
+
+def _transformers_greedy(path: Path, prompt: list[int], n: int = 8) -> list[int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                             min_new_tokens=n)
+    return out[0, len(prompt):].tolist()
+
+
+def test_an_ollama_blob_without_the_gguf_suffix_loads(llama: Path, tmp_path: Path) -> None:
+    """Ollama keeps its models as blobs named by their hash (~/.ollama/models/blobs/sha256-...),
+    with no .gguf suffix; vLLM takes such a file by its GGUF magic, transformers by its name.
+    pdserve refused it as "a file but not a .gguf one"."""
+    blob = tmp_path / "blobs" / "sha256-6a0746a1ec1aef3e7ec53868f220ff6e389f6f8ef87a01d77c96807de94ca2aa"
+    blob.parent.mkdir()
+    write_gguf(llama, blob, "Q8_0", "llama")
+    llm = LLM(str(blob), max_model_len=128, num_kv_blocks=32, progress=False)
+    prompt = llm.tokenizer.encode("def fibonacci(n):", add_special_tokens=False)
+    got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))[0].outputs[0]
+    assert got.token_ids == _transformers_greedy(blob, prompt)
+    # A file that is not GGUF, suffix or not, is still refused by name.
+    other = tmp_path / "blobs" / "sha256-00"
+    other.write_bytes(b"{\"not\": \"a model\"}")
+    with pytest.raises(ValueError, match="sha256-00"):
+        resolve_model(str(other))
+
+
+def test_two_processes_converting_at_once_leave_one_whole_conversion(small: Tokenizer, tmp_path: Path) -> None:
+    """Every worker of a cluster starts at once: both convert-or-wait, neither reads a half one."""
+    path = write(small, tmp_path / "m.gguf", "default")
+    code = textwrap.dedent(f"""
+        from safetensors.torch import load_file
+        from pdserve.workers.model.resolve import resolve_model
+        out = resolve_model({str(path)!r})
+        print(out, len(load_file(str(out / "model.safetensors"))))
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ), stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].split() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    assert outs[0] == outs[1] and outs[0][1] == "11"
+    cache = Path(outs[0][0]).parent
+    assert sorted(p.name for p in cache.iterdir()) == sorted([Path(outs[0][0]).name, Path(outs[0][0]).name + ".lock"])
+
+
+@pytest.mark.parametrize("qtype", ["BF16", "Q4_0", "Q5_0", "Q5_1"])
+def test_more_quantization_types_dequantize_as_transformers_does(llama: Path, tmp_path: Path, qtype: str,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(QTYPES, qtype, gguf.GGMLQuantizationType[qtype])
+    path = write_gguf(llama, tmp_path / f"m.{qtype}.gguf", qtype, "llama")
+    ours = load_file(str(resolve_model(str(path)) / "model.safetensors"))
+    if qtype in ("Q5_0", "Q5_1"):  # transformers cannot dequantize these: the gguf package is the oracle
+        reader = gguf.GGUFReader(str(path))
+        t = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+        want = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        assert torch.equal(ours["model.layers.0.mlp.down_proj.weight"], want.reshape(64, 128))
+        return
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32)
+    theirs = model.state_dict()
+    for name, w in ours.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            torch.testing.assert_close(w, theirs[name], rtol=0, atol=1e-6, msg=name)
+    np.testing.assert_allclose(ours["model.embed_tokens.weight"].numpy(),
+                               theirs["model.embed_tokens.weight"].numpy(), atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["F64", "Q8_1", "I32"])
+def test_a_tensor_type_it_cannot_read_is_refused_by_name(small: Tokenizer, tmp_path: Path, qtype: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    t = gguf.GGMLQuantizationType[qtype]
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self: gguf.GGUFWriter, name: str, tensor: np.ndarray, **kw: object) -> None:
+        if name != "blk.0.ffn_up.weight":
+            return add(self, name, tensor, **kw)
+        block, size = gguf.GGML_QUANT_SIZES[t]
+        raw = np.zeros((tensor.shape[0], tensor.shape[1] // block * size), dtype=np.uint8)
+        return add(self, name, raw, raw_dtype=t)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    path = write(small, tmp_path / "m.gguf", "default")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=f"type {qtype}.*blk.0.ffn_up.weight"):
+        convert_gguf(path, tmp_path / "out")
