@@ -72,6 +72,18 @@ def test_an_ollama_blob_without_the_gguf_suffix_loads(llama: Path, tmp_path: Pat
         resolve_model(str(other))
 
 
+def test_head_count_that_does_not_fit_the_q_rows_is_a_clear_error(small: Tokenizer, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Metadata saying 3 heads for a Q of 64 rows crashed the conversion with torch's
+    "shape '[3, 10, 2, 64]' is invalid for input of size 4096", naming neither file nor key."""
+    add = gguf.GGUFWriter.add_head_count
+    monkeypatch.setattr(gguf.GGUFWriter, "add_head_count", lambda self, n: add(self, 3))
+    path = write(small, tmp_path / "bad-heads.gguf", "default")
+    with pytest.raises(ValueError, match=r"bad-heads\.gguf.*head_count"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_two_processes_converting_at_once_leave_one_whole_conversion(small: Tokenizer, tmp_path: Path) -> None:
     """Every worker of a cluster starts at once: both convert-or-wait, neither reads a half one."""
     path = write(small, tmp_path / "m.gguf", "default")

@@ -164,8 +164,19 @@ class GGUFModel:
         _, _, interleaved = ARCHITECTURES[self.arch]
         heads = int(self.arch_field("attention.head_count"))
         kv_heads = int(self.arch_field("attention.head_count_kv", heads))
+        head_dim = int(self.arch_field("attention.key_length", 0)
+                       or int(self.arch_field("embedding_length")) // heads)
+        # Q/K/V rows the metadata implies: checked before unpermute, whose reshape otherwise
+        # fails with torch's bare "shape '[3, 10, 2, 64]' is invalid", naming no file or key.
+        rows = {"q_proj": ("head_count", heads * head_dim), "k_proj": ("head_count_kv", kv_heads * head_dim),
+                "v_proj": ("head_count_kv", kv_heads * head_dim)}
         for t in self.reader.tensors:
             name = hf_name(t.name)
+            proj = name.split(".")[-2]
+            if proj in rows and int(t.shape[-1]) != rows[proj][1]:
+                raise ValueError(f"model: GGUF tensor {t.name} of {self.path.name} has {int(t.shape[-1])} rows, but "
+                                 f"its metadata ({self.arch}.attention.{rows[proj][0]}, head size {head_dim}) "
+                                 f"implies {rows[proj][1]}")
             try:
                 array = dequantize(t.data, t.tensor_type)
             except NotImplementedError as e:
