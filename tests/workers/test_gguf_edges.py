@@ -6,6 +6,7 @@ GGUF loading (its dequantization is its own, apart from the `gguf` package's).""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,7 +19,7 @@ import pytest
 import torch
 from factories import tiny_spec
 from gguf_writer import train, write
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from test_gguf import QTYPES, write_gguf
 from tokenizers import Tokenizer
 
@@ -82,6 +83,30 @@ def test_head_count_that_does_not_fit_the_q_rows_is_a_clear_error(small: Tokeniz
     with pytest.raises(ValueError, match=r"bad-heads\.gguf.*head_count"):
         convert_gguf(path, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_gguf_replaced_with_its_time_kept_is_converted_again(llama: Path, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache key was path, size and mtime: a file replaced by another of the same size with
+    its modification time kept (cp -p, rsync -a, tar x, a re-upload of the same quantization)
+    reused the stale conversion, the old weights served as the new file's."""
+    path = tmp_path / "m.gguf"
+    write_gguf(llama, path, "F16", "llama")
+    first = resolve_model(str(path))
+    st = path.stat()
+    other_dir = tmp_path / "other"  # the same model with other weights: a file of the same size
+    shutil.copytree(llama, other_dir)
+    weights = load_file(str(other_dir / "model.safetensors"))
+    save_file({k: (v * 0.5).contiguous() for k, v in weights.items()}, str(other_dir / "model.safetensors"))
+    staged = tmp_path / "staged.gguf"
+    write_gguf(other_dir, staged, "F16", "llama")
+    assert staged.stat().st_size == st.st_size and staged.read_bytes() != path.read_bytes()
+    os.replace(staged, path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # what cp -p / rsync -a / tar x do
+    second = resolve_model(str(path))
+    assert second != first
+    got = load_file(str(second / "model.safetensors"))["model.norm.weight"]
+    assert torch.allclose(got, weights["model.norm.weight"].float() * 0.5, atol=1e-3)
 
 
 def test_two_processes_converting_at_once_leave_one_whole_conversion(small: Tokenizer, tmp_path: Path) -> None:

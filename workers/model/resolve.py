@@ -5,7 +5,7 @@
 - a `.gguf` file, or a directory holding one GGUF file and no safetensors: that
   file converted once (workers/model/gguf.py) into
   `cache_dir()/models/gguf-<stem>-<key>`, where the key hashes the file's
-  absolute path, size and modification time: hashing a multi-GB file's bytes on
+  absolute path, size, modification and status-change times: hashing a multi-GB file's bytes on
   every start would cost more than the check is worth, and a file replaced in
   place changes its size or time. A file lock makes concurrent first uses (every
   worker of a cluster starting at once) convert it once.
@@ -63,8 +63,10 @@ CONVERTER_VERSION = 2
 
 def converted_dir(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{CONVERTER_VERSION}".encode()
-                         ).hexdigest()[:12]
+    # ctime too (as git's index keeps it): cp -p, rsync -a and tar x put back the old mtime of a
+    # file they replace, but none can set its ctime, which any write, rename or utime moves.
+    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0"
+                         f"{CONVERTER_VERSION}".encode()).hexdigest()[:12]
     return cache_dir() / "models" / f"gguf-{gguf.stem}-{key}"
 
 
