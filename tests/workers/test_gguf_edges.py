@@ -5,6 +5,7 @@ GGUF loading (its dequantization is its own, apart from the `gguf` package's).""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -168,3 +169,19 @@ def test_a_tensor_type_it_cannot_read_is_refused_by_name(small: Tokenizer, tmp_p
     monkeypatch.undo()
     with pytest.raises(ValueError, match=f"type {qtype}.*blk.0.ffn_up.weight"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_a_tied_qwen2_gguf_generates_what_transformers_does(make_model: Callable[[TinyModelSpec], Path],
+                                                           tmp_path: Path) -> None:
+    """Qwen2's small models tie their head (no output.weight in the file), carry Q/K/V biases that
+    llama.cpp does not permute, and a rope theta of 1e6 and an eps of 1e-6."""
+    src = make_model(tiny_spec(arch="qwen2", hidden_size=64, intermediate_size=128, init_std=0.05,
+                               tie_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6))
+    path = write_gguf(src, tmp_path / "qwen.gguf", "Q8_0", "qwen2")
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    llm = LLM(str(path), max_model_len=128, num_kv_blocks=32, progress=False)
+    assert json.loads((resolve_model(str(path)) / "config.json").read_text())["tie_word_embeddings"] is True
+    for text in ("def fibonacci(n):", "The quick brown fox"):
+        prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+        got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))[0].outputs[0]
+        assert got.token_ids == _transformers_greedy(path, prompt)
