@@ -185,3 +185,17 @@ def test_a_tied_qwen2_gguf_generates_what_transformers_does(make_model: Callable
         prompt = llm.tokenizer.encode(text, add_special_tokens=False)
         got = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=8))[0].outputs[0]
         assert got.token_ids == _transformers_greedy(path, prompt)
+
+
+def test_a_directory_of_split_gguf_shards_says_split_not_name_one(small: Tokenizer, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A directory holding the shards of one split GGUF (m-00001-of-00003.gguf ...) was answered
+    "holds 3 GGUF files ...; name one of them", and each one named is then refused as a shard."""
+    init = gguf.GGUFWriter.__init__
+    monkeypatch.setattr(gguf.GGUFWriter, "__init__",
+                        lambda self, *a, **k: init(self, *a, **{**k, "split_max_tensors": 4}))
+    (tmp_path / "split").mkdir()
+    write(small, tmp_path / "split" / "m.gguf", "default")
+    assert len(list((tmp_path / "split").glob("*.gguf"))) == 3
+    with pytest.raises(ValueError, match="split GGUF.*merge"):
+        resolve_model(str(tmp_path / "split"))

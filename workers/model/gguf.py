@@ -53,6 +53,7 @@ _LAYER = {
     "ffn_down.weight": "mlp.down_proj.weight",
 }
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+_SPLIT_NAME = re.compile(r"-\d{5}-of-\d{5}\.gguf$")  # llama-gguf-split's shard names
 _SHARD_BYTES = 2 << 30  # safetensors files of at most ~2 GiB: no whole-model copy in memory
 
 
@@ -206,6 +207,10 @@ def find_gguf(path: Path) -> Path | None:
     ggufs = sorted(path.glob("*.gguf"))
     if not ggufs or any(path.glob("*.safetensors")):
         return None
+    if len(ggufs) > 1 and all(_SPLIT_NAME.search(g.name) for g in ggufs):
+        # "name one of them" would send the user to a shard, itself refused as one (GGUFModel)
+        raise ValueError(f"model: {path} holds the {len(ggufs)} files of a split GGUF ({ggufs[0].name} ...); "
+                         "merge them first (llama-gguf-split --merge) and give the merged file")
     if len(ggufs) > 1:
         raise ValueError(f"model: {path} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}); "
                          "name one of them")
