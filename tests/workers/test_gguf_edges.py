@@ -199,3 +199,19 @@ def test_a_directory_of_split_gguf_shards_says_split_not_name_one(small: Tokeniz
     assert len(list((tmp_path / "split").glob("*.gguf"))) == 3
     with pytest.raises(ValueError, match="split GGUF.*merge"):
         resolve_model(str(tmp_path / "split"))
+
+
+def test_more_tokens_than_embedding_rows_is_refused_when_converted(small: Tokenizer, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file whose token list (600) outruns its embedding (500 rows) loaded, and then each request
+    whose text the tokenizer turned into an id past 500 failed; transformers refuses it at load."""
+    add = gguf.GGUFWriter.add_tensor
+
+    def add_tensor(self: gguf.GGUFWriter, name: str, tensor: np.ndarray, **kw: object) -> None:
+        return add(self, name, tensor[:500] if name == "token_embd.weight" else tensor, **kw)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add_tensor)
+    path = write(small, tmp_path / "short-embd.gguf", "default")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"short-embd\.gguf.*600 tokens.*500"):
+        convert_gguf(path, tmp_path / "out")

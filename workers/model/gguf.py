@@ -119,6 +119,12 @@ class GGUFModel:
         if embd is None:
             raise ValueError(f"model: {self.path.name} has no token_embd.weight tensor")
         vocab = int(embd.shape[-1])  # GGML lists dimensions fastest first: [hidden, vocab]
+        # More tokens than rows: the model would load and then refuse every request whose text
+        # tokenizes to an id past its rows (transformers refuses such a file at load).
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None and len(tokens.data) > vocab:
+            raise ValueError(f"model: {self.path.name} has {len(tokens.data)} tokens but its token_embd.weight "
+                             f"only {vocab} rows")
         cfg: dict[str, Any] = {
             "architectures": [hf_arch], "model_type": model_type,
             "vocab_size": int(vocab), "hidden_size": hidden,
