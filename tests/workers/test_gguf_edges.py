@@ -108,6 +108,8 @@ def test_a_gguf_replaced_with_its_time_kept_is_converted_again(llama: Path, tmp_
     assert second != first
     got = load_file(str(second / "model.safetensors"))["model.norm.weight"]
     assert torch.allclose(got, weights["model.norm.weight"].float() * 0.5, atol=1e-3)
+    # The stale conversion (float32 weights: GBs for a real model) is not kept beside the new one.
+    assert not first.exists()
 
 
 def test_two_processes_converting_at_once_leave_one_whole_conversion(small: Tokenizer, tmp_path: Path) -> None:

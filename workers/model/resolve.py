@@ -8,7 +8,8 @@
   absolute path, size, modification and status-change times: hashing a multi-GB file's bytes on
   every start would cost more than the check is worth, and a file replaced in
   place changes its size or time. A file lock makes concurrent first uses (every
-  worker of a cluster starting at once) convert it once.
+  worker of a cluster starting at once) convert it once; a new conversion of a file
+  removes that file's earlier ones.
 """
 
 from __future__ import annotations
@@ -53,7 +54,23 @@ def resolve_model(model: str, progress: bool = False) -> Path:
             if progress:
                 print(f"[pdserve] converting {gguf} into {out} (once)", file=sys.stderr, flush=True)
             convert_gguf(gguf, out, progress=progress)
+            (out / SOURCE_FILE).write_text(str(gguf.resolve()))
+            _drop_older_conversions(gguf, out)
     return out
+
+
+SOURCE_FILE = "pdserve-gguf-source"  # in a conversion: the GGUF file it was made from
+
+
+def _drop_older_conversions(gguf: Path, kept: Path) -> None:
+    """Remove the conversions of `gguf` made before it changed (float32 weights: GBs each). A file
+    replaced or touched is converted again under a new key, and each earlier copy stayed in the
+    cache for good. A process still serving from one keeps its open files (POSIX)."""
+    source = str(gguf.resolve())
+    for old in kept.parent.glob(f"gguf-{gguf.stem}-*"):
+        marker = old / SOURCE_FILE
+        if old != kept and old.is_dir() and marker.is_file() and marker.read_text() == source:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 # Changes what a conversion writes (2: the pre-tokenizers transformers' GGUF reader lacks): a model
