@@ -113,24 +113,48 @@ def only_in(fams: dict[str, Any], family: str, lo: str, hi: str) -> bool:
     return b[lo] == 0 and b[hi] == b["+Inf"] > 0
 
 
+class Clock:
+    """The metrics' clock in this test: moved by the backend by exactly its delays, so the
+    latencies are what the plan says on a machine however loaded (real sleeps still order
+    the test's scrapes against the tokens)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def time(self) -> float:
+        return time.time()
+
+
 class TimedBackend(FakeBackend):
     """Tokens at known times: the first after 0.35 s, then 1 token after 0.25 s,
     2 tokens after 0.5 s, 1 token after 0.25 s. Queue time 0.12 s on the first
     output (later outputs say otherwise: only the first counts)."""
     plan = [(0.35, 1), (0.25, 1), (0.5, 2), (0.25, 1)]
 
+    def __init__(self, clock: Clock | None = None) -> None:
+        self.clock = clock
+
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:
         for i, (delay, n) in enumerate(self.plan):
             await asyncio.sleep(delay)
+            if self.clock is not None:
+                self.clock.now += delay
             last = i == len(self.plan) - 1
             yield RequestOutput(request_id, None, prompt, [CompletionOutput(0, "x" * n, [7] * n,
                                                                             finish_reason="length" if last else None)],
                                 finished=last, metrics={"queue_time_s": 0.12 if i == 0 else 0.9})
 
 
-def test_latencies_of_known_delays_land_in_their_buckets(tokenizer: Any) -> None:
-    gw = Gateway(TimedBackend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+def test_latencies_of_known_delays_land_in_their_buckets(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.cluster import metrics
+
+    clock = Clock()
+    monkeypatch.setattr(metrics, "time", clock)  # a loaded CI machine's scheduling delays: not in the figures
+    gw = Gateway(TimedBackend(clock), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
     app = build_app(gw)
 
     async def main() -> tuple[dict, dict, dict]:
