@@ -222,7 +222,10 @@ def _pool_engine(engine: EngineConfig, share: WorkerShare, tp: int) -> tuple[Eng
     worker's ranks split the pool's share of the cores (they neither lend them nor take turns:
     every rank steps at once), so it steps on the split share."""
     if tp == 1:
-        return engine, share.threads
+        # A pool of one rank beside a cluster-wide size (--tensor-parallel-size 2 --decode-tp 1):
+        # the engine config carries that size, so the pool's own must replace it here too.
+        one = engine if engine.tensor_parallel_size == 1 else dataclasses.replace(engine, tensor_parallel_size=1)
+        return one, share.threads
     split = dataclasses.replace(engine, tensor_parallel_size=tp, cpu_turns=None, cpu_lending=None,
                                 cpu_lending_min_weight_bytes=0, cpu_split_threads=0)
     return split, share.split_threads or share.threads
