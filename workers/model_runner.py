@@ -104,6 +104,8 @@ class ModelRunner:
         # A tensor-parallel engine's other ranks (workers/tp_group.py), set by the engine: each
         # step's inputs go to them before its forward.
         self.tp_group: TPGroup | None = None
+        # Whether the step under way made its last collective (then a fault leaves the ranks in step).
+        self._tp_step_done = False
 
     def execute(self, scheduled: list[ScheduledRequest], want_probs: bool = False,
                 feed: TokenFeed | None = None) -> StepResult:
@@ -115,9 +117,15 @@ class ModelRunner:
             return self._run_step(scheduled, want_probs, feed)
         if group.broken is not None:
             raise TPGroupError(f"the tensor-parallel group is broken: {group.broken}")
+        self._tp_step_done = False
         try:
             return self._run_step(scheduled, want_probs, feed)
         except BaseException as e:
+            if self._tp_step_done and isinstance(e, Exception):
+                # Raised after this rank's last collective of the step (sampling a row): every rank
+                # finished the step and the followers wait for the next, so the group is in step and
+                # the row's fault is the row's (the engine fails it alone, as with one rank).
+                raise
             group.mark_broken(e)
             gone = group.gone()
             why = f"rank(s) {gone} are gone ({type(e).__name__}: {e})" if gone else f"{type(e).__name__}: {e}"
@@ -152,6 +160,7 @@ class ModelRunner:
             result.prompt_logprobs = self._score_prompts(prompt_rows, hidden, idx[step.logit_rows:])
         if step.logit_rows:
             logits = self.model.compute_logits(hidden[idx[: step.logit_rows]])
+            self._tp_step_done = True  # the step's last collective (the logits' gather): the rest is this rank's
             # Rows: one per plain sampled request, then k+1 per verifying one.
             plain_mask, verify_mask, check_first = masks
             if sampled and want_probs:

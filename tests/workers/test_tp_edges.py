@@ -238,3 +238,59 @@ def test_a_pool_of_one_rank_under_a_cluster_wide_size_runs_one_rank(pool_tp: dic
     pool, size = want
     engine, _ = _pool_engine(cfg.engine, WorkerShare(options={"num_cpus": 2}, threads=4), cfg.pool_tp(pool))
     assert engine.tensor_parallel_size == size == cfg.pool_tp(pool)
+
+
+@pytest.mark.parametrize("eager", [True, False])
+def test_ranks_without_shared_memory_reduce_through_gloo_alike(
+        eager: bool, make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """No shared memory (not x86-64, or a container's small /dev/shm): every collective goes through
+    gloo, eager and compiled, and the tokens and logprobs are one rank's."""
+    from pdserve.workers.model import shm_collectives
+
+    model_dir = str(make_model(GQA))
+    prompts = [list(range(5, 60)), [11, 12, 13]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3)
+    kw: dict[str, Any] = dict(dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False)
+    want = LLM(model_dir, **kw).generate(prompts, params)
+    monkeypatch.setattr(shm_collectives, "supported", lambda: False)
+    llm = LLM(model_dir, tensor_parallel_size=2, enforce_eager=eager, **kw)
+    try:
+        group = llm.engine.tp_group
+        assert group is not None and group.tp.shm is None
+        got = llm.generate(prompts, params)
+    finally:
+        llm.close()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        for gs, ws in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert max(abs(float(gs[t]) - float(ws[t])) for t in ws) < 1e-4
+
+
+def test_a_bad_row_after_the_steps_collectives_fails_alone_under_two_ranks(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """A request whose sampling raises (top_k past int64, slipped past validation: issue 46's
+    case) fails alone on one rank and the engine goes on. Under two ranks it raised after every
+    collective of the step was done (the followers waited for the next step, in step), yet the
+    group was marked broken: one bad request killed the whole worker."""
+    model_dir = str(make_model(GQA))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2)
+    try:
+        engine = llm.engine
+        engine.add_request("ok", [5, 6, 7, 8], greedy)
+        engine.add_request("bad", [9, 10, 11], SamplingParams(temperature=0.8, max_tokens=8, ignore_eos=True))
+        object.__setattr__(engine.scheduler.requests["bad"].params, "top_k", 2**63)
+        finals: dict[str, Any] = {}
+        for _ in range(50):
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        assert finals["bad"].error and finals["ok"].error is None
+        assert engine.tp_group is not None and engine.tp_group.broken is None
+        again = llm.generate([[5, 6, 7, 8]], greedy)[0].outputs[0].token_ids
+        assert again == finals["ok"].outputs[0].token_ids
+    finally:
+        llm.close()
