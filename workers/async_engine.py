@@ -476,6 +476,11 @@ class AsyncEngine:
         finally:
             if self._publisher is not None:
                 self._publisher.close()
+            if self._stop.is_set():
+                # Closed while a step ran past close()'s wait: close() left the engine to this thread,
+                # now that no step runs (its tensor-parallel ranks would run on, holding the process's
+                # one group). Idempotent: close() may have closed it too.
+                self.engine.close()
 
     def _live_jobs(self) -> list[Job]:
         """A copy of the jobs: the event loop opens new ones while this thread walks them

@@ -294,3 +294,31 @@ def test_a_bad_row_after_the_steps_collectives_fails_alone_under_two_ranks(
         assert again == finals["ok"].outputs[0].token_ids
     finally:
         llm.close()
+
+
+def test_an_async_engine_closed_mid_step_still_stops_its_followers(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """AsyncEngine.close() waits `timeout_s` for the engine thread; a step longer than that (a
+    long prefill on CPU) left the engine unclosed: its followers ran on, and the process's one
+    tensor-parallel group stayed taken (the next TP engine here was refused)."""
+    from factories import slow_steps
+
+    from pdserve.workers.async_engine import AsyncEngine
+    from pdserve.workers.tp_group import tp_group_running
+
+    llm = LLM(str(make_model(GQA)), dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False,
+              tensor_parallel_size=2)
+    group = llm.engine.tp_group
+    assert group is not None
+    pids = [p.pid for p in group.procs]
+    llm.engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True))
+    slow_steps(llm.engine, 1.5)
+    engine = AsyncEngine(llm.engine).start()
+    try:
+        time.sleep(0.5)  # the engine thread is in a step
+        engine.close(timeout_s=0.1)
+        engine._thread.join(30)
+        assert not engine._thread.is_alive()
+        assert _gone(pids, 10) and not tp_group_running()
+    finally:
+        llm.close()
