@@ -82,6 +82,8 @@ def test_host_features_under_two_ranks_give_one_ranks_tokens(make_model: Callabl
     llm = LLM(model_dir, tensor_parallel_size=2, **kw)
     try:
         got = _tokens(llm, prompts, params)
+        stats = llm.engine.stats  # what the step covered: recomputes, a cached prefix
+        assert stats.preemptions > 0 and stats.prompt_tokens_computed < stats.prompt_tokens
     finally:
         llm.close()
     assert got == want
