@@ -324,3 +324,26 @@ def test_an_async_engine_closed_mid_step_still_stops_its_followers(
         assert _gone(pids, 10) and not tp_group_running()
     finally:
         llm.close()
+
+
+def test_a_follower_that_fails_to_load_fails_the_engines_start_in_time(
+        make_model: Callable[[TinyModelSpec], Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower that raises loading its shard (a missing file, no memory) after it joined: the
+    engine's start fails within seconds, naming the rank, and nothing is left running."""
+    (tmp_path / "sitecustomize.py").write_text(textwrap.dedent("""
+        import os
+        if os.environ.get("PDSERVE_TEST_FAIL_LOAD"):
+            import pdserve.workers.model.loader as loader  # before the follower imports its load_model
+            def load_model(*args, **kwargs):
+                raise RuntimeError("injected load fault")
+            loader.load_model = load_model
+    """))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PDSERVE_TEST_FAIL_LOAD", "1")
+    model_dir = str(make_model(GQA))
+    before = _children()
+    start = time.monotonic()
+    with pytest.raises(RuntimeError):
+        LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False, tensor_parallel_size=2)
+    assert time.monotonic() - start < 60
+    assert _gone(list(_children() - before), 5)
