@@ -101,6 +101,7 @@ def test_draft_model_speculation_under_two_ranks(make_model: Callable[[TinyModel
     llm = LLM(model_dir, tensor_parallel_size=2, **kw)
     try:
         got = _tokens(llm, prompts, [params] * 2)
+        assert llm.engine.stats.spec_drafts > 0  # verification steps ran on both ranks
     finally:
         llm.close()
     assert got == want
