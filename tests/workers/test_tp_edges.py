@@ -348,3 +348,27 @@ def test_a_follower_that_fails_to_load_fails_the_engines_start_in_time(
         LLM(model_dir, dtype="float32", num_kv_blocks=64, max_model_len=256, progress=False, tensor_parallel_size=2)
     assert time.monotonic() - start < 60
     assert _gone(list(_children() - before), 5)
+
+
+def test_prompt_logprobs_of_a_chunked_prompt_under_two_ranks(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """A prompt five times max_num_batched_tokens: its middle chunks sample nothing (prompt rows
+    only), the last samples too; every prompt token's full-vocabulary logprob is one rank's."""
+    model_dir = str(make_model(GQA))
+    prompt = list(range(3, 323))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, prompt_logprobs=3, logprobs=3)
+    kw: dict[str, Any] = dict(dtype="float32", num_kv_blocks=64, max_model_len=512, max_num_batched_tokens=64,
+                              progress=False)
+    want = LLM(model_dir, **kw).generate([prompt, [7, 8]], params)
+    llm = LLM(model_dir, tensor_parallel_size=2, **kw)
+    try:
+        got = llm.generate([prompt, [7, 8]], params)
+    finally:
+        llm.close()
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.prompt_logprobs is not None and w.prompt_logprobs is not None
+        assert len(g.prompt_logprobs) == len(w.prompt_logprobs)
+        for gp, wp in zip(g.prompt_logprobs[1:], w.prompt_logprobs[1:]):
+            assert gp.keys() == wp.keys()
+            assert max(abs(float(getattr(gp[t], "logprob", gp[t])) - float(getattr(wp[t], "logprob", wp[t])))
+                       for t in wp) < 1e-4
