@@ -78,6 +78,11 @@ class StepResult:
     probs: torch.Tensor | None = None
 
 
+# How long a failed tensor-parallel step looks for a rank's exit before it says why it failed
+# (workers/tp_group.py `gone`): the failure path only, where the group is broken anyway.
+GONE_SETTLE_S = 1.0
+
+
 class ModelRunner:
     def __init__(
         self, model: LlamaForCausalLM, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], kv: KVCacheManager,
@@ -127,7 +132,7 @@ class ModelRunner:
                 # the row's fault is the row's (the engine fails it alone, as with one rank).
                 raise
             group.mark_broken(e)
-            gone = group.gone()
+            gone = group.gone(settle_s=GONE_SETTLE_S)
             why = f"rank(s) {gone} are gone ({type(e).__name__}: {e})" if gone else f"{type(e).__name__}: {e}"
             raise TPGroupError(f"a tensor-parallel step failed: {why}") from e
 

@@ -270,9 +270,16 @@ class TPGroup:
             self._watch.since = None
         self.steps += 1
 
-    def gone(self) -> list[int]:
-        """The ranks whose process exited (killed, crashed)."""
-        return [rank for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+    def gone(self, settle_s: float = 0.0) -> list[int]:
+        """The ranks whose process exited (killed, crashed). `settle_s`: while none has, how long
+        to look again: a rank killed a moment ago closes its sockets (the step fails on that)
+        before its exit can be seen, and the error would not name it."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            gone = [rank for rank, p in enumerate(self.procs, start=1) if p.poll() is not None]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.02)
 
     def close(self) -> None:
         """Stop the followers and leave the group (the process may start another group after)."""
