@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.workers.transfer.auth import ClusterSecret
 
 UNSET = argparse.SUPPRESS  # a flag's default: not given, not a setting
 
@@ -174,10 +175,25 @@ def _serve_config(a: argparse.Namespace) -> ServeConfig:
             settings[name] = key
     cfg = serve_config(settings)
     if a.cluster_secret_file is not None:  # else PDSERVE_CLUSTER_SECRET, else made now (ServeConfig)
-        from pdserve.workers.transfer.auth import ClusterSecret
-
-        cfg = dataclasses.replace(cfg, cluster_secret=ClusterSecret.from_file(a.cluster_secret_file))
+        cfg = dataclasses.replace(cfg, cluster_secret=_cluster_secret(a.cluster_secret_file))
     return cfg
+
+
+def _cluster_secret(path: str) -> ClusterSecret:
+    """The data plane's key from --cluster-secret-file. A file that is not there (or not a
+    file, or too short) was an OSError traceback out of `main`, or an error that did not say
+    which flag: a ValueError naming the flag and the path (never the key), as the other key
+    files' (`_secret`)."""
+    from pdserve.workers.transfer.auth import ClusterSecret
+
+    try:
+        return ClusterSecret.from_file(str(Path(path).expanduser()))
+    except OSError as e:
+        raise ValueError(f"cluster_secret_file: cannot read {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"cluster_secret_file: {path} is not UTF-8 text") from None
+    except ValueError as e:  # ClusterSecret's own: too short (its words hold no part of the key)
+        raise ValueError(f"cluster_secret_file: {path}: {e}") from None
 
 
 API_KEY_ENV = "PDSERVE_API_KEY"
