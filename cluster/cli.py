@@ -417,6 +417,12 @@ def _http_arguments(srv: argparse.ArgumentParser) -> None:
                    help=f"the key clients send as `Authorization: Bearer KEY`; prefer --api-key-file or "
                         f"{API_KEY_ENV}: a command line is visible to every user of the machine")
     g.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from this file")
+    # The YAML's `metrics_api_key`, as --api-key is `api_key`. Without it argparse took
+    # `--metrics-api-key KEY` for a prefix of --metrics-api-key-file: the key read as a path,
+    # and printed in the error that the file was not there.
+    g.add_argument("--metrics-api-key", default=None,
+                   help=f"the key GET /metrics wants (besides the API key); prefer --metrics-api-key-file or "
+                        f"{METRICS_API_KEY_ENV}: a command line is visible to every user of the machine")
     g.add_argument("--metrics-api-key-file", default=None, metavar="PATH",
                    help=f"put GET /metrics behind this file's key (or {METRICS_API_KEY_ENV}'s); the API key "
                         "opens it too. Default: the API key, if one is set, opens /metrics; with no key at all "
