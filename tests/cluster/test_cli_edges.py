@@ -88,3 +88,112 @@ def test_metrics_api_key_on_the_command_line_is_the_key_and_is_never_printed(
     err = refused(["serve", "--model", "/m", "--metrics-api-key", key, "--metrics-api-key-file", "/nonexistent"],
                   capsys)
     assert "metrics_api_key" in err and key not in err
+
+
+# Each setting as a flag and as the Serve YAML's arg: (argv after `serve --model /m`, YAML args besides `model`).
+PLANNER_PROFILE = str(Path(__file__).resolve().parents[2] / "bench" / "results" / "profile_smollm2_2026-11-27.json")
+FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
+    (["--tokenizer", "/t"], {"tokenizer": "/t"}), (["--dtype", "float16"], {"dtype": "float16"}),
+    (["--device", "cpu"], {"device": "cpu"}), (["--max-model-len", "512"], {"max_model_len": 512}),
+    (["--block-size", "32"], {"block_size": 32}), (["--max-num-seqs", "8"], {"max_num_seqs": 8}),
+    (["--max-num-batched-tokens", "512"], {"max_num_batched_tokens": 512}),
+    (["--num-kv-blocks", "64"], {"num_kv_blocks": 64}),
+    (["--kv-cache-memory", "1048576"], {"kv_cache_memory": 1 << 20}),
+    (["--gpu-memory-utilization", "0.5"], {"gpu_memory_utilization": 0.5}),
+    (["--no-prefix-caching"], {"enable_prefix_caching": False}),
+    (["--attention-backend", "torch"], {"attention_backend": "torch"}),
+    (["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "6",
+      "--spec-token-cost", "0.5", "--spec-max-batch-size", "0"],
+     {"speculative": "ngram", "num_speculative_tokens": 2, "spec_ngram_min": 2, "spec_ngram_max": 6,
+      "spec_token_cost": 0.5, "spec_max_batch_size": 0}),
+    (["--speculative", "draft", "--draft-model", "/d"], {"speculative": "draft", "draft_model": "/d"}),
+    (["--enforce-eager"], {"enforce_eager": True}), (["--quantization", "fp8"], {"quantization": "fp8"}),
+    (["--kv-cache-dtype", "fp8"], {"kv_cache_dtype": "fp8"}), (["--no-async-scheduling"], {"async_scheduling": False}),
+    (["--async-scheduling"], {"async_scheduling": True}),
+    (["--tensor-parallel-size", "2"], {"tensor_parallel_size": 2}), (["--seed", "7"], {"seed": 7}),
+    (["--mode", "colocated", "--workers", "2", "--worker-resources", '{"w": 1}'],
+     {"mode": "colocated", "workers": 2, "worker_resources": {"w": 1}}),
+    (["--prefill", "2", "--decode", "3", "--prefill-tp", "2", "--decode-tp", "2"],
+     {"prefill": 2, "decode": 3, "prefill_tp": 2, "decode_tp": 2}),
+    (["--prefill-resources", '{"p": 1}', "--decode-resources", '{"d": 2}', "--gateway-resources", '{"g": 0.5}'],
+     {"prefill_resources": {"p": 1}, "decode_resources": {"d": 2}, "gateway_resources": {"g": 0.5}}),
+    (["--api-key", "k-0123456789"], {"api_key": "k-0123456789"}),
+    (["--metrics-api-key", "m-0123456789"], {"metrics_api_key": "m-0123456789"}),
+    (["--max-in-flight", "10", "--gateway-replicas", "2"], {"max_in_flight": 10, "gateway_replicas": 2}),
+    (["--transport", "nccl"], {"transport": "nccl"}), (["--cpu-sharing", "split"], {"cpu_sharing": "split"}),
+    (["--router-policy", "round_robin"], {"router_policy": "round_robin"}),
+    (["--kv-host", "auto"], {"kv_host": "auto"}),
+    (["--kv-failure-policy", "fail"], {"kv_failure_policy": "fail"}),
+    (["--request-timeout", "60", "--prefill-timeout", "10", "--transfer-timeout", "5"],
+     {"request_timeout": 60, "prefill_timeout": 10, "transfer_timeout": 5}),
+    (["--max-migrations", "0", "--stream-interval", "4", "--worker-wait", "0"],
+     {"max_migrations": 0, "stream_interval": 4, "worker_wait": 0}),
+    (["--generation-config", "vllm", "--exclude-tools-when-tool-choice-none"],
+     {"generation_config": "vllm", "exclude_tools_when_tool_choice_none": True}),
+    (["--load-poll-interval", "0.5", "--stall-timeout", "0", "--max-prefill-backlog-tokens", "0",
+      "--max-restarts", "0"],
+     {"load_poll_interval": 0.5, "stall_timeout": 0, "max_prefill_backlog_tokens": 0, "max_restarts": 0}),
+    (["--served-model-name", "a", "b"], {"served_model_name": ["a", "b"]}),
+    (["--max-n", "2", "--max-prompts", "3", "--max-stop", "4", "--max-stop-length", "5", "--max-messages", "6",
+      "--max-logit-bias", "7", "--max-cache-salt-length", "8", "--max-body-bytes", "9000", "--body-timeout", "3",
+      "--write-timeout", "4"],
+     {"max_n": 2, "max_prompts": 3, "max_stop": 4, "max_stop_length": 5, "max_messages": 6, "max_logit_bias": 7,
+      "max_cache_salt_length": 8, "max_body_bytes": 9000, "body_timeout": 3, "write_timeout": 4}),
+    (["--dtype", "float32", "--planner-profile", PLANNER_PROFILE, "--slo", "ttft:500", "tpot:50",
+      "--planner-interval", "15", "--autoscale-roles"],
+     {"dtype": "float32", "planner_profile": PLANNER_PROFILE, "slo": ["ttft:500", "tpot:50"], "planner_interval": 15,
+      "autoscale_roles": True}),
+]
+# Set elsewhere under Ray Serve (deploy/pdserve_app.py refuses them as args, naming where they go).
+ELSEWHERE_FLAGS: list[tuple[list[str], str, Any]] = [
+    (["--host", "0.0.0.0"], "host", "0.0.0.0"), (["--port", "8001"], "port", 8001),
+    (["--haproxy-metrics-port", "9102"], "haproxy_metrics_port", 9102),
+    (["--haproxy-stats-port", "8405"], "haproxy_stats_port", 8405),
+    (["--haproxy-fallback-port", "8501"], "haproxy_fallback_port", 8501),
+    (["--max-connections", "1000"], "max_connections", 1000), (["--ingress", "proxy"], "ingress", "proxy"),
+    (["--max-connections-per-client", "10"], "max_connections_per_client", 10),
+    (["--header-timeout", "5"], "header_timeout", 5), (["--keep-alive-timeout", "5"], "keep_alive_timeout", 5),
+    (["--cpu-pinning", "off"], "cpu_pinning", "off"), (["--control-plane-nice", "0"], "control_plane_nice", 0),
+]
+
+
+@pytest.fixture
+def deploy_pkg(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """`deploy.pdserve_app`, imported as Serve does (the repository root on sys.path)."""
+    import importlib
+
+    pytest.importorskip("ray")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2]))
+    return importlib.import_module("deploy.pdserve_app")
+
+
+def test_the_table_below_holds_every_setting() -> None:
+    from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS
+
+    covered = {k for _, args in FLAG_AND_YAML for k in args} | {name for _, name, _ in ELSEWHERE_FLAGS}
+    assert (ENGINE_SETTINGS | SERVE_SETTINGS.keys()) - {"model"} - covered == set()
+
+
+@pytest.mark.parametrize(("argv", "args"), FLAG_AND_YAML, ids=lambda v: " ".join(v) if isinstance(v, list) else "")
+def test_each_flag_and_its_yaml_arg_make_the_same_config(deploy_pkg: Any, argv: list[str], args: dict[str, Any],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.cluster.serve_config import ServeConfig, serve_config
+
+    # The suite's default: --enforce-eager would change nothing.
+    monkeypatch.delenv("PDSERVE_ENFORCE_EAGER", raising=False)
+
+    from_flags = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", *argv]))
+    from_yaml = deploy_pkg.config_from_args({"model": "/m", **args})
+    assert from_flags == from_yaml and from_flags != serve_config({"model": "/m"})
+    assert isinstance(from_flags, ServeConfig)
+
+
+@pytest.mark.parametrize(("argv", "name", "value"), ELSEWHERE_FLAGS, ids=lambda v: v if isinstance(v, str) else "")
+def test_a_flag_set_elsewhere_under_serve_is_refused_as_a_yaml_arg_by_name(
+        deploy_pkg: Any, argv: list[str], name: str, value: Any) -> None:
+    from pdserve.cluster.serve_config import SERVE_SETTINGS, serve_config
+
+    cfg = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", *argv]))
+    assert cfg == serve_config({"model": "/m", name: value}) and getattr(cfg, SERVE_SETTINGS[name]) is not None
+    with pytest.raises(ValueError, match=f"^{name}: not an application arg"):
+        deploy_pkg.config_from_args({"model": "/m", name: value})
