@@ -105,11 +105,13 @@ def _cmd_generate(a: argparse.Namespace) -> int:
     from pdserve import LLM, SamplingParams
     from pdserve.cluster.serve_config import engine_config
 
-    llm = LLM.from_config(engine_config(settings_from_flags(a), progress=True))
+    # The sampling flags first: a bad one was refused only once the model had loaded (and
+    # compiled, its tensor-parallel ranks started and never closed).
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=getattr(a, "seed", None), stop=a.stop or None, ignore_eos=a.ignore_eos,
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                             repetition_penalty=a.repetition_penalty)
+    llm = LLM.from_config(engine_config(settings_from_flags(a), progress=True))
     prompts = list(a.prompts)
     if a.chat:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,

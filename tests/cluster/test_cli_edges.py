@@ -197,3 +197,25 @@ def test_a_flag_set_elsewhere_under_serve_is_refused_as_a_yaml_arg_by_name(
     assert cfg == serve_config({"model": "/m", name: value}) and getattr(cfg, SERVE_SETTINGS[name]) is not None
     with pytest.raises(ValueError, match=f"^{name}: not an application arg"):
         deploy_pkg.config_from_args({"model": "/m", name: value})
+
+
+# -- pdserve generate ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("flag", "value", "name"), [
+    ("--max-tokens", "0", "max_tokens"), ("--temperature", "-1", "temperature"), ("--top-p", "2", "top_p"),
+    ("--top-k", "-5", "top_k"), ("--repetition-penalty", "0", "repetition_penalty"), ("--stop", "", "stop"),
+])
+def test_generate_refuses_a_bad_sampling_flag_before_it_loads_the_model(
+        flag: str, value: str, name: str, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The sampling flags were checked only once the engine was built: a model loaded (and
+    compiled, and its tensor-parallel ranks started, never closed) to say `--max-tokens 0`."""
+    from pdserve import LLM
+
+    def loaded(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the model was loaded before the sampling flags were checked")
+
+    monkeypatch.setattr(LLM, "from_config", loaded)
+    err = refused(["generate", "hi", "--model", "/m", flag, value], capsys)
+    assert err.startswith(f"pdserve: error: {name}:")
