@@ -54,6 +54,14 @@ class BenchConfig:
         object.__setattr__(self, "base_url", self.base_url.rstrip("/"))
         if self.num_requests is not None and self.num_requests < 1:
             raise ValueError(f"num requests: must be >= 1, got {self.num_requests}")
+        # Here, by name: the workload's own check said only "length: must be >= 1" (the
+        # input's or the output's?), and burstiness was checked once the server had been
+        # asked for its models.
+        for name, length in (("input len", self.input_len), ("output len", self.output_len)):
+            if length < 1:
+                raise ValueError(f"{name}: must be >= 1, got {length}")
+        if not self.burstiness > 0:  # (NaN too)
+            raise ValueError(f"burstiness: must be > 0 (or inf), got {self.burstiness}")
         if self.workload is WorkloadKind.TRACE and not self.trace:
             raise ValueError("trace workload: give --trace PATH")
         if self.endpoint is Endpoint.CHAT and not self.tokenizer:

@@ -94,4 +94,7 @@ def usable_token_ids(tokenizer: object) -> list[int]:
 def load_tokenizer(path: str) -> Tokenizer:
     from transformers import AutoTokenizer  # heavy: only when --tokenizer is given
 
-    return AutoTokenizer.from_pretrained(path)  # type: ignore[no-any-return]
+    try:
+        return AutoTokenizer.from_pretrained(path)  # type: ignore[no-any-return]
+    except OSError as e:  # not there, or no tokenizer in it: transformers' traceback out of `pdserve bench`
+        raise ValueError(f"tokenizer: cannot load {path}: {str(e).splitlines()[0] if str(e) else e!r}") from None

@@ -127,7 +127,11 @@ class TraceRow:
 def load_trace(path: str | Path, unit: TimeUnit) -> list[TraceRow]:
     """JSONL rows {timestamp, input_length, output_length, hash_ids?}, sorted by timestamp (stable)."""
     rows: list[TraceRow] = []
-    with open(path, encoding="utf-8") as f:
+    try:
+        f = open(path, encoding="utf-8")  # noqa: SIM115 - closed by the `with` below
+    except OSError as e:  # a traceback out of `pdserve bench` (exit 1), where a bad flag is one line (exit 2)
+        raise ValueError(f"trace: cannot read {path}: {e.strerror or e}") from None
+    with f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -219,3 +219,32 @@ def test_generate_refuses_a_bad_sampling_flag_before_it_loads_the_model(
     monkeypatch.setattr(LLM, "from_config", loaded)
     err = refused(["generate", "hi", "--model", "/m", flag, value], capsys)
     assert err.startswith(f"pdserve: error: {name}:")
+
+
+# -- pdserve bench -------------------------------------------------------------------------
+
+# Nothing listens there: a bench that gets as far as the server fails on connecting.
+NO_SERVER = ["--base-url", "http://127.0.0.1:9/v1", "--num-requests", "2", "--no-progress"]
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["--workload", "trace", "--trace", "/nonexistent/trace.jsonl"], "trace"),
+    (["--tokenizer", "/nonexistent/tokenizer"], "tokenizer"),
+])
+def test_bench_refuses_a_path_that_is_not_there_in_one_line(argv: list[str], name: str,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A FileNotFoundError (the trace) or transformers' OSError (the tokenizer) traceback, exit 1."""
+    err = refused(["bench", *NO_SERVER, *argv], capsys)
+    assert err.startswith(f"pdserve: error: {name}") and "/nonexistent/" in err
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["--input-len", "0"], "input len"), (["--output-len", "0"], "output len"), (["--output-len", "-3"], "output len"),
+    (["--burstiness", "0"], "burstiness"),
+])
+def test_bench_names_the_length_or_burstiness_it_refuses_before_it_connects(
+        argv: list[str], name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--output-len 0` said "length: must be >= 1" (which one?); `--burstiness 0` was checked only
+    after the bench had asked the server for its models (here: a connection error instead)."""
+    err = refused(["bench", *NO_SERVER, *argv], capsys)
+    assert err.startswith(f"pdserve: error: {name}:")
