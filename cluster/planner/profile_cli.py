@@ -75,6 +75,7 @@ def run(a: argparse.Namespace) -> int:
     if threads < 1:
         raise ValueError(f"torch_threads: must be >= 1, got {threads}")
     grid = _grid(a)
+    _check_out(a.out)
     progress(f"building the engine ({config.model}, {threads} torch thread(s))")
     engine = build_engine(config, threads)
     progress(f"engine ready: {engine.num_kv_blocks} KV blocks, max_model_len {engine.max_model_len}")
@@ -87,6 +88,22 @@ def run(a: argparse.Namespace) -> int:
     print_profile(profile)
     progress(f"wrote {a.out}")
     return 0
+
+
+def _check_out(path: str) -> None:
+    """ValueError naming --out unless the profile can be written there. It was first written
+    after the whole profile (minutes of steps), and then failed as an OSError traceback: the
+    measurements were lost."""
+    from pathlib import Path
+
+    out = Path(path)
+    if out.is_dir():
+        raise ValueError(f"out: {path} is a directory; give a file path")
+    parent = out.parent
+    if not parent.is_dir():
+        raise ValueError(f"out: {path}: the directory {parent} does not exist")
+    if not os.access(parent, os.W_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise ValueError(f"out: {path}: cannot write there")
 
 
 def default_torch_threads(device: str) -> int:

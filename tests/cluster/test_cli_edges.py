@@ -248,3 +248,22 @@ def test_bench_names_the_length_or_burstiness_it_refuses_before_it_connects(
     after the bench had asked the server for its models (here: a connection error instead)."""
     err = refused(["bench", *NO_SERVER, *argv], capsys)
     assert err.startswith(f"pdserve: error: {name}:")
+
+
+# -- pdserve profile -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["a directory that is not there", "a directory"])
+def test_profile_refuses_an_out_path_it_cannot_write_before_it_profiles(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out` was first written after the whole profile (minutes of engine steps), and then as
+    a FileNotFoundError (IsADirectoryError) traceback: the measurements were lost."""
+    from pdserve.cluster.planner import profiler
+
+    def built(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the engine was built (the profile begun) before --out was checked")
+
+    monkeypatch.setattr(profiler, "build_engine", built)
+    out = tmp_path / "missing" / "profile.json" if where.endswith("not there") else tmp_path
+    err = refused(["profile", "--model", "/m", "--out", str(out)], capsys)
+    assert err.startswith("pdserve: error: out:") and str(out) in err
