@@ -161,6 +161,7 @@ def _cmd_serve(a: argparse.Namespace) -> int:
 
     # What can be refused is refused here, before the fork (exit 2): a setting, a key, a port in use.
     cfg = _serve_config(a)
+    _check_against_model(cfg)
     serve_app.preflight(cfg)
     # Ray starts in a process group of the driver's own: SIGTERM/SIGINT to this process or its
     # group is a clean stop, exit 0 (cluster/shutdown.py).
@@ -196,6 +197,34 @@ def _cluster_secret(path: str) -> ClusterSecret:
         raise ValueError(f"cluster_secret_file: {path} is not UTF-8 text") from None
     except ValueError as e:  # ClusterSecret's own: too short (its words hold no part of the key)
         raise ValueError(f"cluster_secret_file: {path}: {e}") from None
+
+
+def _check_against_model(cfg: ServeConfig) -> None:
+    """What the model's config.json allows, checked here when the model is on this machine:
+    `max_model_len` within its positions, each pool's tensor-parallel size dividing its heads.
+    The workers found them only once Ray, Serve and their own processes were up, and a pool's
+    size (`--prefill-tp 3`) was named as `tensor_parallel_size`, a flag not given. A path this
+    machine has not (the workers' nodes may) is left to the workers, as before."""
+    from pdserve.cluster.serve_config import ServingMode
+    from pdserve.workers.model.resolve import TINY, resolve_model
+
+    if cfg.model != TINY and not Path(cfg.model).expanduser().exists():
+        return
+    from pdserve.workers.engine_setup import resolve_max_model_len
+    from pdserve.workers.model.config import ModelConfig
+    from pdserve.workers.model.tensor_parallel import check_shardable
+
+    model = ModelConfig.from_pretrained(resolve_model(cfg.model))  # converted already (settings_from_flags)
+    resolve_max_model_len(cfg.engine.max_model_len, model)
+    pools = ("prefill", "decode") if cfg.mode is ServingMode.DISAGGREGATED else ("worker",)
+    for pool in pools:
+        own = {"prefill": cfg.prefill_tp, "decode": cfg.decode_tp}.get(pool)
+        try:
+            check_shardable(model, cfg.pool_tp(pool))
+        except ValueError as e:
+            if own is None:
+                raise
+            raise ValueError(str(e).replace("tensor_parallel_size:", f"{pool}_tp:", 1)) from None
 
 
 API_KEY_ENV = "PDSERVE_API_KEY"

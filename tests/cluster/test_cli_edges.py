@@ -267,3 +267,43 @@ def test_profile_refuses_an_out_path_it_cannot_write_before_it_profiles(
     out = tmp_path / "missing" / "profile.json" if where.endswith("not there") else tmp_path
     err = refused(["profile", "--model", "/m", "--out", str(out)], capsys)
     assert err.startswith("pdserve: error: out:") and str(out) in err
+
+
+# -- pdserve serve: what the model allows ----------------------------------------------------
+
+
+@pytest.fixture
+def model_shape(tmp_path: Path) -> str:
+    """A model directory's config.json (all that these checks read): 4 heads, 2 KV heads, 1024 positions."""
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024}))
+    return str(tmp_path)
+
+
+@pytest.mark.parametrize(("argv", "name"), [
+    (["--max-model-len", "4096"], "max_model_len"),
+    (["--prefill-tp", "3"], "prefill_tp"), (["--decode-tp", "3"], "decode_tp"),
+    (["--tensor-parallel-size", "3"], "tensor_parallel_size"),
+    (["--mode", "colocated", "--tensor-parallel-size", "3"], "tensor_parallel_size"),
+])
+def test_serve_refuses_what_the_model_cannot_do_before_ray_starts(
+        argv: list[str], name: str, model_shape: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--max-model-len` past the model's positions, or a pool's tensor-parallel size that does not
+    divide its heads, were found by the workers once Ray, Serve and their processes were up (and a
+    `--prefill-tp 3` was reported as `tensor_parallel_size: 3 ...`, a flag not given)."""
+    err = refused(["serve", "--model", model_shape, *argv], capsys)
+    assert err.startswith(f"pdserve: error: {name}: ")
+
+
+def test_serve_takes_what_the_model_can_do(model_shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    reached: list[Any] = []
+    from pdserve.cluster import serve_app, shutdown
+
+    monkeypatch.setattr(serve_app, "preflight", lambda cfg: reached.append(cfg))
+    monkeypatch.setattr(shutdown, "serve_in_own_group", lambda run: 0)
+    assert cli.main(["serve", "--model", model_shape, "--max-model-len", "1024", "--prefill-tp", "2",
+                     "--decode-tp", "4"]) == 0
+    assert reached and reached[0].engine.max_model_len == 1024
