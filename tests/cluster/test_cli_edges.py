@@ -307,3 +307,13 @@ def test_serve_takes_what_the_model_can_do(model_shape: str, monkeypatch: pytest
     assert cli.main(["serve", "--model", model_shape, "--max-model-len", "1024", "--prefill-tp", "2",
                      "--decode-tp", "4"]) == 0
     assert reached and reached[0].engine.max_model_len == 1024
+
+
+def test_a_cluster_secret_in_the_environment_that_is_too_short_is_refused_naming_the_variable(
+        monkeypatch: pytest.MonkeyPatch, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """README: `--cluster-secret-file` (or PDSERVE_CLUSTER_SECRET). A bad variable said only "cluster
+    secret: need at least 16 bytes", naming neither the variable nor the flag: an operator who had
+    given no flag could not tell where the secret came from."""
+    monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "short")
+    err = refused(["serve", "--model", "/m"], capsys)
+    assert "PDSERVE_CLUSTER_SECRET" in err and "short" not in err.replace("too short", "")

@@ -102,7 +102,10 @@ class ClusterSecret:
     @classmethod
     def from_env(cls) -> ClusterSecret | None:
         text = os.environ.get(SECRET_ENV)
-        return cls.from_text(text) if text else None
+        try:
+            return cls.from_text(text) if text else None
+        except ValueError as e:  # said where the bad secret came from: the operator may have given no flag
+            raise ValueError(f"{SECRET_ENV}: {e}") from None
 
     @classmethod
     def from_env_or_new(cls) -> ClusterSecret:
