@@ -246,6 +246,11 @@ class ServeConfig:
         for name in ("prefill_tp", "decode_tp"):
             if getattr(self, name) is not None and self.mode is not ServingMode.DISAGGREGATED:
                 raise ValueError(f"{name}: disaggregated mode only; a colocated worker takes tensor_parallel_size")
+        if self.engine.device.startswith("cuda:") and self.engine.device != "cuda:0":
+            # What cluster/placement.py refuses once Ray is up and workers are placed: refused
+            # here, before (the command line's start, the Serve YAML's checks).
+            raise ValueError(f"device: {self.engine.device} names one GPU of a machine; under Ray each worker sees "
+                             "only the GPU Ray gave it, as cuda (use --device cuda)")
         if max(self.pool_tp(pool) for pool in ("prefill", "decode")) > 1:
             if self.cpu_sharing in (CpuSharing.TURNS, CpuSharing.LEND):
                 raise ValueError(f"cpu_sharing: {self.cpu_sharing.value} does not apply to tensor-parallel workers "

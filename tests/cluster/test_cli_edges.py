@@ -317,3 +317,18 @@ def test_a_cluster_secret_in_the_environment_that_is_too_short_is_refused_naming
     monkeypatch.setenv("PDSERVE_CLUSTER_SECRET", "short")
     err = refused(["serve", "--model", "/m"], capsys)
     assert "PDSERVE_CLUSTER_SECRET" in err and "short" not in err.replace("too short", "")
+
+
+@pytest.mark.parametrize("device", ["cuda:1", "cuda:3"])
+def test_serve_refuses_a_device_naming_one_gpu_before_ray_starts(
+        device: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """Under Ray each worker sees only the GPU Ray gave it (cluster/placement.py says so, refusing
+    `cuda:N`), but only once Ray was up and the workers were being placed; the Serve YAML's
+    `device: cuda:1` likewise passed its checks (`config_from_args`) and failed in the build."""
+    from pdserve.cluster.serve_config import serve_config
+
+    err = refused(["serve", "--model", "/m", "--device", device], capsys)
+    assert err.startswith(f"pdserve: error: device: {device}")
+    with pytest.raises(ValueError, match=f"^device: {device}"):
+        serve_config({"model": "/m", "device": device})
+    assert serve_config({"model": "/m", "device": "cuda:0"}).engine.device == "cuda:0"
