@@ -417,6 +417,10 @@ def default_served_names(model: str) -> tuple[str, ...]:
     return (model,) if base == model else (model, base)
 
 
+# Engine settings that only speculative decoding reads (`engine_config`).
+_SPECULATIVE_ONLY = ("num_speculative_tokens", "spec_ngram_min", "spec_ngram_max", "spec_token_cost",
+                     "spec_max_batch_size")
+
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(ServeConfig) if f.name in _DISAGGREGATED_ONLY}
 
 
@@ -438,6 +442,13 @@ def engine_config(settings: Mapping[str, Any], progress: bool = False,
     _check_names(settings, known)
     if settings.get("model") is None:
         raise ValueError("model: required (an HF-format model directory)")
+    if settings.get("speculative") is None:
+        # Read only by speculative decoding: given without it they were taken and ignored (the
+        # operator believed them in force), where draft_model is refused (EngineConfig). Checked on
+        # the settings, not the config: a prefill worker's config drops speculation and keeps them.
+        for name in _SPECULATIVE_ONLY:
+            if settings.get(name) is not None:
+                raise ValueError(f"{name}: a speculative decoding setting; give --speculative ngram or draft too")
     return EngineConfig(**{k: v for k, v in settings.items() if k in ENGINE_SETTINGS}, progress=progress)
 
 

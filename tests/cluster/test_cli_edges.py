@@ -332,3 +332,21 @@ def test_serve_refuses_a_device_naming_one_gpu_before_ray_starts(
     with pytest.raises(ValueError, match=f"^device: {device}"):
         serve_config({"model": "/m", "device": device})
     assert serve_config({"model": "/m", "device": "cuda:0"}).engine.device == "cuda:0"
+
+
+@pytest.mark.parametrize(("flag", "value", "name"), [
+    ("--num-speculative-tokens", "8", "num_speculative_tokens"), ("--spec-ngram-min", "2", "spec_ngram_min"),
+    ("--spec-ngram-max", "6", "spec_ngram_max"), ("--spec-token-cost", "0.3", "spec_token_cost"),
+    ("--spec-max-batch-size", "16", "spec_max_batch_size"),
+])
+def test_a_speculative_setting_without_speculative_is_refused_not_ignored(
+        flag: str, value: str, name: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--draft-model` without `--speculative draft` is refused ("give it exactly when speculative is
+    draft"), and a colocated cluster refuses the disaggregated settings it would not read ("the
+    operator believed them in force"); `--num-speculative-tokens 8` with no `--speculative` was
+    taken and ignored."""
+    err = refused(["serve", "--model", "/m", flag, value], capsys)
+    assert err.startswith(f"pdserve: error: {name}: ") and "--speculative" in err
+    argv = ["serve", "--model", "/m", "--speculative", "ngram", flag, value]
+    cfg = cli._serve_config(build_parser().parse_args(argv))
+    assert cfg.engine.speculative is not None
