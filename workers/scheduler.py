@@ -92,6 +92,12 @@ class Scheduler:
         arrives, reusing this worker's prefix cache. Returns (block ids, tokens
         already cached here), or None (nothing changed) if the pool is short."""
         req.life.check_move(_S.TRANSFERRING)  # before any block is taken: a refused move takes none
+        # FCFS: a request queued here to be admitted (it could not reserve, its KV failed, it was
+        # preempted) came first. A reservation would take the blocks it waits for and, landed, go
+        # ahead of it in the queue: under a steady stream of handoffs it would never run. While
+        # one waits, a newcomer is refused and queues behind it (it prefills here).
+        if any(r.life.state is _S.QUEUED and r.schedulable for r in self.waiting):
+            return None
         cached_blocks, num_cached = self.kv.find_cached_prefix(req)
         if not self.kv.allocate_slots(req, req.num_tokens - num_cached, cached_blocks):
             return None
