@@ -126,7 +126,12 @@ def profile_step(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausal
     `draft_probs`). Over a throw-away KV pool just big enough; the runner's input buffers (about
     as big as the engine's own, which come later) count as activations."""
     cfg, bs = model.config, config.block_size
-    tokens = config.max_num_batched_tokens
+    # No real step computes more of a sequence than its prompt (under max_model_len), then its
+    # sampled token and drafts: a profile sequence past that would run positions the model's
+    # RoPE tables (max_model_len rows) do not have. So the largest real step is the budget, or
+    # max_num_seqs such sequences if they hold fewer tokens.
+    per_seq = max(1, max_model_len - 1 - verify)
+    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * per_seq)
     seqs = max(1, min(config.max_num_seqs, tokens))
     lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
     # Room for each sequence's prompt, its sampled token and `verify` drafts.
@@ -135,8 +140,8 @@ def profile_step(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausal
     caches = allocate_kv_caches(cfg, num_blocks, bs, dtype, device)
     kv = KVCacheManager(num_blocks, bs, enable_prefix_caching=False)
     base = probe.held()  # the weights and this throw-away pool: not activations
-    runner = ModelRunner(model, caches, kv, tokens, config.max_num_seqs, max(max_model_len, max(lens) + 1 + verify),
-                         device)
+    runner = ModelRunner(model, caches, kv, config.max_num_batched_tokens, config.max_num_seqs,
+                         max(max_model_len, max(lens) + 1 + verify), device)
     reqs = [Request(f"profile-{i}", [(7 * i + j) % cfg.vocab_size for j in range(n)], _PROFILE_PARAMS,
                     max_tokens=1 + verify, device=device) for i, n in enumerate(lens)]
     probe.reset_peak()

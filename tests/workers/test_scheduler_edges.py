@@ -3,12 +3,26 @@ cache under pressure. A real KVCacheManager and the fake model of test_scheduler
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from factories import tiny_spec
+from test_memory_plan import FakeProbe, MiB
 from test_scheduler import BS, S, all_blocks_free, make_request, make_scheduler, step
 
+from pdserve import LLM
+from pdserve.workers import engine_setup
 from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.request import FinishReason, Request
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.scheduler import Scheduler
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+
+@pytest.fixture(scope="module")
+def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
+    return make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05))
 
 
 def _handoff(sched: Scheduler, rid: str, first_token: int) -> bool:
@@ -46,3 +60,20 @@ def test_handoffs_that_arrive_later_do_not_starve_a_request_queued_on_a_decode_w
     while sched.has_unfinished():
         step(sched)
     assert all_blocks_free(sched)
+
+
+@pytest.mark.parametrize("spec", [{}, {"speculative": "ngram", "num_speculative_tokens": 3}])
+def test_the_memory_profile_steps_no_sequence_past_max_model_len(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, spec: dict[str, object]) -> None:
+    """The CUDA memory plan's profile step spreads max_num_batched_tokens over max_num_seqs
+    sequences. No real step has a sequence past max_model_len (a prompt is shorter), so neither
+    may the profile: with one sequence, a 64-token context and a 256-token budget it ran
+    positions up to 255 through RoPE tables of 64 rows, and the engine failed to start
+    (IndexError; on a GPU an out-of-bounds gather)."""
+    probe = FakeProbe(total=64 * MiB, used_at_start=16 * MiB, weights=8 * MiB, activations=4 * MiB)
+    monkeypatch.setattr(engine_setup, "memory_probe", lambda device: probe)
+    llm = LLM(str(model_dir), progress=False, max_num_seqs=1, max_num_batched_tokens=256, max_model_len=64,
+              **spec)
+    assert llm.engine.max_model_len == 64 and probe.steps >= 1
+    out = llm.generate([list(range(5, 68))], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    assert out[0].outputs[0].finish_reason == "length"
