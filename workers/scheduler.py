@@ -88,9 +88,10 @@ class Scheduler:
         return bool(self.waiting or self.running or self.awaiting_kv)
 
     def reserve_remote(self, req: Request) -> tuple[list[int], int] | None:
-        """Decode side of a handoff: reserve blocks for the whole prompt before its KV
-        arrives, reusing this worker's prefix cache. Returns (block ids, tokens
-        already cached here), or None (nothing changed) if the pool is short."""
+        """Decode side of a handoff: reserve blocks for the whole prompt (and its first
+        token's slot) before its KV arrives, reusing this worker's prefix cache. Returns
+        (the prompt's block ids, tokens already cached here), or None (nothing changed)
+        if the pool is short."""
         req.life.check_move(_S.TRANSFERRING)  # before any block is taken: a refused move takes none
         # FCFS: a request queued here to be admitted (it could not reserve, its KV failed, it was
         # preempted) came first. A reservation would take the blocks it waits for and, landed, go
@@ -99,14 +100,19 @@ class Scheduler:
         if any(r.life.state is _S.QUEUED and r.schedulable for r in self.waiting):
             return None
         cached_blocks, num_cached = self.kv.find_cached_prefix(req)
-        if not self.kv.allocate_slots(req, req.num_tokens - num_cached, cached_blocks):
+        # The prompt and the slot of the prefill worker's first token, which its first step here
+        # computes: landed, it waits holding its blocks, and were that slot in a block it does not
+        # hold, requests that landed on a full pool (prompts ending on a block boundary) would
+        # each wait for a block another holds, nothing running to give one back: for ever.
+        if not self.kv.allocate_slots(req, req.num_tokens + 1 - num_cached, cached_blocks):
             return None
         req.num_cached_tokens = num_cached
         self.num_cached_prompt_tokens += num_cached
         req.life.move(_S.TRANSFERRING)
         self.requests[req.request_id] = req
         self.awaiting_kv[req.request_id] = req
-        return list(self.kv.blocks_of(req.request_id)), num_cached
+        prompt_blocks = -(-req.num_tokens // self.kv.block_size)  # what its KV lands in
+        return self.kv.blocks_of(req.request_id)[:prompt_blocks], num_cached
 
     def complete_remote(self, req: Request) -> None:
         """The prompt's KV has landed in the reserved blocks: the request joins the

@@ -77,3 +77,34 @@ def test_the_memory_profile_steps_no_sequence_past_max_model_len(
     assert llm.engine.max_model_len == 64 and probe.steps >= 1
     out = llm.generate([list(range(5, 68))], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     assert out[0].outputs[0].finish_reason == "length"
+
+
+def test_handoffs_that_fill_the_pool_to_a_block_boundary_still_decode() -> None:
+    """Handoffs reserve the whole pool for prompts that end on a block boundary, and land. Each
+    one's first decode step writes the token after its prompt, in a block it does not hold, and
+    nothing runs that could give one back: before the fix none ever ran again (every step
+    scheduled nothing, for ever). The reservation holds that token's slot too; a handoff that
+    finds no room queues here (it prefills locally), as a decode worker does."""
+    sched = make_scheduler(num_blocks=4, max_num_seqs=4, budget=64)
+    reqs, landed = [], []
+    for i in range(2):
+        req = Request(f"h{i}", list(range(100 * i, 100 * i + 2 * BS)), SamplingParams(max_tokens=3), max_tokens=3,
+                      life=Lifecycle(f"h{i}", 60.0, S.ROUTED))
+        reqs.append(req)
+        plan = sched.reserve_remote(req)
+        if plan is None:
+            sched.add(req)
+            continue
+        assert len(plan[0]) == 2, "the blocks that cover the prompt, for its KV to land in"
+        landed.append(req)
+    for req in landed:
+        sched.complete_remote(req)
+        req.append_token(5)
+        sched.took_token(req, None)
+    for _ in range(40):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3 for r in reqs), \
+        "stuck: each landed request waits for a block another holds"
+    assert all_blocks_free(sched)
