@@ -108,3 +108,57 @@ def test_handoffs_that_fill_the_pool_to_a_block_boundary_still_decode() -> None:
     assert all(r.finish_reason is FinishReason.LENGTH and r.num_output_tokens == 3 for r in reqs), \
         "stuck: each landed request waits for a block another holds"
     assert all_blocks_free(sched)
+
+
+def test_a_decode_workers_random_mix_of_handoffs_and_local_requests_all_finish() -> None:
+    """Handoffs (reserved, landed some steps later or failed back to a local prefill), requests
+    that could not reserve, aborts, on pools a few sequences big with prompts of every length:
+    every request ends, with its tokens, no step stalls for good, and every block comes back."""
+    import random
+
+    for seed in range(30):
+        rng = random.Random(seed)
+        num_blocks = rng.randint(4, 12)
+        sched = make_scheduler(num_blocks=num_blocks, max_num_seqs=rng.randint(1, 5), budget=rng.randint(1, 24))
+        longest = 4 * BS  # the pool holds one such sequence (num_blocks >= 4), as plan_kv sees to
+        reqs: list[Request] = []
+        in_flight: list[tuple[int, Request]] = []  # (step it lands at, request): KV on its way
+        aborted: set[str] = set()
+        for t in range(2000):
+            if t < 60 and rng.random() < 0.4:
+                n = rng.choice([rng.randint(1, longest - 1), BS * rng.randint(1, 3)])  # often block-aligned
+                rid = f"q{len(reqs)}"
+                req = Request(rid, list(range(1000 * len(reqs), 1000 * len(reqs) + n)),
+                              SamplingParams(max_tokens=4), max_tokens=rng.randint(1, longest - n),
+                              life=Lifecycle(rid, 60.0, S.ROUTED))
+                reqs.append(req)
+                if rng.random() < 0.7 and sched.reserve_remote(req) is not None:
+                    in_flight.append((t + rng.randint(0, 3), req))
+                else:
+                    sched.add(req)
+            for at, req in [f for f in in_flight if f[0] <= t]:
+                in_flight.remove((at, req))
+                if req.finished:
+                    continue
+                if rng.random() < 0.2:
+                    sched.prefill_locally(req)
+                    continue
+                sched.complete_remote(req)
+                req.append_token(1000)  # the prefill worker's first token (step() numbers them so)
+                sched.took_token(req, FinishReason.LENGTH if req.max_tokens == 1 else None)
+            if reqs and rng.random() < 0.02:
+                victim = rng.choice(reqs)
+                if not victim.finished:
+                    sched.finish(victim, FinishReason.ABORT)
+                    sched.release(victim.request_id)
+                    aborted.add(victim.request_id)
+            if sched.has_unfinished():
+                step(sched)
+            elif t >= 60 and not in_flight:
+                break
+        assert not sched.has_unfinished(), f"seed {seed}: stalled with {len(sched.waiting)} waiting"
+        for r in reqs:
+            if r.request_id not in aborted:
+                assert r.finish_reason is FinishReason.LENGTH, f"seed {seed}: {r.request_id}"
+                assert r.output_token_ids == [1000 + i for i in range(r.max_tokens)], f"seed {seed}: {r.request_id}"
+        assert all_blocks_free(sched), f"seed {seed}"
