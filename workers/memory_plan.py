@@ -106,7 +106,7 @@ def measure(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, d
         # private pool of their largest bucket's activations: reserved here, scaled from the
         # profile by tokens (an overestimate: the graphs hold no logits or sampling).
         top = min(config.max_num_seqs, MAX_BUCKET, config.max_num_batched_tokens) * (1 + spec_k)
-        activations += int(activations * min(1.0, top / config.max_num_batched_tokens))
+        activations += int(activations * min(1.0, top / profile_tokens(config, max_model_len, spec_k)))
     probe.empty_cache()
     return DeviceMemory(total=probe.total, used_by_others=probe.used_at_start, weights=weights,
                         activations=activations, non_torch=probe.non_torch())
@@ -114,6 +114,14 @@ def measure(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, d
 
 # The sampler's largest path (sort for top-p, masks for top-k and min-p, log-softmax for logprobs).
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=5, max_tokens=None)
+
+
+def profile_tokens(config: EngineConfig, max_model_len: int, verify: int = 0) -> int:
+    """Tokens of the largest real prefill step: the budget, or max_num_seqs sequences if they hold
+    fewer. No step computes more of a sequence than its prompt (under max_model_len), then its
+    sampled token and drafts: a profile sequence past that would run positions the model's RoPE
+    tables (max_model_len rows) do not have."""
+    return min(config.max_num_batched_tokens, config.max_num_seqs * max(1, max_model_len - 1 - verify))
 
 
 @torch.inference_mode()
@@ -126,12 +134,7 @@ def profile_step(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausal
     `draft_probs`). Over a throw-away KV pool just big enough; the runner's input buffers (about
     as big as the engine's own, which come later) count as activations."""
     cfg, bs = model.config, config.block_size
-    # No real step computes more of a sequence than its prompt (under max_model_len), then its
-    # sampled token and drafts: a profile sequence past that would run positions the model's
-    # RoPE tables (max_model_len rows) do not have. So the largest real step is the budget, or
-    # max_num_seqs such sequences if they hold fewer tokens.
-    per_seq = max(1, max_model_len - 1 - verify)
-    tokens = min(config.max_num_batched_tokens, config.max_num_seqs * per_seq)
+    tokens = profile_tokens(config, max_model_len, verify)
     seqs = max(1, min(config.max_num_seqs, tokens))
     lens = [tokens // seqs + (i < tokens % seqs) for i in range(seqs)]
     # Room for each sequence's prompt, its sampled token and `verify` drafts.

@@ -162,3 +162,18 @@ def test_a_decode_workers_random_mix_of_handoffs_and_local_requests_all_finish()
                 assert r.finish_reason is FinishReason.LENGTH, f"seed {seed}: {r.request_id}"
                 assert r.output_token_ids == [1000 + i for i in range(r.max_tokens)], f"seed {seed}: {r.request_id}"
         assert all_blocks_free(sched), f"seed {seed}"
+
+
+def test_the_graphs_reserve_scales_the_profiled_step_by_its_own_tokens(model_dir: Path) -> None:
+    """The CUDA graphs' reserve is the profile's activations scaled per token: by the tokens the
+    profile step ran (63 here: one sequence under a 64-token context), not the budget (256), which
+    the capped profile no longer runs (it would reserve a quarter of what the graphs take)."""
+    from pdserve.workers import memory_plan
+    from pdserve.workers.config import EngineConfig
+
+    engine = LLM(str(model_dir), progress=False, max_model_len=64, num_kv_blocks=16).engine
+    config = EngineConfig(model=str(model_dir), max_num_seqs=1, max_num_batched_tokens=256, max_model_len=64,
+                          enforce_eager=False)
+    probe = FakeProbe(total=64 * MiB, used_at_start=16 * MiB, weights=8 * MiB, activations=4 * MiB)
+    memory = memory_plan.measure(config, probe, engine.model, None, engine.dtype, engine.device, 64)
+    assert memory.activations == 4 * MiB + int(4 * MiB * 1 / 63)
