@@ -155,7 +155,13 @@ class AsyncEngine:
             self._stop.set()
             self.engine.close()
             return
-        self._commands.put(lambda: self._fail_all(EngineDeadError("engine closed")))
+        closed = EngineDeadError("engine closed")
+        if self.error is None:
+            # Before the jobs are failed: a request opened after `_fail_all` walked them, while the
+            # thread still ran, was taken (healthy) and never ended (its start never ran): it
+            # waited out its deadline. `open` checks `error` once its job is in, as for a death.
+            self.error = closed
+        self._commands.put(lambda: self._fail_all(closed))
         self._stop.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout_s)

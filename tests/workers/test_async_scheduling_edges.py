@@ -427,3 +427,54 @@ def test_drafts_made_as_a_failed_step_lands_its_predecessor_are_verified_from_th
     _same(got[False], got[True])
     assert got[True]["r2"].error is not None
     assert all(got[True][rid].error is None for rid in ("r0", "r1", "late"))
+
+
+def test_a_request_opened_as_the_engine_closes_is_failed_not_left_to_its_deadline(model_dir: Path) -> None:
+    """close() queued the failing of every job, then stopped the thread. A request opened after
+    that walk but while the thread still ran was taken (the engine looked healthy), its start
+    queued behind the stop and never run: nothing ended it, and its client waited out the
+    request's deadline (a reviewer's run sat 600 s on it). The window is held open here: the
+    engine thread is kept between the walk and its exit while the request opens."""
+    import asyncio
+    import threading
+    import time
+
+    from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(_engine(model_dir, False)).start()
+    walked, release = threading.Event(), threading.Event()
+    gate = threading.Event()
+    engine._commands.put(gate.wait)  # the thread waits here until close() has queued its commands
+    closer = threading.Thread(target=engine.close, kwargs={"timeout_s": 30})
+    closer.start()
+    deadline = time.monotonic() + 10
+    while engine._commands.qsize() < 2 and time.monotonic() < deadline:  # close's fail-all and wake-up
+        time.sleep(0.01)
+
+    def hold() -> None:  # after the fail-all ran: the thread alive, the jobs already walked
+        walked.set()
+        release.wait(10)
+
+    engine._commands.put(hold)
+    gate.set()
+    assert walked.wait(10)
+
+    async def late() -> BaseException | None:
+        try:
+            async for _ in engine.generate("late", [5, 6, 7], SamplingParams(max_tokens=4), timeout_s=3.0):
+                pass
+        except BaseException as e:  # noqa: BLE001 - what ended it is the finding
+            return e
+        return None
+
+    async def main() -> BaseException | None:
+        task = asyncio.ensure_future(late())
+        await asyncio.sleep(0.2)  # it opens while the thread is held
+        release.set()
+        return await task
+
+    t0 = time.monotonic()
+    error = asyncio.run(main())
+    closer.join(30)
+    assert isinstance(error, EngineDeadError), repr(error)
+    assert time.monotonic() - t0 < 2.5
