@@ -61,7 +61,8 @@ def test_multi_token_chunks_tpot_per_token_itl_per_chunk(fake_server: FakeServer
     recs = bench(fake_server, num_requests=4, output_len=9).runs[0].records
     assert all(r.success and r.output_tokens == 9 and r.chunks == 3 for r in recs)
     assert TPOT_LO <= statistics.median(r.tpot for r in recs) <= TPOT_HI
-    assert 4 * D2 <= statistics.median(g for r in recs for g in r.itl) <= 4 * D2 + 20 * OVER
+    # Per chunk (4 tokens), not per token; a chunk read late shortens the next gap, as above.
+    assert 4 * D2 - 5 * OVER <= statistics.median(g for r in recs for g in r.itl) <= 4 * D2 + 20 * OVER
 
 
 @pytest.mark.parametrize("fake_server", [FakeBehaviour(fail_every=3)], indirect=True)
