@@ -474,6 +474,10 @@ class AsyncEngine:
                     if job.role is not None and job.started:
                         self._after_step(job, job.role)
                 self._flush_remote()
+            # Stopped (close): close() queued the failing of every job, but a thread that saw the
+            # stop on its way back from a step left without running what was queued, and the jobs
+            # in flight waited out their deadlines. Their end is this thread's last act.
+            self._fail_all(self.error or EngineDeadError("engine closed"))
         except BaseException as e:  # noqa: BLE001 - every waiter must hear of it
             self.error = e
             self._fail_all(EngineDeadError(f"engine failed: {e!r}"))

@@ -429,39 +429,14 @@ def test_drafts_made_as_a_failed_step_lands_its_predecessor_are_verified_from_th
     assert all(got[True][rid].error is None for rid in ("r0", "r1", "late"))
 
 
-def test_a_request_opened_as_the_engine_closes_is_failed_not_left_to_its_deadline(model_dir: Path) -> None:
-    """close() queued the failing of every job, then stopped the thread. A request opened after
-    that walk but while the thread still ran was taken (the engine looked healthy), its start
-    queued behind the stop and never run: nothing ended it, and its client waited out the
-    request's deadline (a reviewer's run sat 600 s on it). The window is held open here: the
-    engine thread is kept between the walk and its exit while the request opens."""
+def _late(engine: object, release: object) -> BaseException | None:
+    """A request started now (deadline 3 s), `release()` called once it is open; what ended it."""
     import asyncio
-    import threading
-    import time
-
-    from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
-
-    engine = AsyncEngine(_engine(model_dir, False)).start()
-    walked, release = threading.Event(), threading.Event()
-    gate = threading.Event()
-    engine._commands.put(gate.wait)  # the thread waits here until close() has queued its commands
-    closer = threading.Thread(target=engine.close, kwargs={"timeout_s": 30})
-    closer.start()
-    deadline = time.monotonic() + 10
-    while engine._commands.qsize() < 2 and time.monotonic() < deadline:  # close's fail-all and wake-up
-        time.sleep(0.01)
-
-    def hold() -> None:  # after the fail-all ran: the thread alive, the jobs already walked
-        walked.set()
-        release.wait(10)
-
-    engine._commands.put(hold)
-    gate.set()
-    assert walked.wait(10)
 
     async def late() -> BaseException | None:
         try:
-            async for _ in engine.generate("late", [5, 6, 7], SamplingParams(max_tokens=4), timeout_s=3.0):
+            async for _ in engine.generate("late", [5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True),  # type: ignore[attr-defined]
+                                           timeout_s=3.0):
                 pass
         except BaseException as e:  # noqa: BLE001 - what ended it is the finding
             return e
@@ -469,12 +444,87 @@ def test_a_request_opened_as_the_engine_closes_is_failed_not_left_to_its_deadlin
 
     async def main() -> BaseException | None:
         task = asyncio.ensure_future(late())
-        await asyncio.sleep(0.2)  # it opens while the thread is held
-        release.set()
+        await asyncio.sleep(0.3)  # it opens (and, started, steps)
+        release()  # type: ignore[operator]
         return await task
 
+    return asyncio.run(main())
+
+
+def test_a_request_opened_as_the_engine_closes_is_failed_not_left_to_its_deadline(model_dir: Path) -> None:
+    """close() queued the failing of every job, then stopped the thread. A request opened after
+    that walk but while the thread still ran was taken (the engine looked healthy), its start
+    queued behind the stop and never run: nothing ended it, and its client waited out the
+    request's deadline. The window is held open: the thread is kept, inside its drain of
+    commands, between the walk and its exit while the request opens."""
+    import threading
+    import time
+
+    from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(_engine(model_dir, False)).start()
+    inside, gate, walked, release = (threading.Event() for _ in range(4))
+
+    def blocker() -> None:  # the thread, in its drain, until close() has queued its commands
+        inside.set()
+        gate.wait(20)
+
+    def hold() -> None:  # drained after the fail-all: the jobs walked, the thread alive
+        walked.set()
+        release.wait(10)
+
+    engine._commands.put(blocker)
+    assert inside.wait(10)
+    closer = threading.Thread(target=engine.close, kwargs={"timeout_s": 30})
+    closer.start()
+    deadline = time.monotonic() + 10
+    while engine._commands.qsize() < 2 and time.monotonic() < deadline:  # close's fail-all and wake-up
+        time.sleep(0.01)
+    engine._commands.put(hold)
+    gate.set()
+    assert walked.wait(10)
     t0 = time.monotonic()
-    error = asyncio.run(main())
+    error = _late(engine, release.set)
     closer.join(30)
+    assert isinstance(error, EngineDeadError), repr(error)
+    assert time.monotonic() - t0 < 2.5
+
+
+def test_a_request_stepping_as_the_engine_closes_is_failed_not_left_to_its_deadline(model_dir: Path) -> None:
+    """The thread saw close()'s stop on its way back from a step and left without running what
+    close() had queued (the failing of every job): a request in flight waited out its deadline
+    (a reviewer's run sat 600 s on one). The step is held until close() has stopped the thread."""
+    import threading
+    import time
+
+    from pdserve.workers.async_engine import AsyncEngine, EngineDeadError
+
+    inner = _engine(model_dir, False)
+    engine = AsyncEngine(inner).start()
+    stepping, go = threading.Event(), threading.Event()
+    step = inner.step
+
+    def held_step() -> list[RequestOutput]:
+        if inner.has_unfinished_requests():
+            stepping.set()
+            go.wait(20)
+        return step()
+
+    inner.step = held_step  # type: ignore[method-assign]
+
+    def close_mid_step() -> None:
+        def run() -> None:
+            assert stepping.wait(10)
+            closer = threading.Thread(target=engine.close, kwargs={"timeout_s": 30})
+            closer.start()
+            while not engine._stop.is_set():
+                time.sleep(0.01)
+            go.set()
+            closer.join(30)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    t0 = time.monotonic()
+    error = _late(engine, close_mid_step)
     assert isinstance(error, EngineDeadError), repr(error)
     assert time.monotonic() - t0 < 2.5
