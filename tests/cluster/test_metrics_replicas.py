@@ -9,31 +9,14 @@ import asyncio
 import time
 
 import pytest
+from metrics_store import Store, by_replica
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster import metrics_peers
 from pdserve.cluster.metrics import GatewayMetrics, _render
 
 
-class _Store:
-    """Ray's key-value store as a dict (what every replica of a deployment shares)."""
-
-    def __init__(self) -> None:
-        self.values: dict[int, bytes] = {}
-
-    def put(self, rank: int, payload: bytes) -> None:
-        self.values[rank] = payload
-
-    def get(self, rank: int) -> bytes | None:
-        return self.values.get(rank)
-
-
-def _samples(text: bytes, name: str) -> dict[str, float]:
-    return {s.labels.get("replica", ""): s.value for f in text_string_to_metric_families(text.decode())
-            for s in f.samples if s.name == name}
-
-
-def _tier(store: _Store) -> list[GatewayMetrics]:
+def _tier(store: Store) -> list[GatewayMetrics]:
     tier = [GatewayMetrics(replica=r, replicas=2) for r in range(2)]
     for m in tier:
         m.peers = store
@@ -41,7 +24,7 @@ def _tier(store: _Store) -> list[GatewayMetrics]:
 
 
 def test_each_replicas_counters_reach_every_scrape_under_their_own_label() -> None:
-    store = _Store()
+    store = Store()
     m0, m1 = _tier(store)
     m0.prompt_tokens.inc(3)
     m1.prompt_tokens.inc(5)
@@ -53,7 +36,7 @@ def test_each_replicas_counters_reach_every_scrape_under_their_own_label() -> No
         return await m0.exposition({}), await m1.exposition({})
 
     for text in asyncio.run(scrape()):  # whichever replica a scrape reaches: the same series, the same values
-        assert _samples(text, "pdserve:prompt_tokens_total") == {"0": 3.0, "1": 5.0}
+        assert by_replica(text, "pdserve:prompt_tokens_total") == {"0": 3.0, "1": 5.0}
         stops = {s.labels["replica"]: s.value for f in text_string_to_metric_families(text.decode())
                  for s in f.samples if s.name == "pdserve:request_success_total"
                  and s.labels["finished_reason"] == "stop"}
@@ -61,23 +44,23 @@ def test_each_replicas_counters_reach_every_scrape_under_their_own_label() -> No
 
 
 def test_a_replica_gone_for_good_leaves_no_frozen_series() -> None:
-    store = _Store()
+    store = Store()
     m0, m1 = _tier(store)
     m1.prompt_tokens.inc(5)
     store.put(1, metrics_peers.pack(_render([m1.own_families()]), time.time() - metrics_peers.STALE_S - 1))
     text = asyncio.run(m0.exposition({}))
-    assert _samples(text, "pdserve:prompt_tokens_total") == {"0": 0.0}
+    assert by_replica(text, "pdserve:prompt_tokens_total") == {"0": 0.0}
 
 
 def test_one_replica_alone_is_unlabelled_and_publishes_nothing() -> None:
     m = GatewayMetrics()
     m.prompt_tokens.inc(4)
-    assert _samples(asyncio.run(m.exposition({})), "pdserve:prompt_tokens_total") == {"": 4.0}
+    assert by_replica(asyncio.run(m.exposition({})), "pdserve:prompt_tokens_total") == {"": 4.0}
 
 
 def test_a_replica_publishes_its_families_every_interval(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(metrics_peers, "PUBLISH_S", 0.05)
-    store = _Store()
+    store = Store()
     m0, _ = _tier(store)
 
     async def run() -> None:

@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
+from async_engines import SPEC
+from async_engines import engine as _engine
+from async_engines import prompts as _prompts
 
-from pdserve import LLM, SamplingParams
+from pdserve import SamplingParams
 from pdserve.workers.async_engine import AsyncEngine
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
-
-SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
 
 
 @pytest.fixture(scope="module")
@@ -30,16 +30,6 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(SPEC)
 
 
-def _engine(model_dir: Path, async_scheduling: bool, **kw: object) -> LLMEngine:
-    args: dict[str, object] = dict(dtype="float32", max_model_len=256, num_kv_blocks=128, progress=False,
-                                   async_scheduling=async_scheduling)
-    args.update(kw)
-    return LLM(str(model_dir), **args).engine
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
 def _run(engine: LLMEngine, requests: dict[str, tuple[list[int] | str, SamplingParams]],

@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from async_engines import SPEC
+from async_engines import engine as _engine
+from async_engines import prompts as _prompts
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
@@ -19,8 +22,6 @@ from pdserve.workers.sampler import SamplingBatch
 from pdserve.workers.scheduler import SchedulerOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 
-SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
-
 Requests = dict[str, tuple[list[int] | str, SamplingParams]]
 
 
@@ -29,16 +30,6 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
     return make_model(SPEC)
 
 
-def _engine(model_dir: Path, async_scheduling: bool, **kw: object) -> LLMEngine:
-    args: dict[str, object] = dict(dtype="float32", max_model_len=256, num_kv_blocks=128, progress=False,
-                                   async_scheduling=async_scheduling)
-    args.update(kw)
-    return LLM(str(model_dir), **args).engine
-
-
-def _prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
 def _run(engine: LLMEngine, requests: Requests, add_at: dict[int, Requests] | None = None,
