@@ -134,7 +134,9 @@ class Scheduler:
         for r in self.waiting:
             if r.num_computed_tokens < r.num_prompt_tokens:
                 cached = 0 if r.prompt_logprobs is not None else self.kv.find_cached_prefix(r)[1]
-                queued += r.num_prompt_tokens - max(r.num_computed_tokens, cached)
+                # A preempted or resumed request's cache may reach past its prompt (its outputs
+                # are cached too): none of its prompt is left, not less than none.
+                queued += max(0, r.num_prompt_tokens - max(r.num_computed_tokens, cached))
         return queued
 
     def schedule(self) -> SchedulerOutput:

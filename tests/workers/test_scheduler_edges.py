@@ -12,6 +12,7 @@ from test_memory_plan import FakeProbe, MiB
 from test_scheduler import BS, S, all_blocks_free, make_request, make_scheduler, step
 
 from pdserve import LLM
+from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
 from pdserve.workers import engine_setup
 from pdserve.workers.lifecycle import Lifecycle
 from pdserve.workers.request import FinishReason, Request
@@ -177,3 +178,25 @@ def test_the_graphs_reserve_scales_the_profiled_step_by_its_own_tokens(model_dir
     probe = FakeProbe(total=64 * MiB, used_at_start=16 * MiB, weights=8 * MiB, activations=4 * MiB)
     memory = memory_plan.measure(config, probe, engine.model, None, engine.dtype, engine.device, 64)
     assert memory.activations == 4 * MiB + int(4 * MiB * 1 / 63)
+
+
+def test_queued_prefill_tokens_of_a_preempted_request_whose_outputs_are_cached_is_not_negative() -> None:
+    """A request preempted after decoding a while waits with its prompt and outputs cached (its
+    blocks freed tail first stay in the prefix cache). Its prompt has nothing left to compute,
+    but the queue counted `prompt - cached tokens` for it, below zero once the cache covered
+    its outputs too: the worker reported negative queued prefill tokens, which the router's
+    WorkerLoad refuses, so the gateway's poll of the worker failed and took it out of routing."""
+    sched = make_scheduler(num_blocks=8, budget=64)
+    a = make_request("a", 5, max_tokens=30)
+    b = make_request("b", 5, max_tokens=30, first_token=100)
+    sched.add(a)
+    sched.add(b)
+    for _ in range(40):
+        if step(sched).preempted:
+            break
+    assert list(sched.waiting) == [b] and b.num_output_tokens > BS, "b was preempted after decoding"
+    assert sched.kv.find_cached_prefix(b)[1] > b.num_prompt_tokens, "its outputs are cached too"
+    queued = sched.queued_prefill_tokens()
+    assert queued == 0, f"every prompt token is computed or cached, got {queued}"
+    WorkerLoad("w", WorkerRole.DECODE, queued_prefill_tokens=queued)  # what the gateway's poll builds
+
