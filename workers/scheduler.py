@@ -200,8 +200,10 @@ class Scheduler:
             del self.waiting[at]
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = num_cached
-                self.num_cached_prompt_tokens += num_cached
+                # Prompt tokens served from the cache: a resumed request's hit may reach into the
+                # output its client already has, which is no prompt token.
+                req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
+                self.num_cached_prompt_tokens += req.num_cached_tokens
             if req.life.state is _S.QUEUED:  # not one whose KV came from a prefill worker (DECODING)
                 req.life.move(_S.PREFILLING)
             if req.queue_time_s is None:

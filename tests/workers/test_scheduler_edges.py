@@ -200,3 +200,22 @@ def test_queued_prefill_tokens_of_a_preempted_request_whose_outputs_are_cached_i
     assert queued == 0, f"every prompt token is computed or cached, got {queued}"
     WorkerLoad("w", WorkerRole.DECODE, queued_prefill_tokens=queued)  # what the gateway's poll builds
 
+def test_cached_tokens_of_a_resumed_request_count_its_prompt_only() -> None:
+    """A resumed request (another worker started it and died) computes prompt + the tokens its
+    client already has; where this worker caches both (the same greedy request ran here), its
+    cache hit reaches past the prompt. `num_cached_tokens` is the prompt tokens served from the
+    cache (the API's usage.prompt_tokens_details.cached_tokens, the prefix-cache hits metric): it
+    counted the output tokens too, more cached tokens than the prompt has."""
+    sched = make_scheduler(num_blocks=16, budget=64)
+    first = make_request("first", 5, max_tokens=12)
+    sched.add(first)
+    while sched.has_unfinished():
+        step(sched)
+    resumed = make_request("resumed", 5, max_tokens=16)
+    for token in first.output_token_ids[:10]:  # what its client had (engine `_resume`)
+        resumed.append_token(token)
+    sched.add(resumed)
+    step(sched)
+    assert sched.kv.find_cached_prefix(resumed)[1] > resumed.num_prompt_tokens, "its outputs were cached here"
+    assert resumed.num_cached_tokens == resumed.num_prompt_tokens  # all 5 prompt tokens came from the cache
+    assert sched.num_cached_prompt_tokens == resumed.num_prompt_tokens
