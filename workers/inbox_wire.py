@@ -7,7 +7,8 @@ one ZeroMQ message to the worker's inbox (cluster/worker_inbox.py) instead, and 
 them on the same socket (so an abort never overtakes the start it ends).
 
 The wire form is msgpack, never pickle: a peer that can reach the socket can write to
-it. Every field is checked as it is read (a ValueError names it), and the request's
+it. Strings go as written, a client's lone surrogates included (`_UNICODE_ERRORS`). Every
+field is checked as it is read (a ValueError names it), and the request's
 `SamplingParams` are rebuilt through their own constructor, which validates them as it
 does a client's. The messages are signed by the sender (`auth.inbox_tag`) and numbered
 per sender; the inbox checks both before it reads a field.
@@ -35,6 +36,9 @@ VERSION = 1
 # A start message is a prompt and its parameters (a grammar spec at most 64k characters).
 MAX_INBOX_MESSAGE_BYTES = 4 << 20
 _START, _ABORT = "start", "abort"
+# A client's JSON strings (stop strings, a cache salt) may hold lone surrogates ("\\ud800"), which
+# strict UTF-8 refuses: a start that carries them must still go, and read back as it was sent.
+_UNICODE_ERRORS = "surrogatepass"
 _PARAM_FIELDS = {f.name: f for f in dataclasses.fields(SamplingParams)}
 _STRUCTURED_FIELDS = frozenset(f.name for f in dataclasses.fields(StructuredOutputs))
 # Defaults left off the wire: most requests set a handful of the ~25 fields.
@@ -106,12 +110,13 @@ def encode_start(sender: str, seq: int, req: ServeRequest, prefill_worker: str |
                                               req.resume.cumulative_logprob]
     body = [VERSION, _START, sender, seq, req.request_id, list(req.prompt_token_ids), params_to_wire(req.params),
             req.timeout_s, req.reply_to, req.attempt, resume, prefill_worker]
-    data: bytes = msgpack.packb(body, use_bin_type=True)
+    data: bytes = msgpack.packb(body, use_bin_type=True, unicode_errors=_UNICODE_ERRORS)
     return data
 
 
 def encode_abort(sender: str, seq: int, request_id: str, attempt: int) -> bytes:
-    data: bytes = msgpack.packb([VERSION, _ABORT, sender, seq, request_id, attempt], use_bin_type=True)
+    data: bytes = msgpack.packb([VERSION, _ABORT, sender, seq, request_id, attempt], use_bin_type=True,
+                                unicode_errors=_UNICODE_ERRORS)
     return data
 
 
@@ -119,7 +124,7 @@ def decode_inbox(data: bytes) -> InboxMessage:
     """The message `data` holds; ValueError (naming the field) for anything malformed."""
     try:
         # Int keys only where a logit bias needs them; any other map is checked below.
-        obj = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+        obj = msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True, unicode_errors=_UNICODE_ERRORS)
     except Exception as e:  # msgpack raises several types for bad bytes
         raise ValueError(f"inbox message: not msgpack ({type(e).__name__})") from None
     if not isinstance(obj, list) or len(obj) < 4 or obj[0] != VERSION:

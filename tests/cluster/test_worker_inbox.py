@@ -59,6 +59,26 @@ def test_a_start_reads_back_as_the_request_sent(params: SamplingParams) -> None:
     assert decode_inbox(encode_abort("gw", 10, "r1", 2)) == AbortTry("gw", 10, "r1", 2)
 
 
+def test_a_lone_surrogate_a_json_client_sent_crosses_the_wire_as_sent() -> None:
+    """JSON strings may carry lone surrogates ("\\ud800"), and the gateway takes a client's stop
+    strings and cache salt as they came (the salt's hash takes them: workers/kv/hashing.py).
+    Strict UTF-8 cannot carry them: encoding such a start raised UnicodeEncodeError, and the
+    client got a 400 naming no field for a request the gateway had taken (and a worker serves)."""
+    params = SamplingParams(stop=["end\ud800"], cache_salt="tenant-\udcff")
+    req = request(params)
+    assert decode_inbox(encode_start("gw", 1, req)) == StartTry("gw", 1, req)
+
+    async def main() -> None:
+        async with channel_to(hang) as (svc, channel):
+            run = asyncio.create_task(channel.run(req, asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 1 or run.done())
+            assert not run.done(), run.exception()
+            assert svc.started[0].request == req
+            run.cancel()
+
+    asyncio.run(main())
+
+
 def _start_body(**change: Any) -> list[Any]:
     body = msgpack.unpackb(encode_start("gw", 1, request()), strict_map_key=False)
     fields = ["version", "kind", "sender", "seq", "request_id", "prompt", "params", "timeout_s", "reply_to",
@@ -682,3 +702,4 @@ def test_a_channel_discarded_while_it_connects_fails_its_waiters_as_on_a_death()
             assert not waiting.cancelled()
 
     asyncio.run(main())
+
