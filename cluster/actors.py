@@ -93,8 +93,9 @@ class _Service:
         raise NotImplementedError
 
     async def abort(self, request_id: str, attempt: int | None = None) -> None:
-        """End the request here (only its try `attempt` or an earlier one, when given)."""
-        self.async_engine.abort(request_id, attempt)
+        """End the request here (only its try `attempt` or an earlier one, when given): in the
+        engine, and a try the inbox started that has not reached it yet."""
+        self.inbox.abort(request_id, attempt)
 
     async def load(self, since: EventCursor | None = None) -> LoadReport:
         """The engine's load, and its prefix-cache events from `since` on (the cursor the

@@ -133,7 +133,7 @@ class _Kept:
 
 
 Runner = Callable[[StartTry], Awaitable[None]]
-Aborter = Callable[[str, int], None]
+Aborter = Callable[[str, int | None], None]
 
 
 class WorkerInbox:
@@ -243,8 +243,7 @@ class WorkerInbox:
         window.take(msg.seq)
         self._senders.move_to_end(msg.sender)
         if isinstance(msg, AbortTry):
-            self._cancel(msg.request_id, msg.attempt)
-            self._abort(msg.request_id, msg.attempt)
+            self.abort(msg.request_id, msg.attempt)
         else:
             self._start(msg)
 
@@ -256,9 +255,17 @@ class WorkerInbox:
         self._tasks[req.request_id] = (req.attempt, task)
         task.add_done_callback(functools.partial(self._done, req.request_id))
 
-    def _cancel(self, request_id: str, attempt: int) -> None:
+    def abort(self, request_id: str, attempt: int | None = None) -> None:
+        """End try `attempt` (or an earlier one; None: any) of `request_id` here: its task and
+        the engine's request. An abort message does this, and so must the worker's `abort` Ray
+        call (the gateway's way where its channel is down): the engine's abort ends only a
+        request it holds, and a try still on its way in (its grammar compiling) went on."""
+        self._cancel(request_id, attempt)
+        self._abort(request_id, attempt)
+
+    def _cancel(self, request_id: str, attempt: int | None) -> None:
         held = self._tasks.get(request_id)
-        if held is not None and held[0] <= attempt:
+        if held is not None and (attempt is None or held[0] <= attempt):
             held[1].cancel()
 
     def _done(self, request_id: str, task: asyncio.Task[None]) -> None:

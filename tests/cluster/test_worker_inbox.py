@@ -8,11 +8,13 @@ import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
+from factories import tiny_spec
 
 from pdserve.cluster import worker_channel
 from pdserve.cluster.in_process import LocalActor
@@ -25,6 +27,7 @@ from pdserve.workers.handoff import Resume, ServeRequest
 from pdserve.workers.inbox_wire import AbortTry, StartTry, decode_inbox, encode_abort, encode_start
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
+from pdserve.workers.tiny.builder import TinyModelSpec
 from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -703,3 +706,46 @@ def test_a_channel_discarded_while_it_connects_fails_its_waiters_as_on_a_death()
 
     asyncio.run(main())
 
+
+def test_an_abort_by_ray_ends_a_try_the_inbox_started_before_its_engine_has_it(
+        make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where its channel is down (its poll broke, or the inbox is full), the gateway aborts a try by
+    a Ray call (`abort`), not on the inbox. The engine's abort ends only a request it holds: a try
+    still on its way in (its grammar compiling) went on, and then ran to its end for no one."""
+    from pdserve.cluster.actors import EngineService
+    from pdserve.workers.config import EngineConfig
+
+    model = make_model(tiny_spec())
+    svc = EngineService(EngineConfig(model=str(model), max_model_len=256, num_kv_blocks=64), 1, worker_name="w")
+
+    async def main() -> None:
+        compiled = asyncio.Event()
+        waiting: list[SamplingParams] = []
+
+        async def grammar_ready(params: SamplingParams) -> None:
+            waiting.append(params)
+            await compiled.wait()
+
+        monkeypatch.setattr(svc.async_engine, "grammar_ready", grammar_ready)
+        opened: list[str] = []
+        real_open = svc.async_engine.open
+
+        def open_job(request_id: str, *args: Any, **kw: Any) -> Any:
+            opened.append(request_id)
+            return real_open(request_id, *args, **kw)
+
+        monkeypatch.setattr(svc.async_engine, "open", open_job)
+        svc.inbox.open()
+        constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=("yes", "no")))
+        svc.inbox._start(StartTry("s", 1, request(constrained)))
+        await _eventually(lambda: bool(waiting))
+        await svc.abort("r1", 0)
+        compiled.set()  # the grammar is ready now: an aborted try must not go on into the engine
+        await _eventually(lambda: svc.inbox.num_tries == 0 or bool(opened))
+        assert opened == []  # it never reached the engine
+        await _eventually(lambda: svc.inbox.num_tries == 0)
+
+    try:
+        asyncio.run(main())
+    finally:
+        svc.close()
