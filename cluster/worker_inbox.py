@@ -30,6 +30,7 @@ import collections
 import contextlib
 import functools
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -60,6 +61,9 @@ _MAX_KEPT = 65_536
 _WAKE_AT = 1024
 _FORGET_S = 600.0
 _MAX_SENDERS = 4096  # replay windows kept (a gateway replica's channel is one sender per worker life)
+# Aborts remembered for a start not taken yet: a Ray abort (a gateway whose channel could not take
+# it) can overtake the start it ends, which is then refused. The oldest are forgotten first.
+_ABORTS_KEPT = 4096
 
 # Errors a try can end with, by kind: the gateway raises the same type (cluster/worker_channel.py).
 # Most specific first: a subclass is matched before its base.
@@ -152,6 +156,7 @@ class WorkerInbox:
         self._tasks: dict[str, tuple[int, asyncio.Task[None]]] = {}  # request id -> its try here
         self._kept: dict[str, _Kept] = {}  # gateway (its token stream) -> reports not yet acknowledged
         self._senders: collections.OrderedDict[str, SeqWindow] = collections.OrderedDict()
+        self._aborted: collections.OrderedDict[str, int] = collections.OrderedDict()  # request id -> last try aborted
         self.num_forged = 0  # messages whose tag did not check
         self.num_replayed = 0  # messages with a number their sender had used
         self.num_rejected = 0  # signed messages that were not a valid inbox message
@@ -249,6 +254,11 @@ class WorkerInbox:
 
     def _start(self, start: StartTry) -> None:
         req = start.request  # an earlier try still here is ended by the engine as this one opens
+        if req.attempt <= self._aborted.get(req.request_id, -1):  # its abort came first (by Ray)
+            self._report(req.reply_to, req.request_id, req.attempt, FAILED,
+                         RequestAbortedError(f"request {req.request_id} (try {req.attempt}) was aborted before "
+                                             "it started"))
+            return
         self._report(req.reply_to, req.request_id, req.attempt, STARTED)
         assert self._loop is not None
         task = self._loop.create_task(self._serve(start))
@@ -257,11 +267,20 @@ class WorkerInbox:
 
     def abort(self, request_id: str, attempt: int | None = None) -> None:
         """End try `attempt` (or an earlier one; None: any) of `request_id` here: its task and
-        the engine's request. An abort message does this, and so must the worker's `abort` Ray
-        call (the gateway's way where its channel is down): the engine's abort ends only a
-        request it holds, and a try still on its way in (its grammar compiling) went on."""
+        the engine's request, and a start of it still to come. An abort message does this, and
+        so must the worker's `abort` Ray call (the gateway's way where its channel is down): the
+        engine's abort ends only a request it holds, and a try still on its way in (its grammar
+        compiling, or its start queued behind a full inbox) went on."""
+        self._remember_abort(request_id, attempt)
         self._cancel(request_id, attempt)
         self._abort(request_id, attempt)
+
+    def _remember_abort(self, request_id: str, attempt: int | None) -> None:
+        """Keep the abort for a start that comes after it (`_start` refuses it), bounded."""
+        last = max(self._aborted.pop(request_id, -1), sys.maxsize if attempt is None else attempt)
+        self._aborted[request_id] = last
+        if len(self._aborted) > _ABORTS_KEPT:
+            self._aborted.popitem(last=False)
 
     def _cancel(self, request_id: str, attempt: int | None) -> None:
         held = self._tasks.get(request_id)

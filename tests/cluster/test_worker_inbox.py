@@ -526,6 +526,31 @@ def test_an_abort_that_came_before_the_start_sends_no_start() -> None:
     asyncio.run(main())
 
 
+def test_an_abort_that_came_before_its_start_keeps_the_start_from_running() -> None:
+    """Where its channel cannot take an abort (the worker's inbox is full: the try's start still
+    queues there), the gateway aborts by a Ray call (`abort`), which overtakes the start. The
+    start, taken after, ran for a client that was gone, to its end; now it fails at once as
+    aborted. Other requests, and a later try of the aborted one, run as ever."""
+    async def main() -> None:
+        svc = FakeService(hang)
+        svc.inbox.open()
+        svc.inbox.abort("r1", 1)  # the Ray call, first
+        svc.inbox._start(StartTry("s", 1, request(rid="r1", attempt=1)))  # then its start, off the inbox
+        svc.inbox._start(StartTry("s", 2, request(rid="r1", attempt=0)))  # an earlier try's: ended too
+        svc.inbox._start(StartTry("s", 3, request(rid="r2")))
+        await _eventually(lambda: len(svc.started) >= 1)
+        assert [s.request.request_id for s in svc.started] == ["r2"]
+        got = await svc.inbox.outcomes(GATEWAY, 0, 0)
+        failed = {(r.request_id, r.attempt): r.kind for r in got.reports if r.state == FAILED}
+        assert failed == {("r1", 1): "aborted", ("r1", 0): "aborted"}
+        svc.inbox._start(StartTry("s", 4, request(rid="r1", attempt=2)))  # its next try runs
+        await _eventually(lambda: len(svc.started) == 2)
+        assert svc.started[1].request.attempt == 2
+        svc.inbox.close()
+
+    asyncio.run(main())
+
+
 def test_a_request_over_the_inbox_limit_is_a_value_error_and_the_channel_goes_on() -> None:
     runner = hang
 
