@@ -38,6 +38,7 @@ from pdserve.workers.messages import (
 from pdserve.workers.transfer import TransferError, auth, frames, streams
 from pdserve.workers.transfer.ledger import ReceiverLedger
 from pdserve.workers.transfer.nccl_backend import NcclKVReceiver, NcclKVSender, parse_address
+from pdserve.workers.transfer.zmq_backend import ZmqKVSender
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is needed")
@@ -207,6 +208,34 @@ def test_a_broken_pair_fails_fast_on_both_sides_and_never_hangs_the_sender(link:
         lk.sender.send("next", 0, [1], [4], soon(2))
     assert err.value.reason is FailReason.CLOSED and "broken" in err.value.detail
     assert (lk.dst == SENTINEL).all()
+
+
+def test_a_sender_the_receiver_will_not_pair_with_fails_at_once_and_says_why() -> None:
+    # A receiver pairs with at most `max_senders` senders, and only with one whose sender id is its routing id
+    # (a ZeroMQ-transport sender's is not: prefill and decode workers started with different --transport).
+    # Like a sender of another model, a refused one is told why at its hello: its sends fail at once with
+    # PROTOCOL and the reason, not at their deadlines for want of a credit that never comes.
+    src, _ = make_cache(1, 4, seed=1)
+    dst, full = make_cache(1, 8)
+    receiver = NcclKVReceiver(dst, max_senders=1, group_timeout_s=GROUP_TIMEOUT_S)
+    senders: list[Any] = []
+    try:
+        senders.append(NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S))
+        assert senders[0].wait_ready(GROUP_TIMEOUT_S + 1)  # paired: the receiver's one sender
+        senders.append(NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S))  # one too many
+        senders.append(ZmqKVSender(src, receiver.address))  # the other transport
+        receiver.register("req", [3], expected_layers=1)
+        for sender, why in zip(senders[1:], ("already 1 senders", "routing id")):
+            start = time.monotonic()
+            with pytest.raises(TransferError) as err:
+                sender.send("req", 0, [0], [3], start + 3)
+            assert err.value.reason is FailReason.PROTOCOL and why in err.value.detail, err.value
+            assert time.monotonic() - start < 1.5
+        assert (full == SENTINEL).all()
+    finally:
+        for sender in senders:
+            sender.close()
+        receiver.close()
 
 
 def test_a_sender_without_a_receiver_times_out_at_its_deadline_and_closes_promptly() -> None:

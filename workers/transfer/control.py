@@ -119,7 +119,8 @@ _NO_AUTH = bytes(auth.AUTH_FRAME_BYTES)  # the auth frame of an unauthenticated 
 
 # A receiver backend's answers to what arrives (all called on the I/O thread):
 OnHeader = Callable[[bytes, KVTransferHeader, list[zmq.Frame]], None]  # (peer, header, the frames after it)
-OnHello = Callable[[bytes, KVTransferHello, zmq.Frame], bool]  # (peer, hello, its frame) -> grant credits?
+# (peer, hello, its frame) -> why the sender is refused (it is told), None to grant it credits
+OnHello = Callable[[bytes, KVTransferHello, zmq.Frame], str | None]
 # (peer, the frames of a store request whose MAC checked) -> its reply's frames (the NCCL rendezvous store)
 OnRequest = Callable[[bytes, list[zmq.Frame]], list[bytes]]
 
@@ -138,9 +139,10 @@ class ReceiverControl:
 
     The thread checks each message's MAC (`auth`: a hello's under a key derived from the cluster
     secret, anything else under its connection's key, numbers rising), decodes it and passes it on: a
-    header to `on_header`, a hello to `on_hello` (which answers whether to grant the sender `credits`),
+    header to `on_header`, a hello to `on_hello` (which grants the sender `credits`, or says why not),
     an abort to the ledger. A message whose MAC does not check is dropped and counted (`refusals`); so
-    is a hello from a sender whose model `fingerprint` is not ours (it gets a `KVHelloRefusal`).
+    is a hello from a sender whose model `fingerprint` is not ours. A refused hello (another model, or
+    `on_hello`'s reason) gets a `KVHelloRefusal` that says why, so the sender fails at once.
     `on_request` answers the NCCL rendezvous store's requests (their own key); `on_turn` runs once per
     loop turn. `max_frames` bounds a message's frames (header included), `max_frame_bytes` each frame's
     size (ZMQ_MAXMSGSIZE: a bigger one drops its connection). `verify`: whether this receiver asks for
@@ -346,11 +348,10 @@ class ReceiverControl:
             reason = (f"the sender runs another model (fingerprint {hello.fingerprint}, this decode worker's is "
                       f"{self.fingerprint}): prefill and decode workers must load the same model")
             log.error("KV receiver %s: refused sender %r: %s", self.address, hello.sender_id, reason)
-            notice = encode(KVHelloRefusal(nonce=hello.nonce, receiver_nonce=nonce, reason=reason))
-            self._send(peer, [auth.seal(key, auth.KV_TO_SENDER, 1, [notice]), notice])
-            return
-        if not self._on_hello(peer, hello, body[0]):
-            return
+            return self._refuse_hello(peer, hello.nonce, nonce, key, reason)
+        refused = self._on_hello(peer, hello, body[0])
+        if refused is not None:
+            return self._refuse_hello(peer, hello.nonce, nonce, key, refused)
         self._sessions.pop(peer, None)  # a new hello on a connection starts it again
         self._half_open[peer] = _Session(key)
         self._half_open.move_to_end(peer)
@@ -358,6 +359,13 @@ class ReceiverControl:
             self._half_open.popitem(last=False)
         checksum = frames.pick_checksum(hello.checksums, self.verify)
         self.reply(peer, KVCreditGrant(credits=self.credits, checksum=checksum, nonce=nonce))
+
+    def _refuse_hello(self, peer: bytes, sender_nonce: str, nonce: str, key: bytes, reason: str) -> None:
+        """Tell a sender why its hello is refused, under the key the hello made: its sends then fail at once
+        with PROTOCOL and `reason`. Unanswered, they waited out their deadlines (30 s each) for a credit that
+        never came, and said the receiver was not draining."""
+        notice = encode(KVHelloRefusal(nonce=sender_nonce, receiver_nonce=nonce, reason=reason))
+        self._send(peer, [auth.seal(key, auth.KV_TO_SENDER, 1, [notice]), notice])
 
     def _dispatch(self, peer: bytes, body: list[zmq.Frame]) -> None:
         """A message whose MAC and number checked, from a sender that said hello on this connection."""

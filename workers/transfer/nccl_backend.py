@@ -101,7 +101,8 @@ Deadlines and limitations.
   does with its I/O thread.
 * Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender, or one
   that resynced after a lost link, leaves an idle pair thread and group behind. At most `max_senders`
-  pairs are accepted.
+  pairs are accepted; a sender past it (or one whose sender id is not its routing id: a ZeroMQ-transport
+  sender) is refused at its hello with a `KVHelloRefusal` that says why, and its sends fail at once.
 * Authentication (`auth`, `control`): every control message (hello, headers, acks, aborts, end markers)
   carries an HMAC-SHA256 tag under its connection's key, and the store's requests and replies one under a
   key derived from the cluster secret (numbered per store connection; a reply is bound to its request).
@@ -299,7 +300,7 @@ class NcclKVReceiver(LedgerReceiver):
             return [STORE_MAGIC, b"error", b"malformed store request"]
         return [STORE_MAGIC, *self._table.serve(*(f.bytes for f in body[1:]))]
 
-    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
+    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> str | None:
         key = hello.sender_id
         with self._pairs_lock:
             refused = ("its sender id is not its routing id" if not (_KEY.fullmatch(key) and peer == key.encode())
@@ -312,12 +313,12 @@ class NcclKVReceiver(LedgerReceiver):
                 pair.thread = threading.Thread(target=self._pair_main, args=(pair,), daemon=True,
                                                name=f"kv-receiver-pair {key}")
                 self._pairs[peer] = pair
-        if refused is not None:
+        if refused is not None:  # the control plane tells the sender why: its sends fail at once
             log.warning("KV receiver %s: refused a hello from %r: %s", self.address, peer, refused)
-            return False
+            return refused
         assert pair.thread is not None
         pair.thread.start()  # forms the group while the sender forms its side
-        return True
+        return None
 
     @staticmethod
     def _hostname_towards(frame: zmq.Frame) -> str | None:

@@ -57,8 +57,9 @@ class NetworkSender(KVSender):
     Authentication (`auth`): the hello goes under a key derived from `secret` with a fresh nonce and the
     model's `fingerprint`; the receiver's grant names its own nonce, and every later message either way
     is under that connection's key, numbered. Aborts wait for the grant (before it there is no key).
-    A receiver that refuses the hello (another model, or another secret) fails every send on this
-    connection with PROTOCOL and its reason. `refusals` counts what this sender dropped.
+    A receiver that refuses the hello (another model, another secret, or an NCCL receiver that will not
+    pair with it) fails every send on this connection with PROTOCOL and its reason. `refusals` counts
+    what this sender dropped.
     """
 
     def __init__(self, kv_caches: KVCaches, address: str, *, context: zmq.Context[zmq.Socket[bytes]] | None,

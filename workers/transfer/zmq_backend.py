@@ -99,9 +99,9 @@ class ZmqKVReceiver(LedgerReceiver):
 
     # -- I/O thread --------------------------------------------------------------------
 
-    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> bool:
+    def _on_hello(self, peer: bytes, hello: KVTransferHello, frame: zmq.Frame) -> str | None:
         self._in_flight.pop(peer, None)  # a new (or reconnected) sender starts with a full window
-        return True
+        return None
 
     def _on_header(self, peer: bytes, header: KVTransferHeader, tensor_frames: list[zmq.Frame]) -> None:
         if self._stalled() or self._parked:  # stalled (tests): hold data, keep its order
