@@ -375,6 +375,38 @@ def test_close_fails_pending_transfers_wakes_waiters_and_joins_every_thread(link
     lk.sender.close()  # idempotent
 
 
+@network_only
+def test_close_from_another_thread_ends_a_wait_on_the_receiver_at_once(link: Links) -> None:
+    # The prefill worker closes a link (a role switch, shutdown) while the link's thread waits for a credit
+    # from a decode worker that does not drain: `close` is bounded (~1 s), and the wait ends CLOSED, rather
+    # than both lasting until that send's deadline (`--transfer-timeout`, 30 s).
+    lk = link(layers=2, credits=1)
+    lk.receiver.register("req", [3], expected_layers=2)
+    lk.faults.stall_receiver()
+    lk.sender.send("req", 0, [0], [3], soon(2))  # its one credit
+    errors: list[TransferError] = []
+
+    def wait_for_a_credit() -> None:
+        try:
+            lk.sender.send("req", 1, [0], [3], soon(6))
+        except TransferError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait_for_a_credit)
+    waiter.start()
+    try:
+        assert eventually(lambda: lk.sender._lock.locked())  # type: ignore[attr-defined]  # waiting, holding it
+        start = time.monotonic()
+        lk.sender.close()
+        took = time.monotonic() - start
+        waiter.join(7)
+        assert took < 1.5, took
+        assert not waiter.is_alive() and [e.reason for e in errors] == [FailReason.CLOSED]
+    finally:
+        lk.faults.resume_receiver()
+        waiter.join(7)
+
+
 @pytest.mark.parametrize("link", backend_params("zmq"), indirect=True)
 def test_the_receiver_survives_garbage_and_pickles_on_its_socket(link: Links, tmp_path: Path) -> None:
     import zmq

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import zmq
-from kv_links import BLOCK, GROUP_TIMEOUT_S, SENTINEL, Links, RawPeer, make_cache, soon
+from kv_links import BLOCK, GROUP_TIMEOUT_S, SENTINEL, Links, RawPeer, eventually, make_cache, soon
 
 from pdserve.workers.messages import (
     ChecksumKind,
@@ -236,6 +236,41 @@ def test_a_sender_the_receiver_will_not_pair_with_fails_at_once_and_says_why() -
         for sender in senders:
             sender.close()
         receiver.close()
+
+
+def test_close_from_another_thread_ends_a_wait_for_the_data_channel_at_once(
+        link: Links, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A send waits for the pair's data channel to form (at most the group timeout) holding the sender; the
+    # prefill worker closing the link meanwhile must not wait that long (`close` is bounded, ~1 s).
+    monkeypatch.setattr(NcclKVSender, "_start_forming", lambda self: _started(threading.Thread(target=lambda: None)))
+    lk = link(layers=1, group_timeout_s=1.0)  # the receiver's side gives up forming it within the test
+    lk.receiver.register("req", [3], expected_layers=1)
+    assert eventually(lambda: lk.sender.credits > 0)  # type: ignore[attr-defined]  # granted: only the channel lacks
+    errors: list[TransferError] = []
+
+    def wait_for_the_channel() -> None:
+        try:
+            lk.sender.send("req", 0, [0], [3], soon(6))
+        except TransferError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=wait_for_the_channel)
+    waiter.start()
+    try:
+        assert eventually(lambda: lk.sender._lock.locked())  # type: ignore[attr-defined]  # waiting, holding it
+        start = time.monotonic()
+        lk.sender.close()
+        took = time.monotonic() - start
+        waiter.join(7)
+        assert took < 1.5, took
+        assert not waiter.is_alive() and [e.reason for e in errors] == [FailReason.CLOSED]
+    finally:
+        waiter.join(7)
+
+
+def _started(thread: threading.Thread) -> threading.Thread:
+    thread.start()
+    return thread
 
 
 def test_a_sender_without_a_receiver_times_out_at_its_deadline_and_closes_promptly() -> None:

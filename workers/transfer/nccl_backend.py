@@ -569,9 +569,12 @@ class NcclKVSender(NetworkSender):
         return work
 
     def _await_channel(self, request_id: str, deadline: float) -> None:
-        if not self._channel_ready.wait(max(0.0, deadline - time.monotonic())):
-            raise TransferError(request_id, FailReason.TIMEOUT,
-                                f"data channel to {self.address} not formed by the deadline")
+        while not self._channel_ready.is_set():  # in short sleeps: `close` from another thread ends it
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferError(request_id, FailReason.TIMEOUT,
+                                    f"data channel to {self.address} not formed by the deadline")
+            self._channel_ready.wait(self._sleep_s(request_id, remaining))
         if self._channel is None:
             raise TransferError(request_id, FailReason.CLOSED,
                                 f"data channel to {self.address} is broken: {self._channel_error}")

@@ -41,6 +41,10 @@ from pdserve.workers.transfer.ledger import SenderBook
 
 log = logging.getLogger(__name__)
 
+# A wait's longest sleep (for a credit, the verdict, the data channel): how soon it sees that `close`,
+# called from another thread, waits for the lock it holds.
+CLOSE_CHECK_S = 0.1
+
 
 class NetworkSender(KVSender):
     """`send`, `finish`, `abort` and `close` over a DEALER to one receiver's `address`.
@@ -79,6 +83,7 @@ class NetworkSender(KVSender):
         self._checksum = ChecksumKind.CRC32  # until the receiver's grant names one (no send happens before)
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # `close` was called: a call waiting on the peer gives up
         self.num_links_lost = 0
         self.num_resyncs = 0
         self._resync_due = False  # a link was lost: the next grant completes a resync
@@ -164,6 +169,9 @@ class NetworkSender(KVSender):
             self._book.forget(request_id)
 
     def close(self) -> None:
+        # A call waiting on the receiver holds the lock until its deadline (30 s): it sees this within
+        # CLOSE_CHECK_S and raises CLOSED, so that closing stays bounded (KVSender.close).
+        self._closing.set()
         with self._lock:
             if self._closed:
                 return
@@ -250,10 +258,17 @@ class NetworkSender(KVSender):
             raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
         if remaining <= 0:
             raise TransferError(request_id, FailReason.TIMEOUT, timeout_detail)
-        if self._poller.poll(max(1, math.ceil(remaining * 1000))):
+        if self._poller.poll(max(1, math.ceil(self._sleep_s(request_id, remaining) * 1000))):
             self._drain()
             self._raise_if_refused(request_id)
             self._book.raise_if_failed(request_id)
+
+    def _sleep_s(self, request_id: str, remaining: float) -> float:
+        """How long a wait with `remaining` seconds left may sleep before it looks again; CLOSED once
+        `close` was called (from another thread, which waits for the lock this wait holds)."""
+        if self._closing.is_set():
+            raise TransferError(request_id, FailReason.CLOSED, "sender is closed")
+        return min(remaining, CLOSE_CHECK_S)
 
     def _raise_if_refused(self, request_id: str) -> None:
         if self._refused is not None:
