@@ -92,3 +92,39 @@ def test_no_retirement_unless_asked() -> None:
         assert not q.closed
     finally:
         q.close()
+
+
+class _CloseBetweenCheckAndPut:
+    """The queue of a SendQueue whose `close` (from another thread) runs while a `submit`
+    stands between its closed-check and its put: given up to 0.3 s to finish first."""
+
+    def __init__(self, q: SendQueue) -> None:
+        self.q, self.inner = q, q._tasks
+
+    def put(self, item: object) -> None:
+        if item is not None:
+            closer = threading.Thread(target=self.q.close)
+            closer.start()
+            closer.join(0.3)
+        self.inner.put(item)  # type: ignore[arg-type]
+
+    def get(self, *args: object, **kwargs: object) -> object:
+        return self.inner.get(*args, **kwargs)  # type: ignore[arg-type]
+
+    def empty(self) -> bool:
+        return self.inner.empty()
+
+
+def test_a_call_submitted_as_the_queue_closes_is_run_or_refused_never_lost() -> None:
+    # A prefill worker closes a link (role switch, shutdown) while its engine thread submits a
+    # transfer's call: the call must be run or refused with CLOSED. Queued behind the thread's
+    # stop marker it was neither, and the transfer's callback (which frees its blocks) never ran.
+    sender = FakeSender()
+    q = SendQueue(sender, 1.0)
+    q._tasks = _CloseBetweenCheckAndPut(q)  # type: ignore[assignment]
+    results: list[TransferError | None] = []
+    try:
+        q.submit("r", lambda s, _: s.finish("r", 0.0), time.monotonic() + 5, results.append)
+        assert _wait(lambda: len(results) == 1, 3.0), "the call was neither run nor refused"
+    finally:
+        q.close()

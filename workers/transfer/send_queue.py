@@ -100,10 +100,11 @@ class SendQueue:
         """Run `work(sender, wait_deadline)` on this queue's thread, then `done(error)`
         (on that thread; error None when it succeeded). `deadline`: the request's; each
         call's waits end at the earlier of it and now + `wait_s`. Never blocks."""
-        if self._closed:
-            done(TransferError(request_id, FailReason.CLOSED, "send queue is closed"))
-            return
-        self._tasks.put(_Task(request_id, work, deadline, done, cancelled))
+        with self._lock:  # a `close` between the check and the put would leave the call behind its stop marker
+            if not self._closed:
+                self._tasks.put(_Task(request_id, work, deadline, done, cancelled))
+                return
+        done(TransferError(request_id, FailReason.CLOSED, "send queue is closed"))
 
     def close(self) -> None:
         """Stop the thread after the calls already queued (bounded by `_JOIN_S`). The
