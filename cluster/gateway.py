@@ -187,18 +187,24 @@ class Work:
 class Admission:
     """A request's share of the admission bound (its prompts x n engine requests),
     taken whole by `Gateway.admit` and held until `release` (idempotent): by the
-    handler until its response is ready, then by a stream until it ends."""
+    handler until its response is ready, then by a stream until it ends.
+
+    The request is in `pdserve:num_requests_in_flight` for as long: the count a stop's
+    drain waits on (cluster/shutdown.py). Counted from its first token's request to the
+    engine, it missed a request admitted and still tokenizing: the drain read 0 and cut it."""
 
     def __init__(self, gw: Gateway, num_requests: int) -> None:
         if num_requests < 1:  # a share below 1 would lower the count others are admitted under
             raise ValueError(f"num_requests: at least 1, got {num_requests}")
         self._gw, self.num_requests, self._held = gw, num_requests, True
         gw.admitted += num_requests
+        gw.metrics.in_flight.inc()
 
     def release(self) -> None:
         if self._held:
             self._held = False
             self._gw.admitted -= self.num_requests
+            self._gw.metrics.in_flight.dec()
 
 
 class Gateway:

@@ -110,6 +110,7 @@ class GatewayMetrics:
         self.refused = Counter("pdserve:requests_refused",
                                "Requests turned away before they ran, and clients dropped for not reading, by reason",
                                ["reason"], registry=r)
+        # Held by each request's admission (cluster/gateway.py `Admission`), its tokenizing included.
         self.in_flight = Gauge("pdserve:num_requests_in_flight", "Requests admitted and not finished", registry=r)
         self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
         self.planner = PlannerMetrics(r)
@@ -279,7 +280,6 @@ class RequestMetrics:
         (None: one choice of them all)."""
         self._admitted = True
         self._choice_prompts = (prompt_tokens,) if choice_prompts is None else tuple(choice_prompts)
-        self._m.in_flight.inc()
         self._m.queued.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
 
@@ -340,10 +340,8 @@ class RequestMetrics:
         if self._closed:
             return
         self._closed = True
-        if self._admitted:
-            self._m.in_flight.dec()
-            if not self._choices:
-                self._m.queued.dec()
+        if self._admitted and not self._choices:
+            self._m.queued.dec()
 
 
 class RequestCounter:

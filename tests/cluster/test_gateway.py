@@ -470,6 +470,56 @@ def test_a_stopping_gateway_finishes_what_it_has_and_takes_nothing_new(model_dir
     assert gw.admitted == 0
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_admitted_and_still_tokenizing_is_in_flight_for_the_stops_drain(model_dir: Path,
+                                                                                  stream: bool) -> None:
+    """`pdserve serve`'s drain waits while the gateway's `pdserve:num_requests_in_flight` is
+    above 0 (cluster/shutdown.py). A request admitted before the stop (past the 503 of a
+    draining gateway) but whose prompt was still queued for the tokenizer pool was not counted
+    yet: the drain read 0, stopped, and Serve's shutdown cut the request with no response."""
+    import asyncio
+
+    from prometheus_client.parser import text_string_to_metric_families
+    from transformers import AutoTokenizer
+
+    gw = Gateway(_SlowBackend(), AutoTokenizer.from_pretrained(model_dir),
+                 GatewayConfig(model_name=MODEL, max_model_len=256, max_in_flight=8))
+    queued, go = asyncio.Event(), asyncio.Event()
+    off_loop = gw.off_loop
+
+    async def behind_other_prompts(body: Any, fn: Callable[[], Any]) -> Any:
+        queued.set()
+        await go.wait()  # the tokenizer pool busy with other prompts
+        return await off_loop(body, fn)
+
+    gw.off_loop = behind_other_prompts  # type: ignore[method-assign]
+    app = build_app(gw)
+
+    def in_flight(text: str) -> float:
+        return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                   if s.name == "pdserve:num_requests_in_flight")
+
+    async def main() -> tuple[float, httpx.Response, float]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            body = {"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": stream}
+            running = asyncio.create_task(c.post("/v1/completions", json=body))
+            async with asyncio.timeout(10):
+                await queued.wait()
+            tokenizing = in_flight((await c.get("/metrics")).text)
+            gw.drain()  # the stop: it must wait for this request
+            go.set()
+            async with asyncio.timeout(10):
+                done = await running
+            after = in_flight((await c.get("/metrics")).text)
+        await gw.close()
+        return tokenizing, done, after
+
+    tokenizing, done, after = asyncio.run(main())
+    assert tokenizing == 1
+    assert done.status_code == 200 and ("[DONE]" in done.text if stream else done.json()["choices"][0]["text"])
+    assert after == 0 and gw.admitted == 0
+
+
 def test_engine_call_has_a_deadline_and_reports_a_dead_engine(model_dir: Path) -> None:
     import asyncio
 
