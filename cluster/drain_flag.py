@@ -20,6 +20,10 @@ from collections.abc import Callable
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a gateway reads the flag: a stop is seen within this
+# By when, from its raising, every gateway has read the flag (a poll, and the read itself, a GCS
+# call off the loop): until then one may still admit requests, so a drain that counts none in
+# flight before it has counted nothing (cluster/shutdown.py `_drain`).
+SEEN_WITHIN_S = POLL_S + 0.2
 
 
 def _key(port: int) -> bytes:

@@ -322,8 +322,8 @@ def _drain_on_sigint(cfg: ServeConfig) -> None:
 
 def _drain(cfg: ServeConfig) -> None:
     """Tell the gateway to take no new request (cluster/drain_flag.py), wait until it has
-    none in flight (seen twice, so that the last chunks are written), DRAIN_S at most, then
-    stop (SIGINT to this process)."""
+    none in flight (seen twice, so that the last chunks are written, the last time once every
+    gateway has read the flag), DRAIN_S at most, then stop (SIGINT to this process)."""
     from pdserve.cluster import drain_flag
 
     deadline = time.monotonic() + DRAIN_S
@@ -331,8 +331,12 @@ def _drain(cfg: ServeConfig) -> None:
         drain_flag.raise_flag(cfg.port)
     except Exception as e:  # noqa: BLE001 - Ray not up yet, or its GCS gone: the drain waits all the same
         print(f"[pdserve] telling the gateway to stop taking requests failed: {e!r}", file=sys.stderr, flush=True)
-    idle, last = 0, None
-    while time.monotonic() < deadline and idle < 2:
+    # A gateway admits until it has read the flag: two reads of 0 before then (0.25 s apart, the
+    # stop at 0.5 s) ended the drain, and a request admitted at 0.35 s was cut with no response.
+    seen = time.monotonic() + drain_flag.SEEN_WITHIN_S
+    idle, last, done = 0, None, False
+    while time.monotonic() < deadline and not done:
+        read_at = time.monotonic()
         n = in_flight(cfg)
         if n is None:
             if last is None:  # no gateway yet, or it never answered: nothing to wait for
@@ -341,8 +345,9 @@ def _drain(cfg: ServeConfig) -> None:
         else:
             last = n
             idle = idle + 1 if not n else 0
+        done = idle >= 2 and read_at >= seen
         time.sleep(0.25)
-    if idle < 2 and last:
+    if not done and last:
         print(f"[pdserve] {last:g} request(s) still in flight after {DRAIN_S:g} s: stopping anyway", file=sys.stderr,
               flush=True)
     os.kill(os.getpid(), signal.SIGINT)

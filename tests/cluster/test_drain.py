@@ -46,6 +46,22 @@ def test_the_drain_ends_once_nothing_is_in_flight_or_no_gateway_ever_answered(
 
 
 
+def test_a_request_admitted_before_the_gateway_read_the_flag_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gateway reads the drain flag every drain_flag.POLL_S and admits requests until it has.
+    The drain took two reads of 0, 0.25 s apart, for done: it stopped 0.5 s after raising the
+    flag, its last read at 0.25 s; a request admitted at 0.35 s (the gateway had not read the
+    flag yet) was cut by Serve's shutdown, its client given no response."""
+    arrives, ends = 0.35, 1.2  # in flight from 0.35 s to 1.2 s after the flag went up
+
+    def readings() -> Iterator[float | None]:
+        t0 = time.monotonic()
+        while True:
+            yield 1.0 if arrives <= time.monotonic() - t0 < ends else 0.0
+
+    assert arrives < drain_flag.POLL_S  # admitted: the gateway had not read the flag yet
+    assert _drain(monkeypatch, readings()) >= ends
+
+
 def test_a_read_waits_longer_than_the_gateway_waits_for_a_workers_metrics() -> None:
     from pdserve.cluster.metrics import WORKER_SCRAPE_DEADLINE_S
 
