@@ -156,7 +156,7 @@ def _cmd_make_tiny_pair(a: argparse.Namespace) -> int:
 
 
 def _cmd_serve(a: argparse.Namespace) -> int:
-    from pdserve.cluster import serve_app
+    from pdserve.cluster import port_lock, serve_app
     from pdserve.cluster.shutdown import run_until_stopped, serve_in_own_group
 
     # What can be refused is refused here, before the fork (exit 2): a setting, a key, a port in use.
@@ -165,7 +165,13 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     serve_app.preflight(cfg)
     # Ray starts in a process group of the driver's own: SIGTERM/SIGINT to this process or its
     # group is a clean stop, exit 0 (cluster/shutdown.py).
-    return serve_in_own_group(lambda: run_until_stopped(cfg))
+    try:
+        return serve_in_own_group(lambda: run_until_stopped(cfg))
+    finally:
+        # The port's lock, taken here before the fork, is this process's too: a caller that goes
+        # on (cli.main in a test or a library) kept it after a driver that died unstopped, and
+        # every later run on the port was refused until the caller exited.
+        port_lock.release(cfg.port)
 
 
 def _serve_config(a: argparse.Namespace) -> ServeConfig:

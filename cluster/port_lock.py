@@ -48,13 +48,20 @@ class PortLock:
         raise PortInUseError(f"{path}: replaced under this process ten times over while it took the lock")
 
     def release(self) -> None:
-        """Remove the file, then let go (in that order: see the retry above)."""
+        """Remove the file, then let go (in that order: see the retry above). A file that is not
+        this lock's any more is left: a fork holding the same lock (`pdserve serve`'s driver)
+        removed it at its stop, and the next run has made it again and holds it."""
         if self._fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+            if _same_file(os.stat(self.path, follow_symlinks=False), os.fstat(self._fd)):
+                os.unlink(self.path)
         os.close(self._fd)
         self._fd = None
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
 
 
 def lock_path(port: int, directory: str | None = None) -> str:

@@ -100,3 +100,53 @@ def test_a_start_that_fails_lets_go_of_its_port(monkeypatch: pytest.MonkeyPatch)
     assert port_lock.lock_path(port) not in port_lock._HELD
     second = _holder(port)  # another process takes it at once
     _end(second)
+
+
+# `pdserve serve` through `cli.main` in a caller's process (a test, a library), with a driver that
+# dies without a stop (SIGKILL, a crash: it never reaches `stop_ray`). Says the exit code (after
+# whatever else it printed), then lives on until its stdin closes.
+CALLER = ("import os, sys\n"
+          "from pdserve.cluster import cli, serve_app, shutdown\n"
+          "serve_app.starts_local_ray = lambda: True\n"
+          "serve_app.check_ports = lambda ports: []\n"
+          "cli._check_against_model = lambda cfg: None\n"
+          "shutdown.run_until_stopped = lambda cfg: os._exit(9)\n"
+          "print('exit', cli.main(['serve', '--model', 'tiny', '--port', sys.argv[1]]), flush=True)\n"
+          "sys.stdin.read()\n")
+
+
+def test_a_serve_whose_driver_died_lets_go_of_its_port_in_the_callers_process() -> None:
+    """The caller's process took the port's lock before the fork (`_cmd_serve`'s preflight) and
+    kept it after its driver was gone: every later run on the port, from any process, was refused
+    naming the caller, until the caller exited; and the caller's own next run took no lock at all."""
+    port = free_port()
+    caller = subprocess.Popen([sys.executable, "-c", CALLER, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout is not None
+        said = next(line for line in iter(caller.stdout.readline, "") if line.startswith("exit "))
+        assert said == "exit 9\n"
+        port_lock.hold(port)  # another run, the caller still alive
+        port_lock.release(port)
+    finally:
+        assert caller.stdin is not None
+        caller.stdin.close()
+        caller.wait(30)
+        assert caller.stdout is not None
+        caller.stdout.close()
+
+
+def test_a_release_leaves_a_lock_file_that_is_no_longer_its_own(tmp_path: Path) -> None:
+    """`pdserve serve`'s driver (a fork holding the same lock) removes the file at its stop; a new
+    run may then make it again and lock it. The caller's release must not remove that one."""
+    path = port_lock.lock_path(8003, str(tmp_path))
+    mine = port_lock.PortLock(path)
+    os.unlink(path)  # what the driver's release did
+    other = _holder(8003, str(tmp_path))  # the next run
+    try:
+        mine.release()
+        assert os.path.exists(path)
+        with pytest.raises(PortInUseError, match=rf"another pdserve run \(pid {other.pid}\)"):
+            port_lock.hold(8003, directory=str(tmp_path))
+    finally:
+        _end(other)
