@@ -40,7 +40,7 @@ import time
 import traceback
 import urllib.request
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NamedTuple, NoReturn
 
 if TYPE_CHECKING:
     from pdserve.cluster.serve_config import ServeConfig
@@ -323,8 +323,9 @@ def _drain_on_sigint(cfg: ServeConfig) -> None:
 def _drain(cfg: ServeConfig) -> None:
     """Tell the gateway to take no new request (cluster/drain_flag.py), wait until it has
     none in flight (seen twice, so that the last chunks are written, the last time once every
-    gateway has read the flag), DRAIN_S at most, then stop (SIGINT to this process)."""
-    from pdserve.cluster import drain_flag
+    gateway has read the flag and, with several replicas, published its count since), DRAIN_S
+    at most, then stop (SIGINT to this process)."""
+    from pdserve.cluster import drain_flag, metrics_peers
 
     deadline = time.monotonic() + DRAIN_S
     try:
@@ -333,7 +334,8 @@ def _drain(cfg: ServeConfig) -> None:
         print(f"[pdserve] telling the gateway to stop taking requests failed: {e!r}", file=sys.stderr, flush=True)
     # A gateway admits until it has read the flag: two reads of 0 before then (0.25 s apart, the
     # stop at 0.5 s) ended the drain, and a request admitted at 0.35 s was cut with no response.
-    seen = time.monotonic() + drain_flag.SEEN_WITHIN_S
+    raised = time.monotonic()
+    seen = raised + drain_flag.SEEN_WITHIN_S
     idle, last, done = 0, None, False
     while time.monotonic() < deadline and not done:
         read_at = time.monotonic()
@@ -343,8 +345,12 @@ def _drain(cfg: ServeConfig) -> None:
                 break
             idle = 0  # it answered before: a read that failed now says nothing; wait on, to the deadline
         else:
-            last = n
-            idle = idle + 1 if not n else 0
+            last = n.requests
+            idle = idle + 1 if not n.requests else 0
+            if n.replicas > 1:
+                # The other replicas' counts are as they last published them (cluster/metrics_peers.py):
+                # a request one admitted before it read the flag shows at its next publish only.
+                seen = max(seen, raised + drain_flag.SEEN_WITHIN_S + metrics_peers.PUBLISH_S)
         done = idle >= 2 and read_at >= seen
         time.sleep(0.25)
     if not done and last:
@@ -353,7 +359,15 @@ def _drain(cfg: ServeConfig) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def in_flight(cfg: ServeConfig) -> float | None:
+class Reading(NamedTuple):
+    """One read of the gateway's /metrics: its requests in flight, and how many gateway replicas'
+    counts that sums (more than one: each replica's is labelled, the others' as last published)."""
+
+    requests: float
+    replicas: int
+
+
+def in_flight(cfg: ServeConfig) -> Reading | None:
     """The gateway's `pdserve:num_requests_in_flight` (admitted, not finished), or None when
     it cannot be read."""
     host = "127.0.0.1" if cfg.host in ("0.0.0.0", "::", "") else cfg.host  # noqa: S104 - a wildcard bind
@@ -371,4 +385,4 @@ def in_flight(cfg: ServeConfig) -> float | None:
         return None
     values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
               if line.startswith("pdserve:num_requests_in_flight")]
-    return sum(values) if values else None
+    return Reading(sum(values), len(values)) if values else None

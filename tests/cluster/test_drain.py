@@ -12,11 +12,17 @@ import pytest
 from pdserve.cluster import drain_flag, shutdown
 
 
-def _drain(monkeypatch: pytest.MonkeyPatch, readings: Iterator[float | None]) -> float:
-    """Seconds from the drain's start to its stop signal, the gateway's count read from `readings`."""
+def _drain(monkeypatch: pytest.MonkeyPatch, readings: Iterator[float | None], replicas: int = 1) -> float:
+    """Seconds from the drain's start to its stop signal, the gateway's count read from `readings`
+    (a /metrics holding the counts of `replicas` gateway replicas)."""
     monkeypatch.setattr(drain_flag, "raise_flag", lambda port: None)
     monkeypatch.setattr(shutdown, "DRAIN_S", 2.0)
-    monkeypatch.setattr(shutdown, "in_flight", lambda cfg: next(readings))
+
+    def read(cfg: object) -> shutdown.Reading | None:
+        n = next(readings)
+        return None if n is None else shutdown.Reading(n, replicas)
+
+    monkeypatch.setattr(shutdown, "in_flight", read)
     stopped: list[float] = []
     monkeypatch.setattr(shutdown.os, "kill", lambda pid, sig: stopped.append(time.monotonic()))
     t0 = time.monotonic()
@@ -60,6 +66,25 @@ def test_a_request_admitted_before_the_gateway_read_the_flag_is_waited_for(monke
 
     assert arrives < drain_flag.POLL_S  # admitted: the gateway had not read the flag yet
     assert _drain(monkeypatch, readings()) >= ends
+
+
+def test_with_several_gateway_replicas_a_peers_request_is_waited_for(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several gateway replicas, the /metrics the drain reads is one replica's: the others'
+    counts in it are what they last published (cluster/metrics_peers.py, every PUBLISH_S). A
+    request another replica admitted just before it read the flag showed at that replica's next
+    publish only: the drain had read 0 twice by then and stopped, cutting it."""
+    from pdserve.cluster import metrics_peers
+
+    monkeypatch.setattr(metrics_peers, "PUBLISH_S", 1.0)
+    published, ends = 1.0, 1.5  # admitted at 0.3 s on a peer, which publishes at 1.0 s
+
+    def readings() -> Iterator[float | None]:
+        t0 = time.monotonic()
+        while True:
+            yield 1.0 if published <= time.monotonic() - t0 < ends else 0.0
+
+    assert _drain(monkeypatch, readings(), replicas=2) >= ends
+    assert _drain(monkeypatch, iter([0.0] * 8)) < 1.5  # one replica: its own count is fresh
 
 
 def test_a_read_waits_longer_than_the_gateway_waits_for_a_workers_metrics() -> None:
