@@ -430,10 +430,17 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     drain_flag.lower_flag(cfg.port)  # an earlier run's stop, on a Ray cluster that outlived it
     cfg = cfg.fit_to_cluster(cluster_gpus)
     workers = create_workers(cfg)
-    # Serve's controller, proxy and HAProxy start while the workers load and compile their
-    # models (seconds of each start, minutes of a compile): the gateway app waits for them.
-    serve.start(http_options={"host": cfg.host, "port": cfg.port})
-    dtype = wait_for_workers(workers)[0].dtype  # `--dtype auto` as the workers resolved it
+    try:
+        # Serve's controller, proxy and HAProxy start while the workers load and compile their
+        # models (seconds of each start, minutes of a compile): the gateway app waits for them.
+        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        dtype = wait_for_workers(workers)[0].dtype  # `--dtype auto` as the workers resolved it
+    except Exception:
+        # Detached actors outlive this driver: on a cluster it joined, a failed start's workers held
+        # their cores or GPUs, and the next start failed on their names ("already taken"). (A
+        # KeyboardInterrupt's stop, run_until_stopped's, stops them by name.)
+        _kill_workers(workers)
+        raise
     # A dead HAProxy started again within a second by its manager (cluster/haproxy_guard.py), not
     # after Ray replaces the manager: the guard goes in as soon as the manager exists, before the
     # app is up (/health can answer 200 seconds before serve.run returns on a loaded machine).
@@ -441,9 +448,11 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
              if local and block and cfg.ingress is Ingress.HAPROXY else None)
     try:
         serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
-    except BaseException:
+    except BaseException as e:
         if watch is not None:
             watch.stop()
+        if isinstance(e, Exception):  # (a KeyboardInterrupt's stop, run_until_stopped's, stops them)
+            _kill_workers(workers)
         raise
     cores = node_cores()  # before any pinning narrows this process's own
     # Only `pdserve serve`'s own process (block): a caller's process is not ours to pin.
@@ -492,6 +501,15 @@ def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | Non
     elif pinned is not None:  # everything back on every core
         apply(Pins({}, cores), root)
     return pins
+
+
+def _kill_workers(workers: list[Any]) -> None:
+    """Stop the worker actors of a start that failed (these handles only: never another run's)."""
+    for handle in workers:
+        try:
+            ray.kill(handle)
+        except Exception as e:  # noqa: BLE001 - the start's own error is the one to report
+            log.warning("stopping a worker of a start that failed: %r", e)
 
 
 def stop_ray(cfg: ServeConfig) -> None:

@@ -59,3 +59,42 @@ def test_any_other_death_is_raised_as_ray_gave_it(monkeypatch: pytest.MonkeyPatc
 
 def test_a_death_after_the_constructor_is_not_a_refusal() -> None:
     assert serve_app.refusal(ray.exceptions.ActorDiedError()) is None
+
+
+@pytest.mark.parametrize("fails", ["worker", "app"])
+def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(monkeypatch: pytest.MonkeyPatch,
+                                                                             fails: str) -> None:
+    """The workers are detached named actors: on a cluster `pdserve serve` joined (RAY_ADDRESS, or
+    one `ray start` left on the machine), those of a start that failed (a worker refused its model,
+    or the gateway app did not deploy) lived on, holding their cores or GPUs, and the next start
+    failed on "The name ... is already taken" until someone killed them by hand. The ones this
+    start created are stopped before the error."""
+    from types import SimpleNamespace
+
+    from pdserve.cluster import drain_flag
+    from pdserve.cluster.serve_config import serve_config
+
+    created = [Handle(), Handle()]
+    killed: list[Any] = []
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
+    monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(drain_flag, "lower_flag", lambda port: None)
+    monkeypatch.setattr(serve_app, "cluster_gpus", lambda: 0.0)
+    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+    monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
+
+    def started(workers: Any, timeout_s: float = 300.0) -> list[Any]:
+        if fails == "worker":
+            raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
+        return [SimpleNamespace(dtype="float32")]
+
+    def deploy(app: Any, **kwargs: Any) -> None:
+        raise RuntimeError("Deploying the app 'pdserve' failed")
+
+    monkeypatch.setattr(serve_app, "wait_for_workers", started)
+    monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: None)
+    monkeypatch.setattr(serve_app.serve, "run", deploy)
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    with pytest.raises((ValueError, RuntimeError), match="could not start" if fails == "worker" else "Deploying"):
+        serve_app.run(serve_config({"model": "/models/x"}))
+    assert killed == created
