@@ -73,7 +73,7 @@ def splits(num_workers: int) -> list[Split]:
 
 def predicted_attainment(costs: CostModel, engine: EngineSettings, window: TrafficWindow, split: Split, slo: SLO,
                          num_requests: int = DEFAULT_SIM_REQUESTS, dispatch_s: float = 0.0, seed: int = 0) -> float:
-    requests = window.synthetic_requests(num_requests, engine.block_size, seed)
+    requests = window.synthetic_requests(num_requests, engine.block_size, seed, engine.max_model_len)
     shape = ClusterShape.disaggregated(split.prefill, split.decode, dispatch_s=dispatch_s)
     return Latencies.of(simulate(costs, engine, shape, requests)).attainment(slo)
 

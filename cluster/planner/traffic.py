@@ -12,7 +12,8 @@ The simulator needs requests, not histograms: `synthetic_requests` draws
 lengths from the window's buckets (uniform inside a bucket) and Poisson
 arrivals at the window's rate. What a histogram cannot say, it does not
 invent: prompts share no prefix (the planner under-counts what prefix caching
-saves), and lengths inside a bucket are uniform.
+saves), and lengths inside a bucket are uniform, cut to max_model_len (every
+request counted fit it).
 """
 
 from __future__ import annotations
@@ -100,14 +101,19 @@ class TrafficWindow:
             lo, prev = (le if math.isfinite(le) else lo), c
         return acc / total
 
-    def synthetic_requests(self, n: int, block_size: int, seed: int = 0) -> list[SimRequest]:
+    def synthetic_requests(self, n: int, block_size: int, seed: int = 0,
+                           max_model_len: int | None = None) -> list[SimRequest]:
         """`n` requests like the window's: Poisson arrivals at its rate, lengths drawn
-        from its buckets, no shared prefixes."""
+        from its buckets, no shared prefixes. With `max_model_len`, a drawn prompt + output
+        past it is cut to fit (`_fit_model_len`): every request the window counted finished, so
+        fit it, and a longer draw would be refused as too long in every split simulated."""
         if self.requests <= 0 or self.rate <= 0:
             raise ValueError("traffic window: no finished requests to plan on")
         rng = np.random.default_rng(seed)
         prompts = _draw(self.prompt_tokens, n, rng)
         outputs = _draw(self.generation_tokens, n, rng)
+        if max_model_len is not None:
+            prompts, outputs = _fit_model_len(prompts, outputs, max_model_len)
         gaps = rng.exponential(1.0 / self.rate, size=n)
         gaps[0] = 0.0
         arrivals = np.cumsum(gaps)
@@ -139,6 +145,13 @@ def _draw(b: Buckets, n: int, rng: np.random.Generator) -> list[int]:
         blo, bhi, _ = bounds[int(k)]
         out.append(max(1, int(math.ceil(rng.uniform(blo, bhi)))))
     return out
+
+
+def _fit_model_len(prompts: list[int], outputs: list[int], max_model_len: int) -> tuple[list[int], list[int]]:
+    """Each (prompt, output) cut to fit `max_model_len`: the prompt to leave one output
+    token, then the output to what is left (the bucket's spread, not the request, went past it)."""
+    fitted = [min(p, max_model_len - 1) for p in prompts]
+    return fitted, [max(1, min(o, max_model_len - p)) for p, o in zip(fitted, outputs)]
 
 
 class TrafficReader:

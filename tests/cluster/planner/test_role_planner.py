@@ -112,6 +112,21 @@ def test_the_current_split_stays_unless_another_wins_by_the_margin() -> None:
     assert light.predicted[Split(2, 1)] == pytest.approx(light.predicted[Split(1, 2)], abs=0.05)
 
 
+def test_a_window_of_requests_that_fit_predicts_no_request_refused_as_too_long() -> None:
+    """Every request the gateway counted finished, so each fit max_model_len (a longer one is
+    a 400). Drawn uniform inside the wide 1-2-5 buckets, 1100 + 300 tokens became up to
+    2000 + 500: the simulated admission refused the ones past 2048 as too long, and every
+    split's predicted attainment fell by that share, at a load every split meets."""
+    import dataclasses
+
+    prof = synthetic_profile()
+    prof = dataclasses.replace(prof, engine=dataclasses.replace(prof.engine, max_model_len=2048))
+    costs, engine = prof.costs(), engine_settings(prof)
+    rec = recommend(costs, engine, _window(1100, 300, 2.0), Split(1, 2), SLO_)
+    assert all(a >= 0.95 for a in rec.predicted.values()), rec.describe()
+    assert rec.move is None
+
+
 def test_a_split_needs_a_worker_in_each_pool() -> None:
     with pytest.raises(ValueError, match="needs >= 1 prefill and >= 1 decode"):
         Split(0, 3)
