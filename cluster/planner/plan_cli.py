@@ -131,6 +131,8 @@ def _load(path: str) -> Any:
         return Profile.load(path)
     except FileNotFoundError:
         raise ValueError(f"profile {path}: no such file") from None
+    except OSError as e:  # a directory, no permission: a message, as for a missing file
+        raise ValueError(f"profile {path}: cannot read it: {e.strerror or e}") from None
     except ValueError as e:
         raise ValueError(f"profile {path}: {e}") from None
 

@@ -10,7 +10,7 @@ import json
 import platform
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NotRequired, TypedDict, cast
+from typing import TYPE_CHECKING, NotRequired, TypedDict, cast
 
 if TYPE_CHECKING:
     from pdserve.cluster.planner.costs import CostModel
@@ -170,9 +170,11 @@ class Profile:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Profile:
+    def from_json(cls, d: object) -> Profile:
         """`d`: a profile file's JSON, as parsed (a ValueError if it is not one). Its machine,
         model and notes are for the reader and taken as they are (an older file may lack a key)."""
+        if not isinstance(d, dict):  # valid JSON of another shape: `d.get` would raise AttributeError
+            raise ValueError(f"not a pdserve profile: a JSON {type(d).__name__}, not an object")
         try:
             spec = d.get("speculative")
             return cls(machine=cast(MachineInfo, dict(d["machine"])), model=cast(ModelInfo, dict(d["model"])),

@@ -128,6 +128,20 @@ def test_plan_cli_rejects_a_missing_or_bad_profile(tmp_path: Path, capsys: pytes
     assert "not a pdserve profile" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("content", [None, "[]", '"profile.json"', "3"])
+def test_plan_cli_rejects_a_profile_that_is_a_directory_or_no_json_object(tmp_path: Path, content: str | None,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A message naming the profile, as for a missing file: not an IsADirectoryError or an
+    AttributeError traceback."""
+    path = tmp_path / "profile.json"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_text(content)
+    assert main(["plan", "--profile", str(path), *SLO_ARGS, "--rate", "1"]) == 2
+    assert f"pdserve: error: profile {path}: " in capsys.readouterr().err
+
+
 def test_plan_cli_warns_when_the_cost_models_fit_the_profile_badly(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     d = synthetic_profile().to_json()
