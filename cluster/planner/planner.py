@@ -91,7 +91,10 @@ def parse_shape(text: str, policy: RoutingPolicy = RoutingPolicy.CACHE_AWARE,
             p, _, d = t.partition("+")
             if not (p.endswith("P") and d.endswith("D")):
                 raise ValueError
-            return ClusterShape.disaggregated(int(p[:-1]), int(d[:-1]), policy, max_in_flight, dispatch_s)
+            num_p, num_d = int(p[:-1]), int(d[:-1])
+            if min(num_p, num_d) < 1:  # `pdserve serve` needs a worker in each pool (--prefill/--decode >= 1)
+                raise ValueError
+            return ClusterShape.disaggregated(num_p, num_d, policy, max_in_flight, dispatch_s)
         n = int(t.removesuffix("COLOCATED").removesuffix("C"))
         if n < 1:
             raise ValueError

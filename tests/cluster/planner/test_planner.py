@@ -85,7 +85,7 @@ def test_plan_cli_simulates_one_configuration_as_bench_reports_it(profile_path: 
 def test_parse_shape() -> None:
     assert parse_shape("1P+2D").label == "1P+2D"
     assert parse_shape("3").label == parse_shape("3c").label == parse_shape("3 colocated").label == "3 colocated"
-    for bad in ("", "0", "P+D", "1P", "2D+1P"):
+    for bad in ("", "0", "P+D", "1P", "2D+1P", "0P+2D", "1P+0D"):
         with pytest.raises(ValueError):
             parse_shape(bad)
 
