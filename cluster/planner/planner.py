@@ -19,7 +19,6 @@ Nothing here reads flags or prints: plan_cli.py does.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -162,14 +161,17 @@ class Planner:
         `evaluated` says how close each came)."""
         if max_workers < 1:
             raise ValueError(f"max workers: must be >= 1, got {max_workers}")
+        # The rate every evaluation is at: the plan's too when none is (no shape fits the
+        # devices), where it was NaN (a 'nan req/s' table, NaN in --json, which no JSON reads).
+        shown = self.workload.own_rate if rate is None else rate
         evaluated: list[Evaluation] = []
         for n in range(1, max_workers + 1):
             here = [self.evaluate(s, rate) for s in self.shapes(n)]
             evaluated += here
             ok = sorted((e for e in here if e.meets), key=lambda e: (-e.attainment, _p90(e)))
             if ok:
-                return RatePlan(evaluated[0].rate, tuple(ok), tuple(evaluated))
-        return RatePlan(evaluated[0].rate if evaluated else math.nan, (), tuple(evaluated))
+                return RatePlan(shown, tuple(ok), tuple(evaluated))
+        return RatePlan(shown, (), tuple(evaluated))
 
     def goodput(self, shape: ClusterShape, start: float, rel_tol: float = 0.02) -> Goodput:
         """DistServe's goodput of `shape`: the highest rate whose attainment is >= target."""

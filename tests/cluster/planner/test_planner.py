@@ -226,3 +226,22 @@ def test_plan_cli_plans_devices_from_a_profile_per_tensor_parallel_size(
     with pytest.raises(ValueError, match="second profile"):
         build_planner(build_parser().parse_args(["plan", "--profile", profile_path, "--profile", profile_path,
                                                  *SLO_ARGS, "--gpus", "2"]))
+
+
+def test_a_rate_plan_with_no_configuration_to_try_is_at_the_rate_asked_for(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Workers of 2 ranks and at most 1 device: no configuration fits, none is simulated. The
+    plan is still at --rate: the table said 'nan req/s', and --json wrote NaN, which is no JSON."""
+    tp2 = tmp_path / "tp2.json"
+    _tp2_profile().save(tp2)
+    argv = ["plan", "--profile", str(tp2), *SLO_ARGS, "--rate", "5", "--max-workers", "1", *WORKLOAD_ARGS]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "nan" not in out and "pdserve plan: 5 req/s" in out and "at 5 req/s" in out
+
+    def no_json(constant: str) -> None:
+        raise AssertionError(f"{constant} is not JSON")
+
+    assert main([*argv, "--json"]) == 1
+    d = json.loads(capsys.readouterr().out, parse_constant=no_json)
+    assert d["rate"] == 5.0 and d["best"] == [] and d["evaluated"] == []
