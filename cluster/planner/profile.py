@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pdserve.cluster.planner.costs import CostModel
 
 PROFILE_VERSION = 1
+MIN_POINTS = 3  # prefill points, and decode points, a profile needs (the cost models' coefficients)
 
 
 class MachineInfo(TypedDict):
@@ -156,9 +157,9 @@ class Profile:
     def __post_init__(self) -> None:
         if self.version != PROFILE_VERSION:
             raise ValueError(f"profile version {self.version}: this pdserve reads version {PROFILE_VERSION}")
-        if len(self.prefill) < 3 or len(self.decode) < 3:
-            raise ValueError(f"profile: needs >= 3 prefill and >= 3 decode points, has {len(self.prefill)} "
-                             f"and {len(self.decode)}")
+        if len(self.prefill) < MIN_POINTS or len(self.decode) < MIN_POINTS:
+            raise ValueError(f"profile: needs >= {MIN_POINTS} prefill and >= {MIN_POINTS} decode points, has "
+                             f"{len(self.prefill)} and {len(self.decode)}")
         points: tuple[PrefillPoint | DecodePoint | TransferPoint, ...] = (*self.prefill, *self.decode, *self.transfer)
         for p in points:
             if not p.seconds > 0:

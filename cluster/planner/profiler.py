@@ -37,6 +37,7 @@ from datetime import UTC, datetime
 from typing import Unpack
 
 from pdserve.cluster.planner.profile import (
+    MIN_POINTS,
     DecodePoint,
     EngineShape,
     ModelInfo,
@@ -154,6 +155,7 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
     """Every measurement on one thread (as a worker's engine thread steps), then the profile.
     `model_name`: what the model is served as (default: the engine's `model` setting)."""
     grid = grid.fit(engine)
+    _check_enough_points(grid)
     profiler = _Profiler(engine, grid, progress)
 
     def measure() -> tuple[list[PrefillPoint], list[DecodePoint], list[TransferPoint], SpecProfile | None]:
@@ -174,6 +176,19 @@ def profile_engine(engine: LLMEngine, grid: Grid, transport: Transport, torch_th
                    kv_bytes_per_token=kv_bytes_per_token(engine), prefill=tuple(prefill), decode=tuple(decode),
                    transfer=tuple(transfer), speculative=speculative,
                    created=datetime.now(UTC).isoformat(timespec="seconds"), notes=notes)
+
+
+def _check_enough_points(grid: Grid) -> None:
+    """ValueError unless the fitted grid can make a profile (`Profile` checks the points): refused
+    here, before the minutes of measuring, not after them with every measurement lost."""
+    prefill, decode = len(grid.prefill_tokens) + len(grid.cached), len(grid.batches) * len(grid.contexts)
+    if prefill < MIN_POINTS:
+        raise ValueError(f"grid: a profile needs >= {MIN_POINTS} prefill points; fitted to this engine (its step "
+                         f"budget, max_model_len) the grid has {prefill}: {grid.prefill_tokens} new tokens, "
+                         f"{len(grid.cached)} cached prefixes (--prefill-tokens, --cached)")
+    if decode < MIN_POINTS:
+        raise ValueError(f"grid: a profile needs >= {MIN_POINTS} decode points; fitted to this engine the grid has "
+                         f"{decode}: batches {grid.batches} x contexts {grid.contexts} (--batches, --contexts)")
 
 
 def model_info(engine: LLMEngine, name: str | None = None) -> ModelInfo:

@@ -4,6 +4,7 @@ shape (an oracle from config.json, not the engine's own arithmetic). No wall-clo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -111,6 +112,22 @@ def test_decode_batches_stop_where_the_kv_pool_runs_out(model_dir: Path) -> None
     p = profile_engine(engine, grid, Transport.ZMQ, 1, progress=lambda msg: None)
     assert [(d.batch, d.context) for d in p.decode] == [(1, 64), (4, 64), (16, 64), (1, 256), (4, 256)]
     assert any("decode batch 16 at context 256" in why for why in p.notes["skipped"])
+
+
+def test_a_grid_that_cannot_make_a_profile_is_refused_before_anything_is_measured(model_dir: Path) -> None:
+    """A profile needs >= 3 prefill and >= 3 decode points. A grid fitted to fewer (one prompt
+    length; lengths the step budget folds into one; 1 batch x 2 contexts) was measured whole,
+    minutes on a real model, and only then refused: every measurement lost."""
+    engine = build_engine(EngineConfig(model=str(model_dir), num_kv_blocks=128, max_num_batched_tokens=256), 1)
+    small = Grid(prefill_tokens=(16, 32, 64), cached=(), batches=(1, 4, 16), contexts=(64,), transfer_tokens=(16,),
+                 repeats=1, decode_steps=1)
+    for grid, flags in ((dataclasses.replace(small, prefill_tokens=(16,)), "--prefill-tokens"),
+                        (dataclasses.replace(small, prefill_tokens=(300, 400, 500)), "--prefill-tokens"),
+                        (dataclasses.replace(small, batches=(1,), contexts=(64, 128)), "--batches")):
+        said: list[str] = []
+        with pytest.raises(ValueError, match=f"needs >= 3 .*{flags}"):
+            profile_engine(engine, grid, Transport.ZMQ, 1, progress=said.append)
+        assert said == [], f"measured before refusing: {said}"
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="torch.distributed with gloo")
