@@ -230,7 +230,7 @@ class PlannerMetrics:
                                "Predicted SLO attainment of the last window's traffic on the current split and on "
                                "the recommended one", ["split"], registry=registry)
         self.observed = Gauge("pdserve:planner_observed_slo_attainment",
-                              "SLO attainment in the planner's last window, from the TTFT and TPOT histograms",
+                              "SLO attainment in the planner's last window, from the TTFT, TPOT and E2E histograms",
                               registry=registry)
         self.decisions = Counter("pdserve:planner_decisions", "Planner windows by outcome", ["decision"],
                                  registry=registry)

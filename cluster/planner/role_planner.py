@@ -79,13 +79,14 @@ def predicted_attainment(costs: CostModel, engine: EngineSettings, window: Traff
 
 
 def observed_attainment(window: TrafficWindow, slo: SLO) -> float | None:
-    """The window's SLO attainment as its histograms tell it: the lower of the shares
-    within the TTFT and the TPOT SLO (the histograms are separate, so a request's pair
-    is not known: the joint share is at most this)."""
+    """The window's SLO attainment as its histograms tell it: the lowest of the shares
+    within the TTFT, the TPOT and the E2E SLO, each that is set (the histograms are separate,
+    so a request's values together are not known: the joint share is at most this). An E2E
+    SLO counts as the prediction counts it: left out, a window of late requests read as met."""
     from pdserve.cluster.planner.traffic import fraction_at_most
 
-    parts = [fraction_at_most(b, lim) for b, lim in ((window.ttft, slo.ttft), (window.tpot, slo.tpot))
-             if lim is not None]
+    limits = ((window.ttft, slo.ttft), (window.tpot, slo.tpot), (window.e2e, slo.e2e))
+    parts = [fraction_at_most(b, lim) for b, lim in limits if lim is not None]
     known = [p for p in parts if p is not None]
     return min(known) if known else None
 

@@ -4,8 +4,8 @@ The planner loop re-plans on what the gateway saw lately: how many requests
 finished in the window (the rate), and the distribution of their prompt and
 output lengths (the `pdserve:request_prompt_tokens` and
 `pdserve:request_generation_tokens` histograms, one observation per finished
-request), with the attainment of the SLOs over the same requests (the TTFT and
-TPOT histograms). A window is the difference of two scrapes of the cumulative
+request), with the attainment of the SLOs over the same requests (the TTFT,
+TPOT and E2E histograms). A window is the difference of two scrapes of the cumulative
 bucket counts, exactly what Prometheus' `increase()` would see.
 
 The simulator needs requests, not histograms: `synthetic_requests` draws
@@ -32,7 +32,8 @@ PROMPT_TOKENS = "pdserve:request_prompt_tokens"
 GENERATION_TOKENS = "pdserve:request_generation_tokens"
 TTFT = "pdserve:time_to_first_token_seconds"
 TPOT = "pdserve:time_per_output_token_seconds"
-WATCHED = (PROMPT_TOKENS, GENERATION_TOKENS, TTFT, TPOT)
+E2E = "pdserve:e2e_request_latency_seconds"
+WATCHED = (PROMPT_TOKENS, GENERATION_TOKENS, TTFT, TPOT, E2E)
 
 # Buckets: (upper bound, cumulative count), ascending, the last one +Inf.
 Buckets = tuple[tuple[float, float], ...]
@@ -79,6 +80,7 @@ class TrafficWindow:
     generation_tokens: Buckets
     ttft: Buckets
     tpot: Buckets
+    e2e: Buckets = ()  # what an e2e SLO's observed share reads (empty: none observed)
 
     @property
     def requests(self) -> int:
@@ -173,4 +175,4 @@ class TrafficReader:
         def d(name: str) -> Buckets:
             return _delta(hist.get(name, ()), last.get(name))
 
-        return TrafficWindow(now - last_t, d(PROMPT_TOKENS), d(GENERATION_TOKENS), d(TTFT), d(TPOT))
+        return TrafficWindow(now - last_t, d(PROMPT_TOKENS), d(GENERATION_TOKENS), d(TTFT), d(TPOT), d(E2E))

@@ -81,6 +81,26 @@ def test_observed_attainment_comes_from_the_latency_histograms() -> None:
     assert w is not None and observed_attainment(w, SLO_) == pytest.approx(0.75)
 
 
+def test_observed_attainment_counts_an_e2e_slo() -> None:
+    """With an e2e SLO the prediction counts it (Latencies.attainment), and the gateway keeps an
+    E2E histogram: the observed share must count it too, not report 100% for a window in which a
+    quarter of the requests ended past it."""
+    from pdserve.cluster.metrics import E2E_BUCKETS
+    from pdserve.cluster.planner.role_planner import observed_attainment
+
+    gw = Gateway()
+    e2e = Histogram("pdserve:e2e_request_latency_seconds", "e2e", buckets=E2E_BUCKETS, registry=gw.registry)
+    gw.reader.take(0.0)
+    gw.finish(40, 100, 100)  # TTFT and TPOT within the SLO, all of them
+    for seconds in [0.5] * 30 + [5.0] * 10:
+        e2e.observe(seconds)
+    w = gw.reader.take(10.0)
+    assert w is not None
+    assert observed_attainment(w, SLO(ttft=0.2, tpot=0.02, e2e=1.0)) == pytest.approx(0.75)
+    assert observed_attainment(w, SLO(e2e=1.0)) == pytest.approx(0.75)
+    assert observed_attainment(w, SLO_) == pytest.approx(1.0)
+
+
 def _window(prompt: int, output: int, rate: float, seconds: float = 20.0) -> TrafficWindow:
     gw = Gateway()
     gw.reader.take(0.0)
