@@ -6,7 +6,7 @@ The cluster, as the real one runs a request (cluster/disagg_backend.py, backend.
                from it (ColocatedBackend); that worker prefills and decodes it.
   disaggregated  the router's own policy (cluster/router/policy.route, called here on a
                snapshot of the simulated workers: their cached prefixes, queued prefill
-               tokens, running requests, free blocks) picks the decode worker and a plan:
+               tokens, running + waiting requests, free blocks) picks the decode worker and a plan:
     LOCAL         the decode worker prefills it too (little uncached there);
     PREFILL_ONLY  it ends at its first token: the prefill worker runs it alone;
     HANDOFF       the decode worker reserves blocks for the prompt (reusing its cache;
@@ -329,8 +329,13 @@ class _Cluster(Hooks):
         self._route(req, track, t)
 
     def _route(self, req: SimRequest, track: Track, t: float) -> None:
-        loads = tuple(WorkerLoad(w.wid, w.role, True, w.queued_prefill, len(w.running) + w.awaiting_kv,
-                                 w.free_blocks(), w.pool.num_blocks) for w in self.workers)
+        # A worker's requests as the gateway's reports count them (disagg_backend: running + waiting,
+        # where waiting holds reservations whose KV has not landed, landed ones the batch has no room
+        # for yet, and queued prompts): without `waiting`, a worker with a queue looked as loaded as
+        # one with none.
+        loads = tuple(WorkerLoad(w.wid, w.role, True, w.queued_prefill,
+                                 len(w.running) + len(w.waiting) + w.awaiting_kv, w.free_blocks(), w.pool.num_blocks)
+                      for w in self.workers)
         matched = {w.wid: m for w in self.workers if (m := w.matched_blocks(req))}
         snap = RouterSnapshot(req.prompt_len, self.engine.block_size, matched, loads, req.affinity_key,
                               req.output_len)

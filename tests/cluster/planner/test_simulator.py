@@ -231,3 +231,37 @@ def test_simulated_requests_per_wall_second(capsys: pytest.CaptureFixture[str]) 
         dt = time.perf_counter() - t0
         with capsys.disabled():
             print(f"\nsimulator: {shape.label}: {len(reqs)} requests in {dt:.2f} s = {len(reqs) / dt:,.0f} req/s")
+
+
+def test_the_router_counts_a_decode_workers_queue_as_the_gateway_reports_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's router reads a decode worker's load as its running + waiting requests
+    (DisaggregatedBackend._refresh_one: waiting holds reservations whose KV has not landed,
+    landed ones the batch has no room for yet, and queued prompts). The simulated router must
+    see the same: counting only running + reservations, a worker at max_num_seqs with a queue
+    looked as loaded as one with none, and took more."""
+    import pdserve.cluster.planner.simulator as sim
+
+    p = synthetic_profile(max_num_seqs=2)
+    c, e = p.costs(), engine_settings(p)
+    seen: list[tuple[dict[str, int], dict[str, int]]] = []
+    route, snapshot = sim.route, sim._Cluster._route
+
+    def spy_route(self: sim._Cluster, req: object, track: object, t: float) -> None:
+        # what the gateway's report would say of each decode worker as this request is routed
+        want = {w.wid: len(w.running) + len(w.waiting) + w.awaiting_kv for w in self.workers
+                if w.role is sim.WorkerRole.DECODE}
+
+        def routed(snap: sim.RouterSnapshot, *args: object) -> object:
+            seen.append(({load.worker_id: load.running_requests for load in snap.loads
+                          if load.role is sim.WorkerRole.DECODE}, want))
+            return route(snap, *args)
+
+        monkeypatch.setattr(sim, "route", routed)
+        snapshot(self, req, track, t)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sim._Cluster, "_route", spy_route)
+    r = simulate(c, e, ClusterShape.disaggregated(1, 2), unique_requests([0.01 * i for i in range(30)], 256, 60))
+    assert all(t.done is not None for t in r.tracks)
+    assert any(sum(want.values()) > 4 for _, want in seen)  # queues formed behind max_num_seqs
+    for got, want in seen:
+        assert got == want
