@@ -7,7 +7,7 @@ Prometheus sees. A window with fewer than `min_requests` finished requests says
 too little to act on and is skipped. The simulation runs in a thread: it takes
 tens to hundreds of milliseconds, which the event loop that streams tokens must
 not wait for. One move per window at most, and none while the last one is
-still under way: the next window measures the new split before another.
+still under way: the next window, from the move's end, measures the new split before another.
 """
 
 from __future__ import annotations
@@ -128,4 +128,8 @@ class RolePlannerLoop:
             self.metrics.decisions.labels("failed").inc()
         else:
             self.metrics.decisions.labels("applied").inc()
+        finally:
+            # The next window starts now: what finished during the move (its drain, the requests
+            # it moved on) is the switch's, on neither split, and must not be taken for the new one's.
+            self.reader.take(self.clock())
         return rec

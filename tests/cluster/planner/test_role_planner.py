@@ -226,3 +226,36 @@ def test_without_autoscale_the_loop_only_recommends_and_a_failed_move_keeps_serv
     asyncio.run(loop2.tick())
     assert split2[0] == Split(1, 2)
     assert _sample(gw2.registry, "pdserve:planner_decisions_total", {"decision": "failed"}) == 1
+
+
+def test_the_window_after_a_move_starts_once_the_move_is_over() -> None:
+    """A move drains a worker (up to its deadline) and moves what it holds: the requests that end
+    meanwhile are the switch's, late, on neither split. The next window must start when the move
+    ends ('the next window measures the new split'), not take them as the new split's."""
+    import asyncio
+
+    gw, split, moves = Gateway(), [Split(1, 2)], []
+    loop, now = _loop(gw, split, apply=True, moves=moves)
+    moved = loop.move
+    assert moved is not None
+
+    async def slow_move(src: WorkerRole, dst: WorkerRole) -> object:
+        gw.finish(300, 1900, 20, ttft=1.5)  # finished late while the worker drained
+        now[0] += 30.0
+        return await moved(src, dst)
+
+    loop.move = slow_move
+
+    async def run() -> None:
+        now[0] = 20.0
+        gw.finish(1400, 1900, 20)
+        rec = await loop.tick()
+        assert rec is not None and rec.move == (WorkerRole.DECODE, WorkerRole.PREFILL)
+        now[0] += 20.0
+        gw.finish(100, 1900, 20)  # on the new split
+        again = await loop.tick()
+        assert again is not None and again.current == Split(2, 1)
+        assert again.rate == pytest.approx(100 / 20.0) and again.observed_attainment == pytest.approx(1.0)
+
+    asyncio.run(run())
+    assert moves == [(WorkerRole.DECODE, WorkerRole.PREFILL)]
