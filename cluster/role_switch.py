@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -93,13 +94,13 @@ class RoleSwitcher:
 
     async def switch(self, to: WorkerRole, drain_timeout_s: float) -> RoleSwitch:
         """Take role `to` (module doc). ValueError for a role a disaggregated worker cannot
-        hold, a negative timeout, or while a switch is under way. If the new role cannot
-        be built, the old one is built again and the error raised."""
+        hold, a timeout that is no finite number >= 0, or while a switch is under way. If the
+        new role cannot be built, the old one is built again and the error raised."""
         svc = self._svc
         if to not in SWITCHABLE:
             raise ValueError(f"role: a disaggregated worker is prefill or decode, got {to.value}")
-        if not drain_timeout_s >= 0:
-            raise ValueError(f"drain_timeout_s: must be >= 0, got {drain_timeout_s}")
+        if not (math.isfinite(drain_timeout_s) and drain_timeout_s >= 0):  # inf: a drain that may never end
+            raise ValueError(f"drain_timeout_s: must be a finite number >= 0, got {drain_timeout_s}")
         if self.switching:
             raise ValueError(f"worker {svc.name}: a role switch is under way")
         start, old = time.monotonic(), svc.role

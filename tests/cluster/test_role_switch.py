@@ -508,3 +508,25 @@ def test_info_reports_the_role_and_the_dtype_the_engine_computes_in(model_dir: P
     p0, d0 = asyncio.run(main())
     assert (p0.role, d0.role) == (WorkerRole.PREFILL, WorkerRole.DECODE)
     assert p0.dtype == d0.dtype == "float32" == str(services["d0"].engine.dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), -1.0])
+def test_a_worker_refuses_a_drain_with_no_deadline(timeout_s: float) -> None:
+    """The worker's own `switch_role` (an actor method any caller in the cluster may call, not
+    only the gateway, which checks) must refuse a drain that never ends: with an infinite one a
+    request that never finished held the worker out of both pools for good ("every wait has a
+    deadline", cluster/role_switch.py)."""
+    from types import SimpleNamespace
+
+    from pdserve.cluster.role_switch import RoleSwitcher
+
+    engine = SimpleNamespace(num_in_flight=1, refuse_new=lambda why: None)  # a request that never ends
+    svc = SimpleNamespace(name="p0", role=SimpleNamespace(role=WorkerRole.PREFILL), async_engine=engine)
+    switcher = RoleSwitcher(svc)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="drain_timeout_s"):
+            await asyncio.wait_for(switcher.switch(WorkerRole.DECODE, timeout_s), timeout=2.0)
+
+    asyncio.run(main())
+    assert not switcher.switching
