@@ -134,6 +134,15 @@ class EngineShape:
     # The worker's ranks (devices): a profile of a TP=N worker plans it as one worker of N devices.
     tensor_parallel_size: int = 1
 
+    def __post_init__(self) -> None:
+        # A hand-edited file's settings: "16" failed in the simulator's arithmetic with a TypeError
+        # traceback, and 4096.5 blocks or a null thread count were planned on.
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len",
+                     "torch_threads", "tensor_parallel_size"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"engine.{name}: a whole number >= 1, got {value!r}")
+
 
 @dataclass(frozen=True)
 class Profile:

@@ -142,6 +142,19 @@ def test_plan_cli_rejects_a_profile_that_is_a_directory_or_no_json_object(tmp_pa
     assert f"pdserve: error: profile {path}: " in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("field, value", [("block_size", "16"), ("num_kv_blocks", 4096.5), ("torch_threads", None)])
+def test_plan_cli_rejects_a_profile_whose_engine_settings_are_no_counts(
+        tmp_path: Path, field: str, value: object, capsys: pytest.CaptureFixture[str]) -> None:
+    """A hand-edited profile's engine settings ("16", a float, null): a message naming the setting,
+    not a TypeError traceback from the simulator's arithmetic, nor a plan made on 4096.5 blocks."""
+    d = synthetic_profile().to_json()
+    d["engine"][field] = value  # type: ignore[index]
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(d))
+    assert main(["plan", "--profile", str(path), *SLO_ARGS, "--rate", "1", "--num-requests", "5"]) == 2
+    assert f"profile {path}: engine.{field}" in capsys.readouterr().err
+
+
 def test_plan_cli_warns_when_the_cost_models_fit_the_profile_badly(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     d = synthetic_profile().to_json()
