@@ -115,8 +115,13 @@ class GatewayMetrics:
         self.queued = Gauge("pdserve:num_requests_queued", "Requests admitted with no token sent yet", registry=r)
         self.planner = PlannerMetrics(r)
         self._worker_series: set[tuple[str, str]] = set()  # the (pool, worker) label sets exported
+        # Apart from this replica's own families: what this scrape's fetch saw, shown (like the
+        # workers' families) by the replica that answers only, never published to its peers. A
+        # replica's worker_up is only as fresh as its last scrape, and one that last fetched while
+        # a worker was down republished that 0 for as long as scrapes reached the other replicas.
+        self._fetch_registry = CollectorRegistry()
         self.worker_up = Gauge("pdserve:worker_up", "1 if the last metrics fetch from the worker succeeded in time",
-                               ["pool", "worker"], registry=r)
+                               ["pool", "worker"], registry=self._fetch_registry)
         for reason in FINISH_REASONS:
             self.success.labels(reason)
         for code in ERROR_CODES:
@@ -170,7 +175,8 @@ class GatewayMetrics:
         else:
             own = await self._publish()
             peers = await read_peers(self.peers, self.replica, self.replicas)
-        return await asyncio.to_thread(_render, [own, *peers, *(f for f in parsed if f is not None)])
+        fetched = list(WithoutCreated(self._fetch_registry).collect())
+        return await asyncio.to_thread(_render, [own, *peers, fetched, *(f for f in parsed if f is not None)])
 
     def own_families(self) -> list[Metric]:
         """This replica's families (labelled with its rank when it has peers). Collected here, on

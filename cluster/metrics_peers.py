@@ -9,7 +9,8 @@ every PUBLISH_S to a store all replicas share (Ray's internal key-value store, i
 a replica's /metrics is its own families, fresh (and published before the scrape answers,
 so the next scrape, on any replica, reads no less), the others' last published ones (up to
 PUBLISH_S old; dropped past STALE_S: a replica gone for good leaves no frozen series), and
-the workers'. One replica alone changes nothing: no label, no store.
+the workers' (with `pdserve:worker_up`, what this scrape's fetch of them saw: never
+published). One replica alone changes nothing: no label, no store.
 """
 
 from __future__ import annotations

@@ -76,3 +76,40 @@ def test_a_replica_publishes_its_families_every_interval(monkeypatch: pytest.Mon
     assert families is not None
     assert {s.labels["replica"]: s.value for f in families for s in f.samples
             if s.name == "pdserve:prompt_tokens_total"} == {"0": 7.0}
+
+
+class _Worker:
+    """A worker handle whose `metrics.remote()` answers (a minimal exposition) or fails."""
+
+    def __init__(self, answers: bool) -> None:
+        self.answers = answers
+
+        async def remote() -> bytes:
+            if not self.answers:
+                raise RuntimeError("no answer")
+            return b"# TYPE pdserve:num_requests_running gauge\npdserve:num_requests_running{pool=\"decode\"," \
+                   b"worker=\"pdserve-decode-0\"} 0.0\n"
+
+        self.metrics = type("M", (), {"remote": staticmethod(remote)})()
+
+
+def test_a_worker_back_up_reads_up_whichever_replica_answers() -> None:
+    """worker_up is what the answering replica's fetch just saw. A replica that last fetched
+    while the worker was down published its 0, and went on republishing it every PUBLISH_S while
+    scrapes reached the other replica: the critical PdserveWorkerDown (`worker_up == 0`) held
+    on a worker that was back, for as long as that replica got no scrape."""
+    store = Store()
+    m0, m1 = _tier(store)
+    worker = _Worker(answers=False)
+
+    async def run() -> bytes:
+        workers = {"pdserve-decode-0": ("decode", worker)}
+        await m1.exposition(workers)  # a scrape reaches replica 1 while the worker is down
+        worker.answers = True
+        await m1._publish()  # replica 1's publisher, every PUBLISH_S
+        return await m0.exposition(workers)  # the next scrapes reach replica 0
+
+    text = asyncio.run(run())
+    up = [(s.labels, s.value) for f in text_string_to_metric_families(text.decode()) for s in f.samples
+          if s.name == "pdserve:worker_up"]
+    assert up == [({"pool": "decode", "worker": "pdserve-decode-0"}, 1.0)]
