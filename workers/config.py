@@ -197,7 +197,9 @@ class EngineConfig:
     # torch.distributed's default group (init_process_group first, e.g. under torchrun); every
     # rank runs the same requests and returns the same outputs.
     tensor_parallel_size: PositiveInt = 1
-    seed: int = 0
+    # What torch.manual_seed takes (int64 or uint64): a seed beyond failed every worker's start
+    # ("Overflow when unpacking long long") once Ray was up, instead of here, by name.
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**64)] = 0
     progress: bool = False
     # A lock file that engines sharing this machine's cores take turns with, each step's model
     # work on all of them in its turn (workers/cpu_turns.py); None: no turns. Set by the

@@ -82,3 +82,24 @@ def test_a_poll_interval_the_stall_watch_would_mistake_for_a_hang_is_refused() -
         serve_config({"model": "/m", "load_poll_interval": 20.0})
     assert serve_config({"model": "/m", "load_poll_interval": 20.0, "stall_timeout": 0}).stall_timeout == 0
     assert serve_config({"model": "/m", "load_poll_interval": 2.0, "stall_timeout": 10}).load_poll_interval == 2.0
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1, 10**30])
+def test_an_engine_seed_torch_cannot_take_is_refused_by_name(seed: int) -> None:
+    """`--seed` / YAML `seed:` went unchecked to each worker's `torch.manual_seed`, which refused
+    it ("Overflow when unpacking long long"): every worker failed to start once Ray was up, where
+    any other bad setting is refused here, by name, before anything starts."""
+    import torch
+
+    with pytest.raises(ValueError, match=r"Overflow"):  # the oracle: what the engine would meet
+        torch.manual_seed(seed)
+    with pytest.raises(ValueError, match=r"^seed: "):
+        serve_config({"model": "tiny", "seed": seed})
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**64 - 1])
+def test_every_engine_seed_torch_takes_is_taken(seed: int) -> None:
+    import torch
+
+    torch.manual_seed(seed)
+    assert serve_config({"model": "tiny", "seed": seed}).engine.seed == seed
