@@ -33,7 +33,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.cluster.limits import RefusalReason
-from pdserve.cluster.metrics_peers import PeerStore, labelled, pack, publish_forever, read_peers
+from pdserve.cluster.metrics_peers import (
+    PeerStore,
+    in_store_thread,
+    labelled,
+    pack,
+    publish_forever,
+    read_peers,
+)
 from pdserve.cluster.metrics_peers import stop as stop_publisher
 from pdserve.cluster.router import DecodeReason, RouteReason, RouterStats
 from pdserve.cluster.worker_handle import WorkerHandle
@@ -173,8 +180,8 @@ class GatewayMetrics:
         if self.peers is None:
             own, peers = self.own_families(), []
         else:
-            own = await self._publish()
-            peers = await read_peers(self.peers, self.replica, self.replicas)
+            own = await self._publish(deadline_s)
+            peers = await read_peers(self.peers, self.replica, self.replicas, deadline_s)
         fetched = list(WithoutCreated(self._fetch_registry).collect())
         return await asyncio.to_thread(_render, [own, *peers, fetched, *(f for f in parsed if f is not None)])
 
@@ -185,19 +192,20 @@ class GatewayMetrics:
         own = list(WithoutCreated(self.registry).collect())
         return labelled(own, self.replica) if self.replicas > 1 else own
 
-    async def _publish(self) -> list[Metric]:
+    async def _publish(self, deadline_s: float = WORKER_SCRAPE_DEADLINE_S) -> list[Metric]:
         """Collect this replica's families and put them in the peers' store; returns them once
         they are there. A scrape shows its replica's own families only after publishing them:
         the next scrape, which HAProxy may send to another replica, reads them (or later ones)
         from the store. Shown fresh but published up to PUBLISH_S later, replica k's counters
         went back on every scrape that reached another replica after one that reached k (a
-        counter reset to rate(): the whole count again as a spike)."""
+        counter reset to rate(): the whole count again as a spike). A store that does not answer
+        within `deadline_s` is left to finish the put on its thread."""
         own = self.own_families()
         self._collected += 1
         seq = self._collected
         try:
-            await asyncio.to_thread(self._put_in_order, seq, own)
-        except Exception as e:  # noqa: BLE001 - the GCS unreachable: this scrape still has our own
+            await in_store_thread(lambda: self._put_in_order(seq, own), deadline_s)
+        except Exception as e:  # noqa: BLE001 - the GCS unreachable or hung: this scrape still has our own
             log.warning("publishing this gateway replica's metrics failed: %r", e)
         return own
 

@@ -20,7 +20,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol, TypeVar
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -29,8 +30,14 @@ log = logging.getLogger(__name__)
 
 PUBLISH_S = 5.0  # how often a replica publishes its families
 STALE_S = 30.0  # a peer's families older than this are left out (it is gone, or cannot publish)
+STORE_DEADLINE_S = 2.0  # the longest a scrape or a publish waits on one call of the store
 REPLICA_LABEL = "replica"
 _NAMESPACE = "pdserve-gateway-metrics"
+T = TypeVar("T")
+# The store's calls block (Ray's client waits up to a minute for a GCS that does not answer): on a
+# thread of their own, a hung call holds that one thread, not the loop's default executor, which
+# renders every scrape; the calls after it queue behind it, each waited on for its deadline only.
+_store_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pd-metrics-store")
 
 
 class PeerStore(Protocol):
@@ -82,8 +89,18 @@ def unpack(payload: bytes, now: float) -> list[Metric] | None:
         return None
 
 
-async def read_peers(store: PeerStore, rank: int, replicas: int) -> list[list[Metric]]:
-    """The other replicas' fresh families (off the event loop: the store's calls block)."""
+async def in_store_thread(call: Callable[[], T], deadline_s: float = STORE_DEADLINE_S) -> T:
+    """`call()` (the store's, blocking) on the store's thread, waited on for `deadline_s` at most:
+    TimeoutError then (the call goes on, on that thread). Without a deadline, a GCS that did not
+    answer held every scrape past Prometheus' scrape timeout: the gateway read as down."""
+    async with asyncio.timeout(deadline_s):
+        return await asyncio.get_running_loop().run_in_executor(_store_thread, call)
+
+
+async def read_peers(store: PeerStore, rank: int, replicas: int,
+                     deadline_s: float = STORE_DEADLINE_S) -> list[list[Metric]]:
+    """The other replicas' fresh families (off the event loop: the store's calls block); none
+    when the store does not answer within `deadline_s`."""
     def read() -> list[list[Metric]]:
         now = time.time()
         out = []
@@ -100,7 +117,12 @@ async def read_peers(store: PeerStore, rank: int, replicas: int) -> list[list[Me
                 out.append(families)
         return out
 
-    return await asyncio.to_thread(read)
+    try:
+        return await in_store_thread(read, deadline_s)
+    except TimeoutError:
+        log.warning("the gateway replicas' metrics store did not answer within %.1f s; this scrape has only "
+                    "this replica's own metrics, and the workers'", deadline_s)
+        return []
 
 
 async def publish_forever(publish: Callable[[], Awaitable[object]]) -> None:
@@ -123,5 +145,5 @@ async def stop(task: asyncio.Task[None] | None) -> None:
             await task
 
 
-__all__ = ["PUBLISH_S", "REPLICA_LABEL", "STALE_S", "PeerStore", "RayKVStore", "labelled", "pack",
-           "publish_forever", "read_peers", "stop", "unpack"]
+__all__ = ["PUBLISH_S", "REPLICA_LABEL", "STALE_S", "STORE_DEADLINE_S", "PeerStore", "RayKVStore", "in_store_thread",
+           "labelled", "pack", "publish_forever", "read_peers", "stop", "unpack"]

@@ -6,6 +6,7 @@ drop a counter reset to rate(), an alert on an event long past)."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -113,3 +114,40 @@ def test_a_worker_back_up_reads_up_whichever_replica_answers() -> None:
     up = [(s.labels, s.value) for f in text_string_to_metric_families(text.decode()) for s in f.samples
           if s.name == "pdserve:worker_up"]
     assert up == [({"pool": "decode", "worker": "pdserve-decode-0"}, 1.0)]
+
+
+class _HungStore(Store):
+    """Ray's key-value store while the GCS does not answer: every call blocks until `answer` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answer = threading.Event()
+
+    def put(self, rank: int, payload: bytes) -> None:
+        self.answer.wait(30)
+        super().put(rank, payload)
+
+    def get(self, rank: int) -> bytes | None:
+        self.answer.wait(30)
+        return super().get(rank)
+
+
+def test_a_scrape_answers_in_time_while_the_peers_store_hangs() -> None:
+    """The store's calls had no deadline: while the GCS did not answer (Ray's client waits up to
+    a minute for it to come back), every scrape of the gateway hung past Prometheus' scrape
+    timeout (PdserveGatewayDown, critical, on a gateway that served), and the scrapes after it
+    waited on the same hung fetch. A scrape gives the store its deadline, then answers with
+    what it has: its own families and the workers'."""
+    store = _HungStore()
+    m0, _ = _tier(store)
+    m0.prompt_tokens.inc(3)
+
+    async def scrape_twice() -> list[bytes]:
+        try:
+            async with asyncio.timeout(5):  # each waits 0.2 s on the put and 0.2 s on the get
+                return [await m0.exposition({}, deadline_s=0.2) for _ in range(2)]
+        finally:
+            store.answer.set()  # the store's threads end (asyncio.run waits for them)
+
+    for text in asyncio.run(scrape_twice()):
+        assert by_replica(text, "pdserve:prompt_tokens_total") == {"0": 3.0}
