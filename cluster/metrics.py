@@ -52,10 +52,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Each tops out past the default request deadline (600 s) and the slowest figure a worker can show:
+# a quantile above a histogram's last finite bound reads as that bound (vLLM's reach as far).
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 1.5, 2, 2.5, 5, 7.5, 10, 20,
-                40, 80)
-TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5)
-E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480)
+                40, 80, 160, 640)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5,
+                5, 10)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
 # Prompt and output lengths per finished request: 1-2-5 steps (vLLM's), up to 500k tokens.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
 FINISH_REASONS = ("stop", "length", "abort")
