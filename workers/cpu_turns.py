@@ -19,7 +19,8 @@ worker never wedges the others. Fairness: a worker that wants the turn holds a s
 on a second file while it waits; a holder that finishes a step and sees a waiter gives it
 the turn (waits, bounded, until the waiter has taken it) before taking another. Every wait
 has a deadline: past it the step runs without the turn (logged), which is the old sharing
-at worst.
+at worst, and so do the steps after it until the turn is free again (a stopped neighbour
+delays one step, not each).
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ class CpuTurns:
         self._turn = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         self._want = os.open(path + ".want", os.O_RDWR | os.O_CREAT, 0o600)
         self._held = False
+        self._stuck = False  # the last step went without the turn: its holder is taken for stuck
         self.turns = 0
         self.waited_s = 0.0  # time spent waiting for the turn, over all turns
         self.given = 0  # turns handed to a waiting worker
@@ -58,17 +60,23 @@ class CpuTurns:
         if not _try(self._turn, fcntl.LOCK_EX):
             # Tell the holder someone waits (a holder keeps `want` exclusive only while it hands over).
             wants = _poll(self._want, fcntl.LOCK_SH, start + HANDOFF_DEADLINE_S)
+            # After one wait past the deadline the holder is taken for stuck (a stopped process
+            # keeps its lock until it dies): later steps only try, until the turn is free again.
+            # Waiting out the deadline at each step made one token per deadline of every stream.
+            deadline = start if self._stuck else start + ACQUIRE_DEADLINE_S
             try:
-                self._held = _poll(self._turn, fcntl.LOCK_EX, start + ACQUIRE_DEADLINE_S)
+                self._held = _poll(self._turn, fcntl.LOCK_EX, deadline)
             finally:
                 if wants:
                     fcntl.flock(self._want, fcntl.LOCK_UN)
             if not self._held:
                 self.missed += 1
-                log.warning("no CPU turn within %.0f s (%s): running this step without it", ACQUIRE_DEADLINE_S,
-                            self.path)
+                if not self._stuck:
+                    log.warning("no CPU turn within %.0f s (%s): running steps without it until it is free",
+                                ACQUIRE_DEADLINE_S, self.path)
         else:
             self._held = True
+        self._stuck = not self._held
         self.waited_s += time.perf_counter() - start
         self.turns += 1
         return self

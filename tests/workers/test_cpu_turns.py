@@ -122,6 +122,48 @@ def test_a_stuck_holder_delays_a_step_by_the_deadline_at_most(tmp_path: Path,
         assert turns.missed == 1
 
 
+def test_a_stopped_holder_delays_one_step_not_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A neighbour stopped (SIGSTOP, a hung step) inside its turn keeps the lock until it dies:
+    one step waits the deadline, the next ones only try, until the turn is free again. Were each
+    step to wait, the engine beside it would make one token per deadline (30 s) for every stream."""
+    monkeypatch.setattr(cpu_turns, "ACQUIRE_DEADLINE_S", 0.2)
+    path = str(tmp_path / "turns.lock")
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    turns = CpuTurns(path)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        start = time.perf_counter()
+        with turns:
+            pass
+        assert time.perf_counter() - start >= 0.2
+        start = time.perf_counter()
+        for _ in range(5):
+            with turns:
+                pass
+        assert time.perf_counter() - start < 0.2  # no more waiting
+        assert turns.missed == 6
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait(timeout=10)
+        with turns:  # free again: the turn is taken, not gone without
+            assert turns.missed == 6
+        other = CpuTurns(path)
+        other.__enter__()  # a turn of a neighbour that is not stuck: waited for again
+        timer = threading.Timer(0.1, other.__exit__, args=(None, None, None))
+        timer.start()
+        start = time.perf_counter()
+        with turns:
+            assert turns.missed == 6
+        assert time.perf_counter() - start >= 0.05
+        timer.join()
+        other.close()
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        turns.close()
+
+
 def test_an_engine_steps_only_in_its_turn(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path) -> None:
     path = str(tmp_path / "turns.lock")
     llm = LLM(str(make_model(tiny_spec())), cpu_turns=path, num_kv_blocks=32, max_model_len=128)
