@@ -63,6 +63,7 @@ class CpuLending:
         self._busy = os.open(os.path.join(directory, self._name), os.O_RDWR | os.O_CREAT, 0o600)
         self._neighbours: dict[str, int] = {}  # busy file name -> our fd on it
         self._is_busy = self._held = self._stuck = False
+        self._unseen = False  # the directory could not be listed last time (warned once)
         self.steps = 0
         self.wide_steps = 0  # steps run on all the node's cores
         self.waited_s = 0.0  # time spent waiting for a neighbour's wide step to end
@@ -118,8 +119,18 @@ class CpuLending:
 
     def _neighbour_busy(self) -> bool:
         """Whether another worker of this app on this node holds its busy lock. Files of
-        dead processes (lock free, pid gone) are removed on the way."""
-        names = {n for n in os.listdir(self.directory) if n.startswith("busy-") and n != self._name}
+        dead processes (lock free, pid gone) are removed on the way. The directory gone (a
+        cleanup of /dev/shm, systemd's RemoveIPC at logout): neighbours unseen count as busy,
+        so steps run at the share (split) instead of raising with `wide.lock` held."""
+        try:
+            listed = os.listdir(self.directory)
+        except OSError as e:
+            if not self._unseen:
+                log.warning("cannot list %s (%s): stepping at this worker's share", self.directory, e.strerror)
+            self._unseen = True
+            return True
+        self._unseen = False
+        names = {n for n in listed if n.startswith("busy-") and n != self._name}
         for gone in self._neighbours.keys() - names:
             os.close(self._neighbours.pop(gone))
         busy = False

@@ -7,6 +7,7 @@ counts at start and steps wide alone, with the tokens a plain engine on all the 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -180,6 +181,22 @@ def test_a_stuck_wide_stepper_delays_a_step_by_the_deadline_at_most(tmp_path: Pa
         stuck.lending.__exit__(None, None, None)
     stuck.lending.close()
     a.lending.close()
+
+
+def test_a_removed_directory_fails_no_step_and_holds_no_lock(tmp_path: Path, threads: None) -> None:
+    """The directory goes from under running workers (a cleanup of /dev/shm, systemd's RemoveIPC
+    at the user's logout): a step that cannot see its neighbours steps at its share, rather than
+    raising (which ended the engine thread, failing every request on it) with `wide.lock` held."""
+    d = tmp_path / "lend"
+    a, b = Worker(d), Worker(d)
+    b.work = False
+    assert b.step() == 2  # alone: wide, then idle
+    shutil.rmtree(d)
+    assert a.step() == 1  # its neighbours unseen: its share
+    assert b.step() == 1  # the lock (their one inode still) is free: no wait
+    assert a.lending.missed == b.lending.missed == 0
+    a.lending.close()
+    b.lending.close()
 
 
 def test_shares_are_checked(tmp_path: Path) -> None:
