@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 ACQUIRE_DEADLINE_S = 30.0  # a step far longer than any step: the holder is stuck; go without the turn
 HANDOFF_DEADLINE_S = 0.05  # how long a holder waits for a waiter to take the turn it gave
 POLL_S = (0.0001, 0.001)  # first and longest sleep between tries
+CGROUP_DIR = "/sys/fs/cgroup"  # a container's own cgroup (its namespace's root), where Ray reads its quota
 
 
 class CpuTurns:
@@ -151,8 +152,34 @@ def _safe_name(app: str) -> str:
 
 
 def node_cores() -> int:
-    """The cores this process may run on."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    """The cores this process may run on: its CPU affinity, capped by its container's CPU quota
+    in whole CPUs (`docker run --cpus`, a Kubernetes CPU limit), as Ray counts the node's CPUs
+    that the workers' shares come from. The affinity alone lists every core of the host there:
+    threads beyond the quota only get the engine throttled by the kernel."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = _cgroup_cpu_quota(CGROUP_DIR)
+    return cores if quota is None else max(1, min(cores, int(quota)))
+
+
+def _cgroup_cpu_quota(root: str) -> float | None:
+    """CPUs' worth of time per period that this container may use, from cgroup v1's
+    `cpu.cfs_quota_us` and `cpu.cfs_period_us` or else v2's `cpu.max` (Ray's order); None where
+    there is no quota or it cannot be read."""
+    v1 = (os.path.join(root, "cpu", "cpu.cfs_quota_us"), os.path.join(root, "cpu", "cpu.cfs_period_us"))
+    try:
+        if all(os.path.exists(p) for p in v1):
+            quota, period = (_read(p) for p in v1)
+        else:
+            quota, period = _read(os.path.join(root, "cpu.max")).split()  # "max 100000": none
+        q, p = float(quota), float(period)
+    except (OSError, ValueError):
+        return None
+    return q / p if q > 0 and p > 0 else None
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read().strip()
 
 
 def _runtime_dir() -> str:

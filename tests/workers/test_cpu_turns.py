@@ -187,6 +187,33 @@ def test_cpu_turns_is_a_path_or_none() -> None:
     assert "cpu_turns" not in EngineConfig.settings()  # the cluster sets it, not a user
 
 
+@pytest.mark.parametrize("files", [
+    {"cpu.max": "100000 100000\n"},  # cgroup v2, `docker run --cpus 1`
+    {"cpu.max": "50000 100000\n"},  # half a CPU: one thread still
+    {"cpu.max": "150000 100000\n"},  # whole CPUs, as Ray counts them
+    {"cpu.max": "max 100000\n"},  # no quota
+    {"cpu/cpu.cfs_quota_us": "100000\n", "cpu/cpu.cfs_period_us": "100000\n"},  # cgroup v1
+    {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},  # v1, no quota
+    {},  # no cgroup files at all
+])
+def test_node_cores_are_capped_by_a_containers_cpu_quota(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        files: dict[str, str]) -> None:
+    """In a container with a CPU limit (`docker --cpus`, a Kubernetes limit) the affinity still
+    lists every core of the host, while Ray counts the limit as the node's CPUs (the oracle here,
+    on the same files): a lending worker's wide steps, or a worker's turns, ran as many threads
+    as the host has cores on a quota of a few, throttled by the kernel at every step."""
+    ray_utils = pytest.importorskip("ray._private.utils")
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(cpu_turns, "CGROUP_DIR", str(tmp_path), raising=False)
+    affinity = len(os.sched_getaffinity(0))
+    quota = ray_utils._get_docker_cpus(str(tmp_path / "cpu/cpu.cfs_quota_us"), str(tmp_path / "cpu/cpu.cfs_period_us"),
+                                       str(tmp_path / "no-cpuset"), str(tmp_path / "cpu.max"))
+    expected = affinity if quota is None else max(1, min(affinity, int(quota)))
+    assert cpu_turns.node_cores() == expected
+
+
 def test_turns_paths_are_per_app() -> None:
     a, b = turns_path("pdserve-8000", "/tmp"), turns_path("pdserve-8001", "/tmp")
     assert a != b and a.startswith("/tmp/") and turns_path("../x y", "/tmp").startswith("/tmp/pdserve-cpu-turns-")
