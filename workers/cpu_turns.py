@@ -35,7 +35,11 @@ from types import TracebackType
 
 log = logging.getLogger(__name__)
 
-ACQUIRE_DEADLINE_S = 30.0  # a step far longer than any step: the holder is stuck; go without the turn
+# How long a step waits for the turn before it runs without it. Short: past it the cost is two
+# steps sharing the cores (split, at worst), while the engine thread that waits answers none of
+# the gateway's polls and computes nothing: at 30 s, a neighbour stopped in its turn had the stall
+# watch (cluster/stall_watch.py, 10 s) restart this healthy worker too. As lending's.
+ACQUIRE_DEADLINE_S = 2.0
 HANDOFF_DEADLINE_S = 0.05  # how long a holder waits for a waiter to take the turn it gave
 POLL_S = (0.0001, 0.001)  # first and longest sleep between tries
 CGROUP_DIR = "/sys/fs/cgroup"  # a container's own cgroup (its namespace's root), where Ray reads its quota

@@ -18,6 +18,7 @@ from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.placement import CpuSharing, worker_share
+from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.workers import cpu_turns
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_turns import CpuTurns, turns_path
@@ -122,18 +123,49 @@ def test_a_stuck_holder_delays_a_step_by_the_deadline_at_most(tmp_path: Path,
         assert turns.missed == 1
 
 
+def _hold(path: str) -> subprocess.Popen[str]:
+    """Another process holding the turn (a worker stopped inside its step) until killed."""
+    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_stopped_holder_holds_a_step_well_under_the_stall_timeout(tmp_path: Path) -> None:
+    """The engine thread waiting for the turn answers none of the gateway's polls (they run
+    between steps) and computes nothing: waiting past the stall timeout (10 s) had the stall
+    watch take the healthy worker for stalled and restart it, beside the stopped one."""
+    path = str(tmp_path / "turns.lock")
+    holder = _hold(path)
+    turns = CpuTurns(path)
+    stepped = threading.Event()
+
+    def step() -> None:
+        with turns:
+            stepped.set()
+
+    t = threading.Thread(target=step)
+    t.start()
+    try:
+        assert stepped.wait(DEFAULT_STALL_TIMEOUT_S / 2)
+        assert turns.missed == 1
+    finally:
+        holder.kill()
+        holder.wait(timeout=10)
+        t.join(timeout=60)
+        turns.close()
+
+
 def test_a_stopped_holder_delays_one_step_not_each(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A neighbour stopped (SIGSTOP, a hung step) inside its turn keeps the lock until it dies:
     one step waits the deadline, the next ones only try, until the turn is free again. Were each
     step to wait, the engine beside it would make one token per deadline (30 s) for every stream."""
     monkeypatch.setattr(cpu_turns, "ACQUIRE_DEADLINE_S", 0.2)
     path = str(tmp_path / "turns.lock")
-    code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
-    holder = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
+    holder = _hold(path)
     turns = CpuTurns(path)
     try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
         start = time.perf_counter()
         with turns:
             pass
