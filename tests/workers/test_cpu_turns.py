@@ -4,6 +4,7 @@ step by at most the deadline, and the engine's step waits for its turn."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -123,10 +124,10 @@ def test_a_stuck_holder_delays_a_step_by_the_deadline_at_most(tmp_path: Path,
         assert turns.missed == 1
 
 
-def _hold(path: str) -> subprocess.Popen[str]:
-    """Another process holding the turn (a worker stopped inside its step) until killed."""
+def _hold(path: str, kind: str = "EX") -> subprocess.Popen[str]:
+    """Another process holding `path` locked (the turn: a worker stopped inside its step) until killed."""
     code = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o600); "
-            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+            f"fcntl.flock(fd, fcntl.LOCK_{kind}); print('held', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, path], stdout=subprocess.PIPE, text=True)
     assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
     return holder
@@ -193,6 +194,65 @@ def test_a_stopped_holder_delays_one_step_not_each(tmp_path: Path, monkeypatch: 
     finally:
         holder.kill()
         holder.wait(timeout=10)
+        turns.close()
+
+
+def _until_wanted(want: str, timeout_s: float) -> bool:
+    """Whether a worker came to wait for the turn (it holds `want` shared) within `timeout_s`."""
+    fd = os.open(want, os.O_RDWR)
+    try:
+        deadline = time.perf_counter() + timeout_s
+        while cpu_turns._try(fd, fcntl.LOCK_EX):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_stopped_waiter_delays_one_handoff_not_each(tmp_path: Path) -> None:
+    """A worker stopped (SIGSTOP) while it waits for the turn keeps its `want` lock until it
+    dies: the holder waits once for it to take the turn it gave, not after each of its steps
+    (each was HANDOFF_DEADLINE_S, 50 ms, longer: a 20 ms decode step took 70). A waiter that
+    takes the turn is handed it again."""
+    path = str(tmp_path / "turns.lock")
+    waiter = _hold(path + ".want", "SH")
+    turns = CpuTurns(path)
+    try:
+        with turns:
+            pass  # the handoff it gives is never taken: it waits the deadline once
+        start = time.perf_counter()
+        for _ in range(10):
+            with turns:
+                pass
+        assert time.perf_counter() - start < 5 * cpu_turns.HANDOFF_DEADLINE_S, turns.stats()
+        os.kill(waiter.pid, signal.SIGKILL)
+        waiter.wait(timeout=10)
+        with turns:
+            pass  # nobody waits: the handoffs are back to normal
+        other, given = CpuTurns(path), turns.given
+        took, release = threading.Event(), threading.Event()
+
+        def wait_for_turn() -> None:
+            with other:
+                took.set()
+                release.wait(5)  # its step
+
+        turns.__enter__()
+        t = threading.Thread(target=wait_for_turn)
+        t.start()
+        assert _until_wanted(path + ".want", 5.0)  # the other worker waits for the turn
+        turns.__exit__(None, None, None)  # hands the turn over: waits until the other took it
+        assert not cpu_turns._try(turns._turn, fcntl.LOCK_EX)  # the other's now, not up for grabs
+        assert took.wait(5) and turns.given == given + 1
+        release.set()
+        t.join(timeout=5)
+        other.close()
+    finally:
+        waiter.kill()
+        waiter.wait(timeout=10)
         turns.close()
 
 
