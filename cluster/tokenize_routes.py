@@ -23,7 +23,7 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from pdserve.cluster.gateway import APIError, Gateway, bad_request, unicode_text
+from pdserve.cluster.gateway import TEMPLATE_CHARS_PER_MESSAGE, APIError, Gateway, bad_request, unicode_text
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.protocol import ChatMessage, check_continuation
 from pdserve.cluster.tool_calls import ToolPlan
@@ -86,7 +86,7 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give prompt or messages (one of them)", "BadRequestError",
                            "prompt" if body.prompt is None else "messages", reason=RefusalReason.MALFORMED)
-        size = len(body.prompt) if body.prompt is not None else sum(len(m.text()) for m in body.messages or ())
+        size = _size(body)
         most = max_tokenize_chars(gw)
         if size > most:
             raise APIError(400, f"at most {most} characters to tokenize, got {size}", "BadRequestError",
@@ -105,6 +105,15 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
                 raise bad_request(ValueError(str(e).replace("prompt:", "tokens:", 1))) from None
         text = await gw.in_pool(len(body.tokens), lambda: str(gw.tokenizer.decode(body.tokens)))
         return DetokenizeResponse(prompt=text)
+
+
+def _size(body: TokenizeRequest) -> int:
+    """What tokenizing `body` costs, as the chat route measures it (gateway.prompt_chars): a
+    chat's template costs per message whatever its text, so a chat of many short messages is
+    rendered on a thread (not on the event loop) and counts against MAX_TOKENIZE_CHARS."""
+    if body.prompt is not None:
+        return len(body.prompt)
+    return sum(len(m.text()) + TEMPLATE_CHARS_PER_MESSAGE for m in body.messages or ())
 
 
 def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | None]:

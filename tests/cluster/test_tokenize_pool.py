@@ -171,6 +171,9 @@ def test_a_request_that_may_compile_a_grammar_tokenizes_on_a_thread(tokenizer: A
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, True),
     # Short texts, but a template over many messages costs what a long prompt does (~20 us a message).
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}] * 40}, False),
+    # /tokenize renders the same template: the same work, the same place.
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}]}, True),
+    ("/tokenize", {"messages": [{"role": "user", "content": "a"}] * 40}, False),
 ])
 def test_the_gateway_tokenizes_only_short_work_on_its_loop(tokenizer: Any, monkeypatch: pytest.MonkeyPatch, path: str,
                                                           body: dict[str, Any], inline: bool) -> None:
@@ -186,7 +189,8 @@ def test_the_gateway_tokenizes_only_short_work_on_its_loop(tokenizer: Any, monke
     async def main() -> tuple[httpx.Response, str]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw",
                                      timeout=WAIT_S) as c:
-            return await c.post(path, json={"model": MODEL, "max_tokens": 1, **body}), threading.current_thread().name
+            budget = {} if path == "/tokenize" else {"max_tokens": 1}  # /tokenize takes no sampling field
+            return await c.post(path, json={"model": MODEL, **budget, **body}), threading.current_thread().name
 
     try:
         r, loop = asyncio.run(main())

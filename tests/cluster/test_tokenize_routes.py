@@ -190,6 +190,13 @@ def test_a_text_beyond_four_contexts_is_refused_before_tokenizing(served: tuple[
     assert client.post("/tokenize", json={"prompt": "ab " * (most // 3)}).status_code == 200
     r = client.post("/tokenize", json={"messages": [{"role": "user", "content": "a" * 4_000_000}]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    # Empty messages have no text, but the template renders each (as the chat route counts them):
+    # a body of them all was rendered, however many.
+    from pdserve.cluster.gateway import TEMPLATE_CHARS_PER_MESSAGE
+
+    r = client.post("/tokenize", json={"messages": [{"role": "user", "content": ""}] *
+                                       (most // TEMPLATE_CHARS_PER_MESSAGE + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     assert client.post("/tokenize", json={"prompt": TEXT}).status_code == 200
 
 
