@@ -33,7 +33,8 @@ ENDPOINTS = frozenset({"/tokenize", "/detokenize"})
 # /tokenize counts texts longer than the context too, but not without end: a 4 MB text held
 # the tokenizer pool's long lane ~10 s (the prompts behind it waited) and answered 20 MB.
 # At most four contexts' worth of characters (the prompt bound's measure), and never over
-# MAX_TOKENIZE_CHARS (~2 s of tokenizing on two cores).
+# MAX_TOKENIZE_CHARS (~2 s of tokenizing on two cores). /detokenize likewise takes at most four
+# contexts of ids: the 16 MiB body holds 8 M, ~4.5 s of decoding and a ~37 MB answer.
 MAX_TOKENIZE_CHARS = 1 << 20
 CONTEXTS_COUNTED = 4
 
@@ -98,6 +99,11 @@ def add_tokenizer_routes(app: FastAPI, gw: Gateway) -> None:
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         gw.check_model(body.model)
         vocab = gw.vocab_size if gw.vocab_size is not None else len(gw.tokenizer)
+        most = CONTEXTS_COUNTED * gw.config.max_model_len
+        if len(body.tokens) > most:  # before the ids are checked: that too runs on the event loop
+            raise APIError(400, f"tokens: at most {most} token ids to detokenize ({CONTEXTS_COUNTED} contexts' "
+                                f"worth), got {len(body.tokens)}", "BadRequestError", "tokens",
+                           reason=RefusalReason.LIMIT)
         if body.tokens:
             try:
                 check_token_ids(body.tokens, vocab)

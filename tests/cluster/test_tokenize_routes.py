@@ -200,6 +200,24 @@ def test_a_text_beyond_four_contexts_is_refused_before_tokenizing(served: tuple[
     assert client.post("/tokenize", json={"prompt": TEXT}).status_code == 200
 
 
+def test_detokenize_takes_up_to_four_contexts_of_ids(served: tuple[TestClient, Any]) -> None:
+    """As /tokenize's texts: a body of ids (8 M of them fit the 16 MiB body limit) was checked
+    on the event loop (~0.5 s), decoded in the long lane (~4.5 s) and answered with ~37 MB,
+    where /v1/completions refuses a prompt of the same ids at once. Four contexts' worth is
+    decoded (a completion's ids always fit); past it a 400 naming `tokens`, at once."""
+    from pdserve.cluster.tokenize_routes import CONTEXTS_COUNTED
+
+    client, oracle = served
+    ids = oracle.encode(TEXT, add_special_tokens=False)
+    most = CONTEXTS_COUNTED * LEN
+    fits = (ids * most)[:most]
+    assert client.post("/detokenize", json={"tokens": fits}).json() == {"prompt": oracle.decode(fits)}
+    r = client.post("/detokenize", json={"tokens": [*fits, ids[0]]})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tokens" and f"at most {most} token ids" in error["message"], error
+
+
 def test_the_gateway_tokenizes_with_the_tokenizer_flag(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """`pdserve serve --tokenizer DIR`: the workers decode with DIR's tokenizer; the gateway
