@@ -233,6 +233,16 @@ class ServeConfig:
     def _resources(cls, value: Any, info: ValidationInfo) -> dict[str, float] | None:
         return check_resources(str(info.field_name), value)
 
+    @field_validator("api_key", "metrics_api_key")
+    @classmethod
+    def _sendable_key(cls, key: str | None, info: ValidationInfo) -> str | None:
+        # Clients send a key in a header, as printable ASCII (the OpenAI SDK can send nothing
+        # else; other bytes reach the guard as Latin-1): any other key would let no one in.
+        if key is not None and not (key.isascii() and key.isprintable()):
+            raise ValueError(f"{info.field_name}: a key is sent in a header: printable ASCII only "
+                             "(the key is not shown)")
+        return key
+
     @model_validator(mode="after")
     def _check_together(self) -> ServeConfig:
         self.limits  # noqa: B018 - RequestLimits checks its own (a ValueError naming the setting)

@@ -321,6 +321,28 @@ def test_keys_come_from_files_or_the_environment_and_never_show(tmp_path: Path,
         serve_config({"model": "tiny", "max_n": 0})
 
 
+@pytest.mark.parametrize("name", ["api_key", "metrics_api_key"])
+def test_a_key_no_client_can_send_is_refused_at_start(tokenizer: Any, name: str) -> None:
+    """A key is sent in a header: printable ASCII. A non-ASCII key (a key file's "é") was
+    taken, and then no client could present it (the OpenAI SDK cannot send it; curl's UTF-8
+    bytes are read as Latin-1 and never match): every request a 401. Refused at start,
+    naming the setting and never showing the key."""
+    from pdserve.cluster.serve_config import serve_config
+
+    gw = gateway(tokenizer, api_key="sk-clé")
+
+    async def curl_like() -> int:  # the key as curl sends it: its UTF-8 bytes
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
+            return (await c.get("/v1/models", headers={"Authorization": "Bearer sk-clé".encode()})).status_code
+
+    assert asyncio.run(curl_like()) == 401  # what such a key gets: no client is let in
+    for key in ("sk-clé", "sk-\u00a0x", "sk-\x00x"):
+        with pytest.raises(ValueError, match=f"^{name}: ") as e:
+            serve_config({"model": "tiny", name: key})
+        assert "sk-" not in str(e.value)
+    assert serve_config({"model": "tiny", name: "sk-A.b_c~d+e/f=0"}) is not None
+
+
 def test_overlapping_scrapes_ask_each_worker_once(tokenizer: Any) -> None:
     """/metrics fans out to every worker: ten scrapes at once cost each worker one."""
     from factories import LocalActor
