@@ -193,6 +193,23 @@ def test_spec_shape_checks() -> None:
         StructuredOutputs()
 
 
+@pytest.mark.parametrize("form", ["structures", "format"])
+def test_a_structural_tags_schema_is_held_to_a_json_schemas_bounds(form: str) -> None:
+    """A schema inside a structural tag compiles as a `json` one does (2,000 properties: as many
+    seconds, on a compile thread no 400 frees), so the same bound refuses it before any compile;
+    it was taken, and compiled."""
+    from pdserve.workers.structured_outputs import MAX_SCHEMA_PROPERTIES
+
+    schema = {"type": "object", "properties": {f"a{i}": {"type": "string"} for i in range(2000)}}
+    tag: dict[str, Any] = {"structures": [{"begin": "<f>", "schema": schema, "end": "</f>"}], "triggers": ["<f"]}
+    if form == "format":
+        tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f"], "tags": [
+            {"type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": schema}, "end": "</f>"}]}}
+    with pytest.raises(ValueError, match=re.escape(f"structured_outputs.structural_tag: more than "
+                                                   f"{MAX_SCHEMA_PROPERTIES} properties")):
+        StructuredOutputs(structural_tag=tag)
+
+
 # -- with speculative decoding -------------------------------------------------------
 
 ABCDE = r"[a-e]{12}x"  # no end within 3 tokens (a token of these letters is at most 4 of them)
