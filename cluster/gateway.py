@@ -389,26 +389,34 @@ class Gateway:
             raise bad_request(ValueError(f"messages: the model's chat template could not render them (or the "
                                          f"tools): {type(e).__name__}: {e}"[:500])) from None
 
-    def check_grammar(self, params: SamplingParams) -> None:
+    async def check_grammar(self, params: SamplingParams) -> None:
         """A 400 naming the field when the request's structured output does not compile (or
-        not within the time limit), before any worker is touched. Blocking (the compiled
-        grammar is cached): call it through `off_loop`."""
+        not within the time limit), before any worker is touched. Awaited on the loop: the
+        compile runs on the compiler's own threads. Waited for on a tokenizer thread, it held
+        that thread up to the compile deadline, and a slow grammar per thread left every other
+        request's tokenizing waiting behind them."""
         spec = params.constraint
         if spec is None:
             return
+        grammars = self._grammars
+        if grammars is None:  # made once: it reads the tokenizer's whole vocabulary
+            grammars = await self.pool.run(0, self._grammar_compiler, may_inline=False)
+        limit = min(GRAMMAR_COMPILE_TIMEOUT_S, self.config.request_timeout_s)
+        try:
+            await grammars.ready(spec, limit)
+        except TimeoutError:
+            raise bad_request(ValueError(f"{spec.field}: did not compile within {limit:g} s")) from None
+        except ValueError as e:
+            raise bad_request(e) from None
+
+    def _grammar_compiler(self) -> GrammarCompiler:
+        """The structured outputs' compiler, made on first use (blocking; any thread)."""
         with self._grammars_lock:
             if self._grammars is None:
                 vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
                 eos = () if self.tokenizer.eos_token_id is None else (int(self.tokenizer.eos_token_id),)
                 self._grammars = GrammarCompiler(self.tokenizer, vocab, eos)
-            grammars = self._grammars
-        try:
-            grammars.wait(spec, GRAMMAR_COMPILE_TIMEOUT_S)
-        except TimeoutError:
-            raise bad_request(ValueError(f"{spec.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s")) \
-                from None
-        except ValueError as e:
-            raise bad_request(e) from None
+            return self._grammars
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
                make: Callable[[int], SamplingParams], budget_field: str = "max_tokens",

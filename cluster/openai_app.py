@@ -174,6 +174,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         slot = gw.admit(body.num_prompts * body.n)
         try:
             works = await gw.off_loop(body, lambda: _completion_works(gw, body))
+            await gw.check_grammar(works[0].params)  # one spec for every prompt of the request
         except BaseException:
             slot.release()
             raise
@@ -198,8 +199,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             params = gw.params(prompt_ids, body.max_new_tokens(),
                                lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
                                body.budget_field(), "top_logprobs")
-            if params.constraint is not None:
-                await gw.off_loop(body, lambda: gw.check_grammar(params))
+            await gw.check_grammar(params)
         except BaseException:
             slot.release()
             raise
@@ -221,7 +221,6 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
                                                           defaults=gw.config.sampling_defaults))
         echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
         works.append(Work(ids, params, echo, prompt_only))
-    gw.check_grammar(works[0].params)  # one spec for every prompt of the request
     return works
 
 

@@ -225,3 +225,48 @@ def test_a_request_whose_tokenizing_outlasts_its_deadline_is_a_504_and_frees_its
         gw.pool.shutdown()
     assert r.status_code == 504 and r.json()["error"]["code"] == 504, r.text
     assert took < 5.0 and admitted == 0 and blocking.long_started.is_set()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_request_waiting_for_its_grammar_holds_no_tokenizer_thread(tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+                                                                      path: str) -> None:
+    """A grammar compiles on the compiler's own threads; its request waited for it on a tokenizer
+    thread, up to the compile deadline (10 s), so with a slow grammar per thread every other
+    request's tokenizing (a prompt over INLINE_CHARS) waited behind them."""
+    from pdserve.workers.grammar import GrammarCompiler
+
+    gw = Gateway(Backend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=4096), TokenizerPool(1))
+    release, started = threading.Event(), threading.Event()
+    real = GrammarCompiler._compile
+
+    def stuck(self: GrammarCompiler, spec: Any) -> Any:
+        started.set()
+        assert release.wait(WAIT_S), "the test never released the grammar"
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", stuck)
+
+    def body(text: str, **extra: Any) -> dict[str, Any]:
+        if path == "/v1/chat/completions":
+            return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 1, **extra}
+        return {"model": MODEL, "prompt": text, "max_tokens": 1, **extra}
+
+    async def main() -> tuple[httpx.Response, httpx.Response, bool]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw",
+                                     timeout=WAIT_S) as c:
+            slow = asyncio.ensure_future(c.post(path, json=body("hi", structured_outputs={"regex": "[ab]{3}"})))
+            assert await asyncio.to_thread(started.wait, WAIT_S)
+            plain = asyncio.ensure_future(c.post(path, json=body("abcdefg " * 80)))  # 640 characters: a thread's
+            done, _ = await asyncio.wait({plain}, timeout=WAIT_S / 2)
+            release.set()
+            return await plain, await slow, bool(done)
+
+    try:
+        plain, slow, plain_first = asyncio.run(main())
+    finally:
+        release.set()
+        gw.pool.shutdown()
+        if gw._grammars is not None:
+            gw._grammars.close()
+    assert plain_first, "the plain request waited for another request's grammar"
+    assert plain.status_code == 200 and slow.status_code == 200, (plain.text, slow.text)
