@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 # unescaped, and a parser refuses the output. The class its unbounded strings use excludes them.
 _LOOSE_CHAR = r'[^\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
-# Compiled grammars a worker keeps (xgrammar's own cache also keeps the compiled automata).
+# Compiled grammars a worker keeps (xgrammar's own cache is off: see GrammarCompiler).
 CACHE_ENTRIES = 1024
 # Grammars compiled at once. One thread made every grammar wait behind the one before it: a
 # schema that takes seconds (3,000 properties: 4.9 s on a 2-core EPYC) held up a 5 ms one from
@@ -66,7 +66,10 @@ class GrammarCompiler:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(stop_token_ids) or None)
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # Without xgrammar's own cache: `_cache` is the one, bounded (CACHE_ENTRIES). xgrammar's is
+        # unbounded unless told otherwise, and kept every grammar ever compiled besides (each
+        # distinct schema a client sent), for the life of the worker or gateway.
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
         # Callers waiting on a queued compile with a deadline (`wait`, `ready`), and the compiles a
         # request in the engine holds (`state`): one that every waiter gave up on, and no request

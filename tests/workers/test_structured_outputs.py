@@ -508,3 +508,23 @@ def test_compiles_every_waiter_gave_up_on_leave_the_queue(llm: LLM, monkeypatch:
     finally:
         gate.set()
         compiler.close()
+
+
+def test_compiled_grammars_are_kept_only_within_the_cache_bound(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker (and the gateway) keeps at most CACHE_ENTRIES compiled grammars. xgrammar's own
+    compile cache, unbounded by default, kept every grammar ever compiled besides: each distinct
+    schema a client sent grew the process's memory for good."""
+    from pdserve.workers import grammar as grammar_module
+    from pdserve.workers.grammar import GrammarCompiler
+
+    monkeypatch.setattr(grammar_module, "CACHE_ENTRIES", 2)
+    compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.runner.vocab_size, (0,))
+    try:
+        sizes = [compiler.compile(StructuredOutputs(json={
+            "type": "object", "properties": {f"k{i}": {"type": "string", "maxLength": 4}}, "required": [f"k{i}"]})
+        ).memory_size_bytes for i in range(24)]
+        assert len(compiler._cache) == 2
+        held = compiler._compiler.get_cache_size_bytes()
+        assert held <= 2 * max(sizes), f"{held} bytes held for 24 grammars compiled, 2 kept (each <= {max(sizes)})"
+    finally:
+        compiler.close()
