@@ -20,6 +20,19 @@ MAX_CHOICES = 1024
 # past the request's 400), so cheap schemas could hold every compile thread for minutes.
 MAX_SCHEMA_PROPERTIES = 1024  # in all the schema's objects (many tools' schemas under "required" add up)
 MAX_SCHEMA_DEPTH = 32  # objects and arrays inside each other
+# JSON Schema keywords xgrammar (0.2.9) compiles as if they were absent, so that what it lets
+# through is no instance of the schema ([1, 1] under uniqueItems, 0 under not {const: 0}, `then`
+# never applied): refused, as vLLM's xgrammar backend refuses uniqueItems and contains, rather than
+# promise an instance of the schema and break it. So is allOf of more than one schema (xgrammar
+# warns and allows any JSON value).
+UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+                       "dependentRequired", "dependentSchemas")
+# Where a schema holds schemas (not data, as `const`, `enum` and `default` do; nor names, as
+# `required` does): one, a map of them, a list of them.
+_SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
+              "unevaluatedProperties")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+_SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
 
 
 @dataclass(frozen=True)
@@ -87,6 +100,8 @@ class StructuredOutputs:
             value = getattr(self, name)
             if isinstance(value, str):  # (canonical text by now)
                 _check_schema_size(self.field, json.loads(value))
+        if isinstance(self.json, str):
+            _check_schema_enforced(self.field, json.loads(self.json))
 
     @property
     def kind(self) -> str:
@@ -129,6 +144,25 @@ def _check_schema_size(name: str, schema: object) -> None:
             todo += [(v, depth + 1) for v in node.values()]
         elif isinstance(node, list):
             todo += [(v, depth + 1) for v in node]
+
+
+def _check_schema_enforced(name: str, schema: object) -> None:
+    """A ValueError naming `name` and the keyword when the schema uses one the backend would not
+    hold the output to (UNENFORCED_KEYWORDS, allOf of several schemas). Only schema positions
+    are read: a property named "not", or a `const` object with an "if" key, is no keyword."""
+    todo = [schema]
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, dict):
+            continue
+        used = [k for k in UNENFORCED_KEYWORDS if k in node and not (k == "uniqueItems" and node[k] is False)]
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            used.append("allOf")
+        if used:
+            raise ValueError(f"{name}: {used[0]} is not supported (the output would not be held to it)")
+        todo += [node[k] for k in _SUBSCHEMA if k in node]
+        todo += [v for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
+        todo += [v for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list) for v in node[k]]
 
 
 def _json_text(name: str, value: object) -> str:

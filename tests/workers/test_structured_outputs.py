@@ -210,6 +210,38 @@ def test_a_structural_tags_schema_is_held_to_a_json_schemas_bounds(form: str) ->
         StructuredOutputs(structural_tag=tag)
 
 
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 1}, "uniqueItems": True,
+     "minItems": 2, "maxItems": 3},
+    {"type": "array", "items": DIGIT, "contains": {"const": 2}, "minItems": 1, "maxItems": 3},
+    {"type": "integer", "minimum": 0, "maximum": 1, "not": {"const": 0}},
+    {**DIGIT, "if": {"minimum": 5}, "then": {"const": 7}, "else": {"const": 2}},
+    {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a"], "additionalProperties": False,
+     "dependentRequired": {"a": ["b"]}},
+    {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a"], "additionalProperties": False,
+     "dependentSchemas": {"a": {"required": ["b"]}}},
+    {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]},
+], ids=["uniqueItems", "contains", "not", "if-then-else", "dependentRequired", "dependentSchemas", "allOf"])
+def test_a_schema_is_held_to_every_keyword_or_refused(llm: LLM, schema: dict[str, Any]) -> None:
+    """xgrammar compiles these keywords as if they were absent: outputs such as [1, 1] under
+    uniqueItems, or 0 under not {const: 0}, came back as `stop`, not instances of the schema. A
+    client relies on the output validating (jsonschema: the oracle), or on a ValueError (a 400)
+    naming the field, as vLLM's xgrammar backend refuses uniqueItems and contains."""
+    try:
+        params = [SamplingParams(temperature=1.0, seed=i, max_tokens=60, structured_outputs={"json": schema})
+                  for i in range(16)]
+        outs = llm.generate([f"value {i}:" for i in range(16)], params)
+    except ValueError as e:
+        assert "structured_outputs.json" in str(e)
+        return
+    for out in outs:
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
 # -- with speculative decoding -------------------------------------------------------
 
 ABCDE = r"[a-e]{12}x"  # no end within 3 tokens (a token of these letters is at most 4 of them)
