@@ -27,6 +27,10 @@ MAX_SCHEMA_DEPTH = 32  # objects and arrays inside each other
 # warns and allows any JSON value).
 UNENFORCED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                        "dependentRequired", "dependentSchemas")
+# Escapes of characters JSON must escape in a string (backslash, quote, controls): xgrammar writes a
+# pattern's literal characters into the JSON string as they are ('^a"b$' gave '"a"b"', no JSON).
+# In a character class it leaves them out itself.
+_RAW_IN_JSON = frozenset('\\"nrtfv0')
 # Where a schema holds schemas (not data, as `const`, `enum` and `default` do; nor names, as
 # `required` does): one, a map of them, a list of them.
 _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames", "unevaluatedItems",
@@ -160,9 +164,37 @@ def _check_schema_enforced(name: str, schema: object) -> None:
             used.append("allOf")
         if used:
             raise ValueError(f"{name}: {used[0]} is not supported (the output would not be held to it)")
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += list(node["patternProperties"])
+        for pattern in patterns:
+            if _raw_in_json(pattern):
+                raise ValueError(f"{name}: pattern {pattern[:64]!r}: a literal quote, backslash or control "
+                                 f"character outside [...] is not supported (it would be written unescaped)")
         todo += [node[k] for k in _SUBSCHEMA if k in node]
         todo += [v for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
         todo += [v for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list) for v in node[k]]
+
+
+def _raw_in_json(pattern: str) -> bool:
+    """Whether `pattern` has, outside a character class, a literal character a JSON string must
+    escape (a quote, a control character, or one written as an escape: \\\\, \\n, ...)."""
+    in_class, i = False, 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            if not in_class and pattern[i + 1:i + 2] in _RAW_IN_JSON:
+                return True
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == '"' or ord(c) < 0x20:
+            return True
+        i += 1
+    return False
 
 
 def _json_text(name: str, value: object) -> str:

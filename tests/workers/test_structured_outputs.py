@@ -224,7 +224,15 @@ DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
     {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a"], "additionalProperties": False,
      "dependentSchemas": {"a": {"required": ["b"]}}},
     {"allOf": [{"type": "integer", "minimum": 3}, {"maximum": 5}]},
-], ids=["uniqueItems", "contains", "not", "if-then-else", "dependentRequired", "dependentSchemas", "allOf"])
+    # A pattern's literal quote, backslash or control character went into the JSON string raw:
+    # '"a"b"' does not parse, '"a\\b"' is a backspace, a raw tab is no JSON.
+    {"type": "string", "pattern": '^a"b$'},
+    {"type": "string", "pattern": r"^a\\b$"},
+    {"type": "string", "pattern": r"^a\tb$"},
+    {"type": "object", "patternProperties": {r"^k\n$": {"type": "integer"}}, "minProperties": 1,
+     "additionalProperties": False},
+], ids=["uniqueItems", "contains", "not", "if-then-else", "dependentRequired", "dependentSchemas", "allOf",
+        "pattern-quote", "pattern-backslash", "pattern-tab", "patternProperties-newline"])
 def test_a_schema_is_held_to_every_keyword_or_refused(llm: LLM, schema: dict[str, Any]) -> None:
     """xgrammar compiles these keywords as if they were absent: outputs such as [1, 1] under
     uniqueItems, or 0 under not {const: 0}, came back as `stop`, not instances of the schema. A
