@@ -346,20 +346,34 @@ def test_grammar_counts_reach_the_snapshot(make_model: Callable[[TinyModelSpec],
 
 
 def test_a_worker_compiles_off_its_event_loop_and_refuses_a_bad_spec(
-        make_model: Callable[[TinyModelSpec], Path]) -> None:
-    """AsyncEngine (what a worker serves with) awaits the compile on the compile thread; a spec
-    that does not compile is the request's ValueError, naming its field, and nothing runs."""
+        make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """AsyncEngine (what a worker serves with) awaits the compile on the compile thread, and builds
+    its compiler (which reads the whole vocabulary: ~0.14 s for SmolLM2's 49k tokens, more for
+    Llama 3's 128k) off the loop too; a spec that does not compile is the request's ValueError,
+    naming its field, and nothing runs."""
     import asyncio
+    import threading
 
+    from pdserve.workers import engine as engine_module
     from pdserve.workers.async_engine import AsyncEngine
 
+    built_on: list[threading.Thread] = []
+    real = engine_module.GrammarCompiler
+
+    def recording(*args: object, **kwargs: object) -> object:
+        built_on.append(threading.current_thread())
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine_module, "GrammarCompiler", recording)
     engine = AsyncEngine(LLM(str(target_dir(make_model)), max_model_len=256, progress=False).engine).start()
 
     async def run() -> str:
+        loop_thread = threading.current_thread()
         text = ""
         async for out in engine.generate("ok", "x", SamplingParams(temperature=0.0, max_tokens=10,
                                                                    structured_outputs={"choice": ["yes", "no"]})):
             text += out.outputs[0].text
+        assert len(built_on) == 1 and built_on[0] is not loop_thread, "the compiler was built on the event loop"
         with pytest.raises(ValueError, match=re.escape("structured_outputs.regex")):
             async for _ in engine.generate("bad", "x", SamplingParams(max_tokens=4, structured_outputs={"regex": "("})):
                 pass
