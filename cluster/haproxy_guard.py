@@ -21,19 +21,25 @@ serialized with reloads and with each other by the lock.
 
 What it leaves to Ray: a manager whose first start failed, and one whose restarts
 keep failing (its health checks fail and the controller replaces it, guard and all).
+A HAProxy that starts and then dies again within STABLE_S is started again after a wait
+that doubles with each such death (BACKOFF_S up to MAX_BACKOFF_S): restarted at once each
+time, one that crashed on its first request made the manager spawn it ~10 times a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 GUARD_ATTR = "_pdserve_haproxy_guard"  # where the manager actor keeps its guard
 POLL_S = 0.1  # how often the child's exit status is read: the restart starts within this
-BACKOFF_S = 1.0  # between failed starts
+BACKOFF_S = 1.0  # between failed starts, and the first wait before restarting one that died soon after its start
+MAX_BACKOFF_S = 30.0  # the longest wait before a restart
+STABLE_S = 10.0  # a HAProxy that ran this long before dying is restarted at once
 
 
 class HAProxyGuard:
@@ -48,6 +54,8 @@ class HAProxyGuard:
         self.poll_s, self.backoff_s = poll_s, backoff_s
         self.restarts = 0  # HAProxys this guard started
         self.failed_starts = 0
+        self._started_at: float | None = None  # when this guard last started one (monotonic)
+        self._quick_deaths = 0  # deaths in a row, each within STABLE_S of its start
         self.stopping = False
         self.task: asyncio.Task[None] | None = None
         self._wrap_stop()
@@ -76,8 +84,22 @@ class HAProxyGuard:
             if proc.returncode is None:
                 await asyncio.sleep(self.poll_s)
                 continue
+            wait = self._wait_before_restart()
+            if wait:
+                log.warning("pdserve: HAProxy (pid %d) died %d time(s) in a row soon after its start; starting it "
+                            "again in %.1f s", proc.pid, self._quick_deaths, wait)
+                await asyncio.sleep(wait)
             if not await self._restart_if_dead(proc):
                 await asyncio.sleep(self.backoff_s)
+
+    def _wait_before_restart(self) -> float:
+        """Seconds to wait before starting HAProxy again: none when the one that died ran STABLE_S
+        (or was Ray's own start), else BACKOFF_S doubled per such death in a row, MAX_BACKOFF_S at most."""
+        if self._started_at is None or time.monotonic() - self._started_at >= STABLE_S:
+            self._quick_deaths = 0
+            return 0.0
+        self._quick_deaths += 1
+        return float(min(MAX_BACKOFF_S, self.backoff_s * 2 ** (self._quick_deaths - 1)))
 
     async def _restart_if_dead(self, proc: Any) -> bool:
         """Start HAProxy again if `proc` is still the manager's process; False when a start failed."""
@@ -92,6 +114,7 @@ class HAProxyGuard:
                 log.exception("pdserve: HAProxy did not start again (attempt %d)", self.failed_starts)
                 return False
             self.restarts += 1
+            self._started_at = time.monotonic()
             log.warning("pdserve: HAProxy started again (pid %d)", self.api._proc.pid)
             return True
 

@@ -249,3 +249,32 @@ def test_the_guard_imports_nothing_heavy_into_the_manager() -> None:
             "print(sorted(m for m in ('torch', 'transformers', 'ray', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_process_that_keeps_dying_soon_after_its_start_waits_longer_each_time() -> None:
+    # A HAProxy that crashes on its first request: restarted at once each time, the manager
+    # spawned it ~10 times a second. The first death is restarted at once; each later one
+    # within STABLE_S of its start waits backoff_s, then twice that, and so on.
+    api = FakeApi(start_s=0.05)
+    manager = FakeManager(api)
+    guard = HAProxyGuard(manager, poll_s=0.02, backoff_s=0.2)
+
+    def start() -> None:
+        guard.task = manager.event_loop.create_task(guard.run())
+
+    manager.event_loop.call_soon_threadsafe(start)
+    try:
+        took = []
+        for _ in range(4):
+            proc = api._proc
+            os.kill(proc.pid, signal.SIGKILL)
+            took.append(wait_until(lambda: api._proc is not proc and api._proc.returncode is None))
+        assert took[0] < 0.5, took  # Ray's own start ran long enough: at once
+        assert took[1] >= 0.2 and took[2] >= 0.4 and took[3] >= 0.8, took
+        assert guard.restarts == 4 and guard.failed_starts == 0
+    finally:
+        manager.call(api.stop)
+        manager.close()
+        for pid in api.pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
