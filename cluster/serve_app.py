@@ -142,9 +142,15 @@ def cluster_gpus() -> float:
 
 
 def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
-    """`create_workers`, then wait until every one has built its engine (`wait_for_workers`)."""
+    """`create_workers`, then wait until every one has built its engine (`wait_for_workers`).
+    A start that fails stops the workers it created (detached: they would hold their cores or
+    GPUs, and their names, until the next deploy replaced them)."""
     workers = create_workers(cfg)
-    wait_for_workers(workers, timeout_s)
+    try:
+        wait_for_workers(workers, timeout_s)
+    except Exception:
+        _kill_workers(workers)
+        raise
     return workers
 
 

@@ -98,3 +98,25 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
     with pytest.raises((ValueError, RuntimeError), match="could not start" if fails == "worker" else "Deploying"):
         serve_app.run(serve_config({"model": "/models/x"}))
     assert killed == created
+
+
+def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`start_workers` (the Serve YAML's application builder, deploy/pdserve_app.py) made detached
+    workers and raised when one refused its model: the others lived on, holding their cores or
+    GPUs, until another deploy happened to replace them. It stops the ones it created, as
+    `pdserve serve` does."""
+    from pdserve.cluster.serve_config import serve_config
+
+    created = [Handle(), Handle()]
+    killed: list[Any] = []
+    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+
+    def refused(workers: Any, timeout_s: float = 300.0) -> None:
+        raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
+
+    monkeypatch.setattr(serve_app, "wait_for_workers", refused)
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    with pytest.raises(ValueError, match="could not start"):
+        serve_app.start_workers(serve_config({"model": "/models/x"}))
+    assert killed == created
