@@ -181,7 +181,8 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     """Create the named worker actors: one GPU each on a cluster with GPUs, a CPU share
     otherwise; each pool on the nodes that offer its resources (cluster/placement.py).
     They build their engines from now on: `wait_for_workers`. ValueError, before any
-    actor starts, when `--device cuda` finds no GPU in the cluster."""
+    actor starts, when `--device cuda` finds no GPU in the cluster; Ray's error for an actor it
+    refuses (a name already taken) after stopping the ones made before it."""
     from pdserve.cluster.ray_actors import DecodeWorkerActor, EngineWorkerActor, PrefillWorkerActor
 
     colocated = cfg.mode is ServingMode.COLOCATED
@@ -198,28 +199,35 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     # Ray under the same name and handle; the gateway re-admits it when it answers.
     # Calls are not retried by Ray: the gateway moves a dead worker's requests itself.
     opts = share.options | {"max_restarts": cfg.max_restarts, "max_task_retries": 0}
+    workers: list[Any] = []
 
     def make(actor_cls: Any, name: str, pool: str, resources: dict[str, float] | None, *args: Any,
-             **kwargs: Any) -> Any:
+             **kwargs: Any) -> None:
         # The actor's name is also its `worker` label in the metrics.
         pool_engine, threads = _pool_engine(engine, share, cfg.pool_tp(pool))
-        return actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
-                                 **with_resources(opts, resources)).remote(
+        workers.append(actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
+                                         **with_resources(opts, resources)).remote(
             pool_engine, threads, *args, worker_name=name, exit_on_engine_death=True,
-            cluster_secret=cfg.cluster_secret, **kwargs)
+            cluster_secret=cfg.cluster_secret, **kwargs))
 
-    if cfg.mode is ServingMode.DISAGGREGATED:
-        # Each worker gets the other role's settings too: it may be switched to it (cluster/role_switch.py).
-        workers = [make(PrefillWorkerActor, n, "prefill", cfg.prefill_resources, cfg.transport, cfg.transfer_timeout,
-                        kv_host=cfg.kv_host, on_kv_failure=cfg.kv_failure_policy,
-                        prefill_timeout_s=cfg.prefill_timeout) for n in cfg.prefill_names()]
-        workers += [make(DecodeWorkerActor, n, "decode", cfg.decode_resources, cfg.kv_host, cfg.transport,
-                         cfg.kv_failure_policy, cfg.prefill_timeout, transfer_timeout_s=cfg.transfer_timeout)
-                    for n in cfg.decode_names()]
-    else:
-        # Its inbox (where gateways start requests) binds on this node's address for the kv_host setting.
-        workers = [make(EngineWorkerActor, n, "worker", cfg.worker_resources, kv_host=cfg.kv_host)
-                   for n in cfg.worker_names()]
+    try:
+        if cfg.mode is ServingMode.DISAGGREGATED:
+            # Each worker gets the other role's settings too: it may be switched to it (cluster/role_switch.py).
+            for n in cfg.prefill_names():
+                make(PrefillWorkerActor, n, "prefill", cfg.prefill_resources, cfg.transport, cfg.transfer_timeout,
+                     kv_host=cfg.kv_host, on_kv_failure=cfg.kv_failure_policy, prefill_timeout_s=cfg.prefill_timeout)
+            for n in cfg.decode_names():
+                make(DecodeWorkerActor, n, "decode", cfg.decode_resources, cfg.kv_host, cfg.transport,
+                     cfg.kv_failure_policy, cfg.prefill_timeout, transfer_timeout_s=cfg.transfer_timeout)
+        else:
+            # Its inbox (where gateways start requests) binds on this node's address for the kv_host setting.
+            for n in cfg.worker_names():
+                make(EngineWorkerActor, n, "worker", cfg.worker_resources, kv_host=cfg.kv_host)
+    except Exception:
+        # Ray refused one (its name still held by a worker an earlier run left): the ones made before
+        # it are detached, and no caller gets their handles to stop them.
+        _kill_workers(workers)
+        raise
     return workers
 
 

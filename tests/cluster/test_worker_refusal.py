@@ -120,3 +120,37 @@ def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
     with pytest.raises(ValueError, match="could not start"):
         serve_app.start_workers(serve_config({"model": "/models/x"}))
     assert killed == created
+
+
+def test_workers_created_before_one_that_cannot_be_created_are_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray refuses an actor at `.remote()` (its name still held by a worker an earlier run left
+    on the cluster: "The name ... is already taken"): the workers `create_workers` had made
+    before it, detached, were never handed back to anyone who would stop them, and held their
+    cores or GPUs (and their names, failing the next start) for the cluster's life."""
+    from pdserve.cluster import ray_actors
+    from pdserve.cluster.serve_config import serve_config
+
+    made: list[str] = []
+    killed: list[Any] = []
+    taken = "pdserve-decode-0"
+
+    class Actor:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args: Any, **kwargs: Any) -> str:
+            if self.name == taken:
+                raise ValueError(f"The name {taken} (namespace=pdserve) is already taken.")
+            made.append(self.name)
+            return self.name
+
+    for cls in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
+        monkeypatch.setattr(ray_actors, cls, type(cls, (), {
+            "options": staticmethod(lambda name, **options: Actor(name))}))
+    monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    cfg = serve_config({"model": "/models/x", "prefill": 2, "decode": 2})
+    with pytest.raises(ValueError, match="already taken"):
+        serve_app.create_workers(cfg)
+    assert made == ["pdserve-prefill-0", "pdserve-prefill-1"]
+    assert killed == made
