@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -147,25 +148,42 @@ def start_workers(cfg: ServeConfig, timeout_s: float = 300.0) -> list[Any]:
     GPUs, and their names, until the next deploy replaced them)."""
     workers = create_workers(cfg)
     try:
-        wait_for_workers(workers, timeout_s)
+        wait_for_workers(workers, timeout_s, cfg.worker_names())
     except Exception:
         _kill_workers(workers)
         raise
     return workers
 
 
-def wait_for_workers(workers: list[Any], timeout_s: float = 300.0) -> list[WorkerInfo]:
-    """Each worker's info once it has built its engine; GetTimeoutError past `timeout_s`. A worker
-    that refused its settings (a ValueError while building: a directory with no weights, a model
-    it cannot run) is a ValueError saying so, which the CLI reports in one line (exit 2)."""
+def wait_for_workers(workers: list[Any], timeout_s: float = 300.0,
+                     names: Sequence[str] | None = None) -> list[WorkerInfo]:
+    """Each worker's info once it has built its engine. A worker that refused its settings (a
+    ValueError while building: a directory with no weights, a model it cannot run) is a ValueError
+    saying so, which the CLI reports in one line (exit 2); so are workers not up past `timeout_s`,
+    by name (`names`, in the order of `workers`)."""
+    refs = [w.info.remote() for w in workers]
     try:
-        infos: list[WorkerInfo] = ray.get([w.info.remote() for w in workers], timeout=timeout_s)
+        infos: list[WorkerInfo] = ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError as e:
+        # Ray waits for resources for ever: an actor no node can hold is only "not ready".
+        raise ValueError(_not_up(refs, names, timeout_s)) from e
     except ray.exceptions.ActorDiedError as e:
         refused = refusal(e)
         if refused is None:
             raise
         raise ValueError(f"a worker could not start: {refused}") from e
     return infos
+
+
+def _not_up(refs: list[Any], names: Sequence[str] | None, timeout_s: float) -> str:
+    """The error for workers whose `info` calls (`refs`) had not answered by the deadline."""
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    late = set(pending)
+    labels = names if names is not None else [f"worker {i}" for i in range(len(refs))]
+    slow = [label for label, ref in zip(labels, refs, strict=True) if ref in late]
+    return (f"workers not up within {timeout_s:.0f} s: {', '.join(slow)} (Ray could not place them, or they "
+            "are still loading the model: `ray status` lists demands no node can meet, such as more GPUs "
+            "than the cluster has or a pool resource no node offers)")
 
 
 def refusal(error: ray.exceptions.ActorDiedError) -> str | None:
@@ -448,7 +466,8 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
         # Serve's controller, proxy and HAProxy start while the workers load and compile their
         # models (seconds of each start, minutes of a compile): the gateway app waits for them.
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
-        dtype = wait_for_workers(workers)[0].dtype  # `--dtype auto` as the workers resolved it
+        # `--dtype auto` as the workers resolved it
+        dtype = wait_for_workers(workers, names=cfg.worker_names())[0].dtype
     except Exception:
         # Detached actors outlive this driver: on a cluster it joined, a failed start's workers held
         # their cores or GPUs, and the next start failed on their names ("already taken"). (A

@@ -83,7 +83,7 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
     monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
     monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
 
-    def started(workers: Any, timeout_s: float = 300.0) -> list[Any]:
+    def started(workers: Any, timeout_s: float = 300.0, names: Any = None) -> list[Any]:
         if fails == "worker":
             raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
         return [SimpleNamespace(dtype="float32")]
@@ -112,7 +112,7 @@ def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
     killed: list[Any] = []
     monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
 
-    def refused(workers: Any, timeout_s: float = 300.0) -> None:
+    def refused(workers: Any, timeout_s: float = 300.0, names: Any = None) -> None:
         raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
 
     monkeypatch.setattr(serve_app, "wait_for_workers", refused)
@@ -154,3 +154,38 @@ def test_workers_created_before_one_that_cannot_be_created_are_stopped(monkeypat
         serve_app.create_workers(cfg)
     assert made == ["pdserve-prefill-0", "pdserve-prefill-1"]
     assert killed == made
+
+
+def test_workers_not_up_by_the_deadline_are_named_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker Ray cannot place (a pool resource no node offers, more GPU workers than GPUs) waits
+    for resources for ever: at the deadline the start ended in Ray's bare GetTimeoutError ("Get
+    timed out: some object(s) not ready"), a traceback that named neither the worker nor why. It
+    is a ValueError (the CLI's one line, exit 2) naming the workers that are not up."""
+    refs = [object() for _ in range(3)]
+    calls = iter(refs)
+
+    class Slow:
+        class info:  # noqa: N801 - an actor method's shape
+            @staticmethod
+            def remote() -> object:
+                return next(calls)
+
+    def get(refs: Any, timeout: float) -> None:
+        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    def wait(pending: list[Any], num_returns: int, timeout: float) -> tuple[list[Any], list[Any]]:
+        return pending[:1], pending[1:]  # the first answered; the others are still waiting
+
+    from pdserve.cluster.serve_config import serve_config
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(serve_app.ray, "wait", wait)
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
+    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: [Slow(), Slow(), Slow()])
+    with pytest.raises(ValueError) as caught:
+        serve_app.start_workers(serve_config({"model": "/models/x", "prefill": 1, "decode": 2}), timeout_s=30.0)
+    message = str(caught.value)
+    assert message.startswith("workers not up within 30 s: pdserve-decode-0, pdserve-decode-1 ")
+    assert "pdserve-prefill-0" not in message and "\n" not in message
+    assert "ray status" in message
+    assert isinstance(caught.value.__cause__, ray.exceptions.GetTimeoutError)
