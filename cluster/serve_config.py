@@ -378,7 +378,10 @@ class ServeConfig:
     def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
         """This config with what was left to the cluster decided (`cluster_gpus()` is asked
         only then): colocated workers, one per GPU, or one on a CPU-only cluster; gateway
-        replicas, one per GPUS_PER_GATEWAY GPU workers, or one on a CPU-only cluster."""
+        replicas, one per GPUS_PER_GATEWAY GPU workers, or one on a CPU-only cluster. CPU workers
+        (`device: cpu`) hold no GPU (cluster/placement.py): they count as on a CPU-only cluster."""
+        if self.engine.device == "cpu":
+            cluster_gpus = _no_gpus
         fitted = self
         gpus: float | None = None
         if self.mode is ServingMode.COLOCATED and self.num_colocated is None:
@@ -411,6 +414,10 @@ class ServeConfig:
 
     def decode_names(self) -> list[str]:
         return [f"pdserve-decode-{i}" for i in range(self.num_decode)]
+
+
+def _no_gpus() -> float:
+    return 0.0
 
 
 # Setting name -> ServeConfig field, for the settings that are not the engine's: every field but

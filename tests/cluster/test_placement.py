@@ -175,3 +175,16 @@ def test_pdserve_serve_with_cuda_on_a_cpu_cluster_fails_before_any_worker_starts
     code = cli.main(["serve", "--model", "/nonexistent/m", "--device", "cuda"])
     assert code == 2
     assert capsys.readouterr().err.startswith("pdserve: error: device: cuda, but the Ray cluster has no GPU")
+
+
+@pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
+def test_cpu_workers_on_a_gpu_cluster_are_counted_as_cpu_workers(mode: str) -> None:
+    """`--device cpu` never holds a GPU (`worker_share`), so the counts left to the cluster
+    follow a CPU cluster's: one colocated worker on the node's cores (not one per GPU: eight CPU
+    workers splitting the cores, none with a GPU), and one gateway replica (not one per four GPU
+    workers there are none of)."""
+    cfg = serve_config({"model": "/m", "mode": mode, "device": "cpu"}).fit_to_cluster(lambda: 8.0)
+    cpu = serve_config({"model": "/m", "mode": mode, "device": "cpu"}).fit_to_cluster(lambda: 0.0)
+    assert (cfg.num_workers, cfg.gateway_replicas) == (cpu.num_workers, cpu.gateway_replicas)
+    assert cfg.gateway_replicas == 1
+    assert placement.worker_share("cpu", cfg.num_workers, {"CPU": 64.0, "GPU": 8.0}).options.get("num_gpus") is None
