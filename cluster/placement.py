@@ -57,6 +57,9 @@ LOOPBACK = "127.0.0.1"
 # Ray's own resources, which pdserve sets (GPU, CPU share) or Ray measures: a pool's
 # resources name custom ones only.
 _RAY_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+# The smallest amount of a resource Ray can ask for (`ray._raylet.RESOURCE_UNIT_SCALING` is 10,000):
+# less is refused only when the actor is made, in words that name no setting.
+_RESOURCE_UNIT = 0.0001
 
 
 def check_kv_host(value: Any) -> str | None:
@@ -134,6 +137,9 @@ def check_resources(name: str, value: Any) -> dict[str, float] | None:
                              "(one GPU each on a GPU cluster, else a CPU share); name custom resources only")
         if isinstance(amount, bool) or not isinstance(amount, (int, float)) or not 0 < amount < math.inf:
             raise ValueError(f"{name}: {key} must be a number > 0, got {amount!r}")
+        if amount < _RESOURCE_UNIT:
+            raise ValueError(f"{name}: {key} must be {_RESOURCE_UNIT} at least (Ray counts resources in "
+                             f"units of it), got {amount!r}")
         if amount > 1 and amount != int(amount):
             raise ValueError(f"{name}: {key} must be a whole number when above 1 (Ray's rule), got {amount!r}")
         resources[key] = float(amount)

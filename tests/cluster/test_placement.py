@@ -90,6 +90,9 @@ def test_an_address_that_is_not_this_nodes_fails_naming_kv_host() -> None:
     ({"decode_resources": {"CPU": 0.5}}, "Ray's own resource"),
     ({"decode_resources": {"decode_node": 0}}, "must be a number > 0"),
     ({"decode_resources": {"decode_node": True}}, "must be a number > 0"),
+    # Ray refuses it only when the actor is made, Ray up, in words that name no setting.
+    ({"decode_resources": {"decode_node": 0.00001}}, "0.0001 at least"),
+    ({"gateway_resources": {"head": 5e-5}}, "0.0001 at least"),
     ({"gateway_resources": {"head": 1.5}}, "whole number"),
     ({"gateway_resources": {"": 1}}, "non-empty strings"),
     ({"worker_resources": {"gpu_node": 1}}, "colocated mode only"),
