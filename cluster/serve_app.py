@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 from ray import serve
+from ray.serve.schema import ApplicationStatus
 
 from pdserve.cluster import drain_flag, port_lock
 from pdserve.cluster.background_priority import deprioritize_background
@@ -38,6 +40,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 NAMESPACE = "pdserve"
+APP_NAME = "pdserve"  # the gateway's Serve app
+# How long the gateway app may take to run once its workers are up: a replica's start (imports,
+# the tokenizer, `_any_worker_info`'s 120 s at most) is well under it; Serve itself would wait for
+# ever for a replica no node can place (`--gateway-resources` naming a resource no node offers).
+GATEWAY_START_S = 300.0
+GATEWAY_POLL_S = 0.5
 
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
@@ -480,7 +488,7 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     watch = (IngressWatch(ray.get_runtime_context().get_node_id()).start()
              if local and block and cfg.ingress is Ingress.HAPROXY else None)
     try:
-        serve.run(gateway_app(cfg), name="pdserve", route_prefix="/")
+        deploy_gateway(cfg)
     except BaseException as e:
         if watch is not None:
             watch.stop()
@@ -506,6 +514,36 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
                 watch.stop()  # its calls would only find a manager shutting down
             shutdown(cfg)
     return cfg  # with the worker count it decided
+
+
+def deploy_gateway(cfg: ServeConfig) -> None:
+    """serve.run's deploy of the gateway app, with a deadline: Serve waits for ever for a replica
+    no node can place (it only updates the app's message). RuntimeError where the deploy failed;
+    ValueError (the CLI's one line) with Serve's reason past `GATEWAY_START_S`, the app deleted."""
+    serve.run_many([serve.RunTarget(gateway_app(cfg), name=APP_NAME, route_prefix="/")],
+                   wait_for_applications_running=False)
+    deadline = time.monotonic() + GATEWAY_START_S
+    while True:
+        app = serve.status().applications.get(APP_NAME)
+        status = None if app is None else app.status
+        if status == ApplicationStatus.RUNNING:
+            return
+        if status == ApplicationStatus.DEPLOY_FAILED:  # as serve.run says it
+            raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message if app else ''}")
+        if time.monotonic() > deadline:
+            with contextlib.suppress(Exception):  # a replica placed later must not serve stopped workers
+                serve.delete(APP_NAME, _blocking=False)
+            raise ValueError(f"the gateway is not up within {GATEWAY_START_S:g} s: {_app_reason(app)}")
+        time.sleep(GATEWAY_POLL_S)
+
+
+def _app_reason(app: Any) -> str:
+    """What Serve says of an app that is not up: its deployments' messages (a replica that cannot
+    be scheduled names the resources it requires), else its own."""
+    if app is None:
+        return "Serve has no such app"
+    said = [d.message for d in app.deployments.values() if d.message] or [app.message]
+    return " ".join(m.strip() for m in said if m) or f"Serve says {app.status}"
 
 
 def pin_decode_cores(cfg: ServeConfig, cores: frozenset[int], pinned: Pins | None = None,

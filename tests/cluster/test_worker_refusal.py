@@ -88,12 +88,12 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
             raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
         return [SimpleNamespace(dtype="float32")]
 
-    def deploy(app: Any, **kwargs: Any) -> None:
+    def deploy(targets: Any, **kwargs: Any) -> None:
         raise RuntimeError("Deploying the app 'pdserve' failed")
 
     monkeypatch.setattr(serve_app, "wait_for_workers", started)
     monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: None)
-    monkeypatch.setattr(serve_app.serve, "run", deploy)
+    monkeypatch.setattr(serve_app.serve, "run_many", deploy)
     monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
     with pytest.raises((ValueError, RuntimeError), match="could not start" if fails == "worker" else "Deploying"):
         serve_app.run(serve_config({"model": "/models/x"}))
@@ -189,3 +189,55 @@ def test_workers_not_up_by_the_deadline_are_named_in_one_line(monkeypatch: pytes
     assert "pdserve-prefill-0" not in message and "\n" not in message
     assert "ray status" in message
     assert isinstance(caught.value.__cause__, ray.exceptions.GetTimeoutError)
+
+
+def test_a_gateway_no_node_can_place_ends_the_start_at_a_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Serve waits for ever for a replica no node can place (`--gateway-resources` naming a resource
+    no node offers): it only updates the app's message. `pdserve serve` hung there, its workers up,
+    never serving and never failing. At a deadline it is a ValueError (the CLI's one line) with
+    Serve's reason; the app is deleted and the workers stopped."""
+    from types import SimpleNamespace
+
+    from ray.serve.schema import ApplicationStatus
+
+    from pdserve.cluster import drain_flag
+    from pdserve.cluster.serve_config import serve_config
+
+    why = ("Deployment 'pdserve-gateway' in application 'pdserve' has 1 replicas that have taken more than 30s "
+           "to be scheduled. Resources required for each replica: {'CPU': 0.01, 'gatway_node': 1.0}")
+    pending = SimpleNamespace(status=ApplicationStatus.DEPLOYING, message="",
+                              deployments={"pdserve-gateway": SimpleNamespace(message=why)})
+    polls: list[float] = []
+
+    def status() -> Any:
+        polls.append(1.0)
+        return SimpleNamespace(applications={"pdserve": pending})
+
+    def serve_run(app: Any, **kwargs: Any) -> None:  # Serve's own wait: until RUNNING, however long
+        while status().applications["pdserve"].status is not ApplicationStatus.RUNNING:
+            if len(polls) > 50:
+                raise AssertionError("the start waited for the gateway with no deadline")
+
+    created = [Handle()]
+    killed: list[Any] = []
+    deleted: list[str] = []
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
+    monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(drain_flag, "lower_flag", lambda port: None)
+    monkeypatch.setattr(serve_app, "cluster_gpus", lambda: 0.0)
+    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+    monkeypatch.setattr(serve_app, "wait_for_workers", lambda *a, **k: [SimpleNamespace(dtype="float32")])
+    monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: "app")
+    monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
+    monkeypatch.setattr(serve_app.serve, "run", serve_run)
+    monkeypatch.setattr(serve_app.serve, "run_many", lambda targets, **kwargs: [None])
+    monkeypatch.setattr(serve_app.serve, "status", status)
+    monkeypatch.setattr(serve_app.serve, "delete", lambda name, **kwargs: deleted.append(name))
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    monkeypatch.setattr(serve_app, "GATEWAY_START_S", 0.05, raising=False)
+    monkeypatch.setattr(serve_app, "GATEWAY_POLL_S", 0.01, raising=False)
+    with pytest.raises(ValueError) as caught:
+        serve_app.run(serve_config({"model": "/models/x", "gateway_resources": {"gatway_node": 1}}))
+    assert str(caught.value).startswith("the gateway is not up within 0.05 s: Deployment 'pdserve-gateway'")
+    assert "gatway_node" in str(caught.value)
+    assert deleted == ["pdserve"] and killed == created
