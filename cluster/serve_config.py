@@ -370,10 +370,11 @@ class ServeConfig:
         return [f"pdserve-worker-{i}" for i in range(self.num_workers)]
 
     def prefill_backlog_tokens(self, gpus: float) -> int:
-        """`max_prefill_backlog_tokens` on a cluster with `gpus` GPUs (None: the default there)."""
+        """`max_prefill_backlog_tokens` on a cluster with `gpus` GPUs (None: the default there; CPU
+        workers, `device: cpu`, hold none of them and get a CPU cluster's)."""
         if self.max_prefill_backlog_tokens is not None:
             return self.max_prefill_backlog_tokens
-        return 0 if gpus else CPU_PREFILL_BACKLOG_TOKENS
+        return 0 if gpus and self.engine.device != "cpu" else CPU_PREFILL_BACKLOG_TOKENS
 
     def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
         """This config with what was left to the cluster decided (`cluster_gpus()` is asked

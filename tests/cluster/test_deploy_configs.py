@@ -497,6 +497,13 @@ def test_the_prefill_backlog_is_on_for_cpu_clusters_off_on_gpus_unless_given() -
     assert given.prefill_backlog_tokens(gpus=0) == given.prefill_backlog_tokens(gpus=8) == 4096
 
 
+def test_cpu_workers_on_a_gpu_cluster_get_the_cpu_prefill_backlog() -> None:
+    """`--device cpu` workers hold no GPU (cluster/placement.py): their prefill steps are a CPU's,
+    which the 1024-token backlog was measured for; a GPU cluster's default (off) is not theirs."""
+    cpu = ServeConfig(EngineConfig("/m", device="cpu"))
+    assert cpu.prefill_backlog_tokens(gpus=8) == cpu.prefill_backlog_tokens(gpus=0) == 1024
+
+
 @pytest.mark.parametrize("backlog", [-1, 1.5, True, "many"])
 def test_a_prefill_backlog_that_is_not_a_count_of_tokens_is_refused(backlog: Any) -> None:
     with pytest.raises(ValueError, match="max_prefill_backlog_tokens"):
