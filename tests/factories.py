@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from pdserve.cluster.in_process import LocalActor, serve_gateway  # noqa: F401  (tests import them from here)
@@ -18,6 +20,25 @@ def tiny_spec(arch: Arch | str = Arch.LLAMA, **kw: object) -> TinyModelSpec:
     fields: dict[str, object] = dict(arch=arch, num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2)
     fields.update(kw)
     return TinyModelSpec(**fields)  # type: ignore[arg-type]
+
+
+def with_bos_added(model_dir: Path, out: Path) -> Path:
+    """A copy of `model_dir` whose tokenizer adds BOS to what it encodes and whose chat template
+    writes BOS too: Llama 3's (its tokenizer.json's TemplateProcessing, its template's bos_token)."""
+    shutil.copytree(model_dir, out)
+    tok = json.loads((out / "tokenizer.json").read_text())
+    bos = "<|begin_of_text|>"
+    tok["post_processor"] = {"type": "Sequence", "processors": [tok["post_processor"], {
+        "type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos, "type_id": 0}},
+                                                 {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [{"SpecialToken": {"id": bos, "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+                 {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {bos: {"id": bos, "ids": [0], "tokens": [bos]}}}]}
+    (out / "tokenizer.json").write_text(json.dumps(tok))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{- bos_token }}" + config["chat_template"]
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out
 
 
 def slow_steps(engine: Any, seconds: float) -> Any:

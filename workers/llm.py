@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm import tqdm
@@ -20,6 +20,8 @@ from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, s
 # vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
 # and pdserve's bare list of token ids, which vLLM >= 0.10 refuses (workers/inputs.py).
 Prompt = str | list[int] | dict[str, Any]
+# A chat message as vLLM's `LLM.chat` takes it: {"role": ..., "content": ...} (OpenAI's shape).
+Message = Mapping[str, Any]
 
 
 class LLM:
@@ -80,6 +82,36 @@ class LLM:
             self.engine.abort(list(order), output=False)
             raise
 
+    def chat(
+        self, messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
+        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered by the model's chat template (or `chat_template`) and generated
+        as `generate` does; each output's `prompt` is the rendered text."""
+        texts = [self._chat_text(conv, chat_template, add_generation_prompt, continue_final_message, tools)
+                 for conv in _conversations(messages)]
+        # The template writes the special tokens it wants (a BOS): encoding its text with the
+        # tokenizer's own too would double them (vLLM encodes it without them too).
+        prompts = [{"prompt_token_ids": list(self.tokenizer.encode(t, add_special_tokens=False))} for t in texts]
+        outs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outs, texts):
+            out.prompt = text
+        return outs
+
+    def _chat_text(self, conversation: list[Message], chat_template: str | None, add_generation_prompt: bool,
+                   continue_final_message: bool, tools: list[dict[str, Any]] | None) -> str:
+        if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
+            raise ValueError("messages: this model has no chat template (a base model); pass chat_template, "
+                             "or the text to generate()")
+        if not all(isinstance(m, Mapping) for m in conversation):
+            raise ValueError("messages: a conversation is a list of {'role': ..., 'content': ...} messages")
+        return str(self.tokenizer.apply_chat_template(
+            conversation, chat_template=chat_template, tools=tools, tokenize=False,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
+
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams: the model's own defaults
         (its generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty,
@@ -105,6 +137,15 @@ class LLM:
                 # Sample j (seeded sample_seed(seed, j)) is index j, as vLLM numbers them, whichever finished first.
                 r.outputs = [dataclasses.replace(got[j], index=j) for j in sorted(got)]
         return [r for r in results if r is not None]
+
+
+def _conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[list[Message]]:
+    """One conversation (its first item a message) or a list of them, as a list of them."""
+    if not isinstance(messages, (list, tuple)):  # (a str is a Sequence too)
+        raise ValueError("messages: a list of {'role': ..., 'content': ...} messages, or a list of such lists")
+    if not messages or isinstance(messages[0], Mapping):
+        return [list(messages)]  # its first item a message: one conversation
+    return [list(conv) for conv in messages]  # (each message checked in _chat_text)
 
 
 def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

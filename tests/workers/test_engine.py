@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from factories import tiny_spec
+from factories import tiny_spec, with_bos_added
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.sampling_params import sample_seed
@@ -276,3 +276,26 @@ def test_merged_deltas_equal_the_sequence() -> None:
     c = m.outputs[0]
     assert (c.text, c.token_ids, c.finish_reason, c.stop_reason, m.finished) == ("abc", [5, 6, 7], "stop", 7, True)
     assert c.logprobs == [{5: -1.0}, {6: -2.0}, {7: -0.5}] and m.num_cached_tokens == 3
+
+
+def test_chat_renders_the_template_once_as_vllm(model_dir: Path, tmp_path: Path) -> None:
+    """vLLM's `llm.chat(messages)` was an AttributeError. The template's text is the prompt, its
+    own special tokens only: a tokenizer that adds BOS must not add a second one."""
+    llm = make_llm(with_bos_added(model_dir, tmp_path / "bos"))
+    tok = llm.tokenizer
+    assert tok.encode("hi")[0] == tok.bos_token_id  # the tokenizer adds BOS ...
+    convs = [[{"role": "user", "content": "hi"}], [{"role": "system", "content": "be brief"},
+                                                   {"role": "user", "content": "what is a cache?"}]]
+    texts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in convs]
+    assert all(t.startswith(tok.bos_token) for t in texts)  # ... and so does the template
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.chat(convs, params)
+    for out, text in zip(outs, texts):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert out.prompt == text and out.prompt_token_ids == ids and ids.count(tok.bos_token_id) == 1
+        assert out.outputs[0].token_ids == llm.generate({"prompt_token_ids": ids}, params)[0].outputs[0].token_ids
+    one = llm.chat(convs[0], params)  # one conversation
+    assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat(["hi"], params)  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
