@@ -112,13 +112,12 @@ def _cmd_generate(a: argparse.Namespace) -> int:
                             presence_penalty=a.presence_penalty, frequency_penalty=a.frequency_penalty,
                             repetition_penalty=a.repetition_penalty)
     llm = LLM.from_config(engine_config(settings_from_flags(a), progress=True))
-    prompts = list(a.prompts)
-    if a.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                     add_generation_prompt=True) for p in prompts]
     start = time.perf_counter()
     try:
-        outs = llm.generate(prompts, params)
+        # --chat: through `chat`, which encodes the template's text without the tokenizer's
+        # special tokens (the template writes its own: a BOS added again was a second one).
+        outs = (llm.chat([[{"role": "user", "content": p}] for p in a.prompts], params) if a.chat
+                else llm.generate(list(a.prompts), params))
     finally:
         llm.close()  # its tensor-parallel ranks, if any
     elapsed = time.perf_counter() - start

@@ -7,13 +7,16 @@ trap that fails the test if it is reached.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from factories import tiny_spec, with_bos_added
 
 from pdserve.cluster import cli
 from pdserve.cluster.cli import build_parser
+from pdserve.workers.tiny.builder import TinyModelSpec
 
 
 @pytest.fixture
@@ -219,6 +222,32 @@ def test_generate_refuses_a_bad_sampling_flag_before_it_loads_the_model(
     monkeypatch.setattr(LLM, "from_config", loaded)
     err = refused(["generate", "hi", "--model", "/m", flag, value], capsys)
     assert err.startswith(f"pdserve: error: {name}:")
+
+
+def test_generate_chat_gives_the_model_one_bos(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`--chat` rendered the template to text and generate() encoded it with the tokenizer's
+    special tokens: a model whose tokenizer adds BOS and whose template writes it (Llama 3's)
+    saw two."""
+    from pdserve import LLM
+
+    model = with_bos_added(make_model(tiny_spec()), tmp_path / "bos")
+    seen: list[list[int]] = []
+    generate = LLM.generate
+
+    def spy(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        outs = generate(self, *args, **kwargs)
+        seen.extend(o.prompt_token_ids for o in outs)
+        return outs
+
+    monkeypatch.setattr(LLM, "generate", spy)
+    argv = ["generate", "--chat", "hi", "--model", str(model), "--max-tokens", "2", "--num-kv-blocks", "32",
+            "--max-model-len", "128"]
+    assert cli.main(argv) == 0
+    assert "--- 2 tokens" in capsys.readouterr().out
+    bos = 0  # the tiny tokenizer's <|begin_of_text|>
+    assert len(seen) == 1 and seen[0][0] == bos and seen[0].count(bos) == 1, seen
 
 
 # -- pdserve bench -------------------------------------------------------------------------
