@@ -128,6 +128,7 @@ class LLM:
                     continue
                 bar.update(1)
                 i, j = order[out.request_id]
+                _raise_if_refused(out, i)
                 if results[i] is None:
                     results[i] = out
                 samples[i][j] = out.outputs[0]
@@ -137,6 +138,16 @@ class LLM:
                 # Sample j (seeded sample_seed(seed, j)) is index j, as vLLM numbers them, whichever finished first.
                 r.outputs = [dataclasses.replace(got[j], index=j) for j in sorted(got)]
         return [r for r in results if r is not None]
+
+
+def _raise_if_refused(out: RequestOutput, prompt: int) -> None:
+    """A request the engine failed alone for its own input (a grammar that dead-ends after its
+    first tokens) as the ValueError the served API's 400 is: returned as an output, it read as
+    one that had ended (finish_reason "abort", the error only in a field vLLM's RequestOutput
+    does not have). `generate` then aborts the rest. (A row fault, the engine's, stays an output
+    with `error` set.)"""
+    if out.error is not None and out.error_refused:  # the message starts with the field's name
+        raise ValueError(f"{out.error} (prompts[{prompt}])")
 
 
 def _conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[list[Message]]:

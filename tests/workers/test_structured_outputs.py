@@ -124,6 +124,18 @@ def test_a_bad_spec_is_a_value_error_naming_its_field_and_runs_nothing(llm: LLM,
     assert llm.generate(["x"], SamplingParams(temperature=0.0, max_tokens=3))[0].outputs[0].token_ids
 
 
+def test_a_spec_that_dead_ends_is_a_value_error_offline_too(llm: LLM) -> None:
+    """It compiles and allows a first token, then nothing: served, the client's 400. Offline,
+    `generate` returned its output as if it had ended (finish_reason "abort", text "a"), the
+    error only in a field vLLM's RequestOutput does not have."""
+    dead_end = SamplingParams(temperature=0.0, max_tokens=8, structured_outputs={"regex": "a[^\\s\\S]"})
+    plain = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"^structured_outputs\.regex: no output can match it.*prompts\[1\]"):
+        llm.generate(["a long one first", "Answer:"], [plain, dead_end])
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+    assert len(llm.generate(["Answer:"], plain)[0].outputs[0].token_ids) == 30
+
+
 def test_vllms_options_that_ask_nothing_new_are_taken(llm: LLM) -> None:
     """A request written for vLLM (`disable_any_whitespace`, `disable_fallback`) runs: pdserve's
     JSON has no free whitespace and there is one backend. They were a 400 ('unexpected keyword')."""
