@@ -765,7 +765,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
-            text, token_ids = prompt, list(self.tokenizer.encode(prompt))
+            # Checked as given ids are: a tokenizer may know more tokens than the model has
+            # embeddings (another model's `tokenizer`, tokens added without resizing), and an id
+            # past the table failed the step (compiled, it aborted the process).
+            text, token_ids = prompt, check_token_ids(self.tokenizer.encode(prompt), self.model_config.vocab_size)
         else:
             text, token_ids = None, check_token_ids(prompt, self.model_config.vocab_size)
         check_request(params, self.model_config.vocab_size)

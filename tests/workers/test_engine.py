@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,26 @@ def test_bad_input_raises_valueerror_naming_the_parameter_and_harms_nothing(
                 done[out.request_id] = out.outputs[0].token_ids
     assert [done["good-0"], done["good-1"]] == expected
     assert engine.kv.pool.num_free == engine.num_kv_blocks
+
+
+def test_a_text_prompt_with_a_token_past_the_models_vocabulary_is_refused(model_dir: Path,
+                                                                          tmp_path: Path) -> None:
+    """A tokenizer with more tokens than the model has embeddings (`tokenizer=` another model's,
+    or tokens added without resizing): a text prompt's ids were never checked, and the id past
+    the embedding table failed the step (compiled: an out-of-bounds abort of the process)."""
+    extra = tmp_path / "extra"
+    shutil.copytree(model_dir, extra)
+    tok = json.loads((extra / "tokenizer.json").read_text())
+    vocab = len(tok["model"]["vocab"])
+    tok["added_tokens"].append({"id": vocab, "content": "<|extra|>", "single_word": False, "lstrip": False,
+                                "rstrip": False, "normalized": False, "special": True})
+    (extra / "tokenizer.json").write_text(json.dumps(tok))
+    llm = make_llm(model_dir, tokenizer=str(extra))
+    assert llm.engine.model_config.vocab_size == vocab and llm.tokenizer.encode("hi <|extra|>")[-1] == vocab
+    with pytest.raises(ValueError, match=f"^prompt: token ids must be integers in \\[0, {vocab}\\)"):
+        llm.generate(["hi", "hi <|extra|>"], GREEDY)
+    assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
+    assert len(llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids) == GREEDY.max_tokens
 
 
 def test_generate_validates_every_prompt_before_running_any(model_dir: Path) -> None:
