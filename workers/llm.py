@@ -44,6 +44,10 @@ class LLM:
     def tokenizer(self) -> Any:  # transformers' tokenizer (untyped)
         return self.engine.tokenizer
 
+    def get_tokenizer(self) -> Any:
+        """vLLM's accessor of the same tokenizer: what vLLM code calls to build prompts and decode ids."""
+        return self.engine.tokenizer
+
     def close(self) -> None:
         """Stop the engine's other tensor-parallel ranks, if any (`tensor_parallel_size` > 1)."""
         self.engine.close()

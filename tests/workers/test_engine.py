@@ -41,6 +41,15 @@ def tokens(outs: list) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def test_get_tokenizer_is_vllms_accessor(model_dir: Path) -> None:
+    """vLLM's `llm.get_tokenizer()` (how its users build prompts and decode ids) was an AttributeError."""
+    llm = make_llm(model_dir)
+    tok = llm.get_tokenizer()
+    out = llm.generate("the tokenizer", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
+    assert tok is llm.tokenizer and tok.encode("the tokenizer") == out.prompt_token_ids
+    assert tok.decode(out.outputs[0].token_ids) == out.outputs[0].text
+
+
 def test_prefix_cache_computes_only_uncached_tokens(model_dir: Path) -> None:
     llm = make_llm(model_dir)
     shared = random_prompts([200], seed=3)[0]
