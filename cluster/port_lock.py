@@ -7,6 +7,12 @@ up. The first thing a local run does now is take an exclusive `flock` on a file 
 after its port; a second run on that port fails at once with a PortInUseError naming the
 holder's pid. The kernel drops the lock of a process that dies (SIGKILL included), so a
 crashed run never blocks the next.
+
+One holder is waited for: a run whose `pdserve serve` process was killed outright. The lock,
+taken before the fork, is its driver's too, and the driver stops cleanly on its parent's
+death (cluster/shutdown.py: 28 s at most), holding it. A start that finds the lock held by
+a process that is gone waits for that stop (ORPHAN_STOP_WAIT_S), then clears what the old
+run left as any start does; a live holder is still refused at once.
 """
 
 from __future__ import annotations
@@ -14,11 +20,17 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import sys
 import tempfile
+import time
 
 from pdserve.cluster.leftovers import PortInUseError
 
 _HELD: dict[str, PortLock] = {}  # lock file -> the lock this process holds on it
+# How long a start waits for the driver of a run whose own process is gone to finish its stop
+# (its deadline, cluster/shutdown.py's, and a margin).
+ORPHAN_STOP_WAIT_S = 35.0
+_POLL_S = 0.1
 
 
 class PortLock:
@@ -75,13 +87,50 @@ def hold(port: int, flag: str = "--port", directory: str | None = None) -> None:
     if path in _HELD:
         return
     try:
-        _HELD[path] = PortLock(path)
+        _HELD[path] = _take(path)
     except BlockingIOError:
         raise PortInUseError(f"port {port}: another pdserve run (pid {_holder(path)}) is starting or serving "
                              f"on it; stop that run, or move this one with {flag}") from None
     except OSError as e:  # another user's file, or a link, in its place
         raise PortInUseError(f"port {port}: cannot take the run's lock {path} ({e.strerror}); remove that "
                              f"file, or move the port with {flag}") from None
+
+
+def _take(path: str) -> PortLock:
+    """The lock on `path`; BlockingIOError while a live run holds it. Held for a run whose own
+    process is gone (killed: its driver is stopping), it is waited for, ORPHAN_STOP_WAIT_S at most.
+    Refused at once, a start right after a SIGKILL failed although the old run was on its way out."""
+    deadline: float | None = None
+    while True:
+        try:
+            return PortLock(path)
+        except BlockingIOError:
+            if _alive(_holder(path)):
+                raise
+            if deadline is None:
+                deadline = time.monotonic() + ORPHAN_STOP_WAIT_S
+                print(f"[pdserve] {path}: the run that held it (pid {_holder(path)}) is gone and its processes "
+                      f"are stopping; waiting up to {ORPHAN_STOP_WAIT_S:g} s for them", file=sys.stderr, flush=True)
+            elif time.monotonic() > deadline:
+                raise
+            time.sleep(_POLL_S)
+
+
+def _alive(pid_text: str) -> bool:
+    """Whether the process a lock file names runs (unknown, or another user's: taken as alive)."""
+    try:
+        pid = int(pid_text)
+    except ValueError:
+        return True
+    if pid <= 0:
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True
+    return True
 
 
 def release(port: int, directory: str | None = None) -> None:

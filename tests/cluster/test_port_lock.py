@@ -150,3 +150,56 @@ def test_a_release_leaves_a_lock_file_that_is_no_longer_its_own(tmp_path: Path) 
             port_lock.hold(8003, directory=str(tmp_path))
     finally:
         _end(other)
+
+
+# Takes the lock for port argv[1] in directory argv[2], names in it a process that is gone
+# (argv[3]: as a run whose `pdserve serve` was killed names it while its driver stops), says
+# so, and lets go after argv[4] seconds.
+ORPHANED = ("import os, sys, time\n"
+            "from pdserve.cluster import port_lock\n"
+            "port_lock.hold(int(sys.argv[1]), directory=sys.argv[2])\n"
+            "path = port_lock.lock_path(int(sys.argv[1]), sys.argv[2])\n"
+            "with open(path, 'w') as f: f.write(sys.argv[3] + '\\n')\n"
+            "print('held', flush=True)\n"
+            "time.sleep(float(sys.argv[4]))\n")
+
+
+def _gone_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait(10)
+    return proc.pid
+
+
+def test_a_start_waits_for_a_killed_runs_driver_to_let_go(tmp_path: Path) -> None:
+    # `pdserve serve` SIGKILLed: its driver still holds the lock while it stops (the lock names
+    # the killed process). A start right after waited for nothing and failed (chaos scenario
+    # (i1)); it now waits for the stop and takes the lock.
+    import time
+
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANED, "8000", str(tmp_path), str(_gone_pid()), "1.0"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        start = time.monotonic()
+        port_lock.hold(8000, directory=str(tmp_path))
+        try:
+            assert time.monotonic() - start < port_lock.ORPHAN_STOP_WAIT_S
+            assert (tmp_path / "pdserve-port-8000.lock").read_text() == f"{os.getpid()}\n"
+        finally:
+            port_lock.release(8000, directory=str(tmp_path))
+    finally:
+        _end(proc)
+
+
+def test_a_killed_runs_driver_that_never_lets_go_is_refused_after_the_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(port_lock, "ORPHAN_STOP_WAIT_S", 0.5)
+    gone = _gone_pid()
+    proc = subprocess.Popen([sys.executable, "-c", ORPHANED, "8000", str(tmp_path), str(gone), "60"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "held\n"
+        with pytest.raises(PortInUseError, match=rf"another pdserve run \(pid {gone}\)"):
+            port_lock.hold(8000, directory=str(tmp_path))
+    finally:
+        _end(proc)
