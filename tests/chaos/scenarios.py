@@ -589,6 +589,9 @@ def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
 
         striker = asyncio.create_task(strike())
         results = await load.run(server.url)
+        if not reached.is_set():  # the fault's moment never comes: awaiting the striker would wait forever
+            striker.cancel()
+            raise RuntimeError(f"the load ended after {load.chunks} chunks, before the fault's {AT_CHUNKS}")
         await striker
         return results
 

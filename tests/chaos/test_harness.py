@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
-from chaos.harness import Fault, ScenarioResult, before_recovery
+from chaos.harness import Fault, ScenarioResult, ServerOptions, before_recovery
 from chaos.leaks import Leaks, Snapshot, counter_increase, extra_threads, leaks
 from chaos.load import Load, Outcome, Probe, Result
 from pdserve.cluster.reports import DrainState
@@ -152,3 +152,50 @@ def test_excuses_and_the_verdict() -> None:
                        after_ok=7, after_total=8)
     r.judge()
     assert not r.passed and len(r.failures) == 6
+
+
+class _Unstruck:
+    """A server the load reaches (the fake one) but that a fault never strikes: the scenario
+    must end because its load ended before the fault's chunk count, not wait for the fault."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.startup_s, self.sid = url, 1.0, 0
+        self.opts = ServerOptions("unused")
+
+    def kill_main(self, sig: object) -> int:
+        raise AssertionError("the fault struck: the load never streamed a chunk")
+
+
+class _NoRay:
+    def close(self) -> None:
+        pass
+
+
+def _in_thread(fn: Callable[[], object], timeout_s: float) -> tuple[bool, BaseException | None]:
+    """Run `fn` in a daemon thread: (whether it ended within `timeout_s`, what it raised)."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            raised.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return not t.is_alive(), (raised[0] if raised else None)
+
+
+def test_a_server_kill_whose_load_ends_before_the_fault_fails_instead_of_waiting(fake_url: str) -> None:
+    """Every request refused (503): no chunk streams, the fault's moment never comes; (i) must
+    say so as run_fault does, not wait for it forever."""
+    from chaos.harness import Harness
+    from chaos.scenarios import server_killed
+
+    refused = [Probe((9, 1, 2), 3, "abc")]
+    h = Harness(_Unstruck(fake_url), _NoRay(), refused, model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
+    h.wait_ready = lambda timeout_s=60.0: None  # type: ignore[method-assign]
+    ended, raised = _in_thread(lambda: server_killed(h), timeout_s=20.0)
+    assert ended, "server_killed still waiting for a fault 20 s after its load began"
+    assert isinstance(raised, RuntimeError) and "before the fault" in str(raised), raised
