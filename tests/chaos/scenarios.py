@@ -29,6 +29,7 @@ from pathlib import Path
 from chaos.harness import (
     COUNTERS,
     DRAIN_TIMEOUT_S,
+    Check,
     Fault,
     Harness,
     RayView,
@@ -454,6 +455,16 @@ def only_prefill_killed(h: Harness) -> ScenarioResult:
 CUTS = 5
 
 
+def _cut_some(what: str, cut: list[int]) -> Check:
+    """A link-cut scenario's check: `cut` (the fault's count of connections it cut, once it has
+    run) must be above 0; with nothing cut, nothing was struck and the load's verdict proves nothing."""
+    def check(res: ScenarioResult, _b: dict[str, DrainState | None], _a: dict[str, DrainState | None]) -> None:
+        if not sum(cut):
+            res.failures.append(f"no {what} connection was cut: the fault struck nothing")
+
+    return check
+
+
 def kv_link_cut(h: Harness) -> ScenarioResult:
     """Long prompts; each time a decode worker awaits KV, the TCP connections of the
     prefill worker's KV link to it are destroyed under both ends (`ss -K`), up to
@@ -461,6 +472,8 @@ def kv_link_cut(h: Harness) -> ScenarioResult:
     link resyncs; the decode worker's request recomputes (or its KV arrives anyway)."""
     if not can_cut_links():
         return ScenarioResult("g1", "KV link cut mid-transfer", skipped="needs root for ss -K")
+
+    struck: list[int] = []
 
     def fault(_: Load) -> Fault:
         t, cut, hit = time.monotonic(), 0, 0
@@ -476,10 +489,12 @@ def kv_link_cut(h: Harness) -> ScenarioResult:
             cut += n
             hit += bool(n)
             time.sleep(0.3)
+        struck.append(cut)
         return Fault("ss -K (KV link)", "prefill -> decode", prefill, t, time.monotonic(),
                      f"{cut} connections cut in {hit} of {CUTS} tries, each with KV awaited")
 
-    return h.run_fault("g1", "KV link cut mid-transfer (ss -K)", fault, _long_load(h, "g1"), 20)
+    return h.run_fault("g1", "KV link cut mid-transfer (ss -K)", fault, _long_load(h, "g1"), 20,
+                       check=_cut_some("KV link", struck))
 
 
 def token_link_cut(h: Harness) -> ScenarioResult:
@@ -488,6 +503,8 @@ def token_link_cut(h: Harness) -> ScenarioResult:
     gateway sees the gap in the worker's numbering and moves the request on."""
     if not can_cut_links():
         return ScenarioResult("g2", "token link cut mid-stream", skipped="needs root for ss -K")
+
+    struck: list[int] = []
 
     def fault(_: Load) -> Fault:
         t, cut = time.monotonic(), 0
@@ -499,10 +516,12 @@ def token_link_cut(h: Harness) -> ScenarioResult:
                 if decode is not None and gateway is not None:
                     cut += cut_links(links(decode, gateway))
             time.sleep(0.5)
+        struck.append(cut)
         return Fault("ss -K (token link)", "decode -> gateway", gateway, t, time.monotonic(),
                      f"{cut} connections cut")
 
-    return h.run_fault("g2", "token link cut mid-stream (ss -K)", fault, _load(h), AT_CHUNKS)
+    return h.run_fault("g2", "token link cut mid-stream (ss -K)", fault, _load(h), AT_CHUNKS,
+                       check=_cut_some("token link", struck))
 
 
 # --- (h) a kill during a burst of client disconnects ---------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -199,3 +200,60 @@ def test_a_server_kill_whose_load_ends_before_the_fault_fails_instead_of_waiting
     ended, raised = _in_thread(lambda: server_killed(h), timeout_s=20.0)
     assert ended, "server_killed still waiting for a fault 20 s after its load began"
     assert isinstance(raised, RuntimeError) and "before the fault" in str(raised), raised
+
+
+class _Uncut:
+    """A harness whose links never show up to be cut: the KV link is never seen awaited, the
+    token links are not there. Its `run_fault` runs a scenario's fault, its check and the
+    verdict, as Harness.run_fault does after a load with nothing else wrong."""
+
+    def __init__(self) -> None:
+        self.server = self
+        self.opts = ServerOptions("unused")
+        self.view = self
+
+    def states(self, names: list[str], timeout_s: float = 5.0) -> dict[str, DrainState | None]:
+        return {n: _state(incarnation=f"{1000 + i}-0") for i, n in enumerate(names)}
+
+    def wait_for(self, *_: object, **__: object) -> None:
+        return None
+
+    def gateway_pid(self) -> int:
+        return 999
+
+    def probe_set(self, *_: object) -> list[Probe]:
+        return [PROBE]
+
+    def take(self, n: int) -> int:
+        return 0
+
+    @property
+    def probes(self) -> list[Probe]:
+        return [PROBE]
+
+    def run_fault(self, key: str, title: str, fault: Callable[[Load], Fault], load: Load, at_chunks: int,
+                  check: Callable[[ScenarioResult, dict[str, DrainState | None], dict[str, DrainState | None]],
+                                  None] | None = None, **_: object) -> ScenarioResult:
+        res = ScenarioResult(key, title, requests=1, ok=1, recovery_s=0.0, budget_s=10.0, after_ok=8, after_total=8)
+        res.fault = fault(load)
+        if check is not None:
+            check(res, {}, {})
+        res.judge()
+        return res
+
+
+@pytest.mark.parametrize("key", ["g1", "g2"])
+def test_a_link_cut_that_cut_nothing_fails(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(g1) and (g2) strike by `ss -K`; when no connection was there to cut (the KV never seen
+    awaited, no token link found), nothing was struck: the scenario proved nothing and must fail."""
+    from chaos import scenarios
+
+    monkeypatch.setattr(scenarios, "can_cut_links", lambda: True)
+    monkeypatch.setattr(scenarios, "links", lambda *_: [])
+    monkeypatch.setattr(scenarios, "loopback_ports", lambda _: set())
+    monkeypatch.setattr(scenarios, "cut_links", lambda conns: len(conns))
+    monkeypatch.setattr(time, "sleep", lambda _: None)  # the pauses between cuts
+    run = scenarios.kv_link_cut if key == "g1" else scenarios.token_link_cut
+    res = run(_Uncut())  # type: ignore[arg-type]
+    assert res.fault is not None and "0 connections cut" in res.fault.note, res.fault
+    assert not res.passed, f"{key} passed with nothing cut: {res.failures}"
