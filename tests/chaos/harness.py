@@ -300,9 +300,12 @@ class Server:
         """SIGTERM `pdserve serve` (Ray's driver handler shuts local Ray down), then
         SIGKILL whatever of its session is left after `timeout_s`, each by pid.
         Returns the pids that needed SIGKILL."""
+        sids = {self.sid, *self.old_sids}
         for pid in list(self._frozen):
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGCONT)
+            # One stopped and then killed (Ray's kill in (j)) is gone, its pid free for any process.
+            if session_of(pid) in sids:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGCONT)
         self._frozen.clear()
         if self.proc is not None and self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):

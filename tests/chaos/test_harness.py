@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -257,3 +259,30 @@ def test_a_link_cut_that_cut_nothing_fails(key: str, monkeypatch: pytest.MonkeyP
     res = run(_Uncut())  # type: ignore[arg-type]
     assert res.fault is not None and "0 connections cut" in res.fault.note, res.fault
     assert not res.passed, f"{key} passed with nothing cut: {res.failures}"
+
+
+def test_stop_continues_only_its_own_stopped_processes(tmp_path: Path) -> None:
+    """A process the harness stopped can die stopped ((j): Ray kills it), and its pid can then be
+    another's: `stop` must not signal a process outside the server's sessions (here one stopped
+    by someone else, under a pid the harness once stopped)."""
+    import signal
+    import subprocess
+
+    from chaos.harness import Server
+    from chaos.procs import stopped
+
+    other = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        os.kill(other.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
+        while not stopped(other.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stopped(other.pid)
+        server = Server(ServerOptions("unused"), tmp_path)
+        server.sid = 2**22 + 7  # a session of no live process: the server's, long gone
+        server._frozen.add(other.pid)  # the pid it stopped, now someone else's
+        server.stop(timeout_s=1.0)
+        assert stopped(other.pid), "stop continued a process that is not the server's"
+    finally:
+        other.kill()
+        other.wait(5)
