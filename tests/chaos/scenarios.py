@@ -39,7 +39,7 @@ from chaos.harness import (
     pid_of,
     recovery_budget,
 )
-from chaos.leaks import Snapshot, leaks
+from chaos.leaks import leaks
 from chaos.load import HealthSample, HealthWatch, Load, Outcome, Probe, Result, make_probes
 from chaos.procs import alive, can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
@@ -621,9 +621,14 @@ def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
     h._count(res, results, fault, recovered_at, before_recovery)
     if res.recovery_s is not None:
         h.view = RayView(server.ray_address())
+        # The new run's workers never saw the load: their baseline of tasks and threads (against
+        # an empty one, none could ever count) is taken once they are ready and warmed up, as at
+        # Harness.start; the drain then holds them to it after the requests below.
+        h.wait_ready()
+        h.warm_up()
+        before = h.snapshot()
         h.after_recovery(res, AFTER)
-        empty = Snapshot({}, {})
-        res.leaks = leaks(empty, h.drain(empty, timeout_s=DRAIN_TIMEOUT_S))
+        res.leaks = leaks(before, h.drain(before, timeout_s=DRAIN_TIMEOUT_S))
     res.judge()
     res.elapsed_s = time.monotonic() - t0
     return res

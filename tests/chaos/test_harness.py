@@ -286,3 +286,77 @@ def test_stop_continues_only_its_own_stopped_processes(tmp_path: Path) -> None:
     finally:
         other.kill()
         other.wait(5)
+
+
+class _Restarted:
+    """A `pdserve serve` that (i) kills and starts again at once: the fake server answers for both."""
+
+    def __init__(self, url: str, log_path: Path) -> None:
+        self.url, self.log_path, self.startup_s, self.sid = url, log_path, 1.0, 2**22 + 9
+        self.opts = ServerOptions("unused")
+        self.proc = self
+
+    def wait(self, timeout: float) -> int:
+        return 0
+
+    def kill_main(self, sig: object) -> int:
+        return self.sid
+
+    def pids(self) -> list[int]:
+        return []
+
+    def restart(self) -> None:
+        pass
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        return 1.0
+
+    def ray_address(self) -> str:
+        return "127.0.0.1:1"
+
+
+class _Workers:
+    """The new run's workers: once `leaking`, each holds 6 more tasks and threads than before."""
+
+    def __init__(self) -> None:
+        self.leaking = False
+
+    def close(self) -> None:
+        pass
+
+    def states(self, names: list[str], timeout_s: float = 5.0) -> dict[str, DrainState | None]:
+        n = 9 if self.leaking else 3
+        return {name: _state(tasks=n, threads=n) for name in names}
+
+    def thread_names(self, names: list[str], timeout_s: float = 5.0) -> dict[str, list[str] | None]:
+        extra = [f"leak-{i} [Thread]" for i in range(6 if self.leaking else 0)]
+        return {name: ["MainThread [_MainThread]", "a [Thread]", "b [Thread]", *extra] for name in names}
+
+
+def test_a_server_restart_whose_new_workers_leak_threads_fails(fake_url: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """(i) checks the new run's workers after its requests; with no baseline of theirs, tasks and
+    threads left by those requests (6 of each here) could never count: it must measure them."""
+    from chaos import scenarios
+    from chaos.harness import Harness
+
+    workers = _Workers()
+    monkeypatch.setattr(scenarios, "AT_CHUNKS", 10)  # the fake server's streams are 3 chunks each
+    monkeypatch.setattr(scenarios, "DRAIN_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(scenarios, "RayView", lambda _address: workers)
+    log = tmp_path / "serve.log"
+    log.write_text("")
+    h = Harness(_Restarted(fake_url, log), workers, [PROBE], model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
+    h.wait_ready = lambda timeout_s=60.0: None  # type: ignore[method-assign]
+    after_recovery = h.after_recovery
+
+    def leaving_threads(res: ScenarioResult, n: int) -> None:
+        after_recovery(res, n)
+        workers.leaking = True
+
+    h.after_recovery = leaving_threads  # type: ignore[method-assign]
+    res = scenarios.server_killed(h)
+    assert res.after_ok == res.after_total == scenarios.AFTER and res.recovery_s is not None, res
+    assert res.leaks.tasks and res.leaks.threads, res.leaks
+    assert not res.passed
+
