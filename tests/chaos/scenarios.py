@@ -104,31 +104,47 @@ def only_decode_killed(h: Harness) -> ScenarioResult:
 # --- (b) the prefill worker killed mid-prefill and mid-transfer ------------------------
 
 
+def _seen_at_the_kill(moment: str, seen: list[bool]) -> Check:
+    """(b)'s check: the kill came at its `moment` (`seen`, once the fault has run); a kill at
+    any other time, after the wait for the moment ran out, is another scenario's."""
+    def check(res: ScenarioResult, _b: dict[str, DrainState | None], _a: dict[str, DrainState | None]) -> None:
+        if not all(seen):
+            res.failures.append(f"not killed {moment}: the moment was not seen within 10 s")
+
+    return check
+
+
 def prefill_killed_mid_prefill(h: Harness) -> ScenarioResult:
     """Long prompts; SIGKILL the prefill worker the first time it reports a request (it
     has a prompt in its engine, chunks computed and their KV leaving as they complete)."""
+    moment: list[bool] = []
+
     def fault(_: Load) -> Fault:
         seen = h.wait_for(_prefills(h), lambda s: s.jobs > 0 and s.engine_requests > 0, timeout_s=10.0)
+        moment.append(seen is not None)
         f = h.kill_worker(seen[0], state=seen[1]) if seen else h.kill_worker(_prefills(h)[0])
         f.note += "" if seen else " (no prefill seen in flight within 10 s: killed anyway)"
         return f
 
     return h.run_fault("b1", "prefill worker SIGKILL mid-prefill", fault, _long_load(h, "b1"), 20,
-                       restarted=True)
+                       restarted=True, check=_seen_at_the_kill("mid-prefill", moment))
 
 
 def prefill_killed_mid_transfer(h: Harness) -> ScenarioResult:
     """Long prompts; SIGKILL the prefill worker when a decode worker holds a KV
     registration (blocks reserved, the KV on its way into them)."""
+    moment: list[bool] = []
+
     def fault(_: Load) -> Fault:
         seen = h.wait_for(_decodes(h), lambda s: s.kv_registrations > 0, timeout_s=10.0)
+        moment.append(seen is not None)
         f = h.kill_worker(_prefills(h)[0])
         f.note += f"; {seen[0]} awaited KV for {seen[1].kv_registrations}" if seen else \
             " (no KV registration seen within 10 s: killed anyway)"
         return f
 
     return h.run_fault("b2", "prefill worker SIGKILL mid-transfer", fault, _long_load(h, "b2"), 20,
-                       restarted=True)
+                       restarted=True, check=_seen_at_the_kill("mid-transfer", moment))
 
 
 # --- (c) the gateway replica killed -----------------------------------------------------

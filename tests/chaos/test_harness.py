@@ -223,6 +223,9 @@ class _Uncut:
     def gateway_pid(self) -> int:
         return 999
 
+    def kill_worker(self, name: str, *_: object, **__: object) -> Fault:
+        return Fault("SIGKILL", name, 1000, 0.0, 0.0, "0 in flight on it", 0)
+
     def probe_set(self, *_: object) -> list[Probe]:
         return [PROBE]
 
@@ -360,3 +363,15 @@ def test_a_server_restart_whose_new_workers_leak_threads_fails(fake_url: str, tm
     assert res.leaks.tasks and res.leaks.threads, res.leaks
     assert not res.passed
 
+
+@pytest.mark.parametrize("key", ["b1", "b2"])
+def test_a_prefill_kill_that_missed_its_moment_fails(key: str) -> None:
+    """(b1) kills the prefill worker mid-prefill, (b2) mid-transfer; when the wait for that
+    moment runs out the worker is killed anyway: that kill is not the scenario's, and it must
+    not pass as one."""
+    from chaos import scenarios
+
+    run = scenarios.prefill_killed_mid_prefill if key == "b1" else scenarios.prefill_killed_mid_transfer
+    res = run(_Uncut())  # type: ignore[arg-type]
+    assert res.fault is not None and "killed anyway" in res.fault.note, res.fault
+    assert not res.passed, f"{key} passed with its moment missed: {res.failures}"
