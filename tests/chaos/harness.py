@@ -686,8 +686,8 @@ class Harness:
         `gateway_restart`: the gateway replica must be a new process); the drain and
         leak checks; `after` requests that must all be ok. `excuse` says which
         non-ok requests had no survivor to serve them. `check(result, before, after)`
-        adds the scenario's own checks. `migrate`: the target's requests in flight must
-        have moved (the gateway counted migrations). `ready()`: the scenario's own sign
+        adds the scenario's own checks. `migrate`: the target had requests in flight when
+        struck, and they moved (the gateway counted migrations). `ready()`: the scenario's own sign
         of recovery, which must hold too."""
         t0 = time.monotonic()
         res = ScenarioResult(key, title)
@@ -737,7 +737,10 @@ class Harness:
         if res.leaks.total:
             res.notes += leak_details(before, final)
         res.counters = counter_increase(counters_before, self.server.counters())
-        if migrate and fault_.in_flight and not res.counters.get("pdserve:request_migrations"):
+        if migrate and not fault_.in_flight:  # 0, or not known: no request had to move, none was shown to
+            res.failures.append(f"no request was seen in flight on {fault_.target} when it was struck: "
+                                "none had to migrate (the fault proved nothing)")
+        elif migrate and not res.counters.get("pdserve:request_migrations"):
             res.failures.append(f"the {fault_.in_flight} requests on {fault_.target} did not migrate")
         if check is not None:
             check(res, before.states, final.states)

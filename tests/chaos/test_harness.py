@@ -375,3 +375,38 @@ def test_a_prefill_kill_that_missed_its_moment_fails(key: str) -> None:
     res = run(_Uncut())  # type: ignore[arg-type]
     assert res.fault is not None and "killed anyway" in res.fault.note, res.fault
     assert not res.passed, f"{key} passed with its moment missed: {res.failures}"
+
+
+class _Steady:
+    """A server that answers (the fake one), is healthy, counts nothing and keeps its gateway."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.opts = ServerOptions("unused")
+
+    def health(self, timeout_s: float = 2.0) -> tuple[int, dict[str, object]]:
+        return 200, {"status": "ok"}
+
+    def counters(self, timeout_s: float = 5.0) -> dict[str, float]:
+        return {}
+
+    def gateway_pids(self) -> list[int]:
+        return [1]
+
+
+def test_a_kill_that_must_move_requests_but_found_none_in_flight_fails(fake_url: str) -> None:
+    """(a), (e), (h), (j), (n): the struck worker's requests in flight must move. A strike on a
+    worker with none in flight (the wait for a busy one ran out) moved nothing and proved nothing:
+    the scenario must fail, not skip the check."""
+    from chaos.harness import Harness
+
+    h = Harness(_Steady(fake_url), _Workers(), [PROBE], model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
+
+    def idle_kill(_: Load) -> Fault:
+        t = time.monotonic()
+        return Fault("SIGKILL", "pdserve-decode-0", 1000, t, t, "0 in flight on it", 0)
+
+    res = h.run_fault("x", "idle decode worker SIGKILL", idle_kill, Load([PROBE], requests=8, concurrency=4), 3,
+                      migrate=True, after=2)
+    assert res.requests == 8 and res.ok == 8 and res.after_ok == 2 and not res.leaks.total, res
+    assert not res.passed, "a kill with nothing in flight passed as one whose requests moved"
