@@ -692,7 +692,7 @@ class Harness:
         t0 = time.monotonic()
         res = ScenarioResult(key, title)
         self.wait_ready()
-        before = self.snapshot()
+        before = self.baseline()
         counters_before = self.server.counters()
         gateway_before = frozenset(self.server.gateway_pids())
         budget = budget_s if budget_s is not None else recovery_budget(self.model_load_s)
@@ -760,6 +760,20 @@ class Harness:
 
     def snapshot(self) -> Snapshot:
         return Snapshot(self.view.states(self.names), self.view.thread_names(self.names))
+
+    def baseline(self, timeout_s: float = 30.0) -> Snapshot:
+        """A snapshot in which every worker answered (its state and its threads): `leaks` holds a
+        worker's tasks and threads to its baseline only where it has one, so a late answer here
+        would let that worker leak them unseen. RuntimeError at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            snap = self.snapshot()
+            silent = [n for n in self.names if snap.states.get(n) is None or snap.threads.get(n) is None]
+            if not silent:
+                return snap
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no baseline: {silent} did not answer within {timeout_s:g} s")
+            time.sleep(0.5)
 
     def _count(self, res: ScenarioResult, results: list[Result], fault: Fault, recovered_at: float | None,
                excuse: Excuse) -> None:

@@ -642,7 +642,7 @@ def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
         # Harness.start; the drain then holds them to it after the requests below.
         h.wait_ready()
         h.warm_up()
-        before = h.snapshot()
+        before = h.baseline()
         h.after_recovery(res, AFTER)
         res.leaks = leaks(before, h.drain(before, timeout_s=DRAIN_TIMEOUT_S))
     res.judge()

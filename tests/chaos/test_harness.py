@@ -410,3 +410,38 @@ def test_a_kill_that_must_move_requests_but_found_none_in_flight_fails(fake_url:
                       migrate=True, after=2)
     assert res.requests == 8 and res.ok == 8 and res.after_ok == 2 and not res.leaks.total, res
     assert not res.passed, "a kill with nothing in flight passed as one whose requests moved"
+
+
+class _LateAnswer(_Workers):
+    """Workers whose drain states miss the baseline's read once (a slow answer on a loaded
+    machine), answer every other read, and leak tasks and threads once `leaking`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def states(self, names: list[str], timeout_s: float = 5.0) -> dict[str, DrainState | None]:
+        self.reads += 1
+        return dict.fromkeys(names) if self.reads == 2 else super().states(names, timeout_s)
+
+
+def test_a_worker_that_missed_the_baseline_is_still_held_to_one(fake_url: str) -> None:
+    """run_fault's baseline is read once the cluster is ready (the 1st read: wait_ready; the 2nd:
+    the baseline). A worker whose answer to it is late has no baseline, and then tasks and threads
+    it leaks after the fault (6 of each here) must still count."""
+    from chaos.harness import Harness
+
+    workers = _LateAnswer()
+    h = Harness(_Steady(fake_url), workers, [PROBE], model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
+    drain = h.drain
+    h.drain = lambda before, timeout_s=1.0: drain(before, timeout_s)  # type: ignore[method-assign]  # the leak stays
+
+    def leaking_kill(_: Load) -> Fault:
+        workers.leaking = True
+        t = time.monotonic()
+        return Fault("SIGKILL", "pdserve-decode-0", 1000, t, t, "2 in flight on it", 2)
+
+    res = h.run_fault("x", "a kill that leaves threads", leaking_kill, Load([PROBE], requests=8, concurrency=4), 3,
+                      after=2)
+    assert res.leaks.tasks and res.leaks.threads, res.leaks
+    assert not res.passed
