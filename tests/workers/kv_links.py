@@ -7,6 +7,7 @@ uses them for what only the torch.distributed backend does.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ from pdserve.workers.messages import (
     decode,
     encode,
 )
-from pdserve.workers.transfer import KVReceiver, KVSender, auth, frames
+from pdserve.workers.transfer import FailReason, KVReceiver, KVSender, TransferError, auth, frames
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
 try:
@@ -65,6 +66,32 @@ def eventually(check: Callable[[], bool], seconds: float = 2.0) -> bool:
             return True
         time.sleep(0.005)
     return check()
+
+
+def close_while_waiting(sender: KVSender, wait: Callable[[], None]) -> None:
+    """`wait()` (a send that waits on the receiver, holding the sender's lock) on a thread of its
+    own; `close` from here meanwhile must return within ~1 s and end that wait with CLOSED, not
+    last until the send's deadline."""
+    errors: list[TransferError] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except TransferError as e:
+            errors.append(e)
+
+    waiter = threading.Thread(target=run)
+    waiter.start()
+    try:
+        assert eventually(lambda: sender._lock.locked())  # type: ignore[attr-defined]  # waiting, holding it
+        start = time.monotonic()
+        sender.close()
+        took = time.monotonic() - start
+        waiter.join(7)
+        assert took < 1.5, took
+        assert not waiter.is_alive() and [e.reason for e in errors] == [FailReason.CLOSED]
+    finally:
+        waiter.join(7)
 
 
 def header(**over: object) -> KVTransferHeader:

@@ -19,7 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from kv_links import BLOCK, SENTINEL, Exploit, Links, backend_params, eventually, header, make_cache, soon
+from kv_links import (
+    BLOCK,
+    SENTINEL,
+    Exploit,
+    Links,
+    backend_params,
+    close_while_waiting,
+    eventually,
+    header,
+    make_cache,
+    soon,
+)
 
 from pdserve.workers.messages import ChecksumKind, FailReason, TransferState, encode
 from pdserve.workers.transfer import KVSender, TransferError, frames
@@ -384,27 +395,10 @@ def test_close_from_another_thread_ends_a_wait_on_the_receiver_at_once(link: Lin
     lk.receiver.register("req", [3], expected_layers=2)
     lk.faults.stall_receiver()
     lk.sender.send("req", 0, [0], [3], soon(2))  # its one credit
-    errors: list[TransferError] = []
-
-    def wait_for_a_credit() -> None:
-        try:
-            lk.sender.send("req", 1, [0], [3], soon(6))
-        except TransferError as e:
-            errors.append(e)
-
-    waiter = threading.Thread(target=wait_for_a_credit)
-    waiter.start()
     try:
-        assert eventually(lambda: lk.sender._lock.locked())  # type: ignore[attr-defined]  # waiting, holding it
-        start = time.monotonic()
-        lk.sender.close()
-        took = time.monotonic() - start
-        waiter.join(7)
-        assert took < 1.5, took
-        assert not waiter.is_alive() and [e.reason for e in errors] == [FailReason.CLOSED]
+        close_while_waiting(lk.sender, lambda: lk.sender.send("req", 1, [0], [3], soon(6)))
     finally:
         lk.faults.resume_receiver()
-        waiter.join(7)
 
 
 @pytest.mark.parametrize("link", backend_params("zmq"), indirect=True)

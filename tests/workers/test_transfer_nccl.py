@@ -25,7 +25,17 @@ import numpy as np
 import pytest
 import torch.distributed as dist
 import zmq
-from kv_links import BLOCK, GROUP_TIMEOUT_S, SENTINEL, Links, RawPeer, eventually, make_cache, soon
+from kv_links import (
+    BLOCK,
+    GROUP_TIMEOUT_S,
+    SENTINEL,
+    Links,
+    RawPeer,
+    close_while_waiting,
+    eventually,
+    make_cache,
+    soon,
+)
 
 from pdserve.workers.messages import (
     ChecksumKind,
@@ -246,26 +256,7 @@ def test_close_from_another_thread_ends_a_wait_for_the_data_channel_at_once(
     lk = link(layers=1, group_timeout_s=1.0)  # the receiver's side gives up forming it within the test
     lk.receiver.register("req", [3], expected_layers=1)
     assert eventually(lambda: lk.sender.credits > 0)  # type: ignore[attr-defined]  # granted: only the channel lacks
-    errors: list[TransferError] = []
-
-    def wait_for_the_channel() -> None:
-        try:
-            lk.sender.send("req", 0, [0], [3], soon(6))
-        except TransferError as e:
-            errors.append(e)
-
-    waiter = threading.Thread(target=wait_for_the_channel)
-    waiter.start()
-    try:
-        assert eventually(lambda: lk.sender._lock.locked())  # type: ignore[attr-defined]  # waiting, holding it
-        start = time.monotonic()
-        lk.sender.close()
-        took = time.monotonic() - start
-        waiter.join(7)
-        assert took < 1.5, took
-        assert not waiter.is_alive() and [e.reason for e in errors] == [FailReason.CLOSED]
-    finally:
-        waiter.join(7)
+    close_while_waiting(lk.sender, lambda: lk.sender.send("req", 0, [0], [3], soon(6)))
 
 
 def _started(thread: threading.Thread) -> threading.Thread:
