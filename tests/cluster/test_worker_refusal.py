@@ -61,6 +61,17 @@ def test_a_death_after_the_constructor_is_not_a_refusal() -> None:
     assert serve_app.refusal(ray.exceptions.ActorDiedError()) is None
 
 
+def _joined_cluster(monkeypatch: pytest.MonkeyPatch, created: list[Handle]) -> None:
+    """A start on a Ray cluster it joined (nothing local to start), whose workers are `created`."""
+    from pdserve.cluster import drain_flag
+
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
+    monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
+    monkeypatch.setattr(drain_flag, "lower_flag", lambda port: None)
+    monkeypatch.setattr(serve_app, "cluster_gpus", lambda: 0.0)
+    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+
+
 @pytest.mark.parametrize("fails", ["worker", "app"])
 def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(monkeypatch: pytest.MonkeyPatch,
                                                                              fails: str) -> None:
@@ -71,16 +82,11 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
     start created are stopped before the error."""
     from types import SimpleNamespace
 
-    from pdserve.cluster import drain_flag
     from pdserve.cluster.serve_config import serve_config
 
     created = [Handle(), Handle()]
     killed: list[Any] = []
-    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
-    monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
-    monkeypatch.setattr(drain_flag, "lower_flag", lambda port: None)
-    monkeypatch.setattr(serve_app, "cluster_gpus", lambda: 0.0)
-    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+    _joined_cluster(monkeypatch, created)
     monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
 
     def started(workers: Any, timeout_s: float = 300.0, names: Any = None) -> list[Any]:
@@ -200,7 +206,6 @@ def test_a_gateway_no_node_can_place_ends_the_start_at_a_deadline(monkeypatch: p
 
     from ray.serve.schema import ApplicationStatus
 
-    from pdserve.cluster import drain_flag
     from pdserve.cluster.serve_config import serve_config
 
     why = ("Deployment 'pdserve-gateway' in application 'pdserve' has 1 replicas that have taken more than 30s "
@@ -221,11 +226,7 @@ def test_a_gateway_no_node_can_place_ends_the_start_at_a_deadline(monkeypatch: p
     created = [Handle()]
     killed: list[Any] = []
     deleted: list[str] = []
-    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)
-    monkeypatch.setattr(serve_app, "init_ray", lambda cfg: None)
-    monkeypatch.setattr(drain_flag, "lower_flag", lambda port: None)
-    monkeypatch.setattr(serve_app, "cluster_gpus", lambda: 0.0)
-    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+    _joined_cluster(monkeypatch, created)
     monkeypatch.setattr(serve_app, "wait_for_workers", lambda *a, **k: [SimpleNamespace(dtype="float32")])
     monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: "app")
     monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
