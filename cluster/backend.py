@@ -141,6 +141,13 @@ class GenerationBackend(Protocol):
         """Before the first request, on the event loop that will serve (idempotent)."""
         ...
 
+    def stop_all(self) -> None:
+        """End every request in flight with ServerStoppingError now, and any that comes later
+        (the server is stopping): each caller's stream raises it after what it has, and its
+        request is aborted on its workers, so a stop's last moments end every stream with
+        an error event rather than a cut connection."""
+        ...
+
     async def close(self) -> None:
         """Stop what `start` started; requests in flight end."""
         ...
@@ -176,6 +183,13 @@ RETRYABLE: tuple[type[BaseException], ...] = (*WORKER_LOST, StreamLostError, Wor
 # Moves after role switches a request may make beyond its `max_migrations` (a bound
 # all the same: a worker that kept refusing must not keep a request going round).
 _MAX_DRAIN_MOVES = 8
+
+
+class ServerStoppingError(RuntimeError):
+    """The server stopped before the request finished (`GenerationBackend.stop_all`)."""
+
+    def __init__(self) -> None:
+        super().__init__("the server stopped before the request finished")
 
 
 class WorkerLostError(RuntimeError):
@@ -223,6 +237,7 @@ class TokenStreams:
         self._secret = secret  # the cluster's: workers sign their tokens with it (None: auth.default_secret())
         self.stream_interval = stream_interval  # the collector's: tokens a chunk gathers (--stream-interval)
         self._collector: TokenStreamCollector | None = None
+        self._stopped = False  # `stop_all` was called: every request from then on ends with ServerStoppingError
 
     @property
     def collector(self) -> TokenStreamCollector:
@@ -241,6 +256,14 @@ class TokenStreams:
                            stream_diverged=c.num_diverged if c is not None else 0,
                            stream_forged=c.num_forged if c is not None else 0,
                            stream_replayed=c.num_replayed if c is not None else 0)
+
+    def stop_all(self) -> None:
+        """`GenerationBackend.stop_all`: the open streams end with ServerStoppingError, and so
+        does every request placed (or waiting for a worker) from now on."""
+        self._stopped = True
+        if self._collector is not None:
+            n = self._collector.fail_all(ServerStoppingError)
+            log.warning("stopping: %d request(s) still in flight ended with an error", n)
 
     def request(self, request_id: str, prompt: list[int], params: SamplingParams, timeout_s: float) -> ServeRequest:
         """What a worker is asked to run, with this gateway's stream as its `reply_to`."""
@@ -291,6 +314,8 @@ class TokenStreams:
         or `deadline`; then NoHealthyWorkerError."""
         give_up = min(time.monotonic() + self.worker_wait_s, deadline)
         while True:
+            if self._stopped:
+                raise ServerStoppingError
             try:
                 return place(req, failed)
             except NoHealthyWorkerError:
@@ -471,6 +496,9 @@ class ColocatedBackend:
         if held is None or not held[1].abort(request_id, attempt):
             abort_try(self.workers[index], request_id, attempt)
 
+    def stop_all(self) -> None:
+        self.streams.stop_all()
+
     async def close(self) -> None:
         if self._finder is not None:
             self._finder.cancel()
@@ -512,6 +540,8 @@ class LocalBackend:
 
     def __init__(self, engine: AsyncEngine) -> None:
         self.engine = engine
+        self._stopped = False
+        self._ending: asyncio.Future[int] | None = None  # `stop_all`'s, held so it is not collected mid-run
 
     @property
     def healthy(self) -> bool:
@@ -527,6 +557,8 @@ class LocalBackend:
 
     def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                  timeout_s: float) -> AsyncGenerator[RequestOutput, None]:
+        if self._stopped:
+            raise ServerStoppingError
         self.engine.start()  # on the first request, like the cluster's backends
         return self.engine.generate(request_id, prompt, params, timeout_s)
 
@@ -541,6 +573,11 @@ class LocalBackend:
 
     async def start(self) -> None:
         self.engine.start()
+
+    def stop_all(self) -> None:
+        """Its engine's requests end with ServerStoppingError, and so does every later one."""
+        self._stopped = True
+        self._ending = asyncio.ensure_future(self.engine.end_all(ServerStoppingError()))
 
     async def close(self) -> None:
         self.engine.close()

@@ -196,6 +196,9 @@ class DisaggregatedBackend:
         async with asyncio.timeout(_FIRST_POLL_S):
             await self._ready.wait()
 
+    def stop_all(self) -> None:
+        self.streams.stop_all()
+
     async def close(self) -> None:
         for _, channel in self._channels.values():
             await channel.close()

@@ -7,6 +7,10 @@ gateway's replica reads too), and a gateway that sees it takes no new request (5
 with Retry-After, as a server behind a load balancer should while it drains) while
 the ones in flight finish; its /health answers 503 "draining".
 
+A gateway still holding requests `STOP_STREAMS_AFTER_S` after it saw the flag ends them with an
+error (503: a streamed one gets an error event and `[DONE]`), so that the processes' shutdown at
+the drain's end cuts no stream with nothing said.
+
 The key names the app's port: a later start on the same Ray cluster lowers it first.
 """
 
@@ -17,6 +21,8 @@ import contextlib
 import logging
 from collections.abc import Callable
 
+from pdserve.cluster.shutdown import DRAIN_S
+
 log = logging.getLogger(__name__)
 
 POLL_S = 0.5  # how often a gateway reads the flag: a stop is seen within this
@@ -24,6 +30,10 @@ POLL_S = 0.5  # how often a gateway reads the flag: a stop is seen within this
 # call off the loop): until then one may still admit requests, so a drain that counts none in
 # flight before it has counted nothing (cluster/shutdown.py `_drain`).
 SEEN_WITHIN_S = POLL_S + 0.2
+# When a gateway ends what it still holds, from its reading the flag: before the drain's end (the
+# flag raised at most SEEN_WITHIN_S before it was read) with room for the last events to be written
+# and the drain to read the count at 0 twice (0.25 s apart) and stop.
+STOP_STREAMS_AFTER_S = DRAIN_S - SEEN_WITHIN_S - 1.5
 
 
 def _key(port: int) -> bytes:

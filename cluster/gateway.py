@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from pdserve.cluster.backend import GenerationBackend, WorkerLostError
+from pdserve.cluster.backend import GenerationBackend, ServerStoppingError, WorkerLostError
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
-from pdserve.cluster.drain_flag import DrainWatch
+from pdserve.cluster.drain_flag import STOP_STREAMS_AFTER_S, DrainWatch
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
@@ -136,6 +136,9 @@ def client_error(e: BaseException, rid: str) -> APIError:
         return fault_error(rid)
     if isinstance(e, TimeoutError):
         return APIError(504, "the request did not finish within its deadline", "Timeout")
+    if isinstance(e, ServerStoppingError):
+        return APIError(503, "the server is shutting down: the request was stopped before it finished; retry it",
+                        "ServiceUnavailableError", headers=RETRY_AFTER)
     if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
         log.warning("request %s: %s", rid, e)
         return APIError(503, "no healthy worker could take the request; retry later", "ServiceUnavailableError",
@@ -228,6 +231,7 @@ class Gateway:
         # ones in flight finish. `drain_watch` (set by whoever builds the app) tells it.
         self.draining = False
         self.drain_watch: DrainWatch | None = None
+        self._stop_timer: asyncio.TimerHandle | None = None  # the drain's end: what is left then ends (`drain`)
         self.planner: RolePlannerLoop | None = None
         if config.planner is not None:
             self.planner = self._planner_loop(config.planner)
@@ -261,11 +265,20 @@ class Gateway:
             self.drain_watch.start()
         self.metrics.start_publishing()
 
-    def drain(self) -> None:
-        """Take no new request from now on (503 with Retry-After); those in flight go on."""
+    def drain(self, stop_after_s: float = STOP_STREAMS_AFTER_S) -> None:
+        """Take no new request from now on (503 with Retry-After); those in flight go on for
+        `stop_after_s`, and what is left then ends with a 503 (a stream: its error event and
+        `[DONE]`), aborted on its workers, before the stop's shutdown would cut it unsaid.
+        On the running event loop."""
         if not self.draining:
             log.info("the server is stopping: no new requests; %d in flight finish", self.admitted)
             self.draining = True
+            self._stop_timer = asyncio.get_running_loop().call_later(stop_after_s, self._stop_all)
+
+    def _stop_all(self) -> None:
+        if self.admitted:
+            log.warning("the server is stopping: ending %d request(s) still in flight", self.admitted)
+        self.backend.stop_all()
 
     # -- request preparation ---------------------------------------------------
 
@@ -483,6 +496,8 @@ class Gateway:
                 yield item
 
     async def close(self) -> None:
+        if self._stop_timer is not None:
+            self._stop_timer.cancel()
         await self.metrics.close()
         if self.drain_watch is not None:
             await self.drain_watch.close()

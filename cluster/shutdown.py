@@ -48,7 +48,8 @@ if TYPE_CHECKING:
 # A stop's bound, from the signal to the last process gone: the drain (DRAIN_S), then Serve's and
 # Ray's shutdown (7 to 9 s on a 2-core machine under load); Kubernetes' default grace period is 30 s.
 STOP_DEADLINE_S = 28.0
-# How long the requests in flight at a stop get to finish; what is left after it is cut.
+# How long the requests in flight at a stop get to finish; what a gateway still holds just before
+# then, it ends with an error event (cluster/drain_flag.py `STOP_STREAMS_AFTER_S`).
 DRAIN_S = 10.0
 SCRAPE_TIMEOUT_S = 5.0  # one read of the gateway's in-flight count (below)
 # What the driver left running once it has exited gets this long after SIGTERM.

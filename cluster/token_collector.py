@@ -25,7 +25,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -303,6 +303,14 @@ class TokenStreamCollector:
         if entry.token_ids:
             resume = Resume(tuple(entry.token_ids), entry.chars, entry.cumulative_logprob)
         return Retry(entry.attempt, resume, entry.life.remaining())
+
+    def fail_all(self, error: Callable[[], BaseException]) -> int:
+        """End every open request's stream with `error()`, after the deltas already here (a
+        stop's last act: each reader raises it, its request's exit aborts it on its workers);
+        how many. Requests opened later are not affected."""
+        for entry in self._open.values():
+            _put(entry, _RpcDone(error()))
+        return len(self._open)
 
     async def close(self) -> None:
         if self._closed:

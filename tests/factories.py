@@ -124,6 +124,10 @@ class FakeBackend:
 
     healthy = True
     num_in_flight = 0
+    stopped = False  # `stop_all` was called (a subclass's `generate` ends with ServerStoppingError then)
+
+    def stop_all(self) -> None:
+        self.stopped = True
 
     def health(self) -> Any:
         from pdserve.cluster.backend import Health, PoolState

@@ -186,7 +186,7 @@ def test_decode_worker_death_mid_stream_loses_nothing(model_dir: Path) -> None:
     assert backend.events.lost == 1
     for name in ("p0", "d1"):
         engine = actors[name].service.engine
-        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert engine.kv.pool.num_used == 0  # (a cached block nobody holds counts as free)
         assert not engine.has_unfinished_requests()
     assert actors["d1"].service.receiver.num_registered == 0
 
@@ -218,7 +218,7 @@ def test_a_decode_worker_that_loses_a_tensor_parallel_rank_loses_nothing(model_d
     assert backend.streams.stats.migrations >= 1 and backend.streams.stats.resumed_tokens > 0
     for name in ("p0", "d1"):
         engine = actors[name].service.engine
-        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert engine.kv.pool.num_used == 0  # (a cached block nobody holds counts as free)
         assert not engine.has_unfinished_requests()
     # Closed with its engine thread dead, the worker still stopped its ranks and left their group.
     assert not torch.distributed.is_initialized() and rank.poll() is not None
@@ -367,7 +367,7 @@ def test_handoffs_a_decode_worker_never_takes_move_on_and_lose_nothing(model_dir
     assert dropped and backend.streams.stats.migrations == len(dropped) and backend.events.lost == 0
     for name in ("p0", "d0", "d1"):
         engine = actors[name].service.engine
-        assert engine.kv.pool.num_used == 0 or engine.kv.pool.num_cached == engine.kv.pool.num_used
+        assert engine.kv.pool.num_used == 0  # (a cached block nobody holds counts as free)
         assert not engine.has_unfinished_requests()
 
 
