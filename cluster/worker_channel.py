@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import zmq
 
 from pdserve.cluster.ray_errors import RayActorError
-from pdserve.cluster.worker_inbox import DONE, FAILED, STARTED, TryReport
+from pdserve.cluster.worker_inbox import ABORTED, DONE, FAILED, STARTED, TryReport
 from pdserve.workers.async_engine import RequestAbortedError
 from pdserve.workers.inbox_wire import MAX_INBOX_MESSAGE_BYTES, encode_abort, encode_start
 from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
@@ -59,6 +59,15 @@ _CALL_GRACE_S = 30.0
 START_CONFIRM_S = 30.0
 SEND_HWM = 10_000  # starts and aborts queued for a worker not reading them: then tries fail
 _ABORTS_KEPT = 4096  # aborts remembered for a start not yet sent (it is then not sent)
+# An abort the worker has not answered (its try reported failed or done) this long after it was sent
+# was lost on the way (a connection dropped and made again loses what was in flight): it is sent
+# again, at most _ABORT_RESENDS times. A lost abort left its try decoding for no one to its end.
+ABORT_CONFIRM_S = 10.0
+_ABORT_RESENDS = 3
+# A poll that failed without the worker's death (a Ray error of the call, not of the actor) is
+# tried again after 0.5, 1, 2 s; the third failure in a row gives the worker up: its tries are
+# aborted there (it is alive) and fail, to move elsewhere.
+_POLL_RETRY_S = (0.5, 1.0, 2.0)
 
 
 class InboxWorker(Protocol):
@@ -103,6 +112,9 @@ class WorkerChannel:
         self._unconfirmed: collections.deque[tuple[tuple[str, int], _Try]] = collections.deque()  # in sending order
         self._acked = 0  # the last report of this life handled (the next poll acknowledges it)
         self._aborted: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
+        # Aborts sent and not answered yet: (when last sent, how many times), oldest first.
+        self._unanswered_aborts: collections.OrderedDict[tuple[str, int], tuple[float, int]] = (
+            collections.OrderedDict())
         self._met: set[str] = set()  # prefill workers this life of the worker was handed (`meet`)
         self._closed = False
 
@@ -159,8 +171,16 @@ class WorkerChannel:
             self._aborted.popitem(last=False)
         if self._sock is None:
             return False
+        if not self._send_abort((request_id, attempt)):
+            return False
+        self._unanswered_aborts[(request_id, attempt)] = (time.monotonic(), 1)
+        if len(self._unanswered_aborts) > _ABORTS_KEPT:
+            self._unanswered_aborts.popitem(last=False)
+        return True
+
+    def _send_abort(self, key: tuple[str, int]) -> bool:
         try:
-            self._send(encode_abort(self._sender, self._next_seq(), request_id, attempt))
+            self._send(encode_abort(self._sender, self._next_seq(), key[0], key[1]))
         except (StreamLostError, RayActorError):
             return False
         return True
@@ -253,7 +273,11 @@ class WorkerChannel:
     async def _poll(self, incarnation: str) -> None:
         """Hand each report to its try, until the worker dies (or another process answers:
         the one the tries went to died between two polls). However the loop ends, but for
-        the channel closing, the worker is taken for gone: no try waits on a poll that stopped."""
+        the channel closing, the worker is taken for gone: no try waits on a poll that stopped.
+        A worker given up alive (its poll failed, not of its death) is told to drop the tries
+        first: moved elsewhere, they would otherwise decode there too, for no one."""
+        alive = True  # whether the worker may still run the tries when the loop ends
+        failures = 0  # polls failed in a row, not of the worker's death
         try:
             while not self._closed:
                 try:
@@ -263,11 +287,22 @@ class WorkerChannel:
                     log.warning("worker inbox %s: a poll went unanswered; polling again", self._address)
                     self._sweep()
                     continue
-                except Exception as e:  # noqa: BLE001 - dead (RayActorError), or broken: its tries go elsewhere
-                    if not isinstance(e, RayActorError):
-                        log.error("worker inbox %s: its poll failed: %r", self._address, e)
+                except RayActorError:
+                    alive = False  # dead: its tries with it
                     return
+                except Exception as e:  # noqa: BLE001 - a failed call, not a death: try again, a few times
+                    if failures >= len(_POLL_RETRY_S):
+                        log.error("worker inbox %s: its poll failed %d times in a row: %r; giving it up",
+                                  self._address, failures + 1, e)
+                        return
+                    log.warning("worker inbox %s: its poll failed: %r; polling again", self._address, e)
+                    await asyncio.sleep(_POLL_RETRY_S[failures])
+                    failures += 1
+                    self._sweep()
+                    continue
+                failures = 0
                 if out.incarnation != incarnation:
+                    alive = False  # another process answers: the one the tries went to died
                     return
                 self._apply(out.reports)
                 self._sweep()
@@ -275,6 +310,9 @@ class WorkerChannel:
             log.exception("worker inbox %s: its poll broke", self._address)
         finally:
             if not self._closed:
+                if alive:
+                    for key in list(self._tries):
+                        self._send_abort(key)
                 self._lost()
 
     def _apply(self, reports: tuple[TryReport, ...]) -> None:
@@ -282,6 +320,8 @@ class WorkerChannel:
             if r.seq <= self._acked:  # handled already (the answer to an earlier poll had it too)
                 continue
             self._acked = r.seq
+            if r.state != STARTED:
+                self._unanswered_aborts.pop((r.request_id, r.attempt), None)
             t = self._tries.get((r.request_id, r.attempt))
             if t is None or t.fut.done():
                 continue
@@ -291,10 +331,24 @@ class WorkerChannel:
                 t.fut.set_result(None)  # the worker sent its final delta: `watch` gives it a grace
             elif r.state == STARTED:
                 t.started = True
+            elif r.state == ABORTED:
+                t.fut.set_exception(RequestAbortedError(f"request {r.request_id} (try {r.attempt}) was aborted"))
 
     def _sweep(self) -> None:
-        """Fail the tries whose start the worker has not reported taking in `START_CONFIRM_S`."""
-        cutoff = time.monotonic() - START_CONFIRM_S
+        """Fail the tries whose start the worker has not reported taking in `START_CONFIRM_S`;
+        send again the aborts it has not answered in `ABORT_CONFIRM_S`."""
+        now = time.monotonic()
+        while self._unanswered_aborts:
+            key, (sent_at, sends) = next(iter(self._unanswered_aborts.items()))
+            if sent_at > now - ABORT_CONFIRM_S:
+                break
+            del self._unanswered_aborts[key]
+            if sends > _ABORT_RESENDS:
+                log.warning("worker inbox %s: request %s (try %d): its abort was never answered", self._address,
+                            key[0], key[1])
+            elif self._send_abort(key):
+                self._unanswered_aborts[key] = (now, sends + 1)  # (to the end: the order stays by time)
+        cutoff = now - START_CONFIRM_S
         while self._unconfirmed and self._unconfirmed[0][1].sent_at < cutoff:
             key, t = self._unconfirmed.popleft()
             if not t.started and not t.fut.done() and self._tries.get(key) is t:
@@ -308,6 +362,7 @@ class WorkerChannel:
         self._poller = None
         self._life += 1
         self._unconfirmed.clear()
+        self._unanswered_aborts.clear()  # its tries died with it
         for t in self._tries.values():
             if not t.fut.done():
                 t.fut.set_exception(RayActorError())

@@ -79,7 +79,7 @@ ERROR_KINDS: tuple[tuple[str, type[BaseException]], ...] = (
 )
 
 
-STARTED, DONE, FAILED = "started", "done", "failed"
+STARTED, DONE, FAILED, ABORTED = "started", "done", "failed", "aborted"
 
 
 def error_kind(error: BaseException) -> str:
@@ -100,7 +100,8 @@ def blamed(error: Exception, engine_error: BaseException | None) -> Exception:
 @dataclass(frozen=True)
 class TryReport:
     """What became of a try here: `state` STARTED (taken from the inbox), DONE (its final
-    delta sent) or FAILED (with the error's `kind`, ERROR_KINDS' or "error", and message).
+    delta sent), FAILED (with the error's `kind`, ERROR_KINDS' or "error", and message) or
+    ABORTED (an abort ended it: the gateway's proof that its abort arrived).
     `seq` numbers the reports of one gateway."""
 
     seq: int
@@ -299,7 +300,12 @@ class WorkerInbox:
         except asyncio.CancelledError:
             task = asyncio.current_task()
             if task is None or task.cancelling():
-                raise  # an abort (or the inbox closing) cancelled it: no one waits for a report
+                # An abort (or the inbox closing) cancelled it: no one waits on it, but after an abort
+                # its gateway learns, at the poll's own pace, that the abort arrived (else it sends it
+                # again). Closing says nothing: the worker's death moves the try.
+                if req.attempt <= self._aborted.get(req.request_id, -1):
+                    self._report(req.reply_to, req.request_id, req.attempt, ABORTED)
+                raise
             # Cancelled from inside: work it awaited was (a role's wait threads shut down as the worker
             # changed role). The try is over here, and its gateway must hear it now, not at its deadline:
             # it moves on from what its client has.

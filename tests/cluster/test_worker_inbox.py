@@ -774,3 +774,91 @@ def test_an_abort_by_ray_ends_a_try_the_inbox_started_before_its_engine_has_it(
         asyncio.run(main())
     finally:
         svc.close()
+
+
+def test_an_abort_lost_on_the_way_is_sent_again_until_the_worker_answers_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A connection dropped and made again loses what was in flight: an abort lost so left its
+    try decoding on the worker, for no one, to its end. The worker answers an abort (the try's
+    failure report); one unanswered after ABORT_CONFIRM_S is sent again, and once answered, no
+    more."""
+    _quick_polls(monkeypatch)
+    monkeypatch.setattr(worker_channel, "ABORT_CONFIRM_S", 0.3)
+
+    async def main() -> None:
+        async with channel_to(hang) as (svc, channel):
+            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 1)
+            sent = channel._send
+            monkeypatch.setattr(channel, "_send", lambda body: None)  # the abort goes nowhere
+            assert channel.abort("r1", 0)
+            monkeypatch.setattr(channel, "_send", sent)
+            await asyncio.sleep(0.1)
+            assert svc.aborted == [] and svc.inbox.num_tries == 1  # lost: the try runs on
+            await _eventually(lambda: svc.aborted == [("r1", 0)])
+            await _eventually(lambda: svc.inbox.num_tries == 0)
+            with pytest.raises(RequestAbortedError):
+                await asyncio.wait_for(run, 5)
+            await asyncio.sleep(1.0)  # answered: not sent again
+            assert svc.aborted == [("r1", 0)] and not channel._unanswered_aborts
+
+    asyncio.run(main())
+
+
+class _PollFails(LocalActor):
+    """A worker's handle whose first `fails` polls raise an error that is not the worker's
+    death (a Ray call that failed: a full object store, a broken connection to its node)."""
+
+    def __init__(self, svc: FakeService, fails: int) -> None:
+        super().__init__(svc)
+        self.svc, self.fails, self.polls = svc, fails, 0
+
+    def __getattr__(self, name: str) -> Any:
+        actor = self
+
+        class Method:
+            @staticmethod
+            def remote(*args: Any) -> Awaitable[Any]:
+                async def call() -> Any:
+                    if name == "outcomes":
+                        actor.polls += 1
+                        if actor.polls <= actor.fails:
+                            raise RuntimeError("the call failed on the way")
+                    return await getattr(actor.svc, name)(*args)
+
+                return asyncio.ensure_future(call())
+
+        return Method()
+
+
+@pytest.mark.parametrize("fails", [1, 100])
+def test_a_poll_that_fails_without_the_workers_death_is_tried_again(monkeypatch: pytest.MonkeyPatch,
+                                                                      fails: int) -> None:
+    """Any poll error used to be taken for the worker's death: its tries moved elsewhere at once
+    and the worker, alive, decoded them on for no one. Now one failure is polled through (the try
+    runs on); a worker whose polls keep failing is given up, its tries aborted there first."""
+    _quick_polls(monkeypatch)
+    monkeypatch.setattr(worker_channel, "_POLL_RETRY_S", (0.05, 0.05, 0.05))
+
+    async def main() -> None:
+        svc = FakeService(hang)
+        channel = WorkerChannel(_PollFails(svc, fails), GATEWAY, SECRET)
+        try:
+            finished = asyncio.Event()
+            run = asyncio.create_task(channel.run(request(), finished))
+            await _eventually(lambda: len(svc.started) == 1)
+            if fails == 1:
+                await _eventually(lambda: channel.connected and svc.inbox.num_tries == 1)
+                await asyncio.sleep(0.5)  # past the failed poll and its retry
+                assert not run.done() and svc.aborted == []
+                finished.set()
+                await asyncio.wait_for(run, 5)
+            else:
+                with pytest.raises(RayActorError):  # given up: the gateway moves the try
+                    await asyncio.wait_for(run, 5)
+                await _eventually(lambda: svc.aborted == [("r1", 0)])  # and the worker dropped it
+                await _eventually(lambda: svc.inbox.num_tries == 0)
+        finally:
+            await channel.close()
+            svc.inbox.close()
+
+    asyncio.run(main())
