@@ -25,7 +25,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import time
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from pdserve.workers.async_engine import AsyncEngine, Job, RequestTimeoutError, Start, WorkerDrainingError
 from pdserve.workers.engine import LLMEngine
@@ -142,8 +142,10 @@ class DecodeWorker(RoleWorker):
         try:
             first, peer_left = await self._remote_prefill(job, req, reservation, peer), False
         except WorkerDrainingError:  # the prefill worker is changing role: no KV fault, the prompt is ours
-            first, peer_left = None, True
-        if first is not None and await self._kv_arrived(job, reservation, len(prompt)):
+            first, peer_left = KVFailure(FailReason.ABORTED, "the prefill worker is changing role"), True
+        failure = first if isinstance(first, KVFailure) else await self._kv_arrived(job, reservation, len(prompt))
+        if failure is None:
+            assert isinstance(first, FirstToken)
             job.tokens_sent = 1 if first.published else 0
             return lambda e, life: self._complete(e, job, first)
         # Nothing more may land in the reserved blocks before they are freed.
@@ -157,7 +159,7 @@ class DecodeWorker(RoleWorker):
         # the request on from what the client has if not (cluster/token_collector.py).
         if self.on_failure is KVFailurePolicy.RECOMPUTE or peer_left:
             return lambda e, life: self._recompute(e, job)
-        error = TransferError(rid, FailReason.TIMEOUT, "KV did not arrive intact; request failed")
+        error = TransferError(rid, failure.reason, f"{failure.detail}; the request failed (--kv-failure-policy fail)")
         await ae.end_and_wait(job, Exit.PEER_FAILED, error)
         raise error
 
@@ -186,8 +188,8 @@ class DecodeWorker(RoleWorker):
         return Reservation(tuple(blocks), cached)
 
     async def _remote_prefill(self, job: Job, req: ServeRequest, reservation: Reservation,
-                              peer: PrefillPeer) -> FirstToken | None:
-        """The prefill worker's reply, or None when it (or its transfer) failed."""
+                              peer: PrefillPeer) -> FirstToken | KVFailure:
+        """The prefill worker's reply, or why it (or its transfer) failed."""
         remaining = job.life.remaining()
         budget = remaining if self.prefill_timeout_s is None else min(remaining, self.prefill_timeout_s)
         order = PrefillOrder(dataclasses.replace(req, timeout_s=max(budget, 1e-3)), reservation, self.receiver.address)
@@ -200,20 +202,23 @@ class DecodeWorker(RoleWorker):
             if budget < remaining:
                 self.num_leases_expired += 1
                 self._count_failure(None)
-                return None  # the remote prefill's own budget ran out: the policy decides
+                # The remote prefill's own budget ran out: the policy decides.
+                return KVFailure(FailReason.TIMEOUT, f"the prefill worker did not answer within {budget:.1f} s")
             await self.async_engine.end_and_wait(job, Exit.DEADLINE)
             raise RequestTimeoutError(f"request {req.request_id} passed its deadline here") from None
         except WorkerDrainingError:
             raise  # not a failure: the caller recomputes whatever the policy
-        except Exception:  # noqa: BLE001 - its transfer or the worker failed: the policy decides
+        except Exception as e:  # noqa: BLE001 - its transfer or the worker failed: the policy decides
             self._count_failure(None)
-            return None
+            if isinstance(e, TransferError):
+                return KVFailure(e.reason, e.detail)
+            return KVFailure(FailReason.PEER_LOST, f"the prefill worker failed: {type(e).__name__}")
 
-    async def _kv_arrived(self, job: Job, reservation: Reservation, num_prompt_tokens: int) -> bool:
-        """Whether every block the prefill worker sent is here and verified."""
+    async def _kv_arrived(self, job: Job, reservation: Reservation, num_prompt_tokens: int) -> KVFailure | None:
+        """None once every block the prefill worker sent is here and verified; else why not."""
         bs = self.engine.config.block_size
         if reservation.cached_tokens >= -(-num_prompt_tokens // bs) * bs:
-            return True  # every block was cached here already: nothing was sent
+            return None  # every block was cached here already: nothing was sent
         loop = asyncio.get_running_loop()
         try:
             deadline = min(job.life.deadline, time.monotonic() + _VERDICT_WAIT_S)
@@ -223,13 +228,14 @@ class DecodeWorker(RoleWorker):
             # abort, a later try of the request replaced it). Not a transfer failure: `_arrange`
             # starts nothing, and the job's own error (a dead engine's, which moves the request
             # elsewhere) is what its caller hears.
-            return False
+            return KVFailure(FailReason.ABORTED, "the request ended while its KV was on the way")
         finally:
             self._release(job)
         if status.state is TransferState.DONE:
-            return True
-        self._count_failure(status.reason or FailReason.TIMEOUT)
-        return False
+            return None
+        reason = status.reason or FailReason.TIMEOUT
+        self._count_failure(reason)
+        return KVFailure(reason, status.detail or "the KV did not arrive in time")
 
     def _release(self, job: Job) -> None:
         """Release `job`'s registration (a pending transfer: aborted). Each try registers
@@ -270,6 +276,13 @@ def _without_first_token(out: RequestOutput) -> RequestOutput | None:
     return dataclasses.replace(out, outputs=[dataclasses.replace(c, text="", token_ids=[],
                                                                  logprobs=[] if c.logprobs is not None else None)],
                                prompt_logprobs=None)
+
+
+class KVFailure(NamedTuple):
+    """Why a handoff's KV did not land: what `--kv-failure-policy fail` tells the client."""
+
+    reason: FailReason
+    detail: str
 
 
 def _over(job: Job) -> bool:

@@ -25,7 +25,7 @@ from pdserve.workers.handoff import KVFailurePolicy, ServeRequest
 from pdserve.workers.lifecycle import Exit
 from pdserve.workers.prefill_worker import PrefillWorker
 from pdserve.workers.tiny.builder import TinyModelSpec
-from pdserve.workers.transfer.base import TransferError
+from pdserve.workers.transfer.base import FailReason, TransferError
 from pdserve.workers.transfer.frames import CacheGeometry
 from pdserve.workers.transfer.inprocess import InProcessReceiver, InProcessSender
 
@@ -163,12 +163,38 @@ def test_bad_kv_message_is_detected_and_recomputed(model_dir: Path, fault: str, 
 
 
 def test_fail_policy_raises_and_frees_both_sides(model_dir: Path) -> None:
+    """The error says why the KV did not land (it said "timeout" whatever the cause)."""
     ps = prompts(1, 50, seed=6)
     faults = Faults()
     faults.corrupt(layer=0)
     p, d = make_pair(model_dir, policy=KVFailurePolicy.FAIL, faults=faults)
-    with pytest.raises(TransferError):
+    with pytest.raises(TransferError) as err:
         asyncio.run(serve_one(p, d, "x", ps[0], PARAMS))
+    assert err.value.reason is FailReason.CHECKSUM, err.value
+    assert_no_blocks(p, d)
+
+
+def test_fail_policy_names_a_prefill_worker_that_failed(model_dir: Path) -> None:
+    class Broken(LocalPrefillPeer):
+        async def prefill(self, order):  # type: ignore[no-untyped-def]
+            raise RuntimeError("its engine died")
+
+    ps = prompts(1, 50, seed=6)
+    p, d = make_pair(model_dir, policy=KVFailurePolicy.FAIL)
+
+    async def run() -> None:
+        collector = TokenStreamCollector()
+        try:
+            collector.open("b", ps[0], 10.0)
+            req = ServeRequest("b", tuple(ps[0]), PARAMS, 10.0, collector.address)
+            async for _ in collector.consume("b", collector.watch("b", d.handoff(req, Broken(p)))):
+                pass
+        finally:
+            await collector.close()
+
+    with pytest.raises(TransferError) as err:
+        asyncio.run(run())
+    assert err.value.reason is FailReason.PEER_LOST and "RuntimeError" in str(err.value), err.value
     assert_no_blocks(p, d)
 
 
