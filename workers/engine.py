@@ -372,7 +372,7 @@ class LLMEngine:
         return EngineSnapshot(
             running=len(sched.running), waiting=len(sched.waiting) + len(sched.awaiting_kv),
             queued_prefill_tokens=sched.queued_prefill_tokens(), free_blocks=pool.num_free,
-            total_blocks=pool.num_blocks, prompt_tokens=st.prompt_tokens,
+            total_blocks=pool.num_blocks, prompt_tokens=sched.num_queried_prompt_tokens,
             prompt_tokens_cached=sched.num_cached_prompt_tokens, prompt_tokens_computed=st.prompt_tokens_computed,
             generation_tokens=st.generation_tokens, preemptions=st.preemptions, spec_drafts=st.spec_drafts,
             spec_draft_tokens=st.spec_draft_tokens, spec_accepted_tokens=st.spec_accepted_tokens,

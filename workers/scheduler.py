@@ -77,6 +77,10 @@ class Scheduler:
         self.awaiting_kv: dict[str, Request] = {}  # blocks reserved, KV in flight from a prefill worker
         self.requests: dict[str, Request] = {}  # every request here: live, or finished and holding its KV
         self.num_cached_prompt_tokens = 0  # served from the prefix cache at first admission
+        # Prompt tokens looked up in the prefix cache, counted where the hits are (at first admission):
+        # counted when added, a request aborted or timed out while it waited was a query with no
+        # lookup, and the hit rate read low under load.
+        self.num_queried_prompt_tokens = 0
 
     def add(self, request: Request) -> None:
         self.requests[request.request_id] = request
@@ -108,6 +112,7 @@ class Scheduler:
             return None
         req.num_cached_tokens = num_cached
         self.num_cached_prompt_tokens += num_cached
+        self.num_queried_prompt_tokens += req.num_prompt_tokens
         req.life.move(_S.TRANSFERRING)
         self.requests[req.request_id] = req
         self.awaiting_kv[req.request_id] = req
@@ -204,6 +209,7 @@ class Scheduler:
                 # output its client already has, which is no prompt token.
                 req.num_cached_tokens = min(num_cached, req.num_prompt_tokens)
                 self.num_cached_prompt_tokens += req.num_cached_tokens
+                self.num_queried_prompt_tokens += req.num_prompt_tokens
             if req.life.state is _S.QUEUED:  # not one whose KV came from a prefill worker (DECODING)
                 req.life.move(_S.PREFILLING)
             if req.queue_time_s is None:

@@ -50,7 +50,7 @@ class EngineSnapshot:
     queued_prefill_tokens: int = 0  # prompt tokens still to compute, net of what the prefix cache will give
     free_blocks: int = 0  # KV blocks an allocation may take (cached, unreferenced ones included)
     total_blocks: int = 0
-    prompt_tokens: int = 0  # admitted requests' prompt tokens: looked up in the prefix cache
+    prompt_tokens: int = 0  # prompt tokens looked up in the prefix cache (requests at their first admission)
     prompt_tokens_cached: int = 0  # of those, served from the prefix cache
     prompt_tokens_computed: int = 0
     generation_tokens: int = 0

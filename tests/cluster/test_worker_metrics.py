@@ -96,6 +96,21 @@ def test_counters_and_step_histograms_equal_engine_truth(model_dir: Path) -> Non
         assert value(s, name) == 0, name
 
 
+def test_a_request_aborted_while_it_waits_is_no_prefix_cache_query(model_dir: Path) -> None:
+    """Queries and hits are counted at the same point (a request's first admission), as vLLM
+    counts them: a request that never got a lookup (aborted, or timed out, while it waited) is
+    neither, or the hit rate reads low under load."""
+    llm = make_llm(model_dir)
+    e = llm.engine
+    prompt = torch.randint(5, 4000, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    e.add_request("gone", prompt, SamplingParams(temperature=0.0, max_tokens=2))
+    e.abort(["gone"], output=False)
+    assert not e.has_unfinished_requests()
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
+    snap = e.snapshot()
+    assert (snap.prompt_tokens, snap.prompt_tokens_cached) == (40, out.num_cached_tokens)
+
+
 def test_gauges_while_requests_run(model_dir: Path) -> None:
     e = engine(model_dir, max_num_seqs=1)
     m = WorkerMetrics(Pool.COLOCATED, "w0")
