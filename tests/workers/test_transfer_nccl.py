@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import zmq
 from kv_links import (
@@ -200,10 +201,11 @@ def test_a_recv_whose_tensor_never_comes_ends_at_the_group_timeout(link: Links) 
     assert (lk.dst == SENTINEL).all()
 
 
-def test_a_broken_pair_fails_fast_on_both_sides_and_never_hangs_the_sender(link: Links) -> None:
+def test_a_broken_pair_fails_fast_on_both_sides_and_the_next_send_pairs_again(link: Links) -> None:
     # A header announcing more than the receiver will stage cannot be received, so the pair is broken for
     # good: the transfer fails with CLOSED, and the sender, told so in the ack, shuts its side instead of
-    # waiting on a send that no one will ever take.
+    # waiting on a send that no one will ever take. Its next send forms a new pair (a broken pair used to
+    # fail every later transfer to that receiver, until the sender was made anew: never, in a worker).
     lk = link(layers=2, receive_limit=64)  # one block's K and V are 256 bytes
     lk.receiver.register("req", [3], expected_layers=2)
     lk.sender.send("req", 0, [0], [3], soon(2))
@@ -213,36 +215,68 @@ def test_a_broken_pair_fails_fast_on_both_sides_and_never_hangs_the_sender(link:
     with pytest.raises(TransferError) as err:
         lk.sender.finish("req", soon(2))
     assert err.value.reason is FailReason.CLOSED and time.monotonic() - start < 1.0
-    lk.receiver.register("next", [4], expected_layers=1)
-    with pytest.raises(TransferError) as err:
-        lk.sender.send("next", 0, [1], [4], soon(2))
-    assert err.value.reason is FailReason.CLOSED and "broken" in err.value.detail
     assert (lk.dst == SENTINEL).all()
+    lk.receiver._max_message_bytes = 1 << 20  # type: ignore[attr-defined]  # what broke it is gone
+    before = lk.dst.clone()
+    lk.receiver.register("next", [4, 5], expected_layers=2)
+    lk.send_layers("next", 2, [1, 2], [4, 5], finish_s=GROUP_TIMEOUT_S + 2)
+    assert lk.receiver.wait("next", soon(2)).state is TransferState.DONE
+    lk.expect_moved(range(0, 2), [1, 2], [4, 5], before)
+    assert lk.sender.num_repairs == 1  # type: ignore[attr-defined]
 
 
-def test_a_sender_the_receiver_will_not_pair_with_fails_at_once_and_says_why() -> None:
-    # A receiver pairs with at most `max_senders` senders, and only with one whose sender id is its routing id
-    # (a ZeroMQ-transport sender's is not: prefill and decode workers started with different --transport).
-    # Like a sender of another model, a refused one is told why at its hello: its sends fail at once with
-    # PROTOCOL and the reason, not at their deadlines for want of a credit that never comes.
-    src, _ = make_cache(1, 4, seed=1)
+def test_pairs_past_the_bound_take_an_idle_ones_place_and_only_busy_ones_refuse() -> None:
+    # A receiver keeps at most `max_senders` pairs (a ROUTER is not told a sender left: restarted or
+    # re-paired senders leave theirs behind, and at the bound it refused every new sender for good). A new
+    # sender takes an idle pair's place; the evicted sender's next transfer fails CLOSED and the one after
+    # pairs again. Refused (told why, failing at once) are a sender while every pair has a transfer in
+    # flight, and one whose sender id is not its routing id (a ZeroMQ-transport sender).
+    src, blocks = make_cache(1, 4, seed=1)
     dst, full = make_cache(1, 8)
     receiver = NcclKVReceiver(dst, max_senders=1, group_timeout_s=GROUP_TIMEOUT_S)
     senders: list[Any] = []
+    rogue = None
     try:
-        senders.append(NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S))
-        assert senders[0].wait_ready(GROUP_TIMEOUT_S + 1)  # paired: the receiver's one sender
-        senders.append(NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S))  # one too many
+        first = NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S)
+        senders.append(first)
+        assert first.wait_ready(GROUP_TIMEOUT_S + 1)  # paired: the receiver's one sender
+        second = NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S)  # takes its place
+        senders.append(second)
+        receiver.register("a", [3], expected_layers=1)
+        second.send("a", 0, [0], [3], soon(GROUP_TIMEOUT_S + 2))
+        second.finish("a", soon(2))
+        assert receiver.wait("a", soon(2)).state is TransferState.DONE and receiver.senders == 1
+        receiver.register("b", [4], expected_layers=1)
+        with pytest.raises(TransferError) as err:  # its pair was dropped while idle
+            first.send("b", 0, [1], [4], soon(2))
+            first.finish("b", soon(2))
+        assert err.value.reason is FailReason.CLOSED, err.value
+        receiver.register("c", [5], expected_layers=1)
+        first.send("c", 0, [1], [5], soon(GROUP_TIMEOUT_S + 2))  # pairs again, in the idle second's place
+        first.finish("c", soon(2))
+        assert receiver.wait("c", soon(2)).state is TransferState.DONE and first.num_repairs == 1
+        assert torch.equal(full[0, :, [3, 5]], blocks[0, :, [0, 1]]) and (full[0, :, 4] == SENTINEL).all()
+
+        rogue = RawPeer(receiver.address, routing_id=b"raw")  # pairs, then a header whose tensor never comes
+        assert isinstance(rogue.hello(), KVCreditGrant)
+        receiver.register("d", [6], expected_layers=1)
+        rogue.send(KVTransferHeader(
+            request_id="d", transfer_id=5, seq=0, layer=0, dst_block_ids=(6,), num_blocks=1, dtype="float16",
+            block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0))
+        assert eventually(lambda: receiver.senders == 1 and receiver._pairs[b"raw"].in_flight == 1)  # type: ignore[attr-defined]
+        senders.append(NcclKVSender(src, receiver.address, group_timeout_s=GROUP_TIMEOUT_S))  # no room now
         senders.append(ZmqKVSender(src, receiver.address))  # the other transport
-        receiver.register("req", [3], expected_layers=1)
-        for sender, why in zip(senders[1:], ("already 1 senders", "routing id")):
+        receiver.register("e", [7], expected_layers=1)
+        for sender, why in zip(senders[2:], ("transfer in flight", "routing id")):
             start = time.monotonic()
             with pytest.raises(TransferError) as err:
-                sender.send("req", 0, [0], [3], start + 3)
+                sender.send("e", 0, [0], [7], start + 3)
             assert err.value.reason is FailReason.PROTOCOL and why in err.value.detail, err.value
             assert time.monotonic() - start < 1.5
-        assert (full == SENTINEL).all()
+        assert (full[0, :, [6, 7]] == SENTINEL).all()
     finally:
+        if rogue is not None:
+            rogue.close()
         for sender in senders:
             sender.close()
         receiver.close()

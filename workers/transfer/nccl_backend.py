@@ -90,7 +90,9 @@ Deadlines and limitations.
   `group_timeout_s` well above the workers' transfer deadlines. The NCCL path is untested here: this repo's
   CI has no GPU, and one GPU cannot host both ranks of an NCCL communicator.
 * A broken pair (group not formed in time, a failed send or recv, an unsizable header) stays broken:
-  every later message from that sender fails its transfer with CLOSED; the sender must be re-created.
+  every later message on it fails its transfer with CLOSED. The sender's next send forms a new pair,
+  as after a lost link (a new key, routing id and connection: `num_repairs`), so one bad message costs
+  the transfers in flight on the old pair, not every later one.
 * A lost control link (the control plane's heartbeats or monitor: see `control`) ends the pair on the
   sender's side too, since headers lost with the connection would leave the two streams misaligned.
   The sender then takes a new key (and routing id), says hello on its new connection, and once the
@@ -99,10 +101,12 @@ Deadlines and limitations.
   cache only under its lock while the transfer is PENDING. close() joins every thread within ~2 s; a thread
   stuck in a gloo wait or in group formation is left behind (daemon) and logged, as the ZeroMQ receiver
   does with its I/O thread.
-* Pairs live until the receiver closes (a ROUTER is not told that a peer left): a restarted sender, or one
-  that resynced after a lost link, leaves an idle pair thread and group behind. At most `max_senders`
-  pairs are accepted; a sender past it (or one whose sender id is not its routing id: a ZeroMQ-transport
-  sender) is refused at its hello with a `KVHelloRefusal` that says why, and its sends fail at once.
+* A ROUTER is not told that a peer left: a restarted sender, or one that resynced or re-paired, leaves
+  its old pair (thread and group) behind. At most `max_senders` pairs are kept: a hello past it evicts a
+  broken pair, else the longest-idle one with nothing in flight (its thread ends, its group closes; a live
+  sender of it hears CLOSED at its next message and pairs again), and is refused only when every pair is
+  busy. A sender whose sender id is not its routing id (a ZeroMQ-transport sender) is refused at its hello.
+  A refused sender is told why (`KVHelloRefusal`) and its sends fail at once.
 * Authentication (`auth`, `control`): every control message (hello, headers, acks, aborts, end markers)
   carries an HMAC-SHA256 tag under its connection's key, and the store's requests and replies one under a
   key derived from the cluster secret (numbered per store connection; a reply is bound to its request).
@@ -126,7 +130,7 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -222,6 +226,8 @@ class _Pair:
     channel: DataChannel | None = None
     broken: str | None = None
     thread: threading.Thread | None = None
+    used_at: float = field(default_factory=time.monotonic)  # its hello or its last header
+    evicted: bool = False  # set (under `cond`) when a hello took its place: its thread ends
 
 
 class NcclKVReceiver(LedgerReceiver):
@@ -305,8 +311,9 @@ class NcclKVReceiver(LedgerReceiver):
         with self._pairs_lock:
             refused = ("its sender id is not its routing id" if not (_KEY.fullmatch(key) and peer == key.encode())
                        else "a second hello" if peer in self._pairs
-                       else f"already {len(self._pairs)} senders" if len(self._pairs) >= self._max_senders
                        else None)
+            if refused is None and len(self._pairs) >= self._max_senders and not self._evict_one():
+                refused = f"already {len(self._pairs)} senders, each with a transfer in flight"
             if refused is None:
                 pair = _Pair(key, peer, self._gloo_hostname or self._hostname_towards(frame),
                              threading.Condition(), collections.deque())
@@ -320,6 +327,27 @@ class NcclKVReceiver(LedgerReceiver):
         pair.thread.start()  # forms the group while the sender forms its side
         return None
 
+    def _evict_one(self) -> bool:
+        """Make room for a new pair (`_pairs_lock` held): drop a broken pair, else the longest idle one
+        with nothing in flight. False when every pair is busy."""
+        def idle(p: _Pair) -> bool:
+            return p.in_flight == 0 and not p.queue
+
+        broken = [p for p in self._pairs.values() if p.broken is not None and idle(p)]
+        idle_pairs = broken or sorted((p for p in self._pairs.values() if idle(p)), key=lambda p: p.used_at)
+        if not idle_pairs:
+            return False
+        victim = idle_pairs[0]
+        with victim.cond:
+            if not idle(victim):  # a header came for it meanwhile
+                return False
+            victim.evicted = True
+            victim.cond.notify_all()
+        del self._pairs[victim.peer]
+        log.info("KV receiver %s: dropped the %s pair of sender %s to pair with a new one", self.address,
+                 "broken" if victim.broken is not None else "idle", victim.key)
+        return True
+
     @staticmethod
     def _hostname_towards(frame: zmq.Frame) -> str | None:
         try:
@@ -331,10 +359,14 @@ class NcclKVReceiver(LedgerReceiver):
     def _on_header(self, peer: bytes, header: KVTransferHeader, tensor_frames: list[zmq.Frame]) -> None:
         with self._pairs_lock:
             pair = self._pairs.get(peer)
-        if pair is None:  # no hello, so no credit and no data channel: only a broken peer gets here
-            self._control.reply(peer, refusal(header, FailReason.PROTOCOL, "no hello from this sender", credits=0))
+        if pair is None:
+            # No pair: never made (no hello: a broken peer), or dropped for a new sender's (`_evict_one`).
+            # CLOSED, so that a live sender forms a new pair (its tensor went to a group that is gone).
+            self._control.reply(peer, refusal(header, FailReason.CLOSED, "no pair with this sender (never formed, "
+                                              "or dropped while idle for another sender's)", credits=0))
             return
         with pair.cond:
+            pair.used_at = time.monotonic()
             pair.in_flight += 1
             pair.queue.append((header, pair.in_flight > self._control.credits))
             pair.cond.notify()
@@ -370,7 +402,7 @@ class NcclKVReceiver(LedgerReceiver):
 
     def _next(self, pair: _Pair) -> tuple[KVTransferHeader, bool] | None:
         with pair.cond:
-            while not self._control.stopped.is_set():
+            while not (self._control.stopped.is_set() or pair.evicted):
                 if pair.queue and not (self._faults is not None and self._faults.receiver_stalled):
                     return pair.queue.popleft()
                 pair.cond.wait(_PAIR_POLL_S)
@@ -445,6 +477,7 @@ class NcclKVSender(NetworkSender):
                          connect_budget_s=connect_budget_s, secret=secret, fingerprint=fingerprint)
         self._staging = Staging(staging_device(self._book.geometry, self._backend))
         self.num_checksummed = 0  # data messages whose bytes this sender checksummed (on the host)
+        self.num_repairs = 0  # new pairs formed after the data channel broke (`_repair`)
         self._tag = 0
         self._group_timeout_s = group_timeout_s
         self._gloo_hostname = gloo_hostname or _local_ip_towards(host, port)
@@ -499,6 +532,8 @@ class NcclKVSender(NetworkSender):
     # -- NetworkSender hooks (lock held) -------------------------------------------------------
 
     def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
+        if self._channel_ready.is_set() and self._channel is None and not self._closed:
+            self._repair()
         self._await_credit(request_id, deadline)
         self._await_channel(request_id, deadline)
         # Gather only once a credit is in hand: the credit window also bounds the staging memory.
@@ -527,6 +562,14 @@ class NcclKVSender(NetworkSender):
         self._tag = 0  # the next pair counts its messages from the start
         self.key = _new_key(self._label)
         self._routing_id, self._sender_id = self.key.encode(), self.key
+
+    def _repair(self) -> None:
+        """The pair broke (or never formed): form a new one, as after a lost link, rather than fail every
+        later transfer to this receiver with CLOSED. What was in flight on the old pair fails."""
+        self.num_repairs += 1
+        detail = f"re-pairing with {self.address}: the data channel broke ({self._channel_error})"
+        log.warning("KV sender -> %s: %s", self.address, detail)
+        self._reconnect(FailReason.CLOSED, detail)
 
     def _on_resync(self) -> None:
         self._former = self._start_forming()  # the receiver is forming its side now, on our hello
