@@ -225,6 +225,36 @@ def test_a_broken_pair_fails_fast_on_both_sides_and_the_next_send_pairs_again(li
     assert lk.sender.num_repairs == 1  # type: ignore[attr-defined]
 
 
+def test_a_pair_that_never_forms_is_tried_again_after_a_growing_wait(link: Links,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # A data channel that cannot form (a gloo or NCCL peer this host cannot reach) must not make every
+    # transfer wait for a formation that fails again: between re-pairings (after 1, 2, 4 ... s) they fail
+    # at once with CLOSED, as a broken pair's do.
+    from pdserve.workers.transfer import nccl_backend
+
+    def unreachable(*args: Any, **kw: Any) -> Any:
+        raise RuntimeError("connect: no route to host")
+
+    monkeypatch.setattr(nccl_backend, "DataChannel", unreachable)
+    lk = link(layers=1)
+    assert not lk.sender.wait_ready(GROUP_TIMEOUT_S)  # type: ignore[attr-defined]
+    lk.receiver.register("req", [3], expected_layers=1)
+
+    def fails_closed() -> float:
+        start = time.monotonic()
+        with pytest.raises(TransferError) as err:
+            lk.sender.send("req", 0, [0], [3], soon(GROUP_TIMEOUT_S + 2))
+        assert err.value.reason in (FailReason.CLOSED, FailReason.TIMEOUT), err.value
+        return time.monotonic() - start
+
+    fails_closed()  # re-pairs (a new hello, a new formation), which fails again
+    assert lk.sender.num_repairs == 1  # type: ignore[attr-defined]
+    assert fails_closed() < 0.5 and lk.sender.num_repairs == 1  # type: ignore[attr-defined]  # within 1 s: at once
+    time.sleep(1.0)
+    fails_closed()
+    assert lk.sender.num_repairs == 2  # type: ignore[attr-defined]
+
+
 def test_pairs_past_the_bound_take_an_idle_ones_place_and_only_busy_ones_refuse() -> None:
     # A receiver keeps at most `max_senders` pairs (a ROUTER is not told a sender left: restarted or
     # re-paired senders leave theirs behind, and at the bound it refused every new sender for good). A new

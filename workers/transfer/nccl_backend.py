@@ -180,6 +180,7 @@ DEFAULT_GROUP_TIMEOUT_S = 30.0
 DEFAULT_MAX_MESSAGE_BYTES = 16 << 20  # a sender splits a layer's blocks into messages of at most this
 DEFAULT_MAX_RECEIVE_BYTES = 256 << 20  # a receiver refuses (breaks the pair on) a header claiming more
 DEFAULT_MAX_SENDERS = 64
+_REPAIR_BACKOFF_MAX_S = 60.0  # the longest wait between two re-pairings that did not form
 _PAIR_POLL_S = 0.02  # a pair thread's longest sleep: how soon it notices close or a test's stall switch
 _SENDER_JOIN_S = 1.0
 _KEY = re.compile(r"[A-Za-z0-9_.-]{1,100}")
@@ -478,6 +479,8 @@ class NcclKVSender(NetworkSender):
         self._staging = Staging(staging_device(self._book.geometry, self._backend))
         self.num_checksummed = 0  # data messages whose bytes this sender checksummed (on the host)
         self.num_repairs = 0  # new pairs formed after the data channel broke (`_repair`)
+        self._repair_at = 0.0  # no re-pairing before this (monotonic)
+        self._repairs_unformed = 0  # re-pairings since a pair last formed
         self._tag = 0
         self._group_timeout_s = group_timeout_s
         self._gloo_hostname = gloo_hostname or _local_ip_towards(host, port)
@@ -525,6 +528,7 @@ class NcclKVSender(NetworkSender):
                     channel.close()
                 else:
                     self._channel = channel
+                    self._repairs_unformed, self._repair_at = 0, 0.0
         finally:
             store.retire()
             ready.set()
@@ -532,7 +536,8 @@ class NcclKVSender(NetworkSender):
     # -- NetworkSender hooks (lock held) -------------------------------------------------------
 
     def _send_message(self, request_id: str, layer: int, src: list[int], dst: list[int], deadline: float) -> None:
-        if self._channel_ready.is_set() and self._channel is None and not self._closed:
+        if (self._channel_ready.is_set() and self._channel is None and not self._closed
+                and time.monotonic() >= self._repair_at):
             self._repair()
         self._await_credit(request_id, deadline)
         self._await_channel(request_id, deadline)
@@ -567,6 +572,11 @@ class NcclKVSender(NetworkSender):
         """The pair broke (or never formed): form a new one, as after a lost link, rather than fail every
         later transfer to this receiver with CLOSED. What was in flight on the old pair fails."""
         self.num_repairs += 1
+        # Pairs that keep breaking (a gloo or NCCL peer this host cannot reach) are formed again after
+        # 1, 2, 4 ... 60 s, their transfers failing at once meanwhile (as a broken pair's do), not each
+        # waiting for a formation that fails again; a pair that forms starts the count over.
+        self._repair_at = time.monotonic() + min(_REPAIR_BACKOFF_MAX_S, 2.0 ** self._repairs_unformed)
+        self._repairs_unformed += 1
         detail = f"re-pairing with {self.address}: the data channel broke ({self._channel_error})"
         log.warning("KV sender -> %s: %s", self.address, detail)
         self._reconnect(FailReason.CLOSED, detail)
