@@ -46,6 +46,11 @@ APP_NAME = "pdserve"  # the gateway's Serve app
 # ever for a replica no node can place (`--gateway-resources` naming a resource no node offers).
 GATEWAY_START_S = 300.0
 GATEWAY_POLL_S = 0.5
+# A worker that Ray has restarted this many times before it first answered is dying in its
+# start (the OOM killer while it loads the model, a crash), not slow: Ray restarts it at once,
+# for ever, and the start waited out its whole deadline to blame placement. Once may be chance.
+START_DEATHS = 2
+START_POLL_S = 1.0  # how often the start looks for such a worker while it waits
 
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
@@ -167,29 +172,61 @@ def wait_for_workers(workers: list[Any], timeout_s: float = 300.0,
                      names: Sequence[str] | None = None) -> list[WorkerInfo]:
     """Each worker's info once it has built its engine. A worker that refused its settings (a
     ValueError while building: a directory with no weights, a model it cannot run) is a ValueError
-    saying so, which the CLI reports in one line (exit 2); so are workers not up past `timeout_s`,
-    by name (`names`, in the order of `workers`)."""
+    saying so, which the CLI reports in one line (exit 2); so is one whose process keeps dying
+    before it answers (`START_DEATHS`), and workers not up past `timeout_s`, by name (`names`,
+    in the order of `workers`)."""
     refs = [w.info.remote() for w in workers]
+    labels = list(names) if names is not None else [f"worker {i}" for i in range(len(refs))]
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            infos: list[WorkerInfo] = ray.get(refs, timeout=max(0.0, min(START_POLL_S, deadline - time.monotonic())))
+            return infos
+        except ray.exceptions.GetTimeoutError as e:
+            looping = _crash_looping(workers, refs, labels)
+            if looping is not None:
+                raise ValueError(looping) from e
+            if time.monotonic() >= deadline:
+                # Ray waits for resources for ever: an actor no node can hold is only "not ready".
+                raise ValueError(_not_up(refs, labels, timeout_s)) from e
+        except ray.exceptions.ActorDiedError as e:
+            refused = refusal(e)
+            if refused is None:
+                raise
+            raise ValueError(f"a worker could not start: {refused}") from e
+
+
+def _crash_looping(workers: list[Any], refs: list[Any], labels: Sequence[str]) -> str | None:
+    """The error for the first worker not up yet that Ray has restarted `START_DEATHS` times, or
+    None. Its process died each time while it built its engine; Ray restarts it at once, for ever
+    (`max_restarts` -1), so it would only die again, and reload the model each time."""
+    _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
+    late = set(pending)
+    for handle, ref, label in zip(workers, refs, labels, strict=True):
+        if ref in late and (died := restarts(handle)) >= START_DEATHS:
+            return (f"{label} died {died} times while starting, before it answered once: its process exits "
+                    "while it builds its engine (killed for memory: the model and its KV cache need more than "
+                    "the node has; or a crash). Its log on its node (Ray's session logs, "
+                    "/tmp/ray/session_latest/logs) says which")
+    return None
+
+
+def restarts(handle: Any) -> int:
+    """Times Ray has restarted the actor `handle` (0 where its table cannot be read: a private API)."""
     try:
-        infos: list[WorkerInfo] = ray.get(refs, timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError as e:
-        # Ray waits for resources for ever: an actor no node can hold is only "not ready".
-        raise ValueError(_not_up(refs, names, timeout_s)) from e
-    except ray.exceptions.ActorDiedError as e:
-        refused = refusal(e)
-        if refused is None:
-            raise
-        raise ValueError(f"a worker could not start: {refused}") from e
-    return infos
+        from ray._private.state import actors
+
+        return int(actors(handle._actor_id.hex()).get("NumRestarts", 0))
+    except Exception:  # noqa: BLE001 - the crash-loop check is a courtesy: the deadline still holds
+        return 0
 
 
-def _not_up(refs: list[Any], names: Sequence[str] | None, timeout_s: float) -> str:
+def _not_up(refs: list[Any], labels: Sequence[str], timeout_s: float) -> str:
     """The error for workers whose `info` calls (`refs`) had not answered by the deadline."""
     _, pending = ray.wait(refs, num_returns=len(refs), timeout=0)
     late = set(pending)
-    labels = names if names is not None else [f"worker {i}" for i in range(len(refs))]
     slow = [label for label, ref in zip(labels, refs, strict=True) if ref in late]
-    return (f"workers not up within {timeout_s:.0f} s: {', '.join(slow)} (Ray could not place them, or they "
+    return (f"workers not up within {timeout_s:g} s: {', '.join(slow)} (Ray could not place them, or they "
             "are still loading the model: `ray status` lists demands no node can meet, such as more GPUs "
             "than the cluster has or a pool resource no node offers)")
 

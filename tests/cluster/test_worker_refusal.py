@@ -5,6 +5,7 @@ death of a worker is raised as Ray gave it."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -189,9 +190,9 @@ def test_workers_not_up_by_the_deadline_are_named_in_one_line(monkeypatch: pytes
     monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
     monkeypatch.setattr(serve_app, "create_workers", lambda cfg: [Slow(), Slow(), Slow()])
     with pytest.raises(ValueError) as caught:
-        serve_app.start_workers(serve_config({"model": "/models/x", "prefill": 1, "decode": 2}), timeout_s=30.0)
+        serve_app.start_workers(serve_config({"model": "/models/x", "prefill": 1, "decode": 2}), timeout_s=0.2)
     message = str(caught.value)
-    assert message.startswith("workers not up within 30 s: pdserve-decode-0, pdserve-decode-1 ")
+    assert message.startswith("workers not up within 0.2 s: pdserve-decode-0, pdserve-decode-1 ")
     assert "pdserve-prefill-0" not in message and "\n" not in message
     assert "ray status" in message
     assert isinstance(caught.value.__cause__, ray.exceptions.GetTimeoutError)
@@ -242,3 +243,32 @@ def test_a_gateway_no_node_can_place_ends_the_start_at_a_deadline(monkeypatch: p
     assert str(caught.value).startswith("the gateway is not up within 0.05 s: Deployment 'pdserve-gateway'")
     assert "gatway_node" in str(caught.value)
     assert deleted == ["pdserve"] and killed == created
+
+
+def test_a_worker_that_keeps_dying_while_it_starts_ends_the_start_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose process dies while it builds its engine (the OOM killer, for a model its
+    node's memory cannot hold; a crash) is restarted by Ray at once, for ever (`--max-restarts`
+    -1): ~2 restarts a second for a quick death, each loading the model again and logging Ray's
+    death notice, while the start waited out its whole deadline (300 s) and then blamed
+    placement ("Ray could not place them, or they are still loading the model"). A worker that
+    has died twice before it ever answered ends the start at once, a ValueError (the CLI's one
+    line) naming it and saying why."""
+    refs = [object(), object()]
+    handles = [SimpleNamespace(info=SimpleNamespace(remote=lambda ref=ref: ref), ref=ref) for ref in refs]
+    deaths = {id(handles[0]): iter([0, 0, 0, 0]), id(handles[1]): iter([0, 1, 2, 3])}
+    gets: list[float] = []
+
+    def get(refs: Any, timeout: float) -> None:
+        gets.append(timeout)
+        raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(serve_app.ray, "wait", lambda pending, num_returns, timeout: ([], list(pending)))
+    monkeypatch.setattr(serve_app, "restarts", lambda handle: next(deaths[id(handle)]), raising=False)
+    with pytest.raises(ValueError) as caught:
+        serve_app.wait_for_workers(handles, timeout_s=600.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
+    message = str(caught.value)
+    assert message.startswith("pdserve-decode-0 died 2 times while starting")
+    assert "pdserve-prefill-0" not in message and "\n" not in message
+    assert "memory" in message
+    assert len(gets) <= 3 and all(t <= serve_app.START_POLL_S for t in gets)
