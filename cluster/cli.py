@@ -381,6 +381,9 @@ def _pool_arguments(srv: argparse.ArgumentParser) -> None:
                         "preempt a worker's step (default 19; 0: as they start; a joined cluster is left alone)")
     g.add_argument("--max-restarts", type=int, default=UNSET,
                    help="times Ray restarts a crashed worker (default -1: always)")
+    g.add_argument("--worker-start-timeout", type=float, default=UNSET,
+                   help="seconds the start waits for every worker to load (and compile) the model before it "
+                        "fails naming those not up (default 300)")
     g.add_argument("--kv-host", default=UNSET,
                    help="the address every data-plane socket (decode workers' KV receivers, the gateway's token "
                         "stream) binds and advertises, resolved on each node: auto (the node's Ray address) or an "

@@ -512,7 +512,7 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
         # models (seconds of each start, minutes of a compile): the gateway app waits for them.
         serve.start(http_options={"host": cfg.host, "port": cfg.port})
         # `--dtype auto` as the workers resolved it
-        dtype = wait_for_workers(workers, names=cfg.worker_names())[0].dtype
+        dtype = wait_for_workers(workers, cfg.worker_start_timeout, cfg.worker_names())[0].dtype
     except Exception:
         # Detached actors outlive this driver: on a cluster it joined, a failed start's workers held
         # their cores or GPUs, and the next start failed on their names ("already taken"). (A

@@ -201,6 +201,10 @@ class ServeConfig:
     max_prefill_backlog_tokens: NonNegativeInt | None = None
     # Times Ray restarts a crashed worker (-1: always; 0: never).
     max_restarts: Annotated[int, Field(ge=-1)] = -1
+    # Seconds `pdserve serve` waits for its workers to build their engines (load, and compile,
+    # the model) before the start fails naming those not up. A Serve YAML's builder has its own
+    # (`worker_timeout_s`, deploy/pdserve_app.py).
+    worker_start_timeout: Seconds = 300.0
     # The names the API answers to (vLLM's --served-model-name): responses carry the
     # first. None: the model setting as given, and its basename (`served_names`).
     served_model_name: Names | None = None

@@ -55,7 +55,8 @@ _ELSEWHERE = {"host": "http_options.host in the Serve config", "port": "http_opt
                               "a `ray start` cluster's HAProxy runs Ray Serve's own config"),
               # What `pdserve serve` does to the processes of the local Ray it starts.
               **dict.fromkeys(("cpu_pinning", "control_plane_nice"),
-                              "nothing here: `pdserve serve` applies it to the local Ray it starts")}
+                              "nothing here: `pdserve serve` applies it to the local Ray it starts"),
+              "worker_start_timeout": "worker_timeout_s, the application builder's wait for its workers"}
 
 _WORKER_NAME = re.compile(r"pdserve-(worker|prefill|decode)-\d+")
 

@@ -157,6 +157,7 @@ ELSEWHERE_FLAGS: list[tuple[list[str], str, Any]] = [
     (["--max-connections-per-client", "10"], "max_connections_per_client", 10),
     (["--header-timeout", "5"], "header_timeout", 5), (["--keep-alive-timeout", "5"], "keep_alive_timeout", 5),
     (["--cpu-pinning", "off"], "cpu_pinning", "off"), (["--control-plane-nice", "0"], "control_plane_nice", 0),
+    (["--worker-start-timeout", "900"], "worker_start_timeout", 900),
 ]
 
 

@@ -272,3 +272,28 @@ def test_a_worker_that_keeps_dying_while_it_starts_ends_the_start_naming_it(monk
     assert "pdserve-prefill-0" not in message and "\n" not in message
     assert "memory" in message
     assert len(gets) <= 3 and all(t <= serve_app.START_POLL_S for t in gets)
+
+
+@pytest.mark.parametrize(("settings", "waited"), [({}, 300.0), ({"worker_start_timeout": 1800}, 1800.0)])
+def test_the_wait_for_workers_at_a_start_is_the_operators_to_set(monkeypatch: pytest.MonkeyPatch,
+                                                                 settings: dict[str, Any], waited: float) -> None:
+    """`pdserve serve` waited 300 s for its workers to build their engines, fixed: a model that
+    loads and compiles for longer (a large checkpoint on CPU, a slow disk) could never be served,
+    its start ended as "not up within 300 s" however often it was tried (a Serve YAML has
+    `worker_timeout_s`). `--worker-start-timeout` sets it; 300 s by default, as before."""
+    from pdserve.cluster.serve_config import serve_config
+
+    created = [Handle()]
+    waits: list[float] = []
+    _joined_cluster(monkeypatch, created)
+    monkeypatch.setattr(serve_app.serve, "start", lambda **kwargs: None)
+
+    def wait(workers: Any, timeout_s: float = 300.0, names: Any = None) -> list[Any]:
+        waits.append(timeout_s)
+        raise ValueError("workers not up")
+
+    monkeypatch.setattr(serve_app, "wait_for_workers", wait)
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
+    with pytest.raises(ValueError, match="not up"):
+        serve_app.run(serve_config({"model": "/models/x", **settings}))
+    assert waits == [waited]
