@@ -328,6 +328,24 @@ def test_serve_refuses_what_the_model_cannot_do_before_ray_starts(
     assert err.startswith(f"pdserve: error: {name}: ")
 
 
+@pytest.mark.parametrize(("text", "says"), [
+    ("{bad json", "not valid JSON"), ('["LlamaForCausalLM"]', "not a JSON object"),
+    ('{"architectures": ["LlamaForCausalLM"]}', "'num_attention_heads'"),
+    ('{"architectures": ["LlamaForCausalLM"], "num_attention_heads": "four", "hidden_size": 64}', "four"),
+])
+def test_serve_refuses_a_broken_config_json_naming_the_file(
+        text: str, says: str, tmp_path: Path, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """A model directory whose config.json is not JSON was refused with json's words alone
+    ("Expecting property name enclosed in double quotes: line 1 column 2"), naming no file; one
+    that lacks a field the model needs (or holds a word for a number) escaped `pdserve serve` as
+    a KeyError (ValueError) traceback, exit 1. (A worker reading it hit the same.) One line
+    naming the file, exit 2."""
+    (tmp_path / "config.json").write_text(text)
+    err = refused(["serve", "--model", str(tmp_path)], capsys)
+    assert err.startswith(f"pdserve: error: model: {tmp_path / 'config.json'}") and says in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_serve_takes_what_the_model_can_do(model_shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reached: list[Any] = []
     from pdserve.cluster import serve_app, shutdown

@@ -93,10 +93,19 @@ class ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ValueError(f"model: no config.json in {model_dir}")
-        hf = json.loads(path.read_text())
+        hf = _json_object(path)
         gen_path = Path(model_dir) / "generation_config.json"
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
-        return cls.from_hf_dict(hf, gen)
+        gen = _json_object(gen_path) if gen_path.is_file() else {}
+        # A field missing, or a word for a number, was a KeyError traceback (or int()'s words,
+        # naming no file) out of `pdserve serve` and of every worker: one line naming the file.
+        try:
+            return cls.from_hf_dict(hf, gen)
+        except KeyError as e:
+            raise ValueError(f"model: {path} has no {e.args[0]!r}, which the model needs") from None
+        except (TypeError, ValueError) as e:
+            if str(e).startswith("model: "):  # from_hf_dict's own refusals
+                raise
+            raise ValueError(f"model: {path}: a field of the wrong type ({e})") from None
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
@@ -144,6 +153,17 @@ class ModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **_quantization(hf.get("quantization_config")),
         )
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path`, or a ValueError naming the file (json's own error named none)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"model: {path} is not a JSON object (it holds a {type(value).__name__})")
+    return value
 
 
 def _quantization(q: dict[str, Any] | None) -> dict[str, Any]:
