@@ -232,12 +232,17 @@ def _not_up(refs: list[Any], labels: Sequence[str], timeout_s: float) -> str:
 
 
 def refusal(error: ray.exceptions.ActorDiedError) -> str | None:
-    """The message of the ValueError that ended an actor's constructor; None for any other death.
-    Ray hands the driver only the constructor's traceback as text, ending with the error's line."""
+    """The message of the ValueError that ended an actor's constructor, as one line; None for any
+    other death. Ray hands the driver only the constructor's traceback as text, ending with the
+    error: its lines after the last frame's (indented) ones. Not its last line alone: a message of
+    several lines (transformers' for a directory with no tokenizer) was taken for no refusal, and
+    another error's message that ended in a line `ValueError: ...` for one."""
     if not error.actor_init_failed:
         return None
-    last = (str(error).strip().splitlines() or [""])[-1]
-    return last.removeprefix("ValueError: ") if last.startswith("ValueError: ") else None
+    lines = str(error).strip().splitlines()
+    start = max((i for i, line in enumerate(lines) if line.startswith((" ", "\t"))), default=-1) + 1
+    said = " ".join(line.strip() for line in lines[start:] if line.strip())
+    return said.removeprefix("ValueError: ") if said.startswith("ValueError: ") else None
 
 
 def create_workers(cfg: ServeConfig) -> list[Any]:

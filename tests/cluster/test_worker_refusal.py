@@ -44,7 +44,32 @@ def test_a_worker_that_refuses_its_model_stops_the_start_with_the_reason(monkeyp
     assert caught.value.__cause__ is error
 
 
-@pytest.mark.parametrize("last_line", ["RuntimeError: CUDA error: out of memory", "MemoryError", ""])
+def test_a_refusal_of_several_lines_stops_the_start_with_all_of_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers refuses a model directory with no tokenizer files (weights and config.json
+    copied, the tokenizer not) with a ValueError of five lines: only a one-line error was taken
+    for a refusal (the traceback's last line must start with `ValueError: `), so this one ended
+    the start in Ray's 70-line traceback, exit 1. Its lines make the one line, in order."""
+    error = died_in_constructor(
+        "ValueError: Couldn't instantiate the backend tokenizer from one of: \n(1) a `tokenizers` library "
+        "serialization file, \n(2) a slow tokenizer instance to convert or \n(3) an equivalent slow tokenizer "
+        "class to instantiate and convert. \nYou need to have sentencepiece or tiktoken installed to convert a "
+        "slow tokenizer to a fast one.")
+
+    def get(refs: Any, timeout: float) -> None:
+        raise error
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    with pytest.raises(ValueError) as caught:
+        serve_app.wait_for_workers([Handle()])
+    assert str(caught.value) == (
+        "a worker could not start: Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` "
+        "library serialization file, (2) a slow tokenizer instance to convert or (3) an equivalent slow tokenizer "
+        "class to instantiate and convert. You need to have sentencepiece or tiktoken installed to convert a slow "
+        "tokenizer to a fast one.")
+
+
+@pytest.mark.parametrize("last_line", ["RuntimeError: CUDA error: out of memory", "MemoryError", "",
+                                       "RuntimeError: boom\nValueError: not the error raised"])
 def test_any_other_death_is_raised_as_ray_gave_it(monkeypatch: pytest.MonkeyPatch, last_line: str) -> None:
     error = died_in_constructor(last_line)
 
