@@ -256,6 +256,13 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     colocated = cfg.mode is ServingMode.COLOCATED
     share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
                          plane_cores=COLOCATED_PLANE_CORES if colocated else 0)
+    pools = ("worker",) if colocated else ("prefill", "decode")
+    if "num_gpus" in share.options and max(cfg.pool_tp(pool) for pool in pools) > 1:
+        # What each worker's engine refuses once it holds a GPU (workers/engine_setup.py), refused
+        # before any is created: `--device auto` names no cuda for ServeConfig to refuse.
+        raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far, and on this Ray cluster, "
+                         "which has GPUs, each worker gets one: serve with --device cpu, or without tensor "
+                         "parallelism (docs/tensor-parallel.md)")
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))

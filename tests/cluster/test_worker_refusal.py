@@ -5,6 +5,7 @@ death of a worker is raised as Ray gave it."""
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -322,3 +323,40 @@ def test_the_wait_for_workers_at_a_start_is_the_operators_to_set(monkeypatch: py
     with pytest.raises(ValueError, match="not up"):
         serve_app.run(serve_config({"model": "/models/x", **settings}))
     assert waits == [waited]
+
+
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"decode_tp": 2},
+                                      {"mode": "colocated", "tensor_parallel_size": 2}])
+def test_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_created(
+        monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any]) -> None:
+    """Tensor-parallel ranks run on CPU only (gloo). `--device auto` (the default) is checked
+    against that only where it names cuda; on a cluster with GPUs each worker was created on one,
+    imported torch and CUDA, and refused in its engine, one by one, with words that did not say
+    `--device cpu` serves it. Refused before any worker is created, naming the setting."""
+    from pdserve.cluster import ray_actors
+    from pdserve.cluster.serve_config import serve_config
+
+    made: list[str] = []
+
+    class Actor:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def remote(self, *args: Any, **kwargs: Any) -> str:
+            made.append(self.name)
+            return self.name
+
+    for cls in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
+        monkeypatch.setattr(ray_actors, cls, type(cls, (), {
+            "options": staticmethod(lambda name, **options: Actor(name))}))
+    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
+    monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
+    cfg = serve_config({"model": "/models/x", **settings})
+    cfg = cfg.fit_to_cluster(lambda: 2.0)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: .*--device cpu"):
+        serve_app.create_workers(cfg)
+    assert made == []
+    # The same settings on CPU workers (`device: cpu`) of that cluster are created.
+    cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
+    serve_app.create_workers(cpu)
+    assert made == cpu.worker_names()
