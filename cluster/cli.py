@@ -209,11 +209,15 @@ def _check_against_model(cfg: ServeConfig) -> None:
     `max_model_len` within its positions, each pool's tensor-parallel size dividing its heads.
     The workers found them only once Ray, Serve and their own processes were up, and a pool's
     size (`--prefill-tp 3`) was named as `tensor_parallel_size`, a flag not given. A path this
-    machine has not (the workers' nodes may) is left to the workers, as before."""
+    machine has not is left to the workers of a cluster it joins (their nodes may have it), and
+    refused where they would run here, on the local Ray it starts."""
+    from pdserve.cluster.serve_app import starts_local_ray
     from pdserve.cluster.serve_config import ServingMode
     from pdserve.workers.model.resolve import TINY, resolve_model
 
     if cfg.model != TINY and not Path(cfg.model).expanduser().exists():
+        if starts_local_ray():  # else Ray, Serve and every worker started to say so 20-odd s later
+            raise ValueError(f"model: {cfg.model} does not exist")
         return
     from pdserve.workers.engine_setup import resolve_max_model_len
     from pdserve.workers.model.config import ModelConfig

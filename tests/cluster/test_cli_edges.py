@@ -346,6 +346,27 @@ def test_serve_refuses_a_broken_config_json_naming_the_file(
     assert len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_serve_refuses_a_model_path_that_is_not_there_before_it_starts_local_ray(
+        local: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `--model` path this machine has not was left to the workers (their nodes may have it),
+    also where the workers would run here, on the local Ray `pdserve serve` starts: Ray, Serve and
+    every worker started, and the start ended 20-odd seconds later in "a worker could not start:
+    model: ... does not exist". On local Ray it is refused before anything starts; a cluster it
+    joins still gets the path (its nodes may have it)."""
+    from pdserve.cluster import serve_app, shutdown
+
+    reached: list[Any] = []
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: local)
+    monkeypatch.setattr(serve_app, "preflight", lambda cfg: reached.append(cfg))
+    monkeypatch.setattr(shutdown, "serve_in_own_group", lambda run: 0)
+    if local:
+        err = refused(["serve", "--model", "/nonexistent/model"], capsys)
+        assert err == "pdserve: error: model: /nonexistent/model does not exist\n" and reached == []
+    else:
+        assert cli.main(["serve", "--model", "/nonexistent/model"]) == 0 and len(reached) == 1
+
+
 def test_serve_takes_what_the_model_can_do(model_shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reached: list[Any] = []
     from pdserve.cluster import serve_app, shutdown
