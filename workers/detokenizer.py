@@ -73,9 +73,11 @@ class IncrementalDetokenizer:
                 raise
             # A byte-fallback run (SentencePiece <0xNN> tokens: Llama 2, Mistral) that a later byte made
             # decode otherwise ("\n" then an unfinished character: two U+FFFD): DecodeStream cannot go
-            # on. A new stream from this token, the text so far kept (vLLM's recovery).
+            # on. A new stream, the text so far kept (vLLM's recovery), seeded with the tokens the
+            # old one held: its first text is then their decode and this token's (U+FFFD per byte
+            # left unfinished, and the token's leading space, which a stream's first token loses).
             log.info("detokenizer: a byte run decoded differently with token %d; the stream starts again", token_id)
-            self.stream = DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self.stream = DecodeStream(ids=list(self._pending), skip_special_tokens=self.skip_special_tokens)
             return self.stream.step(self.tokenizer, token_id)
 
 

@@ -209,6 +209,21 @@ def test_a_newline_then_an_unfinished_character_does_not_break_the_detokenizer()
     assert d.text.startswith("\n")
 
 
+@pytest.mark.parametrize(("bytes_", "word"), [(["<0xE4>"], "▁ok"), (["<0xA5>", "<0x11>"], "▁the")])
+def test_the_stream_started_again_keeps_the_held_bytes_and_the_next_words_space(bytes_: list[str], word: str) -> None:
+    """After that reset, the text goes on as tokenizer.decode reads what the old stream held and
+    the word that broke it: one U+FFFD per held byte, then " ok". A fresh stream dropped the held
+    bytes and, its first token's leading space stripped (Llama 2's Strip decoder), glued the word
+    to the text before it ("\\nok")."""
+    tok = llama2_tokenizer()
+    held, last = [tok.token_to_id(b) for b in bytes_], tok.token_to_id(word)
+    d = IncrementalDetokenizer(tok, tok.encode("Hello").ids, [], False, skip_special_tokens=True)
+    for t in [tok.token_to_id("<0x0A>"), *held, last]:
+        d.add(t)
+    assert d.text == "\n" + tok.decode([*held, last])
+    assert d.text == "\n" + "\ufffd" * len(held) + word.replace("▁", " ")
+
+
 def test_requests_over_a_byte_fallback_tokenizer_are_not_failed_by_the_detokenizer(tmp_path: Path) -> None:
     """The engine-level effect: sampled requests over a Llama 2-style tokenizer end "abort"
     with the DecodeStream's error whenever the model emits an invalid byte sequence."""
