@@ -37,7 +37,8 @@ TINY_PROFILE = ROOT / "bench" / "results" / "profile_tiny_2026-11-27.json"
 
 # What a command is changed by to run here, and why: the only differences from the docs.
 SUBSTITUTIONS = {
-    "--model": "no --model, or a model this machine does not have (/models/..., a .gguf, `...`): --model tiny. "
+    "--model": "no --model, or a model this machine does not have (/models/..., a .gguf, `...`, a placeholder "
+               "such as <dir>): --model tiny. "
                "The default model is 93 MB to fetch and a minute to compile; its fetch has its own tests "
                "(tests/workers/test_default_model.py)",
     "--port and HAProxy's ports": "free ones: another server may hold 8000 on a CI machine",
@@ -180,7 +181,7 @@ def substitute(w: list[str], tmp: Path, base_url: str = "") -> list[str]:
         if "--model" not in out:
             out += ["--model", "tiny"]
         i = out.index("--model") + 1
-        if out[i].startswith(("/models/", "./")) or out[i].endswith(".gguf") or out[i] == "...":
+        if out[i].startswith(("/models/", "./", "<")) or out[i].endswith(".gguf") or out[i] == "...":
             out[i] = "tiny"
     if sub == "bench":
         out = _set(out, "--base-url", base_url)
