@@ -28,7 +28,10 @@ from pdserve.workers.structured_outputs import StructuredOutputs
 # Fields OpenAI clients may send that ask nothing of the model: accepted, not used.
 IGNORED_FIELDS = frozenset({"metadata", "store", "service_tier",
                             # what OpenAI's clients send in place of `user` (deprecated for these)
-                            "safety_identifier", "prompt_cache_key", "prompt_cache_retention"})
+                            "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                            # vLLM's: it shapes the text of slow (Python) tokenizers only; with a fast
+                            # one, the only kind pdserve loads, vLLM ignores it too
+                            "spaces_between_special_tokens"})
 
 
 def _or(value: float | None, default: float) -> float:

@@ -135,7 +135,7 @@ class _CompletionShape(WireShape):
         # The legacy shape keeps the sampled token among the top ones (vLLM's, and OpenAI's did).
         tokens = [token_str(t) for t in token_ids]
         offsets = []
-        for tok in tokens:  # each token's first character in the choice's text
+        for tok in tokens:  # the lengths of the token strings before it (vLLM's; docs/api.md says where it differs)
             offsets.append(offset)
             offset += len(tok)
         return {

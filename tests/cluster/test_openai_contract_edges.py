@@ -146,6 +146,15 @@ def test_neighbouring_seeds_with_n_share_no_samples(url: str) -> None:
     assert a[1] != b[0], (a, b)
 
 
+@pytest.mark.parametrize("value", [True, False])
+def test_vllms_spaces_between_special_tokens_is_accepted(url: str, value: bool) -> None:
+    """vLLM's field shapes the text of slow tokenizers only; with a fast one (pdserve's only kind)
+    vLLM ignores it. A vLLM client sending it got a 400 here."""
+    with _client(url) as c:
+        r = c.post("/completions", json={"prompt": "hi", "max_tokens": 2, "spaces_between_special_tokens": value})
+    assert r.status_code == 200, r.text
+
+
 def test_safety_identifier_alone_accepted(url: str) -> None:
     with _client(url) as c:
         r = c.post("/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
