@@ -390,6 +390,9 @@ class TextChoice(TypedDict):
     text: str
     logprobs: Logprobs | None
     finish_reason: str | None
+    # vLLM's: the stop string or stop token id that ended the choice (None: EOS or length); in a
+    # stream, on the choice's last chunk only
+    stop_reason: NotRequired[int | str | None]
 
 
 class AssistantMessage(TypedDict):
@@ -405,6 +408,9 @@ class ChatChoice(TypedDict):
     message: AssistantMessage
     logprobs: Logprobs | None
     finish_reason: str | None
+    # vLLM's: the stop string or stop token id that ended the choice (None: EOS or length); in a
+    # stream, on the choice's last chunk only
+    stop_reason: NotRequired[int | str | None]
 
 
 class ChatDelta(TypedDict):
@@ -420,6 +426,9 @@ class ChatChunkChoice(TypedDict):
     delta: ChatDelta
     logprobs: NotRequired[Logprobs | None]  # not in the opening chunk
     finish_reason: str | None
+    # vLLM's: the stop string or stop token id that ended the choice (None: EOS or length); in a
+    # stream, on the choice's last chunk only
+    stop_reason: NotRequired[int | str | None]
 
 
 class ResponseBody(TypedDict):

@@ -57,6 +57,8 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
+    # vLLM's: the stop string or stop token id that ended it (None: EOS, length, or still running)
+    stop_reason: int | str | None = None
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     started: bool = False  # a chunk of it was streamed
@@ -80,6 +82,7 @@ class Delta:
     scored: tuple[list[int], Entries] | None  # (tokens, their logprob entries) when logprobs were asked for
     top_n: int = 0  # the top logprobs asked for a token (chat's `top_logprobs`)
     offset: int = 0  # completions' text_offset of this delta's first token
+    stop_reason: int | str | None = None  # with `finish_reason`: the stop string or token id that ended it
 
 
 class ApiKind(Enum):
@@ -125,10 +128,14 @@ class _CompletionShape(WireShape):
     object_name = chunk_object = "text_completion"
 
     def choice(self, c: Choice, echo: str | None, logprobs: Logprobs | None) -> TextChoice:
-        return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": c.index, "text": (echo or "") + c.text, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
     def delta(self, d: Delta, logprobs: Logprobs | None) -> TextChoice:
-        return {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        out: TextChoice = {"index": d.index, "text": d.text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:  # (only on a choice's last chunk: the others stay as short as they were)
+            out["stop_reason"] = d.stop_reason
+        return out
 
     def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries, top_n: int,
                  offset: int = 0) -> TextLogprobs:
@@ -157,10 +164,15 @@ class _ChatShape(WireShape):
 
     def choice(self, c: Choice, echo: str | None, logprobs: Logprobs | None) -> ChatChoice:
         message: AssistantMessage = {"role": "assistant", "content": c.text}
-        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason}
+        return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason}
 
     def delta(self, d: Delta, logprobs: Logprobs | None) -> ChatChunkChoice:
-        return {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs, "finish_reason": d.finish_reason}
+        out: ChatChunkChoice = {"index": d.index, "delta": {"content": d.text}, "logprobs": logprobs,
+                                "finish_reason": d.finish_reason}
+        if d.finish_reason is not None:  # (only on a choice's last chunk: the others stay as short as they were)
+            out["stop_reason"] = d.stop_reason
+        return out
 
     def logprobs(self, token_str: TokenStr, token_ids: list[int], entries: Entries, top_n: int,
                  offset: int = 0) -> ChatLogprobs:
@@ -208,6 +220,8 @@ def accumulate(choice: Choice, out: RequestOutput, prompt_only: bool = False) ->
     # echo with max_tokens 0: the one token generated is dropped, whatever ended it.
     finish = "length" if prompt_only and c.finish_reason is not None else c.finish_reason
     choice.finish_reason = finish or choice.finish_reason
+    if c.finish_reason is not None and not prompt_only:
+        choice.stop_reason = c.stop_reason
     choice.cached_tokens = out.num_cached_tokens
 
 
@@ -227,11 +241,12 @@ def accumulate_delta(choice: Choice, work: Work, out: RequestOutput, token_str: 
         new = out.prompt_logprobs
         ids, entries = work.prompt_ids[already : already + len(new)] + ids, list(new) + entries
     finish = choice.finish_reason if c.finish_reason is not None else None
+    stop = choice.stop_reason if finish is not None else None
     if work.params.logprobs is None:
-        return Delta(choice.index, text, finish, None)
+        return Delta(choice.index, text, finish, None, stop_reason=stop)
     offset = choice.reported_chars
     choice.reported_chars += sum(len(token_str(t)) for t in ids)
-    return Delta(choice.index, text, finish, (ids, entries), work.params.logprobs, offset)
+    return Delta(choice.index, text, finish, (ids, entries), work.params.logprobs, offset, stop)
 
 
 # -- rendering -------------------------------------------------------------------
@@ -254,7 +269,7 @@ def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> T
         if calls:
             message: AssistantMessage = {"role": "assistant", "content": content, "tool_calls": calls}
             return {"index": c.index, "message": message, "logprobs": logprobs,
-                    "finish_reason": _calls_finish(work.tools, c.finish_reason)}
+                    "finish_reason": _calls_finish(work.tools, c.finish_reason), "stop_reason": c.stop_reason}
     return shape.choice(c, work.echo, logprobs)
 
 
@@ -301,7 +316,10 @@ def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,
     logprobs = None
     if choice.held is not None:
         logprobs, choice.held = _SHAPES[ApiKind.CHAT].logprobs(token_str, *choice.held, d.top_n), None
-    return {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    out: ChatChunkChoice = {"index": d.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    if finish_reason is not None:
+        out["stop_reason"] = choice.stop_reason
+    return out
 
 
 def usage_body(works: list[Work], choices: list[Choice]) -> Usage:

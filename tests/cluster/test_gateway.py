@@ -73,6 +73,8 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     expected = offline.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0]
     assert text == expected.outputs[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
+    # stop_reason on the last chunk of the choice only (null: it ran to its length), as vLLM's
+    assert [getattr(c.choices[0], "stop_reason", "absent") for c in chunks if c.choices] == ["absent"] * 15 + [None]
 
 
 def test_continuous_usage_counts_every_chunk_so_far(server: tuple[str, AsyncEngine]) -> None:
@@ -119,12 +121,15 @@ def test_a_stop_string_over_two_tokens_never_reaches_the_client_in_part(server: 
     if stream:
         chunks = list(client(url).completions.create(stream=True, **kwargs))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
-        finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+        last = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        finish = [ch.finish_reason for ch in last]
     else:
-        choice = client(url).completions.create(**kwargs).choices[0]
-        text, finish = choice.text, [choice.finish_reason]
+        last = [client(url).completions.create(**kwargs).choices[0]]
+        text, finish = last[0].text, [last[0].finish_reason]
     assert text == want.outputs[0].text, f"stop {stop!r}"
     assert finish == ["stop"]
+    # vLLM's stop_reason: which stop string ended it (on a stream, its last chunk says)
+    assert [getattr(ch, "stop_reason", "absent") for ch in last] == [stop]
 
 
 def test_batched_prompts_number_choices_prompt_major(server: tuple[str, AsyncEngine], offline: LLM) -> None:
