@@ -213,8 +213,11 @@ def _check_against_model(cfg: ServeConfig) -> None:
     refused where they would run here, on the local Ray it starts."""
     from pdserve.cluster.serve_app import starts_local_ray
     from pdserve.cluster.serve_config import ServingMode
+    from pdserve.workers.engine_setup import tokenizer_source
     from pdserve.workers.model.resolve import TINY, resolve_model
 
+    if starts_local_ray() and cfg.engine.tokenizer is not None:
+        tokenizer_source(cfg.engine.tokenizer, "")  # a missing directory, refused before anything starts
     if cfg.model != TINY and not Path(cfg.model).expanduser().exists():
         if starts_local_ray():  # else Ray, Serve and every worker started to say so 20-odd s later
             raise ValueError(f"model: {cfg.model} does not exist")

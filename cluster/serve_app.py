@@ -327,13 +327,14 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from pdserve.cluster.backend import ColocatedBackend
     from pdserve.cluster.gateway import Gateway
     from pdserve.cluster.openai_app import build_app
+    from pdserve.workers.engine_setup import tokenizer_source
     from pdserve.workers.model.resolve import resolve_model
 
     info = _any_worker_info(cfg)
     model_dir = str(resolve_model(cfg.model))  # a GGUF or `tiny`: the directory it was made into
     # The workers' tokenizer (`--tokenizer`, else the model's): prompts encoded with one and outputs
     # decoded with another would not agree.
-    tokenizer = AutoTokenizer.from_pretrained(cfg.engine.tokenizer or model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.engine.tokenizer, model_dir))
     rank = replica_rank()
     gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
     backend = (_disaggregated_backend(cfg, rank) if cfg.mode is ServingMode.DISAGGREGATED

@@ -109,7 +109,7 @@ class LLMEngine:
         self.model_config = shard_config(full_config, self.tp)
         torch.manual_seed(config.seed)
         setup.log(config, f"loading {config.model} ({self.model_config.arch}, {self.dtype}, {self.device})")
-        self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(setup.tokenizer_source(config.tokenizer, model_dir))
         self.model = load_model(model_dir, full_config, self.dtype, self.device, backend,
                                 self.max_model_len, progress=config.progress, quantization=quantization, tp=self.tp)
         # The draft's weights and its KV (per block) count before the pool is sized.

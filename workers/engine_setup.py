@@ -43,6 +43,22 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def tokenizer_source(tokenizer: str | None, model_dir: str) -> str:
+    """What AutoTokenizer loads: `tokenizer` (a directory, or a hub id) or the model's directory.
+    A path that is not there is refused by name: transformers took it for a hub id and said
+    "Repo id must be in the form 'repo_name' or 'namespace/repo_name'"."""
+    if tokenizer is None:
+        return model_dir
+    if looks_like_path(tokenizer) and not os.path.isdir(os.path.expanduser(tokenizer)):
+        raise ValueError(f"tokenizer: {tokenizer} is not a directory on this machine")
+    return os.path.expanduser(tokenizer)
+
+
+def looks_like_path(name: str) -> bool:
+    """A filesystem path rather than a hub id ("org/name"): absolute, ~, ./ or ../, or more than one /."""
+    return name.startswith(("/", "~", "./", "../")) or name.count("/") > 1
+
+
 def memory_probe(device: torch.device) -> MemoryProbe | None:
     """On CUDA, the probe the memory plan measures with: make it before the engine allocates
     anything on the device (it reads what others use then). None on CPU."""

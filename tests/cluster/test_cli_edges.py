@@ -367,6 +367,40 @@ def test_serve_refuses_a_model_path_that_is_not_there_before_it_starts_local_ray
         assert cli.main(["serve", "--model", "/nonexistent/model"]) == 0 and len(reached) == 1
 
 
+@pytest.mark.parametrize("local", [True, False])
+def test_serve_refuses_a_tokenizer_path_that_is_not_there_before_it_starts_local_ray(
+        local: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A `--tokenizer` directory this machine has not was found by each worker's engine, whose
+    transformers took it for a hub id: "Repo id must be in the form 'repo_name' or
+    'namespace/repo_name'", in Ray's whole traceback, exit 1. On local Ray it is refused before
+    anything starts, by name; a cluster it joins still gets it (its nodes may have it)."""
+    from pdserve.cluster import serve_app, shutdown
+
+    reached: list[Any] = []
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: local)
+    monkeypatch.setattr(serve_app, "preflight", lambda cfg: reached.append(cfg))
+    monkeypatch.setattr(shutdown, "serve_in_own_group", lambda run: 0)
+    argv = ["serve", "--model", "tiny", "--tokenizer", "/nonexistent/tokenizer"]
+    if local:
+        err = refused(argv, capsys)
+        last = err.strip().splitlines()[-1]  # (after the tiny model's making, on a first run)
+        assert last == "pdserve: error: tokenizer: /nonexistent/tokenizer is not a directory on this machine"
+        assert reached == []
+    else:
+        assert cli.main(argv) == 0 and len(reached) == 1
+
+
+def test_an_engines_tokenizer_path_that_is_not_there_is_refused_by_name() -> None:
+    """Where the worker loads it (a joined cluster's node without the directory): a ValueError
+    naming the setting, which ends the start in one line; a hub id is left to transformers."""
+    from pdserve.workers.engine_setup import tokenizer_source
+
+    with pytest.raises(ValueError, match="^tokenizer: ./no/such/dir is not a directory"):
+        tokenizer_source("./no/such/dir", "/models/m")
+    assert tokenizer_source("org/name", "/models/m") == "org/name"
+    assert tokenizer_source(None, "/models/m") == "/models/m"
+
+
 def test_serve_takes_what_the_model_can_do(model_shape: str, monkeypatch: pytest.MonkeyPatch) -> None:
     reached: list[Any] = []
     from pdserve.cluster import serve_app, shutdown
