@@ -31,9 +31,10 @@ POLL_S = 0.5  # how often a gateway reads the flag: a stop is seen within this
 # flight before it has counted nothing (cluster/shutdown.py `_drain`).
 SEEN_WITHIN_S = POLL_S + 0.2
 # When a gateway ends what it still holds, from its reading the flag: before the drain's end (the
-# flag raised at most SEEN_WITHIN_S before it was read) with room for the last events to be written
-# and the drain to read the count at 0 twice (0.25 s apart) and stop.
-STOP_STREAMS_AFTER_S = DRAIN_S - SEEN_WITHIN_S - 1.5
+# flag raised at most SEEN_WITHIN_S before it was read), with room for the last events to be written
+# before Serve's shutdown (the drain stops at its end whether or not it has read the count at 0 since).
+# Every request still running then ends early, so the room is kept small.
+STOP_STREAMS_AFTER_S = DRAIN_S - SEEN_WITHIN_S - 0.8
 
 
 def _key(port: int) -> bytes:

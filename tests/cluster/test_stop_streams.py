@@ -147,5 +147,5 @@ def test_the_gateway_ends_what_it_holds_before_the_drain_ends() -> None:
     streams, with room to spare, before the driver's drain stops the processes at DRAIN_S."""
     from pdserve.cluster import drain_flag, shutdown
 
-    assert drain_flag.SEEN_WITHIN_S + drain_flag.STOP_STREAMS_AFTER_S <= shutdown.DRAIN_S - 1.0
+    assert drain_flag.SEEN_WITHIN_S + drain_flag.STOP_STREAMS_AFTER_S <= shutdown.DRAIN_S - 0.5
     assert drain_flag.STOP_STREAMS_AFTER_S >= 0.5 * shutdown.DRAIN_S  # most of the drain is for finishing
