@@ -74,7 +74,8 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     assert text == expected.outputs[0].text
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
     # stop_reason on the last chunk of the choice only (null: it ran to its length), as vLLM's
-    assert [getattr(c.choices[0], "stop_reason", "absent") for c in chunks if c.choices] == ["absent"] * 15 + [None]
+    said = [getattr(c.choices[0], "stop_reason", "absent") for c in chunks if c.choices]
+    assert said[-1] is None and set(said[:-1]) <= {"absent"}, said
 
 
 def test_continuous_usage_counts_every_chunk_so_far(server: tuple[str, AsyncEngine]) -> None:

@@ -47,6 +47,7 @@ def test_kv_host_flag_reaches_the_config_and_a_bad_one_exits_2(monkeypatch: pyte
     ran: list[Any] = []
     serve_in_process(monkeypatch)
     monkeypatch.setattr(serve_app, "run", ran.append)
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: False)  # a joined cluster: its nodes have the model
     assert cli.main(["serve", "--model", "/nonexistent/m", "--kv-host", "auto",
                      "--decode-resources", '{"decode_node": 1}']) == 0
     assert ran[0].kv_host == "auto" and ran[0].decode_resources == {"decode_node": 1.0}

@@ -579,7 +579,7 @@ class NcclKVSender(NetworkSender):
         self._repairs_unformed += 1
         detail = f"re-pairing with {self.address}: the data channel broke ({self._channel_error})"
         log.warning("KV sender -> %s: %s", self.address, detail)
-        self._reconnect(FailReason.CLOSED, detail)
+        self._reconnect(FailReason.CLOSED, detail, "sender re-paired: its data channel broke")
 
     def _on_resync(self) -> None:
         self._former = self._start_forming()  # the receiver is forming its side now, on our hello

@@ -370,11 +370,12 @@ class NetworkSender(KVSender):
         self.num_links_lost += 1
         detail = f"connection to {self.address} lost ({why}): the receiver died, hung or is unreachable"
         log.warning("KV sender -> %s: %s", self.address, detail)
-        self._reconnect(FailReason.PEER_LOST, detail)
+        self._reconnect(FailReason.PEER_LOST, detail, f"sender lost the link: {why}")
 
-    def _reconnect(self, reason: FailReason, detail: str) -> None:
-        """Fail what is in flight with `reason`, and start over on a new socket (and, where a subclass
-        changes it in `_on_link_lost`, under a new routing id): hello, grant, resync."""
+    def _reconnect(self, reason: FailReason, detail: str, abort_reason: str) -> None:
+        """Fail what is in flight with `reason` (and abort it on the receiver, saying `abort_reason`),
+        and start over on a new socket (and, where a subclass changes it in `_on_link_lost`, under a
+        new routing id): hello, grant, resync."""
         self._credits = 0  # those in flight will not come back; the next grant is a full window
         failed = self._book.fail_pending(reason, detail)
         self._on_link_lost(detail)
@@ -386,7 +387,7 @@ class NetworkSender(KVSender):
         self._sock, self._monitor, self._poller = self._open()
         self._resync_due = True
         for request_id, transfer_id in failed:  # after the grant: a receiver that only hung frees these then
-            self._send_abort(request_id, detail, transfer_id)
+            self._send_abort(request_id, abort_reason, transfer_id)
 
     def _open(self) -> tuple[zmq.Socket[bytes], LinkMonitor, zmq.Poller]:
         """A DEALER to `address`, with heartbeats and a monitor, and this connection's hello queued on it."""
