@@ -14,7 +14,7 @@ from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import is_one_prompt, prompt_of
-from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.outputs import CompletionOutput, RequestOutput, ranked
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, sample_seed
 
 # vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
@@ -79,7 +79,7 @@ class LLM:
                     rid = f"{next(self._ids)}"
                     order[rid] = (i, j)
                     self.engine.add_request(rid, p, child)
-            return self._run(order, len(batch), use_tqdm)
+            return self._run(order, params, use_tqdm)
         except BaseException:
             # Interrupted (Ctrl-C) or failed: what this call queued leaves the engine with its blocks;
             # left there, the next call ran it too, and met outputs it did not know.
@@ -122,7 +122,9 @@ class LLM:
         max_new_tokens), as vLLM's LLM takes them; SamplingParams' defaults otherwise."""
         return SamplingParams(**generation_defaults.read(self.engine.model_dir))  # type: ignore[arg-type]
 
-    def _run(self, order: dict[str, tuple[int, int]], num_prompts: int, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, order: dict[str, tuple[int, int]], params: list[SamplingParams],
+             use_tqdm: bool) -> list[RequestOutput]:
+        num_prompts = len(params)
         results: list[RequestOutput | None] = [None] * num_prompts
         samples: list[dict[int, CompletionOutput]] = [{} for _ in range(num_prompts)]
         bar = tqdm(total=len(order), desc="generating", disable=not use_tqdm, file=sys.stderr)
@@ -137,11 +139,29 @@ class LLM:
                     results[i] = out
                 samples[i][j] = out.outputs[0]
         bar.close()
-        for r, got in zip(results, samples):
+        for r, got, sp in zip(results, samples, params):
             if r is not None:
                 # Sample j (seeded sample_seed(seed, j)) is index j, as vLLM numbers them, whichever finished first.
-                r.outputs = [dataclasses.replace(got[j], index=j) for j in sorted(got)]
+                r.outputs = [self._vllm_logprobs(dataclasses.replace(got[j], index=j), sp) for j in sorted(got)]
+                self._vllm_prompt_logprobs(r, sp)
         return [r for r in results if r is not None]
+
+    def _vllm_logprobs(self, c: CompletionOutput, sp: SamplingParams) -> CompletionOutput:
+        """`c` with its logprobs as vLLM's offline API has them (Logprob: rank, decoded token)."""
+        if c.logprobs is not None and sp.logprobs is not None:
+            n, decode = sp.logprobs, self._decode_one
+            c.logprobs = [ranked(e, t, n, decode) for e, t in zip(c.logprobs, c.token_ids)]
+        return c
+
+    def _vllm_prompt_logprobs(self, r: RequestOutput, sp: SamplingParams) -> None:
+        if r.prompt_logprobs is not None and sp.prompt_logprobs is not None:
+            n, decode = sp.prompt_logprobs, self._decode_one
+            r.prompt_logprobs = [None if e is None else ranked(e, t, n, decode)
+                                 for e, t in zip(r.prompt_logprobs, r.prompt_token_ids)]
+
+    def _decode_one(self, token_id: int) -> str:
+        text: str = self.tokenizer.decode([token_id])
+        return text
 
 
 def _raise_if_refused(out: RequestOutput, prompt: int) -> None:

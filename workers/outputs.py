@@ -2,7 +2,43 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+class Logprob(float):
+    """A token's log-probability as vLLM's offline API gives it (`LLM.generate`): `.logprob`,
+    `.rank` (1: the most likely; None where it is not known: a sampled token outside the top N
+    asked for) and `.decoded_token`. A float too: arithmetic and comparisons use the number, so
+    code written for plain floats reads it unchanged."""
+
+    __slots__ = ("decoded_token", "rank")
+    rank: int | None
+    decoded_token: str | None
+
+    def __new__(cls, logprob: float, rank: int | None = None, decoded_token: str | None = None) -> Logprob:
+        self = super().__new__(cls, logprob)
+        self.rank, self.decoded_token = rank, decoded_token
+        return self
+
+    @property
+    def logprob(self) -> float:
+        return float(self)
+
+    def __reduce__(self) -> tuple[type[Logprob], tuple[float, int | None, str | None]]:
+        return Logprob, (float(self), self.rank, self.decoded_token)
+
+
+def ranked(entry: dict[int, float], chosen: int, top_n: int, decode: Callable[[int], str]) -> dict[int, float]:
+    """An entry ({token id: log-prob}: the top `top_n`, and `chosen` if it is not among them) as
+    vLLM's Logprobs: ranks 1.. by log-prob for the top N; `chosen` outside them has no known rank.
+    (Typed as floats, which they are: the outputs' field holds either.)"""
+    outside = len(entry) > top_n and chosen in entry
+    order = sorted((t for t in entry if not (outside and t == chosen)), key=lambda t: -entry[t])
+    ranks: dict[int, int | None] = {t: i + 1 for i, t in enumerate(order)}
+    if outside:
+        ranks[chosen] = None
+    return {t: Logprob(lp, ranks.get(t), decode(t)) for t, lp in entry.items()}
 
 
 @dataclass
@@ -11,7 +47,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # Per generated token: {token id: log-prob} with the top-N and the sampled one.
+    # Per generated token: {token id: log-prob} with the top-N and the sampled one (`LLM.generate`
+    # gives Logprob values, floats with vLLM's rank and decoded_token).
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -115,3 +115,34 @@ def test_deltas_carry_them_once_and_bad_values_are_rejected(model_dir: Path) -> 
     assert all(o.prompt_logprobs is None for o in outs[1:])
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
+
+
+def test_offline_logprobs_are_vllms_logprob_objects(model_dir: Path,
+                                                    oracle: Callable[[list[int]], torch.Tensor]) -> None:
+    """vLLM's offline outputs hold Logprob objects: code ported from it reads `.logprob`, `.rank`
+    and `.decoded_token` (plain floats raised AttributeError). Ranks against the oracle: 1.. for
+    the top N by log-prob; a sampled (or prompt) token outside them has none; values stay floats."""
+    llm = _llm(model_dir)
+    prompt = _prompts([24], seed=9)[0]
+    (out,) = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True,
+                                                   logprobs=2, prompt_logprobs=2))
+    c = out.outputs[0]
+    assert c.logprobs is not None and out.prompt_logprobs is not None
+    outside = 0
+    for tok, entry in zip(c.token_ids, c.logprobs):
+        ranked = sorted((t for t in entry if entry[t].rank is not None), key=lambda t: entry[t].rank)
+        assert [entry[t].rank for t in ranked] == [1, 2]
+        assert entry[ranked[0]].logprob >= entry[ranked[1]].logprob
+        assert all(entry[t].decoded_token == llm.tokenizer.decode([t]) for t in entry)
+        if len(entry) == 3:  # the sampled token, outside the top 2: no rank known
+            assert entry[tok].rank is None
+            outside += 1
+        assert isinstance(entry[tok], float) and entry[tok] == entry[tok].logprob
+    ref = oracle(prompt)
+    for i in range(1, len(prompt)):
+        entry = out.prompt_logprobs[i]
+        assert entry is not None
+        top = ref[i - 1].topk(2).indices.tolist()
+        assert [entry[t].rank for t in top] == [1, 2]
+        assert abs(entry[prompt[i]].logprob - ref[i - 1][prompt[i]].item()) < 1e-4
+    assert outside > 0  # (a sampled run at temperature 1 leaves the top 2 somewhere in 12 tokens)
