@@ -40,6 +40,7 @@ from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, Complet
 from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
+from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tokenizer_pool import TokenizerPool
 from pdserve.cluster.tool_calls import ToolPlan, template_messages
 from pdserve.workers.async_engine import RequestFaultError
@@ -218,6 +219,7 @@ class Gateway:
         self.registry = self.metrics.registry
         self.requests_total = self.metrics.requests_total
         self.admitted = 0  # engine requests admitted and not released
+        self.token_str = TokenText(tokenizer)  # one token's text and bytes (logprobs)
         self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self._grammars: GrammarCompiler | None = None  # structured outputs' compiler, made on first use
         self._grammars_lock = threading.Lock()  # the tokenizer pool's threads share it
@@ -520,10 +522,6 @@ class Gateway:
     def worker_handles(self) -> WorkerHandles:
         """Every worker whose metrics `GET /metrics` merges (none for an in-process engine)."""
         return self.backend.worker_handles()
-
-    def token_str(self, token_id: int) -> str:
-        text: str = self.tokenizer.decode([token_id])
-        return text
 
 
 def _batch(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -39,10 +39,11 @@ from pdserve.cluster.protocol import (
     now,
     usage,
 )
+from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolPlan
 from pdserve.workers.outputs import RequestOutput
 
-TokenStr = Callable[[int], str]
+TokenStr = TokenText  # a token's text (and `utf8`, its bytes)
 # Per reported token, {token id: log-prob}; None for a prompt's first token (echo), which nothing predicts.
 Entries = list[dict[int, float] | None]
 DONE = "data: [DONE]\n\n"
@@ -182,16 +183,10 @@ class _ChatShape(WireShape):
             # Exactly `top_logprobs` of them (none by default), as OpenAI and vLLM answer: the
             # engine's entry adds the sampled token when it is not among them.
             top = sorted(scores.items(), key=lambda kv: -kv[1])[:top_n]
-            text = token_str(tok)
-            content.append({"token": text, "logprob": scores.get(tok, 0.0), "bytes": _utf8(text),
-                            "top_logprobs": [{"token": (t_text := token_str(t)), "logprob": lp, "bytes": _utf8(t_text)}
+            content.append({"token": token_str(tok), "logprob": scores.get(tok, 0.0), "bytes": token_str.utf8(tok),
+                            "top_logprobs": [{"token": token_str(t), "logprob": lp, "bytes": token_str.utf8(t)}
                                              for t, lp in top]})
         return {"content": content}
-
-
-def _utf8(text: str) -> list[int]:
-    """A token's `bytes`: its text's UTF-8 (a byte the token splits off a character shows as U+FFFD)."""
-    return list(text.encode("utf-8", errors="replace"))
 
 
 _SHAPES: dict[ApiKind, WireShape] = {ApiKind.COMPLETION: _CompletionShape(), ApiKind.CHAT: _ChatShape()}

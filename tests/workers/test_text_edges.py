@@ -277,3 +277,40 @@ def test_a_prefill_workers_first_token_cut_inside_a_character_leaves_it_to_the_d
                 texts[out.request_id] = out.outputs[0].text
     eng.release("held")
     assert texts == {"held": "", "ends": "\ufffd"}
+
+
+# -- logprobs' bytes: a token's own, not its text's ------------------------------------------------
+
+MULTIBYTE = "naïve café: 世界, 🎉 and ∑ over ℝ"
+
+
+def test_a_tokens_bytes_are_what_it_adds_to_the_text_on_a_byte_level_tokenizer(model_dir: Path) -> None:
+    """OpenAI's chat logprobs give each token's `bytes` so that characters split over tokens can be
+    rebuilt; they were the UTF-8 of the token's decoded text, which is U+FFFD for a part of a
+    character. Joined in order, the tokens' bytes are the text's UTF-8 (the oracle)."""
+    from transformers import AutoTokenizer
+
+    from pdserve.cluster.token_text import TokenText, decoder_kind
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text_of = TokenText(tok)
+    ids = tok.encode(MULTIBYTE, add_special_tokens=False)
+    assert decoder_kind(tok) == "byte_level"
+    assert b"".join(bytes(text_of.utf8(t)) for t in ids) == MULTIBYTE.encode("utf-8")
+    split = [t for t in ids if "\ufffd" in text_of(t)]
+    assert split and all(bytes(text_of.utf8(t)) != text_of(t).encode("utf-8") for t in split)
+
+
+def test_a_tokens_bytes_on_a_byte_fallback_tokenizer() -> None:
+    """Llama 2 / Mistral: `<0xNN>` pieces are the byte NN, "▁" a space (the leading one too, which
+    the decoder strips from the text)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from pdserve.cluster.token_text import TokenText, decoder_kind
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=llama2_tokenizer())
+    text_of = TokenText(tok)
+    text = "Hello 世界 ok 🎉"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert decoder_kind(tok) == "byte_fallback"
+    assert b"".join(bytes(text_of.utf8(t)) for t in ids) == (" " + text).encode("utf-8")
