@@ -103,6 +103,9 @@ def _netns(name: str, veth: str, head_ip: str, node_ip: str) -> Iterator[None]:
     peer = veth[:-1] + "n"
     try:
         _run("ip", "netns", "add", name)
+    except subprocess.CalledProcessError as e:  # nothing made: the name, if it exists, is not this run's
+        pytest.skip(f"cannot make a network namespace here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    try:
         _run("ip", "link", "add", veth, "type", "veth", "peer", "name", peer)
         _run("ip", "link", "set", peer, "netns", name)
         _run("ip", "addr", "add", f"{head_ip}/30", "dev", veth)
@@ -113,6 +116,9 @@ def _netns(name: str, veth: str, head_ip: str, node_ip: str) -> Iterator[None]:
     except subprocess.CalledProcessError as e:
         _remove_netns(name, veth)
         pytest.skip(f"cannot make a network namespace here: {' '.join(e.cmd)}: {e.stderr.strip()}")
+    except BaseException:  # Ctrl-C, `ip` past its timeout, pytest-timeout's failure: nothing half-made stays
+        _remove_netns(name, veth)
+        raise
     try:
         yield
     finally:
