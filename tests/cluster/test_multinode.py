@@ -91,10 +91,24 @@ def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=check)
 
 
+def _names() -> tuple[str, str]:
+    """The namespace and the host's veth end for one cluster. Random, not the pid: a run in
+    another pid namespace on this network (a container on the host's) may have this pid."""
+    tag = secrets.token_hex(4)
+    return f"pdserve-mn-{tag}", f"pdmn{tag}h"  # 13 characters: a link name has 15 at most
+
+
 def _subnet() -> tuple[str, str]:
-    """A /30 of 198.18.0.0/15 for this process: two test runs on one machine do not collide."""
-    base = ipaddress.IPv4Address("198.18.0.0") + 4 * (os.getpid() % 2 ** 15)  # 2**15 /30s in the /15
-    return str(base + 1), str(base + 2)
+    """A /30 of 198.18.0.0/15 that no address of this machine is in (another run's, a killed
+    run's leftover), from a random start: two runs on one machine do not share one."""
+    lines = _run("ip", "-4", "-o", "addr", "show").stdout.splitlines()
+    used = {ipaddress.IPv4Interface(w[w.index("inet") + 1]).ip for w in map(str.split, lines) if "inet" in w}
+    base, start = ipaddress.IPv4Address("198.18.0.0"), secrets.randbelow(2 ** 15)  # 2**15 /30s in the /15
+    for k in range(2 ** 15):
+        net = base + 4 * ((start + k) % 2 ** 15)
+        if used.isdisjoint(net + i for i in range(4)):
+            return str(net + 1), str(net + 2)
+    pytest.skip("no /30 of 198.18.0.0/15 is free on this machine")
 
 
 @contextlib.contextmanager
@@ -171,8 +185,7 @@ def _ray_start(args: list[str], env: dict[str, str], log: Path, netns: str | Non
 @pytest.fixture()  # a cluster per test: nothing one test's Serve leaves (shutting down) can meet the next
 def two_nodes() -> Iterator[TwoNodes]:
     head_ip, node_ip = _subnet()
-    tag = f"{os.getpid() % 10 ** 7}"
-    netns, veth = f"pdserve-mn-{tag}", f"pdmn{tag}h"
+    netns, veth = _names()
     marker = secrets.token_hex(8)
     run_dir = Path(tempfile.mkdtemp(prefix="pdmn", dir="/tmp"))  # short: Ray's socket paths live under it
     from pdserve.cluster.serve_app import HAPROXY_ENV, LOCAL_ENV, haproxy_env

@@ -4,6 +4,7 @@ stays on the machine."""
 
 from __future__ import annotations
 
+import ipaddress
 import subprocess
 from collections.abc import Callable
 
@@ -95,3 +96,36 @@ def test_a_namespace_stopped_while_building_leaves_nothing(monkeypatch: pytest.M
     with pytest.raises(type(exc)), mn._netns("pdserve-mn-t", "pdmnth", "198.18.0.1", "198.18.0.2"):
         pass
     assert (ip.namespaces, ip.links, ip.host_addrs) == (set(), {}, {})
+
+
+@pytest.mark.parametrize("other_pid", [1000, 1000 + 2 ** 15], ids=["same-pid-other-pid-namespace", "pid-2**15-apart"])
+def test_two_runs_at_once_share_no_name_or_address(monkeypatch: pytest.MonkeyPatch, other_pid: int) -> None:
+    """Two runs on one machine's network: a run in another pid namespace (a container on the
+    host's network) may have this run's pid, and pids past 2**15 (pid_max is 4194304 on most
+    64-bit systems) fold onto the 2**15 /30s of 198.18.0.0/15."""
+    ip = FakeIp()
+    monkeypatch.setattr(mn, "_run", ip)
+    monkeypatch.setattr(mn.os, "getpid", lambda: 1000)
+    (netns, veth), (head_ip, node_ip) = mn._names(), mn._subnet()
+    with mn._netns(netns, veth, head_ip, node_ip):
+        monkeypatch.setattr(mn.os, "getpid", lambda: other_pid)
+        (netns2, veth2), (head_ip2, node_ip2) = mn._names(), mn._subnet()
+        assert netns2 != netns and veth2[:-1] != veth[:-1]  # the peer is the name but its last letter
+        assert {head_ip2, node_ip2}.isdisjoint({head_ip, node_ip}), "the second run's /30 is the first's"
+        assert len(veth2) <= 15  # IFNAMSIZ
+        with mn._netns(netns2, veth2, head_ip2, node_ip2):
+            assert len(ip.namespaces) == 2
+    assert (ip.namespaces, ip.links) == (set(), {})
+
+
+def test_a_subnet_in_use_on_the_machine_is_not_picked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every /30 of 198.18.0.0/15 but one holds an address here (another run's, a leftover of a
+    killed one): the run takes the free one."""
+    ip = FakeIp()
+    base, free = ipaddress.IPv4Address("198.18.0.0"), 12345
+    ip.host_addrs = {f"x{k}": f"{base + 4 * k + 1 + k % 3}/30" for k in range(2 ** 15) if k != free}
+    monkeypatch.setattr(mn, "_run", ip)
+    assert mn._subnet() == (str(base + 4 * free + 1), str(base + 4 * free + 2))
+    ip.host_addrs["last"] = f"{base + 4 * free + 3}/30"
+    with pytest.raises(pytest.skip.Exception, match="no /30 of 198.18.0.0/15"):
+        mn._subnet()
