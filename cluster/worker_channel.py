@@ -115,6 +115,10 @@ class WorkerChannel:
         # Aborts sent and not answered yet: (when last sent, how many times), oldest first.
         self._unanswered_aborts: collections.OrderedDict[tuple[str, int], tuple[float, int]] = (
             collections.OrderedDict())
+        # Tries whose start was sent and that the worker has not reported over (done, failed, aborted),
+        # oldest first: only their aborts have something to end there, and get an answer. An abort of
+        # a try already over, or whose start was never sent, is sent once and not again.
+        self._unreported: collections.OrderedDict[tuple[str, int], None] = collections.OrderedDict()
         self._met: set[str] = set()  # prefill workers this life of the worker was handed (`meet`)
         self._closed = False
 
@@ -151,6 +155,9 @@ class WorkerChannel:
         try:
             self._send(body)
             self._tries[key] = t
+            self._unreported[key] = None
+            if len(self._unreported) > _ABORTS_KEPT:
+                self._unreported.popitem(last=False)
             self._unconfirmed.append((key, t))
             await asyncio.wait((t.fut, done), return_when=asyncio.FIRST_COMPLETED)
             if not finished.is_set():
@@ -173,6 +180,8 @@ class WorkerChannel:
             return False
         if not self._send_abort((request_id, attempt)):
             return False
+        if (request_id, attempt) not in self._unreported:  # nothing there to end: no answer will come
+            return True
         self._unanswered_aborts[(request_id, attempt)] = (time.monotonic(), 1)
         if len(self._unanswered_aborts) > _ABORTS_KEPT:
             self._unanswered_aborts.popitem(last=False)
@@ -322,6 +331,7 @@ class WorkerChannel:
             self._acked = r.seq
             if r.state != STARTED:
                 self._unanswered_aborts.pop((r.request_id, r.attempt), None)
+                self._unreported.pop((r.request_id, r.attempt), None)
             t = self._tries.get((r.request_id, r.attempt))
             if t is None or t.fut.done():
                 continue
@@ -363,6 +373,7 @@ class WorkerChannel:
         self._life += 1
         self._unconfirmed.clear()
         self._unanswered_aborts.clear()  # its tries died with it
+        self._unreported.clear()
         for t in self._tries.values():
             if not t.fut.done():
                 t.fut.set_exception(RayActorError())

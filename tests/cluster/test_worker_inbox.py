@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -802,6 +803,33 @@ def test_an_abort_lost_on_the_way_is_sent_again_until_the_worker_answers_it(monk
             assert svc.aborted == [("r1", 0)] and not channel._unanswered_aborts
 
     asyncio.run(main())
+
+
+async def _at_once(start: StartTry) -> None:
+    """A try that ends as soon as it starts (the worker reports it done)."""
+
+
+def test_an_abort_of_a_try_already_over_or_never_started_is_sent_once(monkeypatch: pytest.MonkeyPatch,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    """An abort the worker cannot answer (it has no try of it: one it reported done, or one whose
+    start was never sent, its client gone first) was taken for lost: sent again every
+    ABORT_CONFIRM_S, three times, then logged as never answered, for a try that never ran on for
+    no one. It is sent once (a try still there is ended by it), and nothing is said of it."""
+    _quick_polls(monkeypatch)
+    monkeypatch.setattr(worker_channel, "ABORT_CONFIRM_S", 0.1)
+
+    async def main() -> None:
+        async with channel_to(_at_once) as (svc, channel):
+            await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)  # reported done
+            assert channel.abort("r1", 0)  # (its final delta lost on the way, say)
+            assert channel.abort("r2", 0)  # its start never sent
+            await asyncio.sleep(1.0)  # past every re-send the old code made
+            assert sorted(svc.aborted) == [("r1", 0), ("r2", 0)]
+            assert not channel._unanswered_aborts
+
+    with caplog.at_level(logging.WARNING, logger=worker_channel.__name__):
+        asyncio.run(main())
+    assert "never answered" not in caplog.text
 
 
 class _PollFails(LocalActor):
