@@ -312,6 +312,45 @@ def test_pairs_past_the_bound_take_an_idle_ones_place_and_only_busy_ones_refuse(
         receiver.close()
 
 
+def test_a_sender_refused_while_every_pair_is_busy_pairs_once_its_formation_gives_up() -> None:
+    # A refusal at the bound (every pair with a transfer in flight) passes: the refused sender's sends fail
+    # at once (PROTOCOL) until its own group formation gives up (`group_timeout_s`), then it pairs again,
+    # in the place of the pair that was busy (broken by then: its tensor never came).
+    src, _ = make_cache(1, 4, seed=1)
+    dst, _ = make_cache(1, 8)
+    receiver = NcclKVReceiver(dst, max_senders=1, group_timeout_s=1.0)
+    rogue = RawPeer(receiver.address, routing_id=b"raw")  # pairs, then a header whose tensor never comes
+    sender = None
+    try:
+        assert isinstance(rogue.hello(), KVCreditGrant)
+        receiver.register("d", [6], expected_layers=1)
+        rogue.send(KVTransferHeader(
+            request_id="d", transfer_id=5, seq=0, layer=0, dst_block_ids=(6,), num_blocks=1, dtype="float16",
+            block_shape=BLOCK, checksum_kind=ChecksumKind.CRC32, checksum=0))
+        assert eventually(lambda: receiver._pairs[b"raw"].in_flight == 1)  # type: ignore[attr-defined]
+        sender = NcclKVSender(src, receiver.address, group_timeout_s=1.0)
+        receiver.register("e", [7], expected_layers=1)
+        with pytest.raises(TransferError) as err:
+            sender.send("e", 0, [0], [7], soon(2))
+        assert err.value.reason is FailReason.PROTOCOL and "in flight" in err.value.detail
+        start = time.monotonic()
+        while True:  # bounded: the formation gives up within 1 s, the re-pair forms within the next
+            receiver.register(rid := f"f{time.monotonic_ns()}", [5], expected_layers=1)
+            try:
+                sender.send(rid, 0, [1], [5], soon(3))
+                sender.finish(rid, soon(3))
+                break
+            except TransferError:
+                assert time.monotonic() - start < 8, "the refused sender never paired"
+                time.sleep(0.2)
+        assert receiver.wait(rid, soon(2)).state is TransferState.DONE and sender.num_repairs == 1
+    finally:
+        rogue.close()
+        if sender is not None:
+            sender.close()
+        receiver.close()
+
+
 def test_close_from_another_thread_ends_a_wait_for_the_data_channel_at_once(
         link: Links, monkeypatch: pytest.MonkeyPatch) -> None:
     # A send waits for the pair's data channel to form (at most the group timeout) holding the sender; the
