@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -423,12 +423,16 @@ def test_reports_stay_until_a_poll_acknowledges_them() -> None:
     asyncio.run(main())
 
 
-class _Flaky(LocalActor):
-    """A worker's handle whose first poll's answer is lost on the way (the call never returns)."""
+class _Polled(LocalActor):
+    """A worker's handle that lets a test step into each poll: `poll(call)` runs its `outcomes`
+    call (`polls` counts them, this one included)."""
 
     def __init__(self, svc: FakeService) -> None:
         super().__init__(svc)
         self.svc, self.polls = svc, 0
+
+    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
+        return await call
 
     def __getattr__(self, name: str) -> Any:
         actor = self
@@ -437,16 +441,24 @@ class _Flaky(LocalActor):
             @staticmethod
             def remote(*args: Any) -> Awaitable[Any]:
                 async def call() -> Any:
-                    got = await getattr(actor.svc, name)(*args)
-                    if name == "outcomes":
-                        actor.polls += 1
-                        if actor.polls == 1:
-                            await asyncio.sleep(3600)
-                    return got
+                    if name != "outcomes":
+                        return await getattr(actor.svc, name)(*args)
+                    actor.polls += 1
+                    return await actor.poll(getattr(actor.svc, name)(*args))
 
                 return asyncio.ensure_future(call())
 
         return Method()
+
+
+class _Flaky(_Polled):
+    """A worker's handle whose first poll's answer is lost on the way (the call never returns)."""
+
+    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
+        got = await call
+        if self.polls == 1:
+            await asyncio.sleep(3600)
+        return got
 
 
 def _quick_polls(monkeypatch: pytest.MonkeyPatch, confirm_s: float = 30.0) -> None:
@@ -832,30 +844,19 @@ def test_an_abort_of_a_try_already_over_or_never_started_is_sent_once(monkeypatc
     assert "never answered" not in caplog.text
 
 
-class _PollFails(LocalActor):
+class _PollFails(_Polled):
     """A worker's handle whose first `fails` polls raise an error that is not the worker's
     death (a Ray call that failed: a full object store, a broken connection to its node)."""
 
     def __init__(self, svc: FakeService, fails: int) -> None:
         super().__init__(svc)
-        self.svc, self.fails, self.polls = svc, fails, 0
+        self.fails = fails
 
-    def __getattr__(self, name: str) -> Any:
-        actor = self
-
-        class Method:
-            @staticmethod
-            def remote(*args: Any) -> Awaitable[Any]:
-                async def call() -> Any:
-                    if name == "outcomes":
-                        actor.polls += 1
-                        if actor.polls <= actor.fails:
-                            raise RuntimeError("the call failed on the way")
-                    return await getattr(actor.svc, name)(*args)
-
-                return asyncio.ensure_future(call())
-
-        return Method()
+    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
+        if self.polls <= self.fails:
+            call.close()
+            raise RuntimeError("the call failed on the way")
+        return await call
 
 
 @pytest.mark.parametrize("fails", [1, 100])
