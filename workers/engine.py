@@ -729,7 +729,7 @@ class LLMEngine:
         req = Request(request_id, token_ids, params, prompt=text, eos_token_ids=self._eos_token_ids,
                       max_tokens=max_tokens, device=self.device, hold_kv=hold_kv, life=life,
                       ends_in_engine=ends_in_engine)
-        if params.detokenize or params.stop:
+        if params.detokenize:
             assert isinstance(params.stop, list)  # SamplingParams normalises it
             req.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, token_ids, params.stop,
                                                params.include_stop_str_in_output, params.skip_special_tokens)

@@ -158,6 +158,9 @@ class SamplingParams:
         assert isinstance(self.stop, list) and self.stop_token_ids is not None  # normalised above
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop: every stop string must be a non-empty string")
+        if self.stop and not self.detokenize:
+            # A stop string is matched in the text, which detokenize=False does not make (vLLM refuses it too).
+            raise ValueError("stop: stop strings need detokenize=True (use stop_token_ids to stop without text)")
         if any(not 0 <= t < _INT64[1] for t in self.stop_token_ids):
             raise ValueError("stop_token_ids: token ids must be >= 0")
         if self.seed is not None:

@@ -39,3 +39,11 @@ def test_right_types_still_pass() -> None:
     sp = SamplingParams(**kw)  # type: ignore[arg-type]  # numpy ids, tuples, JSON's string keys
     assert sp.stop_token_ids == [7, 9] and type(sp.stop_token_ids[0]) is int
     assert sp.stop == ["a", "b"] and sp.logit_bias == {5: 1.0, 6: -2.0}
+
+
+def test_stop_strings_without_detokenize_are_refused_as_vllm_does() -> None:
+    # A stop string is matched in the output's text: with detokenize=False none is made, and the
+    # request returned the text it had asked not to be made. vLLM refuses the pair.
+    with pytest.raises(ValueError, match="^stop: .*detokenize"):
+        SamplingParams(stop=["x"], detokenize=False)
+    assert SamplingParams(stop_token_ids=[5], detokenize=False).stop == []
