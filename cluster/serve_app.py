@@ -173,8 +173,8 @@ def wait_for_workers(workers: list[Any], timeout_s: float = 300.0,
     """Each worker's info once it has built its engine. A worker that refused its settings (a
     ValueError while building: a directory with no weights, a model it cannot run) is a ValueError
     saying so, which the CLI reports in one line (exit 2); so is one whose process keeps dying
-    before it answers (`START_DEATHS`), and workers not up past `timeout_s`, by name (`names`,
-    in the order of `workers`)."""
+    before it answers (`START_DEATHS`), or dies there and is not restarted (`--max-restarts` 0),
+    and workers not up past `timeout_s`, by name (`names`, in the order of `workers`)."""
     refs = [w.info.remote() for w in workers]
     labels = list(names) if names is not None else [f"worker {i}" for i in range(len(refs))]
     deadline = time.monotonic() + timeout_s
@@ -191,9 +191,11 @@ def wait_for_workers(workers: list[Any], timeout_s: float = 300.0,
                 raise ValueError(_not_up(refs, labels, timeout_s)) from e
         except ray.exceptions.ActorDiedError as e:
             refused = refusal(e)
-            if refused is None:
-                raise
-            raise ValueError(f"a worker could not start: {refused}") from e
+            if refused is not None:
+                raise ValueError(f"a worker could not start: {refused}") from e
+            if e.actor_init_failed:
+                raise  # its constructor raised something else: a fault, whose traceback says where
+            raise ValueError(_died_starting(refs, labels, e)) from e
 
 
 def _crash_looping(workers: list[Any], refs: list[Any], labels: Sequence[str]) -> str | None:
@@ -209,6 +211,33 @@ def _crash_looping(workers: list[Any], refs: list[Any], labels: Sequence[str]) -
                     "the node has; or a crash). Its log on its node (Ray's session logs, "
                     "/tmp/ray/session_latest/logs) says which")
     return None
+
+
+def _died_starting(refs: list[Any], labels: Sequence[str], error: ray.exceptions.ActorDiedError) -> str:
+    """The error for a worker whose process died while it built its engine and that Ray did not
+    restart (`--max-restarts` 0, or its restarts used up): the worker by name and Ray's reason,
+    in one line (Ray's own error is a dozen lines of actor ids, its traceback more)."""
+    label = next((label for label, ref in zip(labels, refs, strict=True) if _died(ref)), "a worker")
+    # Ray's message: its first line, the actor's fields (tab-indented), then the reason.
+    reason = " ".join(line.strip() for line in str(error).splitlines()[1:] if not line.startswith("\t"))
+    reason = reason.removeprefix(ray.exceptions.ActorDiedError.BASE_ERROR_MSG).strip() or "no reason given"
+    return (f"{label} died while starting, before it answered once, and is not restarted (--max-restarts): "
+            f"killed for memory (the model and its KV cache need more than its node has) or a crash. Ray says: "
+            f"{reason[:500]}")
+
+
+def _died(ref: Any) -> bool:
+    """Whether the `info` call `ref` failed because its actor died."""
+    ready, _ = ray.wait([ref], timeout=0)
+    if not ready:
+        return False
+    try:
+        ray.get(ref, timeout=0)
+    except ray.exceptions.ActorDiedError:
+        return True
+    except Exception:  # noqa: BLE001 - any other outcome is not this worker's death
+        return False
+    return False
 
 
 def restarts(handle: Any) -> int:

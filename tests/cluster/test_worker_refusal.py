@@ -360,3 +360,35 @@ def test_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_crea
     cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
     serve_app.create_workers(cpu)
     assert made == cpu.worker_names()
+
+
+def test_a_worker_that_dies_starting_and_is_not_restarted_ends_the_start_in_one_line(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `--max-restarts 0` a worker whose process died while it built its engine (the OOM
+    killer) ended `pdserve serve` in Ray's traceback of actor ids, exit 1, naming no worker. Now
+    it is the CLI's one line: the worker by name, what usually kills a start, Ray's reason."""
+    from ray.core.generated.common_pb2 import ActorDiedErrorContext
+
+    context = ActorDiedErrorContext(
+        class_name="DecodeService", actor_id=bytes(16), pid=4242, name="pdserve-decode-0", ray_namespace="pdserve",
+        node_ip_address="10.0.0.2",
+        error_message="The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+                      "Worker exit detail: Worker unexpectedly exits with a connection error code 2.\n"
+                      "(1) The process is killed by SIGKILL by OOM killer due to high memory usage.")
+    error = ray.exceptions.ActorDiedError(context)
+    refs = ["prefill-ref", "decode-ref"]
+    handles = [SimpleNamespace(info=SimpleNamespace(remote=lambda ref=ref: ref)) for ref in refs]
+
+    def get(got: Any, timeout: float) -> None:
+        if got == "prefill-ref":
+            raise ray.exceptions.GetTimeoutError("not ready")
+        raise error
+
+    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(serve_app.ray, "wait", lambda pending, timeout, **kw: (list(pending), []))
+    with pytest.raises(ValueError) as caught:
+        serve_app.wait_for_workers(handles, timeout_s=60.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
+    message = str(caught.value)
+    assert message.startswith("pdserve-decode-0 died while starting") and "\n" not in message
+    assert "memory" in message and "OOM killer" in message and "actor_id" not in message
+    assert caught.value.__cause__ is error
