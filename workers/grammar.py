@@ -38,8 +38,13 @@ log = logging.getLogger(__name__)
 # unescaped, and a parser refuses the output. The class its unbounded strings use excludes them.
 _LOOSE_CHAR = r'[^\"\\\r\n]'
 _JSON_CHAR = r'[^\0-\x1f\"\\\r\n]'
-# Compiled grammars a worker keeps (xgrammar's own cache is off: see GrammarCompiler).
+# Compiled grammars a worker (and a gateway) keeps, least recently used out first (xgrammar's own
+# cache is off: see GrammarCompiler): at most this many, and at most CACHE_BYTES of them. A
+# grammar's token-mask cache grows with the vocabulary: a 150-property schema is ~3 MB with a
+# 49k vocabulary, a 1,000-property one ~6 MB, so 1,024 entries alone let distinct schemas (each
+# agent session's tools, or a client cycling schemas) hold gigabytes in every worker and gateway.
 CACHE_ENTRIES = 1024
+CACHE_BYTES = 256 << 20
 # Grammars compiled at once. One thread made every grammar wait behind the one before it: a
 # schema that takes seconds (3,000 properties: 4.9 s on a 2-core EPYC) held up a 5 ms one from
 # another client until it too ran into the compile deadline and was refused. A compile cannot be
@@ -71,6 +76,8 @@ class GrammarCompiler:
         # distinct schema a client sent), for the life of the worker or gateway.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         self._cache: dict[tuple[str, str], Future[xgr.CompiledGrammar]] = {}
+        self._sizes: dict[tuple[str, str], int] = {}  # the compiled ones' memory (xgrammar's count)
+        self.cache_bytes = 0  # their sum
         # Callers waiting on a queued compile with a deadline (`wait`, `ready`), and the compiles a
         # request in the engine holds (`state`): one that every waiter gave up on, and no request
         # holds, leaves the queue. Without that, a client sending schemas that each take longer
@@ -91,12 +98,36 @@ class GrammarCompiler:
             fut = self._cache.get(key)
             if fut is not None and not fut.cancelled() and not (fut.done() and fut.exception() is not None):
                 self.stats.cache_hits += count
+                self._cache[key] = self._cache.pop(key)  # the most recently used now
                 return fut
-            if len(self._cache) >= CACHE_ENTRIES:
-                self._cache.pop(next(iter(self._cache)))
+            self._drop(key)
             fut = self._pool.submit(self._compile, spec)
             self._cache[key] = fut
-            return fut
+            self._evict()
+        # Outside the lock: a compile already done runs the callback here, and it takes the lock.
+        fut.add_done_callback(lambda done: self._sized(key, done))
+        return fut
+
+    def _sized(self, key: tuple[str, str], fut: Future[xgr.CompiledGrammar]) -> None:
+        """Count a finished compile's memory against CACHE_BYTES (while it is still the cached one)."""
+        if fut.cancelled() or fut.exception() is not None:
+            return
+        with self._lock:
+            if self._cache.get(key) is fut and key not in self._sizes:
+                self._sizes[key] = fut.result().memory_size_bytes
+                self.cache_bytes += self._sizes[key]
+                self._evict()
+
+    def _evict(self) -> None:
+        """Drop the least recently used grammars while over either bound (lock held). A request
+        holding a dropped one keeps it; the next request with its spec compiles it again."""
+        while len(self._cache) > CACHE_ENTRIES or (self.cache_bytes > CACHE_BYTES and len(self._cache) > 1):
+            self._drop(next(iter(self._cache)))
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        """Forget `key`'s grammar (lock held)."""
+        self._cache.pop(key, None)
+        self.cache_bytes -= self._sizes.pop(key, 0)
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         """Compile now (or take the cached result), on the caller's thread."""
@@ -144,7 +175,7 @@ class GrammarCompiler:
                 return
             del self._waiters[key]
             if fut not in self._held and self._cache.get(key) is fut and fut.cancel():
-                del self._cache[key]  # never started: gone from the pool's queue too
+                self._drop(key)  # never started: gone from the pool's queue too
 
     def _compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
         start = time.perf_counter()

@@ -594,3 +594,31 @@ def test_compiled_grammars_are_kept_only_within_the_cache_bound(llm: LLM, monkey
         assert held <= 2 * max(sizes), f"{held} bytes held for 24 grammars compiled, 2 kept (each <= {max(sizes)})"
     finally:
         compiler.close()
+
+
+def test_compiled_grammars_are_kept_within_a_byte_bound_least_recently_used_out(
+        llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache was bounded by entries alone: 1,024 grammars of ~3-6 MB each with a 49k
+    vocabulary (a 150- to 1,000-property schema), so distinct schemas (each agent session's
+    tools) could hold gigabytes in every worker and gateway. It now also holds at most
+    CACHE_BYTES, dropping the least recently used; a grammar used again stays."""
+    from pdserve.workers import grammar as grammar_module
+    from pdserve.workers.grammar import GrammarCompiler
+
+    def spec(i: int) -> StructuredOutputs:
+        return StructuredOutputs(json={"type": "object", "properties": {f"k{i}": {"type": "integer"}},
+                                       "required": [f"k{i}"]})
+
+    compiler = GrammarCompiler(llm.engine.tokenizer, llm.engine.runner.vocab_size, (0,))
+    try:
+        size = compiler.compile(spec(0)).memory_size_bytes
+        monkeypatch.setattr(grammar_module, "CACHE_BYTES", 3 * size + size // 2)  # room for three
+        hot = compiler.compile(spec(0))
+        for i in range(1, 12):
+            compiler.compile(spec(i))
+            assert compiler.compile(spec(0)) is hot  # used after each: never the least recent
+        assert compiler.cache_bytes <= grammar_module.CACHE_BYTES
+        assert len(compiler._cache) == 3 and spec(0).key() in compiler._cache
+        assert compiler.cache_bytes == sum(compiler._cache[k].result().memory_size_bytes for k in compiler._cache)
+    finally:
+        compiler.close()
