@@ -46,7 +46,7 @@ from pdserve.cluster.tool_calls import ToolPlan, template_messages
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
-from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
+from pdserve.workers.inputs import check_request, check_template_kwargs, check_token_ids, max_new_tokens
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams, sample_seed
 
@@ -366,7 +366,7 @@ class Gateway:
         plan = req.tool_plan()
         tools = plan.template_tools(exclude_if_none=self.config.exclude_tools_when_tool_choice_none)
         text = self.chat_text(req.messages, tools, req.add_generation_prompt,
-                              req.continue_final_message)
+                              req.continue_final_message, req.chat_template_kwargs)
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))
@@ -375,20 +375,25 @@ class Gateway:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def chat_text(self, chat: Sequence[ChatMessage], tools: list[dict[str, object]] | None,
-                  add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
-        """The messages as the model's chat template renders them (a 400 for messages it
-        refuses, or for a model with no template: a base model). Blocking: call it through
-        `off_loop`."""
+                  add_generation_prompt: bool = True, continue_final_message: bool = False,
+                  template_kwargs: dict[str, object] | None = None) -> str:
+        """The messages as the model's chat template renders them, with `template_kwargs` (the
+        request's chat_template_kwargs) among its variables (a 400 for messages it refuses, or
+        for a model with no template: a base model). Blocking: call it through `off_loop`."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             # transformers raises a plain ValueError here: it was a 500.
             raise bad_request(ValueError("messages: this model has no chat template (a base model); "
                                          "send the text to /v1/completions"))
         messages = template_messages([m.template_dict(unicode_text("messages", m.text())) for m in chat])
         try:
+            extra = check_template_kwargs(template_kwargs)
+        except ValueError as e:
+            raise bad_request(e) from None
+        try:
             # Checked whole: tools, names and tool-call arguments reach the text too.
             return unicode_text("messages", str(self.tokenizer.apply_chat_template(
                 messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message)))
+                continue_final_message=continue_final_message, **extra)))
         except TemplateSyntaxError:
             raise  # the model's template is broken: the server's fault, not this request's
         except TemplateError as e:

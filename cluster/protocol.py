@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits, check_count, check_n, check_stop
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolCall, ToolPlan
 from pdserve.workers.generation_defaults import pick
+from pdserve.workers.inputs import check_template_kwargs
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.structured_outputs import StructuredOutputs
 
@@ -277,6 +278,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = Field(True, description="vLLM's: end the prompt with the assistant's turn opening")
     continue_final_message: bool = Field(False, description="vLLM's: the last (assistant) message is left open, "
                                                             "for the model to continue")
+    chat_template_kwargs: dict[str, object] | None = Field(
+        None, description='vLLM\'s: more variables for the chat template, e.g. {"enable_thinking": false}')
     # The deprecated function-calling fields: modelled so that asking for them is a 400 naming
     # them, while their "off" values (what some clients send by default) pass.
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
@@ -285,6 +288,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check_supported(self) -> None:
         super().check_supported()
         check_continuation(self.add_generation_prompt, self.continue_final_message, self.messages)
+        check_template_kwargs(self.chat_template_kwargs)
         if self.functions:
             raise Refused("functions", "deprecated: use tools", RefusalReason.UNSUPPORTED)
         if self.function_call not in (None, "none"):

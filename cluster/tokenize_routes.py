@@ -57,6 +57,8 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = Field(True, description="with messages: end with the assistant's turn opening")
     continue_final_message: bool = Field(False, description="with messages: leave the last (assistant) message "
                                                             "open, for the model to continue")
+    chat_template_kwargs: dict[str, object] | None = Field(None, description="with messages: more variables for "
+                                                                          "the chat template (vLLM's)")
     add_special_tokens: bool | None = Field(None, description="default: true with prompt, false with messages "
                                                               "(the template writes its own)")
     return_token_strs: bool = Field(False, description="also each token as the tokenizer spells it")
@@ -128,6 +130,8 @@ def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | 
     if body.messages is None:
         if body.continue_final_message:
             raise bad_request(ValueError("continue_final_message: only with messages"))
+        if body.chat_template_kwargs is not None:
+            raise bad_request(ValueError("chat_template_kwargs: only with messages"))
         special = True if body.add_special_tokens is None else body.add_special_tokens
         ids = list(tokenizer.encode(unicode_text("prompt", body.prompt or ""), add_special_tokens=special))
     else:
@@ -138,7 +142,8 @@ def _tokens(gw: Gateway, body: TokenizeRequest) -> tuple[list[int], list[str] | 
             tools = ToolPlan.of(body.tools, None, None).template_tools()
         except ValueError as e:
             raise bad_request(e) from None
-        text = gw.chat_text(body.messages, tools, body.add_generation_prompt, body.continue_final_message)
+        text = gw.chat_text(body.messages, tools, body.add_generation_prompt, body.continue_final_message,
+                            body.chat_template_kwargs)
         ids = list(tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens)))
     strs = [str(t) for t in tokenizer.convert_ids_to_tokens(ids)] if body.return_token_strs else None
     return ids, strs

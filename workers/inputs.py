@@ -97,3 +97,25 @@ def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int = M
         value = getattr(params, name)
         if value is not None and value > most:
             raise ValueError(f"{name}: at most {most}, got {value}")
+
+
+# What the chat template renderer (transformers' apply_chat_template) takes as its own arguments,
+# and the variable the messages are: a request sets those it may through its own fields, checked
+# there. Through chat_template_kwargs they would pass unchecked (tools, add_generation_prompt) or
+# change what the renderer returns (tokenize, return_dict: not the prompt's text). vLLM refuses
+# chat_template and tokenize there.
+TEMPLATE_ARGUMENTS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
+    "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def check_template_kwargs(kwargs: dict[str, object] | None) -> dict[str, object]:
+    """vLLM's `chat_template_kwargs`: more variables for the chat template (Qwen3's
+    `{"enable_thinking": false}`); a ValueError naming the field for one the renderer takes as
+    its own argument."""
+    taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs or ()))
+    if taken:
+        raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, taken))} cannot be set here (the request's own "
+                         "fields set what they may: tools, add_generation_prompt, continue_final_message)")
+    return dict(kwargs or {})

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
-from pdserve.workers.inputs import is_one_prompt, prompt_of
+from pdserve.workers.inputs import check_template_kwargs, is_one_prompt, prompt_of
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, ranked
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, sample_seed
 
@@ -91,11 +91,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False, chat_template: str | None = None, add_generation_prompt: bool = True,
         continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered by the model's chat template (or `chat_template`) and generated
-        as `generate` does; each output's `prompt` is the rendered text."""
-        texts = [self._chat_text(conv, chat_template, add_generation_prompt, continue_final_message, tools)
+        list of them, rendered by the model's chat template (or `chat_template`), with
+        `chat_template_kwargs` among its variables, and generated as `generate` does; each
+        output's `prompt` is the rendered text."""
+        extra = check_template_kwargs(chat_template_kwargs)
+        texts = [self._chat_text(conv, chat_template, add_generation_prompt, continue_final_message, tools, extra)
                  for conv in _conversations(messages)]
         # The template writes the special tokens it wants (a BOS): encoding its text with the
         # tokenizer's own too would double them (vLLM encodes it without them too).
@@ -106,7 +109,7 @@ class LLM:
         return outs
 
     def _chat_text(self, conversation: list[Message], chat_template: str | None, add_generation_prompt: bool,
-                   continue_final_message: bool, tools: list[dict[str, Any]] | None) -> str:
+                   continue_final_message: bool, tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> str:
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("messages: this model has no chat template (a base model); pass chat_template, "
                              "or the text to generate()")
@@ -114,7 +117,7 @@ class LLM:
             raise ValueError("messages: a conversation is a list of {'role': ..., 'content': ...} messages")
         return str(self.tokenizer.apply_chat_template(
             conversation, chat_template=chat_template, tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message))
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams: the model's own defaults

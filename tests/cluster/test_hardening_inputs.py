@@ -372,3 +372,57 @@ def test_messages_the_models_chat_template_refuses_are_a_400(make_model: Callabl
     assert_openai_error(bad, 400, "messages")
     assert "System role not supported" in bad.json()["error"]["message"]
     assert good.status_code == 200 and gw.admitted == 0
+
+
+THINKING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+            "{% if enable_thinking is defined and not enable_thinking %}<no-think>{% endif %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(tokenizer: Any,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `chat_template_kwargs` (Qwen3's `{"enable_thinking": false}`, what agent clients
+    send on every request to such a model) was a 400 "pdserve does not support this field".
+    They are now the template's variables, as transformers renders them (the oracle); the
+    renderer's own arguments are refused by name, as vLLM refuses `tokenize` there."""
+    monkeypatch.setattr(tokenizer, "chat_template", THINKING)
+    backend = EchoBackend()
+    gw = gateway(tokenizer, backend)
+    off = {**CHAT, "chat_template_kwargs": {"enable_thinking": False}}
+    refusals = [{**CHAT, "chat_template_kwargs": {"tokenize": True}},
+                {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False, "enable_thinking": False}},
+                {**CHAT, "chat_template_kwargs": ["enable_thinking"]}]
+
+    async def requests(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/v1/chat/completions", json=b, headers=KEY) for b in (off, CHAT, *refusals)]
+
+    answers = run(gw, requests)
+    assert [r.status_code for r in answers[:2]] == [200, 200], answers[0].text
+    want = [tokenizer.apply_chat_template(CHAT["messages"], tokenize=False, add_generation_prompt=True, **kw)
+            for kw in ({"enable_thinking": False}, {})]
+    assert "<no-think>" in want[0] and "<no-think>" not in want[1]
+    assert [prompt for prompt, _ in backend.calls] == [tokenizer.encode(w, add_special_tokens=False) for w in want]
+    for r in answers[2:]:
+        assert_openai_error(r, 400, "chat_template_kwargs")
+    assert "'tokenize'" in answers[2].json()["error"]["message"]
+    assert len(backend.calls) == 2
+
+
+def test_tokenize_takes_chat_template_kwargs(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """/tokenize counts a chat as the chat route renders it, chat_template_kwargs included
+    (vLLM's /tokenize takes them too)."""
+    monkeypatch.setattr(tokenizer, "chat_template", THINKING)
+    messages = CHAT["messages"]
+    kwargs = {"enable_thinking": False}
+
+    async def requests(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": kwargs}, headers=KEY),
+                await c.post("/tokenize", json={"prompt": "hi", "chat_template_kwargs": kwargs}, headers=KEY),
+                await c.post("/tokenize", json={"messages": messages, "chat_template_kwargs": {"chat_template": "x"}},
+                             headers=KEY)]
+
+    counted, prompt_with_kwargs, refused_kwarg = run(gateway(tokenizer), requests)
+    want = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+    assert counted.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
+    assert_openai_error(prompt_with_kwargs, 400, "chat_template_kwargs")
+    assert_openai_error(refused_kwarg, 400, "chat_template_kwargs")

@@ -329,4 +329,11 @@ def test_chat_renders_the_template_once_as_vllm(model_dir: Path, tmp_path: Path)
     assert len(one) == 1 and one[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
     with pytest.raises(ValueError, match="messages"):
         llm.chat(["hi"], params)  # type: ignore[list-item]
+    # vLLM's chat_template_kwargs: the template's variables (Qwen3's enable_thinking); the renderer's
+    # own arguments are refused by name.
+    thinking = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if not enable_thinking %}<no-think>{% endif %}"
+    off = llm.chat(convs[0], params, chat_template=thinking, chat_template_kwargs={"enable_thinking": False})
+    assert off[0].prompt == "hi<no-think>"
+    with pytest.raises(ValueError, match="^chat_template_kwargs: 'tools'"):
+        llm.chat(convs[0], params, chat_template_kwargs={"tools": []})
     assert not llm.engine.has_unfinished_requests() and llm.engine.kv.pool.num_used == 0
