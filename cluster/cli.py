@@ -427,6 +427,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--chat-template", default=UNSET,
+                   help="a file with a Jinja chat template, or the template itself, in place of the "
+                        "tokenizer's own (vLLM's flag; a base model has none)")
     g.add_argument("--generation-config", choices=["auto", "vllm"], default=UNSET,
                    help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, "
                         "repetition_penalty, max_tokens) come from: auto (default), the model's "

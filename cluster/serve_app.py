@@ -364,6 +364,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     # The workers' tokenizer (`--tokenizer`, else the model's): prompts encoded with one and outputs
     # decoded with another would not agree.
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(cfg.engine.tokenizer, model_dir))
+    if cfg.chat_template is not None:  # --chat-template: every chat (and /tokenize's) renders with it
+        tokenizer.chat_template = cfg.chat_template
     rank = replica_rank()
     gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
     backend = (_disaggregated_backend(cfg, rank) if cfg.mode is ServingMode.DISAGGREGATED

@@ -33,6 +33,7 @@ from pydantic import (
 from pydantic.dataclasses import dataclass
 
 from pdserve.cluster.background_priority import DEFAULT_NICE
+from pdserve.cluster.chat_template import load_chat_template
 from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
@@ -177,6 +178,9 @@ class ServeConfig:
     # With tool_choice "none" the chat template still shows the model its tools (OpenAI's, and
     # vLLM's default); True leaves them out (vLLM's --exclude-tools-when-tool-choice-none).
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --chat-template: a file with a Jinja chat template, or the template itself, used in
+    # place of the tokenizer's own (cluster/chat_template.py). Held as the template's text.
+    chat_template: str | None = None
     # Seconds a request under way waits for a worker when none can take it (its
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.
@@ -236,6 +240,11 @@ class ServeConfig:
     @classmethod
     def _resources(cls, value: Any, info: ValidationInfo) -> dict[str, float] | None:
         return check_resources(str(info.field_name), value)
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template(cls, value: str | None) -> str | None:
+        return None if value is None else load_chat_template(value)
 
     @field_validator("api_key", "metrics_api_key")
     @classmethod

@@ -218,16 +218,11 @@ def test_detokenize_takes_up_to_four_contexts_of_ids(served: tuple[TestClient, A
     assert error["param"] == "tokens" and f"at most {most} token ids" in error["message"], error
 
 
-def test_the_gateway_tokenizes_with_the_tokenizer_flag(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """`pdserve serve --tokenizer DIR`: the workers decode with DIR's tokenizer; the gateway
-    loaded the model directory's, so a model directory with no tokenizer (the usual reason for
-    the flag) could not start its gateway, and two different ones would not agree."""
-    import asyncio
-    import shutil
+def _serve_gateway_app(monkeypatch: pytest.MonkeyPatch, model: Path, **settings: Any) -> Any:
+    """What `build_gateway_app` builds for a colocated config of `model` (no Ray: no worker
+    answers, a fake backend), with `settings` (the engine's `tokenizer`, or serve settings)."""
     import types
 
-    import httpx
     from factories import FakeBackend
 
     import pdserve.cluster.backend as backend_module
@@ -235,20 +230,60 @@ def test_the_gateway_tokenizes_with_the_tokenizer_flag(make_model: Callable[[Tin
     from pdserve.cluster.serve_config import ServeConfig, ServingMode
     from pdserve.workers.config import EngineConfig
 
+    monkeypatch.setattr(serve_app, "_any_worker_info", lambda cfg, timeout_s=120.0: types.SimpleNamespace(
+        max_model_len=LEN))
+    monkeypatch.setattr(serve_app, "find_worker", lambda name: None)
+    monkeypatch.setattr(backend_module, "ColocatedBackend", lambda *a, **k: FakeBackend())
+    engine = EngineConfig(model=str(model), tokenizer=settings.pop("tokenizer", None))
+    return serve_app.build_gateway_app(ServeConfig(engine, mode=ServingMode.COLOCATED, num_colocated=1, **settings))
+
+
+def _post(app: Any, path: str, body: dict[str, Any]) -> Any:
+    import asyncio
+
+    import httpx
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return await c.post(path, json=body)
+
+    return asyncio.run(post())
+
+
+def test_the_gateway_tokenizes_with_the_tokenizer_flag(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pdserve serve --tokenizer DIR`: the workers decode with DIR's tokenizer; the gateway
+    loaded the model directory's, so a model directory with no tokenizer (the usual reason for
+    the flag) could not start its gateway, and two different ones would not agree."""
+    import shutil
+
     model_dir = make_model(tiny_spec())
     weights = tmp_path / "weights"
     shutil.copytree(model_dir, weights)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (weights / f).unlink()
-    monkeypatch.setattr(serve_app, "_any_worker_info", lambda cfg, timeout_s=120.0: types.SimpleNamespace(
-        max_model_len=LEN))
-    monkeypatch.setattr(serve_app, "find_worker", lambda name: None)
-    monkeypatch.setattr(backend_module, "ColocatedBackend", lambda *a, **k: FakeBackend())
-    app = serve_app.build_gateway_app(ServeConfig(EngineConfig(model=str(weights), tokenizer=str(model_dir)),
-                                                  mode=ServingMode.COLOCATED, num_colocated=1))
+    app = _serve_gateway_app(monkeypatch, weights, tokenizer=str(model_dir))
+    assert _post(app, "/tokenize", {"prompt": TEXT}).json()["tokens"] == AutoTokenizer.from_pretrained(
+        model_dir).encode(TEXT)
 
-    async def tokenize() -> httpx.Response:
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
-            return await c.post("/tokenize", json={"prompt": TEXT})
 
-    assert asyncio.run(tokenize()).json()["tokens"] == AutoTokenizer.from_pretrained(model_dir).encode(TEXT)
+def test_the_chat_template_flag_renders_every_chat(make_model: Callable[[TinyModelSpec], Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `--chat-template FILE` (or the template itself): a base model, whose tokenizer has
+    no template, answered every chat with a 400, and a model with a wrong template could not be
+    given a right one. The gateway renders chats (and /tokenize's) with it; the file is read
+    where the settings are made, and a broken template is refused there, by name."""
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.workers.config import EngineConfig
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant]"
+    path = tmp_path / "chat.jinja"
+    path.write_text(template)
+    oracle = AutoTokenizer.from_pretrained(make_model(tiny_spec()))
+    want = oracle.encode("[system] Be brief.\n[user] Name a fox.\n[assistant]", add_special_tokens=False)
+    for given in (str(path), template):
+        app = _serve_gateway_app(monkeypatch, make_model(tiny_spec()), chat_template=given)
+        assert _post(app, "/tokenize", {"messages": CHAT}).json()["tokens"] == want
+    for bad, why in ((str(tmp_path / "missing.jinja"), "not a file"), ("{% for m in messages %}", "line 1")):
+        with pytest.raises(ValueError, match=f"^chat_template: .*{why}"):
+            ServeConfig(EngineConfig(model="/m"), chat_template=bad)
