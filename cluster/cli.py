@@ -457,6 +457,15 @@ def _http_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--ingress", default=UNSET,
                    help="haproxy (default): Ray Serve's HAProxy ingress; proxy: its Python proxy actor (local "
                         "Ray only: a running cluster keeps the ingress it was started with)")
+    g.add_argument("--allowed-origins", default=UNSET, metavar="JSON",
+                   help='origins whose web pages may call the API, a JSON list (vLLM\'s flag): \'["*"]\' for any '
+                        "(vLLM's default); default: none")
+    g.add_argument("--allowed-methods", default=UNSET, metavar="JSON",
+                   help='with --allowed-origins: the methods they may use (default \'["*"]\')')
+    g.add_argument("--allowed-headers", default=UNSET, metavar="JSON",
+                   help='with --allowed-origins: the headers they may send (default \'["*"]\')')
+    g.add_argument("--allow-credentials", action="store_true", default=UNSET,
+                   help="with --allowed-origins (named, not *): the pages may send cookies and credentials")
     g.add_argument("--served-model-name", nargs="+", default=UNSET, metavar="NAME",
                    help="the names the API answers to; responses report the first (default: the --model "
                         "argument as given, and its basename)")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from pdserve.cluster.backend import GenerationBackend, ServerStoppingError, WorkerLostError
+from pdserve.cluster.cors import CorsSettings
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.drain_flag import STOP_STREAMS_AFTER_S, DrainWatch
 from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
@@ -91,6 +92,7 @@ class GatewayConfig:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # tool_choice "none" shows the model its tools unless this is set (vLLM's flag of the name).
     exclude_tools_when_tool_choice_none: bool = False
+    cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
 
     @property
     def served_names(self) -> tuple[str, ...]:

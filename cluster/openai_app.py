@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from pdserve.cluster.cors import add_cors
 from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work, bad_request
 from pdserve.cluster.http_guard import Guard, Keys, request_id
 from pdserve.cluster.limits import RefusalReason
@@ -77,6 +78,7 @@ def build_app(gw: Gateway) -> FastAPI:
     # Outside the guard: its refusals are counted, and name the replica, too.
     app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS,
                        headers=((REPLICA_HEADER, str(cfg.replica).encode()),))
+    add_cors(app, cfg.cors)  # outermost
     _add_error_handlers(app, gw)
     _add_info_routes(app, gw)
     _add_generation_routes(app, gw)

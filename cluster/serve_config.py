@@ -34,6 +34,7 @@ from pydantic.dataclasses import dataclass
 
 from pdserve.cluster.background_priority import DEFAULT_NICE
 from pdserve.cluster.chat_template import load_chat_template
+from pdserve.cluster.cors import CorsSettings, string_list
 from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
@@ -81,6 +82,8 @@ def _one_or_more(value: Any) -> Any:
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+# A list of strings: from YAML, a JSON list (vLLM's flag form) or one string (cluster/cors.py).
+StringList = Annotated[tuple[str, ...], BeforeValidator(lambda v, info: string_list(str(info.field_name), v))]
 # The API's model names: one or more, repeats dropped (order kept).
 Names = Annotated[tuple[NotBlank, ...], BeforeValidator(_one_or_more), Field(min_length=1),
                   AfterValidator(lambda names: tuple(dict.fromkeys(names)))]
@@ -181,6 +184,12 @@ class ServeConfig:
     # vLLM's --chat-template: a file with a Jinja chat template, or the template itself, used in
     # place of the tokenizer's own (cluster/chat_template.py). Held as the template's text.
     chat_template: str | None = None
+    # Browsers' cross-origin requests (cluster/cors.py; vLLM's flags of these names): the origins
+    # allowed ("*": any; none by default, where vLLM allows any), and what they may send.
+    allowed_origins: StringList = ()
+    allowed_methods: StringList = ("*",)
+    allowed_headers: StringList = ("*",)
+    allow_credentials: bool = False
     # Seconds a request under way waits for a worker when none can take it (its
     # worker died and the pool's others are down too, or it was the only one:
     # Ray restarts it in seconds) before it fails with one clean error. 0: no wait.
@@ -259,6 +268,7 @@ class ServeConfig:
     @model_validator(mode="after")
     def _check_together(self) -> ServeConfig:
         self.limits  # noqa: B018 - RequestLimits checks its own (a ValueError naming the setting)
+        self.cors  # noqa: B018 - CorsSettings likewise
         if self.num_colocated is not None and self.mode is not ServingMode.COLOCATED:
             raise ValueError("workers: colocated mode only; a disaggregated cluster takes prefill and decode")
         pools = {"prefill_resources": ServingMode.DISAGGREGATED, "decode_resources": ServingMode.DISAGGREGATED,
@@ -363,6 +373,10 @@ class ServeConfig:
     @functools.cached_property
     def limits(self) -> RequestLimits:
         return RequestLimits(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RequestLimits)})
+
+    @functools.cached_property
+    def cors(self) -> CorsSettings:
+        return CorsSettings(self.allowed_origins, self.allowed_methods, self.allowed_headers, self.allow_credentials)
 
     @property
     def served_names(self) -> tuple[str, ...]:

@@ -426,3 +426,47 @@ def test_tokenize_takes_chat_template_kwargs(tokenizer: Any, monkeypatch: pytest
     assert counted.json()["tokens"] == tokenizer.encode(want, add_special_tokens=False)
     assert_openai_error(prompt_with_kwargs, 400, "chat_template_kwargs")
     assert_openai_error(refused_kwarg, 400, "chat_template_kwargs")
+
+
+def test_browsers_on_allowed_origins_may_call_the_api_and_no_others(tokenizer: Any) -> None:
+    """vLLM answers browsers' cross-origin requests (CORS, --allowed-origins); pdserve answered
+    none, so a web UI on another origin could not call it (its preflight got the guard's 401).
+    Now the origins named are allowed: the preflight (which carries no key) is answered, and a
+    response, a refusal included, carries the header the page needs to read it. Other origins,
+    and every origin by default, get no such header (the browser stops them)."""
+    from pdserve.cluster.cors import CorsSettings
+
+    ui = "http://localhost:3000"
+    preflight = {"Origin": ui, "Access-Control-Request-Method": "POST",
+                 "Access-Control-Request-Headers": "authorization,content-type"}
+
+    async def requests(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.options("/v1/chat/completions", headers=preflight),
+                await c.post("/v1/chat/completions", json=CHAT, headers={**KEY, "Origin": ui}),
+                await c.post("/v1/chat/completions", json=CHAT, headers={"Origin": ui}),
+                await c.post("/v1/chat/completions", json=CHAT, headers={**KEY, "Origin": "https://evil.example"})]
+
+    allowed = run(gateway(tokenizer, cors=CorsSettings(allowed_origins=(ui,))), requests)
+    assert allowed[0].status_code == 200 and allowed[0].headers["access-control-allow-origin"] == ui
+    assert "POST" in allowed[0].headers["access-control-allow-methods"]
+    assert [r.status_code for r in allowed[1:]] == [200, 401, 200]
+    assert [r.headers.get("access-control-allow-origin") for r in allowed[1:]] == [ui, ui, None]
+    default = run(gateway(tokenizer), requests)
+    assert all("access-control-allow-origin" not in r.headers for r in default)
+    assert default[0].status_code != 200
+
+
+@pytest.mark.parametrize(("settings", "error"), [
+    ({"allowed_origins": "*", "allow_credentials": True}, "^allow_credentials: name the allowed origins"),
+    ({"allowed_origins": '["https://a.example"'}, "^allowed_origins: not a JSON list"),
+    ({"allowed_origins": '["https://a.example", 3]'}, "^allowed_origins: a list of non-empty strings"),
+])
+def test_cors_settings_are_checked_where_they_are_made(settings: dict[str, Any], error: str) -> None:
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.workers.config import EngineConfig
+
+    with pytest.raises(ValueError, match=error):
+        ServeConfig(EngineConfig(model="/m"), **settings)
+    one = ServeConfig(EngineConfig(model="/m"), allowed_origins='["https://a.example", "https://b.example"]')
+    assert one.cors.allowed_origins == ("https://a.example", "https://b.example")
+    assert ServeConfig(EngineConfig(model="/m"), allowed_origins="*").cors.allowed_origins == ("*",)
