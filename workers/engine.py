@@ -653,7 +653,8 @@ class LLMEngine:
             # include_stop_str_in_output; the token itself is among the output's tokens. Stop
             # strings count once the output is past min_tokens (vLLM's rule: its stop tokens are
             # banned for the first min_tokens, so neither ends the output before token min_tokens + 1).
-            stop_str = req.detok.add(token, req.num_output_tokens > req.params.min_tokens)
+            # A stop token's own text is not searched (vLLM's): it ends the output whole.
+            stop_str = req.detok.add(token, req.num_output_tokens > req.params.min_tokens and not stop_token)
         if may_stop:
             if stop_token:
                 req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None

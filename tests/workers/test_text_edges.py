@@ -314,3 +314,27 @@ def test_a_tokens_bytes_on_a_byte_fallback_tokenizer() -> None:
     ids = tok.encode(text, add_special_tokens=False)
     assert decoder_kind(tok) == "byte_fallback"
     assert b"".join(bytes(text_of.utf8(t)) for t in ids) == (" " + text).encode("utf-8")
+
+
+# -- F: a stop token's own text is searched for stop strings ----------------------------------
+
+
+def test_a_stop_tokens_text_kept_by_include_stop_str_is_not_cut_by_a_stop_string(llm: LLM) -> None:
+    """vLLM (v1 BaseIncrementalDetokenizer.update: "Stop token triggered; skip stop string check")
+    ends on a stop token with its text whole under include_stop_str_in_output, stop_reason the
+    token. pdserve searched that text for stop strings too and cut it at one, while still
+    reporting the token: stop ["y"] and stop token "sys" gave "sy". Here the stop string is the
+    token's first character."""
+    tok = llm.tokenizer.backend_tokenizer
+    for seed in range(20):
+        prompt = prompt_of(seed)
+        first = llm.generate([prompt], dataclasses.replace(GREEDY, max_tokens=1))[0].outputs[0]
+        token, text = first.token_ids[0], first.text
+        if len(text) < 2:
+            continue
+        params = dataclasses.replace(GREEDY, stop=[text[0]], stop_token_ids=[token], include_stop_str_in_output=True)
+        out = llm.generate([prompt], params)[0].outputs[0]
+        assert (out.token_ids, out.finish_reason, out.stop_reason) == ([token], "stop", token)
+        assert out.text == tok.decode([token]) == text
+        return
+    pytest.skip("no first token of two characters")
