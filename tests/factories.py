@@ -22,6 +22,31 @@ def tiny_spec(arch: Arch | str = Arch.LLAMA, **kw: object) -> TinyModelSpec:
     return TinyModelSpec(**fields)  # type: ignore[arg-type]
 
 
+def llama2_tokenizer(words: tuple[str, ...] = ("▁ok", "▁Hello", "▁the")) -> Any:
+    """A Llama 2-style tokenizer: BPE with byte_fallback (<0x00>..<0xFF>), "▁" for spaces, and
+    Llama 2's decoder (Replace, ByteFallback, Fuse, Strip). "\\n" is <0x0A>, as in Llama 2."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+
+    from pdserve.workers.tiny.tokenizer import SPECIAL_TOKENS
+
+    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, "<unk>"])}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    merges = []
+    for w in words:
+        for c in w:
+            vocab.setdefault(c, len(vocab))
+        for i in range(2, len(w) + 1):
+            vocab.setdefault(w[:i], len(vocab))
+            merges.append((w[: i - 1], w[i - 1]))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    return tok
+
+
 def with_bos_added(model_dir: Path, out: Path) -> Path:
     """A copy of `model_dir` whose tokenizer adds BOS to what it encodes and whose chat template
     writes BOS too: Llama 3's (its tokenizer.json's TemplateProcessing, its template's bos_token)."""

@@ -9,15 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from factories import tiny_spec
-from tokenizers import Tokenizer, decoders, models, normalizers
+from factories import llama2_tokenizer, tiny_spec
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.detokenizer import IncrementalDetokenizer, _context
 from pdserve.workers.sampling_params import RequestOutputKind
 from pdserve.workers.tiny.builder import TinyModelSpec, init_model, save_model_dir
-from pdserve.workers.tiny.tokenizer import SPECIAL_TOKENS, train_tokenizer
+from pdserve.workers.tiny.tokenizer import train_tokenizer
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
 NEVER = "\x00" * 12  # a long stop string that never occurs: widens the hold-back / search window
@@ -172,27 +172,6 @@ def test_cumulative_outputs_never_show_text_a_stop_string_cuts_later(llm: LLM) -
 
 
 # -- D: SentencePiece byte-fallback: DecodeStream raises and the request fails ---------------
-
-
-def llama2_tokenizer(words: tuple[str, ...] = ("▁ok", "▁Hello", "▁the")) -> Tokenizer:
-    """A Llama 2-style tokenizer: BPE with byte_fallback (<0x00>..<0xFF>), "▁" for spaces, and
-    Llama 2's decoder (Replace, ByteFallback, Fuse, Strip). "\\n" is <0x0A>, as in Llama 2."""
-    vocab = {t: i for i, t in enumerate([*SPECIAL_TOKENS, "<unk>"])}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    merges = []
-    for w in words:
-        for c in w:
-            vocab.setdefault(c, len(vocab))
-        for i in range(2, len(w) + 1):
-            vocab.setdefault(w[:i], len(vocab))
-            merges.append((w[: i - 1], w[i - 1]))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
-    return tok
 
 
 def test_a_newline_then_an_unfinished_character_does_not_break_the_detokenizer() -> None:
