@@ -430,6 +430,10 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=UNSET,
                    help="a file with a Jinja chat template, or the template itself, in place of the "
                         "tokenizer's own (vLLM's flag; a base model has none)")
+    g.add_argument("--reasoning-parser", choices=["deepseek_r1", "qwen3"], default=UNSET,
+                   help="split a thinking model's thinking (between <think> and </think>) out of its chat answers "
+                        "into the message's reasoning field (vLLM's flag): deepseek_r1 (DeepSeek-R1 and its "
+                        "distills, QwQ) or qwen3 (default: none, the thinking stays in the content)")
     g.add_argument("--generation-config", choices=["auto", "vllm"], default=UNSET,
                    help="where a request's unset sampling fields (temperature, top_p, top_k, min_p, "
                         "repetition_penalty, max_tokens) come from: auto (default), the model's "

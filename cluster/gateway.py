@@ -39,6 +39,7 @@ from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.cluster.ray_errors import RayError
+from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.token_text import TokenText
@@ -92,6 +93,8 @@ class GatewayConfig:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # tool_choice "none" shows the model its tools unless this is set (vLLM's flag of the name).
     exclude_tools_when_tool_choice_none: bool = False
+    # Chat answers' thinking split out of their content (vLLM's --reasoning-parser; cluster/reasoning.py).
+    reasoning_parser: ReasoningParser | None = None
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
 
     @property
@@ -188,6 +191,7 @@ class Work:
     echo: str | None = None
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
     tools: ToolPlan | None = None  # a chat request's tools: its answers are parsed for calls
+    reasoning: ReasoningPlan | None = None  # a chat answer's thinking is split out (--reasoning-parser)
 
 
 class Admission:

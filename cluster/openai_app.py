@@ -31,6 +31,7 @@ from pdserve.cluster.http_guard import Guard, Keys, request_id
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
+from pdserve.cluster.reasoning import ReasoningPlan
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
 from pdserve.cluster.tokenize_routes import ENDPOINTS as TOKENIZER_ENDPOINTS
 from pdserve.cluster.tokenize_routes import add_tokenizer_routes
@@ -205,7 +206,9 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except BaseException:
             slot.release()
             raise
-        works = [Work(prompt_ids, params, tools=tools)]
+        reasoning = ReasoningPlan.of(gw.config.reasoning_parser, body.chat_template_kwargs, body.include_reasoning,
+                                     params.structured_outputs is not None)
+        works = [Work(prompt_ids, params, tools=tools, reasoning=reasoning)]
         return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot,
                               body.continuous_usage)
 

@@ -280,6 +280,8 @@ class ChatCompletionRequest(_SamplingFields):
                                                             "for the model to continue")
     chat_template_kwargs: dict[str, object] | None = Field(
         None, description='vLLM\'s: more variables for the chat template, e.g. {"enable_thinking": false}')
+    include_reasoning: bool = Field(True, description="vLLM's: with the server's --reasoning-parser, false leaves "
+                                                      "the thinking out of the answer")
     # The deprecated function-calling fields: modelled so that asking for them is a 400 naming
     # them, while their "off" values (what some clients send by default) pass.
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
@@ -403,6 +405,9 @@ class AssistantMessage(TypedDict):
     role: str
     content: str | None
     tool_calls: NotRequired[list[ToolCall]]
+    # With the server's --reasoning-parser: the thinking (vLLM's name, and its older one)
+    reasoning: NotRequired[str | None]
+    reasoning_content: NotRequired[str | None]
 
 
 class ChatChoice(TypedDict):
@@ -421,6 +426,8 @@ class ChatDelta(TypedDict):
     role: NotRequired[str]  # in a stream's opening chunk only
     content: NotRequired[str | None]
     tool_calls: NotRequired[list[StreamedToolCall]]
+    reasoning: NotRequired[str]  # with the server's --reasoning-parser: thinking, apart from the content
+    reasoning_content: NotRequired[str]
 
 
 class ChatChunkChoice(TypedDict):

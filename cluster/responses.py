@@ -39,6 +39,7 @@ from pdserve.cluster.protocol import (
     now,
     usage,
 )
+from pdserve.cluster.reasoning import ThinkingStream
 from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolPlan
 from pdserve.workers.outputs import RequestOutput
@@ -63,11 +64,13 @@ class Choice:
     cached_tokens: int = 0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     started: bool = False  # a chunk of it was streamed
-    # With tools: its text is streamed as content (True), or held back until it ends because
+    # With tools: its answer is streamed as content (True), or held back until it ends because
     # it is (or may be) a tool call, sent then as `tool_calls` (False).
     content: bool = False
-    sent: int = 0  # with tools: characters of `text` streamed as content
-    held: tuple[list[int], Entries] | None = None  # with tools: logprobs of tokens not yet streamed
+    # Parsed (tools, reasoning): characters of the answer (`text` after its thinking) streamed as content
+    sent: int = 0
+    thinking: ThinkingStream = field(default_factory=ThinkingStream)  # with a reasoning parser: its split so far
+    held: tuple[list[int], Entries] | None = None  # parsed: logprobs of tokens not yet streamed
     # Streamed with logprobs: characters of the tokens reported so far (the text_offset of the next:
     # as a whole response counts them, not the text sent, which a stop string can hold back)
     reported_chars: int = 0
@@ -259,13 +262,21 @@ def final_choice(kind: ApiKind, token_str: TokenStr, c: Choice, work: Work) -> T
     shape = kind.shape
     logprobs = shape.logprobs(token_str, *_reported(work, c), work.params.logprobs or 0) \
         if work.params.logprobs is not None else None
-    if work.tools is not None and work.tools.active:
-        content, calls = work.tools.parse(c.text)
+    if work.reasoning is None and (work.tools is None or not work.tools.active):
+        return shape.choice(c, work.echo, logprobs)
+    # A parsed chat answer: its thinking first (with a reasoning parser), then tool calls in the rest.
+    thinking, content = (None, c.text) if work.reasoning is None else work.reasoning.split(c.text)
+    message: AssistantMessage = {"role": "assistant", "content": content}
+    finish = c.finish_reason
+    if work.tools is not None and work.tools.active and content is not None:
+        words, calls = work.tools.parse(content)
         if calls:
-            message: AssistantMessage = {"role": "assistant", "content": content, "tool_calls": calls}
-            return {"index": c.index, "message": message, "logprobs": logprobs,
-                    "finish_reason": _calls_finish(work.tools, c.finish_reason), "stop_reason": c.stop_reason}
-    return shape.choice(c, work.echo, logprobs)
+            message = {"role": "assistant", "content": words, "tool_calls": calls}
+            finish = _calls_finish(work.tools, finish)
+    if work.reasoning is not None and work.reasoning.include:
+        message["reasoning"] = message["reasoning_content"] = thinking
+    return {"index": c.index, "message": message, "logprobs": logprobs, "finish_reason": finish,
+            "stop_reason": c.stop_reason}
 
 
 def _calls_finish(plan: ToolPlan, reason: str | None) -> str | None:
@@ -275,39 +286,63 @@ def _calls_finish(plan: ToolPlan, reason: str | None) -> str | None:
     return "tool_calls" if reason == "stop" and plan.mode != "named" else reason
 
 
-def tool_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
-    """What a chat stream with tools sends for delta `d` of `choice`. An answer that is (or
-    may still be) a tool call: nothing until it ends, then the calls (or, if it was no call
-    after all, its text as content). An "auto" answer in words: its content as it comes, up
-    to a call marker that may follow words (Hermes, Mistral: tool_calls.INLINE_MARKERS); from
-    there on it is held, as a call, to its end. Logprobs go with the chunk that sends their
-    tokens' text, or with the last. None: nothing to send yet."""
-    plan = work.tools
-    assert plan is not None
+def parsed_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delta) -> ChatChunkChoice | None:
+    """What a chat stream whose answers are parsed (for their thinking, for tool calls) sends for
+    delta `d` of `choice`: the thinking as it comes (held where a tag may be coming: the tags
+    never reach the client), then the answer after it, as plain content or as `_tool_delta`
+    says. Logprobs go with the chunk that sends their tokens' text, or with the last. None:
+    nothing to send yet."""
     if d.scored is not None:
         ids, entries = choice.held or ([], [])
         choice.held = (ids + d.scored[0], entries + list(d.scored[1]))
-    if not choice.content and plan.mode == "auto" and not plan.may_be_call(choice.text):
-        choice.content = True  # an answer in words: the held text goes now, the rest as it comes
-    end = max(choice.sent, plan.words_end(choice.text, choice.sent)) if choice.content else 0
-    if d.finish_reason is None:
-        if not choice.content:
+    done = d.finish_reason is not None
+    delta: ChatDelta = {}
+    start: int | None = 0  # where the answer after the thinking starts in the text (None: not yet)
+    if work.reasoning is not None:
+        piece, start = choice.thinking.advance(choice.text, done)
+        if piece and work.reasoning.include:
+            delta["reasoning"] = delta["reasoning_content"] = piece
+    finish = d.finish_reason
+    if work.tools is not None and work.tools.active:
+        answer = "" if start is None else choice.text[start:]
+        words, finish = _tool_delta(work.tools, choice, answer, d.finish_reason)
+        delta.update(words)
+    elif start is not None and len(choice.text) > start + choice.sent:
+        # (by offsets: a copy of the answer a token would cost the stream its length each token)
+        delta["content"], choice.sent = choice.text[start + choice.sent :], len(choice.text) - start
+    if not delta:
+        if not done:
             return None
-        piece, choice.sent = choice.text[choice.sent : end], end
-        return _tool_chunk(token_str, choice, d, {"content": piece}) if piece else None
-    content, calls = plan.parse(choice.text)
+        delta["content"] = ""  # the last chunk, with the finish reason
+    return _tool_chunk(token_str, choice, d, delta, finish)
+
+
+def _tool_delta(plan: ToolPlan, choice: Choice, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+    """What a chat stream with tools sends of its answer `text` so far, and the finish reason.
+    An answer that is (or may still be) a tool call: nothing until it ends, then the calls (or,
+    if it was no call after all, its text as content). An "auto" answer in words: its content
+    as it comes, up to a call marker that may follow words (Hermes, Mistral:
+    tool_calls.INLINE_MARKERS); from there on it is held, as a call, to its end."""
+    if not choice.content and plan.mode == "auto" and not plan.may_be_call(text):
+        choice.content = True  # an answer in words: the held text goes now, the rest as it comes
+    end = max(choice.sent, plan.words_end(text, choice.sent)) if choice.content else 0
+    if finish_reason is None:
+        if not choice.content:
+            return {}, None
+        piece, choice.sent = text[choice.sent : end], end
+        return ({"content": piece} if piece else {}), None
+    content, calls = plan.parse(text)
     if not calls:
-        return _tool_chunk(token_str, choice, d, {"content": choice.text[choice.sent :]}, d.finish_reason)
+        return {"content": text[choice.sent :]}, finish_reason
     streamed: list[StreamedToolCall] = [{"index": i, **c} for i, c in enumerate(calls)]
     # Streamed words go on to the call's marker; held from the start, the parse's content goes.
-    words = choice.text[choice.sent : end] if choice.content else content
-    return _tool_chunk(token_str, choice, d, {"content": words or None, "tool_calls": streamed},
-                       _calls_finish(plan, d.finish_reason))
+    words = text[choice.sent : end] if choice.content else content
+    return {"content": words or None, "tool_calls": streamed}, _calls_finish(plan, finish_reason)
 
 
 def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,
                 finish_reason: str | None = None) -> ChatChunkChoice:
-    """One chunk of a stream with tools, with the logprobs of the tokens held so far."""
+    """One chunk of a parsed stream, with the logprobs of the tokens held so far."""
     logprobs = None
     if choice.held is not None:
         logprobs, choice.held = _SHAPES[ApiKind.CHAT].logprobs(token_str, *choice.held, d.top_n), None
@@ -423,8 +458,8 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
                 work = work_of(works, i)
                 delta = accumulate_delta(choices[i], work, out, render.token_str)
                 rm.output(out, i)
-                if work.tools is not None and work.tools.active:
-                    chunk = tool_chunk_choice(render.token_str, choices[i], work, delta)
+                if work.reasoning is not None or (work.tools is not None and work.tools.active):
+                    chunk = parsed_chunk_choice(render.token_str, choices[i], work, delta)
                     if chunk is not None:
                         yield render.chunk([chunk], so_far())
                     continue

@@ -406,7 +406,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
                          planner=_replica_planner(cfg, rank), replica=rank, replicas=cfg.gateway_replicas or 1,
                          sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config),
-                         exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none, cors=cfg.cors)
+                         exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
+                         reasoning_parser=cfg.reasoning_parser, cors=cfg.cors)
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

@@ -38,6 +38,7 @@ from pdserve.cluster.cors import CorsSettings, string_list
 from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
 from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
+from pdserve.cluster.reasoning import ReasoningParser
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
@@ -184,6 +185,9 @@ class ServeConfig:
     # vLLM's --chat-template: a file with a Jinja chat template, or the template itself, used in
     # place of the tokenizer's own (cluster/chat_template.py). Held as the template's text.
     chat_template: str | None = None
+    # vLLM's --reasoning-parser: a thinking model's chat answers carry their thinking (between
+    # <think> and </think>) in `reasoning`, apart from the content (cluster/reasoning.py). None: not split.
+    reasoning_parser: ReasoningParser | None = None
     # Browsers' cross-origin requests (cluster/cors.py; vLLM's flags of these names): the origins
     # allowed ("*": any; none by default, where vLLM allows any), and what they may send.
     allowed_origins: StringList = ()

@@ -1,0 +1,220 @@
+"""Reasoning outputs (vLLM's --reasoning-parser): a thinking model's thinking split out of its
+chat answers, whole and streamed, against vLLM's rules (docs "Reasoning Outputs";
+vllm/reasoning/basic_parsers.py, deepseek_r1_reasoning_parser.py, qwen3_reasoning_parser.py)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from factories import FakeBackend, serve_gateway, sse_events, tiny_spec
+
+from pdserve.cluster.gateway import Gateway, GatewayConfig
+from pdserve.cluster.reasoning import END, START, ReasoningPlan, ThinkingStream
+from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.sampling_params import SamplingParams
+from pdserve.workers.tiny.builder import TinyModelSpec
+
+ASK = [{"role": "user", "content": "what time is it?"}]
+THOUGHT = "<think>\nThe user wants the time.</think>\n\nIt is noon."
+TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
+CALL = '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+
+# vLLM's extract_reasoning (basic_parsers.py, deepseek_r1's and qwen3's with thinking on):
+# (model output, (reasoning, content))
+WHOLE = [
+    ("abc</think>def", ("abc", "def")),
+    ("<think>abc</think>def", ("abc", "def")),
+    ("\n<think>\nabc</think>\n\ndef", ("\nabc", "\n\ndef")),
+    ("abc</think>", ("abc", None)),  # generation stopped right after the thinking: null content
+    ("abc", ("abc", None)),  # no end tag: cut short, all thinking
+    ("<think>abc", ("abc", None)),
+    ("</think>def", ("", "def")),
+    ("a</think>b</think>c", ("a", "b</think>c")),  # the first end tag ends the thinking
+    ("", ("", None)),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), WHOLE, ids=[repr(t) for t, _ in WHOLE])
+def test_a_whole_answer_splits_as_vllms_parsers_split_it(text: str, expected: tuple[str, str | None]) -> None:
+    assert ReasoningPlan.split(text) == expected
+
+
+@pytest.mark.parametrize("text", [t for t, _ in WHOLE] + [" <thin", "ab</thi", "ab</thx", "<thinx>a", "  a<think>b",
+                                                     " \n", "<think></think>"])
+def test_streamed_pieces_add_up_to_the_whole_split_for_every_chunking(text: str) -> None:
+    """Cut into pieces of every size and place (up to 3 cuts), the thinking streamed adds up to the
+    whole answer's, and the answer after it starts where the whole answer's content does."""
+    for cuts in itertools.chain.from_iterable(itertools.combinations(range(1, len(text)), k) for k in range(4)):
+        stream, thinking, start = ThinkingStream(), "", None
+        for end in [*cuts, len(text)]:
+            piece, start = stream.advance(text[:end], end == len(text))
+            thinking += piece
+        assert (thinking, None if start is None else text[start:] or None) == ReasoningPlan.split(text), (text, cuts)
+
+
+# -- served: a scripted model (its tokens given), the tiny model's tokenizer ------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizers(make_model: Callable[[TinyModelSpec], Path]) -> Iterator[dict[str, Any]]:
+    """The tiny model's tokenizer: "split" spells the tags in several tokens ('</', 'th', 'ink',
+    '>'); "tags" has each tag one token (as DeepSeek-R1's and Qwen3's vocabularies have: added
+    tokens that are not special, so their text stays in the output)."""
+    from transformers import AutoTokenizer
+
+    model = make_model(tiny_spec())
+    tags = AutoTokenizer.from_pretrained(model)
+    tags.add_tokens([START, END])
+    yield {"split": AutoTokenizer.from_pretrained(model), "tags": tags}
+
+
+class Scripted(FakeBackend):
+    """Answers with `text`'s tokens, `per` a delta, each with a logprob entry (what the engine's
+    detokenizer sends: a delta's text is its tokens' text)."""
+
+    def __init__(self, tokenizer: Any, text: str, per: int = 1) -> None:
+        self.ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
+        assert tokenizer.decode(self.ids) == text
+        self.tokenizer, self.per = tokenizer, per
+        self.seen: list[SamplingParams] = []
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        self.seen.append(params)
+        groups = [self.ids[i:i + self.per] for i in range(0, len(self.ids), self.per)]
+        for k, group in enumerate(groups):
+            last = k == len(groups) - 1
+            entries = [{t: -0.5} for t in group] if params.logprobs is not None else None
+            yield RequestOutput(request_id, None, prompt, [CompletionOutput(
+                0, self.tokenizer.decode(group), group, None, entries, "stop" if last else None)], last)
+
+
+def answer(tokenizer: Any, text: str, body: dict[str, Any], parser: str | None = "deepseek_r1",
+           per: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The whole response's choice and the streamed choices (chunks after the opening one)."""
+    gw = Gateway(Scripted(tokenizer, text, per), tokenizer,
+                 GatewayConfig(model_name="tiny", max_model_len=1024, reasoning_parser=parser))  # type: ignore[arg-type]
+    req = {"model": "tiny", "messages": ASK, "max_tokens": 100, **body}
+    with serve_gateway(gw) as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=60)
+        streamed = httpx.post(f"{base}/v1/chat/completions", json={**req, "stream": True}, timeout=60)
+    assert whole.status_code == 200 and streamed.status_code == 200, (whole.text, streamed.text)
+    chunks = [c["choices"][0] for c in sse_events(streamed.text) if c["choices"]]
+    assert chunks[0]["delta"] == {"role": "assistant", "content": ""} and chunks[-1]["finish_reason"] is not None
+    return whole.json()["choices"][0], chunks[1:]
+
+
+def joined(chunks: list[dict[str, Any]], key: str) -> str:
+    return "".join(c["delta"].get(key) or "" for c in chunks)
+
+
+@pytest.mark.parametrize("vocab", ["split", "tags"])
+@pytest.mark.parametrize("per", [1, 2])
+def test_streamed_thinking_and_content_add_up_to_the_whole_answers(tokenizers: dict[str, Any], vocab: str,
+                                                                    per: int) -> None:
+    tok = tokenizers[vocab]
+    whole, chunks = answer(tok, THOUGHT, {"logprobs": True}, per=per)
+    message = whole["message"]
+    assert (message["reasoning"], message["content"]) == ("\nThe user wants the time.", "\n\nIt is noon.")
+    assert message["reasoning_content"] == message["reasoning"] and "tool_calls" not in message
+    assert joined(chunks, "reasoning") == message["reasoning"] == joined(chunks, "reasoning_content")
+    assert joined(chunks, "content") == message["content"]
+    # The tags never reach the client; thinking comes before content.
+    assert all(START not in (c["delta"].get(k) or "") and END not in (c["delta"].get(k) or "")
+               for c in chunks for k in ("reasoning", "content"))
+    kinds = [k for c in chunks for k in ("reasoning", "content") if c["delta"].get(k)]
+    assert kinds == sorted(kinds, key=("reasoning", "content").index) and kinds.count("reasoning") > 2  # as it comes
+    # Every token's logprob is sent, once, with the chunk that sends its text (a tag's, which is never
+    # sent, with the next chunk).
+    lps = [lp for c in chunks for lp in (c["logprobs"] or {"content": []})["content"]]
+    assert [lp["token"] for lp in lps] == [lp["token"] for lp in whole["logprobs"]["content"]]
+    assert "".join(lp["token"] for lp in lps) == THOUGHT
+    for c in chunks:
+        tokens = "".join(lp["token"] for lp in (c["logprobs"] or {"content": []})["content"])
+        sent = (c["delta"].get("reasoning") or "") + (c["delta"].get("content") or "")
+        assert tokens.replace(START, "").replace(END, "") == sent, c
+
+
+def test_no_end_tag_is_all_thinking_cut_short(tokenizers: dict[str, Any]) -> None:
+    """vLLM's deepseek_r1: the prompt opened the thinking (the template writes `<think>`), so all
+    text before `</think>` is thinking; without one the answer was cut short."""
+    whole, chunks = answer(tokenizers["split"], "Let me think about</th", {})
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("Let me think about</th", None)
+    assert joined(chunks, "reasoning") == "Let me think about</th" and joined(chunks, "content") == ""
+
+
+@pytest.mark.parametrize("vocab", ["split", "tags"])
+def test_tool_calls_are_parsed_from_the_content_after_the_thinking(tokenizers: dict[str, Any], vocab: str) -> None:
+    text = f"<think>I could answer {CALL} but let me just say it.</think>It is noon."
+    whole, chunks = answer(tokenizers[vocab], text, {"tools": TOOLS})
+    message = whole["message"]
+    assert message["content"] == "It is noon." and not message.get("tool_calls")
+    assert message["reasoning"] == f"I could answer {CALL} but let me just say it."
+    assert not any(c["delta"].get("tool_calls") for c in chunks) and joined(chunks, "content") == "It is noon."
+    assert joined(chunks, "reasoning") == message["reasoning"]
+
+    text = f"<think>The user wants the time: get_time.</think>\n\n{CALL}"
+    whole, chunks = answer(tokenizers[vocab], text, {"tools": TOOLS})
+    message = whole["message"]
+    assert message["reasoning"] == "The user wants the time: get_time." and whole["finish_reason"] == "tool_calls"
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_time"] and not message["content"]
+    calls = [tc for c in chunks for tc in c["delta"].get("tool_calls") or []]
+    assert [c["function"]["arguments"] for c in calls] == ['{"zone": "UTC"}']
+    assert joined(chunks, "reasoning") == message["reasoning"] and joined(chunks, "content") == ""
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+def test_include_reasoning_false_drops_the_thinking(tokenizers: dict[str, Any]) -> None:
+    whole, chunks = answer(tokenizers["tags"], THOUGHT, {"include_reasoning": False, "logprobs": True})
+    assert whole["message"]["content"] == "\n\nIt is noon."
+    assert "reasoning" not in whole["message"] and "reasoning_content" not in whole["message"]
+    assert not any("reasoning" in c["delta"] or "reasoning_content" in c["delta"] for c in chunks)
+    assert joined(chunks, "content") == "\n\nIt is noon."
+    lps = [lp["token"] for c in chunks for lp in (c["logprobs"] or {"content": []})["content"]]
+    assert "".join(lps) == THOUGHT  # the thinking's tokens' logprobs still come (with the content)
+
+
+@pytest.mark.parametrize("enable", [True, False])
+def test_qwen3_without_thinking_is_all_content(tokenizers: dict[str, Any], enable: bool) -> None:
+    """qwen3 with enable_thinking false: Qwen3's template closes the thinking in the prompt, so the
+    answer is content (vLLM's qwen3 parser: no `</think>` and thinking off, all content)."""
+    body = {"chat_template_kwargs": {"enable_thinking": enable}}
+    whole, chunks = answer(tokenizers["tags"], "It is noon.", body, parser="qwen3")
+    if enable:  # thinking on and no end tag: cut short, all thinking (vLLM's qwen3)
+        assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("It is noon.", None)
+        assert joined(chunks, "reasoning") == "It is noon."
+    else:
+        assert whole["message"]["content"] == "It is noon." and whole["message"].get("reasoning") is None
+        assert joined(chunks, "content") == "It is noon." and joined(chunks, "reasoning") == ""
+    whole, _ = answer(tokenizers["tags"], THOUGHT, {}, parser="qwen3")
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("\nThe user wants the time.",
+                                                                            "\n\nIt is noon.")
+
+
+def test_without_a_parser_the_thinking_stays_in_the_content(tokenizers: dict[str, Any]) -> None:
+    whole, chunks = answer(tokenizers["tags"], THOUGHT, {}, parser=None)
+    assert whole["message"] == {"role": "assistant", "content": THOUGHT}
+    assert joined(chunks, "content") == THOUGHT and not any("reasoning" in c["delta"] for c in chunks)
+
+
+def test_a_constrained_answer_is_content(tokenizers: dict[str, Any]) -> None:
+    """pdserve's grammar applies from the first token, so a constrained answer has no thinking:
+    it is the content (docs/api.md), not thinking cut short."""
+    whole, chunks = answer(tokenizers["tags"], '{"time": "noon"}', {"response_format": {"type": "json_object"}})
+    assert whole["message"]["content"] == '{"time": "noon"}' and whole["message"].get("reasoning") is None
+    assert joined(chunks, "content") == '{"time": "noon"}'
+
+
+def test_completions_are_not_parsed(tokenizers: dict[str, Any]) -> None:
+    tok = tokenizers["tags"]
+    gw = Gateway(Scripted(tok, THOUGHT), tok, GatewayConfig(model_name="tiny", max_model_len=1024,
+                                                            reasoning_parser="deepseek_r1"))
+    with serve_gateway(gw) as base:
+        r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Q:", "max_tokens": 100}, timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == THOUGHT
