@@ -578,7 +578,7 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
 def _tiny_model_arguments(tiny: argparse.ArgumentParser) -> None:
     """The arguments of `pdserve make-tiny-model`."""
     tiny.add_argument("out_dir")
-    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral"])
+    tiny.add_argument("--arch", default="llama", choices=["llama", "qwen2", "mistral", "qwen3"])
     tiny.add_argument("--layers", type=int, default=4)
     tiny.add_argument("--hidden-size", type=int, default=256)
     tiny.add_argument("--heads", type=int, default=8)

@@ -21,6 +21,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 GQA = tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2)
 QWEN2 = tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1)
+# Qwen3: q/k normalised per head before the Triton kernel that ropes them and writes the cache.
+QWEN3 = tiny_spec(Arch.QWEN3, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1)
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -33,7 +35,7 @@ def _hf(model_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to("cuda").eval()
 
 
-@pytest.mark.parametrize("spec", [GQA, QWEN2], ids=["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("spec", [GQA, QWEN2, QWEN3], ids=["llama-gqa", "qwen2-bias", "qwen3-qk-norm"])
 def test_fp32_greedy_on_cuda_equals_transformers(spec: TinyModelSpec,
                                                  make_model: Callable[[TinyModelSpec], Path]) -> None:
     """Triton kernels (the CUDA default) in float32: the same greedy tokens as transformers on the GPU."""

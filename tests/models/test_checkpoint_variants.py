@@ -35,7 +35,7 @@ def _write(out: Path, tok_dir: Path, arch: str, *, edit: dict[str, Any] | None =
            bias_std: float = 0.05, **cfg: Any) -> Path:
     import transformers
 
-    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[arch]
+    cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config"}[arch]
     base: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                                 initializer_range=0.05, bos_token_id=0, eos_token_id=1, pad_token_id=4)
@@ -77,10 +77,11 @@ def _hf(model_dir: Path) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
 
 
-def _compare(model_dir: Path, prompt_len: int = 40, new: int = 12, max_model_len: int = 256, tol: float = 1e-4) -> None:
+def _compare(model_dir: Path, prompt_len: int = 40, new: int = 12, max_model_len: int = 256, tol: float = 1e-4,
+             **llm_kw: Any) -> None:
     """pdserve's greedy tokens and every step's logits equal transformers' teacher-forced ones."""
     llm = LLM(str(model_dir), dtype="float32", num_kv_blocks=max(64, max_model_len // 16 + 8),
-              max_model_len=max_model_len, progress=False)
+              max_model_len=max_model_len, progress=False, **llm_kw)
     try:
         captured = capture_logits(llm)
         prompt = _prompt(prompt_len)
@@ -141,6 +142,25 @@ def test_qwen2_window_set_but_unused(tmp_path: Path, tokenizer_dir: Path) -> Non
     d = _write(tmp_path / "m", tokenizer_dir, "qwen2", sliding_window=16, use_sliding_window=False,
                max_window_layers=1, tie_word_embeddings=False)
     _compare(d, prompt_len=40)
+
+
+@pytest.mark.parametrize("tied, eager", [(True, False), (False, True)])
+def test_qwen3_matches_transformers(tmp_path: Path, tokenizer_dir: Path, tied: bool, eager: bool) -> None:
+    """Qwen3 (dense): per-head RMSNorm on q and k before RoPE, no q/k/v biases, an explicit head_dim
+    (48 here, not hidden / heads = 32), GQA; every norm's weight not all ones. Compiled and eager."""
+    d = _write(tmp_path / "m", tokenizer_dir, "qwen3", head_dim=48, tie_word_embeddings=tied,
+               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    from safetensors import safe_open
+    with safe_open(str(d / "model.safetensors"), "pt") as st:
+        names = set(st.keys())
+    assert "model.layers.0.self_attn.q_norm.weight" in names and not any(n.endswith(".bias") for n in names)
+    _compare(d, enforce_eager=eager)
+
+
+def test_qwen3_attention_bias_biases_q_k_v_and_o(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """attention_bias true (no released Qwen3 sets it): transformers biases q, k, v and o_proj."""
+    d = _write(tmp_path / "m", tokenizer_dir, "qwen3", attention_bias=True, tie_word_embeddings=False)
+    _compare(d, enforce_eager=True)
 
 
 def test_odd_rms_norm_eps(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -272,7 +292,7 @@ def test_qwen2_sliding_window_in_use(tmp_path: Path, tokenizer_dir: Path) -> Non
 
 
 @pytest.mark.parametrize("arch,extra", [
-    ("Qwen3ForCausalLM", {"model_type": "qwen3"}),
+    ("Qwen3MoeForCausalLM", {"model_type": "qwen3_moe"}),
     ("Gemma2ForCausalLM", {"model_type": "gemma2"}),
     ("Phi3ForCausalLM", {"model_type": "phi3"}),
     ("LlamaForCausalLM", {"model_type": "llama", "mlp_bias": True}),
@@ -317,3 +337,22 @@ def test_sliding_windows_are_the_ones_transformers_applies() -> None:
     assert window("qwen2", use_sliding_window=True, sliding_window=16) is None  # max_window_layers 28 >= 2 layers
     assert window("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1) == 16
     assert window("qwen2", use_sliding_window=True, max_window_layers=0) == 4096
+    # Qwen3's as Qwen2's (transformers' Qwen3Config derives them the same way)
+    assert window("qwen3", sliding_window=16) is None
+    assert window("qwen3", use_sliding_window=True, sliding_window=16) is None
+    assert window("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1) == 16
+
+
+def test_qwen3_config_defaults_are_transformers() -> None:
+    """What a Qwen3 config.json leaves out is what Qwen3Config defaults it to: head_dim 128 (not
+    hidden / heads), no attention bias."""
+    from transformers import Qwen3Config
+
+    from pdserve.workers.model.config import ModelConfig
+
+    hf = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=64, num_attention_heads=2,
+              num_hidden_layers=2, intermediate_size=128, vocab_size=100)
+    cfg = ModelConfig.from_hf_dict(hf)
+    ref = Qwen3Config(**{k: v for k, v in hf.items() if k != "model_type"})
+    assert (cfg.arch, cfg.head_dim, cfg.attention_bias, cfg.qk_norm) == ("qwen3", ref.head_dim, False, True)
+    assert ModelConfig.from_hf_dict({**hf, "attention_bias": True}).attention_bias

@@ -25,6 +25,7 @@ from pdserve.workers.tiny.builder import TinyModelSpec
 
 SPEC = tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
 QWEN2 = tiny_spec("qwen2", hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
+QWEN3 = tiny_spec("qwen3", hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
          "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -198,6 +199,33 @@ def test_quantization_fp8_casts_a_float_checkpoint_within_fp8_noise(
             clear += 1
             assert int(got.argmax()) == int(want.argmax())
     assert clear >= 2, "no prompt had a clear top token: the comparison checked nothing"
+
+
+def test_quantization_fp8_on_qwen3_is_transformers_on_the_same_quantized_values(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """Qwen3 (q/k norms between the fused q/k/v projection and RoPE) quantized at load: the logits
+    of transformers' Qwen3 whose decoder linears hold the same e4m3 weights and see the same
+    per-token e4m3 activations."""
+    from transformers import AutoModelForCausalLM
+
+    path = make_model(QWEN3)
+    prompts = _prompts(4, seed=1)
+    got = _logits(_llm(path, quantization="fp8", enforce_eager=True), prompts)
+
+    def fp8_input(module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        q, scale = fp8.quantize_activations(x.reshape(-1, x.shape[-1]))
+        return ((q.float() * scale).reshape(x.shape),)
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.weight.copy_(fp8.dequantize(*fp8.quantize(layer.weight)))
+                layer.register_forward_pre_hook(fp8_input)
+        want = [hf(torch.tensor([p])).logits[0, -1] for p in prompts]
+    for g, w in zip(got, want):
+        assert float((g - w).norm() / w.norm()) < 1e-4
 
 
 def test_an_fp8_checkpoint_and_the_same_weights_cast_at_load_give_the_same_tokens(model_dir: Path,

@@ -25,6 +25,8 @@ CASES = {
     "llama-gqa": tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=2),
     # Qwen2: q/k/v biases, tied embeddings (the one vocab-parallel matrix is both).
     "qwen2-bias-tied": tiny_spec(Arch.QWEN2, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1),
+    # Qwen3: per-head q/k norms (whole on every rank), tied embeddings.
+    "qwen3-qk-norm": tiny_spec(Arch.QWEN3, hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.1),
     # One KV head for two ranks: replicated. A vocabulary two ranks do not divide: padded.
     "llama-one-kv-head-odd-vocab": tiny_spec(Arch.LLAMA, hidden_size=128, num_heads=4, num_kv_heads=1,
                                              vocab_size=1001),
@@ -266,6 +268,8 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
         "model.layers.0.self_attn.q_proj.bias": torch.randn(16),
         "model.layers.0.self_attn.k_proj.weight": torch.randn(8, 16),
         "model.layers.0.self_attn.o_proj.weight": torch.randn(16, 16),
+        "model.layers.0.self_attn.o_proj.bias": torch.randn(16),
+        "model.layers.0.self_attn.q_norm.weight": torch.randn(4),
         "model.layers.0.mlp.up_proj.weight": torch.randn(12, 16),
         "model.layers.0.mlp.down_proj.weight": torch.randn(16, 12),
         "model.embed_tokens.weight": torch.randn(1001, 16),
@@ -275,8 +279,11 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
         tps = [TensorParallel(size, r) for r in range(size)]
         for name, t in full.items():
             parts = [shard_tensor(name, t, cfg, tp) for tp in tps]
-            if name == "model.norm.weight":  # replicated: each rank the whole
+            if name.endswith("norm.weight"):  # replicated: each rank the whole
                 assert all(torch.equal(p, t) for p in parts)
+                continue
+            if name.endswith("o_proj.bias"):  # added after the all-reduce's sum: once, by rank 0
+                assert torch.equal(parts[0], t) and not any(p.any() for p in parts[1:])
                 continue
             if name.endswith("k_proj.weight") and size == 4:  # 2 KV heads, 4 ranks: head r * 2 // 4
                 assert all(torch.equal(p, t[(r * 2 // 4) * 4 : (r * 2 // 4 + 1) * 4]) for r, p in enumerate(parts))

@@ -21,6 +21,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
 
 
@@ -58,7 +59,7 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # q/k/v biases
     rope: RopeConfig = field(default_factory=RopeConfig)
     sliding_window: int | None = None
     bos_token_id: int | None = None
@@ -68,6 +69,10 @@ class ModelConfig:
     # workers/model/fp8.py), else None; `fp8_block`: [rows, columns] of a block-scaled one.
     quantization: str | None = None
     fp8_block: tuple[int, int] | None = None
+    # Qwen3: an RMSNorm over each head's q and k (weights of head_dim, one for q, one for k)
+    # before RoPE; and, with its attention_bias, a bias on o_proj as on q/k/v.
+    qk_norm: bool = False
+    o_proj_bias: bool = False
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -112,7 +117,8 @@ class ModelConfig:
         archs = hf.get("architectures") or []
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}.get(hf.get("model_type", ""))
+            arch = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}.get(
+                hf.get("model_type", ""))
         if arch is None:
             raise ValueError(
                 f"model: unsupported architecture {archs or hf.get('model_type')!r}; "
@@ -120,10 +126,13 @@ class ModelConfig:
             )
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
-        head_dim = hf.get("head_dim") or hidden // num_heads
-        # Qwen2 always has q/k/v biases; Mistral none (transformers' ignores the key). Llama's
-        # attention_bias puts one on o_proj too, which this model has not: refused, not misloaded.
-        attention_bias = arch == "qwen2"
+        # Qwen3Config defaults head_dim to 128 (its checkpoints' value), not hidden / heads.
+        head_dim = hf.get("head_dim") or (128 if arch == "qwen3" else hidden // num_heads)
+        # Qwen2 always has q/k/v biases; Mistral none (transformers' ignores the key); Qwen3's
+        # attention_bias (off by default) biases q/k/v and o_proj. Llama's puts one on o_proj too,
+        # which is refused for it, as it always was.
+        qwen3_bias = arch == "qwen3" and bool(hf.get("attention_bias", False))
+        attention_bias = arch == "qwen2" or qwen3_bias
         if arch == "llama" and hf.get("attention_bias"):
             raise ValueError("model: attention_bias=True is not supported for llama (it biases o_proj too)")
         if hf.get("mlp_bias"):
@@ -152,6 +161,8 @@ class ModelConfig:
             eos_token_ids=eos,
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **_quantization(hf.get("quantization_config")),
+            qk_norm=arch == "qwen3",
+            o_proj_bias=qwen3_bias,
         )
 
 
@@ -203,11 +214,11 @@ def _eos_ids(gen: dict[str, Any], hf: dict[str, Any]) -> tuple[int, ...]:
 def _sliding_window(arch: str, hf: dict[str, Any]) -> int | None:
     """The attention window as transformers applies it (None: every layer attends to all):
     Llama has none whatever the config says; Mistral's defaults to 4096 when the key is
-    absent (an explicit null: none); Qwen2's only with `use_sliding_window`, 4096 by default,
-    and only where some layer slides (those from `max_window_layers` on)."""
+    absent (an explicit null: none); Qwen2's and Qwen3's only with `use_sliding_window`, 4096
+    by default, and only where some layer slides (those from `max_window_layers` on)."""
     if arch == "llama":
         return None
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3"):
         layers = int(hf["num_hidden_layers"])
         if not hf.get("use_sliding_window", False) or int(hf.get("max_window_layers", 28)) >= layers:
             return None

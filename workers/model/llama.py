@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2) over the paged KV cache.
+"""The Llama-family decoder (Llama 2/3, Mistral, Qwen2, Qwen3) over the paged KV cache.
 
 Module names mirror transformers' so checkpoint names map one to one, except
 that q/k/v and gate/up are fused (fewer, larger matmuls): see loader.py.
@@ -26,7 +26,11 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.q_size, cfg.kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # Qwen3's per-head norms of q and k (before RoPE). Not the Triton norm: that one is for
+        # [rows, hidden] inputs; these are strided views of the fused q/k/v output.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scale = cfg.head_dim**-0.5
         self.backend = backend
         # An fp8 KV cache's K and V scales (the stored value is x / scale): 1.0, or the
@@ -42,6 +46,8 @@ class Attention(nn.Module):
         # a CPU decode step's many small calls (docs/performance.md).
         t = x.shape[0]
         qkv = linear(x, self.qkv_proj)  # [T, q + 2 kv]
+        if self.q_norm is not None:
+            qkv = self._norm_qk(qkv)
         if self.backend is AttentionBackend.TRITON and meta is not None and kv_cache is not None and rotary.use_triton:
             from pdserve.kernels.triton_attention import rope_paged_attention  # imports triton: only when asked
 
@@ -60,6 +66,17 @@ class Attention(nn.Module):
         else:
             out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.backend, self.kv_scales)
         return linear(out, self.o_proj)
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v output with each head of q and k RMS-normalised (Qwen3), in the same
+        layout: both attention paths (and the Triton kernel that ropes q and k) read it unchanged."""
+        assert self.q_norm is not None and self.k_norm is not None
+        t = qkv.shape[0]
+        q = self.q_norm.forward(qkv[:, : self.q_size].view(t, self.num_heads, self.head_dim))[0]
+        k = self.k_norm.forward(qkv[:, self.q_size : self.q_size + self.kv_size].view(t, self.num_kv_heads,
+                                                                                         self.head_dim))[0]
+        return torch.cat((q.reshape(t, self.q_size), k.reshape(t, self.kv_size), qkv[:, self.q_size + self.kv_size :]),
+                         dim=-1)
 
 
 class DecoderLayer(nn.Module):

@@ -11,7 +11,9 @@ Megatron's layout. Each rank holds:
   (V' = ceil(V / size), the last shard zero-padded). A token outside a rank's rows embeds as
   zeros there and the ranks' embeddings are summed; the logits' shards are gathered on every
   rank, so each sampler sees the full logits (and, seeded alike, draws alike).
-- the norms: whole.
+- the norms: whole (Qwen3's per-head q/k norms too: every head has the same one).
+- o_proj's bias (Qwen3 with attention_bias): rank 0's alone; the others hold zeros, so the sum
+  over the ranks adds it once.
 
 A rank's model is then the model of `shard_config`: every other part of the engine (the KV
 cache, the attention kernels, the memory plan) sees its own heads and nothing else changes.
@@ -122,12 +124,13 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
 
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
+_ROW_BIAS = re.compile(r"\.o_proj\.bias$")
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` of the full model `cfg` (the whole tensor
-    when it is replicated: the norms)."""
+    when it is replicated: the norms; zeros for o_proj's bias beyond rank 0)."""
     if tp.size == 1:
         return tensor
     hd = cfg.head_dim
@@ -144,6 +147,8 @@ def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: TensorPa
     if (m := _ROW.search(name)) is not None:
         per = (cfg.num_heads * hd if m.group(1) == "o_proj" else cfg.intermediate_size) // tp.size
         return tensor.narrow(1, tp.rank * per, per)
+    if _ROW_BIAS.search(name):  # added to each rank's partial sum: once in all, by rank 0
+        return tensor if tp.rank == 0 else torch.zeros_like(tensor)
     if _VOCAB.match(name):
         first, rows = tp.vocab_shard(cfg.vocab_size)
         part = tensor[first : first + rows]

@@ -75,12 +75,14 @@ class Arch(str, Enum):
     LLAMA = "llama"
     QWEN2 = "qwen2"
     MISTRAL = "mistral"
+    QWEN3 = "qwen3"
 
 
 _CONFIG_CLASSES: dict[Arch, str] = {  # transformers' class names (imported when a model is built)
     Arch.LLAMA: "LlamaConfig",
     Arch.QWEN2: "Qwen2Config",
     Arch.MISTRAL: "MistralConfig",
+    Arch.QWEN3: "Qwen3Config",
 }
 
 
@@ -90,9 +92,9 @@ class TinyModelSpec:
 
     - `intermediate_size=None` → ceil(8/3 · hidden) rounded up to a multiple of
       64 (the Llama SwiGLU rule: same FFN FLOPs as a 4·hidden GELU MLP).
-    - `tie_embeddings=None` → True for qwen2 (as the small Qwen2 models ship),
-      False otherwise.
-    - `rms_norm_eps=None` → 1e-6 for qwen2, 1e-5 otherwise.
+    - `tie_embeddings=None` → True for qwen2 and qwen3 (as their small models
+      ship), False otherwise.
+    - `rms_norm_eps=None` → 1e-6 for qwen2 and qwen3, 1e-5 otherwise.
     - `rope_theta` defaults to 10000 for every arch: at a 2048 context the
       larger Llama 3 base would leave most dimensions nearly unrotated.
     - `rope_scaling="llama3"` applies `LLAMA3_ROPE` on top of `rope_theta`.
@@ -151,13 +153,13 @@ class TinyModelSpec:
     @property
     def tied(self) -> bool:
         """Whether lm_head shares the embedding matrix."""
-        return self.arch is Arch.QWEN2 if self.tie_embeddings is None else self.tie_embeddings
+        return self.arch in (Arch.QWEN2, Arch.QWEN3) if self.tie_embeddings is None else self.tie_embeddings
 
     @property
     def norm_eps(self) -> float:
         if self.rms_norm_eps is not None:
             return self.rms_norm_eps
-        return 1e-6 if self.arch is Arch.QWEN2 else 1e-5
+        return 1e-6 if self.arch in (Arch.QWEN2, Arch.QWEN3) else 1e-5
 
     def rope_parameters(self) -> dict[str, Any]:
         """The transformers-5 `rope_parameters` dict for this spec."""
@@ -230,6 +232,8 @@ def build_config(spec: TinyModelSpec, vocab_size: int, special_ids: dict[str, in
         extra: dict[str, Any] = dict(attention_bias=False, mlp_bias=False)
     elif spec.arch is Arch.MISTRAL:
         extra = dict(sliding_window=None)
+    elif spec.arch is Arch.QWEN3:
+        extra = dict(attention_bias=False, use_sliding_window=False, sliding_window=None)
     else:
         # Qwen2 always has q/k/v biases (no config switch). No sliding window:
         # use_sliding_window=False makes transformers drop it anyway; say so.
@@ -251,12 +255,15 @@ def _init_model(spec: TinyModelSpec, config: PretrainedConfig) -> PreTrainedMode
     # HF init zeroes biases; Qwen2's q/k/v biases must be non-zero or a
     # reimplementation that forgot them would still match the oracle. A
     # private generator keeps this independent of global RNG state; sorted
-    # names keep the draw order fixed.
+    # names keep the draw order fixed. Qwen3's per-head q/k norms likewise: HF inits them to
+    # ones, which a model that skipped them would match.
     gen = torch.Generator().manual_seed(spec.seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
             if name.endswith(".bias"):
                 param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * spec.init_std)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen, dtype=param.dtype))
     return model.eval()
 
 
