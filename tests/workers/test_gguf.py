@@ -30,7 +30,8 @@ _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernor
           "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
           "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
           "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate_proj.weight": "ffn_gate.weight",
-          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight"}
+          "mlp.up_proj.weight": "ffn_up.weight", "mlp.down_proj.weight": "ffn_down.weight",
+          "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
 QTYPES = {"F32": gguf.GGMLQuantizationType.F32, "F16": gguf.GGMLQuantizationType.F16,
           "Q8_0": gguf.GGMLQuantizationType.Q8_0, "Q4_1": gguf.GGMLQuantizationType.Q4_1}
 
@@ -60,6 +61,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, arch: str) -> Path:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
+    if arch == "qwen3":  # convert_hf_to_gguf.py writes a config's head_dim so
+        w.add_key_length(cfg["head_dim"])
+        w.add_value_length(cfg["head_dim"])
     w.add_rope_freq_base(cfg.get("rope_parameters", {}).get("rope_theta", cfg.get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     w.add_vocab_size(cfg["vocab_size"])
@@ -82,9 +86,9 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, arch: str) -> Path:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         a = t.float().numpy()
-        if arch != "qwen2" and name.endswith("q_proj.weight"):
+        if arch == "llama" and name.endswith("q_proj.weight"):
             a = permute(a, heads)
-        elif arch != "qwen2" and name.endswith("k_proj.weight"):
+        elif arch == "llama" and name.endswith("k_proj.weight"):
             a = permute(a, kv_heads)
         q = QTYPES[qtype] if a.ndim == 2 else gguf.GGMLQuantizationType.F32  # norms and biases stay F32
         data = gguf.quants.quantize(a, q)
@@ -99,8 +103,13 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str, arch: str) -> Path:
 @pytest.fixture(scope="module")
 def models(make_model: Callable[[TinyModelSpec], Path]) -> dict[str, Path]:
     # Row sizes are multiples of 32 (a quantization block): hidden 64, intermediate 128, head_dim 16.
-    return {arch: make_model(tiny_spec(arch=arch, hidden_size=64, intermediate_size=128, init_std=0.05))
-            for arch in ("llama", "qwen2", "mistral")}
+    models = {arch: make_model(tiny_spec(arch=arch, hidden_size=64, intermediate_size=128, init_std=0.05))
+              for arch in ("llama", "qwen2", "mistral")}
+    # Qwen3: head_dim 128, as its checkpoints have it (transformers' GGUF loading, the oracle, does not
+    # read the file's key_length: it takes Qwen3Config's default, 128).
+    models["qwen3"] = make_model(tiny_spec(arch="qwen3", hidden_size=256, num_heads=2, num_kv_heads=1,
+                                           intermediate_size=128, init_std=0.05))
+    return models
 
 
 @pytest.fixture(autouse=True)
@@ -127,8 +136,8 @@ def _transformers(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]]
     return outs, logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("arch, qtype", [(a, q) for a in ("llama", "qwen2", "mistral")
+                                         for q in ("F32", "F16", "Q8_0", "Q4_1")] + [("qwen3", "Q8_0")])
 def test_a_gguf_file_generates_what_transformers_gguf_loading_does(models: dict[str, Path], tmp_path: Path,
                                                                    arch: str, qtype: str) -> None:
     # llama.cpp writes Mistral models as its "llama" architecture (gguf-py has no other name for them).

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", "llama", True),
     "qwen2": ("Qwen2ForCausalLM", "qwen2", False),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3", False),
 }
 _GLOBAL = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -49,6 +50,7 @@ _LAYER = {
     "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
     "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",  # Qwen3
     "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
@@ -64,7 +66,7 @@ def hf_name(gguf_name: str) -> str:
     m = _BLOCK.match(gguf_name)
     if m and m.group(2) in _LAYER:
         return f"model.layers.{m.group(1)}.{_LAYER[m.group(2)]}"
-    raise ValueError(f"model: GGUF tensor {gguf_name!r} is not one a Llama/Qwen2/Mistral model has")
+    raise ValueError(f"model: GGUF tensor {gguf_name!r} is not one a Llama/Qwen2/Qwen3/Mistral model has")
 
 
 def unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -144,7 +146,7 @@ class GGUFModel:
             cfg["rope_scaling"] = {"rope_type": "linear", "factor": float(self.arch_field("rope.scaling.factor"))}
         elif scaling != "none":
             raise ValueError(f"model: GGUF RoPE scaling {scaling!r} is not supported (supported: none, linear)")
-        if model_type == "qwen2":
+        if model_type in ("qwen2", "qwen3"):
             cfg["use_sliding_window"] = False
         if self.arch_field("attention.sliding_window", 0):
             cfg["sliding_window"] = int(self.arch_field("attention.sliding_window"))
