@@ -427,6 +427,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--default-chat-template-kwargs", default=UNSET, metavar="JSON",
+                   help='chat_template_kwargs every chat starts from, a JSON object (vLLM\'s flag), e.g. '
+                        '\'{"enable_thinking": false}\'; a request\'s own win, key by key')
     g.add_argument("--chat-template", default=UNSET,
                    help="a file with a Jinja chat template, or the template itself, in place of the "
                         "tokenizer's own (vLLM's flag; a base model has none)")

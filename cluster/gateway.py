@@ -95,6 +95,8 @@ class GatewayConfig:
     exclude_tools_when_tool_choice_none: bool = False
     # Chat answers' thinking split out of their content (vLLM's --reasoning-parser; cluster/reasoning.py).
     reasoning_parser: ReasoningParser | None = None
+    # What every chat's chat_template_kwargs start from (vLLM's --default-chat-template-kwargs).
+    default_template_kwargs: dict[str, object] = field(default_factory=dict)
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
 
     @property
@@ -380,6 +382,10 @@ class Gateway:
                 raise bad_request(e) from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def template_kwargs(self, given: dict[str, object] | None) -> dict[str, object]:
+        """A chat's chat_template_kwargs: the server's defaults, then the request's (which win)."""
+        return {**self.config.default_template_kwargs, **(given or {})}
+
     def chat_text(self, chat: Sequence[ChatMessage], tools: list[dict[str, object]] | None,
                   add_generation_prompt: bool = True, continue_final_message: bool = False,
                   template_kwargs: dict[str, object] | None = None) -> str:
@@ -392,7 +398,7 @@ class Gateway:
                                          "send the text to /v1/completions"))
         messages = template_messages([m.template_dict(unicode_text("messages", m.text())) for m in chat])
         try:
-            extra = check_template_kwargs(template_kwargs)
+            extra = check_template_kwargs(self.template_kwargs(template_kwargs))
         except ValueError as e:
             raise bad_request(e) from None
         try:

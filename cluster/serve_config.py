@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import field
@@ -43,6 +44,7 @@ from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.handoff import KVFailurePolicy
+from pdserve.workers.inputs import check_template_kwargs
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
 
@@ -83,6 +85,21 @@ def _one_or_more(value: Any) -> Any:
 
 
 Port = Annotated[int, Field(ge=1, le=65535)]
+
+
+def _template_kwargs(value: Any) -> dict[str, object]:
+    """A JSON object (the flag's text) or a mapping (YAML), checked as a request's would be."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"default_chat_template_kwargs: not a JSON object: {e}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"default_chat_template_kwargs: a JSON object, got {value!r}"[:200])
+    return check_template_kwargs(value, "default_chat_template_kwargs")
+
+
+TemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_template_kwargs)]
 # A list of strings: from YAML, a JSON list (vLLM's flag form) or one string (cluster/cors.py).
 StringList = Annotated[tuple[str, ...], BeforeValidator(lambda v, info: string_list(str(info.field_name), v))]
 # The API's model names: one or more, repeats dropped (order kept).
@@ -188,6 +205,9 @@ class ServeConfig:
     # vLLM's --reasoning-parser: a thinking model's chat answers carry their thinking (between
     # <think> and </think>) in `reasoning`, apart from the content (cluster/reasoning.py). None: not split.
     reasoning_parser: ReasoningParser | None = None
+    # vLLM's --default-chat-template-kwargs: chat_template_kwargs every chat request starts from
+    # (its own win, key by key), e.g. {"enable_thinking": false} to serve a Qwen3 without thinking.
+    default_chat_template_kwargs: TemplateKwargs = field(default_factory=dict)
     # Browsers' cross-origin requests (cluster/cors.py; vLLM's flags of these names): the origins
     # allowed ("*": any; none by default, where vLLM allows any), and what they may send.
     allowed_origins: StringList = ()

@@ -110,12 +110,12 @@ TEMPLATE_ARGUMENTS = frozenset({
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
-def check_template_kwargs(kwargs: dict[str, object] | None) -> dict[str, object]:
-    """vLLM's `chat_template_kwargs`: more variables for the chat template (Qwen3's
-    `{"enable_thinking": false}`); a ValueError naming the field for one the renderer takes as
-    its own argument."""
+def check_template_kwargs(kwargs: dict[str, object] | None, name: str = "chat_template_kwargs") -> dict[str, object]:
+    """vLLM's `chat_template_kwargs` (or the server's defaults of them, setting `name`): more
+    variables for the chat template (Qwen3's `{"enable_thinking": false}`); a ValueError naming
+    the field for one the renderer takes as its own argument."""
     taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs or ()))
     if taken:
-        raise ValueError(f"chat_template_kwargs: {', '.join(map(repr, taken))} cannot be set here (the request's own "
+        raise ValueError(f"{name}: {', '.join(map(repr, taken))} cannot be set here (the request's own "
                          "fields set what they may: tools, add_generation_prompt, continue_final_message)")
     return dict(kwargs or {})

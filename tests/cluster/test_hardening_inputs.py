@@ -408,6 +408,25 @@ def test_chat_template_kwargs_reach_the_template_as_vllm_passes_them(tokenizer: 
     assert len(backend.calls) == 2
 
 
+def test_the_servers_default_chat_template_kwargs_reach_every_chat_under_the_requests(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's --default-chat-template-kwargs: every chat's template variables start from them;
+    a request's own chat_template_kwargs win, key by key."""
+    monkeypatch.setattr(tokenizer, "chat_template", THINKING)
+    backend = EchoBackend()
+    gw = gateway(tokenizer, backend, default_template_kwargs={"enable_thinking": False})
+    on = {**CHAT, "chat_template_kwargs": {"enable_thinking": True}}
+
+    async def requests(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/v1/chat/completions", json=b, headers=KEY) for b in (CHAT, on)]
+
+    assert [r.status_code for r in run(gw, requests)] == [200, 200]
+    want = [tokenizer.apply_chat_template(CHAT["messages"], tokenize=False, add_generation_prompt=True,
+                                          enable_thinking=e) for e in (False, True)]
+    assert [prompt for prompt, _ in backend.calls] == [tokenizer.encode(w, add_special_tokens=False) for w in want]
+    assert "<no-think>" in want[0] and "<no-think>" not in want[1]
+
+
 def test_tokenize_takes_chat_template_kwargs(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """/tokenize counts a chat as the chat route renders it, chat_template_kwargs included
     (vLLM's /tokenize takes them too)."""
@@ -470,3 +489,17 @@ def test_cors_settings_are_checked_where_they_are_made(settings: dict[str, Any],
     one = ServeConfig(EngineConfig(model="/m"), allowed_origins='["https://a.example", "https://b.example"]')
     assert one.cors.allowed_origins == ("https://a.example", "https://b.example")
     assert ServeConfig(EngineConfig(model="/m"), allowed_origins="*").cors.allowed_origins == ("*",)
+
+
+@pytest.mark.parametrize(("value", "error"), [
+    ('{"enable_thinking": false', "not a JSON object"), ('["enable_thinking"]', "a JSON object"),
+    ({"tokenize": True}, "'tokenize' cannot be set here"),
+])
+def test_default_chat_template_kwargs_are_checked_where_they_are_made(value: Any, error: str) -> None:
+    from pdserve.cluster.serve_config import ServeConfig
+    from pdserve.workers.config import EngineConfig
+
+    with pytest.raises(ValueError, match=f"^default_chat_template_kwargs: .*{error}"):
+        ServeConfig(EngineConfig(model="/m"), default_chat_template_kwargs=value)
+    made = ServeConfig(EngineConfig(model="/m"), default_chat_template_kwargs='{"enable_thinking": false}')
+    assert made.default_chat_template_kwargs == {"enable_thinking": False}

@@ -96,10 +96,11 @@ class Scripted(FakeBackend):
 
 
 def answer(tokenizer: Any, text: str, body: dict[str, Any], parser: str | None = "deepseek_r1",
-           per: int = 1) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+           per: int = 1, **config: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The whole response's choice and the streamed choices (chunks after the opening one)."""
     gw = Gateway(Scripted(tokenizer, text, per), tokenizer,
-                 GatewayConfig(model_name="tiny", max_model_len=1024, reasoning_parser=parser))  # type: ignore[arg-type]
+                 GatewayConfig(model_name="tiny", max_model_len=1024, reasoning_parser=parser,  # type: ignore[arg-type]
+                               **config))
     req = {"model": "tiny", "messages": ASK, "max_tokens": 100, **body}
     with serve_gateway(gw) as base:
         whole = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=60)
@@ -193,6 +194,20 @@ def test_qwen3_without_thinking_is_all_content(tokenizers: dict[str, Any], enabl
         assert whole["message"]["content"] == "It is noon." and whole["message"].get("reasoning") is None
         assert joined(chunks, "content") == "It is noon." and joined(chunks, "reasoning") == ""
     whole, _ = answer(tokenizers["tags"], THOUGHT, {}, parser="qwen3")
+    assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("\nThe user wants the time.",
+                                                                            "\n\nIt is noon.")
+
+
+def test_the_servers_default_template_kwargs_turn_thinking_off_unless_a_request_turns_it_on(
+        tokenizers: dict[str, Any]) -> None:
+    """vLLM's --default-chat-template-kwargs '{"enable_thinking": false}': every chat starts from
+    them, so a Qwen3 answers without thinking (the parser takes the answer for content); a
+    request's own chat_template_kwargs win."""
+    off = {"default_template_kwargs": {"enable_thinking": False}}
+    whole, _ = answer(tokenizers["tags"], "It is noon.", {}, parser="qwen3", **off)
+    assert whole["message"]["content"] == "It is noon." and whole["message"].get("reasoning") is None
+    body = {"chat_template_kwargs": {"enable_thinking": True}}
+    whole, _ = answer(tokenizers["tags"], THOUGHT, body, parser="qwen3", **off)
     assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("\nThe user wants the time.",
                                                                             "\n\nIt is noon.")
 
