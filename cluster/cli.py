@@ -427,6 +427,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--tool-call-parser", choices=["hermes", "mistral", "llama3_json"], default=UNSET,
+                   help='the one format "auto" tool calls are parsed for (vLLM\'s flag; hermes: Hermes, Qwen2.5, '
+                        "Qwen3); default: each of them. Auto tool choice is always on (no --enable-auto-tool-choice)")
     g.add_argument("--default-chat-template-kwargs", default=UNSET, metavar="JSON",
                    help='chat_template_kwargs every chat starts from, a JSON object (vLLM\'s flag), e.g. '
                         '\'{"enable_thinking": false}\'; a request\'s own win, key by key')

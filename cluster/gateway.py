@@ -44,7 +44,7 @@ from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tokenizer_pool import TokenizerPool
-from pdserve.cluster.tool_calls import ToolPlan, template_messages
+from pdserve.cluster.tool_calls import ToolParser, ToolPlan, template_messages
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
@@ -97,6 +97,7 @@ class GatewayConfig:
     reasoning_parser: ReasoningParser | None = None
     # What every chat's chat_template_kwargs start from (vLLM's --default-chat-template-kwargs).
     default_template_kwargs: dict[str, object] = field(default_factory=dict)
+    tool_call_parser: ToolParser | None = None  # the one format "auto" tool calls are parsed for (None: each)
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
 
     @property

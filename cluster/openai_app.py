@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import inspect
 import logging
 import os
@@ -193,7 +194,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except ValueError as e:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
         try:
-            tools = body.tool_plan()
+            tools = dataclasses.replace(body.tool_plan(), parser=gw.config.tool_call_parser)
         except ValueError as e:
             raise bad_request(e) from None
         slot = gw.admit(body.n)

@@ -408,7 +408,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config),
                          exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
                          reasoning_parser=cfg.reasoning_parser, cors=cfg.cors,
-                         default_template_kwargs=dict(cfg.default_chat_template_kwargs))
+                         default_template_kwargs=dict(cfg.default_chat_template_kwargs),
+                         tool_call_parser=cfg.tool_call_parser)
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

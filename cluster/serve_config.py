@@ -42,6 +42,7 @@ from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
 from pdserve.cluster.reasoning import ReasoningParser
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
+from pdserve.cluster.tool_calls import ToolParser
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.inputs import check_template_kwargs
@@ -205,6 +206,9 @@ class ServeConfig:
     # vLLM's --reasoning-parser: a thinking model's chat answers carry their thinking (between
     # <think> and </think>) in `reasoning`, apart from the content (cluster/reasoning.py). None: not split.
     reasoning_parser: ReasoningParser | None = None
+    # vLLM's --tool-call-parser: the one format "auto" tool calls are parsed for (hermes: Hermes,
+    # Qwen2.5, Qwen3; mistral; llama3_json). None: each of them (cluster/tool_calls.py).
+    tool_call_parser: ToolParser | None = None
     # vLLM's --default-chat-template-kwargs: chat_template_kwargs every chat request starts from
     # (its own win, key by key), e.g. {"enable_thinking": false} to serve a Qwen3 without thinking.
     default_chat_template_kwargs: TemplateKwargs = field(default_factory=dict)

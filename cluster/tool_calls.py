@@ -38,6 +38,11 @@ INLINE_MARKERS = ("<tool_call>", "[TOOL_CALLS]")
 # can repeat calls until max_tokens cuts the array short (SmolLM2: 2 of 100 answers did at 400
 # tokens, bench/structured_served.py), and a cut-short array is no call at all.
 MAX_PARALLEL_CALLS = 8
+# vLLM's --tool-call-parser names of the formats "auto" answers are parsed for, and the markers
+# an answer in each begins with (None, the default here: every format).
+ToolParser = Literal["hermes", "mistral", "llama3_json"]
+TOOL_FORMATS: dict[str, tuple[str, ...]] = {"hermes": ("<tool_call>",), "mistral": ("[TOOL_CALLS]",),
+                                            "llama3_json": ("<|python_tag|>", "{")}
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.S)
 
 
@@ -64,6 +69,17 @@ class ToolPlan:
     tools: tuple[dict[str, Any], ...]  # each tool's `function` object: name, description, parameters
     name: str | None = None  # the named function (mode "named")
     parallel: bool = True
+    parser: ToolParser | None = None  # the one format "auto" answers are parsed for (None: each)
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """What an "auto" answer that is a call may begin with, in the formats parsed."""
+        return CALL_MARKERS if self.parser is None else TOOL_FORMATS[self.parser]
+
+    @property
+    def inline_markers(self) -> tuple[str, ...]:
+        """The markers, among those parsed, of calls that may follow words."""
+        return tuple(m for m in INLINE_MARKERS if m in self.markers)
 
     @classmethod
     def of(cls, tools: list[dict[str, object]] | None, tool_choice: str | dict[str, object] | None,
@@ -135,7 +151,7 @@ class ToolPlan:
                 return text, []
             return None, [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
-            found = parse_calls(text, {f["name"] for f in self.tools})
+            found = parse_calls(text, {f["name"] for f in self.tools}, self.parser)
             if found is not None:
                 content, calls = found
                 # parallel_tool_calls false: at most one call (OpenAI's contract; vLLM keeps the first)
@@ -145,44 +161,45 @@ class ToolPlan:
     def may_be_call(self, text: str) -> bool:
         """Whether a streamed "auto" answer that begins with `text` may still be a tool call."""
         head = text.lstrip()
-        return any(head.startswith(m) or m.startswith(head) for m in CALL_MARKERS)
+        return any(head.startswith(m) or m.startswith(head) for m in self.markers)
 
-    @staticmethod
-    def words_end(text: str, start: int = 0) -> int:
+    def words_end(self, text: str, start: int = 0) -> int:
         """How much of a streamed "auto" answer in words is words for sure: up to the first
         call marker in it (INLINE_MARKERS; none starts before `start`, what was judged words
         already), else all but a last few characters that may be the start of one."""
-        found = [i for m in INLINE_MARKERS if (i := text.find(m, start)) >= 0]
+        inline = self.inline_markers
+        found = [i for m in inline if (i := text.find(m, start)) >= 0]
         if found:
             return min(found)
-        longest = max(len(m) for m in INLINE_MARKERS) - 1
+        longest = max((len(m) for m in inline), default=1) - 1
         for k in range(min(longest, len(text) - start), 0, -1):
-            if any(m.startswith(text[-k:]) for m in INLINE_MARKERS):
+            if any(m.startswith(text[-k:]) for m in inline):
                 return len(text) - k
         return len(text)
 
 
-def parse_calls(text: str, names: set[str]) -> tuple[str | None, list[ToolCall]] | None:
-    """The tool calls in a model's own format (module docstring), with the content before
-    them; None when `text` holds none that name a tool."""
+def parse_calls(text: str, names: set[str],
+                parser: ToolParser | None = None) -> tuple[str | None, list[ToolCall]] | None:
+    """The tool calls in a model's own format (module docstring; `parser`: that format only),
+    with the content before them; None when `text` holds none that name a tool."""
     stripped = text.strip()
     found: list[tuple[object, object]] = []
     content: str | None = None
-    if "<tool_call>" in stripped:  # Hermes, Qwen2.5
+    if parser in (None, "hermes") and "<tool_call>" in stripped:  # Hermes, Qwen2.5, Qwen3
         content = stripped[: stripped.index("<tool_call>")].strip() or None
         for body in _HERMES.findall(stripped):
             obj = _json(body)
             if not isinstance(obj, dict):
                 return None  # a call that does not parse: the whole answer stays words (as vLLM's parser)
             found.append((obj.get("name"), obj.get("arguments", obj.get("parameters", {}))))
-    elif "[TOOL_CALLS]" in stripped:  # Mistral
+    elif parser in (None, "mistral") and "[TOOL_CALLS]" in stripped:  # Mistral
         content = stripped[: stripped.index("[TOOL_CALLS]")].strip() or None
         obj = _json(stripped.split("[TOOL_CALLS]", 1)[1])
         for item in obj if isinstance(obj, list) else [obj]:
             if not isinstance(item, dict):
                 return None
             found.append((item.get("name"), item.get("arguments", item.get("parameters", {}))))
-    else:  # Llama 3.x: the whole answer is the call, its arguments named (a JSON answer with a "name" is not one)
+    elif parser in (None, "llama3_json"):  # Llama 3.x: the whole answer is the call, its arguments named
         obj = _json(stripped.removeprefix("<|python_tag|>"))
         if isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj):
             found.append((obj.get("name"), obj.get("parameters", obj.get("arguments", {}))))

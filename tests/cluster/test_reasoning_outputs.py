@@ -233,3 +233,22 @@ def test_completions_are_not_parsed(tokenizers: dict[str, Any]) -> None:
     with serve_gateway(gw) as base:
         r = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": "Q:", "max_tokens": 100}, timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == THOUGHT
+
+
+LLAMA_CALL = '{"name": "get_time", "parameters": {"zone": "UTC"}}'
+
+
+@pytest.mark.parametrize("parser", [None, "hermes", "llama3_json"])
+def test_the_tool_call_parser_flag_parses_its_format_only(tokenizers: dict[str, Any], parser: str | None) -> None:
+    """vLLM's --tool-call-parser: "auto" answers are parsed for that one format. By default each
+    format pdserve knows is tried, so a JSON answer naming a tool with its parameters is taken
+    for a Llama 3 call even from a Hermes-format model; under `hermes` it is the answer's words,
+    streamed as they come rather than held back as a call."""
+    whole, chunks = answer(tokenizers["split"], LLAMA_CALL, {"tools": TOOLS}, parser=None, tool_call_parser=parser)
+    if parser == "hermes":
+        assert whole["message"]["content"] == LLAMA_CALL and not whole["message"].get("tool_calls")
+        assert joined(chunks, "content") == LLAMA_CALL and sum(bool(c["delta"].get("content")) for c in chunks) > 3
+    else:
+        assert [c["function"]["arguments"] for c in whole["message"]["tool_calls"]] == ['{"zone": "UTC"}']
+    whole, _ = answer(tokenizers["split"], CALL, {"tools": TOOLS}, parser=None, tool_call_parser=parser)
+    assert bool(whole["message"].get("tool_calls")) == (parser != "llama3_json")
