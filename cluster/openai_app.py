@@ -194,7 +194,9 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except ValueError as e:
             raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
         try:
-            tools = dataclasses.replace(body.tool_plan(), parser=gw.config.tool_call_parser)
+            tools = body.tool_plan()
+            if gw.config.tool_call_parser is not None:
+                tools = dataclasses.replace(tools, parser=gw.config.tool_call_parser)
         except ValueError as e:
             raise bad_request(e) from None
         slot = gw.admit(body.n)

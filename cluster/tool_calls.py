@@ -186,14 +186,14 @@ def parse_calls(text: str, names: set[str],
     found: list[tuple[object, object]] = []
     content: str | None = None
     if parser in (None, "hermes") and "<tool_call>" in stripped:  # Hermes, Qwen2.5, Qwen3
-        content = stripped[: stripped.index("<tool_call>")].strip() or None
+        content = _words_before(text, "<tool_call>")
         for body in _HERMES.findall(stripped):
             obj = _json(body)
             if not isinstance(obj, dict):
                 return None  # a call that does not parse: the whole answer stays words (as vLLM's parser)
             found.append((obj.get("name"), obj.get("arguments", obj.get("parameters", {}))))
     elif parser in (None, "mistral") and "[TOOL_CALLS]" in stripped:  # Mistral
-        content = stripped[: stripped.index("[TOOL_CALLS]")].strip() or None
+        content = _words_before(text, "[TOOL_CALLS]")
         obj = _json(stripped.split("[TOOL_CALLS]", 1)[1])
         for item in obj if isinstance(obj, list) else [obj]:
             if not isinstance(item, dict):
@@ -206,6 +206,13 @@ def parse_calls(text: str, names: set[str],
     calls = [_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
              for name, args in found if isinstance(name, str) and name in names]
     return (content, calls) if calls else None
+
+
+def _words_before(text: str, marker: str) -> str | None:
+    """The words before a call's marker, as they are (what a stream sends of them, and vLLM's
+    whole answer's content); None when there are none but whitespace."""
+    words = text[: text.index(marker)]
+    return words if words.strip() else None
 
 
 def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
