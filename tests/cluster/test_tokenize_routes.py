@@ -165,7 +165,7 @@ def test_a_lone_surrogate_the_template_renders_from_any_field_is_a_400() -> None
             return "".join(f"<{m['role']}:{m.get('name', '')}>{m['content']}" for m in messages)
 
     gw = Gateway.__new__(Gateway)
-    gw.tokenizer = Template()
+    gw.tokenizer, gw.config = Template(), GatewayConfig(model_name="t", max_model_len=LEN)
     assert gw.chat_text([ChatMessage(role="user", content="hi", name="ann")], None) == "<user:ann>hi"
     with pytest.raises(APIError) as e:
         gw.chat_text([ChatMessage(role="user", content="hi", name="\udc00")], None)
