@@ -304,8 +304,10 @@ def parsed_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delt
             delta["reasoning"] = delta["reasoning_content"] = piece
     finish = d.finish_reason
     if work.tools is not None and work.tools.active:
-        answer = "" if start is None else choice.text[start:]
-        words, finish = _tool_delta(work.tools, choice, answer, d.finish_reason)
+        # The answer is the text from `start` (none yet while thinking), passed by offset: a copy
+        # of it a token would cost the stream the answer's length each token.
+        base = len(choice.text) if start is None else start
+        words, finish = _tool_delta(work.tools, choice, choice.text, base, d.finish_reason)
         delta.update(words)
     elif start is not None and len(choice.text) > start + choice.sent:
         # (by offsets: a copy of the answer a token would cost the stream its length each token)
@@ -317,26 +319,27 @@ def parsed_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delt
     return _tool_chunk(token_str, choice, d, delta, finish)
 
 
-def _tool_delta(plan: ToolPlan, choice: Choice, text: str, finish_reason: str | None) -> tuple[ChatDelta, str | None]:
-    """What a chat stream with tools sends of its answer `text` so far, and the finish reason.
-    An answer that is (or may still be) a tool call: nothing until it ends, then the calls (or,
-    if it was no call after all, its text as content). An "auto" answer in words: its content
-    as it comes, up to a call marker that may follow words (Hermes, Mistral:
-    tool_calls.INLINE_MARKERS); from there on it is held, as a call, to its end."""
-    if not choice.content and plan.mode == "auto" and not plan.may_be_call(text):
+def _tool_delta(plan: ToolPlan, choice: Choice, text: str, base: int,
+                finish_reason: str | None) -> tuple[ChatDelta, str | None]:
+    """What a chat stream with tools sends of its answer so far, `text[base:]` (`choice.sent`
+    counts from `base`), and the finish reason. An answer that is (or may still be) a tool call:
+    nothing until it ends, then the calls (or, if it was no call after all, its text as content).
+    An "auto" answer in words: its content as it comes, up to a call marker that may follow words
+    (Hermes, Mistral: tool_calls.INLINE_MARKERS); from there on it is held, as a call, to its end."""
+    if not choice.content and plan.mode == "auto" and not plan.may_be_call(text[base:]):
         choice.content = True  # an answer in words: the held text goes now, the rest as it comes
-    end = max(choice.sent, plan.words_end(text, choice.sent)) if choice.content else 0
+    end = max(choice.sent, plan.words_end(text, base + choice.sent) - base) if choice.content else 0
     if finish_reason is None:
         if not choice.content:
             return {}, None
-        piece, choice.sent = text[choice.sent : end], end
+        piece, choice.sent = text[base + choice.sent : base + end], end
         return ({"content": piece} if piece else {}), None
-    content, calls = plan.parse(text)
+    content, calls = plan.parse(text[base:])
     if not calls:
-        return {"content": text[choice.sent :]}, finish_reason
+        return {"content": text[base + choice.sent :]}, finish_reason
     streamed: list[StreamedToolCall] = [{"index": i, **c} for i, c in enumerate(calls)]
     # Streamed words go on to the call's marker; held from the start, the parse's content goes.
-    words = text[choice.sent : end] if choice.content else content
+    words = text[base + choice.sent : base + end] if choice.content else content
     return {"content": words or None, "tool_calls": streamed}, _calls_finish(plan, finish_reason)
 
 
