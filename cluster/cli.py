@@ -429,7 +429,11 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
                         "by default the chat template shows the model its tools, as OpenAI's does)")
     g.add_argument("--tool-call-parser", choices=["hermes", "mistral", "llama3_json"], default=UNSET,
                    help='the one format "auto" tool calls are parsed for (vLLM\'s flag; hermes: Hermes, Qwen2.5, '
-                        "Qwen3); default: each of them. Auto tool choice is always on (no --enable-auto-tool-choice)")
+                        "Qwen3); default: each of them")
+    # vLLM refuses tool_choice "auto" without this flag, so every vLLM command line that serves
+    # tools carries it; here auto tool choice is always on, and the flag is taken and changes nothing.
+    g.add_argument("--enable-auto-tool-choice", action="store_true", default=UNSET,
+                   help="vLLM's flag, taken for its command lines: auto tool choice is always on here")
     g.add_argument("--default-chat-template-kwargs", default=UNSET, metavar="JSON",
                    help='chat_template_kwargs every chat starts from, a JSON object (vLLM\'s flag), e.g. '
                         '\'{"enable_thinking": false}\'; a request\'s own win, key by key')

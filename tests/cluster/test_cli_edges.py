@@ -7,6 +7,7 @@ trap that fails the test if it is reached.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,15 @@ def test_every_setting_is_a_flag_of_pdserve_serve_by_its_name() -> None:
     missing = {name for name in ENGINE_SETTINGS | SERVE_SETTINGS.keys()
                if f"--{name.replace('_', '-')}" not in options} - {"enable_prefix_caching"}
     assert missing == set()
+
+
+def test_vllms_enable_auto_tool_choice_is_taken_and_changes_nothing() -> None:
+    """A vLLM command line serving tools carries --enable-auto-tool-choice (vLLM refuses tool_choice
+    "auto" without it); `pdserve serve` exited 2 on it as an unknown flag. Auto is always on here."""
+    with_flag = cli._serve_config(build_parser().parse_args(
+        ["serve", "--model", "/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
+    without = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", "--tool-call-parser", "hermes"]))
+    assert dataclasses.replace(with_flag, cluster_secret=without.cluster_secret) == without
 
 
 def test_metrics_api_key_on_the_command_line_is_the_key_and_is_never_printed(
