@@ -182,11 +182,15 @@ def _refused_at_load(model_dir: Path, match: str, **kw: Any) -> None:
         LLM(str(model_dir), dtype="float32", num_kv_blocks=64, progress=False, **kw).close()
 
 
-def test_llama_attention_bias_is_refused_by_name(tmp_path: Path, tokenizer_dir: Path) -> None:
-    """transformers' Llama biases o_proj too, which pdserve's layer has not: it failed on an
-    'unexpected weight' in the file; now the setting is named."""
-    d = _write(tmp_path / "m", tokenizer_dir, "llama", attention_bias=True)
-    _refused_at_load(d, "attention_bias=True is not supported for llama")
+def test_llama_attention_and_mlp_biases(tmp_path: Path, tokenizer_dir: Path) -> None:
+    """transformers' Llama with attention_bias biases q, k, v and o_proj, with mlp_bias gate, up
+    and down: both were refused at load. Greedy tokens and logits equal transformers'."""
+    d = _write(tmp_path / "m", tokenizer_dir, "llama", attention_bias=True, mlp_bias=True, tie_word_embeddings=False)
+    from safetensors import safe_open
+    with safe_open(str(d / "model.safetensors"), "pt") as st:
+        names = set(st.keys())
+    assert {f"model.layers.0.{n}.bias" for n in ("self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")} <= names
+    _compare(d, enforce_eager=True)
 
 
 def test_mistral_attention_bias_is_ignored_as_transformers_ignores_it(tmp_path: Path, tokenizer_dir: Path) -> None:
@@ -295,7 +299,7 @@ def test_qwen2_sliding_window_in_use(tmp_path: Path, tokenizer_dir: Path) -> Non
     ("Qwen3MoeForCausalLM", {"model_type": "qwen3_moe"}),
     ("Gemma2ForCausalLM", {"model_type": "gemma2"}),
     ("Phi3ForCausalLM", {"model_type": "phi3"}),
-    ("LlamaForCausalLM", {"model_type": "llama", "mlp_bias": True}),
+    ("Qwen2ForCausalLM", {"model_type": "qwen2", "mlp_bias": True}),
     ("LlamaForCausalLM", {"model_type": "llama", "hidden_act": "gelu"}),
 ])
 def test_unsupported_layouts_refused_by_config(arch: str, extra: dict[str, Any]) -> None:

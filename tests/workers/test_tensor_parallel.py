@@ -272,6 +272,8 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
         "model.layers.0.self_attn.q_norm.weight": torch.randn(4),
         "model.layers.0.mlp.up_proj.weight": torch.randn(12, 16),
         "model.layers.0.mlp.down_proj.weight": torch.randn(16, 12),
+        "model.layers.0.mlp.gate_proj.bias": torch.randn(12),
+        "model.layers.0.mlp.down_proj.bias": torch.randn(16),
         "model.embed_tokens.weight": torch.randn(1001, 16),
         "model.norm.weight": torch.randn(16),
     }
@@ -282,7 +284,7 @@ def test_shards_put_back_together_are_the_checkpoint() -> None:
             if name.endswith("norm.weight"):  # replicated: each rank the whole
                 assert all(torch.equal(p, t) for p in parts)
                 continue
-            if name.endswith("o_proj.bias"):  # added after the all-reduce's sum: once, by rank 0
+            if name.endswith(("o_proj.bias", "down_proj.bias")):  # added after the all-reduce's sum: once, by rank 0
                 assert torch.equal(parts[0], t) and not any(p.any() for p in parts[1:])
                 continue
             if name.endswith("k_proj.weight") and size == 4:  # 2 KV heads, 4 ranks: head r * 2 // 4

@@ -70,9 +70,10 @@ class ModelConfig:
     quantization: str | None = None
     fp8_block: tuple[int, int] | None = None
     # Qwen3: an RMSNorm over each head's q and k (weights of head_dim, one for q, one for k)
-    # before RoPE; and, with its attention_bias, a bias on o_proj as on q/k/v.
+    # before RoPE. Qwen3's and Llama's attention_bias: a bias on o_proj as on q/k/v.
     qk_norm: bool = False
     o_proj_bias: bool = False
+    mlp_bias: bool = False  # Llama's: biases on gate, up and down
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -128,15 +129,15 @@ class ModelConfig:
         hidden = int(hf["hidden_size"])
         # Qwen3Config defaults head_dim to 128 (its checkpoints' value), not hidden / heads.
         head_dim = hf.get("head_dim") or (128 if arch == "qwen3" else hidden // num_heads)
-        # Qwen2 always has q/k/v biases; Mistral none (transformers' ignores the key); Qwen3's
-        # attention_bias (off by default) biases q/k/v and o_proj. Llama's puts one on o_proj too,
-        # which is refused for it, as it always was.
-        qwen3_bias = arch == "qwen3" and bool(hf.get("attention_bias", False))
-        attention_bias = arch == "qwen2" or qwen3_bias
-        if arch == "llama" and hf.get("attention_bias"):
-            raise ValueError("model: attention_bias=True is not supported for llama (it biases o_proj too)")
-        if hf.get("mlp_bias"):
-            raise ValueError("model: mlp_bias=True is not supported")
+        # Qwen2 always has q/k/v biases; Mistral none (transformers' ignores the key); Qwen3's and
+        # Llama's attention_bias (off by default) biases q/k/v and o_proj.
+        qkvo_bias = arch in ("qwen3", "llama") and bool(hf.get("attention_bias", False))
+        attention_bias = arch == "qwen2" or qkvo_bias
+        # Llama's mlp_bias biases gate, up and down (transformers' LlamaMLP); the other families'
+        # MLPs have no biases at all, so a checkpoint that says so there is refused, not misread.
+        mlp_bias = bool(hf.get("mlp_bias", False))
+        if mlp_bias and arch != "llama":
+            raise ValueError(f"model: mlp_bias=True is not supported for {arch}")
         act = hf.get("hidden_act", "silu")
         if act not in (None, "silu", "swish"):  # the MLP is SiLU-gated: another would load and run wrong
             raise ValueError(f"model: hidden_act {act!r} is not supported (only silu)")
@@ -162,7 +163,8 @@ class ModelConfig:
             torch_dtype=str(hf.get("torch_dtype") or hf.get("dtype") or "float32"),
             **_quantization(hf.get("quantization_config")),
             qk_norm=arch == "qwen3",
-            o_proj_bias=qwen3_bias,
+            o_proj_bias=qkvo_bias,
+            mlp_bias=mlp_bias,
         )
 
 

@@ -87,11 +87,11 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """SwiGLU MLP with gate and up projections fused into one matmul."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, use_triton: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, use_triton: bool = False, bias: bool = False) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.use_triton = use_triton  # silu x mul in one launch (pdserve/kernels/triton_act.py), not two
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

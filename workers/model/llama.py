@@ -88,7 +88,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
         self.self_attn = Attention(cfg, backend, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, triton)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, triton)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, triton, bias=cfg.mlp_bias)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding,

@@ -332,4 +332,4 @@ def _load_fp8(params: dict[str, torch.nn.Parameter], cfg: ModelConfig, layer: st
 def _num_shards(param_name: str) -> int:
     if param_name.endswith(("qkv_proj.weight", "qkv_proj.bias", "qkv_proj.weight_scale")):
         return 3
-    return 2 if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.weight_scale")) else 1
+    return 2 if param_name.endswith(("gate_up_proj.weight", "gate_up_proj.bias", "gate_up_proj.weight_scale")) else 1

@@ -12,8 +12,8 @@ Megatron's layout. Each rank holds:
   zeros there and the ranks' embeddings are summed; the logits' shards are gathered on every
   rank, so each sampler sees the full logits (and, seeded alike, draws alike).
 - the norms: whole (Qwen3's per-head q/k norms too: every head has the same one).
-- o_proj's bias (Qwen3 with attention_bias): rank 0's alone; the others hold zeros, so the sum
-  over the ranks adds it once.
+- o_proj's and down_proj's biases (attention_bias, Llama's mlp_bias): rank 0's alone; the others
+  hold zeros, so the sum over the ranks adds each once.
 
 A rank's model is then the model of `shard_config`: every other part of the engine (the KV
 cache, the attention kernels, the memory plan) sees its own heads and nothing else changes.
@@ -124,13 +124,13 @@ def shard_config(cfg: ModelConfig, tp: TensorParallel) -> ModelConfig:
 
 _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
 _ROW = re.compile(r"\.(o_proj|down_proj)\.weight$")
-_ROW_BIAS = re.compile(r"\.o_proj\.bias$")
+_ROW_BIAS = re.compile(r"\.(o_proj|down_proj)\.bias$")
 _VOCAB = re.compile(r"^(model\.embed_tokens|lm_head)\.weight$")
 
 
 def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
     """This rank's part of checkpoint tensor `name` of the full model `cfg` (the whole tensor
-    when it is replicated: the norms; zeros for o_proj's bias beyond rank 0)."""
+    when it is replicated: the norms; zeros for o_proj's and down_proj's biases beyond rank 0)."""
     if tp.size == 1:
         return tensor
     hd = cfg.head_dim
