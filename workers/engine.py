@@ -28,6 +28,7 @@ from transformers import AutoTokenizer
 
 from pdserve.workers import cuda_graphs, row_faults
 from pdserve.workers import engine_setup as setup
+from pdserve.workers.bad_words import bad_words_token_ids, banned_by_words
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns, node_cores
@@ -596,6 +597,11 @@ class LLMEngine:
                 # Its grammar allows nothing from here (a spec that cannot go on): the client's spec, a 400.
                 self._fault(req, f"{req.grammar.spec.field}: no output can match it past output token "
                                  f"{req.num_output_tokens}", refused=True)
+            elif self._allowed_all_banned(req):
+                # The client's restrictions contradict each other here: a 400, not a server fault.
+                self._fault(req, f"allowed_token_ids: every allowed token is banned at output token "
+                                 f"{req.num_output_tokens} (by min_tokens' stop tokens, bad_words or the "
+                                 f"structured output)", refused=True)
             else:
                 self._fault(req, "its logits had no finite choice (NaN or infinite values)")
             return False
@@ -604,6 +610,21 @@ class LLMEngine:
         except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
             self._fault(req, row_faults.describe(e))
             return False
+
+    def _allowed_all_banned(self, req: Request) -> bool:
+        """Whether `req`'s allowed_token_ids left it no token this step: each is a stop token under
+        min_tokens, a bad word's end, or one its grammar refuses."""
+        allowed = req.params.allowed_token_ids
+        if allowed is None:
+            return False
+        banned = set(banned_by_words(req.bad_words_token_ids, req.output_token_ids))
+        if req.num_output_tokens < req.params.min_tokens:
+            banned |= req.stop_token_ids
+        left = [t for t in allowed if t not in banned]
+        if req.grammar is not None and left:
+            mask = req.grammar.allowed(self.runner.vocab_size)
+            left = [t for t in left if mask[t]]
+        return not left
 
     def _append_verified(self, results: list[SpecResult]) -> list[RequestOutput]:
         """Append what verification emitted (up to a stop), and count as computed
@@ -734,6 +755,8 @@ class LLMEngine:
             assert isinstance(params.stop, list)  # SamplingParams normalises it
             req.detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, token_ids, params.stop,
                                                params.include_stop_str_in_output, params.skip_special_tokens)
+        if params.bad_words:
+            req.bad_words_token_ids = bad_words_token_ids(params.bad_words, self.tokenizer, self.runner.vocab_size)
         if (spec := params.constraint) is not None:
             req.grammar = self.grammar_compiler().state(spec)
         self.stats.prompt_tokens += len(token_ids)

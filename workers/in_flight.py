@@ -83,7 +83,7 @@ def chains(result: StepResult, drafting: bool) -> bool:
     `drafting`: the engine's speculator may draft for the next step."""
     if drafting or result.spec:
         return False
-    return all(r.grammar is None and not r.params.has_penalties for r in result.sampled)
+    return all(r.grammar is None and not r.params.depends_on_history for r in result.sampled)
 
 
 def _copy_to_host(out: SamplerOutput) -> tuple[SamplerOutput, torch.cuda.Event | None]:

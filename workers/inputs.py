@@ -90,6 +90,9 @@ def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int = M
                          f"got {params.top_k}")
     if params.logit_bias and max(params.logit_bias) >= vocab_size:
         raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not in the vocabulary [0, {vocab_size})")
+    if params.allowed_token_ids and params.allowed_token_ids[-1] >= vocab_size:  # sorted
+        raise ValueError(f"allowed_token_ids: token id {params.allowed_token_ids[-1]} is not in the vocabulary "
+                         f"[0, {vocab_size})")
     if any(t >= vocab_size for t in params.stop_token_ids or ()):
         raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
     most = min(max_logprobs, vocab_size)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers.bad_words import banned_by_words
 from pdserve.workers.buffers import InputBuffers, small_tensor
 from pdserve.workers.grammar import GrammarState, apply_bitmask, fill_bitmask, verify_bitmask
 from pdserve.workers.kv.cache_manager import KVCacheManager
@@ -418,7 +419,14 @@ class ModelRunner:
         banned = [(i, sorted(r.stop_token_ids)) for i, r in enumerate(reqs)
                   if r.stop_token_ids and r.num_output_tokens + r.num_pending < r.params.min_tokens
                   and (r.grammar is None or not r.grammar.allows_only(r.stop_token_ids, self.vocab_size))]
+        # A bad word's last token where the output ends with the rest of it. Such a request has
+        # no token pending (workers/in_flight.py `chains`) and no drafts: its output is all here.
+        banned += [(i, ids) for i, r in enumerate(reqs) if r.bad_words_token_ids
+                   and (ids := banned_by_words(r.bad_words_token_ids, r.output_token_ids))]
         batch.banned = banned or None
+        allowed = [(i, small_tensor(r.params.allowed_token_ids, torch.int64, self.device))
+                   for i, r in enumerate(reqs) if r.params.allowed_token_ids is not None]
+        batch.allowed = allowed or None
         biased = [(i, r.params.logit_bias) for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             batch.logit_bias = [

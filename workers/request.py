@@ -102,6 +102,8 @@ class Request:
         self.spec_acceptance = 1.0
         self.spec_idle_steps = 0
         self.token_buffer: TokenBuffer | None = None  # numpy mirror of all_token_ids for n-gram lookup
+        # bad_words' token sequences (workers/bad_words.py): the engine sets them from its tokenizer.
+        self.bad_words_token_ids: list[list[int]] = []
         # Its place in its grammar (structured outputs), or None: the engine sets it.
         self.grammar: GrammarState | None = None
         # Sampled tokens not on the host yet (0 or 1): a step in flight sampled it (async

@@ -95,7 +95,9 @@ class SamplingBatch:
     top_p: torch.Tensor | None = None  # [N] float32, 1.0 where disabled
     min_p: torch.Tensor | None = None  # [N] float32, 0.0 where disabled
     generators: dict[int, torch.Generator] | None = None  # row -> generator, seeded rows only
-    banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) forbidden this step (min_tokens)
+    # (row, token ids): the only tokens the row may take (allowed_token_ids)
+    allowed: list[tuple[int, torch.Tensor]] | None = None
+    banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) forbidden this step (min_tokens, bad_words)
     logit_bias: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None  # (row, token ids, biases)
     penalties: Penalties | None = None
     # [N, ceil(V / 32)] int32: the tokens each row's grammar allows (workers/grammar.py); None: no row has one
@@ -197,9 +199,15 @@ def checked(tokens: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, t
 
 
 def apply_logits_processors(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """What acts on the logits before the sampling distribution (vLLM's order): min_tokens
-    bans, logit bias, penalties, then the grammar's mask last, so that nothing after it
-    can give a refused token a finite logit. In place; greedy rows included."""
+    """What acts on the logits before the sampling distribution (vLLM's order): the allowed
+    tokens, min_tokens' and bad words' bans, logit bias, penalties, then the grammar's mask
+    last, so that nothing after it can give a refused token a finite logit. In place; greedy
+    rows included."""
+    if batch.allowed:
+        for row, only in batch.allowed:
+            keep = logits[row, only]
+            logits[row] = float("-inf")
+            logits[row, only] = keep
     if batch.banned:
         for row, ids in batch.banned:
             logits[row, ids] = float("-inf")

@@ -20,6 +20,10 @@ _INT64 = (-(2**63), 2**64)
 # A repetition penalty divides or multiplies logits: bounded so that with the greedy floor
 # above and the largest penalties and biases, a logit stays far from float32's range.
 REPETITION_PENALTY_RANGE = (1e-4, 1e4)
+# bad_words: each word is checked against the output's tail at every step of its request; vLLM's
+# GPU runner holds at most 128 words a request.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -65,6 +69,11 @@ class SamplingParams:
     already in the output, a constant and its count times the penalty.
     `logit_bias` ({token id: bias in [-100, 100]}) is added to the logits.
 
+    vLLM's vocabulary restrictions: `allowed_token_ids` (a non-empty list: no other token
+    can be sampled) and `bad_words` (each word's tokens, as it tokenizes alone and after a
+    space, never all appear in the output: its last token is banned wherever the output
+    ends with the ones before it).
+
     `cache_salt` (vLLM's): folded into the first KV block's hash, so the request
     shares prefix-cache blocks only with requests of the same salt; one salt per
     tenant keeps one tenant from learning (by `cached_tokens` or TTFT) what
@@ -96,6 +105,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     # False: no speculative decoding for this request, even when the engine drafts for others.
     speculative: bool = True
     cache_salt: str | None = None
@@ -117,6 +128,11 @@ class SamplingParams:
         if isinstance(self.temperature, (int, float)) and 0.0 < self.temperature < GREEDY_BELOW:
             object.__setattr__(self, "temperature", 0.0)
         object.__setattr__(self, "logit_bias", self._parse_logit_bias(self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", sorted(set(_token_ids("allowed_token_ids",
+                                                                                self.allowed_token_ids))))
+        if self.bad_words is not None:
+            object.__setattr__(self, "bad_words", list(_sequence("bad_words", self.bad_words)) or None)
         if isinstance(self.structured_outputs, dict):
             try:
                 object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
@@ -169,6 +185,17 @@ class SamplingParams:
             _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
         low, high = REPETITION_PENALTY_RANGE
         _number("repetition_penalty", self.repetition_penalty, low, high, f"must be in [{low:g}, {high:g}] (1 = off)")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids: must name at least one token (or be left out)")
+            if self.allowed_token_ids[0] < 0 or self.allowed_token_ids[-1] >= _INT64[1]:
+                raise ValueError("allowed_token_ids: token ids must be >= 0")
+        words = self.bad_words or []
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words: at most {MAX_BAD_WORDS} words, got {len(words)}")
+        if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
+            raise ValueError(f"bad_words: every word must be a string with a non-space character and at most "
+                             f"{MAX_BAD_WORD_CHARS} characters")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {self.cache_salt!r}")
 
@@ -199,9 +226,15 @@ class SamplingParams:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
 
     @property
+    def depends_on_history(self) -> bool:
+        """Whether what acts on its logits depends on the output so far (penalties, bad_words):
+        such a request drafts nothing, and its next step waits for its last token."""
+        return self.has_penalties or bool(self.bad_words)
+
+    @property
     def changes_logits(self) -> bool:
         """Whether anything but the sampling distribution's shape (temperature, top-k/p, min-p) acts on the logits."""
-        return self.has_penalties or bool(self.logit_bias)
+        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     @property
     def constraint(self) -> StructuredOutputs | None:

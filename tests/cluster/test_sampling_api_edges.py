@@ -52,3 +52,38 @@ def test_top_logprobs_zero_without_logprobs_is_taken_as_vllm_takes_it(url: str) 
         some = c.post("/chat/completions", json={**CHAT, "top_logprobs": 2})
     assert zero.status_code == 200 and zero.json()["choices"][0]["logprobs"] is None, zero.text
     assert some.status_code == 400 and some.json()["error"]["param"] == "top_logprobs", some.text
+
+
+def test_allowed_token_ids_and_bad_words_reach_the_engine(url: str) -> None:
+    """vLLM's extensions were refused as unknown fields: now the output holds only the allowed
+    tokens, and a word of the plain output is gone from it."""
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    with httpx.Client(base_url=url, timeout=60) as c:
+        texts = {c.post("/detokenize", json={"tokens": [t]}).json()["prompt"] for t in (40, 41)}
+        allowed = c.post("/v1/completions", json={**body, "allowed_token_ids": [40, 41]})
+        plain = c.post("/v1/completions", json=body).json()["choices"][0]
+        word = "".join(plain["logprobs"]["tokens"][1:3]).strip() or plain["logprobs"]["tokens"][1]
+        banned = c.post("/v1/completions", json={**body, "bad_words": [word]})
+    assert allowed.status_code == 200, allowed.text
+    tokens = allowed.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 6 and set(tokens) <= texts, (tokens, texts)
+    assert banned.status_code == 200 and banned.json()["choices"][0]["text"] != plain["text"], (word, banned.text)
+
+
+@pytest.mark.parametrize(("field", "value"), [("allowed_token_ids", []), ("allowed_token_ids", [3, 10**6]),
+                                              ("bad_words", ["w"] * 129), ("bad_words", [""])])
+def test_bad_vocabulary_restrictions_are_a_400_naming_the_field(url: str, field: str, value: object) -> None:
+    with _client(url) as c:
+        r = c.post("/completions", json={"prompt": "hi", "max_tokens": 2, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field, r.text
+
+
+def test_restrictions_that_leave_no_token_are_the_clients_400(url: str) -> None:
+    """Its one allowed token is a stop token, banned under min_tokens: the request cannot go on.
+    That was the server's own error (no finite logits); it is the client's contradiction."""
+    with _client(url) as c:
+        r = c.post("/completions", json={"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [40],
+                                         "allowed_token_ids": [40]})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "allowed_token_ids", r.text

@@ -133,8 +133,19 @@ def random_params(rng: random.Random, prompt: list[int], probe: list[int], probe
     sampled = ({"temperature": rng.choice([0.6, 1.0, 1.5]), "seed": rng.randrange(-5, 2**40),
                 "top_k": rng.choice([0, 5, 50]), "top_p": rng.choice([1.0, 0.9]), "min_p": rng.choice([0.0, 0.05])}
                if rng.random() < SEEDED else {"temperature": 0.0})
+    # Now and then vLLM's vocabulary restrictions: tokens of the plain output and a few others
+    # allowed, or a piece of the plain output's text as a bad word.
+    restrict: dict[str, object] = {}
+    draw = rng.random()
+    if draw < 0.1 and probe:
+        restrict["allowed_token_ids"] = sorted(set(rng.sample(probe, min(3, len(probe)))
+                                                   + [rng.randrange(5, 4000) for _ in range(3)]))
+    elif draw < 0.2 and probe_text.strip():
+        i = rng.randrange(len(probe_text))
+        if (word := probe_text[i:i + rng.randrange(1, 6)]).strip():
+            restrict["bad_words"] = [word]
     return SamplingParams(
-        n=rng.choice([1, 1, 1, 2, 3]), **sampled, max_tokens=max_tokens,
+        n=rng.choice([1, 1, 1, 2, 3]), **sampled, **restrict, max_tokens=max_tokens,  # type: ignore[arg-type]
         min_tokens=rng.choice([0, 0, rng.randrange(0, limit + 1)]), stop=stop, stop_token_ids=stop_ids,
         ignore_eos=rng.random() < 0.5, include_stop_str_in_output=rng.random() < 0.3,
         logprobs=rng.choice([None, None, 0, 1, 3]), prompt_logprobs=rng.choice([None, None, None, 0, 2]),

@@ -53,14 +53,15 @@ def _draft_params(p: SamplingParams, vocab_size: int) -> SamplingParams:
     only concerns output (stops, logprobs); greedy stays greedy. The cache salt goes along: the
     draft's cache shares no blocks today (prefix caching off), and must not start to across salts.
     A logit bias on an id past the draft's vocabulary (a draft padded less than its target:
-    `check_draft_vocabulary`) is the target's alone."""
+    `check_draft_vocabulary`) is the target's alone, as is an allowed id there."""
     if p.temperature == 0.0:
         return _GREEDY if p.cache_salt is None else SamplingParams(temperature=0.0, max_tokens=None,
                                                                   cache_salt=p.cache_salt)
     seed = None if p.seed is None else (p.seed ^ _SEED_SALT) % (1 << 63)
     bias = p.logit_bias if p.logit_bias is None else {t: b for t, b in p.logit_bias.items() if t < vocab_size}
+    allowed = [t for t in p.allowed_token_ids or () if t < vocab_size] or None
     return SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, seed=seed,
-                          max_tokens=None, logit_bias=bias, cache_salt=p.cache_salt)
+                          max_tokens=None, logit_bias=bias, allowed_token_ids=allowed, cache_salt=p.cache_salt)
 
 
 @dataclass

@@ -133,12 +133,12 @@ class Speculator:
 
 def _may_draft(req: Request) -> bool:
     """No drafts while the request is not at its last token, has opted out, sets a
-    penalty (it depends on each position's history), or samples with a seed: verifying
+    penalty or bad words (they depend on each position's history), or samples with a seed: verifying
     drafts spends its seeded draws otherwise than plain steps do, and how many drafts a
     request gets depends on the batch (its size, the measured price), so its tokens
     would depend on what else runs, which a seed promises they do not."""
     p = req.params
-    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.has_penalties
+    return (req.num_computed_tokens == req.num_tokens - 1 and p.speculative and not p.depends_on_history
             and (p.seed is None or p.temperature == 0.0))
 
 

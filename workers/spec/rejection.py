@@ -52,8 +52,9 @@ def verify(
         sampler.sample (model_runner builds it). `banned` bans the tokens at
         every position of the row: for a row under min_tokens, draft at most
         min_tokens - num_output_tokens - 1 tokens so that all its positions are
-        under the limit. `logit_bias` applies at every position; `penalties`
-        must be None (they depend on each position's history).
+        under the limit. `allowed` and `logit_bias` apply at every position;
+        `penalties` must be None, and no row with bad words may have drafts
+        (they depend on each position's history).
         `max_logprobs` is ignored: no logprobs are returned.
     draft_probs: [B, K, V], the distribution each draft token was really sampled from
         (the draft model's normalised probabilities after the request's own processing),
@@ -98,7 +99,12 @@ def verify(
 
 
 def _ban_and_bias(target_logits: torch.Tensor, batch: SamplingBatch) -> None:
-    """Apply each row's banned tokens and logit bias, in place, at every position of the row."""
+    """Apply each row's allowed and banned tokens and logit bias, in place, at every position of the row."""
+    if batch.allowed:
+        for row, only in batch.allowed:
+            keep = target_logits[row, :, only]
+            target_logits[row] = float("-inf")
+            target_logits[row, :, only] = keep
     if batch.banned:
         for row, ids in batch.banned:
             target_logits[row, :, ids] = float("-inf")
