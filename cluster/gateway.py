@@ -48,7 +48,13 @@ from pdserve.cluster.tool_calls import ToolParser, ToolPlan, template_messages
 from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
-from pdserve.workers.inputs import check_request, check_template_kwargs, check_token_ids, max_new_tokens
+from pdserve.workers.inputs import (
+    check_request,
+    check_template_kwargs,
+    check_token_ids,
+    max_new_tokens,
+    truncate_prompt,
+)
 from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.sampling_params import SamplingParams, sample_seed
 
@@ -315,6 +321,8 @@ class Gateway:
         """A prompt surely too long for the context, refused before it costs anything:
         token ids by their count (the refusal tokenizing would end in), text by its
         characters (`CharBound`; nothing when the tokenizer has no such bound)."""
+        if body.truncate_prompt_tokens is not None:  # a long prompt is cut to fit, not refused
+            return
         bound = self.char_bound
         if isinstance(body, ChatCompletionRequest):
             if bound is not None:
@@ -364,11 +372,24 @@ class Gateway:
                            reason=RefusalReason.MALFORMED)
         return list(self.tokenizer.encode(unicode_text("prompt", prompt))) if isinstance(prompt, str) else list(prompt)
 
-    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]]) -> list[tuple[list[int], str | None]]:
+    def prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                truncate: int | None = None) -> list[tuple[list[int], str | None]]:
         """The prompts of a completions request (OpenAI: a string, token ids, or a
-        batch of either) as (token ids, text when given as text). Blocking: call it
+        batch of either) as (token ids, text when given as text and kept whole), each
+        cut to its last `truncate` tokens (truncate_prompt_tokens). Blocking: call it
         through `off_loop`."""
-        return [(self.tokenize(p), p if isinstance(p, str) else None) for p in _batch(prompt)]
+        out = []
+        for p in _batch(prompt):
+            ids = self.tokenize(p)
+            kept = self.truncate(ids, truncate)
+            out.append((kept, p if isinstance(p, str) and len(kept) == len(ids) else None))
+        return out
+
+    def truncate(self, ids: list[int], keep: int | None) -> list[int]:
+        try:
+            return truncate_prompt(ids, keep, self.config.max_model_len)
+        except ValueError as e:
+            raise bad_request(e) from None
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
         """Blocking: call it through `off_loop`."""
@@ -381,7 +402,7 @@ class Gateway:
                 self.char_bound.check("messages", len(text))
             except ValueError as e:
                 raise bad_request(e) from None
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.truncate(list(self.tokenizer.encode(text, add_special_tokens=False)), req.truncate_prompt_tokens)
 
     def template_kwargs(self, given: dict[str, object] | None) -> dict[str, object]:
         """A chat's chat_template_kwargs: the server's defaults, then the request's (which win)."""

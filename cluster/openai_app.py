@@ -224,7 +224,7 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
     prompt_lp = body.logprobs if body.echo else None
     prompt_only = body.echo and body.max_tokens == 0
     works: list[Work] = []
-    for ids, text in gw.prompts(body.prompt):
+    for ids, text in gw.prompts(body.prompt, body.truncate_prompt_tokens):
         params = gw.params(ids, 1 if prompt_only else body.max_tokens,
                            lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp,
                                                           defaults=gw.config.sampling_defaults))

@@ -85,6 +85,8 @@ class _SamplingFields(BaseModel):
                                                                 "in the prompt or output (vLLM's extension; "
                                                                 "default: the model's, else 1)")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
+    truncate_prompt_tokens: int | None = Field(None, description="vLLM's: keep the prompt's last N tokens (-1: as "
+                                                                 "many as the context holds)")
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: the only token ids the output may hold")
     bad_words: list[str] | None = Field(None, description="vLLM's: words the output never holds (each as it "
                                                           "tokenizes alone and after a space; at most 128)")
@@ -162,6 +164,7 @@ class _SamplingFields(BaseModel):
             repetition_penalty=pick("repetition_penalty", self.repetition_penalty, d),
             logit_bias=self.logit_bias,  # type: ignore[arg-type]  # JSON's string keys: SamplingParams parses them
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             speculative=self.speculative, cache_salt=self.cache_salt, structured_outputs=self.constraint(),
             skip_special_tokens=self.skips_special_tokens(), include_stop_str_in_output=self.include_stop_str_in_output,
         )

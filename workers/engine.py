@@ -36,7 +36,7 @@ from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.grammar import GrammarCompiler, GrammarStats
 from pdserve.workers.handoff import Resume
 from pdserve.workers.in_flight import InFlight, TokenFeed, chains, launch_record
-from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens
+from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens, truncate_prompt
 from pdserve.workers.kv.cache import allocate_kv_caches
 from pdserve.workers.kv.cache_manager import KVCacheManager
 from pdserve.workers.kv.events import KVEvent
@@ -795,6 +795,7 @@ class LLMEngine:
             text, token_ids = prompt, check_token_ids(self.tokenizer.encode(prompt), self.model_config.vocab_size)
         else:
             text, token_ids = None, check_token_ids(prompt, self.model_config.vocab_size)
+        token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
         check_request(params, self.model_config.vocab_size)
         return text, token_ids, max_new_tokens(len(token_ids), params.max_tokens, self.max_model_len)
 

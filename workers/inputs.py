@@ -62,6 +62,17 @@ def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
     return ids
 
 
+def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's truncate_prompt_tokens: the prompt's last `keep` tokens (-1: the context's length;
+    None: all of them). More than the context holds is refused, as vLLM refuses it."""
+    if keep is None:
+        return token_ids
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens: {keep} is more than the model's context ({max_model_len} tokens)")
+    keep = max_model_len if keep == -1 else keep
+    return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
+
 def max_new_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens a request may generate: its `max_tokens`, or all the
     context left. ValueError if the prompt and `max_tokens` do not fit."""

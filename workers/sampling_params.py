@@ -105,6 +105,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    # vLLM's: the prompt's last N tokens are kept (-1: as many as the context holds).
+    truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     # False: no speculative decoding for this request, even when the engine drafts for others.
@@ -185,6 +187,8 @@ class SamplingParams:
             _number(name, getattr(self, name), -2.0, 2.0, "must be in [-2, 2]")
         low, high = REPETITION_PENALTY_RANGE
         _number("repetition_penalty", self.repetition_penalty, low, high, f"must be in [{low:g}, {high:g}] (1 = off)")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _integer("truncate_prompt_tokens", self.truncate_prompt_tokens, 1, hint="must be -1 or an integer >= 1")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids: must name at least one token (or be left out)")

@@ -87,3 +87,22 @@ def test_restrictions_that_leave_no_token_are_the_clients_400(url: str) -> None:
                                          "allowed_token_ids": [40]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "allowed_token_ids", r.text
+
+
+def test_truncate_prompt_tokens_answers_the_prompts_tail(url: str) -> None:
+    """A prompt longer than the context was a 400; with vLLM's truncate_prompt_tokens its last N
+    tokens are the prompt (usage counts them), on completions and chat; too many is a 400."""
+    long = list(range(5, 205)) * 2  # 400 tokens, max_model_len 128
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    with _client(url) as c:
+        cut = c.post("/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 100})
+        tail = c.post("/completions", json={**body, "prompt": long[-100:]})
+        whole = c.post("/completions", json={**body, "prompt": long})
+        chat = c.post("/chat/completions", json={**body, "messages": [{"role": "user", "content": "hi " * 300}],
+                                                 "truncate_prompt_tokens": 20})
+        over = c.post("/completions", json={**body, "prompt": long, "truncate_prompt_tokens": 129})
+    assert cut.status_code == 200 and whole.status_code == 400, (cut.text, whole.text)
+    assert cut.json()["choices"][0]["text"] == tail.json()["choices"][0]["text"]
+    assert cut.json()["usage"]["prompt_tokens"] == 100
+    assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 20, chat.text
+    assert over.status_code == 400 and over.json()["error"]["param"] == "truncate_prompt_tokens", over.text

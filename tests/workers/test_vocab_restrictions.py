@@ -160,3 +160,22 @@ def test_a_request_whose_restrictions_leave_no_token_fails_alone(llm: LLM) -> No
         llm.generate(prompts, [SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos]), _greedy()])
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished_requests()
     assert _tokens(llm, prompts[1:], _greedy()) == want
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
+    """vLLM's truncate_prompt_tokens: the answer to the prompt's last N tokens, whatever came
+    before them; -1 keeps what the context holds, more than it is refused."""
+    long = _prompts(1, seed=6)[0] * 30  # 360 tokens: past max_model_len (256)
+    want = _tokens(llm, [long[-50:]], _greedy())
+    out = llm.generate([long], _greedy(truncate_prompt_tokens=50))[0]
+    assert out.outputs[0].token_ids == want[0] and out.prompt_token_ids == long[-50:]
+    with pytest.raises(ValueError, match="max_model_len|positions|context"):
+        llm.generate([long], _greedy())
+    # -1: what the context holds, which leaves no room to generate (as vLLM has it); shorter: untouched.
+    with pytest.raises(ValueError, match="leaves no room"):
+        llm.generate([long], _greedy(truncate_prompt_tokens=-1))
+    assert llm.generate([long[:40]], _greedy(truncate_prompt_tokens=-1))[0].prompt_token_ids == long[:40]
+    for bad in (0, -2, 257):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            llm.generate([long], _greedy(truncate_prompt_tokens=bad))
+    assert llm.engine.kv.pool.num_used == 0
