@@ -45,7 +45,7 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 OnRefused = Callable[[RefusalReason, "int | None"], None]
 
 REQUEST_ID_HEADER = "x-request-id"
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping"})
 METRICS_PATH = "/metrics"
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 

@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from pdserve import __version__
 from pdserve.cluster.cors import add_cors
 from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work, bad_request
 from pdserve.cluster.http_guard import Guard, Keys, request_id
@@ -39,8 +40,8 @@ from pdserve.cluster.tokenize_routes import add_tokenizer_routes
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics",
-                       *TOKENIZER_ENDPOINTS})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/version",
+                       "/metrics", *TOKENIZER_ENDPOINTS})
 T = TypeVar("T")
 # FastAPI's own OpenTelemetry (0.165 and later), off: its checks of the global providers on every request.
 TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
@@ -139,6 +140,8 @@ def _validation_message(e: RequestValidationError, content_type: str | None) -> 
 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
+    # vLLM's /ping (SageMaker's health check, GET or POST) answers as /health does.
+    @app.api_route("/ping", methods=["GET", "POST"])
     @app.get("/health")
     async def health() -> Response:
         """200 while a request can be served (the body says "degraded" when a pool
@@ -151,6 +154,11 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
             body = error_body("no healthy worker in a needed pool", "ServiceUnavailableError", 503)
             return JSONResponse({**body, **h.body()}, 503, headers=RETRY_AFTER)
         return JSONResponse(h.body(), 200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """vLLM's /version: the server's version (behind the API key, as every path but the health checks)."""
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -270,7 +270,8 @@ def test_docs_and_metrics_behind_their_keys(tokenizer: Any) -> None:
     async def main(gw: Gateway) -> dict[str, list[int]]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
             out = {}
-            for path in ("/docs", "/openapi.json", "/redoc", "/metrics", "/health", "/v1/models", "/nowhere"):
+            for path in ("/docs", "/openapi.json", "/redoc", "/metrics", "/health", "/ping", "/version", "/v1/models",
+                         "/nowhere"):
                 out[path] = [(await c.get(path, headers=h)).status_code for h in
                              ({}, KEY, {"Authorization": "Bearer scrape"})]
             return out
@@ -278,11 +279,27 @@ def test_docs_and_metrics_behind_their_keys(tokenizer: Any) -> None:
     keyed = asyncio.run(main(gateway(tokenizer, metrics_api_key="scrape")))
     assert keyed == {"/docs": [401, 200, 401], "/openapi.json": [401, 200, 401], "/redoc": [401, 200, 401],
                      "/metrics": [401, 200, 200], "/health": [200, 200, 200], "/v1/models": [401, 200, 401],
+                     # vLLM's /ping (SageMaker's health check) is open as /health is; /version behind the key
+                     "/ping": [200, 200, 200], "/version": [401, 200, 401],
                      "/nowhere": [401, 404, 401]}
     # No metrics key: the API key opens it (an API key never leaves it open); no key at all: open.
     assert asyncio.run(main(gateway(tokenizer)))["/metrics"] == [401, 200, 401]
     assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/metrics"] == [200, 200, 200]
     assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/docs"] == [200, 200, 200]  # no key at all
+
+
+def test_vllms_ping_and_version(tokenizer: Any) -> None:
+    """vLLM's /ping answers as /health (GET or POST: SageMaker posts); /version names the server's."""
+    import pdserve
+
+    async def main(gw: Gateway) -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
+            return [await c.get("/health"), await c.get("/ping"), await c.post("/ping"), await c.get("/version")]
+
+    health, get, post, version = asyncio.run(main(gateway(tokenizer, api_key=None)))
+    assert get.status_code == post.status_code == health.status_code == 200
+    assert get.json() == post.json() == health.json()
+    assert version.json() == {"version": pdserve.__version__}
 
 
 def test_keys_come_from_files_or_the_environment_and_never_show(tmp_path: Path,
