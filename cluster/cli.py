@@ -427,6 +427,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--return-tokens-as-token-ids", action="store_true", default=UNSET,
+                   help="name tokens in logprobs 'token_id:<id>' instead of their text (vLLM's flag; a request's "
+                        "return_tokens_as_token_ids wins)")
     g.add_argument("--tool-call-parser", choices=["hermes", "mistral", "llama3_json"], default=UNSET,
                    help='the one format "auto" tool calls are parsed for (vLLM\'s flag; hermes: Hermes, Qwen2.5, '
                         "Qwen3); default: each of them")

@@ -99,6 +99,7 @@ class GatewayConfig:
     sampling_defaults: dict[str, float] = field(default_factory=dict)
     # tool_choice "none" shows the model its tools unless this is set (vLLM's flag of the name).
     exclude_tools_when_tool_choice_none: bool = False
+    return_tokens_as_token_ids: bool = False  # logprobs' default token names `token_id:<id>` (vLLM's flag)
     # Chat answers' thinking split out of their content (vLLM's --reasoning-parser; cluster/reasoning.py).
     reasoning_parser: ReasoningParser | None = None
     # What every chat's chat_template_kwargs start from (vLLM's --default-chat-template-kwargs).
@@ -201,6 +202,7 @@ class Work:
     prompt_only: bool = False  # echo with max_tokens 0: the one token generated is dropped
     tools: ToolPlan | None = None  # a chat request's tools: its answers are parsed for calls
     reasoning: ReasoningPlan | None = None  # a chat answer's thinking is split out (--reasoning-parser)
+    tokens_as_ids: bool = False  # logprobs name tokens `token_id:<id>` (vLLM's return_tokens_as_token_ids)
 
 
 class Admission:

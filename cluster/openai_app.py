@@ -220,7 +220,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.chat_template_kwargs),
                                      body.include_reasoning,
                                      params.structured_outputs is not None)
-        works = [Work(prompt_ids, params, tools=tools, reasoning=reasoning)]
+        works = [Work(prompt_ids, params, tools=tools, reasoning=reasoning,
+                      tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids))]
         return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot,
                               body.continuous_usage)
 
@@ -237,8 +238,13 @@ def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:
                            lambda mt: body.sampling_params(mt, body.logprobs, prompt_lp,
                                                           defaults=gw.config.sampling_defaults))
         echo = (text if text is not None else gw.tokenizer.decode(ids)) if body.echo else None
-        works.append(Work(ids, params, echo, prompt_only))
+        works.append(Work(ids, params, echo, prompt_only,
+                          tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids)))
     return works
+
+
+def _tokens_as_ids(gw: Gateway, asked: bool | None) -> bool:
+    return gw.config.return_tokens_as_token_ids if asked is None else asked
 
 
 async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, include_usage: bool,

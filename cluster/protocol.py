@@ -85,6 +85,8 @@ class _SamplingFields(BaseModel):
                                                                 "in the prompt or output (vLLM's extension; "
                                                                 "default: the model's, else 1)")
     logit_bias: dict[str, float] | None = Field(None, description="token id -> bias in [-100, 100] added to its logit")
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM's: logprobs name tokens 'token_id:<id>' "
+                                                                      "(default: the server's)")
     truncate_prompt_tokens: int | None = Field(None, description="vLLM's: keep the prompt's last N tokens (-1: as "
                                                                  "many as the context holds)")
     allowed_token_ids: list[int] | None = Field(None, description="vLLM's: the only token ids the output may hold")

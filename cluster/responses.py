@@ -40,11 +40,11 @@ from pdserve.cluster.protocol import (
     usage,
 )
 from pdserve.cluster.reasoning import ThinkingStream
-from pdserve.cluster.token_text import TokenText
+from pdserve.cluster.token_text import TokenIdText, TokenText
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolPlan
 from pdserve.workers.outputs import RequestOutput
 
-TokenStr = TokenText  # a token's text (and `utf8`, its bytes)
+TokenStr = TokenText | TokenIdText  # a token's text (and `utf8`, its bytes)
 # Per reported token, {token id: log-prob}; None for a prompt's first token (echo), which nothing predicts.
 Entries = list[dict[int, float] | None]
 DONE = "data: [DONE]\n\n"
@@ -361,10 +361,19 @@ def usage_body(works: list[Work], choices: list[Choice]) -> Usage:
                  sum(choices[p * n].cached_tokens for p in range(len(works))))
 
 
+def token_names(gw: Gateway, works: list[Work]) -> TokenStr:
+    """How the request's logprobs name tokens: by their text, or `token_id:<id>` when it asked."""
+    return _TOKEN_IDS if works[0].tokens_as_ids else gw.token_str
+
+
+_TOKEN_IDS = TokenIdText()
+
+
 def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choices: list[Choice]) -> ResponseBody:
+    token_str = token_names(gw, works)
     return {
         "id": rid, "object": kind.shape.object_name, "created": now(), "model": gw.config.model_name,
-        "choices": [final_choice(kind, gw.token_str, c, work_of(works, c.index)) for c in choices],
+        "choices": [final_choice(kind, token_str, c, work_of(works, c.index)) for c in choices],
         "usage": usage_body(works, choices),
     }
 
@@ -443,7 +452,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
     sent by then, so a failure is an in-band error event, counted here.
     `continuous_usage`: every chunk carries the usage so far (vLLM's
     `stream_options.continuous_usage_stats`)."""
-    render = ChunkRenderer(kind, rid, gw.config.model_name, gw.token_str)
+    render = ChunkRenderer(kind, rid, gw.config.model_name, token_names(gw, works))
     choices = new_choices(works)
     rm.admitted(_prompt_tokens(works), _choice_prompts(works))
 

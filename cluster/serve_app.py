@@ -407,6 +407,7 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          planner=_replica_planner(cfg, rank), replica=rank, replicas=cfg.gateway_replicas or 1,
                          sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config),
                          exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
+                         return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                          reasoning_parser=cfg.reasoning_parser, cors=cfg.cors,
                          default_template_kwargs=dict(cfg.default_chat_template_kwargs),
                          tool_call_parser=cfg.tool_call_parser)

@@ -200,6 +200,9 @@ class ServeConfig:
     # With tool_choice "none" the chat template still shows the model its tools (OpenAI's, and
     # vLLM's default); True leaves them out (vLLM's --exclude-tools-when-tool-choice-none).
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens `token_id:<id>` (a request's own
+    # return_tokens_as_token_ids wins), so that a token that is not valid UTF-8 alone is told apart.
+    return_tokens_as_token_ids: bool = False
     # vLLM's --chat-template: a file with a Jinja chat template, or the template itself, used in
     # place of the tokenizer's own (cluster/chat_template.py). Held as the template's text.
     chat_template: str | None = None

@@ -54,6 +54,17 @@ def decoder_kind(tokenizer: Any) -> str:
     return "text"
 
 
+class TokenIdText:
+    """vLLM's `return_tokens_as_token_ids`: a token named `token_id:<id>` in logprobs (so that
+    a token whose text is not valid UTF-8 alone is still told apart), its bytes those of that name."""
+
+    def __call__(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def utf8(self, token_id: int) -> list[int]:
+        return list(self(token_id).encode())
+
+
 class TokenText:
     """A tokenizer's single tokens: `token(id)` their text (what logprobs name them by) and
     `utf8(id)` the bytes they add to the output. Both cached: a vocabulary is bounded."""

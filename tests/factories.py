@@ -239,9 +239,9 @@ def serve_in_process(monkeypatch: Any) -> None:
 
 
 @contextlib.contextmanager
-def tiny_engine_url(model_dir: Any, max_model_len: int = 1024) -> Iterator[str]:
+def tiny_engine_url(model_dir: Any, max_model_len: int = 1024, **gateway: Any) -> Iterator[str]:
     """The OpenAI app over an in-process engine of `model_dir` (no Ray), served on a free local
-    port: its base URL, the engine closed after."""
+    port: its base URL, the engine closed after. `gateway`: more GatewayConfig settings."""
     from pdserve import LLM
     from pdserve.cluster.backend import LocalBackend
     from pdserve.cluster.gateway import Gateway, GatewayConfig
@@ -249,7 +249,8 @@ def tiny_engine_url(model_dir: Any, max_model_len: int = 1024) -> Iterator[str]:
 
     llm = LLM(str(model_dir), max_model_len=max_model_len, progress=False)
     engine = AsyncEngine(llm.engine).start()
-    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=max_model_len))
+    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=max_model_len,
+                                                                     **gateway))
     try:
         with serve_gateway(gw) as base:
             yield base

@@ -106,3 +106,38 @@ def test_truncate_prompt_tokens_answers_the_prompts_tail(url: str) -> None:
     assert cut.json()["usage"]["prompt_tokens"] == 100
     assert chat.status_code == 200 and chat.json()["usage"]["prompt_tokens"] == 20, chat.text
     assert over.status_code == 400 and over.json()["error"]["param"] == "truncate_prompt_tokens", over.text
+
+
+def _logprob_tokens(url: str, **fields: object) -> tuple[list[str], list[dict[str, object]]]:
+    """A completion's and a chat's logprob tokens (their names), of the same greedy request."""
+    base = {"max_tokens": 5, "temperature": 0, "ignore_eos": True, **fields}
+    with _client(url) as c:
+        done = c.post("/completions", json={**base, "prompt": [5, 6, 7], "logprobs": 2}).json()
+        chat = c.post("/chat/completions", json={**base, **CHAT, "max_tokens": 5, "logprobs": True,
+                                                 "top_logprobs": 2}).json()
+    return done["choices"][0]["logprobs"]["tokens"], chat["choices"][0]["logprobs"]["content"]
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(url: str) -> None:
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens `token_id:<id>` (RL clients
+    rebuild the exact ids from them), the bytes those of the name; it was refused."""
+    text_tokens, text_content = _logprob_tokens(url)
+    id_tokens, id_content = _logprob_tokens(url, return_tokens_as_token_ids=True)
+    assert len(id_tokens) == len(text_tokens) == 5 and all(t.startswith("token_id:") for t in id_tokens)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for named, text in zip(id_tokens, text_tokens):
+            assert c.post("/detokenize", json={"tokens": [int(named[9:])]}).json()["prompt"] == text
+    for got, plain in zip(id_content, text_content):
+        assert got["logprob"] == plain["logprob"] and got["bytes"] == list(str(got["token"]).encode())
+        assert str(got["token"]).startswith("token_id:")
+        assert all(str(t["token"]).startswith("token_id:") for t in got["top_logprobs"])  # type: ignore[attr-defined]
+
+
+def test_the_servers_return_tokens_as_token_ids_is_a_default_a_request_overrides(
+        make_model: Callable[[TinyModelSpec], Path]) -> None:
+    with tiny_engine_url(make_model(tiny_spec(init_std=0.05)), max_model_len=128,
+                         return_tokens_as_token_ids=True) as base:
+        by_default, _ = _logprob_tokens(base)
+        asked_text, _ = _logprob_tokens(base, return_tokens_as_token_ids=False)
+    assert all(t.startswith("token_id:") for t in by_default)
+    assert not any(t.startswith("token_id:") for t in asked_text)
