@@ -398,7 +398,7 @@ class Gateway:
         plan = req.tool_plan()
         tools = plan.template_tools(exclude_if_none=self.config.exclude_tools_when_tool_choice_none)
         text = self.chat_text(req.messages, tools, req.add_generation_prompt,
-                              req.continue_final_message, req.chat_template_kwargs)
+                              req.continue_final_message, req.template_kwargs())
         if self.char_bound is not None:  # the template's own text counts too
             try:
                 self.char_bound.check("messages", len(text))

@@ -217,7 +217,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         except BaseException:
             slot.release()
             raise
-        reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.chat_template_kwargs),
+        reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
                                      body.include_reasoning,
                                      params.structured_outputs is not None)
         works = [Work(prompt_ids, params, tools=tools, reasoning=reasoning,

@@ -291,10 +291,20 @@ class ChatCompletionRequest(_SamplingFields):
         None, description='vLLM\'s: more variables for the chat template, e.g. {"enable_thinking": false}')
     include_reasoning: bool = Field(True, description="vLLM's: with the server's --reasoning-parser, false leaves "
                                                       "the thinking out of the answer")
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = Field(
+        None, description="OpenAI's: a chat template variable of that name (templates that read it, e.g. "
+                          "gpt-oss's; the others ignore it); chat_template_kwargs' own wins")
     # The deprecated function-calling fields: modelled so that asking for them is a 400 naming
     # them, while their "off" values (what some clients send by default) pass.
     functions: list[dict[str, object]] | None = Field(None, description="not supported: only an empty list")
     function_call: str | dict[str, object] | None = Field(None, description='not supported: only "none"')
+
+    def template_kwargs(self) -> dict[str, object] | None:
+        """The chat template's variables the request gives: chat_template_kwargs, and its
+        reasoning_effort where those do not set one (vLLM hands the template both)."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
     def check_supported(self) -> None:
         super().check_supported()

@@ -427,6 +427,33 @@ def test_the_servers_default_chat_template_kwargs_reach_every_chat_under_the_req
     assert "<no-think>" in want[0] and "<no-think>" not in want[1]
 
 
+EFFORT = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+          "<effort={{ reasoning_effort | default('unset') }}>")
+
+
+def test_reasoning_effort_reaches_the_template_and_chat_template_kwargs_win(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OpenAI's reasoning_effort (agent clients send it) was a 400 "pdserve does not support this
+    field": it is the template's variable of that name (gpt-oss's template reads it), under a
+    chat_template_kwargs' own; a value OpenAI does not have is a 400 naming it."""
+    monkeypatch.setattr(tokenizer, "chat_template", EFFORT)
+    backend = EchoBackend()
+    gw = gateway(tokenizer, backend, default_template_kwargs={"reasoning_effort": "low"})
+    bodies = [CHAT, {**CHAT, "reasoning_effort": "high"},
+              {**CHAT, "reasoning_effort": "high", "chat_template_kwargs": {"reasoning_effort": "minimal"}},
+              {**CHAT, "reasoning_effort": "extreme"}]
+
+    async def requests(c: httpx.AsyncClient) -> list[httpx.Response]:
+        return [await c.post("/v1/chat/completions", json=b, headers=KEY) for b in bodies]
+
+    answers = run(gw, requests)
+    assert [r.status_code for r in answers[:3]] == [200, 200, 200], answers[1].text
+    want = [tokenizer.apply_chat_template(CHAT["messages"], tokenize=False, reasoning_effort=e)
+            for e in ("low", "high", "minimal")]
+    assert [prompt for prompt, _ in backend.calls] == [tokenizer.encode(w, add_special_tokens=False) for w in want]
+    assert_openai_error(answers[3], 400, "reasoning_effort")
+
+
 def test_tokenize_takes_chat_template_kwargs(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """/tokenize counts a chat as the chat route renders it, chat_template_kwargs included
     (vLLM's /tokenize takes them too)."""
