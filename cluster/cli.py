@@ -36,6 +36,8 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     p.add_argument("--max-model-len", type=int, default=UNSET, help="default: the model's")
     p.add_argument("--block-size", type=int, default=UNSET, help="KV block size in tokens (default 16)")
     p.add_argument("--max-num-seqs", type=int, default=UNSET, help="requests in a batch (default 128)")
+    p.add_argument("--max-logprobs", type=int, default=UNSET,
+                   help="the most log-probs a request may ask for a token (default 20; -1: the vocabulary)")
     p.add_argument("--max-num-batched-tokens", type=int, default=UNSET, help="tokens in a step (default 2048)")
     p.add_argument("--num-kv-blocks", type=int, default=UNSET,
                    help="KV pool size in blocks (overrides the memory budget)")

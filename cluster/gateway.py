@@ -78,7 +78,7 @@ class GatewayConfig:
     metrics_api_key: str | None = field(default=None, repr=False)
     max_in_flight: int = 256  # admission bound: beyond it, 429 with Retry-After
     request_timeout_s: float = 600.0
-    max_logprobs: int = 20
+    max_logprobs: int = 20  # -1: the vocabulary (the engines' --max-logprobs)
     limits: RequestLimits = RequestLimits()
     # Token ids a request may name (prompt, logit_bias, stop_token_ids): the model's
     # vocabulary. None: the tokenizer's size.
@@ -496,7 +496,7 @@ class Gateway:
                 if theirs != ours and str(e).startswith(ours + ":"):
                     e = ValueError(theirs + str(e).removeprefix(ours))
             raise bad_request(e) from None
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs != -1:
             raise APIError(400, f"{logprobs_field}: at most {self.config.max_logprobs}", "BadRequestError",
                            logprobs_field, reason=RefusalReason.LIMIT)
         return params

@@ -403,6 +403,7 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
     return GatewayConfig(model_name=names[0], aliases=names[1:], model_root=model_dir, max_model_len=max_model_len,
                          api_key=cfg.api_key, metrics_api_key=cfg.metrics_api_key,
                          max_in_flight=cfg.admission_share(rank), request_timeout_s=cfg.request_timeout,
+                         max_logprobs=cfg.engine.max_logprobs,
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
                          planner=_replica_planner(cfg, rank), replica=rank, replicas=cfg.gateway_replicas or 1,
                          sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config),

@@ -239,20 +239,22 @@ def serve_in_process(monkeypatch: Any) -> None:
 
 
 @contextlib.contextmanager
-def tiny_engine_url(model_dir: Any, max_model_len: int = 1024, **gateway: Any) -> Iterator[str]:
+def tiny_engine_url(model_dir: Any, max_model_len: int = 1024, engine: dict[str, Any] | None = None,
+                    **gateway: Any) -> Iterator[str]:
     """The OpenAI app over an in-process engine of `model_dir` (no Ray), served on a free local
-    port: its base URL, the engine closed after. `gateway`: more GatewayConfig settings."""
+    port: its base URL, the engine closed after. `engine`: more LLM settings; `gateway`: more
+    GatewayConfig settings."""
     from pdserve import LLM
     from pdserve.cluster.backend import LocalBackend
     from pdserve.cluster.gateway import Gateway, GatewayConfig
     from pdserve.workers.async_engine import AsyncEngine
 
-    llm = LLM(str(model_dir), max_model_len=max_model_len, progress=False)
-    engine = AsyncEngine(llm.engine).start()
-    gw = Gateway(LocalBackend(engine), llm.tokenizer, GatewayConfig(model_name="tiny", max_model_len=max_model_len,
-                                                                     **gateway))
+    llm = LLM(str(model_dir), max_model_len=max_model_len, progress=False, **(engine or {}))
+    async_engine = AsyncEngine(llm.engine).start()
+    config = GatewayConfig(model_name="tiny", max_model_len=max_model_len, **gateway)
+    gw = Gateway(LocalBackend(async_engine), llm.tokenizer, config)
     try:
         with serve_gateway(gw) as base:
             yield base
     finally:
-        engine.close()
+        async_engine.close()

@@ -150,6 +150,9 @@ class EngineConfig:
     max_model_len: PositiveInt | None = None  # None: the model's max positions
     block_size: Annotated[PositiveInt, AfterValidator(_power_of_two)] = 16
     max_num_seqs: PositiveInt = 128
+    # vLLM's name: the most log-probs (logprobs, prompt_logprobs) a request may ask for a token;
+    # -1: the whole vocabulary (what distillation and RL clients ask for).
+    max_logprobs: Annotated[int, Field(ge=-1)] = 20
     max_num_batched_tokens: PositiveInt = 2048
     num_kv_blocks: PositiveInt | None = None
     kv_cache_memory: PositiveInt | None = None

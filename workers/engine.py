@@ -796,7 +796,7 @@ class LLMEngine:
         else:
             text, token_ids = None, check_token_ids(prompt, self.model_config.vocab_size)
         token_ids = truncate_prompt(token_ids, params.truncate_prompt_tokens, self.max_model_len)
-        check_request(params, self.model_config.vocab_size)
+        check_request(params, self.model_config.vocab_size, self.config.max_logprobs)
         return text, token_ids, max_new_tokens(len(token_ids), params.max_tokens, self.max_model_len)
 
     def _awaiting_kv(self, request_id: str) -> Request:

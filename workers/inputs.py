@@ -91,6 +91,7 @@ MAX_LOGPROBS = 20
 
 
 def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> None:
+    # (max_logprobs -1: the vocabulary's size, vLLM's meaning)
     """What of `params` depends on the model: every token id it names in the vocabulary,
     top_k no wider than it, logprobs within `max_logprobs`. With SamplingParams' own
     checks, the one gate between a request's values and the engine thread: the gateway
@@ -106,7 +107,7 @@ def check_request(params: SamplingParams, vocab_size: int, max_logprobs: int = M
                          f"[0, {vocab_size})")
     if any(t >= vocab_size for t in params.stop_token_ids or ()):
         raise ValueError(f"stop_token_ids: token ids must be in [0, {vocab_size})")
-    most = min(max_logprobs, vocab_size)
+    most = vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
     for name in ("logprobs", "prompt_logprobs"):
         value = getattr(params, name)
         if value is not None and value > most:

@@ -139,6 +139,7 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--kv-failure-policy", "fail"], {"kv_failure_policy": "fail"}),
     (["--request-timeout", "60", "--prefill-timeout", "10", "--transfer-timeout", "5"],
      {"request_timeout": 60, "prefill_timeout": 10, "transfer_timeout": 5}),
+    (["--max-logprobs", "-1"], {"max_logprobs": -1}),
     (["--max-migrations", "0", "--stream-interval", "4", "--worker-wait", "0"],
      {"max_migrations": 0, "stream_interval": 4, "worker_wait": 0}),
     (["--generation-config", "vllm", "--exclude-tools-when-tool-choice-none", "--chat-template", "{{ 'x' }}",

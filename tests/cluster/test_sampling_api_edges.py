@@ -141,3 +141,17 @@ def test_the_servers_return_tokens_as_token_ids_is_a_default_a_request_overrides
         asked_text, _ = _logprob_tokens(base, return_tokens_as_token_ids=False)
     assert all(t.startswith("token_id:") for t in by_default)
     assert not any(t.startswith("token_id:") for t in asked_text)
+
+
+def test_max_logprobs_raises_the_bound_on_logprobs(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """vLLM's --max-logprobs: past 20 log-probs a token (distillation, RL) was a 400 whatever the
+    server said; -1 lets a request ask for the whole vocabulary. The engine takes what the gateway does."""
+    # (named by id: a completion's top_logprobs is keyed by token text, which two tokens may share)
+    body = {"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "logprobs": 40, "return_tokens_as_token_ids": True}
+    with tiny_engine_url(make_model(tiny_spec(init_std=0.05)), max_model_len=128, engine={"max_logprobs": -1},
+                         max_logprobs=-1) as base, httpx.Client(base_url=base + "/v1", timeout=60) as c:
+        wide = c.post("/completions", json=body)
+        chat = c.post("/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": 40})
+    assert wide.status_code == 200, wide.text
+    assert all(len(e) >= 40 for e in wide.json()["choices"][0]["logprobs"]["top_logprobs"])
+    assert chat.status_code == 200 and len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 40
