@@ -43,6 +43,15 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
                    help="KV pool size in blocks (overrides the memory budget)")
     p.add_argument("--attention-backend", default=UNSET, help="auto (default: Triton on CUDA), torch or triton")
     p.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=UNSET)
+    # vLLM's names of the same switch, so that its command lines run as written (on by default)
+    p.add_argument("--enable-prefix-caching", dest="enable_prefix_caching", action=argparse.BooleanOptionalAction,
+                   default=UNSET, help="vLLM's name: prefix caching (on by default; --no-enable-prefix-caching: off)")
+    # vLLM flags whose meaning always holds here: taken, so that its command lines run as written.
+    # Chunked prefill is always on (a step's token budget, --max-num-batched-tokens); a checkpoint's
+    # own code is never run (the supported architectures are pdserve's own), so there is nothing to trust.
+    for name in ("--enable-chunked-prefill", "--trust-remote-code"):
+        p.add_argument(name, dest=f"vllm_{name[2:].replace('-', '_')}", action="store_true", default=UNSET,
+                       help="vLLM's flag: always so here (changes nothing)")
     p.add_argument("--enforce-eager", action="store_true", default=UNSET,
                    help="run the model op by op (default on CPU: compiled with torch.compile at start)")
     p.add_argument("--quantization", "-q", default=UNSET,

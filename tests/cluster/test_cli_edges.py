@@ -81,13 +81,24 @@ def test_every_setting_is_a_flag_of_pdserve_serve_by_its_name() -> None:
     assert missing == set()
 
 
-def test_vllms_enable_auto_tool_choice_is_taken_and_changes_nothing() -> None:
-    """A vLLM command line serving tools carries --enable-auto-tool-choice (vLLM refuses tool_choice
-    "auto" without it); `pdserve serve` exited 2 on it as an unknown flag. Auto is always on here."""
-    with_flag = cli._serve_config(build_parser().parse_args(
-        ["serve", "--model", "/m", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]))
-    without = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", "--tool-call-parser", "hermes"]))
-    assert dataclasses.replace(with_flag, cluster_secret=without.cluster_secret) == without
+def _config(*argv: str) -> dict[str, Any]:
+    """The settings `pdserve serve --model /m ARGV` makes (but the cluster secret: made afresh by each)."""
+    cfg = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", *argv]))
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "cluster_secret"}
+
+
+@pytest.mark.parametrize(("vllm", "ours"), [
+    # vLLM refuses tool_choice "auto" without --enable-auto-tool-choice: here auto is always on
+    (["--enable-auto-tool-choice", "--tool-call-parser", "hermes"], ["--tool-call-parser", "hermes"]),
+    # always so here: prefix caching on, chunked prefill on, no checkpoint code run
+    (["--enable-prefix-caching", "--enable-chunked-prefill", "--trust-remote-code"], []),
+    (["--no-enable-prefix-caching"], ["--no-prefix-caching"]),
+])
+def test_vllms_command_line_flags_run_as_written(vllm: list[str], ours: list[str]) -> None:
+    """A vLLM command line carries these; `pdserve serve` exited 2 on each as an unknown flag.
+    Each makes the config that pdserve's own flags (or none) make."""
+    assert _config(*vllm) == _config(*ours)
+    assert _config("--no-enable-prefix-caching") != _config()
 
 
 def test_metrics_api_key_on_the_command_line_is_the_key_and_is_never_printed(
