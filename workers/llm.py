@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import sys
 from collections.abc import Mapping, Sequence
@@ -22,18 +23,40 @@ from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, s
 Prompt = str | list[int] | dict[str, Any]
 # A chat message as vLLM's `LLM.chat` takes it: {"role": ..., "content": ...} (OpenAI's shape).
 Message = Mapping[str, Any]
+# vLLM's engine arguments whose meaning always holds here: vLLM code passes them, pdserve takes
+# them and changes nothing (no checkpoint code is ever run; prefill is always chunked).
+VLLM_ALWAYS = {"trust_remote_code": (True, False), "enable_chunked_prefill": (True,)}
+
+
+def engine_arguments(args: Mapping[str, object]) -> dict[str, object]:
+    """`LLM(...)`'s keyword arguments as EngineConfig's: vLLM's that always hold here dropped, and
+    a name that is no setting (a typo: max_num_seq) a ValueError naming it; pydantic's dataclass
+    ignored such a name, and the engine ran without the setting."""
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    out = {}
+    for name, value in args.items():
+        if name in VLLM_ALWAYS and name not in fields:
+            if value not in VLLM_ALWAYS[name]:
+                raise ValueError(f"{name}: pdserve cannot take {value!r} (always {VLLM_ALWAYS[name][0]!r} here)")
+            continue
+        if name not in fields:
+            close = difflib.get_close_matches(name, sorted(fields), n=1)
+            raise ValueError(f"{name}: not an engine setting" + (f" (did you mean {close[0]}?)" if close else ""))
+        out[name] = value
+    return out
 
 
 class LLM:
     """Batch generation over one engine. `model=None` uses the embedded tiny model
-    (made once into the cache directory). Other keyword arguments are EngineConfig fields."""
+    (made once into the cache directory). Other keyword arguments are EngineConfig fields
+    (a name that is none is a ValueError; vLLM's `trust_remote_code` is taken)."""
 
     def __init__(self, model: str | None = None, **engine_args: object) -> None:
         if model is None:
             from pdserve.workers.tiny.builder import default_model_dir
 
             model = str(default_model_dir(progress=bool(engine_args.get("progress", True))))
-        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_args))  # type: ignore[arg-type]
+        self.engine = LLMEngine(EngineConfig(model=str(model), **engine_arguments(engine_args)))  # type: ignore[arg-type]
         self._ids = itertools.count()
 
     @classmethod

@@ -50,6 +50,18 @@ def test_get_tokenizer_is_vllms_accessor(model_dir: Path) -> None:
     assert tok.decode(out.outputs[0].token_ids) == out.outputs[0].text
 
 
+def test_an_engine_argument_that_is_no_setting_is_refused_by_name(model_dir: Path) -> None:
+    """`LLM(model, max_num_seq=8)` (a typo) ran with the default batch: the dataclass ignored a
+    name it did not know. Now a ValueError names it; vLLM's arguments that always hold here
+    (trust_remote_code, enable_chunked_prefill=True) are taken, as vLLM code passes them."""
+    with pytest.raises(ValueError, match=r"max_num_seq: not an engine setting \(did you mean max_num_seqs\?\)"):
+        LLM(str(model_dir), progress=False, max_num_seq=8)
+    with pytest.raises(ValueError, match="enable_chunked_prefill: pdserve cannot take False"):
+        LLM(str(model_dir), progress=False, enable_chunked_prefill=False)
+    llm = LLM(str(model_dir), progress=False, trust_remote_code=True, enable_chunked_prefill=True, max_num_seqs=3)
+    assert llm.engine.config.max_num_seqs == 3
+
+
 def test_prefix_cache_computes_only_uncached_tokens(model_dir: Path) -> None:
     llm = make_llm(model_dir)
     shared = random_prompts([200], seed=3)[0]
