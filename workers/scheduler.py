@@ -191,13 +191,15 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             # In order, passing over requests whose grammar is still compiling, or (preempted) whose last
-            # token is still in flight: they wait, the rest go on. If the first does not fit, one whose KV
-            # came from a prefill worker goes instead: it holds its blocks, and a request ahead of it that
-            # needs more blocks than are free (one just preempted) would otherwise wait on them for ever.
-            first = next((i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending), None)
-            holding = (i for i, r in enumerate(self.waiting) if i != first and r.schedulable and not r.num_pending
-                       and self.kv.blocks_of(r.request_id))  # not the first again: it did not fit
-            admitted = self._admit(first, budget) or self._admit(next(holding, None), budget)
+            # token is still in flight: they wait, the rest go on. One whose KV came from a prefill worker
+            # goes first: it holds its blocks (its first step takes no new one), and a request ahead of
+            # it that needs more blocks than are free beside them would otherwise wait on them for ever:
+            # one that does not fit, or one whose chunk fits but whose prompt never can, which took the
+            # whole budget, preempted itself and came back to the head of the queue, step after step.
+            ready = [i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending]
+            holding = next((i for i in ready if self.kv.blocks_of(self.waiting[i].request_id)), None)
+            first = ready[0] if ready else None
+            admitted = self._admit(holding, budget) or (self._admit(first, budget) if first != holding else None)
             if admitted is None:
                 break
             at, n, num_cached = admitted

@@ -111,6 +111,41 @@ def test_handoffs_that_fill_the_pool_to_a_block_boundary_still_decode() -> None:
     assert all_blocks_free(sched)
 
 
+@pytest.mark.parametrize("lost", ["no_prefix_cache", "prompt_logprobs"])
+def test_landed_handoffs_are_not_starved_by_a_local_prefill_that_cannot_fit_beside_them(lost: str) -> None:
+    """A decode worker: a request that could not reserve prefills here in chunks while two
+    handoffs' KV is on the way; they land (holding their blocks, queued) while it still runs. Its
+    prompt cannot fit beside their blocks: it preempts itself, goes back to the head of the queue,
+    and, its work lost (no prefix cache, or prompt logprobs, which skip it), was admitted again
+    first, its chunk taking the whole token budget, step after step: the landed requests never
+    ran, nothing freed a block, and all three waited for their deadlines (a hang served
+    disaggregated, which tests/cluster/test_disagg_differential.py found)."""
+    from pdserve.workers.kv.cache_manager import KVCacheManager
+    from pdserve.workers.scheduler import SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(8, 4), KVCacheManager(8, BS, enable_prefix_caching=lost == "prompt_logprobs"))
+    handoffs = [Request(f"h{i}", list(range(100 * i, 100 * i + 2 * BS - 1)), SamplingParams(max_tokens=3),
+                        max_tokens=3, life=Lifecycle(f"h{i}", 60.0, S.ROUTED)) for i in range(2)]
+    assert all(sched.reserve_remote(h) is not None for h in handoffs)  # 2 blocks each: 4 of 8 left
+    params = SamplingParams(max_tokens=2, prompt_logprobs=0 if lost == "prompt_logprobs" else None)
+    local = Request("local", list(range(500, 500 + 5 * BS)), params, max_tokens=2,
+                    life=Lifecycle("local", 60.0, S.ROUTED))  # 6 blocks with its output: never beside them
+    sched.add(local)
+    for _ in range(3):
+        step(sched)
+    for h in handoffs:  # their KV lands while the local prompt is half computed
+        sched.complete_remote(h)
+        h.append_token(1000)
+        sched.took_token(h, None)
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        step(sched)
+    assert [r.finish_reason for r in [*handoffs, local]] == [FinishReason.LENGTH] * 3, \
+        f"stuck: waiting {[r.request_id for r in sched.waiting]}, running {[r.request_id for r in sched.running]}"
+    assert all_blocks_free(sched)
+
+
 def test_a_decode_workers_random_mix_of_handoffs_and_local_requests_all_finish() -> None:
     """Handoffs (reserved, landed some steps later or failed back to a local prefill), requests
     that could not reserve, aborts, on pools a few sequences big with prompts of every length:
