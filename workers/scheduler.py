@@ -238,9 +238,9 @@ class Scheduler:
         return self.kv.find_cached_prefix(req)
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
+        # Its blocks that others hold too stay its own (`free_preempted`): it resumes after them.
+        req.num_computed_tokens = self.kv.free_preempted(req)
         req.spec_token_ids, req.spec_draft_probs = [], None
-        req.num_computed_tokens = 0
         req.life.move(_S.QUEUED)
         self.waiting.appendleft(req)
 

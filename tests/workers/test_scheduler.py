@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import random
 from collections import Counter
+from collections.abc import Iterable
 from pathlib import Path
 
 from pdserve.workers.kv.cache_manager import KVCacheManager
@@ -55,19 +56,21 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         assert len(sched.kv.blocks_of(req.request_id)) * BS >= req.num_computed_tokens + s.num_tokens, "no slots"
     for req in out.preempted:
         assert req.life.state is S.QUEUED and req.life.history[-2] in (S.PREFILLING, S.DECODING)
-        assert req.num_computed_tokens == 0
-        assert sched.kv.blocks_of(req.request_id) == [] and req in sched.waiting
+        # It keeps only a leading run of full blocks that others hold too, and resumes after them.
+        kept = sched.kv.blocks_of(req.request_id)
+        assert req.num_computed_tokens == len(kept) * BS < req.num_tokens and req in sched.waiting
+        assert all(sched.kv.pool.ref_counts[b] > 1 for b in kept)
 
 
-def check_blocks(sched: Scheduler) -> None:
-    """Each block's ref count is the number of requests holding it; waiting ones hold none but
-    those whose KV came from a prefill worker (they hold their reserved blocks, as do those
-    whose KV is still on its way)."""
-    holding = [*sched.running, *sched.awaiting_kv.values(), *(r for r in sched.waiting if r.life.state is S.DECODING)]
-    holders = Counter(b for req in holding for b in sched.kv.blocks_of(req.request_id))
+def check_blocks(sched: Scheduler, pins: Iterable[int] = ()) -> None:
+    """Each block's ref count is the number of requests holding it (plus `pins`: references a
+    test took itself); waiting ones hold none but those whose KV came from a prefill worker (they
+    hold their reserved blocks, as do those whose KV is still on its way) and preempted ones
+    that kept the blocks others held too."""
+    holding = [*sched.running, *sched.awaiting_kv.values(), *sched.waiting]
+    holders = Counter(b for req in holding for b in sched.kv.blocks_of(req.request_id)) + Counter(pins)
     pool = sched.kv.pool
     assert all(pool.ref_counts[b] == holders.get(b, 0) for b in range(pool.num_blocks))
-    assert all(sched.kv.blocks_of(r.request_id) == [] for r in sched.waiting if r.life.state is not S.DECODING)
 
 
 def run_to_completion(sched: Scheduler, max_steps: int = 1000) -> list[SchedulerOutput]:

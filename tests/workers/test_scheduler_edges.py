@@ -254,3 +254,43 @@ def test_cached_tokens_of_a_resumed_request_count_its_prompt_only() -> None:
     assert sched.kv.find_cached_prefix(resumed)[1] > resumed.num_prompt_tokens, "its outputs were cached here"
     assert resumed.num_cached_tokens == resumed.num_prompt_tokens  # all 5 prompt tokens came from the cache
     assert sched.num_cached_prompt_tokens == resumed.num_prompt_tokens
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_a_prefill_preempted_after_sending_blocks_resumes_after_them(caching: bool) -> None:
+    """A prefill worker pins the blocks a KV send reads until the transfer is over. A request
+    preempted after sending some freed its own references and came back to compute its whole
+    prompt into new blocks beside its pinned ones: on a small pool (pinned + prompt > pool, no
+    prefix cache to find them by) it never fit, preempted itself step after step, and the decode
+    worker waited for its prefill timeout (tests/cluster/test_disagg_differential.py, seed 551).
+    It now keeps the blocks others hold too and resumes after them."""
+    from test_scheduler import check_blocks
+
+    from pdserve.workers.kv.cache_manager import KVCacheManager
+    from pdserve.workers.scheduler import SchedulerConfig
+
+    sched = Scheduler(SchedulerConfig(4, 2 * BS), KVCacheManager(8, BS, enable_prefix_caching=caching))
+    req = make_request("p", 7 * BS, max_tokens=1)
+    sched.add(req)
+    for _ in range(2):  # two chunks: 4 blocks computed
+        out = sched.schedule()
+        for s in out.scheduled:
+            sched.advance(s)
+    pinned = sched.kv.blocks_of("p")[:4]
+    sched.kv.pool.touch(pinned)  # the sends of its first 4 blocks
+    sched._preempt(sched.running.pop())  # another request's need took its blocks
+    assert req.num_computed_tokens == 4 * BS and sched.kv.blocks_of("p") == pinned
+    for _ in range(20):
+        if req.finished:
+            break
+        step_out = sched.schedule()
+        assert step_out.scheduled, "the preempted prefill can never run again"
+        for s in step_out.scheduled:
+            sched.advance(s)
+            if s.samples:
+                req.append_token(1)
+                sched.took_token(req, FinishReason.LENGTH)
+        check_blocks(sched, pinned)
+    assert req.finish_reason is FinishReason.LENGTH
+    sched.kv.pool.free(reversed(pinned))  # its transfer over
+    assert all_blocks_free(sched)

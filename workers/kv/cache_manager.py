@@ -79,5 +79,27 @@ class KVCacheManager:
         if blocks:
             self.pool.free(reversed(blocks))
 
+    def free_preempted(self, request: Request) -> int:
+        """Free a preempted request's blocks but a leading run that others hold too (a prefill
+        worker's KV send pins the blocks it reads; a prefix-cache hit shares them): freeing those
+        frees no memory, and a request that came back without them computed its prompt into new
+        blocks beside its own pinned ones, which on a small pool never fit (it preempted itself
+        for ever). The tokens the kept blocks cover (full, computed; one token always left to
+        compute, as `find_cached_prefix` leaves it) are returned: the request resumes there."""
+        blocks = self.req_blocks.get(request.request_id, [])
+        limit = min(len(blocks), request.num_computed_tokens // self.block_size,
+                    (request.num_tokens - 1) // self.block_size)
+        keep = 0
+        while keep < limit and self.pool.ref_counts[blocks[keep]] > 1:
+            keep += 1
+        if not keep:
+            self.free(request)
+            return 0
+        self.pool.free(reversed(blocks[keep:]))
+        self.req_blocks[request.request_id] = blocks[:keep]
+        if request.request_id in self._num_cached_blocks:
+            self._num_cached_blocks[request.request_id] = min(self._num_cached_blocks[request.request_id], keep)
+        return keep * self.block_size
+
     def _update_hashes(self, request: Request) -> None:
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.params.cache_salt)
