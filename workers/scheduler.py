@@ -196,9 +196,7 @@ class Scheduler:
             # it that needs more blocks than are free beside them would otherwise wait on them for ever:
             # one that does not fit, or one whose chunk fits but whose prompt never can, which took the
             # whole budget, preempted itself and came back to the head of the queue, step after step.
-            ready = [i for i, r in enumerate(self.waiting) if r.schedulable and not r.num_pending]
-            holding = next((i for i in ready if self.kv.blocks_of(self.waiting[i].request_id)), None)
-            first = ready[0] if ready else None
+            first, holding = self._next_to_admit()
             admitted = self._admit(holding, budget) or (self._admit(first, budget) if first != holding else None)
             if admitted is None:
                 break
@@ -219,6 +217,24 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _next_to_admit(self) -> tuple[int | None, int | None]:
+        """(The first waiting request that may run, the first that may and holds blocks). A
+        request holds blocks while it waits only if it went back to the head of the queue
+        (its KV landed; preempted, it kept some), ahead of every request added since: the scan
+        for one stops at the first request never admitted (`num_cached_tokens` still -1), so a
+        long queue costs nothing here (scanning it all was quadratic in its length a step)."""
+        first = None
+        for i, r in enumerate(self.waiting):
+            if r.num_cached_tokens < 0 and first is not None:
+                return first, None  # the rest were never admitted: none holds a block
+            if not r.schedulable or r.num_pending:
+                continue
+            if first is None:
+                first = i
+            if self.kv.blocks_of(r.request_id):
+                return first, i
+        return first, None
 
     def _admit(self, at: int | None, budget: int) -> tuple[int, int, int] | None:
         """Slots for the waiting request at `at`: (at, tokens scheduled, tokens cached), or None."""
