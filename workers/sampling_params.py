@@ -236,11 +236,6 @@ class SamplingParams:
         return self.has_penalties or bool(self.bad_words)
 
     @property
-    def changes_logits(self) -> bool:
-        """Whether anything but the sampling distribution's shape (temperature, top-k/p, min-p) acts on the logits."""
-        return self.has_penalties or bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
-
-    @property
     def constraint(self) -> StructuredOutputs | None:
         """`structured_outputs`, typed (__post_init__ made any dict one)."""
         so = self.structured_outputs
