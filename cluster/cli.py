@@ -60,6 +60,9 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     p.add_argument("--kv-cache-dtype", default=UNSET,
                    help="auto (default: the model's dtype) or fp8: K and V in e4m3, half the bytes of the cache "
                         "and of KV transfers")
+    p.add_argument("--disable-log-stats", action="store_true", default=UNSET,
+                   help="no stats line in a worker's log (vLLM's flag; by default each worker logs its throughput, "
+                        "batch, queue, KV cache usage and prefix-cache hit rate every 10 s while it works)")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=UNSET,
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")
@@ -438,6 +441,8 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", default=UNSET,
+                   help="no line per HTTP request in the gateway replicas' logs (vLLM's flag; Ray Serve's access log)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true", default=UNSET,
                    help="name tokens in logprobs 'token_id:<id>' instead of their text (vLLM's flag; a request's "
                         "return_tokens_as_token_ids wins)")

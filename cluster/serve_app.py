@@ -484,9 +484,11 @@ def _disaggregated_backend(cfg: ServeConfig, rank: int = 0) -> DisaggregatedBack
 def gateway_app(cfg: ServeConfig) -> serve.Application:
     ingress = serve.ingress(lambda: build_gateway_app(cfg))()
     replicas = cfg.gateway_replicas or 1
+    # Serve's defaults (its access log on) unless the access log is turned off
+    quiet: dict[str, Any] = {"logging_config": {"enable_access_log": False}} if cfg.disable_uvicorn_access_log else {}
     deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=replicas,
                                   ray_actor_options=with_resources({"num_cpus": 0.01}, cfg.gateway_resources),
-                                  max_ongoing_requests=cfg.admission_share(0) * 2)
+                                  max_ongoing_requests=cfg.admission_share(0) * 2, **quiet)
     return deployment.bind()
 
 

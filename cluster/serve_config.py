@@ -200,6 +200,9 @@ class ServeConfig:
     # With tool_choice "none" the chat template still shows the model its tools (OpenAI's, and
     # vLLM's default); True leaves them out (vLLM's --exclude-tools-when-tool-choice-none).
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --disable-uvicorn-access-log: the gateway replicas log no line per HTTP request (Ray
+    # Serve's access log, on by default, as uvicorn's is in vLLM).
+    disable_uvicorn_access_log: bool = False
     # vLLM's --return-tokens-as-token-ids: logprobs name tokens `token_id:<id>` (a request's own
     # return_tokens_as_token_ids wins), so that a token that is not valid UTF-8 alone is told apart.
     return_tokens_as_token_ids: bool = False

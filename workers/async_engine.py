@@ -37,6 +37,7 @@ from pdserve.workers.handoff import ServeRequest
 from pdserve.workers.lifecycle import Exit, Lifecycle, LifecycleError, RequestState
 from pdserve.workers.outputs import RequestOutput, merge_deltas
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
+from pdserve.workers.stats_log import StatsLog
 from pdserve.workers.thread_names import name_os_thread
 from pdserve.workers.token_stream import GATEWAY_GONE_S, StreamLostError, TokenStreamPublisher
 
@@ -133,6 +134,8 @@ class AsyncEngine:
         # Set while the worker drains (a role switch): why `open` refuses new requests.
         self._refusing: str | None = None
         self._next_gone_check = 0.0  # engine thread: when to look at the gateway links again
+        # The worker's stats line in its log (engine thread, once per loop iteration).
+        self._stats_log = None if engine.config.disable_log_stats else StatsLog(worker_id)
         # The engine thread sets this itself: OpenMP's thread count is per thread, and a
         # new thread starts from OMP_NUM_THREADS (Ray sets it to 1 in every worker process),
         # not from what `torch.set_num_threads` set in the thread that built the engine.
@@ -471,6 +474,8 @@ class AsyncEngine:
                 # verified) goes out now, not after the step: a step can be long.
                 self._flush_remote()
                 idle = not self._step()
+                if self._stats_log is not None:
+                    self._stats_log.tick(self.engine)
                 for job in self._live_jobs():
                     # Not before its start ran: until then what the engine holds under its id is
                     # an earlier try's (as `_deliver` knows), and its role would act on that.

@@ -154,6 +154,10 @@ class EngineConfig:
     # -1: the whole vocabulary (what distillation and RL clients ask for).
     max_logprobs: Annotated[int, Field(ge=-1)] = 20
     max_num_batched_tokens: PositiveInt = 2048
+    # vLLM's name: True keeps a served worker's stats line (throughput, batch, queue, KV usage, prefix
+    # hits, every 10 s while it works: workers/stats_log.py) out of its log. The offline engine
+    # (`LLM`) logs none either way.
+    disable_log_stats: bool = False
     num_kv_blocks: PositiveInt | None = None
     kv_cache_memory: PositiveInt | None = None
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9

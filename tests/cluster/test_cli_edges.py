@@ -151,6 +151,8 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--request-timeout", "60", "--prefill-timeout", "10", "--transfer-timeout", "5"],
      {"request_timeout": 60, "prefill_timeout": 10, "transfer_timeout": 5}),
     (["--max-logprobs", "-1"], {"max_logprobs": -1}),
+    (["--disable-log-stats", "--disable-uvicorn-access-log"],
+     {"disable_log_stats": True, "disable_uvicorn_access_log": True}),
     (["--max-migrations", "0", "--stream-interval", "4", "--worker-wait", "0"],
      {"max_migrations": 0, "stream_interval": 4, "worker_wait": 0}),
     (["--generation-config", "vllm", "--exclude-tools-when-tool-choice-none", "--chat-template", "{{ 'x' }}",
@@ -483,3 +485,14 @@ def test_a_speculative_setting_without_speculative_is_refused_not_ignored(
     argv = ["serve", "--model", "/m", "--speculative", "ngram", flag, value]
     cfg = cli._serve_config(build_parser().parse_args(argv))
     assert cfg.engine.speculative is not None
+
+
+def test_disable_uvicorn_access_log_turns_serves_access_log_off_for_the_gateway() -> None:
+    """vLLM's --disable-uvicorn-access-log: the gateway deployment logs no line per request. Without
+    it the deployment keeps Serve's own logging settings (none given: its access log on)."""
+    from pdserve.cluster import serve_app
+    from pdserve.cluster.serve_config import serve_config
+
+    quiet = serve_app.gateway_app(serve_config({"model": "/m", "disable_uvicorn_access_log": True}))
+    assert quiet._bound_deployment.logging_config["enable_access_log"] is False
+    assert serve_app.gateway_app(serve_config({"model": "/m"}))._bound_deployment.logging_config is None
