@@ -441,6 +441,17 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--exclude-tools-when-tool-choice-none", action="store_true", default=UNSET,
                    help="leave a request's tools out of its prompt when its tool_choice is none (vLLM's flag; "
                         "by default the chat template shows the model its tools, as OpenAI's does)")
+    g.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=UNSET,
+                   help="log a line per request the gateway starts: its prompt, parameters and token ids (vLLM's "
+                        "flag; default off: prompts are users' data)")
+    # vLLM's deprecated spelling of the default: taken, so that its command lines run as written
+    g.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", default=UNSET,
+                   help="vLLM's deprecated flag: no request log (the default)")
+    g.add_argument("--enable-log-outputs", action="store_true", default=UNSET,
+                   help="log a line per answer the gateway ends: its text, token ids and finish reason (vLLM's flag)")
+    g.add_argument("--max-log-len", type=int, default=UNSET,
+                   help="the most prompt or output characters, and token ids, a request-log line shows (vLLM's "
+                        "flag; default: all)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", default=UNSET,
                    help="no line per HTTP request in the gateway replicas' logs (vLLM's flag; Ray Serve's access log)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true", default=UNSET,

@@ -41,6 +41,7 @@ from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, Complet
 from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan
 from pdserve.cluster.reports import RoleSwitch
+from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
 from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tokenizer_pool import TokenizerPool
@@ -105,6 +106,10 @@ class GatewayConfig:
     # What every chat's chat_template_kwargs start from (vLLM's --default-chat-template-kwargs).
     default_template_kwargs: dict[str, object] = field(default_factory=dict)
     tool_call_parser: ToolParser | None = None  # the one format "auto" tool calls are parsed for (None: each)
+    # vLLM's request log (cluster/request_log.py): a line per request, per answer, cut to max_log_len.
+    log_requests: bool = False
+    log_outputs: bool = False
+    max_log_len: int | None = None
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
 
     @property
@@ -237,6 +242,7 @@ class Gateway:
         self.requests_total = self.metrics.requests_total
         self.admitted = 0  # engine requests admitted and not released
         self.token_str = TokenText(tokenizer)  # one token's text and bytes (logprobs)
+        self.request_log = RequestLog(tokenizer, config.log_requests, config.log_outputs, config.max_log_len)
         self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
         self._grammars: GrammarCompiler | None = None  # structured outputs' compiler, made on first use
         self._grammars_lock = threading.Lock()  # the tokenizer pool's threads share it
@@ -526,16 +532,22 @@ class Gateway:
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
         subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=sample_seed(w.params.seed, j)))
                 for w in works for j in range(w.params.n)]
+        self.request_log.received(rid, works)
+        answers = self.request_log.answers()
         if len(subs) == 1:
             async with contextlib.aclosing(self.backend.generate(rid, subs[0][0], subs[0][1],
                                                                  self.config.request_timeout_s)) as one:
                 async for out in one:
+                    if answers is not None:
+                        answers.add(rid, 0, out, 1)
                     yield 0, out
             return
         async with contextlib.aclosing(_merge([self.backend.generate(f"{rid}-{i}", ids, sp,
                                                                      self.config.request_timeout_s)
                                                for i, (ids, sp) in enumerate(subs)])) as merged:
             async for item in merged:
+                if answers is not None:
+                    answers.add(rid, item[0], item[1], len(subs))
                 yield item
 
     async def close(self) -> None:

@@ -411,7 +411,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                          reasoning_parser=cfg.reasoning_parser, cors=cfg.cors,
                          default_template_kwargs=dict(cfg.default_chat_template_kwargs),
-                         tool_call_parser=cfg.tool_call_parser)
+                         tool_call_parser=cfg.tool_call_parser, log_requests=cfg.enable_log_requests,
+                         log_outputs=cfg.enable_log_outputs, max_log_len=cfg.max_log_len)
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

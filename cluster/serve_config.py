@@ -200,6 +200,12 @@ class ServeConfig:
     # With tool_choice "none" the chat template still shows the model its tools (OpenAI's, and
     # vLLM's default); True leaves them out (vLLM's --exclude-tools-when-tool-choice-none).
     exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --enable-log-requests / --enable-log-outputs / --max-log-len: the gateway logs a line per
+    # request it starts and per answer it ends, prompts and outputs cut to max_log_len characters and
+    # token ids (cluster/request_log.py). Off by default: prompts are users' data.
+    enable_log_requests: bool = False
+    enable_log_outputs: bool = False
+    max_log_len: NonNegativeInt | None = None
     # vLLM's --disable-uvicorn-access-log: the gateway replicas log no line per HTTP request (Ray
     # Serve's access log, on by default, as uvicorn's is in vLLM).
     disable_uvicorn_access_log: bool = False

@@ -14,11 +14,11 @@ once more when it falls idle (a line of zeros says the load ended); an idle engi
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pdserve.workers.info_log import info_logger
 from pdserve.workers.stats import EngineSnapshot
 
 if TYPE_CHECKING:
@@ -28,20 +28,6 @@ LOGGER = "pdserve.stats"
 INTERVAL_S = 10.0  # vLLM's default (VLLM_LOG_STATS_INTERVAL)
 
 log = logging.getLogger(LOGGER)
-
-
-def _visible() -> None:
-    """Make the stats logger's INFO lines come out where logging's defaults drop them (the root
-    logger at WARNING, no handler: a Ray worker, whose stderr goes to its log file and, with
-    log_to_driver, to the `pdserve serve` console). A level or handler set by the process stays."""
-    if log.level == logging.NOTSET:
-        log.setLevel(logging.INFO)
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-    log.addHandler(handler)
-    log.propagate = False
 
 
 class StatsLog:
@@ -54,8 +40,7 @@ class StatsLog:
             raise ValueError(f"interval_s: {interval_s} must be positive")
         self.name, self.interval_s, self._clock = name, interval_s, clock
         if emit is None:
-            _visible()
-            emit = log.info
+            emit = info_logger(LOGGER).info
         self._emit = emit
         self._last: EngineSnapshot | None = None
         self._last_at = clock()

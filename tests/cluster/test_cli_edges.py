@@ -93,6 +93,8 @@ def _config(*argv: str) -> dict[str, Any]:
     # always so here: prefix caching on, chunked prefill on, no checkpoint code run
     (["--enable-prefix-caching", "--enable-chunked-prefill", "--trust-remote-code"], []),
     (["--no-enable-prefix-caching"], ["--no-prefix-caching"]),
+    # vLLM's deprecated spelling of the default (no request log)
+    (["--disable-log-requests"], []),
 ])
 def test_vllms_command_line_flags_run_as_written(vllm: list[str], ours: list[str]) -> None:
     """A vLLM command line carries these; `pdserve serve` exited 2 on each as an unknown flag.
@@ -153,6 +155,8 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--max-logprobs", "-1"], {"max_logprobs": -1}),
     (["--disable-log-stats", "--disable-uvicorn-access-log"],
      {"disable_log_stats": True, "disable_uvicorn_access_log": True}),
+    (["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "40"],
+     {"enable_log_requests": True, "enable_log_outputs": True, "max_log_len": 40}),
     (["--max-migrations", "0", "--stream-interval", "4", "--worker-wait", "0"],
      {"max_migrations": 0, "stream_interval": 4, "worker_wait": 0}),
     (["--generation-config", "vllm", "--exclude-tools-when-tool-choice-none", "--chat-template", "{{ 'x' }}",
