@@ -72,6 +72,9 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
     p.add_argument("--speculative", default=UNSET,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")
+    p.add_argument("--speculative-config", default=UNSET, metavar="JSON",
+                   help="vLLM's flag: its speculative_config JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (methods ngram and draft_model)")
     p.add_argument("--draft-model", default=UNSET, help="HF-format directory of the draft model (same tokenizer)")
     p.add_argument("--num-speculative-tokens", type=int, default=UNSET, help="most drafts verified per step (4)")
     p.add_argument("--spec-ngram-min", type=int, default=UNSET,
@@ -102,6 +105,10 @@ def settings_from_flags(a: argparse.Namespace, serving: bool = False) -> dict[st
     from pdserve.workers.model.resolve import TINY, resolve_model
 
     settings = {k: v for k, v in vars(a).items() if k in ENGINE_SETTINGS or k in SERVE_SETTINGS}
+    if (spec := getattr(a, "speculative_config", None)) is not None:  # vLLM's: pdserve's own flags win
+        from pdserve.workers.spec.vllm_config import speculative_settings
+
+        settings = speculative_settings(spec) | settings
     if "model" not in settings:
         from pdserve.workers.model.default_model import SMOLLM2, default_model
 
@@ -596,9 +603,10 @@ def _limit_arguments(srv: argparse.ArgumentParser) -> None:
     srv.add_argument("--max-in-flight", type=int, default=UNSET,
                      help="engine requests the gateway admits at once, all its replicas together (a call counts "
                           "its prompts x n); 429 with Retry-After beyond (default 256)")
-    srv.add_argument("--gateway-replicas", type=int, default=UNSET,
+    srv.add_argument("--gateway-replicas", "--api-server-count", "-asc", type=int, default=UNSET,
                      help="gateway replicas, each a whole gateway; HAProxy spreads connections over them "
-                          "(default: one per 4 GPU workers on a GPU cluster, one on a CPU-only one)")
+                          "(default: one per 4 GPU workers on a GPU cluster, one on a CPU-only one; "
+                          "--api-server-count is vLLM's name)")
     for flag, kind, help_ in (
         ("--max-n", int, f"samples per prompt (n; default {L.max_n})"),
         ("--max-prompts", int, f"prompts in one /v1/completions request (default {L.max_prompts})"),

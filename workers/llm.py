@@ -17,6 +17,7 @@ from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import check_template_kwargs, is_one_prompt, prompt_of
 from pdserve.workers.outputs import CompletionOutput, RequestOutput, ranked
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams, sample_seed
+from pdserve.workers.spec.vllm_config import speculative_settings
 
 # vLLM's shapes: a str, {"prompt": str} (TextPrompt), {"prompt_token_ids": [...]} (TokensPrompt);
 # and pdserve's bare list of token ids, which vLLM >= 0.10 refuses (workers/inputs.py).
@@ -29,12 +30,19 @@ VLLM_ALWAYS = {"trust_remote_code": (True, False), "enable_chunked_prefill": (Tr
 
 
 def engine_arguments(args: Mapping[str, object]) -> dict[str, object]:
-    """`LLM(...)`'s keyword arguments as EngineConfig's: vLLM's that always hold here dropped, and
+    """`LLM(...)`'s keyword arguments as EngineConfig's: vLLM's that always hold here dropped, vLLM's
+    `speculative_config` as the settings it makes (workers/spec/vllm_config.py), and
     a name that is no setting (a typo: max_num_seq) a ValueError naming it; pydantic's dataclass
     ignored such a name, and the engine ran without the setting."""
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    out = {}
+    out: dict[str, object] = {}
+    if (spec := args.get("speculative_config")) is not None:
+        if not isinstance(spec, (str, Mapping)):
+            raise ValueError(f"speculative_config: a dict or its JSON, got {type(spec).__name__}")
+        out.update(speculative_settings(spec))
     for name, value in args.items():
+        if name == "speculative_config":
+            continue
         if name in VLLM_ALWAYS and name not in fields:
             if value not in VLLM_ALWAYS[name]:
                 raise ValueError(f"{name}: pdserve cannot take {value!r} (always {VLLM_ALWAYS[name][0]!r} here)")

@@ -95,6 +95,13 @@ def _config(*argv: str) -> dict[str, Any]:
     (["--no-enable-prefix-caching"], ["--no-prefix-caching"]),
     # vLLM's deprecated spelling of the default (no request log)
     (["--disable-log-requests"], []),
+    (["--api-server-count", "3"], ["--gateway-replicas", "3"]),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, '
+      '"prompt_lookup_max": 6, "disable_by_batch_size": 8}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "6",
+      "--spec-max-batch-size", "8"]),
+    (["--speculative-config", '{"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}'],
+     ["--speculative", "draft", "--draft-model", "/d", "--num-speculative-tokens", "3"]),
 ])
 def test_vllms_command_line_flags_run_as_written(vllm: list[str], ours: list[str]) -> None:
     """A vLLM command line carries these; `pdserve serve` exited 2 on each as an unknown flag.
@@ -500,3 +507,20 @@ def test_disable_uvicorn_access_log_turns_serves_access_log_off_for_the_gateway(
     quiet = serve_app.gateway_app(serve_config({"model": "/m", "disable_uvicorn_access_log": True}))
     assert quiet._bound_deployment.logging_config["enable_access_log"] is False
     assert serve_app.gateway_app(serve_config({"model": "/m"}))._bound_deployment.logging_config is None
+
+
+@pytest.mark.parametrize(("spec", "named"), [
+    ('{"method": "eagle", "model": "/e"}', "method 'eagle'"),
+    ('{"method": "ngram", "prompt_lookup_maxx": 4}', "prompt_lookup_maxx"),
+    ('{"method": "draft_model"}', "model"),
+    ('{"method": "ngram", "model": "/d"}', "model"),
+    ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
+    ('[1, 2]', "JSON object"),
+    ("{not json", "not JSON"),
+])
+def test_a_vllm_speculative_config_pdserve_cannot_run_is_refused_naming_the_key(
+        spec: str, named: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM's --speculative-config asks for EAGLE, MTP and more: pdserve must refuse those, naming what,
+    not serve without speculation (or with a key it misread)."""
+    err = refused(["serve", "--model", "/m", "--speculative-config", spec], capsys)
+    assert "speculative_config" in err and named in err and len(err.strip().splitlines()) == 1

@@ -62,6 +62,20 @@ def test_an_engine_argument_that_is_no_setting_is_refused_by_name(model_dir: Pat
     assert llm.engine.config.max_num_seqs == 3
 
 
+def test_vllms_speculative_config_sets_speculation(model_dir: Path) -> None:
+    """vLLM's `LLM(model, speculative_config={...})` was a ValueError (no such setting): it is the
+    settings it names, and the engine's greedy tokens are those of plain decoding."""
+    llm = LLM(str(model_dir), progress=False, max_model_len=256, num_kv_blocks=64,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2})
+    cfg = llm.engine.config
+    assert (cfg.speculative, cfg.num_speculative_tokens, cfg.spec_ngram_max) == ("ngram", 3, 2)
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8, 9, 7, 8]
+    want = make_llm(model_dir).generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == want
+    with pytest.raises(ValueError, match="method 'eagle'"):
+        LLM(str(model_dir), progress=False, speculative_config={"method": "eagle", "model": "/e"})
+
+
 def test_prefix_cache_computes_only_uncached_tokens(model_dir: Path) -> None:
     llm = make_llm(model_dir)
     shared = random_prompts([200], seed=3)[0]

@@ -1,0 +1,55 @@
+"""vLLM's `speculative_config` (its `--speculative-config` JSON, `LLM(speculative_config={...})`) as
+pdserve's engine settings.
+
+Why: vLLM sets speculative decoding with one JSON object; pdserve with one setting a field
+(`speculative`, `num_speculative_tokens`, `spec_ngram_min`, ...). A vLLM command line or script
+that speculates should run as written, and one that asks for what pdserve cannot do (EAGLE, MTP,
+a draft model with its own tensor parallelism) should say so, naming the key, not run without it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+# vLLM's key -> pdserve's setting, for the keys that carry over as they are
+_SAME = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "spec_ngram_min",
+         "prompt_lookup_max": "spec_ngram_max", "disable_by_batch_size": "spec_max_batch_size"}
+_METHODS = {"ngram": "ngram", "draft_model": "draft"}  # vLLM's method -> pdserve's `speculative`
+
+
+def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object]:
+    """The engine settings `config` (a JSON object's text, or the object) makes. ValueError, naming
+    the key, for what pdserve does not do."""
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config: not JSON ({e})") from None
+    if not isinstance(config, Mapping):
+        raise ValueError(f"speculative_config: a JSON object, got {type(config).__name__}")
+    settings: dict[str, object] = {}
+    method, model = config.get("method"), config.get("model")
+    if method is None:  # vLLM's rule: a draft model alone names the method
+        method = "draft_model" if model is not None else None
+    if method not in _METHODS:
+        raise ValueError(f"speculative_config: method {method!r} is not one pdserve runs (it runs "
+                         f"{', '.join(repr(m) for m in _METHODS)})")
+    settings["speculative"] = _METHODS[str(method)]
+    if method == "draft_model":
+        if not isinstance(model, str) or not model:
+            raise ValueError("speculative_config: model: the draft model's directory is required with method "
+                             "'draft_model'")
+        settings["draft_model"] = model
+    elif model is not None:
+        raise ValueError(f"speculative_config: model: method {method!r} takes no model")
+    for key, value in config.items():
+        if key in ("method", "model"):
+            continue
+        if key == "draft_tensor_parallel_size" and value in (None, 1):
+            continue  # the draft runs beside the target's rank, as vLLM's default of 1
+        if key not in _SAME:
+            raise ValueError(f"speculative_config: {key} is not a key pdserve takes (it takes method, model, "
+                             f"{', '.join(sorted(_SAME))})")
+        settings[_SAME[key]] = value
+    return settings
