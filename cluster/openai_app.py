@@ -35,13 +35,14 @@ from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
 from pdserve.cluster.reasoning import ReasoningPlan
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
+from pdserve.cluster.responses_api import ResponsesRequest, stream_responses, whole_response
 from pdserve.cluster.tokenize_routes import ENDPOINTS as TOKENIZER_ENDPOINTS
 from pdserve.cluster.tokenize_routes import add_tokenizer_routes
 
 log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
-ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ping", "/version",
-                       "/metrics", *TOKENIZER_ENDPOINTS})
+ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/ping",
+                       "/version", "/metrics", *TOKENIZER_ENDPOINTS})
 T = TypeVar("T")
 # FastAPI's own OpenTelemetry (0.165 and later), off: its checks of the global providers on every request.
 TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
@@ -196,34 +197,63 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         rm = gw.metrics.request()  # arrival: TTFT and E2E count from here
-        gw.check_request(body)
-        try:
-            num_logprobs = body.num_logprobs()
-        except ValueError as e:
-            raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
-        try:
-            tools = body.tool_plan()
-            if gw.config.tool_call_parser is not None:
-                tools = dataclasses.replace(tools, parser=gw.config.tool_call_parser)
-        except ValueError as e:
-            raise bad_request(e) from None
-        slot = gw.admit(body.n)
-        try:
-            prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
-            params = gw.params(prompt_ids, body.max_new_tokens(),
-                               lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
-                               body.budget_field(), "top_logprobs")
-            await gw.check_grammar(params)
-        except BaseException:
-            slot.release()
-            raise
-        reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
-                                     body.include_reasoning,
-                                     params.structured_outputs is not None)
-        works = [Work(prompt_ids, params, tools=tools, reasoning=reasoning,
-                      tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids))]
+        works, slot = await _chat_works(gw, body)
         return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot,
                               body.continuous_usage)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API, run as the chat request it amounts to (responses_api.py)."""
+        rm = gw.metrics.request()
+        try:
+            chat = body.chat_request()
+        except ValueError as e:
+            raise bad_request(e) from None
+        works, slot = await _chat_works(gw, chat)
+        rid = f"resp_{request_id(request.scope)}"
+        if body.stream:
+            return _AdmittedStream(stream_responses(gw, body, rid, works, rm), slot)
+        try:
+            out = await _until_disconnect(request, collect_response(gw, ApiKind.CHAT, rid, works, rm))
+        finally:
+            slot.release()
+        return JSONResponse(whole_response(body, rid, out))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], include_in_schema=False)
+    async def stored_response(response_id: str) -> Response:
+        raise APIError(404, f"no response {response_id[:100]!r}: pdserve does not store responses",
+                       "NotFoundError", "response_id")
+
+
+async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Work], Admission]:
+    """A chat request checked, admitted and tokenized: its work, and the admission slot its
+    response must release (released here if it fails first)."""
+    gw.check_request(body)
+    try:
+        num_logprobs = body.num_logprobs()
+    except ValueError as e:
+        raise APIError(400, str(e), "BadRequestError", "top_logprobs", reason=RefusalReason.MALFORMED) from None
+    try:
+        tools = body.tool_plan()
+        if gw.config.tool_call_parser is not None:
+            tools = dataclasses.replace(tools, parser=gw.config.tool_call_parser)
+    except ValueError as e:
+        raise bad_request(e) from None
+    slot = gw.admit(body.n)
+    try:
+        prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
+        params = gw.params(prompt_ids, body.max_new_tokens(),
+                           lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
+                           body.budget_field(), "top_logprobs")
+        await gw.check_grammar(params)
+    except BaseException:
+        slot.release()
+        raise
+    reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
+                                 body.include_reasoning,
+                                 params.structured_outputs is not None)
+    return [Work(prompt_ids, params, tools=tools, reasoning=reasoning,
+                 tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids))], slot
 
 
 def _completion_works(gw: Gateway, body: CompletionRequest) -> list[Work]:

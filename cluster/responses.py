@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import json
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -28,7 +28,6 @@ from pdserve.cluster.protocol import (
     ChatDelta,
     ChatLogprobs,
     ChunkBody,
-    ErrorBody,
     Logprobs,
     ResponseBody,
     TextChoice,
@@ -378,7 +377,7 @@ def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choic
     }
 
 
-def sse_event(body: ChunkBody | ErrorBody) -> str:
+def sse_event(body: Mapping[str, object]) -> str:
     # pydantic-core's serializer (FastAPI's own dependency) writes a chunk in under a
     # microsecond, the standard library's json.dumps in ~7: one chunk per token of every
     # stream. Infinities as json.dumps writes them (a logprob may be -inf).
