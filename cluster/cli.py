@@ -459,6 +459,8 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=UNSET,
                    help="the most prompt or output characters, and token ids, a request-log line shows (vLLM's "
                         "flag; default: all)")
+    g.add_argument("--disable-fastapi-docs", action="store_true", default=UNSET,
+                   help="no /docs, /redoc or /openapi.json on the gateway (vLLM's flag)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", default=UNSET,
                    help="no line per HTTP request in the gateway replicas' logs (vLLM's flag; Ray Serve's access log)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true", default=UNSET,

@@ -108,6 +108,7 @@ class GatewayConfig:
     tool_call_parser: ToolParser | None = None  # the one format "auto" tool calls are parsed for (None: each)
     # vLLM's request log (cluster/request_log.py): a line per request, per answer, cut to max_log_len.
     log_requests: bool = False
+    fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs: False)
     log_outputs: bool = False
     max_log_len: int | None = None
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default

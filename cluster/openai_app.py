@@ -73,9 +73,10 @@ def build_app(gw: Gateway) -> FastAPI:
         yield
         await gw.close()
 
-    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0",
-                  lifespan=lifespan, **telemetry_options())
     cfg = gw.config
+    no_docs: dict[str, Any] = {} if cfg.fastapi_docs else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="pdserve", description="OpenAI-compatible API of a pdserve cluster", version="0.1.0",
+                  lifespan=lifespan, **telemetry_options(), **no_docs)
     # Added first, so inside the counter: the counter sees the guard's refusals too.
     app.add_middleware(Guard, keys=Keys(cfg.api_key, cfg.metrics_api_key), limits=cfg.limits,
                        on_refused=gw.metrics.refuse)

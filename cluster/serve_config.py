@@ -206,6 +206,8 @@ class ServeConfig:
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
     max_log_len: NonNegativeInt | None = None
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc or /openapi.json on the gateway.
+    disable_fastapi_docs: bool = False
     # vLLM's --disable-uvicorn-access-log: the gateway replicas log no line per HTTP request (Ray
     # Serve's access log, on by default, as uvicorn's is in vLLM).
     disable_uvicorn_access_log: bool = False

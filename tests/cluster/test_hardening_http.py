@@ -286,6 +286,9 @@ def test_docs_and_metrics_behind_their_keys(tokenizer: Any) -> None:
     assert asyncio.run(main(gateway(tokenizer)))["/metrics"] == [401, 200, 401]
     assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/metrics"] == [200, 200, 200]
     assert asyncio.run(main(gateway(tokenizer, api_key=None)))["/docs"] == [200, 200, 200]  # no key at all
+    # vLLM's --disable-fastapi-docs: none of the three, even with the key; the API still answers
+    off = asyncio.run(main(gateway(tokenizer, fastapi_docs=False)))
+    assert [off[p][1] for p in ("/docs", "/openapi.json", "/redoc", "/v1/models")] == [404, 404, 404, 200]
 
 
 def test_vllms_ping_and_version(tokenizer: Any) -> None:
