@@ -123,8 +123,15 @@ def test_burst_and_disconnects_leave_no_blocks_behind(cluster: tuple[str, str], 
     async def disconnects() -> None:
         async with httpx.AsyncClient(timeout=60) as client:
             async def one(i: int) -> None:
-                body = {"model": model, "prompt": f"z{i} " * 20, "max_tokens": 200, "stream": True, "ignore_eos": True}
-                async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                # each streaming endpoint in turn: every one must abort what its stream started
+                path, body = [
+                    ("completions", {"prompt": f"z{i} " * 20, "max_tokens": 200}),
+                    ("chat/completions", {"messages": [{"role": "user", "content": f"z{i} " * 20}],
+                                          "max_tokens": 200}),
+                    ("responses", {"input": f"z{i} " * 20, "max_output_tokens": 200}),
+                ][i % 3]
+                body |= {"model": model, "stream": True, "ignore_eos": True}
+                async with client.stream("POST", f"{url}/v1/{path}", json=body) as r:
                     async for line in r.aiter_lines():
                         if line.startswith("data:"):
                             return  # hang up after the first chunk
