@@ -473,6 +473,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     # tools carries it; here auto tool choice is always on, and the flag is taken and changes nothing.
     g.add_argument("--enable-auto-tool-choice", action="store_true", default=UNSET,
                    help="vLLM's flag, taken for its command lines: auto tool choice is always on here")
+    g.add_argument("--override-generation-config", default=UNSET, metavar="JSON",
+                   help='sampling defaults over the model\'s generation_config.json, a JSON object of its keys '
+                        '(vLLM\'s flag), e.g. \'{"temperature": 0.5}\'; a request\'s own values win')
     g.add_argument("--default-chat-template-kwargs", default=UNSET, metavar="JSON",
                    help='chat_template_kwargs every chat starts from, a JSON object (vLLM\'s flag), e.g. '
                         '\'{"enable_thinking": false}\'; a request\'s own win, key by key')

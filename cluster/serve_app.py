@@ -406,7 +406,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          max_logprobs=cfg.engine.max_logprobs,
                          limits=cfg.limits, vocab_size=_vocab_size(model_dir),
                          planner=_replica_planner(cfg, rank), replica=rank, replicas=cfg.gateway_replicas or 1,
-                         sampling_defaults=generation_defaults.read(model_dir, cfg.generation_config),
+                         sampling_defaults=(generation_defaults.read(model_dir, cfg.generation_config)
+                                            | cfg.override_generation_config),
                          exclude_tools_when_tool_choice_none=cfg.exclude_tools_when_tool_choice_none,
                          return_tokens_as_token_ids=cfg.return_tokens_as_token_ids,
                          reasoning_parser=cfg.reasoning_parser, cors=cfg.cors,

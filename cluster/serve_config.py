@@ -43,6 +43,7 @@ from pdserve.cluster.reasoning import ReasoningParser
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.cluster.tool_calls import ToolParser
+from pdserve.workers import generation_defaults
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.inputs import check_template_kwargs
@@ -101,6 +102,7 @@ def _template_kwargs(value: Any) -> dict[str, object]:
 
 
 TemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_template_kwargs)]
+GenerationOverrides = Annotated[dict[str, float], BeforeValidator(generation_defaults.overrides)]
 # A list of strings: from YAML, a JSON list (vLLM's flag form) or one string (cluster/cors.py).
 StringList = Annotated[tuple[str, ...], BeforeValidator(lambda v, info: string_list(str(info.field_name), v))]
 # The API's model names: one or more, repeats dropped (order kept).
@@ -223,6 +225,9 @@ class ServeConfig:
     # vLLM's --tool-call-parser: the one format "auto" tool calls are parsed for (hermes: Hermes,
     # Qwen2.5, Qwen3; mistral; llama3_json). None: each of them (cluster/tool_calls.py).
     tool_call_parser: ToolParser | None = None
+    # vLLM's --override-generation-config: generation_config.json keys over the model's own (with
+    # generation_config "vllm", the only defaults), e.g. {"temperature": 0.5}; a request's own win.
+    override_generation_config: GenerationOverrides = field(default_factory=dict)
     # vLLM's --default-chat-template-kwargs: chat_template_kwargs every chat request starts from
     # (its own win, key by key), e.g. {"enable_thinking": false} to serve a Qwen3 without thinking.
     default_chat_template_kwargs: TemplateKwargs = field(default_factory=dict)

@@ -14,6 +14,8 @@ import logging
 import math
 from pathlib import Path
 
+from pdserve.workers.sampling_params import SamplingParams
+
 log = logging.getLogger(__name__)
 
 # generation_config.json's key -> the request field it fills (vLLM's list).
@@ -51,6 +53,32 @@ def read(model_dir: str | Path, source: str = "auto") -> dict[str, float]:
     return out
 
 
+def overrides(given: object) -> dict[str, float]:
+    """vLLM's --override-generation-config (a JSON object's text, or the object): generation_config.json
+    keys whose values win over the model's file (with `--generation-config vllm`, the only defaults),
+    as request fields. ValueError naming a key that is none of KEYS or a value that is no finite number."""
+    if isinstance(given, str):
+        try:
+            given = json.loads(given)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"override_generation_config: not JSON ({e})") from None
+    if not isinstance(given, dict):
+        raise ValueError(f"override_generation_config: a JSON object, got {type(given).__name__}")
+    out: dict[str, float] = {}
+    for key, value in given.items():
+        if key not in KEYS:
+            raise ValueError(f"override_generation_config: {str(key)[:40]!r} is not a key it takes "
+                             f"({', '.join(KEYS)})")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"override_generation_config: {key}: a finite number, got {value!r}"[:200])
+        out[KEYS[key]] = int(value) if KEYS[key] in ("top_k", "max_tokens") else float(value)
+    try:  # a value no request could take (a negative temperature) is refused at start, not per request
+        SamplingParams(**out)  # type: ignore[arg-type]
+    except ValueError as e:
+        raise ValueError(f"override_generation_config: {e}") from None
+    return out
+
+
 def pick(field: str, given: float | None, defaults: dict[str, float]) -> float:
     """The value of sampling field `field`: the request's, else the model's, else the fallback."""
     if given is not None:
@@ -58,4 +86,4 @@ def pick(field: str, given: float | None, defaults: dict[str, float]) -> float:
     return defaults.get(field, FALLBACK[field])
 
 
-__all__ = ["FALLBACK", "KEYS", "SOURCES", "pick", "read"]
+__all__ = ["FALLBACK", "KEYS", "SOURCES", "overrides", "pick", "read"]

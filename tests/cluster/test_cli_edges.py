@@ -162,6 +162,8 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--max-logprobs", "-1"], {"max_logprobs": -1}),
     (["--disable-log-stats", "--disable-uvicorn-access-log", "--disable-fastapi-docs"],
      {"disable_log_stats": True, "disable_uvicorn_access_log": True, "disable_fastapi_docs": True}),
+    (["--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'],
+     {"override_generation_config": {"temperature": 0.5, "max_new_tokens": 64}}),
     (["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "40"],
      {"enable_log_requests": True, "enable_log_outputs": True, "max_log_len": 40}),
     (["--max-migrations", "0", "--stream-interval", "4", "--worker-wait", "0"],

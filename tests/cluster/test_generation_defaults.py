@@ -102,3 +102,28 @@ def test_a_served_gateway_reads_them_unless_told_vllm(model_dir: Path) -> None:
     vllm = serve_config({"model": str(model_dir), "generation_config": "vllm"})
     assert gateway_config(auto, 64, str(model_dir)).sampling_defaults["top_k"] == 1
     assert gateway_config(vllm, 64, str(model_dir)).sampling_defaults == {}
+
+
+def test_vllms_override_generation_config_wins_over_the_models_file(model_dir: Path) -> None:
+    """vLLM's --override-generation-config: its keys over the file's (with generation_config vllm,
+    the only defaults); `pdserve serve` exited 2 on the flag."""
+    from pdserve.cluster.serve_app import gateway_config
+    from pdserve.cluster.serve_config import serve_config
+
+    over = {"temperature": 0.1, "max_new_tokens": 9}
+    auto = serve_config({"model": str(model_dir), "override_generation_config": json.dumps(over)})
+    vllm = serve_config({"model": str(model_dir), "generation_config": "vllm", "override_generation_config": over})
+    assert gateway_config(auto, 64, str(model_dir)).sampling_defaults == {
+        "temperature": 0.1, "top_p": 0.8, "top_k": 1, "max_tokens": 9}
+    assert gateway_config(vllm, 64, str(model_dir)).sampling_defaults == {"temperature": 0.1, "max_tokens": 9}
+
+
+@pytest.mark.parametrize(("given", "named"), [
+    ('{"temprature": 0.5}', "temprature"), ('{"temperature": -1}', "temperature"),
+    ('{"top_p": "high"}', "top_p"), ('[0.5]', "JSON object"), ("{", "not JSON")])
+def test_an_override_no_request_could_take_is_refused_at_start(given: str, named: str) -> None:
+    from pdserve.cluster.serve_config import serve_config
+
+    with pytest.raises(ValueError, match="override_generation_config") as e:
+        serve_config({"model": "/m", "override_generation_config": given})
+    assert named in str(e.value)
