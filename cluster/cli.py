@@ -459,6 +459,11 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
     g.add_argument("--max-log-len", type=int, default=UNSET,
                    help="the most prompt or output characters, and token ids, a request-log line shows (vLLM's "
                         "flag; default: all)")
+    g.add_argument("--enable-force-include-usage", action="store_true", default=UNSET,
+                   help="every streamed response ends with a usage chunk, asked for or not (vLLM's flag)")
+    # vLLM's flag whose meaning always holds here (usage always carries prompt_tokens_details)
+    g.add_argument("--enable-prompt-tokens-details", dest="vllm_enable_prompt_tokens_details", action="store_true",
+                   default=UNSET, help="vLLM's flag: always so here (usage names its cached prompt tokens)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=UNSET,
                    help="no /docs, /redoc or /openapi.json on the gateway (vLLM's flag)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", default=UNSET,

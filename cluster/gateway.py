@@ -108,6 +108,7 @@ class GatewayConfig:
     tool_call_parser: ToolParser | None = None  # the one format "auto" tool calls are parsed for (None: each)
     # vLLM's request log (cluster/request_log.py): a line per request, per answer, cut to max_log_len.
     log_requests: bool = False
+    force_include_usage: bool = False  # every stream ends with a usage chunk (vLLM's --enable-force-include-usage)
     fastapi_docs: bool = True  # /docs, /redoc and /openapi.json (vLLM's --disable-fastapi-docs: False)
     log_outputs: bool = False
     max_log_len: int | None = None

@@ -283,6 +283,8 @@ async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, i
     """The response of admitted `works`; it releases `slot` when it is done."""
     rid = f"{kind.shape.id_prefix}-{request_id(request.scope)}"
     if stream:
+        # vLLM's --enable-force-include-usage: every stream ends with its usage, asked or not
+        include_usage = include_usage or gw.config.force_include_usage
         # Starlette cancels this generator when the client disconnects; the
         # backend's generate() then aborts the request and frees its blocks.
         return _AdmittedStream(stream_response(gw, kind, rid, works, include_usage, rm, continuous_usage), slot)

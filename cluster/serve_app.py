@@ -414,7 +414,8 @@ def gateway_config(cfg: ServeConfig, max_model_len: int, model_dir: str, rank: i
                          default_template_kwargs=dict(cfg.default_chat_template_kwargs),
                          tool_call_parser=cfg.tool_call_parser, log_requests=cfg.enable_log_requests,
                          log_outputs=cfg.enable_log_outputs, max_log_len=cfg.max_log_len,
-                         fastapi_docs=not cfg.disable_fastapi_docs)
+                         fastapi_docs=not cfg.disable_fastapi_docs,
+                         force_include_usage=cfg.enable_force_include_usage)
 
 
 def _replica_planner(cfg: ServeConfig, rank: int) -> PlannerSettings | None:

@@ -208,6 +208,9 @@ class ServeConfig:
     enable_log_requests: bool = False
     enable_log_outputs: bool = False
     max_log_len: NonNegativeInt | None = None
+    # vLLM's --enable-force-include-usage: every streamed response ends with a usage chunk, whether
+    # its stream_options asked for one or not (a billing proxy's need).
+    enable_force_include_usage: bool = False
     # vLLM's --disable-fastapi-docs: no /docs, /redoc or /openapi.json on the gateway.
     disable_fastapi_docs: bool = False
     # vLLM's --disable-uvicorn-access-log: the gateway replicas log no line per HTTP request (Ray

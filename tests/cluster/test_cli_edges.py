@@ -96,6 +96,7 @@ def _config(*argv: str) -> dict[str, Any]:
     # vLLM's deprecated spelling of the default (no request log)
     (["--disable-log-requests"], []),
     (["--api-server-count", "3"], ["--gateway-replicas", "3"]),
+    (["--enable-prompt-tokens-details"], []),  # usage always names its cached prompt tokens here
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2, '
       '"prompt_lookup_max": 6, "disable_by_batch_size": 8}'],
      ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "6",
@@ -160,8 +161,9 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--request-timeout", "60", "--prefill-timeout", "10", "--transfer-timeout", "5"],
      {"request_timeout": 60, "prefill_timeout": 10, "transfer_timeout": 5}),
     (["--max-logprobs", "-1"], {"max_logprobs": -1}),
-    (["--disable-log-stats", "--disable-uvicorn-access-log", "--disable-fastapi-docs"],
-     {"disable_log_stats": True, "disable_uvicorn_access_log": True, "disable_fastapi_docs": True}),
+    (["--disable-log-stats", "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage"],
+     {"disable_log_stats": True, "disable_uvicorn_access_log": True, "disable_fastapi_docs": True,
+      "enable_force_include_usage": True}),
     (["--override-generation-config", '{"temperature": 0.5, "max_new_tokens": 64}'],
      {"override_generation_config": {"temperature": 0.5, "max_new_tokens": 64}}),
     (["--enable-log-requests", "--enable-log-outputs", "--max-log-len", "40"],

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from factories import FakeBackend, serve_gateway, slow_steps, tiny_spec
+from factories import FakeBackend, serve_gateway, slow_steps, tiny_engine_url, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.backend import LocalBackend
@@ -76,6 +76,24 @@ def test_streaming_completion_concatenates_to_the_same_text(server: tuple[str, A
     # stop_reason on the last chunk of the choice only (null: it ran to its length), as vLLM's
     said = [getattr(c.choices[0], "stop_reason", "absent") for c in chunks if c.choices]
     assert said[-1] is None and set(said[:-1]) <= {"absent"}, said
+
+
+def test_force_include_usage_ends_every_stream_with_its_usage(model_dir: Path, offline: LLM) -> None:
+    """vLLM's --enable-force-include-usage: a stream that asked for no usage still ends with it (the
+    chunk of no choices a client that asks gets), for completions and chat."""
+    with tiny_engine_url(model_dir, max_model_len=256, force_include_usage=True) as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=30)
+        text = list(c.completions.create(model="tiny", prompt="import os\n", max_tokens=7, temperature=0,
+                                         stream=True, extra_body={"ignore_eos": True}))
+        chat = list(c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=5, temperature=0, stream=True,
+                                              extra_body={"ignore_eos": True}))
+    want = offline.generate(["import os\n"], SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))[0]
+    last = text[-1]
+    assert last.choices == [] and last.usage is not None
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(want.prompt_token_ids), 7)
+    assert chat[-1].choices == [] and chat[-1].usage is not None and chat[-1].usage.completion_tokens == 5
+    assert all(chunk.usage is None for chunk in text[:-1] + chat[:-1])
 
 
 def test_continuous_usage_counts_every_chunk_so_far(server: tuple[str, AsyncEngine]) -> None:
