@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
@@ -42,7 +43,7 @@ from pdserve.cluster.tokenize_routes import add_tokenizer_routes
 log = logging.getLogger(__name__)
 REPLICA_HEADER = b"x-pdserve-replica"  # the gateway replica's rank, on every response (docs/api.md)
 ENDPOINTS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/health", "/ping",
-                       "/version", "/metrics", *TOKENIZER_ENDPOINTS})
+                       "/invocations", "/version", "/metrics", *TOKENIZER_ENDPOINTS})
 T = TypeVar("T")
 # FastAPI's own OpenTelemetry (0.165 and later), off: its checks of the global providers on every request.
 TELEMETRY_OFF = {"tracing": False, "metrics": False, "logs": False}
@@ -201,6 +202,27 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
         works, slot = await _chat_works(gw, body)
         return await _respond(gw, request, ApiKind.CHAT, body.stream, body.include_usage, works, rm, slot,
                               body.continuous_usage)
+
+    # vLLM's /invocations (SageMaker's inference path, beside /ping): a chat request (it has
+    # `messages`) or a completion (`prompt`), served as that endpoint serves it.
+    @app.post("/invocations", include_in_schema=False)
+    async def invocations(request: Request) -> Response:
+        try:
+            data = await request.json()
+        except ValueError:
+            raise RequestValidationError([{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
+                                           "input": None}]) from None
+        kind: type[ChatCompletionRequest] | type[CompletionRequest] | None = None
+        if isinstance(data, dict):
+            kind = ChatCompletionRequest if "messages" in data else CompletionRequest if "prompt" in data else None
+        if kind is None:
+            raise APIError(400, "a chat request (with messages) or a completion request (with prompt)",
+                           "BadRequestError", reason=RefusalReason.MALFORMED)
+        try:
+            body = kind.model_validate(data)
+        except ValidationError as e:
+            raise RequestValidationError([{**err, "loc": ("body", *err["loc"])} for err in e.errors()]) from None
+        return await (chat(body, request) if isinstance(body, ChatCompletionRequest) else completions(body, request))
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
