@@ -466,6 +466,9 @@ def _request_arguments(srv: argparse.ArgumentParser) -> None:
                    default=UNSET, help="vLLM's flag: always so here (usage names its cached prompt tokens)")
     g.add_argument("--disable-fastapi-docs", action="store_true", default=UNSET,
                    help="no /docs, /redoc or /openapi.json on the gateway (vLLM's flag)")
+    g.add_argument("--uvicorn-log-level", choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   default=UNSET, help="the gateway replicas' log level (vLLM's flag; Ray Serve's logger, whose "
+                                       "access log is at info; default info)")
     g.add_argument("--disable-uvicorn-access-log", action="store_true", default=UNSET,
                    help="no line per HTTP request in the gateway replicas' logs (vLLM's flag; Ray Serve's access log)")
     g.add_argument("--return-tokens-as-token-ids", action="store_true", default=UNSET,

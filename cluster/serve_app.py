@@ -488,8 +488,13 @@ def _disaggregated_backend(cfg: ServeConfig, rank: int = 0) -> DisaggregatedBack
 def gateway_app(cfg: ServeConfig) -> serve.Application:
     ingress = serve.ingress(lambda: build_gateway_app(cfg))()
     replicas = cfg.gateway_replicas or 1
-    # Serve's defaults (its access log on) unless the access log is turned off
-    quiet: dict[str, Any] = {"logging_config": {"enable_access_log": False}} if cfg.disable_uvicorn_access_log else {}
+    # Serve's defaults (its access log on, INFO) but for what the flags turn down
+    log_cfg: dict[str, Any] = {}
+    if cfg.disable_uvicorn_access_log:
+        log_cfg["enable_access_log"] = False
+    if cfg.uvicorn_log_level is not None:  # uvicorn's "trace" is below Python's levels: DEBUG
+        log_cfg["log_level"] = {"trace": "DEBUG"}.get(cfg.uvicorn_log_level, cfg.uvicorn_log_level.upper())
+    quiet: dict[str, Any] = {"logging_config": log_cfg} if log_cfg else {}
     deployment = serve.deployment(ingress, name="pdserve-gateway", num_replicas=replicas,
                                   ray_actor_options=with_resources({"num_cpus": 0.01}, cfg.gateway_resources),
                                   max_ongoing_requests=cfg.admission_share(0) * 2, **quiet)

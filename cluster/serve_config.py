@@ -213,6 +213,9 @@ class ServeConfig:
     enable_force_include_usage: bool = False
     # vLLM's --disable-fastapi-docs: no /docs, /redoc or /openapi.json on the gateway.
     disable_fastapi_docs: bool = False
+    # vLLM's --uvicorn-log-level: the gateway replicas' log level (Ray Serve's logger, access log
+    # included, which logs at INFO). None: Serve's default, INFO.
+    uvicorn_log_level: Literal["critical", "error", "warning", "info", "debug", "trace"] | None = None
     # vLLM's --disable-uvicorn-access-log: the gateway replicas log no line per HTTP request (Ray
     # Serve's access log, on by default, as uvicorn's is in vLLM).
     disable_uvicorn_access_log: bool = False

@@ -161,6 +161,7 @@ FLAG_AND_YAML: list[tuple[list[str], dict[str, Any]]] = [
     (["--request-timeout", "60", "--prefill-timeout", "10", "--transfer-timeout", "5"],
      {"request_timeout": 60, "prefill_timeout": 10, "transfer_timeout": 5}),
     (["--max-logprobs", "-1"], {"max_logprobs": -1}),
+    (["--uvicorn-log-level", "warning"], {"uvicorn_log_level": "warning"}),
     (["--disable-log-stats", "--disable-uvicorn-access-log", "--disable-fastapi-docs", "--enable-force-include-usage"],
      {"disable_log_stats": True, "disable_uvicorn_access_log": True, "disable_fastapi_docs": True,
       "enable_force_include_usage": True}),
@@ -502,7 +503,7 @@ def test_a_speculative_setting_without_speculative_is_refused_not_ignored(
     assert cfg.engine.speculative is not None
 
 
-def test_disable_uvicorn_access_log_turns_serves_access_log_off_for_the_gateway() -> None:
+def test_uvicorn_log_flags_set_the_gateways_serve_logging() -> None:
     """vLLM's --disable-uvicorn-access-log: the gateway deployment logs no line per request. Without
     it the deployment keeps Serve's own logging settings (none given: its access log on)."""
     from pdserve.cluster import serve_app
@@ -511,6 +512,10 @@ def test_disable_uvicorn_access_log_turns_serves_access_log_off_for_the_gateway(
     quiet = serve_app.gateway_app(serve_config({"model": "/m", "disable_uvicorn_access_log": True}))
     assert quiet._bound_deployment.logging_config["enable_access_log"] is False
     assert serve_app.gateway_app(serve_config({"model": "/m"}))._bound_deployment.logging_config is None
+    # vLLM's --uvicorn-log-level: the replicas' Serve logger at that level (trace is below Python's: DEBUG)
+    for level, want in (("warning", "WARNING"), ("trace", "DEBUG")):
+        app = serve_app.gateway_app(serve_config({"model": "/m", "uvicorn_log_level": level}))
+        assert app._bound_deployment.logging_config["log_level"] == want
 
 
 @pytest.mark.parametrize(("spec", "named"), [
