@@ -103,6 +103,11 @@ def _config(*argv: str) -> dict[str, Any]:
       "--spec-max-batch-size", "8"]),
     (["--speculative-config", '{"model": "/d", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 1}'],
      ["--speculative", "draft", "--draft-model", "/d", "--num-speculative-tokens", "3"]),
+    # vLLM's rule: a prompt_lookup bound given alone is the other one too (min 6 alone was min 6 > max 4)
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 6}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "6", "--spec-ngram-max", "6"]),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "2"]),
 ])
 def test_vllms_command_line_flags_run_as_written(vllm: list[str], ours: list[str]) -> None:
     """A vLLM command line carries these; `pdserve serve` exited 2 on each as an unknown flag.

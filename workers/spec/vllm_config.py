@@ -52,4 +52,17 @@ def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object
             raise ValueError(f"speculative_config: {key} is not a key pdserve takes (it takes method, model, "
                              f"{', '.join(sorted(_SAME))})")
         settings[_SAME[key]] = value
+    if method == "ngram":
+        _one_bound_is_both(settings)
     return settings
+
+
+def _one_bound_is_both(settings: dict[str, object]) -> None:
+    """vLLM's rule: a prompt_lookup bound given alone is the other one too. Left to pdserve's
+    defaults (1..4), `prompt_lookup_min` 5 alone was refused (min above the max) and
+    `prompt_lookup_max` 2 alone matched suffixes vLLM never tries. (Neither given: pdserve's.)"""
+    low, high = settings.get("spec_ngram_min"), settings.get("spec_ngram_max")
+    if low is None and high is not None:
+        settings["spec_ngram_min"] = high
+    elif high is None and low is not None:
+        settings["spec_ngram_max"] = low
