@@ -78,11 +78,14 @@ class Answers:
         self._log = log
         self._choices: dict[int, _Answer] = {}
 
-    def add(self, rid: str, choice: int, out: RequestOutput, choices: int) -> None:
+    def add(self, rid: str, choice: int, out: RequestOutput, choices: int, dropped: bool = False) -> None:
+        """`dropped`: the choice's tokens are not its answer (echo with max_tokens 0: the prompt
+        alone, the one token sampled dropped); it is logged as the empty answer the client got."""
         c = out.outputs[0]
         answer = self._choices.setdefault(choice, _Answer())
-        answer.text.append(c.text)
-        answer.token_ids += c.token_ids
+        if not dropped:
+            answer.text.append(c.text)
+            answer.token_ids += c.token_ids
         if out.finished:
             self._log.answered(rid if choices == 1 else f"{rid} choice {choice}", self._choices.pop(choice),
                                c.finish_reason)

@@ -66,3 +66,15 @@ def test_nothing_is_logged_by_default(model_dir: Path, caplog: pytest.LogCapture
     with tiny_engine_url(model_dir) as url, caplog.at_level(logging.INFO, logger=LOGGER):
         r = requests.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and _lines(caplog) == []
+
+
+def test_echo_of_the_prompt_alone_logs_no_output(logged: str, caplog: pytest.LogCaptureFixture) -> None:
+    """echo with max_tokens 0 answers the prompt alone: the one token the engine must sample is
+    dropped (completion_tokens 0). Its line logged that token as the answer the client was sent."""
+    with caplog.at_level(logging.INFO, logger=LOGGER):
+        r = requests.post(f"{logged}/v1/completions", json={"model": "tiny", "prompt": "hello", "max_tokens": 0,
+                                                         "echo": True}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["choices"][0]["text"] == "hello"
+    [generated] = [line for line in _lines(caplog) if line.startswith("Generated")]
+    assert generated.endswith("output: '', output_token_ids: [], finish_reason: length"), generated
