@@ -108,6 +108,11 @@ def _config(*argv: str) -> dict[str, Any]:
      ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "6", "--spec-ngram-max", "6"]),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'],
      ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "2"]),
+    # vLLM's older spelling: the model "[ngram]" (or "ngram") names the method (it was a draft model's directory)
+    (["--speculative-config", '{"model": "[ngram]", "num_speculative_tokens": 3}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "3"]),
+    (["--speculative-config", '{"method": "[ngram]", "model": "ngram", "num_speculative_tokens": 3}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "3"]),
 ])
 def test_vllms_command_line_flags_run_as_written(vllm: list[str], ours: list[str]) -> None:
     """A vLLM command line carries these; `pdserve serve` exited 2 on each as an unknown flag.

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 _SAME = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "spec_ngram_min",
          "prompt_lookup_max": "spec_ngram_max", "disable_by_batch_size": "spec_max_batch_size"}
 _METHODS = {"ngram": "ngram", "draft_model": "draft"}  # vLLM's method -> pdserve's `speculative`
+# vLLM's older spellings of ngram: a method, or a model that names the method (no draft directory)
+_NGRAM = ("ngram", "[ngram]")
 
 
 def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object]:
@@ -30,6 +32,10 @@ def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object
         raise ValueError(f"speculative_config: a JSON object, got {type(config).__name__}")
     settings: dict[str, object] = {}
     method, model = config.get("method"), config.get("model")
+    if model in _NGRAM and method in (None, *_NGRAM):  # vLLM's rule: the model "[ngram]" is the method
+        method, model = "ngram", None
+    if method == "[ngram]":
+        method = "ngram"
     if method is None:  # vLLM's rule: a draft model alone names the method
         method = "draft_model" if model is not None else None
     if method not in _METHODS:
