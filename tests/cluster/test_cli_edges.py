@@ -536,6 +536,8 @@ def test_uvicorn_log_flags_set_the_gateways_serve_logging() -> None:
     ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
     ('[1, 2]', "JSON object"),
     ("{not json", "not JSON"),
+    ('{"method": ["ngram"]}', "method"),  # was a TypeError's traceback (unhashable)
+    ('{"method": {"name": "ngram"}}', "method"),
 ])
 def test_a_vllm_speculative_config_pdserve_cannot_run_is_refused_naming_the_key(
         spec: str, named: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:

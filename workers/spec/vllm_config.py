@@ -32,6 +32,8 @@ def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object
         raise ValueError(f"speculative_config: a JSON object, got {type(config).__name__}")
     settings: dict[str, object] = {}
     method, model = config.get("method"), config.get("model")
+    if method is not None and not isinstance(method, str):  # (a list or an object: no dict key, a TypeError)
+        raise ValueError(f"speculative_config: method must be a string, got {type(method).__name__}")
     if model in _NGRAM and method in (None, *_NGRAM):  # vLLM's rule: the model "[ngram]" is the method
         method, model = "ngram", None
     if method == "[ngram]":
