@@ -108,6 +108,10 @@ def _config(*argv: str) -> dict[str, Any]:
      ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "6", "--spec-ngram-max", "6"]),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}'],
      ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "2", "--spec-ngram-max", "2"]),
+    # null is vLLM's unset (a config dumped from its dataclass has them): the bound given is both
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": null, '
+      '"prompt_lookup_max": 3, "disable_by_batch_size": null}'],
+     ["--speculative", "ngram", "--num-speculative-tokens", "2", "--spec-ngram-min", "3", "--spec-ngram-max", "3"]),
     # vLLM's older spelling: the model "[ngram]" (or "ngram") names the method (it was a draft model's directory)
     (["--speculative-config", '{"model": "[ngram]", "num_speculative_tokens": 3}'],
      ["--speculative", "ngram", "--num-speculative-tokens", "3"]),

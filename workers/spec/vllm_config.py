@@ -59,7 +59,8 @@ def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object
         if key not in _SAME:
             raise ValueError(f"speculative_config: {key} is not a key pdserve takes (it takes method, model, "
                              f"{', '.join(sorted(_SAME))})")
-        settings[_SAME[key]] = value
+        if value is not None:  # null: vLLM's unset (its default; here pdserve's, or the other bound)
+            settings[_SAME[key]] = value
     if method == "ngram":
         _one_bound_is_both(settings)
     return settings
