@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
-import json
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import field
@@ -46,7 +45,7 @@ from pdserve.cluster.tool_calls import ToolParser
 from pdserve.workers import generation_defaults
 from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
 from pdserve.workers.handoff import KVFailurePolicy
-from pdserve.workers.inputs import check_template_kwargs
+from pdserve.workers.inputs import check_template_kwargs, json_object
 from pdserve.workers.transfer.auth import ClusterSecret
 from pdserve.workers.transfer.base import Transport
 
@@ -91,14 +90,7 @@ Port = Annotated[int, Field(ge=1, le=65535)]
 
 def _template_kwargs(value: Any) -> dict[str, object]:
     """A JSON object (the flag's text) or a mapping (YAML), checked as a request's would be."""
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"default_chat_template_kwargs: not a JSON object: {e}") from None
-    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
-        raise ValueError(f"default_chat_template_kwargs: a JSON object, got {value!r}"[:200])
-    return check_template_kwargs(value, "default_chat_template_kwargs")
+    return check_template_kwargs(json_object(value, "default_chat_template_kwargs"), "default_chat_template_kwargs")
 
 
 TemplateKwargs = Annotated[dict[str, Any], BeforeValidator(_template_kwargs)]

@@ -14,6 +14,7 @@ import logging
 import math
 from pathlib import Path
 
+from pdserve.workers.inputs import json_object
 from pdserve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,15 +58,8 @@ def overrides(given: object) -> dict[str, float]:
     """vLLM's --override-generation-config (a JSON object's text, or the object): generation_config.json
     keys whose values win over the model's file (with `--generation-config vllm`, the only defaults),
     as request fields. ValueError naming a key that is none of KEYS or a value that is no finite number."""
-    if isinstance(given, str):
-        try:
-            given = json.loads(given)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"override_generation_config: not JSON ({e})") from None
-    if not isinstance(given, dict):
-        raise ValueError(f"override_generation_config: a JSON object, got {type(given).__name__}")
     out: dict[str, float] = {}
-    for key, value in given.items():
+    for key, value in json_object(given, "override_generation_config").items():
         if key not in KEYS:
             raise ValueError(f"override_generation_config: {str(key)[:40]!r} is not a key it takes "
                              f"({', '.join(KEYS)})")

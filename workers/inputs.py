@@ -4,6 +4,7 @@ the offending parameter's name) wherever it is caught."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -123,6 +124,19 @@ TEMPLATE_ARGUMENTS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation", "max_length",
     "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def json_object(value: object, name: str) -> dict[str, Any]:
+    """A setting given as a JSON object: its text (a flag's) parsed, or the mapping itself (a YAML's,
+    a Python caller's). ValueError naming `name` when it is not JSON or not an object."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not a JSON object: {e}") from None
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{name}: a JSON object, got {value!r}"[:200])
+    return dict(value)
 
 
 def check_template_kwargs(kwargs: dict[str, object] | None, name: str = "chat_template_kwargs") -> dict[str, object]:

@@ -539,7 +539,7 @@ def test_uvicorn_log_flags_set_the_gateways_serve_logging() -> None:
     ('{"method": "ngram", "model": "/d"}', "model"),
     ('{"method": "ngram", "draft_tensor_parallel_size": 2}', "draft_tensor_parallel_size"),
     ('[1, 2]', "JSON object"),
-    ("{not json", "not JSON"),
+    ("{not json", "not a JSON object"),
     ('{"method": ["ngram"]}', "method"),  # was a TypeError's traceback (unhashable)
     ('{"method": {"name": "ngram"}}', "method"),
 ])

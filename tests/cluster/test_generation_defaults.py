@@ -120,7 +120,7 @@ def test_vllms_override_generation_config_wins_over_the_models_file(model_dir: P
 
 @pytest.mark.parametrize(("given", "named"), [
     ('{"temprature": 0.5}', "temprature"), ('{"temperature": -1}', "temperature"),
-    ('{"top_p": "high"}', "top_p"), ('[0.5]', "JSON object"), ("{", "not JSON")])
+    ('{"top_p": "high"}', "top_p"), ('[0.5]', "JSON object"), ("{", "not a JSON object")])
 def test_an_override_no_request_could_take_is_refused_at_start(given: str, named: str) -> None:
     from pdserve.cluster.serve_config import serve_config
 

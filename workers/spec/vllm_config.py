@@ -9,8 +9,9 @@ a draft model with its own tensor parallelism) should say so, naming the key, no
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
+
+from pdserve.workers.inputs import json_object
 
 # vLLM's key -> pdserve's setting, for the keys that carry over as they are
 _SAME = {"num_speculative_tokens": "num_speculative_tokens", "prompt_lookup_min": "spec_ngram_min",
@@ -23,13 +24,7 @@ _NGRAM = ("ngram", "[ngram]")
 def speculative_settings(config: str | Mapping[str, object]) -> dict[str, object]:
     """The engine settings `config` (a JSON object's text, or the object) makes. ValueError, naming
     the key, for what pdserve does not do."""
-    if isinstance(config, str):
-        try:
-            config = json.loads(config)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not JSON ({e})") from None
-    if not isinstance(config, Mapping):
-        raise ValueError(f"speculative_config: a JSON object, got {type(config).__name__}")
+    config = json_object(config, "speculative_config")
     settings: dict[str, object] = {}
     method, model = config.get("method"), config.get("model")
     if method is not None and not isinstance(method, str):  # (a list or an object: no dict key, a TypeError)
