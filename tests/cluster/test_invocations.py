@@ -4,6 +4,7 @@ else is a 400 with the OpenAI error object. It was a 404."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -39,10 +40,16 @@ def test_an_invocation_is_answered_as_its_endpoint_answers(url: str, path: str, 
 
 
 def test_an_invocation_streams_when_asked(url: str) -> None:
-    r = requests.post(f"{url}/invocations", json={"model": "tiny", "prompt": "Once", "max_tokens": 4,
-                                                  "stream": True, "ignore_eos": True}, timeout=60, stream=True)
+    """Streamed as /v1/completions streams: SSE chunks (a chunk may carry several tokens when the
+    reader is behind) whose text is the whole answer's, then [DONE]."""
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    r = requests.post(f"{url}/invocations", json={**body, "stream": True}, timeout=60, stream=True)
     lines = [ln for ln in r.iter_lines() if ln]
-    assert r.status_code == 200 and lines[-1] == b"data: [DONE]" and len(lines) >= 5
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == b"data: [DONE]"
+    chunks = [json.loads(ln.removeprefix(b"data: ")) for ln in lines[:-1]]
+    whole = _post(url, "/v1/completions", body).json()["choices"][0]["text"]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
 
 
 @pytest.mark.parametrize(("body", "param"), [
