@@ -535,14 +535,13 @@ class Gateway:
         subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=sample_seed(w.params.seed, j)))
                 for w in works for j in range(w.params.n)]
         self.request_log.received(rid, works)
-        answers = self.request_log.answers()
-        dropped = [w.prompt_only for w in works for _ in range(w.params.n)]  # (its one token is no answer)
+        answers = self.request_log.answers(rid, works)
         if len(subs) == 1:
             async with contextlib.aclosing(self.backend.generate(rid, subs[0][0], subs[0][1],
                                                                  self.config.request_timeout_s)) as one:
                 async for out in one:
                     if answers is not None:
-                        answers.add(rid, 0, out, 1, dropped[0])
+                        answers.add(0, out)
                     yield 0, out
             return
         async with contextlib.aclosing(_merge([self.backend.generate(f"{rid}-{i}", ids, sp,
@@ -550,7 +549,7 @@ class Gateway:
                                                for i, (ids, sp) in enumerate(subs)])) as merged:
             async for item in merged:
                 if answers is not None:
-                    answers.add(rid, item[0], item[1], len(subs), dropped[item[0]])
+                    answers.add(*item)
                 yield item
 
     async def close(self) -> None:

@@ -29,6 +29,7 @@ LOGGER = "pdserve.requests"
 class _Prompt(Protocol):
     prompt_ids: list[int]
     params: SamplingParams
+    prompt_only: bool
 
 
 @dataclass
@@ -58,9 +59,12 @@ class RequestLog:
             self._log.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
                            name, self._cut(prompt), work.params, ids)
 
-    def answers(self) -> Answers | None:
-        """What collects a request's answers for their lines (`--enable-log-outputs`), or None."""
-        return Answers(self) if self.outputs and self._log is not None else None
+    def answers(self, rid: str, works: Sequence[_Prompt]) -> Answers | None:
+        """What collects request `rid`'s answers (choice p * n + j: prompt p's sample j) for their
+        lines (`--enable-log-outputs`), or None."""
+        if not self.outputs or self._log is None:
+            return None
+        return Answers(self, rid, [w.prompt_only for w in works for _ in range(w.params.n)])
 
     def answered(self, name: str, answer: _Answer, finish_reason: str | None) -> None:
         assert self._log is not None
@@ -74,18 +78,18 @@ class RequestLog:
 class Answers:
     """A request's choices as their deltas come (`add`); each is logged when its final delta comes."""
 
-    def __init__(self, log: RequestLog) -> None:
-        self._log = log
+    def __init__(self, log: RequestLog, rid: str, dropped: list[bool]) -> None:
+        """`dropped[i]`: choice i's tokens are not its answer (echo with max_tokens 0: the prompt
+        alone, the one token sampled dropped); it is logged as the empty answer the client got."""
+        self._log, self._rid, self._dropped = log, rid, dropped
         self._choices: dict[int, _Answer] = {}
 
-    def add(self, rid: str, choice: int, out: RequestOutput, choices: int, dropped: bool = False) -> None:
-        """`dropped`: the choice's tokens are not its answer (echo with max_tokens 0: the prompt
-        alone, the one token sampled dropped); it is logged as the empty answer the client got."""
+    def add(self, choice: int, out: RequestOutput) -> None:
         c = out.outputs[0]
         answer = self._choices.setdefault(choice, _Answer())
-        if not dropped:
+        if not self._dropped[choice]:
             answer.text.append(c.text)
             answer.token_ids += c.token_ids
         if out.finished:
-            self._log.answered(rid if choices == 1 else f"{rid} choice {choice}", self._choices.pop(choice),
-                               c.finish_reason)
+            name = self._rid if len(self._dropped) == 1 else f"{self._rid} choice {choice}"
+            self._log.answered(name, self._choices.pop(choice), c.finish_reason)
