@@ -101,6 +101,7 @@ async def _client(a: argparse.Namespace) -> dict[str, Any]:
         text, sample_tokens = await _one_text(session, url, body)
     return {"wall_s": wall, "records": [_without_itl(dataclasses.asdict(r)) for r in records],
             "warm_failed": sum(not r.success for r in warm), "sample_text": text,
+            "errors": sorted({str(r.error) for r in warm + records if not r.success})[:5],
             "tokens_received": sum(r.output_tokens for r in warm + records) + sample_tokens}
 
 
@@ -277,7 +278,7 @@ def one_run(a: argparse.Namespace, cfg: Any, fakes: list[Any], replicas: int) ->
     return {"replicas": replicas, "gateway_processes": len(pids_of_group("gateway")), "wall_s": wall,
             "tokens": tokens, "chunks": chunks, "cpu_s": cpu, "tokens_sent_by_fakes": sent,
             "tokens_received": result["tokens_received"], "sample_text": result["sample_text"],
-            "failed": sum(not r["success"] for r in recs) + result["warm_failed"],
+            "failed": sum(not r["success"] for r in recs) + result["warm_failed"], "errors": result["errors"],
             "short": sum(r["output_tokens"] != a.tokens for r in recs), "records": recs}
 
 
@@ -322,7 +323,8 @@ def check(a: argparse.Namespace, run: dict[str, Any]) -> list[str]:
     """What is wrong with a run's streams, against what the fakes made (empty: nothing)."""
     problems = []
     if run["failed"] or run["short"]:
-        problems.append(f"{run['failed']} streams failed, {run['short']} ended short of {a.tokens} tokens")
+        problems.append(f"{run['failed']} streams failed, {run['short']} ended short of {a.tokens} tokens"
+                        + (f" (errors: {'; '.join(run['errors'])})" if run["errors"] else ""))
     if run["sample_text"] != FAKE_TEXT * a.tokens:
         problems.append(f"a stream's text is {run['sample_text'][:60]!r}..., not {FAKE_TEXT!r} x {a.tokens}")
     if run["tokens_sent_by_fakes"] != run["tokens_received"]:

@@ -232,12 +232,16 @@ class TokenStreamPublisher:
             apply_limits(sock, max_frame_bytes=SMALL_FRAME_BYTES, sndhwm=SEND_HWM)
             sock.setsockopt(zmq.LINGER, 0)
             apply_heartbeats(sock)
+            # The monitor before the connect: a handshake that finished before it existed
+            # would never be reported, and a live gateway be taken for gone after the grace.
+            monitor = LinkMonitor(sock)
             try:
-                sock.connect(address)  # first: an address ZeroMQ refuses leaves nothing registered
-            except zmq.ZMQError:
+                sock.connect(address)
+            except zmq.ZMQError:  # an address ZeroMQ refuses leaves nothing registered
+                monitor.close()
                 sock.close(linger=0)
                 raise
-            self._monitors[address] = LinkMonitor(sock)
+            self._monitors[address] = monitor
             self._sockets[address] = sock
         return sock
 

@@ -293,3 +293,32 @@ def test_a_publisher_that_could_not_connect_keeps_no_link() -> None:
         assert pub.flush() == ["a"]  # its request is lost, the publisher goes on
     finally:
         pub.close()
+
+
+def test_a_gateway_whose_link_came_up_before_its_monitor_was_made_is_not_taken_for_gone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The publisher connected, then made the socket's monitor: a handshake done in between (the
+    worker's thread descheduled a moment, on a busy or cold machine) was never reported, the link
+    looked never up, and after the grace every request of a live gateway was aborted ("its
+    gateway is gone": the first wave of a benchmark's streams, once). The monitor comes first now."""
+    import zmq
+
+    from pdserve.workers import token_stream
+
+    real = token_stream.LinkMonitor
+
+    def late_monitor(sock: zmq.Socket[bytes]) -> object:
+        time.sleep(0.3)  # long enough for a loopback handshake already under way to finish
+        return real(sock)
+
+    monkeypatch.setattr(token_stream, "LinkMonitor", late_monitor)
+    gateway = zmq.Context.instance().socket(zmq.PULL)
+    port = gateway.bind_to_random_port("tcp://127.0.0.1")
+    publisher = TokenStreamPublisher("w")
+    try:
+        publisher.watch(f"tcp://127.0.0.1:{port}")
+        time.sleep(0.5)
+        assert publisher.gone(grace_s=0.2) == []
+    finally:
+        publisher.close()
+        gateway.close(linger=0)
