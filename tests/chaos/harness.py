@@ -32,6 +32,7 @@ Linux only (/proc). Network: 127.0.0.1 only; `cut_links` uses `ss -K` (root).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import os
@@ -793,7 +794,11 @@ class Harness:
                     res.lost += 1
             if o not in (Outcome.OK, Outcome.CLOSED) and len(res.notes) < 8:
                 when = f"{r.started - fault.started:+.1f}..{r.ended - fault.started:+.1f} s"
-                res.notes.append(f"request {r.index}: {o.value} ({when} from the fault, {r.chunks} chunks) {r.detail}")
+                res.notes.append(f"request {r.index} ({r.endpoint}): {o.value} ({when} from the fault, {r.chunks} "
+                                 f"chunks) {r.detail}")
+        ok = collections.Counter(r.endpoint for r in results if r.outcome is Outcome.OK)
+        sent = collections.Counter(r.endpoint for r in results)
+        res.notes.append("ok by endpoint: " + ", ".join(f"{e} {ok[e]}/{n}" for e, n in sorted(sent.items())))
 
     def _watch_recovery(self, fault: Fault, before: dict[str, DrainState | None], restarts: Sequence[str],
                         gateway_before: frozenset[int], gateway_restart: bool, cap_s: float,

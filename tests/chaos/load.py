@@ -28,33 +28,107 @@ REPLICA_HEADER = "x-pdserve-replica"  # the gateway replica's rank, on every res
 # --- probes and their oracle ---------------------------------------------------------
 
 
+# Where a probe is sent: its prompt as token ids to /v1/completions, or as one user
+# message's text to /v1/chat/completions or /v1/responses (the model's chat template).
+ENDPOINTS = ("completions", "chat", "responses")
+
+
 @dataclass(frozen=True)
 class Probe:
     prompt: tuple[int, ...]
     max_tokens: int
     text: str  # the greedy completion, computed offline
+    endpoint: str = "completions"  # one of ENDPOINTS
+    message: str = ""  # chat's and responses' user message (its text decoded from `prompt`)
 
 
 def make_probes(model: str, count: int, seed: int, max_tokens: int, prompt_len: tuple[int, int] = (40, 120),
                 max_model_len: int = 2048, vocab: tuple[int, int] = (5, 4000),
-                dtype: str = EXACT_DTYPE) -> list[Probe]:
+                dtype: str = EXACT_DTYPE, endpoints: Sequence[str] = ("completions",)) -> list[Probe]:
     """`count` prompts of random token ids (lengths in `prompt_len`: over the router's
     16-token local-prefill threshold, so they are handed off) with their greedy
-    completions from the offline engine on the same model, in `dtype` (the server's)."""
+    completions from the offline engine on the same model, in `dtype` (the server's).
+    Probe i goes to `endpoints[i % len(endpoints)]`; a chat or responses probe's message
+    is its ids' text, and its oracle `LLM.chat` on that message."""
     import torch
 
     from pdserve import LLM, SamplingParams
 
     rng = random.Random(seed)
     prompts = [[rng.randrange(*vocab) for _ in range(rng.randint(*prompt_len))] for _ in range(count)]
+    where = [endpoints[i % len(endpoints)] for i in range(count)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, min(2, threads)))
     try:
         llm = LLM(model, max_model_len=max_model_len, dtype=dtype, progress=False)
-        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+        messages = ["" if e == "completions" else llm.tokenizer.decode(p) for p, e in zip(prompts, where)]
+        texts = {i: o.outputs[0].text for i, o in zip(
+            [i for i, e in enumerate(where) if e == "completions"],
+            llm.generate([p for p, e in zip(prompts, where) if e == "completions"], params))}
+        chats = [i for i, e in enumerate(where) if e != "completions"]
+        if chats:
+            outs = llm.chat([[{"role": "user", "content": messages[i]}] for i in chats], params)
+            texts |= {i: o.outputs[0].text for i, o in zip(chats, outs)}
     finally:
         torch.set_num_threads(threads)
-    return [Probe(tuple(p), max_tokens, o.outputs[0].text) for p, o in zip(prompts, outs)]
+    return [Probe(tuple(p), max_tokens, texts[i], where[i], messages[i]) for i, p in enumerate(prompts)]
+
+
+def request_of(probe: Probe) -> tuple[str, dict[str, object]]:
+    """The path and body that stream `probe`'s greedy answer, usage included."""
+    common = {"temperature": 0.0, "stream": True, "ignore_eos": True}
+    if probe.endpoint == "responses":
+        return "/v1/responses", {"input": probe.message, "max_output_tokens": probe.max_tokens, **common}
+    usage = {"stream_options": {"include_usage": True}}
+    if probe.endpoint == "chat":
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": probe.message}],
+                                        "max_tokens": probe.max_tokens, **common, **usage}
+    return "/v1/completions", {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, **common, **usage}
+
+
+@dataclass
+class StreamEvent:
+    """What one SSE data line of any endpoint's stream says (`read_event`)."""
+
+    text: str = ""  # output text it adds
+    finish: str | None = None  # the choice's finish reason ("length" for an incomplete response)
+    tokens: int | None = None  # completion tokens, where it reports usage
+    error: tuple[int | None, str] | None = None  # (status code, "type: message") of an in-band error
+    done: bool = False  # the stream's last event: [DONE], or a response's terminal event
+
+
+# The HTTP status of an in-band Responses error (its `code` is the error's type).
+_STATUS_OF_TYPE = {"BadRequestError": 400, "InternalServerError": 500, "ServiceUnavailableError": 503,
+                   "RequestTimeoutError": 408, "RateLimitError": 429}
+
+
+def read_event(endpoint: str, data: str) -> StreamEvent:
+    """One `data:` payload of `endpoint`'s stream; ValueError if it is not JSON."""
+    if data == "[DONE]":
+        return StreamEvent(done=True)
+    event = json.loads(data)
+    if endpoint == "responses":
+        kind = event.get("type")
+        if kind == "error":
+            return StreamEvent(error=(_STATUS_OF_TYPE.get(event.get("code")),
+                                      f"{event.get('code')}: {event.get('message')}"))
+        if kind == "response.output_text.delta":
+            return StreamEvent(text=event.get("delta") or "")
+        if kind in ("response.completed", "response.incomplete", "response.failed"):
+            resp = event.get("response") or {}
+            finish = "length" if kind == "response.incomplete" else "stop" if kind == "response.completed" else None
+            return StreamEvent(finish=finish, tokens=(resp.get("usage") or {}).get("output_tokens"), done=True)
+        return StreamEvent()
+    if "error" in event:
+        err = event["error"]
+        return StreamEvent(error=(err.get("code"), f"{err.get('type')}: {err.get('message')}"))
+    out = StreamEvent(tokens=(event.get("usage") or {}).get("completion_tokens"))
+    for choice in event.get("choices") or ():
+        piece = choice.get("text") if endpoint == "completions" else (choice.get("delta") or {}).get("content")
+        out.text += piece or ""
+        out.finish = choice.get("finish_reason") or out.finish
+    return out
 
 
 # --- the load ------------------------------------------------------------------------
@@ -82,6 +156,7 @@ class Result:
     first_chunk: float | None = None  # time.monotonic() of its first text chunk
     max_gap_s: float = 0.0  # its longest wait for a text chunk: from its send to the first, then between two
     replica: str | None = None  # x-pdserve-replica: the gateway replica that answered (None: no answer came)
+    endpoint: str = "completions"  # where it was sent (its probe's)
 
 
 @dataclass
@@ -144,9 +219,8 @@ class Load:
         return sorted(results, key=lambda r: r.index)
 
     async def one(self, client: httpx.AsyncClient, index: int, p: int, probe: Probe, check: bool = True) -> Result:
-        body = {"prompt": list(probe.prompt), "max_tokens": probe.max_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
-        res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0)
+        path, body = request_of(probe)
+        res = Result(index, p, Outcome.DROPPED, time.monotonic(), 0.0, endpoint=probe.endpoint)
         last_chunk = res.started
         text: list[str] = []
         finish: str | None = None
@@ -154,7 +228,7 @@ class Load:
         done = False
         try:
             async with asyncio.timeout(self.deadline_s):
-                async with client.stream("POST", "/v1/completions", json=body) as r:
+                async with client.stream("POST", path, json=body) as r:
                     res.status, res.replica = r.status_code, r.headers.get(REPLICA_HEADER)
                     self.in_flight[index] = res.replica
                     if r.status_code != 200:
@@ -164,30 +238,25 @@ class Load:
                     async for line in r.aiter_lines():
                         if not line.startswith("data:"):
                             continue
-                        data = line[5:].strip()
-                        if data == "[DONE]":
+                        ev = read_event(probe.endpoint, line[5:].strip())
+                        if ev.error is not None:
+                            res.outcome, (res.status, res.detail) = Outcome.ERROR, ev.error
+                            return res
+                        completion_tokens = ev.tokens if ev.tokens is not None else completion_tokens
+                        finish = ev.finish or finish
+                        if ev.text:
+                            text.append(ev.text)
+                            res.chunks += 1
+                            self.chunks += 1
+                            now = time.monotonic()
+                            res.max_gap_s, last_chunk = max(res.max_gap_s, now - last_chunk), now
+                            if res.first_chunk is None:
+                                res.first_chunk = time.monotonic()
+                            if self.on_chunk is not None:
+                                self.on_chunk(self.chunks)
+                        if ev.done:
                             done = True
                             break
-                        event = json.loads(data)
-                        if "error" in event:
-                            err = event["error"]
-                            res.outcome, res.status = Outcome.ERROR, err.get("code")
-                            res.detail = f"{err.get('type')}: {err.get('message')}"
-                            return res
-                        if event.get("usage"):
-                            completion_tokens = event["usage"].get("completion_tokens")
-                        for choice in event.get("choices") or ():
-                            if choice.get("text"):
-                                text.append(choice["text"])
-                                res.chunks += 1
-                                self.chunks += 1
-                                now = time.monotonic()
-                                res.max_gap_s, last_chunk = max(res.max_gap_s, now - last_chunk), now
-                                if res.first_chunk is None:
-                                    res.first_chunk = time.monotonic()
-                                if self.on_chunk is not None:
-                                    self.on_chunk(self.chunks)
-                            finish = choice.get("finish_reason") or finish
                         if (self.hang_up is not None and self.hang_up.is_set() and self.hang_up_if is not None
                                 and self.hang_up_if(index)):
                             res.outcome = Outcome.CLOSED

@@ -40,7 +40,7 @@ from chaos.harness import (
     recovery_budget,
 )
 from chaos.leaks import leaks
-from chaos.load import HealthSample, HealthWatch, Load, Outcome, Probe, Result, make_probes
+from chaos.load import ENDPOINTS, HealthSample, HealthWatch, Load, Outcome, Probe, Result, make_probes
 from chaos.procs import alive, can_cut_links, cmdline, cut_links, links, loopback_ports, session_members
 from pdserve.cluster.reports import DrainState
 from pdserve.workers.fault_seam import WorkerFault
@@ -718,7 +718,7 @@ def run_matrix(model: str, keys: list[str], log_dir: Path, log: Callable[[str], 
             continue
         count = WARM_UP + sum(s.probes for s in group)
         log(f"[{which}] computing {count} probes' greedy answers offline ...")
-        probes = make_probes(model, count, seed=len(results) + 1, max_tokens=MAX_TOKENS)
+        probes = make_probes(model, count, seed=len(results) + 1, max_tokens=MAX_TOKENS, endpoints=ENDPOINTS)
         for s in group if which == OWN else [None]:
             opts = server_options(model, which if which != OWN else TWO_DECODE)
             sub = log_dir / (which if s is None else f"own-{s.key}")

@@ -37,12 +37,15 @@ SUBSET = ("a", "e", "f", "k")
 @pytest.fixture(scope="module")
 def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
     from chaos.harness import Harness
-    from chaos.load import make_probes
+    from chaos.load import ENDPOINTS, make_probes
     from chaos.scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
 
     # test_serve_ray's model (made once per session): the scenarios' MODEL_SPEC.
     model = str(make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)))
-    probes = make_probes(model, WARM_UP + len(SUBSET) * (REQUESTS + AFTER), seed=1, max_tokens=MAX_TOKENS)
+    # Probes go to /v1/completions, /v1/chat/completions and /v1/responses in turn: each
+    # endpoint's streams must move, end and be whole through every fault.
+    probes = make_probes(model, WARM_UP + len(SUBSET) * (REQUESTS + AFTER), seed=1, max_tokens=MAX_TOKENS,
+                         endpoints=ENDPOINTS)
     h = Harness.start(server_options(model, TWO_DECODE), tmp_path_factory.mktemp("chaos"), probes,
                       log=lambda line: print(line, flush=True))
     try:
@@ -54,6 +57,7 @@ def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytes
 
 def _check(harness: object, key: str) -> None:
     from chaos.harness import Harness
+    from chaos.load import ENDPOINTS
     from chaos.scenarios import BY_KEY, table
 
     assert isinstance(harness, Harness)
@@ -61,6 +65,9 @@ def _check(harness: object, key: str) -> None:
     print(table([result]))
     if not result.passed:
         pytest.fail(f"{table([result])}\n" + "\n".join(result.notes), pytrace=False)
+    [by_endpoint] = [n for n in result.notes if n.startswith("ok by endpoint")]
+    print(by_endpoint)
+    assert all(f"{e} 0/" not in by_endpoint and e in by_endpoint for e in ENDPOINTS), by_endpoint
 
 
 def test_decode_worker_killed_mid_stream(harness: object) -> None:

@@ -15,7 +15,7 @@ import pytest
 
 from chaos.harness import Fault, ScenarioResult, ServerOptions, before_recovery
 from chaos.leaks import Leaks, Snapshot, counter_increase, extra_threads, leaks
-from chaos.load import Load, Outcome, Probe, Result
+from chaos.load import Load, Outcome, Probe, Result, read_event, request_of
 from pdserve.cluster.reports import DrainState
 
 PROBE = Probe((5, 6, 7), 3, "abc")
@@ -445,3 +445,33 @@ def test_a_worker_that_missed_the_baseline_is_still_held_to_one(fake_url: str) -
                       after=2)
     assert res.leaks.tasks and res.leaks.threads, res.leaks
     assert not res.passed
+
+
+def test_chat_and_responses_streams_are_read_as_completions_are() -> None:
+    """The load reads each endpoint's own events: text pieces, the finish, usage, an
+    in-band error (a Responses error's code is its type: 500 for InternalServerError)."""
+    def read(endpoint: str, *payloads: object) -> tuple[str, str | None, int | None, object, bool]:
+        evs = [read_event(endpoint, p if isinstance(p, str) else json.dumps(p)) for p in payloads]
+        return ("".join(e.text for e in evs), next((e.finish for e in evs if e.finish), None),
+                next((e.tokens for e in evs if e.tokens is not None), None),
+                next((e.error[0] for e in evs if e.error), None), evs[-1].done)
+
+    chat = [{"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {"content": "ab"}, "finish_reason": None}]},
+            {"choices": [{"index": 0, "delta": {"content": "c"}, "finish_reason": "length"}]},
+            {"choices": [], "usage": {"completion_tokens": 3}}, "[DONE]"]
+    assert read("chat", *chat) == ("abc", "length", 3, None, True)
+    responses = [{"type": "response.created", "response": {}},
+                 {"type": "response.output_text.delta", "delta": "ab"},
+                 {"type": "response.output_text.delta", "delta": "c"},
+                 {"type": "response.output_text.done", "text": "abc"},
+                 {"type": "response.incomplete", "response": {"usage": {"output_tokens": 3}}}]
+    assert read("responses", *responses) == ("abc", "length", 3, None, True)
+    assert read("responses", responses[1], {"type": "response.completed", "response": {"usage": {
+        "output_tokens": 1}}})[1:] == ("stop", 1, None, True)
+    assert read("responses", responses[1], {"type": "error", "code": "InternalServerError", "message": "x"},
+                )[3] == 500
+    path, body = request_of(Probe((5, 6), 3, "abc", "responses", "hi"))
+    assert path == "/v1/responses" and body["input"] == "hi" and body["max_output_tokens"] == 3
+    path, body = request_of(Probe((5, 6), 3, "abc", "chat", "hi"))
+    assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
