@@ -1,5 +1,5 @@
 """Generated hostile requests against a running `pdserve serve` (issue 46's first bar):
-hypothesis draws N requests over the OpenAI completions and chat schemas, with the
+hypothesis draws N requests over the OpenAI completions, chat and Responses schemas, with the
 extremes of every numeric field (tests/hostile.py), and they are sent at a small
 concurrency. The bar: 0 worker restarts, 0 5xx, every refusal a 400 naming a field
 the request sent, every answer whole.

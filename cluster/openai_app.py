@@ -36,7 +36,7 @@ from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
 from pdserve.cluster.reasoning import ReasoningPlan
 from pdserve.cluster.responses import ApiKind, collect_response, stream_response
-from pdserve.cluster.responses_api import ResponsesRequest, stream_responses, whole_response
+from pdserve.cluster.responses_api import ResponsesRequest, responses_error, stream_responses, whole_response
 from pdserve.cluster.tokenize_routes import ENDPOINTS as TOKENIZER_ENDPOINTS
 from pdserve.cluster.tokenize_routes import add_tokenizer_routes
 
@@ -232,7 +232,10 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             chat = body.chat_request()
         except ValueError as e:
             raise bad_request(e) from None
-        works, slot = await _chat_works(gw, chat)
+        try:
+            works, slot = await _chat_works(gw, chat)
+        except APIError as e:
+            raise responses_error(e) from None
         rid = f"resp_{request_id(request.scope)}"
         if body.stream:
             return _AdmittedStream(stream_responses(gw, body, rid, works, rm), slot)

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.cluster.gateway import Gateway, Work, client_error
+from pdserve.cluster.gateway import APIError, Gateway, Work, client_error
 from pdserve.cluster.limits import RefusalReason, Refused
 from pdserve.cluster.metrics import RequestMetrics
 from pdserve.cluster.protocol import ChatChunkChoice, ChatCompletionRequest, ResponseBody, TokenLogprob, Usage, now
@@ -47,7 +47,8 @@ CHAT_FIELDS = frozenset({"seed", "top_k", "min_p", "repetition_penalty", "presen
 ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text")
 # The chat request's field names as a Responses request names them, for its errors.
-_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort",
+_NAMES = {"messages": "input", "prompt": "input", "max_completion_tokens": "max_output_tokens",
+          "max_tokens": "max_output_tokens", "reasoning_effort": "reasoning.effort",
           "response_format.json_schema.schema": "text.format.schema", "response_format.json_schema": "text.format",
           "response_format": "text.format"}
 
@@ -147,11 +148,21 @@ class ResponsesChat(ChatCompletionRequest):
 
 
 def _renamed(text: str) -> str:
-    """`text` (an error, a field's path) with its leading chat field named as Responses names it."""
+    """`text` (an error, a field's path) with its leading chat field named as Responses names it
+    (the whole name: "prompt_logprobs" stays)."""
     for chat, ours in _NAMES.items():
-        if text.startswith(chat):
-            return ours + text.removeprefix(chat)
+        rest = text.removeprefix(chat)
+        if rest != text and (not rest or rest[0] in ".[: "):
+            return ours + rest.replace(f"the {chat} ", f"the {ours} ", 1)
     return text
+
+
+def responses_error(e: APIError) -> APIError:
+    """A refusal on the chat path (the context's bound, a budget) with its field named as the
+    Responses request names it: a client that sent `input` is told of `input`, not `prompt`."""
+    e.message = _renamed(e.message)
+    e.param = _renamed(e.param) if e.param else e.param
+    return e
 
 
 # -- the request: input items to chat messages ---------------------------------------

@@ -139,6 +139,10 @@ BAD = [
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),
+    # Over the context: refused on the chat path, where the prompt is "prompt" or "messages".
+    ({"input": "word " * 400}, "input"),
+    ({"input": "x" * 100_000}, "input"),
+    ({"input": [{"role": "user", "content": "word " * 400}]}, "input"),
 ]
 
 
@@ -149,6 +153,7 @@ def test_bad_input_is_a_400_naming_the_field_and_the_next_request_is_served(url:
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "BadRequestError" and err["code"] == 400 and err["param"] == param, err
+    assert not err["message"].startswith(("prompt", "messages", "max_tokens", "max_completion_tokens")), err
     ok = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 1}, timeout=60)
     assert ok.status_code == 200
 
