@@ -39,7 +39,7 @@ from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 from pdserve.cluster.ray_errors import RayError
-from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan
+from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan, ThinkingEnd
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
@@ -246,6 +246,8 @@ class Gateway:
         self.token_str = TokenText(tokenizer)  # one token's text and bytes (logprobs)
         self.request_log = RequestLog(tokenizer, config.log_requests, config.log_outputs, config.max_log_len)
         self.vocab_size = config.vocab_size or (len(tokenizer) if tokenizer is not None else None)
+        # Where a thinking model's thinking ends, in its tokens (usage's reasoning tokens).
+        self.thinking_end = ThinkingEnd.of(tokenizer) if config.reasoning_parser and tokenizer is not None else None
         self._grammars: GrammarCompiler | None = None  # structured outputs' compiler, made on first use
         self._grammars_lock = threading.Lock()  # the tokenizer pool's threads share it
         # Tokenizing and chat templates run in the pool, off the event loop: a long prompt

@@ -277,7 +277,7 @@ async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Wo
         raise
     reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
                                  body.include_reasoning,
-                                 params.structured_outputs is not None)
+                                 params.structured_outputs is not None, gw.thinking_end)
     return [Work(prompt_ids, params, tools=tools, reasoning=reasoning,
                  tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids))], slot
 

@@ -373,11 +373,16 @@ class PromptTokensDetails(TypedDict):
     cached_tokens: int
 
 
+class CompletionTokensDetails(TypedDict):
+    reasoning_tokens: int  # the answer's tokens through the end of its thinking (a reasoning parser's)
+
+
 class Usage(TypedDict):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: NotRequired[CompletionTokensDetails]  # with a reasoning parser
 
 
 class TextLogprobs(TypedDict):

@@ -19,11 +19,43 @@ parsed: pdserve's grammar applies from the first token, so the model writes no t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 ReasoningParser = Literal["deepseek_r1", "qwen3"]
 START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ThinkingEnd:
+    """Where an answer's thinking ends, counted in its tokens: usage's reasoning tokens."""
+
+    tokenizer: Any
+    token_id: int | None  # END's id where the vocabulary spells it as one token (DeepSeek-R1's, Qwen3's)
+
+    @classmethod
+    def of(cls, tokenizer: Any) -> ThinkingEnd:
+        try:
+            ids = list(tokenizer.encode(END, add_special_tokens=False))
+        except Exception:  # noqa: BLE001 - a tokenizer that cannot encode it: found by decoding
+            ids = []
+        return cls(tokenizer, ids[0] if len(ids) == 1 else None)
+
+    def tokens(self, token_ids: list[int], text: str) -> int:
+        """The tokens of an answer (`token_ids`, whose text is `text`) through the end of its
+        thinking, END's included; all of them while it has no END (cut short, or still going)."""
+        if END not in text:
+            return len(token_ids)
+        if self.token_id is not None and self.token_id in token_ids:
+            return token_ids.index(self.token_id) + 1
+        lo, hi = 1, len(token_ids)  # END in several tokens: the fewest whose text holds it (log n decodes)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if END in self.tokenizer.decode(token_ids[:mid], skip_special_tokens=False):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
 
 @dataclass(frozen=True)
@@ -31,17 +63,18 @@ class ReasoningPlan:
     """How a chat request's answers are split into thinking and content."""
 
     include: bool = True  # the request's `include_reasoning`: false drops the thinking
+    end: ThinkingEnd | None = field(default=None, compare=False)  # counts the reasoning tokens for usage
 
     @classmethod
     def of(cls, parser: ReasoningParser | None, template_kwargs: dict[str, object] | None, include: bool,
-           constrained: bool) -> ReasoningPlan | None:
+           constrained: bool, end: ThinkingEnd | None = None) -> ReasoningPlan | None:
         """The plan of a request (None: its answers are not parsed)."""
         if parser is None or constrained:
             return None
         # `is False`, as Qwen3's template tests it (`enable_thinking is false`): only then is it off
         if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False:
             return None
-        return cls(include)
+        return cls(include, end)
 
     @staticmethod
     def split(text: str) -> tuple[str, str | None]:

@@ -38,7 +38,7 @@ from pdserve.cluster.protocol import (
     now,
     usage,
 )
-from pdserve.cluster.reasoning import ThinkingStream
+from pdserve.cluster.reasoning import END, ThinkingEnd, ThinkingStream
 from pdserve.cluster.token_text import TokenIdText, TokenText
 from pdserve.cluster.tool_calls import StreamedToolCall, ToolPlan
 from pdserve.workers.outputs import RequestOutput
@@ -73,6 +73,7 @@ class Choice:
     # Streamed with logprobs: characters of the tokens reported so far (the text_offset of the next:
     # as a whole response counts them, not the text sent, which a stop string can hold back)
     reported_chars: int = 0
+    reasoning_tokens: int | None = None  # its tokens through the end of its thinking, once that has come
 
 
 @dataclass(frozen=True)
@@ -356,8 +357,22 @@ def _tool_chunk(token_str: TokenStr, choice: Choice, d: Delta, delta: ChatDelta,
 
 def usage_body(works: list[Work], choices: list[Choice]) -> Usage:
     n = works[0].params.n
-    return usage(sum(len(w.prompt_ids) for w in works), sum(len(c.token_ids) for c in choices),
-                 sum(choices[p * n].cached_tokens for p in range(len(works))))
+    u = usage(sum(len(w.prompt_ids) for w in works), sum(len(c.token_ids) for c in choices),
+              sum(choices[p * n].cached_tokens for p in range(len(works))))
+    plan = works[0].reasoning
+    if plan is not None and plan.end is not None:
+        u["completion_tokens_details"] = {"reasoning_tokens": sum(_reasoning_tokens(plan.end, c) for c in choices)}
+    return u
+
+
+def _reasoning_tokens(end: ThinkingEnd, c: Choice) -> int:
+    """`c`'s reasoning tokens so far; once its thinking has ended, kept (continuous usage asks
+    again at every chunk)."""
+    if c.reasoning_tokens is None:
+        if END not in c.text:
+            return len(c.token_ids)  # all thinking so far
+        c.reasoning_tokens = end.tokens(c.token_ids, c.text)
+    return c.reasoning_tokens
 
 
 def token_names(gw: Gateway, works: list[Work]) -> TokenStr:

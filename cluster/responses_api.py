@@ -275,7 +275,9 @@ def call_item(item_id: str, name: str, arguments: str, status: str = "completed"
 
 def responses_usage(u: Usage) -> dict[str, Any]:
     return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": u.get("completion_tokens_details", {}).get(
+                "reasoning_tokens", 0)},
             "total_tokens": u["total_tokens"]}
 
 

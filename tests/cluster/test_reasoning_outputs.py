@@ -252,3 +252,41 @@ def test_the_tool_call_parser_flag_parses_its_format_only(tokenizers: dict[str, 
         assert [c["function"]["arguments"] for c in whole["message"]["tool_calls"]] == ['{"zone": "UTC"}']
     whole, _ = answer(tokenizers["split"], CALL, {"tools": TOOLS}, parser=None, tool_call_parser=parser)
     assert bool(whole["message"].get("tool_calls")) == (parser != "llama3_json")
+
+
+@pytest.mark.parametrize("vocab", ["split", "tags"])
+@pytest.mark.parametrize(("text", "thinking_part"), [(THOUGHT, THOUGHT[:THOUGHT.index(END) + len(END)]),
+                                                     ("Let me think about</th", "Let me think about</th"),
+                                                     ("a</think>b</think>c", "a</think>")])
+def test_usage_counts_the_reasoning_tokens_as_the_thinking_spans_them(tokenizers: dict[str, Any], vocab: str,
+                                                                      text: str, thinking_part: str) -> None:
+    """usage's reasoning tokens (chat's completion_tokens_details, Responses'
+    output_tokens_details) are the answer's tokens through the end of its thinking, the end
+    tag included; all of them when it never ended (cut short). The oracle: the thinking's own
+    tokens, which begin the answer's."""
+    tok = tokenizers[vocab]
+    ids, want = tok.encode(text, add_special_tokens=False), tok.encode(thinking_part, add_special_tokens=False)
+    assert ids[:len(want)] == want
+    for per in (1, 3):  # a delta of several tokens may hold the end tag's last one anywhere
+        gw = Gateway(Scripted(tok, text, per), tok, GatewayConfig(model_name="tiny", max_model_len=1024,
+                                                                  reasoning_parser="deepseek_r1"))
+        req = {"model": "tiny", "messages": ASK, "max_tokens": 100}
+        with serve_gateway(gw) as base:
+            whole = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=60).json()["usage"]
+            streamed = [c for c in sse_events(httpx.post(f"{base}/v1/chat/completions", timeout=60, json={
+                **req, "stream": True, "stream_options": {"include_usage": True}}).text) if c.get("usage")]
+            response = httpx.post(f"{base}/v1/responses", json={"input": "what time is it?"}, timeout=60).json()
+        assert whole["completion_tokens"] == len(ids)
+        assert whole["completion_tokens_details"] == {"reasoning_tokens": len(want)}, (vocab, per)
+        assert streamed[-1]["usage"] == whole
+        assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": len(want)}
+
+
+def test_without_a_parser_no_reasoning_tokens_are_counted(tokenizers: dict[str, Any]) -> None:
+    tok = tokenizers["tags"]
+    gw = Gateway(Scripted(tok, THOUGHT), tok, GatewayConfig(model_name="tiny", max_model_len=1024))
+    with serve_gateway(gw) as base:
+        usage = httpx.post(f"{base}/v1/chat/completions", json={"model": "tiny", "messages": ASK}, timeout=60).json()
+        response = httpx.post(f"{base}/v1/responses", json={"input": "what time is it?"}, timeout=60).json()
+    assert "completion_tokens_details" not in usage["usage"]
+    assert response["usage"]["output_tokens_details"] == {"reasoning_tokens": 0}
