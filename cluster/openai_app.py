@@ -144,7 +144,8 @@ def _validation_message(e: RequestValidationError, content_type: str | None) -> 
 
 def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
     # vLLM's /ping (SageMaker's health check, GET or POST) answers as /health does.
-    @app.api_route("/ping", methods=["GET", "POST"])
+    @app.get("/ping", operation_id="health_ping_get")
+    @app.post("/ping", operation_id="health_ping_post")  # (one api_route for both gave both one id)
     @app.get("/health")
     async def health() -> Response:
         """200 while a request can be served (the body says "degraded" when a pool

@@ -353,6 +353,10 @@ def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None
     spec = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
     assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(spec["paths"])
     assert {"CompletionRequest", "ChatCompletionRequest"} <= set(spec["components"]["schemas"])
+    # Each operation its own id (a client generator names its methods by them; /ping's GET and
+    # POST shared one, and FastAPI warned of it at every start).
+    ids = [op["operationId"] for ops in spec["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)
 
 
 def _wait_idle(engine: AsyncEngine, until: Callable[[], bool] = lambda: True, timeout_s: float = 10.0) -> None:
