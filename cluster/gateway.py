@@ -50,6 +50,7 @@ from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
 from pdserve.workers.inputs import (
+    ContextOverflowError,
     check_request,
     check_template_kwargs,
     check_token_ids,
@@ -130,10 +131,12 @@ class GatewayConfig:
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
-                 headers: dict[str, str] | None = None, reason: RefusalReason | None = None) -> None:
+                 headers: dict[str, str] | None = None, reason: RefusalReason | None = None,
+                 over_context: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
         self.reason = reason  # set when the request was refused before it ran (counted by reason)
+        self.over_context = over_context  # the prompt does not fit the context (a shorter one may)
 
 
 def client_error(e: BaseException, rid: str) -> APIError:
@@ -183,9 +186,10 @@ def bad_request(e: ValueError) -> APIError:
     Only the first line goes out, cut short: the message is the client's to read, not a dump."""
     msg = (str(e).splitlines() or [""])[0][:_MAX_MESSAGE]
     param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
+    over = isinstance(e, ContextOverflowError)
     if isinstance(e, Refused):
-        return APIError(400, msg, "BadRequestError", e.param, reason=e.reason)
-    return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED)
+        return APIError(400, msg, "BadRequestError", e.param, reason=e.reason, over_context=over)
+    return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED, over_context=over)
 
 
 def unicode_text(param: str, text: str) -> str:
@@ -504,7 +508,8 @@ class Gateway:
             # refused naming `logprobs`, a boolean there, which the client had set right.
             for ours, theirs in (("max_tokens", budget_field), ("logprobs", logprobs_field)):
                 if theirs != ours and str(e).startswith(ours + ":"):
-                    e = ValueError(theirs + str(e).removeprefix(ours))
+                    renamed = theirs + str(e).removeprefix(ours)
+                    e = ContextOverflowError(renamed) if isinstance(e, ContextOverflowError) else ValueError(renamed)
             raise bad_request(e) from None
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs != -1:
             raise APIError(400, f"{logprobs_field}: at most {self.config.max_logprobs}", "BadRequestError",

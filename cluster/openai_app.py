@@ -229,14 +229,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API, run as the chat request it amounts to (responses_api.py)."""
         rm = gw.metrics.request()
-        try:
-            chat = body.chat_request()
-        except ValueError as e:
-            raise bad_request(e) from None
-        try:
-            works, slot = await _chat_works(gw, chat)
-        except APIError as e:
-            raise responses_error(e) from None
+        works, slot = await _responses_works(gw, body)
         rid = f"resp_{request_id(request.scope)}"
         if body.stream:
             return _AdmittedStream(stream_responses(gw, body, rid, works, rm), slot)
@@ -250,6 +243,52 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
     async def stored_response(response_id: str) -> Response:
         raise APIError(404, f"no response {response_id[:100]!r}: pdserve does not store responses",
                        "NotFoundError", "response_id")
+
+
+async def _responses_works(gw: Gateway, body: ResponsesRequest) -> tuple[list[Work], Admission]:
+    """A Responses request's chat work and its admission slot (`_chat_works`), its refusals
+    named as it names its fields. With truncation "auto", an input over the context loses the
+    fewest leading turns that make it fit (OpenAI's rule), found by a binary search: each try
+    tokenizes, so a long conversation costs a few tries, not one a turn."""
+    async def attempt(drop: int) -> tuple[list[Work], Admission]:
+        try:
+            chat = body.chat_request(drop)
+        except ValueError as e:
+            raise bad_request(e) from None
+        try:
+            return await _chat_works(gw, chat)
+        except APIError as e:
+            raise responses_error(e) from None
+
+    try:
+        return await attempt(0)
+    except APIError as e:
+        turns = len(body.turns())
+        if body.truncation != "auto" or not e.over_context or not turns:
+            raise
+        last = e
+    best: tuple[list[Work], Admission] | None = None
+    lo, hi = 1, turns  # the fewest turns dropped that fit: dropping more only shortens it
+    try:
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            try:
+                got = await attempt(mid)
+            except APIError as e:
+                if not e.over_context:
+                    raise
+                last, lo = e, mid + 1
+                continue
+            if best is not None:
+                best[1].release()
+            best, hi = got, mid - 1
+    except BaseException:
+        if best is not None:
+            best[1].release()
+        raise
+    if best is None:
+        raise last  # even its last turn alone does not fit
+    return best
 
 
 async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Work], Admission]:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.cluster.limits import RefusalReason, Refused
+from pdserve.workers.inputs import ContextOverflowError
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ MAX_COMPOSITION = 4
 _PROBE = ("a" + " " * 40 + "b\t\t\tc\n\n\r\n d" + "e\u0301 \u1100\u1161\u11a8 \uff8a\uff9f \ufb01 \u00a0\u00a0"
           " \x00\x01\x1f\x7f \u200b\u200d\u2060 \ue000\U000f0000 \u0301\u0301\u0301 \U0001f469\u200d\U0001f4bb"
           " \u65e5\u672c\u8a9e \u05e9\u05dc\u05d5\u05dd \u0928\u092e\u0938\u094d\u0924\u0947 x=[1, 2];  # end")
+
+
+class TextTooLong(Refused, ContextOverflowError):
+    """A text more characters long than the context can hold in tokens."""
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,7 @@ class CharBound:
         """Refused (a 400 naming `param`) when `chars` characters are surely too long."""
         if chars > self.max_chars:
             # MALFORMED, as the same refusal after tokenizing (workers/inputs.py max_new_tokens).
-            raise Refused(param, f"this model's maximum context length is {self.max_model_len} tokens; "
+            raise TextTooLong(param, f"this model's maximum context length is {self.max_model_len} tokens; "
                                  f"the {param} has {chars} characters, more than {self.max_model_len - 1} "
                                  f"tokens can hold (one token is at most {self.chars_per_token} characters "
                                  "with this tokenizer)", RefusalReason.MALFORMED)

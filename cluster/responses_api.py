@@ -86,8 +86,17 @@ class ResponsesRequest(BaseModel):
     background: bool | None = Field(None, description="not supported: only false")
     truncation: Literal["auto", "disabled"] | None = None
 
-    def chat_request(self) -> ResponsesChat:
-        """The chat request this one asks for; a ValueError names the field at fault."""
+    def turns(self) -> list[int]:
+        """Where the input's turns after its first begin: at each later user message. Truncation
+        "auto" drops whole turns from the beginning, so a call and its output go together."""
+        if isinstance(self.input, str):
+            return []
+        return [i for i, item in enumerate(self.input) if i > 0 and isinstance(item, dict)
+                and item.get("type", "message") == "message" and item.get("role") == "user"]
+
+    def chat_request(self, drop: int = 0) -> ResponsesChat:
+        """The chat request this one asks for, less the input's first `drop` turns (`turns`); a
+        ValueError names the field at fault."""
         if self.previous_response_id is not None:
             raise Refused("previous_response_id", "pdserve does not store responses: send the whole conversation "
                                                   "as input", RefusalReason.UNSUPPORTED)
@@ -101,7 +110,8 @@ class ResponsesRequest(BaseModel):
             elif name not in IGNORED_FIELDS:
                 raise Refused(name, "pdserve does not support this field", RefusalReason.UNSUPPORTED)
         body: dict[str, Any] = {
-            "model": self.model, "messages": chat_messages(self.instructions, self.input),
+            "model": self.model,
+            "messages": chat_messages(self.instructions, self.input[self.turns()[drop - 1]:] if drop else self.input),
             "max_completion_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p,
             "stream": self.stream, "tools": chat_tools(self.tools), "tool_choice": chat_tool_choice(self.tool_choice),
             "parallel_tool_calls": self.parallel_tool_calls, "response_format": self.response_format(),

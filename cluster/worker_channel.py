@@ -35,7 +35,7 @@ from pdserve.cluster.ray_errors import RayActorError
 from pdserve.cluster.worker_inbox import ABORTED, DONE, FAILED, STARTED, TryReport
 from pdserve.workers.async_engine import RequestAbortedError
 from pdserve.workers.inbox_wire import MAX_INBOX_MESSAGE_BYTES, encode_abort, encode_start
-from pdserve.workers.link_monitor import apply_heartbeats, apply_limits
+from pdserve.workers.link_monitor import LinkMonitor, apply_heartbeats, apply_limits
 from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -89,6 +89,11 @@ class _Try:
     started: bool = False
 
 
+def _fd(monitor: LinkMonitor) -> int:
+    """The file descriptor that signals the monitor's events (edge-triggered, as ZeroMQ's)."""
+    return cast(int, monitor.socket.getsockopt(zmq.FD))
+
+
 class WorkerChannel:
     """One gateway's channel to one worker. `gateway`: this gateway's token-stream
     address (the worker keeps its reports per gateway). Use it on one event loop."""
@@ -99,6 +104,7 @@ class WorkerChannel:
         self._sender = os.urandom(8).hex()  # numbers rise per sender: a new one per channel
         self._seq = 0
         self._sock: zmq.Socket[bytes] | None = None
+        self._monitor: LinkMonitor | None = None  # the socket's connection, watched from the loop
         self._address: str | None = None  # the inbox, while connected
         self._tag_address = ""  # what the tags are bound to: the inbox and its process's life
         self._life = 0  # counts connects and losses: what was learnt of one life is not the next's
@@ -262,8 +268,12 @@ class WorkerChannel:
             sock.setsockopt(zmq.LINGER, 0)
             apply_limits(sock, max_frame_bytes=1024, sndhwm=SEND_HWM)  # the worker sends nothing back
             apply_heartbeats(sock)
+            monitor = LinkMonitor(sock)  # before the connect: it sees every drop
             sock.connect(info.inbox)
-            self._sock, self._address = sock, info.inbox
+            loop = asyncio.get_running_loop()
+            loop.add_reader(_fd(monitor), self._on_link_events)
+            loop.call_soon(self._on_link_events)  # edge-triggered FD: arm it
+            self._sock, self._monitor, self._address = sock, monitor, info.inbox
             self._tag_address = f"{info.inbox}#{info.incarnation}"  # cluster/worker_inbox.py `tag_address`
             self._life += 1
             self._met.clear()  # a new life knows no peer yet
@@ -273,9 +283,33 @@ class WorkerChannel:
             self._connecting = None
 
     def _disconnect(self) -> None:
+        if self._monitor is not None:
+            with contextlib.suppress(Exception):  # a loop already closed (the process stopping)
+                asyncio.get_running_loop().remove_reader(_fd(self._monitor))
+            self._monitor.close()
         if self._sock is not None:
             self._sock.close(linger=0)
-        self._sock, self._address = None, None
+        self._sock, self._monitor, self._address = None, None, None
+
+    def _on_link_events(self) -> None:
+        if self._monitor is not None and any(e.lost for e in self._monitor.poll()):
+            self._link_lost()
+
+    def _link_lost(self) -> None:
+        """The connection to the inbox dropped (the worker stopped or hung past the heartbeat
+        timeout, or the network broke; ZeroMQ connects again by itself). What was on its way
+        went with it: a start the worker has not reported taking may never arrive, and its
+        client would wait START_CONFIRM_S with no byte. Those tries fail now, as lost streams
+        (the gateway moves them), and each is aborted on the next connection (sent once: a
+        start that did arrive ends there, and one that did not has nothing to answer)."""
+        for key, t in list(self._unconfirmed):
+            if t.started or t.fut.done() or self._tries.get(key) is not t:
+                continue
+            t.fut.set_exception(StreamLostError(
+                f"worker inbox {self._address}: the link dropped before the worker took request {key[0]} "
+                f"(try {key[1]}); its start may be lost"))
+            self._unreported.pop(key, None)
+            self.abort(*key)
 
     # -- the long poll ----------------------------------------------------------------------
 

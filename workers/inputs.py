@@ -74,16 +74,21 @@ def truncate_prompt(token_ids: list[int], keep: int | None, max_model_len: int) 
     return token_ids[-keep:] if len(token_ids) > keep else token_ids
 
 
+class ContextOverflowError(ValueError):
+    """A prompt (with its max_tokens) that the model's context cannot hold."""
+
+
 def max_new_tokens(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> int:
     """How many tokens a request may generate: its `max_tokens`, or all the
     context left. ValueError if the prompt and `max_tokens` do not fit."""
     n = num_prompt_tokens
     if n >= max_model_len:
-        raise ValueError(f"prompt: this model's maximum context length is {max_model_len} tokens; "
-                         f"the prompt has {n}, which leaves no room to generate")
+        raise ContextOverflowError(f"prompt: this model's maximum context length is {max_model_len} tokens; "
+                                   f"the prompt has {n}, which leaves no room to generate")
     if max_tokens is not None and n + max_tokens > max_model_len:
-        raise ValueError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; "
-                         f"you requested {n + max_tokens} ({n} in the prompt, {max_tokens} in the completion)")
+        raise ContextOverflowError(f"max_tokens: this model's maximum context length is {max_model_len} tokens; "
+                                   f"you requested {n + max_tokens} ({n} in the prompt, {max_tokens} in the "
+                                   "completion)")
     return max_tokens if max_tokens is not None else max_model_len - n
 
 

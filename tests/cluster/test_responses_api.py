@@ -291,3 +291,58 @@ def test_thinking_is_a_reasoning_item_whole_and_streamed(scripted: tuple[str, Sc
         model="tiny", input="time?", stream=True))
     assert any(isinstance(e, rt.ResponseReasoningTextDeltaEvent) for e in stream)
     assert isinstance(stream[-1], rt.ResponseCompletedEvent) and stream[-1].response.output_text == "It is noon."
+
+
+def test_truncation_auto_drops_the_earliest_turns_until_the_input_fits(url: str) -> None:
+    """OpenAI's truncation "auto": an input over the context drops items from its beginning (whole
+    turns here: from one user message to the next, so a call and its output go together) until
+    it fits; `instructions` stay. The oracle: chat with the turns kept. "disabled" (the
+    default) is a 400, as is an input whose last turn alone does not fit."""
+    long = "word " * 300  # over the 256-token context alone
+    call = [{"type": "function_call", "call_id": "c1", "name": "get_time", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": long}]
+    turns = [{"role": "user", "content": long}, {"role": "assistant", "content": "ok"},
+             {"role": "user", "content": "what time is it?"}, *call,
+             {"role": "user", "content": "and now?"}, {"role": "assistant", "content": "noon"},
+             {"role": "user", "content": "thanks"}]
+    body = {"instructions": "Be brief.", "input": turns, "max_output_tokens": 4, "temperature": 0,
+            "tools": [TOOL], "truncation": "auto"}
+    r = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    kept = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "and now?"},
+            {"role": "assistant", "content": "noon"}, {"role": "user", "content": "thanks"}]
+    chat = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "messages": kept, "max_tokens": 4, "temperature": 0,
+        "tools": [{"type": "function", "function": {k: TOOL[k] for k in ("name", "description", "parameters")}}]})
+    assert chat.status_code == 200, chat.text
+    assert r.json()["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert r.json()["output"][-1]["content"][0]["text"] == chat.json()["choices"][0]["message"]["content"]
+    assert r.json()["truncation"] == "auto"
+    streamed = events(httpx.post(f"{url}/v1/responses", json={**body, "stream": True}, timeout=60).text)
+    got, want = streamed[-1]["response"]["usage"], r.json()["usage"]  # (the second hits the prefix cache)
+    assert (got["input_tokens"], got["output_tokens"]) == (want["input_tokens"], want["output_tokens"])
+
+    for refused in ({**body, "truncation": "disabled"}, {**body, "input": [*turns[:-1], {"role": "user",
+                                                                                         "content": long}]},
+                    {**body, "input": long}):
+        r = httpx.post(f"{url}/v1/responses", json=refused, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+
+
+def test_truncations_tries_leave_no_admission_slot_held(scripted: tuple[str, Scripted]) -> None:
+    """Each try of the search holds a slot while it tokenizes: the ones not taken, and all of
+    them when nothing fits, are released (the fixture checks none is held at its end)."""
+    base, backend = scripted
+    backend.text = "It is noon."
+    long = "word " * 1200  # over the 1024-token context alone
+    turns = [item for k in range(6) for item in ({"role": "user", "content": long if k < 4 else f"q{k}"},
+                                                 {"role": "assistant", "content": "ok"})]
+    ok = httpx.post(f"{base}/v1/responses", json={"input": [*turns, {"role": "user", "content": "now?"}],
+                                                  "truncation": "auto"}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    assert backend.prompts[-1] == backend.tokenizer.encode(  # the turns from the first short one on
+        backend.tokenizer.apply_chat_template([*turns[8:], {"role": "user", "content": "now?"}], tokenize=False,
+                                              add_generation_prompt=True), add_special_tokens=False)
+    no = httpx.post(f"{base}/v1/responses", json={"input": [*turns, {"role": "user", "content": long}],
+                                                  "truncation": "auto"}, timeout=60)
+    assert no.status_code == 400 and no.json()["error"]["param"] == "input"

@@ -891,3 +891,82 @@ def test_a_poll_that_fails_without_the_workers_death_is_tried_again(monkeypatch:
             svc.inbox.close()
 
     asyncio.run(main())
+
+
+class _Proxy:
+    """A TCP relay between a channel and an inbox that can drop what the channel sends
+    (`swallow`) and cut its connections (`cut`): a connection dropped and made again, losing
+    what was in flight (a worker stopped past the heartbeat timeout does this)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.swallow = target_port, False
+        self._writers: list[asyncio.StreamWriter] = []
+        self.server: asyncio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        return f"tcp://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _relay(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
+        ir, iw = await asyncio.open_connection("127.0.0.1", self.target_port)
+        self._writers += [cw, iw]
+
+        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, upstream: bool) -> None:
+            with contextlib.suppress(OSError, ConnectionError):
+                while data := await r.read(65536):
+                    if not (upstream and self.swallow):
+                        w.write(data)
+                        await w.drain()
+            w.close()
+
+        await asyncio.gather(pump(cr, iw, True), pump(ir, cw, False))
+
+    def cut(self) -> None:
+        for w in self._writers:
+            w.transport.abort()
+        self._writers.clear()
+
+    def close(self) -> None:
+        self.cut()
+        if self.server is not None:
+            self.server.close()
+
+
+def test_starts_in_flight_when_the_link_drops_fail_at_once_not_after_the_confirm_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A start written before the inbox's connection dropped may be lost with it (a worker
+    SIGSTOPped 5 s lost two or three so, and their clients waited 30 s, START_CONFIRM_S, with
+    no byte). When the link drops, a try the worker has not reported taking fails at once, as a
+    lost stream (the gateway moves it), and its abort follows on the next connection; a try
+    it took runs on, and the channel serves on."""
+    monkeypatch.setattr(worker_channel, "POLL_S", 0.1)
+
+    async def main() -> None:
+        svc = FakeService(hang)
+        real = svc.inbox.open()
+        proxy = _Proxy(int(real.rsplit(":", 1)[1]))
+        svc.inbox.address = await proxy.start()  # the channel connects (and signs) to the relay
+
+        async def info() -> WorkerInfo:
+            return WorkerInfo(1, 1, inbox=svc.inbox.address, incarnation=svc.incarnation)
+
+        svc.info = info  # type: ignore[method-assign]
+        async with channel_to(svc) as (_, channel):
+            taken = asyncio.create_task(channel.run(request(rid="taken"), asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 1 and channel._tries[("taken", 0)].started)
+            proxy.swallow = True
+            lost = asyncio.create_task(channel.run(request(rid="lost"), asyncio.Event()))
+            await asyncio.sleep(0.3)
+            proxy.cut()
+            proxy.swallow = False
+            with pytest.raises(StreamLostError, match="link"):
+                await asyncio.wait_for(lost, 5)  # not START_CONFIRM_S (30 s)
+            await _eventually(lambda: ("lost", 0) in svc.aborted)  # its abort came on the new connection
+            assert [s.request.request_id for s in svc.started] == ["taken"] and not taken.done()
+            after = asyncio.create_task(channel.run(request(rid="after"), asyncio.Event()))
+            await _eventually(lambda: len(svc.started) == 2)
+            for t in (taken, after):
+                t.cancel()
+        proxy.close()
+
+    asyncio.run(main())
