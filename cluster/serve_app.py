@@ -353,6 +353,10 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     """Runs on the gateway replica: tokenizer, backend over the named workers, routes."""
     from transformers import AutoTokenizer
 
+    from pdserve.workers.info_log import replica_logger
+
+    replica_logger()  # the gateway's own lines, on the console and in its log file as they come
+
     from pdserve.cluster.backend import ColocatedBackend
     from pdserve.cluster.gateway import Gateway
     from pdserve.cluster.openai_app import build_app

@@ -27,3 +27,24 @@ def info_logger(name: str) -> logging.Logger:
         log.addHandler(handler)
         log.propagate = False
     return log
+
+
+class _OwnStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """The process's own stderr (its fd 2), whatever sys.stderr has been swapped for."""
+
+
+def replica_logger(name: str = "pdserve") -> logging.Logger:
+    """`name`'s lines, INFO and up, straight to the process's own stderr, whatever the process
+    set up: in a Serve replica the root logger's handler and sys.stderr both hold records back
+    (1,000 at a time, and a replica killed loses them), so the gateway's warnings and errors (a
+    request moved, a request's error logged under the id its client was given) were never seen.
+    Ray keeps that stderr in the replica's log file and shows it on the `pdserve serve` console."""
+    log = logging.getLogger(name)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if not any(isinstance(h, _OwnStderr) for h in log.handlers):
+        handler = _OwnStderr(sys.__stderr__ or sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+    log.propagate = False  # (the root's handler would hold a second copy back)
+    return log
