@@ -64,6 +64,9 @@ _ABORTS_KEPT = 4096  # aborts remembered for a start not yet sent (it is then no
 # again, at most _ABORT_RESENDS times. A lost abort left its try decoding for no one to its end.
 ABORT_CONFIRM_S = 10.0
 _ABORT_RESENDS = 3
+# After the connection to an inbox drops, this long for the worker's death to be learnt (the
+# poll's Ray call fails) before the tries it may not have taken fail as lost streams.
+LINK_LOST_GRACE_S = 2.0
 # A poll that failed without the worker's death (a Ray error of the call, not of the actor) is
 # tried again after 0.5, 1, 2 s; the third failure in a row gives the worker up: its tries are
 # aborted there (it is alive) and fail, to move elsewhere.
@@ -293,17 +296,22 @@ class WorkerChannel:
 
     def _on_link_events(self) -> None:
         if self._monitor is not None and any(e.lost for e in self._monitor.poll()):
-            self._link_lost()
+            asyncio.get_running_loop().call_later(LINK_LOST_GRACE_S, self._link_lost, self._life, time.monotonic())
 
-    def _link_lost(self) -> None:
-        """The connection to the inbox dropped (the worker stopped or hung past the heartbeat
-        timeout, or the network broke; ZeroMQ connects again by itself). What was on its way
-        went with it: a start the worker has not reported taking may never arrive, and its
-        client would wait START_CONFIRM_S with no byte. Those tries fail now, as lost streams
-        (the gateway moves them), and each is aborted on the next connection (sent once: a
-        start that did arrive ends there, and one that did not has nothing to answer)."""
+    def _link_lost(self, life: int, at: float) -> None:
+        """The connection to the inbox dropped at `at` (the worker stopped or hung past the
+        heartbeat timeout, or the network broke; ZeroMQ connects again by itself). What was on
+        its way went with it: a start sent before then that the worker has not reported taking
+        may never arrive, and its client would wait START_CONFIRM_S with no byte. Those tries
+        fail, as lost streams (the gateway moves them), and each is aborted on the next
+        connection (sent once: a start that did arrive ends there, and one that did not has
+        nothing to answer). Called LINK_LOST_GRACE_S after the drop, and not at all if the
+        worker's death was learnt meanwhile (`life` is over): its tries then fail as on a
+        death, which takes the worker out of routing, so none moves back onto it."""
+        if self._closed or life != self._life:
+            return
         for key, t in list(self._unconfirmed):
-            if t.started or t.fut.done() or self._tries.get(key) is not t:
+            if t.sent_at > at or t.started or t.fut.done() or self._tries.get(key) is not t:
                 continue
             t.fut.set_exception(StreamLostError(
                 f"worker inbox {self._address}: the link dropped before the worker took request {key[0]} "
