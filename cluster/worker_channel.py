@@ -108,6 +108,7 @@ class WorkerChannel:
         self._seq = 0
         self._sock: zmq.Socket[bytes] | None = None
         self._monitor: LinkMonitor | None = None  # the socket's connection, watched from the loop
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that reads the monitor
         self._address: str | None = None  # the inbox, while connected
         self._tag_address = ""  # what the tags are bound to: the inbox and its process's life
         self._life = 0  # counts connects and losses: what was learnt of one life is not the next's
@@ -273,7 +274,7 @@ class WorkerChannel:
             apply_heartbeats(sock)
             monitor = LinkMonitor(sock)  # before the connect: it sees every drop
             sock.connect(info.inbox)
-            loop = asyncio.get_running_loop()
+            self._loop = loop = asyncio.get_running_loop()
             loop.add_reader(_fd(monitor), self._on_link_events)
             loop.call_soon(self._on_link_events)  # edge-triggered FD: arm it
             self._sock, self._monitor, self._address = sock, monitor, info.inbox
@@ -287,16 +288,16 @@ class WorkerChannel:
 
     def _disconnect(self) -> None:
         if self._monitor is not None:
-            with contextlib.suppress(Exception):  # a loop already closed (the process stopping)
-                asyncio.get_running_loop().remove_reader(_fd(self._monitor))
+            if self._loop is not None and not self._loop.is_closed():  # (closed: the process stopping)
+                self._loop.remove_reader(_fd(self._monitor))
             self._monitor.close()
         if self._sock is not None:
             self._sock.close(linger=0)
         self._sock, self._monitor, self._address = None, None, None
 
     def _on_link_events(self) -> None:
-        if self._monitor is not None and any(e.lost for e in self._monitor.poll()):
-            asyncio.get_running_loop().call_later(LINK_LOST_GRACE_S, self._link_lost, self._life, time.monotonic())
+        if self._monitor is not None and self._loop is not None and any(e.lost for e in self._monitor.poll()):
+            self._loop.call_later(LINK_LOST_GRACE_S, self._link_lost, self._life, time.monotonic())
 
     def _link_lost(self, life: int, at: float) -> None:
         """The connection to the inbox dropped at `at` (the worker stopped or hung past the
