@@ -22,15 +22,19 @@ def info_logger(name: str) -> logging.Logger:
     if not log.handlers and not logging.getLogger().handlers:
         # The process's own stderr: a Serve replica swaps sys.stderr for a logger that buffers 1,000
         # records before it writes its file, and Ray forwards only the real one to the console.
-        handler = logging.StreamHandler(sys.__stderr__ or sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
-        log.addHandler(handler)
+        log.addHandler(_own_stderr("%(asctime)s %(levelname)s %(message)s"))
         log.propagate = False
     return log
 
 
 class _OwnStderr(logging.StreamHandler):  # type: ignore[type-arg]
     """The process's own stderr (its fd 2), whatever sys.stderr has been swapped for."""
+
+
+def _own_stderr(fmt: str) -> _OwnStderr:
+    handler = _OwnStderr(sys.__stderr__ or sys.stderr)
+    handler.setFormatter(logging.Formatter(fmt))
+    return handler
 
 
 def replica_logger(name: str = "pdserve") -> logging.Logger:
@@ -43,8 +47,6 @@ def replica_logger(name: str = "pdserve") -> logging.Logger:
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
     if not any(isinstance(h, _OwnStderr) for h in log.handlers):
-        handler = _OwnStderr(sys.__stderr__ or sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
+        log.addHandler(_own_stderr("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     log.propagate = False  # (the root's handler would hold a second copy back)
     return log
