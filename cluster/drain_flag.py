@@ -12,6 +12,10 @@ error (503: a streamed one gets an error event and `[DONE]`), so that the proces
 the drain's end cuts no stream with nothing said.
 
 The key names the app's port: a later start on the same Ray cluster lowers it first.
+
+The flag is also a file on the driver's machine (`flag_path`), which a gateway there reads on its
+event loop: local Ray's GCS can be the reason for the stop (cluster/ray_vitals.py), and then the key
+cannot be written, and a read of it blocks until Ray gives up on the GCS, 60 s later.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import tempfile
 from collections.abc import Callable
 
 from pdserve.cluster.shutdown import DRAIN_S
@@ -41,8 +47,20 @@ def _key(port: int) -> bytes:
     return f"pdserve:draining:{port}".encode()
 
 
-def raise_flag(port: int) -> None:
-    """The driver: the stop began (no-op where this process is not connected to Ray)."""
+def flag_path(port: int) -> str:
+    """The flag's file on this machine (the port lock's directory: one run a port, cluster/port_lock.py)."""
+    return os.path.join(tempfile.gettempdir(), f"pdserve-draining-{port}")
+
+
+def raise_flag(port: int, gcs: bool = True) -> None:
+    """The driver: the stop began. The file first (it needs no GCS), then the key where this
+    process is connected to Ray and `gcs` (False: local Ray's GCS is gone, and the write would
+    block until Ray gives up on it)."""
+    with contextlib.suppress(OSError):  # a file another user left there (not read: `file_raised`)
+        with open(flag_path(port), "w"):
+            pass
+    if not gcs:
+        return
     from ray.experimental import internal_kv
 
     if internal_kv._internal_kv_initialized():
@@ -51,10 +69,21 @@ def raise_flag(port: int) -> None:
 
 def lower_flag(port: int) -> None:
     """The driver, once connected to Ray at start: an earlier run's flag is gone."""
+    with contextlib.suppress(OSError):
+        os.unlink(flag_path(port))
     from ray.experimental import internal_kv
 
     if internal_kv._internal_kv_initialized():
         internal_kv._internal_kv_del(_key(port))
+
+
+def file_raised(port: int) -> bool:
+    """Whether the flag's file is there, made by this user: on a shared /tmp another user could
+    make it, and would stop every gateway on this machine from taking requests."""
+    try:
+        return os.stat(flag_path(port)).st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 def is_raised(port: int) -> bool:
@@ -65,12 +94,14 @@ def is_raised(port: int) -> bool:
 
 
 class DrainWatch:
-    """Reads the flag every `poll_s` (off the event loop: a GCS call blocks) until it is
-    raised, then calls `on_drain()` once, on the loop, and stops."""
+    """Reads the flag every `poll_s` until it is raised, then calls `on_drain()` once, on the
+    loop, and stops: its file on the loop (a stat), the key off it (a GCS call blocks; while one
+    is under way no other starts, and the file is read all the same)."""
 
     def __init__(self, port: int, on_drain: Callable[[], None], poll_s: float = POLL_S,
-                 read: Callable[[int], bool] = is_raised) -> None:
-        self.port, self.on_drain, self.poll_s, self.read = port, on_drain, poll_s, read
+                 read: Callable[[int], bool] = is_raised,
+                 read_file: Callable[[int], bool] = file_raised) -> None:
+        self.port, self.on_drain, self.poll_s, self.read, self.read_file = port, on_drain, poll_s, read, read_file
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
@@ -79,16 +110,25 @@ class DrainWatch:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="pdserve-drain-watch")
 
     async def _run(self) -> None:
-        while True:
-            try:
-                raised = await asyncio.to_thread(self.read, self.port)
-            except Exception:  # noqa: BLE001 - a GCS that does not answer now: read it again later
-                log.debug("reading the drain flag failed", exc_info=True)
-                raised = False
-            if raised:
-                self.on_drain()
-                return
-            await asyncio.sleep(self.poll_s)
+        reading: asyncio.Future[bool] | None = None
+        try:
+            while True:
+                if reading is None:
+                    reading = asyncio.ensure_future(asyncio.to_thread(self.read, self.port))
+                raised = self.read_file(self.port)
+                if reading.done():
+                    try:
+                        raised = reading.result() or raised
+                    except Exception:  # noqa: BLE001 - a GCS that does not answer now: read it again later
+                        log.debug("reading the drain flag failed", exc_info=True)
+                    reading = None
+                if raised:
+                    self.on_drain()
+                    return
+                await asyncio.sleep(self.poll_s)
+        finally:
+            if reading is not None:
+                reading.cancel()  # (a thread's read cannot be stopped: its result is dropped)
 
     async def close(self) -> None:
         if self._task is not None:

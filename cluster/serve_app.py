@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -15,7 +16,7 @@ import ray
 from ray import serve
 from ray.serve.schema import ApplicationStatus
 
-from pdserve.cluster import drain_flag, port_lock
+from pdserve.cluster import drain_flag, port_lock, ray_vitals
 from pdserve.cluster.background_priority import deprioritize_background
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.drain_flag import DrainWatch
@@ -25,9 +26,11 @@ from pdserve.cluster.ingress_watch import IngressWatch
 from pdserve.cluster.leftovers import check_ports, haproxy_run_dir, port_released, remove_run_dir
 from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
+from pdserve.cluster.ray_vitals import ControlPlaneLost, Vital, VitalsWatch, find_vitals
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.cluster.shutdown import DRAIN_S
 from pdserve.workers import generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_turns import lending_dir, remove_node_files, turns_path
@@ -602,19 +605,35 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     if local:
         deprioritize_background(cfg.control_plane_nice, proxy_is_ingress=cfg.ingress is Ingress.PROXY)
     pinned = "" if pins is None else f"; decoding workers on cores of their own, the rest on {sorted(pins.rest)}"
+    # Local Ray's GCS and raylet: nothing replaces either (cluster/ray_vitals.py).
+    vitals = VitalsWatch(find_vitals(), _control_plane_lost).start() if local and block else None
     print(f"[pdserve] serving {cfg.model} on http://{cfg.host}:{cfg.port}/v1 "
           f"({cfg.mode.value}, {cfg.num_workers} workers, {dtype}{pinned})", flush=True)
     if block:
         try:
             while True:
                 time.sleep(REFRESH_S if local else 3600)
-                if local:  # a restarted worker, or one that changed role, gets its cores
+                if local and not ray_vitals.lost():  # a restarted worker, or one that changed role, gets its cores
                     pins = pin_decode_cores(cfg, cores, pins)
         except KeyboardInterrupt:
             if watch is not None:
                 watch.stop()  # its calls would only find a manager shutting down
+            if vitals is not None:
+                vitals.stop()
+                if vitals.lost is not None:  # Serve's and Ray's shutdown need what is gone
+                    raise ControlPlaneLost(vitals.lost) from None
             shutdown(cfg)
     return cfg  # with the worker count it decided
+
+
+def _control_plane_lost(vital: Vital) -> None:
+    """The vitals watch's call: say what went, keep Ray's busy polling of a dead GCS off the
+    engines' cores, and begin the stop a SIGTERM begins (its drain, then ControlPlaneLost)."""
+    print(f"[pdserve] local Ray lost {vital.describe()}: it cannot go on without it. Draining the requests "
+          f"in flight (up to {DRAIN_S:g} s), then stopping and exiting 1, for a supervisor to start pdserve "
+          "again", file=sys.stderr, flush=True)
+    ray_vitals.nice_all_threads(19)
+    os.kill(os.getpid(), signal.SIGINT)
 
 
 def deploy_gateway(cfg: ServeConfig) -> None:
@@ -690,10 +709,18 @@ def stop_ray(cfg: ServeConfig) -> None:
     workers' turns lock and lending directory. Left where the port is still in use
     afterwards: another run's, named by the same port."""
     ray.shutdown()
+    remove_run_files(cfg)
+
+
+def remove_run_files(cfg: ServeConfig) -> None:
+    """What `stop_ray` removes once Ray has stopped (also once the driver stopped local Ray's
+    processes by pid: cluster/ray_vitals.py)."""
     if port_released(cfg.port):
         if cfg.ingress is Ingress.HAPROXY:
             remove_run_dir(cfg.port)
         remove_node_files(f"{NAMESPACE}-{cfg.port}")
+    with contextlib.suppress(OSError):  # the drain's file (cluster/drain_flag.py)
+        os.unlink(drain_flag.flag_path(cfg.port))
     port_lock.release(cfg.port)
 
 

@@ -263,20 +263,20 @@ def _stop_all(left: dict[int, int], grace_s: float) -> int:
     for pid, started in left.items():
         _signal(pid, started, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and _alive(left):
+    while time.monotonic() < deadline and alive(left):
         time.sleep(0.05)
-    for pid in _alive(left):
+    for pid in alive(left):
         _signal(pid, left[pid], signal.SIGKILL)
     return len(left)
 
 
-def _alive(procs: dict[int, int]) -> list[int]:
+def alive(procs: dict[int, int]) -> list[int]:
     """Those of `procs` still running: the same pid and the same start time (a pid can be reused)."""
     return [pid for pid, started in procs.items() if (_stat(pid) or (0, -1))[1] == started]
 
 
 def _signal(pid: int, started: int, sig: signal.Signals) -> None:
-    if _alive({pid: started}):
+    if alive({pid: started}):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
@@ -286,14 +286,21 @@ def _signal(pid: int, started: int, sig: signal.Signals) -> None:
 def run_until_stopped(cfg: ServeConfig) -> int:
     """The driver: serve `cfg` until a SIGINT (from the parent), then let the requests in
     flight finish (`DRAIN_S` at most), stop Serve, the workers and local Ray, in that order.
-    Returns 0."""
+    Returns 0; 1 where local Ray lost its GCS or raylet (cluster/ray_vitals.py)."""
     import ray
 
     from pdserve.cluster import serve_app
+    from pdserve.cluster.ray_vitals import ControlPlaneLost
 
     _drain_on_sigint(cfg)
     try:
         serve_app.run(cfg)  # on a KeyboardInterrupt while serving, it stops Serve and the workers
+    except ControlPlaneLost as e:  # drained: local Ray's processes are stopped by pid, not by Ray
+        left = _sweep_mine(SWEEP_GRACE_S)
+        serve_app.remove_run_files(cfg)
+        print(f"[pdserve] stopped: {e}; {left} process(es) of local Ray's stopped by pid. Exiting 1",
+              file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # one while starting: what has started is stopped
         if ray.is_initialized():
             try:
@@ -326,11 +333,12 @@ def _drain(cfg: ServeConfig) -> None:
     none in flight (seen twice, so that the last chunks are written, the last time once every
     gateway has read the flag and, with several replicas, published its count since), DRAIN_S
     at most, then stop (SIGINT to this process)."""
-    from pdserve.cluster import drain_flag, metrics_peers
+    from pdserve.cluster import drain_flag, metrics_peers, ray_vitals
 
     deadline = time.monotonic() + DRAIN_S
+    lost = ray_vitals.lost()
     try:
-        drain_flag.raise_flag(cfg.port)
+        drain_flag.raise_flag(cfg.port, gcs=lost is None or lost.name != "gcs_server")
     except Exception as e:  # noqa: BLE001 - Ray not up yet, or its GCS gone: the drain waits all the same
         print(f"[pdserve] telling the gateway to stop taking requests failed: {e!r}", file=sys.stderr, flush=True)
     # A gateway admits until it has read the flag: two reads of 0 before then (0.25 s apart, the

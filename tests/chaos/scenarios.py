@@ -50,6 +50,9 @@ CONCURRENCY = 8
 MAX_TOKENS = 128  # each probe's: streams long enough to be cut mid-way (~1 s at 8 concurrent)
 AT_CHUNKS = 500  # the fault strikes once the load has streamed this many chunks (~1/10 of it)
 AFTER = 8  # requests after recovery, all at once (both decode workers get some): all must be ok
+# (o, p): by when `pdserve serve` has drained and exited on its own after its GCS's or raylet's loss
+# (the drain's 10 s, the sweep's 3 s, on 2 cores); Ray itself ends everything at 60 s.
+SELF_STOP_S = 30.0
 
 
 def excuse_errors_before_recovery(r: Result, fault: Fault, recovered_at: float | None) -> bool:
@@ -650,6 +653,104 @@ def server_killed(h: Harness, how: str = "SIGKILL") -> ScenarioResult:
     return res
 
 
+def control_plane_lost(h: Harness, which: str) -> ScenarioResult:
+    """Mid-load, local Ray's GCS or raylet (`which`: its executable's name) is SIGKILLed.
+    Nothing replaces either, so `pdserve serve` must see it (cluster/ray_vitals.py), drain and
+    exit 1 by itself, well before Ray's own end of its processes 60 s later, and then serves
+    again once started again (as a supervisor would). Every stream in flight at the fault must
+    end with [DONE] or an error event (a drop is a failure here, unlike a killed server's), and
+    requests until the new start serves get clean errors or a refused connection (excused)."""
+    key, title = ("o", "local Ray's GCS SIGKILL") if which == "gcs_server" else ("p", "local Ray's raylet SIGKILL")
+    t0 = time.monotonic()
+    res = ScenarioResult(key, title)
+    server = h.server
+    h.wait_ready()
+    res.budget_s = recovery_budget(server.startup_s or 60.0)
+    load = _load(h)
+    faults: list[Fault] = []
+    exited: list[float] = []
+    h.view.close()  # a driver on a Ray whose GCS dies may be ended by Ray: leave first
+
+    def kill_and_restart() -> None:
+        victims = [pid for pid in server.pids() if os.path.basename(cmdline(pid).split(" ", 1)[0]) == which]
+        if len(victims) != 1:
+            res.failures.append(f"found {len(victims)} {which} process(es) among the server's: {victims}")
+            return
+        t = time.monotonic()
+        os.kill(victims[0], signal.SIGKILL)
+        faults.append(Fault("SIGKILL", which, victims[0], t, t))
+        assert server.proc is not None
+        try:
+            code = server.proc.wait(SELF_STOP_S)
+            exited.append(time.monotonic())
+            res.notes.append(f"pdserve serve exited with {code} {exited[0] - t:.1f} s after the fault")
+            if code != 1:
+                res.failures.append(f"pdserve serve exited with {code}, not 1")
+        except subprocess.TimeoutExpired:
+            res.failures.append(f"pdserve serve still running {SELF_STOP_S:g} s after the fault")
+        left = server.pids()
+        log_start = server.log_path.stat().st_size
+        server.restart()
+        res.notes.append(f"restarted {time.monotonic() - t:.1f} s after the fault; the old run's processes alive "
+                         f"then: {_describe(left)}")
+        try:
+            server.wait_healthy(max(120.0, 3 * (res.budget_s or 60.0)))
+            res.recovery_s = time.monotonic() - t
+        except RuntimeError as e:
+            res.failures.append(f"not healthy after the restart: {str(e).splitlines()[0]}")
+            res.notes.append(server.log_tail(15))
+        with open(server.log_path, errors="replace") as f:
+            f.seek(log_start)
+            res.notes += [line.strip() for line in f if line.startswith("pdserve:")]
+
+    async def scenario() -> list[Result]:
+        reached = asyncio.Event()
+        load.on_chunk = lambda n: reached.set() if n >= AT_CHUNKS else None
+
+        async def strike() -> None:
+            await reached.wait()
+            await asyncio.to_thread(kill_and_restart)
+
+        striker = asyncio.create_task(strike())
+        results = await load.run(server.url)
+        if not reached.is_set():
+            striker.cancel()
+            raise RuntimeError(f"the load ended after {load.chunks} chunks, before the fault's {AT_CHUNKS}")
+        await striker
+        return results
+
+    results = asyncio.run(scenario())
+    if not faults:
+        res.judge()
+        return res
+    fault = faults[0]
+    res.fault = fault
+    recovered_at = fault.ended + res.recovery_s if res.recovery_s is not None else None
+    down_at = exited[0] if exited else None
+
+    def excused(r: Result, f: Fault, at: float | None) -> bool:
+        # A clean error until the new start serves; a refused connection only once the old one is gone.
+        if r.outcome is Outcome.ERROR:
+            return before_recovery(r, f, at)
+        return (r.outcome is Outcome.DROPPED and down_at is not None and r.started >= down_at - 0.5
+                and before_recovery(r, f, at))
+
+    cut = [r for r in results if r.outcome is Outcome.DROPPED and r.started < fault.started]
+    if cut:
+        res.failures.append(f"{len(cut)} stream(s) in flight at the fault cut with no [DONE] or error event")
+    h._count(res, results, fault, recovered_at, excused)
+    if res.recovery_s is not None:
+        h.view = RayView(server.ray_address())
+        h.wait_ready()
+        h.warm_up()
+        before = h.baseline()
+        h.after_recovery(res, AFTER)
+        res.leaks = leaks(before, h.drain(before, timeout_s=DRAIN_TIMEOUT_S))
+    res.judge()
+    res.elapsed_s = time.monotonic() - t0
+    return res
+
+
 def _describe(pids: list[int]) -> str:
     if not pids:
         return "none"
@@ -691,6 +792,8 @@ SCENARIOS = [
     Scenario("i1", "pdserve serve SIGKILL, restarted", OWN, lambda h: server_killed(h, "SIGKILL")),
     Scenario("i2", "pdserve serve SIGTERM to its group, restarted", OWN, lambda h: server_killed(h, "SIGTERM")),
     Scenario("j", "decode worker SIGSTOP 60 s (hang)", TWO_DECODE, decode_hung),
+    Scenario("o", "local Ray's GCS SIGKILL", OWN, lambda h: control_plane_lost(h, "gcs_server")),
+    Scenario("p", "local Ray's raylet SIGKILL", OWN, lambda h: control_plane_lost(h, "raylet")),
     Scenario("k", "one request's row fails on a decode worker (injected)", TWO_DECODE, row_poisoned),
     Scenario("k2", "2 requests' rows fail on one decode worker (injected)", TWO_DECODE, two_rows_poisoned),
     Scenario("n", "colocated worker SIGSTOP 60 s (hang)", TWO_COLOCATED, colocated_hung),

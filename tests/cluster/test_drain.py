@@ -15,7 +15,7 @@ from pdserve.cluster import drain_flag, shutdown
 def _drain(monkeypatch: pytest.MonkeyPatch, readings: Iterator[float | None], replicas: int = 1) -> float:
     """Seconds from the drain's start to its stop signal, the gateway's count read from `readings`
     (a /metrics holding the counts of `replicas` gateway replicas)."""
-    monkeypatch.setattr(drain_flag, "raise_flag", lambda port: None)
+    monkeypatch.setattr(drain_flag, "raise_flag", lambda port, gcs=True: None)
     monkeypatch.setattr(shutdown, "DRAIN_S", 2.0)
 
     def read(cfg: object) -> shutdown.Reading | None:
