@@ -1,12 +1,12 @@
 """The driver watches the local Ray it started: its GCS and its raylet, by pid.
 
 Why: local Ray has no fault tolerance for either. Measured on 2 cores with the tiny model and
-SmolLM2 (2026-12-06, by hand; docs/reliability.md "Local Ray's own processes"):
+SmolLM2 (2026-12-06, by hand; docs/reliability.md "Local Ray's own processes killed"):
 
 - **The GCS SIGKILLed:** every process of Ray's waits 60 s for it to come back, then ends. For
   those 60 s /health said 200 "ok" and the last streams were then cut with nothing said. Worse,
   the driver's own Ray threads (its error and log listeners) poll the dead GCS in a busy loop: a
-  whole core, so on two cores the streams in flight crawled (5 tokens in 9 s).
+  whole core, so on two cores the streams in flight crawled (5 chunks in 9.5 s).
 - **The raylet SIGKILLed:** nothing ends at all. /health said 200 "ok" for as long as anyone
   looked (12 minutes), and every request got 503 "no healthy worker".
 
@@ -98,11 +98,10 @@ def nice_all_threads(value: int = 19) -> None:
 
 class VitalsWatch:
     """A daemon thread that checks `vitals` every `poll_s` and calls `on_lost(vital)` once, for
-    the first one found gone, then stops. `lost` is that one (None while all live)."""
+    the first one found gone, then stops; `lost()` is that one from then on."""
 
     def __init__(self, vitals: list[Vital], on_lost: Callable[[Vital], None], poll_s: float = POLL_S) -> None:
         self.vitals, self.on_lost, self.poll_s = vitals, on_lost, poll_s
-        self.lost: Vital | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-ray-vitals", daemon=True)
 
@@ -119,7 +118,7 @@ class VitalsWatch:
             gone = [v for v in self.vitals if not alive({v.pid: v.started})]
             if gone:
                 global _lost
-                self.lost = _lost = gone[0]
+                _lost = gone[0]
                 try:
                     self.on_lost(gone[0])
                 except Exception:  # noqa: BLE001 - a thread's error would end it unseen

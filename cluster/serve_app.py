@@ -620,8 +620,9 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
                 watch.stop()  # its calls would only find a manager shutting down
             if vitals is not None:
                 vitals.stop()
-                if vitals.lost is not None:  # Serve's and Ray's shutdown need what is gone
-                    raise ControlPlaneLost(vitals.lost) from None
+                gone = ray_vitals.lost()
+                if gone is not None:  # Serve's and Ray's shutdown need what is gone
+                    raise ControlPlaneLost(gone) from None
             shutdown(cfg)
     return cfg  # with the worker count it decided
 

@@ -16,9 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from pdserve.cluster import drain_flag
+from pdserve.cluster import drain_flag, ray_vitals
 from pdserve.cluster.ray_vitals import Vital, VitalsWatch, find_vitals
 from pdserve.cluster.shutdown import descendants
+
+
+@pytest.fixture(autouse=True)
+def no_loss_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A watch's loss is the process's (`ray_vitals.lost`): each test starts with none, and leaves none."""
+    monkeypatch.setattr(ray_vitals, "_lost", None)
 
 
 @pytest.fixture
@@ -44,9 +50,9 @@ def test_the_gcs_and_the_raylet_are_found_among_this_process_s_descendants(
 
 def test_a_killed_one_is_seen_even_unreaped_and_reported_once(fake_ray: dict[str, subprocess.Popen[bytes]]) -> None:
     calls: list[tuple[Vital, float]] = []
-    watch = VitalsWatch(find_vitals(), lambda v: calls.append((v, time.monotonic())), poll_s=0.05).start()
+    VitalsWatch(find_vitals(), lambda v: calls.append((v, time.monotonic())), poll_s=0.05).start()
     time.sleep(0.3)
-    assert not calls and watch.lost is None  # both alive: nothing said
+    assert not calls and ray_vitals.lost() is None  # both alive: nothing said
     killed = time.monotonic()
     os.kill(fake_ray["raylet"].pid, signal.SIGKILL)  # not reaped: a zombie, as Ray leaves it
     deadline = time.monotonic() + 5
@@ -56,7 +62,7 @@ def test_a_killed_one_is_seen_even_unreaped_and_reported_once(fake_ray: dict[str
     time.sleep(0.3)
     assert len(calls) == 1
     vital, seen = calls[0]
-    assert vital.name == "raylet" and vital.pid == fake_ray["raylet"].pid and watch.lost == vital
+    assert vital.name == "raylet" and vital.pid == fake_ray["raylet"].pid and ray_vitals.lost() == vital
     assert seen - killed < 1.0
     assert "raylet" in vital.describe() and str(vital.pid) in vital.describe()
 
