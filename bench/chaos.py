@@ -1,7 +1,7 @@
 """The chaos matrix of issue 13: real processes of a real `pdserve serve` killed,
 stopped, crashed or cut off under streaming greedy load, and what the cluster made
-of it (tests/chaos/scenarios.py has the scenarios, tests/chaos/harness.py the harness;
-docs/reliability.md the results).
+of it (tests/chaos/scenarios.py has the matrix, the *_faults.py beside it the
+scenarios, tests/chaos/harness.py the harness; docs/reliability.md the results).
 
 Columns: requests of the scenario's load; ok (exactly the offline engine's greedy
 text); clean errors and dropped connections that no survivor could have avoided

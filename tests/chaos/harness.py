@@ -1,7 +1,7 @@
 """Chaos harness: a real `pdserve serve`, streaming greedy load whose answers are
 known, faults on the pids of the processes it started, and the checks after each
-(issue 13; the scenarios are in scenarios.py, the matrix in bench/chaos.py, the CI
-subset in test_chaos.py). Its parts: what it reads of processes from /proc and the
+(issue 13; the scenarios are in *_faults.py, their matrix in scenarios.py, its table
+in bench/chaos.py, the CI subset in test_chaos.py). Its parts: what it reads of processes from /proc and the
 links it cuts (procs.py), the probes and the load (load.py), what the workers still
 hold afterwards (leaks.py); the server, the Ray view and one scenario's skeleton here.
 

@@ -36,9 +36,10 @@ SUBSET = ("a", "e", "f", "k")
 
 @pytest.fixture(scope="module")
 def harness(make_model: Callable[[TinyModelSpec], Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from chaos.base import AFTER, MAX_TOKENS, REQUESTS
     from chaos.harness import Harness
     from chaos.load import ENDPOINTS, make_probes
-    from chaos.scenarios import AFTER, MAX_TOKENS, REQUESTS, TWO_DECODE, WARM_UP, server_options
+    from chaos.scenarios import TWO_DECODE, WARM_UP, server_options
 
     # test_serve_ray's model (made once per session): the scenarios' MODEL_SPEC.
     model = str(make_model(tiny_spec(hidden_size=128, num_heads=4, num_kv_heads=2, init_std=0.05)))

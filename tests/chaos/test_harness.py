@@ -194,7 +194,7 @@ def test_a_server_kill_whose_load_ends_before_the_fault_fails_instead_of_waiting
     """Every request refused (503): no chunk streams, the fault's moment never comes; (i) must
     say so as run_fault does, not wait for it forever."""
     from chaos.harness import Harness
-    from chaos.scenarios import server_killed
+    from chaos.server_faults import server_killed
 
     refused = [Probe((9, 1, 2), 3, "abc")]
     h = Harness(_Unstruck(fake_url), _NoRay(), refused, model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
@@ -251,14 +251,14 @@ class _Uncut:
 def test_a_link_cut_that_cut_nothing_fails(key: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """(g1) and (g2) strike by `ss -K`; when no connection was there to cut (the KV never seen
     awaited, no token link found), nothing was struck: the scenario proved nothing and must fail."""
-    from chaos import scenarios
+    from chaos import link_faults
 
-    monkeypatch.setattr(scenarios, "can_cut_links", lambda: True)
-    monkeypatch.setattr(scenarios, "links", lambda *_: [])
-    monkeypatch.setattr(scenarios, "loopback_ports", lambda _: set())
-    monkeypatch.setattr(scenarios, "cut_links", lambda conns: len(conns))
+    monkeypatch.setattr(link_faults, "can_cut_links", lambda: True)
+    monkeypatch.setattr(link_faults, "links", lambda *_: [])
+    monkeypatch.setattr(link_faults, "loopback_ports", lambda _: set())
+    monkeypatch.setattr(link_faults, "cut_links", lambda conns: len(conns))
     monkeypatch.setattr(time, "sleep", lambda _: None)  # the pauses between cuts
-    run = scenarios.kv_link_cut if key == "g1" else scenarios.token_link_cut
+    run = link_faults.kv_link_cut if key == "g1" else link_faults.token_link_cut
     res = run(_Uncut())  # type: ignore[arg-type]
     assert res.fault is not None and "0 connections cut" in res.fault.note, res.fault
     assert not res.passed, f"{key} passed with nothing cut: {res.failures}"
@@ -340,13 +340,14 @@ def test_a_server_restart_whose_new_workers_leak_threads_fails(fake_url: str, tm
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """(i) checks the new run's workers after its requests; with no baseline of theirs, tasks and
     threads left by those requests (6 of each here) could never count: it must measure them."""
-    from chaos import scenarios
+    from chaos import server_faults
+    from chaos.base import AFTER
     from chaos.harness import Harness
 
     workers = _Workers()
-    monkeypatch.setattr(scenarios, "AT_CHUNKS", 10)  # the fake server's streams are 3 chunks each
-    monkeypatch.setattr(scenarios, "DRAIN_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(scenarios, "RayView", lambda _address: workers)
+    monkeypatch.setattr(server_faults, "AT_CHUNKS", 10)  # the fake server's streams are 3 chunks each
+    monkeypatch.setattr(server_faults, "DRAIN_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(server_faults, "RayView", lambda _address: workers)
     log = tmp_path / "serve.log"
     log.write_text("")
     h = Harness(_Restarted(fake_url, log), workers, [PROBE], model_load_s=1.0, log=lambda _: None)  # type: ignore[arg-type]
@@ -358,8 +359,8 @@ def test_a_server_restart_whose_new_workers_leak_threads_fails(fake_url: str, tm
         workers.leaking = True
 
     h.after_recovery = leaving_threads  # type: ignore[method-assign]
-    res = scenarios.server_killed(h)
-    assert res.after_ok == res.after_total == scenarios.AFTER and res.recovery_s is not None, res
+    res = server_faults.server_killed(h)
+    assert res.after_ok == res.after_total == AFTER and res.recovery_s is not None, res
     assert res.leaks.tasks and res.leaks.threads, res.leaks
     assert not res.passed
 
@@ -369,9 +370,9 @@ def test_a_prefill_kill_that_missed_its_moment_fails(key: str) -> None:
     """(b1) kills the prefill worker mid-prefill, (b2) mid-transfer; when the wait for that
     moment runs out the worker is killed anyway: that kill is not the scenario's, and it must
     not pass as one."""
-    from chaos import scenarios
+    from chaos import worker_faults
 
-    run = scenarios.prefill_killed_mid_prefill if key == "b1" else scenarios.prefill_killed_mid_transfer
+    run = worker_faults.prefill_killed_mid_prefill if key == "b1" else worker_faults.prefill_killed_mid_transfer
     res = run(_Uncut())  # type: ignore[arg-type]
     assert res.fault is not None and "killed anyway" in res.fault.note, res.fault
     assert not res.passed, f"{key} passed with its moment missed: {res.failures}"
