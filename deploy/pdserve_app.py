@@ -36,8 +36,9 @@ from typing import Any
 
 from ray import serve
 
-from pdserve.cluster.serve_app import NAMESPACE, cluster_gpus, gateway_app, start_workers
+from pdserve.cluster.serve_app import cluster_gpus, gateway_app
 from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeConfig, serve_config
+from pdserve.cluster.worker_start import NAMESPACE, start_workers
 
 _KEYS = ("api_key", "metrics_api_key")  # each given inline, or as `<name>_env` or `<name>_file`
 _KEY_ARGS = tuple(f"{name}{form}" for name in _KEYS for form in ("", "_env", "_file"))

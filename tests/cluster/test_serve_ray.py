@@ -53,7 +53,7 @@ def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, 
                                        max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert len("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)) > 0
     if mode == "disaggregated":
-        from pdserve.cluster.serve_app import NAMESPACE
+        from pdserve.cluster.worker_start import NAMESPACE
 
         p = ray.get(ray.get_actor("pdserve-prefill-0", namespace=NAMESPACE).load.remote()).snapshot
         d = ray.get(ray.get_actor("pdserve-decode-0", namespace=NAMESPACE).load.remote()).snapshot
@@ -94,7 +94,7 @@ def test_cluster_scores_prompts_and_applies_penalties(cluster: tuple[str, str], 
 
 
 def _worker_loads() -> list[dict]:
-    from pdserve.cluster.serve_app import NAMESPACE
+    from pdserve.cluster.worker_start import NAMESPACE
 
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["namespace"] == NAMESPACE

@@ -13,7 +13,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from pdserve.cluster import serve_app  # noqa: E402 - after the skip: it imports Ray
+from pdserve.cluster import serve_app, worker_start  # noqa: E402 - after the skip: it imports Ray
 
 
 def died_in_constructor(last_line: str) -> Any:
@@ -38,9 +38,9 @@ def test_a_worker_that_refuses_its_model_stops_the_start_with_the_reason(monkeyp
     def get(refs: Any, timeout: float) -> None:
         raise error
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "get", get)
     with pytest.raises(ValueError) as caught:
-        serve_app.wait_for_workers([Handle(), Handle()])
+        worker_start.wait_for_workers([Handle(), Handle()])
     assert str(caught.value) == "a worker could not start: model: no .safetensors weights in /models/x"
     assert caught.value.__cause__ is error
 
@@ -59,9 +59,9 @@ def test_a_refusal_of_several_lines_stops_the_start_with_all_of_them(monkeypatch
     def get(refs: Any, timeout: float) -> None:
         raise error
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "get", get)
     with pytest.raises(ValueError) as caught:
-        serve_app.wait_for_workers([Handle()])
+        worker_start.wait_for_workers([Handle()])
     assert str(caught.value) == (
         "a worker could not start: Couldn't instantiate the backend tokenizer from one of: (1) a `tokenizers` "
         "library serialization file, (2) a slow tokenizer instance to convert or (3) an equivalent slow tokenizer "
@@ -77,15 +77,15 @@ def test_any_other_death_is_raised_as_ray_gave_it(monkeypatch: pytest.MonkeyPatc
     def get(refs: Any, timeout: float) -> None:
         raise error
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "get", get)
     with pytest.raises(ray.exceptions.ActorDiedError) as caught:
-        serve_app.wait_for_workers([Handle()])
+        worker_start.wait_for_workers([Handle()])
     assert caught.value is error
-    assert serve_app.refusal(error) is None
+    assert worker_start.refusal(error) is None
 
 
 def test_a_death_after_the_constructor_is_not_a_refusal() -> None:
-    assert serve_app.refusal(ray.exceptions.ActorDiedError()) is None
+    assert worker_start.refusal(ray.exceptions.ActorDiedError()) is None
 
 
 def _joined_cluster(monkeypatch: pytest.MonkeyPatch, created: list[Handle]) -> None:
@@ -135,7 +135,7 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
 
 def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """`start_workers` (the Serve YAML's application builder, deploy/pdserve_app.py) made detached
+    """`start_workers` (the Serve YAML's application builder, deploy/pdworker_start.py) made detached
     workers and raised when one refused its model: the others lived on, holding their cores or
     GPUs, until another deploy happened to replace them. It stops the ones it created, as
     `pdserve serve` does."""
@@ -143,15 +143,15 @@ def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
 
     created = [Handle(), Handle()]
     killed: list[Any] = []
-    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: created)
+    monkeypatch.setattr(worker_start, "create_workers", lambda cfg: created)
 
     def refused(workers: Any, timeout_s: float = 300.0, names: Any = None) -> None:
         raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
 
-    monkeypatch.setattr(serve_app, "wait_for_workers", refused)
-    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    monkeypatch.setattr(worker_start, "wait_for_workers", refused)
+    monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: killed.append(handle))
     with pytest.raises(ValueError, match="could not start"):
-        serve_app.start_workers(serve_config({"model": "/models/x"}))
+        worker_start.start_workers(serve_config({"model": "/models/x"}))
     assert killed == created
 
 
@@ -180,11 +180,11 @@ def test_workers_created_before_one_that_cannot_be_created_are_stopped(monkeypat
     for cls in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
         monkeypatch.setattr(ray_actors, cls, type(cls, (), {
             "options": staticmethod(lambda name, **options: Actor(name))}))
-    monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 4.0})
-    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
+    monkeypatch.setattr(worker_start.ray, "cluster_resources", lambda: {"CPU": 4.0})
+    monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: killed.append(handle))
     cfg = serve_config({"model": "/models/x", "prefill": 2, "decode": 2})
     with pytest.raises(ValueError, match="already taken"):
-        serve_app.create_workers(cfg)
+        worker_start.create_workers(cfg)
     assert made == ["pdserve-prefill-0", "pdserve-prefill-1"]
     assert killed == made
 
@@ -211,12 +211,12 @@ def test_workers_not_up_by_the_deadline_are_named_in_one_line(monkeypatch: pytes
 
     from pdserve.cluster.serve_config import serve_config
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
-    monkeypatch.setattr(serve_app.ray, "wait", wait)
-    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
-    monkeypatch.setattr(serve_app, "create_workers", lambda cfg: [Slow(), Slow(), Slow()])
+    monkeypatch.setattr(worker_start.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "wait", wait)
+    monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: None)
+    monkeypatch.setattr(worker_start, "create_workers", lambda cfg: [Slow(), Slow(), Slow()])
     with pytest.raises(ValueError) as caught:
-        serve_app.start_workers(serve_config({"model": "/models/x", "prefill": 1, "decode": 2}), timeout_s=0.2)
+        worker_start.start_workers(serve_config({"model": "/models/x", "prefill": 1, "decode": 2}), timeout_s=0.2)
     message = str(caught.value)
     assert message.startswith("workers not up within 0.2 s: pdserve-decode-0, pdserve-decode-1 ")
     assert "pdserve-prefill-0" not in message and "\n" not in message
@@ -288,16 +288,16 @@ def test_a_worker_that_keeps_dying_while_it_starts_ends_the_start_naming_it(monk
         gets.append(timeout)
         raise ray.exceptions.GetTimeoutError("Get timed out: some object(s) not ready.")
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
-    monkeypatch.setattr(serve_app.ray, "wait", lambda pending, num_returns, timeout: ([], list(pending)))
-    monkeypatch.setattr(serve_app, "restarts", lambda handle: next(deaths[id(handle)]), raising=False)
+    monkeypatch.setattr(worker_start.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "wait", lambda pending, num_returns, timeout: ([], list(pending)))
+    monkeypatch.setattr(worker_start, "restarts", lambda handle: next(deaths[id(handle)]), raising=False)
     with pytest.raises(ValueError) as caught:
-        serve_app.wait_for_workers(handles, timeout_s=600.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
+        worker_start.wait_for_workers(handles, timeout_s=600.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
     message = str(caught.value)
     assert message.startswith("pdserve-decode-0 died 2 times while starting")
     assert "pdserve-prefill-0" not in message and "\n" not in message
     assert "memory" in message
-    assert len(gets) <= 3 and all(t <= serve_app.START_POLL_S for t in gets)
+    assert len(gets) <= 3 and all(t <= worker_start.START_POLL_S for t in gets)
 
 
 @pytest.mark.parametrize(("settings", "waited"), [({}, 300.0), ({"worker_start_timeout": 1800}, 1800.0)])
@@ -349,16 +349,16 @@ def test_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_crea
     for cls in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
         monkeypatch.setattr(ray_actors, cls, type(cls, (), {
             "options": staticmethod(lambda name, **options: Actor(name))}))
-    monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
-    monkeypatch.setattr(serve_app.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
+    monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: None)
+    monkeypatch.setattr(worker_start.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
     cfg = serve_config({"model": "/models/x", **settings})
     cfg = cfg.fit_to_cluster(lambda: 2.0)
     with pytest.raises(ValueError, match=r"^tensor_parallel_size: .*--device cpu"):
-        serve_app.create_workers(cfg)
+        worker_start.create_workers(cfg)
     assert made == []
     # The same settings on CPU workers (`device: cpu`) of that cluster are created.
     cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
-    serve_app.create_workers(cpu)
+    worker_start.create_workers(cpu)
     assert made == cpu.worker_names()
 
 
@@ -384,10 +384,10 @@ def test_a_worker_that_dies_starting_and_is_not_restarted_ends_the_start_in_one_
             raise ray.exceptions.GetTimeoutError("not ready")
         raise error
 
-    monkeypatch.setattr(serve_app.ray, "get", get)
-    monkeypatch.setattr(serve_app.ray, "wait", lambda pending, timeout, **kw: (list(pending), []))
+    monkeypatch.setattr(worker_start.ray, "get", get)
+    monkeypatch.setattr(worker_start.ray, "wait", lambda pending, timeout, **kw: (list(pending), []))
     with pytest.raises(ValueError) as caught:
-        serve_app.wait_for_workers(handles, timeout_s=60.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
+        worker_start.wait_for_workers(handles, timeout_s=60.0, names=["pdserve-prefill-0", "pdserve-decode-0"])
     message = str(caught.value)
     assert message.startswith("pdserve-decode-0 died while starting") and "\n" not in message
     assert "memory" in message and "OOM killer" in message and "actor_id" not in message

@@ -234,12 +234,12 @@ def test_a_pool_of_one_rank_under_a_cluster_wide_size_runs_one_rank(pool_tp: dic
     """--tensor-parallel-size 2 --decode-tp 1: the decode workers' engines ran two ranks anyway
     (the pool's size of 1 returned the cluster's engine config as it was, size 2 in it)."""
     from pdserve.cluster.placement import WorkerShare
-    from pdserve.cluster.serve_app import _pool_engine
     from pdserve.cluster.serve_config import serve_config
+    from pdserve.cluster.worker_start import pool_engine
 
     cfg = serve_config({"model": "tiny", "tensor_parallel_size": 2, **pool_tp})
     pool, size = want
-    engine, _ = _pool_engine(cfg.engine, WorkerShare(options={"num_cpus": 2}, threads=4), cfg.pool_tp(pool))
+    engine, _ = pool_engine(cfg.engine, WorkerShare(options={"num_cpus": 2}, threads=4), cfg.pool_tp(pool))
     assert engine.tensor_parallel_size == size == cfg.pool_tp(pool)
 
 
