@@ -3,11 +3,7 @@ the loads it runs (fresh probe prompts from the harness's set)."""
 
 from __future__ import annotations
 
-from chaos.harness import (
-    Fault,
-    Harness,
-    before_recovery,
-)
+from chaos.harness import Fault, Harness, before_recovery
 from chaos.load import Load, Outcome, Result
 
 REQUESTS = 48  # per scenario's load

@@ -10,16 +10,8 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 
-from chaos.base import (
-    AT_CHUNKS,
-    load_for,
-)
-from chaos.harness import (
-    Fault,
-    Harness,
-    ScenarioResult,
-    before_recovery,
-)
+from chaos.base import AT_CHUNKS, load_for
+from chaos.harness import Fault, Harness, ScenarioResult, before_recovery
 from chaos.load import HealthSample, HealthWatch, Load, Outcome, Probe, Result
 from chaos.procs import cmdline
 from pdserve.cluster.reports import DrainState

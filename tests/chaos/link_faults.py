@@ -6,21 +6,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from chaos.base import (
-    AT_CHUNKS,
-    REQUESTS,
-    decodes,
-    load_for,
-    long_load,
-    prefills,
-)
-from chaos.harness import (
-    Check,
-    Fault,
-    Harness,
-    ScenarioResult,
-    pid_of,
-)
+from chaos.base import AT_CHUNKS, REQUESTS, decodes, load_for, long_load, prefills
+from chaos.harness import Check, Fault, Harness, ScenarioResult, pid_of
 from chaos.load import Load
 from chaos.procs import can_cut_links, cut_links, links, loopback_ports
 from pdserve.cluster.reports import DrainState

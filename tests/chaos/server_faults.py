@@ -11,12 +11,7 @@ import subprocess
 import time
 from collections.abc import Callable
 
-from chaos.base import (
-    AFTER,
-    AT_CHUNKS,
-    SELF_STOP_S,
-    load_for,
-)
+from chaos.base import AFTER, AT_CHUNKS, SELF_STOP_S, load_for
 from chaos.harness import (
     DRAIN_TIMEOUT_S,
     Excuse,

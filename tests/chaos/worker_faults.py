@@ -6,21 +6,8 @@ from __future__ import annotations
 import signal
 import time
 
-from chaos.base import (
-    AT_CHUNKS,
-    decodes,
-    excuse_errors_before_recovery,
-    load_for,
-    long_load,
-    prefills,
-)
-from chaos.harness import (
-    Check,
-    Fault,
-    Harness,
-    ScenarioResult,
-    pid_of,
-)
+from chaos.base import AT_CHUNKS, decodes, excuse_errors_before_recovery, load_for, long_load, prefills
+from chaos.harness import Check, Fault, Harness, ScenarioResult, pid_of
 from chaos.load import Load, Outcome, Result
 from chaos.procs import alive
 from pdserve.cluster.reports import DrainState
