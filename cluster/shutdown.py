@@ -54,6 +54,8 @@ DRAIN_S = 10.0
 SCRAPE_TIMEOUT_S = 5.0  # one read of the gateway's in-flight count (below)
 # What the driver left running once it has exited gets this long after SIGTERM.
 SWEEP_GRACE_S = 3.0
+SWEEP_ROUNDS = 3  # a sweep looks again for what started while it stopped the rest (stop_found)
+LATE_GRACE_S = 0.5
 _STOPS = {signal.SIGTERM, signal.SIGINT}
 _WAITED = {*_STOPS, signal.SIGCHLD}
 _PR_SET_PDEATHSIG = 1
@@ -234,28 +236,51 @@ def _sweep(grace_s: float, theirs: frozenset[int] = frozenset()) -> int:
     """Stop what is left under this process (an HAProxy Ray's shutdown did not reach), but for
     the caller's own children and their trees (`theirs`): SIGTERM, up to `grace_s` to go, then
     SIGKILL, each by pid. Returns how many there were."""
-    spared = set(theirs)
-    for pid in theirs:
-        spared |= descendants(pid).keys()
-    return _stop_all({pid: started for pid, started in descendants(os.getpid()).items() if pid not in spared},
-                     grace_s)
+    def found() -> dict[int, int]:
+        spared = set(theirs)
+        for pid in theirs:
+            spared |= descendants(pid).keys()
+        return {pid: started for pid, started in descendants(os.getpid()).items() if pid not in spared}
+
+    return stop_found(found, grace_s)
 
 
 def _sweep_mine(grace_s: float) -> int:
     """The driver's own sweep, when no supervisor is left to do it: what it started (its
     descendants, and what is left in its process group, whose parents died), as `_sweep`."""
     me, group = os.getpid(), os.getpgid(0)
-    left = descendants(me)
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != me and int(entry) not in left:
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    fields = f.read().rsplit(b")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
-            if fields[0] not in (b"Z", b"X") and int(fields[2]) == group:
-                left[int(entry)] = int(fields[19])
-    return _stop_all(left, grace_s)
+
+    def found() -> dict[int, int]:
+        left = descendants(me)
+        for entry in os.listdir("/proc"):
+            if entry.isdigit() and int(entry) != me and int(entry) not in left:
+                try:
+                    with open(f"/proc/{entry}/stat", "rb") as f:
+                        fields = f.read().rsplit(b")", 1)[1].split()
+                except (OSError, IndexError):
+                    continue
+                if fields[0] not in (b"Z", b"X") and int(fields[2]) == group:
+                    left[int(entry)] = int(fields[19])
+        return left
+
+    return stop_found(found, grace_s)
+
+
+def stop_found(find: Callable[[], dict[int, int]], grace_s: float) -> int:
+    """`_stop_all` on what `find` lists (pid -> start time), then on what it lists anew, up to
+    SWEEP_ROUNDS rounds: a process can start another while it is being stopped, and the list
+    had none of those. Serve's HAProxy manager does: it starts its HAProxy again within 0.1 s
+    of its death (cluster/haproxy_guard.py), and one it started while the sweep's SIGTERM
+    reached both of them outlived the sweep. Later rounds wait at most LATE_GRACE_S (those
+    processes are seconds old). Returns how many processes were stopped."""
+    stopped: dict[int, int] = {}
+    for round_ in range(SWEEP_ROUNDS):
+        left = {pid: started for pid, started in find().items() if stopped.get(pid) != started}
+        if not left:
+            break
+        _stop_all(left, grace_s if round_ == 0 else min(grace_s, LATE_GRACE_S))
+        stopped |= left
+    return len(stopped)
 
 
 def _stop_all(left: dict[int, int], grace_s: float) -> int:

@@ -205,6 +205,76 @@ def test_a_driver_that_exits_on_its_own_gives_its_exit_code() -> None:
     assert not alive(left)  # what it left is stopped all the same
 
 
+# A process that starts `sleep` again whenever it dies, and goes on doing so for a while after a
+# SIGTERM, as Serve's HAProxy manager starts its HAProxy again (cluster/haproxy_guard.py); the pid of
+# every `sleep` it starts goes to the file argv[1].
+RESPAWNER = textwrap.dedent("""
+    import signal, subprocess, sys, time
+
+    told = []
+    signal.signal(signal.SIGTERM, lambda *_: told.append(time.monotonic()))
+    child = None
+    while not told or time.monotonic() - told[0] < 0.5:
+        if child is None or child.poll() is not None:
+            child = subprocess.Popen(["sleep", "60"])
+            with open(sys.argv[1], "a") as f:
+                print(child.pid, file=f, flush=True)
+        time.sleep(0.02)
+""")
+
+RESPAWNING_DRIVER = textwrap.dedent("""
+    import importlib.util, subprocess, sys, time
+
+    spec = importlib.util.spec_from_file_location("shutdown", sys.argv[1])
+    shutdown = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shutdown)
+
+    def serve():
+        subprocess.Popen([sys.executable, "-c", sys.argv[2], sys.argv[3]])
+        try:
+            print("serving", flush=True)
+            time.sleep(60)
+        except KeyboardInterrupt:
+            pass
+        return 0
+
+    sys.exit(shutdown.serve_in_own_group(serve))
+""")
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+def test_a_process_started_while_the_sweep_stops_its_parent_is_stopped_too(tmp_path: Path) -> None:
+    """The sweep after the driver signalled a process and its child at once; the child died first
+    and the parent started another before it went (Serve's HAProxy manager does, within 0.1 s). That
+    one was in no list, and outlived the stop (an orphan HAProxy on the port, once in chaos (p))."""
+    module = Path(__file__).resolve().parents[2] / "cluster" / "shutdown.py"
+    pids = tmp_path / "pids"
+    proc = subprocess.Popen([sys.executable, "-c", RESPAWNING_DRIVER, str(module), RESPAWNER, str(pids)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "serving\n"
+        deadline = time.monotonic() + 10
+        while not (pids.exists() and pids.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == 0, proc.communicate()[1]
+        started = [int(line) for line in pids.read_text().split()]
+        assert len(started) >= 2, started  # the first `sleep`, and one started while the sweep ran
+        assert not [pid for pid in started if _running(pid)]
+    finally:
+        for pid in [int(line) for line in pids.read_text().split()] if pids.exists() else []:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
 # A driver that starts a process of its own and returns when stopped (or, "ignore", never stops).
 ORPHANED_DRIVER = textwrap.dedent("""
     import importlib.util, signal, subprocess, sys, time
