@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -304,7 +305,20 @@ def _cfg(argv: list[str]) -> Any:
     return serve_config(settings_from_flags(build_parser().parse_args(["serve", "--model", "/m", *argv])))
 
 
-def test_the_flags_move_every_port_and_the_haproxy_files() -> None:
+@pytest.fixture
+def own_tmp(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A temporary directory of the test's own for what `haproxy_env` writes (the wrapper in
+    each run's HAProxy directory): in /tmp itself it would be left there, and a server running on
+    the same port (`make run` on 8000 beside `make test`) would have its wrapper written over."""
+    own = tempfile.mkdtemp(prefix="pdh", dir="/tmp")  # short: Ray's socket paths go under it
+    monkeypatch.setattr(tempfile, "tempdir", own)
+    try:
+        yield own
+    finally:
+        shutil.rmtree(own, ignore_errors=True)
+
+
+def test_the_flags_move_every_port_and_the_haproxy_files(own_tmp: str) -> None:
     from pdserve.cluster.serve_app import bound_ports, haproxy_env
 
     cfg = _cfg(MOVED)
@@ -316,7 +330,7 @@ def test_the_flags_move_every_port_and_the_haproxy_files() -> None:
     assert env["RAY_SERVE_HAPROXY_METRICS_PORT"] == "19101" and env["RAY_SERVE_HAPROXY_STATS_PORT"] == "18404"
     assert env["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"] == "18500"
     run_dir = haproxy_run_dir(18000)
-    assert run_dir.endswith("pdserve-haproxy-18000")
+    assert run_dir == os.path.join(own_tmp, "pdserve-haproxy-18000")
     for key in ("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "RAY_SERVE_HAPROXY_SOCKET_PATH",
                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE"):
         assert os.path.dirname(env[key]) == run_dir, key
@@ -339,7 +353,7 @@ def test_defaults_are_ray_serves_and_the_proxy_ingress_binds_only_the_http_port(
     assert bound_ports(_cfg(["--ingress", "proxy"])) == {8000: "--port"}
 
 
-def test_the_env_names_are_the_ones_ray_reads() -> None:
+def test_the_env_names_are_the_ones_ray_reads(own_tmp: str) -> None:
     """Each variable haproxy_env sets is one ray/serve/_private/constants.py reads."""
     from pdserve.cluster.serve_app import haproxy_env
 
@@ -352,7 +366,8 @@ def test_the_env_names_are_the_ones_ray_reads() -> None:
         assert f'"{key}",' in source or f'"{key}")' in source, key
 
 
-def test_init_ray_puts_the_ports_in_the_environment_before_ray_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_init_ray_puts_the_ports_in_the_environment_before_ray_starts(monkeypatch: pytest.MonkeyPatch,
+                                                                     own_tmp: str) -> None:
     import ray
 
     from pdserve.cluster import serve_app
