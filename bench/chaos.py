@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -79,7 +80,13 @@ def main() -> int:
         model = str(make_tiny_model(tmp / "model", TinyModelSpec(**MODEL_SPEC), progress=False))  # type: ignore[arg-type]
     print(f"# pdserve chaos matrix\ncommand: python {' '.join(sys.argv)}\nmachine: {machine()}\n"
           f"model: {model}\nlogs: {log_dir}\n", flush=True)
-    results = run_matrix(model, chosen, log_dir, log=log)
+    try:
+        results = run_matrix(model, chosen, log_dir, log=log)
+    finally:
+        # The model it made goes (each run left one in /tmp); the logs stay where they were said to be.
+        shutil.rmtree(tmp / "model", ignore_errors=True)
+        if a.log_dir:
+            shutil.rmtree(tmp, ignore_errors=True)
     print(table(results))
     for r in results:
         if r.fault is not None or r.notes:
