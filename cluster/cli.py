@@ -182,6 +182,8 @@ def _cmd_serve(a: argparse.Namespace) -> int:
     # What can be refused is refused here, before the fork (exit 2): a setting, a key, a port in use.
     cfg = _serve_config(a)
     _check_against_model(cfg)
+    if serve_app.starts_local_ray():
+        cfg = serve_app.settle_haproxy_ports(cfg)  # (the driver's `run` finds them free then)
     serve_app.preflight(cfg)
     # Ray starts in a process group of the driver's own: SIGTERM/SIGINT to this process or its
     # group is a clean stop, exit 0 (cluster/shutdown.py).

@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 import time
@@ -200,6 +201,35 @@ def _is_ray_process(cmdline: tuple[str, ...]) -> bool:
 def is_leftover(holder: Holder) -> bool:
     """An orphaned Ray Serve HAProxy: safe to stop."""
     return is_ray_haproxy(holder.cmdline) and is_orphan(holder)
+
+
+def live_holder(port: int) -> str | None:
+    """Who holds `port` other than an earlier run's orphan (which `check_ports` clears): its pid
+    and command line, or that pdserve cannot see it; None when nothing else listens there."""
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    inodes = listening_inodes(port)
+    if not inodes:
+        return None
+    holders = socket_holders(inodes)
+    if not holders:
+        return "a process pdserve cannot see"
+    others = [h for h in holders if not is_leftover(h)]
+    if not others:
+        return None
+    h = others[0]
+    return f"pid {h.pid} ({os.path.basename(h.cmdline[0]) if h.cmdline else '?'})"
+
+
+def free_port(avoid: Iterable[int] = ()) -> int:
+    """A TCP port free on every address of this machine now (the kernel's pick), none of `avoid`."""
+    avoid = set(avoid)
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        if port not in avoid:
+            return port
 
 
 def check_ports(ports: Mapping[int, str], timeout_s: float = 5.0) -> list[int]:

@@ -22,13 +22,20 @@ from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, wrapper_env
 from pdserve.cluster.ingress_config import IngressSettings
 from pdserve.cluster.ingress_watch import IngressWatch
-from pdserve.cluster.leftovers import check_ports, haproxy_run_dir, port_released, remove_run_dir
+from pdserve.cluster.leftovers import (
+    check_ports,
+    free_port,
+    haproxy_run_dir,
+    live_holder,
+    port_released,
+    remove_run_dir,
+)
 from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import with_resources
 from pdserve.cluster.ray_vitals import ControlPlaneLost, Vital, VitalsWatch, find_vitals
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
-from pdserve.cluster.serve_config import Ingress, ServeConfig, ServingMode
+from pdserve.cluster.serve_config import HAPROXY_PORTS, Ingress, ServeConfig, ServingMode
 from pdserve.cluster.shutdown import DRAIN_S
 from pdserve.cluster.worker_start import NAMESPACE, create_workers, kill_workers, wait_for_workers
 from pdserve.workers import generation_defaults
@@ -333,6 +340,29 @@ def init_ray(cfg: ServeConfig, **kwargs: Any) -> None:
     ray.init(namespace=NAMESPACE, include_dashboard=False, **kwargs)
 
 
+def settle_haproxy_ports(cfg: ServeConfig) -> ServeConfig:
+    """`cfg` with each HAProxy port left to pdserve (`haproxy_ports_auto`) that another live process
+    holds moved to a free port, saying so in one line. Ray's defaults are the same for every run,
+    so a second `pdserve serve` on another --port met the first one's HAProxy on 9101. A port named
+    by its flag never moves (`check_ports` then names its holder); an earlier run's orphaned HAProxy
+    is no reason to move (`check_ports` stops it). Local Ray only, before it starts."""
+    if cfg.ingress is not Ingress.HAPROXY or not cfg.haproxy_ports_auto:
+        return cfg
+    moved: dict[str, Any] = {}  # (Any: dataclasses.replace's keywords are typed per field)
+    taken = {cfg.port, *(getattr(cfg, name) for name in HAPROXY_PORTS)}
+    for name in HAPROXY_PORTS:
+        port = getattr(cfg, name)
+        holder = live_holder(port) if name in cfg.haproxy_ports_auto else None
+        if holder is None:
+            continue
+        moved[name] = new = free_port(avoid=taken)
+        taken.add(new)
+        flag = "--" + name.replace("_", "-")
+        print(f"[pdserve] port {port} ({flag}'s default) is in use by {holder}: this run's HAProxy takes {new} "
+              f"instead ({flag} names a port)", file=sys.stderr, flush=True)
+    return dataclasses.replace(cfg, **moved) if moved else cfg
+
+
 def preflight(cfg: ServeConfig) -> bool:
     """What can stop a start before anything starts: on local Ray (returned: whether it is),
     another local run on this HTTP port, starting or serving (cluster/port_lock.py: held
@@ -354,6 +384,8 @@ def run(cfg: ServeConfig, block: bool = True) -> ServeConfig:
     Before local Ray starts, an earlier run's orphaned HAProxy on one of this
     run's ports is stopped; any other process there is a PortInUseError. Returns `cfg`
     with what it decided (the colocated worker count)."""
+    if starts_local_ray():
+        cfg = settle_haproxy_ports(cfg)
     local = preflight(cfg)
     try:
         return _start_and_serve(cfg, block, local)

@@ -122,6 +122,10 @@ class ServeConfig:
     haproxy_metrics_port: Port = 9101
     haproxy_stats_port: Port = 8404
     haproxy_fallback_port: Port = 8500
+    # Which of those the operator left to pdserve (named by no flag or setting): one that another
+    # live process holds at the start moves to a free port (serve_app.settle_haproxy_ports), so a
+    # second run on another --port starts as it would in vLLM. A port named never moves.
+    haproxy_ports_auto: frozenset[str] = frozenset()
     # The HAProxy ingress's defences (cluster/ingress.py, local Ray only): connections at
     # once from one client address, and in all; seconds a client has for a request's
     # headers (and the start of its body), and an idle connection between requests.
@@ -496,7 +500,8 @@ def _no_gpus() -> float:
 # Setting name -> ServeConfig field, for the settings that are not the engine's: every field but
 # the engine's config and the data plane's key (a file or the environment, never a setting).
 SERVE_SETTINGS = {_SETTING_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(ServeConfig)
-                  if f.name not in ("engine", "cluster_secret")}
+                  if f.name not in ("engine", "cluster_secret", "haproxy_ports_auto")}
+HAPROXY_PORTS = ("haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port")
 ENGINE_SETTINGS = EngineConfig.settings()
 
 
@@ -523,6 +528,7 @@ def serve_config(settings: Mapping[str, Any]) -> ServeConfig:
                 raise ValueError(f"{name}: disaggregated mode only; a colocated cluster takes workers "
                                  "(--workers N; default: one per GPU, else one)")
     serve = {field: settings[name] for name, field in SERVE_SETTINGS.items() if name in settings}
+    serve["haproxy_ports_auto"] = frozenset(name for name in HAPROXY_PORTS if name not in settings)
     return ServeConfig(engine_config(settings, known=ENGINE_SETTINGS | SERVE_SETTINGS.keys()), **serve)
 
 

@@ -28,7 +28,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config  # noqa
 from ray.serve._private.api import call_user_app_builder_with_args_if_necessary  # noqa: E402
 from ray.serve.schema import ServeApplicationSchema, ServeDeploySchema  # noqa: E402
 
-from pdserve.cluster.serve_config import ServeConfig, serve_config  # noqa: E402
+from pdserve.cluster.serve_config import HAPROXY_PORTS, ServeConfig, serve_config  # noqa: E402
 from pdserve.workers.config import DType, EngineConfig  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -418,7 +418,9 @@ def test_more_replicas_than_max_in_flight_is_refused() -> None:
 
 def test_minimal_args_take_serve_config_defaults(deploy_pkg: Any) -> None:
     cfg = deploy_pkg.config_from_args({"model": "/m"})
-    assert cfg == serve_config({"model": "/m"}) == ServeConfig(EngineConfig("/m"))
+    # (Settings that name no HAProxy port leave all three to pdserve: ServeConfig built directly, none.)
+    assert cfg == serve_config({"model": "/m"}) == ServeConfig(EngineConfig("/m"), haproxy_ports_auto=frozenset(
+        HAPROXY_PORTS))
     assert deploy_pkg.parse_args({"model": "/m"}).wait_for_gpus_s == 0  # CPU-only runs stay possible
 
 

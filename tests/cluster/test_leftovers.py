@@ -403,3 +403,53 @@ def test_bad_or_clashing_ports_fail_naming_the_setting(argv: list[str], name: st
 
 def test_clashing_haproxy_ports_are_fine_without_haproxy() -> None:
     assert _cfg(["--ingress", "proxy", "--haproxy-metrics-port", "8000"]).port == 8000
+
+
+def test_the_haproxy_ports_no_flag_names_are_the_ones_that_may_move() -> None:
+    from pdserve.cluster.serve_config import HAPROXY_PORTS
+
+    assert _cfg([]).haproxy_ports_auto == frozenset(HAPROXY_PORTS)
+    assert _cfg(["--haproxy-stats-port", "18404"]).haproxy_ports_auto == {"haproxy_metrics_port",
+                                                                          "haproxy_fallback_port"}
+    assert _cfg(MOVED).haproxy_ports_auto == frozenset()
+
+
+@pytest.mark.parametrize("named", [False, True])
+def test_a_haproxy_port_another_run_holds_moves_unless_it_was_named(named: bool,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A second `pdserve serve` on another --port met the first one's HAProxy on Ray's default
+    metrics port (9101) and stopped with "port 9101 is in use". A port no flag named now moves to
+    a free one, saying so; one the operator named stays, and check_ports names its holder."""
+    import dataclasses
+
+    from pdserve.cluster.leftovers import free_port, live_holder
+    from pdserve.cluster.serve_app import bound_ports, settle_haproxy_ports
+
+    with contextlib.closing(_listener()) as held:
+        port = held.getsockname()[1]
+        cfg = dataclasses.replace(_cfg(["--port", str(free_port())]), haproxy_metrics_port=port,
+                                  haproxy_ports_auto=frozenset() if named else frozenset({"haproxy_metrics_port"}))
+        assert live_holder(port) is not None  # this test's own process: no leftover
+        settled = settle_haproxy_ports(cfg)
+        if named:
+            assert settled == cfg
+            with pytest.raises(PortInUseError, match=f"port {port} is in use by pid {os.getpid()}.*"
+                                                     "--haproxy-metrics-port"):
+                check_ports({port: bound_ports(cfg)[port]})
+            return
+        moved = settled.haproxy_metrics_port
+        assert moved != port and moved not in (cfg.port, cfg.haproxy_stats_port, cfg.haproxy_fallback_port)
+        assert live_holder(moved) is None
+        assert dataclasses.replace(settled, haproxy_metrics_port=port) == cfg  # nothing else moved for it
+        err = capsys.readouterr().err
+        assert f"port {port} (--haproxy-metrics-port's default) is in use by pid {os.getpid()}" in err
+        assert f"takes {moved} instead" in err
+
+
+def _listener() -> Any:
+    import socket
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
