@@ -348,6 +348,8 @@ def settle_haproxy_ports(cfg: ServeConfig) -> ServeConfig:
     is no reason to move (`check_ports` stops it). Local Ray only, before it starts."""
     if cfg.ingress is not Ingress.HAPROXY or not cfg.haproxy_ports_auto:
         return cfg
+    if live_holder(cfg.port) is not None:  # this port's own run, most likely: the preflight says so, nothing moves
+        return cfg
     moved: dict[str, Any] = {}  # (Any: dataclasses.replace's keywords are typed per field)
     taken = {cfg.port, *(getattr(cfg, name) for name in HAPROXY_PORTS)}
     for name in HAPROXY_PORTS:

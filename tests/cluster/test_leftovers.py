@@ -444,6 +444,10 @@ def test_a_haproxy_port_another_run_holds_moves_unless_it_was_named(named: bool,
         err = capsys.readouterr().err
         assert f"port {port} (--haproxy-metrics-port's default) is in use by pid {os.getpid()}" in err
         assert f"takes {moved} instead" in err
+        # The HTTP port itself held (a second start on the same --port): nothing moves, the preflight refuses it.
+        with contextlib.closing(_listener()) as http:
+            assert settle_haproxy_ports(dataclasses.replace(cfg, port=http.getsockname()[1])).haproxy_metrics_port \
+                == port
 
 
 def _listener() -> Any:
