@@ -224,12 +224,13 @@ def live_holder(port: int) -> str | None:
 def free_port(avoid: Iterable[int] = ()) -> int:
     """A TCP port free on every address of this machine now (the kernel's pick), none of `avoid`."""
     avoid = set(avoid)
-    while True:
+    for _ in range(64):  # the kernel picks among ~28k ephemeral ports: a few to avoid are rarely picked twice
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
             port = int(s.getsockname()[1])
         if port not in avoid:
             return port
+    raise OSError(f"no free port outside {sorted(avoid)}")
 
 
 def check_ports(ports: Mapping[int, str], timeout_s: float = 5.0) -> list[int]:
