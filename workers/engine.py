@@ -34,7 +34,7 @@ from pdserve.workers.cpu_lending import CpuLending
 from pdserve.workers.cpu_turns import CpuTurns, node_cores
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.grammar import GrammarCompiler, GrammarStats
-from pdserve.workers.handoff import Resume
+from pdserve.workers.handoff import LogprobEntry, Resume
 from pdserve.workers.in_flight import InFlight, TokenFeed, chains, launch_record
 from pdserve.workers.inputs import check_request, check_token_ids, max_new_tokens, truncate_prompt
 from pdserve.workers.kv.cache import allocate_kv_caches
@@ -46,20 +46,25 @@ from pdserve.workers.model.loader import load_model
 from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
-from pdserve.workers.model_runner import ModelRunner, PromptLogprobs, SpecResult, StepResult
-from pdserve.workers.outputs import CompletionOutput, RequestOutput
+from pdserve.workers.model_runner import ModelRunner, SpecResult, StepResult
+from pdserve.workers.outputs import RequestOutput
 from pdserve.workers.request import FinishReason, Request
 from pdserve.workers.sampler import NO_TOKEN, SamplerOutput
 from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
 from pdserve.workers.scheduler import ScheduledRequest, Scheduler, SchedulerConfig, SchedulerOutput
 from pdserve.workers.stats import EngineSnapshot, EngineStats, StepStats
+from pdserve.workers.token_append import (
+    append_token,
+    logprob_entries,
+    record_prompt_logprobs,
+    request_output,
+    resume_output,
+)
 from pdserve.workers.tp_group import Plan, TPGroup, TPGroupError
 from pdserve.workers.transfer.frames import KVCaches
 
 # Re-exported: callers knew them from here.
 __all__ = ["EngineStats", "LLMEngine", "StepStats"]
-
-LogprobEntry = dict[int, float]
 
 
 log = logging.getLogger(__name__)
@@ -233,7 +238,7 @@ class LLMEngine:
         """
         req = self._new_request(request_id, prompt, params, hold_kv, life)
         if resume is not None:
-            self._resume(req, resume)
+            resume_output(req, resume, self.model_config.vocab_size)
         self.scheduler.add(req)
 
     def validate(self, prompt: str | list[int], params: SamplingParams, grammar: bool = True) -> None:
@@ -269,7 +274,7 @@ class LLMEngine:
             if not req.finished:
                 self.scheduler.finish(req, FinishReason.ABORT)
                 if output:
-                    self._aborted_outputs.append(self._output(req))
+                    self._aborted_outputs.append(request_output(req))
             self.scheduler.release(rid)
         if self.spec is not None:  # a draft model's KV of them: their ids may be reused at once
             self.spec.proposer.retain({r.request_id for r in self.scheduler.running})
@@ -335,7 +340,8 @@ class LLMEngine:
         req.queue_time_s = queue_time_s
         self.scheduler.complete_remote(req)
         self.stats.generation_tokens += 1
-        reason = self._append(req, first_token, dict(first_logprobs or {}) if req.logprobs is not None else None)
+        reason = append_token(req, first_token, dict(first_logprobs or {}) if req.logprobs is not None else None,
+                              self.max_model_len)
         return self._emit(req, reason)
 
     def prefill_locally(self, request_id: str) -> None:
@@ -528,7 +534,7 @@ class LLMEngine:
         self.stats.request_faults += 1
         self.scheduler.finish(req, FinishReason.ABORT)
         self.scheduler.release(req.request_id)
-        out = self._output(req)
+        out = request_output(req)
         out.error, out.error_refused = why, refused
         self._fault_outputs.append(out)
 
@@ -558,7 +564,7 @@ class LLMEngine:
 
     def _postprocess(self, result: StepResult) -> list[RequestOutput]:
         for scored in result.prompt_logprobs:  # before the samples: a finishing output carries them
-            _record_prompt_logprobs(scored)
+            record_prompt_logprobs(scored)
         return self._append_samples(result.sampled, result.output) + self._append_verified(result.spec)
 
     def _after_step(self, sched: SchedulerOutput, work: StepStats, start: float, overlapped: bool = False) -> None:
@@ -575,7 +581,7 @@ class LLMEngine:
 
     def _append_samples(self, reqs: list[Request], out: SamplerOutput) -> list[RequestOutput]:
         tokens = out.token_ids.tolist()
-        entries = _logprob_entries(out, tokens, [r.params.logprobs or 0 for r in reqs])
+        entries = logprob_entries(out, tokens, [r.params.logprobs or 0 for r in reqs])
         outputs = []
         for req, token, entry in zip(reqs, tokens, entries):
             if req.finished:  # since its step was launched (aborted, or a token of the step before)
@@ -590,7 +596,7 @@ class LLMEngine:
 
     def _append_checked(self, req: Request, token: int,
                         entry: LogprobEntry | None) -> FinishReason | None | Literal[False]:
-        """`_append`, or False once `req` is failed alone: its row had no valid token
+        """`append_token`, or False once `req` is failed alone: its row had no valid token
         (NO_TOKEN: its logits were NaN or infinite), or appending raised."""
         if token == NO_TOKEN or not 0 <= token < self.runner.vocab_size:
             if req.grammar is not None and not req.grammar.allowed(self.runner.vocab_size).any():
@@ -606,7 +612,7 @@ class LLMEngine:
                 self._fault(req, "its logits had no finite choice (NaN or infinite values)")
             return False
         try:
-            return self._append(req, token, entry)
+            return append_token(req, token, entry, self.max_model_len)
         except Exception as e:  # noqa: BLE001 - this request's fault: it fails alone
             self._fault(req, row_faults.describe(e))
             return False
@@ -658,87 +664,16 @@ class LLMEngine:
 
     # -- one token, one output ----------------------------------------------------
 
-    def _append(self, req: Request, token: int, entry: LogprobEntry | None) -> FinishReason | None:
-        """Add a generated token (and its logprobs entry); why it ends the request, if it does."""
-        req.append_token(token)
-        if req.grammar is not None:
-            req.grammar.accept(token)  # a token it refuses fails the request (raises)
-        if req.logprobs is not None and entry is not None:
-            req.logprobs.append(entry)
-            req.cumulative_logprob += entry.get(token, 0.0)
-        may_stop = req.num_output_tokens >= req.params.min_tokens
-        stop_token = may_stop and token in req.stop_token_ids
-        stop_str = None
-        if req.detok is not None and (not stop_token or req.params.include_stop_str_in_output):
-            # A stop token's (EOS's) text is left out of the output, as vLLM leaves it, unless
-            # include_stop_str_in_output; the token itself is among the output's tokens. Stop
-            # strings count once the output is past min_tokens (vLLM's rule: its stop tokens are
-            # banned for the first min_tokens, so neither ends the output before token min_tokens + 1).
-            # A stop token's own text is not searched (vLLM's): it ends the output whole.
-            stop_str = req.detok.add(token, req.num_output_tokens > req.params.min_tokens and not stop_token)
-        if may_stop:
-            if stop_token:
-                req.stop_reason = token if token in (req.params.stop_token_ids or ()) else None
-                return self._ended(req, FinishReason.STOP)
-            if stop_str is not None:
-                req.stop_reason = stop_str
-                return FinishReason.STOP
-        if req.grammar is not None and req.grammar.terminated:  # it allows nothing more (ignore_eos too)
-            return self._ended(req, FinishReason.STOP)
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len:
-            return self._ended(req, FinishReason.LENGTH)
-        return None
-
-    @staticmethod
-    def _ended(req: Request, reason: FinishReason) -> FinishReason:
-        """`reason`, once the text of a character the end cut into is out (detokenizer `finish`).
-        Not on a prefill worker's share of a handed-off request (`hold_kv`): its end is the first
-        token's, and the decode worker goes on with the character."""
-        if req.detok is not None and not req.hold_kv:
-            req.detok.finish()
-        return reason
-
     def _emit(self, req: Request, reason: FinishReason | None) -> RequestOutput | None:
         """After a step's tokens for `req`: the one place a request finishes. `reason`
         ends it (its blocks are freed, or held for a handoff) with its final output;
         otherwise its output, unless it only wants the final one."""
         self.scheduler.took_token(req, reason)
         if reason is not None:
-            return self._output(req)
+            return request_output(req)
         if req.params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
-        return self._output(req)
-
-    def _output(self, req: Request) -> RequestOutput:
-        text = req.detok.text if req.detok is not None else ""
-        token_ids, logprobs, prompt_logprobs = req.output_token_ids, req.logprobs, req.prompt_logprobs
-        detok = req.detok
-        # A stop string may begin in the text not yet shown: what an output shows cannot be taken
-        # back, so a running request's last characters wait until they cannot be the start of one
-        # (vLLM holds back the same, in cumulative outputs too: the longest stop string less one
-        # character). The tokens go now; their text follows.
-        hold = (detok.max_stop_len - 1 if not req.finished and detok is not None and detok.stop
-                and not detok.include_stop else 0)
-        if req.params.output_kind is RequestOutputKind.CUMULATIVE and hold:
-            text = text[:max(0, len(text) - hold)]
-        if req.params.output_kind is RequestOutputKind.DELTA:
-            if req.sent_any:
-                prompt_logprobs = None  # they went with the first delta
-            sent_tokens, sent_chars = req.sent_tokens, req.sent_chars
-            upto = max(sent_chars, len(text) - hold)
-            req.sent_tokens, req.sent_chars, req.sent_any = len(token_ids), upto, True
-            token_ids, text = token_ids[sent_tokens:], text[sent_chars:upto]
-            logprobs = logprobs[sent_tokens:] if logprobs is not None else None
-        completion = CompletionOutput(
-            index=0, text=text, token_ids=token_ids,
-            cumulative_logprob=req.cumulative_logprob if req.logprobs is not None else None,
-            logprobs=logprobs, finish_reason=req.finish_reason.value if req.finish_reason else None,
-            stop_reason=req.stop_reason,
-        )
-        metrics = {} if req.queue_time_s is None else {"queue_time_s": req.queue_time_s}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                             finished=req.finished, num_cached_tokens=max(req.num_cached_tokens, 0),
-                             metrics=metrics, prompt_logprobs=prompt_logprobs)
+        return request_output(req)
 
     # -- admission ------------------------------------------------------------------
 
@@ -763,27 +698,6 @@ class LLMEngine:
         if self.spec is not None:
             req.spec_acceptance = self.spec.acceptance  # until its own drafts say otherwise
         return req
-
-    def _resume(self, req: Request, resume: Resume) -> None:
-        """Take `resume`'s tokens as `req`'s output already handed out: the request
-        computes them with its prompt in its first steps (as a preempted one does)
-        and its next token follows them. A seeded request's draws depend only on
-        its seed and position (the sampler reseeds per position), so it goes on as
-        it would have."""
-        tokens = check_token_ids(list(resume.token_ids), self.model_config.vocab_size)
-        if len(tokens) >= req.max_tokens:
-            raise ValueError(f"resume: {len(tokens)} tokens already leave no room for more (max {req.max_tokens})")
-        for token in tokens:
-            req.append_token(token)
-            if req.detok is not None:
-                req.detok.add(token, match_stop=False)  # a stop string in them would have ended the request
-        if req.detok is not None and resume.text_chars > len(req.detok.text):
-            raise ValueError(f"resume: {resume.text_chars} characters sent, but the tokens make "
-                             f"{len(req.detok.text)}")
-        if req.logprobs is not None:
-            req.logprobs += [{} for _ in tokens]  # handed out already: never sent again
-            req.cumulative_logprob = resume.cumulative_logprob or 0.0
-        req.sent_tokens, req.sent_chars, req.sent_any = len(tokens), resume.text_chars, True
 
     def _prepare(self, prompt: str | list[int], params: SamplingParams) -> tuple[str | None, list[int], int]:
         if isinstance(prompt, str):
@@ -816,28 +730,3 @@ def too_slow(params: SamplingParams) -> str:
     """The error of a grammar that did not compile within GRAMMAR_COMPILE_TIMEOUT_S."""
     assert params.constraint is not None
     return f"{params.constraint.field}: did not compile within {GRAMMAR_COMPILE_TIMEOUT_S:g} s"
-
-
-def _logprob_entries(out: SamplerOutput, tokens: list[int], top_n: list[int]) -> list[LogprobEntry | None]:
-    """Per sampled row: {token id: raw log-prob} of its top-N and its own token (None without logprobs)."""
-    if out.sampled_logprob is None:
-        return [None] * len(tokens)
-    sampled = out.sampled_logprob.tolist()
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lp = out.top_logprobs.tolist() if out.top_logprobs is not None else None
-    entries: list[LogprobEntry | None] = []
-    for row, token in enumerate(tokens):
-        n = top_n[row]
-        entry = dict(zip(top_ids[row][:n], top_lp[row][:n])) if top_ids and top_lp else {}
-        entry[token] = sampled[row]
-        entries.append(entry)
-    return entries
-
-
-def _record_prompt_logprobs(scored: PromptLogprobs) -> None:
-    entries = scored.request.prompt_logprobs
-    assert entries is not None and len(entries) == scored.first, "prompt tokens scored out of order"
-    for i, lp in enumerate(scored.token_logprobs):
-        entry = dict(zip(scored.top_ids[i], scored.top_logprobs[i]))
-        entry[scored.request.prompt_token_ids[scored.first + i]] = lp
-        entries.append(entry)

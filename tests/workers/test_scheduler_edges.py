@@ -247,7 +247,7 @@ def test_cached_tokens_of_a_resumed_request_count_its_prompt_only() -> None:
     while sched.has_unfinished():
         step(sched)
     resumed = make_request("resumed", 5, max_tokens=16)
-    for token in first.output_token_ids[:10]:  # what its client had (engine `_resume`)
+    for token in first.output_token_ids[:10]:  # what its client had (`token_append.resume_output`)
         resumed.append_token(token)
     sched.add(resumed)
     step(sched)

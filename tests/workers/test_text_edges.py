@@ -75,7 +75,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 def test_a_stop_string_completed_by_the_min_tokens_th_token_does_not_stop(llm: LLM) -> None:
     """vLLM (v1 detokenizer: `if self.stop and len(self.output_token_ids) > self.min_tokens`) checks
     stop strings from token min_tokens + 1 on, as min_tokens bans stop tokens up to there. pdserve's
-    `_append` matches them from token min_tokens itself (`may_stop = num_output_tokens >= min_tokens`)."""
+    `token_append.append_token` matches them from token min_tokens itself
+    (`may_stop = num_output_tokens >= min_tokens`)."""
     tok = llm.tokenizer.backend_tokenizer
     for seed in range(20):
         prompt = prompt_of(seed)
@@ -149,7 +150,7 @@ def test_streamed_text_is_never_taken_back_by_a_stop_string_found_after_min_toke
 
 def test_cumulative_outputs_never_show_text_a_stop_string_cuts_later(llm: LLM) -> None:
     """vLLM's get_next_output_text(finished, delta=False) holds back the last max_stop_len - 1
-    characters of a running request's cumulative text too; `LLMEngine._output` holds back only
+    characters of a running request's cumulative text too; `token_append.request_output` holds back only
     for DELTA, so a CUMULATIVE output (the default output_kind) shows the start of a stop string
     that the next output removes."""
     tok = llm.tokenizer.backend_tokenizer
