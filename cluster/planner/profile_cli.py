@@ -15,7 +15,8 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from pdserve.cluster.cli import UNSET, add_engine_args, settings_from_flags
+from pdserve.cluster.cli import settings_from_flags
+from pdserve.cluster.cli_flags import UNSET, add_engine_args
 
 if TYPE_CHECKING:
     from pdserve.cluster.planner.profile import Profile
