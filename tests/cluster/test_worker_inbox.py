@@ -5,184 +5,22 @@ start nothing, and a try's end reaches the gateway however it ends."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
-import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
-from factories import tiny_spec
+from inbox_doubles import GATEWAY, SECRET, FakeService, channel_to, eventually, hang, request
 
-from pdserve.cluster import worker_channel
 from pdserve.cluster.in_process import LocalActor
 from pdserve.cluster.ray_errors import RayActorError
-from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.worker_channel import WorkerChannel
-from pdserve.cluster.worker_inbox import DONE, FAILED, STARTED, Outcomes, TryReport, WorkerInbox
-from pdserve.workers.async_engine import EngineDeadError, RequestAbortedError, RequestFaultError, WorkerDrainingError
-from pdserve.workers.handoff import Resume, ServeRequest
-from pdserve.workers.inbox_wire import AbortTry, StartTry, decode_inbox, encode_abort, encode_start
-from pdserve.workers.sampling_params import RequestOutputKind, SamplingParams
-from pdserve.workers.structured_outputs import StructuredOutputs
-from pdserve.workers.tiny.builder import TinyModelSpec
+from pdserve.cluster.worker_inbox import DONE, FAILED, STARTED
+from pdserve.workers.async_engine import EngineDeadError
+from pdserve.workers.inbox_wire import StartTry, encode_start
 from pdserve.workers.token_stream import StreamLostError
 from pdserve.workers.transfer import auth
 from pdserve.workers.transfer.auth import ClusterSecret
-
-SECRET = ClusterSecret(b"k" * 32)
-GATEWAY = "tcp://127.0.0.1:5555"  # the requests' reply_to: their gateway's token stream
-
-PARAMS = [
-    SamplingParams(),
-    SamplingParams(temperature=0.0, max_tokens=None, ignore_eos=True),
-    SamplingParams(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=-3, max_tokens=64, min_tokens=2,
-                   stop=["\n\n", "END"], stop_token_ids=[2, 7], logprobs=5, prompt_logprobs=1,
-                   include_stop_str_in_output=True, skip_special_tokens=False, presence_penalty=0.5,
-                   frequency_penalty=-0.25, repetition_penalty=1.1, logit_bias={5: -100.0, 9: 2.5},
-                   speculative=False, cache_salt="tenant-a", output_kind=RequestOutputKind.DELTA),
-    SamplingParams(structured_outputs=StructuredOutputs(json={"type": "object"}, origin="response_format")),
-    SamplingParams(structured_outputs=StructuredOutputs(choice=("yes", "no"))),
-    SamplingParams(structured_outputs=StructuredOutputs(json_object=True)),
-]
-
-
-def request(params: SamplingParams = PARAMS[0], rid: str = "r1", attempt: int = 0,
-            resume: Resume | None = None) -> ServeRequest:
-    return ServeRequest(rid, (1, 2, 3), params, 30.0, GATEWAY, attempt, resume)
-
-
-@pytest.mark.parametrize("params", PARAMS)
-def test_a_start_reads_back_as_the_request_sent(params: SamplingParams) -> None:
-    req = request(params, attempt=2, resume=Resume((4, 5), 7, -1.5))
-    msg = decode_inbox(encode_start("gw", 9, req, prefill_worker="prefill-0"))
-    assert msg == StartTry("gw", 9, req, "prefill-0")
-    assert decode_inbox(encode_abort("gw", 10, "r1", 2)) == AbortTry("gw", 10, "r1", 2)
-
-
-def test_a_lone_surrogate_a_json_client_sent_crosses_the_wire_as_sent() -> None:
-    """JSON strings may carry lone surrogates ("\\ud800"), and the gateway takes a client's stop
-    strings and cache salt as they came (the salt's hash takes them: workers/kv/hashing.py).
-    Strict UTF-8 cannot carry them: encoding such a start raised UnicodeEncodeError, and the
-    client got a 400 naming no field for a request the gateway had taken (and a worker serves)."""
-    params = SamplingParams(stop=["end\ud800"], cache_salt="tenant-\udcff")
-    req = request(params)
-    assert decode_inbox(encode_start("gw", 1, req)) == StartTry("gw", 1, req)
-
-    async def main() -> None:
-        async with channel_to(hang) as (svc, channel):
-            run = asyncio.create_task(channel.run(req, asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 1 or run.done())
-            assert not run.done(), run.exception()
-            assert svc.started[0].request == req
-            run.cancel()
-
-    asyncio.run(main())
-
-
-def _start_body(**change: Any) -> list[Any]:
-    body = msgpack.unpackb(encode_start("gw", 1, request()), strict_map_key=False)
-    fields = ["version", "kind", "sender", "seq", "request_id", "prompt", "params", "timeout_s", "reply_to",
-              "attempt", "resume", "prefill"]
-    for name, value in change.items():
-        body[fields.index(name)] = value
-    return list(body)
-
-
-@pytest.mark.parametrize("change, names", [
-    ({"version": 2}, "version"),
-    ({"kind": "run"}, "kind"),
-    ({"seq": -1}, "seq"),
-    ({"request_id": ""}, "request_id"),
-    ({"prompt": []}, "prompt"),
-    ({"prompt": [1, -2]}, "prompt"),
-    ({"prompt": "abc"}, "prompt"),
-    ({"params": {"temperature": -1}}, "temperature"),
-    ({"params": {"tool": 1}}, "unknown fields"),
-    ({"params": {"logit_bias": {1.5: 1.0}}}, "logit_bias"),
-    ({"params": {"output_kind": "all"}}, "output_kind"),
-    ({"params": {"structured_outputs": {"json": "{", "exec": 1}}}, "structured_outputs"),
-    ({"timeout_s": float("inf")}, "timeout_s"),
-    ({"timeout_s": True}, "timeout_s"),
-    ({"attempt": -1}, "attempt"),
-    ({"resume": [[], 0, None]}, "resume"),
-    ({"resume": [[1], 0, "x"]}, "cumulative_logprob"),
-    ({"prefill": 5}, "prefill_worker"),
-])
-def test_a_malformed_start_is_a_value_error_naming_the_field(change: dict[str, Any], names: str) -> None:
-    with pytest.raises(ValueError, match=names):
-        decode_inbox(msgpack.packb(_start_body(**change)))
-
-
-@pytest.mark.parametrize("data", [b"", b"\xc1", os.urandom(64), msgpack.packb({"a": 1}), msgpack.packb([1])])
-def test_garbage_is_a_value_error(data: bytes) -> None:
-    with pytest.raises(ValueError):
-        decode_inbox(data)
-
-
-def test_try_errors_come_back_as_their_types() -> None:
-    for error in (ValueError("prompt: too long"), TimeoutError("late"), RequestFaultError("nan"),
-                  EngineDeadError("dead"), WorkerDrainingError("switching"), StreamLostError("lost"),
-                  KeyError("bug")):
-        back = TryReport.failed(1, "r", 0, error).error()
-        assert type(back) is (RuntimeError if isinstance(error, KeyError) else type(error))
-        assert str(back) == str(error)
-
-
-class FakeService:
-    """A worker with the inbox's end of things: `runner` says how each try goes."""
-
-    def __init__(self, runner: Callable[[StartTry], Awaitable[None]], secret: ClusterSecret = SECRET) -> None:
-        self.started: list[StartTry] = []
-        self.aborted: list[tuple[str, int]] = []
-        self.cancelled: list[str] = []
-        self._runner = runner
-        self.incarnation = os.urandom(4).hex()
-        self.engine_error: BaseException | None = None  # what ended its engine (a test sets it)
-        self.inbox = WorkerInbox(self._run, lambda rid, a: self.aborted.append((rid, a)), secret, "127.0.0.1",
-                                 self.incarnation, engine_error=lambda: self.engine_error)
-
-    async def _run(self, start: StartTry) -> None:
-        self.started.append(start)
-        try:
-            await self._runner(start)
-        except asyncio.CancelledError:
-            self.cancelled.append(start.request.request_id)
-            raise
-
-    async def info(self) -> WorkerInfo:
-        return WorkerInfo(1, 1, inbox=self.inbox.open(), incarnation=self.incarnation)
-
-    async def outcomes(self, gateway: str, after: int, timeout_s: float) -> Outcomes:
-        return await self.inbox.outcomes(gateway, after, timeout_s)
-
-
-async def hang(start: StartTry) -> None:
-    """A try that runs until its final delta ends it (here, until it is cancelled)."""
-    await asyncio.sleep(3600)
-
-
-@contextlib.asynccontextmanager
-async def channel_to(runner: Callable[[StartTry], Awaitable[None]] | FakeService,
-                     ) -> AsyncIterator[tuple[FakeService, WorkerChannel]]:
-    """A worker running `runner` for each try (or the service given), and a gateway's channel
-    to it; both closed after."""
-    svc = runner if isinstance(runner, FakeService) else FakeService(runner)
-    channel = WorkerChannel(LocalActor(svc), GATEWAY, SECRET)
-    try:
-        yield svc, channel
-    finally:
-        await channel.close()
-        svc.inbox.close()
-
-
-async def _eventually(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not check():
-            await asyncio.sleep(0.01)
 
 
 def test_a_try_ends_when_its_final_delta_came_or_with_its_error() -> None:
@@ -195,7 +33,7 @@ def test_a_try_ends_when_its_final_delta_came_or_with_its_error() -> None:
         async with channel_to(runner) as (svc, channel):
             finished = asyncio.Event()
             ok = asyncio.create_task(channel.run(request(), finished))
-            await _eventually(lambda: len(svc.started) == 1)
+            await eventually(lambda: len(svc.started) == 1)
             assert svc.started[0].request == request() and not ok.done()
             finished.set()
             await asyncio.wait_for(ok, 5)
@@ -254,10 +92,10 @@ def test_an_abort_follows_its_start_and_cancels_the_try() -> None:
     async def main() -> None:
         async with channel_to(runner) as (svc, channel):
             run = asyncio.create_task(channel.run(request(attempt=1), asyncio.Event()))
-            await _eventually(lambda: channel.connected)
+            await eventually(lambda: channel.connected)
             assert channel.abort("r1", 1)  # sent at once after the start: never before it
-            await _eventually(lambda: svc.aborted == [("r1", 1)])
-            await _eventually(lambda: svc.inbox.num_tries == 0)
+            await eventually(lambda: svc.aborted == [("r1", 1)])
+            await eventually(lambda: svc.inbox.num_tries == 0)
             assert [s.request.request_id for s in svc.started] in ([], ["r1"])  # cancelled before or as it ran
             run.cancel()
 
@@ -299,7 +137,7 @@ def test_the_workers_death_fails_its_tries_and_the_next_one_finds_its_new_life()
         channel = WorkerChannel(actor, GATEWAY, SECRET)
         try:
             runs = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(3)]
-            await _eventually(lambda: len(first.started) == 3)
+            await eventually(lambda: len(first.started) == 3)
             actor.dead = True
             for call in actor.polls:
                 call.cancel()  # the process died: Ray fails its calls in flight
@@ -311,7 +149,7 @@ def test_the_workers_death_fails_its_tries_and_the_next_one_finds_its_new_life()
             second = FakeService(runner)
             actor.svc, actor.dead = second, False  # Ray restarted it: a new process, a new inbox
             again = asyncio.create_task(channel.run(request(rid="r9"), asyncio.Event()))
-            await _eventually(lambda: len(second.started) == 1)
+            await eventually(lambda: len(second.started) == 1)
             assert second.started[0].request.request_id == "r9"
             again.cancel()
             second.inbox.close()
@@ -348,17 +186,17 @@ def test_forged_replayed_and_misaddressed_messages_start_nothing() -> None:
         await loop.run_in_executor(None, _send_raw, address, [body])
         # The token stream's tag over the same bytes is no inbox tag either.
         await loop.run_in_executor(None, _send_raw, address, [auth.token_tag(SECRET, bound, body), body])
-        await _eventually(lambda: svc.inbox.num_forged == 5)
+        await eventually(lambda: svc.inbox.num_forged == 5)
         assert svc.started == []
         good = [auth.inbox_tag(SECRET, bound, body), body]
         await loop.run_in_executor(None, _send_raw, address, good)
-        await _eventually(lambda: len(svc.started) == 1)
+        await eventually(lambda: len(svc.started) == 1)
         await loop.run_in_executor(None, _send_raw, address, good)
-        await _eventually(lambda: svc.inbox.num_replayed == 1)
+        await eventually(lambda: svc.inbox.num_replayed == 1)
         # Signed garbage is counted and dropped; the inbox goes on reading.
         junk = msgpack.packb([1, "start", "s", 5])
         await loop.run_in_executor(None, _send_raw, address, [auth.inbox_tag(SECRET, bound, junk), junk])
-        await _eventually(lambda: svc.inbox.num_rejected == 1)
+        await eventually(lambda: svc.inbox.num_rejected == 1)
         assert len(svc.started) == 1
         svc.inbox.close()
 
@@ -378,7 +216,7 @@ def test_a_gateway_that_never_polls_again_holds_a_bounded_number_of_reports(monk
         svc.inbox.open()
         for i in range(200):
             svc.inbox._start(StartTry("s", i + 1, request(rid=f"r{i}")))
-        await _eventually(lambda: svc.inbox.num_tries == 0)
+        await eventually(lambda: svc.inbox.num_tries == 0)
         got = await svc.inbox.outcomes(request().reply_to, 0, 0)
         assert len(got.reports) == 100
         assert got.reports[-1].request_id == "r199" and got.reports[-1].state == FAILED  # the newest are kept
@@ -400,7 +238,7 @@ def test_reports_stay_until_a_poll_acknowledges_them() -> None:
         svc.inbox.open()
         svc.inbox._start(StartTry("s", 1, request(rid="ok")))
         svc.inbox._start(StartTry("s", 2, request(rid="bad")))
-        await _eventually(lambda: svc.inbox.num_tries == 0)
+        await eventually(lambda: svc.inbox.num_tries == 0)
         lost = await svc.inbox.outcomes(GATEWAY, 0, 0)  # answered; never handled
         again = await svc.inbox.outcomes(GATEWAY, 0, 0)
         assert again == lost
@@ -419,554 +257,5 @@ def test_reports_stay_until_a_poll_acknowledges_them() -> None:
         got = await asyncio.wait_for(waiting, 5)
         assert [(r.request_id, r.state) for r in got.reports][-1] == ("bad", FAILED)
         svc.inbox.close()
-
-    asyncio.run(main())
-
-
-class _Polled(LocalActor):
-    """A worker's handle that lets a test step into each poll: `poll(call)` runs its `outcomes`
-    call (`polls` counts them, this one included)."""
-
-    def __init__(self, svc: FakeService) -> None:
-        super().__init__(svc)
-        self.svc, self.polls = svc, 0
-
-    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
-        return await call
-
-    def __getattr__(self, name: str) -> Any:
-        actor = self
-
-        class Method:
-            @staticmethod
-            def remote(*args: Any) -> Awaitable[Any]:
-                async def call() -> Any:
-                    if name != "outcomes":
-                        return await getattr(actor.svc, name)(*args)
-                    actor.polls += 1
-                    return await actor.poll(getattr(actor.svc, name)(*args))
-
-                return asyncio.ensure_future(call())
-
-        return Method()
-
-
-class _Flaky(_Polled):
-    """A worker's handle whose first poll's answer is lost on the way (the call never returns)."""
-
-    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
-        got = await call
-        if self.polls == 1:
-            await asyncio.sleep(3600)
-        return got
-
-
-def _quick_polls(monkeypatch: pytest.MonkeyPatch, confirm_s: float = 30.0) -> None:
-    monkeypatch.setattr(worker_channel, "POLL_S", 0.1)
-    monkeypatch.setattr(worker_channel, "_CALL_GRACE_S", 0.3)
-    monkeypatch.setattr(worker_channel, "START_CONFIRM_S", confirm_s)
-
-
-def test_a_failure_whose_poll_was_lost_still_reaches_its_try(monkeypatch: pytest.MonkeyPatch) -> None:
-    _quick_polls(monkeypatch)
-
-    async def runner(start: StartTry) -> None:
-        raise ValueError("prompt: too long")
-
-    async def main() -> None:
-        svc = FakeService(runner)
-        actor = _Flaky(svc)
-        channel = WorkerChannel(actor, GATEWAY, SECRET)
-        try:
-            with pytest.raises(ValueError, match="too long"):
-                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 10)
-            assert actor.polls >= 2  # it came on the poll after the lost one
-        finally:
-            await channel.close()
-            svc.inbox.close()
-
-    asyncio.run(main())
-
-
-def test_a_try_the_worker_reports_done_returns_without_its_final_delta(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The worker sent its final delta; the collector's `watch` gives it a grace from here."""
-    _quick_polls(monkeypatch)
-
-    async def runner(start: StartTry) -> None:
-        return None
-
-    async def main() -> None:
-        async with channel_to(runner) as (svc, channel):
-            await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
-
-    asyncio.run(main())
-
-
-def test_a_start_lost_on_the_way_fails_its_try_as_a_lost_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    _quick_polls(monkeypatch, confirm_s=0.5)
-
-    runner = hang
-
-    async def main() -> None:
-        async with channel_to(runner) as (svc, channel):
-            finished = asyncio.Event()
-            taken = asyncio.create_task(channel.run(request(rid="taken"), finished))
-            await _eventually(lambda: len(svc.started) == 1)
-            sent = channel._send
-            monkeypatch.setattr(channel, "_send", lambda body: None)  # the start goes nowhere
-            with pytest.raises(StreamLostError, match="not taken"):
-                await asyncio.wait_for(channel.run(request(rid="lost"), asyncio.Event()), 10)
-            monkeypatch.setattr(channel, "_send", sent)
-            assert not taken.done()  # one the worker took runs on, however long
-            finished.set()
-            await asyncio.wait_for(taken, 5)
-
-    asyncio.run(main())
-
-
-def test_an_abort_that_came_before_the_start_sends_no_start() -> None:
-    runner = hang
-
-    async def main() -> None:
-        async with channel_to(runner) as (svc, channel):
-            assert not channel.abort("r1", 0)  # not connected: the caller also tells the worker by Ray
-            with pytest.raises(RequestAbortedError):
-                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
-            run = asyncio.create_task(channel.run(request(attempt=1), asyncio.Event()))  # its next try runs
-            await _eventually(lambda: len(svc.started) == 1)
-            run.cancel()
-
-    asyncio.run(main())
-
-
-def test_an_abort_that_came_before_its_start_keeps_the_start_from_running() -> None:
-    """Where its channel cannot take an abort (the worker's inbox is full: the try's start still
-    queues there), the gateway aborts by a Ray call (`abort`), which overtakes the start. The
-    start, taken after, ran for a client that was gone, to its end; now it fails at once as
-    aborted. Other requests, and a later try of the aborted one, run as ever."""
-    async def main() -> None:
-        svc = FakeService(hang)
-        svc.inbox.open()
-        svc.inbox.abort("r1", 1)  # the Ray call, first
-        svc.inbox._start(StartTry("s", 1, request(rid="r1", attempt=1)))  # then its start, off the inbox
-        svc.inbox._start(StartTry("s", 2, request(rid="r1", attempt=0)))  # an earlier try's: ended too
-        svc.inbox._start(StartTry("s", 3, request(rid="r2")))
-        await _eventually(lambda: len(svc.started) >= 1)
-        assert [s.request.request_id for s in svc.started] == ["r2"]
-        got = await svc.inbox.outcomes(GATEWAY, 0, 0)
-        failed = {(r.request_id, r.attempt): r.kind for r in got.reports if r.state == FAILED}
-        assert failed == {("r1", 1): "aborted", ("r1", 0): "aborted"}
-        svc.inbox._start(StartTry("s", 4, request(rid="r1", attempt=2)))  # its next try runs
-        await _eventually(lambda: len(svc.started) == 2)
-        assert svc.started[1].request.attempt == 2
-        svc.inbox.close()
-
-    asyncio.run(main())
-
-
-def test_a_request_over_the_inbox_limit_is_a_value_error_and_the_channel_goes_on() -> None:
-    runner = hang
-
-    async def main() -> None:
-        async with channel_to(runner) as (svc, channel):
-            huge = ServeRequest("big", tuple([70_000] * 1_000_000), SamplingParams(), 30.0, GATEWAY)
-            with pytest.raises(ValueError, match="over the"):
-                await asyncio.wait_for(channel.run(huge, asyncio.Event()), 5)
-            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 1)
-            run.cancel()
-
-    asyncio.run(main())
-
-
-def test_a_broken_poll_fails_the_tries_it_was_watching(monkeypatch: pytest.MonkeyPatch) -> None:
-    """However the poll loop ends (here a bug: an answer it cannot read), no try waits on it."""
-    _quick_polls(monkeypatch)
-
-    runner = hang
-
-    class Garbled(LocalActor):
-        def __init__(self, svc: FakeService) -> None:
-            super().__init__(svc)
-            self.svc = svc
-
-        def __getattr__(self, name: str) -> Any:
-            svc = self.svc
-
-            class Method:
-                @staticmethod
-                def remote(*args: Any) -> Awaitable[Any]:
-                    async def call() -> Any:
-                        got = await getattr(svc, name)(*args)
-                        return Outcomes(got.incarnation, (object(),)) if name == "outcomes" else got  # type: ignore[arg-type]
-
-                    return asyncio.ensure_future(call())
-
-            return Method()
-
-    async def main() -> None:
-        svc = FakeService(runner)
-        channel = WorkerChannel(Garbled(svc), GATEWAY, SECRET)
-        try:
-            with pytest.raises(RayActorError):
-                await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)
-        finally:
-            await channel.close()
-            svc.inbox.close()
-
-    asyncio.run(main())
-
-
-def test_a_discarded_channel_fails_its_tries_and_sends_no_more() -> None:
-    runner = hang
-
-    async def main() -> None:
-        async with channel_to(runner) as (svc, channel):
-            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 1)
-            channel.discard()
-            with pytest.raises(RayActorError):
-                await asyncio.wait_for(run, 5)
-            with pytest.raises(RuntimeError, match="closing"):
-                await channel.run(request(rid="r2"), asyncio.Event())
-
-    asyncio.run(main())
-
-
-class _Stopped(FakeService):
-    """A worker whose first `info` never answers (the process is stopped), the later ones do."""
-
-    def __init__(self, runner: Callable[[StartTry], Awaitable[None]]) -> None:
-        super().__init__(runner)
-        self.infos = 0
-
-    async def info(self) -> WorkerInfo:
-        self.infos += 1
-        if self.infos == 1:
-            await asyncio.sleep(3600)
-        return await super().info()
-
-
-def test_tries_waiting_for_a_stalled_workers_connect_fail_when_it_is_given_up() -> None:
-    """The stall watch gives a worker up while a try waits for the channel's connect (its
-    `info` call, to a stopped process): the try fails then with the watch's error, not at
-    the call's 30 s deadline; the next try connects again."""
-
-    async def main() -> None:
-        stopped = _Stopped(hang)
-        async with channel_to(stopped) as (svc, channel):
-            waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event())) for i in range(2)]
-            await _eventually(lambda: stopped.infos == 1)
-            await asyncio.sleep(0.05)
-            assert not any(t.done() for t in waiting)
-            channel.fail_tries(lambda: StreamLostError("given up: stalled"))
-            for t in waiting:
-                with pytest.raises(StreamLostError, match="stalled"):
-                    await asyncio.wait_for(t, 2)
-            finished = asyncio.Event()
-            again = asyncio.create_task(channel.run(request(rid="r9"), finished))
-            await _eventually(lambda: len(svc.started) == 1)
-            finished.set()
-            await asyncio.wait_for(again, 5)
-
-    asyncio.run(main())
-
-
-def test_a_caller_cancelled_while_connecting_leaves_the_others_connect_alone() -> None:
-    async def main() -> None:
-        gate = asyncio.Event()
-
-        class Slow(FakeService):
-            async def info(self) -> WorkerInfo:
-                await gate.wait()
-                return await super().info()
-
-        async with channel_to(Slow(hang)) as (svc, channel):
-            leaving = asyncio.create_task(channel.run(request(rid="gone"), asyncio.Event()))
-            finished = asyncio.Event()
-            staying = asyncio.create_task(channel.run(request(rid="stays"), finished))
-            await asyncio.sleep(0.05)
-            leaving.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await leaving
-            gate.set()
-            await _eventually(lambda: [s.request.request_id for s in svc.started] == ["stays"])
-            finished.set()
-            await asyncio.wait_for(staying, 5)
-
-    asyncio.run(main())
-
-
-@pytest.mark.parametrize("depth", [0, 1, 2])
-def test_a_connect_begun_right_after_a_give_up_leaves_the_waiters_error(depth: int) -> None:
-    """A try starts connecting a loop turn or two after the give-up stopped the connect, before
-    the stopped connect's waiters woke: they still fail with the give-up's error (moved on by
-    the gateway), not with a bare cancellation (a 500 for their clients)."""
-
-    async def main() -> None:
-        stopped = _Stopped(hang)
-        loop = asyncio.get_running_loop()
-        late: list[asyncio.Task[None]] = []
-        async with channel_to(stopped) as (_, channel):
-
-            def start(n: int) -> None:
-                if n:
-                    loop.call_soon(start, n - 1)
-                else:
-                    late.append(asyncio.create_task(channel.run(request(rid="late"), asyncio.Event())))
-
-            try:
-                waiting = [asyncio.create_task(channel.run(request(rid=f"r{i}"), asyncio.Event()))
-                           for i in range(2)]
-                await _eventually(lambda: stopped.infos == 1)
-                channel.fail_tries(lambda: StreamLostError("given up: stalled"))
-                loop.call_soon(start, depth)
-                for t in waiting:
-                    with pytest.raises(StreamLostError, match="stalled"):
-                        await asyncio.wait_for(t, 2)
-            finally:
-                for t in late:
-                    t.cancel()
-
-    asyncio.run(main())
-
-
-def test_a_channel_discarded_while_it_connects_fails_its_waiters_as_on_a_death() -> None:
-    async def main() -> None:
-        stopped = _Stopped(hang)
-        async with channel_to(stopped) as (_, channel):
-            waiting = asyncio.create_task(channel.run(request(), asyncio.Event()))
-            await _eventually(lambda: stopped.infos == 1)
-            channel.discard()
-            with pytest.raises(RayActorError):
-                await asyncio.wait_for(waiting, 2)
-            assert not waiting.cancelled()
-
-    asyncio.run(main())
-
-
-def test_an_abort_by_ray_ends_a_try_the_inbox_started_before_its_engine_has_it(
-        make_model: Callable[[TinyModelSpec], Path], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where its channel is down (its poll broke, or the inbox is full), the gateway aborts a try by
-    a Ray call (`abort`), not on the inbox. The engine's abort ends only a request it holds: a try
-    still on its way in (its grammar compiling) went on, and then ran to its end for no one."""
-    from pdserve.cluster.actors import EngineService
-    from pdserve.workers.config import EngineConfig
-
-    model = make_model(tiny_spec())
-    svc = EngineService(EngineConfig(model=str(model), max_model_len=256, num_kv_blocks=64), 1, worker_name="w")
-
-    async def main() -> None:
-        compiled = asyncio.Event()
-        waiting: list[SamplingParams] = []
-
-        async def grammar_ready(params: SamplingParams) -> None:
-            waiting.append(params)
-            await compiled.wait()
-
-        monkeypatch.setattr(svc.async_engine, "grammar_ready", grammar_ready)
-        opened: list[str] = []
-        real_open = svc.async_engine.open
-
-        def open_job(request_id: str, *args: Any, **kw: Any) -> Any:
-            opened.append(request_id)
-            return real_open(request_id, *args, **kw)
-
-        monkeypatch.setattr(svc.async_engine, "open", open_job)
-        svc.inbox.open()
-        constrained = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputs(choice=("yes", "no")))
-        svc.inbox._start(StartTry("s", 1, request(constrained)))
-        await _eventually(lambda: bool(waiting))
-        await svc.abort("r1", 0)
-        compiled.set()  # the grammar is ready now: an aborted try must not go on into the engine
-        await _eventually(lambda: svc.inbox.num_tries == 0 or bool(opened))
-        assert opened == []  # it never reached the engine
-        await _eventually(lambda: svc.inbox.num_tries == 0)
-
-    try:
-        asyncio.run(main())
-    finally:
-        svc.close()
-
-
-def test_an_abort_lost_on_the_way_is_sent_again_until_the_worker_answers_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A connection dropped and made again loses what was in flight: an abort lost so left its
-    try decoding on the worker, for no one, to its end. The worker answers an abort (the try's
-    failure report); one unanswered after ABORT_CONFIRM_S is sent again, and once answered, no
-    more."""
-    _quick_polls(monkeypatch)
-    monkeypatch.setattr(worker_channel, "ABORT_CONFIRM_S", 0.3)
-
-    async def main() -> None:
-        async with channel_to(hang) as (svc, channel):
-            run = asyncio.create_task(channel.run(request(), asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 1)
-            sent = channel._send
-            monkeypatch.setattr(channel, "_send", lambda body: None)  # the abort goes nowhere
-            assert channel.abort("r1", 0)
-            monkeypatch.setattr(channel, "_send", sent)
-            await asyncio.sleep(0.1)
-            assert svc.aborted == [] and svc.inbox.num_tries == 1  # lost: the try runs on
-            await _eventually(lambda: svc.aborted == [("r1", 0)])
-            await _eventually(lambda: svc.inbox.num_tries == 0)
-            with pytest.raises(RequestAbortedError):
-                await asyncio.wait_for(run, 5)
-            await asyncio.sleep(1.0)  # answered: not sent again
-            assert svc.aborted == [("r1", 0)] and not channel._unanswered_aborts
-
-    asyncio.run(main())
-
-
-async def _at_once(start: StartTry) -> None:
-    """A try that ends as soon as it starts (the worker reports it done)."""
-
-
-def test_an_abort_of_a_try_already_over_or_never_started_is_sent_once(monkeypatch: pytest.MonkeyPatch,
-                                                                       caplog: pytest.LogCaptureFixture) -> None:
-    """An abort the worker cannot answer (it has no try of it: one it reported done, or one whose
-    start was never sent, its client gone first) was taken for lost: sent again every
-    ABORT_CONFIRM_S, three times, then logged as never answered, for a try that never ran on for
-    no one. It is sent once (a try still there is ended by it), and nothing is said of it."""
-    _quick_polls(monkeypatch)
-    monkeypatch.setattr(worker_channel, "ABORT_CONFIRM_S", 0.1)
-
-    async def main() -> None:
-        async with channel_to(_at_once) as (svc, channel):
-            await asyncio.wait_for(channel.run(request(), asyncio.Event()), 5)  # reported done
-            assert channel.abort("r1", 0)  # (its final delta lost on the way, say)
-            assert channel.abort("r2", 0)  # its start never sent
-            await asyncio.sleep(1.0)  # past every re-send the old code made
-            assert sorted(svc.aborted) == [("r1", 0), ("r2", 0)]
-            assert not channel._unanswered_aborts
-
-    with caplog.at_level(logging.WARNING, logger=worker_channel.__name__):
-        asyncio.run(main())
-    assert "never answered" not in caplog.text
-
-
-class _PollFails(_Polled):
-    """A worker's handle whose first `fails` polls raise an error that is not the worker's
-    death (a Ray call that failed: a full object store, a broken connection to its node)."""
-
-    def __init__(self, svc: FakeService, fails: int) -> None:
-        super().__init__(svc)
-        self.fails = fails
-
-    async def poll(self, call: Coroutine[Any, Any, Any]) -> Any:
-        if self.polls <= self.fails:
-            call.close()
-            raise RuntimeError("the call failed on the way")
-        return await call
-
-
-@pytest.mark.parametrize("fails", [1, 100])
-def test_a_poll_that_fails_without_the_workers_death_is_tried_again(monkeypatch: pytest.MonkeyPatch,
-                                                                      fails: int) -> None:
-    """Any poll error used to be taken for the worker's death: its tries moved elsewhere at once
-    and the worker, alive, decoded them on for no one. Now one failure is polled through (the try
-    runs on); a worker whose polls keep failing is given up, its tries aborted there first."""
-    _quick_polls(monkeypatch)
-    monkeypatch.setattr(worker_channel, "_POLL_RETRY_S", (0.05, 0.05, 0.05))
-
-    async def main() -> None:
-        svc = FakeService(hang)
-        channel = WorkerChannel(_PollFails(svc, fails), GATEWAY, SECRET)
-        try:
-            finished = asyncio.Event()
-            run = asyncio.create_task(channel.run(request(), finished))
-            await _eventually(lambda: len(svc.started) == 1)
-            if fails == 1:
-                await _eventually(lambda: channel.connected and svc.inbox.num_tries == 1)
-                await asyncio.sleep(0.5)  # past the failed poll and its retry
-                assert not run.done() and svc.aborted == []
-                finished.set()
-                await asyncio.wait_for(run, 5)
-            else:
-                with pytest.raises(RayActorError):  # given up: the gateway moves the try
-                    await asyncio.wait_for(run, 5)
-                await _eventually(lambda: svc.aborted == [("r1", 0)])  # and the worker dropped it
-                await _eventually(lambda: svc.inbox.num_tries == 0)
-        finally:
-            await channel.close()
-            svc.inbox.close()
-
-    asyncio.run(main())
-
-
-class _Proxy:
-    """A TCP relay between a channel and an inbox that can drop what the channel sends
-    (`swallow`) and cut its connections (`cut`): a connection dropped and made again, losing
-    what was in flight (a worker stopped past the heartbeat timeout does this)."""
-
-    def __init__(self, target_port: int) -> None:
-        self.target_port, self.swallow = target_port, False
-        self._writers: list[asyncio.StreamWriter] = []
-        self.server: asyncio.Server | None = None
-
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
-        return f"tcp://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _relay(self, cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        ir, iw = await asyncio.open_connection("127.0.0.1", self.target_port)
-        self._writers += [cw, iw]
-
-        async def pump(r: asyncio.StreamReader, w: asyncio.StreamWriter, upstream: bool) -> None:
-            with contextlib.suppress(OSError, ConnectionError):
-                while data := await r.read(65536):
-                    if not (upstream and self.swallow):
-                        w.write(data)
-                        await w.drain()
-            w.close()
-
-        await asyncio.gather(pump(cr, iw, True), pump(ir, cw, False))
-
-    def cut(self) -> None:
-        for w in self._writers:
-            w.transport.abort()
-        self._writers.clear()
-
-    def close(self) -> None:
-        self.cut()
-        if self.server is not None:
-            self.server.close()
-
-
-def test_starts_in_flight_when_the_link_drops_fail_at_once_not_after_the_confirm_wait(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A start written before the inbox's connection dropped may be lost with it (a worker
-    SIGSTOPped 5 s lost two or three so, and their clients waited 30 s, START_CONFIRM_S, with
-    no byte). When the link drops, a try the worker has not reported taking fails at once, as a
-    lost stream (the gateway moves it), and its abort follows on the next connection; a try
-    it took runs on, and the channel serves on."""
-    monkeypatch.setattr(worker_channel, "POLL_S", 0.1)
-
-    async def main() -> None:
-        svc = FakeService(hang)
-        real = svc.inbox.open()
-        proxy = _Proxy(int(real.rsplit(":", 1)[1]))
-        svc.inbox.address = await proxy.start()  # the channel connects (and signs) to the relay
-
-        async def info() -> WorkerInfo:
-            return WorkerInfo(1, 1, inbox=svc.inbox.address, incarnation=svc.incarnation)
-
-        svc.info = info  # type: ignore[method-assign]
-        async with channel_to(svc) as (_, channel):
-            taken = asyncio.create_task(channel.run(request(rid="taken"), asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 1 and channel._tries[("taken", 0)].started)
-            proxy.swallow = True
-            lost = asyncio.create_task(channel.run(request(rid="lost"), asyncio.Event()))
-            await asyncio.sleep(0.3)
-            proxy.cut()
-            proxy.swallow = False
-            with pytest.raises(StreamLostError, match="link"):
-                await asyncio.wait_for(lost, 5)  # not START_CONFIRM_S (30 s)
-            await _eventually(lambda: ("lost", 0) in svc.aborted)  # its abort came on the new connection
-            assert [s.request.request_id for s in svc.started] == ["taken"] and not taken.done()
-            after = asyncio.create_task(channel.run(request(rid="after"), asyncio.Event()))
-            await _eventually(lambda: len(svc.started) == 2)
-            for t in (taken, after):
-                t.cancel()
-        proxy.close()
 
     asyncio.run(main())
