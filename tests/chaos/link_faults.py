@@ -7,9 +7,10 @@ import asyncio
 import time
 
 from chaos.base import AT_CHUNKS, REQUESTS, decodes, load_for, long_load, prefills
-from chaos.harness import Check, Fault, Harness, ScenarioResult, pid_of
+from chaos.harness import Check, Fault, Harness, ScenarioResult
 from chaos.load import Load
 from chaos.procs import can_cut_links, cut_links, links, loopback_ports
+from chaos.ray_view import pid_of
 from pdserve.cluster.reports import DrainState
 
 # --- (g) a link cut mid-transfer ---------------------------------------------------------------

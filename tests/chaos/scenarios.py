@@ -22,9 +22,10 @@ from pathlib import Path
 
 from chaos.base import AFTER, MAX_TOKENS, REQUESTS
 from chaos.door_faults import gateway_killed, ingress_killed, replica_killed
-from chaos.harness import COUNTERS, Harness, ScenarioResult, ServerOptions
+from chaos.harness import Harness, ScenarioResult
 from chaos.link_faults import disconnect_burst, kv_link_cut, token_link_cut
 from chaos.load import ENDPOINTS, make_probes
+from chaos.server import COUNTERS, ServerOptions
 from chaos.server_faults import control_plane_lost, server_killed
 from chaos.worker_faults import (
     STOP_S,

@@ -17,7 +17,6 @@ from chaos.harness import (
     Excuse,
     Fault,
     Harness,
-    RayView,
     ScenarioResult,
     before_recovery,
     recovery_budget,
@@ -25,6 +24,7 @@ from chaos.harness import (
 from chaos.leaks import leaks
 from chaos.load import Load, Outcome, Result
 from chaos.procs import cmdline, session_members
+from chaos.ray_view import RayView
 
 # --- (i) `pdserve serve` itself killed, then started again -----------------------------------------
 

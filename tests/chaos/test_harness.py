@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from chaos.harness import Fault, ScenarioResult, ServerOptions, before_recovery
+from chaos.harness import Fault, ScenarioResult, before_recovery
 from chaos.leaks import Leaks, Snapshot, counter_increase, extra_threads, leaks
 from chaos.load import Load, Outcome, Probe, Result, read_event, request_of
+from chaos.server import ServerOptions
 from pdserve.cluster.reports import DrainState
 
 PROBE = Probe((5, 6, 7), 3, "abc")
@@ -271,8 +272,8 @@ def test_stop_continues_only_its_own_stopped_processes(tmp_path: Path) -> None:
     import signal
     import subprocess
 
-    from chaos.harness import Server
     from chaos.procs import stopped
+    from chaos.server import Server
 
     other = subprocess.Popen(["sleep", "30"], start_new_session=True)
     try:

@@ -7,9 +7,10 @@ import signal
 import time
 
 from chaos.base import AT_CHUNKS, decodes, excuse_errors_before_recovery, load_for, long_load, prefills
-from chaos.harness import Check, Fault, Harness, ScenarioResult, pid_of
+from chaos.harness import Check, Fault, Harness, ScenarioResult
 from chaos.load import Load, Outcome, Result
 from chaos.procs import alive
+from chaos.ray_view import pid_of
 from pdserve.cluster.reports import DrainState
 from pdserve.workers.fault_seam import WorkerFault
 
