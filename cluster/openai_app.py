@@ -35,7 +35,7 @@ from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics
 from pdserve.cluster.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, error_body, now
 from pdserve.cluster.reasoning import ReasoningPlan
-from pdserve.cluster.responses import ApiKind, collect_response, stream_response
+from pdserve.cluster.responses import ApiKind, collect_response, json_text, stream_response
 from pdserve.cluster.responses_api import ResponsesRequest, responses_error, stream_responses, whole_response
 from pdserve.cluster.tokenize_routes import ENDPOINTS as TOKENIZER_ENDPOINTS
 from pdserve.cluster.tokenize_routes import add_tokenizer_routes
@@ -237,7 +237,7 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             out = await _until_disconnect(request, collect_response(gw, ApiKind.CHAT, rid, works, rm))
         finally:
             slot.release()
-        return JSONResponse(whole_response(body, rid, out))
+        return OutputResponse(whole_response(body, rid, out))
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"], include_in_schema=False)
     async def stored_response(response_id: str) -> Response:
@@ -357,7 +357,16 @@ async def _respond(gw: Gateway, request: Request, kind: ApiKind, stream: bool, i
         body = await _until_disconnect(request, collect_response(gw, kind, rid, works, rm))
     finally:
         slot.release()
-    return JSONResponse(body)
+    return OutputResponse(body)
+
+
+class OutputResponse(JSONResponse):
+    """A whole (not streamed) response of model output, written as its streamed chunks are
+    (`json_text`): Starlette's JSONResponse fails on what a model may write (a lone surrogate in
+    a tool call's arguments, an infinite logprob), a 500 for a request that worked."""
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode()
 
 
 class _AdmittedStream(Response):

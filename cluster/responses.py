@@ -393,14 +393,19 @@ def response_body(gw: Gateway, kind: ApiKind, rid: str, works: list[Work], choic
 
 
 def sse_event(body: Mapping[str, object]) -> str:
-    # pydantic-core's serializer (FastAPI's own dependency) writes a chunk in under a
-    # microsecond, the standard library's json.dumps in ~7: one chunk per token of every
-    # stream. Infinities as json.dumps writes them (a logprob may be -inf).
+    return f"data: {json_text(body)}\n\n"
+
+
+def json_text(body: Mapping[str, object]) -> str:
+    """A body of model output as JSON text, whatever the model wrote. pydantic-core's serializer
+    (FastAPI's own dependency) writes a chunk in under a microsecond, the standard library's
+    json.dumps in ~7: one chunk per token of every stream. Infinities as json.dumps writes them
+    (a logprob may be -inf); a lone surrogate (a tool call's arguments may carry "\\ud800", which
+    UTF-8 cannot) escaped, as json.dumps escapes it, not a failed response."""
     try:
-        data = to_json(body, inf_nan_mode="constants").decode()
+        return to_json(body, inf_nan_mode="constants").decode()
     except PydanticSerializationError:  # what json.dumps escapes and it refuses (a lone surrogate)
-        data = json.dumps(body)
-    return f"data: {data}\n\n"
+        return json.dumps(body)
 
 
 @dataclass(frozen=True)

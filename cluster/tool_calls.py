@@ -89,7 +89,8 @@ class ToolPlan:
         names = [f["name"] for f in functions]
         if len(set(names)) != len(names):
             raise ValueError("tools: function names must be unique")
-        choice = "auto" if tool_choice is None and functions else (tool_choice or "none")
+        # Only a missing tool_choice takes a default: an empty one ({} or "") is refused below.
+        choice = ("auto" if functions else "none") if tool_choice is None else tool_choice
         if isinstance(choice, dict):
             fn = choice.get("function")
             name = fn.get("name") if isinstance(fn, dict) else None
@@ -145,9 +146,8 @@ class ToolPlan:
             assert self.name is not None
             return None, [_call(self.name, text)]
         if self.mode == "required":
-            try:
-                items = json.loads(text)
-            except (ValueError, RecursionError):
+            items = _json(text)
+            if not isinstance(items, list):
                 return text, []
             return None, [_call(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
         if self.mode == "auto":
@@ -291,7 +291,13 @@ def _deeper_than(value: object, limit: int) -> bool:
 
 
 def _json(text: str) -> object:
+    """`text` as JSON, or None where it is not: NaN and Infinity too, which Python's parser takes
+    but JSON has not (a call's arguments go to the client as JSON text)."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_not_json)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no call
         return None
+
+
+def _not_json(constant: str) -> object:
+    raise ValueError(f"{constant} is not JSON")

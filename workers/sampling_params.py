@@ -200,6 +200,8 @@ class SamplingParams:
         if any(not isinstance(w, str) or not w.strip() or len(w) > MAX_BAD_WORD_CHARS for w in words):
             raise ValueError(f"bad_words: every word must be a string with a non-space character and at most "
                              f"{MAX_BAD_WORD_CHARS} characters")
+        if not all(_utf8(w) for w in words):  # the tokenizer takes no lone surrogate ("\ud800" in JSON)
+            raise ValueError("bad_words: not valid Unicode (a lone surrogate)")
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise ValueError(f"cache_salt: must be a non-empty string, got {self.cache_salt!r}")
 
@@ -292,3 +294,12 @@ def _flags(params: SamplingParams, *names: str) -> None:
     for name in names:
         if not isinstance(getattr(params, name), bool):
             raise ValueError(f"{name}: must be true or false, got {getattr(params, name)!r}")
+
+
+def _utf8(text: str) -> bool:
+    """Whether `text` is Unicode a tokenizer can take: it encodes as UTF-8 (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -7,6 +7,7 @@ and the server serves the next request. A real tiny engine behind the in-process
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -52,6 +53,11 @@ TOOL = '[{"type":"function","function":{"name":"f","parameters":' + nested(300) 
 CASES: dict[str, tuple[str, bytes, str]] = {
     "surrogate-model": ("/v1/completions", b'{"model":"\\ud800","prompt":"hi","max_tokens":2}', "model"),
     "surrogate-model-detokenize": ("/detokenize", b'{"model":"\\ud800","tokens":[1]}', "model"),
+    "surrogate-bad-words": ("/v1/completions", b'{"prompt":"hi","max_tokens":2,"bad_words":["\\ud800"]}',
+                            "bad_words"),  # it failed in the engine: a 500 (its tokenizer takes no surrogate)
+    "empty-tool-choice": ("/v1/chat/completions", ('{"messages":' + USER + ',"max_tokens":2,"tool_choice":{},'
+                                                  '"tools":[{"type":"function","function":{"name":"f"}}]}').encode(),
+                          "tool_choice"),  # it was taken as "none"
     "client-origin": ("/v1/completions",
                       b'{"prompt":"hi","max_tokens":2,"structured_outputs":{"regex":"(","origin":"\\ud800"}}',
                       "structured_outputs"),
@@ -100,6 +106,41 @@ def test_a_model_made_to_write_deep_brackets_answers_in_text(served: tuple[LLM, 
     else:
         message = r.json()["choices"][0]["message"]
         assert message.get("tool_calls") is None and message["content"].count("[") >= 1000
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(("arguments", "parsed"), [
+    ('{"a": "\\ud800"}', {"a": "\ud800"}),  # JSON may escape a lone surrogate; UTF-8 cannot carry it
+    ('{"a": NaN}', None),  # Python's parser takes NaN, JSON has none: not a call
+], ids=["surrogate", "nan"])
+def test_a_tool_call_the_model_writes_is_served_as_json_or_as_content(served: tuple[LLM, Gateway, TestClient],
+                                                                      stream: bool, arguments: str,
+                                                                      parsed: dict[str, Any] | None) -> None:
+    """The model's own output (a regex makes it write this call) never fails its response: a
+    whole answer whose call carried "\\ud800" was a 500 (Starlette's JSON refused it), and
+    arguments with NaN went out as JSON text that was not JSON."""
+    _, _, client = served
+    call = '<tool_call>{"name": "f", "arguments": ' + arguments + "}</tool_call>"
+    body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "max_tokens": 60, "stream": stream,
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}],
+            "structured_outputs": {"regex": re.escape(call)}}
+    r = post(client, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text[:300]
+    if stream:
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        assert r.text.rstrip().endswith("data: [DONE]") and not any("error" in e for e in events)
+        deltas = [e["choices"][0]["delta"] for e in events if e.get("choices")]
+        calls = [c for d in deltas for c in d.get("tool_calls") or []]
+        content = "".join(d.get("content") or "" for d in deltas)
+        args = "".join(c["function"].get("arguments") or "" for c in calls)
+    else:
+        message = r.json()["choices"][0]["message"]
+        calls, content = message.get("tool_calls") or [], message.get("content") or ""
+        args = "".join(c["function"]["arguments"] for c in calls)
+    if parsed is None:
+        assert not calls and content == call
+    else:
+        assert len(calls) == 1 and json.loads(args) == parsed
 
 
 def test_a_long_field_name_is_not_echoed_whole(served: tuple[LLM, Gateway, TestClient]) -> None:
