@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Literal, NotRequired, TypedDict
+from typing import Any, ClassVar, Literal, NotRequired, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -53,11 +53,15 @@ class _SamplingFields(BaseModel):
     def _null_is_unset(cls, data: Any) -> Any:
         """A field sent as null takes its default: OpenAI types most fields "... or null" (stream,
         n, echo, logprobs), vLLM's models take null for them, and typed clients send it. An
-        unknown field sent as null asks nothing either: it is dropped, not refused."""
+        unknown field sent as null asks nothing either: it is dropped, not refused. Fields in
+        `_NULL_KEPT` mean something else by null (their model says what)."""
         if not isinstance(data, dict):
             return data
         return {k: v for k, v in data.items()
-                if v is not None or (k in cls.model_fields and cls.model_fields[k].default is None)}
+                if v is not None or k in cls._NULL_KEPT
+                or (k in cls.model_fields and cls.model_fields[k].default is None)}
+
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset()
 
     model: str | None = None
     # Unset sampling fields take the model's generation_config.json defaults (vLLM's
@@ -191,8 +195,11 @@ class CompletionRequest(_SamplingFields):
     echo: bool = Field(False, description="put the prompt before each completion's text (and, with logprobs, "
                                          "the prompt tokens' logprobs before the generated ones'); "
                                          "with max_tokens 0, return only the prompt")
+    # 16 when left out (OpenAI's default); null, as in vLLM: up to the end of the context.
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, description="return this many top log-probs per token")
+
+    _NULL_KEPT: ClassVar[frozenset[str]] = frozenset({"max_tokens"})
 
     @property
     def num_prompts(self) -> int:

@@ -82,6 +82,27 @@ def test_openai_nullable_fields_take_null_as_unset(url: str, path: str, body: di
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.parametrize("path", ["/completions", "/chat/completions"])
+def test_max_tokens_null_is_the_rest_of_the_context(url: str, path: str) -> None:
+    """vLLM takes an explicit `max_tokens: null` as no bound but the context, on both routes
+    (completions' default, when it is left out, is 16): a prompt LEN - 5 tokens long gets 5.
+    Completions took null as 16, a 400 for going past the context."""
+    with _client(url) as c:
+        if path == "/completions":
+            body: dict[str, object] = {"prompt": [5] * (LEN - 5)}
+        else:
+            n = c.post(url.removesuffix("/v1") + "/tokenize",
+                       json={"messages": [{"role": "user", "content": "a"}]}).json()["count"]
+            body = {"messages": [{"role": "user", "content": "a " * (LEN - 5 - n + 1)}]}
+        r = c.post(path, json={**body, "max_tokens": None, "ignore_eos": True, "temperature": 0})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == LEN, usage
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+        left_out = c.post("/completions", json={"prompt": [5] * 8, "ignore_eos": True, "temperature": 0}).json()
+        assert left_out["usage"]["completion_tokens"] == 16
+
+
 def test_text_content_parts_are_joined_by_newlines(url: str) -> None:
     """vLLM renders a message whose content is a list of text parts as the parts joined by
     "\\n" (entrypoints/chat_utils.py `_parse_chat_message_content_parts`: "\\n".join(texts)); pdserve
