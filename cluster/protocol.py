@@ -357,6 +357,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def num_logprobs(self) -> int | None:
         # vLLM's rule: asking for some (> 0) needs logprobs; 0 asks for none, and is taken without.
+        # A negative count is refused whether or not logprobs is set (vLLM's -1, the whole
+        # vocabulary, is past any --max-logprobs but -1 there; pdserve does not offer it).
+        if self.top_logprobs is not None and self.top_logprobs < 0:
+            raise ValueError(f"top_logprobs: must be a non-negative integer, got {self.top_logprobs}")
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return (self.top_logprobs or 0) if self.logprobs else None

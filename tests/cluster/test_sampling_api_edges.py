@@ -26,12 +26,13 @@ def _client(url: str) -> httpx.Client:
     return httpx.Client(base_url=url + "/v1", timeout=60)
 
 
-@pytest.mark.parametrize("top_logprobs", [-1, 21])
-def test_a_bad_top_logprobs_is_named_top_logprobs(url: str, top_logprobs: int) -> None:
+@pytest.mark.parametrize(("top_logprobs", "logprobs"), [(-1, True), (21, True), (-5, None), (-(2**63) - 1, False)])
+def test_a_bad_top_logprobs_is_named_top_logprobs(url: str, top_logprobs: int, logprobs: bool | None) -> None:
     """Chat asks for N top logprobs with `top_logprobs` (`logprobs` is a boolean there): a bad N
-    was refused as "logprobs: ..." with param "logprobs", a field the client had set right."""
+    was refused as "logprobs: ..." with param "logprobs", a field the client had set right; a
+    negative one without `logprobs` was taken (vLLM refuses it either way)."""
     with _client(url) as c:
-        r = c.post("/chat/completions", json={**CHAT, "logprobs": True, "top_logprobs": top_logprobs})
+        r = c.post("/chat/completions", json={**CHAT, "logprobs": logprobs, "top_logprobs": top_logprobs})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "top_logprobs" and err["message"].startswith("top_logprobs: "), err
