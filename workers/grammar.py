@@ -240,7 +240,8 @@ class GrammarCompiler:
 def _reason(e: BaseException) -> str:
     """xgrammar's message without its time and C++ source location."""
     text = (str(e).strip().splitlines() or [type(e).__name__])[0]
-    return re.sub(r"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*", "", text)
+    text = re.sub(r"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text) or type(e).__name__
 
 
 class GrammarState:

@@ -37,6 +37,8 @@ _SUBSCHEMA = ("items", "additionalItems", "additionalProperties", "propertyNames
               "unevaluatedProperties")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
 _SUBSCHEMA_LISTS = ("items", "prefixItems", "anyOf", "oneOf", "allOf")
+# Bounds JSON Schema wants non-negative integers.
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
 
 
 @dataclass(frozen=True)
@@ -164,6 +166,7 @@ def _check_schema_enforced(name: str, schema: object) -> None:
             used.append("allOf")
         if used:
             raise ValueError(f"{name}: {used[0]} is not supported (the output would not be held to it)")
+        _check_schema_node(name, node)
         patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
         if isinstance(node.get("patternProperties"), dict):
             patterns += list(node["patternProperties"])
@@ -174,6 +177,31 @@ def _check_schema_enforced(name: str, schema: object) -> None:
         todo += [node[k] for k in _SUBSCHEMA if k in node]
         todo += [v for k in _SUBSCHEMA_MAPS if isinstance(node.get(k), dict) for v in node[k].values()]
         todo += [v for k in _SUBSCHEMA_LISTS if isinstance(node.get(k), list) for v in node[k]]
+
+
+def _check_schema_node(name: str, node: dict[str, Any]) -> None:
+    """A ValueError naming `name` where one schema (not its subschemas) is one the backend would
+    turn into output that is not an instance of it: xgrammar took each of these and wrote ""
+    (an empty anyOf, no JSON at all), "" for a remote $ref (ignored), `{}` against a required
+    property that additionalProperties false forbids, and read a negative bound as 0."""
+    for key in ("anyOf", "oneOf"):
+        if node.get(key) == []:
+            raise ValueError(f"{name}: {key} must hold at least one schema (no value can match an empty one)")
+    for key in _COUNTS:
+        value = node.get(key)
+        if key in node and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{name}: {key} must be a non-negative integer, got {value!r}")
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        raise ValueError(f"{name}: $ref {ref[:64]!r}: only references inside the schema (\"#/...\") are "
+                         "supported (nothing is fetched)")
+    required, properties = node.get("required"), node.get("properties")
+    if node.get("additionalProperties") is False and isinstance(required, list) and "patternProperties" not in node:
+        known = properties if isinstance(properties, dict) else {}
+        missing = [r for r in required if isinstance(r, str) and r not in known]
+        if missing:
+            raise ValueError(f"{name}: required property {missing[0][:64]!r} is not in properties, and "
+                             "additionalProperties is false: no object can match")
 
 
 def _raw_in_json(pattern: str) -> bool:
@@ -208,7 +236,10 @@ def _json_text(name: str, value: object) -> str:
     if not isinstance(value, (dict, bool)):
         raise ValueError(f"{name}: must be a JSON object, got {type(value).__name__}")
     try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")  # the grammar's parser takes no lone surrogate
         return json.dumps(value, separators=(",", ":"), allow_nan=False)  # key order kept: it is the output's
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: not valid Unicode (a lone surrogate)") from None
     except RecursionError:
         raise ValueError(f"{name}: nested more than {MAX_SCHEMA_DEPTH} deep") from None
     except ValueError as e:

@@ -115,6 +115,9 @@ def test_a_grammar_ends_the_request_even_with_ignore_eos(llm: LLM) -> None:
     ({"json": {"type": "object"}, "disable_additional_properties": True},
      "structured_outputs.disable_additional_properties"),
     ({"json": {"type": "object"}, "disable_any_whitespace": "yes"}, "structured_outputs.disable_any_whitespace"),
+    # xgrammar's own words, without its internals ("Check failed: (...) is false: ..."):
+    ({"json": {"const": "\ud800"}}, "structured_outputs.json: not valid Unicode (a lone surrogate)"),
+    ({"json": {"type": "integer", "minimum": 10**30}}, "structured_outputs.json: Integer exceeds maximum limit"),
 ])
 def test_a_bad_spec_is_a_value_error_naming_its_field_and_runs_nothing(llm: LLM, spec: dict[str, Any],
                                                                        field: str) -> None:
@@ -243,8 +246,15 @@ DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
     {"type": "string", "pattern": r"^a\tb$"},
     {"type": "object", "patternProperties": {r"^k\n$": {"type": "integer"}}, "minProperties": 1,
      "additionalProperties": False},
+    # Found by fuzzing the API: "" under an empty anyOf (no JSON), "" for a remote $ref (ignored),
+    # {} against a required property nothing allows, a negative bound read as 0.
+    {"anyOf": []},
+    {"$ref": "http://example.com/x.json"},
+    {"type": "object", "properties": {}, "required": ["a"], "additionalProperties": False},
+    {"type": "string", "maxLength": -1},
 ], ids=["uniqueItems", "contains", "not", "if-then-else", "dependentRequired", "dependentSchemas", "allOf",
-        "pattern-quote", "pattern-backslash", "pattern-tab", "patternProperties-newline"])
+        "pattern-quote", "pattern-backslash", "pattern-tab", "patternProperties-newline", "anyOf-empty",
+        "remote-ref", "required-forbidden", "negative-maxLength"])
 def test_a_schema_is_held_to_every_keyword_or_refused(llm: LLM, schema: dict[str, Any]) -> None:
     """xgrammar compiles these keywords as if they were absent: outputs such as [1, 1] under
     uniqueItems, or 0 under not {const: 0}, came back as `stop`, not instances of the schema. A
