@@ -114,6 +114,9 @@ class GatewayConfig:
     log_outputs: bool = False
     max_log_len: int | None = None
     cors: CorsSettings = CorsSettings()  # browsers' cross-origin requests (cluster/cors.py): none by default
+    # The HTTP server in front writes x-request-id on every response itself (Ray Serve's ingress):
+    # the guard does not add a second one (cluster/http_guard.py).
+    server_writes_request_id: bool = False
 
     @property
     def served_names(self) -> tuple[str, ...]:

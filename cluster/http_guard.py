@@ -4,8 +4,11 @@ pace, and a deadline on every write to the client.
 A plain ASGI middleware (`Guard`), so that it acts before FastAPI reads or
 parses anything:
 
-* every request gets an id (`x-request-id` on its response; the server log
-  names the request by it);
+* every request gets an id the server log names it by: the client's `x-request-id`
+  (or the one Ray Serve's ingress gave it) with 8 random hex digits after it, unique
+  even where clients reuse theirs, else 32 random hex digits; `x-request-id` on its
+  response is the client's (Serve's) id, or that one. Under Ray Serve its ingress writes
+  that header itself (`echo_request_id` False: one header, not two with two ids);
 * the key is checked from the headers alone, before the body is read: an
   unauthenticated client costs no parsing. /health is open; /metrics wants the
   metrics key or the API key, whichever are set (open only when neither is: an
@@ -30,6 +33,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
@@ -45,6 +49,8 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 OnRefused = Callable[[RefusalReason, "int | None"], None]
 
 REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
+_ID_CHARS = re.compile(rb"[A-Za-z0-9._:-]{1,64}")
 OPEN_PATHS = frozenset({"/health", "/ping"})
 METRICS_PATH = "/metrics"
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -71,9 +77,23 @@ def request_id(scope: Scope) -> str:
     state = scope.setdefault("state", {})
     rid: str | None = state.get("request_id")
     if rid is None:
-        # 128 random bits as uuid4().hex has them, at a fifth of its cost (no UUID object).
-        state["request_id"] = rid = os.urandom(16).hex()
+        given = _given_id(scope)
+        if given is None:
+            # 128 random bits as uuid4().hex has them, at a fifth of its cost (no UUID object).
+            rid = os.urandom(16).hex()
+        else:  # a client may send one id twice: the suffix keeps the engines' ids apart
+            rid = f"{given}-{os.urandom(4).hex()}"
+        state["request_id"], state["given_request_id"] = rid, given
     return rid
+
+
+def _given_id(scope: Scope) -> str | None:
+    """The request's own `x-request-id` (a client's, or Ray Serve's ingress's), if it is one
+    an id can be made of: at most 64 of [A-Za-z0-9._:-]."""
+    for name, value in scope.get("headers", ()):
+        if name == _REQUEST_ID_NAME:
+            return value.decode("latin-1") if _ID_CHARS.fullmatch(value) else None
+    return None
 
 
 class WriteTimeout(Exception):
@@ -94,17 +114,19 @@ class Guard:
     """See the module docstring. `on_refused(reason, status)` counts each refusal
     it makes (status None: a client dropped for not reading)."""
 
-    def __init__(self, app: App, keys: Keys, limits: RequestLimits, on_refused: OnRefused) -> None:
+    def __init__(self, app: App, keys: Keys, limits: RequestLimits, on_refused: OnRefused,
+                 echo_request_id: bool = True) -> None:
         self.app, self.keys, self.limits, self.on_refused = app, keys, limits, on_refused
+        self.echo_request_id = echo_request_id
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        rid = request_id(scope)
+        request_id(scope)
         watch = _WriteWatch(self.limits.write_timeout)
         try:
-            await self._guarded(scope, receive, self._timed(send, rid, watch))
+            await self._guarded(scope, receive, self._timed(send, scope, watch))
         finally:
             watch.close()  # on every exit: a refusal's error body armed it too
 
@@ -162,11 +184,12 @@ class Guard:
             raise _Refusal(408, f"request body: not received within {self.limits.body_timeout:g} s",
                            "RequestTimeoutError", RefusalReason.BODY_TIMEOUT) from None
 
-    def _timed(self, send: Send, rid: str, watch: _WriteWatch) -> Send:
-        header = (REQUEST_ID_HEADER.encode(), rid.encode())
+    def _timed(self, send: Send, scope: Scope, watch: _WriteWatch) -> Send:
+        header = (_REQUEST_ID_NAME, (scope["state"]["given_request_id"] or request_id(scope)).encode())
+        echo = self.echo_request_id
 
         async def timed_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
+            if echo and message["type"] == "http.response.start":
                 message["headers"] = [*message.get("headers", []), header]
             watch.begin()
             try:

@@ -80,7 +80,7 @@ def build_app(gw: Gateway) -> FastAPI:
                   lifespan=lifespan, **telemetry_options(), **no_docs)
     # Added first, so inside the counter: the counter sees the guard's refusals too.
     app.add_middleware(Guard, keys=Keys(cfg.api_key, cfg.metrics_api_key), limits=cfg.limits,
-                       on_refused=gw.metrics.refuse)
+                       on_refused=gw.metrics.refuse, echo_request_id=not cfg.server_writes_request_id)
     # Outside the guard: its refusals are counted, and name the replica, too.
     app.add_middleware(RequestCounter, counter=gw.requests_total, endpoints=ENDPOINTS,
                        headers=((REPLICA_HEADER, str(cfg.replica).encode()),))

@@ -180,7 +180,10 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     if cfg.chat_template is not None:  # --chat-template: every chat (and /tokenize's) renders with it
         tokenizer.chat_template = cfg.chat_template
     rank = replica_rank()
-    gw_cfg = gateway_config(cfg, info.max_model_len, model_dir, rank)
+    # Serve's ingress gives every request an x-request-id (the client's, else its own) and writes
+    # it on the response: the gateway takes it as its requests' ids begin and writes none of its own.
+    gw_cfg = dataclasses.replace(gateway_config(cfg, info.max_model_len, model_dir, rank),
+                                 server_writes_request_id=True)
     backend = (_disaggregated_backend(cfg, rank) if cfg.mode is ServingMode.DISAGGREGATED
                else ColocatedBackend([find_worker(n) for n in cfg.worker_names()], stream_host=cfg.kv_host,
                                      names=cfg.worker_names(), max_migrations=cfg.max_migrations,

@@ -251,6 +251,34 @@ def test_errors_carry_a_message_a_type_and_the_request_id_never_internals(
         assert whole.headers["retry-after"] == "1"
 
 
+@pytest.mark.parametrize("server_writes", [False, True], ids=["own-header", "server-writes-it"])
+def test_a_clients_request_id_names_its_request_and_a_reused_one_stays_apart(tokenizer: Any,
+                                                                             server_writes: bool) -> None:
+    """A client's x-request-id comes back, once, and begins the id the log and the body name the
+    request by; a client that sends one id twice at once gets two requests, not a clash in the
+    engines. Unusable as an id (a space, 65 characters): a fresh one. Behind Ray Serve (its
+    ingress writes the header itself) the gateway wrote a second header with another id."""
+    gw = gateway(tokenizer, server_writes_request_id=server_writes)
+
+    async def main() -> list[httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(gw)), base_url="http://gw") as c:
+            sent = [{"x-request-id": "job-1"}, {"x-request-id": "job-1"}, {"x-request-id": "a b"},
+                    {"x-request-id": "x" * 65}, {}]
+            return list(await asyncio.gather(*(c.post("/v1/completions", json=OK, headers={**KEY, **h})
+                                               for h in sent)))
+
+    rs = asyncio.run(main())
+    assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+    ids = [r.json()["id"] for r in rs]
+    assert ids[0] != ids[1] and all(re.fullmatch(r"cmpl-job-1-[0-9a-f]{8}", i) for i in ids[:2]), ids
+    assert all(re.fullmatch(r"cmpl-[0-9a-f]{32}", i) for i in ids[2:]), ids
+    headers = [r.headers.get_list("x-request-id") for r in rs]
+    if server_writes:
+        assert headers == [[]] * 5
+    else:
+        assert headers[:2] == [["job-1"]] * 2 and [h for [h] in headers[2:]] == [i[5:] for i in ids[2:]]
+
+
 def test_every_503_says_when_to_retry(tokenizer: Any) -> None:
     backend = Backend()
     backend.healthy = False  # type: ignore[misc]

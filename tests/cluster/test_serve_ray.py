@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from factories import local_cluster, tiny_spec
@@ -52,6 +53,13 @@ def test_cluster_serves_completions_like_the_offline_engine(cluster: tuple[str, 
                                        messages=[{"role": "user", "content": "hi"}],
                                        max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True})
     assert len("".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)) > 0
+    # One x-request-id a response (Serve's ingress writes it: the gateway added a second, with
+    # another id), the client's when it sent one; the log's id (the body's) begins with it.
+    for sent in ({}, {"x-request-id": "client-7"}):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=sent, timeout=60)
+        ids = r.headers.get_list("x-request-id")
+        assert len(ids) == 1 and r.json()["id"].startswith(f"cmpl-{ids[0]}-"), (ids, r.json()["id"])
+        assert ids == [sent["x-request-id"]] if sent else True
     if mode == "disaggregated":
         from pdserve.cluster.worker_start import NAMESPACE
 
