@@ -493,11 +493,11 @@ class Gateway:
 
     def params(self, prompt_ids: list[int], max_tokens: int | None,
                make: Callable[[int], SamplingParams], budget_field: str = "max_tokens",
-               logprobs_field: str = "logprobs") -> SamplingParams:
+               logprobs_field: str = "logprobs", prompt_field: str = "prompt") -> SamplingParams:
         """The checked parameters `make` builds for the completion's token budget
-        (`max_tokens`, or all the context the prompt leaves). `budget_field`, `logprobs_field`:
-        the request's names for that budget and for the number of top logprobs (chat's
-        `top_logprobs`), named in its errors."""
+        (`max_tokens`, or all the context the prompt leaves). `budget_field`, `logprobs_field`,
+        `prompt_field`: the request's names for that budget, for the number of top logprobs
+        (chat's `top_logprobs`) and for its prompt (chat's `messages`), named in its errors."""
         default_budget = self.config.sampling_defaults.get("max_tokens")
         if max_tokens is None and default_budget is not None and len(prompt_ids) < self.config.max_model_len:
             # The model's max_new_tokens, within what the context leaves (vLLM's rule).
@@ -509,7 +509,8 @@ class Gateway:
         except ValueError as e:
             # Named as the request names them: a chat request's top_logprobs of -1 or 21 was
             # refused naming `logprobs`, a boolean there, which the client had set right.
-            for ours, theirs in (("max_tokens", budget_field), ("logprobs", logprobs_field)):
+            for ours, theirs in (("max_tokens", budget_field), ("logprobs", logprobs_field),
+                                 ("prompt", prompt_field)):
                 if theirs != ours and str(e).startswith(ours + ":"):
                     renamed = theirs + str(e).removeprefix(ours)
                     e = ContextOverflowError(renamed) if isinstance(e, ContextOverflowError) else ValueError(renamed)

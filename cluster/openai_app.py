@@ -310,7 +310,7 @@ async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Wo
         prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
         params = gw.params(prompt_ids, body.max_new_tokens(),
                            lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
-                           body.budget_field(), "top_logprobs")
+                           body.budget_field(), "top_logprobs", "messages")
         await gw.check_grammar(params)
     except BaseException:
         slot.release()

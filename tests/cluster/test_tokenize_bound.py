@@ -128,6 +128,17 @@ def test_the_bound_refuses_no_prompt_that_fits(tokenizer: Any) -> None:
     assert post(gw, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 4}).status_code == 200
 
 
+def test_a_chat_too_long_once_tokenized_names_messages(tokenizer: Any) -> None:
+    """Under the character bound, over max_model_len in tokens: refused after tokenizing, naming
+    the chat's own field (it named `prompt`, a field a chat request does not have)."""
+    gw = gateway(tokenizer)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hello there " * MAX_MODEL_LEN}]}
+    assert gw.char_bound is not None and len(chat["messages"][0]["content"]) < gw.char_bound.max_chars
+    assert_too_long(post(gw, "/v1/chat/completions", chat), "messages")
+    assert_too_long(post(gw, "/v1/completions", {"model": MODEL, "prompt": chat["messages"][0]["content"]}),
+                    "prompt")
+
+
 def test_the_rendered_chat_is_bounded_too(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Messages under the bound whose template makes them longer: refused after rendering,
     before encoding."""
