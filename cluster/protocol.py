@@ -259,10 +259,13 @@ class ChatMessage(BaseModel):
     def check_supported(self) -> None:
         """Text parts only: an image or audio part would otherwise be dropped unseen."""
         for part in self.content if isinstance(self.content, list) else ():
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if part.get("type") != "text":
                 raise Refused("messages", f"pdserve takes text content parts only ({{\"type\": \"text\", "
                                           f"\"text\": ...}}), got type {str(part.get('type'))[:40]!r}",
                               RefusalReason.UNSUPPORTED)
+            if not isinstance(part.get("text"), str):  # a client's mistake, not a part pdserve lacks
+                raise Refused("messages", f"a text content part's text must be a string, got "
+                                          f"{type(part.get('text')).__name__}", RefusalReason.MALFORMED)
 
 
 def check_continuation(add_generation_prompt: bool, continue_final_message: bool,

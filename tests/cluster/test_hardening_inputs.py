@@ -113,6 +113,8 @@ HOSTILE = [
     ("/v1/chat/completions", {**CHAT, "guided_json": {"type": "object"}}, "guided_json", "unsupported"),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, "messages", "unsupported"),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]},
+     "messages", "malformed"),  # the client's mistake: it was "unsupported", its message "got type 'text'"
     ("/v1/completions", {**OK, "suffix": "}"}, "suffix", "unsupported"),
     ("/v1/completions", {**OK, "use_beam_search": True}, "use_beam_search", "unsupported"),
     # Token ids outside the vocabulary (4096): refused at the gateway, never on a worker.
