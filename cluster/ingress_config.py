@@ -17,7 +17,11 @@ those), but none for these, which `harden` adds:
 - no retry of a POST a gateway replica closed without an answer (only GET and HEAD
   are sent again: cluster/serve_app.py HAPROXY_RETRY_ENV);
 - Serve's own watch of each request's client and deadline off (the gateway keeps its
-  own): one task, one queue and one wait fewer a request in the replica.
+  own): one task, one queue and one wait fewer a request in the replica;
+- the answers HAProxy writes itself (a request that is not HTTP, headers too slow, no
+  gateway replica to take it, one that closed without answering) as OpenAI's JSON error
+  object, not HTML or plain text, each under its own status (Ray sends 500 for 502-504),
+  and 503 with Retry-After: an OpenAI client reads what went wrong and retries as it would.
 
 Every change is made at an exact line of the template as Ray 2.60 renders it; a
 line that is not there exactly once is an `IngressConfigError` naming it, so a
@@ -43,6 +47,27 @@ DISCONNECT_DISABLED_HEADER = "x-request-disconnect-disabled"
 REQUEST_TIMEOUT_HEADER = "x-request-timeout-seconds"
 # The first line of a config `harden` has adjusted: a second pass leaves it as it is.
 MARKER = "# pdserve: hardened (cluster/ingress_config.py)"
+
+
+# HAProxy's own answers (`http-error`): status -> (OpenAI error type, message, extra headers). No
+# message has a single quote: the config quotes each body in them.
+ERRORS: dict[int, tuple[str, str, tuple[str, ...]]] = {
+    400: ("BadRequestError", "the request is not valid HTTP (its request line, a header, Content-Length or a "
+                             "chunk size, or headers over 16 KiB)", ()),
+    408: ("RequestTimeoutError", "the headers or the start of the body of the request did not come within the "
+                                 "timeout of the server", ()),
+    502: ("InternalServerError", "the gateway replica closed the connection without answering; retry", ()),
+    503: ("ServiceUnavailableError", "no gateway replica is ready (starting, restarting or stopping); retry",
+           ("Retry-After", "1")),
+    504: ("InternalServerError", "the gateway replica did not answer in time", ()),
+}
+
+
+def error_body(status: int) -> str:
+    """The JSON of HAProxy's answer of `status` (ERRORS), as the gateway's own errors are."""
+    err_type, message, _ = ERRORS[status]
+    return json.dumps({"error": {"message": message, "type": err_type, "param": None, "code": status}},
+                      separators=(",", ":"))
 
 
 class IngressConfigError(ValueError):
@@ -138,6 +163,15 @@ def harden(text: str, settings: IngressSettings) -> str:
         "    # smaller one) within this, else 408: trickling them does not hold a connection",
         f"    timeout http-request {_ms(settings.header_timeout_s)}",
         "    option http-buffer-request"]))
+    # HAProxy's own answers as JSON (Ray's errorfile lines, which made 502-504 a plain-text 500, go).
+    m = _one(r"^    errorfile 502 \S+\n    errorfile 503 \S+\n    errorfile 504 \S+$", text,
+             "the `errorfile 502/503/504` lines")
+    lines = ["    # pdserve: HAProxy's own answers as OpenAI's JSON error object, each under its own status"]
+    for status, (_, _, header) in ERRORS.items():
+        extra = f" hdr {header[0]} {header[1]}" if header else ""
+        lines.append(f"    http-error status {status} content-type application/json{extra} "
+                     f"string '{error_body(status)}'")
+    text = _replace(text, m, "\n".join(lines))
     return f"{MARKER}\n{text}"
 
 

@@ -9,6 +9,7 @@ The HAProxy processes here are the tests' own, stopped by pid.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import socket
@@ -16,9 +17,10 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from pdserve.cluster import ingress
@@ -74,6 +76,11 @@ def test_rays_config_hardened_binds_socket_timeouts_and_per_client_cap(tmp_path:
     # Serve's second watch of each request off, whatever the client sent (the gateway watches its own).
     assert "    http-request set-header x-request-disconnect-disabled ?1" in frontend.splitlines()
     assert "    http-request set-header x-request-timeout-seconds 0" in frontend.splitlines()
+    # HAProxy's own answers are OpenAI's JSON error object, under their own statuses (Ray's errorfile
+    # lines made 502-504 a plain-text 500).
+    assert "errorfile" not in defaults
+    for status in (400, 408, 502, 503, 504):
+        assert f"    http-error status {status} content-type application/json" in defaults
     assert harden(text, IngressSettings()) == text  # a second pass (a reload of the same file) changes nothing
 
 
@@ -205,11 +212,12 @@ def test_real_haproxy_is_not_an_earlier_runs_wrapper(monkeypatch: pytest.MonkeyP
 # --- the hardened config, run by the real HAProxy ------------------------------------
 
 @contextlib.contextmanager
-def running_haproxy(tmp: Path, settings: IngressSettings) -> Iterator[tuple[int, int, int]]:
-    """The real HAProxy on Ray's hardened config; yields its (http, metrics, stats) ports."""
+def running_haproxy(tmp: Path, settings: IngressSettings,
+                    edit: Callable[[str], str] = lambda text: text) -> Iterator[tuple[int, int, int]]:
+    """The real HAProxy on Ray's hardened config (`edit`ed); yields its (http, metrics, stats) ports."""
     ports = (free_port(), free_port(), free_port())
     config = tmp / "haproxy.cfg"
-    config.write_text(harden(ray_config(tmp, ports=ports), settings))
+    config.write_text(edit(harden(ray_config(tmp, ports=ports), settings)))
     proc = subprocess.Popen([ingress.real_haproxy(), "-db", "-f", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
@@ -308,7 +316,30 @@ def test_real_haproxy_times_out_slow_headers_and_bodies(tmp_path: Path) -> None:
             # A body promised and not sent: 408 as well (the body's start is waited for, bounded).
             body = stack.enter_context(socket.create_connection(("127.0.0.1", http), timeout=5))
             body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
-            assert _answer(body, 10).startswith(b"HTTP/1.1 408")
+            answer = _answer(body, 10)
+            assert answer.startswith(b"HTTP/1.1 408")
+            # ... as OpenAI's error object. (Slow headers, like a request that is not HTTP, get
+            # HAProxy 2.8's built-in page: its H1 layer answers those before any config applies,
+            # haproxy/haproxy#3032, fixed in 3.2.)
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
+
+
+def test_real_haproxy_answers_with_no_replica_as_json_with_retry_after(tmp_path: Path) -> None:
+    """No gateway replica to take a request (all down, or refusing connections): 503 with
+    Retry-After and OpenAI's error object, which an OpenAI client reads and retries on; Ray's
+    config answered a plain-text 500."""
+    dead = free_port()  # nothing listens there
+
+    def with_dead_backend(text: str) -> str:
+        text = text.replace("    default_backend default_backend\n",
+                            "    use_backend gone if { path_beg /v1/ }\n    default_backend default_backend\n")
+        return text + f"\nbackend gone\n    server replica 127.0.0.1:{dead}\n"
+
+    with running_haproxy(tmp_path, IngressSettings(), edit=with_dead_backend) as (http, _, _):
+        r = httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "hi"}, timeout=30)
+    assert r.status_code == 503 and r.headers["retry-after"] == "1"
+    assert r.headers["content-type"] == "application/json"
+    assert r.json()["error"]["type"] == "ServiceUnavailableError" and r.json()["error"]["code"] == 503
 
 
 def test_the_per_request_headers_are_the_installed_serves_own() -> None:
