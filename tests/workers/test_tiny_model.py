@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -288,6 +291,27 @@ def test_existing_dir_kept_or_replaced(tmp_path: Path) -> None:
     make_tiny_model(out, tiny_spec(seed=1), progress=False)
     assert _files(out)["model.safetensors"] != original["model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["m"]
+
+
+def test_a_path_that_is_not_an_earlier_build_is_never_replaced(tmp_path: Path) -> None:
+    """`pdserve make-tiny-model` onto a user's directory deleted what was in it, and onto a
+    file or a device (/dev/null, as root) replaced it: refused now, all of it kept, and nothing
+    of the build left beside it. An empty path (the working directory) is refused too; so is a
+    path that cannot be written."""
+    kept = tmp_path / "mine"
+    kept.mkdir()
+    (kept / "thesis.txt").write_text("my thesis")
+    (tmp_path / "afile").write_text("data")
+    for out, why in ((kept, "holds files this would not write (thesis.txt)"), (tmp_path / "afile", "not a directory"),
+                     ("", "must not be empty"), (tmp_path / "afile" / "sub", "cannot write")):
+        with pytest.raises(ValueError, match=rf"^out_dir: .*{re.escape(why)}"):
+            make_tiny_model(out, tiny_spec(), progress=False)
+    assert (kept / "thesis.txt").read_text() == "my thesis" and (tmp_path / "afile").read_text() == "data"
+    assert sorted(os.listdir(tmp_path)) == ["afile", "mine"] and os.listdir(kept) == ["thesis.txt"]
+    r = subprocess.run([sys.executable, "-m", "pdserve", "make-tiny-model", str(kept)], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.splitlines()[-1].startswith("pdserve: error: out_dir: "), r.stderr
+    assert os.listdir(kept) == ["thesis.txt"]
 
 
 def test_progress_lines(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

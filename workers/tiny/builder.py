@@ -300,13 +300,22 @@ def build_dir(out_dir: str | Path, build: Callable[[Path], T], replace: bool) ->
     """Run `build(tmp)` in a private directory next to `out_dir`, then rename it to `out_dir`.
 
     Readers of `out_dir` never see a partial directory. An existing `out_dir`
-    is replaced, or kept as is when `replace=False`. On any error the private
-    directory is removed. Returns (absolute `out_dir`, what `build` returned,
-    whether this call's directory was published).
+    is replaced, or kept as is when `replace=False`; only a directory of what
+    such a build writes is replaced (no other file in it: an earlier build),
+    anything else is a ValueError, as is a path that cannot be written. On any
+    error the private directory is removed. Returns (absolute `out_dir`, what
+    `build` returned, whether this call's directory was published).
     """
+    if not str(out_dir).strip():
+        raise ValueError("out_dir: must not be empty")
     out = Path(out_dir).absolute()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    if replace and (out.is_symlink() or out.exists()) and not out.is_dir():  # refused before building, too
+        raise ValueError(f"out_dir: {out} exists and is not a directory: choose another path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.tmp-"))
+    except OSError as e:
+        raise ValueError(f"out_dir: cannot write {out}: {e.strerror or e}") from None
     try:
         result = build(tmp)
         # mkdtemp makes 0700 dirs; a model dir should be as readable as any
@@ -332,6 +341,7 @@ def _publish(tmp: Path, out: Path, replace: bool) -> bool:
     if not replace:
         shutil.rmtree(tmp, ignore_errors=True)
         return False
+    _check_replaceable(out, tmp)
     # Swap: move the old dir aside first so `out` is missing only for the
     # instant between the two renames, never half-written.
     trash = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.old-"))
@@ -339,6 +349,19 @@ def _publish(tmp: Path, out: Path, replace: bool) -> bool:
     os.rename(tmp, out)
     shutil.rmtree(trash, ignore_errors=True)
     return True
+
+
+def _check_replaceable(out: Path, built: Path) -> None:
+    """ValueError unless `out` is a directory holding only files a build like `built` writes: a
+    user's directory, file or device of that name is never deleted to make room (`pdserve
+    make-tiny-model /dev/null` replaced the device with a model)."""
+    if out.is_symlink() or not out.is_dir():
+        raise ValueError(f"out_dir: {out} exists and is not a directory: choose another path")
+    others = sorted(set(os.listdir(out)) - set(os.listdir(built)))
+    if others:
+        shown = ", ".join(others[:3]) + (", ..." if len(others) > 3 else "")
+        raise ValueError(f"out_dir: {out} exists and holds files this would not write ({shown}): choose another "
+                         "path, or remove it first")
 
 
 def make_tiny_model(
