@@ -223,7 +223,7 @@ def _shm_slot_bytes(config: EngineConfig, cfg: ModelConfig, size: int, dtype: to
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend,
+def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend, max_model_len: int,
                    thread_counts: tuple[int, ...] = ()) -> None:
     """Unless `enforce_eager`: run `runner`'s model through its compiled graph,
     compiled and warmed up now (CPU; eager where that is not possible), for each of
@@ -232,9 +232,11 @@ def compile_runner(config: EngineConfig, runner: ModelRunner, backend: Attention
         return
     # With tensor-parallel ranks a failed compile is the engine's failure, not a fallback to eager:
     # the ranks' collectives must stay in step, and a rank's warm-up may have failed in one.
+    # The warm-up's positions stay inside the context (the rotary table): a block larger than
+    # max_model_len took them past it, and the compiled kernel's bounds check aborted the process.
     forward = compile_forward(runner.model, backend, runner.kv_caches, config.block_size,
-                              config.max_num_batched_tokens, runner.device, lambda msg: log(config, msg),
-                              thread_counts, fallback=runner.tp_group is None)
+                              min(config.max_num_batched_tokens, max_model_len), runner.device,
+                              lambda msg: log(config, msg), thread_counts, fallback=runner.tp_group is None)
     if forward is not None:
         runner.forward = forward
 
@@ -260,7 +262,7 @@ def make_speculator(config: EngineConfig, draft: LlamaForCausalLM | None, dtype:
         assert draft is not None, "speculative='draft' without its model (load_draft)"
         proposer = DraftModelProposer(draft, dtype, device, kv_blocks, config.block_size, max_model_len,
                                       config.max_num_batched_tokens, config.max_num_seqs, vocab_size)
-        compile_runner(config, proposer.runner, backend, thread_counts)
+        compile_runner(config, proposer.runner, backend, max_model_len, thread_counts)
     else:
         return None
     return Speculator(config, proposer, max_model_len)

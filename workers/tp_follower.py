@@ -84,7 +84,8 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
         cpu_decode.load()  # now, as rank 0 does, not in the first decode step (a first build takes ~20 s)
     forward: Forward = model
     if plan.compile:  # the same warm-up as rank 0's: the same collectives, in the same order
-        compiled = compile_forward(model, backend, kv_caches, spec.block_size, spec.max_num_batched_tokens, device,
+        compiled = compile_forward(model, backend, kv_caches, spec.block_size,
+                                   min(spec.max_num_batched_tokens, spec.max_positions), device,
                                    lambda msg: None, plan.thread_counts, fallback=False)
         forward = compiled if compiled is not None else model
     from pdserve.workers.model_runner import SCORE_ROWS

@@ -163,6 +163,17 @@ def test_a_compile_failure_leaves_an_eager_engine(model_dir: Path, monkeypatch: 
     assert_same(outputs(llm, batch), outputs(make_llm(model_dir, eager=True), batch))
 
 
+def test_a_block_larger_than_the_context_compiles_and_matches_eager(model_dir: Path, pair: tuple[LLM, LLM]) -> None:
+    """Blocks of 512 tokens, a context of 256 and steps of up to 2,048: the warm-up ran
+    positions past the rotary table's 256 rows, and the compiled kernel's bounds check aborted
+    the process (SIGABRT, no Python error; `pdserve serve` fell back to eager). Its positions
+    now stay inside the context."""
+    llm = make_llm(model_dir, eager=False, block_size=512, num_kv_blocks=4, max_num_batched_tokens=2048)
+    assert llm.engine.runner.forward is not llm.engine.model  # compiled, not fallen back to eager
+    batch = prompts([7, 200])
+    assert_same(outputs(llm, batch), outputs(pair[1], batch))
+
+
 def test_enforce_eager_must_be_a_bool(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="enforce_eager"):
         make_llm(model_dir, eager="yes")  # type: ignore[arg-type]
