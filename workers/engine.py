@@ -703,6 +703,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt: must not be empty")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError:  # the tokenizer's TypeError, on a lone surrogate ("\ud800")
+                raise ValueError("prompt: not valid Unicode (a lone surrogate)") from None
             # Checked as given ids are: a tokenizer may know more tokens than the model has
             # embeddings (another model's `tokenizer`, tokens added without resizing), and an id
             # past the table failed the step (compiled, it aborted the process).

@@ -148,6 +148,8 @@ def check_template_kwargs(kwargs: dict[str, object] | None, name: str = "chat_te
     """vLLM's `chat_template_kwargs` (or the server's defaults of them, setting `name`): more
     variables for the chat template (Qwen3's `{"enable_thinking": false}`); a ValueError naming
     the field for one the renderer takes as its own argument."""
+    if kwargs is not None and (not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"{name}: must be a mapping of variable names to values")
     taken = sorted(TEMPLATE_ARGUMENTS.intersection(kwargs or ()))
     if taken:
         raise ValueError(f"{name}: {', '.join(map(repr, taken))} cannot be set here (the request's own "

@@ -9,9 +9,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from jinja2 import TemplateError, TemplateSyntaxError
 from tqdm import tqdm
 
-from pdserve.workers import generation_defaults
+from pdserve.workers import chat_input, generation_defaults
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import check_template_kwargs, is_one_prompt, prompt_of
@@ -128,9 +129,12 @@ class LLM:
         list of them, rendered by the model's chat template (or `chat_template`), with
         `chat_template_kwargs` among its variables, and generated as `generate` does; each
         output's `prompt` is the rendered text."""
+        chat_input.check_switches(chat_template, add_generation_prompt, continue_final_message)
+        checked_tools = chat_input.check_tools(tools)
         extra = check_template_kwargs(chat_template_kwargs)
-        texts = [self._chat_text(conv, chat_template, add_generation_prompt, continue_final_message, tools, extra)
-                 for conv in _conversations(messages)]
+        texts = [self._chat_text(conv, chat_template, add_generation_prompt, continue_final_message, checked_tools,
+                                 extra)
+                 for conv in chat_input.conversations(messages)]
         # The template writes the special tokens it wants (a BOS): encoding its text with the
         # tokenizer's own too would double them (vLLM encodes it without them too).
         prompts = [{"prompt_token_ids": list(self.tokenizer.encode(t, add_special_tokens=False))} for t in texts]
@@ -139,16 +143,26 @@ class LLM:
             out.prompt = text
         return outs
 
-    def _chat_text(self, conversation: list[Message], chat_template: str | None, add_generation_prompt: bool,
+    def _chat_text(self, conversation: list[dict[str, Any]], chat_template: str | None, add_generation_prompt: bool,
                    continue_final_message: bool, tools: list[dict[str, Any]] | None, extra: dict[str, Any]) -> str:
         if chat_template is None and getattr(self.tokenizer, "chat_template", None) is None:
             raise ValueError("messages: this model has no chat template (a base model); pass chat_template, "
                              "or the text to generate()")
-        if not all(isinstance(m, Mapping) for m in conversation):
-            raise ValueError("messages: a conversation is a list of {'role': ..., 'content': ...} messages")
-        return str(self.tokenizer.apply_chat_template(
-            conversation, chat_template=chat_template, tools=tools, tokenize=False,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra))
+        try:
+            return str(self.tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, tools=tools, tokenize=False,
+                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message, **extra))
+        except TemplateSyntaxError as e:
+            if chat_template is None:
+                raise  # the model's own template is broken: not the caller's input
+            raise ValueError(f"chat_template: not a valid template: {e}") from None
+        except TemplateError as e:  # it refused them (`raise_exception`: roles that do not alternate, ...)
+            raise ValueError(f"messages: the chat template refused them: {e}") from None
+        except RecursionError:
+            raise ValueError("messages: nested too deeply to render (tools, tool-call arguments)") from None
+        except (TypeError, ValueError) as e:  # what the template does with the values failed (the server: a 400)
+            raise ValueError(f"messages: the chat template could not render them (or the tools): "
+                             f"{type(e).__name__}: {e}"[:500]) from None
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` samples with when given no SamplingParams: the model's own defaults
@@ -206,15 +220,6 @@ def _raise_if_refused(out: RequestOutput, prompt: int) -> None:
     with `error` set.)"""
     if out.error is not None and out.error_refused:  # the message starts with the field's name
         raise ValueError(f"{out.error} (prompts[{prompt}])")
-
-
-def _conversations(messages: Sequence[Message] | Sequence[Sequence[Message]]) -> list[list[Message]]:
-    """One conversation (its first item a message) or a list of them, as a list of them."""
-    if not isinstance(messages, (list, tuple)):  # (a str is a Sequence too)
-        raise ValueError("messages: a list of {'role': ..., 'content': ...} messages, or a list of such lists")
-    if not messages or isinstance(messages[0], Mapping):
-        return [list(messages)]  # its first item a message: one conversation
-    return [list(conv) for conv in messages]  # (each message checked in _chat_text)
 
 
 def _broadcast_params(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
