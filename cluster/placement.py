@@ -46,6 +46,7 @@ from __future__ import annotations
 import enum
 import ipaddress
 import math
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -82,6 +83,41 @@ def check_kv_host(value: Any) -> str | None:
         raise ValueError(f"kv_host: {value} listens on every interface but is no address a peer can connect to; "
                          f"give {hint}")
     return value
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def check_host(value: Any) -> str:
+    """`value` as the HTTP `host` setting: an IP address (0.0.0.0 or :: for every interface) or
+    a host name as DNS spells one; a ValueError naming it otherwise. ("999.1.1.1" started Ray,
+    Serve and every worker before HAProxy failed to bind it.)"""
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"host: must be an IP address or a host name to listen on, got {value!r}")
+    try:
+        ipaddress.ip_address(value)
+        return value
+    except ValueError:
+        pass
+    labels = value.removesuffix(".").split(".")
+    if len(value) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        raise ValueError(f"host: {value[:64]!r} is neither an IP address nor a host name")
+    return value
+
+
+def check_listenable(host: str) -> None:
+    """A ValueError naming `host` unless this machine can listen on it (it resolves to one of
+    its addresses): checked before a local run starts anything."""
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError as e:
+        raise ValueError(f"host: {host!r} does not resolve: {e.strerror or e}") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address[0], 0))
+        except OSError as e:
+            raise ValueError(f"host: cannot listen on {host} ({address[0]}): {e.strerror or e}") from None
 
 
 def bind_host(setting: str | None) -> str:

@@ -31,7 +31,7 @@ from pdserve.cluster.leftovers import (
     remove_run_dir,
 )
 from pdserve.cluster.metrics_peers import RayKVStore
-from pdserve.cluster.placement import with_resources
+from pdserve.cluster.placement import check_listenable, with_resources
 from pdserve.cluster.ray_vitals import ControlPlaneLost, Vital, VitalsWatch, find_vitals
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
@@ -375,6 +375,7 @@ def preflight(cfg: ServeConfig) -> bool:
     one of this run's ports is stopped, and any other process there is a PortInUseError."""
     local = starts_local_ray()
     if local:
+        check_listenable(cfg.host)  # this machine's own address: before Ray and the workers start
         port_lock.hold(cfg.port)
         try:
             check_ports(bound_ports(cfg))

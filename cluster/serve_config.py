@@ -37,13 +37,13 @@ from pdserve.cluster.chat_template import load_chat_template
 from pdserve.cluster.cors import CorsSettings, string_list
 from pdserve.cluster.cpu_pinning import CpuPinning
 from pdserve.cluster.limits import RequestLimits
-from pdserve.cluster.placement import CpuSharing, check_kv_host, check_resources
+from pdserve.cluster.placement import CpuSharing, check_host, check_kv_host, check_resources
 from pdserve.cluster.reasoning import ReasoningParser
 from pdserve.cluster.router.policy import RoutingPolicy
 from pdserve.cluster.stall_watch import DEFAULT_STALL_TIMEOUT_S
 from pdserve.cluster.tool_calls import ToolParser
 from pdserve.workers import generation_defaults
-from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NonEmpty, NotBlank, Seconds, named_errors
+from pdserve.workers.config import CONFIG, ByValue, EngineConfig, NotBlank, Seconds, named_errors
 from pdserve.workers.handoff import KVFailurePolicy
 from pdserve.workers.inputs import check_template_kwargs, json_object
 from pdserve.workers.transfer.auth import ClusterSecret
@@ -114,7 +114,7 @@ class ServeConfig:
     # worker on the CPU's cores (two workers on one CPU would split its cores); a small
     # model's leaves one of them to the serving plane (cluster/placement.py).
     num_colocated: PositiveInt | None = None
-    host: NonEmpty = "127.0.0.1"
+    host: Annotated[str, BeforeValidator(check_host)] = "127.0.0.1"
     port: Port = 8000
     # The HAProxy ingress's own ports, and that of Serve's Python proxy it falls
     # back to (Ray Serve's defaults); local Ray only: a running cluster keeps the

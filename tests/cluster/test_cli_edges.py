@@ -390,6 +390,28 @@ def test_serve_refuses_what_the_model_cannot_do_before_ray_starts(
     assert err.startswith(f"pdserve: error: {name}: ")
 
 
+@pytest.mark.parametrize("host", ["999.1.1.1", "not a host", "-x.example.com", "a..b"])
+def test_serve_refuses_a_host_that_is_no_address_before_anything_starts(
+        host: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--host 999.1.1.1` started Ray, Serve and every worker; 14 s later HAProxy could not bind
+    it and the start ended in a traceback naming another port. (`--kv-host` was refused so.)"""
+    assert refused(["serve", "--model", "/m", f"--host={host}"], capsys).startswith("pdserve: error: host: ")
+
+
+def test_a_local_start_refuses_a_host_this_machine_cannot_listen_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pdserve.cluster import port_lock, serve_app
+
+    monkeypatch.setattr(serve_app, "starts_local_ray", lambda: True)
+    held: list[int] = []
+    monkeypatch.setattr(port_lock, "hold", held.append)
+    cfg = cli._serve_config(build_parser().parse_args(["serve", "--model", "/m", "--host", "192.0.2.1"]))
+    with pytest.raises(ValueError, match=r"^host: cannot listen on 192\.0\.2\.1"):  # TEST-NET-1: no machine's
+        serve_app.preflight(cfg)
+    assert held == []  # refused before it took the port
+    monkeypatch.setattr(serve_app, "check_ports", lambda ports: [])
+    assert serve_app.preflight(dataclasses.replace(cfg, host="localhost")) and held == [cfg.port]
+
+
 @pytest.mark.parametrize(("text", "says"), [
     ("{bad json", "not valid JSON"), ('["LlamaForCausalLM"]', "not a JSON object"),
     ('{"architectures": ["LlamaForCausalLM"]}', "'num_attention_heads'"),
