@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -603,11 +604,11 @@ class LLMEngine:
                 # Its grammar allows nothing from here (a spec that cannot go on): the client's spec, a 400.
                 self._fault(req, f"{req.grammar.spec.field}: no output can match it past output token "
                                  f"{req.num_output_tokens}", refused=True)
-            elif self._allowed_all_banned(req):
+            elif (field := self._restrictions_left_nothing(req)) is not None:
                 # The client's restrictions contradict each other here: a 400, not a server fault.
-                self._fault(req, f"allowed_token_ids: every allowed token is banned at output token "
-                                 f"{req.num_output_tokens} (by min_tokens' stop tokens, bad_words or the "
-                                 f"structured output)", refused=True)
+                self._fault(req, f"{field}: every token it allows at output token {req.num_output_tokens} is "
+                                 f"banned (by min_tokens' stop tokens, bad_words or the structured output)",
+                            refused=True)
             else:
                 self._fault(req, "its logits had no finite choice (NaN or infinite values)")
             return False
@@ -617,20 +618,28 @@ class LLMEngine:
             self._fault(req, row_faults.describe(e))
             return False
 
-    def _allowed_all_banned(self, req: Request) -> bool:
-        """Whether `req`'s allowed_token_ids left it no token this step: each is a stop token under
-        min_tokens, a bad word's end, or one its grammar refuses."""
-        allowed = req.params.allowed_token_ids
-        if allowed is None:
-            return False
+    def _restrictions_left_nothing(self, req: Request) -> str | None:
+        """The field whose tokens `req`'s other restrictions all banned this step, if so:
+        allowed_token_ids, or its structured output (each of its tokens a stop token under
+        min_tokens, a bad word's end, or outside allowed_token_ids); None otherwise."""
+        allowed, grammar = req.params.allowed_token_ids, req.grammar
+        if allowed is None and grammar is None:
+            return None
         banned = set(banned_by_words(req.bad_words_token_ids, req.output_token_ids))
         if req.num_output_tokens < req.params.min_tokens:
             banned |= req.stop_token_ids
-        left = [t for t in allowed if t not in banned]
-        if req.grammar is not None and left:
-            mask = req.grammar.allowed(self.runner.vocab_size)
-            left = [t for t in left if mask[t]]
-        return not left
+        if grammar is None:
+            assert allowed is not None
+            return "allowed_token_ids" if all(t in banned for t in allowed) else None
+        mask = grammar.allowed(self.runner.vocab_size)
+        if allowed is not None:
+            keep = np.zeros_like(mask)
+            keep[[t for t in allowed if 0 <= t < mask.size]] = True
+            mask &= keep
+        mask[[t for t in banned if 0 <= t < mask.size]] = False
+        if mask.any():
+            return None
+        return "allowed_token_ids" if allowed is not None else grammar.spec.field
 
     def _append_verified(self, results: list[SpecResult]) -> list[RequestOutput]:
         """Append what verification emitted (up to a stop), and count as computed

@@ -156,10 +156,16 @@ def test_a_request_whose_restrictions_leave_no_token_fails_alone(llm: LLM) -> No
     eos = llm.tokenizer.eos_token_id
     prompts = _prompts(2, seed=5)
     want = _tokens(llm, prompts[1:], _greedy())
-    with pytest.raises(ValueError, match="allowed_token_ids: every allowed token is banned at output token 0"):
+    with pytest.raises(ValueError, match="allowed_token_ids: every token it allows at output token 0 is banned"):
         llm.generate(prompts, [SamplingParams(max_tokens=4, min_tokens=2, allowed_token_ids=[eos]), _greedy()])
     assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished_requests()
     assert _tokens(llm, prompts[1:], _greedy()) == want
+    # A bad word the structured output needs: the same, naming the structured output (it was the
+    # engine's "its logits had no finite choice", a 500, found by fuzzing the API).
+    with pytest.raises(ValueError, match="structured_outputs.choice: every token it allows at output token 0"):
+        llm.generate(prompts, [SamplingParams(max_tokens=4, bad_words=["a"], structured_outputs={"choice": ["a"]}),
+                               _greedy()])
+    assert llm.engine.kv.pool.num_used == 0 and not llm.engine.has_unfinished_requests()
 
 
 def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(llm: LLM) -> None:
