@@ -6,6 +6,8 @@ import dataclasses
 import enum
 import math
 import numbers
+import re
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -214,12 +216,13 @@ class SamplingParams:
             raise ValueError("logit_bias: must be an object mapping token ids to biases")
         out: dict[int, float] = {}
         for key, value in bias.items():
-            # A token id, or its decimal text (JSON's keys): int() of a float or a bool key
-            # (5.5, True) was a silent token 5 or 1.
-            try:
-                token = int(key) if isinstance(key, str) or _is_integer(key) else int("not an id")
-            except ValueError:
-                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+            # A token id, or its decimal text (JSON's keys) in ASCII digits: int() of a float or a
+            # bool key (5.5, True) was a silent token 5 or 1, and of "5_0", " 5 " or a full-width
+            # "５" a token the client did not write.
+            if _is_integer(key) or (isinstance(key, str) and _DECIMAL.fullmatch(key)):
+                token = int(key)  # (an Integral, or its digits)
+            else:
+                raise ValueError(f"logit_bias: key {str(key)[:40]!r} is not a token id")
             if not 0 <= token < _INT64[1]:
                 raise ValueError(f"logit_bias: token id {token} must be >= 0")
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
@@ -258,15 +261,23 @@ def _integer(name: str, value: object, low: int, high: int | None = None, hint: 
 
 def _number(name: str, value: object, low: float, high: float, hint: str) -> float:
     """`value` if it is a finite number in [low, high] (NaN and the infinities are refused)."""
+    # An int too large for a float (10**400) is refused too: math.isfinite and float() of it
+    # raised OverflowError, not a ValueError.
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > _FLOAT_MAX:
+        raise ValueError(f"{name}: {hint}, got an integer of {len(str(abs(value)))} digits")
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
             or not low <= value <= high:
-        raise ValueError(f"{name}: {hint}, got {value!r}")
+        raise ValueError(f"{name}: {hint}, got {value!r}"[:200])
     return float(value)
 
 
 # What was taken before as it came: int() of every stop token id (a TypeError for None or an
 # int, 1.7 a silent 1, "12" the ids 1 and 2), list() of `stop` (a TypeError for an int), and a
 # flag's truthiness (ignore_eos="no" ignored EOS). Wrong types are ValueErrors naming the field.
+
+
+_DECIMAL = re.compile(r"-?[0-9]+")
+_FLOAT_MAX = int(sys.float_info.max)
 
 
 def _is_integer(value: object) -> bool:

@@ -26,6 +26,13 @@ from pdserve.workers.sampling_params import RequestOutputKind
     ("detokenize", "false"),
     ("speculative", "no"),
     ("output_kind", "delta"),  # was kept, and matched no kind
+    # Found by fuzzing the API:
+    ("temperature", 10**400),  # OverflowError (float() of it), not a ValueError
+    ("top_p", 10**400),  # OverflowError from math.isfinite
+    ("presence_penalty", -(10**400)),
+    ("logit_bias", {"5_0": 1.0}),  # int() took it: token 50
+    ("logit_bias", {"\uff15": 1.0}),  # a full-width 5: token 5
+    ("logit_bias", {" 5 ": 1.0}),
 ])
 def test_a_wrong_type_is_a_valueerror_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
