@@ -47,7 +47,9 @@ def settings_from_flags(a: argparse.Namespace, serving: bool = False) -> dict[st
         if serving and fetched is not None:
             settings.setdefault("served_model_name", (SMOLLM2.name,))
     model = str(settings["model"])
-    if model == TINY or Path(model).expanduser().exists():  # a path that is not there: the engine's error says so
+    # A path that is not there: the engine's error says so. A blank one: the config's (Path("") is the
+    # working directory, whose GGUF file was converted).
+    if model == TINY or (model.strip() and Path(model).expanduser().exists()):
         resolve_model(model, progress=True)
     return settings
 

@@ -390,6 +390,29 @@ def test_serve_refuses_what_the_model_cannot_do_before_ray_starts(
     assert err.startswith(f"pdserve: error: {name}: ")
 
 
+def test_a_blank_model_is_refused_before_the_working_directory_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--model ""` was the working directory (Path("") exists): a GGUF file there was converted
+    into the cache before the blank name was refused. /dev/null was said not to exist."""
+    from pdserve.workers.model import resolve
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "some.gguf").write_bytes(b"GGUF" + b"\0" * 60)
+    converted: list[str] = []
+    real = resolve.resolve_model
+
+    def spy(model: str, **kw: Any) -> Any:
+        converted.append(model)
+        return real(model, **kw)
+
+    monkeypatch.setattr(resolve, "resolve_model", spy)
+    for command in ("generate", "serve"):
+        err = refused([command, "--model", "", *(["hi"] if command == "generate" else [])], capsys)
+        assert err.startswith("pdserve: error: model: must not be blank") and converted == []
+    err = refused(["serve", "--model", "/dev/null"], capsys)
+    assert err == "pdserve: error: model: /dev/null is neither a model directory nor a GGUF file\n"
+
+
 @pytest.mark.parametrize("host", ["999.1.1.1", "not a host", "-x.example.com", "a..b"])
 def test_serve_refuses_a_host_that_is_no_address_before_anything_starts(
         host: str, no_start: None, capsys: pytest.CaptureFixture[str]) -> None:

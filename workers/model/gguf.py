@@ -211,6 +211,8 @@ def find_gguf(path: Path) -> Path | None:
             raise ValueError(f"model: {path} is a file but not a GGUF one (no .gguf suffix, no GGUF magic)")
         return path
     if not path.is_dir():
+        if path.exists():  # a device, a pipe, a socket (/dev/null was said not to exist)
+            raise ValueError(f"model: {path} is neither a model directory nor a GGUF file")
         raise ValueError(f"model: {path} does not exist")
     ggufs = sorted(path.glob("*.gguf"))
     if not ggufs or any(path.glob("*.safetensors")):
