@@ -13,8 +13,8 @@ it aborts them in the backend, which frees their KV blocks). HTTP routes live
 in openai_app.py, response bodies and SSE chunks in responses.py, what runs
 before a route (API keys, body size, write timeouts) in http_guard.py.
 
-Errors reach the client as `client_error` makes them: a message, a type and
-the request id; a worker's traceback stays in the server log.
+Errors reach the client as `client_error` makes them (api_errors.py): a message,
+a type and the request id; a worker's traceback stays in the server log.
 """
 
 from __future__ import annotations
@@ -30,23 +30,22 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from jinja2 import TemplateError, TemplateSyntaxError
 
-from pdserve.cluster.backend import GenerationBackend, ServerStoppingError, WorkerLostError
+from pdserve.cluster.api_errors import RETRY_AFTER, APIError, bad_request, unicode_text
+from pdserve.cluster.backend import GenerationBackend
 from pdserve.cluster.cors import CorsSettings
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.drain_flag import STOP_STREAMS_AFTER_S, DrainWatch
-from pdserve.cluster.limits import RefusalReason, Refused, RequestLimits
+from pdserve.cluster.limits import RefusalReason, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan, ThinkingEnd
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.request_log import RequestLog
-from pdserve.cluster.router import NoHealthyWorkerError, WorkerRole
+from pdserve.cluster.router import WorkerRole
 from pdserve.cluster.token_text import TokenText
 from pdserve.cluster.tokenizer_pool import TokenizerPool
 from pdserve.cluster.tool_calls import ToolParser, ToolPlan, template_messages
-from pdserve.workers.async_engine import RequestFaultError
 from pdserve.workers.engine import GRAMMAR_COMPILE_TIMEOUT_S
 from pdserve.workers.grammar import GrammarCompiler
 from pdserve.workers.inputs import (
@@ -65,8 +64,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-RETRY_AFTER = {"Retry-After": "1"}  # 429 and 503: workers restart, slots free, in seconds
-_MAX_MESSAGE = 500  # characters of an error message a client is sent
 
 
 @dataclass(frozen=True)
@@ -130,79 +127,6 @@ class GatewayConfig:
             raise ValueError(f"request_timeout_s: must be > 0, got {self.request_timeout_s}")
         if self.replica < 0:
             raise ValueError(f"replica: must be >= 0, got {self.replica}")
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, err_type: str, param: str | None = None,
-                 headers: dict[str, str] | None = None, reason: RefusalReason | None = None,
-                 over_context: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.message, self.err_type, self.param, self.headers = status, message, err_type, param, headers
-        self.reason = reason  # set when the request was refused before it ran (counted by reason)
-        self.over_context = over_context  # the prompt does not fit the context (a shorter one may)
-
-
-def client_error(e: BaseException, rid: str) -> APIError:
-    """What the client is told of an error of request `rid`: ours say what went
-    wrong and name the field; anything else (a worker's traceback with its pid,
-    address and paths: Ray's errors carry them in their text) is logged here
-    under `rid`, and the client gets a plain line with that id."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, RayError):
-        log.error("request %s failed in a worker: %s", rid, e)
-        cause = getattr(e, "cause", None)  # a RayTaskError's exception, raised on the worker
-        if isinstance(cause, ValueError) and not isinstance(cause, RayError):
-            return bad_request(cause)  # the worker refused the input: its first line says why
-        if isinstance(cause, RequestFaultError):
-            return fault_error(rid)
-        return APIError(500, f"internal error (request id {rid}): a worker failed; the server log has the details",
-                        "InternalServerError")
-    if isinstance(e, ValueError):
-        return bad_request(e)
-    if isinstance(e, RequestFaultError):
-        log.error("request %s: %s", rid, e)
-        return fault_error(rid)
-    if isinstance(e, TimeoutError):
-        return APIError(504, "the request did not finish within its deadline", "Timeout")
-    if isinstance(e, ServerStoppingError):
-        return APIError(503, "the server is shutting down: the request was stopped before it finished; retry it",
-                        "ServiceUnavailableError", headers=RETRY_AFTER)
-    if isinstance(e, (NoHealthyWorkerError, WorkerLostError)):
-        log.warning("request %s: %s", rid, e)
-        return APIError(503, "no healthy worker could take the request; retry later", "ServiceUnavailableError",
-                        headers=RETRY_AFTER)
-    log.error("request %s failed", rid, exc_info=e)
-    return APIError(500, f"internal error (request id {rid}): the server log has the details", "InternalServerError")
-
-
-def fault_error(rid: str) -> APIError:
-    """A request the engine failed alone (workers/row_faults.py): the worker and the other
-    requests are fine; this one is not retried anywhere (the poison-pill rule)."""
-    return APIError(500, f"request {rid} failed in the engine: its sampling produced no valid token or raised; "
-                         "the other requests were not affected, and retrying it as it is will fail again",
-                    "InternalServerError")
-
-
-def bad_request(e: ValueError) -> APIError:
-    """Our ValueErrors start with the parameter name ("top_p: must be ..."): report it as `param`.
-    Only the first line goes out, cut short: the message is the client's to read, not a dump."""
-    msg = (str(e).splitlines() or [""])[0][:_MAX_MESSAGE]
-    param = msg.split(":", 1)[0] if ":" in msg and " " not in msg.split(":", 1)[0] else None
-    over = isinstance(e, ContextOverflowError)
-    if isinstance(e, Refused):
-        return APIError(400, msg, "BadRequestError", e.param, reason=e.reason, over_context=over)
-    return APIError(400, msg, "BadRequestError", param, reason=RefusalReason.MALFORMED, over_context=over)
-
-
-def unicode_text(param: str, text: str) -> str:
-    """`text`, if it is Unicode a tokenizer can take (JSON may carry lone surrogates: "\\ud800")."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise APIError(400, f"{param}: not valid Unicode (a lone surrogate)", "BadRequestError", param,
-                       reason=RefusalReason.MALFORMED) from None
-    return text
 
 
 @dataclass

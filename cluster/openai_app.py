@@ -28,8 +28,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
 from pdserve import __version__
+from pdserve.cluster.api_errors import RETRY_AFTER, APIError, bad_request
 from pdserve.cluster.cors import add_cors
-from pdserve.cluster.gateway import RETRY_AFTER, Admission, APIError, Gateway, Work, bad_request
+from pdserve.cluster.gateway import Admission, Gateway, Work
 from pdserve.cluster.http_guard import Guard, Keys, request_id
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.metrics import RequestCounter, RequestMetrics

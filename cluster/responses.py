@@ -19,7 +19,8 @@ from enum import Enum
 
 from pydantic_core import PydanticSerializationError, to_json
 
-from pdserve.cluster.gateway import Gateway, Work, client_error
+from pdserve.cluster.api_errors import client_error
+from pdserve.cluster.gateway import Gateway, Work
 from pdserve.cluster.metrics import RequestMetrics
 from pdserve.cluster.protocol import (
     AssistantMessage,

@@ -19,7 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pdserve.cluster.gateway import APIError, Gateway, Work, client_error
+from pdserve.cluster.api_errors import APIError, client_error
+from pdserve.cluster.gateway import Gateway, Work
 from pdserve.cluster.limits import RefusalReason, Refused
 from pdserve.cluster.metrics import RequestMetrics
 from pdserve.cluster.protocol import ChatChunkChoice, ChatCompletionRequest, ResponseBody, TokenLogprob, Usage, now

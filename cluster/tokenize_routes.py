@@ -23,7 +23,8 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from pdserve.cluster.gateway import TEMPLATE_CHARS_PER_MESSAGE, APIError, Gateway, bad_request, unicode_text
+from pdserve.cluster.api_errors import APIError, bad_request, unicode_text
+from pdserve.cluster.gateway import TEMPLATE_CHARS_PER_MESSAGE, Gateway
 from pdserve.cluster.limits import RefusalReason
 from pdserve.cluster.protocol import ChatMessage, check_continuation
 from pdserve.cluster.tool_calls import ToolPlan

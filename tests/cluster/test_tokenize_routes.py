@@ -155,7 +155,7 @@ def test_bad_input_is_a_clear_error_naming_the_field(served: tuple[TestClient, A
 def test_a_lone_surrogate_the_template_renders_from_any_field_is_a_400() -> None:
     """Tools, names and tool-call arguments reach the rendered text unchecked by the content
     check; the tokenizer would raise on it (a 500). The rendered text is checked whole."""
-    from pdserve.cluster.gateway import APIError
+    from pdserve.cluster.api_errors import APIError
     from pdserve.cluster.protocol import ChatMessage
 
     class Template:
