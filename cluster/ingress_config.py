@@ -45,6 +45,10 @@ from collections.abc import Sequence
 # second <= 0, a replica's direct ingress runs the app in the request's own task, unwatched.
 DISCONNECT_DISABLED_HEADER = "x-request-disconnect-disabled"
 REQUEST_TIMEOUT_HEADER = "x-request-timeout-seconds"
+# Request headers Ray Serve's replica decodes as UTF-8 before the app runs (replica.py, http_util.py;
+# "-" and "_" alike in the multiplexed model id's and the session id's names).
+UTF8_DECODED_HEADERS = ("x-request-id", "x-session-id", "x_session_id", "serve_multiplexed_model_id",
+                        "serve-multiplexed-model-id")
 # The first line of a config `harden` has adjusted: a second pass leaves it as it is.
 MARKER = "# pdserve: hardened (cluster/ingress_config.py)"
 
@@ -144,7 +148,12 @@ def harden(text: str, settings: IngressSettings) -> str:
         "    # --request-timeout); Serve's second watch in the replica (a task, a receive queue and a",
         "    # wait a request) is turned off, whatever the client sent",
         f"    http-request set-header {DISCONNECT_DISABLED_HEADER} ?1",
-        f"    http-request set-header {REQUEST_TIMEOUT_HEADER} 0"]))
+        f"    http-request set-header {REQUEST_TIMEOUT_HEADER} 0",
+        "    # pdserve: a header Serve's replica decodes as UTF-8 (request id, session id, multiplexed model",
+        "    # id) is dropped when it holds a byte outside printable ASCII: one such byte made every route",
+        "    # a plain-text 500, /health included, before any of the gateway's code ran",
+        *(f"    http-request del-header {name} if {{ req.fhdr({name}) -m reg [^[:print:]] }}"
+          for name in UTF8_DECODED_HEADERS)]))
     m = _one(r"^frontend prometheus\n    bind :(\d+)$", text, "the metrics listener's bind line")
     text = _replace(text, m, f"frontend prometheus\n    bind {host}:{m.group(1)}")
     m = _one(r"^listen stats\n  bind \*:(\d+)$", text, "the stats listener's bind line")

@@ -324,6 +324,31 @@ def test_real_haproxy_times_out_slow_headers_and_bodies(tmp_path: Path) -> None:
             assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["code"] == 408
 
 
+def test_real_haproxy_drops_a_serve_header_that_is_not_printable_ascii(tmp_path: Path) -> None:
+    """Serve's replica decodes x-request-id, its session id and its multiplexed model id as
+    UTF-8 before the app runs: one byte that is not (`x-request-id: \\xe9`, from any client, no
+    key needed) made every route a plain-text 500, /health included. Such a header is dropped
+    at the ingress; a printable one goes through as it came."""
+    fields = "|".join(f"%[req.fhdr({name})]" for name in ("x-request-id", "x-session-id",
+                                                           "serve_multiplexed_model_id"))
+
+    def with_echo(text: str) -> str:  # what reaches the backend, written back
+        return text.replace("    default_backend default_backend\n",
+                            f'    http-request return status 200 content-type text/plain lf-string "[{fields}]" '
+                            "if { path /echo }\n    default_backend default_backend\n")
+
+    sent_and_seen = [(b"x-request-id: abc-1", b"[abc-1||]"), (b"x-request-id: a b", b"[a b||]"),
+                     (b"x-request-id: \xe9", b"[||]"), (b"x-request-id: a\x01b", b"[||]"),
+                     (b"x-session-id: caf\xc3\xa9", b"[||]"), (b"x-session-id: s1", b"[|s1|]"),
+                     (b"serve_multiplexed_model_id: \xff", b"[||]")]
+    with running_haproxy(tmp_path, IngressSettings(), edit=with_echo) as (http, _, _):
+        for header, seen in sent_and_seen:
+            with socket.create_connection(("127.0.0.1", http), timeout=5) as s:
+                s.sendall(b"GET /echo HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + header + b"\r\n\r\n")
+                answer = _answer(s, 5)
+            assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"\r\n\r\n" + seen), (header, answer)
+
+
 def test_real_haproxy_answers_with_no_replica_as_json_with_retry_after(tmp_path: Path) -> None:
     """No gateway replica to take a request (all down, or refusing connections): 503 with
     Retry-After and OpenAI's error object, which an OpenAI client reads and retries on; Ray's
