@@ -391,8 +391,8 @@ class _OutputStream:
             self.open = (message_item(_id("msg"), "", [], "in_progress") if kind == "message"
                          else {**reasoning_item(_id("rs"), ""), "content": [], "status": "in_progress"})
             part = output_text("", []) if kind == "message" else {"type": "reasoning_text", "text": ""}
-            out += [self.ev("response.output_item.added", output_index=at,
-                            item={**self.open, "content": [] if kind == "reasoning" else self.open["content"]}),
+            # The item as added holds no part yet (OpenAI's and vLLM's event): content_part.added adds it.
+            out += [self.ev("response.output_item.added", output_index=at, item={**self.open, "content": []}),
                     self.ev("response.content_part.added", item_id=self.open["id"], output_index=at, content_index=0,
                             part=part)]
         self.text += piece

@@ -81,6 +81,8 @@ def test_greedy_text_and_usage_are_chats_whole_and_streamed(url: str) -> None:
     kinds = [e["type"] for e in evs]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added", "response.output_text.delta"]
+    added = evs[2]["item"]  # no part yet, as OpenAI's event has it: content_part.added brings it
+    assert (added["type"], added["status"], added["content"]) == ("message", "in_progress", [])
     assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
                           "response.incomplete" if cut else "response.completed"]
     text = "".join(e["delta"] for e in evs if e["type"] == "response.output_text.delta")
