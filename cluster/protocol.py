@@ -502,6 +502,24 @@ class ChunkBody(TypedDict):
     usage: NotRequired[Usage]  # the last chunk's, when the request asked for it (`include_usage`)
 
 
+class ModelPermission(BaseModel):
+    """vLLM's permission entry of a model card (OpenAI's legacy field): sampling, logprobs and
+    viewing allowed, nothing else; clients written for vLLM read it."""
+
+    id: str = Field(default_factory=lambda: new_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
 class ModelCard(BaseModel):
     """One served name in GET /v1/models, as vLLM describes it."""
 
@@ -512,6 +530,7 @@ class ModelCard(BaseModel):
     root: str  # vLLM's: the tokenizer's name or path
     parent: str | None = None
     max_model_len: int
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
 
 
 class ModelList(BaseModel):

@@ -343,6 +343,9 @@ def test_api_key_required(server: tuple[str, AsyncEngine]) -> None:
     assert r.status_code == 401 and r.json()["error"]["code"] == 401
     models = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer sekret"}, timeout=10).json()
     assert models["data"][0]["id"] == MODEL
+    # vLLM's card: its permission entry too (a client written for vLLM reads it)
+    (perm,) = models["data"][0]["permission"]
+    assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["allow_logprobs"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
 
 
