@@ -13,6 +13,7 @@ from jinja2 import TemplateError, TemplateSyntaxError
 from tqdm import tqdm
 
 from pdserve.workers import chat_input, generation_defaults
+from pdserve.workers.chat_input import Message
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.engine import LLMEngine
 from pdserve.workers.inputs import check_template_kwargs, is_one_prompt, prompt_of
@@ -24,7 +25,6 @@ from pdserve.workers.spec.vllm_config import speculative_settings
 # and pdserve's bare list of token ids, which vLLM >= 0.10 refuses (workers/inputs.py).
 Prompt = str | list[int] | dict[str, Any]
 # A chat message as vLLM's `LLM.chat` takes it: {"role": ..., "content": ...} (OpenAI's shape).
-Message = Mapping[str, Any]
 # vLLM's engine arguments whose meaning always holds here: vLLM code passes them, pdserve takes
 # them and changes nothing (no checkpoint code is ever run; prefill is always chunked).
 VLLM_ALWAYS = {"trust_remote_code": (True, False), "enable_chunked_prefill": (True,)}
