@@ -7,6 +7,8 @@ import random
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
+import pytest
 import torch
 from factories import tiny_spec
 
@@ -106,3 +108,34 @@ def sample_joint(model_dir: Path, prompt: list[int], params: SamplingParams, n: 
 
 def tv(a: dict[tuple[int, ...], float], b: dict[tuple[int, ...], float]) -> float:
     return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in a.keys() | b.keys())
+
+
+def check_law_kept(model_dir: Path, prompt: list[int], params: SamplingParams, exact: dict[tuple[int, ...], float],
+                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts of the most likely path's second token, then its first (one the target likes, one it
+    does not) verified by the engine: the sampled law of the first 3 tokens stays within the bound
+    on the total variation from `exact` (64 outcomes: E[TV] <= 0.5 * sqrt(64 / n), plus
+    sqrt(ln(1e6) / 2n) for a 1e-6 chance of a false alarm), and a verifier that accepts every draft
+    (the negative control) breaks the same bound."""
+    likely = max(exact, key=lambda k: exact[k])
+    drafts = [likely[1], likely[0]]  # after t1, draft t2 := the likely one, t3 := an unlikely one
+    n = 20_000
+
+    def bound(m: int) -> float:
+        return float(0.5 * (64 / m) ** 0.5 + (np.log(1e6) / (2 * m)) ** 0.5)
+
+    got, engine = sample_joint(model_dir, prompt, params, n, drafts)
+    assert engine.stats.spec_drafts > n // 2 and 0 < engine.stats.spec_accepted_tokens < engine.stats.spec_draft_tokens
+    assert tv(got, exact) < bound(n), tv(got, exact)
+
+    import pdserve.workers.model_runner as runner
+    from pdserve.workers.spec.rejection import Verified
+
+    def accept_all(logits, draft_tokens, num_drafts, batch, draft_probs=None):  # noqa: ANN001, ANN202
+        tokens = [draft_tokens[b, :k].tolist() + [int(logits[b, k].argmax())] for b, k in enumerate(num_drafts)]
+        return Verified(tokens, list(num_drafts))
+
+    monkeypatch.setattr(runner, "verify", accept_all)
+    m = 5_000
+    biased, _ = sample_joint(model_dir, prompt, params, m, drafts)
+    assert tv(biased, exact) > bound(m), tv(biased, exact)

@@ -17,6 +17,7 @@ import torch
 from async_engines import SPEC
 from async_engines import engine as _engine
 from async_engines import prompts as _prompts
+from async_engines import run as _run
 
 from pdserve import SamplingParams
 from pdserve.workers.async_engine import AsyncEngine
@@ -32,23 +33,6 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
 
 
 
-def _run(engine: LLMEngine, requests: dict[str, tuple[list[int] | str, SamplingParams]],
-         on_step: Callable[[LLMEngine, int], None] | None = None) -> dict[str, RequestOutput]:
-    """Every request's final output; `on_step(engine, step)` between steps."""
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    finals: dict[str, RequestOutput] = {}
-    for i in range(2000):  # bounded: every request here ends well within it
-        if not engine.has_unfinished_requests():
-            break
-        if on_step is not None:
-            on_step(engine, i)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals, f"{out.request_id} finished twice"
-                finals[out.request_id] = out
-    assert not engine.has_unfinished_requests() and not engine.in_flight
-    return finals
 
 
 def _summary(out: RequestOutput) -> tuple[object, ...]:
@@ -203,7 +187,7 @@ def test_an_abort_mid_flight_frees_its_blocks_and_leaves_the_rest_unchanged(mode
             engine.abort("r1")
 
     engine = _engine(model_dir, True)
-    got = _run(engine, requests, abort_r1)
+    got = _run(engine, requests, on_step=abort_r1)
     for rid in ("r0", "r2"):
         assert _summary(got[rid]) == _summary(full[rid])
     cut = got["r1"].outputs[0]

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from async_engines import SPEC
+from async_engines import SPEC, Requests
 from async_engines import engine as _engine
 from async_engines import prompts as _prompts
+from async_engines import run as _run
 from factories import tiny_spec
 
 from pdserve import LLM, SamplingParams
@@ -22,8 +23,6 @@ from pdserve.workers.sampler import SamplingBatch
 from pdserve.workers.scheduler import SchedulerOutput
 from pdserve.workers.tiny.builder import TinyModelSpec
 
-Requests = dict[str, tuple[list[int] | str, SamplingParams]]
-
 
 @pytest.fixture(scope="module")
 def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
@@ -32,26 +31,6 @@ def model_dir(make_model: Callable[[TinyModelSpec], Path]) -> Path:
 
 
 
-def _run(engine: LLMEngine, requests: Requests, add_at: dict[int, Requests] | None = None,
-         on_step: Callable[[LLMEngine, int], None] | None = None) -> dict[str, RequestOutput]:
-    """Every request's final output; `add_at[i]` added before step i."""
-    add_at = dict(add_at or {})
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    finals: dict[str, RequestOutput] = {}
-    for i in range(2000):
-        for rid, (prompt, params) in add_at.pop(i, {}).items():
-            engine.add_request(rid, prompt, params)
-        if not engine.has_unfinished_requests() and not add_at:
-            break
-        if on_step is not None:
-            on_step(engine, i)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in finals, f"{out.request_id} finished twice"
-                finals[out.request_id] = out
-    assert not engine.has_unfinished_requests() and not engine.in_flight
-    return finals
 
 
 def _summary(out: RequestOutput) -> tuple[object, ...]:

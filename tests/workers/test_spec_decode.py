@@ -8,10 +8,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from spec_decode_helpers import exact_joint, kv_of, prompts, sample_joint, target_dir, tv
+from spec_decode_helpers import check_law_kept, exact_joint, kv_of, prompts, target_dir
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.config import EngineConfig
@@ -232,23 +231,4 @@ def test_sampling_with_speculation_keeps_the_targets_distribution(model_dir: Pat
     negative control) must break the same bound."""
     prompt = prompts()[1][:24]
     params = SamplingParams(temperature=0.8, top_k=4, max_tokens=3, ignore_eos=True, detokenize=False)
-    exact = exact_joint(model_dir, prompt, 0.8, 4, depth=3)
-    likely = max(exact, key=exact.get)  # the most likely 3 tokens: the first two serve as drafts
-    drafts = [likely[1], likely[0]]  # after t1, draft t2 := the likely one, t3 := an unlikely one
-    n = 20_000
-    bound = lambda m: 0.5 * (64 / m) ** 0.5 + (np.log(1e6) / (2 * m)) ** 0.5  # noqa: E731
-    got, engine = sample_joint(model_dir, prompt, params, n, drafts)
-    assert engine.stats.spec_drafts > n // 2 and 0 < engine.stats.spec_accepted_tokens < engine.stats.spec_draft_tokens
-    assert tv(got, exact) < bound(n), tv(got, exact)
-
-    import pdserve.workers.model_runner as runner
-    from pdserve.workers.spec.rejection import Verified
-
-    def accept_all(logits, draft_tokens, num_drafts, batch, draft_probs=None):  # noqa: ANN001, ANN202
-        tokens = [draft_tokens[b, :k].tolist() + [int(logits[b, k].argmax())] for b, k in enumerate(num_drafts)]
-        return Verified(tokens, list(num_drafts))
-
-    monkeypatch.setattr(runner, "verify", accept_all)
-    m = 5_000
-    biased, _ = sample_joint(model_dir, prompt, params, m, drafts)
-    assert tv(biased, exact) > bound(m), tv(biased, exact)
+    check_law_kept(model_dir, prompt, params, exact_joint(model_dir, prompt, 0.8, 4, depth=3), monkeypatch)

@@ -13,11 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
-import numpy as np
 import pytest
 import torch
 from factories import tiny_spec
-from spec_decode_helpers import FixedDrafts, prompts, sample_joint, target_dir, tv
+from spec_decode_helpers import FixedDrafts, check_law_kept, prompts, target_dir
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.bench.schemas import schemas as random_schemas
@@ -332,25 +331,7 @@ def test_sampling_with_speculation_under_a_grammar_keeps_the_targets_law(
     exact: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(3):
         exact = {seq + (t,): p * q for seq, p in exact.items() for t, q in law(seq).items()}
-    likely = max(exact, key=exact.get)  # type: ignore[arg-type]
-    drafts = [likely[1], likely[0]]
-    n = 20_000
-    bound = lambda m: 0.5 * (64 / m) ** 0.5 + (np.log(1e6) / (2 * m)) ** 0.5  # noqa: E731
-    got, engine = sample_joint(path, prompt, params, n, drafts)
-    assert engine.stats.spec_drafts > n // 2 and 0 < engine.stats.spec_accepted_tokens < engine.stats.spec_draft_tokens
-    assert tv(got, exact) < bound(n), tv(got, exact)
-
-    import pdserve.workers.model_runner as runner
-    from pdserve.workers.spec.rejection import Verified
-
-    def accept_all(logits, draft_tokens, num_drafts, batch, draft_probs=None):  # noqa: ANN001, ANN202
-        tokens = [draft_tokens[b, :k].tolist() + [int(logits[b, k].argmax())] for b, k in enumerate(num_drafts)]
-        return Verified(tokens, list(num_drafts))
-
-    monkeypatch.setattr(runner, "verify", accept_all)
-    m = 5_000
-    biased, _ = sample_joint(path, prompt, params, m, drafts)
-    assert tv(biased, exact) > bound(m), tv(biased, exact)
+    check_law_kept(path, prompt, params, exact, monkeypatch)
 
 
 def test_grammar_counts_reach_the_snapshot(make_model: Callable[[TinyModelSpec], Path]) -> None:
