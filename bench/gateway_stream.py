@@ -25,39 +25,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from pdserve.cluster.backend import Health, PoolState, Reliability
+from quiet_backend import QuietBackend
+
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 
 
-class _Backend:
+class _Backend(QuietBackend):
     """`tokens` one-token deltas per request, each awaited from a queue."""
-
-    healthy = True
-    num_in_flight = 0
 
     def __init__(self, tokens: int) -> None:
         self.tokens = tokens
-
-    def health(self) -> Health:
-        return Health({"fake": PoolState(1, 1)}, serving=True)
-
-    def worker_handles(self) -> dict[str, tuple[str, Any]]:
-        return {}
-
-    def router_stats(self) -> None:
-        return None
-
-    def reliability(self) -> Reliability:
-        return Reliability(self.health())
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:

@@ -32,8 +32,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from machine import cpu_name
+from quiet_backend import QuietBackend
 
-from pdserve.cluster.backend import Health, PoolState, Reliability
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.cluster.tokenizer_pool import TokenizerPool, available_cores
@@ -44,29 +44,8 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
           "they you were her she all we one def return import class self value print if else while range").split()
 
 
-class _Backend:
+class _Backend(QuietBackend):
     """One token per request, at once."""
-
-    healthy = True
-    num_in_flight = 0
-
-    def health(self) -> Health:
-        return Health({"fake": PoolState(1, 1)}, serving=True)
-
-    def worker_handles(self) -> dict[str, tuple[str, Any]]:
-        return {}
-
-    def router_stats(self) -> None:
-        return None
-
-    def reliability(self) -> Reliability:
-        return Reliability(self.health())
-
-    async def start(self) -> None:
-        pass
-
-    async def close(self) -> None:
-        pass
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:
