@@ -32,7 +32,7 @@ from pdserve.workers import engine_setup as setup
 from pdserve.workers.bad_words import bad_words_token_ids, banned_by_words
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_lending import CpuLending
-from pdserve.workers.cpu_turns import CpuTurns, node_cores
+from pdserve.workers.cpu_turns import CpuTurns
 from pdserve.workers.detokenizer import IncrementalDetokenizer
 from pdserve.workers.grammar import GrammarCompiler, GrammarStats
 from pdserve.workers.handoff import LogprobEntry, Resume
@@ -44,7 +44,6 @@ from pdserve.workers.kv.events import KVEvent
 from pdserve.workers.lifecycle import Lifecycle, RequestState
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.loader import load_model
-from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
 from pdserve.workers.model_runner import ModelRunner, SpecResult, StepResult
@@ -138,21 +137,8 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(self.model, self.kv_caches, self.kv, config.max_num_batched_tokens,
                                   config.max_num_seqs, self.max_model_len, self.device)
-        # Engines that lend each other a node's cores step at two thread counts; each has its own graphs.
-        threads = torch.get_num_threads()
-        cores = node_cores()
-        worth_lending = bool(config.cpu_lending) and self._worth_lending()
-        if config.cpu_lending and not worth_lending and config.cpu_split_threads:
-            # A small model steps on the split share, which may leave the serving plane a core.
-            threads = config.cpu_split_threads
-            torch.set_num_threads(threads)
-        lending = (CpuLending(config.cpu_lending, threads, cores, self._has_steps_to_run)
-                   if config.cpu_lending and worth_lending and cores > threads else None)
-        thread_counts = lending.thread_counts if lending else (threads,)
-        if self.tp_group is not None:  # the ranks split the engine's cores (each steps on its part)
-            threads = max(1, threads // self.tp_group.tp.size)
-            torch.set_num_threads(threads)
-            thread_counts = (threads,)
+        threads, lending, thread_counts = setup.plan_threads(config, self.model, self.dtype, self.tp_group,
+                                                             self._has_steps_to_run)
         # The share this engine steps on (and compiled for); its engine thread sets it for itself.
         self.torch_threads = threads
         if self.tp_group is not None:
@@ -209,19 +195,6 @@ class LLMEngine:
     def shares_cores_by_step(self) -> bool:
         """Whether this engine takes turns at its node's cores, or lends them, step by step."""
         return not isinstance(self.cpu_turn, contextlib.nullcontext)
-
-    def _worth_lending(self) -> bool:
-        """Whether a second core pays for this model's steps: its weights take at least
-        `cpu_lending_min_weight_bytes`. Every worker of an app loads the same model and
-        decides alike, so one under the floor takes no locks at all (they cost a few
-        percent of a small model's steps)."""
-        weights = num_parameters(self.model) * self.dtype.itemsize
-        if weights >= self.config.cpu_lending_min_weight_bytes:
-            return True
-        setup.log(self.config, f"weights {weights / 2**20:.1f} MiB, under the "
-                               f"{self.config.cpu_lending_min_weight_bytes / 2**20:.0f} MiB that lending needs: "
-                               "stepping on this worker's share of the cores only")
-        return False
 
     # -- requests -------------------------------------------------------------
 

@@ -1,11 +1,12 @@
-"""What an engine is built from: the device, dtype, context length and KV pool
-size a config resolves to on this machine, and its speculator."""
+"""What an engine is built from: the device, dtype, context length, KV pool size and
+threads a config resolves to on this machine, and its speculator."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,12 +16,15 @@ from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.workers import memory_plan
 from pdserve.workers.config import DType, EngineConfig, SpeculativeMethod
 from pdserve.workers.cpu_features import has_native_bf16
+from pdserve.workers.cpu_lending import CpuLending
+from pdserve.workers.cpu_turns import node_cores
 from pdserve.workers.kv.cache import CPU_DEFAULT_KV_BYTES, DeviceMemory, bytes_per_block, kv_budget_bytes
 from pdserve.workers.memory_plan import CudaMemoryProbe, MemoryProbe
 from pdserve.workers.model.compiled import compile_forward
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import resolve_dtype
+from pdserve.workers.model.packed_linear import num_parameters
 from pdserve.workers.model.resolve import resolve_model
 from pdserve.workers.model.tensor_parallel import check_shardable
 from pdserve.workers.model_runner import ModelRunner
@@ -221,6 +225,42 @@ def _shm_slot_bytes(config: EngineConfig, cfg: ModelConfig, size: int, dtype: to
 
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def plan_threads(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype, tp_group: TPGroup | None,
+                 has_steps: Callable[[], bool]) -> tuple[int, CpuLending | None, tuple[int, ...]]:
+    """The torch threads an engine steps on, its lending of the node's cores (if any) and the
+    thread counts it compiles for. Engines that lend each other a node's cores step at two
+    thread counts; each has its own graphs. Sets torch's thread count where it changes."""
+    threads = torch.get_num_threads()
+    cores = node_cores()
+    worth_lending = bool(config.cpu_lending) and _worth_lending(config, model, dtype)
+    if config.cpu_lending and not worth_lending and config.cpu_split_threads:
+        # A small model steps on the split share, which may leave the serving plane a core.
+        threads = config.cpu_split_threads
+        torch.set_num_threads(threads)
+    lending = (CpuLending(config.cpu_lending, threads, cores, has_steps)
+               if config.cpu_lending and worth_lending and cores > threads else None)
+    thread_counts = lending.thread_counts if lending else (threads,)
+    if tp_group is not None:  # the ranks split the engine's cores (each steps on its part)
+        threads = max(1, threads // tp_group.tp.size)
+        torch.set_num_threads(threads)
+        thread_counts = (threads,)
+    return threads, lending, thread_counts
+
+
+def _worth_lending(config: EngineConfig, model: LlamaForCausalLM, dtype: torch.dtype) -> bool:
+    """Whether a second core pays for this model's steps: its weights take at least
+    `cpu_lending_min_weight_bytes`. Every worker of an app loads the same model and
+    decides alike, so one under the floor takes no locks at all (they cost a few
+    percent of a small model's steps)."""
+    weights = num_parameters(model) * dtype.itemsize
+    if weights >= config.cpu_lending_min_weight_bytes:
+        return True
+    log(config, f"weights {weights / 2**20:.1f} MiB, under the "
+                f"{config.cpu_lending_min_weight_bytes / 2**20:.0f} MiB that lending needs: "
+                "stepping on this worker's share of the cores only")
+    return False
 
 
 def compile_runner(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend, max_model_len: int,
