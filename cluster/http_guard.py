@@ -46,7 +46,7 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
-OnRefused = Callable[[RefusalReason, "int | None"], None]
+OnRefused = Callable[["RefusalReason | None", "int | None"], None]
 
 REQUEST_ID_HEADER = "x-request-id"
 _REQUEST_ID_NAME = REQUEST_ID_HEADER.encode()
@@ -112,7 +112,8 @@ class _ClientGone(Exception):
 
 class Guard:
     """See the module docstring. `on_refused(reason, status)` counts each refusal
-    it makes (status None: a client dropped for not reading)."""
+    it makes (status None: a client dropped for not reading; reason None: a client
+    that went away before its body was all sent, 499)."""
 
     def __init__(self, app: App, keys: Keys, limits: RequestLimits, on_refused: OnRefused,
                  echo_request_id: bool = True) -> None:
@@ -140,7 +141,8 @@ class Guard:
             with contextlib.suppress(WriteTimeout):
                 await _send_error(send, r)
             return
-        except _ClientGone:
+        except _ClientGone:  # before its body was all sent: no answer, counted as a client gone
+            self.on_refused(None, 499)
             return
         try:
             await self.app(scope, receive, send)

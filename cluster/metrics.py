@@ -61,7 +61,9 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 15, 20, 30, 40, 50, 60, 120, 240, 480, 960, 1920)
 # Prompt and output lengths per finished request: 1-2-5 steps (vLLM's), up to 500k tokens.
 TOKEN_BUCKETS = tuple(float(m * 10**e) for e in range(6) for m in (1, 2, 5))
-FINISH_REASONS = ("stop", "length", "abort")
+# Finish reasons of choices that succeeded (a failure is counted in request_errors, by status, as
+# vLLM counts no finish for a request a client aborts).
+FINISH_REASONS = ("stop", "length")
 ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
 HEALTH_STATES = ("ok", "degraded", "unavailable")  # `Health.status`
 WORKER_SCRAPE_DEADLINE_S = 2.0
@@ -102,7 +104,7 @@ class GatewayMetrics:
         self.e2e = Histogram("pdserve:e2e_request_latency_seconds", "Request arrival to its last token sent",
                              buckets=E2E_BUCKETS, registry=r)
         self.queue_time = Histogram("pdserve:request_queue_time_seconds",
-                                    "Time the request waited in its first worker's scheduler queue",
+                                    "Time each choice waited in its first worker's scheduler queue",
                                     buckets=TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pdserve:prompt_tokens", "Prompt tokens of admitted requests", registry=r)
         # Per finished request: the lengths the planner loop re-plans on (cluster/planner/traffic.py).
@@ -290,7 +292,8 @@ class RequestMetrics:
         self.arrival = time.perf_counter()
         self._choices: dict[int, _Timeline] = {}
         self._choice_prompts: tuple[int, ...] = ()
-        self._admitted = self._queue_seen = self._closed = False
+        self._queue_seen: set[int] = set()  # the choices whose queue time is observed (vLLM's: per engine request)
+        self._admitted = self._closed = False
 
     def admitted(self, prompt_tokens: int, choice_prompts: Iterable[int] | None = None) -> None:
         """`prompt_tokens` in all; `choice_prompts`: the prompt length of each choice, by index
@@ -300,14 +303,16 @@ class RequestMetrics:
         self._m.queued.inc()
         self._m.prompt_tokens.inc(prompt_tokens)
 
-    def output(self, out: RequestOutput, choice: int = 0) -> None:
-        """`out`'s tokens, of choice `choice`, are going to the client now (non-streaming: are ready to)."""
+    def output(self, out: RequestOutput, choice: int = 0, dropped: bool = False) -> None:
+        """`out`'s tokens, of choice `choice`, are going to the client now (non-streaming: are ready to).
+        `dropped`: none of them is (echo with max_tokens 0: the token the engine made is not sent,
+        nor counted, as `usage` does not count it)."""
         m = self._m
         queue_s = out.metrics.get("queue_time_s")
-        if queue_s is not None and not self._queue_seen:  # once per request: its first worker's queue
-            self._queue_seen = True
+        if queue_s is not None and choice not in self._queue_seen:  # once per choice: its first worker's queue
+            self._queue_seen.add(choice)
             m.queue_time.observe(queue_s)
-        n = len(out.outputs[0].token_ids)
+        n = 0 if dropped else len(out.outputs[0].token_ids)
         if not n:
             return
         now = time.perf_counter()
@@ -380,7 +385,7 @@ class RequestCounter:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500  # if the app fails before it starts a response
+        status: int | None = None  # until the app starts a response
 
         async def send_status(message: Message) -> None:
             nonlocal status
@@ -390,11 +395,19 @@ class RequestCounter:
                     message = {**message, "headers": [*message.get("headers", ()), *self.headers]}
             await send(message)
 
+        failed = False
         try:
             await self.app(scope, receive, send_status)
+        except Exception:
+            failed = True
+            raise
         finally:
+            # No response started: the app failed (500), or it ended because the client went
+            # away before one could be sent (499, nginx's "client closed request"), as while
+            # its body was still coming: not the server's error.
+            code = status if status is not None else 500 if failed else 499
             path = scope.get("path", "")
-            self.counter.labels(path if path in self.endpoints else "other", str(status)).inc()
+            self.counter.labels(path if path in self.endpoints else "other", str(code)).inc()
 
 
 async def _fetch(handle: WorkerHandle, deadline_s: float) -> str | None:
@@ -463,8 +476,16 @@ class _RouterCollector:
         for d_reason in DecodeReason:
             decisions.add_metric(["decode", d_reason.value], stats.decode_decisions[d_reason] if stats else 0)
         yield decisions
+        # Both per placement: each of a request's n samples is placed alone, and so is each migrated
+        # try (its prompt with the tokens it resumes from). The share cached is the one over the other,
+        # not over pdserve:prompt_tokens (once per prompt, at admission: a share that passed 1 at n > 1).
+        routed = CounterMetricFamily("pdserve:router_prompt_tokens",
+                                     "Prompt tokens of the requests the router placed (each sample and try)")
+        routed.add_metric([], stats.prompt_tokens if stats else 0)
+        yield routed
         cached = CounterMetricFamily("pdserve:router_cached_prompt_tokens",
-                                     "Prompt tokens the chosen prefill worker already held (router's index)")
+                                     "Of pdserve:router_prompt_tokens, those the chosen prefill worker already "
+                                     "held (router's index)")
         cached.add_metric([], stats.cached_prompt_tokens if stats else 0)
         yield cached
 

@@ -456,8 +456,9 @@ async def collect_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Wor
     try:
         async with contextlib.aclosing(gw.run(rid, works)) as events:  # its request aborted now if cut short
             async for i, out in events:
-                rm.output(out, i)  # the client gets it with the body; timed as a stream would be (vLLM's way)
-                accumulate(choices[i], out, work_of(works, i).prompt_only)
+                prompt_only = work_of(works, i).prompt_only
+                rm.output(out, i, prompt_only)  # the client gets it with the body; timed as a stream would be
+                accumulate(choices[i], out, prompt_only)
         rm.succeeded(c.finish_reason for c in choices)
     except Exception as e:  # noqa: BLE001 - an OpenAI error object, and a status the metrics can count
         raise client_error(e, rid) from None  # what the client may see; client_error logged the rest
@@ -489,7 +490,7 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
             async for i, out in events:
                 work = work_of(works, i)
                 delta = accumulate_delta(choices[i], work, out, render.token_str)
-                rm.output(out, i)
+                rm.output(out, i, work.prompt_only)
                 if work.reasoning is not None or (work.tools is not None and work.tools.active):
                     chunk = parsed_chunk_choice(render.token_str, choices[i], work, delta)
                     if chunk is not None:

@@ -217,7 +217,7 @@ ROWS: list[tuple[str, list[Panel]]] = [
               "Failed requests per second by HTTP status (or a stream's in-band error)."),
         Panel("Finished requests by reason", "reqps",
               [Q(f"sum by (finished_reason) (rate(pdserve:request_success_total{{{GW}}}[{RATE}]))",
-                 "{{finished_reason}}")], "stop, length, abort."),
+                 "{{finished_reason}}")], "stop, length; failures are under errors by code."),
         Panel("Gateway HTTP requests", "reqps",
               [Q(f"sum by (endpoint, status) (rate(pdserve:gateway_requests_total{{{GW}}}[{RATE}]))",
                  "{{endpoint}} {{status}}")], "HTTP requests per second by endpoint and status."),
@@ -226,8 +226,9 @@ ROWS: list[tuple[str, list[Panel]]] = [
                  "{{role}}: {{reason}}")], "Placements per second by role (prefill/decode) and reason."),
         Panel("Prompt tokens already cached at the chosen prefill worker", "percentunit", [
             Q(f"sum(rate(pdserve:router_cached_prompt_tokens_total{{{GW}}}[{RATE}]))"
-              f" / sum(rate(pdserve:prompt_tokens_total{{{GW}}}[{RATE}]))", "cached share")],
-              "By the router's index: the share of prompt tokens the chosen prefill worker already held.", max=1),
+              f" / sum(rate(pdserve:router_prompt_tokens_total{{{GW}}}[{RATE}]))", "cached share")],
+              "By the router's index: the share of the prompt tokens it placed (each sample, each migrated try) "
+              "that the chosen prefill worker already held.", max=1),
     ]),
 ]
 

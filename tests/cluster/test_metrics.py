@@ -37,7 +37,7 @@ GATEWAY_FAMILIES = [
     "pdserve:inter_token_latency_seconds", "pdserve:e2e_request_latency_seconds", "pdserve:request_queue_time_seconds",
     "pdserve:prompt_tokens", "pdserve:generation_tokens", "pdserve:request_success", "pdserve:request_errors",
     "pdserve:num_requests_in_flight", "pdserve:num_requests_queued", "pdserve:gateway_requests", "pdserve:worker_up",
-    "pdserve:router_decisions", "pdserve:router_cached_prompt_tokens",
+    "pdserve:router_decisions", "pdserve:router_prompt_tokens", "pdserve:router_cached_prompt_tokens",
 ]
 WORKER_FAMILIES = [
     "pdserve:kv_cache_usage_perc", "pdserve:num_requests_running", "pdserve:num_requests_waiting",
@@ -292,6 +292,7 @@ def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: An
     assert sample(f, "pdserve:router_decisions_total", role="decode", reason=decision.decode_reason.value) == 1
     assert sum(s.value for s in f["pdserve:router_decisions"].samples) == 2
     assert sample(f, "pdserve:router_cached_prompt_tokens_total") == decision.cached_prompt_tokens
+    assert sample(f, "pdserve:router_prompt_tokens_total") == decision.prompt_tokens
     assert not any(name.endswith("_created") for name in f)
     assert_matches_contract(f)
 

@@ -4,6 +4,7 @@ counters that never go backwards within a series, whichever gateway replica a sc
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 from metrics_store import Store, by_replica
@@ -96,7 +97,6 @@ def _value(fams: dict[str, Any], name: str) -> float:
 async def _drive(app: Any, body: dict[str, Any], disconnect_after_chunks: int) -> list[dict[str, Any]]:
     """POST `body` to /v1/completions as a raw ASGI client that disconnects once it has
     `disconnect_after_chunks` body chunks (a client closing its connection mid-response)."""
-    import json
 
     raw = json.dumps(body).encode()
     gone = asyncio.Event()
@@ -195,3 +195,98 @@ def test_prompt_and_generation_lengths_are_observed_per_choice_alike(tokenizer: 
     buckets = {s.labels["le"]: s.value for s in f["pdserve:request_prompt_tokens"].samples
                if s.name.endswith("_bucket")}
     assert buckets["2.0"] == 0 and buckets["5.0"] == 4  # 3, 3, 5, 5: none of 8
+
+
+def test_a_client_gone_while_sending_its_body_is_a_499_not_a_server_error(tokenizer: Any) -> None:
+    """A client that hangs up before its body is all sent gets no answer. The request counter
+    counted it as a 500 (its status before any response), which a 5xx alert reads as the
+    server failing."""
+    gw = Gateway(SlowBackend(), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+    sent: list[dict[str, Any]] = []
+
+    async def main() -> dict[str, Any]:
+        parts = iter([{"type": "http.request", "body": b'{"model": "tiny", ', "more_body": True}])
+
+        async def receive() -> dict[str, Any]:
+            return next(parts, {"type": "http.disconnect"})
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+                 "scheme": "http", "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"",
+                 "root_path": "", "headers": [(b"content-type", b"application/json"), (b"host", b"gw")],
+                 "client": ("127.0.0.1", 1), "server": ("gw", 80)}
+        await asyncio.wait_for(app(scope, receive, send), 10)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            return _families((await c.get("/metrics")).text)
+
+    f = asyncio.run(main())
+    assert sent == []
+    statuses = {(s.labels["endpoint"], s.labels["status"]): s.value for s in f["pdserve:gateway_requests"].samples
+                if s.name.endswith("_total") and s.value and s.labels["endpoint"] != "/metrics"}
+    assert statuses == {("/v1/completions", "499"): 1}, statuses
+    errors = _values(f, "pdserve:request_errors", "code")
+    assert errors["499"] == 1 and sum(errors.values()) == 1, errors
+
+
+def test_an_app_that_fails_before_answering_is_counted_a_500() -> None:
+    """The other side of the 499: an exception before any response is the server's."""
+    from prometheus_client import CollectorRegistry, Counter
+
+    from pdserve.cluster.metrics import RequestCounter
+
+    counter = Counter("requests", "", ["endpoint", "status"], registry=CollectorRegistry())
+
+    async def broken(scope: Any, receive: Any, send: Any) -> None:
+        raise RuntimeError("boom")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError):
+            await RequestCounter(broken, counter, frozenset({"/x"}))({"type": "http", "path": "/x"}, None, None)
+
+    asyncio.run(main())
+    assert counter.labels("/x", "500")._value.get() == 1
+
+
+class QueuedBackend(SlowBackend):
+    """SlowBackend's tokens, each engine request's first output carrying its queue time."""
+
+    async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
+                       timeout_s: float) -> AsyncIterator[RequestOutput]:
+        first = True
+        async for out in super().generate(request_id, prompt, params, timeout_s):
+            if first:
+                out.metrics["queue_time_s"] = 0.03
+                first = False
+            yield out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_token_counts_match_usage_and_queue_time_is_per_choice(tokenizer: Any, stream: bool) -> None:
+    """generation_tokens_total is what `usage` says the clients got: an echo with max_tokens 0
+    sends none of the token its engine request makes. Queue time is one observation per choice
+    (vLLM's: per engine request), as TTFT is."""
+    gw = Gateway(QueuedBackend(tokens=3, gap=0.001), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
+    app = build_app(gw)
+
+    async def main() -> tuple[int, dict[str, Any]]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gw") as c:
+            completion_tokens = 0
+            for body in ({"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 0, "echo": True},
+                         {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 3, "n": 2}):
+                r = await c.post("/v1/completions", json={**body, "stream": stream,
+                                                          **({"stream_options": {"include_usage": True}}
+                                                             if stream else {})})
+                assert r.status_code == 200, r.text
+                usage = (json.loads(r.text.split("data: ")[-2]) if stream else r.json())["usage"]
+                completion_tokens += usage["completion_tokens"]
+            return completion_tokens, _families((await c.get("/metrics")).text)
+
+    completion_tokens, f = asyncio.run(main())
+    assert completion_tokens == 6
+    assert _value(f, "pdserve:generation_tokens_total") == 6
+    assert _value(f, "pdserve:request_generation_tokens_sum") == 6
+    assert _value(f, "pdserve:request_queue_time_seconds_count") == 3  # 1 + 2 choices
+    assert _value(f, "pdserve:time_to_first_token_seconds_count") == 2  # the echo's choice sent no token
