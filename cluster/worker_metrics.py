@@ -40,9 +40,11 @@ if TYPE_CHECKING:
     from pdserve.workers.engine import LLMEngine
     from pdserve.workers.stats import StepStats
 
-PREFILL_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# Up to a long prompt's unchunked prefill (a 64k context), and a CPU step of one (seconds): a step
+# past the last finite bound shows in a quantile as that bound.
+PREFILL_TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 DECODE_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)  # a GPU's max_num_seqs reaches 1024
-STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+STEP_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # Up to the default --transfer-timeout (30 s): a slow link's p99 reads as itself, not as 5 s.
 TRANSFER_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 LABELS = ("pool", "worker")
