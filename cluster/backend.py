@@ -391,7 +391,7 @@ class ColocatedBackend:
         return sum(self._in_flight)
 
     def worker_handles(self) -> WorkerHandles:
-        return {name: ("colocated", w) for name, w in zip(self.names, self.workers) if w is not None}
+        return {name: ("colocated", w) for name, w in zip(self.names, self.workers)}
 
     def router_stats(self) -> RouterStats | None:
         return None

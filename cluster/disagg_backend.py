@@ -170,8 +170,7 @@ class DisaggregatedBackend:
 
     def worker_handles(self) -> WorkerHandles:
         pools = [("prefill", self.prefill), ("decode", self.decode)]
-        return {self.names.get(wid, wid): (pool, h) for pool, handles in pools for wid, h in handles.items()
-                if h is not None}
+        return {self.names.get(wid, wid): (pool, h) for pool, handles in pools for wid, h in handles.items()}
 
     def router_stats(self) -> RouterStats | None:
         return self.router.stats

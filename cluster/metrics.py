@@ -68,8 +68,9 @@ ERROR_CODES = ("400", "401", "404", "429", "499", "500", "503", "504")
 HEALTH_STATES = ("ok", "degraded", "unavailable")  # `Health.status`
 WORKER_SCRAPE_DEADLINE_S = 2.0
 
-# Actor name -> (pool, actor handle): its `metrics()` returns the worker's exposition.
-WorkerHandles = Mapping[str, tuple[str, WorkerHandle]]
+# Actor name -> (pool, actor handle): its `metrics()` returns the worker's exposition. None: a worker
+# of the pool not found (not started yet, or gone): its worker_up is 0.
+WorkerHandles = Mapping[str, tuple[str, WorkerHandle | None]]
 
 
 class GatewayMetrics:
@@ -410,7 +411,9 @@ class RequestCounter:
             self.counter.labels(path if path in self.endpoints else "other", str(code)).inc()
 
 
-async def _fetch(handle: WorkerHandle, deadline_s: float) -> str | None:
+async def _fetch(handle: WorkerHandle | None, deadline_s: float) -> str | None:
+    if handle is None:
+        return None
     try:
         async with asyncio.timeout(deadline_s):
             data = await handle.metrics.remote()

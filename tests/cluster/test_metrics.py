@@ -267,7 +267,8 @@ def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: An
     decision = router.route("r", list(range(5, 200)))
     workers = {"pdserve-prefill-0": ("prefill", LocalActor(FakeWorker(p0))),
                "pdserve-decode-0": ("decode", LocalActor(FakeWorker(d0))),
-               "pdserve-decode-1": ("decode", LocalActor(FakeWorker(None)))}
+               "pdserve-decode-1": ("decode", LocalActor(FakeWorker(None))),
+               "pdserve-decode-2": ("decode", None)}  # not found by its name (not up yet): down too
     gw = Gateway(WorkersBackend(workers, router), tokenizer, GatewayConfig(model_name=MODEL, max_model_len=256))
     app = build_app(gw)
 
@@ -281,7 +282,7 @@ def test_scrape_merges_workers_and_reports_a_hung_one_down_in_time(tokenizer: An
     assert took < 2.0 + 1.0  # the 2 s fetch deadline, plus parsing, on a loaded machine
     f = parse(text)
     up = {s.labels["worker"]: s.value for s in f["pdserve:worker_up"].samples}
-    assert up == {"pdserve-prefill-0": 1, "pdserve-decode-0": 1, "pdserve-decode-1": 0}
+    assert up == {"pdserve-prefill-0": 1, "pdserve-decode-0": 1, "pdserve-decode-1": 0, "pdserve-decode-2": 0}
     # One family, samples of both workers.
     assert sample(f, "pdserve:kv_transfer_failures_total", worker="pdserve-prefill-0", kind="checksum") == 1
     assert sample(f, "pdserve:kv_transfer_failures_total", worker="pdserve-decode-0", kind="checksum") == 0
