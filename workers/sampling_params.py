@@ -121,6 +121,16 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         # Normalised forms (frozen: through object.__setattr__, before anyone sees them).
+        # numpy's scalars (np.int64(5), np.float32(0.7): what arithmetic on numpy arrays gives) as
+        # Python's, as token id lists already were: they were refused as "must be an integer".
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if _is_integer(value) and not isinstance(value, int):
+                object.__setattr__(self, name, int(value))
+        for name in _FLOAT_FIELDS:
+            value = getattr(self, name)
+            if _foreign_real(value):
+                object.__setattr__(self, name, float(value))
         stop = [self.stop] if isinstance(self.stop, str) else list(_sequence("stop", self.stop))
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "stop_token_ids", _token_ids("stop_token_ids", self.stop_token_ids))
@@ -277,12 +287,22 @@ def _number(name: str, value: object, low: float, high: float, hint: str) -> flo
 
 
 _DECIMAL = re.compile(r"-?[0-9]+")
+_INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed",
+               "truncate_prompt_tokens")
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _FLOAT_MAX = int(sys.float_info.max)
 
 
 def _is_integer(value: object) -> bool:
     """An integer of any kind (Python's, numpy's), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _foreign_real(value: object) -> bool:
+    """A real number of another kind than Python's (numpy's float32, float16), not a bool."""
+    if isinstance(value, (bool, int, float)):
+        return False
+    return isinstance(value, numbers.Real)  # (numpy's bool is not one)
 
 
 def _sequence(name: str, value: object) -> Iterable[object]:

@@ -33,6 +33,9 @@ from pdserve.workers.sampling_params import RequestOutputKind
     ("logit_bias", {"5_0": 1.0}),  # int() took it: token 50
     ("logit_bias", {"\uff15": 1.0}),  # a full-width 5: token 5
     ("logit_bias", {" 5 ": 1.0}),
+    ("max_tokens", np.bool_(True)),  # numpy's bool is no more an integer than Python's
+    ("n", np.float64(2.0)),
+    ("temperature", np.float32("nan")),
 ])
 def test_a_wrong_type_is_a_valueerror_naming_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=f"^{field}:"):
@@ -46,6 +49,18 @@ def test_right_types_still_pass() -> None:
     sp = SamplingParams(**kw)  # type: ignore[arg-type]  # numpy ids, tuples, JSON's string keys
     assert sp.stop_token_ids == [7, 9] and type(sp.stop_token_ids[0]) is int
     assert sp.stop == ["a", "b"] and sp.logit_bias == {5: 1.0, 6: -2.0}
+
+
+def test_numpy_scalars_are_taken_as_pythons() -> None:
+    """What arithmetic on numpy arrays gives (a length budget, a temperature schedule) was
+    "must be an integer" for the scalar fields while token id lists took numpy's integers."""
+    sp = SamplingParams(n=np.int64(2), max_tokens=np.int32(5), min_tokens=np.uint8(1), top_k=np.int64(4),
+                        seed=np.int64(3), logprobs=np.int16(2), temperature=np.float32(0.5),
+                        top_p=np.float16(0.5), repetition_penalty=np.float32(1.25))  # type: ignore[arg-type]
+    assert (sp.n, sp.max_tokens, sp.min_tokens, sp.top_k, sp.seed, sp.logprobs) == (2, 5, 1, 4, 3, 2)
+    assert (sp.temperature, sp.top_p, sp.repetition_penalty) == (0.5, 0.5, 1.25)
+    assert all(type(getattr(sp, f)) is int for f in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"))
+    assert all(type(getattr(sp, f)) is float for f in ("temperature", "top_p", "repetition_penalty"))
 
 
 def test_stop_strings_without_detokenize_are_refused_as_vllm_does() -> None:
