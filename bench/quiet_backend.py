@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdserve.cluster.backend import Health, PoolState, Reliability
+from pdserve.cluster.backend_api import Health, PoolState, Reliability
 
 
 class QuietBackend:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.cluster.backend import ServerStoppingError, WorkerLostError
+from pdserve.cluster.backend_api import ServerStoppingError, WorkerLostError
 from pdserve.cluster.limits import RefusalReason, Refused
 from pdserve.cluster.ray_errors import RayError
 from pdserve.cluster.router import NoHealthyWorkerError

@@ -37,15 +37,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from pdserve.cluster.backend import (
-    DEFAULT_WORKER_WAIT_S,
-    WORKER_LOST,
-    Health,
-    Placement,
-    PoolState,
-    Reliability,
-    TokenStreams,
-)
+from pdserve.cluster.backend_api import Health, Placement, PoolState, Reliability
 from pdserve.cluster.metrics import WorkerHandles
 from pdserve.cluster.reports import LoadReport, RoleSwitch
 from pdserve.cluster.router import Router
@@ -58,6 +50,7 @@ from pdserve.cluster.stall_watch import (
     StallWatch,
     WorkerStalledError,
 )
+from pdserve.cluster.token_streams import DEFAULT_WORKER_WAIT_S, WORKER_LOST, TokenStreams
 from pdserve.cluster.worker_calls import WorkerCalls
 from pdserve.cluster.worker_channel import WorkerChannel
 from pdserve.cluster.worker_events import Restart, WorkerEvents, restart_actor, restart_soon

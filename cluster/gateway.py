@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from pdserve.cluster.api_errors import RETRY_AFTER, APIError, bad_request, unicode_text
-from pdserve.cluster.backend import GenerationBackend
+from pdserve.cluster.backend_api import GenerationBackend
 from pdserve.cluster.cors import CorsSettings
 from pdserve.cluster.disagg_backend import DEFAULT_DRAIN_TIMEOUT_S, DisaggregatedBackend
 from pdserve.cluster.drain_flag import STOP_STREAMS_AFTER_S, DrainWatch

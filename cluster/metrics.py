@@ -48,7 +48,7 @@ from pdserve.cluster.worker_metrics import WithoutCreated
 from pdserve.workers.outputs import RequestOutput
 
 if TYPE_CHECKING:
-    from pdserve.cluster.backend import Reliability
+    from pdserve.cluster.backend_api import Reliability
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ DEFAULT_MAX_TICK_GAP_S = 1.0
 class WorkerStalledError(RayActorError):  # type: ignore[misc]  # Ray is untyped (mypy skips it)
     """The try's worker made no progress for the stall timeout: the gateway took it for
     dead. A RayActorError, as Ray's own "unavailable" and "died" are, so that every path
-    that moves a request off a dead worker (cluster/backend.py `WORKER_LOST`) moves it."""
+    that moves a request off a dead worker (cluster/token_streams.py `WORKER_LOST`) moves it."""
 
     def __init__(self, message: str) -> None:
         super().__init__(error_msg=message)

@@ -155,7 +155,7 @@ class FakeBackend:
         self.stopped = True
 
     def health(self) -> Any:
-        from pdserve.cluster.backend import Health, PoolState
+        from pdserve.cluster.backend_api import Health, PoolState
 
         return Health({"fake": PoolState(int(self.healthy), 1)}, serving=self.healthy)
 
@@ -166,7 +166,7 @@ class FakeBackend:
         return None
 
     def reliability(self) -> Any:
-        from pdserve.cluster.backend import Reliability
+        from pdserve.cluster.backend_api import Reliability
 
         return Reliability(self.health())
 

@@ -71,7 +71,7 @@ class RequestAbortedError(RuntimeError):
 class WorkerDrainingError(RuntimeError):
     """This worker takes no more work of its role (it is changing role), or it cut the
     request short at the end of its drain. Not the request's fault: the gateway moves
-    it to another worker from what its client already has (cluster/backend.py: RETRYABLE)."""
+    it to another worker from what its client already has (cluster/token_streams.py: RETRYABLE)."""
 
 
 class JobRole(Protocol):

@@ -87,7 +87,7 @@ def test_reliability_metrics_follow_the_backends_counters() -> None:
     """Pools, health state, worker events, migrations and token-stream gaps of a real
     DisaggregatedBackend (workers that stop answering and come back restarted; tries
     that break on a gap, hear stale deltas, and run out), as the gateway exports them."""
-    from pdserve.cluster.backend import WorkerLostError
+    from pdserve.cluster.backend_api import WorkerLostError
     from pdserve.cluster.disagg_backend import DisaggregatedBackend
 
     p0, d0, d1 = _PolledWorker("p0"), _PolledWorker("d0"), _PolledWorker("d1")

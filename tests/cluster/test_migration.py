@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError
 from pdserve import LLM, SamplingParams
 from pdserve.cluster import worker_channel
 from pdserve.cluster.actors import DecodeService, EngineService, PrefillService
-from pdserve.cluster.backend import ColocatedBackend, WorkerLostError
+from pdserve.cluster.backend import ColocatedBackend
+from pdserve.cluster.backend_api import WorkerLostError
 from pdserve.cluster.disagg_backend import DisaggregatedBackend
 from pdserve.cluster.reports import LoadReport
 from pdserve.cluster.router import Router, WorkerRole
@@ -401,7 +402,7 @@ def test_a_gap_in_a_workers_token_stream_moves_the_request_on_not_short() -> Non
     from the tokens handed on, and the client gets every token once."""
     import zmq
 
-    from pdserve.cluster.backend import TokenStreams
+    from pdserve.cluster.token_streams import TokenStreams
     from pdserve.workers.messages import TokenDelta, TokenDeltaBatch, encode
     from pdserve.workers.transfer import auth
 
@@ -563,7 +564,7 @@ def test_a_worker_lost_just_after_its_final_delta_starts_no_next_try() -> None:
     died, or was given up, right after sending it): the client has every token, so the
     request is over; a next try would run on another worker for no one (nothing aborts a
     request that finished), holding its blocks to max_tokens or the deadline."""
-    from pdserve.cluster.backend import TokenStreams
+    from pdserve.cluster.token_streams import TokenStreams
 
     started: list[int] = []
 
@@ -606,7 +607,7 @@ def test_a_worker_lost_just_after_its_final_delta_starts_no_next_try() -> None:
 
 
 def test_a_move_that_finds_no_worker_is_not_counted_as_a_migration() -> None:
-    from pdserve.cluster.backend import TokenStreams
+    from pdserve.cluster.token_streams import TokenStreams
 
     async def main() -> None:
         streams = TokenStreams("127.0.0.1", worker_wait_s=0.2)

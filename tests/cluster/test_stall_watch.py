@@ -127,7 +127,7 @@ def test_a_timeout_that_is_not_a_positive_number_is_refused(timeout: float) -> N
 
 
 def test_the_error_is_a_worker_loss_the_migration_path_moves() -> None:
-    from pdserve.cluster.backend import RETRYABLE, WORKER_LOST
+    from pdserve.cluster.token_streams import RETRYABLE, WORKER_LOST
 
     e = WorkerStalledError("worker d0 stalled")
     assert isinstance(e, WORKER_LOST) and isinstance(e, RETRYABLE) and str(e) == "worker d0 stalled"

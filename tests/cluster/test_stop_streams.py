@@ -17,7 +17,7 @@ import pytest
 from factories import FakeBackend, tiny_spec
 from test_migration import GREEDY, PROMPTS, disaggregated, offline
 
-from pdserve.cluster.backend import ServerStoppingError
+from pdserve.cluster.backend_api import ServerStoppingError
 from pdserve.cluster.gateway import Gateway, GatewayConfig
 from pdserve.cluster.openai_app import build_app
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
