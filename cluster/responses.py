@@ -339,8 +339,10 @@ def _tool_delta(plan: ToolPlan, choice: Choice, text: str, base: int,
     if not calls:
         return {"content": text[base + choice.sent :]}, finish_reason
     streamed: list[StreamedToolCall] = [{"index": i, **c} for i, c in enumerate(calls)]
-    # Streamed words go on to the call's marker; held from the start, the parse's content goes.
-    words = text[base + choice.sent : base + end] if choice.content else content
+    # The parse's content, less what the stream sent of it (the words before the first marker it
+    # met; the call may begin at a later one: with every format parsed, `<tool_call>` wins over a
+    # `[TOOL_CALLS]` before it, which then is words).
+    words = (content or "")[choice.sent:] if choice.content else content
     return {"content": words or None, "tool_calls": streamed}, _calls_finish(plan, finish_reason)
 
 

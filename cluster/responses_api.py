@@ -323,8 +323,10 @@ def whole_response(req: ResponsesRequest, rid: str, body: ResponseBody) -> dict[
     calls = message.get("tool_calls") or []
     if message["content"] or not (calls or output):
         logprobs = (choice["logprobs"] or {"content": []})["content"]  # type: ignore[typeddict-item]
+        # Words before tool calls ended at the first call (a streamed message closes there): the
+        # cut, if any, is in the calls.
         output.append(message_item(_id("msg"), message["content"] or "", logprobs,
-                                   "incomplete" if cut else "completed"))
+                                   "incomplete" if cut and not calls else "completed"))
     output += [call_item(_id("fc"), c["function"]["name"], c["function"]["arguments"]) for c in calls]
     return response_object(req, rid, body["model"], body["created"], output, "incomplete" if cut else "completed",
                             body["usage"])

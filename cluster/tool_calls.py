@@ -20,6 +20,7 @@ The tools reach the model through its chat template (transformers' `apply_chat_t
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from dataclasses import dataclass
@@ -203,8 +204,20 @@ def parse_calls(text: str, names: set[str],
         obj = _json(stripped.removeprefix("<|python_tag|>"))
         if isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj):
             found.append((obj.get("name"), obj.get("parameters", obj.get("arguments", {}))))
-    calls = [_call(name, args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
-             for name, args in found if isinstance(name, str) and name in names]
+    calls = []
+    for name, args in found:
+        # A call to a tool the request does not have, or arguments that are not an object (nor
+        # the JSON text of one): the whole answer stays words, as for a call that does not parse.
+        # Dropped alone, it vanished without trace when a known call stood beside it; kept, its
+        # arguments went out as text that is not JSON ("not json", or "5" for an object).
+        if not isinstance(name, str) or name not in names:
+            return None
+        if isinstance(args, str) and isinstance(_json(args), dict):
+            calls.append(_call(name, args))  # the JSON text of the object, as the model wrote it
+        elif isinstance(args, dict):
+            calls.append(_call(name, json.dumps(args, ensure_ascii=False)))
+        else:
+            return None
     return (content, calls) if calls else None
 
 
@@ -292,12 +305,20 @@ def _deeper_than(value: object, limit: int) -> bool:
 
 def _json(text: str) -> object:
     """`text` as JSON, or None where it is not: NaN and Infinity too, which Python's parser takes
-    but JSON has not (a call's arguments go to the client as JSON text)."""
+    but JSON has not, and a number past a float's range (1e999), which it reads as infinity (a
+    call's arguments go to the client as JSON text: written again, either was `Infinity`)."""
     try:
-        return json.loads(text, parse_constant=_not_json)
+        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no call
         return None
 
 
 def _not_json(constant: str) -> object:
     raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(literal: str) -> float:
+    value = float(literal)
+    if not math.isfinite(value):
+        raise ValueError(f"{literal[:40]} is past a float's range")
+    return value

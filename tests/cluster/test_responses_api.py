@@ -181,6 +181,7 @@ class Scripted(FakeBackend):
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer, self.text, self.prompts = tokenizer, "", []  # type: list[list[int]]
         self.fail_after: int | None = None  # tokens, then a worker's error
+        self.finish = "stop"  # the last token's finish reason ("length": cut by max_output_tokens)
 
     async def generate(self, request_id: str, prompt: list[int], params: SamplingParams,
                        timeout_s: float) -> AsyncIterator[RequestOutput]:
@@ -192,7 +193,7 @@ class Scripted(FakeBackend):
             last = k == len(ids) - 1
             entries = [{t: -0.5}] if params.logprobs is not None else None
             yield RequestOutput(request_id, None, prompt, [CompletionOutput(
-                0, self.tokenizer.decode([t]), [t], None, entries, "stop" if last else None)], last)
+                0, self.tokenizer.decode([t]), [t], None, entries, self.finish if last else None)], last)
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +248,24 @@ def test_a_tool_call_is_a_function_call_item_whole_and_streamed(scripted: tuple[
     kinds = {type(e) for e in client.responses.create(model="tiny", input="what time?", tools=[TOOL],  # type: ignore[list-item]
                                                       stream=True)}
     assert {rt.ResponseFunctionCallArgumentsDeltaEvent, rt.ResponseFunctionCallArgumentsDoneEvent} <= kinds
+
+
+def test_words_then_a_call_cut_short_give_the_same_items_whole_and_streamed(scripted: tuple[str, Scripted]) -> None:
+    """Cut by max_output_tokens inside a call after words: the response is incomplete either way,
+    and its message item (the words, which ended where the call began) is completed either way.
+    The whole response marked that message incomplete, the stream completed."""
+    base, backend = scripted
+    backend.text, backend.finish = "</think>Checking. " + CALL.removesuffix("</tool_call>"), "length"
+    req = {"input": "what time is it?", "tools": [TOOL]}
+    try:
+        whole = httpx.post(f"{base}/v1/responses", json=req, timeout=60).json()
+        evs = events(httpx.post(f"{base}/v1/responses", json={**req, "stream": True}, timeout=60).text)
+    finally:
+        backend.finish = "stop"
+    streamed = evs[-1]["response"]
+    assert evs[-1]["type"] == "response.incomplete" and whole["status"] == streamed["status"] == "incomplete"
+    shape = [[(i["type"], i["status"]) for i in r["output"]] for r in (whole, streamed)]
+    assert shape[0] == shape[1] == [("message", "completed"), ("function_call", "completed")], shape
 
 
 def test_function_call_items_build_the_prompt_chat_builds(scripted: tuple[str, Scripted]) -> None:
