@@ -11,7 +11,7 @@ output.
 - `"auto"`: the model decides; its text is parsed for the tool-call formats of the families
   pdserve loads: Hermes / Qwen2.5 (`<tool_call>{"name", "arguments"}</tool_call>`, any
   number), Mistral (`[TOOL_CALLS][{"name", "arguments"}, ...]`) and Llama 3.x (the whole
-  answer one JSON object `{"name", "parameters"}`, after an optional `<|python_tag|>`).
+  answer JSON objects `{"name", "parameters"}` separated by ";", after an optional `<|python_tag|>`).
   Text that is none of these is the answer's content.
 
 The tools reach the model through its chat template (transformers' `apply_chat_template(tools=...)`).
@@ -200,9 +200,10 @@ def parse_calls(text: str, names: set[str],
             if not isinstance(item, dict):
                 return None
             found.append((item.get("name"), item.get("arguments", item.get("parameters", {}))))
-    elif parser in (None, "llama3_json"):  # Llama 3.x: the whole answer is the call, its arguments named
-        obj = _json(stripped.removeprefix("<|python_tag|>"))
-        if isinstance(obj, dict) and "name" in obj and ("parameters" in obj or "arguments" in obj):
+    elif parser in (None, "llama3_json"):  # Llama 3.x: the whole answer is the calls, their arguments named
+        for obj in _json_objects(stripped.removeprefix("<|python_tag|>")) or ():
+            if not ("name" in obj and ("parameters" in obj or "arguments" in obj)):
+                return None
             found.append((obj.get("name"), obj.get("parameters", obj.get("arguments", {}))))
     calls = []
     for name, args in found:
@@ -311,6 +312,32 @@ def _json(text: str) -> object:
         return json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no call
         return None
+
+
+def _json_objects(text: str) -> list[dict[str, Any]] | None:
+    """`text` as JSON objects separated by ";" (how Llama 3.x writes more than one call, and
+    vLLM's llama3_json parser reads them), or None where it is not that whole."""
+    decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+    objects: list[dict[str, Any]] = []
+    at = 0
+    while True:
+        try:
+            obj, at = decoder.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(obj, dict):
+            return None
+        objects.append(obj)
+        rest = text[at:].lstrip()
+        if not rest:
+            return objects
+        if not rest.startswith(";"):
+            return None
+        if not rest[1:].strip():  # a last ";" after the last call
+            return objects
+        at = len(text) - len(rest) + 1
+        while at < len(text) and text[at].isspace():  # raw_decode takes no leading whitespace
+            at += 1
 
 
 def _not_json(constant: str) -> object:

@@ -157,6 +157,9 @@ def test_templates_get_earlier_calls_arguments_as_objects() -> None:
     ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "C"}}', None, [("get_time", {"zone": "C"})]),
     ('{"name": "get_weather", "parameters": {"city": "X", "unit": "f"}}', None,
      [("get_weather", {"city": "X", "unit": "f"})]),
+    # Llama 3.x's calls after one another, separated by ";" (vLLM's llama3_json parser reads them)
+    ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "D"}}; {"name": "get_weather", "parameters": '
+     '{"city": "Y; {", "unit": "c"}};', None, [("get_time", {"zone": "D"}), ("get_weather", {"city": "Y; {", "unit": "c"})]),
 ])
 def test_the_families_formats_parse(text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
     parsed = parse_calls(text, {"get_time", "get_weather"})
@@ -167,7 +170,9 @@ def test_the_families_formats_parse(text: str, content: str | None, calls: list[
 
 
 @pytest.mark.parametrize("text", ["The weather is fine.", '{"answer": 42}', '<tool_call>{"name": "rm_rf"}</tool_call>',
-                                  "[TOOL_CALLS] not json"])
+                                  "[TOOL_CALLS] not json",
+                                  '{"name": "get_time", "parameters": {}}; and then some words',
+                                  '{"name": "get_time", "parameters": {}}; {"answer": 42}'])
 def test_text_that_calls_no_known_tool_is_content(text: str) -> None:
     plan = ToolPlan.of(TOOLS, "auto", None)
     assert plan.parse(text) == (text, [])
