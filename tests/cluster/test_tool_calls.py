@@ -159,7 +159,8 @@ def test_templates_get_earlier_calls_arguments_as_objects() -> None:
      [("get_weather", {"city": "X", "unit": "f"})]),
     # Llama 3.x's calls after one another, separated by ";" (vLLM's llama3_json parser reads them)
     ('<|python_tag|>{"name": "get_time", "parameters": {"zone": "D"}}; {"name": "get_weather", "parameters": '
-     '{"city": "Y; {", "unit": "c"}};', None, [("get_time", {"zone": "D"}), ("get_weather", {"city": "Y; {", "unit": "c"})]),
+     '{"city": "Y; {", "unit": "c"}};', None,
+     [("get_time", {"zone": "D"}), ("get_weather", {"city": "Y; {", "unit": "c"})]),
 ])
 def test_the_families_formats_parse(text: str, content: str | None, calls: list[tuple[str, dict[str, Any]]]) -> None:
     parsed = parse_calls(text, {"get_time", "get_weather"})
