@@ -317,8 +317,16 @@ async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Wo
         slot.release()
         raise
     reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
-                                 body.include_reasoning,
-                                 params.structured_outputs is not None, gw.thinking_end)
+                                 body.include_reasoning, end=gw.thinking_end)
+    so = params.constraint
+    if so is not None:
+        end_token = gw.thinking_end.token_id if gw.thinking_end is not None else None
+        if reasoning is not None and end_token is not None:
+            # A thinking answer: its grammar (response_format, a required or named tool call)
+            # applies after the thinking, as vLLM's does with a reasoning parser.
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(so, after_token=end_token))
+        else:
+            reasoning = None  # the grammar applies from the first token: the answer is all content
     return [Work(prompt_ids, params, tools=tools, reasoning=reasoning,
                  tokens_as_ids=_tokens_as_ids(gw, body.return_tokens_as_token_ids))], slot
 

@@ -132,8 +132,9 @@ class _SamplingFields(BaseModel):
                                                 1)) from None
         if self.structured_outputs is None:
             return None
-        if "origin" in self.structured_outputs:  # the server's own note of where a spec came from
-            raise ValueError("structured_outputs: unexpected keyword argument 'origin'")
+        for own in ("origin", "after_token"):  # the server's own notes (where a spec came from, when it starts)
+            if own in self.structured_outputs:
+                raise ValueError(f"structured_outputs: unexpected keyword argument {own!r}")
         try:
             return StructuredOutputs(**self.structured_outputs)  # type: ignore[arg-type]  # checked there
         except TypeError as e:

@@ -67,9 +67,9 @@ class ReasoningPlan:
 
     @classmethod
     def of(cls, parser: ReasoningParser | None, template_kwargs: dict[str, object] | None, include: bool,
-           constrained: bool, end: ThinkingEnd | None = None) -> ReasoningPlan | None:
+           end: ThinkingEnd | None = None) -> ReasoningPlan | None:
         """The plan of a request (None: its answers are not parsed)."""
-        if parser is None or constrained:
+        if parser is None:
             return None
         # `is False`, as Qwen3's template tests it (`enable_thinking is false`): only then is it off
         if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False:

@@ -227,7 +227,7 @@ class GrammarCompiler:
                 self._held.add(fut)
         if hold:
             fut.add_done_callback(self._unhold)
-        return GrammarState(spec, fut)
+        return GrammarState(spec, fut, spec.after_token)
 
     def _unhold(self, fut: Future[xgr.CompiledGrammar]) -> None:
         with self._lock:
@@ -247,13 +247,20 @@ def _reason(e: BaseException) -> str:
 class GrammarState:
     """One request's place in its grammar. Its matcher is built once the grammar is
     compiled (`ready`), replaying the output the request has by then; after that every
-    appended token is accepted into it (`accept`)."""
+    appended token is accepted into it (`accept`).
 
-    def __init__(self, spec: StructuredOutputs, compiled: Future[xgr.CompiledGrammar]) -> None:
+    `after`: a token the grammar starts after (a thinking model's end of thinking, vLLM's
+    structured outputs with a reasoning parser): until the output has it, the state is
+    `dormant`: it allows every token and its matcher takes none."""
+
+    def __init__(self, spec: StructuredOutputs, compiled: Future[xgr.CompiledGrammar],
+                 after: int | None = None) -> None:
         self.spec = spec
         self._compiled = compiled
         self.matcher: xgr.GrammarMatcher | None = None
         self._ahead: int | None = None  # a token `take` accepted that the request has not appended yet
+        self.after = after
+        self.dormant = after is not None
 
     def ready(self, output_token_ids: list[int]) -> bool:
         """Whether the request can be scheduled: its grammar is compiled (its matcher is
@@ -264,7 +271,11 @@ class GrammarState:
         if not self._compiled.done():
             return False
         matcher = xgr.GrammarMatcher(self._compiled.result())
-        for i, token in enumerate(output_token_ids):
+        start = 0
+        if self.after is not None:  # the output the grammar applies to: after the first `after`
+            start = output_token_ids.index(self.after) + 1 if self.after in output_token_ids else len(output_token_ids)
+            self.dormant = self.after not in output_token_ids
+        for i, token in enumerate(output_token_ids[start:], start):
             if not matcher.accept_token(token):
                 raise ValueError(f"{self.spec.field}: output token {i} ({token}) does not match the grammar")
         self.matcher = matcher
@@ -278,6 +289,9 @@ class GrammarState:
         """Advance past a token the request appended (before its matcher exists, nothing:
         `ready` replays it; one `take` accepted already, nothing either). A token the
         grammar refuses is the request's fault."""
+        if self.dormant:
+            self.dormant = token != self.after  # (before its matcher exists `ready` finds it again)
+            return
         if self._ahead is not None and self._ahead == token:
             self._ahead = None
             return
@@ -290,6 +304,8 @@ class GrammarState:
         of the same token when the request appends it does nothing. Checking the pick costs
         one accept where masking ahead costs a whole row's mask (model_runner, on a CPU)."""
         assert self.matcher is not None, "sampling for a request whose grammar is not ready"
+        if self.dormant:
+            return True  # (`accept` sees the token when it is appended)
         self._settle()
         if not self.matcher.accept_token(token):
             return False
@@ -299,6 +315,9 @@ class GrammarState:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of `bitmask`: what the grammar allows next."""
         assert self.matcher is not None, "a constrained request was scheduled before its grammar was ready"
+        if self.dormant:
+            bitmask[row] = -1  # every bit: every token
+            return
         self._settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -318,6 +337,11 @@ class GrammarState:
         position was drawn from p, and whether it was cut hung on the draft sampled, which
         biased the output away from the target's law)."""
         assert self.matcher is not None, "drafting for a request whose grammar is not ready"
+        if self.dormant:
+            # Every draft is allowed, up to `after` (kept: the grammar's first mask is then the
+            # position after the last draft's, which `fill_along` gives); none past it, whose
+            # masks would need the grammar to have taken the drafts before them.
+            return drafts.index(self.after) + 1 if self.after in drafts else len(drafts)
         self._settle()
         n, refused = 0, False
         for token in drafts:
@@ -336,6 +360,11 @@ class GrammarState:
         The drafts are ones `valid_drafts` kept: valid, but for a sampled draft's last one,
         which the grammar may refuse (verification rejects it there; no later row is read)."""
         assert self.matcher is not None, "verifying a request whose grammar is not ready"
+        if self.dormant:
+            bitmask[row : row + len(drafts) + 1] = -1
+            if drafts and drafts[-1] == self.after:  # (`valid_drafts` cut them there) the grammar's start
+                self.matcher.fill_next_token_bitmask(bitmask, row + len(drafts))
+            return
         self._settle()
         self.matcher.fill_next_token_bitmask(bitmask, row)
         for i, token in enumerate(drafts):
@@ -354,7 +383,7 @@ class GrammarState:
 
     @property
     def terminated(self) -> bool:
-        return self.matcher is not None and self.matcher.is_terminated()
+        return self.matcher is not None and not self.dormant and self.matcher.is_terminated()
 
     def allowed(self, vocab_size: int) -> np.ndarray:
         """[vocab_size] bool: the tokens the grammar allows next (a row's mask, unpacked)."""

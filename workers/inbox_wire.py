@@ -78,7 +78,7 @@ def params_to_wire(p: SamplingParams) -> dict[str, Any]:
         if isinstance(value, enum.Enum):
             value = value.value
         elif isinstance(value, StructuredOutputs):
-            value = {k: v for k, v in dataclasses.asdict(value).items() if v not in (None, False, "")}
+            value = {k: v for k, v in dataclasses.asdict(value).items() if not (v is None or v is False or v == "")}
         out[name] = value
     return out
 

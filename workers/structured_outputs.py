@@ -63,6 +63,10 @@ class StructuredOutputs:
     whitespace_pattern: str | None = None
     # The request field it came from, for errors (an OpenAI client's response_format); "": its own.
     origin: str = ""
+    # A token the output must have before the grammar applies, from after its first one (a thinking
+    # model's end of thinking: the gateway sets it with a reasoning parser, as vLLM applies a grammar
+    # after the reasoning); None: from the first token.
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         for flag in ("disable_fallback", "disable_any_whitespace", "disable_additional_properties"):
@@ -81,6 +85,9 @@ class StructuredOutputs:
                              f"got {', '.join(given) or 'none'}")
         if not isinstance(self.json_object, bool):
             raise ValueError(f"structured_outputs.json_object: must be a boolean, got {self.json_object!r}")
+        after: object = self.after_token
+        if after is not None and (isinstance(after, bool) or not isinstance(after, int) or after < 0):
+            raise ValueError(f"structured_outputs.after_token: must be a token id, got {after!r}")
         for name in ("json", "structural_tag"):
             value = getattr(self, name)
             if value is not None:

@@ -218,12 +218,34 @@ def test_without_a_parser_the_thinking_stays_in_the_content(tokenizers: dict[str
     assert joined(chunks, "content") == THOUGHT and not any("reasoning" in c["delta"] for c in chunks)
 
 
-def test_a_constrained_answer_is_content(tokenizers: dict[str, Any]) -> None:
-    """pdserve's grammar applies from the first token, so a constrained answer has no thinking:
-    it is the content (docs/api.md), not thinking cut short."""
-    whole, chunks = answer(tokenizers["tags"], '{"time": "noon"}', {"response_format": {"type": "json_object"}})
-    assert whole["message"]["content"] == '{"time": "noon"}' and whole["message"].get("reasoning") is None
-    assert joined(chunks, "content") == '{"time": "noon"}'
+NAMED = {"type": "function", "function": {"name": "get_time"}}
+
+
+@pytest.mark.parametrize("body", [{"response_format": {"type": "json_object"}}, {"tools": TOOLS, "tool_choice": NAMED}],
+                         ids=["response_format", "named-tool"])
+def test_a_constrained_answer_thinks_first_where_the_thinking_ends_in_one_token(tokenizers: dict[str, Any],
+                                                                                body: dict[str, Any]) -> None:
+    """vLLM applies a request's grammar after the thinking. Where `</think>` is one token (DeepSeek-R1's,
+    Qwen3's vocabularies), the worker is asked to start the grammar after it, and the answer splits
+    as any other. Where the tag is several tokens, the grammar applies from the first token: the
+    answer has no thinking, and is all content (docs/api.md)."""
+    args = '{"zone": "UTC"}'
+    for vocab in ("tags", "split"):
+        tok = tokenizers[vocab]
+        text = f"<think>Which zone?</think>{args}" if vocab == "tags" else args
+        gw = Gateway(backend := Scripted(tok, text), tok, GatewayConfig(model_name="tiny", max_model_len=1024,
+                                                                        reasoning_parser="deepseek_r1"))
+        req = {"model": "tiny", "messages": ASK, "max_tokens": 100, **body}
+        with serve_gateway(gw) as base:
+            whole = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=60).json()["choices"][0]["message"]
+            streamed = [c["choices"][0]["delta"] for c in sse_events(httpx.post(
+                f"{base}/v1/chat/completions", json={**req, "stream": True}, timeout=60).text) if c["choices"]]
+        (after,) = {p.constraint.after_token for p in backend.seen if p.constraint is not None}
+        assert after == (tok.convert_tokens_to_ids(END) if vocab == "tags" else None)
+        got = whole["tool_calls"][0]["function"]["arguments"] if "tools" in body else whole["content"]
+        assert got == args
+        assert whole.get("reasoning") == ("Which zone?" if vocab == "tags" else None)
+        assert "".join(d.get("reasoning") or "" for d in streamed) == (whole.get("reasoning") or "")
 
 
 def test_completions_are_not_parsed(tokenizers: dict[str, Any]) -> None:
