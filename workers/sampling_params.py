@@ -125,11 +125,11 @@ class SamplingParams:
         # Python's, as token id lists already were: they were refused as "must be an integer".
         for name in _INT_FIELDS:
             value = getattr(self, name)
-            if _is_integer(value) and not isinstance(value, int):
-                object.__setattr__(self, name, int(value))
+            if type(value) not in _PLAIN and _is_integer(value) and not isinstance(value, int):  # (the ABC's check
+                object.__setattr__(self, name, int(value))  # costs ~0.5 us: Python's own types skip it)
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            if _foreign_real(value):
+            if type(value) not in _PLAIN and _foreign_real(value):
                 object.__setattr__(self, name, float(value))
         stop = [self.stop] if isinstance(self.stop, str) else list(_sequence("stop", self.stop))
         object.__setattr__(self, "stop", stop)
@@ -290,6 +290,7 @@ _DECIMAL = re.compile(r"-?[0-9]+")
 _INT_FIELDS = ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed",
                "truncate_prompt_tokens")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_PLAIN = frozenset({int, float, bool, type(None)})
 _FLOAT_MAX = int(sys.float_info.max)
 
 
