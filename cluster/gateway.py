@@ -467,7 +467,8 @@ class Gateway:
     async def run(self, rid: str, works: list[Work]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
         """(choice index, delta) for each of the n samples of every prompt, interleaved
         as they come; prompt p's sample j is choice p * n + j (OpenAI's numbering)."""
-        subs = [(w.prompt_ids, dataclasses.replace(w.params, n=1, seed=sample_seed(w.params.seed, j)))
+        subs = [(w.prompt_ids, w.params if w.params.n == 1 else  # (one sample: its params as they are; a
+                 dataclasses.replace(w.params, n=1, seed=sample_seed(w.params.seed, j)))  # copy re-checks them)
                 for w in works for j in range(w.params.n)]
         self.request_log.received(rid, works)
         answers = self.request_log.answers(rid, works)
