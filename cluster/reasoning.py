@@ -13,8 +13,10 @@ both parsers pdserve has (its deepseek_r1 and qwen3, vllm/reasoning/basic_parser
   thinking in the prompt, so the whole output is content (vLLM's streamed answer; its whole one
   looks for a `</think>` still, which no streamed answer can take back).
 
-An answer whose grammar applies (structured outputs, a required or named tool call) is not
-parsed: pdserve's grammar applies from the first token, so the model writes no thinking then.
+An answer under a grammar (structured outputs, a required or named tool call) is parsed too:
+its grammar starts after the `</think>` token (cluster/openai_app.py `_chat_works` asks the
+worker for that), as vLLM's does. Where `</think>` is several tokens, the grammar applies from
+the first token, the model writes no thinking, and the answer is not parsed.
 """
 
 from __future__ import annotations

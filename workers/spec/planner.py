@@ -144,8 +144,14 @@ def _may_draft(req: Request) -> bool:
 
 def _min_tokens_room(req: Request) -> int:
     """Under min_tokens, verification bans the stop tokens at every position of
-    the row: draft only as far as every position is still under the limit."""
+    the row: draft only as far as every position is still under the limit. Not at all
+    under a grammar: the ban gives way where the grammar allows nothing but a stop token
+    (its end ends the request), which the row's first position decides for all of them, so
+    a draft that completed the grammar left a later position nothing and failed the request
+    that plain decoding ends with "stop"."""
     if req.num_output_tokens >= req.params.min_tokens or not req.stop_token_ids:
         return 1 << 30
+    if req.grammar is not None:
+        return 0
     return req.params.min_tokens - req.num_output_tokens - 1
 
