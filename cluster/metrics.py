@@ -115,7 +115,9 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("pdserve:request_generation_tokens",
                                                    "Tokens sent per finished request", buckets=TOKEN_BUCKETS,
                                                    registry=r)
-        self.generation_tokens = Counter("pdserve:generation_tokens", "Tokens sent to clients", registry=r)
+        self.generation_tokens = Counter("pdserve:generation_tokens",
+                                         "Tokens generated for clients (as usage counts them; a failed request's too)",
+                                         registry=r)
         self.success = Counter("pdserve:request_success", "Finished requests (per choice) by finish reason",
                                ["finished_reason"], registry=r)
         self.errors = Counter("pdserve:request_errors", "Failed requests by HTTP status (or in-band stream error)",
