@@ -401,20 +401,22 @@ class GrammarState:
 
 def fill_bitmask(states: list[GrammarState | None], vocab_size: int) -> torch.Tensor | None:
     """[N, ceil(V / 32)] int32: row i allows what request i's grammar allows next (all
-    bits set for a request without one); None when no request has one."""
-    if all(s is None for s in states):
+    bits set for a request without one, or whose grammar is dormant); None when no request
+    has one that masks (a thinking answer's steps allocate and apply no mask)."""
+    if all(s is None or s.dormant for s in states):
         return None
     bitmask = allocate_bitmask(len(states), vocab_size)
     for i, s in enumerate(states):
-        if s is not None:
+        if s is not None and not s.dormant:
             s.fill(bitmask, i)
     return bitmask
 
 
 def verify_bitmask(states: list[GrammarState | None], drafts: list[list[int]], vocab_size: int) -> torch.Tensor | None:
     """[sum(len(d) + 1), ceil(V / 32)]: for verification's rows (each request's drafts and one
-    more position, in order), what each position's grammar allows; None when no request has one."""
-    if all(s is None for s in states):
+    more position, in order), what each position's grammar allows; None when no request has one
+    that masks (a dormant one masks only the position after its drafts' `after`)."""
+    if all(s is None or (s.dormant and not (d and d[-1] == s.after)) for s, d in zip(states, drafts)):
         return None
     bitmask = allocate_bitmask(sum(len(d) + 1 for d in drafts), vocab_size)
     row = 0

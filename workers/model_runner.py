@@ -199,7 +199,7 @@ class ModelRunner:
         ahead = [r.grammar for r in sampled]
         if may_check and self.check_picks:
             check_first = [(i, g) for i, (r, g) in enumerate(zip(sampled, ahead))
-                           if g is not None and r.params.temperature == 0.0]
+                           if g is not None and not g.dormant and r.params.temperature == 0.0]
             for i, _ in check_first:
                 ahead[i] = None
         masks = (fill_bitmask(ahead, self.vocab_size),

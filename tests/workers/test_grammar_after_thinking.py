@@ -63,14 +63,21 @@ def test_the_output_is_free_up_to_the_token_and_held_to_the_grammar_after(llms: 
     assert spec.engine.stats.spec_draft_tokens > drafted
 
 
-def test_without_the_token_the_grammar_never_starts(llms: tuple[LLM, LLM]) -> None:
-    """(A model that does not think under a reasoning parser: vLLM's grammar waits too.)"""
-    plain, _ = llms
-    free = plain.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].token_ids
-    never = next(t for t in range(5, 4000) if t not in free)
-    out = plain.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
-        StructuredOutputs(json=SCHEMA, after_token=never))))[0].outputs[0]
-    assert out.token_ids == free
+def test_without_the_token_the_grammar_never_starts(llms: tuple[LLM, LLM], monkeypatch: pytest.MonkeyPatch) -> None:
+    """(A model that does not think under a reasoning parser: vLLM's grammar waits too.) Its
+    steps, with drafts or not, allocate and apply no mask: a thinking answer is thousands of them."""
+    import pdserve.workers.grammar as grammar
+
+    masks: list[int] = []
+    real = grammar.allocate_bitmask
+    monkeypatch.setattr(grammar, "allocate_bitmask", lambda rows, vocab: masks.append(rows) or real(rows, vocab))
+    for llm in llms:
+        free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].token_ids
+        never = next(t for t in range(5, 4000) if t not in free)
+        out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=(
+            StructuredOutputs(json=SCHEMA, after_token=never))))[0].outputs[0]
+        assert out.token_ids == free
+    assert masks == []
 
 
 @pytest.mark.parametrize("cut", ["thinking", "answer"])
