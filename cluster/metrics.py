@@ -398,19 +398,17 @@ class RequestCounter:
                     message = {**message, "headers": [*message.get("headers", ()), *self.headers]}
             await send(message)
 
-        failed = False
         try:
             await self.app(scope, receive, send_status)
         except Exception:
-            failed = True
+            status = status or 500  # it failed before it answered
             raise
         finally:
-            # No response started: the app failed (500), or it ended because the client went
-            # away before one could be sent (499, nginx's "client closed request"), as while
-            # its body was still coming: not the server's error.
-            code = status if status is not None else 500 if failed else 499
+            # No response started and no failure: the app ended because the client went away
+            # before one could be sent (499, nginx's "client closed request"), as while its body
+            # was still coming: not the server's error.
             path = scope.get("path", "")
-            self.counter.labels(path if path in self.endpoints else "other", str(code)).inc()
+            self.counter.labels(path if path in self.endpoints else "other", str(status or 499)).inc()
 
 
 async def _fetch(handle: WorkerHandle | None, deadline_s: float) -> str | None:

@@ -309,35 +309,31 @@ def _json(text: str) -> object:
     but JSON has not, and a number past a float's range (1e999), which it reads as infinity (a
     call's arguments go to the client as JSON text: written again, either was `Infinity`)."""
     try:
-        return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+        return _DECODER.decode(text)
     except (ValueError, RecursionError):  # not JSON, or nested past the parser's stack: no call
         return None
 
 
 def _json_objects(text: str) -> list[dict[str, Any]] | None:
-    """`text` as JSON objects separated by ";" (how Llama 3.x writes more than one call, and
-    vLLM's llama3_json parser reads them), or None where it is not that whole."""
-    decoder = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+    """`text` as JSON objects separated by ";" (a last one allowed: how Llama 3.x writes more
+    than one call, and vLLM's llama3_json parser reads them), or None where it is not that whole."""
     objects: list[dict[str, Any]] = []
     at = 0
     while True:
         try:
-            obj, at = decoder.raw_decode(text, at)
+            obj, at = _DECODER.raw_decode(text, at)
         except (ValueError, RecursionError):
             return None
         if not isinstance(obj, dict):
             return None
         objects.append(obj)
-        rest = text[at:].lstrip()
-        if not rest:
+        gap = _BETWEEN_CALLS.match(text, at)
+        assert gap is not None  # (it matches the empty string)
+        at = gap.end()
+        if at == len(text):
             return objects
-        if not rest.startswith(";"):
+        if not gap.group(1):  # another object, with no ";" before it
             return None
-        if not rest[1:].strip():  # a last ";" after the last call
-            return objects
-        at = len(text) - len(rest) + 1
-        while at < len(text) and text[at].isspace():  # raw_decode takes no leading whitespace
-            at += 1
 
 
 def _not_json(constant: str) -> object:
@@ -349,3 +345,7 @@ def _finite(literal: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{literal[:40]} is past a float's range")
     return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
+_BETWEEN_CALLS = re.compile(r"\s*(;)?\s*")

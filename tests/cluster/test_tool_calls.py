@@ -173,7 +173,8 @@ def test_the_families_formats_parse(text: str, content: str | None, calls: list[
 @pytest.mark.parametrize("text", ["The weather is fine.", '{"answer": 42}', '<tool_call>{"name": "rm_rf"}</tool_call>',
                                   "[TOOL_CALLS] not json",
                                   '{"name": "get_time", "parameters": {}}; and then some words',
-                                  '{"name": "get_time", "parameters": {}}; {"answer": 42}'])
+                                  '{"name": "get_time", "parameters": {}}; {"answer": 42}',
+                                  '{"name": "get_time", "parameters": {}} {"name": "get_time", "parameters": {}}'])
 def test_text_that_calls_no_known_tool_is_content(text: str) -> None:
     plan = ToolPlan.of(TOOLS, "auto", None)
     assert plan.parse(text) == (text, [])
