@@ -38,6 +38,7 @@ class IngressWatch:
         self.installs = 0  # managers given a guard (more than one: Ray replaced the manager)
         self.restarts = 0  # HAProxy restarts the current manager's guard reported
         self._manager: Any = None  # the manager's handle, looked up again when a call on it fails
+        self._first_install = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pdserve-ingress-watch", daemon=True)
 
@@ -48,6 +49,10 @@ class IngressWatch:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)  # a call in flight ends on its own (a daemon thread): a stop waits for none
+
+    def wait_installed(self, timeout_s: float) -> bool:
+        """Whether the first manager had its guard within `timeout_s` (at once once it has)."""
+        return self._first_install.wait(timeout_s)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -74,6 +79,7 @@ class IngressWatch:
         if installed:
             self.installs += 1
             self.restarts = 0
+            self._first_install.set()
             if self.installs > 1:
                 log.warning("pdserve: Ray Serve replaced the HAProxy manager; its new HAProxy is guarded too")
         if restarts > self.restarts:

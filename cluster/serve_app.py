@@ -54,6 +54,9 @@ APP_NAME = "pdserve"  # the gateway's Serve app
 # ever for a replica no node can place (`--gateway-resources` naming a resource no node offers).
 GATEWAY_START_S = 300.0
 GATEWAY_POLL_S = 0.5
+# How long "serving" waits for HAProxy's guard (cluster/ingress_watch.py) once the app is up:
+# it is in by then unless the node is badly overloaded.
+GUARD_WAIT_S = 30.0
 
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
@@ -436,6 +439,11 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
         if isinstance(e, Exception):  # (a KeyboardInterrupt's stop, run_until_stopped's, stops them)
             kill_workers(workers)
         raise
+    if watch is not None and not watch.wait_installed(GUARD_WAIT_S):
+        # "serving" promises a HAProxy restarted within a second; until the guard is in, a dead
+        # one waits for Ray's own path (its controller replacing the manager: 7-31 s under load).
+        print(f"[pdserve] warning: HAProxy's guard is not in its manager after {GUARD_WAIT_S:.0f} s; until it is, "
+              "a dead HAProxy is restarted by Ray Serve's controller (seconds slower)", file=sys.stderr, flush=True)
     cores = node_cores()  # before any pinning narrows this process's own
     # Only `pdserve serve`'s own process (block): a caller's process is not ours to pin.
     pins = pin_decode_cores(cfg, cores) if local and block else None

@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.slow,
 STREAMS = 32
 MAX_TOKENS = 1900  # `tiny` holds 2048 positions; at this machine's rate a stream runs well past the checks
 HEALTH_BAR_S = 10.0  # issue 46: /health 200 again within 10 s of the kill
+RAY_LOGS = "/tmp/ray/session_latest/logs"  # local Ray's, started by the server under test
 IDLE_BAR_S = 15.0  # from the kill to every worker idle (the streams, run to the end, take far longer)
 
 
@@ -85,7 +86,8 @@ def wait_healthy(proc: subprocess.Popen[bytes], url: str, log: Path, timeout_s: 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-        if health(url) == 200:
+        # "serving" comes once HAProxy's guard is in (/health may answer 200 before)
+        if health(url) == 200 and b"[pdserve] serving" in log.read_bytes():
             return
         time.sleep(0.5)
     raise AssertionError(f"not healthy within {timeout_s:.0f} s:\n{log.read_text(errors='replace')[-3000:]}")
@@ -109,6 +111,20 @@ def worker_activity(url: str) -> dict[str, float] | None:
             if s.name in wanted:
                 out[s.name] += s.value
     return out
+
+
+def diagnosis(log: Path, statuses: list[tuple[float, int | None]]) -> str:
+    """What a failure needs to be read: /health's answers after the kill (seconds, status; None:
+    no answer), the server's output, and Ray Serve's HAProxy manager and controller logs
+    (the restarts and reloads, with their times; health checks left out)."""
+    changes = [(round(t, 2), s) for i, (t, s) in enumerate(statuses) if i == 0 or s != statuses[i - 1][1]]
+    parts = [f"/health after the kill (s, status): {changes}", "--- serve.log ---",
+             log.read_text(errors="replace")[-4000:]]
+    for path in sorted(Path(RAY_LOGS).glob("serve/*.log")):
+        if path.name.startswith(("proxy_", "controller_")):
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if "ealthz" not in ln]
+            parts += [f"--- {path.name} ---", "\n".join(lines[-40:])]
+    return "\n".join(parts)
 
 
 def haproxies(root: int, port: int) -> list[int]:
@@ -143,6 +159,8 @@ def test_haproxy_sigkilled_under_load_is_back_within_10s_and_workers_go_idle(tmp
         port = int(url.rsplit(":", 1)[1])
         before: list[int] = []  # found right before the kill: a reload replaces HAProxy's process
 
+        statuses: list[tuple[float, int | None]] = []  # /health after the kill
+
         async def scenario() -> tuple[list[Stream], float, float | None, float]:
             streams = [Stream() for _ in range(STREAMS)]
             async with httpx.AsyncClient(timeout=httpx.Timeout(120, connect=10), trust_env=False,
@@ -160,7 +178,9 @@ def test_haproxy_sigkilled_under_load_is_back_within_10s_and_workers_go_idle(tmp
                         os.kill(pid, signal.SIGKILL)
                 back_at: float | None = None
                 while back_at is None and time.monotonic() - killed_at < 30:
-                    if await asyncio.to_thread(health, url) == 200:
+                    status = await asyncio.to_thread(health, url)
+                    statuses.append((time.monotonic() - killed_at, status))
+                    if status == 200:
                         back_at = time.monotonic()
                     else:
                         await asyncio.sleep(0.1)
@@ -169,7 +189,8 @@ def test_haproxy_sigkilled_under_load_is_back_within_10s_and_workers_go_idle(tmp
 
         streams, killed_at, back_at, _ = asyncio.run(scenario())
         assert back_at is not None and back_at - killed_at < HEALTH_BAR_S, (
-            f"/health not 200 within {HEALTH_BAR_S} s of the kill: {None if back_at is None else back_at - killed_at}")
+            f"/health not 200 within {HEALTH_BAR_S} s of the kill: {None if back_at is None else back_at - killed_at}\n"
+            + diagnosis(log, statuses))
         assert not any(alive(pid) for pid in before)
         assert haproxies(proc.pid, port), "no HAProxy again below the server"
         assert not any(s.finished for s in streams), "a stream cut by the kill ran to its end"

@@ -278,3 +278,14 @@ def test_a_process_that_keeps_dying_soon_after_its_start_waits_longer_each_time(
         for pid in api.pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_serving_waits_for_the_first_guard() -> None:
+    # `pdserve serve` says "serving" once the first manager has its guard (wait_installed), so a
+    # HAProxy that dies after that line is restarted by the guard, not by Ray's slower path.
+    watch = Answers([RuntimeError("no such actor yet"), (True, 0)])
+    assert not watch.wait_installed(0.01)
+    watch.check()
+    assert not watch.wait_installed(0.01)
+    watch.check()
+    assert watch.wait_installed(0.0)
