@@ -39,7 +39,7 @@ from pdserve.cluster.limits import RefusalReason, RequestLimits
 from pdserve.cluster.metrics import GatewayMetrics, WorkerHandles
 from pdserve.cluster.prompt_bound import CharBound, char_bound
 from pdserve.cluster.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan, ThinkingEnd
+from pdserve.cluster.reasoning import ReasoningParser, ReasoningPlan, ThinkingEnd, closes_thinking
 from pdserve.cluster.reports import RoleSwitch
 from pdserve.cluster.request_log import RequestLog
 from pdserve.cluster.router import WorkerRole
@@ -334,8 +334,9 @@ class Gateway:
         except ValueError as e:
             raise bad_request(e) from None
 
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        """Blocking: call it through `off_loop`."""
+    def chat_prompt(self, req: ChatCompletionRequest) -> tuple[list[int], bool]:
+        """The chat's prompt ids, and whether the prompt already ended the thinking
+        (`closes_thinking`). Blocking: call it through `off_loop`."""
         plan = req.tool_plan()
         tools = plan.template_tools(exclude_if_none=self.config.exclude_tools_when_tool_choice_none)
         text = self.chat_text(req.messages, tools, req.add_generation_prompt,
@@ -345,7 +346,9 @@ class Gateway:
                 self.char_bound.check("messages", len(text))
             except ValueError as e:
                 raise bad_request(e) from None
-        return self.truncate(list(self.tokenizer.encode(text, add_special_tokens=False)), req.truncate_prompt_tokens)
+        continued = req.messages[-1].text() if req.continue_final_message else None
+        ids = self.truncate(list(self.tokenizer.encode(text, add_special_tokens=False)), req.truncate_prompt_tokens)
+        return ids, closes_thinking(text, continued)
 
     def template_kwargs(self, given: dict[str, object] | None) -> dict[str, object]:
         """A chat's chat_template_kwargs: the server's defaults, then the request's (which win)."""

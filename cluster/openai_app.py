@@ -308,7 +308,7 @@ async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Wo
         raise bad_request(e) from None
     slot = gw.admit(body.n)
     try:
-        prompt_ids = await gw.off_loop(body, lambda: gw.chat_prompt(body))
+        prompt_ids, closed = await gw.off_loop(body, lambda: gw.chat_prompt(body))
         params = gw.params(prompt_ids, body.max_new_tokens(),
                            lambda mt: body.sampling_params(mt, num_logprobs, defaults=gw.config.sampling_defaults),
                            body.budget_field(), "top_logprobs", "messages")
@@ -317,7 +317,7 @@ async def _chat_works(gw: Gateway, body: ChatCompletionRequest) -> tuple[list[Wo
         slot.release()
         raise
     reasoning = ReasoningPlan.of(gw.config.reasoning_parser, gw.template_kwargs(body.template_kwargs()),
-                                 body.include_reasoning, end=gw.thinking_end)
+                                 body.include_reasoning, end=gw.thinking_end, closed=closed)
     so = params.constraint
     if so is not None:
         end_token = gw.thinking_end.token_id if gw.thinking_end is not None else None

@@ -11,7 +11,10 @@ both parsers pdserve has (its deepseek_r1 and qwen3, vllm/reasoning/basic_parser
 - no `</think>` at all: the whole output is thinking, cut short (by max_tokens, a stop).
 - qwen3 with `chat_template_kwargs` `{"enable_thinking": false}`: Qwen3's template closes the
   thinking in the prompt, so the whole output is content (vLLM's streamed answer; its whole one
-  looks for a `</think>` still, which no streamed answer can take back).
+  looks for a `</think>` still, which no streamed answer can take back). So is the answer to any
+  prompt that ends with `</think>` (another template that closes it), or that continues an
+  assistant message whose thinking is closed (`closes_thinking`); a grammar then applies from the
+  first token.
 
 An answer under a grammar (structured outputs, a required or named tool call) is parsed too:
 its grammar starts after the `</think>` token (cluster/openai_app.py `_chat_works` asks the
@@ -69,9 +72,10 @@ class ReasoningPlan:
 
     @classmethod
     def of(cls, parser: ReasoningParser | None, template_kwargs: dict[str, object] | None, include: bool,
-           end: ThinkingEnd | None = None) -> ReasoningPlan | None:
-        """The plan of a request (None: its answers are not parsed)."""
-        if parser is None:
+           end: ThinkingEnd | None = None, closed: bool = False) -> ReasoningPlan | None:
+        """The plan of a request (None: its answers are not parsed). `closed`: its prompt
+        ended the thinking (`closes_thinking`), so the answer is all content."""
+        if parser is None or closed:
             return None
         # `is False`, as Qwen3's template tests it (`enable_thinking is false`): only then is it off
         if parser == "qwen3" and (template_kwargs or {}).get("enable_thinking") is False:
@@ -115,6 +119,18 @@ class ThinkingStream:
         stop = len(text) if done else max(self.sent, len(text) - _partial_end(text))
         piece, self.sent = text[self.sent : stop], stop
         return piece, None
+
+
+def closes_thinking(prompt: str, continued: str | None) -> bool:
+    """Whether a chat's rendered prompt already ended the thinking its answer would open: the
+    template closed it (an empty `<think>\n\n</think>` at the end, as Qwen3's writes with
+    thinking off), or the assistant message the answer continues
+    (`continue_final_message`, `continued`) holds a `</think>` after its last `<think>`. Only the
+    prompt's end counts: an agent loop's earlier turns keep their closed thinking (Qwen3's template
+    does), and the next answer thinks again."""
+    if prompt.rstrip().endswith(END):
+        return True
+    return continued is not None and continued.rfind(END) > continued.rfind(START)
 
 
 def _drop_start(head: str) -> str:

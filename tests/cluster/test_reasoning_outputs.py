@@ -4,6 +4,7 @@ vllm/reasoning/basic_parsers.py, deepseek_r1_reasoning_parser.py, qwen3_reasonin
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 from factories import FakeBackend, serve_gateway, sse_events, tiny_spec
 
 from pdserve.cluster.gateway import Gateway, GatewayConfig
-from pdserve.cluster.reasoning import END, START, ReasoningPlan, ThinkingStream
+from pdserve.cluster.reasoning import END, START, ReasoningPlan, ThinkingStream, closes_thinking
 from pdserve.workers.outputs import CompletionOutput, RequestOutput
 from pdserve.workers.sampling_params import SamplingParams
 from pdserve.workers.tiny.builder import TinyModelSpec
@@ -196,6 +197,63 @@ def test_qwen3_without_thinking_is_all_content(tokenizers: dict[str, Any], enabl
     whole, _ = answer(tokenizers["tags"], THOUGHT, {}, parser="qwen3")
     assert (whole["message"]["reasoning"], whole["message"]["content"]) == ("\nThe user wants the time.",
                                                                             "\n\nIt is noon.")
+
+
+# (rendered prompt, the assistant message it continues, whether the thinking is over before the answer)
+PROMPTS = [
+    ("<|im_start|>assistant\n<think>\n\n</think>\n\n", None, True),  # Qwen3, enable_thinking false
+    ("<|im_start|>assistant\n", None, False),  # Qwen3 thinking: the model opens it
+    ("<｜Assistant｜><think>\n", None, False),  # DeepSeek-R1: the template opens it
+    # an agent loop: an earlier turn's closed thinking stays in the prompt; the next answer thinks again
+    ("<|im_start|>assistant\n<think>\nhm\n</think>\n\n<tool_call>{}</tool_call><|im_end|>\n"
+     "<|im_start|>user\n<tool_response>1</tool_response><|im_end|>\n<|im_start|>assistant\n", None, False),
+    ("<|im_start|>assistant\n<think>hm</think>It is", "<think>hm</think>It is", True),  # continued after it
+    ("<|im_start|>assistant\n<think>hm", "<think>hm", False),  # continued inside it
+    ("<|im_start|>assistant\nIt is", "It is", False),
+    ("<｜Assistant｜><think>\nhm</think>It is", "hm</think>It is", True),  # R1: the template's <think>
+]
+
+
+@pytest.mark.parametrize(("prompt", "continued", "closed"), PROMPTS)
+def test_the_prompts_end_says_whether_the_thinking_is_over(prompt: str, continued: str | None, closed: bool) -> None:
+    assert closes_thinking(prompt, continued) is closed
+
+
+CLOSING_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+                    "{% if add_generation_prompt %}<|assistant|><think>\n\n</think>\n\n{% endif %}")
+
+
+@pytest.mark.parametrize("body", [{}, {"response_format": {"type": "json_object"}}], ids=["free", "response_format"])
+def test_a_template_that_closes_the_thinking_gets_content_and_its_grammar_from_the_first_token(
+        tokenizers: dict[str, Any], body: dict[str, Any]) -> None:
+    """A template other than Qwen3's (no enable_thinking here) that writes an empty thinking at the
+    end of the prompt: the answer is content, and a grammar is not left waiting for a `</think>`
+    the model will not write (it applied to nothing: the answer came out unconstrained)."""
+    tok = copy.deepcopy(tokenizers["tags"])
+    tok.chat_template = CLOSING_TEMPLATE
+    text = '{"zone": "UTC"}'
+    gw = Gateway(backend := Scripted(tok, text), tok, GatewayConfig(model_name="tiny", max_model_len=1024,
+                                                                    reasoning_parser="deepseek_r1"))
+    req = {"model": "tiny", "messages": ASK, "max_tokens": 100, **body}
+    with serve_gateway(gw) as base:
+        whole = httpx.post(f"{base}/v1/chat/completions", json=req, timeout=60).json()["choices"][0]["message"]
+        chunks = [c["choices"][0] for c in sse_events(httpx.post(
+            f"{base}/v1/chat/completions", json={**req, "stream": True}, timeout=60).text) if c["choices"]]
+    assert whole["content"] == text and whole.get("reasoning") is None
+    assert joined(chunks, "content") == text and joined(chunks, "reasoning") == ""
+    if body:
+        assert {p.constraint.after_token for p in backend.seen if p.constraint is not None} == {None}
+    # The same tokenizer with the default template: the thinking is the model's to write, and to end.
+    whole, _ = answer(tokenizers["tags"], text, {})
+    assert whole["message"]["reasoning"] == text and whole["message"]["content"] is None
+
+
+def test_a_continued_message_whose_thinking_is_closed_is_continued_as_content(tokenizers: dict[str, Any]) -> None:
+    chat = [*ASK, {"role": "assistant", "content": "<think>Noon.</think>It is"}]
+    body = {"messages": chat, "continue_final_message": True, "add_generation_prompt": False}
+    whole, chunks = answer(tokenizers["tags"], " noon.", body)
+    assert whole["message"]["content"] == " noon." and whole["message"].get("reasoning") is None
+    assert joined(chunks, "content") == " noon."
 
 
 def test_the_servers_default_template_kwargs_turn_thinking_off_unless_a_request_turns_it_on(
