@@ -320,6 +320,21 @@ def parsed_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delt
     return _tool_chunk(token_str, choice, d, delta, finish)
 
 
+def finish_apart(chunk: ChatChunkChoice) -> list[ChatChunkChoice]:
+    """A chunk that carries tool calls and the finish reason, sent as two, as OpenAI's stream
+    sends them: the calls, then the finish with an empty delta. OpenAI's SDK fires a call's
+    `tool_calls.function.arguments.done` (with the parsed arguments) when a later chunk names
+    another call or finishes; it reads the finish before the calls of the same chunk, so the
+    last call of a chunk that held both never got its event."""
+    if chunk["finish_reason"] is None or not chunk["delta"].get("tool_calls"):
+        return [chunk]
+    calls: ChatChunkChoice = {**chunk, "finish_reason": None}
+    calls.pop("stop_reason", None)
+    end: ChatChunkChoice = {"index": chunk["index"], "delta": {}, "logprobs": None,
+                            "finish_reason": chunk["finish_reason"], "stop_reason": chunk.get("stop_reason")}
+    return [calls, end]
+
+
 def _tool_delta(plan: ToolPlan, choice: Choice, text: str, base: int,
                 finish_reason: str | None) -> tuple[ChatDelta, str | None]:
     """What a chat stream with tools sends of its answer so far, `text[base:]` (`choice.sent`
@@ -495,8 +510,8 @@ async def stream_response(gw: Gateway, kind: ApiKind, rid: str, works: list[Work
                 rm.output(out, i, work.prompt_only)
                 if work.reasoning is not None or (work.tools is not None and work.tools.active):
                     chunk = parsed_chunk_choice(render.token_str, choices[i], work, delta)
-                    if chunk is not None:
-                        yield render.chunk([chunk], so_far())
+                    for part in finish_apart(chunk) if chunk is not None else ():
+                        yield render.chunk([part], so_far())
                     continue
                 yield render.delta(delta, so_far())
         rm.succeeded(c.finish_reason for c in choices)

@@ -236,6 +236,29 @@ def test_auto_streams_words_as_they_come_and_calls_whole(make_model: Callable[[T
         assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_the_sdks_stream_helper_gets_every_calls_done_event(make_model: Callable[[TinyModelSpec], Path]) -> None:
+    """OpenAI's SDK (`client.chat.completions.stream`) gives an agent each call's whole arguments
+    (parsed too, for a strict tool) in a `tool_calls.function.arguments.done` event, fired when a
+    later chunk names the next call or finishes; the calls, sent whole at the end, come before the
+    finish in a chunk of their own (OpenAI's shape), or the last call would get no such event."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(make_model(tiny_spec(hidden_size=64, num_heads=4, num_kv_heads=2,
+                                                             init_std=0.05)))
+    weather = '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}</tool_call>'
+    for text in (HERMES_CALL, HERMES_CALL + "\n" + weather):
+        gw = Gateway(Scripted(text), tok, GatewayConfig(model_name="tiny", max_model_len=1024))
+        with serve_gateway(gw) as base, client(base).chat.completions.stream(
+                model="tiny", messages=ASK, tools=TOOLS, max_tokens=100) as stream:
+            events = list(stream)
+            final = stream.get_final_completion()
+        done = [(e.name, json.loads(e.arguments)) for e in events if e.type == "tool_calls.function.arguments.done"]
+        expected = [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo", "unit": "c"})]
+        assert done == expected[:text.count("<tool_call>")]
+        assert [c.function.name for c in final.choices[0].message.tool_calls or []] == [n for n, _ in done]
+        assert final.choices[0].finish_reason == "tool_calls"
+
+
 def test_required_calls_are_bounded_so_an_answer_ends() -> None:
     from pdserve.cluster.tool_calls import MAX_PARALLEL_CALLS
 
