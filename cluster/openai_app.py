@@ -178,6 +178,15 @@ def _add_info_routes(app: FastAPI, gw: Gateway) -> None:
         return ModelList(data=[ModelCard(id=name, created=created, root=root, max_model_len=cfg.max_model_len)
                                for name in cfg.served_names])
 
+    @app.get("/v1/models/{model:path}")  # (a served name may hold a "/": "meta-llama/Llama-3.1-8B")
+    async def model(model: str) -> ModelCard:
+        """OpenAI's "retrieve model" (`client.models.retrieve`), which vLLM lacks: the card of a
+        served name, or a 404 naming the model."""
+        for card in (await models()).data:
+            if card.id == model:
+                return card
+        raise APIError(404, f"The model `{model[:200]}` does not exist.", "NotFoundError", "model")
+
 
 def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
     # Each route: refuse what can be refused for free (a prompt too long for the
@@ -236,6 +245,8 @@ def _add_generation_routes(app: FastAPI, gw: Gateway) -> None:
             return _AdmittedStream(stream_responses(gw, body, rid, works, rm), slot)
         try:
             out = await _until_disconnect(request, collect_response(gw, ApiKind.CHAT, rid, works, rm))
+        except APIError as e:  # (a refusal from the worker: a grammar that cannot go on)
+            raise responses_error(e) from None
         finally:
             slot.release()
         return OutputResponse(whole_response(body, rid, out))

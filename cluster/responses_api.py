@@ -285,7 +285,11 @@ def call_item(item_id: str, name: str, arguments: str, status: str = "completed"
 
 
 def responses_usage(u: Usage) -> dict[str, Any]:
-    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": u["prompt_tokens_details"],
+    # OpenAI's `cache_write_tokens` (required in its SDK's type) counts what a request paid to
+    # write to a cache kept on purpose; pdserve's prefix cache keeps blocks as they are computed,
+    # at no cost to anyone: none.
+    details = {**u["prompt_tokens_details"], "cache_write_tokens": 0}
+    return {"input_tokens": u["prompt_tokens"], "input_tokens_details": details,
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": u.get("completion_tokens_details", {}).get(
                 "reasoning_tokens", 0)},
@@ -457,7 +461,7 @@ async def stream_responses(gw: Gateway, req: ResponsesRequest, rid: str, works: 
         rm.failed(499)  # the client went away mid-stream
         raise
     except Exception as e:  # noqa: BLE001 - the status line is sent: report in-band
-        err = client_error(e, rid)
+        err = responses_error(client_error(e, rid))
         rm.failed(err.status)
         yield ev("error", code=err.err_type, message=err.message, param=err.param)
     finally:

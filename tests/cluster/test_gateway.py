@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from factories import serve_gateway, slow_steps, tiny_engine_url, tiny_spec
+from factories import FakeBackend, serve_gateway, slow_steps, tiny_engine_url, tiny_spec
 
 from pdserve import LLM, SamplingParams
 from pdserve.cluster.backend import LocalBackend
@@ -347,6 +347,22 @@ def test_api_key_required(server: tuple[str, AsyncEngine]) -> None:
     (perm,) = models["data"][0]["permission"]
     assert perm["object"] == "model_permission" and perm["allow_sampling"] and perm["allow_logprobs"]
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+
+
+def test_the_openai_client_retrieves_a_served_models_card(model_dir: Path) -> None:
+    """OpenAI's GET /v1/models/{model} (`client.models.retrieve`): each served name's card, a
+    name with a "/" included; another name is a NotFoundError naming the model."""
+    from transformers import AutoTokenizer
+
+    gw = Gateway(FakeBackend(), AutoTokenizer.from_pretrained(model_dir),
+                 GatewayConfig(model_name="org/tiny-7b", aliases=("tiny",), max_model_len=256))
+    with serve_gateway(gw, log_level="warning") as url:
+        c = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for name in ("org/tiny-7b", "tiny"):
+            card = c.models.retrieve(name)
+            assert (card.id, card.object, card.owned_by) == (name, "model", "pdserve")
+        with pytest.raises(openai.NotFoundError, match="`org/other` does not exist"):
+            c.models.retrieve("org/other")
 
 
 def test_openapi_describes_the_requests(server: tuple[str, AsyncEngine]) -> None:

@@ -13,8 +13,9 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import pydantic
 import pytest
-from factories import FakeBackend, serve_gateway, tiny_engine_url, tiny_spec
+from factories import FakeBackend, serve_gateway, sse_events, tiny_engine_url, tiny_spec
 from openai.types import responses as rt
 
 from pdserve.cluster.gateway import Gateway, GatewayConfig
@@ -125,6 +126,13 @@ def test_the_openai_sdk_parses_the_response_and_its_stream(url: str) -> None:
     assert isinstance(stream[-1], (rt.ResponseCompletedEvent, rt.ResponseIncompleteEvent))
     assert "".join(e.delta for e in stream if isinstance(e, rt.ResponseTextDeltaEvent)) == r.output_text
     assert stream[-1].response.output_text == r.output_text
+    # The SDK builds its objects without checking them: checked here against its own types (a
+    # required field missing comes back as None where its type promises an int).
+    body = {"model": "tiny", "input": "hi", "max_output_tokens": 4, "temperature": 0}
+    rt.Response.model_validate(httpx.post(f"{url}/v1/responses", json=body, timeout=60).json())
+    events = pydantic.TypeAdapter(rt.ResponseStreamEvent)
+    for event in sse_events(httpx.post(f"{url}/v1/responses", json={**body, "stream": True}, timeout=60).text):
+        events.validate_python(event)
 
 
 BAD = [
@@ -158,6 +166,19 @@ def test_bad_input_is_a_400_naming_the_field_and_the_next_request_is_served(url:
     assert not err["message"].startswith(("prompt", "messages", "max_tokens", "max_completion_tokens")), err
     ok = httpx.post(f"{url}/v1/responses", json={"input": "hi", "max_output_tokens": 1}, timeout=60)
     assert ok.status_code == 200
+
+
+def test_a_schema_that_dead_ends_is_a_400_naming_text_format_whole_and_streamed(url: str) -> None:
+    # It compiles, and after "ab" nothing can follow: the worker refuses the request mid-answer,
+    # naming the chat field its grammar came from; the client sent `text.format`.
+    fmt = {"type": "json_schema", "name": "x", "schema": {"type": "string", "pattern": "^ab[^\\s\\S]$"}}
+    body = {"model": "tiny", "input": "x", "max_output_tokens": 10, "text": {"format": fmt}}
+    whole = httpx.post(f"{url}/v1/responses", json=body, timeout=60)
+    assert whole.status_code == 400 and whole.json()["error"]["param"] == "text.format.schema", whole.text
+    assert "response_format" not in whole.json()["error"]["message"]
+    last = events(httpx.post(f"{url}/v1/responses", json={**body, "stream": True}, timeout=60).text)[-1]
+    assert last["type"] == "error" and last["param"] == "text.format.schema", last
+    assert "response_format" not in last["message"]
 
 
 def test_stored_responses_are_not_found(url: str) -> None:
