@@ -126,6 +126,8 @@ class ResponsesRequest(BaseModel):
             raise ValueError(f"{_renamed(where) or 'body'}: {first.get('msg', 'invalid')}"[:500]) from None
 
     def text_format(self) -> dict[str, Any]:
+        for key in sorted(set(self.text or {}) - {"format"}):  # `verbosity` among them, refused in chat too
+            raise Refused(f"text.{key}"[:60], "pdserve does not support this field", RefusalReason.UNSUPPORTED)
         fmt = (self.text or {}).get("format", {"type": "text"})
         if not isinstance(fmt, dict):
             raise ValueError("text.format: must be an object with a type")

@@ -146,6 +146,7 @@ BAD = [
     ({"input": "hi", "max_output_tokens": 10_000}, "max_output_tokens"),
     ({"input": "hi", "text": {"format": {"type": "xml"}}}, "text.format"),
     ({"input": "hi", "text": {"format": "json"}}, "text.format"),
+    ({"input": "hi", "text": {"verbosity": "low"}}, "text.verbosity"),  # as chat's `verbosity`
     ({"input": "hi", "tools": [TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice"),
     ({"input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort"),
     ({"input": "hi", "frobnicate": 1}, "frobnicate"),
