@@ -323,7 +323,7 @@ def parsed_chunk_choice(token_str: TokenStr, choice: Choice, work: Work, d: Delt
 def finish_apart(chunk: ChatChunkChoice) -> list[ChatChunkChoice]:
     """A chunk that carries tool calls and the finish reason, sent as two, as OpenAI's stream
     sends them: the calls, then the finish with an empty delta. OpenAI's SDK fires a call's
-    `tool_calls.function.arguments.done` (with the parsed arguments) when a later chunk names
+    `tool_calls.function.arguments.done` (its whole arguments) when a later chunk names
     another call or finishes; it reads the finish before the calls of the same chunk, so the
     last call of a chunk that held both never got its event."""
     if chunk["finish_reason"] is None or not chunk["delta"].get("tool_calls"):
