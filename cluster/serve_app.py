@@ -17,6 +17,7 @@ from ray.serve.schema import ApplicationStatus
 
 from pdserve.cluster import drain_flag, port_lock, ray_vitals
 from pdserve.cluster.background_priority import deprioritize_background
+from pdserve.cluster.blocking_call import call_within
 from pdserve.cluster.cpu_pinning import REFRESH_S, CpuPinning, Pins, apply, node_cores, plan
 from pdserve.cluster.drain_flag import DrainWatch
 from pdserve.cluster.ingress import check_ray_template, haproxy_threads, knob_env, wrapper_env
@@ -57,6 +58,9 @@ GATEWAY_POLL_S = 0.5
 # How long "serving" waits for HAProxy's guard (cluster/ingress_watch.py) once the app is up:
 # it is in by then unless the node is badly overloaded.
 GUARD_WAIT_S = 30.0
+# The longest one call on Serve's controller may take (blocking_call.py): its start, a deploy, a
+# status. Longer, and the controller is taken for hung: the start ends, naming it.
+SERVE_CALL_S = 120.0
 
 # Ray Serve's HAProxy ingress (Ray >= 2.56): a C proxy forwards HTTP straight to
 # the gateway replica's own server, instead of Serve's Python proxy actor
@@ -417,7 +421,11 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     try:
         # Serve's controller, proxy and HAProxy start while the workers load and compile their
         # models (seconds of each start, minutes of a compile): the gateway app waits for them.
-        serve.start(http_options={"host": cfg.host, "port": cfg.port})
+        try:
+            call_within(lambda: serve.start(http_options={"host": cfg.host, "port": cfg.port}), SERVE_CALL_S,
+                        "Ray Serve's controller (its start)")
+        except TimeoutError as e:
+            raise ValueError(str(e)) from None
         # `--dtype auto` as the workers resolved it
         dtype = wait_for_workers(workers, cfg.worker_start_timeout, cfg.worker_names())[0].dtype
     except Exception:
@@ -486,21 +494,29 @@ def deploy_gateway(cfg: ServeConfig) -> None:
     """serve.run's deploy of the gateway app, with a deadline: Serve waits for ever for a replica
     no node can place (it only updates the app's message). RuntimeError where the deploy failed;
     ValueError (the CLI's one line) with Serve's reason past `GATEWAY_START_S`, the app deleted."""
-    serve.run_many([serve.RunTarget(gateway_app(cfg), name=APP_NAME, route_prefix="/")],
-                   wait_for_applications_running=False)
+    target = serve.RunTarget(gateway_app(cfg), name=APP_NAME, route_prefix="/")
+    app: Any = None
     deadline = time.monotonic() + GATEWAY_START_S
-    while True:
-        app = serve.status().applications.get(APP_NAME)
-        status = None if app is None else app.status
-        if status == ApplicationStatus.RUNNING:
-            return
-        if status == ApplicationStatus.DEPLOY_FAILED:  # as serve.run says it
-            raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message if app else ''}")
-        if time.monotonic() > deadline:
-            with contextlib.suppress(Exception):  # a replica placed later must not serve stopped workers
-                serve.delete(APP_NAME, _blocking=False)
-            raise ValueError(f"the gateway is not up within {GATEWAY_START_S:g} s: {_app_reason(app)}")
-        time.sleep(GATEWAY_POLL_S)
+    try:
+        # Serve's calls wait on its controller with no timeout of their own (blocking_call.py)
+        call_within(lambda: serve.run_many([target], wait_for_applications_running=False), SERVE_CALL_S,
+                    "Ray Serve's controller (the gateway's deploy)")
+        while True:
+            app = call_within(lambda: serve.status().applications.get(APP_NAME), SERVE_CALL_S,
+                              "Ray Serve's controller (the gateway's status)")
+            status = None if app is None else app.status
+            if status == ApplicationStatus.RUNNING:
+                return
+            if status == ApplicationStatus.DEPLOY_FAILED:  # as serve.run says it
+                raise RuntimeError(f"Deploying application {APP_NAME} failed: {app.message if app else ''}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"within {GATEWAY_START_S:g} s: {_app_reason(app)}")
+            time.sleep(GATEWAY_POLL_S)
+    except TimeoutError as e:  # the deadline, or a controller that did not answer a call
+        with contextlib.suppress(Exception):  # a replica placed later must not serve stopped workers
+            call_within(lambda: serve.delete(APP_NAME, _blocking=False), 10.0, "Ray Serve's controller (a delete)")
+        raise ValueError(f"the gateway is not up {e}" if str(e).startswith("within ")
+                         else f"the gateway is not up: {e}") from None
 
 
 def _app_reason(app: Any) -> str:

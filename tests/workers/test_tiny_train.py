@@ -117,6 +117,21 @@ def test_pair_dir_removes_what_a_killed_build_left(pair: Path, tmp_path: Path, m
     assert sorted(p.name for p in models.iterdir()) == [f".{pair.name}.lock", pair.name]
 
 
+def test_a_trainer_that_holds_the_lock_for_ever_ends_the_wait(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Another process training the same pair, hung (stopped) with its lock held: the waiter ends
+    # at its deadline with a ValueError naming the lock, not never.
+    import fcntl
+
+    monkeypatch.setenv("PDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(train, "TRAIN_LOCK_WAIT_S", 0.3)
+    (tmp_path / "models").mkdir()
+    lock_path = tmp_path / "models" / f".tiny-pair-{SPEC.key()}.lock"
+    with open(lock_path, "w") as held:  # another open file description: flock sees another holder
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(ValueError, match=f"remove {lock_path}"):
+            pair_dir(SPEC, progress=False)
+
+
 def test_cache_key_follows_the_spec() -> None:
     assert SPEC.key() == replace(SPEC).key()
     assert SPEC.key() != replace(SPEC, seed=1).key()

@@ -75,6 +75,9 @@ TRAIN_FORMAT_VERSION = 1
 _TARGET_STEPS_PER_MIN = 470
 _DRAFT_STEPS_PER_MIN = 600
 DEFAULT_MINUTES = 4.5
+# How long a first user waits for another process training the same pair: well past a
+# training's minutes on a loaded machine.
+TRAIN_LOCK_WAIT_S = 30 * 60.0
 
 def _require(name: str, ok: bool, why: str) -> None:
     if not ok:
@@ -394,7 +397,12 @@ def pair_dir(spec: PairSpec = DEFAULT_PAIR, progress: bool = True, threads: int 
     with open(out.parent / f".{out.name}.lock", "w") as lock:
         if not _try_lock(lock):
             _log(progress, f"waiting for another process to finish training {out}…")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            deadline = time.monotonic() + TRAIN_LOCK_WAIT_S  # a trainer that hangs must not hang us
+            while not _try_lock(lock):
+                if time.monotonic() > deadline:
+                    raise ValueError(f"another process has been training {out} for over {TRAIN_LOCK_WAIT_S:.0f} s; "
+                                     f"remove {lock.name} if none is")
+                time.sleep(0.5)
         if out.is_dir():
             return out
         # Only the lock holder builds this pair, so any private build dir left
