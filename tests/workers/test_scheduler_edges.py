@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from factories import tiny_spec
 from test_memory_plan import FakeProbe, MiB
-from test_scheduler import BS, S, all_blocks_free, make_request, make_scheduler, step
+from test_scheduler import BS, S, all_blocks_free, make_request, make_scheduler, run_to_completion, step
 
 from pdserve import LLM
 from pdserve.cluster.router.policy import WorkerLoad, WorkerRole
@@ -293,4 +293,23 @@ def test_a_prefill_preempted_after_sending_blocks_resumes_after_them(caching: bo
         check_blocks(sched, pinned)
     assert req.finish_reason is FinishReason.LENGTH
     sched.kv.pool.free(reversed(pinned))  # its transfer over
+    assert all_blocks_free(sched)
+
+
+def test_requests_that_share_prompts_and_are_preempted_do_not_pin_the_pool_between_them() -> None:
+    """Two pairs of requests, each pair one prompt (the prefix cache shares it), on a pool that
+    holds one request whole but not two. Preempted requests used to keep the blocks they shared
+    with their twin; once both twins of each pair waited, the two prompts pinned most of the pool
+    and the request at the head never fit beside them: no request ever finished (a helper's
+    offline repro, 40 blocks of 16: 5,000 steps, 0 finished). Blocks only requests share are
+    freed on preemption now (the cache finds them again); each request finishes."""
+    sched = make_scheduler(num_blocks=40, max_num_seqs=8, budget=64)
+    a, b = 20 * BS, 15 * BS
+    reqs = [make_request(rid, n, max_tokens=19 * BS - 4, first_token=first)
+            for rid, n, first in (("a1", a, 0), ("b1", b, 5000), ("a2", a, 0), ("b2", b, 5000))]
+    for req in reqs:
+        sched.add(req)
+    outs = run_to_completion(sched, max_steps=3000)
+    assert any(o.preempted for o in outs)  # the case: preemption on a shared prompt
+    assert [r.finish_reason for r in reqs] == [FinishReason.LENGTH] * 4
     assert all_blocks_free(sched)

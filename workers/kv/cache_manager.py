@@ -3,6 +3,8 @@ caching of newly computed full blocks, and freeing."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from pdserve.workers.kv.block_pool import BlockPool
 from pdserve.workers.kv.hashing import extend_block_hashes, root_hash
 from pdserve.workers.request import Request
@@ -80,18 +82,27 @@ class KVCacheManager:
             self.pool.free(reversed(blocks))
 
     def free_preempted(self, request: Request) -> int:
-        """Free a preempted request's blocks but a leading run that others hold too (a prefill
-        worker's KV send pins the blocks it reads; a prefix-cache hit shares them): freeing those
-        frees no memory, and a request that came back without them computed its prompt into new
-        blocks beside its own pinned ones, which on a small pool never fit (it preempted itself
-        for ever). The tokens the kept blocks cover (full, computed; one token always left to
-        compute, as `find_cached_prefix` leaves it) are returned: the request resumes there."""
+        """Free a preempted request's blocks but a leading run that something other than a
+        request pins too (a prefill worker's KV send pins the blocks it reads until it is over):
+        freeing those frees no memory, and a request that came back without them computed its
+        prompt into new blocks beside its own pinned ones, which on a small pool never fit (it
+        preempted itself for ever). The tokens the kept blocks cover (full, computed; one token
+        always left to compute, as `find_cached_prefix` leaves it) are returned: the request
+        resumes there.
+
+        Blocks shared only with other requests (a prefix-cache hit) are freed: the cache finds
+        them again. Kept, they were pinned by requests that do not run: two preempted requests
+        sharing a prompt each kept it, two such pairs held most of a small pool, and the request
+        at the head, which fits the pool alone, never fit beside them: no request finished."""
         blocks = self.req_blocks.get(request.request_id, [])
         limit = min(len(blocks), request.num_computed_tokens // self.block_size,
                     (request.num_tokens - 1) // self.block_size)
         keep = 0
-        while keep < limit and self.pool.ref_counts[blocks[keep]] > 1:
-            keep += 1
+        if limit and self.pool.ref_counts[blocks[0]] > 1:
+            mine = set(blocks[:limit])
+            held = Counter(b for bs in self.req_blocks.values() for b in bs if b in mine)  # by requests
+            while keep < limit and self.pool.ref_counts[blocks[keep]] > held[blocks[keep]]:
+                keep += 1
         if not keep:
             self.free(request)
             return 0
