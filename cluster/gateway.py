@@ -346,8 +346,10 @@ class Gateway:
                 self.char_bound.check("messages", len(text))
             except ValueError as e:
                 raise bad_request(e) from None
-        continued = req.messages[-1].text() if req.continue_final_message else None
         ids = self.truncate(list(self.tokenizer.encode(text, add_special_tokens=False)), req.truncate_prompt_tokens)
+        if self.config.reasoning_parser is None:  # no thinking is split out: nothing to look for
+            return ids, False
+        continued = req.messages[-1].text() if req.continue_final_message else None
         return ids, closes_thinking(text, continued)
 
     def template_kwargs(self, given: dict[str, object] | None) -> dict[str, object]:
