@@ -86,13 +86,19 @@ class Stream(threading.Thread):
 # when the signal comes, done well within the drain's bound (shutdown.DRAIN_S).
 MAX_TOKENS = 600
 
+# A KV pool of 256 blocks (4096 tokens: the stream's 600 and two of the tiny model's 2048-token
+# contexts), not the CPU default's 4 GiB per worker: touching 2 x 4 GiB at start-up (huge pages the
+# kernel compacts and zeroes) took seconds of the 2 cores' time per start, and what is tested here
+# is the stop, which the pool's size does not change.
+SMALL_POOL = ["--num-kv-blocks", "256"]
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_a_signal_stops_the_server_cleanly(case: str, tmp_path: Path) -> None:
     pytest.importorskip("ray")
     sig, to_group = CASES[case]
-    server = Server(["--model", "tiny"], tmp_path / "stderr.txt")
+    server = Server(["--model", "tiny", *SMALL_POOL], tmp_path / "stderr.txt")
     try:
         server.start().wait_ready()
         assert server.proc is not None
