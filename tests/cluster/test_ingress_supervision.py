@@ -36,13 +36,17 @@ MAX_TOKENS = 1900  # `tiny` holds 2048 positions; at this machine's rate a strea
 HEALTH_BAR_S = 10.0  # issue 46: /health 200 again within 10 s of the kill
 RAY_LOGS = "/tmp/ray/session_latest/logs"  # local Ray's, started by the server under test
 IDLE_BAR_S = 15.0  # from the kill to every worker idle (the streams, run to the end, take far longer)
+# Every stream's whole context (2048 positions, 16-token blocks) held at once, and some to spare: not
+# the CPU default's 4 GiB (131,072 blocks of the tiny model's), whose touch at start-up took seconds.
+POOL_BLOCKS = STREAMS * 2048 // 16 + 256
 
 
 def _serve_command(ports: list[int]) -> list[str]:
     pdserve = Path(sys.executable).with_name("pdserve")
     return [str(pdserve), "serve", "--model", "tiny", "--port", str(ports[0]), "--haproxy-metrics-port",
             str(ports[1]), "--haproxy-stats-port", str(ports[2]), "--haproxy-fallback-port", str(ports[3]),
-            "--dtype", "float32", "--mode", "colocated"]  # one worker: the quickest start
+            "--dtype", "float32", "--mode", "colocated",  # one worker: the quickest start
+            "--num-kv-blocks", str(POOL_BLOCKS)]
 
 
 @contextlib.contextmanager
