@@ -262,6 +262,10 @@ def _probe(nodes: TwoNodes) -> dict[str, Any]:
     return result
 
 
+# How often the start is polled: a 1 s poll found the server up 0.5 s late on average, per test.
+READY_POLL_S = 0.25
+
+
 def _wait_ready(url: str, alive: Callable[[], bool], log: Callable[[], str]) -> None:
     deadline = time.monotonic() + START_S
     while time.monotonic() < deadline:
@@ -269,7 +273,7 @@ def _wait_ready(url: str, alive: Callable[[], bool], log: Callable[[], str]) -> 
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(f"{url}/v1/models", timeout=5).status_code == 200:
                 return
-        time.sleep(1.0)
+        time.sleep(READY_POLL_S)
     raise AssertionError(f"no answer from {url} within {START_S} s:\n{log()}")
 
 
