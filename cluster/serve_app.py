@@ -55,6 +55,9 @@ APP_NAME = "pdserve"  # the gateway's Serve app
 # ever for a replica no node can place (`--gateway-resources` naming a resource no node offers).
 GATEWAY_START_S = 300.0
 GATEWAY_POLL_S = 0.5
+# How long a gateway replica waits for a worker to answer, at the least (a replica started again
+# while every worker restarts); one started with the app waits as long as the workers' start may take.
+WORKER_INFO_S = 120.0
 # How long "serving" waits for HAProxy's guard (cluster/ingress_watch.py) once the app is up:
 # it is in by then unless the node is badly overloaded.
 GUARD_WAIT_S = 30.0
@@ -179,7 +182,8 @@ def build_gateway_app(cfg: ServeConfig) -> Any:
     from pdserve.workers.engine_setup import tokenizer_source
     from pdserve.workers.model.resolve import resolve_model
 
-    info = _any_worker_info(cfg)
+    # Sent while the workers build their engines (`_start_and_serve`): it waits as long as the start does.
+    info = _any_worker_info(cfg, max(WORKER_INFO_S, cfg.worker_start_timeout))
     model_dir = str(resolve_model(cfg.model))  # a GGUF or `tiny`: the directory it was made into
     # The workers' tokenizer (`--tokenizer`, else the model's): prompts encoded with one and outputs
     # decoded with another would not agree.
@@ -271,7 +275,7 @@ def find_worker(name: str) -> Any | None:
         return None
 
 
-def _any_worker_info(cfg: ServeConfig, timeout_s: float = 120.0) -> WorkerInfo:
+def _any_worker_info(cfg: ServeConfig, timeout_s: float = WORKER_INFO_S) -> WorkerInfo:
     """What the workers say of the model, from the first that answers (one dead
     worker must not stop a gateway replica from starting)."""
     deadline = time.monotonic() + timeout_s
@@ -418,6 +422,7 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     drain_flag.lower_flag(cfg.port)  # an earlier run's stop, on a Ray cluster that outlived it
     cfg = cfg.fit_to_cluster(cluster_gpus)
     workers = create_workers(cfg)
+    sent = False  # the gateway app, to Serve
     try:
         # Serve's controller, proxy and HAProxy start while the workers load and compile their
         # models (seconds of each start, minutes of a compile): the gateway app waits for them.
@@ -426,9 +431,17 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
                         "Ray Serve's controller (its start)")
         except TimeoutError as e:
             raise ValueError(str(e)) from None
+        # The gateway's replica starts (its process, its imports, the tokenizer) while the workers
+        # still build their engines; it waits for one to answer (`_any_worker_info`). Sent after
+        # the workers were up, that start came on top of theirs: 7-9 s of a tiny model's 40-50 s
+        # start on 2 loaded cores.
+        send_gateway(cfg)
+        sent = True
         # `--dtype auto` as the workers resolved it
         dtype = wait_for_workers(workers, cfg.worker_start_timeout, cfg.worker_names())[0].dtype
     except Exception:
+        if sent:  # its replica would wait for workers that are gone
+            delete_gateway()
         # Detached actors outlive this driver: on a cluster it joined, a failed start's workers held
         # their cores or GPUs, and the next start failed on their names ("already taken"). (A
         # KeyboardInterrupt's stop, run_until_stopped's, stops them by name.)
@@ -440,7 +453,7 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
     watch = (IngressWatch(ray.get_runtime_context().get_node_id()).start()
              if local and block and cfg.ingress is Ingress.HAPROXY else None)
     try:
-        deploy_gateway(cfg)
+        deploy_gateway(cfg, sent=True)
     except BaseException as e:
         if watch is not None:
             watch.stop()
@@ -490,17 +503,36 @@ def _control_plane_lost(vital: Vital) -> None:
     os.kill(os.getpid(), signal.SIGINT)
 
 
-def deploy_gateway(cfg: ServeConfig) -> None:
-    """serve.run's deploy of the gateway app, with a deadline: Serve waits for ever for a replica
-    no node can place (it only updates the app's message). RuntimeError where the deploy failed;
-    ValueError (the CLI's one line) with Serve's reason past `GATEWAY_START_S`, the app deleted."""
+def send_gateway(cfg: ServeConfig) -> None:
+    """The gateway app to Serve, not waited for (`deploy_gateway` waits). ValueError (the CLI's
+    one line) where Serve's controller does not take it within `SERVE_CALL_S`."""
     target = serve.RunTarget(gateway_app(cfg), name=APP_NAME, route_prefix="/")
-    app: Any = None
-    deadline = time.monotonic() + GATEWAY_START_S
     try:
         # Serve's calls wait on its controller with no timeout of their own (blocking_call.py)
         call_within(lambda: serve.run_many([target], wait_for_applications_running=False), SERVE_CALL_S,
                     "Ray Serve's controller (the gateway's deploy)")
+    except TimeoutError as e:
+        delete_gateway()
+        raise ValueError(f"the gateway is not up: {e}") from None
+
+
+def delete_gateway() -> None:
+    """Delete the gateway app, not waiting for it to go, best effort (a replica placed later must
+    not serve stopped workers)."""
+    with contextlib.suppress(Exception):
+        call_within(lambda: serve.delete(APP_NAME, _blocking=False), 10.0, "Ray Serve's controller (a delete)")
+
+
+def deploy_gateway(cfg: ServeConfig, sent: bool = False) -> None:
+    """serve.run's deploy of the gateway app (`sent`: `send_gateway` sent it already), with a
+    deadline: Serve waits for ever for a replica no node can place (it only updates the app's
+    message). RuntimeError where the deploy failed; ValueError (the CLI's one line) with Serve's
+    reason past `GATEWAY_START_S` from now, the app deleted."""
+    if not sent:
+        send_gateway(cfg)
+    app: Any = None
+    deadline = time.monotonic() + GATEWAY_START_S
+    try:
         while True:
             app = call_within(lambda: serve.status().applications.get(APP_NAME), SERVE_CALL_S,
                               "Ray Serve's controller (the gateway's status)")
@@ -513,8 +545,7 @@ def deploy_gateway(cfg: ServeConfig) -> None:
                 raise TimeoutError(f"within {GATEWAY_START_S:g} s: {_app_reason(app)}")
             time.sleep(GATEWAY_POLL_S)
     except TimeoutError as e:  # the deadline, or a controller that did not answer a call
-        with contextlib.suppress(Exception):  # a replica placed later must not serve stopped workers
-            call_within(lambda: serve.delete(APP_NAME, _blocking=False), 10.0, "Ray Serve's controller (a delete)")
+        delete_gateway()
         raise ValueError(f"the gateway is not up {e}" if str(e).startswith("within ")
                          else f"the gateway is not up: {e}") from None
 

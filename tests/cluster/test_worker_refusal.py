@@ -121,16 +121,21 @@ def test_a_start_that_fails_on_a_joined_cluster_stops_the_workers_it_created(mon
             raise ValueError("a worker could not start: model: no .safetensors weights in /models/x")
         return [SimpleNamespace(dtype="float32")]
 
-    def deploy(targets: Any, **kwargs: Any) -> None:
-        raise RuntimeError("Deploying the app 'pdserve' failed")
+    def deploy(targets: Any, **kwargs: Any) -> None:  # (sent while the workers start)
+        if fails == "app":
+            raise RuntimeError("Deploying the app 'pdserve' failed")
 
     monkeypatch.setattr(serve_app, "wait_for_workers", started)
     monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: None)
     monkeypatch.setattr(serve_app.serve, "run_many", deploy)
+    deleted: list[str] = []
+    monkeypatch.setattr(serve_app.serve, "delete", lambda name, **kwargs: deleted.append(name))
     monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: killed.append(handle))
     with pytest.raises((ValueError, RuntimeError), match="could not start" if fails == "worker" else "Deploying"):
         serve_app.run(serve_config({"model": "/models/x"}))
     assert killed == created
+    # The app sent while the workers started is deleted too: its replica would wait for them.
+    assert deleted == (["pdserve"] if fails == "worker" else [])
 
 
 def test_the_serve_yamls_start_stops_the_workers_it_created_when_one_refuses(
@@ -320,6 +325,10 @@ def test_the_wait_for_workers_at_a_start_is_the_operators_to_set(monkeypatch: py
 
     monkeypatch.setattr(serve_app, "wait_for_workers", wait)
     monkeypatch.setattr(serve_app.ray, "kill", lambda handle, **kwargs: None)
+    # The gateway app, sent while the workers start, and deleted when they do not.
+    monkeypatch.setattr(serve_app, "gateway_app", lambda cfg: "app")
+    monkeypatch.setattr(serve_app.serve, "run_many", lambda targets, **kwargs: [None])
+    monkeypatch.setattr(serve_app.serve, "delete", lambda name, **kwargs: None)
     with pytest.raises(ValueError, match="not up"):
         serve_app.run(serve_config({"model": "/models/x", **settings}))
     assert waits == [waited]
