@@ -38,7 +38,14 @@ from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.router.policy import WorkerRole
 from pdserve.cluster.serve_config import HAPROXY_PORTS, Ingress, ServeConfig, ServingMode
 from pdserve.cluster.shutdown import DRAIN_S
-from pdserve.cluster.worker_start import NAMESPACE, create_workers, kill_workers, wait_for_workers
+from pdserve.cluster.worker_start import (
+    NAMESPACE,
+    create_workers,
+    find_worker,
+    first_worker_info,
+    kill_workers,
+    wait_for_workers,
+)
 from pdserve.workers import generation_defaults
 from pdserve.workers.cpu_turns import remove_node_files
 
@@ -264,34 +271,9 @@ def _vocab_size(model_dir: str) -> int | None:
         return None
 
 
-def find_worker(name: str) -> Any | None:
-    """The named worker's handle, or None while Ray knows no such actor (it is being
-    created, or it died for good): a gateway starts with the workers that exist and
-    asks again for the others. Untyped, as Ray's handles are: the backends take it for
-    the Protocol of its kind (cluster/worker_handle.py)."""
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        return None
-
-
 def _any_worker_info(cfg: ServeConfig, timeout_s: float = WORKER_INFO_S) -> WorkerInfo:
-    """What the workers say of the model, from the first that answers (one dead
-    worker must not stop a gateway replica from starting)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for name in reversed(cfg.worker_names()):
-            handle = find_worker(name)
-            if handle is None:
-                continue
-            try:
-                info: WorkerInfo = ray.get(handle.info.remote(), timeout=5)
-                return info
-            except (ray.exceptions.RayError, TimeoutError):
-                continue
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"no pdserve worker answered within {timeout_s:.0f} s")
-        time.sleep(1.0)
+    """What the workers say of the model, from the first that answers (`first_worker_info`)."""
+    return first_worker_info(cfg.worker_names(), timeout_s, lookup=find_worker)
 
 
 def _disaggregated_backend(cfg: ServeConfig, rank: int = 0) -> DisaggregatedBackend:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -231,3 +231,46 @@ def kill_workers(workers: list[Any]) -> None:
             ray.kill(handle)
         except Exception as e:  # noqa: BLE001 - the start's own error is the one to report
             log.warning("stopping a worker of a start that failed: %r", e)
+
+
+def find_worker(name: str) -> Any | None:
+    """The named worker's handle, or None while Ray knows no such actor (it is being
+    created, or it died for good): a gateway starts with the workers that exist and
+    asks again for the others. Untyped, as Ray's handles are: the backends take it for
+    the Protocol of its kind (cluster/worker_handle.py)."""
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def first_worker_info(names: Sequence[str], timeout_s: float,
+                      lookup: Callable[[str], Any | None] = find_worker) -> WorkerInfo:
+    """What the workers say of the model, from the first that answers, all asked at once: a
+    gateway replica starts while they build their engines (serve_app.py), and one dead or slow
+    worker must not hold it up. One that fails its call (dead, restarting) is asked again a
+    second later; RuntimeError past `timeout_s` with no answer."""
+    deadline = time.monotonic() + timeout_s
+    asked: dict[Any, str] = {}  # an info call in flight -> its worker
+    while True:
+        for name in set(names) - set(asked.values()):
+            handle = lookup(name)
+            if handle is not None:
+                asked[handle.info.remote()] = name
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RuntimeError(f"no pdserve worker answered within {timeout_s:.0f} s")
+        if not asked:  # none exists yet
+            time.sleep(min(START_POLL_S, left))
+            continue
+        done, _ = ray.wait(list(asked), num_returns=1, timeout=min(START_POLL_S, left))
+        failed = False
+        for ref in done:
+            del asked[ref]
+            try:
+                info: WorkerInfo = ray.get(ref, timeout=0)
+                return info
+            except ray.exceptions.RayError:
+                failed = True
+        if failed:  # its handle is asked again next round: not at once, a dead actor fails at once
+            time.sleep(min(START_POLL_S, max(0.0, deadline - time.monotonic())))

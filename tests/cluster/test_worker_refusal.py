@@ -6,6 +6,7 @@ death of a worker is raised as Ray gave it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -401,3 +402,68 @@ def test_a_worker_that_dies_starting_and_is_not_restarted_ends_the_start_in_one_
     assert message.startswith("pdserve-decode-0 died while starting") and "\n" not in message
     assert "memory" in message and "OOM killer" in message and "actor_id" not in message
     assert caught.value.__cause__ is error
+
+
+class _Ref:
+    """An info call in flight: it answers `value` (raises it, if an exception) from `at` on."""
+
+    def __init__(self, value: Any, at: float) -> None:
+        self.value, self.at = value, at
+
+
+class _Worker:
+    def __init__(self, answer: Any, after_s: float | None) -> None:
+        self.answer, self.after_s, self.calls = answer, after_s, 0
+        self.info = SimpleNamespace(remote=self._remote)
+
+    def _remote(self) -> _Ref:
+        self.calls += 1
+        return _Ref(self.answer, float("inf") if self.after_s is None else time.monotonic() + self.after_s)
+
+
+def _fake_ray(monkeypatch: pytest.MonkeyPatch) -> None:
+    def wait(refs: list[_Ref], num_returns: int, timeout: float) -> tuple[list[_Ref], list[_Ref]]:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            done = [r for r in refs if r.at <= time.monotonic()]
+            if done:
+                return done[:num_returns], [r for r in refs if r not in done[:num_returns]]
+            time.sleep(0.005)
+        return [], refs
+
+    def get(ref: _Ref, timeout: float) -> Any:
+        if isinstance(ref.value, BaseException):
+            raise ref.value
+        return ref.value
+
+    monkeypatch.setattr(worker_start.ray, "wait", wait)
+    monkeypatch.setattr(worker_start.ray, "get", get)
+    monkeypatch.setattr(worker_start, "START_POLL_S", 0.05)
+
+
+def test_a_gateway_takes_the_first_worker_that_answers_not_the_first_it_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica starts while the workers build their engines: one hung (a SIGSTOPped process)
+    or dead worker must not hold it up past the first that answers; one that is not made yet is
+    looked for again."""
+    _fake_ray(monkeypatch)
+    dead = _Worker(ray.exceptions.RayActorError(), 0.0)
+    workers = {"hung": _Worker("never", None), "dead": dead, "slow": _Worker("info", 0.3)}
+    started = time.monotonic()
+    seen: list[str] = []
+
+    def lookup(name: str) -> Any:
+        seen.append(name)
+        return None if name == "late" else workers[name]
+
+    assert worker_start.first_worker_info(["hung", "dead", "late", "slow"], 10.0, lookup=lookup) == "info"
+    assert time.monotonic() - started < 2.0  # not the hung one's time, nor a per-worker timeout
+    assert 2 <= dead.calls <= 10  # asked again, a poll apart, not in a busy loop
+    assert seen.count("late") >= 2 and workers["hung"].calls == 1  # the hung one's call stays in flight
+
+
+def test_a_gateway_with_no_worker_answering_fails_at_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_ray(monkeypatch)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no pdserve worker answered within 1 s"):
+        worker_start.first_worker_info(["a", "b"], 0.6, lookup=lambda name: _Worker("never", None))
+    assert 0.6 <= time.monotonic() - started < 1.5
