@@ -105,6 +105,18 @@ def _llm(model_dir: Path, tp: int, **kw: Any) -> LLM:
     return llm
 
 
+_oracles: dict[tuple[str, str], Any] = {}
+
+
+def _oracle(model_dir: Path, name: str, run: Callable[[], Any]) -> Any:
+    """A single-rank engine's outputs, once per model and use: each test that compares with one
+    ran the same engine on the same greedy requests (one engine start less per test)."""
+    key = (str(model_dir), name)
+    if key not in _oracles:
+        _oracles[key] = run()
+    return _oracles[key]
+
+
 def _prompts(vocab: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(5)
     # Repetition in the last prompt gives the n-gram proposer drafts to verify.
@@ -113,12 +125,14 @@ def _prompts(vocab: int) -> list[list[int]]:
 
 def test_a_tensor_parallel_engines_ranks_share_their_caches(model_dir: Path) -> None:
     """The KV a TP=2 engine's transfers read (every rank's part, from rank 0's process) is the KV a
-    TP=1 engine wrote for the same prompt, within float32's noise; the shared file is gone."""
+    TP=1 engine wrote for the same prompt, within float32's noise; the shared file is gone.
+    Then the same two engines profiled (one engine pair less for the suite): see `_check_profile`."""
     before = {f for f in os.listdir("/dev/shm") if f.startswith("pdserve-tpkv-")}
     prompt = _prompts(1000)[1]
-    kvs = []
+    kvs, llms = [], []
     for tp in (1, 2):
         llm = _llm(model_dir, tp)
+        llms.append(llm)
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
         kv = llm.engine.transfer_kv
         assert isinstance(kv, ShardedKV) == (tp == 2)
@@ -129,6 +143,7 @@ def test_a_tensor_parallel_engines_ranks_share_their_caches(model_dir: Path) -> 
             assert torch.allclose(torch.from_numpy(a).view(torch.float32), torch.from_numpy(b).view(torch.float32),
                                   atol=1e-4, rtol=1e-4)
     assert {f for f in os.listdir("/dev/shm") if f.startswith("pdserve-tpkv-")} == before
+    _check_profile(llms[0].engine, llms[1].engine)
 
 
 def _no_blocks_left(*workers: PrefillWorker | DecodeWorker, timeout_s: float = 10.0) -> bool:
@@ -161,7 +176,11 @@ def _pair(model_dir: Path, p_tp: int, d_tp: int, transport: str, faults: Faults 
     return pair
 
 
-@pytest.mark.parametrize("p_tp, d_tp, transport", [(2, 1, "zmq"), (1, 2, "zmq"), (2, 1, "inprocess"), (1, 2, "gloo")])
+# Each model both ways, ZeroMQ both ways and with each model, in-process 2 -> 1, gloo 1 -> 2 into
+# the replicated KV head (4 cases, not 8: the suite's time; the transports move the same frames).
+@pytest.mark.parametrize("model_dir, p_tp, d_tp, transport", [
+    ("llama-two-kv-heads", 1, 2, "zmq"), ("llama-two-kv-heads", 2, 1, "inprocess"),
+    ("qwen2-one-kv-head", 2, 1, "zmq"), ("qwen2-one-kv-head", 1, 2, "gloo")], indirect=["model_dir"])
 def test_prefill_and_decode_of_different_tensor_parallel_sizes_decode_as_one_rank(
         model_dir: Path, p_tp: int, d_tp: int, transport: str) -> None:
     """P TP=p -> D TP=d over the transfer, n-gram speculation on the decode side: greedy tokens equal
@@ -169,7 +188,7 @@ def test_prefill_and_decode_of_different_tensor_parallel_sizes_decode_as_one_ran
     spec: dict[str, Any] = {"speculative": "ngram", "num_speculative_tokens": 3, "spec_max_batch_size": 8,
                             "spec_token_cost": 0.01}  # drafts at every batch, whatever the step costs
     ps = _prompts(1000)
-    whole = _llm(model_dir, 1, **spec).generate(ps, GREEDY, use_tqdm=False)
+    whole = _oracle(model_dir, "ngram", lambda: _llm(model_dir, 1, **spec).generate(ps, GREEDY, use_tqdm=False))
     p, d = _pair(model_dir, p_tp, d_tp, transport, **spec)
 
     async def main() -> list[Any]:
@@ -201,7 +220,8 @@ def test_a_bad_kv_message_between_sizes_is_recomputed_as_one_request(model_dir: 
     getattr(faults, fault)(layer=1)
     prompt = _prompts(1000)[1]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    want = _llm(model_dir, 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    want = _oracle(model_dir, "12 tokens",
+                   lambda: _llm(model_dir, 1).generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
     p, d = _pair(model_dir, p_tp, d_tp, "inprocess", faults, KVFailurePolicy.RECOMPUTE)
     got = asyncio.run(handoff_deltas(p, d, "f", prompt, params, timeout_s=REQUEST_TIMEOUT_S))
     assert [t for out in got for t in out.outputs[0].token_ids] == want
@@ -220,14 +240,14 @@ def test_a_tensor_parallel_engine_without_shared_caches_refuses_to_transfer(
         _ = llm.engine.transfer_kv
 
 
-def test_a_profile_of_a_tensor_parallel_worker_is_of_the_whole_model(model_dir: Path) -> None:
-    """`pdserve profile -tp 2`'s parts: the engine shape says 2 ranks, the model is the whole
-    model (not rank 0's shard), and its KV handoffs move every head (bytes of a one-rank worker's)."""
+def _check_profile(one: Any, two: Any) -> None:
+    """`pdserve profile -tp 2`'s parts, on a one-rank engine and a two-rank one of the same model:
+    the engine shape says 2 ranks, the model is the whole model (not rank 0's shard), and its KV
+    handoffs move every head (bytes of a one-rank worker's)."""
     from pdserve.cluster.planner.profile_transfer import kv_bytes_per_token, measure_transfer
     from pdserve.cluster.planner.profiler import engine_shape, model_info
     from pdserve.workers.transfer.base import Transport
 
-    one, two = _llm(model_dir, 1).engine, _llm(model_dir, 2).engine
     assert engine_shape(two, 1).tensor_parallel_size == 2 and engine_shape(one, 1).tensor_parallel_size == 1
     assert model_info(two) == model_info(one) | {"parameters": model_info(two)["parameters"]}
     assert kv_bytes_per_token(two) == kv_bytes_per_token(one)
