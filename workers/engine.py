@@ -83,6 +83,11 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.tp_group: TPGroup | None = None
+        # OpenMP's thread count is per thread, and the build sets this engine's share on the
+        # caller's (`plan_threads`, to compile for it): the caller gets its own back, or an engine
+        # built here later takes the last one's share for all the cores it has (a one-rank LLM
+        # after a two-rank one stepped on one thread of two). `step` sets the share where it runs.
+        caller_threads = torch.get_num_threads()
         try:
             self._build(config)
         except BaseException:
@@ -90,6 +95,8 @@ class LLMEngine:
             # traceback lets go of this object (a retry would find their group still up).
             self.close()
             raise
+        finally:
+            torch.set_num_threads(caller_threads)
 
     def _build(self, config: EngineConfig) -> None:
         self.config = config
@@ -376,7 +383,18 @@ class LLMEngine:
 
         With async scheduling a step returns the outputs of the step before it: it launches
         the next one first (workers/in_flight.py), and `has_unfinished_requests` holds while
-        one is in flight."""
+        one is in flight. Runs on this engine's share of threads (`torch_threads`), the
+        caller's count restored after (an engine thread has the share already: nothing to set)."""
+        caller = torch.get_num_threads()
+        if caller == self.torch_threads:
+            return self._step()
+        torch.set_num_threads(self.torch_threads)
+        try:
+            return self._step()
+        finally:
+            torch.set_num_threads(caller)
+
+    def _step(self) -> list[RequestOutput]:
         outputs, self._aborted_outputs = self._aborted_outputs, []
         if self._in_flight is not None and not self._in_flight.chainable:
             outputs += self._land()  # the next step needs its tokens on the host

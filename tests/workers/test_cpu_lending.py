@@ -308,6 +308,29 @@ def test_a_small_model_steps_on_the_split_share_a_big_one_on_all(make_model: Cal
     assert "cpu_split_threads" not in EngineConfig.settings()
 
 
+def test_an_engine_leaves_its_callers_thread_count_and_steps_on_its_own(
+        make_model: Callable[[TinyModelSpec], Path], tmp_path: Path, threads: None) -> None:
+    """OpenMP's count is per thread, and building an engine on its split share set that share on
+    the caller's thread for good: a second engine built there took 1 thread for all its cores
+    (so did a one-rank engine after a two-rank one). The caller keeps its count; a step runs on
+    the engine's share wherever it is called from, and gives the caller's back."""
+    cores = node_cores()
+    if cores < 2:
+        pytest.skip("needs 2 cores")
+    model = str(make_model(tiny_spec()))
+    torch.set_num_threads(cores)
+    small = LLM(model, cpu_lending=str(tmp_path / "s"), cpu_lending_min_weight_bytes=1 << 40,  # type: ignore[arg-type]
+                cpu_split_threads=1, num_kv_blocks=32, max_model_len=128)
+    assert small.engine.torch_threads == 1 and torch.get_num_threads() == cores
+    plain = LLM(model, num_kv_blocks=32, max_model_len=128)
+    assert plain.engine.torch_threads == cores
+    seen: list[int] = []
+    small.engine.step_observers.append(lambda stats: seen.append(torch.get_num_threads()))
+    out = small.generate([[5, 6, 7]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3 and seen and set(seen) == {1}
+    assert torch.get_num_threads() == cores
+
+
 def test_an_engine_left_with_nothing_to_step_lends_its_cores(make_model: Callable[[TinyModelSpec], Path],
                                                              tmp_path: Path, threads: None) -> None:
     """Its last request aborted between steps: the engine is not busy any more, though it
