@@ -202,8 +202,8 @@ def _f(x: float | None, fmt: str) -> str:
 def run_sweep(sweep: Sweep, dry: bool) -> Sweep:
     """The sweep the bars need: decode at the bar shape and a small batch, prefill at 4k and 16k."""
     runner, p = sweep.run, sweep.run.p
-    if dry:
-        decode_shapes, splits = [p.bar_decode, (1, max(p.decode_ctxs))], [2, 4]
+    if dry:  # one decode shape: a second runs the same loop, and each config costs seconds interpreted
+        decode_shapes, splits = [p.bar_decode], [2, 4]
         lengths = [max(s for _, s in p.prefill_shapes)]
     else:
         decode_shapes, splits, lengths = [(64, 4096), (1, 16384), (8, 4096)], [8, 16, 32, 64], [4096, 16384]
