@@ -47,9 +47,13 @@ if [ "$DRY" = 1 ]; then
   step "0. environment (dry run on the CPU)"
   run timeout 60 "$PY" -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
   step "1. GPU-only tests: collected (they skip without CUDA)"
-  run timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu --junitxml="$OUT/pytest_gpu.xml" | tail -2
-  run timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/kernels \
-      --junitxml="$OUT/pytest_kernels.xml" | tail -2
+  # Both at once (each is mostly one core importing torch), their lines into the log in order.
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/gpu --junitxml="$OUT/pytest_gpu.xml" \
+      > "$OUT/collect_gpu.tmp" 2>&1 &
+  timeout 120 "$PY" -m pytest -q -p no:cacheprovider --collect-only tests/kernels \
+      --junitxml="$OUT/pytest_kernels.xml" > "$OUT/collect_kernels.tmp" 2>&1
+  wait
+  for f in "$OUT/collect_gpu.tmp" "$OUT/collect_kernels.tmp"; do tail -2 "$f" | tee -a "$LOG"; rm -f "$f"; done
   step "2. kernels bench (dry run)"
   run timeout 300 "$PY" bench/kernels_gpu.py --dry-run
   step "3. end to end (dry run)"
