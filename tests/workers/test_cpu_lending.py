@@ -284,6 +284,12 @@ def test_an_engine_too_small_to_lend_steps_on_its_share(make_model: Callable[[Ti
     big.engine.cpu_turn.close()
 
 
+def _lending_llm(model: str, directory: Path, min_weight_bytes: int, split_threads: int) -> LLM:
+    """An engine given the node's cores to lend, over `min_weight_bytes` of weights, and a split share."""
+    return LLM(model, cpu_lending=str(directory), cpu_lending_min_weight_bytes=min_weight_bytes,  # type: ignore[arg-type]
+               cpu_split_threads=split_threads, num_kv_blocks=32, max_model_len=128)
+
+
 def test_a_small_model_steps_on_the_split_share_a_big_one_on_all(make_model: Callable[[TinyModelSpec], Path],
                                                                   tmp_path: Path, threads: None) -> None:
     """A lone colocated worker is given every core to lend (`threads`) and a split share that
@@ -294,14 +300,11 @@ def test_a_small_model_steps_on_the_split_share_a_big_one_on_all(make_model: Cal
         pytest.skip("needs 2 cores")
     model = str(make_model(tiny_spec()))
     torch.set_num_threads(cores)
-    small = LLM(model, cpu_lending=str(tmp_path / "s"), cpu_lending_min_weight_bytes=1 << 40,  # type: ignore[arg-type]
-                cpu_split_threads=cores - 1, num_kv_blocks=32, max_model_len=128)
+    small = _lending_llm(model, tmp_path / "s", 1 << 40, cores - 1)
     assert small.engine.torch_threads == cores - 1 and not small.engine.shares_cores_by_step
     async_engine = AsyncEngine(small.engine)
     assert async_engine.torch_threads == cores - 1
-    torch.set_num_threads(cores)
-    big = LLM(model, cpu_lending=str(tmp_path / "b"), cpu_lending_min_weight_bytes=1,  # type: ignore[arg-type]
-              cpu_split_threads=cores - 1, num_kv_blocks=32, max_model_len=128)
+    big = _lending_llm(model, tmp_path / "b", 1, cores - 1)  # the caller's count is still `cores`
     assert big.engine.torch_threads == cores and not big.engine.shares_cores_by_step  # alone: nothing to lend
     with pytest.raises(ValueError, match="cpu_split_threads"):
         EngineConfig(model="m", cpu_split_threads=-1)
@@ -319,8 +322,7 @@ def test_an_engine_leaves_its_callers_thread_count_and_steps_on_its_own(
         pytest.skip("needs 2 cores")
     model = str(make_model(tiny_spec()))
     torch.set_num_threads(cores)
-    small = LLM(model, cpu_lending=str(tmp_path / "s"), cpu_lending_min_weight_bytes=1 << 40,  # type: ignore[arg-type]
-                cpu_split_threads=1, num_kv_blocks=32, max_model_len=128)
+    small = _lending_llm(model, tmp_path / "s", 1 << 40, 1)
     assert small.engine.torch_threads == 1 and torch.get_num_threads() == cores
     plain = LLM(model, num_kv_blocks=32, max_model_len=128)
     assert plain.engine.torch_threads == cores
