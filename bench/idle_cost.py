@@ -7,7 +7,7 @@ engine more than 1%).
     python bench/idle_cost.py [--model DIR] [--rounds 2] [--window 30]
         [--variant 'ray-defaults=RAY_event_stats=1,RAY_SERVE_METRICS_EXPORT_INTERVAL_MS=100']
 
-A variant's variables are set in `pdserve serve`'s environment; serve_app.LOCAL_ENV only
+A variant's variables are set in `pdserve serve`'s environment; cluster/local_env.py's LOCAL_ENV only
 fills in what is not set, so a variant can put back Ray's own defaults.
 """
 

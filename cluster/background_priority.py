@@ -3,7 +3,7 @@
 Why: Ray starts every worker process (the engines, the gateway replica, haproxy) at nice 15
 unless RAY_worker_niceness says otherwise, so on a shared CPU node its own daemons and any
 other process (a log shipper, a batch job, a client) took the cores from the engines first.
-`pdserve serve` starts local Ray with the workers at 0 (serve_app.LOCAL_ENV) and puts Ray's
+`pdserve serve` starts local Ray with the workers at 0 (cluster/local_env.py) and puts Ray's
 control plane (GCS, log monitor, dashboard and agents, Serve's controller, and Serve's Python
 proxy where HAProxy is the ingress) at nice 19 here: they still get every idle moment but no
 longer preempt a step (an engine step is a chain of OpenMP fork-join regions: one thread

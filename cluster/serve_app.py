@@ -31,6 +31,7 @@ from pdserve.cluster.leftovers import (
     port_released,
     remove_run_dir,
 )
+from pdserve.cluster.local_env import LOCAL_ENV
 from pdserve.cluster.metrics_peers import RayKVStore
 from pdserve.cluster.placement import check_listenable, with_resources
 from pdserve.cluster.ray_vitals import ControlPlaneLost, Vital, VitalsWatch, find_vitals
@@ -89,30 +90,6 @@ HAPROXY_ENV = {HAPROXY_SWITCH: "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
 # killed its replica must not be tried on the next (the poison-pill rule); a POST in flight on a
 # dying replica fails with a 5xx, as a stream does.
 HAPROXY_RETRY_ENV = {"RAY_SERVE_HAPROXY_RETRY_ON": "conn-failure empty-response"}
-# Local Ray only: the gateway replica's drain on shutdown waits (30 s by
-# default) for load balancers on other nodes to stop sending; here there are none.
-# RAY_worker_niceness: Ray starts every worker process (the engines, the gateway replica, and
-# haproxy, which its manager actor starts) at nice 15 by default, behind its own daemons and any
-# other process on the node (a client, a benchmark); a serving node's workers are its point,
-# so they run at 0 and Ray's control plane goes behind them (cluster/background_priority.py).
-# RAY_SERVE_CONTROL_LOOP_INTERVAL_S: Serve's controller reconciles 10 times a second by default;
-# on an idle 2-core node that loop took 4.7% of a core and the GCS it talks to 2.0%; at 0.5 s,
-# 1.9% and 0.9% (docs/performance.md). One gateway deployment that never autoscales
-# loses nothing but up to 0.4 s in noticing a dead replica (its health checks run every 10 s).
-# Bookkeeping every Ray process does on a timer, which a serving node pays for on its engines'
-# cores and nobody reads here (no dashboard, no Ray metrics of Serve's): per-handler event-loop
-# statistics (RAY_event_stats), Serve's cached metrics flushed 10 times a second in the
-# replica, its router and the proxy (1 s here; Ray exports metrics every 10 s), task events sent
-# to the GCS every second (5 s: the state API lags by that), the raylet's look for a needed
-# GC every 0.1 s (1 s). Together ~1.5% of a core of an idle 2-core node's ~15% (docs/performance.md).
-# RAY_SERVE_HAPROXY_METRICS_ENABLED: HAProxy writes a syslog line per request that its manager
-# actor parses into Serve's request metrics, which pdserve's gateway counts already (its own
-# Prometheus families): ~85 us of CPU a request, over 6% of a one-token request's
-# (docs/front-door.md).
-LOCAL_ENV = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
-             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
-             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",
-             "RAY_raylet_check_gc_period_milliseconds": "1000", "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0"}
 
 
 def haproxy_env(cfg: ServeConfig) -> dict[str, str]:

@@ -212,10 +212,12 @@ def test_the_decoding_worker_gets_a_core_of_its_own_and_still_serves(cluster: tu
 
 
 def test_local_rays_processes_start_with_the_serving_nodes_settings(cluster: tuple[str, str]) -> None:
-    """serve_app.LOCAL_ENV is read by Ray's processes when they start (the raylet, the GCS, each
-    worker's core worker): it works only if it is in their environment, the gateway's too."""
+    """cluster/local_env.py's LOCAL_ENV is read by Ray's processes when they start (the raylet, the
+    GCS, each worker's core worker, the log monitor): it works only if it is in their environment,
+    the gateway's too. (The dashboard agent, the raylet's child, inherits the raylet's: its title
+    overwrites what /proc shows of its environment.)"""
     from pdserve.cluster.background_priority import descendants
-    from pdserve.cluster.serve_app import LOCAL_ENV
+    from pdserve.cluster.local_env import LOCAL_ENV
 
     def environ(pid: int) -> tuple[str, dict[str, str]]:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -224,16 +226,17 @@ def test_local_rays_processes_start_with_the_serving_nodes_settings(cluster: tup
             pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
         return cmd, {k.decode(errors="replace"): v.decode(errors="replace") for k, v in pairs}
 
+    markers = ("/raylet ", "/gcs_server ", "ray::ServeReplica", "/log_monitor.py ")
     found = {}
     for pid in descendants(os.getpid()):
         try:
             cmd, env = environ(pid)
         except OSError:
             continue  # it ended
-        for marker in ("/raylet ", "/gcs_server ", "ray::ServeReplica"):
+        for marker in markers:
             if marker in cmd:
                 found[marker] = env
-    assert set(found) == {"/raylet ", "/gcs_server ", "ray::ServeReplica"}, sorted(found)
+    assert set(found) == set(markers), sorted(found)
     for marker, env in found.items():
         assert {k: env.get(k) for k in LOCAL_ENV} == {k: os.environ.get(k, v) for k, v in LOCAL_ENV.items()}, marker
 
