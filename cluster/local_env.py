@@ -33,12 +33,14 @@ from __future__ import annotations
 # the dashboard agent reads every Ray process's CPU and memory every 5 s for a dashboard that is
 # off here; once a minute. An idle server's processes took 8.6% of a core with both, 10.8% without
 # (the log monitor 1.0 of it, the agent 0.9; docs/performance.md, "What an idle server costs").
-LOCAL_ENV: dict[str, str] = {"RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
-             "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
-             "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",
-             "RAY_raylet_check_gc_period_milliseconds": "1000", "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
-             "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2",
-             "REPORTER_UPDATE_INTERVAL_MS": "60000"}
+LOCAL_ENV: dict[str, str] = {
+    "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1", "RAY_worker_niceness": "0",
+    "RAY_SERVE_CONTROL_LOOP_INTERVAL_S": "0.5", "RAY_event_stats": "0",
+    "RAY_SERVE_METRICS_EXPORT_INTERVAL_MS": "1000", "RAY_task_events_report_interval_ms": "5000",
+    "RAY_raylet_check_gc_period_milliseconds": "1000", "RAY_SERVE_HAPROXY_METRICS_ENABLED": "0",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD": "0", "LOG_NAME_UPDATE_INTERVAL_S": "2",
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
+}
 
 
 __all__ = ["LOCAL_ENV"]
