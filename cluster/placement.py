@@ -24,8 +24,8 @@ of that pool requires, for example `{"prefill_node": 1}` with a node started as
 particular nodes (an autoscaler starts a node type that offers the resource). The
 amounts count per actor, as Ray's do.
 
-**GPUs.** On a cluster with a GPU, each worker actor requires one (Ray sets its
-`CUDA_VISIBLE_DEVICES`; the engine's `cuda` is that GPU). `device: cuda` on a cluster
+**GPUs.** On a cluster with a GPU, each worker actor requires one a tensor-parallel rank (Ray
+sets its `CUDA_VISIBLE_DEVICES`; the engine's `cuda` is the first, rank r's the r-th). `device: cuda` on a cluster
 without a GPU is an error, not CPU workers; `device: cpu` never asks for a GPU.
 
 **CPU cores.** Workers on a CPU cluster share its nodes' cores in one of four ways
@@ -261,6 +261,16 @@ def worker_share(device: str, num_workers: int, cluster: Mapping[str, float],
     return WorkerShare({"num_cpus": per_cpu}, threads=cpus if turns else whole if lend else split, turns=turns,
                        lend=lend, lend_min_weight_bytes=LEND_MIN_WEIGHT_BYTES if sharing is CpuSharing.AUTO else 0,
                        split_threads=split if lend else 0)
+
+
+def pool_options(options: ActorOptions, tp: int) -> ActorOptions:
+    """What a worker of `tp` tensor-parallel ranks asks Ray for: a GPU a rank where the workers
+    get GPUs (an actor lies on one node, so its ranks do too; Ray lists them all in its
+    CUDA_VISIBLE_DEVICES, rank r takes the r-th: workers/tp_devices.py), else the worker's CPU share
+    (its ranks split the threads: cluster/worker_start.py `pool_engine`)."""
+    if tp > 1 and "num_gpus" in options:
+        return {**options, "num_gpus": float(tp)}
+    return options.copy()
 
 
 def with_resources(options: ActorOptions, resources: Mapping[str, float] | None) -> ActorOptions:

@@ -74,6 +74,13 @@ CPU_PREFILL_BACKLOG_TOKENS = 1024
 # most of a GPU's tokens go to long outputs that stream well under its peak.
 GPUS_PER_GATEWAY = 4
 
+# What a served cluster of GPU workers with more than one rank cannot do yet: the KV a transfer
+# moves lies in a shared host file on CPU ranks (workers/kv/shared_cache.py), on GPUs in each
+# rank's memory, which no transfer reads yet.
+GPU_TP_DISAGGREGATED = ("tensor_parallel_size: GPU workers of more than one rank serve colocated only so far "
+                        "(--mode colocated): KV transfer between tensor-parallel GPU workers is not built "
+                        "(docs/tensor-parallel.md)")
+
 # The ServeConfig fields whose setting (flag, YAML arg) has another name: `--prefill N`.
 _SETTING_NAMES = {"num_prefill": "prefill", "num_decode": "decode", "num_colocated": "workers"}
 
@@ -337,9 +344,8 @@ class ServeConfig:
             if self.cpu_sharing in (CpuSharing.TURNS, CpuSharing.LEND):
                 raise ValueError(f"cpu_sharing: {self.cpu_sharing.value} does not apply to tensor-parallel workers "
                                  "(their ranks step on a split share of the cores): use split or auto")
-            if self.engine.device.startswith("cuda"):
-                raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far; NCCL across GPUs is "
-                                 "not built yet (docs/tensor-parallel.md)")
+            if self.engine.device.startswith("cuda") and self.mode is ServingMode.DISAGGREGATED:
+                raise ValueError(GPU_TP_DISAGGREGATED)
         if self.ingress is Ingress.HAPROXY:
             named = [(name, getattr(self, name)) for name in
                      ("port", "haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port")]
@@ -454,20 +460,21 @@ class ServeConfig:
 
     def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
         """This config with what was left to the cluster decided (`cluster_gpus()` is asked
-        only then): colocated workers, one per GPU, or one on a CPU-only cluster; gateway
-        replicas, one per GPUS_PER_GATEWAY GPU workers, or one on a CPU-only cluster. CPU workers
-        (`device: cpu`) hold no GPU (cluster/placement.py): they count as on a CPU-only cluster."""
+        only then): colocated workers, one per GPU (per `tensor_parallel_size` GPUs), or one on a
+        CPU-only cluster; gateway replicas, one per GPUS_PER_GATEWAY GPUs the workers hold, or one
+        on a CPU-only cluster. CPU workers (`device: cpu`) hold no GPU (cluster/placement.py): they
+        count as on a CPU-only cluster."""
         if self.engine.device == "cpu":
             cluster_gpus = _no_gpus
         fitted = self
         gpus: float | None = None
         if self.mode is ServingMode.COLOCATED and self.num_colocated is None:
             gpus = cluster_gpus()
-            fitted = dataclasses.replace(fitted, num_colocated=max(1, int(gpus)))
+            fitted = dataclasses.replace(fitted, num_colocated=max(1, int(gpus) // self.pool_tp("worker")))
         if self.gateway_replicas is None:
             gpus = cluster_gpus() if gpus is None else gpus
-            gpu_workers = min(fitted.num_workers, int(gpus))
-            replicas = max(1, min(-(-gpu_workers // GPUS_PER_GATEWAY), fitted.max_in_flight))
+            held = min(fitted.worker_gpus(), int(gpus))
+            replicas = max(1, min(-(-held // GPUS_PER_GATEWAY), fitted.max_in_flight))
             fitted = dataclasses.replace(fitted, gateway_replicas=replicas)
         return fitted
 
@@ -485,6 +492,12 @@ class ServeConfig:
         """Tensor-parallel ranks of a worker of `pool` ("prefill", "decode" or "worker": colocated)."""
         own = {"prefill": self.prefill_tp, "decode": self.decode_tp}.get(pool)
         return own if own is not None else self.engine.tensor_parallel_size
+
+    def worker_gpus(self) -> int:
+        """GPUs the workers hold where each rank holds one (cluster/placement.py `pool_options`)."""
+        if self.mode is ServingMode.COLOCATED:
+            return self.num_workers * self.pool_tp("worker")
+        return self.num_prefill * self.pool_tp("prefill") + self.num_decode * self.pool_tp("decode")
 
     def prefill_names(self) -> list[str]:
         return [f"pdserve-prefill-{i}" for i in range(self.num_prefill)]

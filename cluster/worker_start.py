@@ -12,9 +12,9 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, with_resources, worker_share
+from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, pool_options, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
-from pdserve.cluster.serve_config import ServeConfig, ServingMode
+from pdserve.cluster.serve_config import GPU_TP_DISAGGREGATED, ServeConfig, ServingMode
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_turns import lending_dir, turns_path
 
@@ -159,12 +159,9 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
                          plane_cores=COLOCATED_PLANE_CORES if colocated else 0)
     pools = ("worker",) if colocated else ("prefill", "decode")
-    if "num_gpus" in share.options and max(cfg.pool_tp(pool) for pool in pools) > 1:
-        # What each worker's engine refuses once it holds a GPU (workers/engine_setup.py), refused
-        # before any is created: `--device auto` names no cuda for ServeConfig to refuse.
-        raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far, and on this Ray cluster, "
-                         "which has GPUs, each worker gets one: serve with --device cpu, or without tensor "
-                         "parallelism (docs/tensor-parallel.md)")
+    if "num_gpus" in share.options and not colocated and max(cfg.pool_tp(pool) for pool in pools) > 1:
+        # What ServeConfig refuses for `--device cuda`, refused for `auto` once Ray shows GPUs.
+        raise ValueError(GPU_TP_DISAGGREGATED)
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))
@@ -182,8 +179,8 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
              **kwargs: Any) -> None:
         # The actor's name is also its `worker` label in the metrics.
         engine_of_pool, threads = pool_engine(engine, share, cfg.pool_tp(pool))
-        workers.append(actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached",
-                                         **with_resources(opts, resources)).remote(
+        asks = with_resources(pool_options(opts, cfg.pool_tp(pool)), resources)
+        workers.append(actor_cls.options(name=name, namespace=NAMESPACE, lifetime="detached", **asks).remote(
             engine_of_pool, threads, *args, worker_name=name, exit_on_engine_death=True,
             cluster_secret=cfg.cluster_secret, **kwargs))
 

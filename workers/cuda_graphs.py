@@ -243,6 +243,12 @@ def capture(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend
     graph-safe there). `graph_factory`: stand-in graphs (tests, on CPU)."""
     if config.enforce_eager:
         return None
+    if runner.tp_group is not None:
+        # Capture (and the eager warm-up) runs forward passes whose collectives the follower ranks
+        # would have to mirror, and a replayed step is one they would have to replay alike: not built.
+        if runner.device.type == "cuda":
+            say("CUDA graphs with tensor-parallel ranks are not built yet: decode runs eagerly")
+        return None
     if graph_factory is None:
         if runner.device.type != "cuda":
             return None

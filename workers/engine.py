@@ -115,7 +115,7 @@ class LLMEngine:
         # (workers/tp_group.py). The model here is this rank's shard: what the KV cache, the
         # memory plan and the kernels see.
         self.tp_group = setup.start_tp_group(config, full_config, model_dir, self.dtype, self.device, backend,
-                                             self.max_model_len, quantization)
+                                             self.max_model_len, quantization, setup.measures_memory(config, probe))
         self.tp = self.tp_group.tp if self.tp_group is not None else TensorParallel.from_world(
             config.tensor_parallel_size)
         self.full_model_config = full_config  # the whole model's (what a KV transfer moves, a profile reports)
@@ -129,6 +129,8 @@ class LLMEngine:
         draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len,
                                  self.tokenizer)
         memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)
+        if memory is not None and self.tp_group is not None:  # each rank measured its own device
+            memory = self.tp_group.tightest_memory(memory, config.gpu_memory_utilization)
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(
             config, self.model_config, self.dtype, self.device, self.max_model_len,
             draft=draft.config if draft is not None else None, memory=memory)

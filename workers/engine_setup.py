@@ -32,6 +32,7 @@ from pdserve.workers.spec.draft import DraftModelProposer, load_draft_model
 from pdserve.workers.spec.ngram import NgramProposer
 from pdserve.workers.spec.planner import Speculator
 from pdserve.workers.spec.proposer import Proposer
+from pdserve.workers.tp_devices import check_rank_devices, rank_device
 from pdserve.workers.tp_group import FollowerSpec, TPGroup, tp_group_running
 
 
@@ -81,13 +82,20 @@ def load_draft(config: EngineConfig, target: ModelConfig, dtype: torch.dtype, de
                             tokenizer=tokenizer)
 
 
+def measures_memory(config: EngineConfig, probe: MemoryProbe | None) -> bool:
+    """Whether the KV pool is sized from measured memory (`measure_memory`): a probe (CUDA) and
+    no size given."""
+    return probe is not None and config.num_kv_blocks is None and config.kv_cache_memory is None
+
+
 def measure_memory(config: EngineConfig, probe: MemoryProbe | None, model: LlamaForCausalLM,
                    draft: LlamaForCausalLM | None, dtype: torch.dtype, device: torch.device,
                    max_model_len: int) -> DeviceMemory | None:
     """What `plan_kv` sizes a GPU's KV pool from: measured after loading (workers/memory_plan.py).
     None when nothing needs measuring (CPU, or the pool's size is given)."""
-    if probe is None or config.num_kv_blocks is not None or config.kv_cache_memory is not None:
+    if not measures_memory(config, probe):
         return None
+    assert probe is not None
     log(config, "profiling a step of max_num_batched_tokens to size the KV cache")
     return memory_plan.measure(config, probe, model, draft, dtype, device, max_model_len)
 
@@ -191,22 +199,25 @@ def _log_plan(config: EngineConfig, memory: DeviceMemory, per_block: int, blocks
 
 def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype: torch.dtype,
                    device: torch.device, backend: AttentionBackend, max_positions: int,
-                   quantization: str | None) -> TPGroup | None:
+                   quantization: str | None, measures: bool = False) -> TPGroup | None:
     """With `tensor_parallel_size` > 1 and no torch.distributed group yet: start this engine's
-    other ranks (workers/tp_group.py); None otherwise (one rank, or a torchrun's ranks)."""
+    other ranks (workers/tp_group.py); None otherwise (one rank, or a torchrun's ranks).
+    `measures`: the KV pool is sized from measured memory, every rank measuring its own device."""
     size = config.tensor_parallel_size
     if size == 1 or (torch.distributed.is_initialized() and not tp_group_running()):
         return None
     check_shardable(cfg, size)
-    if device.type != "cpu":
-        raise ValueError("tensor_parallel_size: more than 1 runs on CPU (gloo) so far; NCCL across GPUs is not "
-                         "built yet")
+    if device.type == "cuda":  # rank 0 on the first of its ranks' GPUs (workers/tp_devices.py)
+        check_rank_devices(device, size, torch.cuda.device_count())
+        torch.cuda.set_device(rank_device(device, 0))  # `cuda` names no index, which set_device needs
     if config.cpu_lending or config.cpu_turns:
         raise ValueError("tensor_parallel_size: more than 1 does not share cores by lending or turns")
     log(config, f"starting {size - 1} tensor-parallel rank(s)")
     spec = FollowerSpec(model_dir, _DTYPE_NAMES[dtype], str(device), backend.value, max_positions, quantization,
                         config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed,
-                        shm_slot_bytes=_shm_slot_bytes(config, cfg, size, dtype))
+                        # Shared-memory collectives are for CPU tensors; on GPUs NCCL reduces.
+                        shm_slot_bytes=_shm_slot_bytes(config, cfg, size, dtype) if device.type == "cpu" else 0,
+                        profile=memory_plan.ProfileShape.of(config).encode() if measures else None)
     return TPGroup(size, spec)
 
 

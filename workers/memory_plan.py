@@ -11,12 +11,18 @@ enough for it, freed afterwards. The peak of what torch holds above what it held
 step (the weights and that pool) is the step's activations.
 
 The probe is a protocol so that tests fake it on CPU; `CudaMemoryProbe` is the real one.
+
+Tensor-parallel ranks each measure their own device, every rank running the same profile steps
+(their collectives pair up); the plan is the tightest rank's (`tightest`), since every rank
+holds as many blocks (workers/kv/cache.py `tightest`, workers/tp_group.py `exchange_memory`).
 NOT MEASURED ON A GPU YET: no line of this has run on CUDA (docs/engine.md says so too).
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
@@ -58,6 +64,49 @@ class MemoryProbe(Protocol):
         ...
 
 
+class ProfileSettings(Protocol):
+    """The engine settings the profile steps follow: an EngineConfig, or a follower rank's
+    ProfileShape of one."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+    @property
+    def max_num_batched_tokens(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_speculative_tokens(self) -> int: ...
+    @property
+    def speculative(self) -> SpeculativeMethod | None: ...
+    @property
+    def enforce_eager(self) -> bool: ...
+
+
+@dataclass(frozen=True)
+class ProfileShape:
+    """An EngineConfig's ProfileSettings as plain data (it reaches a follower rank as JSON)."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_speculative_tokens: int
+    speculative: SpeculativeMethod | None
+    enforce_eager: bool
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> ProfileShape:
+        return cls(config.max_num_seqs, config.max_num_batched_tokens, config.block_size,
+                   config.num_speculative_tokens, config.speculative, config.enforce_eager)
+
+    def encode(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "speculative": self.speculative.value if self.speculative else None}
+
+    @classmethod
+    def decode(cls, d: dict[str, Any]) -> ProfileShape:
+        method = d["speculative"]
+        return cls(**{**d, "speculative": SpeculativeMethod(method) if method is not None else None})
+
+
 class CudaMemoryProbe:
     """The probe on a CUDA device, from torch.cuda's allocator statistics and cudaMemGetInfo.
 
@@ -90,7 +139,7 @@ class CudaMemoryProbe:
         torch.cuda.empty_cache()
 
 
-def measure(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, draft: LlamaForCausalLM | None,
+def measure(config: ProfileSettings, probe: MemoryProbe, model: LlamaForCausalLM, draft: LlamaForCausalLM | None,
             dtype: torch.dtype, device: torch.device, max_model_len: int) -> DeviceMemory:
     """The device's memory as the plan needs it. Call once the weights (target and draft) are
     loaded and before anything else is allocated on the device."""
@@ -116,7 +165,7 @@ def measure(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, d
 _PROFILE_PARAMS = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, min_p=0.01, logprobs=5, max_tokens=None)
 
 
-def profile_tokens(config: EngineConfig, max_model_len: int, verify: int = 0) -> int:
+def profile_tokens(config: ProfileSettings, max_model_len: int, verify: int = 0) -> int:
     """Tokens of the largest real prefill step: the budget, or max_num_seqs sequences if they hold
     fewer. No step computes more of a sequence than its prompt (under max_model_len), then its
     sampled token and drafts: a profile sequence past that would run positions the model's RoPE
@@ -125,7 +174,7 @@ def profile_tokens(config: EngineConfig, max_model_len: int, verify: int = 0) ->
 
 
 @torch.inference_mode()
-def profile_step(config: EngineConfig, probe: MemoryProbe, model: LlamaForCausalLM, dtype: torch.dtype,
+def profile_step(config: ProfileSettings, probe: MemoryProbe, model: LlamaForCausalLM, dtype: torch.dtype,
                  device: torch.device, max_model_len: int, verify: int = 0, draft_probs: bool = False,
                  want_probs: bool = False) -> int:
     """Peak activation bytes of `model`'s largest steps: a prefill of `max_num_batched_tokens`

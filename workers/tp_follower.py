@@ -20,13 +20,17 @@ import torch.distributed as dist
 from pdserve.kernels import cpu_decode
 from pdserve.kernels.backend_choice import AttentionBackend
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.workers import memory_plan
 from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.cache import allocate_kv_caches
+from pdserve.workers.memory_plan import CudaMemoryProbe, MemoryProbe, ProfileShape
 from pdserve.workers.model.compiled import Forward, compile_forward
 from pdserve.workers.model.config import ModelConfig
+from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model, resolve_dtype
 from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
+from pdserve.workers.tp_devices import group_backend, rank_device
 from pdserve.workers.tp_group import (
     _IDLE_LIMIT,
     HEADER,
@@ -34,6 +38,7 @@ from pdserve.workers.tp_group import (
     FollowerSpec,
     Op,
     Plan,
+    exchange_memory,
     joining_key,
     logit_calls,
     needs_second,
@@ -53,22 +58,37 @@ def _exit_with_parent(parent: int) -> None:
             os._exit(0)
 
 
+def measure_rank(shape: ProfileShape, probe: MemoryProbe | None, model: LlamaForCausalLM, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int) -> None:
+    """This rank's part of the memory plan: the profile steps rank 0 runs, on this rank's shard and
+    device (their collectives pair up with rank 0's), then what it measured, to every rank."""
+    if probe is None:
+        raise RuntimeError(f"tensor parallel: rank 0 plans from measured memory, and {device} has no memory probe")
+    exchange_memory(memory_plan.measure(shape, probe, model, None, dtype, device, max_model_len))
+
+
 def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     shm = None
     if spec.shm_path is not None:  # mapped before joining: rank 0 unlinks the file once all joined
         shm = ShmCollectives(spec.shm_path, size, rank, spec.shm_slot_bytes)
     store = dist.TCPStore(  # type: ignore[attr-defined]  # public, but exported behind is_available()
         "127.0.0.1", store_port, size, is_master=False, timeout=_IDLE_LIMIT)
+    device = rank_device(torch.device(spec.device), rank)
+    if device.type == "cuda":  # before the first collective: NCCL binds each rank to the current device
+        torch.cuda.set_device(device)
     store.set(joining_key(rank), "1")  # rank 0 waits for these, watching that each follower lives
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
+    dist.init_process_group(group_backend(device), store=store, rank=rank, world_size=size, timeout=_IDLE_LIMIT)
     tp = TensorParallel(size, rank, shm=shm)
-    device = torch.device(spec.device)
     dtype = resolve_dtype(spec.dtype)
     backend = AttentionBackend(spec.backend)
     torch.manual_seed(spec.seed)
     full = ModelConfig.from_pretrained(spec.model_dir)
+    # What others use of this rank's device, read before it holds anything (as rank 0's probe).
+    probe = CudaMemoryProbe(device) if spec.profile is not None and device.type == "cuda" else None
     model = load_model(spec.model_dir, full, dtype, device, backend, spec.max_positions,
                        quantization=spec.quantization, tp=tp)
+    if spec.profile is not None:
+        measure_rank(ProfileShape.decode(spec.profile), probe, model, dtype, device, spec.max_positions)
     plan_msg = torch.zeros(HEADER, dtype=torch.int64)
     dist.broadcast(plan_msg, 0)
     plan = Plan.decode(plan_msg)

@@ -9,9 +9,11 @@ step fits (decode steps of moderate batches), its inputs inline; a larger step s
 inputs in a second broadcast. Step inputs, not requests: a follower needs no tokenizer, no
 scheduler, no KV manager: the block tables say where every token's K and V go.
 
-The group is torch.distributed's default group (gloo on CPU): one tensor-parallel engine per
-process. When the caller initialised torch.distributed itself (torchrun), there are no followers:
-every rank runs a whole engine on the same requests (tensor_parallel.TensorParallel.from_world).
+The group is torch.distributed's default group (gloo on CPU; on GPUs gloo for the step messages
+and NCCL for the model's collectives, rank r on the r-th GPU: workers/tp_devices.py): one
+tensor-parallel engine per process. When the caller initialised torch.distributed itself
+(torchrun), there are no followers: every rank runs a whole engine on the same requests
+(tensor_parallel.TensorParallel.from_world).
 """
 
 from __future__ import annotations
@@ -35,11 +37,13 @@ import torch
 import torch.distributed as dist
 
 from pdserve.workers.kv import shared_cache
+from pdserve.workers.kv.cache import DeviceMemory, tightest
 from pdserve.workers.kv.shared_cache import ShardedKV
 from pdserve.workers.model import shm_collectives
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel
+from pdserve.workers.tp_devices import group_backend
 
 # int64 words of a step message: the header, then inline inputs.
 HEADER = 16
@@ -77,7 +81,7 @@ class FollowerSpec:
 
     model_dir: str
     dtype: str  # "float32", "float16", "bfloat16"
-    device: str
+    device: str  # rank 0's: rank r runs on its r-th neighbour (tp_devices.rank_device)
     backend: str  # AttentionBackend value
     max_positions: int
     quantization: str | None
@@ -90,6 +94,9 @@ class FollowerSpec:
     # Where the ranks' KV caches will lie (workers/kv/shared_cache.py), made by rank 0 once it
     # sized the pool; the plan says whether it did.
     kv_path: str | None = None
+    # Where rank 0 sizes the KV pool from measured memory (GPUs): the profile steps' settings
+    # (memory_plan.ProfileShape.encode()); each rank measures its own device (`exchange_memory`).
+    profile: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +203,7 @@ class TPGroup:
         shm = None
         self.procs: list[subprocess.Popen[bytes]] = []
         path = shm_collectives.create(size, spec.shm_slot_bytes) if spec.shm_slot_bytes else None
-        spec = dataclasses.replace(spec, kv_path=shared_cache.new_path() if shm_collectives.supported() else None)
+        spec = dataclasses.replace(spec, kv_path=shared_kv_path(torch.device(spec.device)))
         self.spec = spec
         try:
             if path is not None:
@@ -207,7 +214,8 @@ class TPGroup:
                                    "parent": os.getpid()})
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
             _wait_for_followers(store, self.procs)
-            dist.init_process_group("gloo", store=store, rank=0, world_size=size, timeout=timeout)
+            dist.init_process_group(group_backend(torch.device(spec.device)), store=store, rank=0, world_size=size,
+                                    timeout=timeout)
         except BaseException:
             _kill(self.procs)
             _stop(self.procs)
@@ -241,6 +249,11 @@ class TPGroup:
         except BaseException:
             shm_collectives.unlink(path)
             raise
+
+    def tightest_memory(self, mine: DeviceMemory, gpu_memory_utilization: float) -> DeviceMemory:
+        """What the KV pool is planned from: of every rank's measured memory (each followed rank 0's
+        profile steps on its own device), the one that leaves the cache least."""
+        return tightest(exchange_memory(mine), gpu_memory_utilization)
 
     def send_plan(self, plan: Plan) -> None:
         try:
@@ -284,6 +297,13 @@ class TPGroup:
     def close(self) -> None:
         """Stop the followers and leave the group (the process may start another group after)."""
         self._finalizer()
+
+
+def shared_kv_path(device: torch.device) -> str | None:
+    """Where the ranks' KV caches of an engine on `device` may lie in one shared file (made once the
+    pool is sized): host memory, so CPU ranks only (a GPU rank's cache is its own device's); None
+    where there is none."""
+    return shared_cache.new_path() if device.type == "cpu" and shm_collectives.supported() else None
 
 
 def _close(procs: list[subprocess.Popen[bytes]], state: dict[str, object]) -> None:
@@ -376,6 +396,18 @@ def _stopped(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2:][:1] in (b"T", b"t")
+
+
+_MEMORY_WORDS = len(dataclasses.fields(DeviceMemory))
+
+
+def exchange_memory(mine: DeviceMemory) -> list[DeviceMemory]:
+    """Every rank's measured memory, in rank order, on every rank (one gather of int64 words over
+    the default group's CPU backend). Called by every rank once, after its profile steps."""
+    words = torch.tensor(dataclasses.astuple(mine), dtype=torch.int64)
+    parts = [torch.empty(_MEMORY_WORDS, dtype=torch.int64) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, words)
+    return [DeviceMemory(*(int(w) for w in p.tolist())) for p in parts]
 
 
 def joining_key(rank: int) -> str:

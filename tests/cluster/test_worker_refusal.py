@@ -335,18 +335,52 @@ def test_the_wait_for_workers_at_a_start_is_the_operators_to_set(monkeypatch: py
     assert waits == [waited]
 
 
-@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"decode_tp": 2},
-                                      {"mode": "colocated", "tensor_parallel_size": 2}])
-def test_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_created(
+@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"decode_tp": 2}])
+def test_disaggregated_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_created(
         monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any]) -> None:
-    """Tensor-parallel ranks run on CPU only (gloo). `--device auto` (the default) is checked
-    against that only where it names cuda; on a cluster with GPUs each worker was created on one,
-    imported torch and CUDA, and refused in its engine, one by one, with words that did not say
-    `--device cpu` serves it. Refused before any worker is created, naming the setting."""
-    from pdserve.cluster import ray_actors
+    """GPU ranks keep their KV in their own devices' memory, which no KV transfer reads yet: a
+    disaggregated cluster of such workers cannot hand KV over. `--device auto` (the default) names
+    no cuda for the config to refuse; on a cluster with GPUs it is refused before any worker is
+    created, naming the setting and what serves (colocated; `--device cpu` as before)."""
     from pdserve.cluster.serve_config import serve_config
 
+    made, options = _fake_actors(monkeypatch)
+    cfg = serve_config({"model": "/models/x", **settings}).fit_to_cluster(lambda: 2.0)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: GPU workers of more than one rank serve colocated"):
+        worker_start.create_workers(cfg)
+    assert made == []
+    # The same settings on CPU workers (`device: cpu`) of that cluster are created, on CPU shares.
+    cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
+    worker_start.create_workers(cpu)
+    assert made == cpu.worker_names()
+    assert all("num_gpus" not in o for o in options)
+
+
+@pytest.mark.parametrize(("tp", "gpus", "workers"), [(2, 2, 1), (2, 8, 4), (4, 8, 2), (1, 2, 2)])
+def test_a_colocated_worker_of_n_ranks_asks_ray_for_n_gpus(
+        monkeypatch: pytest.MonkeyPatch, tp: int, gpus: int, workers: int) -> None:
+    """On a GPU cluster each rank holds a GPU: a worker of N ranks is one actor asking for N (Ray
+    puts them on one node and lists them in its CUDA_VISIBLE_DEVICES), and the workers left to
+    the cluster are its GPUs over N, not one per GPU (which Ray could never place)."""
+    from pdserve.cluster.serve_config import serve_config
+
+    made, options = _fake_actors(monkeypatch, gpus=float(gpus))
+    cfg = serve_config({"model": "/models/x", "mode": "colocated", "tensor_parallel_size": tp}).fit_to_cluster(
+        lambda: float(gpus))
+    assert cfg.num_workers == workers and cfg.worker_gpus() == gpus
+    worker_start.create_workers(cfg)
+    assert made == cfg.worker_names()
+    assert [o.get("num_gpus") for o in options] == [float(tp)] * workers
+    assert all("num_cpus" not in o for o in options)
+
+
+def _fake_actors(monkeypatch: pytest.MonkeyPatch, gpus: float = 2.0) -> tuple[list[str], list[dict[str, Any]]]:
+    """Worker actor classes that record each actor's name and Ray options instead of making it, on
+    a Ray cluster of 16 CPUs and `gpus` GPUs."""
+    from pdserve.cluster import ray_actors
+
     made: list[str] = []
+    options: list[dict[str, Any]] = []
 
     class Actor:
         def __init__(self, name: str) -> None:
@@ -356,20 +390,15 @@ def test_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_crea
             made.append(self.name)
             return self.name
 
+    def make(name: str, **asked: Any) -> Actor:
+        options.append(asked)
+        return Actor(name)
+
     for cls in ("PrefillWorkerActor", "DecodeWorkerActor", "EngineWorkerActor"):
-        monkeypatch.setattr(ray_actors, cls, type(cls, (), {
-            "options": staticmethod(lambda name, **options: Actor(name))}))
+        monkeypatch.setattr(ray_actors, cls, type(cls, (), {"options": staticmethod(make)}))
     monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: None)
-    monkeypatch.setattr(worker_start.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": 2.0})
-    cfg = serve_config({"model": "/models/x", **settings})
-    cfg = cfg.fit_to_cluster(lambda: 2.0)
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size: .*--device cpu"):
-        worker_start.create_workers(cfg)
-    assert made == []
-    # The same settings on CPU workers (`device: cpu`) of that cluster are created.
-    cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
-    worker_start.create_workers(cpu)
-    assert made == cpu.worker_names()
+    monkeypatch.setattr(worker_start.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": gpus})
+    return made, options
 
 
 def test_a_worker_that_dies_starting_and_is_not_restarted_ends_the_start_in_one_line(

@@ -339,8 +339,8 @@ def test_more_than_one_rank_without_a_process_group_is_a_clear_error() -> None:
 
 def test_a_served_cluster_takes_a_tensor_parallel_size_per_pool() -> None:
     """--prefill-tp / --decode-tp by pool, --tensor-parallel-size for both; what cannot be served
-    yet (GPUs, ranks that lend cores or take turns, per-pool sizes in a colocated cluster) is
-    refused by name before any worker starts."""
+    yet (GPU ranks in disaggregated pools, ranks that lend cores or take turns, per-pool sizes in a
+    colocated cluster) is refused by name before any worker starts."""
     from pdserve.cluster.serve_config import serve_config
 
     cfg = serve_config({"model": "tiny", "prefill_tp": 2})
@@ -348,9 +348,13 @@ def test_a_served_cluster_takes_a_tensor_parallel_size_per_pool() -> None:
     cfg = serve_config({"model": "tiny", "tensor_parallel_size": 2, "decode_tp": 1})
     assert (cfg.pool_tp("prefill"), cfg.pool_tp("decode")) == (2, 1)
     assert serve_config({"model": "tiny", "mode": "colocated", "tensor_parallel_size": 2}).pool_tp("worker") == 2
+    # GPU ranks serve colocated (NCCL); a disaggregated pool of them is refused below.
+    assert serve_config({"model": "tiny", "mode": "colocated", "tensor_parallel_size": 2,
+                         "device": "cuda"}).pool_tp("worker") == 2
     for bad, match in (({"mode": "colocated", "decode_tp": 2}, "decode_tp: disaggregated mode only"),
                        ({"decode_tp": 2, "cpu_sharing": "turns"}, "cpu_sharing"),
-                       ({"prefill_tp": 2, "device": "cuda"}, "tensor_parallel_size: more than 1 runs on CPU"),
+                       ({"prefill_tp": 2, "device": "cuda"}, "tensor_parallel_size: GPU workers of more than one "
+                                                               "rank serve colocated only"),
                        ({"decode_tp": 0}, "decode_tp")):
         with pytest.raises(ValueError, match=match):
             serve_config({"model": "tiny", **bad})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -83,3 +84,11 @@ def kv_budget_bytes(memory: DeviceMemory, gpu_memory_utilization: float) -> int:
     other processes, the weights, the activations of the largest step and what this process
     holds outside torch are counted (negative: nothing is left)."""
     return int(memory.total * gpu_memory_utilization) - memory.non_kv
+
+
+def tightest(memories: Sequence[DeviceMemory], gpu_memory_utilization: float) -> DeviceMemory:
+    """Of the ranks' measured memories, the one that leaves the KV cache least: every rank holds
+    as many blocks (each of its own heads), so that rank's budget is the pool's."""
+    if not memories:
+        raise ValueError("memory plan: no rank's memory to plan from")
+    return min(memories, key=lambda m: kv_budget_bytes(m, gpu_memory_utilization))
