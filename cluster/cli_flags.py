@@ -55,8 +55,9 @@ def add_engine_args(p: argparse.ArgumentParser, seed: bool = True) -> None:
                    help="schedule the next step while this one runs on the device (default: on for CUDA, off on "
                         "CPU, where there is nothing to overlap); off with speculative decoding")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=UNSET,
-                   help="split the model over this many ranks, processes each engine starts (CPU, gloo and shared "
-                        "memory, so far: docs/tensor-parallel.md); `serve` takes --prefill-tp/--decode-tp per pool")
+                   help="split the model over this many ranks, processes each engine starts (CPU: gloo and shared "
+                        "memory; GPUs: one each, NCCL, untested: docs/tensor-parallel.md); `serve` takes "
+                        "--prefill-tp/--decode-tp per pool")
     p.add_argument("--speculative", default=UNSET,
                    help="speculative decoding: ngram = prompt lookup (drafts copied from earlier in the sequence); "
                         "draft = a small model's drafts (--draft-model)")

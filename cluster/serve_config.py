@@ -74,13 +74,6 @@ CPU_PREFILL_BACKLOG_TOKENS = 1024
 # most of a GPU's tokens go to long outputs that stream well under its peak.
 GPUS_PER_GATEWAY = 4
 
-# What a served cluster of GPU workers with more than one rank cannot do yet: the KV a transfer
-# moves lies in a shared host file on CPU ranks (workers/kv/shared_cache.py), on GPUs in each
-# rank's memory, which no transfer reads yet.
-GPU_TP_DISAGGREGATED = ("tensor_parallel_size: GPU workers of more than one rank serve colocated only so far "
-                        "(--mode colocated): KV transfer between tensor-parallel GPU workers is not built "
-                        "(docs/tensor-parallel.md)")
-
 # The ServeConfig fields whose setting (flag, YAML arg) has another name: `--prefill N`.
 _SETTING_NAMES = {"num_prefill": "prefill", "num_decode": "decode", "num_colocated": "workers"}
 
@@ -340,12 +333,10 @@ class ServeConfig:
             # here, before (the command line's start, the Serve YAML's checks).
             raise ValueError(f"device: {self.engine.device} names one GPU of a machine; under Ray each worker sees "
                              "only the GPU Ray gave it, as cuda (use --device cuda)")
-        if max(self.pool_tp(pool) for pool in ("prefill", "decode")) > 1:
-            if self.cpu_sharing in (CpuSharing.TURNS, CpuSharing.LEND):
-                raise ValueError(f"cpu_sharing: {self.cpu_sharing.value} does not apply to tensor-parallel workers "
-                                 "(their ranks step on a split share of the cores): use split or auto")
-            if self.engine.device.startswith("cuda") and self.mode is ServingMode.DISAGGREGATED:
-                raise ValueError(GPU_TP_DISAGGREGATED)
+        if max(self.pool_tp(pool) for pool in ("prefill", "decode")) > 1 and self.cpu_sharing in (
+                CpuSharing.TURNS, CpuSharing.LEND):
+            raise ValueError(f"cpu_sharing: {self.cpu_sharing.value} does not apply to tensor-parallel workers "
+                             "(their ranks step on a split share of the cores): use split or auto")
         if self.ingress is Ingress.HAPROXY:
             named = [(name, getattr(self, name)) for name in
                      ("port", "haproxy_metrics_port", "haproxy_stats_port", "haproxy_fallback_port")]

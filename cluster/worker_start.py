@@ -14,7 +14,7 @@ import ray
 
 from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, pool_options, with_resources, worker_share
 from pdserve.cluster.reports import WorkerInfo
-from pdserve.cluster.serve_config import GPU_TP_DISAGGREGATED, ServeConfig, ServingMode
+from pdserve.cluster.serve_config import ServeConfig, ServingMode
 from pdserve.workers.config import EngineConfig
 from pdserve.workers.cpu_turns import lending_dir, turns_path
 
@@ -158,10 +158,6 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     colocated = cfg.mode is ServingMode.COLOCATED
     share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
                          plane_cores=COLOCATED_PLANE_CORES if colocated else 0)
-    pools = ("worker",) if colocated else ("prefill", "decode")
-    if "num_gpus" in share.options and not colocated and max(cfg.pool_tp(pool) for pool in pools) > 1:
-        # What ServeConfig refuses for `--device cuda`, refused for `auto` once Ray shows GPUs.
-        raise ValueError(GPU_TP_DISAGGREGATED)
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))

@@ -200,8 +200,9 @@ class EngineConfig:
     # own work: nothing to overlap). Greedy tokens are the same either way.
     async_scheduling: bool | None = None
     # vLLM's name: the model's heads and MLP columns split over this many ranks, one process
-    # each, in step (workers/model/tensor_parallel.py). The offline engine takes the ranks of
-    # torch.distributed's default group (init_process_group first, e.g. under torchrun); every
+    # each, in step (workers/model/tensor_parallel.py): processes the engine starts (workers/
+    # tp_group.py; on GPUs rank r on the r-th GPU from the engine's), or the ranks of
+    # torch.distributed's default group when the caller initialised it (torchrun); then every
     # rank runs the same requests and returns the same outputs.
     tensor_parallel_size: PositiveInt = 1
     # What torch.manual_seed takes (int64 or uint64): a seed beyond failed every worker's start

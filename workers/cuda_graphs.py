@@ -57,7 +57,7 @@ from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.workers.buffers import InputBuffers
 
 if TYPE_CHECKING:
-    from pdserve.workers.config import EngineConfig
+    from pdserve.workers.memory_plan import ProfileSettings
     from pdserve.workers.model_runner import HostStep, ModelRunner
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,13 @@ class DecodeGraphs:
 
     # -- a step -----------------------------------------------------------------
 
+    def bucket(self, seqs: int, rows: int) -> Bucket:
+        """The captured bucket of `seqs` sequences of `rows` new tokens (the one rank 0 replays)."""
+        for b in self.verify if rows > 1 else self.decode:
+            if (b.seqs, b.rows) == (seqs, rows):
+                return b
+        raise RuntimeError(f"tensor parallel: rank 0 replays a CUDA graph of {seqs}x{rows} this rank did not capture")
+
     def select(self, step: HostStep) -> Bucket | None:
         """The bucket that replays this step, or None (run it eagerly)."""
         if step.num_seqs == 0:
@@ -235,19 +242,23 @@ def _stage(b: InputBuffers, seqs: int, tokens: int, n: int, t: int) -> None:
         staged.to_device(count)
 
 
-def capture(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend,
+def wanted(config: ProfileSettings, device: torch.device, backend: AttentionBackend) -> bool:
+    """Whether an engine on `device` captures decode graphs (`capture` with CUDA's graphs)."""
+    return not config.enforce_eager and device.type == "cuda" and backend is AttentionBackend.TRITON
+
+
+def capture(config: ProfileSettings, runner: ModelRunner, backend: AttentionBackend,
             say: Callable[[str], None] = lambda _: None,
-            graph_factory: GraphFactory | None = None) -> DecodeGraphs | None:
+            graph_factory: GraphFactory | None = None, fallback: bool = True) -> DecodeGraphs | None:
     """Engine start: capture the runner's decode graphs and warm the kernels of eager steps;
     None when graphs are off (`enforce_eager`, no CUDA device, a backend that is not
-    graph-safe there). `graph_factory`: stand-in graphs (tests, on CPU)."""
+    graph-safe there). `graph_factory`: stand-in graphs (tests, on CPU).
+
+    Tensor-parallel ranks (workers/tp_follower.py) each capture the same buckets in the same order
+    (every warm-up and capture run makes the model's collectives, NCCL's inside the graphs), and
+    replay the bucket rank 0 names: a capture that fails fails the engine (`fallback` False), since
+    one rank falling back to eager alone would leave the ranks' collectives apart."""
     if config.enforce_eager:
-        return None
-    if runner.tp_group is not None:
-        # Capture (and the eager warm-up) runs forward passes whose collectives the follower ranks
-        # would have to mirror, and a replayed step is one they would have to replay alike: not built.
-        if runner.device.type == "cuda":
-            say("CUDA graphs with tensor-parallel ranks are not built yet: decode runs eagerly")
         return None
     if graph_factory is None:
         if runner.device.type != "cuda":
@@ -264,6 +275,8 @@ def capture(config: EngineConfig, runner: ModelRunner, backend: AttentionBackend
     try:
         seconds = graphs.capture()
     except Exception as e:  # noqa: BLE001 - a capture that fails leaves a working eager engine
+        if not fallback:
+            raise
         log.warning("CUDA graph capture failed, decode runs eagerly: %s: %s", type(e).__name__, e)
         say(f"CUDA graph capture failed ({type(e).__name__}: {e}); decode runs eagerly")
         if cuda:

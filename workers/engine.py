@@ -153,10 +153,12 @@ class LLMEngine:
         if self.tp_group is not None:
             self.runner.tp_group = self.tp_group
             self.tp_group.send_plan(Plan(self.num_kv_blocks, not config.enforce_eager and self.device.type == "cpu",
-                                         thread_counts, shared_kv=self._shared_kv is not None))
+                                         thread_counts, shared_kv=self._shared_kv is not None,
+                                         graphs=cuda_graphs.wanted(config, self.device, backend)))
         setup.compile_runner(config, self.runner, backend, self.max_model_len, thread_counts)
         setup.prepare_attention(config, backend, self.device)
-        self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg))
+        self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg),
+                                                 fallback=self.tp_group is None)
         self.stats = EngineStats()
         # Called on the engine thread after every step that ran the model; keep them cheap.
         self.step_observers: list[Callable[[StepStats], None]] = []
@@ -189,6 +191,8 @@ class LLMEngine:
         ranks' caches are out of reach (private: /dev/shm had no room; a torchrun's ranks)."""
         if self._shared_kv is not None:
             return self._shared_kv
+        if self.tp_group is not None and self.device.type == "cuda":  # the followers' over CUDA IPC
+            return self.tp_group.device_kv(self.kv_caches, self.full_model_config)
         if self.tp.size > 1:
             raise ValueError("KV transfer: this tensor-parallel engine's ranks keep private KV caches (no room in "
                              "/dev/shm for shared ones, or ranks started by torchrun): it cannot send or take KV")

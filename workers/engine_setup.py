@@ -217,7 +217,7 @@ def start_tp_group(config: EngineConfig, cfg: ModelConfig, model_dir: str, dtype
                         config.kv_cache_dtype, config.block_size, config.max_num_batched_tokens, config.seed,
                         # Shared-memory collectives are for CPU tensors; on GPUs NCCL reduces.
                         shm_slot_bytes=_shm_slot_bytes(config, cfg, size, dtype) if device.type == "cpu" else 0,
-                        profile=memory_plan.ProfileShape.of(config).encode() if measures else None)
+                        shape=memory_plan.ProfileShape.of(config).encode(), measure=measures)
     return TPGroup(size, spec)
 
 

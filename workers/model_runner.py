@@ -27,7 +27,7 @@ from pdserve.workers.spec.rejection import pad_drafts, unflatten_logits, verify
 from pdserve.workers.tp_group import StepInputs, TPGroup, TPGroupError, host_block_tables
 
 if TYPE_CHECKING:
-    from pdserve.workers.cuda_graphs import DecodeGraphs
+    from pdserve.workers.cuda_graphs import Bucket, DecodeGraphs
     from pdserve.workers.in_flight import TokenFeed
 
 SCORE_ROWS = 256  # prompt positions whose logits are computed at once (prompt_logprobs)
@@ -152,9 +152,10 @@ class ModelRunner:
             prompt_rows = self._prompt_logprob_rows(ordered, step.logit_rows)
             total_rows = step.logit_rows + sum(n for _, _, n in prompt_rows)
             idx = self.buf.logits_indices.to_device(total_rows)
+            bucket = self.graphs.select(step) if self.graphs is not None else None
             if self.tp_group is not None:  # the other ranks run this step's forward and logits with us
-                self._send_step(step, total_rows, [n for _, _, n in prompt_rows])
-            hidden = self._forward(step)  # fences the copies (end_step) before it queues the model
+                self._send_step(step, total_rows, [n for _, _, n in prompt_rows], bucket)
+            hidden = self.forward_step(step, bucket)  # fences the copies (end_step) before it queues the model
         except BaseException:
             self.buf.end_step()
             raise
@@ -209,9 +210,10 @@ class ModelRunner:
         self.grammar_mask_s += time.perf_counter() - start
         return masks
 
-    def _send_step(self, step: HostStep, total_rows: int, prompt_counts: list[int]) -> None:
-        """The step's inputs, from the host buffers `_fill` wrote, to the other ranks. Their
-        compute_logits calls follow `logit_calls`, as this rank's do (execute, `_score_prompts`)."""
+    def _send_step(self, step: HostStep, total_rows: int, prompt_counts: list[int], bucket: Bucket | None) -> None:
+        """The step's inputs, from the host buffers `_fill` wrote, to the other ranks, and the CUDA
+        graph that runs it (`bucket`; None: eager), which they replay too. Their compute_logits calls
+        follow `logit_calls`, as this rank's do (execute, `_score_prompts`)."""
         assert self.tp_group is not None and self._feed is None, "tensor parallelism runs synchronous steps"
         b, t, n = self.buf, step.num_tokens, step.num_seqs
         lens = b.seq_lens.np[:n]
@@ -219,12 +221,12 @@ class ModelRunner:
             b.input_ids.cpu[:t], b.positions.cpu[:t], b.slot_mapping.cpu[:t],
             host_block_tables(b.block_tables.np, lens, self.block_size), b.seq_lens.cpu[:n],
             b.query_start_loc.cpu[: n + 1], step.num_decode, b.logits_indices.cpu[:total_rows], step.logit_rows,
-            prompt_counts))
+            prompt_counts, (bucket.seqs, bucket.rows) if bucket is not None else None))
 
-    def _forward(self, step: HostStep) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] of the step whose inputs `_fill` wrote: replayed
-        from a CUDA graph when one fits the step, else run eagerly."""
-        bucket = self.graphs.select(step) if self.graphs is not None else None
+    def forward_step(self, step: HostStep, bucket: Bucket | None) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] of the step whose inputs are in the host buffers
+        (`_fill` wrote them; a follower rank, workers/tp_follower.py): replayed from the CUDA graph
+        `bucket` (`graphs.select`), else (None) run eagerly."""
         if bucket is not None:
             assert self.graphs is not None
             return self.graphs.replay(bucket, step)

@@ -14,22 +14,26 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from pdserve.kernels import cpu_decode
 from pdserve.kernels.backend_choice import AttentionBackend
-from pdserve.kernels.metadata import AttentionMetadata
-from pdserve.workers import memory_plan
+from pdserve.workers import cuda_graphs, memory_plan
+from pdserve.workers.buffers import InputBuffers
 from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.cache import allocate_kv_caches
+from pdserve.workers.kv.cache_manager import KVCacheManager
+from pdserve.workers.kv.cuda_ipc import export_cache, ipc_key
 from pdserve.workers.memory_plan import CudaMemoryProbe, MemoryProbe, ProfileShape
-from pdserve.workers.model.compiled import Forward, compile_forward
+from pdserve.workers.model.compiled import compile_forward
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.llama import LlamaForCausalLM
 from pdserve.workers.model.loader import load_model, resolve_dtype
 from pdserve.workers.model.shm_collectives import ShmCollectives
 from pdserve.workers.model.tensor_parallel import TensorParallel, shard_config
+from pdserve.workers.model_runner import SCORE_ROWS, HostStep, ModelRunner
 from pdserve.workers.tp_devices import group_backend, rank_device
 from pdserve.workers.tp_group import (
     _IDLE_LIMIT,
@@ -38,6 +42,7 @@ from pdserve.workers.tp_group import (
     FollowerSpec,
     Op,
     Plan,
+    StepInputs,
     exchange_memory,
     joining_key,
     logit_calls,
@@ -67,6 +72,22 @@ def measure_rank(shape: ProfileShape, probe: MemoryProbe | None, model: LlamaFor
     exchange_memory(memory_plan.measure(shape, probe, model, None, dtype, device, max_model_len))
 
 
+def stage_step(b: InputBuffers, s: StepInputs) -> HostStep:
+    """Write a step's inputs into the runner's host buffers, as rank 0's `_fill` did (block-table
+    columns past the step's longest sequence are left as they are: attention never reads them)."""
+    t, n = s.input_ids.numel(), s.seq_lens.numel()
+    b.begin_step()
+    b.input_ids.np[:t] = s.input_ids.numpy()
+    b.positions.np[:t] = s.positions.numpy()
+    b.slot_mapping.np[:t] = s.slot_mapping.numpy()
+    b.block_tables.np[:n, : s.block_tables.shape[1]] = s.block_tables.numpy()
+    b.seq_lens.np[:n] = s.seq_lens.numpy()
+    qsl = s.query_start_loc.numpy()
+    b.query_start_loc.np[: n + 1] = qsl
+    max_rows = int(np.diff(qsl).max()) if n else 0
+    return HostStep(t, n, s.num_decode, s.logit_rows, [], max_rows)
+
+
 def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     shm = None
     if spec.shm_path is not None:  # mapped before joining: rank 0 unlinks the file once all joined
@@ -84,11 +105,11 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     torch.manual_seed(spec.seed)
     full = ModelConfig.from_pretrained(spec.model_dir)
     # What others use of this rank's device, read before it holds anything (as rank 0's probe).
-    probe = CudaMemoryProbe(device) if spec.profile is not None and device.type == "cuda" else None
+    probe = CudaMemoryProbe(device) if spec.measure and device.type == "cuda" else None
     model = load_model(spec.model_dir, full, dtype, device, backend, spec.max_positions,
                        quantization=spec.quantization, tp=tp)
-    if spec.profile is not None:
-        measure_rank(ProfileShape.decode(spec.profile), probe, model, dtype, device, spec.max_positions)
+    if spec.measure:
+        measure_rank(ProfileShape.decode(spec.shape), probe, model, dtype, device, spec.max_positions)
     plan_msg = torch.zeros(HEADER, dtype=torch.int64)
     dist.broadcast(plan_msg, 0)
     plan = Plan.decode(plan_msg)
@@ -98,22 +119,29 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
         dist.barrier()  # mapped: rank 0 may remove the file
     else:
         kv_caches = allocate_kv_caches(shard_config(full, tp), plan.num_kv_blocks, spec.block_size, kv_dtype, device)
+        if device.type == "cuda":  # rank 0 opens it for the worker's KV transfers (workers/kv/cuda_ipc.py)
+            store.set(ipc_key(rank), export_cache(kv_caches))  # type: ignore[arg-type]  # bytes are taken as they are
     if plan.thread_counts:
         torch.set_num_threads(plan.thread_counts[0])
     if device.type == "cpu" and backend is AttentionBackend.TORCH and cpu_decode.enabled():
         cpu_decode.load()  # now, as rank 0 does, not in the first decode step (a first build takes ~20 s)
-    forward: Forward = model
+    shape = ProfileShape.decode(spec.shape)
+    # The runner rank 0 steps with, over this rank's shard: the same input buffers (made outside
+    # inference mode, as dynamo's guards on a compiled forward want), the same eager and replayed
+    # paths. It never schedules: no request's blocks are looked up here.
+    runner = ModelRunner(model, kv_caches, KVCacheManager(1, spec.block_size, enable_prefix_caching=False),
+                         spec.max_num_batched_tokens, shape.max_num_seqs, spec.max_positions, device)
     if plan.compile:  # the same warm-up as rank 0's: the same collectives, in the same order
         compiled = compile_forward(model, backend, kv_caches, spec.block_size,
                                    min(spec.max_num_batched_tokens, spec.max_positions), device,
                                    lambda msg: None, plan.thread_counts, fallback=False)
-        forward = compiled if compiled is not None else model
-    from pdserve.workers.model_runner import SCORE_ROWS
-
-    # Persistent input tensors, made outside inference mode like rank 0's buffers and the warm-up's
-    # inputs: dynamo guards on the difference, and inference tensors would recompile the graphs.
-    ids_buf = torch.zeros(spec.max_num_batched_tokens, dtype=torch.int64, device=device)
-    pos_buf = torch.zeros(spec.max_num_batched_tokens, dtype=torch.int64, device=device)
+        if compiled is not None:
+            runner.forward = compiled
+    if plan.graphs:  # rank 0's buckets, warm-up and captures, collective for collective
+        runner.graphs = cuda_graphs.capture(shape, runner, backend, fallback=False)
+        if runner.graphs is None:
+            raise RuntimeError(f"tensor parallel: rank 0 replays CUDA graphs, and rank {rank} on {device} "
+                               "captured none")
     first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
     with torch.inference_mode():
         while True:
@@ -125,16 +153,12 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
                 rest = torch.empty(n, dtype=torch.int64)
                 dist.broadcast(rest, 0)
             s = unpack_step(first, rest)
-            t = s.input_ids.numel()
-            ids, pos = ids_buf[:t], pos_buf[:t]
-            ids.copy_(s.input_ids)
-            pos.copy_(s.positions)
-            meta = AttentionMetadata(
-                slot_mapping=s.slot_mapping.to(device), block_tables=s.block_tables.to(device),
-                seq_lens=s.seq_lens.to(device), query_start_loc=s.query_start_loc.to(device),
-                num_decode_seqs=s.num_decode, seq_lens_np=s.seq_lens.numpy(),
-                query_start_loc_np=s.query_start_loc.numpy(), block_size=spec.block_size)
-            hidden = forward(ids, pos, meta, kv_caches)
+            bucket = None
+            if s.graph is not None:
+                if runner.graphs is None:
+                    raise RuntimeError(f"tensor parallel: rank 0 replays a CUDA graph, rank {rank} has none")
+                bucket = runner.graphs.bucket(*s.graph)
+            hidden = runner.forward_step(stage_step(runner.buf, s), bucket)
             idx = s.logits_indices.to(device)
             for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
                 model.compute_logits(hidden[idx[lo:hi]])

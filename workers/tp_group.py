@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from pdserve.workers.kv import shared_cache
 from pdserve.workers.kv.cache import DeviceMemory, tightest
-from pdserve.workers.kv.shared_cache import ShardedKV
+from pdserve.workers.kv.cuda_ipc import import_cache, ipc_key
+from pdserve.workers.kv.shared_cache import KVCaches, ShardedKV
 from pdserve.workers.model import shm_collectives
 from pdserve.workers.model.config import ModelConfig
 from pdserve.workers.model.shm_collectives import ShmCollectives
@@ -94,9 +95,12 @@ class FollowerSpec:
     # Where the ranks' KV caches will lie (workers/kv/shared_cache.py), made by rank 0 once it
     # sized the pool; the plan says whether it did.
     kv_path: str | None = None
-    # Where rank 0 sizes the KV pool from measured memory (GPUs): the profile steps' settings
-    # (memory_plan.ProfileShape.encode()); each rank measures its own device (`exchange_memory`).
-    profile: dict[str, Any] | None = None
+    # The engine's step shape (memory_plan.ProfileShape.encode()): what the profile steps and the
+    # CUDA graphs' buckets follow, alike on every rank.
+    shape: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Rank 0 sizes the KV pool from measured memory (GPUs): each rank runs the profile steps and
+    # measures its own device (`exchange_memory`).
+    measure: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,10 +112,13 @@ class Plan:
     compile: bool
     thread_counts: tuple[int, ...]
     shared_kv: bool = False  # the KV caches lie in the spec's `kv_path` (else each rank's own)
+    # Decode steps replay CUDA graphs (workers/cuda_graphs.py): every rank captures the same buckets,
+    # in the same order, with the same warm-up.
+    graphs: bool = False
 
     def encode(self) -> torch.Tensor:
-        words = [self.num_kv_blocks, int(self.compile), int(self.shared_kv), len(self.thread_counts),
-                 *self.thread_counts]
+        words = [self.num_kv_blocks, int(self.compile), int(self.shared_kv), int(self.graphs),
+                 len(self.thread_counts), *self.thread_counts]
         out = torch.zeros(HEADER, dtype=torch.int64)
         out[: len(words)] = torch.tensor(words, dtype=torch.int64)
         return out
@@ -119,7 +126,7 @@ class Plan:
     @classmethod
     def decode(cls, t: torch.Tensor) -> Plan:
         w = t.tolist()
-        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[4 : 4 + int(w[3])]), bool(w[2]))
+        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[5 : 5 + int(w[4])]), bool(w[2]), bool(w[3]))
 
 
 @dataclass
@@ -136,6 +143,9 @@ class StepInputs:
     logits_indices: torch.Tensor  # [rows] int64: the hidden rows the step's logits read
     logit_rows: int  # sampled and verified rows (the first of logits_indices)
     prompt_counts: list[int]  # prompt-logprob rows per request, after them
+    # The CUDA graph rank 0 replays the step from, as (sequences, rows) of its bucket (None: eager):
+    # every rank replays its own graph of that bucket, whose collectives pair with rank 0's.
+    graph: tuple[int, int] | None = None
 
 
 def logit_calls(logit_rows: int, prompt_counts: list[int], slice_rows: int) -> list[tuple[int, int]]:
@@ -160,7 +170,9 @@ def pack_step(s: StepInputs, first: torch.Tensor) -> torch.Tensor | None:
         s.input_ids, s.positions, s.slot_mapping, s.block_tables, s.seq_lens, s.query_start_loc, s.logits_indices,
         torch.tensor(s.prompt_counts, dtype=torch.int64))]
     n = sum(p.numel() for p in parts)
-    header = [Op.STEP, t, n_seqs, cols, s.num_decode, s.logits_indices.numel(), s.logit_rows, len(s.prompt_counts), n]
+    graph = s.graph or (0, 0)
+    header = [Op.STEP, t, n_seqs, cols, s.num_decode, s.logits_indices.numel(), s.logit_rows, len(s.prompt_counts), n,
+              *graph]
     first[: len(header)] = torch.tensor(header, dtype=torch.int64)
     if n <= INLINE:
         torch.cat(parts, out=first[HEADER : HEADER + n])
@@ -170,13 +182,13 @@ def pack_step(s: StepInputs, first: torch.Tensor) -> torch.Tensor | None:
 
 def unpack_step(first: torch.Tensor, rest: torch.Tensor | None) -> StepInputs:
     h = first[:HEADER].tolist()
-    t, n_seqs, cols, num_decode, rows, logit_rows, n_counts, n = (int(x) for x in h[1:9])
+    t, n_seqs, cols, num_decode, rows, logit_rows, n_counts, n, graph_seqs, graph_rows = (int(x) for x in h[1:11])
     payload = first[HEADER : HEADER + n] if rest is None else rest
     sizes = [t, t, t, n_seqs * cols, n_seqs, n_seqs + 1, rows, n_counts]
     ids, pos, slots, tables, lens, qsl, idx, counts = torch.split(payload, sizes)
     return StepInputs(ids.clone(), pos.clone(), slots.clone(), tables.reshape(n_seqs, cols).to(torch.int32),
                       lens.to(torch.int32), qsl.to(torch.int32), num_decode, idx.clone(), logit_rows,
-                      [int(c) for c in counts])
+                      [int(c) for c in counts], (graph_seqs, graph_rows) if graph_seqs else None)
 
 
 def needs_second(first: torch.Tensor) -> int:
@@ -213,7 +225,7 @@ class TPGroup:
                 args = json.dumps({"spec": asdict(spec), "rank": rank, "size": size, "store_port": store.port,
                                    "parent": os.getpid()})
                 self.procs.append(subprocess.Popen([sys.executable, "-m", "pdserve.workers.tp_follower", args]))
-            _wait_for_followers(store, self.procs)
+            _wait_for_keys(store, [joining_key(rank) for rank in range(1, size)], self.procs, "started")
             dist.init_process_group(group_backend(torch.device(spec.device)), store=store, rank=0, world_size=size,
                                     timeout=timeout)
         except BaseException:
@@ -223,6 +235,9 @@ class TPGroup:
         finally:
             if path is not None:  # every rank mapped it before joining (or failed): no file outlives the ranks
                 shm_collectives.unlink(path)
+        self._store = store
+        self._device_kv: ShardedKV | None = None
+        self._device_kv_lock = threading.Lock()
         _running["group"] = True
         if shm is not None:
             shm.alive = _Followers(self.procs).alive
@@ -249,6 +264,17 @@ class TPGroup:
         except BaseException:
             shm_collectives.unlink(path)
             raise
+
+    def device_kv(self, own: KVCaches, cfg: ModelConfig) -> ShardedKV:
+        """GPU ranks' caches as the full model's heads, from here: rank 0's `own`, and each
+        follower's opened over CUDA IPC (workers/kv/cuda_ipc.py) on first call, once all have set
+        theirs in the store (each does once it allocated it)."""
+        with self._device_kv_lock:
+            if self._device_kv is None:
+                keys = [ipc_key(rank) for rank in range(1, self.tp.size)]
+                _wait_for_keys(self._store, keys, self.procs, "shared their KV caches")
+                self._device_kv = ShardedKV.of_ranks([own, *(import_cache(self._store.get(k)) for k in keys)], cfg)
+            return self._device_kv
 
     def tightest_memory(self, mine: DeviceMemory, gpu_memory_utilization: float) -> DeviceMemory:
         """What the KV pool is planned from: of every rank's measured memory (each followed rank 0's
@@ -415,18 +441,17 @@ def joining_key(rank: int) -> str:
     return f"pdserve/joining/{rank}"
 
 
-def _wait_for_followers(store: Any, procs: list[subprocess.Popen[bytes]]) -> None:
-    """Wait until every follower is up (its key in the store), for JOIN_TIMEOUT_S at most, and
-    fail at once if one exits first: a follower that died starting (OOM-killed importing torch,
-    a crash) left rank 0 in the group's rendezvous for the whole JOIN_TIMEOUT_S."""
+def _wait_for_keys(store: Any, keys: list[str], procs: list[subprocess.Popen[bytes]], what: str) -> None:
+    """Wait until the followers set `keys` in the store (`what` they did), for JOIN_TIMEOUT_S at
+    most, and fail at once if one exits first: a follower that died starting (OOM-killed importing
+    torch, a crash) left rank 0 in the group's rendezvous for the whole JOIN_TIMEOUT_S."""
     deadline = time.monotonic() + JOIN_TIMEOUT_S
-    keys = [joining_key(rank) for rank in range(1, len(procs) + 1)]
     while not store.check(keys):
         for rank, p in enumerate(procs, start=1):
             if p.poll() is not None:
-                raise RuntimeError(f"tensor parallel: rank {rank} exited with {p.returncode} before it joined")
+                raise RuntimeError(f"tensor parallel: rank {rank} exited with {p.returncode} before it {what}")
         if time.monotonic() > deadline:
-            raise TimeoutError(f"tensor parallel: the followers did not start within {JOIN_TIMEOUT_S:g} s")
+            raise TimeoutError(f"tensor parallel: the followers had not {what} within {JOIN_TIMEOUT_S:g} s")
         time.sleep(0.05)
 
 

@@ -335,21 +335,21 @@ def test_the_wait_for_workers_at_a_start_is_the_operators_to_set(monkeypatch: py
     assert waits == [waited]
 
 
-@pytest.mark.parametrize("settings", [{"tensor_parallel_size": 2}, {"decode_tp": 2}])
-def test_disaggregated_tensor_parallel_workers_on_a_gpu_cluster_are_refused_before_any_is_created(
-        monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any]) -> None:
-    """GPU ranks keep their KV in their own devices' memory, which no KV transfer reads yet: a
-    disaggregated cluster of such workers cannot hand KV over. `--device auto` (the default) names
-    no cuda for the config to refuse; on a cluster with GPUs it is refused before any worker is
-    created, naming the setting and what serves (colocated; `--device cpu` as before)."""
+@pytest.mark.parametrize(("settings", "gpus"), [({"tensor_parallel_size": 2}, [2.0, 2.0]),
+                                               ({"decode_tp": 2}, [1.0, 2.0]), ({"prefill_tp": 4}, [4.0, 1.0])])
+def test_disaggregated_workers_ask_ray_for_a_gpu_a_rank_of_their_pool(
+        monkeypatch: pytest.MonkeyPatch, settings: dict[str, Any], gpus: list[float]) -> None:
+    """Each pool's workers ask for as many GPUs as their pool's ranks (prefill, then decode); the
+    same settings on CPU workers (`device: cpu`) of a GPU cluster hold no GPU."""
     from pdserve.cluster.serve_config import serve_config
 
-    made, options = _fake_actors(monkeypatch)
-    cfg = serve_config({"model": "/models/x", **settings}).fit_to_cluster(lambda: 2.0)
-    with pytest.raises(ValueError, match=r"^tensor_parallel_size: GPU workers of more than one rank serve colocated"):
-        worker_start.create_workers(cfg)
-    assert made == []
-    # The same settings on CPU workers (`device: cpu`) of that cluster are created, on CPU shares.
+    made, options = _fake_actors(monkeypatch, gpus=8.0)
+    cfg = serve_config({"model": "/models/x", **settings}).fit_to_cluster(lambda: 8.0)
+    worker_start.create_workers(cfg)
+    assert made == cfg.worker_names() and [o.get("num_gpus") for o in options] == gpus
+    assert cfg.worker_gpus() == sum(gpus)
+    made.clear()
+    options.clear()
     cpu = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, device="cpu"))
     worker_start.create_workers(cpu)
     assert made == cpu.worker_names()

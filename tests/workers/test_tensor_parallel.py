@@ -3,9 +3,7 @@ tokens and logits of the whole model, on gloo across processes, and every rank t
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import socket
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from factories import tiny_spec
+from spawned_ranks import spawn_ranks
 
 from pdserve import LLM, SamplingParams
 from pdserve.workers.model.config import ModelConfig
@@ -54,7 +53,7 @@ def _generate(llm: LLM) -> list[tuple[list[int], list[dict[int, float]] | None]]
             for o in outs]
 
 
-def _rank(rank: int, size: int, port: int, model_dir: str, results: Any, eager: bool) -> None:
+def _rank(rank: int, port: int, results: Any, size: int, model_dir: str, eager: bool) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -69,35 +68,9 @@ def _rank(rank: int, size: int, port: int, model_dir: str, results: Any, eager: 
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def run_ranks(model_dir: Path, size: int, eager: bool = True) -> dict[int, tuple[tuple[int, int, bool], Any]]:
+def run_ranks(model_dir: Path, size: int, eager: bool = True) -> dict[int, tuple[Any, ...]]:
     """Each rank's ((query heads, KV heads, compiled), outputs), the ranks in processes of their own."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, str(model_dir), results, eager), daemon=True)
-             for r in range(size)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[tuple[int, int, bool], Any]] = {}
-    try:
-        for _ in range(size):
-            rank, shape, outs = results.get(timeout=_TIMEOUT_S)
-            got[rank] = (shape, outs)
-    except queue.Empty:
-        pytest.fail(f"tensor parallel: {size - len(got)} of {size} ranks returned nothing in {_TIMEOUT_S} s")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    return got
+    return spawn_ranks(_rank, size, _TIMEOUT_S, size, str(model_dir), eager)
 
 
 def _check_parity(got: list[Any], whole: list[Any]) -> None:
@@ -339,8 +312,8 @@ def test_more_than_one_rank_without_a_process_group_is_a_clear_error() -> None:
 
 def test_a_served_cluster_takes_a_tensor_parallel_size_per_pool() -> None:
     """--prefill-tp / --decode-tp by pool, --tensor-parallel-size for both; what cannot be served
-    yet (GPU ranks in disaggregated pools, ranks that lend cores or take turns, per-pool sizes in a
-    colocated cluster) is refused by name before any worker starts."""
+    yet (ranks that lend cores or take turns, per-pool sizes in a colocated cluster) is refused by
+    name before any worker starts."""
     from pdserve.cluster.serve_config import serve_config
 
     cfg = serve_config({"model": "tiny", "prefill_tp": 2})
@@ -348,13 +321,12 @@ def test_a_served_cluster_takes_a_tensor_parallel_size_per_pool() -> None:
     cfg = serve_config({"model": "tiny", "tensor_parallel_size": 2, "decode_tp": 1})
     assert (cfg.pool_tp("prefill"), cfg.pool_tp("decode")) == (2, 1)
     assert serve_config({"model": "tiny", "mode": "colocated", "tensor_parallel_size": 2}).pool_tp("worker") == 2
-    # GPU ranks serve colocated (NCCL); a disaggregated pool of them is refused below.
+    # GPU ranks (NCCL; untested on GPUs), colocated and per pool.
     assert serve_config({"model": "tiny", "mode": "colocated", "tensor_parallel_size": 2,
                          "device": "cuda"}).pool_tp("worker") == 2
+    assert serve_config({"model": "tiny", "prefill_tp": 2, "device": "cuda"}).pool_tp("prefill") == 2
     for bad, match in (({"mode": "colocated", "decode_tp": 2}, "decode_tp: disaggregated mode only"),
                        ({"decode_tp": 2, "cpu_sharing": "turns"}, "cpu_sharing"),
-                       ({"prefill_tp": 2, "device": "cuda"}, "tensor_parallel_size: GPU workers of more than one "
-                                                               "rank serve colocated only"),
                        ({"decode_tp": 0}, "decode_tp")):
         with pytest.raises(ValueError, match=match):
             serve_config({"model": "tiny", **bad})

@@ -5,10 +5,11 @@ itself has not run: no machine with two GPUs has been lent (docs/tensor-parallel
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
-import multiprocessing as mp
-import queue
-import socket
+import functools
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 from factories import tiny_spec
+from spawned_ranks import spawn_ranks
 from test_memory_plan import FakeProbe, MiB
 
 from pdserve.kernels.backend_choice import AttentionBackend
@@ -76,25 +78,81 @@ def test_a_gpu_engine_starts_its_ranks_without_host_collectives_and_with_the_pro
                                        torch.device("cuda"), AttentionBackend.TRITON, 128, None, measures) == "group"
     (size, spec), = started
     assert (size, spec.device, spec.shm_slot_bytes, current) == (2, "cuda", 0, [torch.device("cuda", 0)])
-    assert spec.profile == (ProfileShape.of(config).encode() if measures else None)
-    if measures:  # the verify step is profiled on every rank alike
-        assert ProfileShape.decode(spec.profile).num_speculative_tokens == 3
+    assert (spec.shape, spec.measure) == (ProfileShape.of(config).encode(), measures)
+    assert ProfileShape.decode(spec.shape).num_speculative_tokens == 3  # verify steps and buckets alike
     assert tp_group.shared_kv_path(torch.device("cuda")) is None  # a GPU rank's KV is its own device's
     assert tp_group.shared_kv_path(CPU) is not None or not tp_group.shm_collectives.supported()
 
 
-def test_cuda_graphs_are_not_captured_for_an_engine_with_ranks() -> None:
-    """Capture runs forward passes the followers would have to mirror collective for collective:
-    with ranks, decode runs eagerly (and nothing is captured or run here)."""
-    class Runner:
-        tp_group = object()
-        device = CPU
+def test_ranks_replay_the_graph_rank_0_names(make_model: Callable[[TinyModelSpec], Path],
+                                             monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """CUDA graphs with the all-reduce inside, on CPU's stand-in graphs: rank 0 and its follower (a
+    process of its own, tp_follower's code) capture the same buckets with the same warm-up, each
+    step's message names the bucket rank 0 replays and the follower replays its own, padding
+    included; the tokens and logprobs are one eager rank's. Through gloo, as NCCL, which (unlike
+    the shared-memory rounds) fail when the ranks reduce tensors of different sizes."""
+    from test_cuda_graphs import SPEC, FakeGraph, assert_same, make_llm, prompts, run
 
-    def factory() -> Any:
-        raise AssertionError("a graph was made")
+    from pdserve.workers.model import shm_collectives
 
-    config = EngineConfig(model="tiny", enforce_eager=False)
-    assert cuda_graphs.capture(config, Runner(), AttentionBackend.TRITON, graph_factory=factory) is None  # type: ignore[arg-type]
+    model_dir = make_model(SPEC)
+    want = run(make_llm(model_dir, enforce_eager=True), prompts(3))
+    replay_log = tmp_path / "replays"
+    monkeypatch.setenv("PDSERVE_TEST_REPLAY_LOG", str(replay_log))
+    monkeypatch.setattr(shm_collectives, "supported", lambda: False)
+    monkeypatch.setattr(cuda_graphs, "wanted", lambda *args: True)
+    monkeypatch.setattr(cuda_graphs, "capture", functools.partial(cuda_graphs.capture, graph_factory=FakeGraph))
+    popen = subprocess.Popen
+
+    def follower_with_stand_ins(args: list[str], **kwargs: Any) -> Any:
+        if args[1:3] == ["-m", "pdserve.workers.tp_follower"]:
+            args = [args[0], str(Path(__file__).with_name("graph_follower_proc.py")), *args[3:]]
+        return popen(args, **kwargs)
+
+    monkeypatch.setattr(tp_group.subprocess, "Popen", follower_with_stand_ins)
+    llm = make_llm(model_dir, tensor_parallel_size=2, enforce_eager=False)
+    try:
+        graphs = llm.engine.runner.graphs
+        assert graphs is not None
+        assert_same(run(llm, prompts(3)), want)
+        replayed = [b.seqs for b in graphs.decode if b.replays]
+        assert replayed and max(replayed) > 1  # batches padded up to their bucket, on both ranks
+        by_bucket = {f"{b.seqs}x{b.rows}": b.replays for b in graphs.decode + graphs.verify if b.replays}
+        assert collections.Counter(replay_log.read_text().split()) == by_bucket  # the follower's, the same
+    finally:
+        llm.close()
+
+
+def test_a_step_message_names_the_graph_that_runs_it() -> None:
+    three = torch.arange(3)
+    inputs = tp_group.StepInputs(three, three, three, torch.zeros(3, 1, dtype=torch.int32),
+                                 torch.ones(3, dtype=torch.int32), torch.arange(4, dtype=torch.int32), 3, three, 3, [],
+                                 graph=(4, 1))
+    first = torch.zeros(tp_group.HEADER + tp_group.INLINE, dtype=torch.int64)
+    assert tp_group.pack_step(inputs, first) is None
+    assert tp_group.unpack_step(first, None).graph == (4, 1)
+    assert tp_group.unpack_step(first, None).input_ids.tolist() == [0, 1, 2]
+    assert tp_group.pack_step(dataclasses.replace(inputs, graph=None), first) is None
+    assert tp_group.unpack_step(first, None).graph is None
+    plan = tp_group.Plan(64, True, (2, 1), shared_kv=True, graphs=True)
+    assert tp_group.Plan.decode(plan.encode()) == plan
+
+
+def test_a_gpu_ranks_cache_is_shared_as_its_one_allocation() -> None:
+    """What a follower exports over CUDA IPC is the one tensor under its cache (allocate_kv_caches's
+    layout); a cache of other tensors, or one in host memory, is refused by name."""
+    from pdserve.workers.kv import cuda_ipc
+
+    full = torch.zeros(3, 2, 8, 4, 2, 16)
+    caches = [(full[i, 0], full[i, 1]) for i in range(3)]
+    assert cuda_ipc.whole(caches) is full
+    with pytest.raises(ValueError, match="only a CUDA cache"):
+        cuda_ipc.export_cache(caches)
+    with pytest.raises(ValueError, match="not one allocation"):
+        cuda_ipc.whole([(torch.zeros(8, 4, 2, 16), torch.zeros(8, 4, 2, 16))])
+    with pytest.raises(ValueError, match="not one allocation"):
+        cuda_ipc.whole(caches[:2])
+    assert cuda_ipc.ipc_key(1) != cuda_ipc.ipc_key(2) != tp_group.joining_key(2)
 
 
 def test_the_pool_is_planned_from_the_rank_that_has_least_room() -> None:
@@ -128,7 +186,7 @@ _FIGURES = [dict(total=64 * MiB, used_at_start=16 * MiB, weights=8 * MiB, activa
 _TIMEOUT_S = 120
 
 
-def _measure_on_rank(rank: int, port: int, model_dir: str, results: Any) -> None:
+def _measure_on_rank(rank: int, port: int, results: Any, model_dir: str) -> None:
     """Rank 0 as the engine plans (its profile, then the tightest of every rank's memory); rank 1 as
     a follower does (tp_follower.measure_rank), each on its shard with its device's (fake) probe."""
     import torch.distributed as dist
@@ -161,26 +219,7 @@ def test_every_rank_runs_the_profile_in_step_and_the_tightest_plans(
     and verify steps, each with its all-reduces and logits gather, on two processes over gloo);
     then every rank's measured memory reaches rank 0, which plans from the rank with least room."""
     model_dir = str(make_model(tiny_spec(Arch.LLAMA, num_heads=4, num_kv_heads=2)))
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_measure_on_rank, args=(r, port, model_dir, results), daemon=True) for r in (0, 1)]
-    for p in procs:
-        p.start()
-    got: dict[int, tuple[int, DeviceMemory | None]] = {}
-    try:
-        for _ in procs:
-            rank, steps, plan = results.get(timeout=_TIMEOUT_S)
-            got[rank] = (steps, plan)
-    except queue.Empty:
-        pytest.fail(f"the ranks' profiles did not finish in {_TIMEOUT_S} s (their collectives did not pair up)")
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
+    got = spawn_ranks(_measure_on_rank, 2, _TIMEOUT_S, model_dir)  # fails the test at the deadline
     assert got[0][0] == got[1][0] == 2  # each rank measured a prefill and a verify step
     assert got[0][1] == DeviceMemory(total=64 * MiB, used_by_others=24 * MiB, weights=8 * MiB,
                                      activations=4 * MiB, non_torch=MiB)

@@ -45,9 +45,10 @@ REQUEST_TIMEOUT_S = 60.0
 def _split(full: list[tuple[torch.Tensor, torch.Tensor]], size: int, kv_heads: int) -> ShardedKV:
     """`full` (per layer K, V with every head) as `size` ranks would hold it."""
     cfg: Any = SimpleNamespace(num_kv_heads=kv_heads)  # all that kv_heads reads
-    heads = tuple(TensorParallel(size, r).kv_heads(cfg) for r in range(size))
-    ranks = tuple([(k[:, :, f : f + n].clone(), v[:, :, f : f + n].clone()) for k, v in full] for f, n in heads)
-    return ShardedKV(ranks, heads, kv_heads)
+    heads = [TensorParallel(size, r).kv_heads(cfg) for r in range(size)]
+    # Each rank's own cache, as GPU ranks' are (ShardedKV.of_ranks; CPU engines map one shared file).
+    return ShardedKV.of_ranks([[(k[:, :, f : f + n].clone(), v[:, :, f : f + n].clone()) for k, v in full]
+                               for f, n in heads], cfg)
 
 
 @pytest.mark.parametrize("size, kv_heads", [(2, 2), (2, 4), (2, 1), (4, 2)])

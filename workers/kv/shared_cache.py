@@ -19,7 +19,8 @@ replicated KV heads included (a head that several ranks hold is read from one, w
 Costs: the pages are the file system's (tmpfs): 4 KiB pages unless the node's shmem THP setting
 allows larger, where the private cache gets 2 MiB pages; and the file needs room in /dev/shm
 (else the ranks keep private caches and the worker cannot take part in KV transfers).
-CPU only for now; on GPUs the same layout would map the other ranks' memory over CUDA IPC.
+On GPUs each rank's cache is its own device's memory, and rank 0 opens the others' over CUDA IPC
+(workers/kv/cuda_ipc.py): the same `ShardedKV`, its copies device to device (untested on GPUs).
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ class ShardedKV:
         return cls(tuple(map_part(path, cfg, tp, num_blocks, block_size, dtype, raw) for tp in ranks),
                    tuple(tp.kv_heads(cfg) for tp in ranks), cfg.num_kv_heads)
 
+    @classmethod
+    def of_ranks(cls, caches: Sequence[KVCaches], cfg: ModelConfig) -> ShardedKV:
+        """Every rank's cache, given (GPU ranks: rank 0's own and the others' opened over CUDA IPC,
+        workers/kv/cuda_ipc.py)."""
+        size = len(caches)
+        return cls(tuple(caches), tuple(TensorParallel(size, r).kv_heads(cfg) for r in range(size)), cfg.num_kv_heads)
+
     def block_shape(self) -> tuple[int, int, int, int]:
         """(num_blocks, block_size, KV heads of the full model, head_dim)."""
         nb, bs, _, hd = self.ranks[0][0][0].shape
@@ -113,17 +121,32 @@ class ShardedKV:
         for r in self._owners():
             first, n = self.heads[r]
             for cache, out in zip(self.ranks[r][layer], (k_out, v_out), strict=True):
-                part = cache[idx] if isinstance(idx, slice) else cache.index_select(0, idx)
-                out[:, :, first : first + n].copy_(part)
+                part = cache[idx] if isinstance(idx, slice) else cache.index_select(0, idx.to(cache.device))
+                out[:, :, first : first + n].copy_(part)  # from another GPU: a device-to-device copy
 
     def scatter_from(self, layer: int, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         """Write full-head K and V bytes (uint8 [n, bs, heads, hd * itemsize]: a received frame, read
-        only) into `block_ids` of `layer` on every rank (numpy: it copies from a read-only buffer)."""
+        only) into `block_ids` of `layer` on every rank (numpy for host caches: it copies from a
+        read-only buffer). GPU ranks' copies are waited for here: the other ranks are processes of
+        their own, which no stream event of this one orders."""
         idx = _index(block_ids)
         rows = idx if isinstance(idx, slice) else idx.numpy()
+        devices: set[torch.device] = set()
         for r, (first, n) in enumerate(self.heads):
             for cache, src in zip(self.ranks[r][layer], (k, v), strict=True):
-                cache.view(torch.uint8).numpy()[rows] = src[:, :, first : first + n]
+                part = src[:, :, first : first + n]
+                if cache.device.type == "cpu":
+                    cache.view(torch.uint8).numpy()[rows] = part
+                    continue
+                dst = cache.view(torch.uint8)
+                t = torch.from_numpy(np.require(part, requirements=["C", "W"])).to(cache.device)
+                if isinstance(idx, slice):
+                    dst[idx].copy_(t)
+                else:
+                    dst.index_copy_(0, idx.to(cache.device), t)
+                devices.add(cache.device)
+        for device in devices:
+            torch.cuda.synchronize(device)
 
 
 def _index(block_ids: Sequence[int]) -> slice | torch.Tensor:

@@ -136,13 +136,22 @@ def gather(kv_caches: KVCaches, layer: int, block_ids: Sequence[int],
 def _gather_sharded(kv: ShardedKV, layer: int, block_ids: Sequence[int],
                     out: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
     """`gather` of a tensor-parallel engine's ranks' caches: each frame holds the full heads."""
+    n = len(block_ids)
+    if out is None:
+        out = torch.empty(frame_bytes(CacheGeometry.of(kv), n), dtype=torch.uint8)
+    filled = gather_sharded(kv, layer, block_ids, out)
+    half = filled.numel() // 2
+    return filled[:half].numpy(), filled[half:].numpy()
+
+
+def gather_sharded(kv: ShardedKV, layer: int, block_ids: Sequence[int], out: torch.Tensor) -> torch.Tensor:
+    """K then V of `block_ids` of `layer`, the full heads of every rank's cache, into the flat uint8
+    `out` (host memory, or a device's: a transport's staging); returns the filled prefix."""
     geometry = CacheGeometry.of(kv)
     n, per = len(block_ids), len(block_ids) * geometry.block_bytes
-    if out is None:
-        out = torch.empty(2 * per, dtype=torch.uint8)
     k_out, v_out = (out[i * per : (i + 1) * per].view(geometry.dtype).view(n, *geometry.block_shape) for i in (0, 1))
     kv.gather_into(layer, block_ids, k_out, v_out)
-    return out[:per].numpy(), out[per : 2 * per].numpy()
+    return out[: 2 * per]
 
 
 def cache_frames(kv_caches: KVCaches, layer: int, block_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray] | None:

@@ -177,9 +177,8 @@ def gather(kv_caches: KVCaches, geometry: CacheGeometry, layer: int, block_ids: 
     `index_select(out=)` straight into staging (NCCL: on the device; gloo: into host memory)."""
     n = len(block_ids)
     per = frames.frame_bytes(geometry, n) // 2
-    if isinstance(kv_caches, ShardedKV):  # a tensor-parallel engine's ranks (host memory): full heads, interleaved
-        frames.gather(kv_caches, layer, block_ids, out=staging)
-        return staging[: 2 * per]
+    if isinstance(kv_caches, ShardedKV):  # a tensor-parallel engine's ranks: full heads, interleaved
+        return frames.gather_sharded(kv_caches, layer, block_ids, staging)
     for i, cache in enumerate(kv_caches[layer]):
         dst = staging[i * per : (i + 1) * per].view(cache.dtype).view(n, *geometry.block_shape)
         frames.select_into(cache, block_ids, dst)
