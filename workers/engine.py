@@ -154,7 +154,8 @@ class LLMEngine:
             self.runner.tp_group = self.tp_group
             self.tp_group.send_plan(Plan(self.num_kv_blocks, not config.enforce_eager and self.device.type == "cpu",
                                          thread_counts, shared_kv=self._shared_kv is not None,
-                                         graphs=cuda_graphs.wanted(config, self.device, backend)))
+                                         graphs=cuda_graphs.wanted(config, self.device, backend),
+                                         max_model_len=self.max_model_len))
         setup.compile_runner(config, self.runner, backend, self.max_model_len, thread_counts)
         setup.prepare_attention(config, backend, self.device)
         self.runner.graphs = cuda_graphs.capture(config, self.runner, backend, lambda msg: setup.log(config, msg),

@@ -129,11 +129,12 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     # The runner rank 0 steps with, over this rank's shard: the same input buffers (made outside
     # inference mode, as dynamo's guards on a compiled forward want), the same eager and replayed
     # paths. It never schedules: no request's blocks are looked up here.
+    max_model_len = plan.max_model_len or spec.max_positions
     runner = ModelRunner(model, kv_caches, KVCacheManager(1, spec.block_size, enable_prefix_caching=False),
-                         spec.max_num_batched_tokens, shape.max_num_seqs, spec.max_positions, device)
+                         spec.max_num_batched_tokens, shape.max_num_seqs, max_model_len, device)
     if plan.compile:  # the same warm-up as rank 0's: the same collectives, in the same order
         compiled = compile_forward(model, backend, kv_caches, spec.block_size,
-                                   min(spec.max_num_batched_tokens, spec.max_positions), device,
+                                   min(spec.max_num_batched_tokens, max_model_len), device,
                                    lambda msg: None, plan.thread_counts, fallback=False)
         if compiled is not None:
             runner.forward = compiled

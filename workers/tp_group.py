@@ -115,9 +115,13 @@ class Plan:
     # Decode steps replay CUDA graphs (workers/cuda_graphs.py): every rank captures the same buckets,
     # in the same order, with the same warm-up.
     graphs: bool = False
+    # The context the engine serves, which the plan may have lowered from the spec's (a KV pool
+    # that cannot hold the model's own): a follower's runner sizes its block tables by it, as rank
+    # 0's does (a CUDA graph's host plans are bounded by their width). 0: the spec's.
+    max_model_len: int = 0
 
     def encode(self) -> torch.Tensor:
-        words = [self.num_kv_blocks, int(self.compile), int(self.shared_kv), int(self.graphs),
+        words = [self.num_kv_blocks, int(self.compile), int(self.shared_kv), int(self.graphs), self.max_model_len,
                  len(self.thread_counts), *self.thread_counts]
         out = torch.zeros(HEADER, dtype=torch.int64)
         out[: len(words)] = torch.tensor(words, dtype=torch.int64)
@@ -126,7 +130,8 @@ class Plan:
     @classmethod
     def decode(cls, t: torch.Tensor) -> Plan:
         w = t.tolist()
-        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[5 : 5 + int(w[4])]), bool(w[2]), bool(w[3]))
+        return cls(int(w[0]), bool(w[1]), tuple(int(x) for x in w[6 : 6 + int(w[5])]), bool(w[2]), bool(w[3]),
+                   int(w[4]))
 
 
 @dataclass

@@ -134,7 +134,7 @@ def test_a_step_message_names_the_graph_that_runs_it() -> None:
     assert tp_group.unpack_step(first, None).input_ids.tolist() == [0, 1, 2]
     assert tp_group.pack_step(dataclasses.replace(inputs, graph=None), first) is None
     assert tp_group.unpack_step(first, None).graph is None
-    plan = tp_group.Plan(64, True, (2, 1), shared_kv=True, graphs=True)
+    plan = tp_group.Plan(64, True, (2, 1), shared_kv=True, graphs=True, max_model_len=640)
     assert tp_group.Plan.decode(plan.encode()) == plan
 
 
