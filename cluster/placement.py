@@ -273,6 +273,17 @@ def pool_options(options: ActorOptions, tp: int) -> ActorOptions:
     return options.copy()
 
 
+def check_ranks_fit(tp_sizes: Mapping[str, int], nodes: list[dict[str, Any]]) -> None:
+    """ValueError naming the pool whose worker needs more GPUs (a rank each) than any live node of
+    the cluster has (`nodes`: `ray.nodes()`): an actor lies on one node, and Ray would keep it
+    pending until the start's deadline."""
+    most = max((n.get("Resources", {}).get("GPU", 0) for n in nodes if n.get("Alive")), default=0)
+    for pool, tp in tp_sizes.items():
+        if tp > most:
+            raise ValueError(f"tensor_parallel_size: a {pool} worker of {tp} ranks needs {tp} GPUs on one node, "
+                             f"and no node of this Ray cluster has more than {most:g}")
+
+
 def with_resources(options: ActorOptions, resources: Mapping[str, float] | None) -> ActorOptions:
     """Ray actor `options` that also require a pool's custom `resources` (None: none)."""
     return {**options, "resources": dict(resources)} if resources else options.copy()

@@ -12,7 +12,14 @@ from typing import Any
 
 import ray
 
-from pdserve.cluster.placement import COLOCATED_PLANE_CORES, WorkerShare, pool_options, with_resources, worker_share
+from pdserve.cluster.placement import (
+    COLOCATED_PLANE_CORES,
+    WorkerShare,
+    check_ranks_fit,
+    pool_options,
+    with_resources,
+    worker_share,
+)
 from pdserve.cluster.reports import WorkerInfo
 from pdserve.cluster.serve_config import ServeConfig, ServingMode
 from pdserve.workers.config import EngineConfig
@@ -158,6 +165,9 @@ def create_workers(cfg: ServeConfig) -> list[Any]:
     colocated = cfg.mode is ServingMode.COLOCATED
     share = worker_share(cfg.engine.device, cfg.num_workers, ray.cluster_resources(), cfg.cpu_sharing,
                          plane_cores=COLOCATED_PLANE_CORES if colocated else 0)
+    if "num_gpus" in share.options:  # a GPU a rank, all of a worker's on one node
+        check_ranks_fit({pool: cfg.pool_tp(pool) for pool in (("worker",) if colocated else ("prefill", "decode"))},
+                        ray.nodes())
     engine = cfg.engine
     if share.turns:  # one lock file per app and node: the app's port tells two apps on one machine apart
         engine = dataclasses.replace(engine, cpu_turns=turns_path(f"{NAMESPACE}-{cfg.port}"))

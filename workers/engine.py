@@ -90,10 +90,10 @@ class LLMEngine:
         caller_threads = torch.get_num_threads()
         try:
             self._build(config)
-        except BaseException:
+        except BaseException as e:
             # Ranks started for an engine that failed to start: stopped now, not when the
             # traceback lets go of this object (a retry would find their group still up).
-            self.close()
+            self._abandon(e)
             raise
         finally:
             torch.set_num_threads(caller_threads)
@@ -198,6 +198,13 @@ class LLMEngine:
             raise ValueError("KV transfer: this tensor-parallel engine's ranks keep private KV caches (no room in "
                              "/dev/shm for shared ones, or ranks started by torchrun): it cannot send or take KV")
         return self.kv_caches
+
+    def _abandon(self, error: BaseException) -> None:
+        """A start that failed: its ranks killed, not told to stop, since they may wait in a
+        start-up collective (a graph's capture) this rank never reached."""
+        if self.tp_group is not None:
+            self.tp_group.mark_broken(error)
+        self.close()
 
     def close(self) -> None:
         """Stop this engine's other tensor-parallel ranks, if it started any (idempotent). Nothing

@@ -82,6 +82,7 @@ def stage_step(b: InputBuffers, s: StepInputs) -> HostStep:
     b.slot_mapping.np[:t] = s.slot_mapping.numpy()
     b.block_tables.np[:n, : s.block_tables.shape[1]] = s.block_tables.numpy()
     b.seq_lens.np[:n] = s.seq_lens.numpy()
+    b.logits_indices.np[: s.logits_indices.numel()] = s.logits_indices.numpy()
     qsl = s.query_start_loc.numpy()
     b.query_start_loc.np[: n + 1] = qsl
     max_rows = int(np.diff(qsl).max()) if n else 0
@@ -159,8 +160,11 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
                 if runner.graphs is None:
                     raise RuntimeError(f"tensor parallel: rank 0 replays a CUDA graph, rank {rank} has none")
                 bucket = runner.graphs.bucket(*s.graph)
-            hidden = runner.forward_step(stage_step(runner.buf, s), bucket)
-            idx = s.logits_indices.to(device)
+            step = stage_step(runner.buf, s)
+            # Staged with the step's inputs (pinned on a GPU): no host sync between the forward
+            # pass and the logits' gather, as on rank 0.
+            idx = runner.buf.logits_indices.to_device(s.logits_indices.numel())
+            hidden = runner.forward_step(step, bucket)
             for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
                 model.compute_logits(hidden[idx[lo:hi]])
     dist.destroy_process_group()

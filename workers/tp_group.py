@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from enum import IntEnum
 from typing import Any
@@ -246,7 +247,7 @@ class TPGroup:
         _running["group"] = True
         if shm is not None:
             shm.alive = _Followers(self.procs).alive
-        self._watch = _StoppedWatch(self.procs)
+        self._watch = _StoppedWatch(self.procs, _abort_nccl if torch.device(spec.device).type == "cuda" else None)
         self.tp = TensorParallel(size, 0, shm=shm)
         self._first = torch.zeros(HEADER + INLINE, dtype=torch.int64)  # each step's first message
         self.broken: BaseException | None = None  # why the group can run no more steps
@@ -398,25 +399,46 @@ class _StoppedWatch:
     stopped follower held it for the group's timeout (120 s), where the shared-memory waits give
     up after STOPPED_GRACE_S. So while rank 0 is in gloo (`since`), a follower stopped past the
     grace is killed: the wait fails at once, as a rank that is gone (the group is broken either
-    way). Checked once a second by a thread of its own (it holds no reference to the group)."""
+    way). Checked once a second by a thread of its own (it holds no reference to the group).
 
-    def __init__(self, procs: list[subprocess.Popen[bytes]]) -> None:
+    On GPUs (`abort`: the group's NCCL backend's abort) a follower that exited or stayed stopped
+    past the grace aborts NCCL at once, whenever it happens: NCCL's kernels wait for a gone peer
+    without end (until torch's watchdog takes the whole process down at the group's timeout),
+    where an aborted communicator fails the step that waits in it."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], abort: Callable[[], None] | None = None) -> None:
         self.procs = procs
         self.since: float | None = None  # when rank 0 entered its gloo wait (None: not in one)
         self.closed = False
+        self.abort = abort
         self._followers = _Followers(procs)
         threading.Thread(target=self._run, name="pdserve-tp-stopped-watch", daemon=True).start()
 
     def _run(self) -> None:
-        while not self.closed and any(p.poll() is None for p in self.procs):
+        while not self.closed:
             time.sleep(_STOP_CHECK_S)
             alive = self._followers.alive()  # (each call also times how long each has been stopped)
+            if self.abort is not None and not alive and not self.closed:
+                log.warning("tensor parallel: a rank exited or stayed stopped past %g s: NCCL aborted (the step "
+                            "fails)", STOPPED_GRACE_S)
+                self.abort()
+                return
+            if not any(p.poll() is None for p in self.procs):
+                return
             if self.since is not None and not alive:
                 for p in self.procs:
                     if p.poll() is None and _stopped(p.pid):
                         log.warning("tensor parallel: rank pid %d stopped for over %g s while rank 0 waits on it: "
                                     "killed (the step fails)", p.pid, STOPPED_GRACE_S)
                         p.kill()
+
+
+def _abort_nccl() -> None:
+    """Abort the default group's NCCL communicators: the collectives waiting in them fail."""
+    try:
+        dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda")).abort()
+    except Exception as e:  # noqa: BLE001 - the group is broken either way; the step fails at the timeout
+        log.warning("tensor parallel: aborting NCCL failed: %r", e)
 
 
 def _stopped(pid: int) -> bool:

@@ -398,7 +398,25 @@ def _fake_actors(monkeypatch: pytest.MonkeyPatch, gpus: float = 2.0) -> tuple[li
         monkeypatch.setattr(ray_actors, cls, type(cls, (), {"options": staticmethod(make)}))
     monkeypatch.setattr(worker_start.ray, "kill", lambda handle, **kwargs: None)
     monkeypatch.setattr(worker_start.ray, "cluster_resources", lambda: {"CPU": 16.0, "GPU": gpus})
+    # One node of them all, and a dead one with more (it places nothing).
+    monkeypatch.setattr(worker_start.ray, "nodes", lambda: [{"Alive": True, "Resources": {"CPU": 16.0, "GPU": gpus}},
+                                                            {"Alive": False, "Resources": {"GPU": 64.0}}])
     return made, options
+
+
+def test_a_worker_of_more_ranks_than_a_node_has_gpus_is_refused_before_any_is_created(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eight GPUs on four nodes of two: a worker of four ranks fits no node (an actor lies on one),
+    and Ray would keep it pending until the start's deadline; refused by name instead."""
+    from pdserve.cluster.serve_config import serve_config
+
+    made, _ = _fake_actors(monkeypatch, gpus=8.0)
+    monkeypatch.setattr(worker_start.ray, "nodes", lambda: [{"Alive": True, "Resources": {"GPU": 2.0}}] * 4)
+    cfg = serve_config({"model": "/models/x", "decode_tp": 4}).fit_to_cluster(lambda: 8.0)
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size: a decode worker of 4 ranks needs 4 GPUs on one "
+                                         r"node, and no node of this Ray cluster has more than 2$"):
+        worker_start.create_workers(cfg)
+    assert made == []
 
 
 def test_a_worker_that_dies_starting_and_is_not_restarted_ends_the_start_in_one_line(

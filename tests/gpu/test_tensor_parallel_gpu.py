@@ -78,8 +78,9 @@ def test_two_gpu_ranks_give_one_ranks_tokens(spec: TinyModelSpec, eager: bool,
 
 
 def test_two_gpu_ranks_plan_their_pool_from_measured_memory(make_model: Callable[[TinyModelSpec], Path]) -> None:
-    """No pool size given: every rank runs the profile steps on its GPU, the tightest plans; the
-    pool holds half the heads a block, so at least as many blocks as one rank's plan."""
+    """No pool size given: every rank runs the profile steps on its GPU, the tightest plans (each
+    plan is logged); the pool holds half the heads a block, so at least as many
+    blocks as one rank's plan, and serves one rank's tokens."""
     model_dir = make_model(GQA)
     one = _llm(model_dir, 1, num_kv_blocks=None, gpu_memory_utilization=0.3, enforce_eager=True)
     blocks_one = one.engine.num_kv_blocks
@@ -96,11 +97,14 @@ def test_kv_between_gpu_workers_of_different_sizes(p_tp: int, d_tp: int,
                                                    make_model: Callable[[TinyModelSpec], Path]) -> None:
     """P TP=p -> D TP=d in one process (the one-rank engine shares cuda:0 with the other's rank 0):
     the followers' caches opened over CUDA IPC, re-sharded by head; one rank's greedy tokens, and
-    no block left on either side."""
+    no block left on either side. Prompts of several chunks (steps that sample nothing, after
+    which only stream order keeps a follower's KV writes ahead of the sender's reads), handed off
+    at once (blocks that are not in a row)."""
     model_dir = make_model(QWEN2_ONE_KV)
     ps = _prompts(1000)
     want = _llm(model_dir, 1, enforce_eager=True).generate(ps, GREEDY)
-    p_engine, d_engine = _llm(model_dir, p_tp).engine, _llm(model_dir, d_tp).engine
+    p_engine = _llm(model_dir, p_tp, max_num_batched_tokens=32).engine
+    d_engine = _llm(model_dir, d_tp, max_num_batched_tokens=32).engine
     sharded = p_engine if p_tp > 1 else d_engine
     assert isinstance(sharded.transfer_kv, ShardedKV)
     assert [c[0][0].device.index for c in sharded.transfer_kv.ranks] == [0, 1]

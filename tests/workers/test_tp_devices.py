@@ -9,7 +9,12 @@ import collections
 import dataclasses
 import datetime
 import functools
+import os
+import signal
 import subprocess
+import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -153,6 +158,35 @@ def test_a_gpu_ranks_cache_is_shared_as_its_one_allocation() -> None:
     with pytest.raises(ValueError, match="not one allocation"):
         cuda_ipc.whole(caches[:2])
     assert cuda_ipc.ipc_key(1) != cuda_ipc.ipc_key(2) != tp_group.joining_key(2)
+
+
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_gone_or_stopped_follower_aborts_nccl_at_once(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On GPUs a collective waits in NCCL for a gone peer without end (until torch's watchdog ends
+    the process): the watch aborts NCCL as soon as a follower exited or stayed stopped past the
+    grace, whether or not rank 0 waits in gloo; a closed group (a normal stop) is not aborted."""
+    monkeypatch.setattr(tp_group, "STOPPED_GRACE_S", 0.5)
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    aborted, quiet = threading.Event(), threading.Event()
+    watch = tp_group._StoppedWatch([procs[0]], abort=aborted.set)
+    closed = tp_group._StoppedWatch([procs[1]], abort=quiet.set)
+    try:
+        time.sleep(1.2)
+        assert not aborted.is_set()
+        closed.closed = True
+        for p in procs:
+            if how == "killed":
+                p.kill()
+            else:
+                os.kill(p.pid, signal.SIGSTOP)
+        assert aborted.wait(5)
+        time.sleep(1.5)
+        assert not quiet.is_set()
+    finally:
+        watch.closed = closed.closed = True
+        for p in procs:
+            p.kill()
+            p.wait(10)
 
 
 def test_the_pool_is_planned_from_the_rank_that_has_least_room() -> None:

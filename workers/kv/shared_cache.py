@@ -118,6 +118,12 @@ class ShardedKV:
     def gather_into(self, layer: int, block_ids: Sequence[int], k_out: torch.Tensor, v_out: torch.Tensor) -> None:
         """K and V of `block_ids` of `layer`, full heads, into `k_out`/`v_out` ([n, bs, heads, hd])."""
         idx = _index(block_ids)
+        own = self.ranks[0][0][0].device
+        if own.type == "cuda" and any(self.ranks[r][0][0].device != own for r in self._owners()):
+            # Another GPU's blocks: their writes (the follower's step) are ordered before rank 0's
+            # step's end, which this thread's stream has waited for (the handoff's `written`
+            # event), but no stream of this process on that GPU has: wait on the host here.
+            torch.cuda.current_stream(own).synchronize()
         for r in self._owners():
             first, n = self.heads[r]
             for cache, out in zip(self.ranks[r][layer], (k_out, v_out), strict=True):
@@ -127,8 +133,8 @@ class ShardedKV:
     def scatter_from(self, layer: int, block_ids: Sequence[int], k: np.ndarray, v: np.ndarray) -> None:
         """Write full-head K and V bytes (uint8 [n, bs, heads, hd * itemsize]: a received frame, read
         only) into `block_ids` of `layer` on every rank (numpy for host caches: it copies from a
-        read-only buffer). GPU ranks' copies are waited for here: the other ranks are processes of
-        their own, which no stream event of this one orders."""
+        read-only buffer). Copies to the other ranks' GPUs are waited for here: those ranks are
+        processes of their own, which no stream event of this one orders."""
         idx = _index(block_ids)
         rows = idx if isinstance(idx, slice) else idx.numpy()
         devices: set[torch.device] = set()
@@ -145,7 +151,8 @@ class ShardedKV:
                 else:
                     dst.index_copy_(0, idx.to(cache.device), t)
                 devices.add(cache.device)
-        for device in devices:
+        # Rank 0's own copies are ordered like a one-rank engine's (the caller's stream events).
+        for device in devices - {self.ranks[0][0][0].device}:
             torch.cuda.synchronize(device)
 
 
