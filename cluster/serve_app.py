@@ -152,6 +152,11 @@ def cluster_gpus() -> float:
     return float(ray.cluster_resources().get("GPU", 0))
 
 
+def node_gpus() -> list[float]:
+    """GPUs of each live node of the Ray cluster now (a tensor-parallel worker's lie on one)."""
+    return [float(n.get("Resources", {}).get("GPU", 0)) for n in ray.nodes() if n.get("Alive")]
+
+
 def build_gateway_app(cfg: ServeConfig) -> Any:
     """Runs on the gateway replica: tokenizer, backend over the named workers, routes."""
     from transformers import AutoTokenizer
@@ -379,7 +384,7 @@ def _start_and_serve(cfg: ServeConfig, block: bool, local: bool) -> ServeConfig:
               "it (set PDSERVE_API_KEY or --api-key-file; docs/security.md)", file=sys.stderr, flush=True)
     init_ray(cfg)
     drain_flag.lower_flag(cfg.port)  # an earlier run's stop, on a Ray cluster that outlived it
-    cfg = cfg.fit_to_cluster(cluster_gpus)
+    cfg = cfg.fit_to_cluster(cluster_gpus, node_gpus)
     workers = create_workers(cfg)
     sent = False  # the gateway app, to Serve
     try:
@@ -568,7 +573,7 @@ def remove_run_files(cfg: ServeConfig) -> None:
 
 
 def shutdown(cfg: ServeConfig) -> None:
-    cfg = cfg.fit_to_cluster(cluster_gpus)  # the same count `run` decided on this cluster
+    cfg = cfg.fit_to_cluster(cluster_gpus, node_gpus)  # the same count `run` decided on this cluster
     serve.shutdown()
     for name in cfg.worker_names():
         try:

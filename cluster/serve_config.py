@@ -16,7 +16,7 @@ import dataclasses
 import enum
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import field
 from typing import Annotated, Any, Literal
 
@@ -449,19 +449,24 @@ class ServeConfig:
             return self.max_prefill_backlog_tokens
         return 0 if gpus and self.engine.device != "cpu" else CPU_PREFILL_BACKLOG_TOKENS
 
-    def fit_to_cluster(self, cluster_gpus: Callable[[], float]) -> ServeConfig:
+    def fit_to_cluster(self, cluster_gpus: Callable[[], float],
+                       node_gpus: Callable[[], Sequence[float]] | None = None) -> ServeConfig:
         """This config with what was left to the cluster decided (`cluster_gpus()` is asked
-        only then): colocated workers, one per GPU (per `tensor_parallel_size` GPUs), or one on a
-        CPU-only cluster; gateway replicas, one per GPUS_PER_GATEWAY GPUs the workers hold, or one
-        on a CPU-only cluster. CPU workers (`device: cpu`) hold no GPU (cluster/placement.py): they
-        count as on a CPU-only cluster."""
+        only then): colocated workers, one per GPU, or one on a CPU-only cluster; gateway
+        replicas, one per GPUS_PER_GATEWAY GPUs the workers hold, or one on a CPU-only cluster.
+        CPU workers (`device: cpu`) hold no GPU (cluster/placement.py): they count as on a
+        CPU-only cluster. A worker of N tensor-parallel ranks holds N GPUs of one node: one per N
+        of each node's GPUs (`node_gpus()`, the live nodes'; without it, of all the cluster's)."""
         if self.engine.device == "cpu":
             cluster_gpus = _no_gpus
         fitted = self
         gpus: float | None = None
         if self.mode is ServingMode.COLOCATED and self.num_colocated is None:
             gpus = cluster_gpus()
-            fitted = dataclasses.replace(fitted, num_colocated=max(1, int(gpus) // self.pool_tp("worker")))
+            tp = self.pool_tp("worker")
+            fits = (sum(int(g) // tp for g in node_gpus()) if node_gpus is not None and gpus and tp > 1
+                    else int(gpus) // tp)
+            fitted = dataclasses.replace(fitted, num_colocated=max(1, fits))
         if self.gateway_replicas is None:
             gpus = cluster_gpus() if gpus is None else gpus
             held = min(fitted.worker_gpus(), int(gpus))

@@ -36,7 +36,7 @@ from typing import Any
 
 from ray import serve
 
-from pdserve.cluster.serve_app import cluster_gpus, gateway_app
+from pdserve.cluster.serve_app import cluster_gpus, gateway_app, node_gpus
 from pdserve.cluster.serve_config import ENGINE_SETTINGS, SERVE_SETTINGS, ServeConfig, serve_config
 from pdserve.cluster.worker_start import NAMESPACE, start_workers
 
@@ -119,7 +119,7 @@ def app(args: dict[str, Any]) -> serve.Application:
         _wait_for_gpus(parsed.wait_for_gpus_s)
     # A colocated count left to the cluster is decided once, here: the workers and the
     # gateway (which finds them by name) must agree on it.
-    parsed = dataclasses.replace(parsed, config=parsed.config.fit_to_cluster(cluster_gpus))
+    parsed = dataclasses.replace(parsed, config=parsed.config.fit_to_cluster(cluster_gpus, node_gpus))
     _replace_workers(parsed)
     return gateway_app(parsed.config)
 

@@ -356,6 +356,18 @@ def test_disaggregated_workers_ask_ray_for_a_gpu_a_rank_of_their_pool(
     assert all("num_gpus" not in o for o in options)
 
 
+def test_colocated_workers_of_n_ranks_are_fitted_node_by_node() -> None:
+    """Six GPUs on two nodes of three: workers of two ranks fit one a node (a worker's ranks lie on
+    one node), not three; one rank a worker, six; without the nodes, the cluster's GPUs over N."""
+    from pdserve.cluster.serve_config import serve_config
+
+    def fit(tp: int, nodes: list[float] | None) -> int:
+        cfg = serve_config({"model": "/models/x", "mode": "colocated", "tensor_parallel_size": tp})
+        return cfg.fit_to_cluster(lambda: 6.0, (lambda: nodes) if nodes is not None else None).num_workers
+
+    assert (fit(2, [3.0, 3.0]), fit(1, [3.0, 3.0]), fit(2, None), fit(4, [3.0, 3.0])) == (2, 6, 3, 1)
+
+
 @pytest.mark.parametrize(("tp", "gpus", "workers"), [(2, 2, 1), (2, 8, 4), (4, 8, 2), (1, 2, 2)])
 def test_a_colocated_worker_of_n_ranks_asks_ray_for_n_gpus(
         monkeypatch: pytest.MonkeyPatch, tp: int, gpus: int, workers: int) -> None:
