@@ -128,9 +128,8 @@ class LLMEngine:
         # The draft's weights and its KV (per block) count before the pool is sized.
         draft = setup.load_draft(config, self.model_config, self.dtype, self.device, backend, self.max_model_len,
                                  self.tokenizer)
-        memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len)
-        if memory is not None and self.tp_group is not None:  # each rank measured its own device
-            memory = self.tp_group.tightest_memory(memory, config.gpu_memory_utilization)
+        memory = setup.measure_memory(config, probe, self.model, draft, self.dtype, self.device, self.max_model_len,
+                                      self.tp_group)
         self.num_kv_blocks, self.max_model_len = setup.plan_kv(
             config, self.model_config, self.dtype, self.device, self.max_model_len,
             draft=draft.config if draft is not None else None, memory=memory)

@@ -90,14 +90,16 @@ def measures_memory(config: EngineConfig, probe: MemoryProbe | None) -> bool:
 
 def measure_memory(config: EngineConfig, probe: MemoryProbe | None, model: LlamaForCausalLM,
                    draft: LlamaForCausalLM | None, dtype: torch.dtype, device: torch.device,
-                   max_model_len: int) -> DeviceMemory | None:
-    """What `plan_kv` sizes a GPU's KV pool from: measured after loading (workers/memory_plan.py).
-    None when nothing needs measuring (CPU, or the pool's size is given)."""
+                   max_model_len: int, tp_group: TPGroup | None = None) -> DeviceMemory | None:
+    """What `plan_kv` sizes a GPU's KV pool from: measured after loading (workers/memory_plan.py);
+    with tensor-parallel ranks, the tightest of every rank's own measure. None when nothing needs
+    measuring (CPU, or the pool's size is given)."""
     if not measures_memory(config, probe):
         return None
     assert probe is not None
     log(config, "profiling a step of max_num_batched_tokens to size the KV cache")
-    return memory_plan.measure(config, probe, model, draft, dtype, device, max_model_len)
+    memory = memory_plan.measure(config, probe, model, draft, dtype, device, max_model_len)
+    return memory if tp_group is None else tp_group.tightest_memory(memory, config.gpu_memory_utilization)
 
 
 def resolve_model_dtype(dtype: DType, cfg: ModelConfig, device: torch.device) -> torch.dtype:

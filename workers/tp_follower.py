@@ -89,6 +89,34 @@ def stage_step(b: InputBuffers, s: StepInputs) -> HostStep:
     return HostStep(t, n, s.num_decode, s.logit_rows, [], max_rows)
 
 
+def follow_steps(runner: ModelRunner, rank: int) -> None:
+    """Run each step rank 0 broadcasts, its forward (eager or the CUDA graph it names) and its
+    logits calls, until rank 0 says stop."""
+    first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
+    with torch.inference_mode():
+        while True:
+            dist.broadcast(first, 0)
+            if int(first[0]) == Op.STOP:
+                return
+            rest = None
+            if n := needs_second(first):
+                rest = torch.empty(n, dtype=torch.int64)
+                dist.broadcast(rest, 0)
+            s = unpack_step(first, rest)
+            bucket = None
+            if s.graph is not None:
+                if runner.graphs is None:
+                    raise RuntimeError(f"tensor parallel: rank 0 replays a CUDA graph, rank {rank} has none")
+                bucket = runner.graphs.bucket(*s.graph)
+            step = stage_step(runner.buf, s)
+            # Staged with the step's inputs (pinned on a GPU): no host sync between the forward
+            # pass and the logits' gather, as on rank 0.
+            idx = runner.buf.logits_indices.to_device(s.logits_indices.numel())
+            hidden = runner.forward_step(step, bucket)
+            for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
+                runner.model.compute_logits(hidden[idx[lo:hi]])
+
+
 def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
     shm = None
     if spec.shm_path is not None:  # mapped before joining: rank 0 unlinks the file once all joined
@@ -144,29 +172,7 @@ def run(spec: FollowerSpec, rank: int, size: int, store_port: int) -> None:
         if runner.graphs is None:
             raise RuntimeError(f"tensor parallel: rank 0 replays CUDA graphs, and rank {rank} on {device} "
                                "captured none")
-    first = torch.zeros(HEADER + INLINE, dtype=torch.int64)
-    with torch.inference_mode():
-        while True:
-            dist.broadcast(first, 0)
-            if int(first[0]) == Op.STOP:
-                break
-            rest = None
-            if n := needs_second(first):
-                rest = torch.empty(n, dtype=torch.int64)
-                dist.broadcast(rest, 0)
-            s = unpack_step(first, rest)
-            bucket = None
-            if s.graph is not None:
-                if runner.graphs is None:
-                    raise RuntimeError(f"tensor parallel: rank 0 replays a CUDA graph, rank {rank} has none")
-                bucket = runner.graphs.bucket(*s.graph)
-            step = stage_step(runner.buf, s)
-            # Staged with the step's inputs (pinned on a GPU): no host sync between the forward
-            # pass and the logits' gather, as on rank 0.
-            idx = runner.buf.logits_indices.to_device(s.logits_indices.numel())
-            hidden = runner.forward_step(step, bucket)
-            for lo, hi in logit_calls(s.logit_rows, s.prompt_counts, SCORE_ROWS):
-                model.compute_logits(hidden[idx[lo:hi]])
+    follow_steps(runner, rank)
     dist.destroy_process_group()
 
 
